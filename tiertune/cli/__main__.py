@@ -1,0 +1,3 @@
+from tiertune.cli.app import main
+
+main()

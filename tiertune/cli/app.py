@@ -1,0 +1,127 @@
+"""``tiertune`` commands. Each is a thin layer over the Python API; usage errors exit with code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+from importlib import metadata
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from tiertune.units import format_size
+
+app = typer.Typer(
+    name="tiertune",
+    help="Fine-tune language models far larger than GPU memory: GPU, host memory and NVMe as one.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+@app.callback()
+def _root() -> None:
+    """Fine-tune language models far larger than GPU memory: GPU, host memory and NVMe as one."""
+
+
+_PACKAGES = ("tiertune", "torch", "bitsandbytes", "peft", "transformers", "accelerate", "safetensors")
+
+
+def environment(disk_path: Path | None = None) -> dict[str, Any]:
+    """What tiertune sees of this machine: package versions, compute devices, RAM, GPU memory, and the
+    free space and O_DIRECT support of ``disk_path``. Initializes CUDA if a GPU is present."""
+    import psutil
+    import torch
+
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(i)
+            gpus.append(
+                {"index": i, "name": torch.cuda.get_device_name(i), "total_bytes": total, "free_bytes": free}
+            )
+    mem = psutil.virtual_memory()
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": versions,
+        "cpu_count": os.cpu_count(),
+        "compute_device": "cuda" if gpus else "cpu",
+        "gpus": gpus,
+        "ram_total_bytes": mem.total,
+        "ram_available_bytes": mem.available,
+    }
+    if disk_path is not None:
+        from tiertune.offload.disk import supports_o_direct
+
+        info["disk"] = {
+            "path": str(disk_path.resolve()),
+            "free_bytes": shutil.disk_usage(disk_path).free,
+            "o_direct": supports_o_direct(disk_path),
+        }
+    return info
+
+
+@app.command()
+def env(
+    disk_path: Annotated[
+        Path | None,
+        typer.Option(help="Directory the disk tier would use: report its free space and O_DIRECT support."),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object instead of a table.")
+    ] = False,
+) -> None:
+    """Show versions, compute devices, memory and disk facts that decide what fits.
+
+    Example: tiertune env --disk-path /mnt/nvme/tiertune
+    """
+    if disk_path is not None and not disk_path.is_dir():
+        raise typer.BadParameter(f"{disk_path} is not an existing directory", param_hint="--disk-path")
+    info = environment(disk_path)
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    rows = [("python", info["python"]), ("platform", info["platform"])]
+    rows += [(name, version or "not installed") for name, version in info["packages"].items()]
+    rows.append(("cpus", str(info["cpu_count"])))
+    rows.append(
+        (
+            "ram",
+            f"{format_size(info['ram_available_bytes'])} available of {format_size(info['ram_total_bytes'])}",
+        )
+    )
+    rows.append(("compute device", info["compute_device"]))
+    for gpu in info["gpus"]:
+        rows.append(
+            (
+                f"gpu {gpu['index']}",
+                f"{gpu['name']}, {format_size(gpu['free_bytes'])} free of {format_size(gpu['total_bytes'])}",
+            )
+        )
+    if "disk" in info:
+        disk = info["disk"]
+        rows.append(("disk path", disk["path"]))
+        rows.append(("disk free", format_size(disk["free_bytes"])))
+        rows.append(("O_DIRECT", "yes" if disk["o_direct"] else "no (buffered I/O fallback)"))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        typer.echo(f"{key:<{width}}  {value}")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

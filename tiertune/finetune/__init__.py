@@ -1,0 +1,1 @@
+"""tiertune.finetune: see DESIGN.md; lands with its issue."""

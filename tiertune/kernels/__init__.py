@@ -1,0 +1,1 @@
+"""tiertune.kernels: see DESIGN.md; lands with its issue."""

@@ -1,0 +1,186 @@
+"""The asynchronous I/O engine: non-blocking disk reads/writes and host<->device copies, returning handles.
+
+Disk I/O: a pool of ``queue_depth`` threads, each issuing one ``os.preadv``/``os.pwritev`` of at most
+``block_size`` bytes at a time, so ``queue_depth`` requests are in flight, like an io_uring/libaio queue of
+that depth. Python releases the GIL inside those calls and inside xxh3 hashing, so the threads overlap.
+
+Copies: one thread per direction (host->device, device->host). With CUDA each issues its copies on its own
+stream and waits on an event, so copies overlap compute on the default stream; without CUDA the copy is a
+plain memcpy on that thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from tiertune.errors import ConfigError, StateError
+from tiertune.offload.chunk import ALIGN
+
+
+class IOHandle:
+    """A transfer in flight, made of one or more parts. ``wait()`` blocks until all are done.
+
+    Callbacks added with ``add_done_callback`` run once, on the thread that finished the last part
+    (or at once if already done); they must not block.
+    """
+
+    def __init__(self, label: str, parts: int = 0) -> None:
+        self.label = label
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._remaining = parts
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[IOHandle], None]] = []
+        if parts == 0:
+            self._event.set()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done; re-raise the first error of any part."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"{self.label}: not done after {timeout}s")
+        if self._error is not None:
+            raise self._error
+
+    def add_done_callback(self, fn: Callable[[IOHandle], None]) -> None:
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _part_done(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            self._remaining -= 1
+            if self._remaining > 0:
+                return
+            callbacks, self._callbacks = self._callbacks, []
+            self._event.set()
+        for fn in callbacks:
+            fn(self)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return f"IOHandle({self.label!r}, {state})"
+
+
+def buffer_of(tensor: torch.Tensor) -> memoryview:
+    """A writable, zero-copy memoryview of a contiguous CPU tensor's bytes (for preadv/pwritev)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise StateError("disk I/O needs a contiguous CPU buffer")
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+class AsyncIO:
+    """Runs block-sized disk requests ``queue_depth`` at a time and copies on per-direction threads."""
+
+    def __init__(self, queue_depth: int = 16, block_size: int = 1 << 20) -> None:
+        if queue_depth < 1:
+            raise ConfigError(f"queue_depth must be >= 1, got {queue_depth}")
+        if block_size < ALIGN or block_size % ALIGN:
+            raise ConfigError(f"block_size must be a positive multiple of {ALIGN} bytes, got {block_size}")
+        self.queue_depth = queue_depth
+        self.block_size = block_size
+        self._disk = ThreadPoolExecutor(queue_depth, thread_name_prefix="tiertune-aio")
+        self._h2d = ThreadPoolExecutor(1, thread_name_prefix="tiertune-h2d")
+        self._d2h = ThreadPoolExecutor(1, thread_name_prefix="tiertune-d2h")
+        self._streams: dict[str, torch.cuda.Stream] = {}
+        self._closed = False
+
+    def run(self, label: str, tasks: list[Callable[[], None]]) -> IOHandle:
+        """Run ``tasks`` (each one block request) on the disk queue; the handle completes when all have."""
+        self._check_open()
+        handle = IOHandle(label, len(tasks))
+        for task in tasks:
+            self._disk.submit(_run_part, handle, task)
+        return handle
+
+    def then(self, first: IOHandle, label: str, tasks: Callable[[], list[Callable[[], None]]]) -> IOHandle:
+        """A handle for ``tasks()`` run on the disk queue once ``first`` succeeded (e.g. a header write)."""
+        outer = IOHandle(label, 1)
+
+        def next_step(done: IOHandle) -> None:
+            if done.error is not None:
+                outer._part_done(done.error)
+                return
+            try:
+                second = self.run(label, tasks())
+            except BaseException as exc:
+                outer._part_done(exc)
+                return
+            second.add_done_callback(lambda h: outer._part_done(h.error))
+
+        first.add_done_callback(next_step)
+        return outer
+
+    def blocks(self, nbytes: int) -> list[tuple[int, int]]:
+        """Split ``nbytes`` into [start, end) ranges of at most ``block_size``."""
+        return [(a, min(a + self.block_size, nbytes)) for a in range(0, nbytes, self.block_size)]
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, label: str) -> IOHandle:
+        """Copy ``src`` into ``dst`` off the caller's thread (and, with CUDA, off its stream)."""
+        self._check_open()
+        to_device = dst.device.type != "cpu"
+        executor = self._h2d if to_device else self._d2h
+        cuda = dst.device.type == "cuda" or src.device.type == "cuda"
+        after = None
+        if cuda and src.device.type == "cuda":
+            # the compute stream may still be writing src: the copy stream must wait for it
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(src.device))
+        handle = IOHandle(label, 1)
+        key = "h2d" if to_device else "d2h"
+
+        def do_copy() -> None:
+            if not cuda:
+                dst.copy_(src)
+                return
+            device = dst.device if to_device else src.device
+            stream = self._streams.get(key)
+            if stream is None:
+                stream = self._streams[key] = torch.cuda.Stream(device)
+            with torch.cuda.stream(stream):
+                if after is not None:
+                    stream.wait_event(after)
+                dst.copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            done.synchronize()
+
+        executor.submit(_run_part, handle, do_copy)
+        return handle
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError("the I/O engine is closed")
+
+    def close(self) -> None:
+        """Finish what is queued and stop the threads."""
+        if self._closed:
+            return
+        self._closed = True
+        for pool in (self._disk, self._h2d, self._d2h):
+            pool.shutdown(wait=True)
+
+
+def _run_part(handle: IOHandle, task: Callable[[], None]) -> None:
+    try:
+        task()
+    except BaseException as exc:
+        handle._part_done(exc)
+    else:
+        handle._part_done(None)

@@ -1,0 +1,350 @@
+"""The disk tier: one slot file per store in a directory on NVMe, read and written with O_DIRECT.
+
+Layout. A store owns one file, ``tiertune-store-<id>.slots``. Its first ``ALIGN`` bytes say whose file it
+is; after that each chunk homed on disk owns a slot for the store's life: an aligned header (magic,
+chunk id, payload length, block size and one xxh3-64 checksum per block, itself checksummed), then the
+payload. Slots come from an ``Arena`` whose capacity is the disk budget, and the file grows with
+``posix_fallocate`` as slots are handed out, so a full disk is found when a chunk is placed, not halfway
+through a write.
+
+Why one file rather than a file per chunk: the two measure the same under O_DIRECT (both are large aligned
+requests to preallocated extents), but one file needs one descriptor (a 100B model has thousands of chunks,
+past the usual open-file limit), one lock that marks the store alive, and it fails early on ENOSPC.
+
+Integrity. A write hashes each block before writing it and writes the header last. A read checks every
+block's length and hash against the checksums the store kept in memory and against the header, so a short,
+stale or corrupt read raises ``IntegrityError`` and never returns garbage.
+
+Crashes. A live store holds an exclusive ``flock`` on its file. On start, files of this naming pattern in
+the same directory whose lock can be taken belong to dead processes and are removed; nothing else in the
+directory is touched. ``close`` removes the store's own file.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import struct
+import uuid
+import warnings
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import xxhash
+
+from tiertune.errors import BudgetError, DiskFullError, IntegrityError, StorageError
+from tiertune.offload.aio import AsyncIO, IOHandle, buffer_of
+from tiertune.offload.chunk import ALIGN, Chunk
+from tiertune.offload.tiers import Arena, aligned_empty
+from tiertune.units import format_size, round_up
+
+log = logging.getLogger("tiertune.offload")
+
+PREFIX = "tiertune-store-"
+SUFFIX = ".slots"
+TMP_PREFIX = ".tiertune-store-"
+TMP_SUFFIX = ".tmp"
+FILE_MAGIC = b"TTSTORE1"
+CHUNK_MAGIC = b"TTCHUNK1"
+_HEADER = struct.Struct(
+    "<8sIIQQIIQ"
+)  # magic, version, reserved, chunk id, length, block size, n_blocks, hash
+_VERSION = 1
+_HINT = "set offload.disk_path to a writable directory on a local NVMe drive"
+
+
+@dataclass(frozen=True)
+class DiskSlot:
+    """Where a chunk lives in the slot file: header at ``offset``, payload right after it."""
+
+    offset: int
+    header_size: int
+    capacity: int
+
+    @property
+    def payload_offset(self) -> int:
+        return self.offset + self.header_size
+
+
+def supports_o_direct(directory: str | os.PathLike[str]) -> bool:
+    """Whether files in ``directory`` accept O_DIRECT opens and aligned I/O (tmpfs, for one, does not)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    path = Path(directory) / f"{TMP_PREFIX}probe-{uuid.uuid4().hex}{TMP_SUFFIX}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    try:
+        buf = aligned_empty(ALIGN, _CPU)
+        buf.fill_(0)
+        os.pwritev(fd, [buffer_of(buf)], 0)
+        return os.preadv(fd, [buffer_of(buf)], 0) == ALIGN
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+def clean_stale(directory: str | os.PathLike[str]) -> list[Path]:
+    """Remove slot files in ``directory`` left behind by crashed stores; returns what was removed.
+
+    Only files named like a store's (``tiertune-store-*.slots`` and their temporary names) whose lock is
+    free are removed: a lock held means a live store owns the file.
+    """
+    removed = []
+    for entry in Path(directory).iterdir():
+        name = entry.name
+        ours = (name.startswith(PREFIX) and name.endswith(SUFFIX)) or (
+            name.startswith(TMP_PREFIX) and name.endswith(TMP_SUFFIX)
+        )
+        if not ours or not entry.is_file() or entry.is_symlink():
+            continue
+        try:
+            fd = os.open(entry, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live store
+        else:
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+        finally:
+            os.close(fd)
+    if removed:
+        log.warning("removed %d stale slot file(s) of crashed runs in %s", len(removed), directory)
+    return removed
+
+
+class DiskTier:
+    """A store's slot file: reserves slots within the disk budget and moves chunks through ``AsyncIO``."""
+
+    def __init__(
+        self, directory: str | os.PathLike[str], budget: int, aio: AsyncIO, direct: bool | None = None
+    ) -> None:
+        self.directory = Path(directory).expanduser().resolve()
+        self.aio = aio
+        _prepare_directory(self.directory)
+        clean_stale(self.directory)
+        if direct is None:
+            direct = supports_o_direct(self.directory)
+            if not direct:
+                warnings.warn(
+                    f"O_DIRECT is not supported in {self.directory} (tmpfs or a network filesystem?); "
+                    "falling back to buffered I/O, which goes through the page cache",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        self.direct = direct
+        self.path = self.directory / f"{PREFIX}{uuid.uuid4().hex[:16]}{SUFFIX}"
+        self.fd = self._create()
+        self.arena = Arena(budget)
+        self._allocated = ALIGN  # bytes of the file backed by fallocate
+
+    @property
+    def budget(self) -> int:
+        return self.arena.capacity
+
+    def _create(self) -> int:
+        # Create under a name clean_stale ignores until locked, so another store's start-up scan cannot
+        # mistake the new file for a stale one.
+        tmp = self.directory / f"{TMP_PREFIX}{uuid.uuid4().hex}{TMP_SUFFIX}"
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except OSError as exc:
+            raise StorageError(
+                f"cannot create a slot file in {self.directory}: {exc.strerror}; {_HINT}"
+            ) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(tmp, self.path)
+            mark = aligned_empty(ALIGN, _CPU)
+            mark.zero_()
+            text = FILE_MAGIC + f" pid={os.getpid()}\n".encode()
+            buffer_of(mark)[: len(text)] = text
+            _pwrite_all(fd, buffer_of(mark), 0, self.path)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            self.path.unlink(missing_ok=True)
+            raise
+        return fd
+
+    def reserve(self, chunk: Chunk, block_size: int) -> DiskSlot:
+        """A slot for ``chunk`` for the store's life; raises BudgetError or DiskFullError if none fits."""
+        n_blocks = -(-chunk.capacity // block_size)
+        header_size = round_up(_HEADER.size + 8 * n_blocks, ALIGN)
+        total = header_size + chunk.capacity
+        offset = self.arena.alloc(total)
+        if offset is None:
+            raise BudgetError(
+                "disk",
+                total,
+                self.arena.largest_free(),
+                "offload.disk_budget",
+                f"placing chunk {chunk.name!r}",
+            )
+        offset += ALIGN  # the file's own header
+        end = offset + total
+        if end > self._allocated:
+            try:
+                os.posix_fallocate(self.fd, self._allocated, end - self._allocated)
+            except OSError as exc:
+                self.arena.free(offset - ALIGN)
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    free = shutil.disk_usage(self.directory).free
+                    raise DiskFullError(
+                        f"disk tier: no space in {self.directory} for chunk {chunk.name!r} "
+                        f"({format_size(total)} needed, {format_size(free)} free); free space there, "
+                        f"lower offload.disk_budget, or {_HINT}"
+                    ) from exc
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise StorageError(f"cannot grow {self.path}: {exc.strerror}") from exc
+            self._allocated = max(self._allocated, end)
+        return DiskSlot(offset, header_size, chunk.capacity)
+
+    def release(self, slot: DiskSlot) -> None:
+        self.arena.free(slot.offset - ALIGN)
+
+    def write(self, chunk: Chunk, slot: DiskSlot, src: object) -> tuple[IOHandle, list[int]]:
+        """Write the host buffer ``src`` (uint8, ``capacity`` bytes) to ``slot``: blocks, then the header.
+
+        Returns the handle and the list the per-block checksums land in (complete once the handle is).
+        """
+        view = buffer_of(src)  # type: ignore[arg-type]
+        ranges = self.aio.blocks(slot.capacity)
+        sums = [0] * len(ranges)
+        base = slot.payload_offset
+
+        def write_block(k: int, a: int, b: int) -> None:
+            sums[k] = xxhash.xxh3_64_intdigest(view[a:b])
+            _pwrite_all(self.fd, view[a:b], base + a, self.path)
+
+        def header_tasks() -> list:
+            def write_header() -> None:
+                header = aligned_empty(slot.header_size, _CPU)
+                header.zero_()
+                buffer_of(header)[: _HEADER.size + 8 * len(sums)] = _encode_header(
+                    chunk.id, slot, self.aio.block_size, sums
+                )
+                _pwrite_all(self.fd, buffer_of(header), slot.offset, self.path)
+
+            return [write_header]
+
+        blocks = self.aio.run(
+            f"write {chunk.name}", [partial(write_block, k, a, b) for k, (a, b) in enumerate(ranges)]
+        )
+        return self.aio.then(blocks, f"write header {chunk.name}", header_tasks), sums
+
+    def read(self, chunk: Chunk, slot: DiskSlot, dst: object, expected: tuple[int, ...]) -> IOHandle:
+        """Read ``slot`` into the host buffer ``dst``, verifying lengths and checksums block by block."""
+        view = buffer_of(dst)  # type: ignore[arg-type]
+        ranges = self.aio.blocks(slot.capacity)
+        if len(expected) != len(ranges):
+            raise IntegrityError(f"chunk {chunk.name!r}: {len(expected)} checksums for {len(ranges)} blocks")
+        base = slot.payload_offset
+
+        def read_block(k: int, a: int, b: int) -> None:
+            _pread_all(self.fd, view[a:b], base + a, self.path, chunk.name)
+            if xxhash.xxh3_64_intdigest(view[a:b]) != expected[k]:
+                raise IntegrityError(
+                    f"chunk {chunk.name!r}: checksum mismatch in block {k} (bytes {a}-{b}) of {self.path}; "
+                    "the file was modified or the drive returned bad data"
+                )
+
+        def read_header() -> None:
+            header = aligned_empty(slot.header_size, _CPU)
+            _pread_all(self.fd, buffer_of(header), slot.offset, self.path, chunk.name)
+            _check_header(bytes(buffer_of(header)), chunk, slot, expected, self.path)
+
+        tasks = [partial(read_block, k, a, b) for k, (a, b) in enumerate(ranges)]
+        return self.aio.run(f"read {chunk.name}", [read_header, *tasks])
+
+    def close(self) -> None:
+        """Close and remove the slot file."""
+        if self.fd < 0:
+            return
+        os.close(self.fd)
+        self.fd = -1
+        self.path.unlink(missing_ok=True)
+
+
+_CPU = torch.device("cpu")
+
+
+def _prepare_directory(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StorageError(f"disk tier: cannot create {directory}: {exc.strerror}; {_HINT}") from exc
+    if not directory.is_dir():
+        raise StorageError(f"disk tier: {directory} is not a directory; {_HINT}")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise StorageError(f"disk tier: {directory} is not writable by this user; {_HINT}")
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    try:
+        n = os.pwritev(fd, [view], offset)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(
+                f"disk tier: {path.parent} is full (ENOSPC while writing {len(view)} bytes at offset {offset}); "
+                f"free space there, or {_HINT}"
+            ) from exc
+        raise StorageError(f"write to {path} at offset {offset} failed: {exc.strerror}") from exc
+    if n != len(view):
+        raise StorageError(f"short write to {path}: {n} of {len(view)} bytes at offset {offset}")
+
+
+def _pread_all(fd: int, view: memoryview, offset: int, path: Path, name: str) -> None:
+    try:
+        n = os.preadv(fd, [view], offset)
+    except OSError as exc:
+        raise StorageError(f"read of chunk {name!r} from {path} failed: {exc.strerror}") from exc
+    if n != len(view):
+        raise IntegrityError(
+            f"chunk {name!r}: short read from {path}: {n} of {len(view)} bytes at offset {offset} "
+            "(the file was truncated)"
+        )
+
+
+def _encode_header(chunk_id: int, slot: DiskSlot, block_size: int, sums: list[int]) -> bytes:
+    body = struct.pack(f"<{len(sums)}Q", *sums)
+    fields = (CHUNK_MAGIC, _VERSION, 0, chunk_id, slot.capacity, block_size, len(sums))
+    digest = xxhash.xxh3_64_intdigest(_HEADER.pack(*fields, 0) + body)
+    return _HEADER.pack(*fields, digest) + body
+
+
+def _check_header(raw: bytes, chunk: Chunk, slot: DiskSlot, expected: tuple[int, ...], path: Path) -> None:
+    magic, version, _, chunk_id, length, block_size, n_blocks, digest = _HEADER.unpack_from(raw)
+    body = raw[_HEADER.size : _HEADER.size + 8 * n_blocks] if n_blocks <= len(expected) else b""
+    fields = (magic, version, 0, chunk_id, length, block_size, n_blocks)
+    ok = (
+        magic == CHUNK_MAGIC
+        and version == _VERSION
+        and n_blocks == len(expected)
+        and xxhash.xxh3_64_intdigest(_HEADER.pack(*fields, 0) + body) == digest
+    )
+    if not ok:
+        raise IntegrityError(f"chunk {chunk.name!r}: corrupt header in {path} at offset {slot.offset}")
+    if chunk_id != chunk.id or length != slot.capacity:
+        raise IntegrityError(
+            f"chunk {chunk.name!r}: header in {path} names chunk {chunk_id} of {length} bytes, "
+            f"expected chunk {chunk.id} of {slot.capacity} bytes"
+        )
+    if struct.unpack(f"<{n_blocks}Q", body) != tuple(expected):
+        raise IntegrityError(f"chunk {chunk.name!r}: header checksums in {path} do not match the last write")

@@ -1,0 +1,136 @@
+"""The scheduler: learns the order in which chunks are used, then prefetches along it and evicts by it.
+
+Training repeats the same access order every step. During a warm-up step the scheduler *records* each
+access (chunk, tier); at the step boundary (``mark_step``) the recording becomes the trace and the
+scheduler *replays* it: it knows the next use of every chunk, so the store can prefetch the next chunks
+and evict the one used furthest in the future (Belady's optimal policy). Without a trace, eviction is
+least-recently-used and nothing is prefetched.
+
+If an access differs from the trace (a different model path, a skipped layer), the scheduler logs it
+once, drops the trace and records again from what this step has done so far; the next step boundary
+freezes the new order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from tiertune.offload.tiers import Tier
+
+log = logging.getLogger("tiertune.offload")
+
+
+class Access(NamedTuple):
+    chunk: int
+    tier: Tier
+
+
+class Scheduler:
+    """Records, replays and looks ahead along the per-step chunk access trace. Not thread-safe: the store
+    calls it under its lock."""
+
+    def __init__(self) -> None:
+        self.trace: tuple[Access, ...] | None = None
+        self.cursor = 0  # index in the trace of the next expected access
+        self.clock = 0  # accesses so far, for LRU
+        self.divergences = 0
+        self._recording: list[Access] = []
+        self._positions: dict[int, list[int]] = {}
+        self._tier_positions: dict[tuple[int, Tier], list[int]] = {}
+
+    @property
+    def replaying(self) -> bool:
+        return self.trace is not None
+
+    def on_access(self, chunk: int, tier: Tier) -> None:
+        """Note an access; checks it against the trace when replaying."""
+        self.clock += 1
+        access = Access(chunk, tier)
+        if self.trace is not None:
+            if self.cursor < len(self.trace) and self.trace[self.cursor] == access:
+                self.cursor += 1
+                return
+            self._diverge(access)
+        self._recording.append(access)
+
+    def mark_step(self) -> None:
+        """A step boundary: the first full recorded step becomes the trace; replay restarts at its head."""
+        if self.trace is None:
+            if self._recording:
+                self._freeze(self._recording)
+        elif self.cursor != len(self.trace):
+            self._diverge(None)
+            self._freeze(self._recording)
+        self._recording = []
+        self.cursor = 0
+
+    def _diverge(self, access: Access | None) -> None:
+        assert self.trace is not None
+        self.divergences += 1
+        expected = self.trace[self.cursor] if self.cursor < len(self.trace) else "the end of the step"
+        got = access if access is not None else "the end of the step"
+        level = logging.WARNING if self.divergences == 1 else logging.DEBUG
+        log.log(
+            level,
+            "chunk access order diverged from the recorded trace at position %d (expected %s, got %s); "
+            "re-recording the trace (eviction falls back to LRU and prefetching pauses until the next step)",
+            self.cursor,
+            expected,
+            got,
+        )
+        self._recording = list(self.trace[: self.cursor])
+        self.trace = None
+        self._positions.clear()
+        self._tier_positions.clear()
+
+    def _freeze(self, accesses: list[Access]) -> None:
+        self.trace = tuple(accesses)
+        self._positions = {}
+        self._tier_positions = {}
+        for i, (chunk, tier) in enumerate(self.trace):
+            self._positions.setdefault(chunk, []).append(i)
+            self._tier_positions.setdefault((chunk, tier), []).append(i)
+
+    def next_use(self, chunk: int, tier: Tier | None = None) -> float:
+        """Accesses from now until ``chunk``'s next use (on ``tier`` if given); inf if never or no trace.
+
+        The trace repeats every step, so the distance wraps around into the next step.
+        """
+        if self.trace is None:
+            return math.inf
+        positions = self._positions.get(chunk) if tier is None else self._tier_positions.get((chunk, tier))
+        if not positions:
+            return math.inf
+        i = bisect.bisect_left(positions, self.cursor)
+        if i < len(positions):
+            return positions[i] - self.cursor
+        return positions[0] + len(self.trace) - self.cursor
+
+    def upcoming(self, count: int, tier: Tier | None = None) -> list[int]:
+        """The next ``count`` distinct chunks the trace will use (on ``tier`` if given), soonest first."""
+        if self.trace is None or count <= 0:
+            return []
+        out: list[int] = []
+        n = len(self.trace)
+        for k in range(n):
+            chunk, t = self.trace[(self.cursor + k) % n]
+            if (tier is None or t is tier) and chunk not in out:
+                out.append(chunk)
+                if len(out) == count:
+                    break
+        return out
+
+    def victims(self, candidates: Iterable[tuple[int, int]], tier: Tier) -> list[int]:
+        """Order candidate chunks ``(id, last_use)`` for eviction from ``tier``, best victim first.
+
+        Replaying: furthest next use first (Belady). Recording: least recently used first.
+        """
+        pairs = list(candidates)
+        if self.trace is None:
+            return [chunk for chunk, _ in sorted(pairs, key=lambda p: p[1])]
+        look = tier if tier is Tier.DEVICE else None  # a host copy serves any later use
+        return [chunk for chunk, _ in sorted(pairs, key=lambda p: (-self.next_use(p[0], look), p[1]))]

@@ -1,0 +1,608 @@
+"""The chunk store: registers tensors into chunks, places each chunk on a home tier, and moves chunks
+between device, host and disk on demand (``acquire``/``release``) and ahead of demand (prefetch).
+
+Threads. Public methods run on the caller's (compute) thread and take the store's lock. Transfers run on
+the I/O engine's threads; their completion callbacks take the same lock to record the new state and wake
+waiters. Waiting for a transfer releases the lock.
+
+Placement. A chunk's *home* tier holds it for the store's life (its space is reserved when the chunk is
+added). The device holds cached copies of host- and disk-homed chunks; the host holds cached copies of
+disk-homed chunks (every disk transfer stages through host memory) and of device-homed chunks acquired on
+the host. Caches are evicted furthest-next-use first (LRU without a trace); a modified cached copy is
+written towards its home before its space is reused.
+
+Budgets. Each memory tier is one arena of exactly its budget, so no tier ever holds more. When space cannot
+be made because everything resident is in use, ``BudgetError`` names the tier, the bytes and the setting.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tiertune.errors import BudgetError, ConfigError, StateError
+from tiertune.offload.aio import AsyncIO, IOHandle
+from tiertune.offload.chunk import IN_FLIGHT, Chunk, ChunkState, pack_tensors
+from tiertune.offload.disk import DiskSlot, DiskTier
+from tiertune.offload.schedule import Scheduler
+from tiertune.offload.tiers import BUDGET_SETTING, Allocation, MemoryTier, Tier
+from tiertune.units import format_size, parse_size
+
+log = logging.getLogger("tiertune.offload")
+
+S = ChunkState
+_SETTLED = {Tier.DEVICE: S.ON_DEVICE, Tier.HOST: S.ON_HOST, Tier.DISK: S.ON_DISK}
+
+
+@dataclass
+class StoreConfig:
+    """How a ``ChunkStore`` is built. Sizes are bytes (or strings like ``'2GiB'``)."""
+
+    device: str | torch.device = "cpu"
+    device_budget: int | str = 0
+    host_budget: int | str = 0
+    disk_path: str | None = None
+    disk_budget: int | str | None = None  # None: the free space at disk_path
+    chunk_size: int | str = 64 << 20
+    prefetch_depth: int = 2
+    host_prefetch_depth: int | None = None  # None: 2 x prefetch_depth (disk reads run further ahead)
+    queue_depth: int = 16
+    block_size: int | str = 1 << 20
+    num_shards: int = 1
+    direct: bool | None = None  # None: O_DIRECT when the filesystem supports it
+
+    def __post_init__(self) -> None:
+        for name in ("device_budget", "host_budget", "chunk_size", "block_size"):
+            setattr(self, name, parse_size(getattr(self, name), f"offload.{name}"))
+        if self.disk_budget is not None:
+            self.disk_budget = parse_size(self.disk_budget, "offload.disk_budget")
+        if self.prefetch_depth < 0:
+            raise ConfigError(f"offload.prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if self.host_prefetch_depth is None:
+            self.host_prefetch_depth = 2 * self.prefetch_depth
+        self.device = torch.device(self.device)
+
+
+@dataclass
+class TierStats:
+    """Accounted bytes of one tier: its budget, what is allocated now, and the most ever allocated."""
+
+    budget: int
+    used: int
+    peak: int
+
+
+@dataclass
+class StoreStats:
+    tiers: dict[str, TierStats]
+    bytes_moved: dict[str, int] = field(default_factory=dict)  # "disk->host": bytes, ...
+    divergences: int = 0
+
+
+class ChunkStore:
+    """Chunks of tensors across device, host and disk, with hard budgets, prefetch and eviction.
+
+    Typical use (the training engine does this per layer)::
+
+        store = ChunkStore(StoreConfig(device_budget="2GiB", host_budget="8GiB", disk_path="/nvme/tt"))
+        chunks = store.add({"w": weight, "b": bias}, home="disk")
+        for step in range(n):
+            for chunk in chunks:
+                tensors = store.acquire(chunk)      # on the device, prefetched after the first step
+                ...                                 # compute
+                store.release(chunk, dirty=False)
+            store.mark_step()
+        store.close()
+    """
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.device = config.device  # type: ignore[assignment]
+        pin = self.device.type == "cuda"
+        self._mem = {
+            Tier.DEVICE: MemoryTier(Tier.DEVICE, config.device_budget, self.device),  # type: ignore[arg-type]
+            Tier.HOST: MemoryTier(Tier.HOST, config.host_budget, torch.device("cpu"), pin=pin),  # type: ignore[arg-type]
+        }
+        self.aio = AsyncIO(config.queue_depth, config.block_size)  # type: ignore[arg-type]
+        self.disk: DiskTier | None = None
+        if config.disk_path is not None:
+            import shutil
+
+            budget = config.disk_budget
+            if budget is None:
+                from pathlib import Path
+
+                Path(config.disk_path).expanduser().mkdir(parents=True, exist_ok=True)
+                budget = shutil.disk_usage(Path(config.disk_path).expanduser()).free
+            self.disk = DiskTier(config.disk_path, budget, self.aio, direct=config.direct)  # type: ignore[arg-type]
+            weakref.finalize(self, DiskTier.close, self.disk)
+        self.scheduler = Scheduler()
+        self._chunks: list[Chunk] = []
+        self._slots: dict[int, DiskSlot] = {}
+        self._reserved = {Tier.DEVICE: 0, Tier.HOST: 0}
+        self._largest_cached = {Tier.DEVICE: 0, Tier.HOST: 0}
+        self._moved: dict[str, int] = {}
+        self._fatal: BaseException | None = None
+        self._cond = threading.Condition(threading.RLock())
+        self._closed = False
+
+    # ------------------------------------------------------------------ registration
+
+    def add(
+        self,
+        tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, Sequence[int], torch.dtype]],
+        home: Tier | str,
+        name: str | None = None,
+    ) -> list[Chunk]:
+        """Register tensors, packed in order into chunks of at most ``chunk_size`` bytes, homed on ``home``.
+
+        Given a mapping of tensors, their values are copied in; given ``(name, shape, dtype)`` entries,
+        the chunks start EMPTY and read as zeros on first acquire. Raises BudgetError if the home tier
+        cannot hold them, or if a tier cannot stage them on their way to the device.
+        """
+        home = Tier(home)
+        if isinstance(tensors, Mapping):
+            entries = [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
+        else:
+            entries = list(tensors)
+        layouts = pack_tensors(entries, self.config.chunk_size, self.config.num_shards)  # type: ignore[arg-type]
+        prefix = name or f"chunk{len(self._chunks)}"
+        new: list[Chunk] = []
+        with self._cond:
+            self._check_open()
+            try:
+                for i, layout in enumerate(layouts):
+                    chunk = Chunk(
+                        len(self._chunks), f"{prefix}.{i}" if len(layouts) > 1 else prefix, layout, home
+                    )
+                    self._place(chunk)
+                    self._chunks.append(chunk)
+                    new.append(chunk)
+            except BaseException:
+                for chunk in new:
+                    self._unplace(chunk)
+                    self._chunks.remove(chunk)
+                raise
+        if isinstance(tensors, Mapping):
+            for chunk in new:
+                self.write(chunk, {s.name: tensors[s.name] for s in chunk.tensors})
+        return new
+
+    def _place(self, chunk: Chunk) -> None:
+        home, size = chunk.home, chunk.capacity
+        if home is Tier.DISK:
+            if self.disk is None:
+                raise ConfigError(
+                    f"chunk {chunk.name!r} is placed on disk but the store has no disk tier; set offload.disk_path"
+                )
+            self._slots[chunk.id] = self.disk.reserve(chunk, self.aio.block_size)
+        else:
+            alloc = self._mem[home].alloc(size)
+            if alloc is None:
+                raise BudgetError(
+                    home.value,
+                    size,
+                    self._mem[home].arena.largest_free(),
+                    BUDGET_SETTING[home],
+                    f"placing chunk {chunk.name!r} there for the whole run",
+                )
+            chunk.copies[home] = alloc
+            self._reserved[home] += size
+        # every tier above home must be able to stage the largest chunk that passes through it
+        stages = {Tier.DISK: (Tier.HOST, Tier.DEVICE), Tier.HOST: (Tier.DEVICE,), Tier.DEVICE: ()}[home]
+        for tier in stages:
+            self._largest_cached[tier] = max(self._largest_cached[tier], size)
+            room = self._mem[tier].budget - self._reserved[tier]
+            if self._largest_cached[tier] > room:
+                raise BudgetError(
+                    tier.value,
+                    self._reserved[tier] + self._largest_cached[tier],
+                    self._mem[tier].budget,
+                    BUDGET_SETTING[tier],
+                    f"{format_size(self._reserved[tier])} holds chunks homed there "
+                    f"and chunk {chunk.name!r} needs {format_size(size)} to pass through",
+                )
+
+    def _unplace(self, chunk: Chunk) -> None:
+        if chunk.home is Tier.DISK:
+            slot = self._slots.pop(chunk.id, None)
+            if slot is not None and self.disk is not None:
+                self.disk.release(slot)
+        elif chunk.home in chunk.copies:
+            self._mem[chunk.home].free(chunk.copies.pop(chunk.home))  # type: ignore[arg-type]
+            self._reserved[chunk.home] -= chunk.capacity
+
+    # ------------------------------------------------------------------ use
+
+    def acquire(self, chunk: Chunk, tier: Tier | str = Tier.DEVICE) -> dict[str, torch.Tensor]:
+        """Make ``chunk`` resident on ``tier`` (device or host), pin it there and return its tensors.
+
+        Blocks until any transfer it needs is done. The views are valid until the matching ``release``.
+        """
+        tier = Tier(tier)
+        if tier is Tier.DISK:
+            raise ConfigError("chunks are acquired on the device or the host, not on disk")
+        with self._cond:
+            self._check_open()
+            self.scheduler.on_access(chunk.id, tier)
+            chunk.last_use = self.scheduler.clock
+            self._pin(chunk, tier)
+            views = chunk.views(chunk.copies[tier].tensor)  # type: ignore[attr-defined]
+            self._prefetch()
+            return views
+
+    def release(self, chunk: Chunk, dirty: bool = False) -> None:
+        """Unpin ``chunk``. ``dirty=True`` says its tensors were modified: other copies become stale."""
+        with self._cond:
+            if chunk.state is not S.IN_USE:
+                raise StateError(
+                    f"release of chunk {chunk.name!r} that is not acquired ({chunk.state.value})"
+                )
+            chunk.pins -= 1
+            tier = chunk.use_tier
+            assert tier is not None
+            if dirty:
+                for other in list(chunk.valid - {tier}):
+                    self._invalidate(chunk, other)
+            if chunk.pins == 0:
+                chunk.use_tier = None
+                chunk.transition(_SETTLED[tier])
+                self._cond.notify_all()
+
+    def write(self, chunk: Chunk, values: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``values`` into ``chunk``'s tensors (on its home tier, or staged on the host for disk)."""
+        tier = Tier.DEVICE if chunk.home is Tier.DEVICE else Tier.HOST
+        with self._cond:
+            self._check_open()
+            self._pin(chunk, tier)
+            views = chunk.views(chunk.copies[tier].tensor)  # type: ignore[attr-defined]
+        try:
+            for key, value in values.items():
+                views[key].copy_(value)
+        finally:
+            self.release(chunk, dirty=True)
+
+    def read(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        """A copy of ``chunk``'s tensors on the CPU (outside the scheduler's trace)."""
+        with self._cond:
+            self._check_open()
+            self._pin(chunk, Tier.HOST)
+            views = chunk.views(chunk.copies[Tier.HOST].tensor)  # type: ignore[attr-defined]
+        try:
+            return {k: v.clone() for k, v in views.items()}
+        finally:
+            self.release(chunk)
+
+    def mark_step(self) -> None:
+        """Tell the scheduler a training step ended: the first step's access order becomes the trace."""
+        with self._cond:
+            self.scheduler.mark_step()
+            self._prefetch()
+
+    def flush(self) -> None:
+        """Write every chunk's newest bytes back to its home tier and wait (e.g. before a checkpoint)."""
+        with self._cond:
+            self._check_open()
+            for chunk in self._chunks:
+                if chunk.state is S.IN_USE:
+                    raise StateError(f"flush while chunk {chunk.name!r} is acquired; release it first")
+            for chunk in self._chunks:
+                if chunk.valid and chunk.home not in chunk.valid:
+                    self._make_resident(chunk, chunk.home)
+
+    def evict(self, chunk: Chunk) -> None:
+        """Write ``chunk`` back to its home tier and drop its cached copies elsewhere (frees their space)."""
+        with self._cond:
+            self._check_open()
+            while chunk.state in IN_FLIGHT or chunk.state is S.IN_USE:
+                if chunk.state is S.IN_USE:
+                    raise StateError(f"evict of chunk {chunk.name!r} while it is acquired; release it first")
+                self._wait()
+            if chunk.valid and chunk.home not in chunk.valid:
+                self._make_resident(chunk, chunk.home)
+            for tier in (Tier.DEVICE, Tier.HOST):
+                if tier is not chunk.home and tier in chunk.valid:
+                    self._drop(chunk, tier)
+
+    def wait(self) -> None:
+        """Block until no transfer is in flight (prefetches and write-backs included)."""
+        with self._cond:
+            while any(c.state in IN_FLIGHT for c in self._chunks):
+                self._wait()
+
+    def stats(self) -> StoreStats:
+        """Budgets, current and peak accounted bytes per tier, and bytes moved per link."""
+        with self._cond:
+            tiers = {t.value: TierStats(m.budget, m.arena.used, m.arena.peak) for t, m in self._mem.items()}
+            if self.disk is not None:
+                a = self.disk.arena
+                tiers["disk"] = TierStats(a.capacity, a.used, a.peak)
+            return StoreStats(tiers, dict(self._moved), self.scheduler.divergences)
+
+    def reset_peaks(self) -> None:
+        with self._cond:
+            for m in self._mem.values():
+                m.arena.reset_peak()
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        return tuple(self._chunks)
+
+    def close(self) -> None:
+        """Wait for transfers in flight, stop the I/O threads and remove the disk tier's file."""
+        with self._cond:
+            if self._closed:
+                return
+            while any(c.state in IN_FLIGHT for c in self._chunks):
+                self._cond.wait()
+            self._closed = True
+        self.aio.close()
+        if self.disk is not None:
+            self.disk.close()
+        for mem in self._mem.values():
+            mem.close()
+
+    def __enter__(self) -> ChunkStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals (lock held)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError("the chunk store is closed")
+
+    def _pin(self, chunk: Chunk, tier: Tier) -> None:
+        self._make_resident(chunk, tier)
+        if chunk.state is S.IN_USE:
+            chunk.pins += 1
+        else:
+            chunk.transition(S.IN_USE)
+            chunk.use_tier = tier
+            chunk.pins = 1
+
+    def _wait(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+        self._cond.wait()
+        if self._fatal is not None:
+            raise self._fatal
+
+    def _make_resident(self, chunk: Chunk, tier: Tier) -> None:
+        """Block until ``tier`` holds a valid copy of ``chunk`` and no transfer of it is in flight."""
+        while True:
+            if chunk.error is not None:
+                raise chunk.error
+            if chunk.state in IN_FLIGHT or (chunk.state is S.IN_USE and chunk.use_tier is not tier):
+                self._wait()
+                continue
+            if tier in chunk.valid:
+                return
+            if chunk.state is S.EMPTY:
+                alloc = chunk.copies.get(tier) or self._alloc(tier, chunk, blocking=True)
+                alloc.tensor.zero_()  # type: ignore[union-attr]
+                chunk.copies[tier] = alloc  # type: ignore[assignment]
+                chunk.valid.add(tier)
+                return
+            if tier is Tier.DISK:
+                if Tier.HOST not in chunk.valid:
+                    self._make_resident(chunk, Tier.HOST)
+                self._start_write(chunk, drop_host=False)
+            elif tier is Tier.DEVICE:
+                if Tier.HOST in chunk.valid:
+                    self._start_copy(chunk, Tier.HOST, Tier.DEVICE, blocking=True)
+                else:
+                    self._make_resident(chunk, Tier.HOST)
+            elif Tier.DEVICE in chunk.valid:
+                self._start_copy(chunk, Tier.DEVICE, Tier.HOST, blocking=True)
+            else:
+                self._start_load(chunk, blocking=True)
+
+    def _alloc(self, tier: Tier, chunk: Chunk, blocking: bool, before: float = math.inf) -> Allocation | None:
+        """Space for ``chunk`` on a memory tier, evicting other chunks' cached copies as needed.
+
+        Non-blocking (prefetch): only victims used later than ``before`` are evicted, and None is returned
+        when space cannot be made right now. Blocking: waits for write-backs, or raises BudgetError.
+        """
+        mem = self._mem[tier]
+        while True:
+            alloc = mem.alloc(chunk.capacity)
+            if alloc is not None:
+                return alloc
+            victims = self._victims(tier, exclude=chunk, before=before)
+            if victims:
+                victim = victims[0]
+                if self._evict(victim, tier, blocking):
+                    continue
+                if victim.state not in IN_FLIGHT and blocking:
+                    raise StateError(f"could not evict chunk {victim.name!r} from the {tier.value} tier")
+            if not blocking:
+                return None  # a write-back may have started; a later prefetch will use the room
+            if any(c.state in IN_FLIGHT for c in self._chunks):
+                self._wait()
+                continue
+            raise BudgetError(
+                tier.value,
+                chunk.capacity,
+                mem.arena.largest_free(),
+                BUDGET_SETTING[tier],
+                f"for chunk {chunk.name!r}; everything else resident there is in use",
+            )
+
+    def _victims(self, tier: Tier, exclude: Chunk, before: float) -> list[Chunk]:
+        look = tier if tier is Tier.DEVICE else None
+        candidates = [
+            c
+            for c in self._chunks
+            if c is not exclude
+            and c.home is not tier
+            and tier in c.copies
+            and c.state is not S.IN_USE
+            and c.state not in IN_FLIGHT
+            and c.error is None
+            and (before == math.inf or self.scheduler.next_use(c.id, look) > before)
+        ]
+        by_id = {c.id: c for c in candidates}
+        return [by_id[i] for i in self.scheduler.victims(((c.id, c.last_use) for c in candidates), tier)]
+
+    def _evict(self, victim: Chunk, tier: Tier, blocking: bool) -> bool:
+        """Free ``victim``'s copy on ``tier``. True if freed now; False if a write-back was started
+        (its completion frees the space) or could not be started."""
+        if victim.valid - {tier}:
+            self._drop(victim, tier)
+            return True
+        if tier is Tier.DEVICE:
+            self._start_copy(victim, Tier.DEVICE, Tier.HOST, blocking=blocking, then_drop=True)
+        elif victim.home is Tier.DEVICE:
+            self._start_copy(victim, Tier.HOST, Tier.DEVICE, blocking=blocking, then_drop=True)
+        else:
+            self._start_write(victim, drop_host=True)
+        return False
+
+    def _drop(self, chunk: Chunk, tier: Tier) -> None:
+        """Forget ``chunk``'s copy on ``tier`` (another valid copy exists); free it unless it is home."""
+        chunk.valid.discard(tier)
+        if tier is not chunk.home and tier in chunk.copies:
+            self._mem[tier].free(chunk.copies.pop(tier))  # type: ignore[arg-type]
+        self._settle(chunk)
+
+    def _invalidate(self, chunk: Chunk, tier: Tier) -> None:
+        chunk.valid.discard(tier)
+        if tier is not chunk.home and tier in chunk.copies and tier is not Tier.DISK:
+            self._mem[tier].free(chunk.copies.pop(tier))  # type: ignore[arg-type]
+
+    def _settle(self, chunk: Chunk) -> None:
+        """Set a resting chunk's state to where its newest copy is."""
+        if chunk.state is S.IN_USE or chunk.state in IN_FLIGHT or not chunk.valid:
+            return
+        top = min(chunk.valid, key=lambda t: list(Tier).index(t))
+        if chunk.state is not _SETTLED[top]:
+            chunk.transition(_SETTLED[top])
+        self._cond.notify_all()
+
+    def _start_copy(
+        self,
+        chunk: Chunk,
+        src: Tier,
+        dst: Tier,
+        blocking: bool,
+        before: float = math.inf,
+        then_drop: bool = False,
+    ) -> bool:
+        alloc = chunk.copies.get(dst) or self._alloc(dst, chunk, blocking, before)
+        if alloc is None:
+            return False
+        # making room may have waited or evicted: re-check that the copy is still wanted and possible
+        if (
+            chunk.state in IN_FLIGHT
+            or chunk.state is S.IN_USE
+            or src not in chunk.valid
+            or dst in chunk.valid
+        ):
+            if dst not in chunk.copies:
+                self._mem[dst].free(alloc)
+            return False
+        chunk.copies[dst] = alloc
+        chunk.transition(S.TO_DEVICE if dst is Tier.DEVICE else S.TO_HOST)
+        handle = self.aio.copy(
+            alloc.tensor, chunk.copies[src].tensor, f"{src.value}->{dst.value} {chunk.name}"
+        )  # type: ignore[attr-defined]
+        ok, fail = (S.ON_DEVICE, S.ON_HOST) if dst is Tier.DEVICE else (S.ON_HOST, S.ON_DEVICE)
+        handle.add_done_callback(
+            lambda h: self._done(chunk, h, src, dst, ok, fail, drop=src if then_drop else None)
+        )
+        return True
+
+    def _start_load(self, chunk: Chunk, blocking: bool, before: float = math.inf) -> bool:
+        assert self.disk is not None and chunk.disk_checksums is not None
+        alloc = chunk.copies.get(Tier.HOST) or self._alloc(Tier.HOST, chunk, blocking, before)
+        if alloc is None:
+            return False
+        if chunk.state is not S.ON_DISK:  # changed while _alloc waited
+            if Tier.HOST not in chunk.copies:
+                self._mem[Tier.HOST].free(alloc)
+            return False
+        chunk.copies[Tier.HOST] = alloc
+        chunk.transition(S.LOADING)
+        handle = self.disk.read(chunk, self._slots[chunk.id], alloc.tensor, chunk.disk_checksums)
+        handle.add_done_callback(lambda h: self._done(chunk, h, Tier.DISK, Tier.HOST, S.ON_HOST, S.ON_DISK))
+        return True
+
+    def _start_write(self, chunk: Chunk, drop_host: bool) -> None:
+        assert self.disk is not None
+        chunk.transition(S.WRITING)
+        handle, sums = self.disk.write(chunk, self._slots[chunk.id], chunk.copies[Tier.HOST].tensor)  # type: ignore[attr-defined]
+
+        def done(h: IOHandle) -> None:
+            if h.error is None:
+                chunk.disk_checksums = tuple(sums)
+            self._done(
+                chunk, h, Tier.HOST, Tier.DISK, S.ON_HOST, S.ON_HOST, drop=Tier.HOST if drop_host else None
+            )
+
+        handle.add_done_callback(done)
+
+    def _done(
+        self,
+        chunk: Chunk,
+        handle: IOHandle,
+        src: Tier,
+        dst: Tier,
+        ok: ChunkState,
+        fail: ChunkState,
+        drop: Tier | None = None,
+    ) -> None:
+        """Completion of a transfer (on an I/O thread): record the new state and wake waiters."""
+        with self._cond:
+            if handle.error is not None:
+                chunk.error = handle.error
+                if dst is not Tier.HOST or src is not Tier.DISK:
+                    self._fatal = self._fatal or handle.error  # a lost write-back loses data: stop the run
+                chunk.transition(fail)
+                if (
+                    dst is not chunk.home
+                    and dst in chunk.copies
+                    and dst is not Tier.DISK
+                    and dst not in chunk.valid
+                ):
+                    self._mem[dst].free(chunk.copies.pop(dst))  # type: ignore[arg-type]
+            else:
+                link = f"{src.value}->{dst.value}"
+                self._moved[link] = self._moved.get(link, 0) + chunk.capacity
+                chunk.valid.add(dst)
+                chunk.transition(ok)
+                if drop is not None and chunk.valid - {drop}:
+                    self._drop(chunk, drop)
+                self._settle(chunk)
+            self._cond.notify_all()
+
+    def _prefetch(self) -> None:
+        """Start transfers of the chunks the trace says come next, without blocking or evicting sooner uses."""
+        sched = self.scheduler
+        if not sched.replaying or self._closed:
+            return
+        for cid in sched.upcoming(self.config.prefetch_depth, Tier.DEVICE):
+            chunk = self._chunks[cid]
+            if self._busy(chunk) or Tier.DEVICE in chunk.valid:
+                continue
+            if Tier.HOST in chunk.valid:
+                self._start_copy(
+                    chunk, Tier.HOST, Tier.DEVICE, blocking=False, before=sched.next_use(cid, Tier.DEVICE)
+                )
+        for cid in sched.upcoming(self.config.host_prefetch_depth):  # type: ignore[arg-type]
+            chunk = self._chunks[cid]
+            if self._busy(chunk) or chunk.valid & {Tier.HOST, Tier.DEVICE} or Tier.DISK not in chunk.valid:
+                continue
+            self._start_load(chunk, blocking=False, before=sched.next_use(cid))
+
+    @staticmethod
+    def _busy(chunk: Chunk) -> bool:
+        return chunk.state in IN_FLIGHT or chunk.state is S.IN_USE or chunk.error is not None

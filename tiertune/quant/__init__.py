@@ -1,0 +1,1 @@
+"""tiertune.quant: see DESIGN.md; lands with its issue."""
