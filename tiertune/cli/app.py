@@ -22,6 +22,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
 @app.callback()
 def _root() -> None:
     """Fine-tune language models far larger than GPU memory: GPU, host memory and NVMe as one."""

@@ -132,8 +132,10 @@ class DiskTier:
     """A store's slot file: reserves slots within the disk budget and moves chunks through ``AsyncIO``."""
 
     def __init__(
-        self, directory: str | os.PathLike[str], budget: int, aio: AsyncIO, direct: bool | None = None
+        self, directory: str | os.PathLike[str], budget: int | None, aio: AsyncIO, direct: bool | None = None
     ) -> None:
+        """Open a slot file in ``directory`` (created if missing). ``budget`` None means the free space
+        there now; ``direct`` None means O_DIRECT when the filesystem supports it (else one warning)."""
         self.directory = Path(directory).expanduser().resolve()
         self.aio = aio
         _prepare_directory(self.directory)
@@ -150,7 +152,7 @@ class DiskTier:
         self.direct = direct
         self.path = self.directory / f"{PREFIX}{uuid.uuid4().hex[:16]}{SUFFIX}"
         self.fd = self._create()
-        self.arena = Arena(budget)
+        self.arena = Arena(shutil.disk_usage(self.directory).free if budget is None else budget)
         self._allocated = ALIGN  # bytes of the file backed by fallocate
 
     @property
@@ -286,6 +288,8 @@ _CPU = torch.device("cpu")
 
 
 def _prepare_directory(directory: Path) -> None:
+    if directory.exists() and not directory.is_dir():
+        raise StorageError(f"disk tier: {directory} is not a directory; {_HINT}")
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

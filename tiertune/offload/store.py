@@ -112,15 +112,7 @@ class ChunkStore:
         self.aio = AsyncIO(config.queue_depth, config.block_size)  # type: ignore[arg-type]
         self.disk: DiskTier | None = None
         if config.disk_path is not None:
-            import shutil
-
-            budget = config.disk_budget
-            if budget is None:
-                from pathlib import Path
-
-                Path(config.disk_path).expanduser().mkdir(parents=True, exist_ok=True)
-                budget = shutil.disk_usage(Path(config.disk_path).expanduser()).free
-            self.disk = DiskTier(config.disk_path, budget, self.aio, direct=config.direct)  # type: ignore[arg-type]
+            self.disk = DiskTier(config.disk_path, config.disk_budget, self.aio, direct=config.direct)  # type: ignore[arg-type]
             weakref.finalize(self, DiskTier.close, self.disk)
         self.scheduler = Scheduler()
         self._chunks: list[Chunk] = []
@@ -582,10 +574,16 @@ class ChunkStore:
                 if drop is not None and chunk.valid - {drop}:
                     self._drop(chunk, drop)
                 self._settle(chunk)
+                # a finished load may be the next step of a device prefetch (disk -> host -> device),
+                # and freed space may let a waiting prefetch start: plan again (never blocks)
+                self._prefetch()
             self._cond.notify_all()
 
     def _prefetch(self) -> None:
-        """Start transfers of the chunks the trace says come next, without blocking or evicting sooner uses."""
+        """Start transfers of the chunks the trace says come next, without blocking or evicting sooner uses.
+
+        Runs on the compute thread after each acquire and on I/O threads after each completed transfer.
+        """
         sched = self.scheduler
         if not sched.replaying or self._closed:
             return

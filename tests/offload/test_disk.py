@@ -1,0 +1,201 @@
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import tiertune.offload.disk as disk_mod
+from tiertune.errors import BudgetError, DiskFullError, IntegrityError, StorageError
+from tiertune.offload.aio import AsyncIO
+from tiertune.offload.chunk import Chunk, pack_tensors
+from tiertune.offload.disk import PREFIX, SUFFIX, DiskTier, clean_stale, supports_o_direct
+from tiertune.offload.store import ChunkStore, StoreConfig
+from tiertune.offload.tiers import MemoryTier, Tier
+
+
+def _chunks(n, nbytes):
+    layout = pack_tensors([("x", (nbytes,), torch.uint8)], nbytes)[0]
+    return [Chunk(i, f"c{i}", layout, Tier.DISK) for i in range(n)]
+
+
+def test_many_writes_and_reads_in_flight_round_trip(disk_dir):
+    aio = AsyncIO(queue_depth=8, block_size=64 * 1024)
+    disk = DiskTier(disk_dir, 1 << 30, aio)
+    chunks = _chunks(32, 300_000)  # odd size: the last block is short
+    host = MemoryTier(Tier.HOST, 64 * chunks[0].capacity, torch.device("cpu"))
+    src = [host.alloc(c.capacity) for c in chunks]
+    dst = [host.alloc(c.capacity) for c in chunks]
+    for a in src:
+        a.tensor.random_(0, 256)
+    slots = [disk.reserve(c, aio.block_size) for c in chunks]
+    writes = [disk.write(c, s, a.tensor) for c, s, a in zip(chunks, slots, src)]  # all queued at once
+    assert not all(h.done() for h, _ in writes)  # they really are asynchronous
+    for c, (h, sums) in zip(chunks, writes):
+        h.wait()
+        c.disk_checksums = tuple(sums)
+    reads = [disk.read(c, s, a.tensor, c.disk_checksums) for c, s, a in zip(chunks, slots, dst)]
+    for h in reads:
+        h.wait()
+    for a, b in zip(src, dst):
+        assert torch.equal(a.tensor, b.tensor)
+    disk.close()
+    aio.close()
+    assert not disk.path.exists()
+
+
+def _disk_store(disk_dir, **kw):
+    cfg = dict(
+        device_budget=1 << 20,
+        host_budget=1 << 20,
+        disk_path=str(disk_dir),
+        chunk_size=256 << 10,
+        block_size=64 << 10,
+    )
+    cfg.update(kw)
+    return ChunkStore(StoreConfig(**cfg))
+
+
+def _on_disk(store, value):
+    (chunk,) = store.add({"w": torch.full((50_000,), value)}, home="disk")
+    store.evict(chunk)
+    assert chunk.valid == {Tier.DISK}
+    return chunk, store._slots[chunk.id]
+
+
+def test_corrupt_byte_is_detected(disk_dir):
+    with _disk_store(disk_dir) as store:
+        chunk, slot = _on_disk(store, 3.0)
+        with open(store.disk.path, "r+b") as f:
+            f.seek(slot.payload_offset + 70_000)
+            byte = f.read(1)
+            f.seek(slot.payload_offset + 70_000)
+            f.write(bytes([byte[0] ^ 0xFF]))
+            f.flush()
+            os.fsync(f.fileno())
+        with pytest.raises(IntegrityError, match="checksum mismatch in block 1"):
+            store.acquire(chunk, "host")
+
+
+def test_corrupt_header_is_detected(disk_dir):
+    with _disk_store(disk_dir) as store:
+        chunk, slot = _on_disk(store, 3.0)
+        with open(store.disk.path, "r+b") as f:
+            f.seek(slot.offset + 20)
+            f.write(b"\x00\x01\x02")
+            os.fsync(f.fileno())
+        with pytest.raises(IntegrityError, match="header"):
+            store.acquire(chunk)
+
+
+def test_truncated_file_is_detected(disk_dir):
+    with _disk_store(disk_dir) as store:
+        chunk, slot = _on_disk(store, 3.0)
+        os.truncate(store.disk.path, slot.payload_offset + 100_000)
+        with pytest.raises(IntegrityError, match="short read"):
+            store.acquire(chunk)
+
+
+def test_enospc_on_write_back_is_a_disk_full_error(disk_dir, monkeypatch):
+    with _disk_store(disk_dir) as store:
+        (chunk,) = store.add({"w": torch.ones(50_000)}, home="disk")
+
+        def full(*args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(disk_mod.os, "pwritev", full)
+        with pytest.raises(DiskFullError, match="full .*ENOSPC"):
+            store.flush()
+        monkeypatch.undo()
+        assert Tier.HOST in chunk.valid  # the data was not dropped
+
+
+def test_enospc_when_placing_a_chunk(disk_dir, monkeypatch):
+    with _disk_store(disk_dir) as store:
+
+        def full(*args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(disk_mod.os, "posix_fallocate", full)
+        with pytest.raises(DiskFullError, match="no space in .* free"):
+            store.add([("w", (50_000,), torch.float32)], home="disk")
+        assert store.disk.arena.used == 0  # nothing leaked
+
+
+def test_disk_budget_is_enforced(disk_dir):
+    with _disk_store(disk_dir, disk_budget=300 << 10) as store:
+        store.add([("a", (50_000,), torch.float32)], home="disk")
+        with pytest.raises(BudgetError, match="disk tier.*offload.disk_budget"):
+            store.add([("b", (50_000,), torch.float32)], home="disk")
+
+
+def test_path_that_is_not_a_directory(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(StorageError, match="offload.disk_path"):
+        _disk_store(afile / "sub")
+    with pytest.raises(StorageError, match="not a directory"):
+        _disk_store(afile)
+
+
+def test_missing_directory_is_created(tmp_path):
+    with _disk_store(tmp_path / "new" / "dir") as store:
+        assert store.disk.path.parent == (tmp_path / "new" / "dir").resolve()
+
+
+def test_filesystem_without_o_direct_falls_back_to_buffered_io_with_one_warning(disk_dir, monkeypatch):
+    # Older tmpfs, some FUSE and network filesystems refuse O_DIRECT with EINVAL at open time.
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(disk_mod.os, "open", no_direct)
+    assert supports_o_direct(disk_dir) is False
+    with pytest.warns(RuntimeWarning, match="O_DIRECT is not supported") as record:
+        store = _disk_store(disk_dir)
+    assert len([w for w in record if "O_DIRECT" in str(w.message)]) == 1
+    with store:
+        assert store.disk.direct is False
+        chunk, _ = _on_disk(store, 5.0)
+        assert torch.all(store.read(chunk)["w"] == 5.0)
+
+
+def test_o_direct_on_the_real_disk(disk_dir):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with _disk_store(disk_dir) as store:
+            assert store.disk.direct is True
+
+
+def test_close_removes_the_file_and_stale_files_of_crashed_runs_are_cleaned(disk_dir):
+    crash = textwrap.dedent(
+        f"""
+        import os, torch
+        from tiertune.offload.store import ChunkStore, StoreConfig
+        s = ChunkStore(StoreConfig(device_budget=1 << 20, host_budget=1 << 20, disk_path={str(disk_dir)!r}))
+        c, = s.add({{"w": torch.ones(1000)}}, home="disk")
+        s.flush()
+        os._exit(0)  # a crash: no close, no finalizers
+        """
+    )
+    subprocess.run([sys.executable, "-c", crash], check=True)
+    stale = list(disk_dir.glob(f"{PREFIX}*{SUFFIX}"))
+    assert len(stale) == 1
+    (disk_dir / "notes.txt").write_text("not ours")
+    (disk_dir / "tiertune-other.slots").write_text("not ours either")
+    live = _disk_store(disk_dir)  # start-up cleans the crashed run's file
+    assert not stale[0].exists()
+    assert (disk_dir / "notes.txt").exists() and (disk_dir / "tiertune-other.slots").exists()
+    second = _disk_store(disk_dir)  # a live store's file is never taken for stale
+    assert live.disk.path.exists()
+    assert clean_stale(disk_dir) == []
+    second.close()
+    live.close()
+    assert not live.disk.path.exists() and not second.disk.path.exists()
+    assert sorted(p.name for p in disk_dir.iterdir()) == ["notes.txt", "tiertune-other.slots"]

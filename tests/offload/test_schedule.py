@@ -1,0 +1,134 @@
+import logging
+import math
+
+import torch
+
+from tiertune.offload.chunk import ALIGN, ChunkState
+from tiertune.offload.schedule import Scheduler
+from tiertune.offload.store import ChunkStore, StoreConfig
+from tiertune.offload.tiers import Tier
+
+D = Tier.DEVICE
+
+
+def _store(device_chunks, prefetch_depth=0, home="host", n=3, disk_dir=None, host_chunks=16):
+    cfg = StoreConfig(
+        device_budget=device_chunks * ALIGN,
+        host_budget=(n * ALIGN if home == "host" else 0) + host_chunks * ALIGN,
+        disk_path=str(disk_dir) if disk_dir else None,
+        chunk_size=ALIGN,
+        prefetch_depth=prefetch_depth,
+    )
+    store = ChunkStore(cfg)
+    chunks = [
+        store.add({f"w{i}": torch.full((ALIGN // 4,), float(i))}, home=home, name=f"c{i}")[0]
+        for i in range(n)
+    ]
+    return store, chunks
+
+
+def _on_device(chunks):
+    return {c.name for c in chunks if Tier.DEVICE in c.valid}
+
+
+def test_belady_eviction_matches_hand_computed_trace():
+    # Device holds 2 chunks; every step uses A B C A B.
+    # Step 1 (recording, LRU): C evicts A, A evicts B, B evicts C -> ends with {A, B}.
+    # Step 2 (replaying, Belady): A hit, B hit; C must evict A (next use: 0 accesses away) or B (1 away):
+    # the furthest is B -> {A, C}; A hit; B must evict A (next use 0 away, in the next step) or C (2 away):
+    # C -> {A, B}. Two misses a step, where LRU keeps missing three times.
+    store, (a, b, c) = _store(device_chunks=2)
+    names = {a.id: "c0", b.id: "c1", c.id: "c2"}
+    order = [a, b, c, a, b]
+    with store:
+        lru = []
+        for chunk in order:
+            store.acquire(chunk)
+            store.release(chunk)
+            lru.append(_on_device(order))
+        assert lru == [{"c0"}, {"c0", "c1"}, {"c1", "c2"}, {"c2", "c0"}, {"c0", "c1"}]
+        store.mark_step()
+        for _step in range(3):
+            seen = []
+            before = store.stats().bytes_moved.get("host->device", 0)
+            for chunk in order:
+                store.acquire(chunk)
+                store.release(chunk)
+                seen.append(_on_device(order))
+            store.mark_step()
+            assert seen == [{"c0", "c1"}, {"c0", "c1"}, {"c0", "c2"}, {"c0", "c2"}, {"c0", "c1"}]
+            assert store.stats().bytes_moved["host->device"] - before == 2 * ALIGN  # two misses
+        assert names  # ids mapped as expected
+        assert store.stats().divergences == 0
+
+
+def test_scheduler_next_use_wraps_into_the_next_step():
+    s = Scheduler()
+    for cid in (0, 1, 2, 0):
+        s.on_access(cid, D)
+    s.mark_step()
+    assert s.next_use(0) == 0 and s.next_use(1) == 1 and s.next_use(2) == 2 and s.next_use(9) == math.inf
+    s.on_access(0, D)
+    s.on_access(1, D)
+    # cursor 2: next uses are 2 -> 0 away, 0 -> 1 away, 1 -> wraps: position 1 of the next step, 3 away
+    assert (s.next_use(2), s.next_use(0), s.next_use(1)) == (0, 1, 3)
+    assert s.upcoming(3) == [2, 0, 1]
+    assert s.victims([(0, 5), (1, 6), (2, 7)], D) == [1, 0, 2]
+
+
+def test_divergence_logs_once_and_rerecords(caplog):
+    store, (a, b, c) = _store(device_chunks=2)
+    with store:
+        for chunk in (a, b, c):
+            store.acquire(chunk)
+            store.release(chunk)
+        store.mark_step()
+        assert store.scheduler.replaying
+        for chunk in (a, c, b):  # a different order
+            store.acquire(chunk)
+            store.release(chunk)
+        assert not store.scheduler.replaying  # fell back to LRU while re-recording
+        store.mark_step()
+        assert store.scheduler.trace is not None
+        assert [x.chunk for x in store.scheduler.trace] == [a.id, c.id, b.id]  # the new order was recorded
+        for chunk in (a, c, b):
+            store.acquire(chunk)
+            store.release(chunk)
+        store.mark_step()
+        assert store.stats().divergences == 1
+        for chunk in (b, a):  # diverge again: counted, but not logged as a warning again
+            store.acquire(chunk)
+            store.release(chunk)
+        store.mark_step()
+        assert store.stats().divergences == 2
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "diverged" in r.message]
+    assert len(warnings) == 1
+    assert any(r.levelno == logging.DEBUG and "diverged" in r.message for r in caplog.records)
+
+
+def test_prefetch_loads_the_next_chunks_before_they_are_acquired(disk_dir):
+    store, chunks = _store(
+        device_chunks=3, prefetch_depth=1, home="disk", n=6, disk_dir=disk_dir, host_chunks=4
+    )
+    with store:
+        for chunk in chunks:
+            store.evict(chunk)
+        for chunk in chunks:  # warm-up: records the trace, nothing is prefetched
+            store.acquire(chunk)
+            store.release(chunk)
+            assert chunks[(chunk.id + 2) % 6].valid == {Tier.DISK}
+        store.mark_step()
+        for chunk in chunks:
+            store.evict(chunk)
+        for i, chunk in enumerate(chunks):
+            views = store.acquire(chunk)
+            assert torch.all(views[f"w{i}"] == float(i))
+            store.wait()
+            nxt = chunks[(i + 1) % 6]
+            assert Tier.DEVICE in nxt.valid, f"chunk {nxt.name} was not prefetched to the device"
+            ahead = chunks[(i + 2) % 6]
+            assert ahead.valid & {Tier.HOST, Tier.DEVICE}, "disk->host prefetch runs further ahead"
+            store.release(chunk)
+        store.mark_step()
+        for chunk in chunks:
+            assert chunk.state is not ChunkState.IN_USE

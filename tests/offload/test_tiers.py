@@ -1,0 +1,54 @@
+import random
+
+import torch
+
+from tiertune.offload.chunk import ALIGN
+from tiertune.offload.tiers import Arena, MemoryTier, Tier, aligned_empty
+
+
+def test_arena_best_fit_coalesce_and_capacity():
+    arena = Arena(10 * ALIGN)
+    a = arena.alloc(3 * ALIGN)
+    b = arena.alloc(1)  # rounds up to one page
+    c = arena.alloc(6 * ALIGN)
+    assert (a, b, c) == (0, 3 * ALIGN, 4 * ALIGN)
+    assert arena.alloc(1) is None  # full: never exceeds capacity
+    arena.free(a)
+    arena.free(c)
+    assert arena.largest_free() == 6 * ALIGN  # not merged across b
+    arena.free(b)
+    assert arena.largest_free() == 10 * ALIGN  # all merged
+    arena.check()
+    assert arena.peak == 10 * ALIGN and arena.used == 0
+
+
+def test_arena_random_never_overlaps_or_exceeds():
+    rng = random.Random(0)
+    arena = Arena(256 * ALIGN)
+    live = []
+    for _ in range(2000):
+        if live and rng.random() < 0.45:
+            arena.free(live.pop(rng.randrange(len(live))))
+        else:
+            off = arena.alloc(rng.randint(1, 40 * ALIGN))
+            if off is not None:
+                live.append(off)
+        arena.check()
+        assert arena.used <= arena.capacity and arena.peak <= arena.capacity
+
+
+def test_memory_tier_buffers_are_aligned_and_reused():
+    tier = MemoryTier(Tier.HOST, 8 * ALIGN, torch.device("cpu"))
+    a = tier.alloc(3 * ALIGN)
+    assert a.tensor.data_ptr() % ALIGN == 0 and a.tensor.numel() == 3 * ALIGN
+    base = a.tensor.data_ptr()
+    tier.free(a)
+    b = tier.alloc(3 * ALIGN)
+    assert b.tensor.data_ptr() == base  # the same memory again: no allocation per transfer
+    assert tier.alloc(6 * ALIGN) is None
+
+
+def test_aligned_empty():
+    for n in (1, 4095, 4096, 123457):
+        t = aligned_empty(n, torch.device("cpu"))
+        assert t.numel() == n and t.data_ptr() % ALIGN == 0
