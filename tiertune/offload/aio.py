@@ -12,6 +12,7 @@ plain memcpy on that thread.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,8 @@ import torch
 
 from tiertune.errors import ConfigError, StateError
 from tiertune.offload.chunk import ALIGN
+
+log = logging.getLogger("tiertune.offload")
 
 
 class IOHandle:
@@ -70,7 +73,10 @@ class IOHandle:
             callbacks, self._callbacks = self._callbacks, []
             self._event.set()
         for fn in callbacks:
-            fn(self)
+            try:
+                fn(self)
+            except BaseException:  # a callback's failure must not vanish inside an executor thread
+                log.exception("completion callback of %s failed", self.label)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "in flight"

@@ -21,7 +21,7 @@ import logging
 import math
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -119,6 +119,8 @@ class ChunkStore:
         self._slots: dict[int, DiskSlot] = {}
         self._reserved = {Tier.DEVICE: 0, Tier.HOST: 0}
         self._largest_cached = {Tier.DEVICE: 0, Tier.HOST: 0}
+        self._demand = {Tier.DEVICE: 0, Tier.HOST: 0}  # blocking allocations waiting for room, per tier
+        self._wanted: dict[int, int] = {}  # chunk id -> acquires waiting for it: never evicted meanwhile
         self._moved: dict[str, int] = {}
         self._fatal: BaseException | None = None
         self._cond = threading.Condition(threading.RLock())
@@ -167,39 +169,37 @@ class ChunkStore:
         return new
 
     def _place(self, chunk: Chunk) -> None:
+        """Reserve ``chunk``'s home space; check every tier above home can stage it. All or nothing."""
         home, size = chunk.home, chunk.capacity
+        if home is Tier.DISK and self.disk is None:
+            raise ConfigError(
+                f"chunk {chunk.name!r} is placed on disk but the store has no disk tier; set offload.disk_path"
+            )
+        # every tier above home must keep room to stage the largest chunk that passes through it
+        stages = {Tier.DISK: (Tier.HOST, Tier.DEVICE), Tier.HOST: (Tier.DEVICE,), Tier.DEVICE: ()}[home]
+        reserved = dict(self._reserved)
+        if home is not Tier.DISK:
+            reserved[home] += size
+        for tier in ([home] if home is not Tier.DISK else []) + list(stages):
+            largest = max(self._largest_cached[tier], size if tier in stages else 0)
+            needed = reserved[tier] + largest
+            if needed > self._mem[tier].budget:
+                if tier is home:
+                    detail = f"placing chunk {chunk.name!r} there for the whole run"
+                    if largest:
+                        detail += f" while keeping {format_size(largest)} free to stage chunks homed lower"
+                else:
+                    detail = f"{format_size(reserved[tier])} holds chunks homed there"
+                    detail += f" and chunk {chunk.name!r} needs {format_size(size)} to pass through"
+                raise BudgetError(tier.value, needed, self._mem[tier].budget, BUDGET_SETTING[tier], detail)
         if home is Tier.DISK:
-            if self.disk is None:
-                raise ConfigError(
-                    f"chunk {chunk.name!r} is placed on disk but the store has no disk tier; set offload.disk_path"
-                )
-            self._slots[chunk.id] = self.disk.reserve(chunk, self.aio.block_size)
+            self._slots[chunk.id] = self.disk.reserve(chunk, self.aio.block_size)  # type: ignore[union-attr]
         else:
-            alloc = self._mem[home].alloc(size)
-            if alloc is None:
-                raise BudgetError(
-                    home.value,
-                    size,
-                    self._mem[home].arena.largest_free(),
-                    BUDGET_SETTING[home],
-                    f"placing chunk {chunk.name!r} there for the whole run",
-                )
+            alloc = self._alloc(home, chunk, blocking=True)  # may evict cached copies of other chunks
             chunk.copies[home] = alloc
             self._reserved[home] += size
-        # every tier above home must be able to stage the largest chunk that passes through it
-        stages = {Tier.DISK: (Tier.HOST, Tier.DEVICE), Tier.HOST: (Tier.DEVICE,), Tier.DEVICE: ()}[home]
         for tier in stages:
             self._largest_cached[tier] = max(self._largest_cached[tier], size)
-            room = self._mem[tier].budget - self._reserved[tier]
-            if self._largest_cached[tier] > room:
-                raise BudgetError(
-                    tier.value,
-                    self._reserved[tier] + self._largest_cached[tier],
-                    self._mem[tier].budget,
-                    BUDGET_SETTING[tier],
-                    f"{format_size(self._reserved[tier])} holds chunks homed there "
-                    f"and chunk {chunk.name!r} needs {format_size(size)} to pass through",
-                )
 
     def _unplace(self, chunk: Chunk) -> None:
         if chunk.home is Tier.DISK:
@@ -331,7 +331,7 @@ class ChunkStore:
         with self._cond:
             if self._closed:
                 return
-            while any(c.state in IN_FLIGHT for c in self._chunks):
+            while self._fatal is None and any(c.state in IN_FLIGHT for c in self._chunks):
                 self._cond.wait()
             self._closed = True
         self.aio.close()
@@ -353,7 +353,15 @@ class ChunkStore:
             raise StateError("the chunk store is closed")
 
     def _pin(self, chunk: Chunk, tier: Tier) -> None:
-        self._make_resident(chunk, tier)
+        # While an acquire waits for its chunk, the chunk is not yet pinned, and the trace cursor is already
+        # past it (so it looks far from its next use): mark it wanted, or a prefetch could evict it again.
+        self._wanted[chunk.id] = self._wanted.get(chunk.id, 0) + 1
+        try:
+            self._make_resident(chunk, tier)
+        finally:
+            self._wanted[chunk.id] -= 1
+            if not self._wanted[chunk.id]:
+                del self._wanted[chunk.id]
         if chunk.state is S.IN_USE:
             chunk.pins += 1
         else:
@@ -379,8 +387,10 @@ class ChunkStore:
             if tier in chunk.valid:
                 return
             if chunk.state is S.EMPTY:
-                alloc = chunk.copies.get(tier) or self._alloc(tier, chunk, blocking=True)
-                alloc.tensor.zero_()  # type: ignore[union-attr]
+                alloc = self._claim(chunk, tier, True, math.inf, lambda: chunk.state is S.EMPTY)
+                if alloc is None:
+                    continue
+                alloc.tensor.zero_()
                 chunk.copies[tier] = alloc  # type: ignore[assignment]
                 chunk.valid.add(tier)
                 return
@@ -405,6 +415,8 @@ class ChunkStore:
         when space cannot be made right now. Blocking: waits for write-backs, or raises BudgetError.
         """
         mem = self._mem[tier]
+        if not blocking and self._demand[tier]:
+            return None  # an acquire is waiting for room here: space freed now is its, not a prefetch's
         while True:
             alloc = mem.alloc(chunk.capacity)
             if alloc is not None:
@@ -414,12 +426,18 @@ class ChunkStore:
                 victim = victims[0]
                 if self._evict(victim, tier, blocking):
                     continue
-                if victim.state not in IN_FLIGHT and blocking:
-                    raise StateError(f"could not evict chunk {victim.name!r} from the {tier.value} tier")
+                if blocking and victim.state not in IN_FLIGHT:
+                    # a blocking eviction returns without starting a transfer only when the victim moved
+                    # while it waited for room (a prefetch evicted it first): look again
+                    continue
             if not blocking:
                 return None  # a write-back may have started; a later prefetch will use the room
             if any(c.state in IN_FLIGHT for c in self._chunks):
-                self._wait()
+                self._demand[tier] += 1
+                try:
+                    self._wait()
+                finally:
+                    self._demand[tier] -= 1
                 continue
             raise BudgetError(
                 tier.value,
@@ -429,12 +447,33 @@ class ChunkStore:
                 f"for chunk {chunk.name!r}; everything else resident there is in use",
             )
 
+    def _claim(
+        self, chunk: Chunk, tier: Tier, blocking: bool, before: float, still_wanted: Callable[[], bool]
+    ) -> Allocation | None:
+        """Space for ``chunk`` on ``tier``: its existing copy's, or a new allocation.
+
+        Making room may wait (releasing the lock), and meanwhile a completion's prefetch may move this very
+        chunk, even give it a copy on ``tier``. So the caller's precondition is checked again afterwards; if
+        it no longer holds, or another copy appeared, a new allocation is returned to the arena and None
+        returned: a chunk never holds two allocations on one tier.
+        """
+        existing = chunk.copies.get(tier)
+        alloc = existing or self._alloc(tier, chunk, blocking, before)
+        if alloc is None:
+            return None
+        if still_wanted() and chunk.copies.get(tier) is existing:
+            return alloc
+        if existing is None:
+            self._mem[tier].free(alloc)
+        return None
+
     def _victims(self, tier: Tier, exclude: Chunk, before: float) -> list[Chunk]:
         look = tier if tier is Tier.DEVICE else None
         candidates = [
             c
             for c in self._chunks
             if c is not exclude
+            and c.id not in self._wanted
             and c.home is not tier
             and tier in c.copies
             and c.state is not S.IN_USE
@@ -489,18 +528,12 @@ class ChunkStore:
         before: float = math.inf,
         then_drop: bool = False,
     ) -> bool:
-        alloc = chunk.copies.get(dst) or self._alloc(dst, chunk, blocking, before)
+        alloc = self._claim(
+            chunk, dst, blocking, before,
+            lambda: chunk.state not in IN_FLIGHT and chunk.state is not S.IN_USE
+            and src in chunk.valid and dst not in chunk.valid,
+        )  # fmt: skip
         if alloc is None:
-            return False
-        # making room may have waited or evicted: re-check that the copy is still wanted and possible
-        if (
-            chunk.state in IN_FLIGHT
-            or chunk.state is S.IN_USE
-            or src not in chunk.valid
-            or dst in chunk.valid
-        ):
-            if dst not in chunk.copies:
-                self._mem[dst].free(alloc)
             return False
         chunk.copies[dst] = alloc
         chunk.transition(S.TO_DEVICE if dst is Tier.DEVICE else S.TO_HOST)
@@ -515,12 +548,8 @@ class ChunkStore:
 
     def _start_load(self, chunk: Chunk, blocking: bool, before: float = math.inf) -> bool:
         assert self.disk is not None and chunk.disk_checksums is not None
-        alloc = chunk.copies.get(Tier.HOST) or self._alloc(Tier.HOST, chunk, blocking, before)
+        alloc = self._claim(chunk, Tier.HOST, blocking, before, lambda: chunk.state is S.ON_DISK)
         if alloc is None:
-            return False
-        if chunk.state is not S.ON_DISK:  # changed while _alloc waited
-            if Tier.HOST not in chunk.copies:
-                self._mem[Tier.HOST].free(alloc)
             return False
         chunk.copies[Tier.HOST] = alloc
         chunk.transition(S.LOADING)
@@ -554,30 +583,47 @@ class ChunkStore:
     ) -> None:
         """Completion of a transfer (on an I/O thread): record the new state and wake waiters."""
         with self._cond:
-            if handle.error is not None:
-                chunk.error = handle.error
-                if dst is not Tier.HOST or src is not Tier.DISK:
-                    self._fatal = self._fatal or handle.error  # a lost write-back loses data: stop the run
-                chunk.transition(fail)
-                if (
-                    dst is not chunk.home
-                    and dst in chunk.copies
-                    and dst is not Tier.DISK
-                    and dst not in chunk.valid
-                ):
-                    self._mem[dst].free(chunk.copies.pop(dst))  # type: ignore[arg-type]
-            else:
-                link = f"{src.value}->{dst.value}"
-                self._moved[link] = self._moved.get(link, 0) + chunk.capacity
-                chunk.valid.add(dst)
-                chunk.transition(ok)
-                if drop is not None and chunk.valid - {drop}:
-                    self._drop(chunk, drop)
-                self._settle(chunk)
-                # a finished load may be the next step of a device prefetch (disk -> host -> device),
-                # and freed space may let a waiting prefetch start: plan again (never blocks)
-                self._prefetch()
-            self._cond.notify_all()
+            try:
+                self._record(chunk, handle, src, dst, ok, fail, drop)
+            except BaseException as exc:  # never leave waiters hanging on a chunk that will not settle
+                self._fatal = self._fatal or exc
+                raise
+            finally:
+                self._cond.notify_all()
+
+    def _record(
+        self,
+        chunk: Chunk,
+        handle: IOHandle,
+        src: Tier,
+        dst: Tier,
+        ok: ChunkState,
+        fail: ChunkState,
+        drop: Tier | None,
+    ) -> None:
+        if handle.error is not None:
+            chunk.error = handle.error
+            if dst is not Tier.HOST or src is not Tier.DISK:
+                self._fatal = self._fatal or handle.error  # a lost write-back loses data: stop the run
+            chunk.transition(fail)
+            if (
+                dst is not chunk.home
+                and dst in chunk.copies
+                and dst is not Tier.DISK
+                and dst not in chunk.valid
+            ):
+                self._mem[dst].free(chunk.copies.pop(dst))  # type: ignore[arg-type]
+        else:
+            link = f"{src.value}->{dst.value}"
+            self._moved[link] = self._moved.get(link, 0) + chunk.capacity
+            chunk.valid.add(dst)
+            chunk.transition(ok)
+            if drop is not None and chunk.valid - {drop}:
+                self._drop(chunk, drop)
+            self._settle(chunk)
+            # a finished load may be the next step of a device prefetch (disk -> host -> device),
+            # and freed space may let a waiting prefetch start: plan again (never blocks)
+            self._prefetch()
 
     def _prefetch(self) -> None:
         """Start transfers of the chunks the trace says come next, without blocking or evicting sooner uses.
