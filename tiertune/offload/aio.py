@@ -137,17 +137,15 @@ class AsyncIO:
         """Split ``nbytes`` into [start, end) ranges of at most ``block_size``."""
         return [(a, min(a + self.block_size, nbytes)) for a in range(0, nbytes, self.block_size)]
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, label: str) -> IOHandle:
-        """Copy ``src`` into ``dst`` off the caller's thread (and, with CUDA, off its stream)."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, label: str, after: object | None = None) -> IOHandle:
+        """Copy ``src`` into ``dst`` off the caller's thread (and, with CUDA, off its stream).
+
+        ``after``: a CUDA event the copy stream waits for first (the compute stream's last use of ``src``).
+        """
         self._check_open()
         to_device = dst.device.type != "cpu"
         executor = self._h2d if to_device else self._d2h
         cuda = dst.device.type == "cuda" or src.device.type == "cuda"
-        after = None
-        if cuda and src.device.type == "cuda":
-            # the compute stream may still be writing src: the copy stream must wait for it
-            after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(src.device))
         handle = IOHandle(label, 1)
         key = "h2d" if to_device else "d2h"
 
@@ -161,7 +159,7 @@ class AsyncIO:
                 stream = self._streams[key] = torch.cuda.Stream(device)
             with torch.cuda.stream(stream):
                 if after is not None:
-                    stream.wait_event(after)
+                    stream.wait_event(after)  # type: ignore[arg-type]
                 dst.copy_(src, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(stream)

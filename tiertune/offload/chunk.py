@@ -186,6 +186,7 @@ class Chunk:
     error: BaseException | None = None
     disk_checksums: tuple[int, ...] | None = None
     last_use: int = 0
+    device_event: object | None = None  # CUDA event: the compute stream's last use of the device copy
 
     @property
     def capacity(self) -> int:

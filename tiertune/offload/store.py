@@ -242,6 +242,12 @@ class ChunkStore:
             if dirty:
                 for other in list(chunk.valid - {tier}):
                     self._invalidate(chunk, other)
+            if tier is Tier.DEVICE and self.device.type == "cuda":
+                # kernels queued on the compute stream may still read or write the chunk: remember when
+                # they finish, so a copy out waits for them and its memory is not reused before
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+                chunk.device_event = event
             if chunk.pins == 0:
                 chunk.use_tier = None
                 chunk.transition(_SETTLED[tier])
@@ -500,14 +506,14 @@ class ChunkStore:
 
     def _drop(self, chunk: Chunk, tier: Tier) -> None:
         """Forget ``chunk``'s copy on ``tier`` (another valid copy exists); free it unless it is home."""
-        chunk.valid.discard(tier)
-        if tier is not chunk.home and tier in chunk.copies:
-            self._mem[tier].free(chunk.copies.pop(tier))  # type: ignore[arg-type]
+        self._invalidate(chunk, tier)
         self._settle(chunk)
 
     def _invalidate(self, chunk: Chunk, tier: Tier) -> None:
         chunk.valid.discard(tier)
         if tier is not chunk.home and tier in chunk.copies and tier is not Tier.DISK:
+            if tier is Tier.DEVICE and chunk.device_event is not None:
+                chunk.device_event.synchronize()  # type: ignore[attr-defined]  # kernels done with it
             self._mem[tier].free(chunk.copies.pop(tier))  # type: ignore[arg-type]
 
     def _settle(self, chunk: Chunk) -> None:
@@ -537,8 +543,9 @@ class ChunkStore:
             return False
         chunk.copies[dst] = alloc
         chunk.transition(S.TO_DEVICE if dst is Tier.DEVICE else S.TO_HOST)
+        after = chunk.device_event if src is Tier.DEVICE else None
         handle = self.aio.copy(
-            alloc.tensor, chunk.copies[src].tensor, f"{src.value}->{dst.value} {chunk.name}"
+            alloc.tensor, chunk.copies[src].tensor, f"{src.value}->{dst.value} {chunk.name}", after
         )  # type: ignore[attr-defined]
         ok, fail = (S.ON_DEVICE, S.ON_HOST) if dst is Tier.DEVICE else (S.ON_HOST, S.ON_DEVICE)
         handle.add_done_callback(

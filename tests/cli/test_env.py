@@ -1,0 +1,37 @@
+import json
+
+from typer.testing import CliRunner
+
+from tiertune.cli.app import app
+
+runner = CliRunner()
+
+
+def test_env_reports_versions_memory_and_disk(tmp_path):
+    result = runner.invoke(app, ["env", "--disk-path", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    assert info["packages"]["torch"].startswith("2.")
+    assert set(info["packages"]) >= {"torch", "bitsandbytes", "peft", "transformers", "accelerate"}
+    assert info["ram_total_bytes"] > 0 and info["cpu_count"] >= 1
+    assert info["compute_device"] in ("cpu", "cuda")
+    assert info["disk"]["free_bytes"] > 0 and info["disk"]["o_direct"] in (True, False)
+
+
+def test_env_table_is_readable(tmp_path):
+    result = runner.invoke(app, ["env", "--disk-path", str(tmp_path)])
+    assert result.exit_code == 0
+    for label in ("torch", "ram", "compute device", "disk free", "O_DIRECT"):
+        assert label in result.output
+
+
+def test_env_bad_disk_path_is_a_usage_error(tmp_path):
+    result = runner.invoke(app, ["env", "--disk-path", str(tmp_path / "missing")], env={"COLUMNS": "400"})
+    assert result.exit_code == 2
+    assert "not an existing directory" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_help_has_an_example():
+    result = runner.invoke(app, ["env", "--help"])
+    assert result.exit_code == 0 and "Example: tiertune env" in result.output
