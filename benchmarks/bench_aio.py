@@ -6,7 +6,8 @@ Prints one JSON object (progress goes to stderr):
   directory through the disk tier (O_DIRECT, per-block xxh3 checksums written and verified, headers);
 - ``fio_write_gbps`` / ``fio_read_gbps``: fio on the same directory, block size and queue depth
   (libaio, direct I/O), rounds interleaved with the engine's so both see the same drive state;
-- ``write_fio_ratio`` / ``read_fio_ratio``: engine / fio, medians over rounds;
+- ``write_fio_ratio`` / ``read_fio_ratio``: the median over rounds of engine / fio, each engine pass paired
+  with the fio pass of the same direction run right next to it (the drive's speed drifts);
 - ``overlap_ratio``: chunks homed on disk are acquired on the device in a fixed order with a simulated
   compute of length C per chunk (the device is busy, the CPU is free, as with a GPU kernel), where I is the
   cold per-chunk I/O time (disk -> host -> device) measured in the warm-up step and C = I: measured wall
@@ -94,16 +95,19 @@ def bench_engine(args: argparse.Namespace, directory: Path) -> dict:
     rounds: dict[str, list[float]] = {"write": [], "read": [], "fio_write": [], "fio_read": []}
     try:
         for r in range(args.rounds):
-            # the drive's speed drifts (bursts, throttling): interleave, and alternate who goes first
-            for who in ("fio", "engine") if r % 2 == 0 else ("engine", "fio"):
-                if who == "engine":
-                    rounds["write"].append(moved / engine_pass(disk, chunks, slots, host, write=True) / 1e9)
-                    rounds["read"].append(moved / engine_pass(disk, chunks, slots, host, write=False) / 1e9)
-                    continue
-                for rw in ("write", "read") if not args.no_fio else ():
-                    gbps = fio_pass(directory, rw, moved, block, args.queue_depth, disk.direct)
-                    if gbps is not None:
-                        rounds[f"fio_{rw}"].append(gbps)
+            # The drive's speed drifts by 2x within minutes (bursts, throttling). So each engine pass runs
+            # right next to a fio pass of the same direction, who goes first alternates, and the ratio is
+            # the median of the per-round ratios.
+            for rw in ("write", "read"):
+                order = ("fio", "engine") if r % 2 == 0 else ("engine", "fio")
+                for who in order:
+                    if who == "engine":
+                        seconds = engine_pass(disk, chunks, slots, host, write=rw == "write")
+                        rounds[rw].append(moved / seconds / 1e9)
+                    elif not args.no_fio:
+                        gbps = fio_pass(directory, rw, moved, block, args.queue_depth, disk.direct)
+                        if gbps is not None:
+                            rounds[f"fio_{rw}"].append(gbps)
             say(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f} GB/s" for k, v in rounds.items() if v))
     finally:
         (directory / "fio-bench.tmp").unlink(missing_ok=True)
@@ -122,8 +126,11 @@ def bench_engine(args: argparse.Namespace, directory: Path) -> dict:
     if rounds["fio_write"]:
         result["fio_write_gbps"] = statistics.median(rounds["fio_write"])
         result["fio_read_gbps"] = statistics.median(rounds["fio_read"])
-        result["write_fio_ratio"] = result["write_gbps"] / result["fio_write_gbps"]
-        result["read_fio_ratio"] = result["read_gbps"] / result["fio_read_gbps"]
+        for rw in ("write", "read"):
+            paired = [e / f for e, f in zip(rounds[rw], rounds[f"fio_{rw}"])]
+            result[f"{rw}_fio_ratio"] = statistics.median(paired)
+            result[f"{rw}_fio_ratios"] = paired
+            result[f"{rw}_fio_ratio_of_medians"] = result[f"{rw}_gbps"] / result[f"fio_{rw}_gbps"]
     else:
         result["fio"] = (
             "skipped: fio is not installed (apt-get install fio)" if not args.no_fio else "skipped"
@@ -213,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--block-size", default="1MiB", help="bytes per request (fio --bs)")
     p.add_argument("--queue-depth", type=int, default=16, help="requests in flight (fio --iodepth)")
     p.add_argument("--host-bytes", default="1GiB", help="host buffer pool the chunks cycle through")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--no-fio", action="store_true", help="skip the fio reference")
     p.add_argument("--overlap-chunks", type=int, default=16)
     p.add_argument("--overlap-chunk-size", default="64MiB")
