@@ -591,46 +591,29 @@ class ChunkStore:
         """Completion of a transfer (on an I/O thread): record the new state and wake waiters."""
         with self._cond:
             try:
-                self._record(chunk, handle, src, dst, ok, fail, drop)
+                if handle.error is not None:
+                    chunk.error = handle.error
+                    if (src, dst) != (Tier.DISK, Tier.HOST):
+                        # a failed write-back or copy-out may lose data: stop the run, not just this chunk
+                        self._fatal = self._fatal or handle.error
+                    chunk.transition(fail)
+                    self._invalidate(chunk, dst)  # the half-filled destination holds nothing valid
+                else:
+                    link = f"{src.value}->{dst.value}"
+                    self._moved[link] = self._moved.get(link, 0) + chunk.capacity
+                    chunk.valid.add(dst)
+                    chunk.transition(ok)
+                    if drop is not None and chunk.valid - {drop}:
+                        self._drop(chunk, drop)
+                    self._settle(chunk)
+                    # a finished load may be the next step of a device prefetch (disk -> host -> device),
+                    # and freed space may let a waiting prefetch start: plan again (never blocks)
+                    self._prefetch()
             except BaseException as exc:  # never leave waiters hanging on a chunk that will not settle
                 self._fatal = self._fatal or exc
                 raise
             finally:
                 self._cond.notify_all()
-
-    def _record(
-        self,
-        chunk: Chunk,
-        handle: IOHandle,
-        src: Tier,
-        dst: Tier,
-        ok: ChunkState,
-        fail: ChunkState,
-        drop: Tier | None,
-    ) -> None:
-        if handle.error is not None:
-            chunk.error = handle.error
-            if dst is not Tier.HOST or src is not Tier.DISK:
-                self._fatal = self._fatal or handle.error  # a lost write-back loses data: stop the run
-            chunk.transition(fail)
-            if (
-                dst is not chunk.home
-                and dst in chunk.copies
-                and dst is not Tier.DISK
-                and dst not in chunk.valid
-            ):
-                self._mem[dst].free(chunk.copies.pop(dst))  # type: ignore[arg-type]
-        else:
-            link = f"{src.value}->{dst.value}"
-            self._moved[link] = self._moved.get(link, 0) + chunk.capacity
-            chunk.valid.add(dst)
-            chunk.transition(ok)
-            if drop is not None and chunk.valid - {drop}:
-                self._drop(chunk, drop)
-            self._settle(chunk)
-            # a finished load may be the next step of a device prefetch (disk -> host -> device),
-            # and freed space may let a waiting prefetch start: plan again (never blocks)
-            self._prefetch()
 
     def _prefetch(self) -> None:
         """Start transfers of the chunks the trace says come next, without blocking or evicting sooner uses.
