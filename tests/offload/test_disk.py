@@ -199,3 +199,30 @@ def test_close_removes_the_file_and_stale_files_of_crashed_runs_are_cleaned(disk
     live.close()
     assert not live.disk.path.exists() and not second.disk.path.exists()
     assert sorted(p.name for p in disk_dir.iterdir()) == ["notes.txt", "tiertune-other.slots"]
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A real 1 MiB filesystem (tmpfs), where the kernel itself answers ENOSPC."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_really_full_filesystem_gives_disk_full_and_keeps_what_was_stored(tiny_fs):
+    with _disk_store(tiny_fs, disk_budget="64MiB") as store:
+        (first,) = store.add({"w": torch.full((50_000,), 9.0)}, home="disk")
+        store.evict(first)
+        with pytest.raises(DiskFullError, match=f"no space in {tiny_fs}") as err:
+            for i in range(10):  # ~200 KiB each: the 1 MiB filesystem runs out
+                store.add([(f"x{i}", (50_000,), torch.float32)], home="disk")
+        assert "free" in str(err.value) and "offload.disk_path" in str(err.value)
+        assert torch.all(store.read(first)["w"] == 9.0)  # the chunk already there is intact

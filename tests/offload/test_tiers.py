@@ -52,3 +52,27 @@ def test_aligned_empty():
     for n in (1, 4095, 4096, 123457):
         t = aligned_empty(n, torch.device("cpu"))
         assert t.numel() == n and t.data_ptr() % ALIGN == 0
+
+
+def test_auto_budgets_follow_what_the_machine_has():
+    import psutil
+
+    from tiertune.offload.store import StoreConfig
+
+    cfg = StoreConfig(device_budget="auto", host_budget="auto", disk_budget="auto")
+    available = psutil.virtual_memory().available
+    assert 0 < cfg.device_budget < available and 0 < cfg.host_budget < available
+    assert cfg.device_budget + cfg.host_budget < available  # room left for the process and the OS
+    assert cfg.disk_budget is None  # resolved to the free space when the disk tier opens
+
+
+def test_budget_typos_are_config_errors():
+    import pytest
+
+    from tiertune.errors import ConfigError
+    from tiertune.offload.store import StoreConfig
+
+    with pytest.raises(ConfigError, match="offload.host_budget"):
+        StoreConfig(host_budget="automatic")
+    with pytest.raises(ConfigError, match="offload.prefetch_depth"):
+        StoreConfig(prefetch_depth=-1)

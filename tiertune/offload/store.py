@@ -31,7 +31,7 @@ from tiertune.offload.aio import AsyncIO, IOHandle
 from tiertune.offload.chunk import IN_FLIGHT, Chunk, ChunkState, pack_tensors
 from tiertune.offload.disk import DiskSlot, DiskTier
 from tiertune.offload.schedule import Scheduler
-from tiertune.offload.tiers import BUDGET_SETTING, Allocation, MemoryTier, Tier
+from tiertune.offload.tiers import BUDGET_SETTING, Allocation, MemoryTier, Tier, auto_budget
 from tiertune.units import format_size, parse_size
 
 log = logging.getLogger("tiertune.offload")
@@ -45,10 +45,10 @@ class StoreConfig:
     """How a ``ChunkStore`` is built. Sizes are bytes (or strings like ``'2GiB'``)."""
 
     device: str | torch.device = "cpu"
-    device_budget: int | str = 0
-    host_budget: int | str = 0
+    device_budget: int | str = "auto"  # auto: see auto_budget
+    host_budget: int | str = "auto"
     disk_path: str | None = None
-    disk_budget: int | str | None = None  # None: the free space at disk_path
+    disk_budget: int | str | None = None  # None or "auto": the free space at disk_path when the store starts
     chunk_size: int | str = 64 << 20
     prefetch_depth: int = 2
     host_prefetch_depth: int | None = None  # None: 2 x prefetch_depth (disk reads run further ahead)
@@ -58,15 +58,22 @@ class StoreConfig:
     direct: bool | None = None  # None: O_DIRECT when the filesystem supports it
 
     def __post_init__(self) -> None:
-        for name in ("device_budget", "host_budget", "chunk_size", "block_size"):
+        self.device = torch.device(self.device)
+        for name in ("device_budget", "host_budget"):
+            value = getattr(self, name)
+            if value == "auto":
+                value = auto_budget(Tier.DEVICE if name == "device_budget" else Tier.HOST, self.device)
+            setattr(self, name, parse_size(value, f"offload.{name}"))
+        for name in ("chunk_size", "block_size"):
             setattr(self, name, parse_size(getattr(self, name), f"offload.{name}"))
+        if self.disk_budget == "auto":
+            self.disk_budget = None
         if self.disk_budget is not None:
             self.disk_budget = parse_size(self.disk_budget, "offload.disk_budget")
         if self.prefetch_depth < 0:
             raise ConfigError(f"offload.prefetch_depth must be >= 0, got {self.prefetch_depth}")
         if self.host_prefetch_depth is None:
             self.host_prefetch_depth = 2 * self.prefetch_depth
-        self.device = torch.device(self.device)
 
 
 @dataclass

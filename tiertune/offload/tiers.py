@@ -37,6 +37,30 @@ BUDGET_SETTING = {
 }
 
 
+AUTO_DEVICE_FRACTION = 0.8  # of free GPU memory: the rest is for activations, workspaces, the CUDA context
+AUTO_DEVICE_FRACTION_CPU = 0.25  # of available RAM, when the "device" is the CPU itself
+AUTO_HOST_FRACTION = 0.5  # of available RAM
+
+
+def auto_budget(tier: Tier, device: torch.device) -> int:
+    """What ``auto`` means for a tier's budget, from what the machine has free now.
+
+    device: 80% of the GPU's free memory (25% of available RAM when computing on the CPU);
+    host: 50% of available RAM. Both leave room for what is not chunks (activations, the process, the OS).
+    """
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if tier is Tier.HOST:
+        return int(available * AUTO_HOST_FRACTION)
+    if tier is not Tier.DEVICE:
+        raise ConfigError(f"no automatic budget for the {tier.value} tier")
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * AUTO_DEVICE_FRACTION)
+    return int(available * AUTO_DEVICE_FRACTION_CPU)
+
+
 class Arena:
     """Best-fit allocator of aligned byte ranges in ``[0, capacity)``, with coalescing and peak tracking.
 
