@@ -46,3 +46,7 @@ class DiskFullError(StorageError):
 
 class IntegrityError(StorageError):
     """A chunk read back from disk is short or does not match its checksum."""
+
+
+class ModelError(TiertuneError, ValueError):
+    """A model directory or its weight files cannot be used: missing, corrupt, or of an unknown shape."""

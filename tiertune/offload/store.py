@@ -17,11 +17,12 @@ be made because everything resident is in use, ``BudgetError`` names the tier, t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -260,18 +261,25 @@ class ChunkStore:
                 chunk.transition(_SETTLED[tier])
                 self._cond.notify_all()
 
-    def write(self, chunk: Chunk, values: Mapping[str, torch.Tensor]) -> None:
-        """Copy ``values`` into ``chunk``'s tensors (on its home tier, or staged on the host for disk)."""
+    @contextlib.contextmanager
+    def writing(self, chunk: Chunk) -> Iterator[dict[str, torch.Tensor]]:
+        """Fill or modify ``chunk`` in place: yields its tensors on its home tier (staged on the host for
+        disk) and releases them as modified. Outside the scheduler's trace, e.g. for loading weights."""
         tier = Tier.DEVICE if chunk.home is Tier.DEVICE else Tier.HOST
         with self._cond:
             self._check_open()
             self._pin(chunk, tier)
             views = chunk.views(chunk.copies[tier].tensor)  # type: ignore[attr-defined]
         try:
-            for key, value in values.items():
-                views[key].copy_(value)
+            yield views
         finally:
             self.release(chunk, dirty=True)
+
+    def write(self, chunk: Chunk, values: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``values`` into ``chunk``'s tensors (on its home tier, or staged on the host for disk)."""
+        with self.writing(chunk) as views:
+            for key, value in values.items():
+                views[key].copy_(value)
 
     def read(self, chunk: Chunk) -> dict[str, torch.Tensor]:
         """A copy of ``chunk``'s tensors on the CPU (outside the scheduler's trace)."""

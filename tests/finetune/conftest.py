@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def tiny_config(family: str, layers: int = 4):
+    from transformers import GPTNeoXConfig, LlamaConfig, Qwen2Config
+
+    common = dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4, vocab_size=211
+    )
+    if family == "llama":
+        return LlamaConfig(**common, num_key_value_heads=2, tie_word_embeddings=True)
+    if family == "qwen2":
+        return Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=False)
+    if family == "gpt_neox":
+        return GPTNeoXConfig(**common, tie_word_embeddings=False)
+    raise ValueError(family)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Save a tiny random model of a family as a sharded safetensors HF directory; returns (dir, model)."""
+    from transformers import AutoModelForCausalLM
+
+    made = {}
+
+    def make(family: str, layers: int = 4, shard: str = "40KB"):
+        key = (family, layers, shard)
+        if key not in made:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(tiny_config(family, layers))
+            path = tmp_path_factory.mktemp(f"{family}-{layers}")
+            model.save_pretrained(path, max_shard_size=shard)
+            made[key] = (path, model)
+        return made[key]
+
+    return make

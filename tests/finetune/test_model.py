@@ -1,0 +1,106 @@
+import pytest
+import torch
+from torch import nn
+
+from tiertune.errors import ModelError
+from tiertune.finetune.model import build_skeleton, find_decoder_layers, load_into_store, split_model
+from tiertune.finetune.weights import Checkpoint
+from tiertune.offload.store import ChunkStore, StoreConfig
+from tiertune.offload.tiers import Tier
+
+
+@pytest.mark.parametrize(
+    ("family", "tied", "layers_name"),
+    [
+        ("llama", True, "model.layers"),
+        ("qwen2", False, "model.layers"),
+        ("gpt_neox", False, "gpt_neox.layers"),
+    ],
+)
+def test_split_finds_layers_embeddings_head_and_groups_every_parameter_once(
+    tiny_model_dir, family, tied, layers_name
+):
+    path, _ = tiny_model_dir(family)
+    skeleton = build_skeleton(path)
+    assert all(p.is_meta for p in skeleton.parameters())
+    assert all(not b.is_meta for b in skeleton.buffers())  # rotary caches are real
+    parts = split_model(skeleton)
+    assert parts.layers_name == layers_name and len(parts.layers) == 4
+    assert parts.tied is tied
+    names = [n for g in parts.groups for n in g.params]
+    assert len(names) == len(set(names)) == len(dict(skeleton.named_parameters()))
+    kinds = [g.kind for g in parts.groups]
+    assert kinds == ["embed"] + ["layer"] * 4 + ["rest"] + ([] if tied else ["head"])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt_neox"])
+@pytest.mark.parametrize("home", ["device", "host", "disk"])
+def test_streamed_load_puts_every_weight_in_its_chunk(tiny_model_dir, disk_dir, family, home):
+    path, model = tiny_model_dir(family)
+    parts = split_model(build_skeleton(path))
+    cfg = StoreConfig(device_budget="4MiB", host_budget="1MiB", disk_path=str(disk_dir), chunk_size="64KiB")
+    with ChunkStore(cfg) as store:
+        load_into_store(parts, Checkpoint(path), store, home, torch.float32)
+        expected = model.state_dict()
+        for group in parts.groups:
+            assert group.chunks and all(c.home is Tier(home) for c in group.chunks)
+            for chunk in group.chunks:
+                for name, value in store.read(chunk).items():
+                    assert torch.equal(value, expected[name]), name
+        assert store.stats().tiers["host"].peak <= 1 << 20
+
+
+def test_load_converts_dtype(tiny_model_dir, disk_dir):
+    path, model = tiny_model_dir("qwen2")
+    parts = split_model(build_skeleton(path))
+    with ChunkStore(StoreConfig(device_budget="4MiB", host_budget="4MiB", disk_path=str(disk_dir))) as store:
+        load_into_store(
+            parts,
+            Checkpoint(path),
+            store,
+            {"embed": "host", "layer": "disk", "rest": "host", "head": "disk"},
+            torch.bfloat16,
+        )
+        chunk = parts.groups[2].chunks[0]
+        for name, value in store.read(chunk).items():
+            assert value.dtype == torch.bfloat16 and torch.equal(value, model.state_dict()[name].bfloat16())
+
+
+def test_a_model_without_a_layer_stack_is_named():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.norm = nn.LayerNorm(4)
+
+    with pytest.raises(ModelError, match=r"Odd has no recognizable stack.*proj: Linear, norm: LayerNorm"):
+        find_decoder_layers(Odd())
+
+
+def test_generic_discovery_prefers_the_largest_homogeneous_list():
+    class Block(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(n, n) for _ in range(3))  # a nested list inside each block
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+            self.blocks = nn.ModuleList(Block(8) for _ in range(5))
+
+    name, layers = find_decoder_layers(Net())
+    assert name == "blocks" and len(layers) == 5
+
+
+def test_missing_model_dir_and_missing_tensor(tiny_model_dir, tmp_path, disk_dir):
+    with pytest.raises(ModelError, match="no config.json"):
+        build_skeleton(tmp_path)
+    path, _ = tiny_model_dir("llama")
+    parts = split_model(build_skeleton(path))
+    parts.groups[1].params["model.layers.0.extra.weight"] = nn.Parameter(torch.empty(2, device="meta"))
+    with (
+        ChunkStore(StoreConfig(device_budget="1MiB", host_budget="1MiB", disk_path=str(disk_dir))) as store,
+        pytest.raises(ModelError, match="no tensor 'model.layers.0.extra.weight'"),
+    ):
+        load_into_store(parts, Checkpoint(path), store, "disk", torch.float32)

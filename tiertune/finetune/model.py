@@ -1,0 +1,179 @@
+"""Unmodified Hugging Face causal LMs, taken apart the way the streaming engine needs them.
+
+The model is built on the meta device from its local directory (parameters take no memory; buffers such as
+rotary caches are real, computed as the model computes them), its stack of decoder layers is found
+generically, and its parameters are grouped: input embeddings, one group per decoder layer, the rest
+(final norm and the like) and the output head when it is not tied to the input embeddings. Each group is
+registered in a ``ChunkStore`` and its weights are streamed from the safetensors shards straight into the
+chunks, converting dtype on the way: peak host memory is the store's host budget plus one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tiertune.errors import ModelError
+from tiertune.finetune.weights import SCRATCH_BYTES, Checkpoint
+from tiertune.offload.chunk import Chunk
+from tiertune.offload.store import ChunkStore
+from tiertune.offload.tiers import Tier
+
+
+@dataclass
+class ParamGroup:
+    """Parameters that move together: ``kind`` is embed, layer, rest or head."""
+
+    name: str
+    kind: str
+    params: dict[str, nn.Parameter]
+    chunks: list[Chunk] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params.values())
+
+
+@dataclass
+class ModelParts:
+    """A model's decoder stack, embeddings and head, and its parameters grouped for streaming."""
+
+    model: nn.Module
+    layers_name: str
+    layers: nn.ModuleList
+    embed: nn.Module
+    head: nn.Module | None
+    tied: bool
+    groups: list[ParamGroup]
+
+
+def build_skeleton(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of a local Hugging Face directory with its parameters on the meta device (no memory)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(directory)
+    if not (path / "config.json").is_file():
+        raise ModelError(
+            f"{path} is not a Hugging Face model directory (no config.json); set model.path to one"
+        )
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"cannot read the model config in {path}: {exc}") from exc
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # init_empty_weights re-creates each registered parameter on meta, which undoes the tying that
+    # from_config did: tie again so a tied head is the embedding's own parameter
+    model.tie_weights()
+    return model
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's stack of decoder layers: among lists of modules all of one class, the one holding the
+    most parameters. Works for any architecture built as a list of blocks, without a table of names."""
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size and (best is None or size > best[0]):
+            best = (size, name, module)
+    if best is None:
+        found = ", ".join(f"{n}: {type(m).__name__}" for n, m in model.named_children()) or "nothing"
+        raise ModelError(
+            f"{type(model).__name__} has no recognizable stack of decoder layers (a list of identical blocks "
+            f"holding parameters); its top-level modules are {found}"
+        )
+    return best[1], best[2]
+
+
+def split_model(model: nn.Module) -> ModelParts:
+    """Find the decoder layers, embeddings and head, and group every parameter exactly once."""
+    layers_name, layers = find_decoder_layers(model)
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    owner = {id(p): n for n, p in model.named_parameters()}  # named_parameters yields a tied weight once
+    groups = [ParamGroup("embed", "embed", {owner[id(p)]: p for p in embed.parameters()})]
+    for i, layer in enumerate(layers):
+        groups.append(
+            ParamGroup(f"{layers_name}.{i}", "layer", {owner[id(p)]: p for p in layer.parameters()})
+        )
+    taken = {n for g in groups for n in g.params}
+    head_params = {} if head is None or tied else {owner[id(p)]: p for p in head.parameters()}
+    rest = {n: p for n, p in model.named_parameters() if n not in taken and n not in head_params}
+    if rest:
+        groups.append(ParamGroup("rest", "rest", rest))
+    if head_params:
+        groups.append(ParamGroup("head", "head", head_params))
+    return ModelParts(model, layers_name, layers, embed, head, tied, groups)
+
+
+def checkpoint_names(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
+    """Map the model's parameter names to the checkpoint's tensor names.
+
+    Checkpoints may use older names than the model's modules (GPT-NeoX saves ``embed_out.weight`` for
+    ``lm_head.weight``); transformers keeps the renamings per architecture, and they are applied here
+    exactly as ``from_pretrained`` would. A checkpoint that needs more than renaming (fused MoE experts and
+    the like) raises ModelError rather than loading wrong weights.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # transformers < 5: checkpoint names are the model's names
+        return {name: name for name in checkpoint.entries}
+    transforms = get_model_conversion_mapping(model) or []
+    names = {}
+    for key in checkpoint.entries:
+        target = key
+        for transform in transforms:
+            renamed, matched = transform.rename_source_key(target)
+            if matched is None:
+                continue
+            if not isinstance(transform, WeightRenaming):
+                raise ModelError(
+                    f"checkpoint tensor {key!r} in {checkpoint.directory} must be converted "
+                    f"({type(transform).__name__}) before {type(model).__name__} can use it; the streaming "
+                    "loader does not do that conversion yet"
+                )
+            target = renamed
+        names[target] = key
+    return names
+
+
+def load_into_store(
+    parts: ModelParts,
+    checkpoint: Checkpoint,
+    store: ChunkStore,
+    homes: dict[str, Tier | str] | Tier | str,
+    dtype: torch.dtype,
+) -> None:
+    """Register every group's parameters as chunks (in ``dtype``) on its home tier and stream the weights in.
+
+    ``homes`` maps a group kind (embed, layer, rest, head) to a tier, or gives one tier for all. Raises
+    ModelError naming the tensor and file when the checkpoint lacks a weight or has the wrong shape.
+    """
+    source = checkpoint_names(parts.model, checkpoint)
+    for group in parts.groups:
+        missing = [n for n in group.params if n not in source]
+        if missing:
+            raise ModelError(
+                f"the checkpoint in {checkpoint.directory} has no tensor {missing[0]!r} ({group.name})"
+            )
+    scratch = torch.empty(SCRATCH_BYTES, dtype=torch.uint8)  # reused by every dtype conversion
+    for group in parts.groups:
+        home = homes if isinstance(homes, Tier | str) else homes[group.kind]
+        entries = [(n, tuple(p.shape), dtype) for n, p in group.params.items()]
+        group.chunks = store.add(entries, home=home, name=group.name)
+        for chunk in group.chunks:
+            with store.writing(chunk) as views:
+                for name, view in views.items():
+                    checkpoint.read_into(source[name], view, scratch)

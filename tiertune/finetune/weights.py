@@ -1,0 +1,187 @@
+"""Streaming reads of safetensors checkpoints, one tensor at a time, without mapping whole files.
+
+``safetensors.safe_open`` maps each file into memory; every page it touches then counts towards the
+process's resident memory until the mapping goes away, so walking a 100 GB checkpoint that way grows RSS
+towards the checkpoint's size. This reader follows the safetensors format (an 8-byte little-endian header
+length, a JSON header of dtype/shape/data_offsets per tensor, then the data) and ``preadv``s each tensor's
+bytes into a caller's buffer, converting dtype on the way: peak memory is one tensor plus the destination.
+Headers are checked (offsets inside the file, sizes matching dtype x shape), so a truncated or corrupt
+file raises ``ModelError`` naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tiertune.errors import ModelError
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+SCRATCH_BYTES = 64 << 20  # the largest slice converted at once
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes are in a checkpoint."""
+
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class Checkpoint:
+    """The tensors of a Hugging Face safetensors checkpoint directory (single file or sharded with an index)."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self.entries: dict[str, TensorEntry] = {}
+        index = self.directory / INDEX
+        if index.is_file():
+            try:
+                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as exc:
+                raise ModelError(f"{index} is not a valid safetensors index (no weight_map): {exc}") from exc
+            files = sorted(set(weight_map.values()))
+        elif (self.directory / SINGLE).is_file():
+            files = [SINGLE]
+            weight_map = {}
+        else:
+            raise ModelError(
+                f"no safetensors weights in {self.directory}: expected {SINGLE} or {INDEX} "
+                "(save the model with save_pretrained(..., safe_serialization=True))"
+            )
+        for name in files:
+            path = self.directory / name
+            if not path.is_file():
+                raise ModelError(f"weight file {path} is listed in {INDEX} but does not exist")
+            for entry in _read_header(path):
+                if weight_map and weight_map.get(entry.name) not in (None, name):
+                    continue  # the index says this tensor lives in another file
+                self.entries[entry.name] = entry
+        missing = [k for k, f in weight_map.items() if k not in self.entries]
+        if missing:
+            raise ModelError(
+                f"{INDEX} lists tensors not found in their files, e.g. {missing[0]!r} in {weight_map[missing[0]]}"
+            )
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def read_into(self, name: str, out: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+        """Read tensor ``name`` into ``out`` (a contiguous CPU tensor of the same shape, any dtype).
+
+        Reads straight into ``out`` when the dtypes match; otherwise slice by slice through ``scratch`` (a
+        uint8 CPU buffer; 64 MiB is allocated if not given), converting each slice: memory stays bounded
+        whatever the tensor's size.
+        """
+        entry = self._entry(name)
+        if tuple(out.shape) != entry.shape:
+            raise ModelError(
+                f"tensor {name!r} in {entry.file} has shape {entry.shape}, the model expects {tuple(out.shape)}"
+            )
+        if not out.is_contiguous():
+            raise ModelError(f"cannot read {name!r} into a non-contiguous tensor")
+        if out.dtype == entry.dtype:
+            self._pread(entry, out.view(torch.uint8).reshape(-1), 0)
+            return
+        if scratch is None:
+            scratch = torch.empty(SCRATCH_BYTES, dtype=torch.uint8)
+        item = entry.nbytes // max(1, math.prod(entry.shape))
+        step = (scratch.numel() // item) * item
+        flat = out.view(-1)
+        for start in range(0, entry.nbytes, step):
+            n = min(step, entry.nbytes - start)
+            raw = scratch[:n]
+            self._pread(entry, raw, start)
+            flat[start // item : (start + n) // item].copy_(raw.view(entry.dtype))
+
+    def _entry(self, name: str) -> TensorEntry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise ModelError(f"tensor {name!r} is not in the checkpoint at {self.directory}") from None
+
+    @staticmethod
+    def _pread(entry: TensorEntry, dst: torch.Tensor, offset: int) -> None:
+        """Read ``dst.numel()`` bytes of ``entry`` starting ``offset`` bytes into it."""
+        from tiertune.offload.aio import buffer_of
+
+        if dst.numel() == 0:
+            return
+        view = buffer_of(dst)
+        fd = os.open(entry.file, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], entry.start + offset + done)
+                if n <= 0:
+                    raise ModelError(
+                        f"weight file {entry.file} is truncated: tensor {entry.name!r} needs bytes "
+                        f"{entry.start}-{entry.start + entry.nbytes}, the file has {os.fstat(fd).st_size}"
+                    )
+                done += n
+        finally:
+            os.close(fd)
+
+
+def _read_header(path: Path) -> list[TensorEntry]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelError(f"weight file {path} is not a safetensors file (shorter than its header)")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(size - 8, 100 << 20):
+            raise ModelError(
+                f"weight file {path} is corrupt or truncated: header of {length} bytes in a {size}-byte file"
+            )
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ModelError(f"weight file {path} is corrupt: its header is not valid JSON ({exc})") from exc
+    base = 8 + length
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelError(f"weight file {path} is corrupt: bad header entry for {name!r} ({exc})") from exc
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if end - begin != nbytes or begin < 0:
+            raise ModelError(
+                f"weight file {path} is corrupt: {name!r} spans {end - begin} bytes, {nbytes} expected"
+            )
+        if base + end > size:
+            raise ModelError(
+                f"weight file {path} is truncated: {name!r} ends at byte {base + end}, the file has {size}"
+            )
+        entries.append(TensorEntry(name, path, dtype, shape, base + begin, nbytes))
+    return entries
