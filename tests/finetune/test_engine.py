@@ -120,3 +120,39 @@ def test_loss_and_weights_match_a_plain_pytorch_loop(tiny_model_dir, disk_dir, f
     assert worst <= 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
     moved = [n for n, w in weights.items() if not torch.equal(w, initial.state_dict()[n])]
     assert len(moved) == len(weights)  # every weight was trained
+
+
+def test_24_layers_train_with_a_device_budget_of_about_two_layers(tiny_model_dir, disk_dir):
+    path, _ = tiny_model_dir("llama", layers=24, shard="200KB")
+    cfg = _config(params="disk", optimizer_states="disk", gradients="host", max_steps=3, warmup_steps=0)
+    from tiertune.finetune.model import build_skeleton, split_model
+    from tiertune.offload.chunk import pack_tensors
+
+    def capacity(group):
+        return sum(
+            lay.capacity
+            for lay in pack_tensors([(n, p.shape, p.dtype) for n, p in group.params.items()], 1 << 20)
+        )
+
+    groups = split_model(build_skeleton(path)).groups
+    layer_bytes = capacity(groups[1])
+    pinned = sum(
+        capacity(g) for g in groups if g.kind != "layer"
+    )  # embed + final norm, bound per micro-batch
+    budget = pinned + 2 * layer_bytes  # two layers: the one computing and the one prefetched
+    store = StoreConfig(
+        device_budget=budget, host_budget="4MiB", disk_path=str(disk_dir), chunk_size="1MiB", prefetch_depth=1
+    )
+    trainer = StreamedTrainer(str(path), store, cfg)
+    try:
+        batch = _batches(211)[:ACCUM]  # the same batch every step: the loss must fall
+        losses = [trainer.step(batch) for _ in range(3)]
+        stats = trainer.store.stats()
+    finally:
+        trainer.close()
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    assert stats.tiers["device"].budget == budget
+    assert stats.tiers["device"].peak == budget  # the second layer was prefetched into the last free bytes
+    assert stats.tiers["device"].peak <= stats.tiers["device"].budget
+    assert stats.tiers["host"].peak <= stats.tiers["host"].budget
+    assert stats.divergences == 0  # every step followed the recorded trace

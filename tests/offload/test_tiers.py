@@ -76,3 +76,15 @@ def test_budget_typos_are_config_errors():
         StoreConfig(host_budget="automatic")
     with pytest.raises(ConfigError, match="offload.prefetch_depth"):
         StoreConfig(prefetch_depth=-1)
+
+
+def test_allocations_have_their_own_autograd_version_counter():
+    # a copy into one chunk must not look like an in-place change of another chunk's saved tensors
+    tier = MemoryTier(Tier.DEVICE, 4 * ALIGN, torch.device("cpu"))
+    a, b = tier.alloc(ALIGN), tier.alloc(ALIGN)
+    w = a.tensor.view(torch.float32).requires_grad_(False)
+    x = torch.ones(ALIGN // 4, requires_grad=True)
+    y = (x * w).sum()  # autograd saves w
+    b.tensor.fill_(3)  # e.g. a prefetch landing in the neighbouring chunk
+    y.backward()  # would raise "modified by an inplace operation" if a and b shared a version counter
+    assert a.tensor.data_ptr() + ALIGN == b.tensor.data_ptr()  # still one contiguous arena

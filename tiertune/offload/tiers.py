@@ -183,13 +183,24 @@ class MemoryTier:
         offset = self.arena.alloc(nbytes)
         if offset is None:
             return None
-        return Allocation(offset, self._buffer()[offset : offset + nbytes])
+        return Allocation(offset, _window(self._buffer(), offset, nbytes))
 
     def free(self, allocation: Allocation) -> None:
         self.arena.free(allocation.offset)
 
     def close(self) -> None:
         self._base = None
+
+
+def _window(base: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """``base[offset:offset + nbytes]`` as a tensor of its own, not a view.
+
+    Views share their base's autograd version counter: a copy into one chunk's memory would then look like
+    an in-place change of every other chunk's tensors, and a backward pass that saved a chunk's weights
+    would fail when a prefetch lands elsewhere in the arena. A tensor set on the same storage has its own.
+    """
+    window = torch.empty(0, dtype=torch.uint8, device=base.device)
+    return window.set_(base.untyped_storage(), base.storage_offset() + offset, (nbytes,), (1,))
 
 
 def aligned_empty(nbytes: int, device: torch.device, pin: bool = False) -> torch.Tensor:
