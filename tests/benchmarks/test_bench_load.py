@@ -12,7 +12,9 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_load.py"
 @pytest.mark.timeout(600)
 def test_streaming_load_of_a_3b_checkpoint_stays_under_2_5_gib_rss(tmp_path):
     """Llama-3.2-3B shape, random bf16 weights (6.4 GB), streamed into disk-homed chunks via a 1 GiB host budget."""
-    out = subprocess.run([sys.executable, str(BENCH), "--dir", str(tmp_path)], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--dir", str(tmp_path)], check=True, capture_output=True, text=True
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["parameters"] >= 3_000_000_000
     assert result["peak_rss_bytes"] < 2.5 * 2**30, result

@@ -119,6 +119,43 @@ def env(
         typer.echo(f"{key:<{width}}  {value}")
 
 
+@app.command()
+def train(
+    recipe: Annotated[Path, typer.Argument(help="A YAML recipe (see recipes/).")],
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="Dotted overrides, e.g. training.learning_rate=1e-4.")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the resolved recipe and plan, then exit.")
+    ] = False,
+) -> None:
+    """Fine-tune a model as a recipe says; writes trainer_log.jsonl and the model to training.output_dir.
+
+    Example: tiertune train recipes/demo.yaml training.max_steps=20 offload.disk_path=/mnt/nvme/tt
+    """
+    from tiertune.errors import TiertuneError
+    from tiertune.finetune.recipe import load_recipe
+    from tiertune.finetune.train import plan
+    from tiertune.finetune.train import train as run
+
+    try:
+        resolved = load_recipe(recipe, tuple(overrides or ()))
+        store, engine = plan(resolved)
+        if dry_run:
+            typer.echo(resolved.to_yaml())
+            typer.echo(f"plan: device={store.device} params={engine.params} optimizer_states={engine.optimizer_states} "
+                       f"gradients={engine.gradients} dtype={str(engine.dtype).removeprefix('torch.')} "
+                       f"device_budget={format_size(store.device_budget)} host_budget={format_size(store.host_budget)} "
+                       f"disk_path={store.disk_path}")  # fmt: skip
+            return
+        result = run(resolved)
+    except TiertuneError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"done: {result.steps} steps in {result.seconds:.1f}s, final loss {result.losses[-1]:.4f}; "
+               f"model and {result.log_path.name} in {result.output_dir}")  # fmt: skip
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

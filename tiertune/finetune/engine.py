@@ -242,7 +242,7 @@ class StreamedTrainer:
                     reduction="sum",
                 )
                 (loss_sum / n_tokens).backward()
-                total += float(loss_sum)
+                total += float(loss_sum.detach())
                 for state in others:
                     self.add_grads(state, {n: p.grad for n, p in bound[id(state)].items()})
         self._optimizer_step()

@@ -1,0 +1,145 @@
+import json
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from tiertune.cli.app import app
+from tiertune.errors import ConfigError, DataError
+from tiertune.finetune.demo import make_model
+from tiertune.finetune.recipe import load_recipe
+from tiertune.finetune.train import train
+
+TEXTS = [
+    f"the {a} cat sat on the {b} mat ." for a in ("red", "big", "old", "fat") for b in ("blue", "flat", "wet")
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("model"), TEXTS, layers=3)
+
+
+@pytest.fixture
+def recipe_file(tmp_path, model_dir):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    recipe = {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "data": {"path": str(data), "max_seq_len": 32, "shuffle": False},
+        "training": {"output_dir": str(tmp_path / "run"), "max_steps": 6, "per_device_train_batch_size": 4,
+                     "gradient_accumulation_steps": 2, "learning_rate": "3e-3", "logging_steps": 1,
+                     "lr_scheduler_type": "cosine", "warmup_steps": 1},
+        "offload": {"disk_path": str(tmp_path / "nvme"), "params": "disk", "optimizer_states": "disk",
+                    "device_budget": "4MiB", "host_budget": "1MiB"},
+    }  # fmt: skip
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_train_writes_the_log_and_a_model_transformers_loads(recipe_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    result = train(recipe_file, progress=False)
+    assert result.steps == 6 and result.losses[-1] < result.losses[0]
+    lines = [json.loads(line) for line in result.log_path.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
+    for r in lines:
+        assert {"step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "peak_bytes"} <= set(r)
+        assert r["peak_bytes"]["disk"] > 0 and r["tokens_per_second"] > 0
+    assert lines[0]["learning_rate"] == 0.0 and lines[1]["learning_rate"] == pytest.approx(
+        3e-3
+    )  # warmup 1, cosine
+    assert lines[-1]["bytes_moved"]["host->disk"] > 0
+    out = result.output_dir
+    assert (
+        (out / "config.json").exists()
+        and (out / "model.safetensors").exists()
+        and (out / "tokenizer.json").exists()
+    )
+    assert not list(out.glob(".export-*"))
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    batch = torch.tensor([[3, 4, 5, 6]])
+    logits = model(batch).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_cli_train_and_dry_run(recipe_file):
+    runner = CliRunner()
+    dry = runner.invoke(app, ["train", str(recipe_file), "--dry-run", "training.learning_rate=1e-4"])
+    assert dry.exit_code == 0, dry.output
+    assert "learning_rate: 0.0001" in dry.output and "params=disk" in dry.output
+    run = runner.invoke(app, ["train", str(recipe_file), "training.max_steps=2"])
+    assert run.exit_code == 0, run.output
+    assert "done: 2 steps" in run.output
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("training.learnig_rate=1e-4", "did you mean `training.learning_rate`"),
+        ("training.learning_rate=-1", "must be >= 0"),
+        ("training.max_steps=abc", "must be int"),
+        ("model.quantize=fp4", "must be one of none, nf4, int8"),
+        ("offload.host_budget=lots", "cannot read 'lots' as a size"),
+        ("modle.path=x", "did you mean `model`"),
+        ("training", "must look like section.key=value"),
+        ("data.max_seq_len=1", "data.max_seq_len must be >= 2"),
+    ],
+)
+def test_malformed_recipes_give_a_clear_error_and_exit_2(recipe_file, override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_recipe(recipe_file, (override,))
+    result = CliRunner().invoke(app, ["train", str(recipe_file), override], env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+def test_bad_yaml_and_missing_files(tmp_path, recipe_file):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  path: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML at line"):
+        load_recipe(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_recipe(tmp_path / "nope.yaml")
+    with pytest.raises(DataError, match="does not exist"):
+        train(load_recipe(recipe_file, ("data.path=/nonexistent.jsonl",)), progress=False)
+
+
+def test_a_row_without_text_is_named_or_skipped(tmp_path, recipe_file):
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"text": "the red cat sat"}\n{"prompt": "no text here"}\n')
+    with pytest.raises(DataError, match=r"rows.jsonl, row 2: expected a string field 'text'"):
+        train(load_recipe(recipe_file, (f"data.path={data}",)), progress=False)
+    result = train(
+        load_recipe(recipe_file, (f"data.path={data}", "data.skip_bad_rows=true", "training.max_steps=1")),
+        progress=False,
+    )
+    assert result.steps == 1
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_export_is_exactly_the_trained_weights(tiny_model_dir, tmp_path, family, model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tiertune.finetune.engine import EngineConfig, StreamedTrainer
+    from tiertune.finetune.train import export_hf
+    from tiertune.offload.store import StoreConfig
+
+    path, _ = tiny_model_dir(family)  # llama: tied embeddings; gpt_neox: untied head saved as embed_out
+    store = StoreConfig(device_budget="4MiB", host_budget="4MiB", disk_path=str(tmp_path / "nvme"), chunk_size=1 << 40)
+    trainer = StreamedTrainer(str(path), store, EngineConfig(learning_rate=1e-2, max_steps=2, params="disk", optimizer_states="disk"))
+    try:
+        batch = [{"input_ids": torch.randint(0, 211, (2, 8), generator=torch.Generator().manual_seed(1))}]
+        trainer.step(batch)
+        trainer.step(batch)
+        weights = trainer.state_dict()
+        export_hf(trainer, AutoTokenizer.from_pretrained(model_dir), tmp_path / "out")
+    finally:
+        trainer.close()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    params = dict(loaded.named_parameters())
+    assert set(params) == set(weights)
+    for name, value in weights.items():
+        assert torch.equal(params[name].detach(), value), name

@@ -1,0 +1,231 @@
+"""Recipes: the YAML a run is described by, validated into typed sections.
+
+Every key has a default; an unknown key is an error that suggests the nearest known one; a value of the
+wrong type or out of range is an error naming the key and what is expected. Names and defaults of the
+``training`` section follow Hugging Face ``TrainingArguments``. Command-line overrides use dotted paths:
+``training.learning_rate=1e-4``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tiertune.errors import ConfigError
+from tiertune.units import parse_size
+
+
+def _choice(*values: str) -> dict[str, tuple[str, ...]]:
+    return {"choices": values}
+
+
+@dataclass
+class ModelSection:
+    path: str = ""
+    dtype: str = field(default="auto", metadata=_choice("auto", "float32", "bfloat16", "float16"))
+    quantize: str = field(default="none", metadata=_choice("none", "nf4", "int8"))
+
+
+@dataclass
+class LoraSection:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: Any = "all-linear"
+
+
+@dataclass
+class GaloreSection:
+    rank: int = 128
+    update_proj_gap: int = 200
+    scale: float = 0.25
+
+
+@dataclass
+class MethodSection:
+    type: str = field(default="full", metadata=_choice("full", "lora", "galore"))
+    lora: LoraSection = field(default_factory=LoraSection)
+    galore: GaloreSection = field(default_factory=GaloreSection)
+
+
+@dataclass
+class DataSection:
+    path: str = ""
+    format: str = field(default="text", metadata=_choice("text", "alpaca", "chat"))
+    max_seq_len: int = 1024
+    packing: bool = False
+    shuffle: bool = True
+    add_eos: bool = True
+    skip_bad_rows: bool = False
+
+
+@dataclass
+class TrainingSection:
+    output_dir: str = "runs/tiertune"
+    max_steps: int = -1
+    num_train_epochs: float = 3.0
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 5e-5
+    lr_scheduler_type: str = field(
+        default="linear", metadata=_choice("constant", "linear", "cosine", "constant_with_warmup")
+    )
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    seed: int = 42
+    save_steps: int = 500
+    save_total_limit: int | None = None
+    resume_from_checkpoint: str | None = None
+    logging_steps: int = 500
+
+
+@dataclass
+class OffloadSection:
+    device_budget: str = "auto"
+    host_budget: str = "auto"
+    disk_path: str | None = None
+    params: str = field(default="auto", metadata=_choice("auto", "device", "host", "disk"))
+    optimizer_states: str = field(default="auto", metadata=_choice("auto", "device", "host", "disk"))
+    activations: str = field(default="auto", metadata=_choice("auto", "device", "host"))
+    prefetch_depth: int = 2
+
+
+@dataclass
+class Recipe:
+    """A whole run. ``load_recipe`` builds one from YAML; the sections can also be built in Python."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    method: MethodSection = field(default_factory=MethodSection)
+    data: DataSection = field(default_factory=DataSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    offload: OffloadSection = field(default_factory=OffloadSection)
+    kernels: str = field(default="auto", metadata=_choice("auto", "torch", "triton"))
+
+    def __post_init__(self) -> None:
+        t = self.training
+        checks = [
+            (t.learning_rate >= 0, "training.learning_rate", f"must be >= 0, got {t.learning_rate}"),
+            (t.per_device_train_batch_size >= 1, "training.per_device_train_batch_size", "must be >= 1"),
+            (t.gradient_accumulation_steps >= 1, "training.gradient_accumulation_steps", "must be >= 1"),
+            (
+                t.max_steps > 0 or t.num_train_epochs > 0,
+                "training.max_steps",
+                "or num_train_epochs must be > 0",
+            ),
+            (t.warmup_steps >= 0, "training.warmup_steps", "must be >= 0"),
+            (
+                0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1,
+                "training.adam_beta1/adam_beta2",
+                "must be in [0, 1)",
+            ),
+            (t.logging_steps >= 1, "training.logging_steps", "must be >= 1"),
+            (self.data.max_seq_len >= 2, "data.max_seq_len", "must be >= 2 (a token and its target)"),
+            (self.offload.prefetch_depth >= 0, "offload.prefetch_depth", "must be >= 0"),
+        ]
+        for ok, key, what in checks:
+            if not ok:
+                raise ConfigError(f"{key} {what}")
+        for key in ("device_budget", "host_budget"):
+            value = getattr(self.offload, key)
+            if value != "auto":
+                parse_size(value, f"offload.{key}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a YAML recipe, apply ``key.path=value`` overrides, and validate. Raises ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recipe {path} does not exist; `tiertune recipes` lists the built-in ones")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"recipe {path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"recipe {path} must be a mapping of sections (model:, data:, training:, ...)")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(
+                f"override {item!r} must look like section.key=value, e.g. training.learning_rate=1e-4"
+            )
+        _set(raw, key.strip().split("."), yaml.safe_load(value) if value.strip() else None)
+    return build(Recipe, raw, "")
+
+
+def build(cls: type, data: Any, prefix: str) -> Any:
+    """Build the dataclass ``cls`` from ``data``, checking names, types and choices."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'the recipe'} must be a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean `{prefix}{close[0]}`?" if close else f"; known keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown key `{name}`{hint}")
+        values[key] = _coerce(hints[key], value, name, fields[key].metadata.get("choices"))
+    return cls(**values)
+
+
+def _coerce(hint: Any, value: Any, name: str, choices: tuple[str, ...] | None) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, f"{name}.")
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in allowed:
+            return None
+        raise ConfigError(f"{name} cannot be empty")
+    if Any in allowed:
+        return value
+    for typ in allowed:
+        if typ is bool and isinstance(value, bool):
+            return value
+        if typ is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if typ is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if typ is float and isinstance(value, str):
+            try:  # YAML reads 1e-4 (no dot) as a string
+                return float(value)
+            except ValueError:
+                pass
+        if typ is str and isinstance(value, str | int | float) and not isinstance(value, bool):
+            value = str(value)
+            if choices and value not in choices:
+                raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+            return value
+    expected = " or ".join("a number" if t is float else t.__name__ for t in allowed if t is not type(None))
+    raise ConfigError(f"{name} must be {expected}; got {value!r}")
+
+
+def _set(tree: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override path {'.'.join(keys)}: {key} is a value, not a section")
+        node = child
+    node[keys[-1]] = value

@@ -1,0 +1,230 @@
+"""``train()``: a recipe in, a fine-tuned model out. The loop is here, in one place.
+
+The run directory gets ``trainer_log.jsonl`` (one JSON object per logged step: step, loss, learning_rate,
+grad_norm, tokens_per_second, peak bytes per tier) and, at the end, the model in Hugging Face safetensors
+format (config, shards, index, tokenizer), written shard by shard from the chunk store and moved into
+place only once complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tiertune.errors import ConfigError
+from tiertune.finetune.data import batches, load_text
+from tiertune.finetune.engine import EngineConfig, StreamedTrainer
+from tiertune.finetune.recipe import Recipe, load_recipe
+from tiertune.offload.store import StoreConfig
+from tiertune.units import format_size
+
+LOG_NAME = "trainer_log.jsonl"
+SHARD_BYTES = 5 * 10**9  # like save_pretrained's default max_shard_size
+
+
+@dataclass
+class TrainResult:
+    """What a run did: its losses per step, where its log and model are, how long it took."""
+
+    output_dir: Path
+    losses: list[float] = field(default_factory=list)
+    steps: int = 0
+    seconds: float = 0.0
+
+    @property
+    def log_path(self) -> Path:
+        return self.output_dir / LOG_NAME
+
+
+def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
+    """The store and engine settings a recipe resolves to (``auto`` made concrete for this machine)."""
+    if recipe.method.type != "full":
+        raise ConfigError(f"method.type {recipe.method.type!r} is not available yet; use method.type: full")
+    if recipe.model.quantize != "none":
+        raise ConfigError(
+            "model.quantize is not available yet with method.type: full; use model.quantize: none"
+        )
+    if recipe.data.format != "text":
+        raise ConfigError(f"data.format {recipe.data.format!r} is not available yet; use data.format: text")
+    if not recipe.model.path:
+        raise ConfigError("model.path is required: a local Hugging Face model directory")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32}.get(
+        recipe.model.dtype
+    ) or getattr(torch, recipe.model.dtype)
+    off = recipe.offload
+
+    def place(value: str) -> str:
+        if value != "auto":
+            return value
+        return "disk" if off.disk_path else "host"
+
+    params, states = place(off.params), place(off.optimizer_states)
+    if "disk" in (params, states) and not off.disk_path:
+        raise ConfigError(
+            "offload.params or offload.optimizer_states is disk but offload.disk_path is not set"
+        )
+    t = recipe.training
+    store = StoreConfig(
+        device=device,
+        device_budget=off.device_budget,
+        host_budget=off.host_budget,
+        disk_path=off.disk_path,
+        chunk_size=1 << 40,  # one chunk per parameter group (a decoder layer): its states then mirror it
+        prefetch_depth=off.prefetch_depth,
+    )
+    engine = EngineConfig(
+        dtype=dtype,
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_epsilon=t.adam_epsilon,
+        max_grad_norm=t.max_grad_norm,
+        lr_scheduler_type=t.lr_scheduler_type,
+        warmup_steps=t.warmup_steps,
+        max_steps=1,  # set once the data is read
+        params=params,
+        optimizer_states=states,
+        gradients="host",
+    )
+    return store, engine
+
+
+def train(
+    recipe: Recipe | str | os.PathLike[str], overrides: tuple[str, ...] = (), progress: bool = True
+) -> TrainResult:
+    """Run a recipe (a ``Recipe`` or the path of a YAML file) to the end and export the model.
+
+    Raises ConfigError, DataError, ModelError or BudgetError with a message that says what to change.
+    """
+    from transformers import AutoTokenizer
+
+    if not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe, overrides)
+    store_cfg, engine_cfg = plan(recipe)
+    t, d = recipe.training, recipe.data
+    torch.manual_seed(t.seed)
+    tokenizer = AutoTokenizer.from_pretrained(recipe.model.path)
+    data = load_text(d.path, tokenizer, d.max_seq_len, d.add_eos, d.skip_bad_rows)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    per_epoch = math.ceil(len(data.sequences) / t.per_device_train_batch_size)
+    steps = (
+        t.max_steps
+        if t.max_steps > 0
+        else max(1, math.ceil(t.num_train_epochs * per_epoch / t.gradient_accumulation_steps))
+    )
+    engine_cfg.max_steps = steps
+    out = Path(t.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = TrainResult(out)
+    stream = batches(data, t.per_device_train_batch_size, pad_id, d.shuffle, t.seed)
+    trainer = StreamedTrainer(recipe.model.path, store_cfg, engine_cfg)
+    bar = _progress(steps, progress)
+    start = time.perf_counter()
+    try:
+        with open(result.log_path, "a") as log:
+            for step in range(steps):
+                micro = [next(stream) for _ in range(t.gradient_accumulation_steps)]
+                tokens = sum(int(mb["attention_mask"].sum()) for mb in micro)
+                began = time.perf_counter()
+                loss = trainer.step(micro)
+                seconds = time.perf_counter() - began
+                result.losses.append(loss)
+                stats = trainer.store.stats()
+                peaks = {name: tier.peak for name, tier in stats.tiers.items()}
+                record = {
+                    "step": step + 1,
+                    "loss": loss,
+                    "learning_rate": trainer.last_lr,
+                    "grad_norm": trainer.last_grad_norm,
+                    "tokens_per_second": tokens / seconds,
+                    "epoch": (step + 1) * t.gradient_accumulation_steps / per_epoch,
+                    "peak_bytes": peaks,
+                    "bytes_moved": stats.bytes_moved,
+                }
+                if (step + 1) % t.logging_steps == 0 or step + 1 == steps:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / seconds:.0f}",
+                                    **{k: format_size(v) for k, v in peaks.items()})  # fmt: skip
+                    bar.update(1)
+        export_hf(trainer, tokenizer, out)
+    finally:
+        if bar is not None:
+            bar.close()
+        trainer.close()
+    result.steps = steps
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="tiertune", unit="step")
+
+
+def export_hf(trainer: StreamedTrainer, tokenizer: object, out: Path) -> None:
+    """Write the trained model as a Hugging Face directory in ``out``, streaming shard by shard.
+
+    Files are written under a temporary name, synced, and moved into place index last, so an interrupted
+    export never leaves a directory that looks complete.
+    """
+    from safetensors.torch import save_file
+
+    tmp = out / f".export-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    written: list[tuple[str, list[str]]] = []
+
+    def flush() -> None:
+        nonlocal size
+        if shards[-1]:
+            name = f"model-{len(written) + 1:05d}.safetensors"
+            save_file(shards[-1], tmp / name, metadata={"format": "pt"})
+            written.append((name, list(shards[-1])))
+            shards[-1] = {}
+            size = 0
+
+    for state in trainer._states:
+        for chunk in state.weights:
+            tensors = trainer.store.read(chunk)
+            nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
+            if size and size + nbytes > SHARD_BYTES:
+                flush()
+            shards[-1].update(tensors)
+            size += nbytes
+    flush()
+    total = len(written)
+    weight_map = {}
+    for i, (name, keys) in enumerate(written, 1):
+        final = "model.safetensors" if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors"
+        (tmp / name).rename(tmp / final)
+        weight_map.update(dict.fromkeys(keys, final))
+    config = trainer.model.config
+    config.use_cache = True
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
+    if total > 1:
+        index = {"metadata": {"total_size": sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))},
+                 "weight_map": weight_map}  # fmt: skip
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    files = sorted(tmp.iterdir(), key=lambda p: p.name == "model.safetensors.index.json")  # index last
+    for f in files:
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(f, out / f.name)
+    tmp.rmdir()
