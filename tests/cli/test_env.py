@@ -35,3 +35,16 @@ def test_env_bad_disk_path_is_a_usage_error(tmp_path):
 def test_help_has_an_example():
     result = runner.invoke(app, ["env", "--help"])
     assert result.exit_code == 0 and "Example: tiertune env" in result.output
+
+
+def test_demo_runs_a_fine_tune_with_states_on_disk(tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    result = runner.invoke(app, ["demo", "--workdir", str(tmp_path), "--steps", "4"])
+    assert result.exit_code == 0, result.output
+    assert "done: 4 steps" in result.output
+    log = [json.loads(line) for line in (tmp_path / "out" / "trainer_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == 4 and log[-1]["bytes_moved"]["host->disk"] > 0
+    AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # the output loads with transformers

@@ -128,8 +128,14 @@ def test_export_is_exactly_the_trained_weights(tiny_model_dir, tmp_path, family,
     from tiertune.offload.store import StoreConfig
 
     path, _ = tiny_model_dir(family)  # llama: tied embeddings; gpt_neox: untied head saved as embed_out
-    store = StoreConfig(device_budget="4MiB", host_budget="4MiB", disk_path=str(tmp_path / "nvme"), chunk_size=1 << 40)
-    trainer = StreamedTrainer(str(path), store, EngineConfig(learning_rate=1e-2, max_steps=2, params="disk", optimizer_states="disk"))
+    store = StoreConfig(
+        device_budget="4MiB", host_budget="4MiB", disk_path=str(tmp_path / "nvme"), chunk_size=1 << 40
+    )
+    trainer = StreamedTrainer(
+        str(path),
+        store,
+        EngineConfig(learning_rate=1e-2, max_steps=2, params="disk", optimizer_states="disk"),
+    )
     try:
         batch = [{"input_ids": torch.randint(0, 211, (2, 8), generator=torch.Generator().manual_seed(1))}]
         trainer.step(batch)

@@ -156,6 +156,49 @@ def train(
                f"model and {result.log_path.name} in {result.output_dir}")  # fmt: skip
 
 
+@app.command()
+def demo(
+    workdir: Annotated[Path, typer.Option(help="Where the demo model, offload files and run go.")] = Path(
+        "runs/demo"
+    ),
+    steps: Annotated[int | None, typer.Option(help="Override training.max_steps.")] = None,
+) -> None:
+    """Fine-tune a small random model on the bundled data, on the CPU, with weights and optimizer states on disk.
+
+    Example: tiertune demo --steps 20
+    """
+    from tiertune.errors import TiertuneError
+    from tiertune.finetune.data import read_text_rows
+    from tiertune.finetune.demo import make_model
+    from tiertune.finetune.recipe import load_recipe
+    from tiertune.finetune.train import train as run
+
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    if not (recipes / "demo.yaml").is_file():
+        typer.echo(
+            f"error: the demo recipe is not at {recipes / 'demo.yaml'}; run from a source checkout", err=True
+        )
+        raise typer.Exit(2)
+    data = recipes / "data" / "demo.jsonl"
+    overrides = [f"model.path={workdir / 'model'}", f"data.path={data}", f"training.output_dir={workdir / 'out'}",
+                 f"offload.disk_path={workdir / 'offload'}"]  # fmt: skip
+    if steps is not None:
+        overrides.append(f"training.max_steps={steps}")
+    try:
+        recipe = load_recipe(recipes / "demo.yaml", tuple(overrides))
+        if not (workdir / "model" / "config.json").is_file():
+            typer.echo(
+                f"making the demo model in {workdir / 'model'} (random weights, tokenizer fitted to the data)"
+            )
+            make_model(workdir / "model", read_text_rows(data)[0], layers=8, hidden=256)
+        result = run(recipe)
+    except TiertuneError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"done: {result.steps} steps in {result.seconds:.1f}s, loss {result.losses[0]:.3f} -> "
+               f"{result.losses[-1]:.3f}; model and {result.log_path.name} in {result.output_dir}")  # fmt: skip
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
