@@ -25,6 +25,8 @@ dimensions, ``clip_grad_norm_`` and the same transformers LR scheduler.
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -120,6 +122,8 @@ class StreamedTrainer:
             for name, buf in module.named_buffers(recurse=False):
                 module._buffers[name] = buf.to(self.device)
         self.step_count = 0
+        # seconds per step part, cumulative: io_wait (blocked in acquire), optimizer (not hidden), step
+        self.times: defaultdict[str, float] = defaultdict(float)
         self._norms: dict[str, torch.Tensor] = {}
         self._last_micro = False
         self._lr = _Schedule(config)
@@ -189,7 +193,9 @@ class StreamedTrainer:
         acquired: list[Chunk] = []
         try:
             for chunk in state.weights:
+                began = time.perf_counter()
                 views = self.store.acquire(chunk, Tier.DEVICE)
+                self.times["io_wait"] += time.perf_counter() - began
                 acquired.append(chunk)
                 bound.update(self.bind(chunk, views, requires_grad))
             yield bound
@@ -203,7 +209,9 @@ class StreamedTrainer:
     def add_grads(self, state: _GroupState, grads: dict[str, torch.Tensor | None]) -> None:
         """Add a micro-batch's gradients into the group's fp32 accumulators (and the norm on the last one)."""
         for chunk in state.grads:
+            began = time.perf_counter()
             views = self.store.acquire(chunk, Tier.HOST)
+            self.times["io_wait"] += time.perf_counter() - began
             for name, acc in views.items():
                 g = grads.get(name)
                 if g is not None:
@@ -216,6 +224,7 @@ class StreamedTrainer:
 
     def step(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> float:
         """One optimizer step over ``micro_batches`` (gradient accumulation); returns the step's loss."""
+        step_began = time.perf_counter()
         labels = [mb.get("labels", mb["input_ids"]) for mb in micro_batches]
         n_tokens = sum(int((lab[:, 1:] != IGNORE_INDEX).sum()) for lab in labels)
         if n_tokens == 0:
@@ -245,9 +254,12 @@ class StreamedTrainer:
                 total += float(loss_sum.detach())
                 for state in others:
                     self.add_grads(state, {n: p.grad for n, p in bound[id(state)].items()})
+        began = time.perf_counter()
         self._optimizer_step()
+        self.times["optimizer"] += time.perf_counter() - began
         self.store.mark_step()
         self.step_count += 1
+        self.times["step"] += time.perf_counter() - step_began
         return total / n_tokens
 
     def _optimizer_step(self) -> None:
