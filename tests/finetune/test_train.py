@@ -87,12 +87,23 @@ def test_cli_train_and_dry_run(recipe_file):
         ("modle.path=x", "did you mean `model`"),
         ("training", "must look like section.key=value"),
         ("data.max_seq_len=1", "data.max_seq_len must be >= 2"),
+        ("data.packing=true", "data.packing: true is not available yet"),
+        ("offload.activations=host", "offload.activations: host is not available yet"),
+        ("method.type=lora", "method.type 'lora' is not available yet"),
+        ("offload.params=disk", None),  # valid: disk_path is set in the fixture
     ],
 )
 def test_malformed_recipes_give_a_clear_error_and_exit_2(recipe_file, override, message):
+    from tiertune.finetune.train import plan
+
+    if message is None:
+        plan(load_recipe(recipe_file, (override,)))
+        return
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_recipe(recipe_file, (override,))
-    result = CliRunner().invoke(app, ["train", str(recipe_file), override], env={"COLUMNS": "300"})
+        plan(load_recipe(recipe_file, (override,)))
+    result = CliRunner().invoke(
+        app, ["train", str(recipe_file), override, "--dry-run"], env={"COLUMNS": "300"}
+    )
     assert result.exit_code == 2 and "Traceback" not in result.output
 
 
@@ -149,3 +160,11 @@ def test_export_is_exactly_the_trained_weights(tiny_model_dir, tmp_path, family,
     assert set(params) == set(weights)
     for name, value in weights.items():
         assert torch.equal(params[name].detach(), value), name
+
+
+def test_multi_process_launch_stops_with_a_clear_message(recipe_file, monkeypatch):
+    from tiertune.finetune.train import plan
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="launched as 2 processes"):
+        plan(load_recipe(recipe_file))

@@ -55,6 +55,21 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
         raise ConfigError(f"data.format {recipe.data.format!r} is not available yet; use data.format: text")
     if not recipe.model.path:
         raise ConfigError("model.path is required: a local Hugging Face model directory")
+    not_yet = [
+        (recipe.offload.activations == "host", "offload.activations: host", "auto or device"),
+        (recipe.data.packing, "data.packing: true", "false"),
+        (recipe.kernels == "triton", "kernels: triton", "auto or torch"),
+        (recipe.training.resume_from_checkpoint is not None, "training.resume_from_checkpoint", "no value"),
+    ]
+    for used, what, instead in not_yet:
+        if used:  # never train differently from what the recipe says
+            raise ConfigError(f"{what} is not available yet; use {instead}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ConfigError(
+            f"launched as {world} processes, but multi-GPU training (ZeRO sharding) is not available yet; "
+            "run a single process"
+        )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32}.get(
         recipe.model.dtype
