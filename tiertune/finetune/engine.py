@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tiertune.errors import ConfigError
+from tiertune.errors import ConfigError, DataError
 from tiertune.finetune.model import ModelParts, ParamGroup, build_skeleton, load_into_store, split_model
 from tiertune.finetune.weights import Checkpoint
 from tiertune.offload.chunk import Chunk
@@ -228,7 +228,9 @@ class StreamedTrainer:
         labels = [mb.get("labels", mb["input_ids"]) for mb in micro_batches]
         n_tokens = sum(int((lab[:, 1:] != IGNORE_INDEX).sum()) for lab in labels)
         if n_tokens == 0:
-            raise ConfigError("a training step has no target tokens (every label is -100)")
+            raise DataError(
+                "a training step has no target tokens (every label is -100); check the data and max_seq_len"
+            )
         total = 0.0
         self._norms = {}
         others = [s for s in self._states if s.group.kind != "layer"]
