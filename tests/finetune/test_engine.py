@@ -156,3 +156,23 @@ def test_24_layers_train_with_a_device_budget_of_about_two_layers(tiny_model_dir
     assert stats.tiers["device"].peak <= stats.tiers["device"].budget
     assert stats.tiers["host"].peak <= stats.tiers["host"].budget
     assert stats.divergences == 0  # every step followed the recorded trace
+
+
+def test_bf16_weights_follow_fp32_master_weights(tiny_model_dir, disk_dir):
+    path, _ = tiny_model_dir("qwen2")
+    cfg = _config(dtype=torch.bfloat16, params="disk", optimizer_states="disk", max_steps=4, warmup_steps=0)
+    store = StoreConfig(device_budget="8MiB", host_budget="2MiB", disk_path=str(disk_dir), chunk_size=1 << 40)
+    trainer = StreamedTrainer(str(path), store, cfg)
+    try:
+        batch = _batches(211)[:ACCUM]
+        losses = [trainer.step(batch) for _ in range(4)]
+        for state in trainer._states:
+            assert state.master, "bf16 compute keeps fp32 master weights"
+            for weight_chunk, master_chunk in zip(state.weights, state.master):
+                weights, master = trainer.store.read(weight_chunk), trainer.store.read(master_chunk)
+                for name, w in weights.items():
+                    assert w.dtype == torch.bfloat16 and master[name].dtype == torch.float32
+                    assert torch.equal(w, master[name].to(torch.bfloat16)), name
+    finally:
+        trainer.close()
+    assert losses[-1] < losses[0]

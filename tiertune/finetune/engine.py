@@ -36,7 +36,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiertune.errors import ConfigError, DataError
-from tiertune.finetune.model import ModelParts, ParamGroup, build_skeleton, load_into_store, split_model
+from tiertune.finetune.model import (
+    ModelParts,
+    ParamGroup,
+    build_skeleton,
+    checkpoint_names,
+    load_into_store,
+    split_model,
+)
 from tiertune.finetune.weights import Checkpoint
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore, StoreConfig
@@ -110,11 +117,12 @@ class StreamedTrainer:
         self.model.config.use_cache = False
         self.parts: ModelParts = split_model(self.model)
         homes = {"embed": config.params, "layer": config.params, "rest": config.params, "head": config.params}
-        load_into_store(self.parts, Checkpoint(model_dir), self.store, homes, config.dtype)
+        checkpoint = Checkpoint(model_dir)
+        load_into_store(self.parts, checkpoint, self.store, homes, config.dtype)
+        self._source = checkpoint_names(self.model, checkpoint)
         self._slots = self._find_slots()
         self._param_order = [n for n, _ in self.model.named_parameters()]
-        self._states = [self._add_states(g) for g in self.parts.groups]
-        self._layer_state = {i: s for i, s in enumerate(self._states) if s.group.kind == "layer"}
+        self._states = [self._add_states(g, checkpoint) for g in self.parts.groups]
         self._layer_index = [i for i, s in enumerate(self._states) if s.group.kind == "layer"]
         for i, layer in enumerate(self.parts.layers):
             self.parts.layers[i] = StreamedLayer(self, i, layer)
@@ -138,7 +146,7 @@ class StreamedTrainer:
                 slots.setdefault(by_id[id(param)], []).append(_Slot(module, attr))
         return slots
 
-    def _add_states(self, group: ParamGroup) -> _GroupState:
+    def _add_states(self, group: ParamGroup, checkpoint: Checkpoint) -> _GroupState:
         state = _GroupState(group)
         cfg = self.config
         for chunk in group.chunks:
@@ -147,7 +155,10 @@ class StreamedTrainer:
             if cfg.dtype != torch.float32:
                 masters = self.store.add(entries, home=cfg.optimizer_states, name=f"{chunk.name}.master")
                 state.master += masters
-                self._copy_weights(chunk, masters[0])
+                # from the checkpoint, not from the rounded weights: an fp32 checkpoint keeps its precision
+                with self.store.writing(masters[0]) as views:
+                    for name, view in views.items():
+                        checkpoint.read_into(self._source[name], view)
             state.exp_avg += self.store.add(entries, home=cfg.optimizer_states, name=f"{chunk.name}.exp_avg")
             state.exp_avg_sq += self.store.add(
                 entries, home=cfg.optimizer_states, name=f"{chunk.name}.exp_avg_sq"
@@ -158,10 +169,6 @@ class StreamedTrainer:
                 "per weight chunk; raise it"
             )
         return state
-
-    def _copy_weights(self, src: Chunk, dst: Chunk) -> None:
-        values = self.store.read(src)
-        self.store.write(dst, {k: v.float() for k, v in values.items()})
 
     # ------------------------------------------------------------------ binding
 
