@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import shutil
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any
@@ -133,12 +135,11 @@ def train(
 
     Example: tiertune train recipes/demo.yaml training.max_steps=20 offload.disk_path=/mnt/nvme/tt
     """
-    from tiertune.errors import TiertuneError
     from tiertune.finetune.recipe import load_recipe
     from tiertune.finetune.train import plan
     from tiertune.finetune.train import train as run
 
-    try:
+    with _user_errors():
         resolved = load_recipe(recipe, tuple(overrides or ()))
         store, engine = plan(resolved)
         if dry_run:
@@ -149,11 +150,7 @@ def train(
                        f"disk_path={store.disk_path}")  # fmt: skip
             return
         result = run(resolved)
-    except TiertuneError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    typer.echo(f"done: {result.steps} steps in {result.seconds:.1f}s, final loss {result.losses[-1]:.4f}; "
-               f"model and {result.log_path.name} in {result.output_dir}")  # fmt: skip
+    _report(result)
 
 
 @app.command()
@@ -167,7 +164,6 @@ def demo(
 
     Example: tiertune demo --steps 20
     """
-    from tiertune.errors import TiertuneError
     from tiertune.finetune.data import read_text_rows
     from tiertune.finetune.demo import make_model
     from tiertune.finetune.recipe import load_recipe
@@ -184,7 +180,7 @@ def demo(
                  f"offload.disk_path={workdir / 'offload'}"]  # fmt: skip
     if steps is not None:
         overrides.append(f"training.max_steps={steps}")
-    try:
+    with _user_errors():
         recipe = load_recipe(recipes / "demo.yaml", tuple(overrides))
         if not (workdir / "model" / "config.json").is_file():
             typer.echo(
@@ -192,11 +188,26 @@ def demo(
             )
             make_model(workdir / "model", read_text_rows(data)[0], layers=8, hidden=256)
         result = run(recipe)
+    _report(result)
+
+
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """Errors a user can fix end the command with exit code 2 and their message, never a traceback."""
+    from tiertune.errors import TiertuneError
+
+    try:
+        yield
     except TiertuneError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"done: {result.steps} steps in {result.seconds:.1f}s, loss {result.losses[0]:.3f} -> "
-               f"{result.losses[-1]:.3f}; model and {result.log_path.name} in {result.output_dir}")  # fmt: skip
+
+
+def _report(result: Any) -> None:
+    typer.echo(
+        f"done: {result.steps} steps in {result.seconds:.1f}s, loss {result.losses[0]:.4f} -> "
+        f"{result.losses[-1]:.4f}; model and {result.log_path.name} in {result.output_dir}"
+    )
 
 
 def main() -> None:
