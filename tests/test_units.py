@@ -30,3 +30,15 @@ def test_format_and_round_up():
     assert format_size(3) == "3 B"
     assert round_up(1, 4096) == 4096
     assert round_up(8192, 4096) == 8192
+
+
+def test_import_is_light_and_the_api_is_lazy():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tiertune; heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+        "assert not heavy, heavy; assert callable(tiertune.train) and 'torch' in sys.modules; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

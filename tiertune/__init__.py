@@ -1,7 +1,13 @@
 """tiertune: fine-tune language models far larger than GPU memory on one workstation.
 
-Importing tiertune does no CUDA work. The memory manager lives in ``tiertune.offload``.
+    import tiertune
+    result = tiertune.train("recipes/demo.yaml", ["training.max_steps=20"])
+
+Importing tiertune does no CUDA work and loads neither torch nor transformers until they are used. The
+memory manager lives in ``tiertune.offload``, the training engine in ``tiertune.finetune``.
 """
+
+from typing import Any
 
 from tiertune.errors import (
     BudgetError,
@@ -17,6 +23,24 @@ from tiertune.errors import (
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "train": "tiertune.finetune.train",
+    "TrainResult": "tiertune.finetune.train",
+    "load_recipe": "tiertune.finetune.recipe",
+    "Recipe": "tiertune.finetune.recipe",
+    "ChunkStore": "tiertune.offload.store",
+    "StoreConfig": "tiertune.offload.store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tiertune' has no attribute {name!r}")
+
+
 __all__ = [
     "BudgetError",
     "ConfigError",
@@ -28,4 +52,10 @@ __all__ = [
     "StorageError",
     "TiertuneError",
     "__version__",
+    "train",
+    "TrainResult",
+    "load_recipe",
+    "Recipe",
+    "ChunkStore",
+    "StoreConfig",
 ]
