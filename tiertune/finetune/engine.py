@@ -40,7 +40,6 @@ from tiertune.finetune.model import (
     ModelParts,
     ParamGroup,
     build_skeleton,
-    checkpoint_names,
     load_into_store,
     split_model,
 )
@@ -118,9 +117,9 @@ class StreamedTrainer:
         self.parts: ModelParts = split_model(self.model)
         homes = {"embed": config.params, "layer": config.params, "rest": config.params, "head": config.params}
         checkpoint = Checkpoint(model_dir)
-        load_into_store(self.parts, checkpoint, self.store, homes, config.dtype)
-        self._source = checkpoint_names(self.model, checkpoint)
+        self._source = load_into_store(self.parts, checkpoint, self.store, homes, config.dtype)
         self._slots = self._find_slots()
+        self._meta = dict(self.model.named_parameters())  # the skeleton's placeholders, put back by unbind
         self._param_order = [n for n, _ in self.model.named_parameters()]
         self._states = [self._add_states(g, checkpoint) for g in self.parts.groups]
         self._layer_index = [i for i, s in enumerate(self._states) if s.group.kind == "layer"]
@@ -188,10 +187,7 @@ class StreamedTrainer:
         """Put meta placeholders back, so no module keeps a reference to released chunk memory."""
         for name in names:
             for slot in self._slots[name]:
-                param = slot.module._parameters[slot.attr]
-                slot.module._parameters[slot.attr] = nn.Parameter(
-                    torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False
-                )
+                slot.module._parameters[slot.attr] = self._meta[name]
 
     @contextmanager
     def bound_group(self, state: _GroupState, requires_grad: bool) -> Iterator[dict[str, torch.Tensor]]:
@@ -339,12 +335,17 @@ class StreamedTrainer:
 
     # ------------------------------------------------------------------ export
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The current weights, by parameter name, on the CPU (for tests and export)."""
-        out = {}
+    def weights(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The current weights, one chunk at a time (CPU copies by parameter name): for streaming export."""
         for state in self._states:
             for chunk in state.weights:
-                out.update(self.store.read(chunk))
+                yield self.store.read(chunk)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """All current weights by parameter name, on the CPU (small models, tests)."""
+        out: dict[str, torch.Tensor] = {}
+        for part in self.weights():
+            out.update(part)
         return out
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tiertune.errors import ModelError
-from tiertune.finetune.weights import SCRATCH_BYTES, Checkpoint
+from tiertune.finetune.weights import Checkpoint
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
@@ -155,11 +155,12 @@ def load_into_store(
     store: ChunkStore,
     homes: dict[str, Tier | str] | Tier | str,
     dtype: torch.dtype,
-) -> None:
+) -> dict[str, str]:
     """Register every group's parameters as chunks (in ``dtype``) on its home tier and stream the weights in.
 
-    ``homes`` maps a group kind (embed, layer, rest, head) to a tier, or gives one tier for all. Raises
-    ModelError naming the tensor and file when the checkpoint lacks a weight or has the wrong shape.
+    ``homes`` maps a group kind (embed, layer, rest, head) to a tier, or gives one tier for all. Returns the
+    map of parameter names to checkpoint tensor names (``checkpoint_names``). Raises ModelError naming the
+    tensor and file when the checkpoint lacks a weight or has the wrong shape.
     """
     source = checkpoint_names(parts.model, checkpoint)
     for group in parts.groups:
@@ -168,7 +169,6 @@ def load_into_store(
             raise ModelError(
                 f"the checkpoint in {checkpoint.directory} has no tensor {missing[0]!r} ({group.name})"
             )
-    scratch = torch.empty(SCRATCH_BYTES, dtype=torch.uint8)  # reused by every dtype conversion
     for group in parts.groups:
         home = homes if isinstance(homes, Tier | str) else homes[group.kind]
         entries = [(n, tuple(p.shape), dtype) for n, p in group.params.items()]
@@ -176,4 +176,5 @@ def load_into_store(
         for chunk in group.chunks:
             with store.writing(chunk) as views:
                 for name, view in views.items():
-                    checkpoint.read_into(source[name], view, scratch)
+                    checkpoint.read_into(source[name], view)
+    return source

@@ -214,14 +214,12 @@ def export_hf(trainer: StreamedTrainer, tokenizer: object, out: Path) -> None:
             shards[-1] = {}
             size = 0
 
-    for state in trainer._states:
-        for chunk in state.weights:
-            tensors = trainer.store.read(chunk)
-            nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
-            if size and size + nbytes > SHARD_BYTES:
-                flush()
-            shards[-1].update(tensors)
-            size += nbytes
+    for tensors in trainer.weights():
+        nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
+        if size and size + nbytes > SHARD_BYTES:
+            flush()
+        shards[-1].update(tensors)
+        size += nbytes
     flush()
     total = len(written)
     weight_map = {}

@@ -59,6 +59,7 @@ class Checkpoint:
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
         self.entries: dict[str, TensorEntry] = {}
+        self._scratch: torch.Tensor | None = None  # conversion buffer, allocated on the first conversion
         index = self.directory / INDEX
         if index.is_file():
             try:
@@ -95,8 +96,8 @@ class Checkpoint:
         """Read tensor ``name`` into ``out`` (a contiguous CPU tensor of the same shape, any dtype).
 
         Reads straight into ``out`` when the dtypes match; otherwise slice by slice through ``scratch`` (a
-        uint8 CPU buffer; 64 MiB is allocated if not given), converting each slice: memory stays bounded
-        whatever the tensor's size.
+        uint8 CPU buffer; by default one of 64 MiB that this checkpoint allocates once and reuses),
+        converting each slice: memory stays bounded whatever the tensor's size.
         """
         entry = self._entry(name)
         if tuple(out.shape) != entry.shape:
@@ -105,19 +106,25 @@ class Checkpoint:
             )
         if not out.is_contiguous():
             raise ModelError(f"cannot read {name!r} into a non-contiguous tensor")
-        if out.dtype == entry.dtype:
-            self._pread(entry, out.view(torch.uint8).reshape(-1), 0)
-            return
-        if scratch is None:
-            scratch = torch.empty(SCRATCH_BYTES, dtype=torch.uint8)
-        item = entry.nbytes // max(1, math.prod(entry.shape))
-        step = (scratch.numel() // item) * item
-        flat = out.view(-1)
-        for start in range(0, entry.nbytes, step):
-            n = min(step, entry.nbytes - start)
-            raw = scratch[:n]
-            self._pread(entry, raw, start)
-            flat[start // item : (start + n) // item].copy_(raw.view(entry.dtype))
+        fd = os.open(entry.file, os.O_RDONLY)
+        try:
+            if out.dtype == entry.dtype:
+                _pread(fd, entry, out.view(torch.uint8).reshape(-1), 0)
+                return
+            if scratch is None:
+                if self._scratch is None:
+                    self._scratch = torch.empty(SCRATCH_BYTES, dtype=torch.uint8)
+                scratch = self._scratch
+            item = entry.nbytes // max(1, math.prod(entry.shape))
+            step = (scratch.numel() // item) * item
+            flat = out.view(-1)
+            for start in range(0, entry.nbytes, step):
+                n = min(step, entry.nbytes - start)
+                raw = scratch[:n]
+                _pread(fd, entry, raw, start)
+                flat[start // item : (start + n) // item].copy_(raw.view(entry.dtype))
+        finally:
+            os.close(fd)
 
     def _entry(self, name: str) -> TensorEntry:
         try:
@@ -125,27 +132,23 @@ class Checkpoint:
         except KeyError:
             raise ModelError(f"tensor {name!r} is not in the checkpoint at {self.directory}") from None
 
-    @staticmethod
-    def _pread(entry: TensorEntry, dst: torch.Tensor, offset: int) -> None:
-        """Read ``dst.numel()`` bytes of ``entry`` starting ``offset`` bytes into it."""
-        from tiertune.offload.aio import buffer_of
 
-        if dst.numel() == 0:
-            return
-        view = buffer_of(dst)
-        fd = os.open(entry.file, os.O_RDONLY)
-        try:
-            done = 0
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], entry.start + offset + done)
-                if n <= 0:
-                    raise ModelError(
-                        f"weight file {entry.file} is truncated: tensor {entry.name!r} needs bytes "
-                        f"{entry.start}-{entry.start + entry.nbytes}, the file has {os.fstat(fd).st_size}"
-                    )
-                done += n
-        finally:
-            os.close(fd)
+def _pread(fd: int, entry: TensorEntry, dst: torch.Tensor, offset: int) -> None:
+    """Read ``dst.numel()`` bytes of ``entry``, starting ``offset`` bytes into it, from ``fd``."""
+    from tiertune.offload.aio import buffer_of
+
+    if dst.numel() == 0:
+        return
+    view = buffer_of(dst)
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], entry.start + offset + done)
+        if n <= 0:
+            raise ModelError(
+                f"weight file {entry.file} is truncated: tensor {entry.name!r} needs bytes "
+                f"{entry.start}-{entry.start + entry.nbytes}, the file has {os.fstat(fd).st_size}"
+            )
+        done += n
 
 
 def _read_header(path: Path) -> list[TensorEntry]:
