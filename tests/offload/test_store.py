@@ -178,3 +178,98 @@ def test_pins_nest_and_dirty_from_any_holder_counts():
         store.release(chunk)
         assert chunk.state is ChunkState.ON_DEVICE and chunk.valid == {Tier.DEVICE}
         assert torch.all(store.read(chunk)["w"] == 7)
+
+
+def _cfg(disk_dir, **kw):
+    base = dict(device_budget="1MiB", host_budget="1MiB", disk_path=str(disk_dir), chunk_size="64KiB",
+                block_size="16KiB")  # fmt: skip
+    base.update(kw)
+    return StoreConfig(**base)
+
+
+@pytest.mark.parametrize("home", ["device", "host", "disk"])
+def test_overwrite_acquire_reads_nothing_and_keeps_the_new_bytes(home, disk_dir):
+    with ChunkStore(_cfg(disk_dir)) as store:
+        (chunk,) = store.add({"x": torch.arange(1000.0)}, home=home, name="c")
+        store.evict(chunk)
+        before = dict(store.stats().bytes_moved)
+        views = store.acquire(chunk, "host", overwrite=True)
+        moved = store.stats().bytes_moved
+        # nothing fetched for the overwrite (device-homed: no device->host copy either)
+        assert moved.get("disk->host", 0) == before.get("disk->host", 0)
+        assert moved.get("device->host", 0) == before.get("device->host", 0)
+        views["x"].copy_(torch.full((1000,), 7.0))
+        store.release(chunk, dirty=True)
+        store.evict(chunk)
+        assert torch.equal(store.read(chunk)["x"], torch.full((1000,), 7.0))
+        # acquiring where a valid copy already is keeps it: overwrite only skips fetching
+        store.acquire(chunk, "host")
+        store.release(chunk)
+        assert torch.equal(store.acquire(chunk, "host", overwrite=True)["x"], torch.full((1000,), 7.0))
+        store.release(chunk)
+
+
+@pytest.mark.parametrize("home", ["device", "host", "disk"])
+def test_exchange_swaps_contents_without_copying(home, disk_dir):
+    with ChunkStore(_cfg(disk_dir)) as store:
+        entries = [("w", (100,), torch.float32), ("b", (3,), torch.float64)]
+        (a,) = store.add(entries, home=home, name="a")
+        (b,) = store.add(entries, home=home, name="b")
+        store.write(a, {"w": torch.ones(100), "b": torch.ones(3, dtype=torch.float64)})
+        store.write(b, {"w": torch.full((100,), 2.0), "b": torch.full((3,), 2.0, dtype=torch.float64)})
+        store.evict(a)  # a on its home only; b also cached on the host (unless home)
+        store.acquire(b, "host")
+        store.release(b)
+        moved = dict(store.stats().bytes_moved)
+        store.exchange(a, b)
+        assert store.stats().bytes_moved == moved
+        assert torch.equal(store.read(a)["w"], torch.full((100,), 2.0))
+        assert torch.equal(store.read(b)["w"], torch.ones(100))
+        store.evict(a)
+        store.evict(b)
+        # disk reads check the header of the slot each chunk now owns
+        assert torch.equal(store.acquire(a, "device")["b"], torch.full((3,), 2.0, dtype=torch.float64))
+        assert torch.equal(store.acquire(b, "device")["b"], torch.ones(3, dtype=torch.float64))
+        with pytest.raises(StateError, match="acquired"):
+            store.exchange(a, b)
+        store.release(a)
+        store.release(b)
+
+
+def test_exchange_refuses_different_layouts(disk_dir):
+    with ChunkStore(_cfg(disk_dir)) as store:
+        (a,) = store.add([("w", (100,), torch.float32)], home="host", name="a")
+        (b,) = store.add([("w", (101,), torch.float32)], home="host", name="b")
+        with pytest.raises(ConfigError, match="cannot exchange"):
+            store.exchange(a, b)
+
+
+@pytest.mark.parametrize("home", ["host", "disk"])
+def test_discard_forgets_contents_without_writing_them_back(home, disk_dir):
+    with ChunkStore(_cfg(disk_dir)) as store:
+        (chunk,) = store.add({"x": torch.arange(1000.0)}, home=home, name="c")
+        store.acquire(chunk, "device")
+        store.release(chunk, dirty=True)  # newest copy only on the device
+        moved = dict(store.stats().bytes_moved)
+        used = store.stats().tiers["device"].used
+        store.discard(chunk)
+        assert chunk.state is ChunkState.EMPTY
+        assert store.stats().bytes_moved == moved  # nothing written back
+        assert store.stats().tiers["device"].used < used  # the cached copy's space is free again
+        assert torch.equal(store.read(chunk)["x"], torch.zeros(1000))
+
+
+def test_untraced_accesses_leave_the_trace_alone(disk_dir):
+    with ChunkStore(_cfg(disk_dir)) as store:
+        chunks = [store.add({"x": torch.full((1000,), float(i))}, home="disk", name=f"c{i}")[0] for i in range(3)]
+        for step in range(3):
+            for chunk in chunks:
+                store.acquire(chunk, "device")
+                store.release(chunk)
+            if step == 1:  # extra work outside the trace, e.g. a redone optimizer step
+                store.acquire(chunks[2], "host", traced=False)
+                store.release(chunks[2])
+                store.acquire(chunks[0], "host", traced=False)
+                store.release(chunks[0])
+            store.mark_step()
+        assert store.scheduler.replaying and store.stats().divergences == 0

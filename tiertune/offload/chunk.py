@@ -37,7 +37,7 @@ TENSOR_ALIGN = 256
 class ChunkState(enum.Enum):
     """Where a chunk's newest bytes are, or which transfer of them is in flight."""
 
-    EMPTY = "empty"  # registered, never written: no bytes anywhere yet
+    EMPTY = "empty"  # registered and never written, or discarded: no valid bytes anywhere
     ON_DISK = "on_disk"  # newest copy only on disk
     LOADING = "loading"  # disk -> host read in flight
     ON_HOST = "on_host"  # newest copy on host (disk may hold a valid copy too)
@@ -50,17 +50,18 @@ class ChunkState(enum.Enum):
 
 S = ChunkState
 TRANSITIONS: Mapping[ChunkState, frozenset[ChunkState]] = {
+    # any resting state -> EMPTY: the contents were discarded (``ChunkStore.discard``)
     S.EMPTY: frozenset({S.IN_USE}),
-    S.ON_DISK: frozenset({S.LOADING}),
+    S.ON_DISK: frozenset({S.LOADING, S.EMPTY}),
     # a failed read rolls back to ON_DISK
     S.LOADING: frozenset({S.ON_HOST, S.ON_DISK}),
     # ON_HOST -> ON_DISK/ON_DEVICE: the host copy was dropped while another valid copy remains
-    S.ON_HOST: frozenset({S.TO_DEVICE, S.WRITING, S.IN_USE, S.ON_DISK, S.ON_DEVICE}),
+    S.ON_HOST: frozenset({S.TO_DEVICE, S.WRITING, S.IN_USE, S.ON_DISK, S.ON_DEVICE, S.EMPTY}),
     # a failed copy rolls back to ON_HOST
     S.TO_DEVICE: frozenset({S.ON_DEVICE, S.ON_HOST}),
     # ON_DEVICE -> ON_HOST/ON_DISK drops a device copy while a lower copy is still valid;
     # ON_DEVICE -> WRITING writes a valid host copy to disk while the device copy stays valid
-    S.ON_DEVICE: frozenset({S.IN_USE, S.TO_HOST, S.ON_HOST, S.ON_DISK, S.WRITING}),
+    S.ON_DEVICE: frozenset({S.IN_USE, S.TO_HOST, S.ON_HOST, S.ON_DISK, S.WRITING, S.EMPTY}),
     S.TO_HOST: frozenset({S.ON_HOST, S.ON_DEVICE}),
     S.WRITING: frozenset({S.ON_HOST}),
     S.IN_USE: frozenset({S.ON_DEVICE, S.ON_HOST}),

@@ -2,7 +2,7 @@
 
 Layout. A store owns one file, ``tiertune-store-<id>.slots``. Its first ``ALIGN`` bytes say whose file it
 is; after that each chunk homed on disk owns a slot for the store's life: an aligned header (magic,
-chunk id, payload length, block size and one xxh3-64 checksum per block, itself checksummed), then the
+slot owner id, payload length, block size and one xxh3-64 checksum per block, itself checksummed), then the
 payload. Slots come from an ``Arena`` whose capacity is the disk budget, and the file grows with
 ``posix_fallocate`` as slots are handed out, so a full disk is found when a chunk is placed, not halfway
 through a write.
@@ -53,7 +53,7 @@ FILE_MAGIC = b"TTSTORE1"
 CHUNK_MAGIC = b"TTCHUNK1"
 _HEADER = struct.Struct(
     "<8sIIQQIIQ"
-)  # magic, version, reserved, chunk id, length, block size, n_blocks, hash
+)  # magic, version, reserved, slot owner id, length, block size, n_blocks, hash
 _VERSION = 1
 _HINT = "set offload.disk_path to a writable directory on a local NVMe drive"
 
@@ -65,6 +65,7 @@ class DiskSlot:
     offset: int
     header_size: int
     capacity: int
+    owner: int = 0  # id written in the header: the chunk the slot was reserved for (moves with the slot)
 
     @property
     def payload_offset(self) -> int:
@@ -216,7 +217,7 @@ class DiskTier:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise StorageError(f"cannot grow {self.path}: {exc.strerror}") from exc
             self._allocated = max(self._allocated, end)
-        return DiskSlot(offset, header_size, chunk.capacity)
+        return DiskSlot(offset, header_size, chunk.capacity, chunk.id)
 
     def release(self, slot: DiskSlot) -> None:
         self.arena.free(slot.offset - ALIGN)
@@ -240,7 +241,7 @@ class DiskTier:
                 header = aligned_empty(slot.header_size, _CPU)
                 header.zero_()
                 buffer_of(header)[: _HEADER.size + 8 * len(sums)] = _encode_header(
-                    chunk.id, slot, self.aio.block_size, sums
+                    slot.owner, slot, self.aio.block_size, sums
                 )
                 _pwrite_all(self.fd, buffer_of(header), slot.offset, self.path)
 
@@ -345,10 +346,10 @@ def _check_header(raw: bytes, chunk: Chunk, slot: DiskSlot, expected: tuple[int,
     )
     if not ok:
         raise IntegrityError(f"chunk {chunk.name!r}: corrupt header in {path} at offset {slot.offset}")
-    if chunk_id != chunk.id or length != slot.capacity:
+    if chunk_id != slot.owner or length != slot.capacity:
         raise IntegrityError(
-            f"chunk {chunk.name!r}: header in {path} names chunk {chunk_id} of {length} bytes, "
-            f"expected chunk {chunk.id} of {slot.capacity} bytes"
+            f"chunk {chunk.name!r}: header in {path} names slot {chunk_id} of {length} bytes, "
+            f"expected slot {slot.owner} of {slot.capacity} bytes"
         )
     if struct.unpack(f"<{n_blocks}Q", body) != tuple(expected):
         raise IntegrityError(f"chunk {chunk.name!r}: header checksums in {path} do not match the last write")

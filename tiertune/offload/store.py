@@ -141,8 +141,10 @@ class ChunkStore:
         tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, Sequence[int], torch.dtype]],
         home: Tier | str,
         name: str | None = None,
+        chunk_size: int | None = None,
     ) -> list[Chunk]:
-        """Register tensors, packed in order into chunks of at most ``chunk_size`` bytes, homed on ``home``.
+        """Register tensors, packed in order into chunks of at most ``chunk_size`` bytes (default: the
+        store's), homed on ``home``.
 
         Given a mapping of tensors, their values are copied in; given ``(name, shape, dtype)`` entries,
         the chunks start EMPTY and read as zeros on first acquire. Raises BudgetError if the home tier
@@ -153,7 +155,8 @@ class ChunkStore:
             entries = [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
         else:
             entries = list(tensors)
-        layouts = pack_tensors(entries, self.config.chunk_size, self.config.num_shards)  # type: ignore[arg-type]
+        size = self.config.chunk_size if chunk_size is None else chunk_size
+        layouts = pack_tensors(entries, size, self.config.num_shards)  # type: ignore[arg-type]
         prefix = name or f"chunk{len(self._chunks)}"
         new: list[Chunk] = []
         with self._cond:
@@ -220,21 +223,31 @@ class ChunkStore:
 
     # ------------------------------------------------------------------ use
 
-    def acquire(self, chunk: Chunk, tier: Tier | str = Tier.DEVICE) -> dict[str, torch.Tensor]:
+    def acquire(
+        self, chunk: Chunk, tier: Tier | str = Tier.DEVICE, *, overwrite: bool = False, traced: bool = True
+    ) -> dict[str, torch.Tensor]:
         """Make ``chunk`` resident on ``tier`` (device or host), pin it there and return its tensors.
 
         Blocks until any transfer it needs is done. The views are valid until the matching ``release``.
+        ``overwrite=True`` promises that the caller writes every tensor before releasing it (dirty): the
+        old contents are not fetched (nothing is read from disk) and the views may hold anything.
+        ``traced=False`` keeps the access out of the scheduler's trace (work that does not repeat every
+        step, such as a redone optimizer step); it is served on demand, without prefetch.
         """
         tier = Tier(tier)
         if tier is Tier.DISK:
             raise ConfigError("chunks are acquired on the device or the host, not on disk")
         with self._cond:
             self._check_open()
-            self.scheduler.on_access(chunk.id, tier)
-            chunk.last_use = self.scheduler.clock
-            self._pin(chunk, tier)
+            if traced:
+                self.scheduler.on_access(chunk.id, tier)
+                chunk.last_use = self.scheduler.clock
+            if overwrite:
+                self._drop_stale_for_overwrite(chunk, tier)
+            self._pin(chunk, tier, zero=not overwrite)
             views = chunk.views(chunk.copies[tier].tensor)  # type: ignore[attr-defined]
-            self._prefetch()
+            if traced:
+                self._prefetch()
             return views
 
     def release(self, chunk: Chunk, dirty: bool = False) -> None:
@@ -291,6 +304,43 @@ class ChunkStore:
             return {k: v.clone() for k, v in views.items()}
         finally:
             self.release(chunk)
+
+    def discard(self, chunk: Chunk) -> None:
+        """Forget ``chunk``'s contents: no copy of them is written back or read again, and cached copies
+        free their space. The chunk is EMPTY afterwards (its next acquire reads zeros)."""
+        with self._cond:
+            self._check_open()
+            while chunk.state in IN_FLIGHT:
+                self._wait()
+            if chunk.state is S.IN_USE:
+                raise StateError(f"discard of chunk {chunk.name!r} while it is acquired; release it first")
+            self._forget(chunk)
+
+    def exchange(self, a: Chunk, b: Chunk) -> None:
+        """Swap the contents of two chunks with the same layout and home, without copying a byte.
+
+        Every copy, its validity and the disk slot move from one chunk to the other, so each chunk keeps
+        its place in the scheduler's trace while its bytes change. The training engine writes a step's new
+        optimizer states into twin chunks and exchanges them in when the step is confirmed.
+        """
+        if a.layout != b.layout or a.home is not b.home:
+            raise ConfigError(
+                f"chunks {a.name!r} and {b.name!r} cannot exchange contents: layouts or homes differ"
+            )
+        with self._cond:
+            self._check_open()
+            while a.state in IN_FLIGHT or b.state in IN_FLIGHT:
+                self._wait()
+            for chunk in (a, b):
+                if chunk.state is S.IN_USE:
+                    raise StateError(f"exchange of chunk {chunk.name!r} while it is acquired; release it first")
+            for attr in ("state", "copies", "valid", "disk_checksums", "error", "device_event", "last_use"):
+                va, vb = getattr(a, attr), getattr(b, attr)
+                setattr(a, attr, vb)
+                setattr(b, attr, va)
+            if a.id in self._slots:
+                self._slots[a.id], self._slots[b.id] = self._slots[b.id], self._slots[a.id]
+            self._cond.notify_all()
 
     def mark_step(self) -> None:
         """Tell the scheduler a training step ended: the first step's access order becomes the trace."""
@@ -373,12 +423,12 @@ class ChunkStore:
         if self._closed:
             raise StateError("the chunk store is closed")
 
-    def _pin(self, chunk: Chunk, tier: Tier) -> None:
+    def _pin(self, chunk: Chunk, tier: Tier, zero: bool = True) -> None:
         # While an acquire waits for its chunk, the chunk is not yet pinned, and the trace cursor is already
         # past it (so it looks far from its next use): mark it wanted, or a prefetch could evict it again.
         self._wanted[chunk.id] = self._wanted.get(chunk.id, 0) + 1
         try:
-            self._make_resident(chunk, tier)
+            self._make_resident(chunk, tier, zero)
         finally:
             self._wanted[chunk.id] -= 1
             if not self._wanted[chunk.id]:
@@ -397,8 +447,27 @@ class ChunkStore:
         if self._fatal is not None:
             raise self._fatal
 
-    def _make_resident(self, chunk: Chunk, tier: Tier) -> None:
-        """Block until ``tier`` holds a valid copy of ``chunk`` and no transfer of it is in flight."""
+    def _drop_stale_for_overwrite(self, chunk: Chunk, tier: Tier) -> None:
+        """Before an overwriting acquire: forget contents that would otherwise be fetched to ``tier``."""
+        while chunk.state in IN_FLIGHT or (chunk.state is S.IN_USE and chunk.use_tier is not tier):
+            self._wait()
+        if chunk.state is S.IN_USE or chunk.state is S.EMPTY or tier in chunk.valid:
+            return
+        self._forget(chunk)
+
+    def _forget(self, chunk: Chunk) -> None:
+        """Drop every copy's validity (freeing cached copies) and make the resting ``chunk`` EMPTY."""
+        for tier in list(chunk.valid):
+            self._invalidate(chunk, tier)
+        chunk.disk_checksums = None
+        chunk.error = None
+        if chunk.state is not S.EMPTY:
+            chunk.transition(S.EMPTY)
+        self._cond.notify_all()
+
+    def _make_resident(self, chunk: Chunk, tier: Tier, zero: bool = True) -> None:
+        """Block until ``tier`` holds a valid copy of ``chunk`` and no transfer of it is in flight.
+        An EMPTY chunk gets zeros there, or uninitialized bytes when ``zero`` is False."""
         while True:
             if chunk.error is not None:
                 raise chunk.error
@@ -411,7 +480,8 @@ class ChunkStore:
                 alloc = self._claim(chunk, tier, True, math.inf, lambda: chunk.state is S.EMPTY)
                 if alloc is None:
                     continue
-                alloc.tensor.zero_()
+                if zero:
+                    alloc.tensor.zero_()
                 chunk.copies[tier] = alloc  # type: ignore[assignment]
                 chunk.valid.add(tier)
                 return
