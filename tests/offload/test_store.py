@@ -261,7 +261,9 @@ def test_discard_forgets_contents_without_writing_them_back(home, disk_dir):
 
 def test_untraced_accesses_leave_the_trace_alone(disk_dir):
     with ChunkStore(_cfg(disk_dir)) as store:
-        chunks = [store.add({"x": torch.full((1000,), float(i))}, home="disk", name=f"c{i}")[0] for i in range(3)]
+        chunks = [
+            store.add({"x": torch.full((1000,), float(i))}, home="disk", name=f"c{i}")[0] for i in range(3)
+        ]
         for step in range(3):
             for chunk in chunks:
                 store.acquire(chunk, "device")

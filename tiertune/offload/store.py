@@ -333,7 +333,9 @@ class ChunkStore:
                 self._wait()
             for chunk in (a, b):
                 if chunk.state is S.IN_USE:
-                    raise StateError(f"exchange of chunk {chunk.name!r} while it is acquired; release it first")
+                    raise StateError(
+                        f"exchange of chunk {chunk.name!r} while it is acquired; release it first"
+                    )
             for attr in ("state", "copies", "valid", "disk_checksums", "error", "device_event", "last_use"):
                 va, vb = getattr(a, attr), getattr(b, attr)
                 setattr(a, attr, vb)
