@@ -25,17 +25,22 @@ dimensions, ``clip_grad_norm_`` and the same transformers LR scheduler.
 
 from __future__ import annotations
 
+import logging
+import math
+import queue
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tiertune.errors import ConfigError, DataError
+from tiertune.errors import BudgetError, ConfigError, DataError
 from tiertune.finetune.model import (
     ModelParts,
     ParamGroup,
@@ -46,7 +51,10 @@ from tiertune.finetune.model import (
 from tiertune.finetune.weights import Checkpoint
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore, StoreConfig
-from tiertune.offload.tiers import Tier
+from tiertune.offload.tiers import BUDGET_SETTING, Tier
+from tiertune.units import format_size
+
+log = logging.getLogger("tiertune.engine")
 
 IGNORE_INDEX = -100
 
@@ -68,8 +76,17 @@ class EngineConfig:
     params: str = "host"  # home tier of the compute-dtype weights
     optimizer_states: str = "host"  # home tier of the fp32 master weights and Adam moments
     gradients: str = "host"  # home tier of the fp32 gradient accumulators
+    # on: the optimizer runs during backward (speculatively, into twin states, when clipping is on);
+    # off: after backward; auto: on when the twin states fit the budgets, else off
+    overlap_optimizer: str | bool = "auto"
 
     def __post_init__(self) -> None:
+        if isinstance(self.overlap_optimizer, bool):
+            self.overlap_optimizer = "on" if self.overlap_optimizer else "off"
+        if self.overlap_optimizer not in ("auto", "on", "off"):
+            raise ConfigError(
+                f"offload.overlap_optimizer must be auto, true or false, got {self.overlap_optimizer!r}"
+            )
         for name in ("params", "optimizer_states", "gradients"):
             value = getattr(self, name)
             if value not in ("device", "host", "disk"):
@@ -89,7 +106,9 @@ class _Slot:
 
 
 class _GroupState:
-    """A parameter group's chunks: weights (compute dtype), fp32 gradients, master weights and moments."""
+    """A parameter group's chunks, one entry per weight chunk: weights (compute dtype), fp32 gradients, the
+    optimizer's sources (fp32 master weights, or the weights themselves when they are fp32, and the Adam
+    moments) and, when the step is speculative, their twins that receive the new values."""
 
     def __init__(self, group: ParamGroup) -> None:
         self.group = group
@@ -98,6 +117,11 @@ class _GroupState:
         self.master: list[Chunk] = []  # empty when the weights are fp32 (their own master copy)
         self.exp_avg: list[Chunk] = []
         self.exp_avg_sq: list[Chunk] = []
+        self.twins: list[tuple[Chunk, Chunk, Chunk]] = []  # twins of sources(j), per j
+
+    def sources(self, j: int) -> tuple[Chunk, Chunk, Chunk]:
+        master = self.master[j] if self.master else self.weights[j]
+        return master, self.exp_avg[j], self.exp_avg_sq[j]
 
 
 class StreamedTrainer:
@@ -122,6 +146,8 @@ class StreamedTrainer:
         self._meta = dict(self.model.named_parameters())  # the skeleton's placeholders, put back by unbind
         self._param_order = [n for n, _ in self.model.named_parameters()]
         self._states = [self._add_states(g, checkpoint) for g in self.parts.groups]
+        self.overlap = self._add_twins()
+        self._worker = _OptimizerWorker(self)
         self._layer_index = [i for i, s in enumerate(self._states) if s.group.kind == "layer"]
         for i, layer in enumerate(self.parts.layers):
             self.parts.layers[i] = StreamedLayer(self, i, layer)
@@ -132,7 +158,12 @@ class StreamedTrainer:
         # seconds per step part, cumulative: io_wait (blocked in acquire), optimizer (not hidden), step
         self.times: defaultdict[str, float] = defaultdict(float)
         self._norms: dict[str, torch.Tensor] = {}
-        self._last_micro = False
+        self._first_micro = self._last_micro = False
+        self._speculating = False
+        # optimizer steps by how they ran: confirmed speculation, speculation redone (clipping was active),
+        # run after backward (overlap off, or the last step was clipped)
+        self.optimizer_counts = {"speculative": 0, "redone": 0, "after_backward": 0}
+        self.last_grad_norm = float("nan")
         self._lr = _Schedule(config)
 
     # ------------------------------------------------------------------ setup
@@ -150,24 +181,84 @@ class StreamedTrainer:
         cfg = self.config
         for chunk in group.chunks:
             entries = [(s.name, s.shape, torch.float32) for s in chunk.tensors]
-            state.grads += self.store.add(entries, home=cfg.gradients, name=f"{chunk.name}.grad")
+            add = partial(self._add_like, entries)
+            state.grads += add(cfg.gradients, f"{chunk.name}.grad")
             if cfg.dtype != torch.float32:
-                masters = self.store.add(entries, home=cfg.optimizer_states, name=f"{chunk.name}.master")
+                masters = add(cfg.optimizer_states, f"{chunk.name}.master")
                 state.master += masters
                 # from the checkpoint, not from the rounded weights: an fp32 checkpoint keeps its precision
                 with self.store.writing(masters[0]) as views:
                     for name, view in views.items():
                         checkpoint.read_into(self._source[name], view)
-            state.exp_avg += self.store.add(entries, home=cfg.optimizer_states, name=f"{chunk.name}.exp_avg")
-            state.exp_avg_sq += self.store.add(
-                entries, home=cfg.optimizer_states, name=f"{chunk.name}.exp_avg_sq"
-            )
-        if any(len(x) != len(group.chunks) for x in (state.grads, state.exp_avg, state.exp_avg_sq)):
-            raise ConfigError(
-                f"offload.chunk_size is too small to hold the fp32 states of group {group.name} in one chunk "
-                "per weight chunk; raise it"
-            )
+            state.exp_avg += add(cfg.optimizer_states, f"{chunk.name}.exp_avg")
+            state.exp_avg_sq += add(cfg.optimizer_states, f"{chunk.name}.exp_avg_sq")
         return state
+
+    def _add_like(self, entries: list, home: str | Tier, name: str) -> list[Chunk]:
+        """One chunk holding ``entries`` (the fp32 twin of a weight chunk: never split, whatever its size)."""
+        size = sum(math.prod(shape) * 4 for _, shape, _ in entries)
+        return self.store.add(entries, home=home, name=name, chunk_size=max(size, 1) + 256 * len(entries))
+
+    def _unit_host_bytes(self, state: _GroupState, j: int, twins: bool) -> int:
+        """Host bytes one optimizer unit pins: gradients, sources and (speculative) twins read on the host."""
+        chunks = [state.grads[j], *state.sources(j), *(state.sources(j) if twins else ())]
+        return sum(c.capacity for c in chunks if self._cpu_tier(c) is Tier.HOST and c.home is not Tier.HOST)
+
+    def _add_twins(self) -> bool:
+        """Decide whether the optimizer overlaps backward; add the twin states that needs. Returns the choice.
+
+        Without clipping, updating in place during backward is exact. With clipping, the coefficient is
+        known only after the last gradient, so the step runs speculatively with coefficient 1 into twins of
+        the master weights and moments, and is confirmed (the twins exchanged in, no copy) or redone from
+        the untouched originals with the real coefficient. The twins cost 12 bytes per parameter on the
+        optimizer states' tier (plus 4 on the weights' tier when the weights are fp32).
+        """
+        mode = self.config.overlap_optimizer
+        if mode == "off":
+            return False
+        if not (self.config.max_grad_norm and self.config.max_grad_norm > 0):
+            return True
+        need: dict[Tier, int] = defaultdict(int)
+        for state in self._states:
+            for j in range(len(state.weights)):
+                for chunk in state.sources(j):
+                    need[chunk.home] += chunk.capacity
+        short = {t: n for t, n in need.items() if n > self.store.room(t)}
+        # the worker holds one unit on the host (gradients, sources, twins) while backward holds a chunk of
+        # gradients there
+        unit = max(
+            self._unit_host_bytes(s, j, twins=True) for s in self._states for j in range(len(s.weights))
+        )
+        working = need.get(Tier.HOST, 0) + unit + max(c.capacity for s in self._states for c in s.grads)
+        if working > self.store.room(Tier.HOST):
+            short[Tier.HOST] = working
+        if short and mode == "on":
+            tier, needed = next(iter(short.items()))
+            raise BudgetError(
+                tier.value,
+                needed,
+                self.store.room(tier),
+                BUDGET_SETTING[tier],
+                "for the optimizer overlapped with backward: twin optimizer states, and one chunk's optimizer "
+                "working set on the host; or set offload.overlap_optimizer: false",
+            )
+        if short:
+            detail = ", ".join(
+                f"{format_size(n)} on {t.value} ({format_size(self.store.room(t))} free)"
+                for t, n in short.items()
+            )
+            log.info(
+                "optimizer after backward, not overlapped: its speculative twin states need %s; "
+                "raise the budgets (or offload.optimizer_states: disk) to overlap it",
+                detail,
+            )
+            return False
+        for state in self._states:
+            for j in range(len(state.weights)):
+                state.twins.append(
+                    tuple(self._add_like(_entries(c), c.home, f"{c.name}.twin")[0] for c in state.sources(j))  # type: ignore[misc]
+                )
+        return True
 
     # ------------------------------------------------------------------ binding
 
@@ -210,18 +301,27 @@ class StreamedTrainer:
     # ------------------------------------------------------------------ gradients
 
     def add_grads(self, state: _GroupState, grads: dict[str, torch.Tensor | None]) -> None:
-        """Add a micro-batch's gradients into the group's fp32 accumulators (and the norm on the last one)."""
+        """Add a micro-batch's gradients into the group's fp32 accumulators (the first micro-batch of a
+        step overwrites them); on the last micro-batch note each accumulator's norm, as clip_grad_norm_
+        computes it, and hand the group to the optimizer when it runs during backward."""
         for chunk in state.grads:
             began = time.perf_counter()
-            views = self.store.acquire(chunk, Tier.HOST)
+            views = self.store.acquire(chunk, Tier.HOST, overwrite=self._first_micro)
             self.times["io_wait"] += time.perf_counter() - began
             for name, acc in views.items():
                 g = grads.get(name)
-                if g is not None:
+                if g is None:
+                    if self._first_micro:
+                        acc.zero_()
+                elif self._first_micro:
+                    acc.copy_(g.detach())
+                else:
                     acc.add_(g.detach().to(device="cpu", dtype=torch.float32))
-                if self._last_micro:  # this accumulator is final: its norm, as clip_grad_norm_ computes it
+                if self._last_micro:
                     self._norms[name] = torch.linalg.vector_norm(acc)
             self.store.release(chunk, dirty=True)
+        if self._last_micro and self._speculating:
+            self._worker.submit(state, None)
 
     # ------------------------------------------------------------------ the step
 
@@ -234,10 +334,19 @@ class StreamedTrainer:
             raise DataError(
                 "a training step has no target tokens (every label is -100); check the data and max_seq_len"
             )
+        cfg = self.config
+        clipping = bool(cfg.max_grad_norm and cfg.max_grad_norm > 0)
+        # speculate unless the last step was clipped: then this one likely is too, and waiting for the norm
+        # costs less than a redo
+        self._speculating = self.overlap and not (clipping and self.last_grad_norm > cfg.max_grad_norm)
+        self._lr_now = self._lr.lr(self.step_count)
+        self._step_t = torch.tensor(float(self.step_count + 1))
+        self._worker.start_step(self._unit_order())
         total = 0.0
         self._norms = {}
         others = [s for s in self._states if s.group.kind != "layer"]
         for k, (mb, lab) in enumerate(zip(micro_batches, labels, strict=True)):
+            self._first_micro = k == 0
             self._last_micro = k == len(micro_batches) - 1
             with ExitStack() as stack:
                 bound = {}
@@ -257,17 +366,26 @@ class StreamedTrainer:
                 )
                 (loss_sum / n_tokens).backward()
                 total += float(loss_sum.detach())
-                for state in others:
-                    self.add_grads(state, {n: p.grad for n, p in bound[id(state)].items()})
+                grads = {id(state): {n: p.grad for n, p in bound[id(state)].items()} for state in others}
+            # released first: the optimizer writes these groups' weights
+            for state in others:
+                self.add_grads(state, grads[id(state)])
         began = time.perf_counter()
-        self._optimizer_step()
+        self._finish_step()
         self.times["optimizer"] += time.perf_counter() - began
         self.store.mark_step()
         self.step_count += 1
         self.times["step"] += time.perf_counter() - step_began
         return total / n_tokens
 
-    def _optimizer_step(self) -> None:
+    def _unit_order(self) -> list[tuple[_GroupState, int]]:
+        """The optimizer's work units (group, weight chunk) in the order backward finishes them."""
+        layers = [self._states[i] for i in reversed(self._layer_index)]
+        others = [s for s in self._states if s.group.kind != "layer"]
+        return [(s, j) for s in layers + others for j in range(len(s.weights))]
+
+    def _finish_step(self) -> None:
+        """After backward: the exact clipping coefficient; confirm, redo or run the optimizer; commit."""
         cfg = self.config
         # exactly torch.nn.utils.clip_grad_norm_: fp32 per-tensor norms stacked in parameter order, the
         # coefficient an fp32 tensor clamped at 1 and multiplied into every gradient
@@ -277,61 +395,87 @@ class StreamedTrainer:
         if cfg.max_grad_norm and cfg.max_grad_norm > 0:
             coef = torch.clamp(cfg.max_grad_norm / (total + 1e-6), max=1.0)
         self.last_grad_norm = float(total)
-        lr = self._lr.lr(self.step_count)
-        self.last_lr = lr
-        step_t = torch.tensor(float(self.step_count + 1))
-        for state in self._states:
-            for i, weight_chunk in enumerate(state.weights):
-                self._adamw(state, i, weight_chunk, coef, lr, step_t)
+        self.last_lr = self._lr_now
+        if self._speculating:
+            self._worker.join()  # the speculative step used coefficient 1: exact if that is the coefficient
+            redo = coef is not None and float(coef) != 1.0
+            self.optimizer_counts["redone" if redo else "speculative"] += 1
+            if redo:
+                self._worker.start_step(self._unit_order())
+                for state, j in self._unit_order():
+                    self._worker.submit(state, coef, j)
+        else:
+            self.optimizer_counts["after_backward"] += 1
+            for state, j in self._unit_order():
+                self._worker.submit(state, coef, j)
+        self._worker.join()
+        for state in self._states:  # the twins hold the new states: exchange them in (no bytes copied)
+            for j, twins in enumerate(state.twins):
+                for chunk, twin in zip(state.sources(j), twins, strict=True):
+                    self.store.exchange(chunk, twin)
+                    self.store.discard(twin)
 
-    def _adamw(
-        self,
-        state: _GroupState,
-        i: int,
-        weight_chunk: Chunk,
-        coef: torch.Tensor | None,
-        lr: float,
-        step_t: torch.Tensor,
-    ) -> None:
+    def _cpu_tier(self, chunk: Chunk) -> Tier:
+        """Where the CPU optimizer reads ``chunk``: the device tier when that is CPU memory, else the host."""
+        return Tier.DEVICE if chunk.home is Tier.DEVICE and self.device.type == "cpu" else Tier.HOST
+
+    def optimizer_unit(self, state: _GroupState, j: int, coef: torch.Tensor | None) -> None:
+        """AdamW on weight chunk ``j`` of ``state`` (runs on the optimizer worker's thread).
+
+        Reads the gradients and the sources (master weights, moments); writes the new values into the
+        twins when there are some (the sources stay as they were, for a redo) or in place; then writes the
+        compute-dtype weights from the new master weights. Accesses are outside the scheduler's trace: the
+        worker's timing varies, the compute thread's order must not.
+        """
         cfg = self.config
         store = self.store
-        master_chunk = state.master[i] if state.master else weight_chunk
-        grads = store.acquire(state.grads[i], Tier.HOST)
-        master = store.acquire(master_chunk, Tier.HOST)
-        m = store.acquire(state.exp_avg[i], Tier.HOST)
-        v = store.acquire(state.exp_avg_sq[i], Tier.HOST)
-        names = list(grads)
-        if coef is not None:
-            torch._foreach_mul_([grads[n] for n in names], coef)
-        for decay in (True, False):
-            chosen = [n for n in names if (master[n].dim() >= 2) == decay]
-            if not chosen:
-                continue
-            torch._fused_adamw_(
-                [master[n] for n in chosen],
-                [grads[n] for n in chosen],
-                [m[n] for n in chosen],
-                [v[n] for n in chosen],
-                [],
-                [step_t.clone() for _ in chosen],
-                lr=lr,
-                beta1=cfg.adam_beta1,
-                beta2=cfg.adam_beta2,
-                weight_decay=cfg.weight_decay if decay else 0.0,
-                eps=cfg.adam_epsilon,
-                amsgrad=False,
-                maximize=False,
-            )
-        for n in names:
-            grads[n].zero_()
-        store.release(state.grads[i], dirty=True)
-        store.release(state.exp_avg[i], dirty=True)
-        store.release(state.exp_avg_sq[i], dirty=True)
-        if state.master:
-            with store.writing(weight_chunk) as weights:
-                for n in names:
-                    weights[n].copy_(master[n])
-        store.release(master_chunk, dirty=True)
+        held: list[tuple[Chunk, bool]] = []
+
+        def get(chunk: Chunk, dirty: bool, overwrite: bool = False) -> dict[str, torch.Tensor]:
+            views = store.acquire(chunk, self._cpu_tier(chunk), overwrite=overwrite, traced=False)
+            held.append((chunk, dirty))
+            return views
+
+        try:
+            grads = get(state.grads[j], dirty=False)
+            twins = state.twins[j] if state.twins else None
+            src = [get(c, dirty=twins is None) for c in state.sources(j)]
+            dst = [get(c, dirty=True, overwrite=True) for c in twins] if twins else src
+            names = list(grads)
+            if twins:
+                for a, b in zip(src, dst, strict=True):
+                    torch._foreach_copy_([b[n] for n in names], [a[n] for n in names])
+            master, m, v = dst
+            g = [grads[n] for n in names]
+            if coef is not None:
+                g = torch._foreach_mul(g, coef)  # out of place: a redo needs the gradients as they were
+            by_name = dict(zip(names, g, strict=True))
+            for decay in (True, False):
+                chosen = [n for n in names if (master[n].dim() >= 2) == decay]
+                if not chosen:
+                    continue
+                torch._fused_adamw_(
+                    [master[n] for n in chosen],
+                    [by_name[n] for n in chosen],
+                    [m[n] for n in chosen],
+                    [v[n] for n in chosen],
+                    [],
+                    [self._step_t.clone() for _ in chosen],
+                    lr=self._lr_now,
+                    beta1=cfg.adam_beta1,
+                    beta2=cfg.adam_beta2,
+                    weight_decay=cfg.weight_decay if decay else 0.0,
+                    eps=cfg.adam_epsilon,
+                    amsgrad=False,
+                    maximize=False,
+                )
+            if state.master:
+                with store.writing(state.weights[j]) as weights:
+                    for n in names:
+                        weights[n].copy_(master[n])
+        finally:
+            for chunk, dirty in reversed(held):
+                store.release(chunk, dirty=dirty)
 
     # ------------------------------------------------------------------ export
 
@@ -349,6 +493,7 @@ class StreamedTrainer:
         return out
 
     def close(self) -> None:
+        self._worker.close()
         self.store.close()
 
 
@@ -403,6 +548,83 @@ class _LayerFunction(torch.autograd.Function):
             param_grads = dict(zip(params, grads[1:] if hidden.requires_grad else grads, strict=True))
             trainer.add_grads(state, param_grads)
         return grad_x, None, None, None, None, None
+
+
+def _entries(chunk: Chunk) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return [(s.name, s.shape, s.dtype) for s in chunk.tensors]
+
+
+class _OptimizerWorker:
+    """One background thread that runs the optimizer's units in the order they are submitted.
+
+    While it works on one unit it prefetches the optimizer states of the next units of the step's plan
+    from disk, even before backward has submitted them (their sources do not depend on the gradients).
+    ``join`` waits for the submitted units and re-raises the first error.
+    """
+
+    def __init__(self, trainer: StreamedTrainer, lookahead: int = 2) -> None:
+        self._trainer = trainer
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lookahead = lookahead
+        self._plan: list[tuple[_GroupState, int]] = []
+        self._pending = 0
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="tiertune-optimizer", daemon=True)
+        self._thread.start()
+
+    def start_step(self, plan: list[tuple[_GroupState, int]]) -> None:
+        self._queue.put(("plan", plan))
+
+    def submit(self, state: _GroupState, coef: torch.Tensor | None, j: int | None = None) -> None:
+        """Queue the unit(s) of ``state`` (chunk ``j``, or all of its chunks)."""
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            units = range(len(state.weights)) if j is None else (j,)
+            self._pending += len(units)
+        for k in units:
+            self._queue.put(("unit", (state, k, coef)))
+
+    def join(self) -> None:
+        with self._cond:
+            while self._pending and self._error is None:
+                self._cond.wait()
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        self._queue.put(("stop", None))
+        self._thread.join()
+
+    def _run(self) -> None:
+        trainer = self._trainer
+        position = 0
+        while True:
+            kind, item = self._queue.get()
+            if kind == "stop":
+                return
+            if kind == "plan":
+                self._plan, position = item, 0
+                continue
+            state, j, coef = item
+            try:
+                if self._error is None:
+                    began = time.perf_counter()
+                    while position < len(self._plan) and self._plan[position] != (state, j):
+                        position += 1
+                    ahead = self._plan[position + 1 : position + 1 + self._lookahead]
+                    trainer.store.prefetch([c for s, k in ahead for c in s.sources(k)])
+                    trainer.optimizer_unit(state, j, coef)
+                    trainer.times["optimizer_busy"] += time.perf_counter() - began
+            except BaseException as exc:  # reported by join/submit on the compute thread
+                with self._cond:
+                    self._error = self._error or exc
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
 
 
 class _Schedule:

@@ -129,6 +129,8 @@ class ChunkStore:
         self._largest_cached = {Tier.DEVICE: 0, Tier.HOST: 0}
         self._demand = {Tier.DEVICE: 0, Tier.HOST: 0}  # blocking allocations waiting for room, per tier
         self._wanted: dict[int, int] = {}  # chunk id -> acquires waiting for it: never evicted meanwhile
+        self._holders: dict[int, dict[int, int]] = {}  # chunk id -> {thread id: pins held}
+        self._stalled: set[int] = set()  # threads waiting for room that only other threads' releases make
         self._moved: dict[str, int] = {}
         self._fatal: BaseException | None = None
         self._cond = threading.Condition(threading.RLock())
@@ -258,6 +260,13 @@ class ChunkStore:
                     f"release of chunk {chunk.name!r} that is not acquired ({chunk.state.value})"
                 )
             chunk.pins -= 1
+            holders = self._holders.get(chunk.id, {})
+            me = threading.get_ident()
+            holder = me if me in holders else next(iter(holders), None)
+            if holder is not None:
+                holders[holder] -= 1
+                if not holders[holder]:
+                    del holders[holder]
             tier = chunk.use_tier
             assert tier is not None
             if dirty:
@@ -304,6 +313,34 @@ class ChunkStore:
             return {k: v.clone() for k, v in views.items()}
         finally:
             self.release(chunk)
+
+    def prefetch(self, chunks: Sequence[Chunk]) -> None:
+        """Start reading ``chunks`` from disk into host memory now, without waiting (for accesses outside
+        the trace that the caller knows are coming, like the optimizer's). Evicts only cached copies that
+        the trace does not need within its host lookahead; chunks that cannot get room are skipped."""
+        with self._cond:
+            self._check_open()
+            ahead = self.scheduler.upcoming(self.config.host_prefetch_depth)  # type: ignore[arg-type]
+            before = max((self.scheduler.next_use(c) for c in ahead), default=math.inf)
+            for chunk in chunks:
+                if (
+                    self._busy(chunk)
+                    or chunk.valid & {Tier.HOST, Tier.DEVICE}
+                    or Tier.DISK not in chunk.valid
+                ):
+                    continue
+                if not self._start_load(chunk, blocking=False, before=before):
+                    break
+
+    def room(self, tier: Tier | str) -> int:
+        """Bytes that more chunks homed on ``tier`` can still take (for a memory tier, after keeping room
+        to stage the largest chunk passing through)."""
+        tier = Tier(tier)
+        with self._cond:
+            if tier is Tier.DISK:
+                return 0 if self.disk is None else self.disk.arena.free_bytes
+            budget = self._mem[tier].budget
+            return max(0, budget - self._reserved[tier] - self._largest_cached[tier])
 
     def discard(self, chunk: Chunk) -> None:
         """Forget ``chunk``'s contents: no copy of them is written back or read again, and cached copies
@@ -441,6 +478,9 @@ class ChunkStore:
             chunk.transition(S.IN_USE)
             chunk.use_tier = tier
             chunk.pins = 1
+        holders = self._holders.setdefault(chunk.id, {})
+        me = threading.get_ident()
+        holders[me] = holders.get(me, 0) + 1
 
     def _wait(self) -> None:
         if self._fatal is not None:
@@ -525,19 +565,28 @@ class ChunkStore:
                     continue
             if not blocking:
                 return None  # a write-back may have started; a later prefetch will use the room
-            if any(c.state in IN_FLIGHT for c in self._chunks):
+            in_flight = any(c.state in IN_FLIGHT for c in self._chunks)
+            if in_flight or self._released_elsewhere(tier):
+                # room comes from a transfer finishing, or from another thread (the optimizer worker)
+                # releasing what it holds; a thread that can only wait for others is "stalled", and when
+                # every holder is stalled nobody will release: that is a budget too small, raised below
+                me = threading.get_ident()
+                if not in_flight:
+                    self._stalled.add(me)
                 self._demand[tier] += 1
                 try:
                     self._wait()
                 finally:
                     self._demand[tier] -= 1
+                    self._stalled.discard(me)
                 continue
             raise BudgetError(
                 tier.value,
                 chunk.capacity,
                 mem.arena.largest_free(),
                 BUDGET_SETTING[tier],
-                f"for chunk {chunk.name!r}; everything else resident there is in use",
+                f"for chunk {chunk.name!r}; everything else resident there is in use "
+                f"({self._in_use_summary(tier)}; {format_size(mem.arena.free_bytes)} free in all)",
             )
 
     def _claim(
@@ -559,6 +608,22 @@ class ChunkStore:
         if existing is None:
             self._mem[tier].free(alloc)
         return None
+
+    def _in_use_summary(self, tier: Tier, limit: int = 6) -> str:
+        used = [c for c in self._chunks if c.state is S.IN_USE and c.use_tier is tier]
+        names = ", ".join(f"{c.name} ({format_size(c.capacity)})" for c in used[:limit])
+        more = f" and {len(used) - limit} more" if len(used) > limit else ""
+        return f"in use: {names or 'nothing'}{more}"
+
+    def _released_elsewhere(self, tier: Tier) -> bool:
+        """Whether a thread other than this one, and not itself stalled, holds a chunk in use on ``tier``."""
+        me = threading.get_ident()
+        for chunk in self._chunks:
+            if chunk.state is S.IN_USE and chunk.use_tier is tier:
+                for holder in self._holders.get(chunk.id, {}):
+                    if holder != me and holder not in self._stalled:
+                        return True
+        return False
 
     def _victims(self, tier: Tier, exclude: Chunk, before: float) -> list[Chunk]:
         look = tier if tier is Tier.DEVICE else None
