@@ -90,6 +90,8 @@ def test_cli_train_and_dry_run(recipe_file):
         ("data.packing=true", "data.packing: true is not available yet"),
         ("offload.activations=host", "offload.activations: host is not available yet"),
         ("method.type=lora", "method.type 'lora' is not available yet"),
+        ("offload.overlap_optimizer=maybe", "offload.overlap_optimizer must be one of auto, true, false; got 'maybe'"),
+        ("offload.overlap_optimizer=false", None),
         ("offload.params=disk", None),  # valid: disk_path is set in the fixture
     ],
 )

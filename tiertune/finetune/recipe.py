@@ -99,6 +99,8 @@ class OffloadSection:
     optimizer_states: str = field(default="auto", metadata=_choice("auto", "device", "host", "disk"))
     activations: str = field(default="auto", metadata=_choice("auto", "device", "host"))
     prefetch_depth: int = 2
+    # the CPU optimizer during backward (true), after it (false), or during it when its twin states fit
+    overlap_optimizer: bool | str = field(default="auto", metadata=_choice("auto"))
 
 
 @dataclass
@@ -215,7 +217,8 @@ def _coerce(hint: Any, value: Any, name: str, choices: tuple[str, ...] | None) -
         if typ is str and isinstance(value, str | int | float) and not isinstance(value, bool):
             value = str(value)
             if choices and value not in choices:
-                raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+                options = ", ".join((*choices, "true", "false") if bool in allowed else choices)
+                raise ConfigError(f"{name} must be one of {options}; got {value!r}")
             return value
     expected = " or ".join("a number" if t is float else t.__name__ for t in allowed if t is not type(None))
     raise ConfigError(f"{name} must be {expected}; got {value!r}")

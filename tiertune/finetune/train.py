@@ -109,6 +109,7 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
         params=params,
         optimizer_states=states,
         gradients="host",
+        overlap_optimizer=off.overlap_optimizer,
     )
     return store, engine
 
@@ -164,6 +165,7 @@ def train(
                     "epoch": (step + 1) * t.gradient_accumulation_steps / per_epoch,
                     "peak_bytes": peaks,
                     "bytes_moved": stats.bytes_moved,
+                    "optimizer_steps": dict(trainer.optimizer_counts),
                 }
                 if (step + 1) % t.logging_steps == 0 or step + 1 == steps:
                     log.write(json.dumps(record) + "\n")
