@@ -210,3 +210,30 @@ def test_bf16_weights_follow_fp32_master_weights(tiny_model_dir, disk_dir):
     finally:
         trainer.close()
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("placement", ["device", "disk"])
+def test_layer_inputs_on_the_host_keep_parity_and_travel_through_the_store(
+    tiny_model_dir, disk_dir, placement
+):
+    path, initial = tiny_model_dir("llama")
+    trainer = _check_parity(path, initial, disk_dir, placement, activations="host", activation_tokens=24)
+    inputs = trainer._inputs
+    assert len(inputs) == 4 and all(c.home.value == "host" for c in inputs)
+    moved = trainer.store.stats().bytes_moved
+    # every micro-batch's forward sends each layer's input down and backward brings it back
+    per_pass = sum(c.capacity for c in inputs) * STEPS * ACCUM
+    assert moved["device->host"] >= per_pass and moved["host->device"] >= per_pass
+
+
+def test_a_micro_batch_larger_than_the_activation_chunks_is_a_clear_error(tiny_model_dir, disk_dir):
+    from tiertune.errors import ConfigError
+
+    path, _ = tiny_model_dir("llama")
+    cfg = _config(activations="host", activation_tokens=8)
+    trainer = StreamedTrainer(str(path), StoreConfig(device_budget="8MiB", host_budget="8MiB"), cfg)
+    try:
+        with pytest.raises(ConfigError, match="do not fit the activation chunk"):
+            trainer.step(_batches(211)[:1])  # 2 x 12 tokens
+    finally:
+        trainer.close()

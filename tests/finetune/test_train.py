@@ -88,9 +88,13 @@ def test_cli_train_and_dry_run(recipe_file):
         ("training", "must look like section.key=value"),
         ("data.max_seq_len=1", "data.max_seq_len must be >= 2"),
         ("data.packing=true", "data.packing: true is not available yet"),
-        ("offload.activations=host", "offload.activations: host is not available yet"),
+        ("offload.activations=disk", "offload.activations must be one of auto, device, host"),
+        ("offload.activations=host", None),
         ("method.type=lora", "method.type 'lora' is not available yet"),
-        ("offload.overlap_optimizer=maybe", "offload.overlap_optimizer must be one of auto, true, false; got 'maybe'"),
+        (
+            "offload.overlap_optimizer=maybe",
+            "offload.overlap_optimizer must be one of auto, true, false; got 'maybe'",
+        ),
         ("offload.overlap_optimizer=false", None),
         ("offload.params=disk", None),  # valid: disk_path is set in the fixture
     ],

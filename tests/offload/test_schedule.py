@@ -132,3 +132,38 @@ def test_prefetch_loads_the_next_chunks_before_they_are_acquired(disk_dir):
         store.mark_step()
         for chunk in chunks:
             assert chunk.state is not ChunkState.IN_USE
+
+
+def test_upcoming_skips_chunks_whose_next_access_overwrites_them():
+    s = Scheduler()
+    H = Tier.HOST
+    for chunk, tier, overwrite in [(0, D, True), (1, D, False), (0, D, False), (2, H, True), (3, D, False)]:
+        s.on_access(chunk, tier, overwrite)
+    s.mark_step()
+    assert s.upcoming(3, D) == [1, 3]  # 0 is next written whole; its later read does not count
+    assert s.upcoming(4) == [1, 3]  # nor does 2 (host, written whole)
+    s.on_access(0, D, True)
+    assert s.upcoming(2, D) == [1, 0]  # past the overwrite, 0's next access reads it
+
+
+def test_overwriting_accesses_are_not_prefetched(disk_dir):
+    store, chunks = _store(device_chunks=3, prefetch_depth=2, home="disk", disk_dir=disk_dir)
+    with store:
+        for _ in range(2):  # per step: read 1, write 0 whole, read 0, read 2
+            store.acquire(chunks[1], D)
+            store.release(chunks[1])
+            store.acquire(chunks[0], D, overwrite=True)
+            store.release(chunks[0], dirty=True)
+            for chunk in (chunks[0], chunks[2]):
+                store.acquire(chunk, D)
+                store.release(chunk)
+            store.mark_step()
+        store.wait()
+        for chunk in chunks:
+            store.evict(chunk)
+        read = store.stats().bytes_moved.get("disk->host", 0)
+        store.acquire(chunks[1], D)  # replaying: prefetches 2 but not 0, whose next access overwrites it
+        store.wait()
+        assert store.stats().bytes_moved["disk->host"] - read == 2 * chunks[0].capacity
+        assert Tier.HOST in chunks[2].valid and not chunks[0].valid & {Tier.HOST, Tier.DEVICE}
+        store.release(chunks[1])

@@ -13,11 +13,19 @@ How a step runs (all on the caller's thread unless said otherwise):
 - Backward: layer by layer in reverse, each acquires its chunk again, recomputes its forward with the
   saved input (RNG state restored, so dropout matches), back-propagates, and adds its parameter
   gradients into fp32 gradient chunks on the host.
-- Optimizer (after the last micro-batch): the global gradient norm is known exactly from the accumulated
-  gradients (one pass that costs no extra I/O: it is summed as each layer's last gradient lands), so
-  clipping is exact. Then, group by group: fp32 master weights and Adam moments are acquired on the host
-  (from disk if they live there), updated by torch's fused AdamW, and the compute-dtype weights are written
-  back to their home tier. When compute is fp32 the weights are their own master copy.
+- Optimizer: a worker thread runs AdamW (torch's fused CPU kernel) one weight chunk at a time, while the
+  compute thread goes on. During the last micro-batch's backward, each layer is handed to the worker as
+  soon as its gradients are final, so the optimizer runs behind backward; the worker prefetches the next
+  layers' master weights and moments from disk meanwhile and writes the new compute-dtype weights home.
+- Clipping stays exact. The global norm is known only after the last gradient, so the overlapped step is
+  *speculative*: it uses coefficient 1 and writes into twin chunks of the master weights and moments,
+  leaving the originals intact. After backward the exact coefficient ``clamp(max_norm / (norm + 1e-6),
+  max=1)`` is computed as ``clip_grad_norm_`` does. If it is 1 (no clipping) the speculative result is
+  bit-for-bit the real one and the twins are exchanged in (``ChunkStore.exchange``: no bytes copied);
+  otherwise the step is redone from the originals with the real coefficient. After a clipped step the
+  next one is likely clipped too, so it waits for the norm instead of speculating. Without clipping the
+  update is always exact and runs in place, with no twins. ``overlap_optimizer`` (auto/on/off) chooses;
+  auto overlaps when the twins (12 bytes per parameter) fit the budgets.
 
 Numerics match a plain PyTorch loop: ``torch.optim.AdamW`` with weight decay on tensors of two or more
 dimensions, ``clip_grad_norm_`` and the same transformers LR scheduler.
@@ -79,6 +87,8 @@ class EngineConfig:
     # on: the optimizer runs during backward (speculatively, into twin states, when clipping is on);
     # off: after backward; auto: on when the twin states fit the budgets, else off
     overlap_optimizer: str | bool = "auto"
+    activations: str = "device"  # where each layer's saved input waits for backward: device or host
+    activation_tokens: int = 0  # batch x sequence length of the largest micro-batch (needed for host)
 
     def __post_init__(self) -> None:
         if isinstance(self.overlap_optimizer, bool):
@@ -91,6 +101,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value not in ("device", "host", "disk"):
                 raise ConfigError(f"offload.{name} must be device, host or disk, got {value!r}")
+        if self.activations not in ("device", "host"):
+            raise ConfigError(f"offload.activations must be device or host, got {self.activations!r}")
+        if self.activations == "host" and self.activation_tokens < 1:
+            raise ConfigError("activations on the host need activation_tokens (batch x max sequence length)")
         if self.learning_rate < 0:
             raise ConfigError(f"training.learning_rate must be >= 0, got {self.learning_rate}")
         if self.max_steps < 1:
@@ -147,6 +161,7 @@ class StreamedTrainer:
         self._param_order = [n for n, _ in self.model.named_parameters()]
         self._states = [self._add_states(g, checkpoint) for g in self.parts.groups]
         self.overlap = self._add_twins()
+        self._inputs = self._add_input_chunks()
         self._worker = _OptimizerWorker(self)
         self._layer_index = [i for i, s in enumerate(self._states) if s.group.kind == "layer"]
         for i, layer in enumerate(self.parts.layers):
@@ -198,6 +213,47 @@ class StreamedTrainer:
         """One chunk holding ``entries`` (the fp32 twin of a weight chunk: never split, whatever its size)."""
         size = sum(math.prod(shape) * 4 for _, shape, _ in entries)
         return self.store.add(entries, home=home, name=name, chunk_size=max(size, 1) + 256 * len(entries))
+
+    def _add_input_chunks(self) -> list[Chunk]:
+        """With activations on the host: one chunk per decoder layer for its saved input, homed on the host
+        and sized for the largest micro-batch. Forward writes it on the device and sends it down without
+        waiting; backward's acquire finds it prefetched back along the trace."""
+        if self.config.activations != "host":
+            return []
+        numel = self.config.activation_tokens * self.model.config.hidden_size
+        return [
+            self.store.add([("x", (numel,), self.config.dtype)], home=Tier.HOST, name=f"input.{i}")[0]
+            for i in range(len(self.parts.layers))
+        ]
+
+    def stash_input(self, index: int, hidden: torch.Tensor) -> None:
+        """Keep layer ``index``'s input for backward in its chunk (activations on the host)."""
+        chunk = self._inputs[index]
+        capacity = chunk.tensors[0].numel
+        if hidden.numel() > capacity or hidden.dtype != chunk.tensors[0].dtype:
+            raise ConfigError(
+                f"a micro-batch's hidden states ({tuple(hidden.shape)}, {hidden.dtype}) do not fit the "
+                f"activation chunk ({capacity} x {chunk.tensors[0].dtype}); set activation_tokens to the "
+                "largest batch x sequence length"
+            )
+        began = time.perf_counter()
+        views = self.store.acquire(chunk, Tier.DEVICE, overwrite=True)
+        self.times["io_wait"] += time.perf_counter() - began
+        views["x"][: hidden.numel()].copy_(hidden.detach().reshape(-1))
+        self.store.release(chunk, dirty=True)
+        self.store.evict(chunk, wait=False)
+
+    @contextmanager
+    def stashed_input(self, index: int, shape: torch.Size) -> Iterator[torch.Tensor]:
+        """Layer ``index``'s saved input on the device, for the duration of the block."""
+        chunk = self._inputs[index]
+        began = time.perf_counter()
+        views = self.store.acquire(chunk, Tier.DEVICE)
+        self.times["io_wait"] += time.perf_counter() - began
+        try:
+            yield views["x"][: math.prod(shape)].view(shape)
+        finally:
+            self.store.release(chunk)
 
     def _unit_host_bytes(self, state: _GroupState, j: int, twins: bool) -> int:
         """Host bytes one optimizer unit pins: gradients, sources and (speculative) twins read on the host."""
@@ -525,12 +581,25 @@ class _LayerFunction(torch.autograd.Function):
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
         with torch.no_grad(), trainer.bound_group(state, requires_grad=False):
             out = layer(hidden, *args, **kwargs)
-        ctx.save_for_backward(hidden)
+        if trainer._inputs:
+            trainer.stash_input(index, hidden)
+            ctx.shape = hidden.shape
+        else:
+            ctx.save_for_backward(hidden)
         return out[0] if isinstance(out, tuple) else out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (hidden,) = ctx.saved_tensors
+        trainer = ctx.trainer
+        with ExitStack() as stack:
+            if trainer._inputs:
+                hidden = stack.enter_context(trainer.stashed_input(ctx.index, ctx.shape))
+            else:
+                (hidden,) = ctx.saved_tensors
+            return _LayerFunction._backward(ctx, hidden, ctx.needs_input_grad[0], grad_out)
+
+    @staticmethod
+    def _backward(ctx, hidden, input_grad, grad_out):
         trainer = ctx.trainer
         state = trainer._states[trainer._layer_index[ctx.index]]
         devices = [hidden.device] if hidden.is_cuda else []
@@ -539,13 +608,13 @@ class _LayerFunction(torch.autograd.Function):
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
             with torch.enable_grad():
-                x = hidden.detach().requires_grad_(hidden.requires_grad)
+                x = hidden.detach().requires_grad_(input_grad)
                 out = ctx.layer(x, *ctx.args, **ctx.kwargs)
                 out = out[0] if isinstance(out, tuple) else out
-                inputs = [x, *params.values()] if hidden.requires_grad else list(params.values())
+                inputs = [x, *params.values()] if input_grad else list(params.values())
                 grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
-            grad_x = grads[0] if hidden.requires_grad else None
-            param_grads = dict(zip(params, grads[1:] if hidden.requires_grad else grads, strict=True))
+            grad_x = grads[0] if input_grad else None
+            param_grads = dict(zip(params, grads[1:] if input_grad else grads, strict=True))
             trainer.add_grads(state, param_grads)
         return grad_x, None, None, None, None, None
 

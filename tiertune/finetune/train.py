@@ -56,7 +56,6 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
     if not recipe.model.path:
         raise ConfigError("model.path is required: a local Hugging Face model directory")
     not_yet = [
-        (recipe.offload.activations == "host", "offload.activations: host", "auto or device"),
         (recipe.data.packing, "data.packing: true", "false"),
         (recipe.kernels == "triton", "kernels: triton", "auto or torch"),
         (recipe.training.resume_from_checkpoint is not None, "training.resume_from_checkpoint", "no value"),
@@ -110,8 +109,26 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
         optimizer_states=states,
         gradients="host",
         overlap_optimizer=off.overlap_optimizer,
+        activations=_activations(recipe, device, dtype, store.device_budget),  # type: ignore[arg-type]
+        activation_tokens=t.per_device_train_batch_size * recipe.data.max_seq_len,
     )
     return store, engine
+
+
+def _activations(recipe: Recipe, device: str, dtype: torch.dtype, device_budget: int) -> str:
+    """``offload.activations``; auto keeps the layer inputs on the device unless, on a GPU, they would take
+    more than an eighth of the device budget."""
+    choice = recipe.offload.activations
+    if choice != "auto":
+        return choice
+    if device != "cuda":
+        return "device"
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(recipe.model.path)
+    per_layer = recipe.training.per_device_train_batch_size * recipe.data.max_seq_len * config.hidden_size
+    total = per_layer * config.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
+    return "host" if total > device_budget // 8 else "device"
 
 
 def train(

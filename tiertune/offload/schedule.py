@@ -27,6 +27,7 @@ log = logging.getLogger("tiertune.offload")
 class Access(NamedTuple):
     chunk: int
     tier: Tier
+    overwrite: bool = False  # the accessor writes the chunk whole: nothing to prefetch for it
 
 
 class Scheduler:
@@ -46,10 +47,10 @@ class Scheduler:
     def replaying(self) -> bool:
         return self.trace is not None
 
-    def on_access(self, chunk: int, tier: Tier) -> None:
+    def on_access(self, chunk: int, tier: Tier, overwrite: bool = False) -> None:
         """Note an access; checks it against the trace when replaying."""
         self.clock += 1
-        access = Access(chunk, tier)
+        access = Access(chunk, tier, overwrite)
         if self.trace is not None:
             if self.cursor < len(self.trace) and self.trace[self.cursor] == access:
                 self.cursor += 1
@@ -91,7 +92,7 @@ class Scheduler:
         self.trace = tuple(accesses)
         self._positions = {}
         self._tier_positions = {}
-        for i, (chunk, tier) in enumerate(self.trace):
+        for i, (chunk, tier, _) in enumerate(self.trace):
             self._positions.setdefault(chunk, []).append(i)
             self._tier_positions.setdefault((chunk, tier), []).append(i)
 
@@ -111,14 +112,19 @@ class Scheduler:
         return positions[0] + len(self.trace) - self.cursor
 
     def upcoming(self, count: int, tier: Tier | None = None) -> list[int]:
-        """The next ``count`` distinct chunks the trace will use (on ``tier`` if given), soonest first."""
+        """The next ``count`` distinct chunks the trace will read (on ``tier`` if given), soonest first;
+        a chunk whose next access overwrites it is skipped (its bytes are not needed)."""
         if self.trace is None or count <= 0:
             return []
         out: list[int] = []
+        seen: set[int] = set()
         n = len(self.trace)
         for k in range(n):
-            chunk, t = self.trace[(self.cursor + k) % n]
-            if (tier is None or t is tier) and chunk not in out:
+            chunk, t, overwrite = self.trace[(self.cursor + k) % n]
+            if (tier is not None and t is not tier) or chunk in seen:
+                continue
+            seen.add(chunk)  # only a chunk's next access says whether its bytes are needed
+            if not overwrite:
                 out.append(chunk)
                 if len(out) == count:
                     break

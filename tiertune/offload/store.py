@@ -242,7 +242,7 @@ class ChunkStore:
         with self._cond:
             self._check_open()
             if traced:
-                self.scheduler.on_access(chunk.id, tier)
+                self.scheduler.on_access(chunk.id, tier, overwrite)
                 chunk.last_use = self.scheduler.clock
             if overwrite:
                 self._drop_stale_for_overwrite(chunk, tier)
@@ -398,10 +398,24 @@ class ChunkStore:
                 if chunk.valid and chunk.home not in chunk.valid:
                     self._make_resident(chunk, chunk.home)
 
-    def evict(self, chunk: Chunk) -> None:
-        """Write ``chunk`` back to its home tier and drop its cached copies elsewhere (frees their space)."""
+    def evict(self, chunk: Chunk, wait: bool = True) -> None:
+        """Write ``chunk`` back to its home tier and drop its cached copies elsewhere (frees their space).
+
+        ``wait=False`` only starts moving the device copy down (it is dropped when the copy is done) and
+        returns at once: for data written on the device that is needed again much later.
+        """
         with self._cond:
             self._check_open()
+            if not wait:
+                if chunk.state is S.IN_USE:
+                    raise StateError(f"evict of chunk {chunk.name!r} while it is acquired; release it first")
+                if (
+                    chunk.state not in IN_FLIGHT
+                    and Tier.DEVICE in chunk.valid
+                    and chunk.home is not Tier.DEVICE
+                ):
+                    self._evict(chunk, Tier.DEVICE, blocking=False)
+                return
             while chunk.state in IN_FLIGHT or chunk.state is S.IN_USE:
                 if chunk.state is S.IN_USE:
                     raise StateError(f"evict of chunk {chunk.name!r} while it is acquired; release it first")
