@@ -100,6 +100,11 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         "peak_bytes": {k: v.peak for k, v in stats.tiers.items()},
         "bytes_moved_per_step": {k: v / args.steps for k, v in stats.bytes_moved.items()},
         "peak_rss_bytes": peak_rss(),
+        # what the process holds beyond its budgets (the device tier is host memory on a CPU machine):
+        # interpreter, torch and transformers, the batch's activations and one layer's recompute
+        "rss_over_budgets_bytes": peak_rss()
+        - store.host_budget
+        - (store.device_budget if store.device.type == "cpu" else 0),
     }
 
 

@@ -16,7 +16,20 @@ def tiny_config(family: str, layers: int = 4):
         return Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=False)
     if family == "gpt_neox":
         return GPTNeoXConfig(**common, tie_word_embeddings=False)
-    raise ValueError(family)
+    import transformers
+
+    more = {  # other decoder-only families people fine-tune: found generically, no per-family code
+        "mistral": ("MistralConfig", dict(num_key_value_heads=2)),
+        "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16)),
+        # tied and scaled embeddings, 1+w norms
+        "gemma": ("GemmaConfig", dict(num_key_value_heads=2, head_dim=16)),
+        "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16)),  # soft-capping, sliding window
+        "phi3": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=0)),  # fused qkv and gate_up
+        "olmo2": ("Olmo2Config", dict(num_key_value_heads=2)),
+        "stablelm": ("StableLmConfig", dict(num_key_value_heads=2)),  # partial rotary, biases
+    }
+    name, extra = more[family]
+    return getattr(transformers, name)(**common, **extra)
 
 
 @pytest.fixture(scope="session")

@@ -237,3 +237,9 @@ def test_a_micro_batch_larger_than_the_activation_chunks_is_a_clear_error(tiny_m
             trainer.step(_batches(211)[:1])  # 2 x 12 tokens
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "stablelm"])
+def test_more_families_match_a_plain_pytorch_loop(tiny_model_dir, disk_dir, family):
+    path, initial = tiny_model_dir(family)
+    _check_parity(path, initial, disk_dir, "host")

@@ -275,3 +275,24 @@ def test_untraced_accesses_leave_the_trace_alone(disk_dir):
                 store.release(chunks[0])
             store.mark_step()
         assert store.scheduler.replaying and store.stats().divergences == 0
+
+
+@pytest.mark.parametrize("home", ["host", "disk"])
+def test_copy_from_hands_over_a_cached_copy_or_copies(home, disk_dir):
+    with ChunkStore(_cfg(disk_dir)) as store:
+        entries = [("w", (1000,), torch.float32)]
+        (src,) = store.add({"w": torch.arange(1000.0)}, home=home, name="src")
+        (dst,) = store.add(entries, home=home, name="dst")
+        store.evict(src)
+        used = store.stats().tiers["host"].used
+        views = store.acquire(dst, "host", copy_from=src)
+        assert torch.equal(views["w"], torch.arange(1000.0))
+        if home == "disk":  # src's host copy became dst's: src is back to its disk copy, no new host bytes
+            assert src.valid == {Tier.DISK} and store.stats().tiers["host"].used == used + src.capacity
+        views["w"].mul_(2)
+        store.release(dst, dirty=True)
+        assert torch.equal(store.read(src)["w"], torch.arange(1000.0))  # the source is untouched
+        assert torch.equal(store.read(dst)["w"], torch.arange(1000.0) * 2)
+        with pytest.raises(ConfigError, match="layouts differ"):
+            (other,) = store.add([("w", (999,), torch.float32)], home=home, name="other")
+            store.acquire(other, "host", copy_from=src)

@@ -256,9 +256,11 @@ class StreamedTrainer:
             self.store.release(chunk)
 
     def _unit_host_bytes(self, state: _GroupState, j: int, twins: bool) -> int:
-        """Host bytes one optimizer unit pins: gradients, sources and (speculative) twins read on the host."""
-        chunks = [state.grads[j], *state.sources(j), *(state.sources(j) if twins else ())]
-        return sum(c.capacity for c in chunks if self._cpu_tier(c) is Tier.HOST and c.home is not Tier.HOST)
+        """Host bytes one optimizer unit pins: gradients and sources (or their twins), plus one source
+        while it is copied into its twin."""
+        on_host = [c for c in (state.grads[j], *state.sources(j)) if self._cpu_tier(c) is Tier.HOST]
+        pinned = sum(c.capacity for c in on_host if c.home is not Tier.HOST)
+        return pinned + (max((c.capacity for c in on_host[1:]), default=0) if twins else 0)
 
     def _add_twins(self) -> bool:
         """Decide whether the optimizer overlaps backward; add the twin states that needs. Returns the choice.
@@ -487,21 +489,18 @@ class StreamedTrainer:
         store = self.store
         held: list[tuple[Chunk, bool]] = []
 
-        def get(chunk: Chunk, dirty: bool, overwrite: bool = False) -> dict[str, torch.Tensor]:
-            views = store.acquire(chunk, self._cpu_tier(chunk), overwrite=overwrite, traced=False)
-            held.append((chunk, dirty))
+        def get(chunk: Chunk, source: Chunk | None = None) -> dict[str, torch.Tensor]:
+            views = store.acquire(chunk, self._cpu_tier(chunk), traced=False, copy_from=source)
+            held.append((chunk, chunk is not state.grads[j]))
             return views
 
         try:
-            grads = get(state.grads[j], dirty=False)
-            twins = state.twins[j] if state.twins else None
-            src = [get(c, dirty=twins is None) for c in state.sources(j)]
-            dst = [get(c, dirty=True, overwrite=True) for c in twins] if twins else src
+            grads = get(state.grads[j])
+            if state.twins:  # the sources' bytes handed to (or copied into) the twins, the sources untouched
+                master, m, v = (get(t, s) for t, s in zip(state.twins[j], state.sources(j), strict=True))
+            else:
+                master, m, v = (get(c) for c in state.sources(j))
             names = list(grads)
-            if twins:
-                for a, b in zip(src, dst, strict=True):
-                    torch._foreach_copy_([b[n] for n in names], [a[n] for n in names])
-            master, m, v = dst
             g = [grads[n] for n in names]
             if coef is not None:
                 g = torch._foreach_mul(g, coef)  # out of place: a redo needs the gradients as they were

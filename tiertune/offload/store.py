@@ -226,7 +226,13 @@ class ChunkStore:
     # ------------------------------------------------------------------ use
 
     def acquire(
-        self, chunk: Chunk, tier: Tier | str = Tier.DEVICE, *, overwrite: bool = False, traced: bool = True
+        self,
+        chunk: Chunk,
+        tier: Tier | str = Tier.DEVICE,
+        *,
+        overwrite: bool = False,
+        traced: bool = True,
+        copy_from: Chunk | None = None,
     ) -> dict[str, torch.Tensor]:
         """Make ``chunk`` resident on ``tier`` (device or host), pin it there and return its tensors.
 
@@ -235,22 +241,35 @@ class ChunkStore:
         old contents are not fetched (nothing is read from disk) and the views may hold anything.
         ``traced=False`` keeps the access out of the scheduler's trace (work that does not repeat every
         step, such as a redone optimizer step); it is served on demand, without prefetch.
+        ``copy_from=src`` fills ``chunk`` with the bytes of ``src`` (same layout), leaving ``src``'s contents
+        as they are: when ``src`` has another valid copy (on disk, say), its copy on ``tier`` is handed over
+        to ``chunk`` without copying a byte; otherwise the bytes are copied.
         """
         tier = Tier(tier)
         if tier is Tier.DISK:
             raise ConfigError("chunks are acquired on the device or the host, not on disk")
+        copy = None
         with self._cond:
             self._check_open()
             if traced:
-                self.scheduler.on_access(chunk.id, tier, overwrite)
+                self.scheduler.on_access(chunk.id, tier, overwrite or copy_from is not None)
                 chunk.last_use = self.scheduler.clock
-            if overwrite:
-                self._drop_stale_for_overwrite(chunk, tier)
-            self._pin(chunk, tier, zero=not overwrite)
+            if copy_from is not None:
+                copy = self._acquire_copy(chunk, tier, copy_from)
+            else:
+                if overwrite:
+                    self._drop_stale_for_overwrite(chunk, tier)
+                self._pin(chunk, tier, zero=not overwrite)
             views = chunk.views(chunk.copies[tier].tensor)  # type: ignore[attr-defined]
             if traced:
                 self._prefetch()
-            return views
+        if copy is not None:  # outside the lock: other threads' transfers and acquires go on meanwhile
+            dst, src = copy
+            try:
+                dst.copy_(src)
+            finally:
+                self.release(copy_from)  # type: ignore[arg-type]
+        return views
 
     def release(self, chunk: Chunk, dirty: bool = False) -> None:
         """Unpin ``chunk``. ``dirty=True`` says its tensors were modified: other copies become stale."""
@@ -502,6 +521,43 @@ class ChunkStore:
         self._cond.wait()
         if self._fatal is not None:
             raise self._fatal
+
+    def _acquire_copy(self, chunk: Chunk, tier: Tier, src: Chunk) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Pin ``chunk`` on ``tier`` with ``src``'s bytes handed over (returns None), or pin both and return
+        the (destination, source) buffers for the caller to copy and then release ``src``."""
+        if src.layout != chunk.layout or src is chunk:
+            raise ConfigError(f"chunk {chunk.name!r} cannot be filled from {src.name!r}: layouts differ")
+        self._drop_stale_for_overwrite(chunk, tier)
+        self._wanted[src.id] = self._wanted.get(src.id, 0) + 1
+        try:
+            self._make_resident(src, tier)
+        finally:
+            self._wanted[src.id] -= 1
+            if not self._wanted[src.id]:
+                del self._wanted[src.id]
+        movable = (
+            src.state is not S.IN_USE
+            and tier is not src.home
+            and bool(src.valid - {tier})  # src keeps its bytes elsewhere
+            and chunk.state is S.EMPTY
+            and tier not in chunk.copies
+        )
+        if movable:
+            chunk.copies[tier] = src.copies.pop(tier)
+            src.valid.discard(tier)
+            if tier is Tier.DEVICE:
+                chunk.device_event = src.device_event
+            self._settle(src)
+            chunk.valid.add(tier)
+            self._pin(chunk, tier, zero=False)
+            return None
+        self._pin(src, tier)
+        try:
+            self._pin(chunk, tier, zero=False)
+        except BaseException:
+            self.release(src)
+            raise
+        return chunk.copies[tier].tensor, src.copies[tier].tensor  # type: ignore[attr-defined]
 
     def _drop_stale_for_overwrite(self, chunk: Chunk, tier: Tier) -> None:
         """Before an overwriting acquire: forget contents that would otherwise be fetched to ``tier``."""
