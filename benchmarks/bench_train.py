@@ -119,7 +119,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--steps", type=int, default=3, help="including the first, which records the trace")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--seq", type=int, default=512)
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--device-budget", default="2GiB")
     p.add_argument("--host-budget", default="7GiB")
