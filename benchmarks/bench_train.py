@@ -62,6 +62,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         )
     engine.learning_rate = 1e-5
     engine.max_grad_norm = args.max_grad_norm
+    runtime_rss = current_rss()  # interpreter, torch, transformers: before any model state exists
     began = time.perf_counter()
     trainer = StreamedTrainer(model_dir, store, engine)
     load_s = time.perf_counter() - began
@@ -101,11 +102,21 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         "bytes_moved_per_step": {k: v / args.steps for k, v in stats.bytes_moved.items()},
         "peak_rss_bytes": peak_rss(),
         # what the process holds beyond its budgets (the device tier is host memory on a CPU machine):
-        # interpreter, torch and transformers, the batch's activations and one layer's recompute
+        # the runtime, then transient buffers of the size of a parameter group (autograd's gradients of
+        # the layer in backward, the embedding's gradient, a clipped gradient copy), logits, activations
+        "runtime_rss_bytes": runtime_rss,
         "rss_over_budgets_bytes": peak_rss()
         - store.host_budget
         - (store.device_budget if store.device.type == "cpu" else 0),
+        "largest_group_fp32_bytes": max(c.capacity for c in trainer.store.chunks if c.name.endswith(".grad")),
     }
+
+
+def current_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def main() -> None:
