@@ -44,6 +44,7 @@ def _reference(model, batches, cfg):
     """The plain loop: HF model in memory, torch.optim.AdamW, clip_grad_norm_, transformers' scheduler."""
     from transformers import get_scheduler
 
+    model.train()
     params = dict(model.named_parameters())
     groups = [
         {"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": cfg.weight_decay},

@@ -35,20 +35,23 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tiertune.errors import BudgetError, ConfigError, DataError
+from tiertune.finetune.lora import Adapters, LoraSettings
 from tiertune.finetune.model import (
     ModelParts,
     ParamGroup,
@@ -60,6 +63,7 @@ from tiertune.finetune.weights import Checkpoint
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore, StoreConfig
 from tiertune.offload.tiers import BUDGET_SETTING, Tier
+from tiertune.quant.bnb4 import NF4, is_quantized
 from tiertune.units import format_size
 
 log = logging.getLogger("tiertune.engine")
@@ -89,6 +93,9 @@ class EngineConfig:
     overlap_optimizer: str | bool = "auto"
     activations: str = "device"  # where each layer's saved input waits for backward: device or host
     activation_tokens: int = 0  # batch x sequence length of the largest micro-batch (needed for host)
+    method: str = "full"  # full: every weight trained; lora: a frozen base with peft LoRA adapters
+    quantize: str = "none"  # none or nf4: the decoder layers' linear weights stored and streamed in NF4
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
     def __post_init__(self) -> None:
         if isinstance(self.overlap_optimizer, bool):
@@ -101,6 +108,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value not in ("device", "host", "disk"):
                 raise ConfigError(f"offload.{name} must be device, host or disk, got {value!r}")
+        if self.method not in ("full", "lora"):
+            raise ConfigError(f"method.type must be full or lora, got {self.method!r}")
+        if self.quantize not in ("none", "nf4"):
+            raise ConfigError(f"model.quantize must be none or nf4, got {self.quantize!r}")
+        if self.quantize != "none" and self.method == "full":
+            raise ConfigError("a quantized base is frozen: use method.type: lora with model.quantize")
         if self.activations not in ("device", "host"):
             raise ConfigError(f"offload.activations must be device or host, got {self.activations!r}")
         if self.activations == "host" and self.activation_tokens < 1:
@@ -133,6 +146,11 @@ class _GroupState:
         self.exp_avg_sq: list[Chunk] = []
         self.twins: list[tuple[Chunk, Chunk, Chunk]] = []  # twins of sources(j), per j
 
+    @property
+    def trainable(self) -> bool:
+        """Whether the group's weights are trained (full fine-tuning) rather than a frozen base."""
+        return bool(self.grads)
+
     def sources(self, j: int) -> tuple[Chunk, Chunk, Chunk]:
         master = self.master[j] if self.master else self.weights[j]
         return master, self.exp_avg[j], self.exp_avg_sq[j]
@@ -152,15 +170,30 @@ class StreamedTrainer:
         self.device = self.store.device
         self.model = build_skeleton(model_dir, config.dtype)
         self.model.config.use_cache = False
+        self.model.train()  # dropout as configured, and no inference-only kernels (as the HF Trainer does)
         self.parts: ModelParts = split_model(self.model)
+        self.quant = NF4(config.dtype) if config.quantize == "nf4" else None
+        if self.quant is not None:  # Linear4bit in every decoder layer, as a plain QLoRA load would have
+            for layer in self.parts.layers:
+                self.quant.convert(layer)
+            self.parts = split_model(self.model)
         homes = {"embed": config.params, "layer": config.params, "rest": config.params, "head": config.params}
         checkpoint = Checkpoint(model_dir)
-        self._source = load_into_store(self.parts, checkpoint, self.store, homes, config.dtype)
+        self._source = load_into_store(self.parts, checkpoint, self.store, homes, config.dtype, self.quant)
         self._slots = self._find_slots()
         self._meta = dict(self.model.named_parameters())  # the skeleton's placeholders, put back by unbind
+        self._quantized = {n for n, p in self._meta.items() if is_quantized(p)}
         self._param_order = [n for n, _ in self.model.named_parameters()]
-        self._states = [self._add_states(g, checkpoint) for g in self.parts.groups]
-        self.overlap = self._add_twins()
+        full = config.method == "full"
+        self._states = [
+            self._add_states(g, checkpoint) if full else _GroupState(g) for g in self.parts.groups
+        ]
+        # LoRA: peft wraps the instance's linear modules (before the layers are replaced by streamed ones)
+        self.adapters = Adapters(self.model, config.lora, self.device) if config.method == "lora" else None
+        self._layer_adapters = [
+            self.adapters.in_module(layer) if self.adapters else [] for layer in self.parts.layers
+        ]
+        self.overlap = self._add_twins() if full else False
         self._inputs = self._add_input_chunks()
         self._worker = _OptimizerWorker(self)
         self._layer_index = [i for i, s in enumerate(self._states) if s.group.kind == "layer"]
@@ -326,7 +359,12 @@ class StreamedTrainer:
         """Make the chunk's tensors the model's parameters; returns the bound leaf tensors by name."""
         bound = {}
         for name, view in views.items():
-            param = nn.Parameter(view, requires_grad=requires_grad)
+            if name not in self._slots:  # a quantized weight's statistics: bound with the weight
+                continue
+            if name in self._quantized:
+                param = self.quant.parameter(name, self._meta[name].shape, views)  # type: ignore[union-attr]
+            else:
+                param = nn.Parameter(view, requires_grad=requires_grad)
             for slot in self._slots[name]:
                 slot.module._parameters[slot.attr] = param
             bound[name] = param
@@ -409,7 +447,9 @@ class StreamedTrainer:
             with ExitStack() as stack:
                 bound = {}
                 for state in others:
-                    bound[id(state)] = stack.enter_context(self.bound_group(state, requires_grad=True))
+                    bound[id(state)] = stack.enter_context(
+                        self.bound_group(state, requires_grad=state.trainable)
+                    )
                 ids = mb["input_ids"].to(self.device)
                 mask = mb.get("attention_mask")
                 logits = self.model(
@@ -427,7 +467,8 @@ class StreamedTrainer:
                 grads = {id(state): {n: p.grad for n, p in bound[id(state)].items()} for state in others}
             # released first: the optimizer writes these groups' weights
             for state in others:
-                self.add_grads(state, grads[id(state)])
+                if state.trainable:
+                    self.add_grads(state, grads[id(state)])
         began = time.perf_counter()
         self._finish_step()
         self.times["optimizer"] += time.perf_counter() - began
@@ -445,6 +486,14 @@ class StreamedTrainer:
     def _finish_step(self) -> None:
         """After backward: the exact clipping coefficient; confirm, redo or run the optimizer; commit."""
         cfg = self.config
+        self.last_lr = self._lr_now
+        if self.adapters is not None:  # LoRA: a frozen base; the adapters' optimizer, as in a plain loop
+            betas = (cfg.adam_beta1, cfg.adam_beta2)
+            self.last_grad_norm = self.adapters.step(
+                self._lr_now, cfg.weight_decay, betas, cfg.adam_epsilon, cfg.max_grad_norm
+            )
+            self.optimizer_counts["after_backward"] += 1
+            return
         # exactly torch.nn.utils.clip_grad_norm_: fp32 per-tensor norms stacked in parameter order, the
         # coefficient an fp32 tensor clamped at 1 and multiplied into every gradient
         norms = [self._norms[n] for n in self._param_order if n in self._norms]
@@ -547,6 +596,33 @@ class StreamedTrainer:
             out.update(part)
         return out
 
+    @contextmanager
+    def _unstreamed(self) -> Iterator[None]:
+        """The model's own decoder layers back in place for the block (peft finds its layers by walking
+        the module tree, which the streamed stand-ins hide)."""
+        streamed = list(self.parts.layers)
+        for i, layer in enumerate(streamed):
+            self.parts.layers[i] = layer._layer[0]
+        try:
+            yield
+        finally:
+            for i, layer in enumerate(streamed):
+                self.parts.layers[i] = layer
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter weights as peft saves them (CPU tensors)."""
+        if self.adapters is None:
+            raise ConfigError("this run trains no adapter (method.type is full)")
+        with self._unstreamed():
+            return self.adapters.state_dict()
+
+    def save_adapter(self, directory: str | os.PathLike[str]) -> Path:
+        """Write the adapter in PEFT format (``PeftModel.from_pretrained(base, directory)`` loads it)."""
+        if self.adapters is None:
+            raise ConfigError("this run trains no adapter (method.type is full)")
+        with self._unstreamed():
+            return self.adapters.save(directory)
+
     def close(self) -> None:
         self._worker.close()
         self.store.close()
@@ -566,14 +642,16 @@ class StreamedLayer(nn.Module):
             hidden, rest = args[0], args[1:]
         else:
             hidden, rest = kwargs.pop("hidden_states"), ()
-        return _LayerFunction.apply(hidden, self._trainer[0], self.index, self._layer[0], rest, kwargs)
+        trainer = self._trainer[0]
+        adapters = trainer._layer_adapters[self.index]
+        return _LayerFunction.apply(hidden, trainer, self.index, self._layer[0], rest, kwargs, *adapters)
 
 
 class _LayerFunction(torch.autograd.Function):
     """Forward without keeping activations (the input is saved); backward recomputes, then frees."""
 
     @staticmethod
-    def forward(ctx, hidden, trainer, index, layer, args, kwargs):
+    def forward(ctx, hidden, trainer, index, layer, args, kwargs, *adapters):
         state = trainer._states[trainer._layer_index[index]]
         ctx.trainer, ctx.index, ctx.layer, ctx.args, ctx.kwargs = trainer, index, layer, args, kwargs
         ctx.cpu_rng = torch.get_rng_state()
@@ -602,7 +680,7 @@ class _LayerFunction(torch.autograd.Function):
         trainer = ctx.trainer
         state = trainer._states[trainer._layer_index[ctx.index]]
         devices = [hidden.device] if hidden.is_cuda else []
-        with torch.random.fork_rng(devices=devices), trainer.bound_group(state, requires_grad=True) as params:
+        with torch.random.fork_rng(devices=devices), trainer.bound_group(state, state.trainable) as params:
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
@@ -610,12 +688,15 @@ class _LayerFunction(torch.autograd.Function):
                 x = hidden.detach().requires_grad_(input_grad)
                 out = ctx.layer(x, *ctx.args, **ctx.kwargs)
                 out = out[0] if isinstance(out, tuple) else out
-                inputs = [x, *params.values()] if input_grad else list(params.values())
-                grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
-            grad_x = grads[0] if input_grad else None
-            param_grads = dict(zip(params, grads[1:] if input_grad else grads, strict=True))
-            trainer.add_grads(state, param_grads)
-        return grad_x, None, None, None, None, None
+                trained = params if state.trainable else {}
+                adapters = trainer._layer_adapters[ctx.index]
+                inputs = ([x] if input_grad else []) + list(trained.values()) + adapters
+                grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
+            grad_x = grads.pop(0) if input_grad else None
+            if state.trainable:
+                trainer.add_grads(state, dict(zip(trained, grads[: len(trained)], strict=True)))
+            adapter_grads = grads[len(trained) :]  # autograd accumulates these into the adapters' .grad
+        return (grad_x, None, None, None, None, None, *adapter_grads)
 
 
 def _entries(chunk: Chunk) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

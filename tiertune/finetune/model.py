@@ -23,6 +23,7 @@ from tiertune.finetune.weights import Checkpoint
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
+from tiertune.quant.bnb4 import NF4, is_quantized
 
 
 @dataclass
@@ -155,11 +156,14 @@ def load_into_store(
     store: ChunkStore,
     homes: dict[str, Tier | str] | Tier | str,
     dtype: torch.dtype,
+    quant: NF4 | None = None,
+    chunk_size: int | None = None,
 ) -> dict[str, str]:
     """Register every group's parameters as chunks (in ``dtype``) on its home tier and stream the weights in.
 
     ``homes`` maps a group kind (embed, layer, rest, head) to a tier, or gives one tier for all. Returns the
-    map of parameter names to checkpoint tensor names (``checkpoint_names``). Raises ModelError naming the
+    map of parameter names to checkpoint tensor names (``checkpoint_names``). Weights of modules that
+    ``quant`` converted are quantized on the way in, one tensor at a time. Raises ModelError naming the
     tensor and file when the checkpoint lacks a weight or has the wrong shape.
     """
     source = checkpoint_names(parts.model, checkpoint)
@@ -171,10 +175,24 @@ def load_into_store(
             )
     for group in parts.groups:
         home = homes if isinstance(homes, Tier | str) else homes[group.kind]
-        entries = [(n, tuple(p.shape), dtype) for n, p in group.params.items()]
-        group.chunks = store.add(entries, home=home, name=group.name)
+        entries = []
+        for n, p in group.params.items():
+            if quant is not None and is_quantized(p):
+                entries += quant.entries(n, tuple(p.shape))
+            else:
+                entries.append((n, tuple(p.shape), dtype))
+        group.chunks = store.add(entries, home=home, name=group.name, chunk_size=chunk_size)
         for chunk in group.chunks:
             with store.writing(chunk) as views:
-                for name, view in views.items():
-                    checkpoint.read_into(source[name], view)
+                for name in [s.name for s in chunk.tensors]:
+                    param = group.params.get(name)
+                    if param is None:  # a quantized weight's statistics, written with the weight
+                        continue
+                    if quant is not None and is_quantized(param):
+                        # read in the dtype a plain load quantizes from, one weight at a time
+                        weight = torch.empty(tuple(param.shape), dtype=dtype)
+                        checkpoint.read_into(source[name], weight)
+                        quant.quantize_into(name, weight, views)
+                    else:
+                        checkpoint.read_into(source[name], views[name])
     return source

@@ -704,7 +704,8 @@ class ChunkStore:
             and c.id not in self._wanted
             and c.home is not tier
             and tier in c.copies
-            and c.state is not S.IN_USE
+            # a chunk in use elsewhere can still give up its copy here: the copy in use holds its bytes
+            and (c.state is not S.IN_USE or (c.use_tier is not tier and c.use_tier in c.valid))
             and c.state not in IN_FLIGHT
             and c.error is None
             and (before == math.inf or self.scheduler.next_use(c.id, look) > before)

@@ -1,0 +1,133 @@
+"""LoRA adapters with peft on the streamed (possibly 4-bit) base: created, trained and saved in PEFT format.
+
+peft wraps the model instance's linear modules (``nn.Linear`` or bitsandbytes' ``Linear4bit``) exactly as it
+would in a plain QLoRA run; the base weights stay meta placeholders that the engine binds to chunk memory
+layer by layer. The adapters are small: they live on the compute device as ordinary parameters, autograd
+accumulates their gradients, and ``torch.optim.AdamW`` with ``clip_grad_norm_`` updates them after backward,
+as the Hugging Face Trainer would.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiertune.errors import ConfigError
+
+
+@dataclass
+class LoraSettings:
+    """``method.lora`` of a recipe (names as peft's ``LoraConfig``), plus the seed of the adapter init."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: Any = "all-linear"
+    seed: int = 42
+
+
+class Adapters:
+    """The LoRA adapters of a model: peft's wrapping, their parameters in model order, their optimizer."""
+
+    def __init__(self, model: nn.Module, settings: LoraSettings, device: torch.device) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        self.settings = settings
+        self.config = LoraConfig(
+            r=settings.r,
+            lora_alpha=settings.alpha,
+            lora_dropout=settings.dropout,
+            target_modules=settings.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        try:
+            self.peft_model = get_peft_model(model, self.config)
+        except ValueError as exc:  # peft: no module matched target_modules, and the like
+            raise ConfigError(f"method.lora: {exc}") from exc
+        self._materialize(device)
+        self.named = [(n, p) for n, p in self.peft_model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named]
+        self._optimizer: torch.optim.Optimizer | None = None
+
+    def _materialize(self, device: torch.device) -> None:
+        """peft put the adapters where the base weights are (meta): give them memory and peft's own init,
+        from ``settings.seed`` (fp32, as peft keeps adapters of low-precision bases)."""
+        from peft.tuners.lora import LoraLayer
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.settings.seed)
+            for module in self.peft_model.modules():
+                if not isinstance(module, LoraLayer):
+                    continue
+                for adapter in module.active_adapters:
+                    for part in (module.lora_A[adapter], module.lora_B[adapter]):
+                        part.to_empty(device=device)
+                        part.float()
+                    module.reset_lora_parameters(adapter, init_lora_weights=True)
+
+    def in_module(self, module: nn.Module) -> list[nn.Parameter]:
+        """The trainable adapter parameters inside ``module`` (a decoder layer), in model order."""
+        inside = {id(p) for p in module.parameters()}
+        return [p for p in self.params if id(p) in inside]
+
+    def step(
+        self, lr: float, weight_decay: float, betas: tuple[float, float], eps: float, max_grad_norm: float
+    ) -> float:
+        """Clip (as ``clip_grad_norm_``), update with AdamW and zero the gradients; returns the gradient norm."""
+        params = [p for p in self.params if p.grad is not None]
+        if max_grad_norm and max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        if self._optimizer is None:
+            decay = [p for p in self.params if p.dim() >= 2]
+            rest = [p for p in self.params if p.dim() < 2]
+            self._optimizer = torch.optim.AdamW(
+                [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                fused=True,
+            )
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
+        self._optimizer.step()
+        self._optimizer.zero_grad()
+        return float(norm)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The adapter weights as peft saves them (keys without the adapter name), on the CPU."""
+        from peft import get_peft_model_state_dict
+
+        own = {n: p.detach().to("cpu", copy=True) for n, p in self.named}
+        return get_peft_model_state_dict(self.peft_model, state_dict=own)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (what ``PeftModel.from_pretrained``
+        reads) into ``directory``, atomically: a temporary directory, fsynced, renamed into place."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            self.config.save_pretrained(str(tmp))
+            tensors = {k: v.contiguous() for k, v in self.state_dict().items()}
+            save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+            for path in tmp.iterdir():
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+            if directory.exists():
+                shutil.rmtree(directory)
+            os.replace(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return directory
