@@ -109,3 +109,62 @@ def test_qlora_matches_peft_and_bitsandbytes(tiny_model_dir, disk_dir, family, p
     if placement == "disk":
         assert stats.bytes_moved["disk->host"] > 0
     assert not stats.bytes_moved.get("host->disk") or placement == "disk"  # a frozen base is never written
+
+
+def test_saved_adapter_loads_with_peft_and_reproduces_the_logits(tiny_model_dir, disk_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tiertune.quant.bnb4 import NF4
+
+    path, _ = tiny_model_dir("qwen2")
+    store = StoreConfig(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
+    trainer = StreamedTrainer(str(path), store, _config(params="disk", max_steps=3))
+    batches = _batches(trainer.model.config.vocab_size)
+    try:
+        for s in range(3):
+            trainer.step(batches[s * ACCUM : (s + 1) * ACCUM])
+        out = trainer.save_adapter(tmp_path / "adapter")
+        ids, mask = batches[0]["input_ids"], batches[0]["attention_mask"]
+        ours = trainer.logits(ids, mask)
+        assert trainer.store.stats().divergences == 0  # inference stayed out of the trace
+    finally:
+        trainer.close()
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    base = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=NF4().config(), dtype=torch.float32, device_map="cpu"
+    )
+    model = PeftModel.from_pretrained(base, out)
+    model.train()  # eval mode would pick bitsandbytes' bf16 CPU inference kernel
+    with torch.no_grad():
+        theirs = model(input_ids=ids, attention_mask=mask).logits
+    assert float((ours - theirs).abs().max()) <= 1e-5
+
+
+def test_an_nf4_layer_moves_at_most_0_3_of_its_bf16_bytes(disk_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=211, tie_word_embeddings=True)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    moved = {}
+    for quantize in ("nf4", "none"):
+        cfg = _config(dtype=torch.bfloat16, quantize=quantize, max_steps=2)
+        # two layers fit on the device: each layer comes from the host on every pass
+        store = StoreConfig(
+            device_budget="3MiB", host_budget="16MiB", disk_path=str(disk_dir), prefetch_depth=1
+        )
+        trainer = StreamedTrainer(str(tmp_path / "model"), store, cfg)
+        try:
+            for _ in range(2):
+                trainer.step(_batches(211)[:ACCUM])
+            layers = [s.weights[0] for s in trainer._states if s.group.kind == "layer"]
+            moved[quantize] = [trainer.store.moved(c).get("host->device", 0) for c in layers]
+        finally:
+            trainer.close()
+    for nf4, bf16 in zip(moved["nf4"], moved["none"], strict=True):
+        assert bf16 > 0 and nf4 <= 0.3 * bf16, moved

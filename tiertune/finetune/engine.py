@@ -207,6 +207,7 @@ class StreamedTrainer:
         self.times: defaultdict[str, float] = defaultdict(float)
         self._norms: dict[str, torch.Tensor] = {}
         self._first_micro = self._last_micro = False
+        self._traced = True  # weight accesses enter the scheduler's trace (training steps)
         self._speculating = False
         # optimizer steps by how they ran: confirmed speculation, speculation redone (clipping was active),
         # run after backward (overlap off, or the last step was clipped)
@@ -384,7 +385,7 @@ class StreamedTrainer:
         try:
             for chunk in state.weights:
                 began = time.perf_counter()
-                views = self.store.acquire(chunk, Tier.DEVICE)
+                views = self.store.acquire(chunk, Tier.DEVICE, traced=self._traced)
                 self.times["io_wait"] += time.perf_counter() - began
                 acquired.append(chunk)
                 bound.update(self.bind(chunk, views, requires_grad))
@@ -581,6 +582,19 @@ class StreamedTrainer:
             for chunk, dirty in reversed(held):
                 store.release(chunk, dirty=dirty)
 
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's logits for a batch with the current weights (and adapters), streamed layer by layer
+        between training steps (outside the scheduler's trace)."""
+        others = [s for s in self._states if s.group.kind != "layer"]
+        self._traced = False
+        with ExitStack() as stack:
+            stack.callback(setattr, self, "_traced", True)
+            for state in others:
+                stack.enter_context(self.bound_group(state, requires_grad=False))
+            mask = None if attention_mask is None else attention_mask.to(self.device)
+            return self.model(input_ids=input_ids.to(self.device), attention_mask=mask).logits.float().cpu()
+
     # ------------------------------------------------------------------ export
 
     def weights(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -643,6 +657,11 @@ class StreamedLayer(nn.Module):
         else:
             hidden, rest = kwargs.pop("hidden_states"), ()
         trainer = self._trainer[0]
+        if not torch.is_grad_enabled():  # inference: stream the layer through, nothing saved
+            state = trainer._states[trainer._layer_index[self.index]]
+            with trainer.bound_group(state, requires_grad=False):
+                out = self._layer[0](hidden, *rest, **kwargs)
+            return out[0] if isinstance(out, tuple) else out
         adapters = trainer._layer_adapters[self.index]
         return _LayerFunction.apply(hidden, trainer, self.index, self._layer[0], rest, kwargs, *adapters)
 

@@ -132,6 +132,7 @@ class ChunkStore:
         self._holders: dict[int, dict[int, int]] = {}  # chunk id -> {thread id: pins held}
         self._stalled: set[int] = set()  # threads waiting for room that only other threads' releases make
         self._moved: dict[str, int] = {}
+        self._moved_by: dict[int, dict[str, int]] = {}  # chunk id -> link -> bytes
         self._fatal: BaseException | None = None
         self._cond = threading.Condition(threading.RLock())
         self._closed = False
@@ -459,6 +460,11 @@ class ChunkStore:
                 a = self.disk.arena
                 tiers["disk"] = TierStats(a.capacity, a.used, a.peak)
             return StoreStats(tiers, dict(self._moved), self.scheduler.divergences)
+
+    def moved(self, chunk: Chunk) -> dict[str, int]:
+        """Bytes of ``chunk`` moved so far, per link ("host->device": bytes, ...)."""
+        with self._cond:
+            return dict(self._moved_by.get(chunk.id, {}))
 
     def reset_peaks(self) -> None:
         with self._cond:
@@ -824,6 +830,8 @@ class ChunkStore:
                 else:
                     link = f"{src.value}->{dst.value}"
                     self._moved[link] = self._moved.get(link, 0) + chunk.capacity
+                    per_chunk = self._moved_by.setdefault(chunk.id, {})
+                    per_chunk[link] = per_chunk.get(link, 0) + chunk.capacity
                     chunk.valid.add(dst)
                     chunk.transition(ok)
                     if drop is not None and chunk.valid - {drop}:
