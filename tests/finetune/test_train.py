@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 import torch
@@ -90,7 +91,9 @@ def test_cli_train_and_dry_run(recipe_file):
         ("data.packing=true", "data.packing: true is not available yet"),
         ("offload.activations=disk", "offload.activations must be one of auto, device, host"),
         ("offload.activations=host", None),
-        ("method.type=lora", "method.type 'lora' is not available yet"),
+        ("method.type=galore", "method.type 'galore' is not available yet"),
+        ("model.quantize=nf4", "model.quantize: nf4 freezes the base; use method.type: lora"),
+        ("method.lora.r=0", "method.lora.r must be >= 1"),
         (
             "offload.overlap_optimizer=maybe",
             "offload.overlap_optimizer must be one of auto, true, false; got 'maybe'",
@@ -174,3 +177,24 @@ def test_multi_process_launch_stops_with_a_clear_message(recipe_file, monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="launched as 2 processes"):
         plan(load_recipe(recipe_file))
+
+
+def test_qlora_recipe_writes_an_adapter_that_peft_loads(recipe_file, model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    overrides = ("model.quantize=nf4", "method.type=lora", "method.lora.r=4", "method.lora.dropout=0.1")
+    result = train(recipe_file, overrides, progress=False)
+    out = result.output_dir
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert not (out / "model.safetensors").exists()  # no full model: the base is the input model
+    records = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    assert len(records) == 6 and all(math.isfinite(r["loss"]) for r in records)
+    from tiertune.quant.bnb4 import NF4
+
+    base = AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=NF4().config(), device_map="cpu"
+    )
+    model = PeftModel.from_pretrained(base, out)
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and all(float(p.abs().max()) > 0 for p in lora_b)  # trained, not the zero init

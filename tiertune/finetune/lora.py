@@ -110,24 +110,22 @@ class Adapters:
         return get_peft_model_state_dict(self.peft_model, state_dict=own)
 
     def save(self, directory: str | Path) -> Path:
-        """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (what ``PeftModel.from_pretrained``
-        reads) into ``directory``, atomically: a temporary directory, fsynced, renamed into place."""
+        """Write ``adapter_model.safetensors`` and ``adapter_config.json`` (what ``PeftModel.from_pretrained``
+        reads) into ``directory``: each file under a temporary name, fsynced, then renamed into place, the
+        config last, so an interrupted save never leaves a directory that looks complete."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".adapter-", dir=directory))
         try:
             self.config.save_pretrained(str(tmp))
             tensors = {k: v.contiguous() for k, v in self.state_dict().items()}
             save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-            for path in tmp.iterdir():
-                with open(path, "rb") as f:
+            for name in ("adapter_model.safetensors", "adapter_config.json"):
+                with open(tmp / name, "rb") as f:
                     os.fsync(f.fileno())
-            if directory.exists():
-                shutil.rmtree(directory)
-            os.replace(tmp, directory)
-        except BaseException:
+                os.replace(tmp / name, directory / name)
+        finally:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return directory

@@ -134,6 +134,8 @@ class Recipe:
             (t.logging_steps >= 1, "training.logging_steps", "must be >= 1"),
             (self.data.max_seq_len >= 2, "data.max_seq_len", "must be >= 2 (a token and its target)"),
             (self.offload.prefetch_depth >= 0, "offload.prefetch_depth", "must be >= 0"),
+            (self.method.lora.r >= 1, "method.lora.r", "must be >= 1"),
+            (0 <= self.method.lora.dropout < 1, "method.lora.dropout", "must be in [0, 1)"),
         ]
         for ok, key, what in checks:
             if not ok:

@@ -3,7 +3,8 @@
 The run directory gets ``trainer_log.jsonl`` (one JSON object per logged step: step, loss, learning_rate,
 grad_norm, tokens_per_second, peak bytes per tier) and, at the end, the model in Hugging Face safetensors
 format (config, shards, index, tokenizer), written shard by shard from the chunk store and moved into
-place only once complete.
+place only once complete; for LoRA, the adapter in PEFT format (``adapter_config.json``,
+``adapter_model.safetensors``) and the tokenizer.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from tiertune.errors import ConfigError
 from tiertune.finetune.data import batches, load_text
 from tiertune.finetune.engine import EngineConfig, StreamedTrainer
+from tiertune.finetune.lora import LoraSettings
 from tiertune.finetune.recipe import Recipe, load_recipe
 from tiertune.offload.store import StoreConfig
 from tiertune.units import format_size
@@ -45,11 +47,14 @@ class TrainResult:
 
 def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
     """The store and engine settings a recipe resolves to (``auto`` made concrete for this machine)."""
-    if recipe.method.type != "full":
-        raise ConfigError(f"method.type {recipe.method.type!r} is not available yet; use method.type: full")
-    if recipe.model.quantize != "none":
+    if recipe.method.type == "galore":
+        raise ConfigError("method.type 'galore' is not available yet; use method.type: full or lora")
+    if recipe.model.quantize == "int8":
+        raise ConfigError("model.quantize: int8 is not available yet; use nf4 or none")
+    if recipe.model.quantize != "none" and recipe.method.type == "full":
         raise ConfigError(
-            "model.quantize is not available yet with method.type: full; use model.quantize: none"
+            f"model.quantize: {recipe.model.quantize} freezes the base; use method.type: lora with it, "
+            "or model.quantize: none for full fine-tuning"
         )
     if recipe.data.format != "text":
         raise ConfigError(f"data.format {recipe.data.format!r} is not available yet; use data.format: text")
@@ -111,6 +116,15 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
         overlap_optimizer=off.overlap_optimizer,
         activations=_activations(recipe, device, dtype, store.device_budget),  # type: ignore[arg-type]
         activation_tokens=t.per_device_train_batch_size * recipe.data.max_seq_len,
+        method=recipe.method.type,
+        quantize=recipe.model.quantize,
+        lora=LoraSettings(
+            r=recipe.method.lora.r,
+            alpha=recipe.method.lora.alpha,
+            dropout=recipe.method.lora.dropout,
+            target_modules=recipe.method.lora.target_modules,
+            seed=t.seed,
+        ),
     )
     return store, engine
 
@@ -191,7 +205,11 @@ def train(
                     bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / seconds:.0f}",
                                     **{k: format_size(v) for k, v in peaks.items()})  # fmt: skip
                     bar.update(1)
-        export_hf(trainer, tokenizer, out)
+        if trainer.adapters is not None:  # a PEFT adapter directory (the base is the input model)
+            trainer.save_adapter(out)
+            tokenizer.save_pretrained(str(out))
+        else:
+            export_hf(trainer, tokenizer, out)
     finally:
         if bar is not None:
             bar.close()
