@@ -96,6 +96,7 @@ class EngineConfig:
     method: str = "full"  # full: every weight trained; lora: a frozen base with peft LoRA adapters
     quantize: str = "none"  # none or nf4: the decoder layers' linear weights stored and streamed in NF4
     lora: LoraSettings = field(default_factory=LoraSettings)
+    quant_cache: str | None = None  # directory of quantized chunks reused across runs (None: no cache)
 
     def __post_init__(self) -> None:
         if isinstance(self.overlap_optimizer, bool):
@@ -179,7 +180,22 @@ class StreamedTrainer:
             self.parts = split_model(self.model)
         homes = {"embed": config.params, "layer": config.params, "rest": config.params, "head": config.params}
         checkpoint = Checkpoint(model_dir)
-        self._source = load_into_store(self.parts, checkpoint, self.store, homes, config.dtype, self.quant)
+        self.quant_cache = None
+        if self.quant is not None and config.quant_cache is not None:
+            from tiertune.finetune.quant_cache import QuantCache
+
+            settings = {"quantize": config.quantize, "blocksize": self.quant.blocksize, "dtype": config.dtype}
+            self.quant_cache = QuantCache(config.quant_cache, checkpoint, settings)
+        self._source = load_into_store(
+            self.parts, checkpoint, self.store, homes, config.dtype, self.quant, cache=self.quant_cache
+        )
+        if self.quant_cache is not None:
+            log.info(
+                "quantized layers: %d read from %s, %d quantized",
+                self.quant_cache.hits,
+                self.quant_cache.directory,
+                self.quant_cache.misses,
+            )
         self._slots = self._find_slots()
         self._meta = dict(self.model.named_parameters())  # the skeleton's placeholders, put back by unbind
         self._quantized = {n for n, p in self._meta.items() if is_quantized(p)}

@@ -14,6 +14,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
 from tiertune.quant.bnb4 import NF4, is_quantized
+
+if TYPE_CHECKING:
+    from tiertune.finetune.quant_cache import QuantCache
 
 
 @dataclass
@@ -158,12 +162,14 @@ def load_into_store(
     dtype: torch.dtype,
     quant: NF4 | None = None,
     chunk_size: int | None = None,
+    cache: QuantCache | None = None,
 ) -> dict[str, str]:
     """Register every group's parameters as chunks (in ``dtype``) on its home tier and stream the weights in.
 
     ``homes`` maps a group kind (embed, layer, rest, head) to a tier, or gives one tier for all. Returns the
     map of parameter names to checkpoint tensor names (``checkpoint_names``). Weights of modules that
-    ``quant`` converted are quantized on the way in, one tensor at a time. Raises ModelError naming the
+    ``quant`` converted are quantized on the way in, one tensor at a time, or read from ``cache`` when an
+    earlier run quantized them already. Raises ModelError naming the
     tensor and file when the checkpoint lacks a weight or has the wrong shape.
     """
     source = checkpoint_names(parts.model, checkpoint)
@@ -182,8 +188,11 @@ def load_into_store(
             else:
                 entries.append((n, tuple(p.shape), dtype))
         group.chunks = store.add(entries, home=home, name=group.name, chunk_size=chunk_size)
+        quantized = quant is not None and any(is_quantized(p) for p in group.params.values())
         for chunk in group.chunks:
             with store.writing(chunk) as views:
+                if quantized and cache is not None and cache.load(chunk.name, views):
+                    continue
                 for name in [s.name for s in chunk.tensors]:
                     param = group.params.get(name)
                     if param is None:  # a quantized weight's statistics, written with the weight
@@ -195,4 +204,6 @@ def load_into_store(
                         quant.quantize_into(name, weight, views)
                     else:
                         checkpoint.read_into(source[name], views[name])
+                if quantized and cache is not None:
+                    cache.save(chunk.name, views)
     return source

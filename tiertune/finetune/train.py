@@ -118,6 +118,7 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
         activation_tokens=t.per_device_train_batch_size * recipe.data.max_seq_len,
         method=recipe.method.type,
         quantize=recipe.model.quantize,
+        quant_cache=_quant_cache(off.disk_path) if recipe.model.quantize != "none" else None,
         lora=LoraSettings(
             r=recipe.method.lora.r,
             alpha=recipe.method.lora.alpha,
@@ -127,6 +128,14 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
         ),
     )
     return store, engine
+
+
+def _quant_cache(disk_path: str | None) -> str:
+    """Where quantized layers are kept for the next run: beside the offload files, else the user's cache."""
+    if disk_path:
+        return str(Path(disk_path) / "quantized")
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(root) / "tiertune" / "quantized")
 
 
 def _activations(recipe: Recipe, device: str, dtype: torch.dtype, device_budget: int) -> str:

@@ -109,7 +109,7 @@ class Checkpoint:
         fd = os.open(entry.file, os.O_RDONLY)
         try:
             if out.dtype == entry.dtype:
-                _pread(fd, entry, out.view(torch.uint8).reshape(-1), 0)
+                _pread(fd, entry, out.reshape(-1).view(torch.uint8), 0)  # reshape first: 0-d tensors too
                 return
             if scratch is None:
                 if self._scratch is None:
