@@ -8,6 +8,7 @@ from torch import nn
 from tiertune.finetune.engine import EngineConfig, StreamedTrainer
 from tiertune.finetune.lora import LoraSettings
 from tiertune.offload.store import StoreConfig
+from tiertune.quant import make_quantizer
 
 LORA = LoraSettings(r=4, alpha=8, dropout=0.0, seed=0)
 
@@ -32,16 +33,10 @@ def _config(**kw):
 def _reference(path, cfg, initial_adapter, batches):
     """transformers + bitsandbytes NF4 (double quant, fp32 compute) + peft LoRA, torch AdamW, the HF way."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, get_scheduler
+    from transformers import AutoModelForCausalLM, get_scheduler
 
-    kwargs = {}
-    if cfg.quantize == "nf4":
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32,
-        )
+    quant = make_quantizer(cfg.quantize, torch.float32)
+    kwargs = {} if quant is None else {"quantization_config": quant.config()}
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map="cpu", **kwargs)
     base.config.use_cache = False
     lora = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout, target_modules="all-linear",
@@ -168,3 +163,23 @@ def test_an_nf4_layer_moves_at_most_0_3_of_its_bf16_bytes(disk_dir, tmp_path):
             trainer.close()
     for nf4, bf16 in zip(moved["nf4"], moved["none"], strict=True):
         assert bf16 > 0 and nf4 <= 0.3 * bf16, moved
+
+
+@pytest.mark.parametrize("quantize", ["int8", "none"])
+def test_lora_on_an_int8_or_unquantized_base_matches_peft(tiny_model_dir, disk_dir, quantize):
+    path, _ = tiny_model_dir("llama")
+    cfg = _config(params="host", quantize=quantize)
+    trainer = StreamedTrainer(str(path), StoreConfig(device_budget="8MiB", host_budget="8MiB"), cfg)
+    try:
+        initial = trainer.adapter_state_dict()
+        batches = _batches(trainer.model.config.vocab_size)
+        losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
+        trained = trainer.adapter_state_dict()
+    finally:
+        trainer.close()
+    reference, expected = _reference(path, cfg, initial, batches)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
+    from peft import get_peft_model_state_dict
+
+    for name, value in get_peft_model_state_dict(reference).items():
+        torch.testing.assert_close(trained[name], value.detach(), rtol=1e-4, atol=1e-6)

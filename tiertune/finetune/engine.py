@@ -63,7 +63,7 @@ from tiertune.finetune.weights import Checkpoint
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore, StoreConfig
 from tiertune.offload.tiers import BUDGET_SETTING, Tier
-from tiertune.quant.bnb4 import NF4, is_quantized
+from tiertune.quant import is_quantized, make_quantizer
 from tiertune.units import format_size
 
 log = logging.getLogger("tiertune.engine")
@@ -94,7 +94,9 @@ class EngineConfig:
     activations: str = "device"  # where each layer's saved input waits for backward: device or host
     activation_tokens: int = 0  # batch x sequence length of the largest micro-batch (needed for host)
     method: str = "full"  # full: every weight trained; lora: a frozen base with peft LoRA adapters
-    quantize: str = "none"  # none or nf4: the decoder layers' linear weights stored and streamed in NF4
+    quantize: str = (
+        "none"  # none, nf4 or int8: how the decoder layers' linear weights are stored and streamed
+    )
     lora: LoraSettings = field(default_factory=LoraSettings)
     quant_cache: str | None = None  # directory of quantized chunks reused across runs (None: no cache)
 
@@ -111,8 +113,8 @@ class EngineConfig:
                 raise ConfigError(f"offload.{name} must be device, host or disk, got {value!r}")
         if self.method not in ("full", "lora"):
             raise ConfigError(f"method.type must be full or lora, got {self.method!r}")
-        if self.quantize not in ("none", "nf4"):
-            raise ConfigError(f"model.quantize must be none or nf4, got {self.quantize!r}")
+        if self.quantize not in ("none", "nf4", "int8"):
+            raise ConfigError(f"model.quantize must be none, nf4 or int8, got {self.quantize!r}")
         if self.quantize != "none" and self.method == "full":
             raise ConfigError("a quantized base is frozen: use method.type: lora with model.quantize")
         if self.activations not in ("device", "host"):
@@ -173,8 +175,8 @@ class StreamedTrainer:
         self.model.config.use_cache = False
         self.model.train()  # dropout as configured, and no inference-only kernels (as the HF Trainer does)
         self.parts: ModelParts = split_model(self.model)
-        self.quant = NF4(config.dtype) if config.quantize == "nf4" else None
-        if self.quant is not None:  # Linear4bit in every decoder layer, as a plain QLoRA load would have
+        self.quant = make_quantizer(config.quantize, config.dtype)
+        if self.quant is not None:  # Linear4bit/8bitLt in every decoder layer, as a plain quantized load has
             for layer in self.parts.layers:
                 self.quant.convert(layer)
             self.parts = split_model(self.model)
@@ -184,8 +186,7 @@ class StreamedTrainer:
         if self.quant is not None and config.quant_cache is not None:
             from tiertune.finetune.quant_cache import QuantCache
 
-            settings = {"quantize": config.quantize, "blocksize": self.quant.blocksize, "dtype": config.dtype}
-            self.quant_cache = QuantCache(config.quant_cache, checkpoint, settings)
+            self.quant_cache = QuantCache(config.quant_cache, checkpoint, self.quant.settings())
         self._source = load_into_store(
             self.parts, checkpoint, self.store, homes, config.dtype, self.quant, cache=self.quant_cache
         )

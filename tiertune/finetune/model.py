@@ -24,7 +24,7 @@ from tiertune.finetune.weights import Checkpoint
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
-from tiertune.quant.bnb4 import NF4, is_quantized
+from tiertune.quant import Quantizer, is_quantized
 
 if TYPE_CHECKING:
     from tiertune.finetune.quant_cache import QuantCache
@@ -160,7 +160,7 @@ def load_into_store(
     store: ChunkStore,
     homes: dict[str, Tier | str] | Tier | str,
     dtype: torch.dtype,
-    quant: NF4 | None = None,
+    quant: Quantizer | None = None,
     chunk_size: int | None = None,
     cache: QuantCache | None = None,
 ) -> dict[str, str]:

@@ -49,8 +49,6 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
     """The store and engine settings a recipe resolves to (``auto`` made concrete for this machine)."""
     if recipe.method.type == "galore":
         raise ConfigError("method.type 'galore' is not available yet; use method.type: full or lora")
-    if recipe.model.quantize == "int8":
-        raise ConfigError("model.quantize: int8 is not available yet; use nf4 or none")
     if recipe.model.quantize != "none" and recipe.method.type == "full":
         raise ConfigError(
             f"model.quantize: {recipe.model.quantize} freezes the base; use method.type: lora with it, "

@@ -41,6 +41,9 @@ class NF4:
     blocksize: int = 64
     _codes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
+    def settings(self) -> dict[str, object]:
+        return {"quantize": "nf4", "blocksize": self.blocksize, "dtype": self.compute_dtype}
+
     def config(self) -> BitsAndBytesConfig:
         """The equivalent ``BitsAndBytesConfig`` (what a plain QLoRA run would load the model with)."""
         from transformers import BitsAndBytesConfig
@@ -59,7 +62,7 @@ class NF4:
         replace_with_bnb_linear(module, quantization_config=self.config())
         for sub in module.modules():  # transformers sets the storage dtype; the block size is ours
             weight = getattr(sub, "weight", None)
-            if is_quantized(weight):
+            if weight is not None and hasattr(weight, "quant_state"):
                 weight.blocksize = self.blocksize
 
     def entries(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -130,14 +133,3 @@ class NF4:
             )
             self._codes[device] = (state.code, state.state2.code)
         return self._codes[device]
-
-
-def is_quantized(param: object) -> bool:
-    """Whether ``param`` is a bitsandbytes 4-bit parameter (a converted module's weight)."""
-    if param is None:
-        return False
-    try:
-        import bitsandbytes as bnb
-    except ImportError:  # pragma: no cover - bitsandbytes is a dependency
-        return False
-    return isinstance(param, bnb.nn.Params4bit)

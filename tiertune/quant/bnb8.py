@@ -1,0 +1,67 @@
+"""INT8 linear weights as chunk payloads, through bitsandbytes (LLM.int8(): row-wise absmax, fp16 outliers).
+
+A quantized weight of shape (out, in) is stored in its chunk as two tensors, next to the layer's other
+parameters::
+
+    <name>      int8  (out, in)   row-wise absmax-quantized weight, as ``Int8Params`` stores it
+    <name>.SCB  fp32  (out,)      the scale of each row
+
+so a layer moves at ~1 byte per parameter. The model's ``nn.Linear`` modules inside the decoder layers are
+replaced on the instance by ``bnb.nn.Linear8bitLt`` (transformers' ``replace_with_bnb_linear``, as
+``load_in_8bit`` does), and binding gives each an ``Int8Params`` over the chunk's memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import BitsAndBytesConfig
+
+
+@dataclass
+class Int8:
+    """LLM.int8() quantization: int8 rows with fp32 scales; activations above ``threshold`` stay fp16."""
+
+    compute_dtype: torch.dtype = torch.float32
+    threshold: float = 6.0
+
+    def settings(self) -> dict[str, object]:
+        return {"quantize": "int8", "threshold": self.threshold, "dtype": self.compute_dtype}
+
+    def config(self) -> BitsAndBytesConfig:
+        """The equivalent ``BitsAndBytesConfig`` (what a plain run would load the model with)."""
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=self.threshold)
+
+    def convert(self, module: nn.Module) -> None:
+        """Replace the ``nn.Linear`` modules inside ``module`` (a decoder layer) by ``Linear8bitLt`` (meta)."""
+        from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+        replace_with_bnb_linear(module, quantization_config=self.config())
+
+    def entries(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """The chunk entries that hold weight ``name`` of ``shape`` quantized."""
+        return [(name, tuple(shape), torch.int8), (f"{name}.SCB", (shape[0],), torch.float32)]
+
+    def quantize_into(self, name: str, weight: torch.Tensor, views: dict[str, torch.Tensor]) -> None:
+        """Quantize ``weight`` exactly as ``Int8Params`` does when a plain load moves it to a device."""
+        import bitsandbytes as bnb
+
+        quantized = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False).to(weight.device)
+        views[name].copy_(quantized.CB)
+        views[f"{name}.SCB"].copy_(quantized.SCB)
+
+    def parameter(self, name: str, shape: torch.Size, views: dict[str, torch.Tensor]) -> nn.Parameter:
+        """An ``Int8Params`` over the chunk's memory, ready for ``Linear8bitLt``."""
+        import bitsandbytes as bnb
+
+        data = views[name]
+        return bnb.nn.Int8Params(
+            data, requires_grad=False, has_fp16_weights=False, CB=data, SCB=views[f"{name}.SCB"]
+        )
