@@ -9,7 +9,7 @@ a fresh process of the same invocation:
   the whole quantized model in memory, the same adapter, torch AdamW (``--modes tiertune`` skips it).
 
 Prints one JSON object: per mode, the load (quantize) time, seconds per step (mean of the steps after the
-first), the losses, bytes moved per step per link (tiertune) and peak RSS.
+first), the losses, bytes moved per step per link (tiertune; steps after the first) and peak RSS.
 
 Run: ``python benchmarks/bench_qlora.py --dir /mnt/nvme/tmp``
 """
@@ -55,12 +55,16 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
     batch = [_batch(trainer.model.config.vocab_size, args)]
     try:
         losses, times = [], []
+        before: dict[str, int] = {}
         for _ in range(args.steps):
             began = time.perf_counter()
             losses.append(trainer.step(batch))
             times.append(time.perf_counter() - began)
             print(f"tiertune step {len(times)}: {times[-1]:.1f} s", file=sys.stderr, flush=True)
+            if len(times) == 1:  # the load and the first step (which records the trace) are not steady state
+                before = trainer.store.stats().bytes_moved
         stats = trainer.store.stats()
+        n = max(1, args.steps - 1)
         layer = next(s.weights[0] for s in trainer._states if s.group.kind == "layer")
     finally:
         trainer.close()
@@ -69,7 +73,7 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
         "step_s": sum(times[1:]) / max(1, len(times) - 1),
         "first_step_s": times[0],
         "losses": losses,
-        "bytes_moved_per_step": {k: v / args.steps for k, v in stats.bytes_moved.items()},
+        "bytes_moved_per_step": {k: (v - before.get(k, 0)) / n for k, v in stats.bytes_moved.items()},
         "peak_bytes": {k: v.peak for k, v in stats.tiers.items()},
         "layer_chunk_bytes": layer.capacity,
         "peak_rss_bytes": peak_rss(),

@@ -76,6 +76,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
     try:
         trainer.step(batch)  # records the trace
         trainer.times.clear()
+        before = trainer.store.stats().bytes_moved  # the load and the first step are not steady state
         losses = [trainer.step(batch) for _ in range(args.steps - 1)]
         n = args.steps - 1
         times = {k: v / n for k, v in trainer.times.items()}
@@ -99,7 +100,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         "optimizer_hidden_share": max(0.0, 1.0 - waited / busy) if busy else 0.0,
         "losses": losses,
         "peak_bytes": {k: v.peak for k, v in stats.tiers.items()},
-        "bytes_moved_per_step": {k: v / args.steps for k, v in stats.bytes_moved.items()},
+        "bytes_moved_per_step": {k: (v - before.get(k, 0)) / n for k, v in stats.bytes_moved.items()},
         "peak_rss_bytes": peak_rss(),
         # what the process holds beyond its budgets (the device tier is host memory on a CPU machine):
         # the runtime, then transient buffers of the size of a parameter group (autograd's gradients of
