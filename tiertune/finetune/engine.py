@@ -94,9 +94,7 @@ class EngineConfig:
     activations: str = "device"  # where each layer's saved input waits for backward: device or host
     activation_tokens: int = 0  # batch x sequence length of the largest micro-batch (needed for host)
     method: str = "full"  # full: every weight trained; lora: a frozen base with peft LoRA adapters
-    quantize: str = (
-        "none"  # none, nf4 or int8: how the decoder layers' linear weights are stored and streamed
-    )
+    quantize: str = "none"  # none, nf4 or int8: how the layers' linear weights are stored and streamed
     lora: LoraSettings = field(default_factory=LoraSettings)
     quant_cache: str | None = None  # directory of quantized chunks reused across runs (None: no cache)
 
