@@ -42,8 +42,6 @@ def _config(**kw):
 
 def _reference(model, batches, cfg):
     """The plain loop: HF model in memory, torch.optim.AdamW, clip_grad_norm_, transformers' scheduler."""
-    from transformers import get_scheduler
-
     model.train()
     params = dict(model.named_parameters())
     groups = [
@@ -53,6 +51,15 @@ def _reference(model, batches, cfg):
     opt = torch.optim.AdamW(
         groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True
     )
+    return plain_training(model, opt, list(model.parameters()), cfg, batches)
+
+
+def plain_training(model, opt, clipped, cfg, batches):
+    """STEPS steps the plain way: token-weighted loss over ACCUM micro-batches, ``clip_grad_norm_`` over
+    ``clipped`` (skipped when max_grad_norm is 0, as the HF Trainer does), ``opt``, transformers' scheduler.
+    Returns the losses."""
+    from transformers import get_scheduler
+
     sched = get_scheduler(
         cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps
     )
@@ -71,8 +78,8 @@ def _reference(model, batches, cfg):
             )
             (loss / n).backward()
             total += float(loss.detach())
-        if cfg.max_grad_norm > 0:  # as the HF Trainer: 0 means no clipping
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        if cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(clipped, cfg.max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad()

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from test_engine import ACCUM, STEPS, _batches
-from torch import nn
+from test_engine import ACCUM, STEPS, _batches, plain_training
 
 from tiertune.finetune.engine import EngineConfig, StreamedTrainer
 from tiertune.finetune.lora import LoraSettings
@@ -33,7 +32,7 @@ def _config(**kw):
 def _reference(path, cfg, initial_adapter, batches):
     """transformers + bitsandbytes NF4 (double quant, fp32 compute) + peft LoRA, torch AdamW, the HF way."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-    from transformers import AutoModelForCausalLM, get_scheduler
+    from transformers import AutoModelForCausalLM
 
     quant = make_quantizer(cfg.quantize, torch.float32)
     kwargs = {} if quant is None else {"quantization_config": quant.config()}
@@ -49,30 +48,7 @@ def _reference(path, cfg, initial_adapter, batches):
         params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_epsilon, fused=True,
     )  # fmt: skip
-    sched = get_scheduler(
-        cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps
-    )
-    losses = []
-    for step in range(STEPS):
-        mbs = batches[step * ACCUM : (step + 1) * ACCUM]
-        n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs)
-        total = 0.0
-        for mb in mbs:
-            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-            loss = nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]),
-                mb["labels"][:, 1:].reshape(-1),
-                ignore_index=-100,
-                reduction="sum",
-            )
-            (loss / n).backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(total / n)
-    return model, losses
+    return model, plain_training(model, opt, params, cfg, batches)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
