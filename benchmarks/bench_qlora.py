@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_load import peak_rss, write_checkpoint
+from common import add_model_args, machine, run_child
 
 from tiertune.units import parse_size
 
@@ -122,20 +120,13 @@ def run_peft(model_dir: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default=".tiertune-bench")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--intermediate", type=int, default=14336)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_model_args(p, layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000)
     p.add_argument("--steps", type=int, default=3, help="including the first, which records the trace")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--host-budget", default="8GiB")
     p.add_argument("--device-budget", default="2GiB")
     p.add_argument("--modes", default="tiertune,peft")
-    p.add_argument("--child", nargs=3, metavar=("MODEL", "DISK", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args()
     for name in ("device_budget", "host_budget"):
         setattr(args, name, parse_size(getattr(args, name), f"--{name.replace('_', '-')}"))
@@ -146,8 +137,7 @@ def main() -> None:
         return
     base = Path(args.dir).resolve()
     base.mkdir(parents=True, exist_ok=True)
-    result: dict = {"benchmark": "qlora", "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                                      "torch": torch.__version__}}  # fmt: skip
+    result: dict = {"benchmark": "qlora", "machine": machine()}
     with tempfile.TemporaryDirectory(dir=base) as tmp:
         model_dir = Path(tmp) / "model"
         model_dir.mkdir()
@@ -158,21 +148,7 @@ def main() -> None:
         result["tokens_per_step"] = args.batch * args.seq
         result["settings"] = {"host_budget": args.host_budget, "device_budget": args.device_budget}
         for mode in args.modes.split(","):
-            cmd = [
-                sys.executable,
-                __file__,
-                *sys.argv[1:],
-                "--child",
-                str(model_dir),
-                str(Path(tmp) / "disk"),
-                mode,
-            ]
-            out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-            if out.returncode:
-                result[mode] = {"error": f"exit {out.returncode}"}
-            else:
-                result[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{mode}: {json.dumps(result[mode])[:300]}", file=sys.stderr, flush=True)
+            result[mode] = run_child(__file__, model_dir, Path(tmp) / "disk", mode)
     print(json.dumps(result))
 
 

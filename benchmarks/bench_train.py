@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_load import peak_rss, write_checkpoint
+from common import add_model_args, machine, run_child
 
 from tiertune.units import parse_size
 
@@ -122,13 +120,7 @@ def current_rss() -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default=".tiertune-bench")
-    p.add_argument("--layers", type=int, default=18)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=5504)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_model_args(p, layers=18, hidden=2048, intermediate=5504, heads=16, kv_heads=16, vocab=32000)
     p.add_argument("--steps", type=int, default=3, help="including the first, which records the trace")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=512)
@@ -140,7 +132,6 @@ def main() -> None:
     p.add_argument("--modes", default="disk,disk-serial,memory")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per thread; 0: torch's default")
-    p.add_argument("--child", nargs=3, metavar=("MODEL", "DISK", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args()
     for name in ("device_budget", "host_budget", "memory_device_budget", "memory_host_budget"):
         setattr(args, name, parse_size(getattr(args, name), f"--{name.replace('_', '-')}"))
@@ -149,8 +140,7 @@ def main() -> None:
         return
     base = Path(args.dir).resolve()
     base.mkdir(parents=True, exist_ok=True)
-    result: dict = {"benchmark": "train", "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                                      "torch": torch.__version__}}  # fmt: skip
+    result: dict = {"benchmark": "train", "machine": machine()}
     with tempfile.TemporaryDirectory(dir=base) as tmp:
         model_dir = Path(tmp) / "model"
         model_dir.mkdir()
@@ -158,21 +148,7 @@ def main() -> None:
                                                 args.kv_heads, args.vocab)  # fmt: skip
         result["tokens_per_step"] = args.batch * args.seq * args.accum
         for mode in args.modes.split(","):
-            cmd = [
-                sys.executable,
-                __file__,
-                *sys.argv[1:],
-                "--child",
-                str(model_dir),
-                str(Path(tmp) / "disk"),
-                mode,
-            ]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode:
-                result[mode] = {"error": out.stderr.strip().splitlines()[-1]}
-            else:
-                result[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{mode}: {json.dumps(result[mode])[:300]}", file=sys.stderr, flush=True)
+            result[mode] = run_child(__file__, model_dir, Path(tmp) / "disk", mode)
     if "tokens_per_second" in result.get("disk", {}) and "tokens_per_second" in result.get("memory", {}):
         result["disk_over_memory_throughput"] = (
             result["disk"]["tokens_per_second"] / result["memory"]["tokens_per_second"]
