@@ -92,6 +92,7 @@ def test_cli_train_and_dry_run(recipe_file):
         ("offload.activations=disk", "offload.activations must be one of auto, device, host"),
         ("offload.activations=host", None),
         ("method.type=galore", "method.type 'galore' is not available yet"),
+        ("model.path=/nonexistent/model", "is not a Hugging Face model directory (no config.json there)"),
         ("model.quantize=nf4", "model.quantize: nf4 freezes the base; use method.type: lora"),
         ("method.lora.r=0", "method.lora.r must be >= 1"),
         (

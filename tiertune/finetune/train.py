@@ -58,6 +58,11 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
         raise ConfigError(f"data.format {recipe.data.format!r} is not available yet; use data.format: text")
     if not recipe.model.path:
         raise ConfigError("model.path is required: a local Hugging Face model directory")
+    if not (Path(recipe.model.path) / "config.json").is_file():
+        raise ConfigError(
+            f"model.path {recipe.model.path} is not a Hugging Face model directory (no config.json there); "
+            "point it at a local directory saved with save_pretrained (for the demo recipe: run `tiertune demo`)"
+        )
     not_yet = [
         (recipe.data.packing, "data.packing: true", "false"),
         (recipe.kernels == "triton", "kernels: triton", "auto or torch"),
