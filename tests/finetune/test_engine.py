@@ -251,3 +251,43 @@ def test_a_micro_batch_larger_than_the_activation_chunks_is_a_clear_error(tiny_m
 def test_more_families_match_a_plain_pytorch_loop(tiny_model_dir, disk_dir, family):
     path, initial = tiny_model_dir(family)
     _check_parity(path, initial, disk_dir, "host")
+
+
+@pytest.mark.parametrize(("placement", "overlap"), [("host", "on"), ("disk", "on"), ("disk", "off")])
+def test_8bit_adam_states_match_bitsandbytes_adamw8bit(tiny_model_dir, disk_dir, placement, overlap):
+    """``training.optim: adamw_bnb_8bit``: the same kernels as bitsandbytes' AdamW8bit in a plain loop."""
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM
+
+    path, _ = tiny_model_dir("llama")
+    cfg = _config(params=placement, optimizer_states=placement, gradients="host", optim="adamw_bnb_8bit",
+                  overlap_optimizer=overlap, max_grad_norm=2.9)  # fmt: skip
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reference.config.use_cache = False
+    reference.train()
+    params = list(reference.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    opt = bnb.optim.AdamW8bit(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                              eps=cfg.adam_epsilon)  # fmt: skip
+    batches = _batches(reference.config.vocab_size)
+    expected = plain_training(reference, opt, params, cfg, batches)
+    store = StoreConfig(device_budget="8MiB", host_budget="2MiB" if placement == "disk" else "8MiB",
+                        disk_path=str(disk_dir), chunk_size="1MiB", prefetch_depth=1)  # fmt: skip
+    trainer = StreamedTrainer(str(path), store, cfg)
+    try:
+        losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
+        weights = trainer.state_dict()
+        moments = [c for s in trainer._states for c in s.exp_avg]
+        eight_bit = sum(t.dtype == torch.uint8 for c in moments for t in (x for x in c.tensors))
+        counts = dict(trainer.optimizer_counts)
+    finally:
+        trainer.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), rtol=1e-5, atol=1e-6)
+    assert eight_bit > 0  # the large tensors' moments really are 8-bit
+    if overlap == "on":
+        assert counts["redone"] >= 1 and counts["speculative"] >= 1  # both paths of the speculation ran

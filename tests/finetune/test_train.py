@@ -100,6 +100,8 @@ def test_cli_train_and_dry_run(recipe_file):
             "offload.overlap_optimizer must be one of auto, true, false; got 'maybe'",
         ),
         ("offload.overlap_optimizer=false", None),
+        ("training.optim=adamw_bnb_8bit", None),
+        ("training.optim=sgd", "training.optim must be one of adamw_torch, adamw_bnb_8bit; got 'sgd'"),
         ("offload.params=disk", None),  # valid: disk_path is set in the fixture
     ],
 )

@@ -97,6 +97,7 @@ class EngineConfig:
     quantize: str = "none"  # none, nf4 or int8: how the layers' linear weights are stored and streamed
     lora: LoraSettings = field(default_factory=LoraSettings)
     quant_cache: str | None = None  # directory of quantized chunks reused across runs (None: no cache)
+    optim: str = "adamw_torch"  # or adamw_bnb_8bit: Adam moments in 8 bits (bitsandbytes' AdamW8bit)
 
     def __post_init__(self) -> None:
         if isinstance(self.overlap_optimizer, bool):
@@ -109,6 +110,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value not in ("device", "host", "disk"):
                 raise ConfigError(f"offload.{name} must be device, host or disk, got {value!r}")
+        if self.optim not in ("adamw_torch", "adamw_bnb_8bit"):
+            raise ConfigError(f"training.optim must be adamw_torch or adamw_bnb_8bit, got {self.optim!r}")
         if self.method not in ("full", "lora"):
             raise ConfigError(f"method.type must be full or lora, got {self.method!r}")
         if self.quantize not in ("none", "nf4", "int8"):
@@ -204,7 +207,9 @@ class StreamedTrainer:
             self._add_states(g, checkpoint) if full else _GroupState(g) for g in self.parts.groups
         ]
         # LoRA: peft wraps the instance's linear modules (before the layers are replaced by streamed ones)
-        self.adapters = Adapters(self.model, config.lora, self.device) if config.method == "lora" else None
+        self.adapters = (
+            Adapters(self.model, config.lora, self.device, config.optim) if config.method == "lora" else None
+        )
         self._layer_adapters = [
             self.adapters.in_module(layer) if self.adapters else [] for layer in self.parts.layers
         ]
@@ -254,8 +259,9 @@ class StreamedTrainer:
                 with self.store.writing(masters[0]) as views:
                     for name, view in views.items():
                         checkpoint.read_into(self._source[name], view)
-            state.exp_avg += add(cfg.optimizer_states, f"{chunk.name}.exp_avg")
-            state.exp_avg_sq += add(cfg.optimizer_states, f"{chunk.name}.exp_avg_sq")
+            moments = _moment_entries(entries) if cfg.optim == "adamw_bnb_8bit" else entries
+            state.exp_avg += self._add_like(moments, cfg.optimizer_states, f"{chunk.name}.exp_avg")
+            state.exp_avg_sq += self._add_like(moments, cfg.optimizer_states, f"{chunk.name}.exp_avg_sq")
         return state
 
     def _add_like(self, entries: list, home: str | Tier, name: str) -> list[Chunk]:
@@ -538,6 +544,58 @@ class StreamedTrainer:
                     self.store.exchange(chunk, twin)
                     self.store.discard(twin)
 
+    def _adamw_fused(self, names: list[str], master: dict, grads: dict, m: dict, v: dict) -> None:
+        """torch's fused AdamW, weight decay on tensors of two or more dimensions (as the HF Trainer)."""
+        cfg = self.config
+        for decay in (True, False):
+            chosen = [n for n in names if (master[n].dim() >= 2) == decay]
+            if not chosen:
+                continue
+            torch._fused_adamw_(
+                [master[n] for n in chosen],
+                [grads[n] for n in chosen],
+                [m[n] for n in chosen],
+                [v[n] for n in chosen],
+                [],
+                [self._step_t.clone() for _ in chosen],
+                lr=self._lr_now,
+                beta1=cfg.adam_beta1,
+                beta2=cfg.adam_beta2,
+                weight_decay=cfg.weight_decay if decay else 0.0,
+                eps=cfg.adam_epsilon,
+                amsgrad=False,
+                maximize=False,
+            )
+
+    def _adamw_8bit(self, names: list[str], master: dict, grads: dict, m: dict, v: dict) -> None:
+        """bitsandbytes' AdamW8bit update, tensor by tensor, exactly as its ``update_step`` calls the kernels:
+        blockwise 8-bit moments for tensors of 4096 elements or more, 32-bit below."""
+        import bitsandbytes.functional as BF
+
+        cfg = self.config
+        step = self.step_count + 1
+        qmaps = self._qmaps()
+        for n in names:
+            decay = cfg.weight_decay if master[n].dim() >= 2 else 0.0
+            if m[n].dtype == torch.uint8:
+                BF.optimizer_update_8bit_blockwise(
+                    "adam", grads[n], master[n], m[n], v[n], cfg.adam_beta1, cfg.adam_beta2, 0.0, 0.0,
+                    cfg.adam_epsilon, step, self._lr_now, qmaps[0], qmaps[1], m[f"{n}.absmax"],
+                    v[f"{n}.absmax"], decay, gnorm_scale=1.0, skip_zeros=False,
+                )  # fmt: skip
+            else:
+                BF.optimizer_update_32bit(
+                    "adam", grads[n], master[n], m[n], cfg.adam_beta1, cfg.adam_epsilon, step, self._lr_now,
+                    v[n], cfg.adam_beta2, 0.0, 0.0, decay, 1.0, None, max_unorm=0.0, skip_zeros=False,
+                )  # fmt: skip
+
+    def _qmaps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not hasattr(self, "_qmap_cache"):
+            import bitsandbytes.functional as BF
+
+            self._qmap_cache = (BF.create_dynamic_map(signed=True), BF.create_dynamic_map(signed=False))
+        return self._qmap_cache
+
     def _cpu_tier(self, chunk: Chunk) -> Tier:
         """Where the CPU optimizer reads ``chunk``: the device tier when that is CPU memory, else the host."""
         return Tier.DEVICE if chunk.home is Tier.DEVICE and self.device.type == "cpu" else Tier.HOST
@@ -570,25 +628,10 @@ class StreamedTrainer:
             if coef is not None:
                 g = torch._foreach_mul(g, coef)  # out of place: a redo needs the gradients as they were
             by_name = dict(zip(names, g, strict=True))
-            for decay in (True, False):
-                chosen = [n for n in names if (master[n].dim() >= 2) == decay]
-                if not chosen:
-                    continue
-                torch._fused_adamw_(
-                    [master[n] for n in chosen],
-                    [by_name[n] for n in chosen],
-                    [m[n] for n in chosen],
-                    [v[n] for n in chosen],
-                    [],
-                    [self._step_t.clone() for _ in chosen],
-                    lr=self._lr_now,
-                    beta1=cfg.adam_beta1,
-                    beta2=cfg.adam_beta2,
-                    weight_decay=cfg.weight_decay if decay else 0.0,
-                    eps=cfg.adam_epsilon,
-                    amsgrad=False,
-                    maximize=False,
-                )
+            if cfg.optim == "adamw_bnb_8bit":
+                self._adamw_8bit(names, master, by_name, m, v)
+            else:
+                self._adamw_fused(names, master, by_name, m, v)
             if state.master:
                 with store.writing(state.weights[j]) as weights:
                     for n in names:
@@ -731,6 +774,23 @@ class _LayerFunction(torch.autograd.Function):
                 trainer.add_grads(state, dict(zip(trained, grads[: len(trained)], strict=True)))
             adapter_grads = grads[len(trained) :]  # autograd accumulates these into the adapters' .grad
         return (grad_x, None, None, None, None, None, *adapter_grads)
+
+
+MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size: smaller tensors keep 32-bit moments
+BLOCK_8BIT = 256  # bitsandbytes' block size for 8-bit optimizer states
+
+
+def _moment_entries(entries: list) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """Chunk entries of one Adam moment in 8 bits: uint8 values plus a per-block absmax for each tensor of
+    ``MIN_8BIT_SIZE`` elements or more, fp32 for the smaller ones (as bitsandbytes lays them out)."""
+    out = []
+    for name, shape, _ in entries:
+        numel = math.prod(shape)
+        if numel >= MIN_8BIT_SIZE:
+            out += [(name, shape, torch.uint8), (f"{name}.absmax", (-(-numel // BLOCK_8BIT),), torch.float32)]
+        else:
+            out.append((name, shape, torch.float32))
+    return out
 
 
 def _entries(chunk: Chunk) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

@@ -36,7 +36,9 @@ class LoraSettings:
 class Adapters:
     """The LoRA adapters of a model: peft's wrapping, their parameters in model order, their optimizer."""
 
-    def __init__(self, model: nn.Module, settings: LoraSettings, device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, settings: LoraSettings, device: torch.device, optim: str = "adamw_torch"
+    ) -> None:
         from peft import LoraConfig, get_peft_model
 
         self.settings = settings
@@ -55,6 +57,7 @@ class Adapters:
         self.named = [(n, p) for n, p in self.peft_model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
         self._optimizer: torch.optim.Optimizer | None = None
+        self._optim = optim
 
     def _materialize(self, device: torch.device) -> None:
         """peft put the adapters where the base weights are (meta): give them memory and peft's own init,
@@ -89,13 +92,13 @@ class Adapters:
         if self._optimizer is None:
             decay = [p for p in self.params if p.dim() >= 2]
             rest = [p for p in self.params if p.dim() < 2]
-            self._optimizer = torch.optim.AdamW(
-                [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                lr=lr,
-                betas=betas,
-                eps=eps,
-                fused=True,
-            )
+            groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+            if self._optim == "adamw_bnb_8bit":
+                import bitsandbytes as bnb
+
+                self._optimizer = bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=eps)
+            else:
+                self._optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
         for group in self._optimizer.param_groups:
             group["lr"] = lr
         self._optimizer.step()

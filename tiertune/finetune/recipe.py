@@ -83,6 +83,7 @@ class TrainingSection:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
+    optim: str = field(default="adamw_torch", metadata=_choice("adamw_torch", "adamw_bnb_8bit"))
     seed: int = 42
     save_steps: int = 500
     save_total_limit: int | None = None

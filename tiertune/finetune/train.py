@@ -110,6 +110,7 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
         adam_beta2=t.adam_beta2,
         adam_epsilon=t.adam_epsilon,
         max_grad_norm=t.max_grad_norm,
+        optim=t.optim,
         lr_scheduler_type=t.lr_scheduler_type,
         warmup_steps=t.warmup_steps,
         max_steps=1,  # set once the data is read
