@@ -3,9 +3,8 @@
 peft wraps the model instance's linear modules (``nn.Linear`` or bitsandbytes' ``Linear4bit``) exactly as it
 would in a plain QLoRA run; the base weights stay meta placeholders that the engine binds to chunk memory
 layer by layer. The adapters are small: they live on the compute device as ordinary parameters, autograd
-accumulates their gradients, and ``torch.optim.AdamW`` (or bitsandbytes' ``AdamW8bit``) with ``clip_grad_norm_``
-updates them after backward,
-as the Hugging Face Trainer would.
+accumulates their gradients, and ``torch.optim.AdamW`` (or bitsandbytes' ``AdamW8bit``) with
+``clip_grad_norm_`` updates them after backward, as the Hugging Face Trainer would.
 """
 
 from __future__ import annotations
