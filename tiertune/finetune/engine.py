@@ -524,18 +524,18 @@ class StreamedTrainer:
         if cfg.max_grad_norm and cfg.max_grad_norm > 0:
             coef = torch.clamp(cfg.max_grad_norm / (total + 1e-6), max=1.0)
         self.last_grad_norm = float(total)
-        self.last_lr = self._lr_now
+        order = self._unit_order()
         if self._speculating:
             self._worker.join()  # the speculative step used coefficient 1: exact if that is the coefficient
             redo = coef is not None and float(coef) != 1.0
             self.optimizer_counts["redone" if redo else "speculative"] += 1
             if redo:
-                self._worker.start_step(self._unit_order())
-                for state, j in self._unit_order():
+                self._worker.start_step(order)
+                for state, j in order:
                     self._worker.submit(state, coef, j)
         else:
             self.optimizer_counts["after_backward"] += 1
-            for state, j in self._unit_order():
+            for state, j in order:
                 self._worker.submit(state, coef, j)
         self._worker.join()
         for state in self._states:  # the twins hold the new states: exchange them in (no bytes copied)

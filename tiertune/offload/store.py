@@ -501,9 +501,10 @@ class ChunkStore:
         if self._closed:
             raise StateError("the chunk store is closed")
 
-    def _pin(self, chunk: Chunk, tier: Tier, zero: bool = True) -> None:
-        # While an acquire waits for its chunk, the chunk is not yet pinned, and the trace cursor is already
-        # past it (so it looks far from its next use): mark it wanted, or a prefetch could evict it again.
+    def _make_wanted_resident(self, chunk: Chunk, tier: Tier, zero: bool = True) -> None:
+        """``_make_resident`` for an acquire. While it waits, the chunk is not yet pinned, and the trace
+        cursor is already past it (so it looks far from its next use): mark it wanted, or a prefetch could
+        evict it again."""
         self._wanted[chunk.id] = self._wanted.get(chunk.id, 0) + 1
         try:
             self._make_resident(chunk, tier, zero)
@@ -511,6 +512,9 @@ class ChunkStore:
             self._wanted[chunk.id] -= 1
             if not self._wanted[chunk.id]:
                 del self._wanted[chunk.id]
+
+    def _pin(self, chunk: Chunk, tier: Tier, zero: bool = True) -> None:
+        self._make_wanted_resident(chunk, tier, zero)
         if chunk.state is S.IN_USE:
             chunk.pins += 1
         else:
@@ -534,13 +538,7 @@ class ChunkStore:
         if src.layout != chunk.layout or src is chunk:
             raise ConfigError(f"chunk {chunk.name!r} cannot be filled from {src.name!r}: layouts differ")
         self._drop_stale_for_overwrite(chunk, tier)
-        self._wanted[src.id] = self._wanted.get(src.id, 0) + 1
-        try:
-            self._make_resident(src, tier)
-        finally:
-            self._wanted[src.id] -= 1
-            if not self._wanted[src.id]:
-                del self._wanted[src.id]
+        self._make_wanted_resident(src, tier)
         movable = (
             src.state is not S.IN_USE
             and tier is not src.home
