@@ -9,7 +9,6 @@ accumulates their gradients, and ``torch.optim.AdamW`` (or bitsandbytes' ``AdamW
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from tiertune.errors import ConfigError
+from tiertune.finetune.files import move_files_into
 
 
 @dataclass
@@ -125,10 +125,7 @@ class Adapters:
             self.config.save_pretrained(str(tmp))
             tensors = {k: v.contiguous() for k, v in self.state_dict().items()}
             save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-            for name in ("adapter_model.safetensors", "adapter_config.json"):
-                with open(tmp / name, "rb") as f:
-                    os.fsync(f.fileno())
-                os.replace(tmp / name, directory / name)
+            move_files_into(tmp, directory, last="adapter_config.json")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return directory

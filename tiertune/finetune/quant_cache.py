@@ -25,6 +25,7 @@ import torch
 import xxhash
 
 from tiertune.errors import IntegrityError
+from tiertune.finetune.files import fsync_file
 from tiertune.finetune.weights import Checkpoint
 from tiertune.offload.aio import buffer_of
 
@@ -84,7 +85,7 @@ class QuantCache:
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=self.directory))
         try:
             save_file({k: v.contiguous() for k, v in views.items()}, str(tmp / "model.safetensors"))
-            _fsync(tmp / "model.safetensors")
+            fsync_file(tmp / "model.safetensors")
             if target.exists():
                 shutil.rmtree(target)
             os.replace(tmp, target)
@@ -94,15 +95,10 @@ class QuantCache:
         manifest = self.directory / f"{name}.json"
         part = manifest.with_suffix(".json.tmp")
         part.write_text(json.dumps({"tensors": {k: _digest(v) for k, v in views.items()}}))
-        _fsync(part)
+        fsync_file(part)
         os.replace(part, manifest)
 
 
 def _digest(tensor: torch.Tensor) -> str:
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     return xxhash.xxh3_64_hexdigest(buffer_of(flat) if flat.numel() else b"")
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())

@@ -22,6 +22,7 @@ import torch
 from tiertune.errors import ConfigError
 from tiertune.finetune.data import batches, load_text
 from tiertune.finetune.engine import EngineConfig, StreamedTrainer
+from tiertune.finetune.files import move_files_into
 from tiertune.finetune.lora import LoraSettings
 from tiertune.finetune.recipe import Recipe, load_recipe
 from tiertune.offload.store import StoreConfig
@@ -285,9 +286,5 @@ def export_hf(trainer: StreamedTrainer, tokenizer: object, out: Path) -> None:
         index = {"metadata": {"total_size": sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))},
                  "weight_map": weight_map}  # fmt: skip
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    files = sorted(tmp.iterdir(), key=lambda p: p.name == "model.safetensors.index.json")  # index last
-    for f in files:
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(f, out / f.name)
+    move_files_into(tmp, out, last="model.safetensors.index.json")
     tmp.rmdir()
