@@ -91,9 +91,13 @@ def test_cli_train_and_dry_run(recipe_file):
         ("data.packing=true", "data.packing: true is not available yet"),
         ("offload.activations=disk", "offload.activations must be one of auto, device, host"),
         ("offload.activations=host", None),
-        ("method.type=galore", "method.type 'galore' is not available yet"),
+        ("method.type=galore", None),
+        ("method.galore.rank=0", "method.galore.rank must be >= 1"),
+        ("method.galore.update_proj_gap=0", "method.galore.update_proj_gap must be >= 1"),
+        ("method.galore.scale=-1", "method.galore.scale must be > 0"),
         ("model.path=/nonexistent/model", "is not a Hugging Face model directory (no config.json there)"),
         ("model.quantize=nf4", "model.quantize: nf4 freezes the base; use method.type: lora"),
+        (("model.quantize=int8", "method.type=galore"), "or model.quantize: none for method.type: galore"),
         ("method.lora.r=0", "method.lora.r must be >= 1"),
         (
             "offload.overlap_optimizer=maybe",
@@ -108,13 +112,14 @@ def test_cli_train_and_dry_run(recipe_file):
 def test_malformed_recipes_give_a_clear_error_and_exit_2(recipe_file, override, message):
     from tiertune.finetune.train import plan
 
+    overrides = override if isinstance(override, tuple) else (override,)
     if message is None:
-        plan(load_recipe(recipe_file, (override,)))
+        plan(load_recipe(recipe_file, overrides))
         return
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        plan(load_recipe(recipe_file, (override,)))
+        plan(load_recipe(recipe_file, overrides))
     result = CliRunner().invoke(
-        app, ["train", str(recipe_file), override, "--dry-run"], env={"COLUMNS": "300"}
+        app, ["train", str(recipe_file), *overrides, "--dry-run"], env={"COLUMNS": "300"}
     )
     assert result.exit_code == 2 and "Traceback" not in result.output
 
@@ -201,3 +206,18 @@ def test_qlora_recipe_writes_an_adapter_that_peft_loads(recipe_file, model_dir):
     model = PeftModel.from_pretrained(base, out)
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert lora_b and all(float(p.abs().max()) > 0 for p in lora_b)  # trained, not the zero init
+
+
+def test_galore_recipe_trains_every_weight_and_exports_the_model(recipe_file, model_dir):
+    from transformers import AutoModelForCausalLM
+
+    overrides = ("method.type=galore", "method.galore.rank=4", "method.galore.update_proj_gap=2")
+    result = train(recipe_file, overrides, progress=False)
+    records = [
+        json.loads(line) for line in (result.output_dir / "trainer_log.jsonl").read_text().splitlines()
+    ]
+    assert len(records) == 6 and all(math.isfinite(r["loss"]) for r in records)
+    trained = AutoModelForCausalLM.from_pretrained(result.output_dir, dtype=torch.float32).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    changed = [n for n in initial if not torch.equal(trained[n], initial[n])]
+    assert len(changed) == len(initial)  # projected and full-rank weights alike

@@ -59,6 +59,7 @@ from tiertune.finetune.model import (
     load_into_store,
     split_model,
 )
+from tiertune.finetune.optim import AdamStep, GaLore, GaloreSettings, adamw, adamw_8bit, moment_entries
 from tiertune.finetune.weights import Checkpoint
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore, StoreConfig
@@ -93,9 +94,12 @@ class EngineConfig:
     overlap_optimizer: str | bool = "auto"
     activations: str = "device"  # where each layer's saved input waits for backward: device or host
     activation_tokens: int = 0  # batch x sequence length of the largest micro-batch (needed for host)
-    method: str = "full"  # full: every weight trained; lora: a frozen base with peft LoRA adapters
+    # full: every weight trained with AdamW; lora: a frozen base with peft LoRA adapters; galore: every weight
+    # trained, the decoder layers' linear weights with Adam in a low-rank projection of their gradients
+    method: str = "full"
     quantize: str = "none"  # none, nf4 or int8: how the layers' linear weights are stored and streamed
     lora: LoraSettings = field(default_factory=LoraSettings)
+    galore: GaloreSettings = field(default_factory=GaloreSettings)
     quant_cache: str | None = None  # directory of quantized chunks reused across runs (None: no cache)
     optim: str = "adamw_torch"  # or adamw_bnb_8bit: Adam moments in 8 bits (bitsandbytes' AdamW8bit)
 
@@ -112,11 +116,11 @@ class EngineConfig:
                 raise ConfigError(f"offload.{name} must be device, host or disk, got {value!r}")
         if self.optim not in ("adamw_torch", "adamw_bnb_8bit"):
             raise ConfigError(f"training.optim must be adamw_torch or adamw_bnb_8bit, got {self.optim!r}")
-        if self.method not in ("full", "lora"):
-            raise ConfigError(f"method.type must be full or lora, got {self.method!r}")
+        if self.method not in ("full", "lora", "galore"):
+            raise ConfigError(f"method.type must be full, lora or galore, got {self.method!r}")
         if self.quantize not in ("none", "nf4", "int8"):
             raise ConfigError(f"model.quantize must be none, nf4 or int8, got {self.quantize!r}")
-        if self.quantize != "none" and self.method == "full":
+        if self.quantize != "none" and self.method != "lora":
             raise ConfigError("a quantized base is frozen: use method.type: lora with model.quantize")
         if self.activations not in ("device", "host"):
             raise ConfigError(f"offload.activations must be device or host, got {self.activations!r}")
@@ -138,8 +142,9 @@ class _Slot:
 
 class _GroupState:
     """A parameter group's chunks, one entry per weight chunk: weights (compute dtype), fp32 gradients, the
-    optimizer's sources (fp32 master weights, or the weights themselves when they are fp32, and the Adam
-    moments) and, when the step is speculative, their twins that receive the new values."""
+    optimizer's sources (fp32 master weights, or the weights themselves when they are fp32, the Adam
+    moments and, with GaLore, the projections) and, when the step is speculative, their twins that receive
+    the new values."""
 
     def __init__(self, group: ParamGroup) -> None:
         self.group = group
@@ -148,16 +153,21 @@ class _GroupState:
         self.master: list[Chunk] = []  # empty when the weights are fp32 (their own master copy)
         self.exp_avg: list[Chunk] = []
         self.exp_avg_sq: list[Chunk] = []
-        self.twins: list[tuple[Chunk, Chunk, Chunk]] = []  # twins of sources(j), per j
+        self.proj: list[
+            Chunk | None
+        ] = []  # GaLore: the projections (None for a chunk with no projected weight)
+        self.twins: list[tuple[Chunk, ...]] = []  # twins of sources(j), per j
 
     @property
     def trainable(self) -> bool:
         """Whether the group's weights are trained (full fine-tuning) rather than a frozen base."""
         return bool(self.grads)
 
-    def sources(self, j: int) -> tuple[Chunk, Chunk, Chunk]:
+    def sources(self, j: int) -> tuple[Chunk, ...]:
+        """The chunks the optimizer reads and rewrites for weight chunk ``j``: master, moments, projections."""
         master = self.master[j] if self.master else self.weights[j]
-        return master, self.exp_avg[j], self.exp_avg_sq[j]
+        proj = self.proj[j] if self.proj else None
+        return (master, self.exp_avg[j], self.exp_avg_sq[j]) + ((proj,) if proj is not None else ())
 
 
 class StreamedTrainer:
@@ -202,9 +212,11 @@ class StreamedTrainer:
         self._meta = dict(self.model.named_parameters())  # the skeleton's placeholders, put back by unbind
         self._quantized = {n for n, p in self._meta.items() if is_quantized(p)}
         self._param_order = [n for n, _ in self.model.named_parameters()]
-        full = config.method == "full"
+        paths = {id(m): n for n, m in self.model.named_modules()}
+        self.galore = GaLore(config.galore, self.parts.layers, paths) if config.method == "galore" else None
+        trained = config.method != "lora"
         self._states = [
-            self._add_states(g, checkpoint) if full else _GroupState(g) for g in self.parts.groups
+            self._add_states(g, checkpoint) if trained else _GroupState(g) for g in self.parts.groups
         ]
         # LoRA: peft wraps the instance's linear modules (before the layers are replaced by streamed ones)
         self.adapters = (
@@ -213,7 +225,7 @@ class StreamedTrainer:
         self._layer_adapters = [
             self.adapters.in_module(layer) if self.adapters else [] for layer in self.parts.layers
         ]
-        self.overlap = self._add_twins() if full else False
+        self.overlap = self._add_twins() if trained else False
         self._inputs = self._add_input_chunks()
         self._worker = _OptimizerWorker(self)
         self._layer_index = [i for i, s in enumerate(self._states) if s.group.kind == "layer"]
@@ -259,7 +271,15 @@ class StreamedTrainer:
                 with self.store.writing(masters[0]) as views:
                     for name, view in views.items():
                         checkpoint.read_into(self._source[name], view)
-            moments = _moment_entries(entries) if cfg.optim == "adamw_bnb_8bit" else entries
+            eight_bit = cfg.optim == "adamw_bnb_8bit"
+            if self.galore is None:
+                moments = moment_entries(entries, eight_bit)
+            else:
+                moments = self.galore.moment_entries(entries, eight_bit)
+                proj = self.galore.projection_entries(entries)
+                state.proj.append(
+                    self._add_like(proj, cfg.optimizer_states, f"{chunk.name}.proj")[0] if proj else None
+                )
             state.exp_avg += self._add_like(moments, cfg.optimizer_states, f"{chunk.name}.exp_avg")
             state.exp_avg_sq += self._add_like(moments, cfg.optimizer_states, f"{chunk.name}.exp_avg_sq")
         return state
@@ -438,8 +458,8 @@ class StreamedTrainer:
                 if self._last_micro:
                     self._norms[name] = torch.linalg.vector_norm(acc)
             self.store.release(chunk, dirty=True)
-        if self._last_micro and self._speculating:
-            self._worker.submit(state, None)
+        if self._last_micro and self._speculating:  # waiting for the optimizer here is time it is not hidden
+            self.times["optimizer"] += self._worker.submit(state, None)
 
     # ------------------------------------------------------------------ the step
 
@@ -458,7 +478,6 @@ class StreamedTrainer:
         # costs less than a redo
         self._speculating = self.overlap and not (clipping and self.last_grad_norm > cfg.max_grad_norm)
         self._lr_now = self._lr.lr(self.step_count)
-        self._step_t = torch.tensor(float(self.step_count + 1))
         self._worker.start_step(self._unit_order())
         total = 0.0
         self._norms = {}
@@ -543,58 +562,7 @@ class StreamedTrainer:
                 for chunk, twin in zip(state.sources(j), twins, strict=True):
                     self.store.exchange(chunk, twin)
                     self.store.discard(twin)
-
-    def _adamw_fused(self, names: list[str], master: dict, grads: dict, m: dict, v: dict) -> None:
-        """torch's fused AdamW, weight decay on tensors of two or more dimensions (as the HF Trainer)."""
-        cfg = self.config
-        for decay in (True, False):
-            chosen = [n for n in names if (master[n].dim() >= 2) == decay]
-            if not chosen:
-                continue
-            torch._fused_adamw_(
-                [master[n] for n in chosen],
-                [grads[n] for n in chosen],
-                [m[n] for n in chosen],
-                [v[n] for n in chosen],
-                [],
-                [self._step_t.clone() for _ in chosen],
-                lr=self._lr_now,
-                beta1=cfg.adam_beta1,
-                beta2=cfg.adam_beta2,
-                weight_decay=cfg.weight_decay if decay else 0.0,
-                eps=cfg.adam_epsilon,
-                amsgrad=False,
-                maximize=False,
-            )
-
-    def _adamw_8bit(self, names: list[str], master: dict, grads: dict, m: dict, v: dict) -> None:
-        """bitsandbytes' AdamW8bit update, tensor by tensor, exactly as its ``update_step`` calls the kernels:
-        blockwise 8-bit moments for tensors of 4096 elements or more, 32-bit below."""
-        import bitsandbytes.functional as BF
-
-        cfg = self.config
-        step = self.step_count + 1
-        qmaps = self._qmaps()
-        for n in names:
-            decay = cfg.weight_decay if master[n].dim() >= 2 else 0.0
-            if m[n].dtype == torch.uint8:
-                BF.optimizer_update_8bit_blockwise(
-                    "adam", grads[n], master[n], m[n], v[n], cfg.adam_beta1, cfg.adam_beta2, 0.0, 0.0,
-                    cfg.adam_epsilon, step, self._lr_now, qmaps[0], qmaps[1], m[f"{n}.absmax"],
-                    v[f"{n}.absmax"], decay, gnorm_scale=1.0, skip_zeros=False,
-                )  # fmt: skip
-            else:
-                BF.optimizer_update_32bit(
-                    "adam", grads[n], master[n], m[n], cfg.adam_beta1, cfg.adam_epsilon, step, self._lr_now,
-                    v[n], cfg.adam_beta2, 0.0, 0.0, decay, 1.0, None, max_unorm=0.0, skip_zeros=False,
-                )  # fmt: skip
-
-    def _qmaps(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if not hasattr(self, "_qmap_cache"):
-            import bitsandbytes.functional as BF
-
-            self._qmap_cache = (BF.create_dynamic_map(signed=True), BF.create_dynamic_map(signed=False))
-        return self._qmap_cache
+                self.store.discard(state.grads[j])  # consumed: their memory is free until the next step
 
     def _cpu_tier(self, chunk: Chunk) -> Tier:
         """Where the CPU optimizer reads ``chunk``: the device tier when that is CPU memory, else the host."""
@@ -620,18 +588,27 @@ class StreamedTrainer:
         try:
             grads = get(state.grads[j])
             if state.twins:  # the sources' bytes handed to (or copied into) the twins, the sources untouched
-                master, m, v = (get(t, s) for t, s in zip(state.twins[j], state.sources(j), strict=True))
+                views = [get(t, s) for t, s in zip(state.twins[j], state.sources(j), strict=True)]
             else:
-                master, m, v = (get(c) for c in state.sources(j))
+                views = [get(c) for c in state.sources(j)]
+            master, m, v = views[:3]
             names = list(grads)
             g = [grads[n] for n in names]
             if coef is not None:
                 g = torch._foreach_mul(g, coef)  # out of place: a redo needs the gradients as they were
             by_name = dict(zip(names, g, strict=True))
-            if cfg.optim == "adamw_bnb_8bit":
-                self._adamw_8bit(names, master, by_name, m, v)
+            hp = AdamStep(
+                self._lr_now, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay,
+                self.step_count + 1,
+            )  # fmt: skip
+            eight_bit = cfg.optim == "adamw_bnb_8bit"
+            if self.galore is not None:
+                proj = views[3] if len(views) > 3 else {}
+                self.galore.update(names, master, by_name, m, v, proj, hp, eight_bit)
+            elif eight_bit:
+                adamw_8bit(names, master, by_name, m, v, hp)
             else:
-                self._adamw_fused(names, master, by_name, m, v)
+                adamw(names, master, by_name, m, v, hp)
             if state.master:
                 with store.writing(state.weights[j]) as weights:
                     for n in names:
@@ -639,6 +616,8 @@ class StreamedTrainer:
         finally:
             for chunk, dirty in reversed(held):
                 store.release(chunk, dirty=dirty)
+        if not state.twins:  # updated in place: no redo can need these gradients, free their memory
+            store.discard(state.grads[j])
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -652,6 +631,25 @@ class StreamedTrainer:
                 stack.enter_context(self.bound_group(state, requires_grad=False))
             mask = None if attention_mask is None else attention_mask.to(self.device)
             return self.model(input_ids=input_ids.to(self.device), attention_mask=mask).logits.float().cpu()
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of each kind of training state in the store (chunk capacities): ``weights`` (compute dtype,
+        quantized where the base is), ``gradients``, ``master`` weights, ``moments`` (both of Adam's),
+        ``projections`` (GaLore) and ``twins`` (the speculative step's copies of master, moments and
+        projections). Optimizer state is master + moments + projections."""
+        out = dict.fromkeys(("weights", "gradients", "master", "moments", "projections", "twins"), 0)
+        for state in self._states:
+            kinds = {
+                "weights": state.weights,
+                "gradients": state.grads,
+                "master": state.master,
+                "moments": state.exp_avg + state.exp_avg_sq,
+                "projections": [c for c in state.proj if c is not None],
+                "twins": [c for twins in state.twins for c in twins],
+            }
+            for kind, chunks in kinds.items():
+                out[kind] += sum(c.capacity for c in chunks)
+        return out
 
     # ------------------------------------------------------------------ export
 
@@ -776,23 +774,6 @@ class _LayerFunction(torch.autograd.Function):
         return (grad_x, None, None, None, None, None, *adapter_grads)
 
 
-MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size: smaller tensors keep 32-bit moments
-BLOCK_8BIT = 256  # bitsandbytes' block size for 8-bit optimizer states
-
-
-def _moment_entries(entries: list) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """Chunk entries of one Adam moment in 8 bits: uint8 values plus a per-block absmax for each tensor of
-    ``MIN_8BIT_SIZE`` elements or more, fp32 for the smaller ones (as bitsandbytes lays them out)."""
-    out = []
-    for name, shape, _ in entries:
-        numel = math.prod(shape)
-        if numel >= MIN_8BIT_SIZE:
-            out += [(name, shape, torch.uint8), (f"{name}.absmax", (-(-numel // BLOCK_8BIT),), torch.float32)]
-        else:
-            out.append((name, shape, torch.float32))
-    return out
-
-
 def _entries(chunk: Chunk) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     return [(s.name, s.shape, s.dtype) for s in chunk.tensors]
 
@@ -802,13 +783,17 @@ class _OptimizerWorker:
 
     While it works on one unit it prefetches the optimizer states of the next units of the step's plan
     from disk, even before backward has submitted them (their sources do not depend on the gradients).
+    ``submit`` waits while ``max_pending`` units are queued or running, so that a slow optimizer holds back
+    backward instead of letting every layer's gradients pile up (the step takes as long either way: the
+    worker never idles); it stops waiting when the worker itself waits in the store (for room or a chunk the caller holds).
     ``join`` waits for the submitted units and re-raises the first error.
     """
 
-    def __init__(self, trainer: StreamedTrainer, lookahead: int = 2) -> None:
+    def __init__(self, trainer: StreamedTrainer, lookahead: int = 2, max_pending: int = 2) -> None:
         self._trainer = trainer
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lookahead = lookahead
+        self._max_pending = max_pending
         self._plan: list[tuple[_GroupState, int]] = []
         self._pending = 0
         self._error: BaseException | None = None
@@ -819,15 +804,23 @@ class _OptimizerWorker:
     def start_step(self, plan: list[tuple[_GroupState, int]]) -> None:
         self._queue.put(("plan", plan))
 
-    def submit(self, state: _GroupState, coef: torch.Tensor | None, j: int | None = None) -> None:
-        """Queue the unit(s) of ``state`` (chunk ``j``, or all of its chunks)."""
-        with self._cond:
-            if self._error is not None:
-                raise self._error
-            units = range(len(state.weights)) if j is None else (j,)
-            self._pending += len(units)
-        for k in units:
+    def submit(self, state: _GroupState, coef: torch.Tensor | None, j: int | None = None) -> float:
+        """Queue the unit(s) of ``state`` (chunk ``j``, or all of its chunks); returns the seconds waited."""
+        store = self._trainer.store
+        waited = 0.0
+        for k in range(len(state.weights)) if j is None else (j,):
+            began = time.perf_counter()
+            with self._cond:
+                while self._pending >= self._max_pending and self._error is None:
+                    if store.waiting(self._thread.ident):  # maybe for a chunk the caller holds
+                        break
+                    self._cond.wait(timeout=0.05)
+                if self._error is not None:
+                    raise self._error
+                self._pending += 1
+            waited += time.perf_counter() - began
             self._queue.put(("unit", (state, k, coef)))
+        return waited
 
     def join(self) -> None:
         with self._cond:

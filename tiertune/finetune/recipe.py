@@ -46,6 +46,7 @@ class GaloreSection:
     rank: int = 128
     update_proj_gap: int = 200
     scale: float = 0.25
+    target_modules: Any = "all-linear"
 
 
 @dataclass
@@ -137,6 +138,9 @@ class Recipe:
             (self.offload.prefetch_depth >= 0, "offload.prefetch_depth", "must be >= 0"),
             (self.method.lora.r >= 1, "method.lora.r", "must be >= 1"),
             (0 <= self.method.lora.dropout < 1, "method.lora.dropout", "must be in [0, 1)"),
+            (self.method.galore.rank >= 1, "method.galore.rank", "must be >= 1"),
+            (self.method.galore.update_proj_gap >= 1, "method.galore.update_proj_gap", "must be >= 1"),
+            (self.method.galore.scale > 0, "method.galore.scale", "must be > 0"),
         ]
         for ok, key, what in checks:
             if not ok:

@@ -24,6 +24,7 @@ from tiertune.finetune.data import batches, load_text
 from tiertune.finetune.engine import EngineConfig, StreamedTrainer
 from tiertune.finetune.files import move_files_into
 from tiertune.finetune.lora import LoraSettings
+from tiertune.finetune.optim import GaloreSettings
 from tiertune.finetune.recipe import Recipe, load_recipe
 from tiertune.offload.store import StoreConfig
 from tiertune.units import format_size
@@ -48,12 +49,10 @@ class TrainResult:
 
 def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
     """The store and engine settings a recipe resolves to (``auto`` made concrete for this machine)."""
-    if recipe.method.type == "galore":
-        raise ConfigError("method.type 'galore' is not available yet; use method.type: full or lora")
-    if recipe.model.quantize != "none" and recipe.method.type == "full":
+    if recipe.model.quantize != "none" and recipe.method.type != "lora":
         raise ConfigError(
             f"model.quantize: {recipe.model.quantize} freezes the base; use method.type: lora with it, "
-            "or model.quantize: none for full fine-tuning"
+            f"or model.quantize: none for method.type: {recipe.method.type}"
         )
     if recipe.data.format != "text":
         raise ConfigError(f"data.format {recipe.data.format!r} is not available yet; use data.format: text")
@@ -117,7 +116,10 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
         max_steps=1,  # set once the data is read
         params=params,
         optimizer_states=states,
-        gradients="host",
+        # homed on disk when there is one: a layer's gradients then take host memory only from backward
+        # until its update (all of them only while accumulating micro-batches, or waiting for the clipping
+        # norm), and they are dropped once used, so nothing is written there unless the host runs short
+        gradients="disk" if off.disk_path else "host",
         overlap_optimizer=off.overlap_optimizer,
         activations=_activations(recipe, device, dtype, store.device_budget),  # type: ignore[arg-type]
         activation_tokens=t.per_device_train_batch_size * recipe.data.max_seq_len,
@@ -130,6 +132,12 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
             dropout=recipe.method.lora.dropout,
             target_modules=recipe.method.lora.target_modules,
             seed=t.seed,
+        ),
+        galore=GaloreSettings(
+            rank=recipe.method.galore.rank,
+            update_proj_gap=recipe.method.galore.update_proj_gap,
+            scale=recipe.method.galore.scale,
+            target_modules=recipe.method.galore.target_modules,
         ),
     )
     return store, engine

@@ -22,6 +22,7 @@ import logging
 import math
 import threading
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -131,6 +132,7 @@ class ChunkStore:
         self._wanted: dict[int, int] = {}  # chunk id -> acquires waiting for it: never evicted meanwhile
         self._holders: dict[int, dict[int, int]] = {}  # chunk id -> {thread id: pins held}
         self._stalled: set[int] = set()  # threads waiting for room that only other threads' releases make
+        self._waiting: dict[int, int] = defaultdict(int)  # thread id -> 1 while it waits in the store
         self._moved: dict[str, int] = {}
         self._moved_by: dict[int, dict[str, int]] = {}  # chunk id -> link -> bytes
         self._fatal: BaseException | None = None
@@ -401,6 +403,12 @@ class ChunkStore:
                 self._slots[a.id], self._slots[b.id] = self._slots[b.id], self._slots[a.id]
             self._cond.notify_all()
 
+    def waiting(self, thread_id: int | None) -> bool:
+        """Whether thread ``thread_id`` is blocked in the store (for room, for a transfer, or for a chunk
+        another thread holds): a thread waiting for it must not keep holding what it has acquired."""
+        with self._cond:
+            return self._waiting.get(thread_id, 0) > 0  # type: ignore[arg-type]
+
     def mark_step(self) -> None:
         """Tell the scheduler a training step ended: the first step's access order becomes the trace."""
         with self._cond:
@@ -528,7 +536,12 @@ class ChunkStore:
     def _wait(self) -> None:
         if self._fatal is not None:
             raise self._fatal
-        self._cond.wait()
+        me = threading.get_ident()
+        self._waiting[me] += 1
+        try:
+            self._cond.wait()
+        finally:
+            self._waiting[me] -= 1
         if self._fatal is not None:
             raise self._fatal
 

@@ -1,0 +1,257 @@
+"""The optimizer updates the engine runs on one weight chunk at a time: AdamW (torch's fused CPU kernel),
+bitsandbytes' 8-bit AdamW, and GaLore (Adam in a low-rank projection of each weight matrix's gradient,
+32- or 8-bit).
+
+Each update takes dicts of tensors by parameter name (the chunk's views: master weights, gradients, the
+two moments and, for GaLore, the projections) and changes them in place, with exactly the arithmetic of
+the reference implementation it names, so that a streamed run matches a plain in-memory run:
+
+- ``adamw``: ``torch.optim.AdamW(fused=True)``, weight decay on tensors of two or more dimensions.
+- ``adamw_8bit``: ``bitsandbytes.optim.AdamW8bit`` (blockwise 8-bit moments for tensors of 4096 elements
+  or more, 32-bit below).
+- ``galore_adamw``: ``galore_torch.GaLoreAdamW`` (Hugging Face-style AdamW, with the gradients of the
+  targeted weight matrices projected to rank r by an SVD refreshed every ``update_proj_gap`` steps), or
+  ``galore_torch.GaLoreAdamW8bit`` with 8-bit states.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiertune.errors import ConfigError
+
+MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size: smaller tensors keep 32-bit moments
+BLOCK_8BIT = 256  # bitsandbytes' block size for 8-bit optimizer states
+
+Entries = list[tuple[str, tuple[int, ...], torch.dtype]]
+
+
+@dataclass(frozen=True)
+class AdamStep:
+    """The hyper-parameters of one optimizer step (``step`` counts from 1, as torch's optimizers do)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int
+
+
+def decays(tensor: torch.Tensor) -> bool:
+    """Whether weight decay applies to a tensor: two or more dimensions (as the Hugging Face Trainer)."""
+    return tensor.dim() >= 2
+
+
+def moment_entries(entries: Entries, eight_bit: bool) -> Entries:
+    """Chunk entries of one Adam moment: fp32 like the weights, or in 8 bits (uint8 values plus a
+    per-block absmax) for each tensor of ``MIN_8BIT_SIZE`` elements or more, as bitsandbytes lays them out."""
+    if not eight_bit:
+        return [(name, shape, torch.float32) for name, shape, _ in entries]
+    out: Entries = []
+    for name, shape, _ in entries:
+        numel = math.prod(shape)
+        if numel >= MIN_8BIT_SIZE:
+            out += [(name, shape, torch.uint8), (f"{name}.absmax", (-(-numel // BLOCK_8BIT),), torch.float32)]
+        else:
+            out.append((name, shape, torch.float32))
+    return out
+
+
+def adamw(names: list[str], master: dict, grads: dict, m: dict, v: dict, hp: AdamStep) -> None:
+    """torch's fused AdamW on the named tensors."""
+    for decay in (True, False):
+        chosen = [n for n in names if decays(master[n]) == decay]
+        if not chosen:
+            continue
+        step = torch.tensor(float(hp.step))
+        torch._fused_adamw_(
+            [master[n] for n in chosen],
+            [grads[n] for n in chosen],
+            [m[n] for n in chosen],
+            [v[n] for n in chosen],
+            [],
+            [step.clone() for _ in chosen],
+            lr=hp.lr,
+            beta1=hp.beta1,
+            beta2=hp.beta2,
+            weight_decay=hp.weight_decay if decay else 0.0,
+            eps=hp.eps,
+            amsgrad=False,
+            maximize=False,
+        )
+
+
+_QMAPS: dict[str, torch.Tensor] = {}
+
+
+def _bnb_adam(
+    param: torch.Tensor, grad: torch.Tensor, m: dict, v: dict, name: str, decay: float, hp: AdamStep
+) -> None:
+    """One tensor's bitsandbytes Adam update, as ``Optimizer2State.update_step`` calls its kernels."""
+    import bitsandbytes.functional as BF
+
+    if not _QMAPS:
+        _QMAPS.update(signed=BF.create_dynamic_map(signed=True), unsigned=BF.create_dynamic_map(signed=False))
+    if m[name].dtype == torch.uint8:
+        BF.optimizer_update_8bit_blockwise(
+            "adam", grad, param, m[name], v[name], hp.beta1, hp.beta2, 0.0, 0.0, hp.eps, hp.step, hp.lr,
+            _QMAPS["signed"], _QMAPS["unsigned"], m[f"{name}.absmax"], v[f"{name}.absmax"], decay,
+            gnorm_scale=1.0, skip_zeros=False,
+        )  # fmt: skip
+    else:
+        BF.optimizer_update_32bit(
+            "adam", grad, param, m[name], hp.beta1, hp.eps, hp.step, hp.lr, v[name], hp.beta2, 0.0, 0.0,
+            decay, 1.0, None, max_unorm=0.0, skip_zeros=False,
+        )  # fmt: skip
+
+
+def adamw_8bit(names: list[str], master: dict, grads: dict, m: dict, v: dict, hp: AdamStep) -> None:
+    """bitsandbytes' AdamW8bit on the named tensors."""
+    for n in names:
+        _bnb_adam(master[n], grads[n], m, v, n, hp.weight_decay if decays(master[n]) else 0.0, hp)
+
+
+# ---------------------------------------------------------------------------------------------- GaLore
+
+
+@dataclass
+class GaloreSettings:
+    """``method.galore`` of a recipe (names as galore-torch's parameter-group options)."""
+
+    rank: int = 128
+    update_proj_gap: int = 200
+    scale: float = 0.25
+    target_modules: Any = "all-linear"  # linear layers of the decoder layers whose weights are projected
+
+
+class GaLore:
+    """GaLore's bookkeeping for a model: which weights are projected, the shapes of their low-rank moments
+    and projections, and the update (galore-torch's ``proj_type: std``).
+
+    For a gradient G of shape m x n and rank r (at most min(m, n)): if m >= n the projection P (r x n) is
+    the top right singular vectors and the low-rank gradient is G Pᵀ (m x r); otherwise P (m x r) is the
+    top left singular vectors and the low-rank gradient is Pᵀ G (r x n). Adam runs on the low-rank
+    gradient; its normalized update is projected back and scaled by ``scale``.
+    """
+
+    def __init__(self, settings: GaloreSettings, layers: list[nn.Module], names: dict[int, str]) -> None:
+        if settings.rank < 1:
+            raise ConfigError(f"method.galore.rank must be >= 1, got {settings.rank}")
+        if settings.update_proj_gap < 1:
+            raise ConfigError(f"method.galore.update_proj_gap must be >= 1, got {settings.update_proj_gap}")
+        self.settings = settings
+        self.targets = _targets(settings.target_modules, layers, names)
+        if not self.targets:
+            raise ConfigError(
+                f"method.galore.target_modules {settings.target_modules!r} matches no linear layer of the "
+                "decoder layers; use all-linear or names such as [q_proj, v_proj]"
+            )
+
+    def shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(low-rank moment shape, projection shape) of a projected weight of ``shape``."""
+        rows, cols = shape
+        r = min(self.settings.rank, rows, cols)
+        return ((rows, r), (r, cols)) if rows >= cols else ((r, cols), (rows, r))
+
+    def moment_entries(self, entries: Entries, eight_bit: bool) -> Entries:
+        """Entries of one moment chunk: low-rank shapes for the projected weights, full ones for the rest."""
+        low = [(n, self.shapes(s)[0] if n in self.targets else s, d) for n, s, d in entries]
+        return moment_entries(low, eight_bit)
+
+    def projection_entries(self, entries: Entries) -> Entries:
+        """Entries of a chunk's projections (fp32), one per projected weight; empty if none is."""
+        return [(n, self.shapes(s)[1], torch.float32) for n, s, _ in entries if n in self.targets]
+
+    def update(
+        self,
+        names: list[str],
+        master: dict,
+        grads: dict,
+        m: dict,
+        v: dict,
+        proj: dict,
+        hp: AdamStep,
+        eight_bit: bool,
+    ) -> None:
+        """One GaLore AdamW step on the named tensors (the projections refreshed when the step calls for it).
+
+        ``hp.step - 1`` is the number of steps taken before, which decides the refresh as galore-torch's
+        per-parameter step counter does."""
+        for n in names:
+            p, g = master[n], grads[n]
+            decay = hp.weight_decay if decays(p) else 0.0
+            if n not in self.targets:
+                if eight_bit:
+                    _bnb_adam(p, g, m, v, n, decay, hp)
+                else:
+                    _hf_adamw(p, g, m[n], v[n], hp)
+                    if decay > 0:
+                        p.add_(p, alpha=-hp.lr * decay)
+                continue
+            right = p.shape[0] >= p.shape[1]
+            if (hp.step - 1) % self.settings.update_proj_gap == 0:
+                proj[n].copy_(_orthogonal(g, proj[n].shape, right))
+            low = g @ proj[n].t() if right else proj[n].t() @ g
+            if eight_bit:  # galore-torch: the 8-bit kernel updates zeros, its result is projected back
+                delta = torch.zeros_like(low)
+                _bnb_adam(delta, low, m, v, n, 0.0, hp)
+                p.add_(self._back(delta, proj[n]))
+            else:
+                p.add_(self._back(_hf_adamw(None, low, m[n], v[n], hp), proj[n]), alpha=-_step_size(hp))
+            if decay > 0:
+                p.add_(p, alpha=-hp.lr * decay)
+
+    def _back(self, low: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+        full = low @ proj if low.shape[0] >= low.shape[1] else proj @ low
+        return full * self.settings.scale
+
+
+def _targets(target_modules: Any, layers: list[nn.Module], names: dict[int, str]) -> set[str]:
+    """Parameter names of the weights GaLore projects: ``all-linear`` (every ``nn.Linear`` in the decoder
+    layers), a list of module names (matched as the last part of the module's path) or a regular
+    expression the whole module path matches."""
+    out = set()
+    for layer in layers:
+        for module in layer.modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            path = names[id(module)]
+            if target_modules == "all-linear":
+                chosen = True
+            elif isinstance(target_modules, str):
+                chosen = re.fullmatch(target_modules, path) is not None
+            else:
+                chosen = any(path == t or path.endswith(f".{t}") for t in target_modules)
+            if chosen:
+                out.add(f"{path}.weight")
+    return out
+
+
+def _step_size(hp: AdamStep) -> float:
+    return hp.lr * math.sqrt(1.0 - hp.beta2**hp.step) / (1.0 - hp.beta1**hp.step)
+
+
+def _hf_adamw(
+    param: torch.Tensor | None, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, hp: AdamStep
+) -> torch.Tensor:
+    """Hugging Face-style AdamW (galore-torch's): the moments updated in place; returns the normalized
+    update m / (sqrt(v) + eps), and applies it to ``param`` when one is given (weight decay not included)."""
+    m.mul_(hp.beta1).add_(grad, alpha=1.0 - hp.beta1)
+    v.mul_(hp.beta2).addcmul_(grad, grad, value=1.0 - hp.beta2)
+    normalized = m / v.sqrt().add_(hp.eps)
+    if param is not None:
+        param.add_(normalized, alpha=-_step_size(hp))
+    return normalized
+
+
+def _orthogonal(grad: torch.Tensor, shape: torch.Size, right: bool) -> torch.Tensor:
+    """The top singular vectors of ``grad`` (right ones as rows, or left ones as columns) of ``shape``."""
+    u, _, vh = torch.linalg.svd(grad.float(), full_matrices=False)
+    return vh[: shape[0]] if right else u[:, : shape[1]]
