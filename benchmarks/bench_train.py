@@ -7,7 +7,9 @@ steps in two fresh processes, in the same invocation:
   and ``--host-budget``;
 - ``disk-serial``: the same with the optimizer after backward (``overlap_optimizer: false``): the
   reference the overlap is measured against;
-- ``memory``: weights on the device tier and everything else on the host, budgets large enough for all.
+- ``memory``: weights on the device tier and everything else on the host, budgets large enough for all;
+- ``disk-galore`` (when asked for): ``disk`` with GaLore (rank ``--galore-rank``) instead of AdamW, whose
+  optimizer-state bytes are compared with ``disk``'s (``galore_state_ratio``).
 
 Prints one JSON object: per mode, tokens/s and the split of step time into compute (the rest), waiting on
 I/O (blocked in acquire) and optimizer time not hidden (the compute thread waiting for the optimizer
@@ -43,6 +45,7 @@ from tiertune.units import parse_size
 def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace) -> dict:
     """The measured part, in a fresh process."""
     from tiertune.finetune.engine import EngineConfig, StreamedTrainer
+    from tiertune.finetune.optim import GaloreSettings
     from tiertune.offload.store import StoreConfig
 
     if args.threads:
@@ -51,7 +54,10 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         store = StoreConfig(device_budget=args.device_budget, host_budget=args.host_budget, disk_path=disk_dir,
                             chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
         engine = EngineConfig(params="disk", optimizer_states="disk", gradients="host", max_steps=args.steps,
-                              overlap_optimizer=mode == "disk")  # fmt: skip
+                              overlap_optimizer=mode != "disk-serial")  # fmt: skip
+        if mode == "disk-galore":
+            engine.method = "galore"
+            engine.galore = GaloreSettings(rank=args.galore_rank)
     else:
         store = StoreConfig(device_budget=args.memory_device_budget, host_budget=args.memory_host_budget,
                             chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
@@ -72,7 +78,9 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
     ]
     tokens = args.batch * args.seq * args.accum
     try:
-        trainer.step(batch)  # records the trace
+        first = time.perf_counter()
+        trainer.step(batch)  # records the trace (and computes GaLore's first projections)
+        first_s = time.perf_counter() - first
         trainer.times.clear()
         before = trainer.store.stats().bytes_moved  # the load and the first step are not steady state
         losses = [trainer.step(batch) for _ in range(args.steps - 1)]
@@ -89,6 +97,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         "optimizer_steps": dict(trainer.optimizer_counts),
         "grad_norm": trainer.last_grad_norm,
         "load_s": load_s,
+        "first_step_s": first_s,
         "step_s": step,
         "tokens_per_second": tokens / step,
         "compute_s": step - times.get("io_wait", 0.0) - times.get("optimizer", 0.0),
@@ -107,6 +116,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         "rss_over_budgets_bytes": peak_rss()
         - store.host_budget
         - (store.device_budget if store.device.type == "cpu" else 0),
+        "state_bytes": trainer.state_bytes(),
         "largest_group_fp32_bytes": max(c.capacity for c in trainer.store.chunks if c.name.endswith(".grad")),
     }
 
@@ -132,6 +142,7 @@ def main() -> None:
     p.add_argument("--modes", default="disk,disk-serial,memory")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per thread; 0: torch's default")
+    p.add_argument("--galore-rank", type=int, default=128)
     args = p.parse_args()
     for name in ("device_budget", "host_budget", "memory_device_budget", "memory_host_budget"):
         setattr(args, name, parse_size(getattr(args, name), f"--{name.replace('_', '-')}"))
@@ -156,7 +167,12 @@ def main() -> None:
     disk, serial = result.get("disk", {}), result.get("disk-serial", {})
     if "step_s" in disk and "step_s" in serial and serial["optimizer_busy_s"]:
         result["hidden_by_step_time"] = (serial["step_s"] - disk["step_s"]) / serial["optimizer_busy_s"]
-    result["settings"] = {"threads": args.threads, "max_grad_norm": args.max_grad_norm}
+    galore = result.get("disk-galore", {}).get("state_bytes")
+    if galore and "state_bytes" in disk:
+        adamw = disk["state_bytes"]
+        result["galore_state_ratio"] = (galore["moments"] + galore["projections"]) / adamw["moments"]
+    result["settings"] = {"threads": args.threads, "max_grad_norm": args.max_grad_norm,
+                          "galore_rank": args.galore_rank}  # fmt: skip
     print(json.dumps(result))
 
 
