@@ -29,9 +29,9 @@ def _config(**kw):
     return EngineConfig(**base)
 
 
-def _reference(path, cfg, initial_adapter, batches):
-    """transformers + bitsandbytes NF4 (double quant, fp32 compute) + peft LoRA, torch AdamW, the HF way."""
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+def _peft_model(path, cfg):
+    """transformers + bitsandbytes NF4 (double quant, fp32 compute) + peft LoRA, with peft's own init."""
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     quant = make_quantizer(cfg.quantize, torch.float32)
@@ -39,15 +39,24 @@ def _reference(path, cfg, initial_adapter, batches):
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map="cpu", **kwargs)
     base.config.use_cache = False
     lora = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout, target_modules="all-linear",
-                      task_type="CAUSAL_LM")  # fmt: skip
-    model = get_peft_model(base, lora)
+                      task_type="CAUSAL_LM", use_dora=cfg.lora.use_dora)  # fmt: skip
+    return get_peft_model(base, lora)
+
+
+def _reference(path, cfg, initial_adapter, batches):
+    """The plain QLoRA run from ``initial_adapter``: torch AdamW and the loop of the HF Trainer."""
+    from peft import set_peft_model_state_dict
+
+    model = _peft_model(path, cfg)
     model.train()  # as the HF Trainer does (eval mode would take bitsandbytes' bf16 CPU inference kernel)
     set_peft_model_state_dict(model, initial_adapter)  # the same initial adapter as tiertune's
     params = [p for p in model.parameters() if p.requires_grad]
+    # weight decay on the adapter matrices, not on DoRA's magnitude vectors (pulling a row's norm to zero)
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
     opt = torch.optim.AdamW(
-        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_epsilon, fused=True,
-    )  # fmt: skip
+        groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True
+    )
     return model, plain_training(model, opt, params, cfg, batches)
 
 
@@ -80,6 +89,42 @@ def test_qlora_matches_peft_and_bitsandbytes(tiny_model_dir, disk_dir, family, p
     if placement == "disk":
         assert stats.bytes_moved["disk->host"] > 0
     assert not stats.bytes_moved.get("host->disk") or placement == "disk"  # a frozen base is never written
+
+
+@pytest.mark.parametrize(("quantize", "placement"), [("nf4", "host"), ("nf4", "disk"), ("none", "host")])
+def test_dora_matches_peft(tiny_model_dir, disk_dir, tmp_path, quantize, placement):
+    """DoRA (peft's ``use_dora``): magnitudes initialized from the streamed base, trained like the rest;
+    the saved adapter is a DoRA adapter peft loads, with the same magnitudes as the plain run's."""
+    from peft import PeftConfig, get_peft_model_state_dict
+
+    path, _ = tiny_model_dir("llama")
+    cfg = _config(params=placement, quantize=quantize, lora=LoraSettings(r=4, alpha=8, dropout=0.0, seed=0,
+                                                                         use_dora=True))  # fmt: skip
+    device, host = ("160KiB", "96KiB") if placement == "disk" else ("8MiB", "8MiB")
+    store = StoreConfig(device_budget=device, host_budget=host, disk_path=str(disk_dir), prefetch_depth=1)
+    trainer = StreamedTrainer(str(path), store, cfg)
+    try:
+        initial = trainer.adapter_state_dict()
+        batches = _batches(trainer.model.config.vocab_size)
+        losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
+        trained = trainer.adapter_state_dict()
+        saved = trainer.save_adapter(tmp_path / "dora")
+        assert trainer.store.stats().divergences == 0  # the magnitudes' init pass stayed out of the trace
+    finally:
+        trainer.close()
+    magnitudes = [k for k in initial if "lora_magnitude_vector" in k]
+    assert len(magnitudes) == 4 * 7  # every linear layer of the 4 decoder layers
+    # they start as the base weights' row norms: peft's own init on the plain model agrees
+    own = get_peft_model_state_dict(_peft_model(path, cfg))
+    for name in magnitudes:
+        torch.testing.assert_close(initial[name], own[name], rtol=1e-6, atol=0)
+    reference, expected = _reference(path, cfg, initial, batches)
+    ref = get_peft_model_state_dict(reference)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
+    assert set(trained) == set(ref)
+    for name, value in ref.items():
+        torch.testing.assert_close(trained[name], value.detach(), rtol=1e-4, atol=1e-6)
+    assert PeftConfig.from_pretrained(saved).use_dora
 
 
 def test_saved_adapter_loads_with_peft_and_reproduces_the_logits(tiny_model_dir, disk_dir, tmp_path):

@@ -99,6 +99,8 @@ def test_cli_train_and_dry_run(recipe_file):
         ("model.quantize=nf4", "model.quantize: nf4 freezes the base; use method.type: lora"),
         (("model.quantize=int8", "method.type=galore"), "or model.quantize: none for method.type: galore"),
         ("method.lora.r=0", "method.lora.r must be >= 1"),
+        (("method.type=lora", "method.lora.use_dora=true"), None),
+        ("method.lora.use_dora=maybe", "method.lora.use_dora must be bool"),
         (
             "offload.overlap_optimizer=maybe",
             "offload.overlap_optimizer must be one of auto, true, false; got 'maybe'",

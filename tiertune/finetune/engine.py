@@ -222,24 +222,26 @@ class StreamedTrainer:
         self.adapters = (
             Adapters(self.model, config.lora, self.device, config.optim) if config.method == "lora" else None
         )
+        self._layer_index = [i for i, s in enumerate(self._states) if s.group.kind == "layer"]
+        self._traced = True  # weight accesses enter the scheduler's trace (training steps)
+        # seconds per step part, cumulative: io_wait (blocked in acquire), optimizer (not hidden), step
+        self.times: defaultdict[str, float] = defaultdict(float)
+        if self.adapters is not None and self.adapters.pending_dora:
+            self._init_dora()
         self._layer_adapters = [
             self.adapters.in_module(layer) if self.adapters else [] for layer in self.parts.layers
         ]
         self.overlap = self._add_twins() if trained else False
         self._inputs = self._add_input_chunks()
         self._worker = _OptimizerWorker(self)
-        self._layer_index = [i for i, s in enumerate(self._states) if s.group.kind == "layer"]
         for i, layer in enumerate(self.parts.layers):
             self.parts.layers[i] = StreamedLayer(self, i, layer)
         for module in self.model.modules():  # buffers (rotary caches) to the device; parameters stay meta
             for name, buf in module.named_buffers(recurse=False):
                 module._buffers[name] = buf.to(self.device)
         self.step_count = 0
-        # seconds per step part, cumulative: io_wait (blocked in acquire), optimizer (not hidden), step
-        self.times: defaultdict[str, float] = defaultdict(float)
         self._norms: dict[str, torch.Tensor] = {}
         self._first_micro = self._last_micro = False
-        self._traced = True  # weight accesses enter the scheduler's trace (training steps)
         self._speculating = False
         # optimizer steps by how they ran: confirmed speculation, speculation redone (clipping was active),
         # run after backward (overlap off, or the last step was clipped)
@@ -256,6 +258,17 @@ class StreamedTrainer:
             for attr, param in module.named_parameters(recurse=False):
                 slots.setdefault(by_id[id(param)], []).append(_Slot(module, attr))
         return slots
+
+    def _init_dora(self) -> None:
+        """DoRA's magnitudes from the base weights: one pass over the layers, outside the trace."""
+        self._traced = False
+        try:
+            for i, layer in enumerate(self.parts.layers):
+                with self.bound_group(self._states[self._layer_index[i]], requires_grad=False):
+                    self.adapters.init_dora(layer)  # type: ignore[union-attr]
+        finally:
+            self._traced = True
+        self.adapters.collect()  # type: ignore[union-attr]
 
     def _add_states(self, group: ParamGroup, checkpoint: Checkpoint) -> _GroupState:
         state = _GroupState(group)

@@ -4,7 +4,11 @@ peft wraps the model instance's linear modules (``nn.Linear`` or bitsandbytes' `
 would in a plain QLoRA run; the base weights stay meta placeholders that the engine binds to chunk memory
 layer by layer. The adapters are small: they live on the compute device as ordinary parameters, autograd
 accumulates their gradients, and ``torch.optim.AdamW`` (or bitsandbytes' ``AdamW8bit``) with
-``clip_grad_norm_`` updates them after backward, as the Hugging Face Trainer would.
+``clip_grad_norm_`` updates them after backward, as the Hugging Face Trainer would (weight decay on the
+adapter matrices only, not on DoRA's magnitude vectors).
+
+DoRA (``use_dora``) is peft's own: its magnitude vectors start as the row norms of the base weights, so
+they are initialized in one pass over the layers once the base is in the store (``init_dora``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class LoraSettings:
     dropout: float = 0.05
     target_modules: Any = "all-linear"
     seed: int = 42
+    use_dora: bool = False  # DoRA: a trained magnitude per output row on top of the LoRA direction
 
 
 class Adapters:
@@ -54,10 +59,49 @@ class Adapters:
         except ValueError as exc:  # peft: no module matched target_modules, and the like
             raise ConfigError(f"method.lora: {exc}") from exc
         self._materialize(device)
-        self.named = [(n, p) for n, p in self.peft_model.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in self.named]
+        # DoRA's magnitudes start as the norms of the base weights, which are not in memory yet: peft wraps
+        # the layers as plain LoRA, then each layer gets peft's DoRA variant, initialized by ``init_dora``
+        # while the engine has that layer's base weights bound
+        self.pending_dora: list[tuple[nn.Module, str]] = self._add_dora() if settings.use_dora else []
         self._optimizer: torch.optim.Optimizer | None = None
         self._optim = optim
+        self.collect()
+
+    def collect(self) -> None:
+        """Gather the trainable adapter parameters, in model order (again after ``init_dora``)."""
+        self.named = [(n, p) for n, p in self.peft_model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named]
+
+    def _add_dora(self) -> list[tuple[nn.Module, str]]:
+        from peft import LoraConfig
+        from peft.tuners.lora import LoraLayer
+
+        self.config.use_dora = True
+        for config in self.peft_model.peft_config.values():
+            config.use_dora = True
+        dora = LoraConfig(r=self.settings.r, use_dora=True)
+        pending = []
+        for name, module in self.peft_model.named_modules():
+            if not isinstance(module, LoraLayer):
+                continue
+            variant = module.resolve_lora_variant(config=dora)
+            if variant is None:
+                raise ConfigError(
+                    f"method.lora.use_dora: peft has no DoRA for {name} ({type(module).__name__})"
+                )
+            for adapter in module.active_adapters:
+                module.lora_variant[adapter] = variant
+                module.use_dora[adapter] = True
+                pending.append((module, adapter))
+        return pending
+
+    def init_dora(self, layer: nn.Module) -> None:
+        """Initialize the DoRA magnitudes inside ``layer`` with peft's own init (its base weights bound)."""
+        inside = {id(m) for m in layer.modules()}
+        for module, adapter in self.pending_dora:
+            if id(module) in inside:
+                module.lora_variant[adapter].init(module, adapter_name=adapter)
+        self.pending_dora = [(m, a) for m, a in self.pending_dora if id(m) not in inside]
 
     def _materialize(self, device: torch.device) -> None:
         """peft put the adapters where the base weights are (meta): give them memory and peft's own init,

@@ -39,6 +39,7 @@ class LoraSection:
     alpha: int = 32
     dropout: float = 0.05
     target_modules: Any = "all-linear"
+    use_dora: bool = False
 
 
 @dataclass

@@ -132,6 +132,7 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
             dropout=recipe.method.lora.dropout,
             target_modules=recipe.method.lora.target_modules,
             seed=t.seed,
+            use_dora=recipe.method.lora.use_dora,
         ),
         galore=GaloreSettings(
             rank=recipe.method.galore.rank,
