@@ -1,17 +1,26 @@
-"""QLoRA at scale on the CPU: a >= 7B model quantized to NF4 on load, its base streamed from disk.
+"""QLoRA at scale: a model quantized to NF4 on load, its base streamed from disk, against peft + bitsandbytes.
 
-Writes a Mistral-7B-shaped checkpoint with random bf16 weights (7.24 B parameters by default), then, each in
-a fresh process of the same invocation:
+Writes a Llama-shaped checkpoint with random bf16 weights (Mistral-7B's shape by default, 7.24 B
+parameters), then, each in a fresh process of the same invocation:
 
 - ``tiertune``: the streamed engine, LoRA (r 16, all linear layers) on the NF4 base homed on disk, through
-  ``--host-budget`` (default 8 GiB) and ``--device-budget`` (the CPU device tier);
+  ``--host-budget`` (default 8 GiB) and ``--device-budget``;
 - ``peft``: the reference, transformers + bitsandbytes (``load_in_4bit``, NF4, double quantization) + peft,
-  the whole quantized model in memory, the same adapter, torch AdamW (``--modes tiertune`` skips it).
+  the whole quantized model in memory (on the GPU when there is one), gradient checkpointing, the same
+  adapter, torch AdamW (``--modes tiertune`` skips it). Out of memory is reported, not raised.
 
-Prints one JSON object: per mode, the load (quantize) time, seconds per step (mean of the steps after the
-first), the losses, bytes moved per step per link (tiertune; steps after the first) and peak RSS.
+``--device`` is ``cuda`` when a GPU is present (compute in bf16; ``--gpu-memory-cap`` limits what each
+process may allocate there, to emulate a smaller card), else ``cpu`` (fp32, the device tier is host memory).
 
-Run: ``python benchmarks/bench_qlora.py --dir /mnt/nvme/tmp``
+Prints one JSON object: per mode, the load (quantize) time, seconds per step and tokens/s (mean of the steps
+after the first), the losses, bytes moved per step per link (tiertune; steps after the first), peak RSS and
+peak GPU memory; and the I/O lower bound of a tiertune step: the bytes it moved from disk and to the device
+divided by the disk's read bandwidth (fio on ``--dir``, else tiertune's own disk tier) and the host-to-device
+bandwidth measured in the same run.
+
+Run: ``python benchmarks/bench_qlora.py --dir /mnt/nvme/tmp``; a 70B Llama on a 24 GB-capped GPU:
+``--layers 80 --hidden 8192 --intermediate 28672 --heads 64 --kv-heads 8 --vocab 128256
+--gpu-memory-cap 24GiB --device-budget 20GiB --host-budget 64GiB --seq 2048``.
 """
 
 from __future__ import annotations
@@ -37,14 +46,29 @@ def _batch(vocab: int, args: argparse.Namespace) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, vocab, (args.batch, args.seq), generator=gen)}
 
 
+def _setup_device(args: argparse.Namespace) -> torch.dtype:
+    """Cap this process's GPU memory when asked; the compute dtype of the device."""
+    if args.device != "cuda":
+        return torch.float32
+    if args.gpu_memory_cap:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_cap / total))
+    return torch.bfloat16
+
+
+def _gpu_peak(args: argparse.Namespace) -> int | None:
+    return torch.cuda.max_memory_allocated() if args.device == "cuda" else None
+
+
 def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dict:
     from tiertune.finetune.engine import EngineConfig, StreamedTrainer
     from tiertune.finetune.lora import LoraSettings
     from tiertune.offload.store import StoreConfig
 
-    store = StoreConfig(device_budget=args.device_budget, host_budget=args.host_budget, disk_path=disk_dir,
-                        chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
-    engine = EngineConfig(dtype=torch.float32, method="lora", quantize="nf4", params="disk",
+    dtype = _setup_device(args)
+    store = StoreConfig(device=args.device, device_budget=args.device_budget, host_budget=args.host_budget,
+                        disk_path=disk_dir, chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
+    engine = EngineConfig(dtype=dtype, method="lora", quantize="nf4", params="disk",
                           lora=LoraSettings(r=16, alpha=32, dropout=0.0), learning_rate=1e-4,
                           max_steps=args.steps)  # fmt: skip
     began = time.perf_counter()
@@ -66,27 +90,76 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
         layer = next(s.weights[0] for s in trainer._states if s.group.kind == "layer")
     finally:
         trainer.close()
+    step_s = sum(times[1:]) / max(1, len(times) - 1)
     return {
         "load_and_quantize_s": load_s,
-        "step_s": sum(times[1:]) / max(1, len(times) - 1),
+        "step_s": step_s,
+        "tokens_per_second": args.batch * args.seq / step_s,
         "first_step_s": times[0],
         "losses": losses,
         "bytes_moved_per_step": {k: (v - before.get(k, 0)) / n for k, v in stats.bytes_moved.items()},
         "peak_bytes": {k: v.peak for k, v in stats.tiers.items()},
         "layer_chunk_bytes": layer.capacity,
         "peak_rss_bytes": peak_rss(),
+        "peak_gpu_bytes": _gpu_peak(args),
+        "host_to_device_gbps": _host_to_device_gbps(args),
     }
 
 
+def _host_to_device_gbps(args: argparse.Namespace, size: int = 1 << 30) -> float | None:
+    """Pinned host to GPU copy bandwidth (the link a streamed base crosses every step)."""
+    if args.device != "cuda":
+        return None
+    src = torch.empty(size, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(size, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 3 * size / (time.perf_counter() - began) / 1e9
+
+
+def disk_read_gbps(directory: Path, size: int = 2 << 30) -> tuple[float, str]:
+    """The disk's sequential read bandwidth in GB/s: fio (O_DIRECT, 1 MiB blocks, queue depth 16) when it
+    is installed, else tiertune's own disk tier; and which one measured it."""
+    from bench_aio import fio_pass
+
+    from tiertune.offload.disk import supports_o_direct
+
+    fio = fio_pass(directory, "read", size, 1 << 20, 16, supports_o_direct(directory))
+    (directory / "fio-bench.tmp").unlink(missing_ok=True)
+    if fio is not None:
+        return fio, "fio"
+    from bench_aio import bench_engine
+
+    settings = argparse.Namespace(size=size, chunk_size=64 << 20, block_size=1 << 20, queue_depth=16,
+                                  host_bytes=1 << 30, rounds=1, no_fio=True)  # fmt: skip
+    return bench_engine(settings, directory)["read_gbps"], "tiertune"
+
+
 def run_peft(model_dir: str, args: argparse.Namespace) -> dict:
+    try:
+        return _run_peft(model_dir, args)
+    except torch.OutOfMemoryError as exc:
+        return {
+            "error": "out of memory",
+            "detail": str(exc).splitlines()[0],
+            "peak_gpu_bytes": _gpu_peak(args),
+        }
+
+
+def _run_peft(model_dir: str, args: argparse.Namespace) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    dtype = _setup_device(args)
     qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                            bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
+                            bnb_4bit_compute_dtype=dtype)  # fmt: skip
     began = time.perf_counter()
-    base = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=qc, dtype=torch.float32,
-                                                device_map="cpu")  # fmt: skip
+    base = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=qc, dtype=dtype,
+                                                device_map="cuda:0" if args.device == "cuda" else "cpu")  # fmt: skip
     model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
                                             task_type="CAUSAL_LM"))  # fmt: skip
     model.train()
@@ -94,7 +167,7 @@ def run_peft(model_dir: str, args: argparse.Namespace) -> dict:
     base.enable_input_require_grads()
     load_s = time.perf_counter() - began
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    batch = _batch(base.config.vocab_size, args)
+    batch = {k: v.to(base.device) for k, v in _batch(base.config.vocab_size, args).items()}
     losses, times = [], []
     for _ in range(args.steps):
         began = time.perf_counter()
@@ -109,12 +182,15 @@ def run_peft(model_dir: str, args: argparse.Namespace) -> dict:
         losses.append(float(loss))
         times.append(time.perf_counter() - began)
         print(f"peft step {len(times)}: {times[-1]:.1f} s", file=sys.stderr, flush=True)
+    step_s = sum(times[1:]) / max(1, len(times) - 1)
     return {
         "load_and_quantize_s": load_s,
-        "step_s": sum(times[1:]) / max(1, len(times) - 1),
+        "step_s": step_s,
+        "tokens_per_second": args.batch * args.seq / step_s,
         "first_step_s": times[0],
         "losses": losses,
         "peak_rss_bytes": peak_rss(),
+        "peak_gpu_bytes": _gpu_peak(args),
     }
 
 
@@ -127,8 +203,14 @@ def main() -> None:
     p.add_argument("--host-budget", default="8GiB")
     p.add_argument("--device-budget", default="2GiB")
     p.add_argument("--modes", default="tiertune,peft")
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
+    )
+    p.add_argument(
+        "--gpu-memory-cap", default="0", help="e.g. 24GiB: what each process may allocate on the GPU"
+    )
     args = p.parse_args()
-    for name in ("device_budget", "host_budget"):
+    for name in ("device_budget", "host_budget", "gpu_memory_cap"):
         setattr(args, name, parse_size(getattr(args, name), f"--{name.replace('_', '-')}"))
     if args.child:
         model_dir, disk_dir, mode = args.child
@@ -146,9 +228,24 @@ def main() -> None:
                                                 args.kv_heads, args.vocab)  # fmt: skip
         result["checkpoint_write_s"] = time.perf_counter() - began
         result["tokens_per_step"] = args.batch * args.seq
-        result["settings"] = {"host_budget": args.host_budget, "device_budget": args.device_budget}
+        result["settings"] = {"host_budget": args.host_budget, "device_budget": args.device_budget,
+                              "device": args.device, "gpu_memory_cap": args.gpu_memory_cap}  # fmt: skip
         for mode in args.modes.split(","):
             result[mode] = run_child(__file__, model_dir, Path(tmp) / "disk", mode)
+        gbps, tool = disk_read_gbps(Path(tmp))
+    result["disk_read_gbps"], result["disk_read_measured_by"] = gbps, tool
+    ours = result.get("tiertune", {})
+    if "bytes_moved_per_step" in ours:
+        moved = ours["bytes_moved_per_step"]
+        bounds = {"disk": moved.get("disk->host", 0) / (gbps * 1e9)}
+        if ours.get("host_to_device_gbps"):
+            bounds["host_to_device"] = moved.get("host->device", 0) / (ours["host_to_device_gbps"] * 1e9)
+        # the step cannot be faster than its slowest link moving what the step moved over it
+        result["io_lower_bound_s"] = max(bounds.values())
+        result["io_lower_bound_by_link_s"] = bounds
+        result["step_over_io_lower_bound"] = (
+            ours["step_s"] / result["io_lower_bound_s"] if result["io_lower_bound_s"] else None
+        )
     print(json.dumps(result))
 
 
