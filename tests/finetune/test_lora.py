@@ -60,12 +60,9 @@ def _reference(path, cfg, initial_adapter, batches):
     return model, plain_training(model, opt, params, cfg, batches)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("placement", ["device", "host", "disk"])
-def test_qlora_matches_peft_and_bitsandbytes(tiny_model_dir, disk_dir, family, placement):
-    path, _ = tiny_model_dir(family)
-    cfg = _config(params=placement)
-    # on disk, budgets of a few layers: the base streams from disk every step
+def _train(path, disk_dir, cfg, placement, save_to=None):
+    """STEPS steps of the engine; returns the initial and trained adapters, batches, losses and store stats
+    (on disk, budgets of a few layers: the base streams from disk every step)."""
     device, host = ("160KiB", "96KiB") if placement == "disk" else ("8MiB", "8MiB")
     store = StoreConfig(device_budget=device, host_budget=host, disk_path=str(disk_dir), prefetch_depth=1)
     trainer = StreamedTrainer(str(path), store, cfg)
@@ -75,17 +72,34 @@ def test_qlora_matches_peft_and_bitsandbytes(tiny_model_dir, disk_dir, family, p
         losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
         stats = trainer.store.stats()
         trained = trainer.adapter_state_dict()
+        if save_to is not None:
+            trainer.save_adapter(save_to)
     finally:
         trainer.close()
+    assert stats.divergences == 0  # init passes and the adapters' optimizer stayed out of the trace
+    return initial, trained, batches, losses, stats
+
+
+def _assert_matches_the_plain_run(path, cfg, initial, trained, batches, losses):
+    """The same losses (1e-4 relative) and adapter weights as peft + bitsandbytes trained the plain way."""
+    from peft import get_peft_model_state_dict
+
     reference, expected = _reference(path, cfg, initial, batches)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
     assert all(float(v.abs().max()) > 0 for k, v in trained.items() if "lora_B" in k)  # every adapter learned
-    from peft import get_peft_model_state_dict
-
     ref = get_peft_model_state_dict(reference)
     assert set(trained) == set(ref)
     for name, value in ref.items():
         torch.testing.assert_close(trained[name], value.detach(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("placement", ["device", "host", "disk"])
+def test_qlora_matches_peft_and_bitsandbytes(tiny_model_dir, disk_dir, family, placement):
+    path, _ = tiny_model_dir(family)
+    cfg = _config(params=placement)
+    initial, trained, batches, losses, stats = _train(path, disk_dir, cfg, placement)
+    _assert_matches_the_plain_run(path, cfg, initial, trained, batches, losses)
     if placement == "disk":
         assert stats.bytes_moved["disk->host"] > 0
     assert not stats.bytes_moved.get("host->disk") or placement == "disk"  # a frozen base is never written
@@ -94,37 +108,21 @@ def test_qlora_matches_peft_and_bitsandbytes(tiny_model_dir, disk_dir, family, p
 @pytest.mark.parametrize(("quantize", "placement"), [("nf4", "host"), ("nf4", "disk"), ("none", "host")])
 def test_dora_matches_peft(tiny_model_dir, disk_dir, tmp_path, quantize, placement):
     """DoRA (peft's ``use_dora``): magnitudes initialized from the streamed base, trained like the rest;
-    the saved adapter is a DoRA adapter peft loads, with the same magnitudes as the plain run's."""
+    the saved adapter is a DoRA adapter peft loads."""
     from peft import PeftConfig, get_peft_model_state_dict
 
     path, _ = tiny_model_dir("llama")
-    cfg = _config(params=placement, quantize=quantize, lora=LoraSettings(r=4, alpha=8, dropout=0.0, seed=0,
-                                                                         use_dora=True))  # fmt: skip
-    device, host = ("160KiB", "96KiB") if placement == "disk" else ("8MiB", "8MiB")
-    store = StoreConfig(device_budget=device, host_budget=host, disk_path=str(disk_dir), prefetch_depth=1)
-    trainer = StreamedTrainer(str(path), store, cfg)
-    try:
-        initial = trainer.adapter_state_dict()
-        batches = _batches(trainer.model.config.vocab_size)
-        losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
-        trained = trainer.adapter_state_dict()
-        saved = trainer.save_adapter(tmp_path / "dora")
-        assert trainer.store.stats().divergences == 0  # the magnitudes' init pass stayed out of the trace
-    finally:
-        trainer.close()
+    lora = LoraSettings(r=4, alpha=8, dropout=0.0, seed=0, use_dora=True)
+    cfg = _config(params=placement, quantize=quantize, lora=lora)
+    initial, trained, batches, losses, _ = _train(path, disk_dir, cfg, placement, save_to=tmp_path / "dora")
     magnitudes = [k for k in initial if "lora_magnitude_vector" in k]
     assert len(magnitudes) == 4 * 7  # every linear layer of the 4 decoder layers
     # they start as the base weights' row norms: peft's own init on the plain model agrees
     own = get_peft_model_state_dict(_peft_model(path, cfg))
     for name in magnitudes:
         torch.testing.assert_close(initial[name], own[name], rtol=1e-6, atol=0)
-    reference, expected = _reference(path, cfg, initial, batches)
-    ref = get_peft_model_state_dict(reference)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
-    assert set(trained) == set(ref)
-    for name, value in ref.items():
-        torch.testing.assert_close(trained[name], value.detach(), rtol=1e-4, atol=1e-6)
-    assert PeftConfig.from_pretrained(saved).use_dora
+    _assert_matches_the_plain_run(path, cfg, initial, trained, batches, losses)
+    assert PeftConfig.from_pretrained(tmp_path / "dora").use_dora
 
 
 def test_saved_adapter_loads_with_peft_and_reproduces_the_logits(tiny_model_dir, disk_dir, tmp_path):
