@@ -25,10 +25,16 @@ How a step runs (all on the caller's thread unless said otherwise):
   otherwise the step is redone from the originals with the real coefficient. After a clipped step the
   next one is likely clipped too, so it waits for the norm instead of speculating. Without clipping the
   update is always exact and runs in place, with no twins. ``overlap_optimizer`` (auto/on/off) chooses;
-  auto overlaps when the twins (12 bytes per parameter) fit the budgets.
+  auto overlaps when the twins (12 bytes per parameter) fit the budgets. A layer's gradients are dropped
+  once its update has used them; the compute thread waits when the worker falls two units behind, so
+  without clipping and gradient accumulation only the layers in flight hold gradients.
+- GaLore (``method: galore``) is the same machinery with another update (``finetune/optim.py``): the
+  moments of the decoder layers' linear weights are low-rank, and their projections are optimizer sources
+  too (twinned, exchanged, prefetched like the moments).
 
-Numerics match a plain PyTorch loop: ``torch.optim.AdamW`` with weight decay on tensors of two or more
-dimensions, ``clip_grad_norm_`` and the same transformers LR scheduler.
+Numerics match a plain PyTorch loop: ``torch.optim.AdamW`` (or bitsandbytes' AdamW8bit, or galore-torch's
+GaLoreAdamW) with weight decay on tensors of two or more dimensions, ``clip_grad_norm_`` and the same
+transformers LR scheduler.
 """
 
 from __future__ import annotations
@@ -153,9 +159,8 @@ class _GroupState:
         self.master: list[Chunk] = []  # empty when the weights are fp32 (their own master copy)
         self.exp_avg: list[Chunk] = []
         self.exp_avg_sq: list[Chunk] = []
-        self.proj: list[
-            Chunk | None
-        ] = []  # GaLore: the projections (None for a chunk with no projected weight)
+        # GaLore: the projections, per weight chunk (None for a chunk with no projected weight)
+        self.proj: list[Chunk | None] = []
         self.twins: list[tuple[Chunk, ...]] = []  # twins of sources(j), per j
 
     @property
