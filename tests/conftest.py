@@ -26,3 +26,15 @@ def disk_dir(tmp_path):
 @pytest.fixture(autouse=True)
 def _offload_logs(caplog):
     caplog.set_level(logging.DEBUG, logger="tiertune.offload")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _datasets_cache(tmp_path_factory):
+    """The datasets library's cache (tokenized data) in the test session's temporary directory, not ~/.cache."""
+    import os
+
+    path = str(tmp_path_factory.mktemp("hf-datasets"))
+    os.environ["HF_DATASETS_CACHE"] = path
+    import datasets
+
+    datasets.config.HF_DATASETS_CACHE = path

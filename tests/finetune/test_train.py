@@ -88,7 +88,8 @@ def test_cli_train_and_dry_run(recipe_file):
         ("modle.path=x", "did you mean `model`"),
         ("training", "must look like section.key=value"),
         ("data.max_seq_len=1", "data.max_seq_len must be >= 2"),
-        ("data.packing=true", "data.packing: true is not available yet"),
+        ("data.packing=true", None),
+        ("data.format=alpaca", None),
         ("offload.activations=disk", "offload.activations must be one of auto, device, host"),
         ("offload.activations=host", None),
         ("method.type=galore", None),
@@ -223,3 +224,17 @@ def test_galore_recipe_trains_every_weight_and_exports_the_model(recipe_file, mo
     initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     changed = [n for n in initial if not torch.equal(trained[n], initial[n])]
     assert len(changed) == len(initial)  # projected and full-rank weights alike
+
+
+@pytest.mark.parametrize("overrides", [("data.packing=true",), ("data.format=alpaca",)])
+def test_packed_and_alpaca_data_train(recipe_file, tmp_path, overrides):
+    if "data.format=alpaca" in overrides:
+        rows = [{"instruction": "the red cat", "input": "", "output": "sat on the mat"}] * 8
+        data = tmp_path / "alpaca.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        overrides = (*overrides, f"data.path={data}")
+    result = train(recipe_file, (*overrides, "training.max_steps=3"), progress=False)
+    records = [
+        json.loads(line) for line in (result.output_dir / "trainer_log.jsonl").read_text().splitlines()
+    ]
+    assert len(records) == 3 and all(math.isfinite(r["loss"]) for r in records)

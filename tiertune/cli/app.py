@@ -164,7 +164,7 @@ def demo(
 
     Example: tiertune demo --steps 20
     """
-    from tiertune.finetune.data import read_text_rows
+    from tiertune.finetune.data import read_rows
     from tiertune.finetune.demo import make_model
     from tiertune.finetune.recipe import load_recipe
     from tiertune.finetune.train import train as run
@@ -186,7 +186,7 @@ def demo(
             typer.echo(
                 f"making the demo model in {workdir / 'model'} (random weights, tokenizer fitted to the data)"
             )
-            make_model(workdir / "model", read_text_rows(data)[0], layers=8, hidden=256)
+            make_model(workdir / "model", read_rows(data)["text"], layers=8, hidden=256)
         result = run(recipe)
     _report(result)
 

@@ -1,10 +1,25 @@
-"""Training data, ``text`` format: each row's ``text`` becomes ``tokenizer(text)["input_ids"]`` plus EOS when
-``data.add_eos``, cut to ``max_seq_len``; labels are the inputs (the loss shifts them), padding is ``-100``.
+"""Training data: files read with the ``datasets`` library, rendered by format, tokenized, batched or packed.
 
-Files: ``.jsonl`` (one JSON object per line), ``.json`` (a list of objects) or ``.txt`` (one row per non-empty
-line). A row without a string ``text`` raises ``DataError`` naming the file, the row and the field, or is
-skipped and counted when ``data.skip_bad_rows`` is set. (The ``alpaca`` and ``chat`` formats, parquet/csv
-and packing come with the data pipeline of the product surface.)
+Files: ``.jsonl``/``.json`` (JSON lines, or a JSON list of objects), ``.parquet``, ``.csv`` and ``.txt`` (one
+``text`` row per line). Formats (``data.format``):
+
+- ``text``: the row's ``text``, plus EOS when ``data.add_eos``; the loss is on every token.
+- ``alpaca``: ``instruction``, optional ``input`` and ``output``, rendered with the Stanford Alpaca prompt;
+  the loss is on the response (``output`` and EOS) only.
+- ``chat``: ``messages``, a list of ``{"role", "content"}``, rendered by the tokenizer's chat template;
+  the loss is on the assistant turns only (found by rendering the conversation turn by turn).
+
+Sequences are cut to ``max_seq_len``; a row left without a token to predict is dropped and counted. A row
+without the fields of its format raises ``DataError`` naming the file, the row and the field, or is
+skipped and counted with ``data.skip_bad_rows``. Tokenization runs through ``datasets.Dataset.map``, so its
+result is cached on disk (in the datasets cache, keyed by the file, the tokenizer and the settings) and
+reused by the next run.
+
+Batches (dicts of tensors; ``num_tokens`` counts the tokens that are not padding): each epoch visits the rows in file order or in a fresh shuffle seeded by ``seed + epoch``. Without
+packing each batch is padded to its longest row (padding: attention 0, label -100). With packing, rows are
+laid end to end into sequences of exactly ``max_seq_len`` tokens with ``position_ids`` restarting at each
+row and no attention mask, from which transformers builds a block-diagonal causal mask (no attention across
+rows); the first token of each row is not a target of the row before it.
 """
 
 from __future__ import annotations
@@ -14,117 +29,337 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from tiertune.errors import DataError
+from tiertune.errors import ConfigError, DataError
 
 IGNORE_INDEX = -100
+LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+FORMATS = ("text", "alpaca", "chat")
+
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the "
+    "request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
+ALPACA_PROMPT_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n"
+    "### Input:\n{input}\n\n### Response:\n"
+)
 
 
 @dataclass
-class TextData:
-    """Tokenized rows, in file order, and how many bad rows were skipped."""
+class TokenizedData:
+    """Tokenized rows (a ``datasets.Dataset`` with ``input_ids`` and ``labels``) and what was left out."""
 
-    sequences: list[list[int]]
-    skipped: int
+    rows: Any  # datasets.Dataset
+    skipped: int  # bad rows skipped (data.skip_bad_rows)
+    dropped: int  # rows with no token to predict after cutting to max_seq_len
     path: Path
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
     @property
     def tokens(self) -> int:
-        return sum(len(s) for s in self.sequences)
+        return sum(len(ids) for ids in self.rows["input_ids"])
 
 
-def read_text_rows(
-    path: str | Path, skip_bad_rows: bool = False, field: str = "text"
-) -> tuple[list[str], int]:
-    """The ``field`` of every row of a .jsonl, .json or .txt file, and the number of bad rows skipped."""
+class _BadRow(Exception):
+    def __init__(self, field: str, found: str) -> None:
+        super().__init__(field, found)
+        self.field, self.found = field, found
+
+
+def read_rows(path: str | Path, skip_bad_rows: bool = False, cache_dir: str | None = None) -> Any:
+    """The rows of a data file as a ``datasets.Dataset``; a file that cannot be parsed raises ``DataError``
+    naming the first bad line (or, with ``skip_bad_rows``, JSON lines that do not parse are left out)."""
+    import datasets
+
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"data file {path} does not exist; set data.path to a .jsonl, .json or .txt file")
-    rows: list[tuple[int, object]]
-    if path.suffix == ".txt":
-        return [line for line in path.read_text().splitlines() if line.strip()], 0
-    if path.suffix == ".jsonl":
-        rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append((n, json.loads(line)))
-            except json.JSONDecodeError as exc:
-                if not skip_bad_rows:
-                    raise DataError(f"{path}, row {n}: not valid JSON ({exc.msg})") from exc
-                rows.append((n, None))
-    elif path.suffix == ".json":
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path} is not valid JSON: {exc}") from exc
-        if not isinstance(data, list):
-            raise DataError(f'{path} must hold a JSON list of rows, e.g. [{{"text": "..."}}]')
-        rows = list(enumerate(data, 1))
-    else:
+        raise DataError(f"data file {path} does not exist; set data.path to a {', '.join(LOADERS)} file")
+    loader = LOADERS.get(path.suffix)
+    if loader is None:
         raise DataError(
-            f"data file {path} must end in .jsonl, .json or .txt (got {path.suffix or 'no extension'})"
+            f"data file {path} must end in {', '.join(LOADERS)} (got {path.suffix or 'no extension'})"
         )
-    texts, skipped = [], 0
-    for n, row in rows:
-        value = row.get(field) if isinstance(row, dict) else None
-        if isinstance(value, str):
-            texts.append(value)
-        elif skip_bad_rows:
-            skipped += 1
-        else:
-            got = "a non-object row" if not isinstance(row, dict) else f"keys {sorted(row)}"
+    if path.stat().st_size == 0:
+        raise DataError(f"{path} holds no rows")
+    datasets.disable_progress_bars()
+    try:
+        rows = datasets.load_dataset(loader, data_files=str(path), split="train", cache_dir=cache_dir)
+    except Exception as exc:  # datasets raises several kinds for a file its parser rejects
+        if path.suffix == ".jsonl" or (path.suffix == ".json" and _is_json_lines(path)):
+            return _json_lines(path, skip_bad_rows)
+        cause = exc.__cause__ or exc
+        raise DataError(f"{path} could not be read as {loader}: {cause}") from exc
+    if loader == "text":  # one row per non-empty line
+        rows = rows.filter(lambda text: bool(text.strip()), input_columns="text")
+    if len(rows) == 0:
+        raise DataError(f"{path} holds no rows")
+    return rows
+
+
+def _is_json_lines(path: Path) -> bool:
+    with path.open() as f:
+        return f.read(1) == "{"
+
+
+def _json_lines(path: Path, skip_bad_rows: bool) -> Any:
+    """JSON lines parsed one by one: the line that does not parse is named, or skipped."""
+    import datasets
+
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if skip_bad_rows:
+                continue
             raise DataError(
-                f"{path}, row {n}: expected a string field {field!r}, found {got}; fix the row or set "
-                "data.skip_bad_rows: true"
-            )
-    return texts, skipped
+                f"{path}, line {n}: not valid JSON ({exc.msg}); fix it or set data.skip_bad_rows: true"
+            ) from exc
+        records.append(record if isinstance(record, dict) else {"_not_an_object": json.dumps(record)})
+    if not records:
+        raise DataError(f"{path} holds no rows")
+    # rows with different keys: every column present in every row (missing ones None), as datasets does
+    keys = sorted({k for r in records for k in r})
+    return datasets.Dataset.from_list([{k: r.get(k) for k in keys} for r in records])
 
 
-def load_text(
-    path: str | Path, tokenizer: object, max_seq_len: int, add_eos: bool = True, skip_bad_rows: bool = False
-) -> TextData:
-    """Read and tokenize a ``text``-format file."""
-    rows, skipped = read_text_rows(path, skip_bad_rows)
+def load_data(
+    path: str | Path,
+    tokenizer: Any,
+    fmt: str,
+    max_seq_len: int,
+    add_eos: bool = True,
+    skip_bad_rows: bool = False,
+    cache_dir: str | None = None,
+) -> TokenizedData:
+    """Read, render and tokenize a data file (the tokenization is cached by ``datasets``)."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"data.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            "data.format: chat renders conversations with the tokenizer's chat template, and this "
+            "tokenizer has none; use a model whose tokenizer has one, or data.format: text or alpaca"
+        )
     eos = getattr(tokenizer, "eos_token_id", None)
-    if add_eos and eos is None:
+    if add_eos and eos is None and fmt != "chat":
         raise DataError("data.add_eos is set but the tokenizer has no EOS token; set data.add_eos: false")
-    sequences = []
-    for text in rows:
-        ids = list(tokenizer(text)["input_ids"])  # type: ignore[operator]
-        if add_eos:
-            ids.append(eos)
-        if len(ids) >= 2:  # a single token has no target
-            sequences.append(ids[:max_seq_len])
-    if not sequences:
-        raise DataError(f"{path} has no usable rows ({skipped} skipped); each needs at least two tokens")
-    return TextData(sequences, skipped, Path(path))
+    rows = read_rows(path, skip_bad_rows, cache_dir)
+    settings = {
+        "tokenizer": tokenizer,
+        "fmt": fmt,
+        "max_seq_len": max_seq_len,
+        "add_eos": add_eos,
+        "skip_bad_rows": skip_bad_rows,
+        "source": str(path),
+    }
+    encoded = rows.map(
+        _encode,
+        batched=True,
+        with_indices=True,
+        remove_columns=rows.column_names,
+        fn_kwargs=settings,
+        desc="tokenizing",
+    )
+    skipped = sum(encoded["bad"])
+    kept = encoded.filter(lambda bad, useful: useful and not bad, input_columns=["bad", "useful"])
+    dropped = len(encoded) - skipped - len(kept)
+    kept = kept.remove_columns(["bad", "useful"])
+    if len(kept) == 0:
+        raise DataError(
+            f"{path} has no usable rows ({skipped} skipped as bad, {dropped} with nothing to predict within "
+            f"data.max_seq_len {max_seq_len})"
+        )
+    return TokenizedData(kept, skipped, dropped, Path(path))
+
+
+def _encode(batch: dict, indices: list[int], **settings: Any) -> dict[str, list]:
+    """``datasets.map`` function: a batch of rows to ``input_ids`` and ``labels`` (module level, so that
+    datasets can fingerprint it and cache its result)."""
+    out: dict[str, list] = {"input_ids": [], "labels": [], "bad": [], "useful": []}
+    for k, index in enumerate(indices):
+        row = {key: values[k] for key, values in batch.items()}
+        try:
+            ids, labels = _render(
+                row, settings["tokenizer"], settings["fmt"], settings["max_seq_len"], settings["add_eos"]
+            )
+        except _BadRow as exc:
+            if not settings["skip_bad_rows"]:
+                raise DataError(
+                    f"{settings['source']}, row {index + 1}: expected {exc.field}, found {exc.found}; fix the "
+                    "row or set data.skip_bad_rows: true"
+                ) from None
+            ids, labels = [], []
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["bad"].append(not ids)
+        # the loss predicts token t+1 from token t: a row needs a target after its first token
+        out["useful"].append(any(lab != IGNORE_INDEX for lab in labels[1:]))
+    return out
+
+
+def _render(
+    row: dict, tokenizer: Any, fmt: str, max_seq_len: int, add_eos: bool
+) -> tuple[list[int], list[int]]:
+    eos = [tokenizer.eos_token_id] if add_eos else []
+    if fmt == "text":
+        text = _string(row, "text")
+        ids = list(tokenizer(text)["input_ids"]) + eos
+        labels = list(ids)
+    elif fmt == "alpaca":
+        instruction, output = _string(row, "instruction"), _string(row, "output")
+        extra = row.get("input")
+        if extra is not None and not isinstance(extra, str):
+            raise _BadRow("a string 'input' (or none)", type(extra).__name__)
+        template = ALPACA_PROMPT_WITH_INPUT if extra else ALPACA_PROMPT
+        prompt = list(tokenizer(template.format(instruction=instruction, input=extra))["input_ids"])
+        response = list(tokenizer(output, add_special_tokens=False)["input_ids"]) + eos
+        ids = prompt + response
+        labels = [IGNORE_INDEX] * len(prompt) + response
+    else:
+        ids, labels = _chat(row, tokenizer)
+    return ids[:max_seq_len], labels[:max_seq_len]
+
+
+def _string(row: dict, field: str) -> str:
+    value = row.get(field)
+    if not isinstance(value, str):
+        found = "no such field" if value is None else f"a {type(value).__name__}"
+        raise _BadRow(f"a string field {field!r}", f"{found} (the row has {_keys(row)})")
+    return value
+
+
+def _keys(row: dict) -> str:
+    present = sorted(k for k, v in row.items() if v is not None)
+    return f"keys {present}" if present else "no keys"
+
+
+def _chat(row: dict, tokenizer: Any) -> tuple[list[int], list[int]]:
+    """A conversation through the chat template; labels only on the assistant turns' tokens."""
+    messages = row.get("messages")
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in messages
+        )
+    ):
+        found = "no such field" if messages is None else "something else"
+        raise _BadRow(
+            "a list 'messages' of {'role', 'content'} objects", f"{found} (the row has {_keys(row)})"
+        )
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []  # character spans of the assistant turns, found by rendering the conversation turn by turn
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (text.startswith(before) and text.startswith(through)):
+            raise ConfigError(
+                "data.format: chat needs a chat template that renders a conversation's turns as prefixes of "
+                "the whole; this tokenizer's does not, so the assistant turns cannot be found"
+            )
+        spans.append((len(before), len(through)))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    labels = [
+        tok if any(s <= start < e for s, e in spans) else IGNORE_INDEX
+        for tok, (start, _) in zip(ids, encoded["offset_mapping"], strict=True)
+    ]
+    return ids, labels
 
 
 def batches(
-    data: TextData, batch_size: int, pad_id: int, shuffle: bool, seed: int
+    data: TokenizedData,
+    batch_size: int,
+    pad_id: int,
+    shuffle: bool,
+    seed: int,
+    packing: bool = False,
+    max_seq_len: int = 0,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless batches, epoch after epoch: file order, or a fresh seeded shuffle each epoch. Each batch is
-    padded to its longest row; padding has attention 0 and label -100."""
-    order = list(range(len(data.sequences)))
+    """Endless batches, epoch after epoch (see the module's docstring)."""
     epoch = 0
     while True:
+        order = list(range(len(data)))
         if shuffle:
             random.Random(seed + epoch).shuffle(order)
-        for start in range(0, len(order), batch_size):
-            rows = [data.sequences[i] for i in order[start : start + batch_size]]
-            width = max(len(r) for r in rows)
-            ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)
-            for r, row in enumerate(rows):
-                ids[r, : len(row)] = torch.tensor(row)
-                mask[r, : len(row)] = 1
-            yield {
-                "input_ids": ids,
-                "attention_mask": mask,
-                "labels": ids.masked_fill(mask == 0, IGNORE_INDEX),
-            }
+        rows = (data.rows[i] for i in order)
+        if packing:
+            yield from _packed(rows, batch_size, pad_id, max_seq_len)
+        else:
+            group: list[dict] = []
+            for row in rows:
+                group.append(row)
+                if len(group) == batch_size:
+                    yield _padded(group, pad_id)
+                    group = []
+            if group:
+                yield _padded(group, pad_id)
         epoch += 1
+
+
+def _padded(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        n = len(row["input_ids"])
+        ids[r, :n] = torch.tensor(row["input_ids"])
+        labels[r, :n] = torch.tensor(row["labels"])
+        mask[r, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "num_tokens": mask.sum()}
+
+
+def _packed(
+    rows: Iterator[dict], batch_size: int, pad_id: int, width: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Rows laid end to end into ``batch_size`` x ``width`` batches (a row never split across sequences;
+    what does not fit starts the next sequence)."""
+    if width < 2:
+        raise ConfigError("data.packing needs data.max_seq_len >= 2")
+    sequences: list[tuple[list[int], list[int], list[int]]] = []
+    ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    for row in rows:
+        if len(ids) + len(row["input_ids"]) > width:
+            sequences.append((ids, labels, positions))
+            ids, labels, positions = [], [], []
+            if len(sequences) == batch_size:
+                yield _pack_batch(sequences, pad_id, width)
+                sequences = []
+        n = len(row["input_ids"])
+        ids += row["input_ids"]
+        # the first token of a row is not predicted from the row before it
+        labels += [IGNORE_INDEX, *row["labels"][1:]]
+        positions += list(range(n))
+    if ids:
+        sequences.append((ids, labels, positions))
+    if sequences:
+        yield _pack_batch(sequences, pad_id, width)
+
+
+def _pack_batch(sequences: list, pad_id: int, width: int) -> dict[str, torch.Tensor]:
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(sequences), width), IGNORE_INDEX, dtype=torch.long)
+    positions = torch.zeros((len(sequences), width), dtype=torch.long)
+    real = sum(len(seq[0]) for seq in sequences)
+    for r, (row_ids, row_labels, row_positions) in enumerate(sequences):
+        n = len(row_ids)
+        ids[r, :n] = torch.tensor(row_ids)
+        labels[r, :n] = torch.tensor(row_labels)
+        positions[r, :n] = torch.tensor(row_positions)
+        positions[r, n:] = torch.arange(width - n)  # the padding is a block of its own
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "num_tokens": torch.tensor(real)}

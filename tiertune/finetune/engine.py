@@ -178,8 +178,8 @@ class _GroupState:
 class StreamedTrainer:
     """Full fine-tuning with every state in a chunk store. ``step(micro_batches)`` runs one optimizer step.
 
-    ``micro_batches`` are dicts with ``input_ids``, optional ``attention_mask`` and optional ``labels``
-    (defaults to ``input_ids``; ``-100`` marks tokens without loss). Returns the step's loss: the mean over
+    ``micro_batches`` are dicts with ``input_ids``, optional ``attention_mask``, optional ``position_ids``
+    (packed rows) and optional ``labels`` (defaults to ``input_ids``; ``-100`` marks tokens without loss). Returns the step's loss: the mean over
     all target tokens of all its micro-batches.
     """
 
@@ -510,10 +510,10 @@ class StreamedTrainer:
                         self.bound_group(state, requires_grad=state.trainable)
                     )
                 ids = mb["input_ids"].to(self.device)
-                mask = mb.get("attention_mask")
-                logits = self.model(
-                    input_ids=ids, attention_mask=None if mask is None else mask.to(self.device)
-                ).logits
+                # packed rows come with position_ids restarting per row and no attention mask, from which
+                # transformers builds the block-diagonal causal mask
+                extra = {k: mb[k].to(self.device) for k in ("attention_mask", "position_ids") if k in mb}
+                logits = self.model(input_ids=ids, **extra).logits
                 target = lab[:, 1:].to(self.device)
                 loss_sum = F.cross_entropy(
                     logits[:, :-1].float().reshape(-1, logits.shape[-1]),

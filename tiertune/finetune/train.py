@@ -10,6 +10,7 @@ place only once complete; for LoRA, the adapter in PEFT format (``adapter_config
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from tiertune.errors import ConfigError
-from tiertune.finetune.data import batches, load_text
+from tiertune.finetune.data import batches, load_data
 from tiertune.finetune.engine import EngineConfig, StreamedTrainer
 from tiertune.finetune.files import move_files_into
 from tiertune.finetune.lora import LoraSettings
@@ -28,6 +29,8 @@ from tiertune.finetune.optim import GaloreSettings
 from tiertune.finetune.recipe import Recipe, load_recipe
 from tiertune.offload.store import StoreConfig
 from tiertune.units import format_size
+
+log = logging.getLogger("tiertune.train")
 
 LOG_NAME = "trainer_log.jsonl"
 SHARD_BYTES = 5 * 10**9  # like save_pretrained's default max_shard_size
@@ -54,8 +57,6 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
             f"model.quantize: {recipe.model.quantize} freezes the base; use method.type: lora with it, "
             f"or model.quantize: none for method.type: {recipe.method.type}"
         )
-    if recipe.data.format != "text":
-        raise ConfigError(f"data.format {recipe.data.format!r} is not available yet; use data.format: text")
     if not recipe.model.path:
         raise ConfigError("model.path is required: a local Hugging Face model directory")
     if not (Path(recipe.model.path) / "config.json").is_file():
@@ -64,7 +65,6 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
             "point it at a local directory saved with save_pretrained (for the demo recipe: run `tiertune demo`)"
         )
     not_yet = [
-        (recipe.data.packing, "data.packing: true", "false"),
         (recipe.kernels == "triton", "kernels: triton", "auto or torch"),
         (recipe.training.resume_from_checkpoint is not None, "training.resume_from_checkpoint", "no value"),
     ]
@@ -183,9 +183,14 @@ def train(
     t, d = recipe.training, recipe.data
     torch.manual_seed(t.seed)
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.path)
-    data = load_text(d.path, tokenizer, d.max_seq_len, d.add_eos, d.skip_bad_rows)
+    data = load_data(d.path, tokenizer, d.format, d.max_seq_len, d.add_eos, d.skip_bad_rows)
+    log.info(
+        "data: %d rows, %d tokens from %s (%d bad rows skipped, %d with nothing to predict dropped)",
+        len(data), data.tokens, d.path, data.skipped, data.dropped,
+    )  # fmt: skip
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    per_epoch = math.ceil(len(data.sequences) / t.per_device_train_batch_size)
+    rows = math.ceil(data.tokens / d.max_seq_len) if d.packing else len(data)  # packing: about full rows
+    per_epoch = math.ceil(rows / t.per_device_train_batch_size)
     steps = (
         t.max_steps
         if t.max_steps > 0
@@ -195,15 +200,15 @@ def train(
     out = Path(t.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = TrainResult(out)
-    stream = batches(data, t.per_device_train_batch_size, pad_id, d.shuffle, t.seed)
+    stream = batches(data, t.per_device_train_batch_size, pad_id, d.shuffle, t.seed, d.packing, d.max_seq_len)
     trainer = StreamedTrainer(recipe.model.path, store_cfg, engine_cfg)
     bar = _progress(steps, progress)
     start = time.perf_counter()
     try:
-        with open(result.log_path, "a") as log:
+        with open(result.log_path, "a") as log_file:
             for step in range(steps):
                 micro = [next(stream) for _ in range(t.gradient_accumulation_steps)]
-                tokens = sum(int(mb["attention_mask"].sum()) for mb in micro)
+                tokens = sum(int(mb["num_tokens"]) for mb in micro)
                 began = time.perf_counter()
                 loss = trainer.step(micro)
                 seconds = time.perf_counter() - began
@@ -222,8 +227,8 @@ def train(
                     "optimizer_steps": dict(trainer.optimizer_counts),
                 }
                 if (step + 1) % t.logging_steps == 0 or step + 1 == steps:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
+                    log_file.write(json.dumps(record) + "\n")
+                    log_file.flush()
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / seconds:.0f}",
                                     **{k: format_size(v) for k, v in peaks.items()})  # fmt: skip
