@@ -650,6 +650,32 @@ class StreamedTrainer:
             mask = None if attention_mask is None else attention_mask.to(self.device)
             return self.model(input_ids=input_ids.to(self.device), attention_mask=mask).logits.float().cpu()
 
+    def state_chunks(self) -> list[Chunk]:
+        """The chunks whose contents are the training state between steps: weights, master weights, moments
+        and projections of the trained groups (gradients and twins are empty then; a frozen base is the
+        input model's)."""
+        out: list[Chunk] = []
+        for state in self._states:
+            if state.trainable:
+                proj = [c for c in state.proj if c is not None]
+                out += state.weights + state.master + state.exp_avg + state.exp_avg_sq + proj
+        return out
+
+    def counters(self) -> dict:
+        """The engine's step counters (JSON), for a checkpoint."""
+        return {
+            "step_count": self.step_count,
+            "last_grad_norm": self.last_grad_norm,
+            "optimizer_counts": dict(self.optimizer_counts),
+        }
+
+    def restore_counters(self, counters: dict) -> None:
+        """Continue from a checkpoint's counters: the optimizer's step (bias correction, GaLore's refresh),
+        the learning-rate schedule, and whether the next step speculates."""
+        self.step_count = int(counters["step_count"])
+        self.last_grad_norm = float(counters["last_grad_norm"])
+        self.optimizer_counts.update(counters["optimizer_counts"])
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes of each kind of training state in the store (chunk capacities): ``weights`` (compute dtype,
         quantized where the base is), ``gradients``, ``master`` weights, ``moments`` (both of Adam's),

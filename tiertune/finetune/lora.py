@@ -133,6 +133,15 @@ class Adapters:
             norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         else:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        optimizer = self.optimizer(weight_decay, betas, eps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(norm)
+
+    def optimizer(self, weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
+        """The adapters' optimizer (made on first use): weight decay on the matrices only."""
         if self._optimizer is None:
             decay = [p for p in self.params if p.dim() >= 2]
             rest = [p for p in self.params if p.dim() < 2]
@@ -140,14 +149,32 @@ class Adapters:
             if self._optim == "adamw_bnb_8bit":
                 import bitsandbytes as bnb
 
-                self._optimizer = bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=eps)
+                self._optimizer = bnb.optim.AdamW8bit(groups, lr=0.0, betas=betas, eps=eps)
             else:
-                self._optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
-        for group in self._optimizer.param_groups:
-            group["lr"] = lr
-        self._optimizer.step()
-        self._optimizer.zero_grad()
-        return float(norm)
+                self._optimizer = torch.optim.AdamW(groups, lr=0.0, betas=betas, eps=eps, fused=True)
+        return self._optimizer
+
+    def training_state(self) -> dict[str, Any]:
+        """The adapters' weights and their optimizer's state (for a checkpoint)."""
+        return {
+            "params": [p.detach().to("cpu", copy=True) for p in self.params],
+            "optimizer": None if self._optimizer is None else self._optimizer.state_dict(),
+        }
+
+    def load_training_state(
+        self, state: dict[str, Any], weight_decay: float, betas: tuple[float, float], eps: float
+    ) -> None:
+        """Put back what ``training_state`` returned: the weights, and the optimizer's moments and step."""
+        if len(state["params"]) != len(self.params):
+            raise ConfigError(
+                f"the checkpoint holds {len(state['params'])} adapter tensors, this run has {len(self.params)}; "
+                "resume with the method.lora settings the checkpoint was trained with"
+            )
+        with torch.no_grad():
+            for p, saved in zip(self.params, state["params"], strict=True):
+                p.copy_(saved)
+        if state["optimizer"] is not None:
+            self.optimizer(weight_decay, betas, eps).load_state_dict(state["optimizer"])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The adapter weights as peft saves them (keys without the adapter name), on the CPU."""

@@ -21,9 +21,18 @@ from pathlib import Path
 import torch
 
 from tiertune.errors import ConfigError
+from tiertune.finetune.checkpoint import (
+    STATE_FILE,
+    checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    prune,
+    remove_partial,
+    save_checkpoint,
+)
 from tiertune.finetune.data import batches, load_data
 from tiertune.finetune.engine import EngineConfig, StreamedTrainer
-from tiertune.finetune.files import move_files_into
+from tiertune.finetune.files import fsync_file, move_files_into
 from tiertune.finetune.lora import LoraSettings
 from tiertune.finetune.optim import GaloreSettings
 from tiertune.finetune.recipe import Recipe, load_recipe
@@ -38,12 +47,14 @@ SHARD_BYTES = 5 * 10**9  # like save_pretrained's default max_shard_size
 
 @dataclass
 class TrainResult:
-    """What a run did: its losses per step, where its log and model are, how long it took."""
+    """What a run did: the losses of the steps it ran (from ``first_step``: a resumed run starts after its
+    checkpoint), where its log and model are, how long it took."""
 
     output_dir: Path
     losses: list[float] = field(default_factory=list)
     steps: int = 0
     seconds: float = 0.0
+    first_step: int = 1
 
     @property
     def log_path(self) -> Path:
@@ -66,7 +77,6 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
         )
     not_yet = [
         (recipe.kernels == "triton", "kernels: triton", "auto or torch"),
-        (recipe.training.resume_from_checkpoint is not None, "training.resume_from_checkpoint", "no value"),
     ]
     for used, what, instead in not_yet:
         if used:  # never train differently from what the recipe says
@@ -199,14 +209,31 @@ def train(
     engine_cfg.max_steps = steps
     out = Path(t.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for path in remove_partial(out):
+        log.info("removed %s: an interrupted checkpoint write", path)
+    resume = _resume_path(t.resume_from_checkpoint, out)
     result = TrainResult(out)
     stream = batches(data, t.per_device_train_batch_size, pad_id, d.shuffle, t.seed, d.packing, d.max_seq_len)
     trainer = StreamedTrainer(recipe.model.path, store_cfg, engine_cfg)
-    bar = _progress(steps, progress)
+    history: list[dict] = []
+    first = 0
+    if resume is not None:
+        try:
+            state = load_checkpoint(trainer, resume)
+        except BaseException:
+            trainer.close()
+            raise
+        first, history = int(state["global_step"]), list(state["log_history"])
+        for _ in range(state["tiertune"]["micro_batches"]):  # the data position: the same batches follow
+            next(stream)
+        _rewrite_log(result.log_path, history)  # the steps after the checkpoint are run again
+        log.info("resumed from %s at step %d of %d", resume, first, steps)
+    result.first_step = first + 1
+    bar = _progress(steps, progress, first)
     start = time.perf_counter()
     try:
         with open(result.log_path, "a") as log_file:
-            for step in range(steps):
+            for step in range(first, steps):
                 micro = [next(stream) for _ in range(t.gradient_accumulation_steps)]
                 tokens = sum(int(mb["num_tokens"]) for mb in micro)
                 began = time.perf_counter()
@@ -229,6 +256,19 @@ def train(
                 if (step + 1) % t.logging_steps == 0 or step + 1 == steps:
                     log_file.write(json.dumps(record) + "\n")
                     log_file.flush()
+                    history.append(record)
+                if t.save_steps > 0 and (step + 1) % t.save_steps == 0 and step + 1 < steps:
+                    trainer_state = {
+                        "global_step": step + 1,
+                        "max_steps": steps,
+                        "epoch": record["epoch"],
+                        "log_history": history,
+                        "tiertune": {"micro_batches": (step + 1) * t.gradient_accumulation_steps},
+                    }
+                    path = save_checkpoint(trainer, out, trainer_state)
+                    for stale in prune(out, t.save_total_limit):
+                        log.info("removed %s (save_total_limit %d)", stale, t.save_total_limit)
+                    log.info("saved %s", path)
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / seconds:.0f}",
                                     **{k: format_size(v) for k, v in peaks.items()})  # fmt: skip
@@ -247,12 +287,36 @@ def train(
     return result
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, done: int = 0):
     if not enabled:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="tiertune", unit="step")
+    return tqdm(total=total, initial=done, desc="tiertune", unit="step")
+
+
+def _resume_path(setting: str | None, out: Path) -> Path | None:
+    """``training.resume_from_checkpoint``: none, ``auto`` (the newest complete checkpoint in the run
+    directory, if there is one) or a checkpoint directory."""
+    if setting is None or setting is False:
+        return None
+    if setting == "auto" or setting is True:
+        return latest_checkpoint(out)
+    path = Path(setting)
+    if not (path / STATE_FILE).is_file():
+        raise ConfigError(
+            f"training.resume_from_checkpoint {setting} is not a complete checkpoint (no {STATE_FILE}); "
+            f"use auto, or one of: {', '.join(p.name for p in checkpoints(out)) or 'none in ' + str(out)}"
+        )
+    return path
+
+
+def _rewrite_log(path: Path, records: list[dict]) -> None:
+    """Replace the JSON-lines log with ``records`` (atomically: a temporary file renamed into place)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    fsync_file(tmp)
+    os.replace(tmp, path)
 
 
 def export_hf(trainer: StreamedTrainer, tokenizer: object, out: Path) -> None:

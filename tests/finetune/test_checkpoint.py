@@ -1,0 +1,179 @@
+"""Checkpoints: atomic, pruned, and exact resume, also after SIGKILL mid-training and mid-write."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import yaml
+
+from tiertune.errors import ConfigError
+from tiertune.finetune.checkpoint import checkpoints
+from tiertune.finetune.demo import make_model
+from tiertune.finetune.engine import StreamedTrainer
+from tiertune.finetune.train import train
+
+TEXTS = [
+    f"the {a} cat sat on the {b} mat ." for a in ("red", "big", "old", "fat") for b in ("blue", "flat", "wet")
+]
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("model"), TEXTS, layers=3)
+
+
+def _recipe(tmp_path, model_dir, name, **overrides):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    recipe = {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "data": {"path": str(data), "max_seq_len": 32, "shuffle": True},
+        "training": {"output_dir": str(tmp_path / name), "max_steps": STEPS, "per_device_train_batch_size": 4,
+                     "gradient_accumulation_steps": 2, "learning_rate": "3e-3", "logging_steps": 1,
+                     "lr_scheduler_type": "cosine", "warmup_steps": 2, "save_steps": 2, "weight_decay": 0.01},
+        "offload": {"disk_path": str(tmp_path / f"{name}-nvme"), "params": "disk", "optimizer_states": "disk",
+                    "device_budget": "4MiB", "host_budget": "1MiB"},
+        "method": {"lora": {"r": 4, "dropout": 0.1}, "galore": {"rank": 4, "update_proj_gap": 3}},
+    }  # fmt: skip
+    for key, value in overrides.items():
+        section, field = key.split("__")
+        recipe[section][field] = value
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def _logged_losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "trainer_log.jsonl").read_text().splitlines()]
+
+
+VARIANTS = {
+    "full": {},
+    "full-8bit": {"training__optim": "adamw_bnb_8bit"},
+    "galore": {"method__type": "galore"},
+    "qlora": {"method__type": "lora", "model__quantize": "nf4"},  # adapter dropout: the RNG state matters
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_resume_after_an_interruption_repeats_the_uninterrupted_run(
+    tmp_path, model_dir, monkeypatch, variant
+):
+    """Interrupted after step 5 (checkpoints at 2 and 4), resumed with ``auto``: steps 5-8 give the same
+    losses as the uninterrupted run, and the final weights are the same."""
+    overrides = VARIANTS[variant]
+    whole = train(_recipe(tmp_path, model_dir, "whole", **overrides), progress=False)
+    recipe = _recipe(tmp_path, model_dir, "cut", **overrides)
+    step = StreamedTrainer.step
+    calls = []
+
+    def interrupted(self, micro):
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return step(self, micro)
+
+    monkeypatch.setattr(StreamedTrainer, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(recipe, progress=False)
+    monkeypatch.setattr(StreamedTrainer, "step", step)
+    run_dir = tmp_path / "cut"
+    assert [p.name for p in checkpoints(run_dir)] == ["checkpoint-2", "checkpoint-4"]
+    resumed = train(recipe, ("training.resume_from_checkpoint=auto",), progress=False)
+    assert resumed.first_step == 5
+    torch.testing.assert_close(
+        torch.tensor(resumed.losses), torch.tensor(whole.losses[4:]), rtol=1e-6, atol=0
+    )
+    assert _logged_losses(run_dir) == pytest.approx(whole.losses, rel=1e-6)  # the log holds each step once
+    out = "adapter_model.safetensors" if variant == "qlora" else "model.safetensors"
+    from safetensors.torch import load_file
+
+    mine, theirs = load_file(run_dir / out), load_file(tmp_path / "whole" / out)
+    for name, value in theirs.items():
+        torch.testing.assert_close(mine[name], value, rtol=1e-6, atol=1e-7)
+
+
+def test_save_total_limit_keeps_the_newest(tmp_path, model_dir):
+    recipe = _recipe(tmp_path, model_dir, "run", training__save_total_limit=2, training__save_steps=1)
+    train(recipe, progress=False)
+    assert [p.name for p in checkpoints(tmp_path / "run")] == ["checkpoint-6", "checkpoint-7"]
+
+
+def test_a_checkpoint_of_another_recipe_is_refused(tmp_path, model_dir):
+    recipe = _recipe(tmp_path, model_dir, "run")
+    train(recipe, progress=False)
+    with pytest.raises(ConfigError, match="written by a run with other training state"):
+        train(recipe, ("method.type=galore", "training.resume_from_checkpoint=auto"), progress=False)
+    with pytest.raises(ConfigError, match="is not a complete checkpoint"):
+        train(recipe, (f"training.resume_from_checkpoint={tmp_path}/nope",), progress=False)
+
+
+# ----------------------------------------------------------------------------- SIGKILL, in a subprocess
+
+SLOW_RUN = """
+import time, sys
+from tiertune.finetune.engine import StreamedTrainer
+from tiertune.finetune.train import train
+step = StreamedTrainer.step
+def slow(self, micro):  # slow enough for the parent to kill it between two checkpoints
+    time.sleep(0.3)
+    return step(self, micro)
+StreamedTrainer.step = slow
+train(sys.argv[1], progress=False)
+"""
+
+KILLED_WHILE_SAVING = """
+import os, signal, sys
+import tiertune.finetune.checkpoint as checkpoint
+from tiertune.finetune.train import train
+fsync = checkpoint.fsync_file
+def dying(path):  # killed half-way through writing checkpoint-6's files
+    fsync(path)
+    if ".checkpoint-6.partial" in str(path):
+        os.kill(os.getpid(), signal.SIGKILL)
+checkpoint.fsync_file = dying
+train(sys.argv[1], progress=False)
+"""
+
+
+def _run(code, recipe):
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(recipe)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("when", ["training", "saving"])
+def test_sigkill_then_resume_is_exact(tmp_path, model_dir, when):
+    whole = train(_recipe(tmp_path, model_dir, "whole"), progress=False)
+    recipe = _recipe(tmp_path, model_dir, "cut")
+    run_dir = tmp_path / "cut"
+    if when == "training":
+        proc = _run(SLOW_RUN, recipe)
+        deadline = time.monotonic() + 240
+        while not (run_dir / "checkpoint-4" / "trainer_state.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+    else:
+        proc = _run(KILLED_WHILE_SAVING, recipe)
+    proc.wait(timeout=240)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (run_dir / "model.safetensors").exists()  # it did not finish
+    if when == "saving":
+        assert (run_dir / ".checkpoint-6.partial").is_dir() and not (run_dir / "checkpoint-6").exists()
+    done = checkpoints(run_dir)[-1]
+    resumed = train(recipe, ("training.resume_from_checkpoint=auto",), progress=False)
+    first = int(done.name.split("-")[1])
+    assert resumed.first_step == first + 1
+    torch.testing.assert_close(
+        torch.tensor(resumed.losses), torch.tensor(whole.losses[first:]), rtol=1e-6, atol=0
+    )
+    assert not list(run_dir.glob(".checkpoint-*"))  # the interrupted write was cleaned up
