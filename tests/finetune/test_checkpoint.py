@@ -177,3 +177,54 @@ def test_sigkill_then_resume_is_exact(tmp_path, model_dir, when):
         torch.tensor(resumed.losses), torch.tensor(whole.losses[first:]), rtol=1e-6, atol=0
     )
     assert not list(run_dir.glob(".checkpoint-*"))  # the interrupted write was cleaned up
+
+
+def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_the_step_boundary(
+    tmp_path, model_dir, disk_dir, monkeypatch
+):
+    """The writer thread is held back; the next step changes every chunk, each written first by the
+    optimizer thread that changes it: the checkpoint holds the state of the step boundary, byte for byte."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    from tiertune.finetune import checkpoint
+    from tiertune.finetune.data import batches, load_data
+    from tiertune.finetune.engine import EngineConfig
+    from tiertune.offload.store import StoreConfig
+
+    store = StoreConfig(device_budget="4MiB", host_budget="2MiB", disk_path=str(disk_dir))
+    config = EngineConfig(params="disk", optimizer_states="disk", max_steps=4, learning_rate=1e-3)
+    trainer = StreamedTrainer(str(model_dir), store, config)
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    stream = batches(load_data(data, AutoTokenizer.from_pretrained(model_dir), "text", 32), 4, 0, False, 0)
+    gate = threading.Event()
+    run = checkpoint.CheckpointWriter._run
+
+    def held_back(self, *args):
+        gate.wait()
+        return run(self, *args)
+
+    monkeypatch.setattr(checkpoint.CheckpointWriter, "_run", held_back)
+    writer = checkpoint.CheckpointWriter(trainer, tmp_path / "run", None)
+    (tmp_path / "run").mkdir()
+    try:
+        trainer.step([next(stream)])
+        boundary = {c.name: trainer.store.read(c) for c in trainer.state_chunks()}
+        path = writer.save({"global_step": 1, "log_history": [], "tiertune": {"micro_batches": 1}})
+        trainer.step([next(stream)])  # the next step runs while nothing has been written by the writer
+        assert not path.exists() and writer.blocked_s > 0
+        gate.set()
+        assert writer.wait() == path
+        after = {c.name: trainer.store.read(c) for c in trainer.state_chunks()}
+    finally:
+        gate.set()
+        trainer.close()
+    changed = [n for n in boundary if not all(torch.equal(after[n][k], v) for k, v in boundary[n].items())]
+    assert len(changed) == len(boundary)  # the step changed every chunk after the save began
+    for name, tensors in boundary.items():
+        saved = load_file(path / "state" / f"{name}.safetensors")
+        assert all(torch.equal(saved[k], v) for k, v in tensors.items()), name

@@ -12,18 +12,22 @@
 - ``trainer_state.json``: the step, the epoch, the micro-batches of data consumed, the engine's counters and
   the log history, as the Hugging Face Trainer names them. It is written last.
 
-A checkpoint is written into ``.checkpoint-<step>.partial/``, every file fsynced, then renamed into place and
-the run directory fsynced: a crash at any moment leaves the previous checkpoints intact and, at worst, a
-partial directory that the next run removes. ``save_total_limit`` keeps the newest complete ones.
+A checkpoint is written in the background (``CheckpointWriter``) into ``.checkpoint-<step>.partial/``, every
+file fsynced, then renamed into place and the run directory fsynced: a crash at any moment leaves the
+previous checkpoints intact and, at worst, a partial directory that the next run removes.
+``save_total_limit`` keeps the newest complete ones.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +38,8 @@ from tiertune.finetune.files import fsync_file
 
 if TYPE_CHECKING:
     from tiertune.finetune.engine import StreamedTrainer
+
+log = logging.getLogger("tiertune.checkpoint")
 
 PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
@@ -64,32 +70,126 @@ def remove_partial(run_dir: str | os.PathLike[str]) -> list[Path]:
     return partial
 
 
-def save_checkpoint(trainer: StreamedTrainer, run_dir: str | os.PathLike[str], trainer_state: dict) -> Path:
-    """Write ``checkpoint-<global_step>`` of the trainer's current state (between steps); returns its path."""
-    run_dir = Path(run_dir)
-    step = int(trainer_state["global_step"])
-    final = run_dir / f"{PREFIX}{step}"
-    tmp = run_dir / f".{PREFIX}{step}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "state").mkdir(parents=True)
-    from safetensors.torch import save_file
+class CheckpointWriter:
+    """Writes checkpoints on a background thread while training goes on.
 
-    for chunk in trainer.state_chunks():
-        save_file(trainer.store.read(chunk), tmp / "state" / f"{chunk.name}.safetensors")
-    if trainer.adapters is not None:
-        trainer.save_adapter(tmp)
-        torch.save(trainer.adapters.training_state(), tmp / "adapter_optimizer.pt")
-    torch.save(_rng_states(), tmp / "rng_state.pth")
-    state = dict(trainer_state, tiertune=dict(trainer_state.get("tiertune", {}), **trainer.counters()))
-    state["tiertune"]["state_chunks"] = [c.name for c in trainer.state_chunks()]
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+    ``save`` snapshots the small parts (RNG states, counters, the LoRA adapter and its optimizer) at once and
+    returns; the chunks of training state are written by the writer thread, in the order the next step's
+    optimizer will change them. Before the optimizer changes a chunk (``capture``, called by the engine on
+    its optimizer thread), a chunk not yet written is written first, by the thread that wants to change it:
+    the checkpoint is the state of one step boundary, and no copy of the whole state is ever held. ``wait``
+    blocks until the checkpoint is complete and re-raises the writer's error.
+    """
+
+    def __init__(self, trainer: StreamedTrainer, run_dir: str | os.PathLike[str], limit: int | None) -> None:
+        self._trainer = trainer
+        self._run_dir = Path(run_dir)
+        self._limit = limit
+        self._cond = threading.Condition()
+        self._state: dict[int, str] = {}  # chunk id -> "pending" | "writing" | "done", for the current save
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.blocked_s = 0.0  # time the training threads waited for chunks to be written first
+        self.last: Path | None = None
+
+    def save(self, trainer_state: dict) -> Path:
+        """Start writing ``checkpoint-<global_step>``; returns the path it will have once complete."""
+        self.wait()
+        trainer = self._trainer
+        step = int(trainer_state["global_step"])
+        final = self._run_dir / f"{PREFIX}{step}"
+        tmp = self._run_dir / f".{PREFIX}{step}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "state").mkdir(parents=True)
+        if trainer.adapters is not None:  # small, in memory: written now
+            trainer.save_adapter(tmp)
+            torch.save(trainer.adapters.training_state(), tmp / "adapter_optimizer.pt")
+        torch.save(_rng_states(), tmp / "rng_state.pth")
+        chunks = trainer.state_chunks(in_update_order=True)
+        state = dict(trainer_state, tiertune=dict(trainer_state.get("tiertune", {}), **trainer.counters()))
+        state["tiertune"]["state_chunks"] = [c.name for c in trainer.state_chunks()]
+        with self._cond:
+            self._state = {c.id: "pending" for c in chunks}
+        self._files = tmp / "state"
+        trainer.before_update = self.capture
+        self._thread = threading.Thread(
+            target=self._run, args=(chunks, tmp, final, state), name="tiertune-checkpoint", daemon=True
+        )
+        self._thread.start()
+        return final
+
+    def capture(self, chunks: tuple | list) -> None:
+        """Make sure ``chunks`` are in the checkpoint before they change (on the calling thread if need be)."""
+        began = time.perf_counter()
+        for chunk in chunks:
+            if self._claim(chunk):
+                self._write(chunk)
+        self.blocked_s += time.perf_counter() - began
+
+    def wait(self) -> Path | None:
+        """Block until the checkpoint being written is complete; returns it (re-raises a write error)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return self.last
+
+    def _claim(self, chunk) -> bool:
+        """True if the caller is to write ``chunk`` now; waits while another thread writes it."""
+        with self._cond:
+            while self._state.get(chunk.id) == "writing":
+                self._cond.wait()
+            if self._state.get(chunk.id) != "pending":
+                return False
+            self._state[chunk.id] = "writing"
+            return True
+
+    def _write(self, chunk) -> None:
+        from safetensors.torch import save_file
+
+        try:
+            save_file(self._trainer.store.read(chunk), self._files / f"{chunk.name}.safetensors")
+        finally:
+            with self._cond:
+                self._state[chunk.id] = "done"
+                self._cond.notify_all()
+
+    def _run(self, chunks: list, tmp: Path, final: Path, state: dict) -> None:
+        try:
+            for chunk in chunks:
+                if self._claim(chunk):
+                    self._write(chunk)
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+            _commit(tmp, final, self._run_dir)
+            for stale in prune(self._run_dir, self._limit):
+                log.info("removed %s (save_total_limit %d)", stale, self._limit)
+            self.last = final
+            log.info("saved %s", final)
+        except BaseException as exc:  # re-raised by wait() on the training thread
+            self._error = exc
+        finally:
+            self._trainer.before_update = None
+
+
+def save_checkpoint(trainer: StreamedTrainer, run_dir: str | os.PathLike[str], trainer_state: dict) -> Path:
+    """Write ``checkpoint-<global_step>`` of the trainer's current state and wait until it is complete."""
+    writer = CheckpointWriter(trainer, run_dir, None)
+    writer.save(trainer_state)
+    return writer.wait()  # type: ignore[return-value]
+
+
+def _commit(tmp: Path, final: Path, run_dir: Path) -> None:
+    """fsync every file of ``tmp`` (the trainer state last), then rename it to ``final`` and fsync the run
+    directory. An existing ``final`` (the same step saved again by a resumed run) is replaced whole."""
     for path in sorted(tmp.rglob("*"), key=lambda p: p.name == STATE_FILE):
         if path.is_file():
             fsync_file(path)
     _fsync_dir(tmp / "state")
     _fsync_dir(tmp)
-    if final.exists():  # the same step saved again (a resumed run): the new one replaces it whole
-        old = run_dir / f".{PREFIX}{step}.old"
+    if final.exists():
+        old = run_dir / f".{final.name}.old"
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(tmp, final)
@@ -97,7 +197,6 @@ def save_checkpoint(trainer: StreamedTrainer, run_dir: str | os.PathLike[str], t
     else:
         os.replace(tmp, final)
     _fsync_dir(run_dir)
-    return final
 
 
 def prune(run_dir: str | os.PathLike[str], limit: int | None) -> list[Path]:

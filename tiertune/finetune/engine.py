@@ -46,7 +46,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -253,6 +253,8 @@ class StreamedTrainer:
         self.optimizer_counts = {"speculative": 0, "redone": 0, "after_backward": 0}
         self.last_grad_norm = float("nan")
         self._lr = _Schedule(config)
+        # called with the chunks the optimizer is about to change (a checkpoint in the background)
+        self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -597,6 +599,9 @@ class StreamedTrainer:
         cfg = self.config
         store = self.store
         held: list[tuple[Chunk, bool]] = []
+        guard = self.before_update
+        if guard is not None:  # a checkpoint being written needs these chunks as they were
+            guard((state.weights[j], *state.sources(j)))
 
         def get(chunk: Chunk, source: Chunk | None = None) -> dict[str, torch.Tensor]:
             views = store.acquire(chunk, self._cpu_tier(chunk), traced=False, copy_from=source)
@@ -650,10 +655,12 @@ class StreamedTrainer:
             mask = None if attention_mask is None else attention_mask.to(self.device)
             return self.model(input_ids=input_ids.to(self.device), attention_mask=mask).logits.float().cpu()
 
-    def state_chunks(self) -> list[Chunk]:
+    def state_chunks(self, in_update_order: bool = False) -> list[Chunk]:
         """The chunks whose contents are the training state between steps: weights, master weights, moments
         and projections of the trained groups (gradients and twins are empty then; a frozen base is the
-        input model's)."""
+        input model's). In model order, or in the order the optimizer changes them."""
+        if in_update_order:
+            return [c for s, j in self._unit_order() if s.trainable for c in (s.weights[j], *s.sources(j))]
         out: list[Chunk] = []
         for state in self._states:
             if state.trainable:

@@ -23,12 +23,11 @@ import torch
 from tiertune.errors import ConfigError
 from tiertune.finetune.checkpoint import (
     STATE_FILE,
+    CheckpointWriter,
     checkpoints,
     latest_checkpoint,
     load_checkpoint,
-    prune,
     remove_partial,
-    save_checkpoint,
 )
 from tiertune.finetune.data import batches, load_data
 from tiertune.finetune.engine import EngineConfig, StreamedTrainer
@@ -230,6 +229,7 @@ def train(
         log.info("resumed from %s at step %d of %d", resume, first, steps)
     result.first_step = first + 1
     bar = _progress(steps, progress, first)
+    writer = CheckpointWriter(trainer, out, t.save_total_limit)
     start = time.perf_counter()
     try:
         with open(result.log_path, "a") as log_file:
@@ -265,14 +265,12 @@ def train(
                         "log_history": history,
                         "tiertune": {"micro_batches": (step + 1) * t.gradient_accumulation_steps},
                     }
-                    path = save_checkpoint(trainer, out, trainer_state)
-                    for stale in prune(out, t.save_total_limit):
-                        log.info("removed %s (save_total_limit %d)", stale, t.save_total_limit)
-                    log.info("saved %s", path)
+                    writer.save(trainer_state)  # written while the next steps run
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / seconds:.0f}",
                                     **{k: format_size(v) for k, v in peaks.items()})  # fmt: skip
                     bar.update(1)
+        writer.wait()
         if trainer.adapters is not None:  # a PEFT adapter directory (the base is the input model)
             trainer.save_adapter(out)
             tokenizer.save_pretrained(str(out))
@@ -281,7 +279,10 @@ def train(
     finally:
         if bar is not None:
             bar.close()
-        trainer.close()
+        try:
+            writer.wait()  # an interrupted run still completes the checkpoint it was writing
+        finally:
+            trainer.close()
     result.steps = steps
     result.seconds = time.perf_counter() - start
     return result
