@@ -154,6 +154,32 @@ def train(
 
 
 @app.command()
+def estimate(
+    recipe: Annotated[Path, typer.Argument(help="A YAML recipe (see recipes/).")],
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="Dotted overrides, e.g. offload.host_budget=32GiB.")
+    ] = None,
+    no_probe: Annotated[
+        bool, typer.Option("--no-probe", help="Skip measuring disk and optimizer bandwidth (no lower bound).")
+    ] = False,
+) -> None:
+    """Predict bytes per tier, whether each budget holds, and the step-time lower bound, without training.
+
+    Example: tiertune estimate recipes/demo.yaml offload.host_budget=32MiB
+    """
+    from tiertune.finetune.estimate import estimate as predict
+    from tiertune.finetune.estimate import format_estimate
+    from tiertune.finetune.recipe import load_recipe
+
+    with _user_errors():
+        resolved = load_recipe(recipe, tuple(overrides or ()))
+        est = predict(resolved, measure=not no_probe)
+    typer.echo(format_estimate(est, f"tiertune estimate {recipe}"))
+    if not est.fits:
+        raise typer.Exit(1)
+
+
+@app.command()
 def demo(
     workdir: Annotated[Path, typer.Option(help="Where the demo model, offload files and run go.")] = Path(
         "runs/demo"

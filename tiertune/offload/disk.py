@@ -188,9 +188,8 @@ class DiskTier:
 
     def reserve(self, chunk: Chunk, block_size: int) -> DiskSlot:
         """A slot for ``chunk`` for the store's life; raises BudgetError or DiskFullError if none fits."""
-        n_blocks = -(-chunk.capacity // block_size)
-        header_size = round_up(_HEADER.size + 8 * n_blocks, ALIGN)
-        total = header_size + chunk.capacity
+        total = slot_bytes(chunk.capacity, block_size)
+        header_size = total - chunk.capacity
         offset = self.arena.alloc(total)
         if offset is None:
             raise BudgetError(
@@ -325,6 +324,12 @@ def _pread_all(fd: int, view: memoryview, offset: int, path: Path, name: str) ->
             f"chunk {name!r}: short read from {path}: {n} of {len(view)} bytes at offset {offset} "
             "(the file was truncated)"
         )
+
+
+def slot_bytes(capacity: int, block_size: int) -> int:
+    """Bytes of the disk tier's slot for a chunk of ``capacity``: its header (with a checksum per block of
+    ``block_size``) and its data."""
+    return round_up(_HEADER.size + 8 * -(-capacity // block_size), ALIGN) + capacity
 
 
 def _encode_header(chunk_id: int, slot: DiskSlot, block_size: int, sums: list[int]) -> bytes:

@@ -1,0 +1,79 @@
+"""``estimate`` against what runs measure: the store's peak bytes per tier, within 15%."""
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tiertune.cli.app import app
+from tiertune.finetune.demo import make_model
+from tiertune.finetune.estimate import estimate
+from tiertune.finetune.recipe import load_recipe
+from tiertune.finetune.train import train
+
+TEXTS = [
+    f"the {a} cat sat on the {b} mat ." for a in ("red", "big", "old", "fat") for b in ("blue", "flat", "wet")
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("model"), TEXTS, layers=4, hidden=128)
+
+
+def _recipe(tmp_path, model_dir, overrides):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    recipe = {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "data": {"path": str(data), "max_seq_len": 32},
+        "training": {"output_dir": str(tmp_path / "run"), "max_steps": 3, "per_device_train_batch_size": 4,
+                     "gradient_accumulation_steps": 2, "logging_steps": 1},
+        "offload": {"disk_path": str(tmp_path / "nvme"), "device_budget": "64MiB", "host_budget": "64MiB"},
+    }  # fmt: skip
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return load_recipe(path, overrides)
+
+
+CASES = {
+    "full, states on disk, host budget short": ("offload.params=disk", "offload.optimizer_states=disk",
+                                                "offload.host_budget=3MiB"),
+    "full, states on disk, everything cached": ("offload.params=disk", "offload.optimizer_states=disk"),
+    "full, on the host, no disk": ("offload.disk_path=null", "offload.params=host", "offload.optimizer_states=host"),
+    "full, overlap off, 8-bit": ("offload.params=disk", "offload.optimizer_states=disk",
+                                 "offload.overlap_optimizer=false", "training.optim=adamw_bnb_8bit"),
+    "full, layerwise (no clipping, one micro-batch)": ("offload.params=disk", "offload.optimizer_states=disk",
+                                                        "training.max_grad_norm=0",
+                                                        "training.gradient_accumulation_steps=1"),
+    "galore, activations on the host": ("method.type=galore", "method.galore.rank=8", "offload.params=disk",
+                                        "offload.optimizer_states=disk", "offload.activations=host"),
+    "qlora, base on disk": ("model.quantize=nf4", "method.type=lora", "offload.params=disk",
+                            "offload.host_budget=1MiB"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_predicted_peaks_match_the_measured_ones(tmp_path, model_dir, case):
+    recipe = _recipe(tmp_path, model_dir, CASES[case])
+    predicted = estimate(recipe, measure=False)
+    assert predicted.fits
+    result = train(recipe, progress=False)
+    measured = json.loads(result.log_path.read_text().splitlines()[-1])["peak_bytes"]
+    for tier, peak in measured.items():
+        expected = predicted.tiers[tier].peak
+        assert abs(peak - expected) <= 0.15 * max(peak, expected), (tier, peak, expected, predicted.tiers)
+
+
+def test_estimate_command_prints_the_table_and_flags_a_budget_that_cannot_hold(tmp_path, model_dir):
+    recipe = _recipe(tmp_path, model_dir, ())
+    path = tmp_path / "r.yaml"
+    path.write_text(recipe.to_yaml())
+    ok = CliRunner().invoke(
+        app, ["estimate", str(path), "offload.params=disk", "offload.optimizer_states=disk"]
+    )
+    assert ok.exit_code == 0, ok.output
+    assert "step time lower bound" in ok.output and "disk      (read" in ok.output
+    short = CliRunner().invoke(app, ["estimate", str(path), "offload.host_budget=64KiB", "--no-probe"])
+    assert short.exit_code == 1 and "NO: needs" in short.output and "DOES NOT FIT" in short.output

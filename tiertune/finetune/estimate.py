@@ -1,0 +1,392 @@
+"""``tiertune estimate``: will a recipe fit, where will each kind of state live, and how fast can a step go.
+
+Nothing is loaded: the model is built on the meta device and every chunk the run would register is laid out
+with the store's own packing (``pack_tensors``), so the byte counts are the run's, to the alignment. For
+each tier:
+
+- *home*: bytes of the chunks homed there (reserved for the whole run);
+- *passes through*: home plus the chunks homed lower that a step uses there (cached copies);
+- *predicted peak*: min(budget, passes through), since the store keeps what passes through until the budget
+  is full (gradients homed on disk and dropped after their update count only two layers, those in flight,
+  when no step needs them kept: no clipping, one micro-batch);
+- *fits*: what the store checks when it places the chunks: home + the largest chunk staged through the
+  tier ≤ budget.
+
+The step-time lower bound uses measured bandwidths (a quick disk probe at ``offload.disk_path``, the
+host-to-device copy rate on a GPU, torch's fused AdamW on this CPU):
+
+- disk: (bytes read + bytes written) per step / bandwidth, where a step reads at least the disk-homed bytes
+  it uses that the host cannot keep (used - host room) and writes back at least the changed ones that it
+  cannot keep;
+- host→device: weights streamed per step beyond what the device keeps, / bandwidth (GPU only);
+- optimizer: trained parameters / the CPU optimizer's parameters per second.
+
+The step cannot be faster than the slowest of these.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tiertune.offload.chunk import pack_tensors
+from tiertune.offload.disk import slot_bytes
+from tiertune.offload.store import StoreConfig
+from tiertune.offload.tiers import Tier
+from tiertune.units import format_size
+
+ORDER = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+
+
+@dataclass
+class _Chunk:
+    kind: str  # weights, gradients, master, moments, projections, twins, activations
+    home: Tier
+    capacity: int
+    used_on: Tier  # the tier a step uses it on
+    changed: bool  # written every step (written back home when it cannot stay cached)
+
+
+@dataclass
+class TierEstimate:
+    budget: int
+    home: int
+    passes: int
+    peak: int
+    largest_staged: int
+
+    @property
+    def fits(self) -> bool:
+        return self.home + self.largest_staged <= self.budget
+
+
+@dataclass
+class Estimate:
+    """What ``estimate`` predicts for a recipe (bytes are integers)."""
+
+    parameters: int
+    trained_parameters: int
+    kinds: dict[str, tuple[str, int]]  # kind -> (home tier, bytes)
+    tiers: dict[str, TierEstimate]
+    outside_store: dict[str, int]  # device bytes the store does not manage (adapters, saved activations)
+    moved_per_step: dict[str, int] = field(default_factory=dict)
+    bandwidth: dict[str, float] = field(default_factory=dict)
+    lower_bound_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return all(t.fits for t in self.tiers.values())
+
+
+def estimate(recipe, measure: bool = True) -> Estimate:
+    """Predict bytes per tier and the step-time lower bound of ``recipe`` (``measure``: probe bandwidths)."""
+    from tiertune.finetune.train import plan
+
+    store_cfg, cfg = plan(recipe)
+    chunks, parameters, trained, outside = _chunks(recipe, store_cfg, cfg)
+    clipping = bool(cfg.max_grad_norm and cfg.max_grad_norm > 0)
+    layerwise = (
+        cfg.overlap_optimizer != "off" and not clipping and recipe.training.gradient_accumulation_steps == 1
+    )
+    grads = sorted(
+        (c for c in chunks if c.kind == "gradients" and c.home is Tier.DISK), key=lambda c: -c.capacity
+    )
+    # updated during backward and dropped: only the layers in flight hold gradients in memory
+    transient = {id(c) for c in grads[2:]} if layerwise else set()
+    kinds: dict[str, tuple[str, int]] = {}
+    for c in chunks:
+        tier, total = kinds.get(c.kind, (c.home.value, 0))
+        kinds[c.kind] = (tier, total + c.capacity)
+    disk_room = shutil.disk_usage(_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
+    budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget, Tier.DISK: disk_room}
+    tiers = {}
+    for tier in ORDER:
+        above = ORDER.index(tier)
+        home = sum(c.capacity for c in chunks if c.home is tier)
+        staged = [
+            c for c in chunks
+            if ORDER.index(c.home) > above and ORDER.index(c.used_on) <= above and id(c) not in transient
+        ]  # fmt: skip
+        passes = home + sum(c.capacity for c in staged)
+        if tier is Tier.DISK:
+            passes = home
+        if tier is Tier.DISK:  # slots: a header with a checksum per block, then the chunk
+            home = passes = sum(
+                slot_bytes(c.capacity, int(store_cfg.block_size)) for c in chunks if c.home is tier
+            )
+        peak = min(budgets[tier], passes) if tier is not Tier.DISK else home
+        tiers[tier.value] = TierEstimate(
+            budgets[tier], home, passes, peak, max((c.capacity for c in staged), default=0)
+        )
+    est = Estimate(parameters, trained, kinds, tiers, outside)
+    _traffic(est, chunks, budgets)
+    if measure:
+        est.bandwidth = measure_bandwidth(store_cfg)
+    _lower_bound(est)
+    return est
+
+
+def _existing(path: str) -> str:
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return str(p)
+
+
+def _chunks(recipe, store_cfg: StoreConfig, cfg) -> tuple[list[_Chunk], int, int, dict[str, int]]:
+    """Every chunk the run would register, laid out as the store lays them out."""
+    from tiertune.finetune.model import build_skeleton, split_model
+    from tiertune.finetune.optim import GaLore, moment_entries
+    from tiertune.quant import is_quantized, make_quantizer
+
+    model = build_skeleton(recipe.model.path, cfg.dtype)
+    parts = split_model(model)
+    quant = make_quantizer(cfg.quantize, cfg.dtype)
+    if quant is not None:
+        for layer in parts.layers:
+            quant.convert(layer)
+        parts = split_model(model)
+    paths = {id(m): n for n, m in model.named_modules()}
+    galore = GaLore(cfg.galore, list(parts.layers), paths) if cfg.method == "galore" else None
+    device = torch.device(store_cfg.device)
+    cpu_device = device.type == "cpu"
+    size = store_cfg.chunk_size
+    chunks: list[_Chunk] = []
+
+    def add(entries: list, kind: str, home: str | Tier, used_on: Tier, changed: bool) -> None:
+        for layout in pack_tensors(entries, max(size, 1), store_cfg.num_shards):
+            chunks.append(_Chunk(kind, Tier(home), layout.capacity, used_on, changed))
+
+    def cpu_tier(home: str) -> Tier:
+        return Tier.DEVICE if home == "device" and cpu_device else Tier.HOST
+
+    trained_flag = cfg.method != "lora"
+    clipping = bool(cfg.max_grad_norm and cfg.max_grad_norm > 0)
+    eight_bit = cfg.optim == "adamw_bnb_8bit"
+    parameters = trained = 0
+    units: list[tuple[_Chunk, list[tuple[str, list, _Chunk]]]] = []  # (gradients, [(kind, entries, source)])
+    for group in parts.groups:
+        entries = []
+        for n, p in group.params.items():
+            if quant is not None and is_quantized(p):
+                entries += quant.entries(n, tuple(p.shape))
+            else:
+                entries.append((n, tuple(p.shape), cfg.dtype))
+        parameters += group.numel
+        # weights are used on the device; trained fp32 weights are their own master, changed on the host too
+        add(entries, "weights", cfg.params, Tier.DEVICE, trained_flag)
+        weights = chunks[-1]
+        if not trained_flag:
+            continue
+        trained += group.numel
+        fp32 = [(n, tuple(p.shape), torch.float32) for n, p in group.params.items()]
+        add(fp32, "gradients", cfg.gradients, cpu_tier(cfg.gradients), True)
+        grads = chunks[-1]
+        sources = []
+        if cfg.dtype != torch.float32:
+            add(fp32, "master", cfg.optimizer_states, cpu_tier(cfg.optimizer_states), True)
+            sources.append(("master", fp32, chunks[-1]))
+        else:
+            sources.append(("master", fp32, weights))
+        moments = galore.moment_entries(fp32, eight_bit) if galore else moment_entries(fp32, eight_bit)
+        proj = galore.projection_entries(fp32) if galore else []
+        for kind, e in [("moments", moments), ("moments", moments)] + (
+            [("projections", proj)] if proj else []
+        ):
+            add(e, kind, cfg.optimizer_states, cpu_tier(cfg.optimizer_states), True)
+            sources.append((kind, e, chunks[-1]))
+        units.append((grads, sources))
+    if trained_flag and cfg.overlap_optimizer != "off" and clipping and _twins_fit(chunks, units, store_cfg):
+        for _, sources in units:
+            for _, e, source in sources:
+                add(e, "twins", source.home, source.used_on if source.kind != "weights" else Tier.HOST, True)
+    hidden = model.config.hidden_size
+    act = cfg.activation_tokens * hidden * torch.empty((), dtype=cfg.dtype).element_size()
+    outside: dict[str, int] = {}
+    if cfg.activations == "host":
+        for _ in parts.layers:
+            add(
+                [("x", (cfg.activation_tokens * hidden,), cfg.dtype)],
+                "activations",
+                Tier.HOST,
+                Tier.DEVICE,
+                True,
+            )
+    else:
+        outside["saved layer inputs"] = act * len(parts.layers)
+    if cfg.method == "lora":
+        r = cfg.lora.r
+        linear = [m for layer in parts.layers for m in layer.modules() if hasattr(m, "in_features")]
+        params = sum(r * (m.in_features + m.out_features) for m in linear)
+        outside["LoRA adapters + states"] = params * 16
+        trained = params
+    return chunks, parameters, trained, outside
+
+
+def _twins_fit(chunks: list[_Chunk], units: list, store_cfg: StoreConfig) -> bool:
+    """The engine's ``overlap_optimizer: auto`` decision: the twin states fit the room left on their tiers,
+    and the host can hold the twins homed there, one unit's working set and a chunk of gradients."""
+    budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}
+
+    def room(tier: Tier) -> int:
+        if tier is Tier.DISK:
+            return 1 << 62
+        above = ORDER.index(tier)
+        home = sum(c.capacity for c in chunks if c.home is tier)
+        staged = max((c.capacity for c in chunks if ORDER.index(c.home) > above), default=0)
+        return max(0, budgets[tier] - home - staged)
+
+    need: dict[Tier, int] = {}
+    for _, sources in units:
+        for _, _, source in sources:
+            need[source.home] = need.get(source.home, 0) + source.capacity
+    if any(n > room(t) for t, n in need.items()):
+        return False
+    unit = 0
+    for grads, sources in units:
+        on_host = [
+            c for c in (grads, *(s for _, _, s in sources)) if c.used_on is Tier.HOST or c.kind == "weights"
+        ]
+        pinned = sum(c.capacity for c in on_host if c.home is not Tier.HOST)
+        unit = max(unit, pinned + max((c.capacity for c in on_host[1:]), default=0))
+    largest_grads = max((g.capacity for g, _ in units), default=0)
+    return need.get(Tier.HOST, 0) + unit + largest_grads <= room(Tier.HOST)
+
+
+def _traffic(est: Estimate, chunks: list[_Chunk], budgets: dict[Tier, int]) -> None:
+    """Bytes a step must move at least (see the module docstring)."""
+    host_room = budgets[Tier.HOST] - sum(c.capacity for c in chunks if c.home is Tier.HOST)
+    on_disk = [c for c in chunks if c.home is Tier.DISK and c.kind != "gradients"]
+    used = sum(c.capacity for c in on_disk)
+    changed = sum(c.capacity for c in on_disk if c.changed)
+    spill = max(0, used - max(0, host_room))
+    est.moved_per_step["disk->host"] = spill
+    est.moved_per_step["host->disk"] = min(changed, spill)
+    device_room = budgets[Tier.DEVICE] - sum(c.capacity for c in chunks if c.home is Tier.DEVICE)
+    streamed = sum(c.capacity for c in chunks if c.used_on is Tier.DEVICE and c.home is not Tier.DEVICE)
+    est.moved_per_step["host->device"] = max(0, streamed - max(0, device_room))
+
+
+def measure_bandwidth(store_cfg: StoreConfig, probe_bytes: int = 256 << 20) -> dict[str, float]:
+    """Bytes per second of the disk (read, write: ``probe_disk``), host-to-device copies (GPU) and the CPU
+    optimizer (parameters per second of torch's fused AdamW)."""
+    out: dict[str, float] = {}
+    if store_cfg.disk_path:
+        out["disk_read"], out["disk_write"] = probe_disk(store_cfg.disk_path, probe_bytes)
+    if torch.device(store_cfg.device).type == "cuda":
+        src = torch.empty(probe_bytes, dtype=torch.uint8).pin_memory()
+        dst = torch.empty(probe_bytes, dtype=torch.uint8, device=store_cfg.device)
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        out["host_to_device"] = probe_bytes / (time.perf_counter() - began)
+    out["optimizer_params"] = _adamw_rate()
+    return out
+
+
+def _adamw_rate(numel: int = 1 << 23) -> float:
+    tensors = [torch.zeros(numel) for _ in range(4)]
+    step = [torch.tensor(1.0)]
+
+    def run() -> None:
+        torch._fused_adamw_([tensors[0]], [tensors[1]], [tensors[2]], [tensors[3]], [], step, lr=1e-3,
+                            beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)  # fmt: skip
+
+    run()
+    began = time.perf_counter()
+    for _ in range(3):
+        run()
+    return 3 * numel / (time.perf_counter() - began)
+
+
+def probe_disk(path: str | os.PathLike[str], nbytes: int = 256 << 20) -> tuple[float, float]:
+    """(read, write) bytes per second of the disk tier's own I/O path (O_DIRECT where supported, 64 MiB
+    chunks, checksums) on ``path``: a quick probe, not a benchmark (``benchmarks/bench_aio.py`` is one)."""
+    from tiertune.offload.aio import AsyncIO
+    from tiertune.offload.chunk import Chunk, ChunkLayout, TensorSpec
+    from tiertune.offload.disk import DiskTier
+    from tiertune.offload.tiers import MemoryTier
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    chunk_size = 64 << 20
+    n = max(1, nbytes // chunk_size)
+    with tempfile.TemporaryDirectory(dir=path, prefix=".probe-") as tmp:
+        aio = AsyncIO(16, 1 << 20)
+        disk = DiskTier(Path(tmp), n * (chunk_size + (2 << 20)) + (1 << 20), aio)
+        host = MemoryTier(Tier.HOST, chunk_size, torch.device("cpu")).alloc(chunk_size)
+        host.tensor.view(torch.int32).random_()
+        layout = ChunkLayout((TensorSpec("x", (chunk_size,), torch.uint8, 0),), chunk_size)
+        chunks = [Chunk(i, f"probe{i}", layout, Tier.DISK) for i in range(n)]
+        slots = [disk.reserve(c, 1 << 20) for c in chunks]
+        try:
+            began = time.perf_counter()
+            handles = [(c, *disk.write(c, s, host.tensor)) for c, s in zip(chunks, slots, strict=True)]
+            for c, handle, sums in handles:
+                handle.wait()
+                c.disk_checksums = tuple(sums)
+            write = n * chunk_size / (time.perf_counter() - began)
+            began = time.perf_counter()
+            for handle in [
+                disk.read(c, s, host.tensor, c.disk_checksums) for c, s in zip(chunks, slots, strict=True)
+            ]:
+                handle.wait()
+            read = n * chunk_size / (time.perf_counter() - began)
+        finally:
+            disk.close()
+            aio.close()
+    return read, write
+
+
+def _lower_bound(est: Estimate) -> None:
+    bw, moved = est.bandwidth, est.moved_per_step
+    if "disk_read" in bw:
+        est.lower_bound_s["disk"] = (
+            moved["disk->host"] / bw["disk_read"] + moved["host->disk"] / bw["disk_write"]
+        )
+    if "host_to_device" in bw:
+        est.lower_bound_s["host->device"] = moved["host->device"] / bw["host_to_device"]
+    if "optimizer_params" in bw and est.kinds.get("moments"):
+        est.lower_bound_s["optimizer"] = est.trained_parameters / bw["optimizer_params"]
+
+
+def format_estimate(est: Estimate, title: str) -> str:
+    """The estimate as a table a person reads at a glance, with the formulas of the lower bound."""
+    lines = [title, f"parameters: {est.parameters:,} ({est.trained_parameters:,} trained)", ""]
+    lines.append(f"{'state':<24}{'lives on':<10}{'bytes':>12}")
+    for kind, (tier, nbytes) in est.kinds.items():
+        lines.append(f"{kind:<24}{tier:<10}{format_size(nbytes):>12}")
+    for what, nbytes in est.outside_store.items():
+        lines.append(f"{what:<24}{'device':<10}{format_size(nbytes):>12}  (outside the chunk store)")
+    lines += ["", f"{'tier':<8}{'budget':>12}{'home':>12}{'passes':>12}{'peak':>12}  fits"]
+    for name, t in est.tiers.items():
+        budget = format_size(t.budget) + (" free" if name == "disk" else "")
+        ok = "yes" if t.fits else f"NO: needs {format_size(t.home + t.largest_staged)}"
+        lines.append(f"{name:<8}{budget:>12}{format_size(t.home):>12}{format_size(t.passes):>12}"
+                     f"{format_size(t.peak):>12}  {ok}")  # fmt: skip
+    moved = ", ".join(f"{k} {format_size(v)}" for k, v in est.moved_per_step.items())
+    lines += ["", f"moved per step, at least: {moved}"]
+    if est.lower_bound_s:
+        bw = est.bandwidth
+        lines.append("step time lower bound = max of:")
+        if "disk" in est.lower_bound_s:
+            lines.append(f"  disk      (read {format_size(est.moved_per_step['disk->host'])} / "
+                         f"{bw['disk_read'] / 1e9:.2f} GB/s + write {format_size(est.moved_per_step['host->disk'])} / "
+                         f"{bw['disk_write'] / 1e9:.2f} GB/s) = {est.lower_bound_s['disk']:.2f} s")  # fmt: skip
+        if "host->device" in est.lower_bound_s:
+            lines.append(f"  host->device {format_size(est.moved_per_step['host->device'])} / "
+                         f"{bw['host_to_device'] / 1e9:.2f} GB/s = {est.lower_bound_s['host->device']:.2f} s")  # fmt: skip
+        if "optimizer" in est.lower_bound_s:
+            lines.append(f"  optimizer {est.trained_parameters:,} params / {bw['optimizer_params'] / 1e9:.2f} G params/s"
+                         f" = {est.lower_bound_s['optimizer']:.2f} s")  # fmt: skip
+        bound = max(est.lower_bound_s.values())
+        lines.append(f"  => at least {bound:.2f} s per step")
+    lines.append("" if est.fits else "DOES NOT FIT: raise the budgets marked NO, or place more state on disk")
+    return "\n".join(lines).rstrip()
