@@ -1,0 +1,90 @@
+"""Malformed input of every kind: a short, specific message, exit code 2, no traceback, no run directory
+damaged."""
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tiertune.cli.app import app
+from tiertune.finetune.demo import make_model
+
+TEXTS = [f"the {a} cat sat on the {b} mat ." for a in ("red", "big", "old") for b in ("blue", "flat")]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("model"), TEXTS, layers=2)
+
+
+@pytest.fixture
+def recipe(tmp_path, model_dir):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    recipe = {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "data": {"path": str(data), "max_seq_len": 16},
+        "training": {"output_dir": str(tmp_path / "run"), "max_steps": 1, "per_device_train_batch_size": 2},
+        "offload": {"disk_path": str(tmp_path / "nvme"), "device_budget": "8MiB", "host_budget": "8MiB"},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def _file(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+NOT_JSON = "{oops\n"
+
+# (name, overrides or a callable(tmp_path) returning them, expected message)
+CASES = [
+    ("unknown key", ["training.learnig_rate=1e-4"], "did you mean `training.learning_rate`"),
+    ("unknown section", ["modle.path=x"], "did you mean `model`"),
+    ("wrong type", ["training.max_steps=abc"], "must be int"),
+    ("negative learning rate", ["training.learning_rate=-1"], "training.learning_rate must be >= 0"),
+    ("not key=value", ["training"], "must look like section.key=value"),
+    ("bad size", ["offload.host_budget=lots"], "cannot read 'lots' as a size"),
+    ("unknown choice", ["model.quantize=fp4"], "must be one of none, nf4, int8"),
+    ("missing model directory", ["model.path=/nonexistent/model"], "is not a Hugging Face model directory"),
+    ("quantized full fine-tuning", ["model.quantize=nf4"], "freezes the base; use method.type: lora"),
+    ("lora rank 0", ["method.lora.r=0"], "method.lora.r must be >= 1"),
+    ("galore rank 0", ["method.type=galore", "method.galore.rank=0"], "method.galore.rank must be >= 1"),
+    ("sequence too short", ["data.max_seq_len=1"], "data.max_seq_len must be >= 2"),
+    ("unknown optimizer", ["training.optim=sgd"], "training.optim must be one of adamw_torch, adamw_bnb_8bit"),
+    ("disk without a path", ["offload.disk_path=null", "offload.params=disk"], "offload.disk_path is not set"),
+    ("dataset file missing", ["data.path=/nonexistent.jsonl"], "data file /nonexistent.jsonl does not exist"),
+    ("unknown data file type", lambda t: [f"data.path={_file(t, 'd.xml', '<x/>')}"], "must end in .jsonl"),
+    ("row without its field", lambda t: [f"data.path={_file(t, 'd.jsonl', json.dumps({'txt': 'a'}))}"],
+     "row 1: expected a string field 'text', found no such field"),
+    ("empty dataset", lambda t: [f"data.path={_file(t, 'd.jsonl', '')}"], "holds no rows"),
+    ("line that is not JSON", lambda t: [f"data.path={_file(t, 'd.jsonl', NOT_JSON)}"],
+     "line 1: not valid JSON"),
+    ("chat without a template", ["data.format=chat"], "this tokenizer has none"),
+    ("unwritable disk path", ["offload.disk_path=/proc/tiertune", "offload.params=disk"], "/proc/tiertune"),
+    ("budget too small", ["offload.params=disk", "offload.host_budget=16KiB"],
+     "raise `offload.host_budget`"),
+    ("no checkpoint to resume", ["training.resume_from_checkpoint=/nonexistent/checkpoint-5"],
+     "is not a complete checkpoint"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "overrides", "message"), CASES, ids=[c[0] for c in CASES])
+def test_malformed_input_exits_2_with_a_specific_message(tmp_path, recipe, name, overrides, message):
+    args = overrides(tmp_path) if callable(overrides) else overrides
+    result = CliRunner().invoke(app, ["train", str(recipe), *args], env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert message in result.output, result.output
+    assert "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) <= 3  # short: the message, not a dump
+
+
+def test_bad_recipe_files(tmp_path):
+    bad = _file(tmp_path, "bad.yaml", "model:\n  path: [unclosed\n")
+    for path, message in [(bad, "not valid YAML at line"), (str(tmp_path / "nope.yaml"), "does not exist")]:
+        result = CliRunner().invoke(app, ["train", path])
+        assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
