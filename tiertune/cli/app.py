@@ -179,6 +179,41 @@ def estimate(
         raise typer.Exit(1)
 
 
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"  # shipped with the package
+
+
+@app.command()
+def recipes(
+    name: Annotated[str | None, typer.Argument(help="A built-in recipe to copy (see the list).")] = None,
+    to: Annotated[Path | None, typer.Option(help="Where to copy it (a file or a directory).")] = None,
+) -> None:
+    """List the built-in recipes, or copy one to edit.
+
+    Example: tiertune recipes llama3-8b-qlora-24gb --to my-recipe.yaml
+    """
+    found = {p.stem: p for p in sorted(RECIPES.glob("*.yaml"))}
+    if name is None:
+        width = max(len(n) for n in found)
+        for stem, path in found.items():
+            lines = [line.lstrip("# ").rstrip() for line in path.read_text().splitlines() if line.startswith("#")]
+            hardware = next((line for line in lines if line.startswith("Hardware:")), "")
+            typer.echo(f"{stem:<{width}}  {lines[0] if lines else ''}")
+            if hardware:
+                typer.echo(f"{'':<{width}}  {hardware}")
+        return
+    if name not in found:
+        typer.echo(f"error: no built-in recipe {name!r}; `tiertune recipes` lists: {', '.join(found)}", err=True)
+        raise typer.Exit(2)
+    target = to or Path(f"{name}.yaml")
+    if target.is_dir():
+        target = target / f"{name}.yaml"
+    if target.exists():
+        typer.echo(f"error: {target} exists; choose another --to", err=True)
+        raise typer.Exit(2)
+    target.write_text(found[name].read_text())
+    typer.echo(f"copied {name} to {target}; edit model.path (and the budgets) before `tiertune train {target}`")
+
+
 @app.command()
 def demo(
     workdir: Annotated[Path, typer.Option(help="Where the demo model, offload files and run go.")] = Path(
@@ -195,12 +230,7 @@ def demo(
     from tiertune.finetune.recipe import load_recipe
     from tiertune.finetune.train import train as run
 
-    recipes = Path(__file__).resolve().parents[2] / "recipes"
-    if not (recipes / "demo.yaml").is_file():
-        typer.echo(
-            f"error: the demo recipe is not at {recipes / 'demo.yaml'}; run from a source checkout", err=True
-        )
-        raise typer.Exit(2)
+    recipes = RECIPES
     data = recipes / "data" / "demo.jsonl"
     overrides = [f"model.path={workdir / 'model'}", f"data.path={data}", f"training.output_dir={workdir / 'out'}",
                  f"offload.disk_path={workdir / 'offload'}"]  # fmt: skip

@@ -207,7 +207,7 @@ def _chunks(recipe, store_cfg: StoreConfig, cfg) -> tuple[list[_Chunk], int, int
             for _, e, source in sources:
                 add(e, "twins", source.home, source.used_on if source.kind != "weights" else Tier.HOST, True)
     hidden = model.config.hidden_size
-    act = cfg.activation_tokens * hidden * torch.empty((), dtype=cfg.dtype).element_size()
+    act = cfg.activation_tokens * hidden * _itemsize(cfg.dtype)
     outside: dict[str, int] = {}
     if cfg.activations == "host":
         for _ in parts.layers:
@@ -220,6 +220,9 @@ def _chunks(recipe, store_cfg: StoreConfig, cfg) -> tuple[list[_Chunk], int, int
             )
     else:
         outside["saved layer inputs"] = act * len(parts.layers)
+    # the logits of a micro-batch, their fp32 copy for the loss and its gradient
+    vocab = model.config.vocab_size
+    outside["logits and their gradient"] = cfg.activation_tokens * vocab * (_itemsize(cfg.dtype) + 8)
     if cfg.method == "lora":
         r = cfg.lora.r
         linear = [m for layer in parts.layers for m in layer.modules() if hasattr(m, "in_features")]
@@ -227,6 +230,10 @@ def _chunks(recipe, store_cfg: StoreConfig, cfg) -> tuple[list[_Chunk], int, int
         outside["LoRA adapters + states"] = params * 16
         trained = params
     return chunks, parameters, trained, outside
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _twins_fit(chunks: list[_Chunk], units: list, store_cfg: StoreConfig) -> bool:
@@ -262,7 +269,9 @@ def _twins_fit(chunks: list[_Chunk], units: list, store_cfg: StoreConfig) -> boo
 def _traffic(est: Estimate, chunks: list[_Chunk], budgets: dict[Tier, int]) -> None:
     """Bytes a step must move at least (see the module docstring)."""
     host_room = budgets[Tier.HOST] - sum(c.capacity for c in chunks if c.home is Tier.HOST)
-    on_disk = [c for c in chunks if c.home is Tier.DISK and c.kind != "gradients"]
+    # gradients are dropped after use and twins are overwritten, never read: neither counts as read; the
+    # new values (in the sources or in their twins) are written back once
+    on_disk = [c for c in chunks if c.home is Tier.DISK and c.kind not in ("gradients", "twins")]
     used = sum(c.capacity for c in on_disk)
     changed = sum(c.capacity for c in on_disk if c.changed)
     spill = max(0, used - max(0, host_room))

@@ -1,0 +1,52 @@
+"""The built-in recipes: listed, copied, valid, and the estimates written in them still true."""
+
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tiertune.cli.app import RECIPES, app
+from tiertune.finetune.estimate import estimate
+from tiertune.finetune.recipe import load_recipe
+from tiertune.units import format_size
+
+CONFIGS = Path(__file__).parent / "model_configs"  # the real models' config.json, no weights
+GPU_RECIPES = {
+    "llama3-8b-qlora-24gb": "llama3-8b",
+    "llama3-70b-qlora-nvme": "llama3-70b",
+    "llama2-13b-full-nvme": "llama2-13b",
+    "llama2-7b-galore": "llama2-7b",
+    "command-r-plus-104b-qlora": "command-r-plus-104b",
+}
+
+
+def test_recipes_are_listed_and_copied(tmp_path):
+    listed = CliRunner().invoke(app, ["recipes"])
+    assert listed.exit_code == 0
+    for name in ["demo", *GPU_RECIPES]:
+        assert name in listed.output
+    assert listed.output.count("Hardware:") == 1 + len(GPU_RECIPES)
+    copied = CliRunner().invoke(app, ["recipes", "llama2-7b-galore", "--to", str(tmp_path)])
+    assert copied.exit_code == 0 and (tmp_path / "llama2-7b-galore.yaml").read_text().startswith("# GaLore")
+    again = CliRunner().invoke(app, ["recipes", "llama2-7b-galore", "--to", str(tmp_path)])
+    assert again.exit_code == 2 and "exists" in again.output
+    unknown = CliRunner().invoke(app, ["recipes", "gpt5"])
+    assert unknown.exit_code == 2 and "no built-in recipe 'gpt5'" in unknown.output
+
+
+@pytest.mark.parametrize("name", list(GPU_RECIPES))
+def test_the_estimate_written_in_each_gpu_recipe_is_what_estimate_says(name):
+    path = RECIPES / f"{name}.yaml"
+    text = path.read_text()
+    recipe = load_recipe(path, (f"model.path={CONFIGS / GPU_RECIPES[name]}",))
+    predicted = estimate(recipe, measure=False)
+    comments = " ".join(line.lstrip("# ").strip() for line in text.splitlines() if line.startswith("#"))
+    device = predicted.tiers["device"]
+    assert f"device {format_size(device.peak)} of {format_size(device.budget)}" in comments
+    assert f"disk_path needs {format_size(predicted.tiers['disk'].home)} free" in comments
+    gpu_total = device.peak + sum(predicted.outside_store.values())
+    assert f"GPU total with the above {format_size(gpu_total)}" in comments
+    stated = re.search(r"(\d+)\s*GB GPU", comments)
+    assert stated and gpu_total < int(stated.group(1)) * 1e9 * 0.93  # room for the CUDA context
+    assert all(t.fits for n, t in predicted.tiers.items() if n != "disk")  # the disk is the target machine's
