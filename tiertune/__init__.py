@@ -28,6 +28,8 @@ _LAZY = {
     "TrainResult": "tiertune.finetune.train",
     "load_recipe": "tiertune.finetune.recipe",
     "Recipe": "tiertune.finetune.recipe",
+    "estimate": "tiertune.finetune.estimate",
+    "format_estimate": "tiertune.finetune.estimate",
     "ChunkStore": "tiertune.offload.store",
     "StoreConfig": "tiertune.offload.store",
 }
@@ -56,6 +58,8 @@ __all__ = [
     "TrainResult",
     "load_recipe",
     "Recipe",
+    "estimate",
+    "format_estimate",
     "ChunkStore",
     "StoreConfig",
 ]

@@ -238,3 +238,11 @@ def test_packed_and_alpaca_data_train(recipe_file, tmp_path, overrides):
         json.loads(line) for line in (result.output_dir / "trainer_log.jsonl").read_text().splitlines()
     ]
     assert len(records) == 3 and all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_the_banner_says_what_is_trained_and_where_each_state_lives(recipe_file, capsys):
+    train(recipe_file, ("training.max_steps=1",), progress=True)
+    out = capsys.readouterr().out
+    assert "tiertune: full, " in out and "parameters trained (100.00%)" in out
+    assert "effective batch 8 sequences (4 x 2 accumulated)" in out
+    assert "weights" in out and "on disk" in out and "budgets: device (cpu) 4.00 MiB, host 1.00 MiB" in out

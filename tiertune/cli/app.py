@@ -195,14 +195,18 @@ def recipes(
     if name is None:
         width = max(len(n) for n in found)
         for stem, path in found.items():
-            lines = [line.lstrip("# ").rstrip() for line in path.read_text().splitlines() if line.startswith("#")]
+            lines = [
+                line.lstrip("# ").rstrip() for line in path.read_text().splitlines() if line.startswith("#")
+            ]
             hardware = next((line for line in lines if line.startswith("Hardware:")), "")
             typer.echo(f"{stem:<{width}}  {lines[0] if lines else ''}")
             if hardware:
                 typer.echo(f"{'':<{width}}  {hardware}")
         return
     if name not in found:
-        typer.echo(f"error: no built-in recipe {name!r}; `tiertune recipes` lists: {', '.join(found)}", err=True)
+        typer.echo(
+            f"error: no built-in recipe {name!r}; `tiertune recipes` lists: {', '.join(found)}", err=True
+        )
         raise typer.Exit(2)
     target = to or Path(f"{name}.yaml")
     if target.is_dir():
@@ -211,7 +215,9 @@ def recipes(
         typer.echo(f"error: {target} exists; choose another --to", err=True)
         raise typer.Exit(2)
     target.write_text(found[name].read_text())
-    typer.echo(f"copied {name} to {target}; edit model.path (and the budgets) before `tiertune train {target}`")
+    typer.echo(
+        f"copied {name} to {target}; edit model.path (and the budgets) before `tiertune train {target}`"
+    )
 
 
 @app.command()

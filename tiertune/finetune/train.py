@@ -228,6 +228,10 @@ def train(
         _rewrite_log(result.log_path, history)  # the steps after the checkpoint are run again
         log.info("resumed from %s at step %d of %d", resume, first, steps)
     result.first_step = first + 1
+    banner = _banner(recipe, trainer, store_cfg, steps, first)
+    log.info("%s", banner)
+    if progress:
+        print(banner, flush=True)
     bar = _progress(steps, progress, first)
     writer = CheckpointWriter(trainer, out, t.save_total_limit)
     start = time.perf_counter()
@@ -286,6 +290,41 @@ def train(
     result.steps = steps
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _banner(recipe: Recipe, trainer: StreamedTrainer, store: StoreConfig, steps: int, first: int) -> str:
+    """What the run is about to do: what is trained, the effective batch, where each state lives, budgets."""
+    t, cfg = recipe.training, trainer.config
+    if trainer.adapters is not None:
+        trained = sum(p.numel() for p in trainer.adapters.params)
+    else:
+        trained = sum(s.group.numel for s in trainer._states if s.trainable)
+    total = sum(s.group.numel for s in trainer._states)
+    batch = (
+        t.per_device_train_batch_size * t.gradient_accumulation_steps * int(os.environ.get("WORLD_SIZE", "1"))
+    )
+    homes = {"weights": cfg.params, "gradients": cfg.gradients, "master": cfg.optimizer_states,
+             "moments": cfg.optimizer_states, "projections": cfg.optimizer_states, "twins": cfg.optimizer_states}  # fmt: skip
+    where = ", ".join(
+        f"{kind} {format_size(n)} on {homes[kind]}" for kind, n in trainer.state_bytes().items() if n
+    )
+    if trainer.adapters is not None:
+        where += f", adapters and their states on {trainer.device.type}"
+    method = recipe.method.type + (
+        f" on a {recipe.model.quantize} base" if recipe.model.quantize != "none" else ""
+    )
+    lines = [
+        f"tiertune: {method}, {trained:,} of {total:,} parameters trained ({100 * trained / max(total, 1):.2f}%)",
+        f"  steps {first + 1}-{steps} of {steps}, effective batch {batch} sequences "
+        f"({t.per_device_train_batch_size} x {t.gradient_accumulation_steps} accumulated), "
+        f"max_seq_len {recipe.data.max_seq_len}{', packed' if recipe.data.packing else ''}",
+        f"  state: {where}",
+        f"  budgets: device ({store.device}) {format_size(store.device_budget)}, host {format_size(store.host_budget)}"
+        + (f", disk {store.disk_path}" if store.disk_path else ""),
+        f"  optimizer: {cfg.optim}, {'overlapped with backward' if trainer.overlap else 'after backward'}; "
+        f"activations on {cfg.activations}; output {t.output_dir}",
+    ]
+    return "\n".join(lines)
 
 
 def _progress(total: int, enabled: bool, done: int = 0):

@@ -1,0 +1,25 @@
+"""examples/quickstart.ipynb runs top to bottom on the CPU (a fresh kernel, as a user would run it)."""
+
+from pathlib import Path
+
+import pytest
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "quickstart.ipynb"
+
+
+@pytest.mark.timeout(600)
+def test_quickstart_notebook_runs_top_to_bottom(tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    outputs = "".join(
+        o.get("text", "") + str(o.get("data", {}).get("text/plain", ""))
+        for c in nb.cells
+        for o in c.get("outputs", [])
+    )
+    assert "Error" not in outputs
+    assert "step time lower bound" in outputs and "checkpoint-8" in outputs
