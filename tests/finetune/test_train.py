@@ -246,3 +246,19 @@ def test_the_banner_says_what_is_trained_and_where_each_state_lives(recipe_file,
     assert "tiertune: full, " in out and "parameters trained (100.00%)" in out
     assert "effective batch 8 sequences (4 x 2 accumulated)" in out
     assert "weights" in out and "on disk" in out and "budgets: device (cpu) 4.00 MiB, host 1.00 MiB" in out
+
+
+def test_steps_are_reported_to_tensorboard_and_wandb(recipe_file, tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = train(recipe_file, ("training.max_steps=3", "training.report_to=tensorboard"), progress=False)
+    events = EventAccumulator(str(result.output_dir / "runs"))
+    events.Reload()
+    losses = [e.value for e in events.Scalars("train/loss")]
+    assert losses == pytest.approx(result.losses) and "memory/peak_disk_bytes" in events.Tags()["scalars"]
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "wandb-run"
+    train(recipe_file, ("training.max_steps=2", "training.report_to=wandb", f"training.output_dir={out}"),
+          progress=False)  # fmt: skip
+    assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))

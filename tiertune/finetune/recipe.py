@@ -91,6 +91,7 @@ class TrainingSection:
     save_total_limit: int | None = None
     resume_from_checkpoint: str | None = None
     logging_steps: int = 500
+    report_to: str = field(default="auto", metadata=_choice("auto", "none", "tensorboard", "wandb"))
 
 
 @dataclass

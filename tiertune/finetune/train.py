@@ -35,6 +35,7 @@ from tiertune.finetune.files import fsync_file, move_files_into
 from tiertune.finetune.lora import LoraSettings
 from tiertune.finetune.optim import GaloreSettings
 from tiertune.finetune.recipe import Recipe, load_recipe
+from tiertune.finetune.reporting import Reporters
 from tiertune.offload.store import StoreConfig
 from tiertune.units import format_size
 
@@ -234,8 +235,10 @@ def train(
         print(banner, flush=True)
     bar = _progress(steps, progress, first)
     writer = CheckpointWriter(trainer, out, t.save_total_limit)
+    reporters = None
     start = time.perf_counter()
     try:
+        reporters = Reporters(t.report_to, out, recipe.to_dict(), first)
         with open(result.log_path, "a") as log_file:
             for step in range(first, steps):
                 micro = [next(stream) for _ in range(t.gradient_accumulation_steps)]
@@ -261,6 +264,7 @@ def train(
                     log_file.write(json.dumps(record) + "\n")
                     log_file.flush()
                     history.append(record)
+                    reporters.log(record)
                 if t.save_steps > 0 and (step + 1) % t.save_steps == 0 and step + 1 < steps:
                     trainer_state = {
                         "global_step": step + 1,
@@ -283,6 +287,8 @@ def train(
     finally:
         if bar is not None:
             bar.close()
+        if reporters is not None:
+            reporters.close()
         try:
             writer.wait()  # an interrupted run still completes the checkpoint it was writing
         finally:
