@@ -50,3 +50,18 @@ def test_the_estimate_written_in_each_gpu_recipe_is_what_estimate_says(name):
     stated = re.search(r"(\d+)\s*GB GPU", comments)
     assert stated and gpu_total < int(stated.group(1)) * 1e9 * 0.93  # room for the CUDA context
     assert all(t.fits for n, t in predicted.tiers.items() if n != "disk")  # the disk is the target machine's
+
+
+@pytest.mark.parametrize("command", ["env", "train", "estimate", "recipes", "export", "merge", "demo"])
+def test_every_command_has_help_with_an_example(command):
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "Example: tiertune " in result.output
+
+
+def test_export_and_merge_errors_exit_2(tmp_path):
+    for args, message in [
+        (["export", str(tmp_path / "nope"), "--out", str(tmp_path / "o")], "does not exist"),
+        (["merge", str(tmp_path), "--out", str(tmp_path / "o")], "is not a PEFT adapter directory"),
+    ]:
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+        assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output

@@ -179,6 +179,50 @@ def estimate(
         raise typer.Exit(1)
 
 
+@app.command()
+def export(
+    source: Annotated[
+        Path, typer.Argument(help="A run directory (training.output_dir) or a checkpoint-<step> in it.")
+    ],
+    out: Annotated[Path, typer.Option("--out", help="The directory to write.")],
+    fmt: Annotated[str, typer.Option("--format", help="hf (a model), peft (an adapter) or auto.")] = "auto",
+) -> None:
+    """Write a run or checkpoint as a Hugging Face model directory (full, GaLore) or a PEFT adapter (LoRA).
+
+    Example: tiertune export runs/demo/out/checkpoint-40 --out exported/
+    """
+    from tiertune.finetune.export import export as run
+
+    with _user_errors():
+        path, what = run(source, out, fmt)
+    typer.echo(f"wrote {what} to {path}")
+
+
+@app.command()
+def merge(
+    adapter: Annotated[
+        Path, typer.Argument(help="A PEFT adapter directory (a LoRA run's output or checkpoint).")
+    ],
+    out: Annotated[Path, typer.Option("--out", help="The directory to write the merged model to.")],
+    base: Annotated[
+        str | None, typer.Option(help="The base model directory (default: the adapter's).")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="The merged weights' dtype.")] = "bfloat16",
+) -> None:
+    """Fold a LoRA adapter into its base model and write the merged Hugging Face model.
+
+    An adapter trained on a quantized base is added to the dequantized base weights, the weights it was
+    trained against; the command says so.
+
+    Example: tiertune merge runs/llama3-8b-qlora --out merged/ --dtype bfloat16
+    """
+    from tiertune.finetune.export import merge as run
+
+    with _user_errors():
+        path, what = run(adapter, out, base, dtype)
+    typer.echo(f"merged: {what}; wrote {path}")
+
+
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"  # shipped with the package
 
 

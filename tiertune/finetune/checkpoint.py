@@ -9,6 +9,7 @@
   directory loads with ``PeftModel.from_pretrained``) and ``adapter_optimizer.pt`` (weights and optimizer
   state as trained);
 - ``rng_state.pth``: Python's and torch's random states (CPU and CUDA);
+- ``recipe.yaml``: the resolved recipe (``tiertune export`` and ``merge`` read it);
 - ``trainer_state.json``: the step, the epoch, the micro-batches of data consumed, the engine's counters and
   the log history, as the Hugging Face Trainer names them. It is written last.
 
@@ -43,6 +44,7 @@ log = logging.getLogger("tiertune.checkpoint")
 
 PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
+RECIPE_FILE = "recipe.yaml"  # the resolved recipe of the run, in the run directory and in each checkpoint
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 
 
@@ -92,8 +94,9 @@ class CheckpointWriter:
         self.blocked_s = 0.0  # time the training threads waited for chunks to be written first
         self.last: Path | None = None
 
-    def save(self, trainer_state: dict) -> Path:
-        """Start writing ``checkpoint-<global_step>``; returns the path it will have once complete."""
+    def save(self, trainer_state: dict, recipe_yaml: str | None = None) -> Path:
+        """Start writing ``checkpoint-<global_step>`` (with the run's ``recipe.yaml``, when given); returns the
+        path it will have once complete."""
         self.wait()
         trainer = self._trainer
         step = int(trainer_state["global_step"])
@@ -105,6 +108,8 @@ class CheckpointWriter:
             trainer.save_adapter(tmp)
             torch.save(trainer.adapters.training_state(), tmp / "adapter_optimizer.pt")
         torch.save(_rng_states(), tmp / "rng_state.pth")
+        if recipe_yaml is not None:
+            (tmp / RECIPE_FILE).write_text(recipe_yaml)
         chunks = trainer.state_chunks(in_update_order=True)
         state = dict(trainer_state, tiertune=dict(trainer_state.get("tiertune", {}), **trainer.counters()))
         state["tiertune"]["state_chunks"] = [c.name for c in trainer.state_chunks()]

@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 from tiertune.errors import ConfigError
 from tiertune.finetune.checkpoint import (
+    RECIPE_FILE,
     STATE_FILE,
     CheckpointWriter,
     checkpoints,
@@ -31,7 +31,8 @@ from tiertune.finetune.checkpoint import (
 )
 from tiertune.finetune.data import batches, load_data
 from tiertune.finetune.engine import EngineConfig, StreamedTrainer
-from tiertune.finetune.files import fsync_file, move_files_into
+from tiertune.finetune.export import write_hf
+from tiertune.finetune.files import fsync_file
 from tiertune.finetune.lora import LoraSettings
 from tiertune.finetune.optim import GaloreSettings
 from tiertune.finetune.recipe import Recipe, load_recipe
@@ -42,7 +43,6 @@ from tiertune.units import format_size
 log = logging.getLogger("tiertune.train")
 
 LOG_NAME = "trainer_log.jsonl"
-SHARD_BYTES = 5 * 10**9  # like save_pretrained's default max_shard_size
 
 
 @dataclass
@@ -211,6 +211,7 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     for path in remove_partial(out):
         log.info("removed %s: an interrupted checkpoint write", path)
+    _write_atomically(out / RECIPE_FILE, recipe.to_yaml())
     resume = _resume_path(t.resume_from_checkpoint, out)
     result = TrainResult(out)
     stream = batches(data, t.per_device_train_batch_size, pad_id, d.shuffle, t.seed, d.packing, d.max_seq_len)
@@ -273,7 +274,7 @@ def train(
                         "log_history": history,
                         "tiertune": {"micro_batches": (step + 1) * t.gradient_accumulation_steps},
                     }
-                    writer.save(trainer_state)  # written while the next steps run
+                    writer.save(trainer_state, recipe.to_yaml())  # written while the next steps run
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / seconds:.0f}",
                                     **{k: format_size(v) for k, v in peaks.items()})  # fmt: skip
@@ -358,57 +359,20 @@ def _resume_path(setting: str | None, out: Path) -> Path | None:
 
 
 def _rewrite_log(path: Path, records: list[dict]) -> None:
-    """Replace the JSON-lines log with ``records`` (atomically: a temporary file renamed into place)."""
+    """Replace the JSON-lines log with ``records``."""
+    _write_atomically(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file, fsync it and rename it to ``path``."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.write_text(text)
     fsync_file(tmp)
     os.replace(tmp, path)
 
 
 def export_hf(trainer: StreamedTrainer, tokenizer: object, out: Path) -> None:
-    """Write the trained model as a Hugging Face directory in ``out``, streaming shard by shard.
-
-    Files are written under a temporary name, synced, and moved into place index last, so an interrupted
-    export never leaves a directory that looks complete.
-    """
-    from safetensors.torch import save_file
-
-    tmp = out / f".export-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    written: list[tuple[str, list[str]]] = []
-
-    def flush() -> None:
-        nonlocal size
-        if shards[-1]:
-            name = f"model-{len(written) + 1:05d}.safetensors"
-            save_file(shards[-1], tmp / name, metadata={"format": "pt"})
-            written.append((name, list(shards[-1])))
-            shards[-1] = {}
-            size = 0
-
-    for tensors in trainer.weights():
-        nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
-        if size and size + nbytes > SHARD_BYTES:
-            flush()
-        shards[-1].update(tensors)
-        size += nbytes
-    flush()
-    total = len(written)
-    weight_map = {}
-    for i, (name, keys) in enumerate(written, 1):
-        final = "model.safetensors" if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors"
-        (tmp / name).rename(tmp / final)
-        weight_map.update(dict.fromkeys(keys, final))
+    """Write the trained model as a Hugging Face directory in ``out``, streaming chunk by chunk."""
     config = trainer.model.config
     config.use_cache = True
-    config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
-    if total > 1:
-        index = {"metadata": {"total_size": sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))},
-                 "weight_map": weight_map}  # fmt: skip
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    move_files_into(tmp, out, last="model.safetensors.index.json")
-    tmp.rmdir()
+    write_hf(trainer.weights(), config, tokenizer, out)

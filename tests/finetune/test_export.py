@@ -1,0 +1,87 @@
+"""export (a run or checkpoint as a model or adapter) and merge (an adapter folded into its base)."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from tiertune.errors import ConfigError
+from tiertune.finetune.demo import make_model
+from tiertune.finetune.export import export, merge
+from tiertune.finetune.train import train
+
+TEXTS = [
+    f"the {a} cat sat on the {b} mat ." for a in ("red", "big", "old", "fat") for b in ("blue", "flat", "wet")
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("model"), TEXTS, layers=2)
+
+
+def _recipe(tmp_path, model_dir, *overrides):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    recipe = {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "data": {"path": str(data), "max_seq_len": 32},
+        "training": {"output_dir": str(tmp_path / "run"), "max_steps": 4, "per_device_train_batch_size": 4,
+                     "learning_rate": "3e-3", "save_steps": 2, "report_to": "none"},
+        "offload": {"disk_path": str(tmp_path / "nvme"), "params": "disk", "device_budget": "8MiB",
+                    "host_budget": "8MiB"},
+        "method": {"lora": {"r": 4, "dropout": 0.0}},
+    }  # fmt: skip
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return train(path, overrides, progress=False)
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(torch.tensor([[3, 4, 5, 6, 7]])).logits
+
+
+def test_a_checkpoint_exports_as_the_model_of_its_step(tmp_path, model_dir):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    result = _recipe(tmp_path, model_dir)
+    checkpoint = result.output_dir / "checkpoint-2"
+    out, what = export(checkpoint, tmp_path / "exported")
+    assert "step 2" in what
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    saved = {}  # the weight chunks (moments and master weights have the same tensor names in other files)
+    for f in (checkpoint / "state").glob("*.safetensors"):
+        if not f.stem.endswith((".exp_avg", ".exp_avg_sq", ".master", ".proj")):
+            saved.update(load_file(f))
+    state = model.state_dict()
+    assert saved and all(torch.equal(state[name], value) for name, value in saved.items())
+    final = AutoModelForCausalLM.from_pretrained(result.output_dir, dtype=torch.float32)
+    assert not torch.equal(_logits(model), _logits(final))  # step 2, not the end
+    with pytest.raises(ConfigError, match="export it as hf"):
+        export(checkpoint, tmp_path / "x", "peft")
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_merge_folds_the_adapter_into_its_base(tmp_path, model_dir, quantize):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tiertune.quant import make_quantizer
+
+    result = _recipe(tmp_path, model_dir, "method.type=lora", f"model.quantize={quantize}")
+    adapter, what = export(result.output_dir, tmp_path / "adapter")
+    assert "PEFT adapter" in what and (adapter / "adapter_config.json").is_file()
+    out, what = merge(result.output_dir, tmp_path / "merged", dtype="float32")
+    assert ("dequantized nf4" in what) == (quantize == "nf4")
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    quant = make_quantizer(quantize, torch.float32)
+    kwargs = {} if quant is None else {"quantization_config": quant.config()}
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device_map="cpu", **kwargs)
+    peft_model = PeftModel.from_pretrained(base, result.output_dir)
+    peft_model.train()  # bitsandbytes' CPU eval path computes in bf16; the training path is fp32 (no dropout here)
+    # the merged weights are the (dequantized) base plus the adapter: the same function as base + adapter
+    torch.testing.assert_close(_logits(merged), _logits(peft_model), rtol=1e-4, atol=1e-4)
+    assert not any("lora" in n for n in merged.state_dict())

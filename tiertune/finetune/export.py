@@ -1,0 +1,196 @@
+"""Writing models out: Hugging Face directories streamed shard by shard, a checkpoint exported as a model or
+an adapter, and a LoRA adapter merged into its base.
+
+Every output is written under a temporary name in the destination, each file fsynced, and moved into place
+with the file that marks it complete (the index, or the config) last: an interrupted export never leaves a
+directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiertune.errors import ConfigError
+from tiertune.finetune.checkpoint import RECIPE_FILE, STATE_FILE
+from tiertune.finetune.files import move_files_into
+
+SHARD_BYTES = 5 * 10**9  # like save_pretrained's default max_shard_size
+_STATE_SUFFIXES = (".master", ".exp_avg", ".exp_avg_sq", ".proj")  # chunks that are not weights
+
+
+def write_hf(parts: Iterable[dict[str, torch.Tensor]], config: Any, tokenizer: Any, out: Path) -> Path:
+    """Write the weights (an iterable of dicts by parameter name, e.g. one chunk at a time), ``config`` and
+    ``tokenizer`` as a Hugging Face model directory ``out``."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
+    try:
+        shard: dict[str, torch.Tensor] = {}
+        size = 0
+        written: list[tuple[str, list[str]]] = []
+
+        def flush() -> None:
+            nonlocal shard, size
+            if shard:
+                name = f"model-{len(written) + 1:05d}.safetensors"
+                save_file(shard, tmp / name, metadata={"format": "pt"})
+                written.append((name, list(shard)))
+                shard, size = {}, 0
+
+        for tensors in parts:
+            nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
+            if size and size + nbytes > SHARD_BYTES:
+                flush()
+            shard.update(tensors)
+            size += nbytes
+        flush()
+        total = len(written)
+        weight_map = {}
+        for i, (name, keys) in enumerate(written, 1):
+            final = "model.safetensors" if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors"
+            (tmp / name).rename(tmp / final)
+            weight_map.update(dict.fromkeys(keys, final))
+        config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if total > 1:
+            index = {"metadata": {"total_size": sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))},
+                     "weight_map": weight_map}  # fmt: skip
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        move_files_into(tmp, out, last="model.safetensors.index.json" if total > 1 else "config.json")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _recipe_of(directory: Path) -> Any:
+    from tiertune.finetune.recipe import load_recipe
+
+    for candidate in (directory / RECIPE_FILE, directory.parent / RECIPE_FILE):
+        if candidate.is_file():
+            return load_recipe(candidate)
+    raise ConfigError(
+        f"{directory} has no {RECIPE_FILE} (nor its run directory); export a tiertune run or checkpoint"
+    )
+
+
+def export(
+    source: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str = "auto"
+) -> tuple[Path, str]:
+    """Export a run directory or one of its checkpoints: ``hf`` (a model directory, from a full or GaLore run)
+    or ``peft`` (the adapter, from a LoRA run); ``auto`` picks what the run trained. Returns the output and
+    what was written."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    source, out = Path(source), Path(out)
+    if not source.is_dir():
+        raise ConfigError(
+            f"{source} does not exist; give a tiertune run directory or a checkpoint-<step> in it"
+        )
+    recipe = _recipe_of(source)
+    lora = recipe.method.type == "lora"
+    fmt = ("peft" if lora else "hf") if fmt == "auto" else fmt
+    if fmt not in ("hf", "peft"):
+        raise ConfigError(f"--format must be hf, peft or auto, got {fmt!r}")
+    if (fmt == "peft") != lora:
+        raise ConfigError(
+            f"{source} is a {recipe.method.type} run: export it as {'peft' if lora else 'hf'}"
+            + ("; `tiertune merge` folds the adapter into its base" if lora else "")
+        )
+    tokenizer = AutoTokenizer.from_pretrained(recipe.model.path)
+    if lora:
+        if not (source / "adapter_config.json").is_file():
+            raise ConfigError(
+                f"{source} holds no adapter yet (the run has not finished; export a checkpoint)"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
+        try:
+            for name in ("adapter_model.safetensors", "adapter_config.json"):
+                shutil.copy2(source / name, tmp / name)
+            tokenizer.save_pretrained(tmp)
+            move_files_into(tmp, out, last="adapter_config.json")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return out, f"PEFT adapter of {recipe.model.path}"
+    if (source / "model.safetensors").is_file() or (source / "model.safetensors.index.json").is_file():
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(source)
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        return out, "Hugging Face model (the run's final export)"
+    state = source / STATE_FILE
+    if not state.is_file():
+        raise ConfigError(f"{source} is neither a finished run nor a complete checkpoint")
+    names = json.loads(state.read_text())["tiertune"]["state_chunks"]
+    from safetensors.torch import load_file
+
+    weights = [n for n in names if not n.endswith(_STATE_SUFFIXES)]
+    config = AutoConfig.from_pretrained(recipe.model.path)
+    write_hf((load_file(source / "state" / f"{n}.safetensors") for n in weights), config, tokenizer, out)
+    return out, f"Hugging Face model at step {json.loads(state.read_text())['global_step']}"
+
+
+def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: str | None = None,
+          dtype: str = "bfloat16") -> tuple[Path, str]:  # fmt: skip
+    """Fold a LoRA adapter into its base and write the merged model. For an adapter trained on a quantized
+    base, the base is loaded quantized and dequantized first, so the adapter is added to the weights it was
+    trained against. Returns the output and a sentence saying what was merged into what."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter, out = Path(adapter), Path(out)
+    if not (adapter / "adapter_config.json").is_file():
+        raise ConfigError(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
+    base = base or PeftConfig.from_pretrained(adapter).base_model_name_or_path
+    if not base or not (Path(base) / "config.json").is_file():
+        raise ConfigError(f"the adapter's base model {base!r} is not a local model directory; pass --base")
+    quantize = "none"
+    with contextlib.suppress(ConfigError):  # an adapter from elsewhere: no recipe, an unquantized base
+        quantize = _recipe_of(adapter).model.quantize
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ConfigError(f"--dtype must be a torch dtype such as bfloat16 or float32, got {dtype!r}")
+    kwargs: dict[str, Any] = {}
+    if quantize != "none":
+        from tiertune.quant import make_quantizer
+
+        kwargs["quantization_config"] = make_quantizer(quantize, torch_dtype).config()  # type: ignore[union-attr]
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype, device_map="cpu", **kwargs)
+    if quantize != "none":
+        model = model.dequantize()
+        model.to(torch_dtype)
+    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    merged.config.quantization_config = None
+    if hasattr(merged, "hf_quantizer"):
+        merged.hf_quantizer = None
+        merged.is_quantized = False
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".merge-", dir=out))
+    try:
+        merged.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(
+            adapter if (adapter / "tokenizer_config.json").is_file() else base
+        ).save_pretrained(tmp)
+        move_files_into(tmp, out, last="config.json")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    what = (
+        f"the adapter was added to the dequantized {quantize} weights of {base} (what it was trained against), "
+        f"saved in {dtype}"
+        if quantize != "none"
+        else f"the adapter was added to the {dtype} weights of {base}"
+    )
+    return out, what
