@@ -48,3 +48,14 @@ def test_demo_runs_a_fine_tune_with_states_on_disk(tmp_path):
     log = [json.loads(line) for line in (tmp_path / "out" / "trainer_log.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == 4 and log[-1]["bytes_moved"]["host->disk"] > 0
     AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # the output loads with transformers
+
+
+def test_env_probe_measures_the_disk(tmp_path):
+    import json
+
+    result = CliRunner().invoke(app, ["env", "--disk-path", str(tmp_path), "--probe", "--json"])
+    assert result.exit_code == 0, result.output
+    disk = json.loads(result.output)["disk"]
+    assert disk["read_bytes_per_second"] > 1e6 and disk["write_bytes_per_second"] > 1e6
+    assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind
+    assert CliRunner().invoke(app, ["env", "--probe"]).exit_code == 2

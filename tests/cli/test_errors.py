@@ -88,3 +88,25 @@ def test_bad_recipe_files(tmp_path):
     for path, message in [(bad, "not valid YAML at line"), (str(tmp_path / "nope.yaml"), "does not exist")]:
         result = CliRunner().invoke(app, ["train", path])
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_a_multi_process_launch_starts_and_stops_with_a_clear_message(tmp_path, recipe, launcher):
+    """Until ZeRO sharding lands, world size > 1 must stop, never train each rank on its own."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bin_dir = Path(sys.executable).parent
+    cmd = {
+        "torchrun": [str(bin_dir / "torchrun"), "--nproc_per_node", "2"],
+        "accelerate": [str(bin_dir / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2"],
+    }[launcher]
+    done = subprocess.run([*cmd, "-m", "tiertune.cli", "train", str(recipe)], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path)  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert out.count("multi-GPU training (ZeRO sharding) is not available yet; run a single process") == 2
+    assert not (tmp_path / "run").exists()  # nothing was trained

@@ -83,14 +83,25 @@ def env(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object instead of a table.")
     ] = False,
+    probe: Annotated[
+        bool,
+        typer.Option("--probe", help="Measure the disk's read/write bandwidth at --disk-path (256 MiB)."),
+    ] = False,
 ) -> None:
     """Show versions, compute devices, memory and disk facts that decide what fits.
 
-    Example: tiertune env --disk-path /mnt/nvme/tiertune
+    Example: tiertune env --disk-path /mnt/nvme/tiertune --probe
     """
     if disk_path is not None and not disk_path.is_dir():
         raise typer.BadParameter(f"{disk_path} is not an existing directory", param_hint="--disk-path")
+    if probe and disk_path is None:
+        raise typer.BadParameter("--probe measures the disk at --disk-path; give one", param_hint="--probe")
     info = environment(disk_path)
+    if probe:
+        from tiertune.finetune.estimate import probe_disk
+
+        read, write = probe_disk(disk_path)  # type: ignore[arg-type]
+        info["disk"]["read_bytes_per_second"], info["disk"]["write_bytes_per_second"] = read, write
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
@@ -116,6 +127,9 @@ def env(
         rows.append(("disk path", disk["path"]))
         rows.append(("disk free", format_size(disk["free_bytes"])))
         rows.append(("O_DIRECT", "yes" if disk["o_direct"] else "no (buffered I/O fallback)"))
+        if "read_bytes_per_second" in disk:
+            rows.append(("disk read", f"{disk['read_bytes_per_second'] / 1e9:.2f} GB/s (probe, 256 MiB)"))
+            rows.append(("disk write", f"{disk['write_bytes_per_second'] / 1e9:.2f} GB/s (probe, 256 MiB)"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         typer.echo(f"{key:<{width}}  {value}")
