@@ -325,8 +325,9 @@ def _user_errors() -> Iterator[None]:
 
 def _report(result: Any) -> None:
     what = "adapter" if (result.output_dir / "adapter_config.json").is_file() else "model"
+    ran = f"{result.steps} steps" if result.first_step == 1 else f"steps {result.first_step}-{result.steps}"
     typer.echo(
-        f"done: {result.steps} steps in {result.seconds:.1f}s, loss {result.losses[0]:.4f} -> "
+        f"done: {ran} in {result.seconds:.1f}s, loss {result.losses[0]:.4f} -> "
         f"{result.losses[-1]:.4f}; {what} and {result.log_path.name} in {result.output_dir}"
     )
 
