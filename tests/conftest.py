@@ -38,3 +38,53 @@ def _datasets_cache(tmp_path_factory):
     import datasets
 
     datasets.config.HF_DATASETS_CACHE = path
+
+
+CAT_TEXTS = [
+    f"the {a} cat sat on the {b} mat ." for a in ("red", "big", "old", "fat") for b in ("blue", "flat", "wet")
+]
+
+
+@pytest.fixture(scope="session")
+def cat_model(tmp_path_factory):
+    """``cat_model(layers, hidden=64)``: a small random Llama with a tokenizer fitted to ``CAT_TEXTS``, saved
+    once per shape for the session; returns its directory."""
+    from tiertune.finetune.demo import make_model
+
+    made: dict = {}
+
+    def make(layers: int, hidden: int = 64):
+        if (layers, hidden) not in made:
+            made[layers, hidden] = make_model(tmp_path_factory.mktemp("cat-model"), CAT_TEXTS, layers, hidden)
+        return made[layers, hidden]
+
+    return make
+
+
+@pytest.fixture
+def write_recipe():
+    """``write_recipe(tmp_path, model_dir, texts=..., **sections)``: see ``_write_recipe``."""
+    return _write_recipe
+
+
+def _write_recipe(tmp_path, model_dir, name: str = "recipe", texts=CAT_TEXTS, **sections):
+    """A recipe YAML for a tiny local model, the texts as its data, and run/offload paths under
+    ``tmp_path``; ``sections`` (dicts by section name) are merged over the defaults. Returns its path."""
+    import json
+
+    import yaml
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    recipe = {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "data": {"path": str(data), "max_seq_len": 32},
+        "training": {"output_dir": str(tmp_path / "run"), "max_steps": 3, "per_device_train_batch_size": 4,
+                     "logging_steps": 1},
+        "offload": {"disk_path": str(tmp_path / "nvme"), "device_budget": "8MiB", "host_budget": "8MiB"},
+    }  # fmt: skip
+    for section, values in sections.items():
+        recipe.setdefault(section, {}).update(values)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path

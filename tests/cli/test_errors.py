@@ -4,7 +4,6 @@ damaged."""
 import json
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from tiertune.cli.app import app
@@ -19,18 +18,9 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture
-def recipe(tmp_path, model_dir):
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    recipe = {
-        "model": {"path": str(model_dir), "dtype": "float32"},
-        "data": {"path": str(data), "max_seq_len": 16},
-        "training": {"output_dir": str(tmp_path / "run"), "max_steps": 1, "per_device_train_batch_size": 2},
-        "offload": {"disk_path": str(tmp_path / "nvme"), "device_budget": "8MiB", "host_budget": "8MiB"},
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+def recipe(tmp_path, model_dir, write_recipe):
+    return write_recipe(tmp_path, model_dir, texts=TEXTS, data={"max_seq_len": 16},
+                        training={"max_steps": 1, "per_device_train_batch_size": 2})  # fmt: skip
 
 
 def _file(tmp_path, name, text):

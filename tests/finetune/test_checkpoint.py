@@ -14,19 +14,18 @@ import yaml
 
 from tiertune.errors import ConfigError
 from tiertune.finetune.checkpoint import checkpoints
-from tiertune.finetune.demo import make_model
 from tiertune.finetune.engine import StreamedTrainer
 from tiertune.finetune.train import train
 
+STEPS = 8
 TEXTS = [
     f"the {a} cat sat on the {b} mat ." for a in ("red", "big", "old", "fat") for b in ("blue", "flat", "wet")
 ]
-STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("model"), TEXTS, layers=3)
+def model_dir(cat_model):
+    return cat_model(3)
 
 
 def _recipe(tmp_path, model_dir, name, **overrides):

@@ -3,38 +3,24 @@
 import json
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from tiertune.cli.app import app
-from tiertune.finetune.demo import make_model
 from tiertune.finetune.estimate import estimate
 from tiertune.finetune.recipe import load_recipe
 from tiertune.finetune.train import train
 
-TEXTS = [
-    f"the {a} cat sat on the {b} mat ." for a in ("red", "big", "old", "fat") for b in ("blue", "flat", "wet")
-]
-
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("model"), TEXTS, layers=4, hidden=128)
+def model_dir(cat_model):
+    return cat_model(4, hidden=128)
 
 
-def _recipe(tmp_path, model_dir, overrides):
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    recipe = {
-        "model": {"path": str(model_dir), "dtype": "float32"},
-        "data": {"path": str(data), "max_seq_len": 32},
-        "training": {"output_dir": str(tmp_path / "run"), "max_steps": 3, "per_device_train_batch_size": 4,
-                     "gradient_accumulation_steps": 2, "logging_steps": 1},
-        "offload": {"disk_path": str(tmp_path / "nvme"), "device_budget": "64MiB", "host_budget": "64MiB"},
-    }  # fmt: skip
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return load_recipe(path, overrides)
+@pytest.fixture
+def make_recipe(tmp_path, model_dir, write_recipe):
+    path = write_recipe(tmp_path, model_dir, training={"gradient_accumulation_steps": 2},
+                        offload={"device_budget": "64MiB", "host_budget": "64MiB"})  # fmt: skip
+    return lambda overrides: load_recipe(path, overrides)
 
 
 CASES = {
@@ -55,8 +41,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_predicted_peaks_match_the_measured_ones(tmp_path, model_dir, case):
-    recipe = _recipe(tmp_path, model_dir, CASES[case])
+def test_predicted_peaks_match_the_measured_ones(make_recipe, case):
+    recipe = make_recipe(CASES[case])
     predicted = estimate(recipe, measure=False)
     assert predicted.fits
     result = train(recipe, progress=False)
@@ -66,8 +52,8 @@ def test_predicted_peaks_match_the_measured_ones(tmp_path, model_dir, case):
         assert abs(peak - expected) <= 0.15 * max(peak, expected), (tier, peak, expected, predicted.tiers)
 
 
-def test_estimate_command_prints_the_table_and_flags_a_budget_that_cannot_hold(tmp_path, model_dir):
-    recipe = _recipe(tmp_path, model_dir, ())
+def test_estimate_command_prints_the_table_and_flags_a_budget_that_cannot_hold(tmp_path, make_recipe):
+    recipe = make_recipe(())
     path = tmp_path / "r.yaml"
     path.write_text(recipe.to_yaml())
     ok = CliRunner().invoke(

@@ -1,41 +1,28 @@
 """export (a run or checkpoint as a model or adapter) and merge (an adapter folded into its base)."""
 
-import json
-
 import pytest
 import torch
-import yaml
 
 from tiertune.errors import ConfigError
-from tiertune.finetune.demo import make_model
 from tiertune.finetune.export import export, merge
 from tiertune.finetune.train import train
 
-TEXTS = [
-    f"the {a} cat sat on the {b} mat ." for a in ("red", "big", "old", "fat") for b in ("blue", "flat", "wet")
-]
-
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("model"), TEXTS, layers=2)
+def model_dir(cat_model):
+    return cat_model(2)
 
 
-def _recipe(tmp_path, model_dir, *overrides):
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    recipe = {
-        "model": {"path": str(model_dir), "dtype": "float32"},
-        "data": {"path": str(data), "max_seq_len": 32},
-        "training": {"output_dir": str(tmp_path / "run"), "max_steps": 4, "per_device_train_batch_size": 4,
-                     "learning_rate": "3e-3", "save_steps": 2, "report_to": "none"},
-        "offload": {"disk_path": str(tmp_path / "nvme"), "params": "disk", "device_budget": "8MiB",
-                    "host_budget": "8MiB"},
-        "method": {"lora": {"r": 4, "dropout": 0.0}},
-    }  # fmt: skip
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return train(path, overrides, progress=False)
+@pytest.fixture
+def run(tmp_path, model_dir, write_recipe):
+    """Train the tiny model 4 steps (checkpoints at 2) with ``overrides``; returns the TrainResult."""
+    path = write_recipe(
+        tmp_path, model_dir,
+        training={"max_steps": 4, "learning_rate": "3e-3", "save_steps": 2, "report_to": "none"},
+        offload={"params": "disk"},
+        method={"lora": {"r": 4, "dropout": 0.0}},
+    )  # fmt: skip
+    return lambda *overrides: train(path, overrides, progress=False)
 
 
 def _logits(model):
@@ -43,11 +30,11 @@ def _logits(model):
         return model(torch.tensor([[3, 4, 5, 6, 7]])).logits
 
 
-def test_a_checkpoint_exports_as_the_model_of_its_step(tmp_path, model_dir):
+def test_a_checkpoint_exports_as_the_model_of_its_step(tmp_path, run):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    result = _recipe(tmp_path, model_dir)
+    result = run()
     checkpoint = result.output_dir / "checkpoint-2"
     out, what = export(checkpoint, tmp_path / "exported")
     assert "step 2" in what
@@ -65,13 +52,13 @@ def test_a_checkpoint_exports_as_the_model_of_its_step(tmp_path, model_dir):
 
 
 @pytest.mark.parametrize("quantize", ["none", "nf4"])
-def test_merge_folds_the_adapter_into_its_base(tmp_path, model_dir, quantize):
+def test_merge_folds_the_adapter_into_its_base(tmp_path, model_dir, run, quantize):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from tiertune.quant import make_quantizer
 
-    result = _recipe(tmp_path, model_dir, "method.type=lora", f"model.quantize={quantize}")
+    result = run("method.type=lora", f"model.quantize={quantize}")
     adapter, what = export(result.output_dir, tmp_path / "adapter")
     assert "PEFT adapter" in what and (adapter / "adapter_config.json").is_file()
     out, what = merge(result.output_dir, tmp_path / "merged", dtype="float32")

@@ -3,41 +3,28 @@ import math
 
 import pytest
 import torch
-import yaml
 from typer.testing import CliRunner
 
 from tiertune.cli.app import app
 from tiertune.errors import ConfigError, DataError
-from tiertune.finetune.demo import make_model
 from tiertune.finetune.recipe import load_recipe
 from tiertune.finetune.train import train
 
-TEXTS = [
-    f"the {a} cat sat on the {b} mat ." for a in ("red", "big", "old", "fat") for b in ("blue", "flat", "wet")
-]
-
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("model"), TEXTS, layers=3)
+def model_dir(cat_model):
+    return cat_model(3)
 
 
 @pytest.fixture
-def recipe_file(tmp_path, model_dir):
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    recipe = {
-        "model": {"path": str(model_dir), "dtype": "float32"},
-        "data": {"path": str(data), "max_seq_len": 32, "shuffle": False},
-        "training": {"output_dir": str(tmp_path / "run"), "max_steps": 6, "per_device_train_batch_size": 4,
-                     "gradient_accumulation_steps": 2, "learning_rate": "3e-3", "logging_steps": 1,
-                     "lr_scheduler_type": "cosine", "warmup_steps": 1},
-        "offload": {"disk_path": str(tmp_path / "nvme"), "params": "disk", "optimizer_states": "disk",
-                    "device_budget": "4MiB", "host_budget": "1MiB"},
-    }  # fmt: skip
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+def recipe_file(tmp_path, model_dir, write_recipe):
+    return write_recipe(
+        tmp_path, model_dir,
+        data={"shuffle": False},
+        training={"max_steps": 6, "gradient_accumulation_steps": 2, "learning_rate": "3e-3",
+                  "lr_scheduler_type": "cosine", "warmup_steps": 1},
+        offload={"params": "disk", "optimizer_states": "disk", "device_budget": "4MiB", "host_budget": "1MiB"},
+    )  # fmt: skip
 
 
 def test_train_writes_the_log_and_a_model_transformers_loads(recipe_file, tmp_path):
