@@ -1,0 +1,101 @@
+"""Fused linear + cross-entropy: the loss of ``x @ weight.T (+ bias)`` against targets, without ever holding
+the [tokens x vocab] logits.
+
+The tokens are processed in chunks. For each chunk the logits are computed in fp32, reduced to the loss, and
+turned at once into the chunk's gradients (softmax minus one-hot), which are multiplied into the gradients of
+``x`` and ``weight``. Backward only scales those by the incoming gradient (the loss is a scalar), so peak
+memory is one chunk's logits plus the gradients themselves, instead of the logits, their fp32 copy, the
+softmax and the logits' gradient. Targets equal to ``ignore_index`` contribute nothing; ``reduction`` is
+``sum`` (what the engine uses: it divides by the step's target tokens itself) or ``mean`` over the targets
+that are not ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def linear_cross_entropy_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    reduction: str = "sum",
+) -> torch.Tensor:
+    """The unfused computation: full logits, upcast to fp32, ``F.cross_entropy`` (the oracle)."""
+    logits = F.linear(x, weight, bias).float()
+    return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """The fused op in plain torch (CPU, or any device without Triton): chunks of ``chunk_tokens`` tokens."""
+
+    @staticmethod
+    def forward(ctx, x, weight, target, bias, ignore_index, reduction, chunk_tokens):
+        n = x.shape[0]
+        valid = target != ignore_index
+        count = int(valid.sum())
+        scale = 1.0 / max(count, 1) if reduction == "mean" else 1.0
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_b = bias is not None and ctx.needs_input_grad[3]
+        grad_x = torch.empty_like(x) if want_x else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
+        w32 = weight.float()
+        b32 = None if bias is None else bias.float()
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for start in range(0, n, chunk_tokens):
+            xs = x[start : start + chunk_tokens]
+            ts = target[start : start + chunk_tokens]
+            keep = valid[start : start + chunk_tokens]
+            logits = F.linear(xs.float(), w32, b32)
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, ts.clamp_min(0).unsqueeze(1)).squeeze(1)
+            total += ((lse - picked) * keep).sum()
+            if not (want_x or want_w or want_b):
+                continue
+            # d loss / d logits = softmax - one-hot on kept rows (times the reduction's scale)
+            grad = logits.sub_(lse.unsqueeze(1)).exp_()
+            grad[torch.arange(len(ts), device=ts.device), ts.clamp_min(0)] -= 1.0
+            grad.mul_((keep * scale).unsqueeze(1))
+            if want_x:
+                grad_x[start : start + chunk_tokens] = (grad @ w32).to(x.dtype)
+            if want_w:
+                grad_w.addmm_(grad.t(), xs.float())
+            if want_b:
+                grad_b += grad.sum(0)
+        ctx.save_for_backward(*(g for g in (grad_x, grad_w, grad_b) if g is not None))
+        ctx.have = (want_x, want_w, want_b)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = iter(ctx.saved_tensors)
+        want_x, want_w, want_b = ctx.have
+        grad_x = next(saved) * grad_out if want_x else None
+        grad_w = (next(saved) * grad_out).to(ctx.dtypes[0]) if want_w else None
+        grad_b = (next(saved) * grad_out).to(ctx.dtypes[1]) if want_b else None
+        return grad_x, grad_w, None, grad_b, None, None, None
+
+
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    reduction: str = "sum",
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``x @ weight.T (+ bias)`` (``x``: [tokens, hidden], ``target``: [tokens]) without
+    materializing the logits. ``chunk_tokens`` defaults to about 64 MiB of fp32 logits per chunk."""
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be sum or mean, got {reduction!r}")
+    if chunk_tokens is None:
+        chunk_tokens = max(1, (64 << 20) // (4 * weight.shape[0]))
+    return ChunkedLinearCrossEntropy.apply(x, weight, target, bias, ignore_index, reduction, chunk_tokens)
