@@ -76,6 +76,11 @@ from tiertune.units import format_size
 log = logging.getLogger("tiertune.engine")
 
 IGNORE_INDEX = -100
+# causal LMs whose forward is the decoder then a plain linear head (no soft-capping or logit scale): their
+# loss can run fused with the head
+FUSED_LOSS_ARCHITECTURES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "stablelm", "gpt_neox"}
+)
 
 
 @dataclass
@@ -108,6 +113,9 @@ class EngineConfig:
     galore: GaloreSettings = field(default_factory=GaloreSettings)
     quant_cache: str | None = None  # directory of quantized chunks reused across runs (None: no cache)
     optim: str = "adamw_torch"  # or adamw_bnb_8bit: Adam moments in 8 bits (bitsandbytes' AdamW8bit)
+    kernels: str = (
+        "auto"  # auto or torch: fused ops in plain torch where the architecture allows (triton: later)
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.overlap_optimizer, bool):
@@ -120,6 +128,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value not in ("device", "host", "disk"):
                 raise ConfigError(f"offload.{name} must be device, host or disk, got {value!r}")
+        if self.kernels not in ("auto", "torch", "none"):
+            raise ConfigError(
+                f"kernels must be auto or torch (triton is not available yet), got {self.kernels!r}"
+            )
         if self.optim not in ("adamw_torch", "adamw_bnb_8bit"):
             raise ConfigError(f"training.optim must be adamw_torch or adamw_bnb_8bit, got {self.optim!r}")
         if self.method not in ("full", "lora", "galore"):
@@ -253,6 +265,7 @@ class StreamedTrainer:
         self.optimizer_counts = {"speculative": 0, "redone": 0, "after_backward": 0}
         self.last_grad_norm = float("nan")
         self._lr = _Schedule(config)
+        self._fused_loss = self._fuse_loss()
         # called with the chunks the optimizer is about to change (a checkpoint in the background)
         self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
 
@@ -265,6 +278,39 @@ class StreamedTrainer:
             for attr, param in module.named_parameters(recurse=False):
                 slots.setdefault(by_id[id(param)], []).append(_Slot(module, attr))
         return slots
+
+    def _fuse_loss(self) -> bool:
+        """Whether the loss runs fused with the head (``kernels.ops.linear_ce``): for architectures whose
+        causal-LM forward is the decoder then a plain linear head; others keep the unfused loss, said once."""
+        if self.config.kernels == "none":
+            return False
+        model_type = self.model.config.model_type
+        head = self.model.get_output_embeddings()
+        if model_type not in FUSED_LOSS_ARCHITECTURES or not isinstance(head, nn.Linear):
+            log.info(
+                "kernels: %s is not in the fused-loss list; the loss runs unfused (full logits)", model_type
+            )
+            return False
+        log.info("kernels: fused linear + cross-entropy (torch, chunked) for %s", model_type)
+        return True
+
+    def _loss_sum(self, ids: torch.Tensor, extra: dict, target: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's summed cross-entropy over its targets (shifted by one), fused with the head
+        where the architecture allows: the [tokens x vocab] logits never exist."""
+        if self._fused_loss:
+            from tiertune.kernels.ops.linear_ce import linear_cross_entropy
+
+            hidden = self.model.get_decoder()(input_ids=ids, **extra).last_hidden_state
+            head = self.model.get_output_embeddings()
+            h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+            return linear_cross_entropy(h, head.weight, target.reshape(-1), head.bias, IGNORE_INDEX, "sum")
+        logits = self.model(input_ids=ids, **extra).logits
+        return F.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+            target.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
 
     def _init_dora(self) -> None:
         """DoRA's magnitudes from the base weights: one pass over the layers, outside the trace."""
@@ -515,14 +561,7 @@ class StreamedTrainer:
                 # packed rows come with position_ids restarting per row and no attention mask, from which
                 # transformers builds the block-diagonal causal mask
                 extra = {k: mb[k].to(self.device) for k in ("attention_mask", "position_ids") if k in mb}
-                logits = self.model(input_ids=ids, **extra).logits
-                target = lab[:, 1:].to(self.device)
-                loss_sum = F.cross_entropy(
-                    logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                    target.reshape(-1),
-                    ignore_index=IGNORE_INDEX,
-                    reduction="sum",
-                )
+                loss_sum = self._loss_sum(ids, extra, lab[:, 1:].to(self.device))
                 (loss_sum / n_tokens).backward()
                 total += float(loss_sum.detach())
                 grads = {id(state): {n: p.grad for n, p in bound[id(state)].items()} for state in others}

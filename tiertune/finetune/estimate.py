@@ -220,9 +220,16 @@ def _chunks(recipe, store_cfg: StoreConfig, cfg) -> tuple[list[_Chunk], int, int
             )
     else:
         outside["saved layer inputs"] = act * len(parts.layers)
-    # the logits of a micro-batch, their fp32 copy for the loss and its gradient
     vocab = model.config.vocab_size
-    outside["logits and their gradient"] = cfg.activation_tokens * vocab * (_itemsize(cfg.dtype) + 8)
+    from tiertune.finetune.engine import FUSED_LOSS_ARCHITECTURES
+
+    if cfg.kernels != "none" and model.config.model_type in FUSED_LOSS_ARCHITECTURES:
+        # the loss fused with the head: one chunk of fp32 logits (and its gradient, in place), and the head's
+        # fp32 gradient when the head is trained
+        head = vocab * hidden * 4 if trained_flag else 0
+        outside["loss chunk (fused with the head)"] = min(64 << 20, cfg.activation_tokens * vocab * 4) + head
+    else:  # the logits of a micro-batch, their fp32 copy for the loss and its gradient
+        outside["logits and their gradient"] = cfg.activation_tokens * vocab * (_itemsize(cfg.dtype) + 8)
     if cfg.method == "lora":
         r = cfg.lora.r
         linear = [m for layer in parts.layers for m in layer.modules() if hasattr(m, "in_features")]

@@ -76,7 +76,7 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
             "point it at a local directory saved with save_pretrained (for the demo recipe: run `tiertune demo`)"
         )
     not_yet = [
-        (recipe.kernels == "triton", "kernels: triton", "auto or torch"),
+        (recipe.kernels == "triton", "kernels: triton", "auto or torch (fused ops in plain torch)"),
     ]
     for used, what, instead in not_yet:
         if used:  # never train differently from what the recipe says
@@ -121,6 +121,7 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
         adam_epsilon=t.adam_epsilon,
         max_grad_norm=t.max_grad_norm,
         optim=t.optim,
+        kernels=recipe.kernels,
         lr_scheduler_type=t.lr_scheduler_type,
         warmup_steps=t.warmup_steps,
         max_steps=1,  # set once the data is read
