@@ -1,7 +1,10 @@
 """Fused linear + cross-entropy against the unfused reference: forward and backward, odd shapes and
-vocabularies, ignored targets, both reductions; and its peak memory."""
+vocabularies, ignored targets, both reductions, the torch and the Triton backends (the Triton one under
+``TRITON_INTERPRET=1`` on a CPU, in fp32: the interpreter's bf16 arithmetic is wrong); and its peak memory."""
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,6 +14,10 @@ import torch
 
 from tiertune.kernels.ops.linear_ce import linear_cross_entropy, linear_cross_entropy_reference
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (lazily, by the backend)
+BACKENDS = ["torch"] + (["triton"] if importlib.util.find_spec("triton") else [])
+
 
 @pytest.mark.parametrize(
     ("tokens", "hidden", "vocab", "chunk"),
@@ -18,7 +25,8 @@ from tiertune.kernels.ops.linear_ce import linear_cross_entropy, linear_cross_en
 )
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_the_unfused_loss_and_gradients(tokens, hidden, vocab, chunk, reduction, with_bias):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_the_unfused_loss_and_gradients(tokens, hidden, vocab, chunk, reduction, with_bias, backend):
     g = torch.Generator().manual_seed(tokens + vocab)
     x = torch.randn(tokens, hidden, generator=g, requires_grad=True)
     w = (torch.randn(vocab, hidden, generator=g) * 0.1).requires_grad_()
@@ -26,7 +34,7 @@ def test_matches_the_unfused_loss_and_gradients(tokens, hidden, vocab, chunk, re
     target = torch.randint(0, vocab, (tokens,), generator=g)
     target[torch.rand(tokens, generator=g) < 0.3] = -100  # ignored tokens (padding, prompts)
     upstream = 0.37  # a loss scaled before backward, as the engine divides by the step's tokens
-    ours = linear_cross_entropy(x, w, target, b, reduction=reduction, chunk_tokens=chunk)
+    ours = linear_cross_entropy(x, w, target, b, reduction=reduction, chunk_tokens=chunk, backend=backend)
     (ours * upstream).backward()
     mine = [x.grad.clone(), w.grad.clone()] + ([b.grad.clone()] if with_bias else [])
     for t in [x, w] + ([b] if with_bias else []):
@@ -81,3 +89,20 @@ def test_the_torch_fallback_peaks_at_under_a_quarter_of_the_unfused_loss():
         peaks[kind] = json.loads(out.stdout.strip().splitlines()[-1])["peak_kib"]
     print(peaks)
     assert peaks["fused"] <= peaks["unfused"] / 4, peaks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,hidden,vocab", [(4096, 4096, 128256), (1000, 2048, 32003)])
+def test_triton_matches_torch_in_bf16_on_a_gpu(tokens, hidden, vocab):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    target = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    grads = {}
+    for backend in ("torch", "triton"):
+        loss = linear_cross_entropy(x, w, target, backend=backend)
+        loss.backward()
+        grads[backend] = (loss.detach(), x.grad.clone(), w.grad.clone())
+        x.grad = w.grad = None
+    for a, b in zip(grads["triton"], grads["torch"], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)

@@ -35,7 +35,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """The fused op in plain torch (CPU, or any device without Triton): chunks of ``chunk_tokens`` tokens."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, bias, ignore_index, reduction, chunk_tokens):
+    def forward(ctx, x, weight, target, bias, ignore_index, reduction, chunk_tokens, backend="torch"):
         n = x.shape[0]
         valid = target != ignore_index
         count = int(valid.sum())
@@ -53,15 +53,21 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             ts = target[start : start + chunk_tokens]
             keep = valid[start : start + chunk_tokens]
             logits = F.linear(xs.float(), w32, b32)
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, ts.clamp_min(0).unsqueeze(1)).squeeze(1)
-            total += ((lse - picked) * keep).sum()
-            if not (want_x or want_w or want_b):
-                continue
-            # d loss / d logits = softmax - one-hot on kept rows (times the reduction's scale)
-            grad = logits.sub_(lse.unsqueeze(1)).exp_()
-            grad[torch.arange(len(ts), device=ts.device), ts.clamp_min(0)] -= 1.0
-            grad.mul_((keep * scale).unsqueeze(1))
+            if backend == "triton":  # one kernel: the rows' losses, and the logits become their gradient
+                from tiertune.kernels.ops._triton_ce import ce_rows
+
+                total += ce_rows(logits, ts, ignore_index, scale).sum()
+                grad = logits
+            else:
+                lse = torch.logsumexp(logits, dim=-1)
+                picked = logits.gather(1, ts.clamp_min(0).unsqueeze(1)).squeeze(1)
+                total += ((lse - picked) * keep).sum()
+                if not (want_x or want_w or want_b):
+                    continue
+                # d loss / d logits = softmax - one-hot on kept rows (times the reduction's scale)
+                grad = logits.sub_(lse.unsqueeze(1)).exp_()
+                grad[torch.arange(len(ts), device=ts.device), ts.clamp_min(0)] -= 1.0
+                grad.mul_((keep * scale).unsqueeze(1))
             if want_x:
                 grad_x[start : start + chunk_tokens] = (grad @ w32).to(x.dtype)
             if want_w:
@@ -80,7 +86,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_x = next(saved) * grad_out if want_x else None
         grad_w = (next(saved) * grad_out).to(ctx.dtypes[0]) if want_w else None
         grad_b = (next(saved) * grad_out).to(ctx.dtypes[1]) if want_b else None
-        return grad_x, grad_w, None, grad_b, None, None, None
+        return grad_x, grad_w, None, grad_b, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -91,11 +97,30 @@ def linear_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     reduction: str = "sum",
     chunk_tokens: int | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Cross-entropy of ``x @ weight.T (+ bias)`` (``x``: [tokens, hidden], ``target``: [tokens]) without
-    materializing the logits. ``chunk_tokens`` defaults to about 64 MiB of fp32 logits per chunk."""
+    materializing the logits. ``chunk_tokens`` defaults to about 64 MiB of fp32 logits per chunk.
+    ``backend``: ``torch``, ``triton`` (the per-row loss and gradient in one kernel) or ``auto`` (Triton on a
+    CUDA device when it is installed)."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be sum or mean, got {reduction!r}")
     if chunk_tokens is None:
         chunk_tokens = max(1, (64 << 20) // (4 * weight.shape[0]))
-    return ChunkedLinearCrossEntropy.apply(x, weight, target, bias, ignore_index, reduction, chunk_tokens)
+    if backend == "auto":
+        backend = "triton" if x.is_cuda and triton_available() else "torch"
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
+    return ChunkedLinearCrossEntropy.apply(
+        x, weight, target, bias, ignore_index, reduction, chunk_tokens, backend
+    )
+
+
+def triton_available() -> bool:
+    """Whether Triton can run here: installed, and a GPU or its interpreter (``TRITON_INTERPRET=1``)."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
