@@ -32,6 +32,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +41,9 @@ from tiertune.offload.disk import slot_bytes
 from tiertune.offload.store import StoreConfig
 from tiertune.offload.tiers import Tier
 from tiertune.units import format_size
+
+if TYPE_CHECKING:
+    from tiertune.finetune.recipe import Recipe
 
 ORDER = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 
@@ -84,7 +88,7 @@ class Estimate:
         return all(t.fits for t in self.tiers.values())
 
 
-def estimate(recipe, measure: bool = True) -> Estimate:
+def estimate(recipe: Recipe, measure: bool = True) -> Estimate:
     """Predict bytes per tier and the step-time lower bound of ``recipe`` (``measure``: probe bandwidths)."""
     from tiertune.finetune.train import plan
 
@@ -114,9 +118,7 @@ def estimate(recipe, measure: bool = True) -> Estimate:
             if ORDER.index(c.home) > above and ORDER.index(c.used_on) <= above and id(c) not in transient
         ]  # fmt: skip
         passes = home + sum(c.capacity for c in staged)
-        if tier is Tier.DISK:
-            passes = home
-        if tier is Tier.DISK:  # slots: a header with a checksum per block, then the chunk
+        if tier is Tier.DISK:  # slots: a header with a checksum per block, then the chunk; nothing above it
             home = passes = sum(
                 slot_bytes(c.capacity, int(store_cfg.block_size)) for c in chunks if c.home is tier
             )
