@@ -27,6 +27,7 @@ Run: ``python benchmarks/bench_train.py --dir /mnt/nvme/tmp``
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import tempfile
@@ -66,7 +67,10 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         )
     engine.learning_rate = 1e-5
     engine.max_grad_norm = args.max_grad_norm
-    runtime_rss = current_rss()  # interpreter, torch, transformers: before any model state exists
+    # the runtime before any model state exists: interpreter, torch, transformers, and what they load on first
+    # use (torch._dynamo, imported while the model is built, loads Triton's library when it is installed)
+    importlib.import_module("torch._dynamo")
+    runtime_rss = current_rss()
     began = time.perf_counter()
     trainer = StreamedTrainer(model_dir, store, engine)
     load_s = time.perf_counter() - began

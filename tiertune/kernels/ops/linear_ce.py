@@ -76,16 +76,24 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_b += grad.sum(0)
         ctx.save_for_backward(*(g for g in (grad_x, grad_w, grad_b) if g is not None))
         ctx.have = (want_x, want_w, want_b)
+        ctx.used = False
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return total * scale
 
     @staticmethod
     def backward(ctx, grad_out):
+        # the gradients were computed in forward; they are scaled in place (no second copy of the head's
+        # gradient), so this backward can run only once, like any loss's without retain_graph
+        if ctx.used:
+            raise RuntimeError(
+                "the fused linear + cross-entropy cannot run backward twice; compute the loss again"
+            )
+        ctx.used = True
         saved = iter(ctx.saved_tensors)
         want_x, want_w, want_b = ctx.have
-        grad_x = next(saved) * grad_out if want_x else None
-        grad_w = (next(saved) * grad_out).to(ctx.dtypes[0]) if want_w else None
-        grad_b = (next(saved) * grad_out).to(ctx.dtypes[1]) if want_b else None
+        grad_x = next(saved).mul_(grad_out) if want_x else None
+        grad_w = next(saved).mul_(grad_out).to(ctx.dtypes[0]) if want_w else None
+        grad_b = next(saved).mul_(grad_out).to(ctx.dtypes[1]) if want_b else None
         return grad_x, grad_w, None, grad_b, None, None, None, None
 
 
