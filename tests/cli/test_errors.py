@@ -98,5 +98,6 @@ def test_a_multi_process_launch_starts_and_stops_with_a_clear_message(tmp_path, 
                           timeout=240, cwd=tmp_path)  # fmt: skip
     out = done.stdout + done.stderr
     assert done.returncode != 0
-    assert out.count("multi-GPU training (ZeRO sharding) is not available yet; run a single process") == 2
+    # each rank stops before training; the launcher may kill the second before it prints
+    assert "multi-GPU training (ZeRO sharding) is not available yet; run a single process" in out
     assert not (tmp_path / "run").exists()  # nothing was trained
