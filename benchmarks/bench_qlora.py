@@ -56,6 +56,18 @@ def _setup_device(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16
 
 
+def _step_figures(load_s: float, times: list[float], losses: list[float], args: argparse.Namespace) -> dict:
+    """Load time, the mean step time and tokens/s of the steps after the first, the first step, the losses."""
+    step_s = sum(times[1:]) / max(1, len(times) - 1)
+    return {
+        "load_and_quantize_s": load_s,
+        "step_s": step_s,
+        "tokens_per_second": args.batch * args.seq / step_s,
+        "first_step_s": times[0],
+        "losses": losses,
+    }
+
+
 def _gpu_peak(args: argparse.Namespace) -> int | None:
     return torch.cuda.max_memory_allocated() if args.device == "cuda" else None
 
@@ -90,13 +102,8 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
         layer = next(s.weights[0] for s in trainer._states if s.group.kind == "layer")
     finally:
         trainer.close()
-    step_s = sum(times[1:]) / max(1, len(times) - 1)
     return {
-        "load_and_quantize_s": load_s,
-        "step_s": step_s,
-        "tokens_per_second": args.batch * args.seq / step_s,
-        "first_step_s": times[0],
-        "losses": losses,
+        **_step_figures(load_s, times, losses, args),
         "bytes_moved_per_step": {k: (v - before.get(k, 0)) / n for k, v in stats.bytes_moved.items()},
         "peak_bytes": {k: v.peak for k, v in stats.tiers.items()},
         "layer_chunk_bytes": layer.capacity,
@@ -182,13 +189,8 @@ def _run_peft(model_dir: str, args: argparse.Namespace) -> dict:
         losses.append(float(loss))
         times.append(time.perf_counter() - began)
         print(f"peft step {len(times)}: {times[-1]:.1f} s", file=sys.stderr, flush=True)
-    step_s = sum(times[1:]) / max(1, len(times) - 1)
     return {
-        "load_and_quantize_s": load_s,
-        "step_s": step_s,
-        "tokens_per_second": args.batch * args.seq / step_s,
-        "first_step_s": times[0],
-        "losses": losses,
+        **_step_figures(load_s, times, losses, args),
         "peak_rss_bytes": peak_rss(),
         "peak_gpu_bytes": _gpu_peak(args),
     }

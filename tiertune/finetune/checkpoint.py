@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiertune.errors import ConfigError
-from tiertune.finetune.files import fsync_file
+from tiertune.finetune.files import fsync_dir, fsync_file
 
 if TYPE_CHECKING:
     from tiertune.finetune.engine import StreamedTrainer
@@ -178,21 +178,14 @@ class CheckpointWriter:
             self._trainer.before_update = None
 
 
-def save_checkpoint(trainer: StreamedTrainer, run_dir: str | os.PathLike[str], trainer_state: dict) -> Path:
-    """Write ``checkpoint-<global_step>`` of the trainer's current state and wait until it is complete."""
-    writer = CheckpointWriter(trainer, run_dir, None)
-    writer.save(trainer_state)
-    return writer.wait()  # type: ignore[return-value]
-
-
 def _commit(tmp: Path, final: Path, run_dir: Path) -> None:
     """fsync every file of ``tmp`` (the trainer state last), then rename it to ``final`` and fsync the run
     directory. An existing ``final`` (the same step saved again by a resumed run) is replaced whole."""
     for path in sorted(tmp.rglob("*"), key=lambda p: p.name == STATE_FILE):
         if path.is_file():
             fsync_file(path)
-    _fsync_dir(tmp / "state")
-    _fsync_dir(tmp)
+    fsync_dir(tmp / "state")
+    fsync_dir(tmp)
     if final.exists():
         old = run_dir / f".{final.name}.old"
         shutil.rmtree(old, ignore_errors=True)
@@ -201,7 +194,7 @@ def _commit(tmp: Path, final: Path, run_dir: Path) -> None:
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
-    _fsync_dir(run_dir)
+    fsync_dir(run_dir)
 
 
 def prune(run_dir: str | os.PathLike[str], limit: int | None) -> list[Path]:
@@ -258,11 +251,3 @@ def _set_rng_states(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -67,6 +67,7 @@ from tiertune.finetune.model import (
 )
 from tiertune.finetune.optim import AdamStep, GaLore, GaloreSettings, adamw, adamw_8bit, moment_entries
 from tiertune.finetune.weights import Checkpoint
+from tiertune.kernels.ops.linear_ce import linear_cross_entropy
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore, StoreConfig
 from tiertune.offload.tiers import BUDGET_SETTING, Tier
@@ -148,6 +149,21 @@ class EngineConfig:
             raise ConfigError(f"training.learning_rate must be >= 0, got {self.learning_rate}")
         if self.max_steps < 1:
             raise ConfigError(f"training.max_steps must be >= 1, got {self.max_steps}")
+
+
+def state_entries(fp32: list, cfg: EngineConfig, galore: GaLore | None) -> dict[str, list]:
+    """The optimizer's chunks for one weight chunk whose tensors are ``fp32`` entries, by kind: ``master``
+    (when the weights are not fp32), ``exp_avg`` and ``exp_avg_sq`` (8-bit, low-rank for GaLore's projected
+    weights) and GaLore's ``proj`` (when the chunk has a projected weight). The engine registers these; the
+    estimate lays out the same."""
+    eight_bit = cfg.optim == "adamw_bnb_8bit"
+    out: dict[str, list] = {"master": fp32} if cfg.dtype != torch.float32 else {}
+    moments = galore.moment_entries(fp32, eight_bit) if galore else moment_entries(fp32, eight_bit)
+    out["exp_avg"] = out["exp_avg_sq"] = moments
+    proj = galore.projection_entries(fp32) if galore else []
+    if proj:
+        out["proj"] = proj
+    return out
 
 
 @dataclass
@@ -298,8 +314,6 @@ class StreamedTrainer:
         """The micro-batch's summed cross-entropy over its targets (shifted by one), fused with the head
         where the architecture allows: the [tokens x vocab] logits never exist."""
         if self._fused_loss:
-            from tiertune.kernels.ops.linear_ce import linear_cross_entropy
-
             hidden = self.model.get_decoder()(input_ids=ids, **extra).last_hidden_state
             head = self.model.get_output_embeddings()
             h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
@@ -330,24 +344,20 @@ class StreamedTrainer:
             entries = [(s.name, s.shape, torch.float32) for s in chunk.tensors]
             add = partial(self._add_like, entries)
             state.grads += add(cfg.gradients, f"{chunk.name}.grad")
-            if cfg.dtype != torch.float32:
+            states = state_entries(entries, cfg, self.galore)
+            if "master" in states:
                 masters = add(cfg.optimizer_states, f"{chunk.name}.master")
                 state.master += masters
                 # from the checkpoint, not from the rounded weights: an fp32 checkpoint keeps its precision
                 with self.store.writing(masters[0]) as views:
                     for name, view in views.items():
                         checkpoint.read_into(self._source[name], view)
-            eight_bit = cfg.optim == "adamw_bnb_8bit"
-            if self.galore is None:
-                moments = moment_entries(entries, eight_bit)
-            else:
-                moments = self.galore.moment_entries(entries, eight_bit)
-                proj = self.galore.projection_entries(entries)
-                state.proj.append(
-                    self._add_like(proj, cfg.optimizer_states, f"{chunk.name}.proj")[0] if proj else None
-                )
-            state.exp_avg += self._add_like(moments, cfg.optimizer_states, f"{chunk.name}.exp_avg")
-            state.exp_avg_sq += self._add_like(moments, cfg.optimizer_states, f"{chunk.name}.exp_avg_sq")
+            home = cfg.optimizer_states
+            state.exp_avg += self._add_like(states["exp_avg"], home, f"{chunk.name}.exp_avg")
+            state.exp_avg_sq += self._add_like(states["exp_avg_sq"], home, f"{chunk.name}.exp_avg_sq")
+            if self.galore is not None:
+                proj = states.get("proj")
+                state.proj.append(self._add_like(proj, home, f"{chunk.name}.proj")[0] if proj else None)
         return state
 
     def _add_like(self, entries: list, home: str | Tier, name: str) -> list[Chunk]:

@@ -143,9 +143,10 @@ def _existing(path: str) -> str:
 
 def _chunks(recipe, store_cfg: StoreConfig, cfg) -> tuple[list[_Chunk], int, int, dict[str, int]]:
     """Every chunk the run would register, laid out as the store lays them out."""
-    from tiertune.finetune.model import build_skeleton, split_model
-    from tiertune.finetune.optim import GaLore, moment_entries
-    from tiertune.quant import is_quantized, make_quantizer
+    from tiertune.finetune.engine import state_entries
+    from tiertune.finetune.model import build_skeleton, split_model, weight_entries
+    from tiertune.finetune.optim import GaLore
+    from tiertune.quant import make_quantizer
 
     model = build_skeleton(recipe.model.path, cfg.dtype)
     parts = split_model(model)
@@ -170,19 +171,13 @@ def _chunks(recipe, store_cfg: StoreConfig, cfg) -> tuple[list[_Chunk], int, int
 
     trained_flag = cfg.method != "lora"
     clipping = bool(cfg.max_grad_norm and cfg.max_grad_norm > 0)
-    eight_bit = cfg.optim == "adamw_bnb_8bit"
     parameters = trained = 0
     units: list[tuple[_Chunk, list[tuple[str, list, _Chunk]]]] = []  # (gradients, [(kind, entries, source)])
+    kinds = {"master": "master", "exp_avg": "moments", "exp_avg_sq": "moments", "proj": "projections"}
     for group in parts.groups:
-        entries = []
-        for n, p in group.params.items():
-            if quant is not None and is_quantized(p):
-                entries += quant.entries(n, tuple(p.shape))
-            else:
-                entries.append((n, tuple(p.shape), cfg.dtype))
         parameters += group.numel
         # weights are used on the device; trained fp32 weights are their own master, changed on the host too
-        add(entries, "weights", cfg.params, Tier.DEVICE, trained_flag)
+        add(weight_entries(group, cfg.dtype, quant), "weights", cfg.params, Tier.DEVICE, trained_flag)
         weights = chunks[-1]
         if not trained_flag:
             continue
@@ -190,19 +185,11 @@ def _chunks(recipe, store_cfg: StoreConfig, cfg) -> tuple[list[_Chunk], int, int
         fp32 = [(n, tuple(p.shape), torch.float32) for n, p in group.params.items()]
         add(fp32, "gradients", cfg.gradients, cpu_tier(cfg.gradients), True)
         grads = chunks[-1]
-        sources = []
-        if cfg.dtype != torch.float32:
-            add(fp32, "master", cfg.optimizer_states, cpu_tier(cfg.optimizer_states), True)
-            sources.append(("master", fp32, chunks[-1]))
-        else:
-            sources.append(("master", fp32, weights))
-        moments = galore.moment_entries(fp32, eight_bit) if galore else moment_entries(fp32, eight_bit)
-        proj = galore.projection_entries(fp32) if galore else []
-        for kind, e in [("moments", moments), ("moments", moments)] + (
-            [("projections", proj)] if proj else []
-        ):
-            add(e, kind, cfg.optimizer_states, cpu_tier(cfg.optimizer_states), True)
-            sources.append((kind, e, chunks[-1]))
+        states = state_entries(fp32, cfg, galore)
+        sources = [] if "master" in states else [("master", fp32, weights)]
+        for key, e in states.items():
+            add(e, kinds[key], cfg.optimizer_states, cpu_tier(cfg.optimizer_states), True)
+            sources.append((kinds[key], e, chunks[-1]))
         units.append((grads, sources))
     if trained_flag and cfg.overlap_optimizer != "off" and clipping and _twins_fit(chunks, units, store_cfg):
         for _, sources in units:

@@ -18,3 +18,20 @@ def move_files_into(src: Path, dst: Path, last: str | None = None) -> None:
     for path in sorted(src.iterdir(), key=lambda p: p.name == last):
         fsync_file(path)
         os.replace(path, dst / path.name)
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text``: written to a temporary name beside it, fsynced, then renamed."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    fsync_file(tmp)
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (after files were renamed into it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

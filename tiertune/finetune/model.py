@@ -154,6 +154,18 @@ def checkpoint_names(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]
     return names
 
 
+def weight_entries(group: ParamGroup, dtype: torch.dtype, quant: Quantizer | None = None) -> list:
+    """The chunk entries (name, shape, dtype) of a group's weights: in ``dtype``, or quantized where ``quant``
+    converted the module."""
+    entries = []
+    for n, p in group.params.items():
+        if quant is not None and is_quantized(p):
+            entries += quant.entries(n, tuple(p.shape))
+        else:
+            entries.append((n, tuple(p.shape), dtype))
+    return entries
+
+
 def load_into_store(
     parts: ModelParts,
     checkpoint: Checkpoint,
@@ -181,12 +193,7 @@ def load_into_store(
             )
     for group in parts.groups:
         home = homes if isinstance(homes, Tier | str) else homes[group.kind]
-        entries = []
-        for n, p in group.params.items():
-            if quant is not None and is_quantized(p):
-                entries += quant.entries(n, tuple(p.shape))
-            else:
-                entries.append((n, tuple(p.shape), dtype))
+        entries = weight_entries(group, dtype, quant)
         group.chunks = store.add(entries, home=home, name=group.name, chunk_size=chunk_size)
         quantized = quant is not None and any(is_quantized(p) for p in group.params.values())
         for chunk in group.chunks:

@@ -25,7 +25,7 @@ import torch
 import xxhash
 
 from tiertune.errors import IntegrityError
-from tiertune.finetune.files import fsync_file
+from tiertune.finetune.files import fsync_file, write_text_atomically
 from tiertune.finetune.weights import Checkpoint
 from tiertune.offload.aio import buffer_of
 
@@ -92,11 +92,8 @@ class QuantCache:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        manifest = self.directory / f"{name}.json"
-        part = manifest.with_suffix(".json.tmp")
-        part.write_text(json.dumps({"tensors": {k: _digest(v) for k, v in views.items()}}))
-        fsync_file(part)
-        os.replace(part, manifest)
+        manifest = {"tensors": {k: _digest(v) for k, v in views.items()}}
+        write_text_atomically(self.directory / f"{name}.json", json.dumps(manifest))
 
 
 def _digest(tensor: torch.Tensor) -> str:

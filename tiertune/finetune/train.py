@@ -32,7 +32,7 @@ from tiertune.finetune.checkpoint import (
 from tiertune.finetune.data import batches, load_data
 from tiertune.finetune.engine import EngineConfig, StreamedTrainer
 from tiertune.finetune.export import write_hf
-from tiertune.finetune.files import fsync_file
+from tiertune.finetune.files import write_text_atomically
 from tiertune.finetune.lora import LoraSettings
 from tiertune.finetune.optim import GaloreSettings
 from tiertune.finetune.recipe import Recipe, load_recipe
@@ -212,7 +212,7 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     for path in remove_partial(out):
         log.info("removed %s: an interrupted checkpoint write", path)
-    _write_atomically(out / RECIPE_FILE, recipe.to_yaml())
+    write_text_atomically(out / RECIPE_FILE, recipe.to_yaml())
     resume = _resume_path(t.resume_from_checkpoint, out)
     result = TrainResult(out)
     stream = batches(data, t.per_device_train_batch_size, pad_id, d.shuffle, t.seed, d.packing, d.max_seq_len)
@@ -361,15 +361,7 @@ def _resume_path(setting: str | None, out: Path) -> Path | None:
 
 def _rewrite_log(path: Path, records: list[dict]) -> None:
     """Replace the JSON-lines log with ``records``."""
-    _write_atomically(path, "".join(json.dumps(r) + "\n" for r in records))
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file, fsync it and rename it to ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    fsync_file(tmp)
-    os.replace(tmp, path)
+    write_text_atomically(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def export_hf(trainer: StreamedTrainer, tokenizer: object, out: Path) -> None:
