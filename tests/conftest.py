@@ -1,9 +1,15 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
+
+# Triton's kernels run in its interpreter on a CPU (fp32 only: its bf16 arithmetic is wrong). Triton reads
+# this when it is first imported, which transformers, peft or torch may do at any point of a session.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

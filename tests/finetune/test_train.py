@@ -249,3 +249,32 @@ def test_steps_are_reported_to_tensorboard_and_wandb(recipe_file, tmp_path, monk
     train(recipe_file, ("training.max_steps=2", "training.report_to=wandb", f"training.output_dir={out}"),
           progress=False)  # fmt: skip
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [(), ("model.quantize=nf4", "method.type=lora", "method.lora.r=4", "method.lora.dropout=0")],
+    ids=["full", "qlora"],
+)
+@pytest.mark.parametrize("kernels", ["auto", "triton"])
+def test_the_kernels_train_with_the_loss_sequence_of_the_torch_references(
+    recipe_file, kernels, overrides, caplog
+):
+    """``kernels: auto`` (the torch references on a CPU) and ``kernels: triton`` (Triton's interpreter, fp32)
+    against ``kernels: torch``: the same losses step by step; the Triton run did patch the layers."""
+    import importlib.util
+    import logging
+
+    if kernels == "triton" and importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")  # on a CPU it runs in its interpreter (tests/conftest.py)
+    caplog.set_level(logging.INFO, logger="tiertune")
+    common = (*overrides, "training.max_steps=3", "offload.overlap_optimizer=false")
+    ref = train(recipe_file, (*common, "kernels=torch", "training.output_dir=" + str(recipe_file.parent / "ref")),
+                progress=False)  # fmt: skip
+    caplog.clear()
+    ours = train(recipe_file, (*common, f"kernels={kernels}"), progress=False)
+    backend = "torch" if kernels == "auto" else "triton"
+    assert f"kernels ({backend}): glu x3" in caplog.text
+    assert f"fused linear + cross-entropy ({backend}" in caplog.text
+    assert ours.losses == pytest.approx(ref.losses, rel=1e-5)
+    assert len(ours.losses) == 3

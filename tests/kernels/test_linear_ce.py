@@ -4,7 +4,6 @@ vocabularies, ignored targets, both reductions, the torch and the Triton backend
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,8 +13,6 @@ import torch
 
 from tiertune.kernels.ops.linear_ce import linear_cross_entropy, linear_cross_entropy_reference
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (lazily, by the backend)
 BACKENDS = ["torch"] + (["triton"] if importlib.util.find_spec("triton") else [])
 
 

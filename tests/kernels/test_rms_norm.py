@@ -3,15 +3,11 @@ backward, several shapes incl. non-powers of two, Llama's and Gemma's (1 + weigh
 against transformers' own modules."""
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
 from tiertune.kernels.ops.rms_norm import rms_norm, rms_norm_reference
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"

@@ -45,7 +45,7 @@ import os
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -68,6 +68,7 @@ from tiertune.finetune.model import (
 from tiertune.finetune.optim import AdamStep, GaLore, GaloreSettings, adamw, adamw_8bit, moment_entries
 from tiertune.finetune.weights import Checkpoint
 from tiertune.kernels.ops.linear_ce import linear_cross_entropy
+from tiertune.kernels.patch import patch_model, resolve_backend
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore, StoreConfig
 from tiertune.offload.tiers import BUDGET_SETTING, Tier
@@ -114,9 +115,9 @@ class EngineConfig:
     galore: GaloreSettings = field(default_factory=GaloreSettings)
     quant_cache: str | None = None  # directory of quantized chunks reused across runs (None: no cache)
     optim: str = "adamw_torch"  # or adamw_bnb_8bit: Adam moments in 8 bits (bitsandbytes' AdamW8bit)
-    kernels: str = (
-        "auto"  # auto or torch: fused ops in plain torch where the architecture allows (triton: later)
-    )
+    # auto: Triton kernels on a CUDA device with Triton, else the ops' torch references; torch; triton; none:
+    # the model's own modules and unfused loss (the plain-loop oracle of the parity tests)
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.overlap_optimizer, bool):
@@ -129,10 +130,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value not in ("device", "host", "disk"):
                 raise ConfigError(f"offload.{name} must be device, host or disk, got {value!r}")
-        if self.kernels not in ("auto", "torch", "none"):
-            raise ConfigError(
-                f"kernels must be auto or torch (triton is not available yet), got {self.kernels!r}"
-            )
+        if self.kernels not in ("auto", "torch", "triton", "none"):
+            raise ConfigError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
         if self.optim not in ("adamw_torch", "adamw_bnb_8bit"):
             raise ConfigError(f"training.optim must be adamw_torch or adamw_bnb_8bit, got {self.optim!r}")
         if self.method not in ("full", "lora", "galore"):
@@ -264,6 +263,13 @@ class StreamedTrainer:
         self._layer_adapters = [
             self.adapters.in_module(layer) if self.adapters else [] for layer in self.parts.layers
         ]
+        # the ops of kernels.ops in this instance's modules (none: transformers' and peft's own forwards)
+        self.kernel_backend = resolve_backend(
+            "torch" if config.kernels == "none" else config.kernels, self.device
+        )
+        self.kernel_counts = (
+            Counter() if config.kernels == "none" else patch_model(self.model, self.kernel_backend)
+        )
         self.overlap = self._add_twins() if trained else False
         self._inputs = self._add_input_chunks()
         self._worker = _OptimizerWorker(self)
@@ -307,7 +313,9 @@ class StreamedTrainer:
                 "kernels: %s is not in the fused-loss list; the loss runs unfused (full logits)", model_type
             )
             return False
-        log.info("kernels: fused linear + cross-entropy (torch, chunked) for %s", model_type)
+        log.info(
+            "kernels: fused linear + cross-entropy (%s, chunked) for %s", self.kernel_backend, model_type
+        )
         return True
 
     def _loss_sum(self, ids: torch.Tensor, extra: dict, target: torch.Tensor) -> torch.Tensor:
@@ -317,7 +325,15 @@ class StreamedTrainer:
             hidden = self.model.get_decoder()(input_ids=ids, **extra).last_hidden_state
             head = self.model.get_output_embeddings()
             h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-            return linear_cross_entropy(h, head.weight, target.reshape(-1), head.bias, IGNORE_INDEX, "sum")
+            return linear_cross_entropy(
+                h,
+                head.weight,
+                target.reshape(-1),
+                head.bias,
+                IGNORE_INDEX,
+                "sum",
+                backend=self.kernel_backend,
+            )
         logits = self.model(input_ids=ids, **extra).logits
         return F.cross_entropy(
             logits[:, :-1].float().reshape(-1, logits.shape[-1]),

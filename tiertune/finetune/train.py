@@ -37,6 +37,7 @@ from tiertune.finetune.lora import LoraSettings
 from tiertune.finetune.optim import GaloreSettings
 from tiertune.finetune.recipe import Recipe, load_recipe
 from tiertune.finetune.reporting import Reporters
+from tiertune.kernels.patch import resolve_backend
 from tiertune.offload.store import StoreConfig
 from tiertune.units import format_size
 
@@ -75,12 +76,6 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
             f"model.path {recipe.model.path} is not a Hugging Face model directory (no config.json there); "
             "point it at a local directory saved with save_pretrained (for the demo recipe: run `tiertune demo`)"
         )
-    not_yet = [
-        (recipe.kernels == "triton", "kernels: triton", "auto or torch (fused ops in plain torch)"),
-    ]
-    for used, what, instead in not_yet:
-        if used:  # never train differently from what the recipe says
-            raise ConfigError(f"{what} is not available yet; use {instead}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         raise ConfigError(
@@ -88,6 +83,7 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
             "run a single process"
         )
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolve_backend(recipe.kernels, torch.device(device))  # kernels: triton where it cannot run is an error
     dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32}.get(
         recipe.model.dtype
     ) or getattr(torch, recipe.model.dtype)

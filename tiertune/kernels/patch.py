@@ -1,0 +1,241 @@
+"""Puts tiertune's ops into one model *instance*, per architecture: its RMSNorm, gated MLP and attention
+modules get forwards that call ``kernels.ops``, and so do peft's LoRA layers and bitsandbytes' NF4 layers.
+
+Nothing is patched globally: other models of the same class, built before or after, keep transformers' own
+code. The attention forward is transformers' own function, rebuilt with a namespace in which
+``apply_rotary_pos_emb`` is ours, so it follows whatever the installed transformers version does around
+the rotation. An architecture not in ``ARCHITECTURES`` keeps its modules (the reference), said once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import types
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tiertune.errors import ConfigError
+from tiertune.kernels.ops.linear_ce import triton_available
+from tiertune.kernels.ops.lora import lora_branch
+from tiertune.kernels.ops.nf4 import nf4_linear
+from tiertune.kernels.ops.rms_norm import rms_norm
+from tiertune.kernels.ops.rope import apply_rope
+from tiertune.kernels.ops.swiglu import GLU_ACTIVATIONS, glu
+
+log = logging.getLogger("tiertune.kernels")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The module classes (by name, in the architecture's modeling module) that get our ops."""
+
+    norm: str  # RMSNorm class
+    mlp: str  # gated MLP class: gate_proj/up_proj/down_proj, or one gate_up_proj (phi3)
+    attention: str  # attention class whose forward calls the module's apply_rotary_pos_emb
+    norm_offset: float = 0.0  # Gemma scales by 1 + weight, in fp32
+
+
+def _arch(prefix: str, **kwargs: float) -> Architecture:
+    return Architecture(f"{prefix}RMSNorm", f"{prefix}MLP", f"{prefix}Attention", **kwargs)
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": _arch("Llama"),
+    "mistral": _arch("Mistral"),
+    "qwen2": _arch("Qwen2"),
+    "qwen3": _arch("Qwen3"),
+    "gemma": _arch("Gemma", norm_offset=1.0),
+    "phi3": _arch("Phi3"),
+}
+
+
+def resolve_backend(kernels: str, device: torch.device) -> str:
+    """The backend a recipe's ``kernels`` setting means on ``device``: ``triton`` or ``torch``.
+
+    ``auto`` is Triton on a CUDA device where it is installed, else the torch references; ``triton``
+    insists (a CPU runs it only under ``TRITON_INTERPRET=1``, which is for tests)."""
+    if kernels == "torch":
+        return "torch"
+    if kernels == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if kernels == "triton":
+        if not triton_available():
+            why = "triton is not installed" if device.type == "cuda" else "there is no CUDA device"
+            raise ConfigError(f"kernels: triton cannot run here ({why}); use kernels: auto or torch")
+        return "triton"
+    raise ConfigError(f"kernels must be auto, torch or triton, got {kernels!r}")
+
+
+def patch_model(model: nn.Module, backend: str, nf4: bool | None = None) -> Counter[str]:
+    """Gives ``model``'s modules forwards that run tiertune's ops with ``backend`` (``torch``/``triton``).
+
+    ``nf4``: whether bitsandbytes' NF4 layers run ours too (default: with Triton only, where our dequantize
+    kernel replaces bitsandbytes'; on a CPU bitsandbytes' own path is the reference). Returns how many
+    modules of each kind were patched; an architecture not in ``ARCHITECTURES`` is logged once."""
+    counts: Counter[str] = Counter()
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    arch = ARCHITECTURES.get(model_type)
+    if arch is None:
+        _say_once(f"kernels: {model_type} has no kernel table; its layers run transformers' own code")
+    for module in model.modules():
+        name = type(module).__name__
+        if arch is not None and name == arch.norm:
+            module.forward = functools.partial(_norm_forward, module, arch.norm_offset, backend)
+            counts["rms_norm"] += 1
+        elif arch is not None and name == arch.mlp and _patch_mlp(module, backend):
+            counts["glu"] += 1
+        elif arch is not None and name == arch.attention and _patch_attention(module, backend):
+            counts["rope"] += 1
+        elif _is_lora_linear(module) and _patch_lora(module, backend):
+            counts["lora"] += 1
+        elif _is_nf4(module) and (backend == "triton" if nf4 is None else nf4):
+            module.forward = functools.partial(_nf4_forward, module, backend)
+            counts["nf4"] += 1
+    log.info("kernels (%s): %s", backend, ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "none")
+    return counts
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    log.info(message)
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm
+
+
+def _norm_forward(module: nn.Module, offset: float, backend: str, x: torch.Tensor) -> torch.Tensor:
+    eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+    if offset:  # Gemma: (x * (1 + w)) in fp32, then cast; transformers' GemmaRMSNorm
+        return rms_norm(x.float(), module.weight.float(), eps, offset, backend).type_as(x)
+    return rms_norm(x, module.weight, eps, 0.0, backend)
+
+
+# ---------------------------------------------------------------------------------------------- gated MLP
+
+
+def _patch_mlp(module: nn.Module, backend: str) -> bool:
+    act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
+    activation = _glu_activation(act)
+    if activation is None:
+        _say_once(f"kernels: {type(module).__name__}'s activation {type(act).__name__} has no fused kernel")
+        return False
+    if hasattr(module, "gate_up_proj"):
+        module.forward = functools.partial(_fused_gate_up_forward, module, activation, backend)
+    else:
+        module.forward = functools.partial(_mlp_forward, module, activation, backend)
+    return True
+
+
+def _glu_activation(act: object) -> str | None:
+    """Our name for the activation module ``act`` (None: no kernel for it), matched by class."""
+    from transformers.activations import ACT2CLS
+
+    for hf_name, ours in GLU_ACTIVATIONS.items():
+        if type(act) is ACT2CLS.get(hf_name):
+            return ours
+    return None
+
+
+def _mlp_forward(module: nn.Module, activation: str, backend: str, x: torch.Tensor) -> torch.Tensor:
+    return module.down_proj(glu(module.gate_proj(x), module.up_proj(x), activation, backend))
+
+
+def _fused_gate_up_forward(module: nn.Module, activation: str, backend: str, x: torch.Tensor) -> torch.Tensor:
+    gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
+    return module.down_proj(glu(gate, up, activation, backend))
+
+
+# ---------------------------------------------------------------------------------------------- RoPE
+
+
+def _patch_attention(module: nn.Module, backend: str) -> bool:
+    cls = type(module)
+    fn = cls.forward
+    if "apply_rotary_pos_emb" not in fn.__code__.co_names:
+        _say_once(f"kernels: {cls.__name__}.forward does not call apply_rotary_pos_emb; RoPE stays unfused")
+        return False
+    namespace = dict(sys.modules[cls.__module__].__dict__)
+    namespace["apply_rotary_pos_emb"] = functools.partial(_rope, backend)
+    forward = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    forward.__kwdefaults__ = fn.__kwdefaults__
+    module.forward = types.MethodType(forward, module)
+    return True
+
+
+def _rope(
+    backend: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if unsqueeze_dim != 1:
+        raise NotImplementedError("tiertune's RoPE takes q and k as [batch, heads, seq, head_dim]")
+    return apply_rope(q, k, cos, sin, backend)
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+
+
+def _is_lora_linear(module: nn.Module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    return isinstance(module, LoraLayer) and isinstance(getattr(module, "base_layer", None), nn.Module)
+
+
+def _patch_lora(module: nn.Module, backend: str) -> bool:
+    """peft's LoRA layer with one plain adapter (no DoRA, not merged): base output + the fused branch."""
+    adapters = list(module.lora_A)
+    plain = (
+        len(adapters) == 1
+        and not module.merged
+        and not module.use_dora.get(adapters[0], False)
+        and isinstance(module.lora_A[adapters[0]], nn.Linear)
+        and isinstance(module.lora_dropout[adapters[0]], nn.Dropout | nn.Identity)
+        and not getattr(module, "lora_bias", {}).get(adapters[0], False)
+    )
+    if not plain:
+        _say_once(
+            f"kernels: {type(module).__name__} with several adapters, DoRA or bias keeps peft's forward"
+        )
+        return False
+    module.forward = functools.partial(_lora_forward, module, adapters[0], backend)
+    return True
+
+
+def _lora_forward(
+    module: nn.Module, name: str, backend: str, x: torch.Tensor, *args, **kwargs
+) -> torch.Tensor:
+    result = module.base_layer(x, *args, **kwargs)
+    if module.disable_adapters or name not in module.active_adapters:
+        return result
+    dropout = module.lora_dropout[name]
+    p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
+    a, b = module.lora_A[name].weight, module.lora_B[name].weight
+    delta = lora_branch(x.to(a.dtype), a, b, module.scaling[name], p, module.training, backend)
+    return result + delta.to(result.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- NF4
+
+
+def _is_nf4(module: nn.Module) -> bool:
+    if "bitsandbytes" not in sys.modules:
+        return False
+    import bitsandbytes as bnb
+
+    weight = getattr(module, "weight", None)
+    return isinstance(module, bnb.nn.Linear4bit) and getattr(weight, "quant_type", None) == "nf4"
+
+
+def _nf4_forward(module: nn.Module, backend: str, x: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes' Linear4bit.forward with our dequantize: compute in the module's compute dtype."""
+    weight = module.weight
+    h = x.to(module.compute_dtype) if module.compute_dtype is not None else x
+    return nf4_linear(h, weight.data, weight.quant_state, module.bias, backend).to(x.dtype)
