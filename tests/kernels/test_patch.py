@@ -42,7 +42,8 @@ def tiny(model_type: str, **overrides) -> torch.nn.Module:
 def run(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad()
     logits = model(input_ids=ids).logits
-    (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+    weights = torch.linspace(-1, 1, logits.shape[-1], device=logits.device, dtype=logits.dtype)
+    (logits * weights).sum().backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -152,3 +153,18 @@ def test_backends(monkeypatch):
         resolve_backend("triton", torch.device("cpu"))
     with pytest.raises(ConfigError, match="must be auto, torch or triton"):
         resolve_backend("fast", torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_a_patched_instance_in_bf16_on_a_gpu(model_type):
+    """The Triton kernels compiled for the GPU, in bf16: logits and gradients near transformers' own."""
+    model = tiny(model_type, hidden_size=256, intermediate_size=688, head_dim=64).to("cuda", torch.bfloat16)
+    ids = torch.randint(1, 101, (2, 67), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    patched = copy.deepcopy(model)
+    assert patch_model(patched, "triton")["rope"] == 2
+    ours, theirs = run(patched, ids), run(model, ids)
+    torch.testing.assert_close(ours[0].float(), theirs[0].float(), rtol=2e-2, atol=2e-2)
+    for name, grad in theirs[1].items():
+        rel = (ours[1][name].float() - grad.float()).norm() / grad.float().norm().clamp_min(1e-6)
+        assert rel < 2e-2, (name, float(rel))

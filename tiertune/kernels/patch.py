@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tiertune.errors import ConfigError
-from tiertune.kernels.ops.linear_ce import triton_available
+from tiertune.kernels.ops.backend import triton_available
 from tiertune.kernels.ops.lora import lora_branch
 from tiertune.kernels.ops.nf4 import nf4_linear
 from tiertune.kernels.ops.rms_norm import rms_norm
@@ -218,7 +218,7 @@ def _lora_forward(
     dropout = module.lora_dropout[name]
     p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
     a, b = module.lora_A[name].weight, module.lora_B[name].weight
-    delta = lora_branch(x.to(a.dtype), a, b, module.scaling[name], p, module.training, backend)
+    delta = lora_branch(x, a, b, module.scaling[name], p, module.training, backend)  # casts x to A's dtype
     return result + delta.to(result.dtype)
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tiertune.kernels.ops.backend import choose_backend
+
 IGNORE_INDEX = -100
 
 
@@ -115,20 +117,7 @@ def linear_cross_entropy(
         raise ValueError(f"reduction must be sum or mean, got {reduction!r}")
     if chunk_tokens is None:
         chunk_tokens = max(1, (64 << 20) // (4 * weight.shape[0]))
-    if backend == "auto":
-        backend = "triton" if x.is_cuda and triton_available() else "torch"
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
+    backend = choose_backend(backend, x)
     return ChunkedLinearCrossEntropy.apply(
         x, weight, target, bias, ignore_index, reduction, chunk_tokens, backend
     )
-
-
-def triton_available() -> bool:
-    """Whether Triton can run here: installed, and a GPU or its interpreter (``TRITON_INTERPRET=1``)."""
-    import importlib.util
-    import os
-
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tiertune.kernels.ops.backend import choose_backend
+
 
 def lora_branch_reference(
     x: torch.Tensor,
@@ -141,14 +143,9 @@ def lora_branch(
     """``dropout(x) @ A^T @ B^T * scale`` (dropout probability ``p`` when ``training``) without storing the
     dropped-out ``x``. ``backend``: ``torch``, ``triton`` or ``auto`` (Triton on a CUDA device when it is
     installed). Without dropout the torch backend is the plain reference: there is no mask to save."""
-    from tiertune.kernels.ops.linear_ce import triton_available
-
     if not 0.0 <= p < 1.0:
         raise ValueError(f"the dropout probability must be in [0, 1), got {p}")
-    if backend == "auto":
-        backend = "triton" if x.is_cuda and triton_available() else "torch"
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
+    backend = choose_backend(backend, x)
     p = p if training else 0.0
     if backend == "triton":
         return LoRABranchTriton.apply(x, a, b, scale, p, None)

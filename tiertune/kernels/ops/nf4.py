@@ -21,6 +21,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tiertune.kernels.ops.backend import choose_backend
+
 # bitsandbytes' NF4 table (``bitsandbytes.functional.get_4bit_type("nf4")``; a test checks they are equal).
 NF4_CODE = torch.tensor(
     [
@@ -100,16 +102,11 @@ def dequantize_nf4(
 ) -> torch.Tensor:
     """The weight of shape ``state.shape`` in ``dtype`` (default ``state.dtype``), with the Triton kernel
     (``triton``, or ``auto`` on a GPU with Triton) or the reference."""
-    from tiertune.kernels.ops.linear_ce import triton_available
-
-    if backend == "auto":
-        backend = "triton" if packed.is_cuda and triton_available() else "torch"
+    backend = choose_backend(backend, packed)
     if backend == "triton":
         from tiertune.kernels.ops._triton_nf4 import dequantize
 
         return dequantize(packed_bytes(packed, state), state, dtype or state.dtype)
-    if backend != "torch":
-        raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
     return dequantize_nf4_reference(packed, state, dtype)
 
 
@@ -146,12 +143,7 @@ def nf4_linear(
 ) -> torch.Tensor:
     """``x @ W.T + bias`` for the NF4 weight ``(packed, state)`` (a bitsandbytes ``QuantState``); ``bias``
     is cast to ``x.dtype`` as ``Linear4bit`` does."""
-    from tiertune.kernels.ops.linear_ce import triton_available
-
-    if backend == "auto":
-        backend = "triton" if x.is_cuda and triton_available() else "torch"
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
+    backend = choose_backend(backend, x)
     if bias is not None:
         bias = bias.to(x.dtype)
     return NF4Linear.apply(x, packed, state, bias, backend)

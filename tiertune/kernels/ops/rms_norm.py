@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from tiertune.kernels.ops.backend import choose_backend
+
 
 def rms_norm_reference(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
@@ -46,10 +48,7 @@ class RMSNormTriton(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, backend: str = "auto"):
     """RMSNorm with the Triton kernels (``triton``, or ``auto`` on a GPU with Triton) or the reference."""
-    from tiertune.kernels.ops.linear_ce import triton_available
-
-    if backend == "auto":
-        backend = "triton" if x.is_cuda and triton_available() else "torch"
+    backend = choose_backend(backend, x)
     if backend == "triton":
         return RMSNormTriton.apply(x, weight, eps, offset)
     return rms_norm_reference(x, weight, eps, offset)

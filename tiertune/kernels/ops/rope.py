@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from tiertune.kernels.ops.backend import choose_backend
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -86,12 +88,7 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on ``q`` and ``k`` with the Triton kernel (``triton``, or ``auto`` on a GPU with Triton) or the
     reference (``torch``)."""
-    from tiertune.kernels.ops.linear_ce import triton_available
-
-    if backend == "auto":
-        backend = "triton" if q.is_cuda and triton_available() else "torch"
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
+    backend = choose_backend(backend, q)
     if backend == "triton":
         return RoPETriton.apply(q, k, cos, sin)
     return rope_reference(q, k, cos, sin)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tiertune.kernels.ops.backend import choose_backend
+
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 # transformers' ``hidden_act`` names (keys of ``ACT2FN``) that are one of ours. "gelu" is the exact erf GELU,
@@ -83,13 +85,8 @@ def glu(
 ) -> torch.Tensor:
     """``act(gate) * up`` with the Triton kernels (``triton``, or ``auto`` on a GPU with Triton) or the
     reference (``torch``). ``activation`` is ``silu`` or ``gelu_tanh``."""
-    from tiertune.kernels.ops.linear_ce import triton_available
-
     _check(activation)
-    if backend == "auto":
-        backend = "triton" if gate.is_cuda and triton_available() else "torch"
+    backend = choose_backend(backend, gate)
     if backend == "triton":
         return GLUTriton.apply(gate, up, activation)
-    if backend == "torch":
-        return glu_reference(gate, up, activation)
-    raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
+    return glu_reference(gate, up, activation)
