@@ -118,7 +118,7 @@ def _case(op: str, impl: str, a: argparse.Namespace) -> tuple[Callable[[], torch
             hidden_size=a.heads * a.head_dim, num_attention_heads=a.heads, max_position_embeddings=seq
         )
         positions = torch.arange(seq, device=dev).expand(batch, -1)
-        cos, sin = LlamaRotaryEmbedding(cfg, device=dev)(q, positions)
+        cos, sin = LlamaRotaryEmbedding(cfg).to(dev)(q, positions)
         cos, sin = cos.to(dt), sin.to(dt)
 
         def both(fn: Callable) -> Callable[[], torch.Tensor]:

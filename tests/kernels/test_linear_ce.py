@@ -103,3 +103,29 @@ def test_triton_matches_torch_in_bf16_on_a_gpu(tokens, hidden, vocab):
         x.grad = w.grad = None
     for a, b in zip(grads["triton"], grads["torch"], strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_under_no_grad_only_the_loss_is_computed():
+    """Evaluation: the same loss, without computing the gradients (whose head-sized buffer and matmuls are
+    most of the op's cost): the ops run are recorded, the weight's gradient accumulation must be absent."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(30, 8, requires_grad=True)
+    w = torch.randn(77, 8, requires_grad=True)
+    target = torch.randint(0, 77, (30,))
+    with torch.no_grad(), Record() as evaluating:
+        loss = linear_cross_entropy(x, w, target, chunk_tokens=7, backend="torch")
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss, linear_cross_entropy_reference(x, w, target).detach())
+    with Record() as training:
+        linear_cross_entropy(x, w, target, chunk_tokens=7, backend="torch")
+    assert "aten.addmm_.default" in training.ops and "aten.addmm_.default" not in evaluating.ops

@@ -37,13 +37,17 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """The fused op in plain torch (CPU, or any device without Triton): chunks of ``chunk_tokens`` tokens."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, bias, ignore_index, reduction, chunk_tokens, backend="torch"):
+    def forward(
+        ctx, x, weight, target, bias, ignore_index, reduction, chunk_tokens, backend="torch", grads=True
+    ):
         n = x.shape[0]
         valid = target != ignore_index
         count = int(valid.sum())
         scale = 1.0 / max(count, 1) if reduction == "mean" else 1.0
-        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        want_b = bias is not None and ctx.needs_input_grad[3]
+        # the gradients are computed here, in forward; none when autograd will not ask for them (no_grad)
+        want_x, want_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
+        want_b = grads and bias is not None and ctx.needs_input_grad[3]
+        wanted = want_x or want_w or want_b
         grad_x = torch.empty_like(x) if want_x else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
@@ -55,7 +59,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             ts = target[start : start + chunk_tokens]
             keep = valid[start : start + chunk_tokens]
             logits = F.linear(xs.float(), w32, b32)
-            if backend == "triton":  # one kernel: the rows' losses, and the logits become their gradient
+            if (
+                backend == "triton" and wanted
+            ):  # one kernel: the rows' losses, and the logits become their gradient
                 from tiertune.kernels.ops._triton_ce import ce_rows
 
                 total += ce_rows(logits, ts, ignore_index, scale).sum()
@@ -64,7 +70,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 lse = torch.logsumexp(logits, dim=-1)
                 picked = logits.gather(1, ts.clamp_min(0).unsqueeze(1)).squeeze(1)
                 total += ((lse - picked) * keep).sum()
-                if not (want_x or want_w or want_b):
+                if not wanted:
                     continue
                 # d loss / d logits = softmax - one-hot on kept rows (times the reduction's scale)
                 grad = logits.sub_(lse.unsqueeze(1)).exp_()
@@ -96,7 +102,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_x = next(saved).mul_(grad_out) if want_x else None
         grad_w = next(saved).mul_(grad_out).to(ctx.dtypes[0]) if want_w else None
         grad_b = next(saved).mul_(grad_out).to(ctx.dtypes[1]) if want_b else None
-        return grad_x, grad_w, None, grad_b, None, None, None, None
+        return grad_x, grad_w, None, grad_b, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -119,5 +125,5 @@ def linear_cross_entropy(
         chunk_tokens = max(1, (64 << 20) // (4 * weight.shape[0]))
     backend = choose_backend(backend, x)
     return ChunkedLinearCrossEntropy.apply(
-        x, weight, target, bias, ignore_index, reduction, chunk_tokens, backend
+        x, weight, target, bias, ignore_index, reduction, chunk_tokens, backend, torch.is_grad_enabled()
     )
