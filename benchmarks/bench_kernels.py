@@ -14,8 +14,9 @@ Ops and what each implementation is:
   ``kernels.patch`` (``lora_branch``; no Liger counterpart).
 
 Each (op, implementation) runs in a fresh process: forward + backward ``--reps`` times after ``--warmup``,
-median seconds for the forward and for forward + backward, and the peak memory of one forward + backward
-above what the inputs take (``torch.cuda.max_memory_allocated`` on a GPU; on a CPU the process's peak RSS,
+median seconds for the forward and for forward + backward, the bytes autograd keeps from forward to backward
+beyond the inputs (``saved_bytes``; the fused loss keeps its gradients there), and the peak memory of one
+forward + backward above what the inputs take (``torch.cuda.max_memory_allocated`` on a GPU; on a CPU the process's peak RSS,
 reset just before). Shapes are Llama-3-8B's by default (hidden 4096, intermediate 14336, 32 heads of 128,
 8 KV heads, vocabulary 128256) over ``--tokens`` tokens. On a CPU our ops run their torch code and Liger
 is skipped (Triton needs a GPU). Prints one JSON object.
@@ -230,6 +231,7 @@ def _measure(op: str, impl: str, a: argparse.Namespace) -> dict:
     for _ in range(a.warmup):
         step()
     sync()
+    saved = _saved_bytes(forward, inputs)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -255,7 +257,27 @@ def _measure(op: str, impl: str, a: argparse.Namespace) -> dict:
         "forward_s": statistics.median(fwd),
         "forward_backward_s": statistics.median(full),
         "peak_bytes": peak,
+        "saved_bytes": saved,
     }
+
+
+def _saved_bytes(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> int:
+    """Bytes autograd keeps from one forward until backward, beyond the inputs themselves (each storage once)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs}
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    del out
+    return total
 
 
 def _compare(results: dict[str, dict]) -> dict:
@@ -267,6 +289,7 @@ def _compare(results: dict[str, dict]) -> dict:
         if "forward_backward_s" in ours and "forward_backward_s" in theirs:
             out[f"speedup_vs_{ref}"] = round(theirs["forward_backward_s"] / ours["forward_backward_s"], 3)
             out[f"peak_vs_{ref}"] = round(ours["peak_bytes"] / max(theirs["peak_bytes"], 1), 3)
+            out[f"saved_vs_{ref}"] = round(ours["saved_bytes"] / max(theirs["saved_bytes"], 1), 3)
     return out
 
 

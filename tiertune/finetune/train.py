@@ -327,6 +327,12 @@ def _banner(recipe: Recipe, trainer: StreamedTrainer, store: StoreConfig, steps:
         + (f", disk {store.disk_path}" if store.disk_path else ""),
         f"  optimizer: {cfg.optim}, {'overlapped with backward' if trainer.overlap else 'after backward'}; "
         f"activations on {cfg.activations}; output {t.output_dir}",
+        f"  kernels: {trainer.kernel_backend} ("
+        + ", ".join(
+            [f"{k} x{n}" for k, n in sorted(trainer.kernel_counts.items())]
+            + ["fused loss"] * trainer._fused_loss
+        )
+        + ")",
     ]
     return "\n".join(lines)
 
