@@ -13,13 +13,15 @@ Ops and what each implementation is:
 - ``lora``: a peft LoRA linear with dropout on a frozen base; ours, the same module through
   ``kernels.patch`` (``lora_branch``; no Liger counterpart).
 
-Each (op, implementation) runs in a fresh process: forward + backward ``--reps`` times after ``--warmup``,
-median seconds for the forward and for forward + backward, the bytes autograd keeps from forward to backward
-beyond the inputs (``saved_bytes``; the fused loss keeps its gradients there), and the peak memory of one
-forward + backward above what the inputs take (``torch.cuda.max_memory_allocated`` on a GPU; on a CPU the process's peak RSS,
-reset just before). Shapes are Llama-3-8B's by default (hidden 4096, intermediate 14336, 32 heads of 128,
-8 KV heads, vocabulary 128256) over ``--tokens`` tokens. On a CPU our ops run their torch code and Liger
-is skipped (Triton needs a GPU). Prints one JSON object.
+Each (op, implementation) runs in a fresh process: forward + backward ``--reps`` times after ``--warmup``;
+reported are the median seconds of the forward and of forward + backward; ``saved_bytes``, what autograd
+keeps from forward to backward that did not exist before it (activations and masks, and the fused loss's
+gradients; bitsandbytes' NF4 linear keeps its state outside autograd's view and shows 0); and the peak
+memory of one forward + backward above what the inputs take (``torch.cuda.max_memory_allocated`` on a GPU;
+on a CPU the process's peak RSS, reset just before, which is only meaningful for large ops such as ``ce``).
+Shapes are Llama-3-8B's by default (hidden 4096, intermediate 14336, 32 heads of 128, 8 KV heads,
+vocabulary 128256) over ``--tokens`` tokens. On a CPU our ops run their torch code and Liger is skipped
+(Triton needs a GPU). Prints one JSON object.
 
 Run: ``python benchmarks/bench_kernels.py`` (on a GPU: bf16; ``--ops ce,rms_norm`` for a subset).
 """
@@ -27,6 +29,7 @@ Run: ``python benchmarks/bench_kernels.py`` (on a GPU: bf16; ``--ops ce,rms_norm
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -231,7 +234,7 @@ def _measure(op: str, impl: str, a: argparse.Namespace) -> dict:
     for _ in range(a.warmup):
         step()
     sync()
-    saved = _saved_bytes(forward, inputs)
+    saved = _saved_bytes(forward)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -261,9 +264,10 @@ def _measure(op: str, impl: str, a: argparse.Namespace) -> dict:
     }
 
 
-def _saved_bytes(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> int:
-    """Bytes autograd keeps from one forward until backward, beyond the inputs themselves (each storage once)."""
-    seen = {t.untyped_storage().data_ptr() for t in inputs}
+def _saved_bytes(forward: Callable[[], torch.Tensor]) -> int:
+    """Bytes autograd keeps from one forward until backward that did not exist before it (activations, masks,
+    gradients computed ahead; not the inputs or the weights it merely references), each storage once."""
+    seen = {t.untyped_storage().data_ptr() for t in gc.get_objects() if isinstance(t, torch.Tensor)}
     total = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
