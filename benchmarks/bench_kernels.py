@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -267,7 +268,9 @@ def _measure(op: str, impl: str, a: argparse.Namespace) -> dict:
 def _saved_bytes(forward: Callable[[], torch.Tensor]) -> int:
     """Bytes autograd keeps from one forward until backward that did not exist before it (activations, masks,
     gradients computed ahead; not the inputs or the weights it merely references), each storage once."""
-    seen = {t.untyped_storage().data_ptr() for t in gc.get_objects() if isinstance(t, torch.Tensor)}
+    with warnings.catch_warnings():  # isinstance on every live object touches deprecated module attributes
+        warnings.simplefilter("ignore")
+        seen = {t.untyped_storage().data_ptr() for t in gc.get_objects() if isinstance(t, torch.Tensor)}
     total = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
