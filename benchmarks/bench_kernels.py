@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine
+from common import machine, proc_status_bytes
 
 OPS = ("ce", "rms_norm", "rope", "swiglu", "nf4", "lora")
 IMPLS = ("eager", "tiertune", "liger")
@@ -211,13 +211,6 @@ def _linear_case(op: str, impl: str, a: argparse.Namespace, rand: Callable) -> t
 # ------------------------------------------------------------------ measuring one case
 
 
-def _rss_status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def _measure(op: str, impl: str, a: argparse.Namespace) -> dict:
     cuda = a.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -240,11 +233,11 @@ def _measure(op: str, impl: str, a: argparse.Namespace) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        base = _rss_status("VmRSS:")
+        base = proc_status_bytes("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) from here
     step()
     sync()
-    peak = (torch.cuda.max_memory_allocated() if cuda else _rss_status("VmHWM:")) - base
+    peak = (torch.cuda.max_memory_allocated() if cuda else proc_status_bytes("VmHWM")) - base
     fwd, full = [], []
     for _ in range(a.reps):
         sync()

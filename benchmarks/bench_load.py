@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import proc_status_bytes
 
 from tiertune.units import format_size, parse_size
 
@@ -73,10 +74,8 @@ def write_checkpoint(
 def peak_rss() -> int:
     """This process's peak resident memory in bytes. VmHWM, not getrusage: Linux carries ru_maxrss across
     execve, so a child would report the high-water mark of the parent it was forked from."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = proc_status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def load(model_dir: str, disk_dir: str, host_budget: int, dtype: str) -> dict:

@@ -22,6 +22,17 @@ def add_model_args(p: argparse.ArgumentParser, **defaults: int) -> None:
     p.add_argument("--child", nargs=3, metavar=("MODEL", "DISK", "MODE"), help=argparse.SUPPRESS)
 
 
+def proc_status_bytes(key: str) -> int | None:
+    """A memory figure of this process from ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in bytes; None
+    where there is no such file or line."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def machine() -> dict:
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}
 

@@ -306,7 +306,7 @@ def test_the_fused_loss_trains_like_the_model_own_loss(tiny_model_dir, disk_dir,
         store = StoreConfig(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir / kernels))
         trainer = StreamedTrainer(str(path), store, _config(kernels=kernels))
         try:
-            assert trainer._fused_loss == (kernels == "torch")
+            assert trainer.fused_loss == (kernels == "torch")
             losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
             runs[kernels] = (losses, trainer.state_dict())
         finally:

@@ -287,7 +287,7 @@ class StreamedTrainer:
         self.optimizer_counts = {"speculative": 0, "redone": 0, "after_backward": 0}
         self.last_grad_norm = float("nan")
         self._lr = _Schedule(config)
-        self._fused_loss = self._fuse_loss()
+        self.fused_loss = self._fuse_loss()  # the loss runs fused with the head (kernels.ops.linear_ce)
         # called with the chunks the optimizer is about to change (a checkpoint in the background)
         self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
 
@@ -321,7 +321,7 @@ class StreamedTrainer:
     def _loss_sum(self, ids: torch.Tensor, extra: dict, target: torch.Tensor) -> torch.Tensor:
         """The micro-batch's summed cross-entropy over its targets (shifted by one), fused with the head
         where the architecture allows: the [tokens x vocab] logits never exist."""
-        if self._fused_loss:
+        if self.fused_loss:
             hidden = self.model.get_decoder()(input_ids=ids, **extra).last_hidden_state
             head = self.model.get_output_embeddings()
             h = hidden[:, :-1].reshape(-1, hidden.shape[-1])

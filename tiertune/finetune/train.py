@@ -37,7 +37,7 @@ from tiertune.finetune.lora import LoraSettings
 from tiertune.finetune.optim import GaloreSettings
 from tiertune.finetune.recipe import Recipe, load_recipe
 from tiertune.finetune.reporting import Reporters
-from tiertune.kernels.patch import resolve_backend
+from tiertune.kernels.patch import describe, resolve_backend
 from tiertune.offload.store import StoreConfig
 from tiertune.units import format_size
 
@@ -329,8 +329,7 @@ def _banner(recipe: Recipe, trainer: StreamedTrainer, store: StoreConfig, steps:
         f"activations on {cfg.activations}; output {t.output_dir}",
         f"  kernels: {trainer.kernel_backend} ("
         + ", ".join(
-            [f"{k} x{n}" for k, n in sorted(trainer.kernel_counts.items())]
-            + ["fused loss"] * trainer._fused_loss
+            filter(None, [describe(trainer.kernel_counts), "fused loss" if trainer.fused_loss else ""])
         )
         + ")",
     ]

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tiertune.errors import ConfigError
-from tiertune.kernels.ops.backend import triton_available
+from tiertune.kernels.ops.backend import default_backend, triton_available
 from tiertune.kernels.ops.lora import lora_branch
 from tiertune.kernels.ops.nf4 import nf4_linear
 from tiertune.kernels.ops.rms_norm import rms_norm
@@ -62,7 +62,7 @@ def resolve_backend(kernels: str, device: torch.device) -> str:
     if kernels == "torch":
         return "torch"
     if kernels == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        return default_backend(device)
     if kernels == "triton":
         if not triton_available():
             why = "triton is not installed" if device.type == "cuda" else "there is no CUDA device"
@@ -96,8 +96,13 @@ def patch_model(model: nn.Module, backend: str, nf4: bool | None = None) -> Coun
         elif _is_nf4(module) and (backend == "triton" if nf4 is None else nf4):
             module.forward = functools.partial(_nf4_forward, module, backend)
             counts["nf4"] += 1
-    log.info("kernels (%s): %s", backend, ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "none")
+    log.info("kernels (%s): %s", backend, describe(counts) or "none")
     return counts
+
+
+def describe(counts: Counter[str]) -> str:
+    """``patch_model``'s counts as the log and the banner show them: ``glu x3, rms_norm x7, rope x3``."""
+    return ", ".join(f"{kind} x{n}" for kind, n in sorted(counts.items()))
 
 
 @functools.cache
