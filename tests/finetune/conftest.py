@@ -23,7 +23,11 @@ def tiny_config(family: str, layers: int = 4):
         "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16)),
         # tied and scaled embeddings, 1+w norms
         "gemma": ("GemmaConfig", dict(num_key_value_heads=2, head_dim=16)),
-        "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16)),  # soft-capping, sliding window
+        # soft-capping and a sliding window, both small enough to act on these logits and sequences
+        "gemma2": (
+            "Gemma2Config",
+            dict(num_key_value_heads=2, head_dim=16, final_logit_softcapping=1.0, sliding_window=4),
+        ),
         "phi3": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=0)),  # fused qkv and gate_up
         "olmo2": ("Olmo2Config", dict(num_key_value_heads=2)),
         "stablelm": ("StableLmConfig", dict(num_key_value_heads=2)),  # partial rotary, biases

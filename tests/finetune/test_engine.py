@@ -1,5 +1,7 @@
 """Parity: the streamed engine against a plain PyTorch loop (same data order and hyper-parameters)."""
 
+import importlib.util
+
 import pytest
 import torch
 from torch import nn
@@ -246,6 +248,30 @@ def test_a_micro_batch_larger_than_the_activation_chunks_is_a_clear_error(tiny_m
             trainer.step(_batches(211)[:1])  # 2 x 12 tokens
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_gemma2_trains_with_the_kernels_and_the_soft_capped_fused_loss(tiny_model_dir, disk_dir, kernels):
+    """Gemma 2 (soft-capped logits, cap 1 so that it bends these small logits; a fused loss without the cap
+    is off by about 1e-3) with its layers patched and the loss fused with the head, against ``kernels: none``
+    (transformers' modules and its own soft-capped logits): the same losses for 3 steps. ``triton`` runs in
+    Triton's interpreter, in fp32."""
+    if kernels == "triton" and importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    path, _ = tiny_model_dir("gemma2", layers=2)
+    batches = _batches(211)
+    losses = {}
+    for run in ("none", kernels):
+        store = StoreConfig(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir / run))
+        trainer = StreamedTrainer(str(path), store, _config(kernels=run, warmup_steps=0))
+        try:
+            if run != "none":
+                assert trainer.fused_loss
+                assert trainer.kernel_counts == {"rms_norm": 4 * 2 + 1, "glu": 2, "rope": 2}
+            losses[run] = [trainer.step(batches[s : s + 1]) for s in range(3)]  # a micro-batch a step
+        finally:
+            trainer.close()
+    torch.testing.assert_close(torch.tensor(losses[kernels]), torch.tensor(losses["none"]), rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "stablelm"])

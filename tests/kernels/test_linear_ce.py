@@ -1,6 +1,7 @@
 """Fused linear + cross-entropy against the unfused reference: forward and backward, odd shapes and
-vocabularies, ignored targets, both reductions, the torch and the Triton backends (the Triton one under
-``TRITON_INTERPRET=1`` on a CPU, in fp32: the interpreter's bf16 arithmetic is wrong); and its peak memory."""
+vocabularies, ignored targets, both reductions, soft-capped logits, the torch and the Triton backends (the
+Triton one under ``TRITON_INTERPRET=1`` on a CPU, in fp32: the interpreter's bf16 arithmetic is wrong); and
+its peak memory."""
 
 import importlib.util
 import json
@@ -42,6 +43,49 @@ def test_matches_the_unfused_loss_and_gradients(tokens, hidden, vocab, chunk, re
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     for a, r in zip(mine, theirs, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("softcap", [30.0, 2.0])  # Gemma 2's cap, and one that flattens most logits
+@pytest.mark.parametrize(("tokens", "hidden", "vocab", "chunk"), [(37, 16, 101, 8), (70, 32, 5003, 24)])
+@pytest.mark.parametrize(("reduction", "with_bias"), [("sum", False), ("mean", True)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_soft_capped_logits_match_the_unfused_loss_and_gradients(
+    tokens, hidden, vocab, chunk, reduction, with_bias, softcap, backend
+):
+    """``softcap``: the loss of ``softcap * tanh(logits / softcap)``, computed unfused by autograd through
+    ``torch.tanh``; the loss alone (under no_grad) too. Logits of several units, so both caps change them."""
+    g = torch.Generator().manual_seed(tokens + vocab)
+    x = torch.randn(tokens, hidden, generator=g, requires_grad=True)
+    w = (torch.randn(vocab, hidden, generator=g) * 0.5).requires_grad_()
+    b = torch.randn(vocab, generator=g).requires_grad_() if with_bias else None
+    target = torch.randint(0, vocab, (tokens,), generator=g)
+    target[torch.rand(tokens, generator=g) < 0.3] = -100
+    params = [x, w] + ([b] if with_bias else [])
+
+    logits = torch.nn.functional.linear(x, w, b)
+    capped = softcap * torch.tanh(logits / softcap)
+    ref = torch.nn.functional.cross_entropy(capped, target, ignore_index=-100, reduction=reduction)
+    (ref * 0.37).backward()
+    theirs = [p.grad.clone() for p in params]
+    uncapped = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction=reduction)
+    assert not torch.allclose(ref, uncapped, rtol=1e-3)  # the cap does change the loss
+    for p in params:
+        p.grad = None
+
+    ours = linear_cross_entropy(
+        x, w, target, b, reduction=reduction, chunk_tokens=chunk, backend=backend, softcap=softcap
+    )
+    (ours * 0.37).backward()
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    for p, r in zip(params, theirs, strict=True):
+        torch.testing.assert_close(p.grad, r, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        alone = linear_cross_entropy(
+            x, w, target, b, reduction=reduction, chunk_tokens=chunk, backend=backend, softcap=softcap
+        )
+        oracle = linear_cross_entropy_reference(x, w, target, b, reduction=reduction, softcap=softcap)
+    torch.testing.assert_close(alone, ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(oracle, ref.detach(), rtol=1e-6, atol=1e-6)
 
 
 def test_a_frozen_head_gets_no_gradient_and_x_does():

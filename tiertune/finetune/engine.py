@@ -78,11 +78,13 @@ from tiertune.units import format_size
 log = logging.getLogger("tiertune.engine")
 
 IGNORE_INDEX = -100
-# causal LMs whose forward is the decoder then a plain linear head (no soft-capping or logit scale): their
-# loss can run fused with the head
+# causal LMs whose forward is the decoder then a plain linear head, soft-capped by the config's
+# final_logit_softcapping where it has one (Gemma 2 and 3), no other logit scale: their loss can run fused
+# with the head
 FUSED_LOSS_ARCHITECTURES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "stablelm", "gpt_neox"}
-)
+    {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "stablelm",
+     "gpt_neox"}
+)  # fmt: skip
 
 
 @dataclass
@@ -333,6 +335,7 @@ class StreamedTrainer:
                 IGNORE_INDEX,
                 "sum",
                 backend=self.kernel_backend,
+                softcap=getattr(self.model.config, "final_logit_softcapping", None),
             )
         logits = self.model(input_ids=ids, **extra).logits
         return F.cross_entropy(

@@ -214,9 +214,12 @@ def _chunks(recipe, store_cfg: StoreConfig, cfg) -> tuple[list[_Chunk], int, int
 
     if cfg.kernels != "none" and model.config.model_type in FUSED_LOSS_ARCHITECTURES:
         # the loss fused with the head: one chunk of fp32 logits (and its gradient, in place), and the head's
-        # fp32 gradient when the head is trained
+        # fp32 gradient when the head is trained; soft-capped logits (Gemma 2) keep a second chunk, their tanh,
+        # on the torch path
         head = vocab * hidden * 4 if trained_flag else 0
-        outside["loss chunk (fused with the head)"] = min(64 << 20, cfg.activation_tokens * vocab * 4) + head
+        chunks_held = 2 if getattr(model.config, "final_logit_softcapping", None) else 1
+        loss_chunk = min(64 << 20, cfg.activation_tokens * vocab * 4) * chunks_held
+        outside["loss chunk (fused with the head)"] = loss_chunk + head
     else:  # the logits of a micro-batch, their fp32 copy for the loss and its gradient
         outside["logits and their gradient"] = cfg.activation_tokens * vocab * (_itemsize(cfg.dtype) + 8)
     if cfg.method == "lora":

@@ -50,6 +50,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": _arch("Qwen2"),
     "qwen3": _arch("Qwen3"),
     "gemma": _arch("Gemma", norm_offset=1.0),
+    "gemma2": _arch("Gemma2", norm_offset=1.0),
+    "gemma3_text": _arch("Gemma3", norm_offset=1.0),
     "phi3": _arch("Phi3"),
 }
 

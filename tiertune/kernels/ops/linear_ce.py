@@ -7,7 +7,9 @@ turned at once into the chunk's gradients (softmax minus one-hot), which are mul
 memory is one chunk's logits plus the gradients themselves, instead of the logits, their fp32 copy, the
 softmax and the logits' gradient. Targets equal to ``ignore_index`` contribute nothing; ``reduction`` is
 ``sum`` (what the engine uses: it divides by the step's target tokens itself) or ``mean`` over the targets
-that are not ignored.
+that are not ignored. ``softcap`` (Gemma 2's final-logit soft-capping) replaces the logits ``z`` by
+``softcap * tanh(z / softcap)`` before the softmax; their gradient is taken through the cap (times
+``1 - tanh(z / softcap)^2``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ def linear_cross_entropy_reference(
     bias: torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
     reduction: str = "sum",
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """The unfused computation: full logits, upcast to fp32, ``F.cross_entropy`` (the oracle)."""
+    """The unfused computation: full logits, upcast to fp32, soft-capped, ``F.cross_entropy`` (the oracle)."""
     logits = F.linear(x, weight, bias).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
 
 
@@ -38,7 +43,17 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x, weight, target, bias, ignore_index, reduction, chunk_tokens, backend="torch", grads=True
+        ctx,
+        x,
+        weight,
+        target,
+        bias,
+        ignore_index,
+        reduction,
+        chunk_tokens,
+        backend="torch",
+        softcap=None,
+        grads=True,
     ):
         n = x.shape[0]
         valid = target != ignore_index
@@ -64,9 +79,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             ):  # one kernel: the rows' losses, and the logits become their gradient
                 from tiertune.kernels.ops._triton_ce import ce_rows
 
-                total += ce_rows(logits, ts, ignore_index, scale).sum()
+                total += ce_rows(logits, ts, ignore_index, scale, softcap).sum()
                 grad = logits
             else:
+                if softcap is not None:  # tanh(z / softcap) stays for the gradient: a second chunk buffer
+                    tanh = logits.div_(softcap).tanh_()
+                    logits = tanh * softcap
                 lse = torch.logsumexp(logits, dim=-1)
                 picked = logits.gather(1, ts.clamp_min(0).unsqueeze(1)).squeeze(1)
                 total += ((lse - picked) * keep).sum()
@@ -76,6 +94,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad = logits.sub_(lse.unsqueeze(1)).exp_()
                 grad[torch.arange(len(ts), device=ts.device), ts.clamp_min(0)] -= 1.0
                 grad.mul_((keep * scale).unsqueeze(1))
+                if softcap is not None:  # through the cap: d softcap * tanh(z / softcap) / dz = 1 - tanh^2
+                    grad.mul_(tanh.square_().neg_().add_(1.0))
             if want_x:
                 grad_x[start : start + chunk_tokens] = (grad @ w32).to(x.dtype)
             if want_w:
@@ -102,7 +122,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_x = next(saved).mul_(grad_out) if want_x else None
         grad_w = next(saved).mul_(grad_out).to(ctx.dtypes[0]) if want_w else None
         grad_b = next(saved).mul_(grad_out).to(ctx.dtypes[1]) if want_b else None
-        return grad_x, grad_w, None, grad_b, None, None, None, None, None
+        return grad_x, grad_w, None, grad_b, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -114,16 +134,29 @@ def linear_cross_entropy(
     reduction: str = "sum",
     chunk_tokens: int | None = None,
     backend: str = "auto",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``x @ weight.T (+ bias)`` (``x``: [tokens, hidden], ``target``: [tokens]) without
     materializing the logits. ``chunk_tokens`` defaults to about 64 MiB of fp32 logits per chunk.
     ``backend``: ``torch``, ``triton`` (the per-row loss and gradient in one kernel) or ``auto`` (Triton on a
-    CUDA device when it is installed)."""
+    CUDA device when it is installed). ``softcap``: the logits become ``softcap * tanh(logits / softcap)``
+    (Gemma 2's ``final_logit_softcapping``); None leaves them as they are."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be sum or mean, got {reduction!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap!r}")
     if chunk_tokens is None:
         chunk_tokens = max(1, (64 << 20) // (4 * weight.shape[0]))
     backend = choose_backend(backend, x)
     return ChunkedLinearCrossEntropy.apply(
-        x, weight, target, bias, ignore_index, reduction, chunk_tokens, backend, torch.is_grad_enabled()
+        x,
+        weight,
+        target,
+        bias,
+        ignore_index,
+        reduction,
+        chunk_tokens,
+        backend,
+        softcap,
+        torch.is_grad_enabled(),
     )
