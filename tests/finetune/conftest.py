@@ -28,6 +28,17 @@ def tiny_config(family: str, layers: int = 4):
             "Gemma2Config",
             dict(num_key_value_heads=2, head_dim=16, final_logit_softcapping=1.0, sliding_window=4),
         ),
+        # q/k norms too, sliding and full attention layers in turn
+        "gemma3_text": (
+            "Gemma3TextConfig",
+            dict(
+                num_key_value_heads=2,
+                head_dim=16,
+                final_logit_softcapping=1.0,
+                sliding_window=4,
+                layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+            ),
+        ),
         "phi3": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=0)),  # fused qkv and gate_up
         "olmo2": ("Olmo2Config", dict(num_key_value_heads=2)),
         "stablelm": ("StableLmConfig", dict(num_key_value_heads=2)),  # partial rotary, biases

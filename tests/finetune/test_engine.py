@@ -250,15 +250,20 @@ def test_a_micro_batch_larger_than_the_activation_chunks_is_a_clear_error(tiny_m
         trainer.close()
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_gemma2_trains_with_the_kernels_and_the_soft_capped_fused_loss(tiny_model_dir, disk_dir, kernels):
-    """Gemma 2 (soft-capped logits, cap 1 so that it bends these small logits; a fused loss without the cap
-    is off by about 1e-3) with its layers patched and the loss fused with the head, against ``kernels: none``
-    (transformers' modules and its own soft-capped logits): the same losses for 3 steps. ``triton`` runs in
-    Triton's interpreter, in fp32."""
+@pytest.mark.parametrize(
+    ("family", "kernels", "norms"),
+    [("gemma2", "torch", 9), ("gemma2", "triton", 9), ("gemma3_text", "torch", 13)],
+)
+def test_gemma_2_and_3_train_with_the_kernels_and_the_soft_capped_fused_loss(
+    tiny_model_dir, disk_dir, family, kernels, norms
+):
+    """Gemma 2 and 3 (soft-capped logits, cap 1 so that it bends these small logits; a fused loss without the
+    cap is off by about 1e-3) with their layers patched and the loss fused with the head, against ``kernels:
+    none`` (transformers' modules and its own soft-capped logits): the same losses for 3 steps. ``triton``
+    runs in Triton's interpreter, in fp32. Norms: 4 a layer and the final one, and Gemma 3's q and k norms."""
     if kernels == "triton" and importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    path, _ = tiny_model_dir("gemma2", layers=2)
+    path, _ = tiny_model_dir(family, layers=2)
     batches = _batches(211)
     losses = {}
     for run in ("none", kernels):
@@ -267,7 +272,7 @@ def test_gemma2_trains_with_the_kernels_and_the_soft_capped_fused_loss(tiny_mode
         try:
             if run != "none":
                 assert trainer.fused_loss
-                assert trainer.kernel_counts == {"rms_norm": 4 * 2 + 1, "glu": 2, "rope": 2}
+                assert trainer.kernel_counts == {"rms_norm": norms, "glu": 2, "rope": 2}
             losses[run] = [trainer.step(batches[s : s + 1]) for s in range(3)]  # a micro-batch a step
         finally:
             trainer.close()
