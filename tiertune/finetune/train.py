@@ -307,6 +307,9 @@ def _banner(recipe: Recipe, trainer: StreamedTrainer, store: StoreConfig, steps:
     batch = (
         t.per_device_train_batch_size * t.gradient_accumulation_steps * int(os.environ.get("WORLD_SIZE", "1"))
     )
+    fused = [describe(trainer.kernel_counts)] if trainer.kernel_counts else []
+    if trainer.fused_loss:
+        fused.append("fused loss")
     homes = {"weights": cfg.params, "gradients": cfg.gradients, "master": cfg.optimizer_states,
              "moments": cfg.optimizer_states, "projections": cfg.optimizer_states, "twins": cfg.optimizer_states}  # fmt: skip
     where = ", ".join(
@@ -327,11 +330,7 @@ def _banner(recipe: Recipe, trainer: StreamedTrainer, store: StoreConfig, steps:
         + (f", disk {store.disk_path}" if store.disk_path else ""),
         f"  optimizer: {cfg.optim}, {'overlapped with backward' if trainer.overlap else 'after backward'}; "
         f"activations on {cfg.activations}; output {t.output_dir}",
-        f"  kernels: {trainer.kernel_backend} ("
-        + ", ".join(
-            filter(None, [describe(trainer.kernel_counts), "fused loss" if trainer.fused_loss else ""])
-        )
-        + ")",
+        f"  kernels: {trainer.kernel_backend} ({', '.join(fused) or 'none fused: the model modules, unfused loss'})",
     ]
     return "\n".join(lines)
 

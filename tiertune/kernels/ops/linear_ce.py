@@ -39,7 +39,8 @@ def linear_cross_entropy_reference(
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """The fused op in plain torch (CPU, or any device without Triton): chunks of ``chunk_tokens`` tokens."""
+    """The fused op over chunks of ``chunk_tokens`` tokens: each chunk's logits by a torch matmul, then its
+    loss and logit gradients in torch or, with ``backend="triton"``, in one Triton kernel (``ce_rows``)."""
 
     @staticmethod
     def forward(
