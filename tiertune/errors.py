@@ -25,9 +25,14 @@ class BudgetError(TiertuneError, MemoryError):
         self.needed = needed
         self.available = available
         self.setting = setting
+        what = (
+            f"free space on the filesystem of `{setting}` or point it at a larger disk"
+            if setting == "offload.disk_path"
+            else f"raise `{setting}`"
+        )
         msg = (
             f"{tier} tier: needs {format_size(needed)} but only {format_size(available)} is available"
-            f"{' (' + detail + ')' if detail else ''}; raise `{setting}` or place less state on the {tier} tier"
+            f"{' (' + detail + ')' if detail else ''}; {what} or place less state on the {tier} tier"
         )
         super().__init__(msg)
 
@@ -50,3 +55,37 @@ class IntegrityError(StorageError):
 
 class ModelError(TiertuneError, ValueError):
     """A model directory or its weight files cannot be used: missing, corrupt, or of an unknown shape."""
+
+
+class NonFiniteError(TiertuneError, ArithmeticError):
+    """A training step's loss or gradient norm is not finite: the run stops before that step is saved or
+    exported, so the newest checkpoint holds the last good state."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT (Ctrl-C) or SIGTERM after cleaning up: ``signal`` is the signal's number,
+    ``step`` the last step completed, ``checkpoint`` the newest checkpoint (or None) and ``recipe`` the run
+    directory's ``recipe.yaml`` (the resolved recipe to resume with)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: object, recipe: object) -> None:
+        import signal as _signal
+
+        self.signal = signum
+        self.step = step
+        self.checkpoint = checkpoint
+        self.recipe = recipe
+        name = _signal.Signals(signum).name
+        where = f"the newest checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
+        when = f"after step {step}" if step else "before its first step"
+        super().__init__(f"stopped by {name} {when}; {where}")
+
+
+class Signalled(KeyboardInterrupt):
+    """SIGTERM (or SIGINT) turned into an exception on the main thread, so that a run stops through its
+    clean-up instead of being killed where it stands (SIGTERM's default)."""
+
+    def __init__(self, signum: int) -> None:
+        import signal as _signal
+
+        super().__init__(_signal.Signals(signum).name)
+        self.signum = signum

@@ -39,8 +39,8 @@ def parse_size(value: int | str, setting: str = "size") -> int:
     match = _SIZE.match(str(value))
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(
-            f"{setting}: cannot read {value!r} as a size; write a number of bytes or a number with a unit "
-            f"(KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. '20GiB'"
+            f"{setting}: cannot read {value!r} as a size; write a number with a unit "
+            f"(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. '20GiB'"
         )
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 

@@ -59,3 +59,12 @@ def test_env_probe_measures_the_disk(tmp_path):
     assert disk["read_bytes_per_second"] > 1e6 and disk["write_bytes_per_second"] > 1e6
     assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind
     assert CliRunner().invoke(app, ["env", "--probe"]).exit_code == 2
+
+
+def test_version_is_printed():
+    from importlib import metadata
+
+    for flag in ("--version", "-V"):
+        result = runner.invoke(app, [flag])
+        assert result.exit_code == 0, result.output
+        assert result.output.strip() == f"tiertune {metadata.version('tiertune')}"

@@ -29,7 +29,14 @@ def _file(tmp_path, name, text):
     return str(path)
 
 
+def _bytes(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
+
+
 NOT_JSON = "{oops\n"
+LATIN1 = b'{"text": "the red cat"}\n{"text": "caf\xe9"}\n'
 
 # (name, overrides or a callable(tmp_path) returning them, expected message)
 CASES = [
@@ -59,7 +66,17 @@ CASES = [
     ("budget too small", ["offload.params=disk", "offload.host_budget=16KiB"],
      "raise `offload.host_budget`"),
     ("no checkpoint to resume", ["training.resume_from_checkpoint=/nonexistent/checkpoint-5"],
-     "is not a complete checkpoint"),
+     "/nonexistent/checkpoint-5 does not exist; use auto"),
+    ("disk path on a special filesystem", ["offload.disk_path=/proc", "offload.params=disk"],
+     "cannot create a file in /proc (No such file or directory)"),
+    ("data file not UTF-8", lambda t: [f"data.path={_bytes(t, 'd.jsonl', LATIN1)}"],
+     "d.jsonl is not UTF-8 text: byte 0xe9 at byte offset 37 (line 2) cannot be decoded"),
+    ("data path a directory", lambda t: [f"data.path={t}"],
+     "is a directory; point data.path at a .jsonl, .json, .parquet, .csv, .txt file in it; files there: data.jsonl"),
+    ("budget beyond the machine", ["offload.host_budget=100TiB"],
+     "offload.host_budget is 100.00 TiB but this machine has"),
+    ("budget without a unit", ["offload.host_budget=64"],
+     "offload.host_budget: 64 has no unit; write e.g. 64GiB (or 64B for bytes)"),
 ]  # fmt: skip
 
 
@@ -71,6 +88,33 @@ def test_malformed_input_exits_2_with_a_specific_message(tmp_path, recipe, name,
     assert message in result.output, result.output
     assert "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) <= 3  # short: the message, not a dump
+
+
+T5 = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_model": 32, "d_ff": 64,
+      "num_layers": 1, "num_heads": 2, "vocab_size": 100, "is_encoder_decoder": True}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("{oops", "config.json is not valid JSON (Expecting property name enclosed in double quotes at line"),
+        ('{"hidden_size": 64}', 'config.json has no "model_type" key'),
+        (json.dumps(T5), "tiertune fine-tunes decoder-only causal LMs (AutoModelForCausalLM);"),
+    ],
+    ids=["not json", "no model_type", "encoder-decoder"],
+)
+@pytest.mark.parametrize("command", [["train"], ["train", "--dry-run"], ["estimate", "--no-probe"]])
+def test_a_model_tiertune_cannot_use_exits_2(tmp_path, model_dir, write_recipe, config, message, command):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    (model / "config.json").write_text(config)
+    recipe = write_recipe(tmp_path, model, texts=TEXTS)
+    result = CliRunner().invoke(app, [command[0], str(recipe), *command[1:]], env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert message in result.output and str(model) in result.output, result.output
+    assert "Traceback" not in result.output
 
 
 def test_bad_recipe_files(tmp_path):

@@ -65,3 +65,52 @@ def test_export_and_merge_errors_exit_2(tmp_path):
     ]:
         result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def _header(path):
+    """A recipe's header comment: its description (the lines before ``Hardware:``) and its other entries (a
+    line and its indented continuation lines), each with its whitespace collapsed."""
+    description, entries = [], []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        text = line[1:].strip()
+        if not entries and not text.startswith("Hardware:"):
+            description.append(text)
+        elif entries and line.startswith("#  "):
+            entries[-1] += " " + text
+        else:
+            entries.append(text)
+    return " ".join(" ".join(description).split()), [" ".join(e.split()) for e in entries]
+
+
+def test_the_list_shows_whole_descriptions_hardware_and_estimate_wrapped_to_the_terminal():
+    listed = CliRunner().invoke(app, ["recipes"], env={"COLUMNS": "80"})
+    assert listed.exit_code == 0, listed.output
+    assert all(len(line) <= 80 for line in listed.output.splitlines())
+    flat = " ".join(listed.output.split())
+    for name in ["demo", *GPU_RECIPES]:
+        description, entries = _header(RECIPES / f"{name}.yaml")
+        hardware = next(e for e in entries if e.startswith("Hardware:"))
+        assert description.endswith(".") and description in flat, name  # the whole paragraph, not one line
+        assert hardware in flat
+        section = flat[flat.index(description) :].split("Hardware:", 2)[1]  # up to the next recipe's
+        if name in GPU_RECIPES:  # what `estimate` predicts, as the recipe states it
+            for key in ("estimate (", "peaks:"):
+                assert next(e for e in entries if e.startswith(key)) in flat
+            assert "disk_path needs" in section and "GPU total with the above" in section
+            assert "step time >=" in section
+        else:  # the demo's header holds no estimate: none is made up
+            assert "peaks:" not in section and "step time" not in section
+
+
+def test_a_recipe_is_printed_and_written_to_a_file_only_with_to(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    printed = CliRunner().invoke(app, ["recipes", "demo"])
+    assert printed.exit_code == 0, printed.output
+    assert printed.stdout == (RECIPES / "demo.yaml").read_text()  # `tiertune recipes demo > my.yaml`
+    assert list(tmp_path.iterdir()) == []  # nothing written to the current directory
+    copied = CliRunner().invoke(app, ["recipes", "demo", "--to", "my.yaml"])
+    assert copied.exit_code == 0 and (tmp_path / "my.yaml").read_text() == (RECIPES / "demo.yaml").read_text()
+    again = CliRunner().invoke(app, ["recipes", "demo", "--to", "my.yaml"])
+    assert again.exit_code == 2 and "exists" in again.output

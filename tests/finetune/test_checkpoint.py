@@ -100,16 +100,22 @@ def test_resume_after_an_interruption_repeats_the_uninterrupted_run(
 
 
 def test_save_total_limit_keeps_the_newest(tmp_path, model_dir):
-    recipe = _recipe(tmp_path, model_dir, "run", training__save_total_limit=2, training__save_steps=1)
+    """The last step is saved too (as the Hugging Face Trainer does), so a finished run can go further."""
+    recipe = _recipe(tmp_path, model_dir, "run", training__save_total_limit=2, training__save_steps=3)
     train(recipe, progress=False)
-    assert [p.name for p in checkpoints(tmp_path / "run")] == ["checkpoint-6", "checkpoint-7"]
+    assert [p.name for p in checkpoints(tmp_path / "run")] == ["checkpoint-6", "checkpoint-8"]
 
 
 def test_a_checkpoint_of_another_recipe_is_refused(tmp_path, model_dir):
     recipe = _recipe(tmp_path, model_dir, "run")
     train(recipe, progress=False)
+    more = ("training.max_steps=10", "training.resume_from_checkpoint=auto")
+    with pytest.raises(ConfigError, match="written by another run: method.type: 'full' -> 'galore'"):
+        train(recipe, ("method.type=galore", *more), progress=False)
+    # allowed to differ, the recipe still cannot put its states into another method's chunks
     with pytest.raises(ConfigError, match="written by a run with other training state"):
-        train(recipe, ("method.type=galore", "training.resume_from_checkpoint=auto"), progress=False)
+        train(recipe, ("method.type=galore", "training.allow_recipe_changes=true", *more), progress=False)
+    (tmp_path / "nope").mkdir()
     with pytest.raises(ConfigError, match="is not a complete checkpoint"):
         train(recipe, (f"training.resume_from_checkpoint={tmp_path}/nope",), progress=False)
 

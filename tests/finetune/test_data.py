@@ -222,3 +222,37 @@ def test_the_engine_trains_packed_rows_like_the_plain_model(tmp_path, tokenizer,
     finally:
         trainer.close()
     assert loss == pytest.approx(float(expected), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "where"),
+    [
+        ("d.jsonl", b'{"text": "the red cat"}\n{"text": "caf\xe9 au lait"}\n', "byte offset 37 (line 2)"),
+        ("d.json", b'[{"text": "caf\xe9"}]', "byte offset 14 (line 1)"),
+        ("d.csv", b"text\nthe red cat\ncaf\xe9\n", "byte offset 20 (line 3)"),
+        ("d.txt", b"the red cat\ncaf\xe9\n", "byte offset 15 (line 2)"),
+    ],
+    ids=["jsonl", "json", "csv", "txt"],
+)
+def test_a_file_that_is_not_utf8_is_named_with_the_byte(tmp_path, tokenizer, name, content, where):
+    path = tmp_path / name
+    path.write_bytes(content)  # latin-1
+    with pytest.raises(DataError) as err:
+        load_data(path, tokenizer, "text", 64, cache_dir=str(tmp_path / "cache"))
+    assert str(err.value).startswith(f"{path} is not UTF-8 text: byte 0xe9 at {where} cannot be decoded")
+    assert "convert the file to UTF-8" in str(err.value)
+
+
+def test_a_directory_as_data_path_is_named_with_the_files_in_it(tmp_path, tokenizer):
+    (tmp_path / "train.jsonl").write_text('{"text": "the red cat"}\n')
+    (tmp_path / "eval.csv").write_text("text\nthe red cat\n")
+    (tmp_path / "notes.md").write_text("not data")
+    with pytest.raises(DataError, match=rf"data.path {tmp_path} is a directory; point data.path at a .jsonl, "
+                                        r".json, .parquet, .csv, .txt file in it; files there: eval.csv, "
+                                        r"train.jsonl$"):  # fmt: skip
+        load_data(tmp_path, tokenizer, "text", 64)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match=rf"data.path {empty} is a directory; point data.path at a .jsonl, .json, "
+                                        r".parquet, .csv, .txt file in it$"):  # fmt: skip
+        load_data(empty, tokenizer, "text", 64)

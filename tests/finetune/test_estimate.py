@@ -63,3 +63,19 @@ def test_estimate_command_prints_the_table_and_flags_a_budget_that_cannot_hold(t
     assert "step time lower bound" in ok.output and "disk      (read" in ok.output
     short = CliRunner().invoke(app, ["estimate", str(path), "offload.host_budget=64KiB", "--no-probe"])
     assert short.exit_code == 1 and "NO: needs" in short.output and "DOES NOT FIT" in short.output
+
+
+def test_estimate_creates_nothing_where_disk_path_does_not_exist_yet(tmp_path, make_recipe):
+    recipe = make_recipe(())
+    path = tmp_path / "r.yaml"
+    path.write_text(recipe.to_yaml())
+    before = sorted(tmp_path.rglob("*"))
+    disk_path = tmp_path / "new" / "nvme"
+    result = CliRunner().invoke(
+        app, ["estimate", str(path), f"offload.disk_path={disk_path}", "offload.params=disk"],
+        env={"COLUMNS": "200"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "disk      (read" in result.output  # the disk was probed...
+    assert f"{disk_path} does not exist yet" in result.output and f"probed in {tmp_path}," in result.output
+    assert sorted(tmp_path.rglob("*")) == before  # ...and nothing was created or left behind

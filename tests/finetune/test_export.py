@@ -72,3 +72,56 @@ def test_merge_folds_the_adapter_into_its_base(tmp_path, model_dir, run, quantiz
     # the merged weights are the (dequantized) base plus the adapter: the same function as base + adapter
     torch.testing.assert_close(_logits(merged), _logits(peft_model), rtol=1e-4, atol=1e-4)
     assert not any("lora" in n for n in merged.state_dict())
+
+
+def _dtypes(model_dir):
+    from safetensors import safe_open
+
+    with safe_open(model_dir / "model.safetensors", "pt") as f:
+        return {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 (a safe_open has no __iter__)
+
+
+def test_merge_writes_the_base_models_dtype_unless_told_otherwise(tmp_path, run):
+    from typer.testing import CliRunner
+
+    from tiertune.cli.app import app
+
+    result = run("method.type=lora")
+    merged = CliRunner().invoke(app, ["merge", str(result.output_dir), "--out", str(tmp_path / "merged")])
+    assert merged.exit_code == 0, merged.output
+    assert _dtypes(tmp_path / "merged") == {"F32"}  # the base is fp32
+    assert "written in float32, the base model's dtype" in " ".join(merged.output.split())
+    asked = CliRunner().invoke(
+        app, ["merge", str(result.output_dir), "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16"]
+    )
+    assert asked.exit_code == 0, asked.output
+    assert _dtypes(tmp_path / "bf16") == {"BF16"} and "written in bfloat16" in asked.output
+
+
+def test_base_dtype_is_the_configs_else_the_weights(tmp_path, model_dir):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tiertune.finetune.export import base_dtype
+
+    assert base_dtype(model_dir)[0] == "float32"
+    copy = tmp_path / "base"
+    shutil.copytree(model_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (copy / "config.json").write_text(json.dumps(config))
+    weights = load_file(copy / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, copy / "model.safetensors")
+    assert base_dtype(copy) == ("bfloat16", "its safetensors weights")
+
+
+def test_a_lora_run_and_its_merge_emit_no_future_warning(tmp_path, run):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run("method.type=lora")
+        merge(result.output_dir, tmp_path / "merged")
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []

@@ -202,3 +202,25 @@ def test_lora_on_an_int8_or_unquantized_base_matches_peft(tiny_model_dir, disk_d
 
     for name, value in get_peft_model_state_dict(reference).items():
         torch.testing.assert_close(trained[name], value.detach(), rtol=1e-4, atol=1e-6)
+
+
+def test_a_saved_adapter_names_its_base_by_absolute_path(tiny_model_dir, disk_dir, tmp_path, monkeypatch):
+    import json
+
+    from peft import AutoPeftModelForCausalLM
+
+    from tiertune.finetune.lora import peft_wrapping
+
+    path, _ = tiny_model_dir("llama")
+    monkeypatch.chdir(path.parent)  # the model given as a path relative to where the run starts
+    store = StoreConfig(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
+    trainer = StreamedTrainer(path.name, store, _config(quantize="none", max_steps=1))
+    try:
+        out = trainer.save_adapter(tmp_path / "adapter")
+    finally:
+        trainer.close()
+    monkeypatch.chdir(tmp_path)  # elsewhere
+    saved = json.loads((out / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str(path.resolve())
+    with peft_wrapping():  # peft's deprecated read, as in tiertune
+        AutoPeftModelForCausalLM.from_pretrained(out)  # finds its base from any directory

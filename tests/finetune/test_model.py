@@ -1,9 +1,17 @@
+import json
+
 import pytest
 import torch
 from torch import nn
 
 from tiertune.errors import ModelError
-from tiertune.finetune.model import build_skeleton, find_decoder_layers, load_into_store, split_model
+from tiertune.finetune.model import (
+    build_skeleton,
+    find_decoder_layers,
+    load_config,
+    load_into_store,
+    split_model,
+)
 from tiertune.finetune.weights import Checkpoint
 from tiertune.offload.store import ChunkStore, StoreConfig
 from tiertune.offload.tiers import Tier
@@ -104,3 +112,55 @@ def test_missing_model_dir_and_missing_tensor(tiny_model_dir, tmp_path, disk_dir
         pytest.raises(ModelError, match="no tensor 'model.layers.0.extra.weight'"),
     ):
         load_into_store(parts, Checkpoint(path), store, "disk", torch.float32)
+
+
+def _with_config(tiny_model_dir, tmp_path, text):
+    import shutil
+
+    path, _ = tiny_model_dir("llama")
+    copy = tmp_path / "model"
+    shutil.copytree(path, copy)
+    (copy / "config.json").write_text(text)
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda cfg: "{oops",
+            r"config.json is not valid JSON \(Expecting property name .* at line 1, column 2\); "
+            r"restore the config.json saved with the model",
+        ),
+        (lambda cfg: "[1, 2]", r"config.json holds a JSON list, expected an object of model settings"),
+        (
+            lambda cfg: json.dumps({k: v for k, v in cfg.items() if k != "model_type"}),
+            r"config.json has no \"model_type\" key",
+        ),
+        (
+            lambda cfg: json.dumps({**cfg, "model_type": "no_such_model"}),
+            r"config.json: transformers .* cannot build a config of model_type 'no_such_model'",
+        ),
+    ],
+    ids=["not json", "not an object", "no model_type", "unknown model_type"],
+)
+def test_an_invalid_config_json_is_a_model_error_naming_the_file(tiny_model_dir, tmp_path, edit, message):
+    path, _ = tiny_model_dir("llama")
+    cfg = json.loads((path / "config.json").read_text())
+    copy = _with_config(tiny_model_dir, tmp_path, edit(cfg))
+    with pytest.raises(ModelError, match=f"^{copy}/{message}"):
+        build_skeleton(copy)
+    with pytest.raises(ModelError, match=f"^{copy}/{message}"):
+        load_config(copy)
+
+
+def test_an_encoder_decoder_model_is_named_as_not_a_causal_lm(tiny_model_dir, tmp_path):
+    from transformers import T5Config
+
+    t5 = T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=100)
+    t5.architectures = ["T5ForConditionalGeneration"]
+    copy = _with_config(tiny_model_dir, tmp_path, t5.to_json_string())
+    with pytest.raises(ModelError, match=rf"^tiertune fine-tunes decoder-only causal LMs \(AutoModelForCausalLM\); "
+                                         rf"{copy} is a t5 \(T5ForConditionalGeneration\), an encoder-decoder "
+                                         r"model; set model.path to a decoder-only model"):  # fmt: skip
+        build_skeleton(copy)

@@ -268,7 +268,7 @@ def test_the_kernels_train_with_the_loss_sequence_of_the_torch_references(
 
     if kernels == "triton" and importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")  # on a CPU it runs in its interpreter (tests/conftest.py)
-    caplog.set_level(logging.INFO, logger="tiertune")
+    caplog.set_level(logging.DEBUG, logger="tiertune")
     common = (*overrides, "training.max_steps=3", "offload.overlap_optimizer=false")
     ref = train(recipe_file, (*common, "kernels=torch", "training.output_dir=" + str(recipe_file.parent / "ref")),
                 progress=False)  # fmt: skip

@@ -128,7 +128,7 @@ def test_enospc_when_placing_a_chunk(disk_dir, monkeypatch):
 def test_disk_budget_is_enforced(disk_dir):
     with _disk_store(disk_dir, disk_budget=300 << 10) as store:
         store.add([("a", (50_000,), torch.float32)], home="disk")
-        with pytest.raises(BudgetError, match="disk tier.*offload.disk_budget"):
+        with pytest.raises(BudgetError, match="disk tier.*StoreConfig.disk_budget"):
             store.add([("b", (50_000,), torch.float32)], home="disk")
 
 
@@ -226,3 +226,103 @@ def test_a_really_full_filesystem_gives_disk_full_and_keeps_what_was_stored(tiny
                 store.add([(f"x{i}", (50_000,), torch.float32)], home="disk")
         assert "free" in str(err.value) and "offload.disk_path" in str(err.value)
         assert torch.all(store.read(first)["w"] == 9.0)  # the chunk already there is intact
+
+
+def _creates_then_refuses_o_direct(monkeypatch):
+    """os.open as tmpfs (older kernels) and ramfs answer O_DIRECT: the file is created, then EINVAL."""
+    real_open = os.open
+
+    def open_(path, flags, *args, **kw):
+        if flags & os.O_DIRECT:
+            os.close(real_open(path, flags & ~os.O_DIRECT, *args, **kw))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(disk_mod.os, "open", open_)
+
+
+def test_probes_leave_no_files_behind_even_when_o_direct_is_refused(disk_dir, monkeypatch):
+    from tiertune.finetune.estimate import probe_disk
+
+    _creates_then_refuses_o_direct(monkeypatch)
+    assert supports_o_direct(disk_dir) is False  # what `tiertune env --disk-path` asks
+    assert list(disk_dir.iterdir()) == []
+    with pytest.warns(RuntimeWarning, match="O_DIRECT is not supported"):
+        read, write = probe_disk(disk_dir, 1 << 20)  # `tiertune env --probe`
+    assert read > 0 and write > 0
+    assert list(disk_dir.iterdir()) == []
+    with pytest.raises(StorageError, match="cannot create a slot file"):  # a failed open
+        DiskTier(disk_dir, 1 << 20, AsyncIO(1, 1 << 16), direct=True)
+    assert list(disk_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("path", ["/proc", "/sys"])
+def test_a_special_directory_is_a_storage_error(path):
+    if not os.path.isdir(path):
+        pytest.skip(f"no {path} here")
+    with pytest.raises(StorageError, match=f"cannot create a file in {path} .*point offload.disk_path at a "
+                                           "writable directory on a local disk"):  # fmt: skip
+        _disk_store(path)
+
+
+def test_out_of_space_says_what_helps_with_the_bytes_needed_and_free(disk_dir, monkeypatch):
+    with _disk_store(disk_dir) as store:
+
+        def full(*args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(disk_mod.os, "posix_fallocate", full)
+        with pytest.raises(DiskFullError) as err:
+            store.add([("w", (50_000,), torch.float32)], home="disk")
+    message = str(err.value)
+    assert "disk_budget" not in message  # no such recipe key
+    assert "(200.00 KiB needed, " in message and " free)" in message
+    assert "free space on the filesystem of offload.disk_path, or point offload.disk_path at a" in message
+
+
+def test_a_filesystem_with_no_free_bytes_is_named_as_such(disk_dir, monkeypatch):
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=0))  # what ramfs reports
+    with _disk_store(disk_dir) as store, pytest.raises(DiskFullError) as err:
+        store.add([("w", (50_000,), torch.float32)], home="disk")
+    message = str(err.value)
+    assert f"the filesystem at {disk_dir.resolve()} reports 0 bytes free (a ramfs, or a full disk)" in message
+    assert "point offload.disk_path at a directory on a real disk with room" in message
+    assert "disk_budget" not in message
+
+
+def test_space_used_up_since_the_store_started_says_what_helps(disk_dir, monkeypatch):
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=300 << 10))
+    with _disk_store(disk_dir) as store:
+        store.add([("a", (50_000,), torch.float32)], home="disk")
+        with pytest.raises(DiskFullError, match="needs 200.00 KiB but only 100.00 KiB is left of the 300.00 KiB that was "
+                                                "free on the filesystem at .*; free space on the filesystem of "
+                                                "offload.disk_path"):  # fmt: skip
+            store.add([("b", (50_000,), torch.float32)], home="disk")
+
+
+@pytest.fixture
+def ramfs(tmp_path):
+    """A real ramfs: it reports 0 bytes free and refuses O_DIRECT after creating the file."""
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a ramfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_real_ramfs_gives_a_clear_error_and_leaves_nothing(ramfs):
+    with pytest.warns(RuntimeWarning, match="O_DIRECT is not supported"):
+        store = _disk_store(ramfs)
+    with store, pytest.raises(DiskFullError, match="reports 0 bytes free"):
+        store.add([("w", (50_000,), torch.float32)], home="disk")
+    assert list(ramfs.iterdir()) == []

@@ -88,3 +88,41 @@ def test_allocations_have_their_own_autograd_version_counter():
     b.tensor.fill_(3)  # e.g. a prefetch landing in the neighbouring chunk
     y.backward()  # would raise "modified by an inplace operation" if a and b shared a version counter
     assert a.tensor.data_ptr() + ALIGN == b.tensor.data_ptr()  # still one contiguous arena
+
+
+def test_budgets_beyond_the_machines_memory_fail_up_front(monkeypatch):
+    import psutil
+    import pytest
+
+    from tiertune.errors import ConfigError
+    from tiertune.offload.store import ChunkStore, StoreConfig
+
+    total = psutil.virtual_memory().total
+    with pytest.raises(ConfigError, match=r"offload.host_budget is 100.00 TiB but this machine has .* of memory in "
+                                          r"all; lower offload.host_budget .* or set it to auto"):  # fmt: skip
+        ChunkStore(StoreConfig(host_budget="100TiB", device_budget="1MiB"))
+    with pytest.raises(ConfigError, match="offload.device_budget is .* but this machine has"):
+        ChunkStore(StoreConfig(device="cpu", device_budget=total + (1 << 30), host_budget="1MiB"))
+    real = psutil.virtual_memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real()._replace(total=48 << 20))
+    with pytest.raises(ConfigError, match="together exceed this machine's 48.00 MiB"):
+        ChunkStore(StoreConfig(device="cpu", device_budget="32MiB", host_budget="32MiB"))
+    # plain byte counts from code are still read as bytes
+    ChunkStore(StoreConfig(device_budget=16 << 20, host_budget=16 << 20)).close()
+
+
+def test_a_cuda_device_without_cuda_is_a_config_error():
+    import pytest
+
+    from tiertune.errors import ConfigError
+    from tiertune.offload.store import StoreConfig
+
+    assert StoreConfig(device="auto").device == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ConfigError, match="use device='cpu', 'cuda', 'cuda:N' or 'auto'"):
+        StoreConfig(device="gpu")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    for device in ("cuda", "cuda:0"):  # as in the README's example, on a machine without a GPU
+        with pytest.raises(ConfigError, match=rf"device '{device}' requested but torch.cuda.is_available\(\) is "
+                                              r"False .*; use device='cpu' or device='auto'"):  # fmt: skip
+            StoreConfig(device=device, device_budget="4GiB", host_budget="16GiB")

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -25,8 +26,21 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"tiertune {metadata.version('tiertune')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", "-V", callback=_print_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
     """Fine-tune language models far larger than GPU memory: GPU, host memory and NVMe as one."""
 
 
@@ -96,12 +110,13 @@ def env(
         raise typer.BadParameter(f"{disk_path} is not an existing directory", param_hint="--disk-path")
     if probe and disk_path is None:
         raise typer.BadParameter("--probe measures the disk at --disk-path; give one", param_hint="--probe")
-    info = environment(disk_path)
-    if probe:
-        from tiertune.finetune.estimate import probe_disk
+    with _user_errors():
+        info = environment(disk_path)
+        if probe:
+            from tiertune.finetune.estimate import probe_disk
 
-        read, write = probe_disk(disk_path)  # type: ignore[arg-type]
-        info["disk"]["read_bytes_per_second"], info["disk"]["write_bytes_per_second"] = read, write
+            read, write = probe_disk(disk_path)  # type: ignore[arg-type]
+            info["disk"]["read_bytes_per_second"], info["disk"]["write_bytes_per_second"] = read, write
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
@@ -135,6 +150,12 @@ def env(
         typer.echo(f"{key:<{width}}  {value}")
 
 
+_Quiet = Annotated[
+    bool, typer.Option("--quiet", "-q", help="Print only errors and the final line (no banner, no progress).")
+]
+_Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Also print tiertune's debug log.")]
+
+
 @app.command()
 def train(
     recipe: Annotated[Path, typer.Argument(help="A YAML recipe (see recipes/).")],
@@ -144,17 +165,24 @@ def train(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the resolved recipe and plan, then exit.")
     ] = False,
+    quiet: _Quiet = False,
+    verbose: _Verbose = False,
 ) -> None:
-    """Fine-tune a model as a recipe says; writes trainer_log.jsonl and the model to training.output_dir.
+    """Fine-tune a model as a recipe says; writes trainer_log.jsonl, checkpoints and the model to
+    training.output_dir. Relative paths are relative to the current directory.
+
+    Exit codes: 0 done; 2 a setting, file or directory to fix (the message says which); 3 a step's loss
+    or gradient norm was not finite; 130/143 stopped by Ctrl-C/SIGTERM (the message says how to resume).
 
     Example: tiertune train recipes/demo.yaml training.max_steps=20 offload.disk_path=/mnt/nvme/tt
     """
-    from tiertune.finetune.recipe import load_recipe
-    from tiertune.finetune.train import plan
-    from tiertune.finetune.train import train as run
-
+    _console_log(quiet, verbose)
     with _user_errors():
-        resolved = load_recipe(recipe, tuple(overrides or ()))
+        from tiertune.finetune.recipe import load_recipe
+        from tiertune.finetune.train import plan
+        from tiertune.finetune.train import train as run
+
+        resolved = load_recipe(recipe, tuple(overrides or ())).with_absolute_paths()
         store, engine = plan(resolved)
         if dry_run:
             typer.echo(resolved.to_yaml())
@@ -163,7 +191,7 @@ def train(
                        f"device_budget={format_size(store.device_budget)} host_budget={format_size(store.host_budget)} "
                        f"disk_path={store.disk_path}")  # fmt: skip
             return
-        result = run(resolved)
+        result = run(resolved, progress=not quiet)
     _report(result)
 
 
@@ -221,14 +249,18 @@ def merge(
     base: Annotated[
         str | None, typer.Option(help="The base model directory (default: the adapter's).")
     ] = None,
-    dtype: Annotated[str, typer.Option(help="The merged weights' dtype.")] = "bfloat16",
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="The merged weights' dtype, e.g. bfloat16 (default: the base model's own dtype)."),
+    ] = None,
 ) -> None:
     """Fold a LoRA adapter into its base model and write the merged Hugging Face model.
 
-    An adapter trained on a quantized base is added to the dequantized base weights, the weights it was
-    trained against; the command says so.
+    The merged weights are written in the base model's dtype (its config's, else its weights') unless --dtype
+    says otherwise; the command says which. An adapter trained on a quantized base is added to the
+    dequantized base weights, the weights it was trained against; the command says so too.
 
-    Example: tiertune merge runs/llama3-8b-qlora --out merged/ --dtype bfloat16
+    Example: tiertune merge runs/llama3-8b-qlora --out merged/
     """
     from tiertune.finetune.export import merge as run
 
@@ -242,33 +274,64 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"  # shipped with the pa
 
 @app.command()
 def recipes(
-    name: Annotated[str | None, typer.Argument(help="A built-in recipe to copy (see the list).")] = None,
-    to: Annotated[Path | None, typer.Option(help="Where to copy it (a file or a directory).")] = None,
+    name: Annotated[
+        str | None, typer.Argument(help="A built-in recipe to print, or to copy with --to (see the list).")
+    ] = None,
+    to: Annotated[
+        Path | None, typer.Option(help="Copy the recipe here (a file or a directory) instead of printing it.")
+    ] = None,
 ) -> None:
-    """List the built-in recipes, or copy one to edit.
+    """List the built-in recipes, with their hardware and what `tiertune estimate` predicts; print or copy one.
 
-    Example: tiertune recipes llama3-8b-qlora-24gb --to my-recipe.yaml
+    Example: tiertune recipes llama3-8b-qlora-24gb > my-recipe.yaml   (or: --to my-recipe.yaml)
     """
+    import re
+    import textwrap
+
     found = {p.stem: p for p in sorted(RECIPES.glob("*.yaml"))}
     if name is None:
-        width = max(len(n) for n in found)
+        columns = max(40, shutil.get_terminal_size().columns - 1)
+
+        def show(text: str) -> None:
+            typer.echo(textwrap.fill(text, columns, initial_indent="  ", subsequent_indent="    ",
+                                     break_long_words=False, break_on_hyphens=False))  # fmt: skip
+
         for stem, path in found.items():
-            lines = [
-                line.lstrip("# ").rstrip() for line in path.read_text().splitlines() if line.startswith("#")
-            ]
-            hardware = next((line for line in lines if line.startswith("Hardware:")), "")
-            typer.echo(f"{stem:<{width}}  {lines[0] if lines else ''}")
-            if hardware:
-                typer.echo(f"{'':<{width}}  {hardware}")
+            # the header comment: a description (up to the Hardware: line), then entries, each a line whose
+            # continuation lines are indented ("#   ...")
+            description: list[str] = []
+            entries: list[str] = []
+            for line in path.read_text().splitlines():
+                if not line.startswith("#"):
+                    break
+                text = line[1:].strip()
+                if not entries and not text.startswith("Hardware:"):
+                    description.append(text)
+                elif entries and line.startswith("#  "):
+                    entries[-1] += " " + text
+                else:
+                    entries.append(text)
+            typer.echo(stem)
+            if description:
+                show(" ".join(description))
+            for entry in entries:
+                if entry.startswith(("Hardware:", "estimate", "peaks:")):
+                    show(entry)
+                elif step_time := re.search(r"step time >= .*", entry):
+                    show(step_time.group(0))
+            typer.echo("")
+        typer.echo(textwrap.fill("`tiertune recipes NAME` prints one (with the whole estimate); --to FILE copies it.",
+                                 columns, break_on_hyphens=False))  # fmt: skip
         return
     if name not in found:
         typer.echo(
             f"error: no built-in recipe {name!r}; `tiertune recipes` lists: {', '.join(found)}", err=True
         )
         raise typer.Exit(2)
-    target = to or Path(f"{name}.yaml")
-    if target.is_dir():
-        target = target / f"{name}.yaml"
+    if to is None:
+        typer.echo(found[name].read_text(), nl=False)
+        return
+    target = to / f"{name}.yaml" if to.is_dir() else to
     if target.exists():
         typer.echo(f"error: {target} exists; choose another --to", err=True)
         raise typer.Exit(2)
@@ -284,51 +347,108 @@ def demo(
         "runs/demo"
     ),
     steps: Annotated[int | None, typer.Option(help="Override training.max_steps.")] = None,
+    quiet: _Quiet = False,
+    verbose: _Verbose = False,
 ) -> None:
     """Fine-tune a small random model on the bundled data, on the CPU, with weights and optimizer states on disk.
 
+    Each run starts the demo over (training.overwrite_output_dir); an interrupted one says how to resume it.
+
     Example: tiertune demo --steps 20
     """
-    from tiertune.finetune.data import read_rows
-    from tiertune.finetune.demo import make_model
-    from tiertune.finetune.recipe import load_recipe
-    from tiertune.finetune.train import train as run
-
+    _console_log(quiet, verbose)
     recipes = RECIPES
     data = recipes / "data" / "demo.jsonl"
     overrides = [f"model.path={workdir / 'model'}", f"data.path={data}", f"training.output_dir={workdir / 'out'}",
-                 f"offload.disk_path={workdir / 'offload'}"]  # fmt: skip
+                 f"offload.disk_path={workdir / 'offload'}", "training.overwrite_output_dir=true"]  # fmt: skip
     if steps is not None:
         overrides.append(f"training.max_steps={steps}")
     with _user_errors():
+        from tiertune.finetune.data import read_rows
+        from tiertune.finetune.demo import make_model
+        from tiertune.finetune.recipe import load_recipe
+        from tiertune.finetune.train import train as run
+
         recipe = load_recipe(recipes / "demo.yaml", tuple(overrides))
         if not (workdir / "model" / "config.json").is_file():
-            typer.echo(
-                f"making the demo model in {workdir / 'model'} (random weights, tokenizer fitted to the data)"
-            )
+            if not quiet:
+                typer.echo(
+                    f"making the demo model in {workdir / 'model'} (random weights, tokenizer fitted to the data)"
+                )
             make_model(workdir / "model", read_rows(data)["text"], layers=8, hidden=256)
-        result = run(recipe)
+        result = run(recipe, progress=not quiet)
     _report(result)
+
+
+_CONSOLE: list = []  # the console handler, once made
+
+
+def _console_log(quiet: bool, verbose: bool) -> None:
+    """tiertune's log on the console (stderr, above the progress bar): what it did that a user should know
+    (checkpoints saved and removed, resumes, fallbacks); with --verbose its debug log too; with --quiet only
+    errors."""
+    import logging
+    import sys
+
+    class AboveBar(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            from tqdm.auto import tqdm
+
+            tqdm.write(self.format(record), file=sys.stderr)
+
+    if not _CONSOLE:
+        _CONSOLE.append(AboveBar())
+        logging.getLogger("tiertune").addHandler(_CONSOLE[0])
+    handler = _CONSOLE[0]
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s" if verbose else "%(message)s"))
+    level = logging.ERROR if quiet else logging.DEBUG if verbose else logging.INFO
+    handler.setLevel(level)
+    logging.getLogger("tiertune").setLevel(level)
 
 
 @contextlib.contextmanager
 def _user_errors() -> Iterator[None]:
-    """Errors a user can fix end the command with exit code 2 and their message, never a traceback."""
-    from tiertune.errors import TiertuneError
+    """Errors a user can fix end the command with exit code 2 and their message, never a traceback; a
+    non-finite step with 3; SIGINT/SIGTERM with 128 + the signal, once cleaned up (a run says how to resume).
+    Before this block (parsing the command line) SIGTERM keeps its default: nothing has been done yet."""
+    from tiertune.errors import Interrupted, NonFiniteError, Signalled, TiertuneError
+    from tiertune.finetune.signals import stop_on_signals
 
     try:
-        yield
+        with stop_on_signals():  # SIGTERM, as Ctrl-C, ends the command through its clean-up
+            yield
+    except NonFiniteError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(3) from None
     except TiertuneError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    except Interrupted as exc:
+        typer.echo(f"tiertune: {exc}", err=True)
+        if exc.recipe is not None and Path(exc.recipe).is_file():
+            typer.echo(
+                f"resume with: tiertune train {exc.recipe} training.resume_from_checkpoint=auto", err=True
+            )
+        raise typer.Exit(128 + exc.signal) from None
+    except KeyboardInterrupt as exc:  # outside a run (loading, checking, exporting): nothing to resume
+        signum = exc.signum if isinstance(exc, Signalled) else signal.SIGINT
+        typer.echo(f"tiertune: stopped by {signal.Signals(signum).name}", err=True)
+        raise typer.Exit(128 + signum) from None
 
 
 def _report(result: Any) -> None:
     what = "adapter" if (result.output_dir / "adapter_config.json").is_file() else "model"
     ran = f"{result.steps} steps" if result.first_step == 1 else f"steps {result.first_step}-{result.steps}"
+    loss = f", loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}" if result.losses else ""
+    counts = result.optimizer_counts
+    during = counts.get("speculative", 0)
+    redone = counts.get("redone", 0)
+    how = ""
+    if during or redone:  # the streamed optimizer overlapped backward: say how often that held
+        after = counts.get("after_backward", 0)
+        how = f"; optimizer during backward in {during} steps, after it in {redone + after} (clipped: {redone} redone)"
     typer.echo(
-        f"done: {ran} in {result.seconds:.1f}s, loss {result.losses[0]:.4f} -> "
-        f"{result.losses[-1]:.4f}; {what} and {result.log_path.name} in {result.output_dir}"
+        f"done: {ran} in {result.seconds:.1f}s{loss}{how}; {what} and {result.log_path.name} in {result.output_dir}"
     )
 
 

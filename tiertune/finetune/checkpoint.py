@@ -11,16 +11,22 @@
 - ``rng_state.pth``: Python's and torch's random states (CPU and CUDA);
 - ``recipe.yaml``: the resolved recipe (``tiertune export`` and ``merge`` read it);
 - ``trainer_state.json``: the step, the epoch, the micro-batches of data consumed, the engine's counters and
-  the log history, as the Hugging Face Trainer names them. It is written last.
+  the log history, as the Hugging Face Trainer names them;
+- ``checksums.json``: the size and xxh3-64 of every other file, written last. ``verify`` checks them all
+  before a resume, so a flipped bit, a truncated or missing file is found before it can train into a wrong
+  model (``IntegrityError`` naming the file).
 
 A checkpoint is written in the background (``CheckpointWriter``) into ``.checkpoint-<step>.partial/``, every
 file fsynced, then renamed into place and the run directory fsynced: a crash at any moment leaves the
 previous checkpoints intact and, at worst, a partial directory that the next run removes.
-``save_total_limit`` keeps the newest complete ones.
+``save_total_limit`` keeps the newest complete ones. Before writing, the writer checks that the filesystem
+has room for the checkpoint; a full disk is a ``DiskFullError`` with the bytes needed and free, and the
+partial directory is removed at once.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -29,13 +35,17 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import xxhash
 
-from tiertune.errors import ConfigError
+from tiertune.errors import ConfigError, DiskFullError, IntegrityError, StorageError
 from tiertune.finetune.files import fsync_dir, fsync_file
+from tiertune.units import format_size
 
 if TYPE_CHECKING:
     from tiertune.finetune.engine import StreamedTrainer
@@ -44,6 +54,7 @@ log = logging.getLogger("tiertune.checkpoint")
 
 PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
+CHECKSUMS = "checksums.json"  # {relative path: {"bytes": n, "xxh3_64": hex}} of every other file, written last
 RECIPE_FILE = "recipe.yaml"  # the resolved recipe of the run, in the run directory and in each checkpoint
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 
@@ -63,13 +74,100 @@ def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
     return found[-1] if found else None
 
 
-def remove_partial(run_dir: str | os.PathLike[str]) -> list[Path]:
-    """Delete checkpoints whose writing was interrupted; returns what was removed."""
+def partials(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """Checkpoint writes that were interrupted (``.checkpoint-<step>.partial``) and replaced checkpoints
+    left behind (``.checkpoint-<step>.old`` beside their successor)."""
     run_dir = Path(run_dir)
-    partial = [p for p in run_dir.glob(f".{PREFIX}*.partial") if p.is_dir()] if run_dir.is_dir() else []
-    for path in partial:
-        shutil.rmtree(path)
-    return partial
+    if not run_dir.is_dir():
+        return []
+    return [p for p in run_dir.glob(f".{PREFIX}*") if p.is_dir() and p.suffix in (".partial", ".old")]
+
+
+def recover(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """Put back a checkpoint that was being replaced by a new write of the same step when the process died
+    between the two renames (``.checkpoint-<step>.old`` without ``checkpoint-<step>``); returns them."""
+    restored = []
+    for old in partials(run_dir):
+        final = old.with_name(old.name[1:].removesuffix(".old"))
+        if old.suffix == ".old" and not final.exists() and (old / STATE_FILE).is_file():
+            os.replace(old, final)
+            restored.append(final)
+    return restored
+
+
+def file_digest(path: Path) -> str:
+    """xxh3-64 of a file's bytes, read in 8 MiB pieces."""
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while piece := f.read(8 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def write_checksums(directory: Path) -> None:
+    """Record the size and xxh3-64 of every file under ``directory`` in its ``checksums.json``."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    table = {
+        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "xxh3_64": file_digest(p)} for p in files
+    }
+    (directory / CHECKSUMS).write_text(json.dumps(table, indent=1))
+
+
+def read_state(path: Path) -> dict:
+    """A ``trainer_state.json``; IntegrityError naming the file when it cannot be read."""
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise IntegrityError(f"{path} cannot be read ({exc}): the checkpoint is damaged") from None
+    if not isinstance(state, dict) or "global_step" not in state:
+        raise IntegrityError(f"{path} is not a trainer state (no global_step): the checkpoint is damaged")
+    return state
+
+
+def verify(path: str | os.PathLike[str]) -> None:
+    """Check every file of a checkpoint against its ``checksums.json``: present, of its size, of its hash.
+    Raises IntegrityError naming the first damaged file. A checkpoint written before checksums existed is
+    checked for its files only, and the log says it could not be verified."""
+    path = Path(path)
+    state = read_state(path / STATE_FILE)
+    table_path = path / CHECKSUMS
+    if not table_path.is_file():
+        if state.get("tiertune", {}).get("checksums"):
+            raise IntegrityError(f"{table_path} is missing: the checkpoint is damaged")
+        log.warning("%s has no checksums (written by an older tiertune): its files are not verified", path)
+        names = state.get("tiertune", {}).get("state_chunks", [])
+        for name in names:
+            file = path / "state" / f"{name}.safetensors"
+            if not file.is_file() or file.stat().st_size == 0:
+                raise IntegrityError(f"{file} is missing or empty: the checkpoint is damaged")
+        return
+    try:
+        table = json.loads(table_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise IntegrityError(f"{table_path} cannot be read ({exc}): the checkpoint is damaged") from None
+    for name, expected in table.items():
+        file = path / name
+        if not file.is_file():
+            raise IntegrityError(f"{file} is missing: the checkpoint is damaged")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            raise IntegrityError(
+                f"{file} has {size} bytes, {expected['bytes']} were written: the checkpoint is damaged"
+            )
+        if file_digest(file) != expected["xxh3_64"]:
+            raise IntegrityError(f"{file} does not match its checksum: the checkpoint is damaged")
+
+
+def checkpoint_bytes(trainer: StreamedTrainer) -> int:
+    """The bytes a checkpoint of ``trainer`` takes on disk (its state chunks; the adapter is small)."""
+    return sum(sum(t.nbytes for t in c.tensors) for c in trainer.state_chunks()) + (1 << 20)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether an error is a full filesystem (an OSError's ENOSPC, or safetensors' message for it)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
 
 
 class CheckpointWriter:
@@ -91,6 +189,7 @@ class CheckpointWriter:
         self._state: dict[int, str] = {}  # chunk id -> "pending" | "writing" | "done", for the current save
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._failed: BaseException | None = None  # the first failed chunk write of the current save
         self.blocked_s = 0.0  # time the training threads waited for chunks to be written first
         self.last: Path | None = None
 
@@ -103,18 +202,33 @@ class CheckpointWriter:
         final = self._run_dir / f"{PREFIX}{step}"
         tmp = self._run_dir / f".{PREFIX}{step}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "state").mkdir(parents=True)
-        if trainer.adapters is not None:  # small, in memory: written now
-            trainer.save_adapter(tmp)
-            torch.save(trainer.adapters.training_state(), tmp / "adapter_optimizer.pt")
-        torch.save(_rng_states(), tmp / "rng_state.pth")
-        if recipe_yaml is not None:
-            (tmp / RECIPE_FILE).write_text(recipe_yaml)
+        self._tmp = tmp
+        # room for it, counting the checkpoint of this step it replaces (a resumed run saving it again)
+        needed = checkpoint_bytes(trainer)
+        free = shutil.disk_usage(self._run_dir).free + _size_of(final)
+        if needed > free:
+            raise self._disk_full(step, needed, free)
+        try:
+            (tmp / "state").mkdir(parents=True)
+            if trainer.adapters is not None:  # small, in memory: written now
+                trainer.save_adapter(tmp)
+                torch.save(trainer.adapters.training_state(), tmp / "adapter_optimizer.pt")
+            torch.save(_rng_states(), tmp / "rng_state.pth")
+            if recipe_yaml is not None:
+                (tmp / RECIPE_FILE).write_text(recipe_yaml)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if is_disk_full(exc):
+                raise self._disk_full(step, needed, shutil.disk_usage(self._run_dir).free) from None
+            raise
         chunks = trainer.state_chunks(in_update_order=True)
         state = dict(trainer_state, tiertune=dict(trainer_state.get("tiertune", {}), **trainer.counters()))
         state["tiertune"]["state_chunks"] = [c.name for c in trainer.state_chunks()]
+        state["tiertune"]["checksums"] = CHECKSUMS
+        self._needed = needed
         with self._cond:
             self._state = {c.id: "pending" for c in chunks}
+            self._failed = None
         self._files = tmp / "state"
         trainer.before_update = self.capture
         self._thread = threading.Thread(
@@ -141,21 +255,40 @@ class CheckpointWriter:
             raise error
         return self.last
 
+    def check(self) -> None:
+        """Re-raise the writer's error now if it has failed (called after every step, so a failed write, a
+        full disk say, stops the run at once rather than at the next save)."""
+        if self._thread is not None and (self._failed is not None or not self._thread.is_alive()):
+            self.wait()
+
+    def _disk_full(self, step: int, needed: int, free: int) -> DiskFullError:
+        return DiskFullError(
+            f"no room for {PREFIX}{step} in {self._run_dir}: it needs {format_size(needed)} and the filesystem "
+            f"has {format_size(free)} free; free space there, point training.output_dir at a larger disk, or "
+            "keep fewer checkpoints (training.save_total_limit) or none (training.save_steps=0)"
+        )
+
     def _claim(self, chunk) -> bool:
-        """True if the caller is to write ``chunk`` now; waits while another thread writes it."""
+        """True if the caller is to write ``chunk`` now; waits while another thread writes it. Nothing more
+        is written once a write has failed."""
         with self._cond:
             while self._state.get(chunk.id) == "writing":
                 self._cond.wait()
-            if self._state.get(chunk.id) != "pending":
+            if self._state.get(chunk.id) != "pending" or self._failed is not None:
                 return False
             self._state[chunk.id] = "writing"
             return True
 
     def _write(self, chunk) -> None:
+        """Write one chunk's file; a failure is kept for the writer thread to report (an optimizer thread
+        that writes a chunk first must not fail the training step for it)."""
         from safetensors.torch import save_file
 
         try:
             save_file(self._trainer.store.read(chunk), self._files / f"{chunk.name}.safetensors")
+        except BaseException as exc:
+            with self._cond:
+                self._failed = self._failed or exc
         finally:
             with self._cond:
                 self._state[chunk.id] = "done"
@@ -166,16 +299,28 @@ class CheckpointWriter:
             for chunk in chunks:
                 if self._claim(chunk):
                     self._write(chunk)
+            if self._failed is not None:
+                raise self._failed
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+            write_checksums(tmp)
             _commit(tmp, final, self._run_dir)
             for stale in prune(self._run_dir, self._limit):
-                log.info("removed %s (save_total_limit %d)", stale, self._limit)
+                log.debug("removed %s (save_total_limit %d)", stale, self._limit)
             self.last = final
             log.info("saved %s", final)
         except BaseException as exc:  # re-raised by wait() on the training thread
+            shutil.rmtree(tmp, ignore_errors=True)  # never a partial left behind by a failed write
+            if is_disk_full(exc):
+                step = int(state["global_step"])
+                exc = self._disk_full(step, self._needed, shutil.disk_usage(self._run_dir).free)
             self._error = exc
         finally:
             self._trainer.before_update = None
+
+
+def _size_of(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 when it does not exist)."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
 
 def _commit(tmp: Path, final: Path, run_dir: Path) -> None:
@@ -218,7 +363,7 @@ def load_checkpoint(trainer: StreamedTrainer, path: str | os.PathLike[str]) -> d
             f"{path} is not a complete tiertune checkpoint (no {STATE_FILE}); point "
             "training.resume_from_checkpoint at a checkpoint-<step> directory, or use auto"
         )
-    state = json.loads(state_file.read_text())
+    state = read_state(state_file)
     saved = state.get("tiertune", {}).get("state_chunks")
     ours = [c.name for c in trainer.state_chunks()]
     if saved is None or saved != ours:
@@ -227,16 +372,36 @@ def load_checkpoint(trainer: StreamedTrainer, path: str | os.PathLike[str]) -> d
             "or chunking differ); resume with the recipe that wrote it"
         )
     for chunk in trainer.state_chunks():
-        trainer.store.write(chunk, load_file(path / "state" / f"{chunk.name}.safetensors"))
+        file = path / "state" / f"{chunk.name}.safetensors"
+        tensors = _read(file, load_file)
+        expected = {t.name: (tuple(t.shape), t.dtype) for t in chunk.tensors}
+        found = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+        if found != expected:
+            raise IntegrityError(f"{file} does not hold the tensors of {chunk.name}: the checkpoint is damaged")
+        trainer.store.write(chunk, tensors)
     if trainer.adapters is not None:
         cfg = trainer.config
-        blob = torch.load(path / "adapter_optimizer.pt", weights_only=False)
+        blob = _read(path / "adapter_optimizer.pt", partial(torch.load, weights_only=False))
         trainer.adapters.load_training_state(
             blob, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon
         )
     trainer.restore_counters(state["tiertune"])
-    _set_rng_states(torch.load(path / "rng_state.pth", weights_only=False))
+    _set_rng_states(_read(path / "rng_state.pth", partial(torch.load, weights_only=False)))
     return state
+
+
+def _read(file: Path, reader: Callable[[Path], Any]) -> Any:
+    """``reader(file)``, with any failure to read or parse it an IntegrityError naming the file."""
+    if not file.is_file():
+        raise IntegrityError(f"{file} is missing: the checkpoint is damaged")
+    try:
+        return reader(file)
+    except (OSError, StorageError) as exc:
+        raise IntegrityError(f"{file} cannot be read ({exc}): the checkpoint is damaged") from None
+    except Exception as exc:  # safetensors' and pickle's errors for a truncated or damaged file
+        raise IntegrityError(
+            f"{file} cannot be read ({type(exc).__name__}: {exc}): the checkpoint is damaged"
+        ) from None
 
 
 def _rng_states() -> dict[str, Any]:

@@ -68,6 +68,11 @@ class TokenizedData:
         """Tokens in all rows (reads the whole column once)."""
         return sum(len(ids) for ids in self.rows["input_ids"])
 
+    @functools.cached_property
+    def max_token_id(self) -> int:
+        """The largest token id in the rows (-1 when there are none)."""
+        return max((max(ids) for ids in self.rows["input_ids"] if len(ids)), default=-1)
+
 
 class _BadRow(Exception):
     def __init__(self, field: str, found: str) -> None:
@@ -81,6 +86,12 @@ def read_rows(path: str | Path, skip_bad_rows: bool = False, cache_dir: str | No
     import datasets
 
     path = Path(path)
+    if path.is_dir():
+        found = sorted(p.name for p in path.iterdir() if p.suffix in LOADERS and p.is_file())
+        there = f"; files there: {', '.join(found[:5])}{', ...' if len(found) > 5 else ''}" if found else ""
+        raise DataError(
+            f"data.path {path} is a directory; point data.path at a {', '.join(LOADERS)} file in it{there}"
+        )
     if not path.is_file():
         raise DataError(f"data file {path} does not exist; set data.path to a {', '.join(LOADERS)} file")
     loader = LOADERS.get(path.suffix)
@@ -90,6 +101,8 @@ def read_rows(path: str | Path, skip_bad_rows: bool = False, cache_dir: str | No
         )
     if path.stat().st_size == 0:
         raise DataError(f"{path} holds no rows")
+    if loader != "parquet":  # the JSON reader takes bytes that are not UTF-8 and fails on the first row read
+        _check_utf8(path)
     datasets.disable_progress_bars()
     try:
         rows = datasets.load_dataset(loader, data_files=str(path), split="train", cache_dir=cache_dir)
@@ -103,6 +116,34 @@ def read_rows(path: str | Path, skip_bad_rows: bool = False, cache_dir: str | No
     if len(rows) == 0:
         raise DataError(f"{path} holds no rows")
     return rows
+
+
+def _check_utf8(path: Path) -> None:
+    """Raise DataError naming the first byte of ``path`` that is not UTF-8 (its offset and line)."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = line = 0
+    with path.open("rb") as f:
+        while True:
+            block = f.read(1 << 20)
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as exc:
+                # the decoder may hold back up to 3 bytes of an unfinished character from the block before
+                held = len(exc.object) - len(block)
+                at = offset - held + exc.start
+                line += block[: max(0, exc.start - held)].count(b"\n")
+                bad = exc.object[exc.start : exc.start + 1].hex()
+                raise DataError(
+                    f"{path} is not UTF-8 text: byte 0x{bad} at byte offset {at} (line {line + 1}) "
+                    f"cannot be decoded ({exc.reason}); convert the file to UTF-8, e.g. "
+                    f"`iconv -f latin1 -t utf-8 {path.name} > utf8-{path.name}`"
+                ) from None
+            if not block:
+                return
+            offset += len(block)
+            line += block.count(b"\n")
 
 
 def _is_json_lines(path: Path) -> bool:

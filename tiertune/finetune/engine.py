@@ -39,6 +39,7 @@ transformers LR scheduler.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -56,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tiertune.errors import BudgetError, ConfigError, DataError
+from tiertune.errors import BudgetError, ConfigError, DataError, NonFiniteError, StateError
 from tiertune.finetune.lora import Adapters, LoraSettings
 from tiertune.finetune.model import (
     ModelParts,
@@ -315,7 +316,7 @@ class StreamedTrainer:
                 "kernels: %s is not in the fused-loss list; the loss runs unfused (full logits)", model_type
             )
             return False
-        log.info(
+        log.debug(
             "kernels: fused linear + cross-entropy (%s, chunked) for %s", self.kernel_backend, model_type
         )
         return True
@@ -599,7 +600,7 @@ class StreamedTrainer:
                 if state.trainable:
                     self.add_grads(state, grads[id(state)])
         began = time.perf_counter()
-        self._finish_step()
+        self._finish_step(total / n_tokens)
         self.times["optimizer"] += time.perf_counter() - began
         self.store.mark_step()
         self.step_count += 1
@@ -612,12 +613,17 @@ class StreamedTrainer:
         others = [s for s in self._states if s.group.kind != "layer"]
         return [(s, j) for s in layers + others for j in range(len(s.weights))]
 
-    def _finish_step(self) -> None:
-        """After backward: the exact clipping coefficient; confirm, redo or run the optimizer; commit."""
+    def _finish_step(self, loss: float) -> None:
+        """After backward: the exact clipping coefficient; confirm, redo or run the optimizer; commit. A loss
+        or gradient norm that is not finite raises NonFiniteError, with the step not applied where it had
+        not been yet (speculative or after backward: the states are those of the last step)."""
         cfg = self.config
         self.last_lr = self._lr_now
         if self.adapters is not None:  # LoRA: a frozen base; the adapters' optimizer, as in a plain loop
             betas = (cfg.adam_beta1, cfg.adam_beta2)
+            if not math.isfinite(loss):
+                self.adapters.zero_grad()
+                raise NonFiniteError(f"the loss is {loss}")
             self.last_grad_norm = self.adapters.step(
                 self._lr_now, cfg.weight_decay, betas, cfg.adam_epsilon, cfg.max_grad_norm
             )
@@ -631,6 +637,9 @@ class StreamedTrainer:
         if cfg.max_grad_norm and cfg.max_grad_norm > 0:
             coef = torch.clamp(cfg.max_grad_norm / (total + 1e-6), max=1.0)
         self.last_grad_norm = float(total)
+        if not (math.isfinite(loss) and math.isfinite(self.last_grad_norm)):
+            self._abandon_step()
+            raise NonFiniteError(f"the loss is {loss} and the gradient norm {self.last_grad_norm}")
         order = self._unit_order()
         if self._speculating:
             self._worker.join()  # the speculative step used coefficient 1: exact if that is the coefficient
@@ -651,6 +660,16 @@ class StreamedTrainer:
                     self.store.exchange(chunk, twin)
                     self.store.discard(twin)
                 self.store.discard(state.grads[j])  # consumed: their memory is free until the next step
+
+    def _abandon_step(self) -> None:
+        """Drop a step's gradients and speculative twins: its update is not applied (an update already made
+        in place during backward, without clipping, stays: the run stops without saving it)."""
+        with contextlib.suppress(BaseException):
+            self._worker.join()
+        chunks = [c for s in self._states for c in (*s.grads, *(t for twins in s.twins for t in twins))]
+        for chunk in chunks:
+            with contextlib.suppress(StateError):  # the run stops: a chunk still held is left as it is
+                self.store.discard(chunk)
 
     def _cpu_tier(self, chunk: Chunk) -> Tier:
         """Where the CPU optimizer reads ``chunk``: the device tier when that is CPU memory, else the host."""

@@ -82,6 +82,7 @@ class Estimate:
     moved_per_step: dict[str, int] = field(default_factory=dict)
     bandwidth: dict[str, float] = field(default_factory=dict)
     lower_bound_s: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # said under the table (e.g. where the disk was probed)
 
     @property
     def fits(self) -> bool:
@@ -129,12 +130,13 @@ def estimate(recipe: Recipe, measure: bool = True) -> Estimate:
     est = Estimate(parameters, trained, kinds, tiers, outside)
     _traffic(est, chunks, budgets)
     if measure:
-        est.bandwidth = measure_bandwidth(store_cfg)
+        est.bandwidth = measure_bandwidth(store_cfg, notes=est.notes)
     _lower_bound(est)
     return est
 
 
-def _existing(path: str) -> str:
+def _existing(path: str | os.PathLike[str]) -> str:
+    """``path`` or, when it does not exist yet, its nearest existing parent (where it would be created)."""
     p = Path(path)
     while not p.exists() and p != p.parent:
         p = p.parent
@@ -281,12 +283,26 @@ def _traffic(est: Estimate, chunks: list[_Chunk], budgets: dict[Tier, int]) -> N
     est.moved_per_step["host->device"] = max(0, streamed - max(0, device_room))
 
 
-def measure_bandwidth(store_cfg: StoreConfig, probe_bytes: int = 256 << 20) -> dict[str, float]:
+def measure_bandwidth(
+    store_cfg: StoreConfig, probe_bytes: int = 256 << 20, notes: list[str] | None = None
+) -> dict[str, float]:
     """Bytes per second of the disk (read, write: ``probe_disk``), host-to-device copies (GPU) and the CPU
-    optimizer (parameters per second of torch's fused AdamW)."""
+    optimizer (parameters per second of torch's fused AdamW). Creates nothing: a ``disk_path`` that does not
+    exist yet is probed in its nearest existing parent directory (the filesystem it would be created on); what
+    a reader should know about the probe is appended to ``notes``."""
     out: dict[str, float] = {}
+    notes = [] if notes is None else notes
     if store_cfg.disk_path:
-        out["disk_read"], out["disk_write"] = probe_disk(store_cfg.disk_path, probe_bytes)
+        where = _existing(store_cfg.disk_path)
+        if Path(where) != Path(store_cfg.disk_path):
+            notes.append(
+                f"offload.disk_path {store_cfg.disk_path} does not exist yet (a run creates it); the disk was "
+                f"probed in {where}, the nearest existing directory above it"
+            )
+        try:
+            out["disk_read"], out["disk_write"] = probe_disk(where, probe_bytes)
+        except OSError as exc:
+            notes.append(f"the disk was not probed ({exc}): no disk term in the lower bound")
     if torch.device(store_cfg.device).type == "cuda":
         src = torch.empty(probe_bytes, dtype=torch.uint8).pin_memory()
         dst = torch.empty(probe_bytes, dtype=torch.uint8, device=store_cfg.device)
@@ -317,24 +333,30 @@ def _adamw_rate(numel: int = 1 << 23) -> float:
 
 def probe_disk(path: str | os.PathLike[str], nbytes: int = 256 << 20) -> tuple[float, float]:
     """(read, write) bytes per second of the disk tier's own I/O path (O_DIRECT where supported, 64 MiB
-    chunks, checksums) on ``path``: a quick probe, not a benchmark (``benchmarks/bench_aio.py`` is one)."""
+    chunks, checksums) on ``path``: a quick probe, not a benchmark (``benchmarks/bench_aio.py`` is one). The
+    probe writes into a temporary directory in ``path`` (or, if ``path`` does not exist, in its nearest
+    existing parent) and removes it; nothing is created or left behind."""
     from tiertune.offload.aio import AsyncIO
     from tiertune.offload.chunk import Chunk, ChunkLayout, TensorSpec
     from tiertune.offload.disk import DiskTier
     from tiertune.offload.tiers import MemoryTier
 
-    Path(path).mkdir(parents=True, exist_ok=True)
+    path = _existing(path)
     chunk_size = 64 << 20
     n = max(1, nbytes // chunk_size)
     with tempfile.TemporaryDirectory(dir=path, prefix=".probe-") as tmp:
         aio = AsyncIO(16, 1 << 20)
-        disk = DiskTier(Path(tmp), n * (chunk_size + (2 << 20)) + (1 << 20), aio)
-        host = MemoryTier(Tier.HOST, chunk_size, torch.device("cpu")).alloc(chunk_size)
-        host.tensor.view(torch.int32).random_()
-        layout = ChunkLayout((TensorSpec("x", (chunk_size,), torch.uint8, 0),), chunk_size)
-        chunks = [Chunk(i, f"probe{i}", layout, Tier.DISK) for i in range(n)]
-        slots = [disk.reserve(c, 1 << 20) for c in chunks]
         try:
+            disk = DiskTier(Path(tmp), n * (chunk_size + (2 << 20)) + (1 << 20), aio)
+        except BaseException:
+            aio.close()
+            raise
+        try:  # the slot file is closed and removed whatever fails below (the directory goes with it)
+            host = MemoryTier(Tier.HOST, chunk_size, torch.device("cpu")).alloc(chunk_size)
+            host.tensor.view(torch.int32).random_()
+            layout = ChunkLayout((TensorSpec("x", (chunk_size,), torch.uint8, 0),), chunk_size)
+            chunks = [Chunk(i, f"probe{i}", layout, Tier.DISK) for i in range(n)]
+            slots = [disk.reserve(c, 1 << 20) for c in chunks]
             began = time.perf_counter()
             handles = [(c, *disk.write(c, s, host.tensor)) for c, s in zip(chunks, slots, strict=True)]
             for c, handle, sums in handles:
@@ -396,5 +418,6 @@ def format_estimate(est: Estimate, title: str) -> str:
                          f" = {est.lower_bound_s['optimizer']:.2f} s")  # fmt: skip
         bound = max(est.lower_bound_s.values())
         lines.append(f"  => at least {bound:.2f} s per step")
+    lines += [f"note: {note}" for note in est.notes]
     lines.append("" if est.fits else "DOES NOT FIT: raise the budgets marked NO, or place more state on disk")
     return "\n".join(lines).rstrip()

@@ -143,13 +143,43 @@ def export(
     return out, f"Hugging Face model at step {json.loads(state.read_text())['global_step']}"
 
 
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def base_dtype(model_dir: str | os.PathLike[str]) -> tuple[str, str]:
+    """The dtype a Hugging Face model directory is stored in, and where that was read: its config's ``dtype``
+    (``torch_dtype`` before transformers 5), else the floating dtype holding most of its safetensors weights
+    (read from the files' headers, nothing loaded), else float32 (what transformers loads by default)."""
+    model_dir = Path(model_dir)
+    with contextlib.suppress(OSError, ValueError):
+        config = json.loads((model_dir / "config.json").read_text())
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(getattr(torch, str(config.get(key)), None), torch.dtype):
+                return str(config[key]), f"its config.json's {key}"
+    counts: dict[str, int] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with contextlib.suppress(OSError, ValueError), open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            for name, info in header.items():
+                if name != "__metadata__" and info.get("dtype") in _SAFETENSORS_DTYPES:
+                    start, end = info["data_offsets"]
+                    dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+                    counts[dtype] = counts.get(dtype, 0) + end - start
+    if counts:
+        return max(counts, key=counts.__getitem__), "its safetensors weights"
+    return "float32", "transformers' default: neither its config nor its weights name one"
+
+
 def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: str | None = None,
-          dtype: str = "bfloat16") -> tuple[Path, str]:  # fmt: skip
-    """Fold a LoRA adapter into its base and write the merged model. For an adapter trained on a quantized
-    base, the base is loaded quantized and dequantized first, so the adapter is added to the weights it was
-    trained against. Returns the output and a sentence saying what was merged into what."""
+          dtype: str | None = None) -> tuple[Path, str]:  # fmt: skip
+    """Fold a LoRA adapter into its base and write the merged model, in ``dtype`` (default: the base model's
+    own, see ``base_dtype``). For an adapter trained on a quantized base, the base is loaded quantized and
+    dequantized first, so the adapter is added to the weights it was trained against. Returns the output and a
+    sentence saying what was merged into what, and in which dtype it was written."""
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tiertune.finetune.lora import peft_wrapping
 
     adapter, out = Path(adapter), Path(out)
     if not (adapter / "adapter_config.json").is_file():
@@ -160,6 +190,11 @@ def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: st
     quantize = "none"
     with contextlib.suppress(ConfigError):  # an adapter from elsewhere: no recipe, an unquantized base
         quantize = _recipe_of(adapter).model.quantize
+    if dtype is None:
+        dtype, source = base_dtype(base)
+        written = f"written in {dtype}, the base model's dtype ({source}; --dtype to change)"
+    else:
+        written = f"written in {dtype} (as asked)"
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ConfigError(f"--dtype must be a torch dtype such as bfloat16 or float32, got {dtype!r}")
@@ -172,7 +207,8 @@ def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: st
     if quantize != "none":
         model = model.dequantize()
         model.to(torch_dtype)
-    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    with peft_wrapping():
+        merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     merged.config.quantization_config = None
     if hasattr(merged, "hf_quantizer"):
         merged.hf_quantizer = None
@@ -188,9 +224,8 @@ def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: st
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     what = (
-        f"the adapter was added to the dequantized {quantize} weights of {base} (what it was trained against), "
-        f"saved in {dtype}"
+        f"the adapter was added to the dequantized {quantize} weights of {base} (what it was trained against)"
         if quantize != "none"
-        else f"the adapter was added to the {dtype} weights of {base}"
+        else f"the adapter was added to the weights of {base}"
     )
-    return out, what
+    return out, f"{what}; {written}"

@@ -13,8 +13,12 @@ they are initialized in one pass over the layers once the base is in the store (
 
 from __future__ import annotations
 
+import contextlib
+import math
 import shutil
 import tempfile
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,8 +26,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiertune.errors import ConfigError
+from tiertune.errors import ConfigError, NonFiniteError
 from tiertune.finetune.files import move_files_into
+
+
+@contextlib.contextmanager
+def peft_wrapping() -> Iterator[None]:
+    """Around peft wrapping a transformers model (``get_peft_model``, ``PeftModel.from_pretrained``): peft
+    reads the model's ``is_gradient_checkpointing``, which transformers 5 deprecated with a FutureWarning on
+    every read. Only that warning is silenced, and only here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        yield
+
+
+def local_base_path(name_or_path: str | None) -> str | None:
+    """An adapter's ``base_model_name_or_path`` as it should be saved: a local directory made absolute and
+    resolved (a relative one would only load from the directory the run started in), a hub id unchanged."""
+    if name_or_path and Path(name_or_path).exists():
+        return str(Path(name_or_path).resolve())
+    return name_or_path
 
 
 @dataclass
@@ -55,9 +79,13 @@ class Adapters:
             task_type="CAUSAL_LM",
         )
         try:
-            self.peft_model = get_peft_model(model, self.config)
+            with peft_wrapping():
+                self.peft_model = get_peft_model(model, self.config)
         except ValueError as exc:  # peft: no module matched target_modules, and the like
             raise ConfigError(f"method.lora: {exc}") from exc
+        # the base as a path that loads from any directory, resolved now (against the one it was loaded from)
+        for config in (self.config, *self.peft_model.peft_config.values()):
+            config.base_model_name_or_path = local_base_path(config.base_model_name_or_path)
         self._materialize(device)
         # DoRA's magnitudes start as the norms of the base weights, which are not in memory yet: peft wraps
         # the layers as plain LoRA, then each layer gets peft's DoRA variant, initialized by ``init_dora``
@@ -133,12 +161,20 @@ class Adapters:
             norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         else:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        if not math.isfinite(float(norm)):  # the adapters stay as they were; the run stops
+            self.zero_grad()
+            raise NonFiniteError(f"the adapters' gradient norm is {float(norm)}")
         optimizer = self.optimizer(weight_decay, betas, eps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
         optimizer.zero_grad()
         return float(norm)
+
+    def zero_grad(self) -> None:
+        """Drop the adapters' gradients."""
+        for p in self.params:
+            p.grad = None
 
     def optimizer(self, weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
         """The adapters' optimizer (made on first use): weight decay on the matrices only."""
@@ -193,7 +229,7 @@ class Adapters:
         directory.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".adapter-", dir=directory))
         try:
-            self.config.save_pretrained(str(tmp))
+            self.config.save_pretrained(str(tmp))  # base_model_name_or_path absolute (see ``__init__``)
             tensors = {k: v.contiguous() for k, v in self.state_dict().items()}
             save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
             move_files_into(tmp, directory, last="adapter_config.json")

@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -57,20 +57,62 @@ class ModelParts:
     groups: list[ParamGroup]
 
 
-def build_skeleton(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The model of a local Hugging Face directory with its parameters on the meta device (no memory)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+def load_config(directory: str | os.PathLike[str]) -> Any:
+    """The transformers config of the model in ``directory`` (``model.path``), checked to be one tiertune can
+    train: a decoder-only causal LM. Raises ModelError naming the file and what is wrong with it."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     path = Path(directory)
-    if not (path / "config.json").is_file():
+    file = path / "config.json"
+    if not file.is_file():
         raise ModelError(
             f"{path} is not a Hugging Face model directory (no config.json); set model.path to one"
         )
+    restore = "restore the config.json saved with the model (save_pretrained writes one), e.g. download it"
+    try:
+        raw = json.loads(file.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        where = f" at line {exc.lineno}, column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+        what = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text"
+        raise ModelError(f"{file} is not valid JSON ({what}{where}); {restore}") from None
+    if not isinstance(raw, dict):
+        raise ModelError(
+            f"{file} holds a JSON {type(raw).__name__}, expected an object of model settings; {restore}"
+        )
+    model_type = raw.get("model_type")
+    if not model_type:
+        raise ModelError(
+            f'{file} has no "model_type" key, so the architecture it describes is unknown (expected e.g. '
+            f'"model_type": "llama"); {restore}'
+        )
     try:
         config = AutoConfig.from_pretrained(path)
-    except (ValueError, OSError, json.JSONDecodeError) as exc:
-        raise ModelError(f"cannot read the model config in {path}: {exc}") from exc
+    except (ValueError, KeyError, OSError, TypeError) as exc:
+        raise ModelError(
+            f"{file}: transformers {transformers.__version__} cannot build a config of model_type "
+            f"{model_type!r} from it ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); upgrade "
+            f"transformers if the model is newer than it, or {restore}"
+        ) from exc
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    if encoder_decoder or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        architectures = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
+        kind = "an encoder-decoder model" if encoder_decoder else "not a causal LM"
+        raise ModelError(
+            f"tiertune fine-tunes decoder-only causal LMs (AutoModelForCausalLM); {path} is a {config.model_type} "
+            f"({architectures}), {kind}; set model.path to a decoder-only model such as Llama, Qwen, Mistral or "
+            "Gemma"
+        )
+    return config
+
+
+def build_skeleton(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of a local Hugging Face directory with its parameters on the meta device (no memory)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(directory)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     # init_empty_weights re-creates each registered parameter on meta, which undoes the tying that

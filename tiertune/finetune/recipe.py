@@ -8,8 +8,11 @@ wrong type or out of range is an error naming the key and what is expected. Name
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -90,6 +93,10 @@ class TrainingSection:
     save_steps: int = 500
     save_total_limit: int | None = None
     resume_from_checkpoint: str | None = None
+    # start over in an output_dir that holds another run (its checkpoints, log and model are removed)
+    overwrite_output_dir: bool = False
+    # resume although the checkpoint's recipe differs in what makes a run (model, method, data, batch, ...)
+    allow_recipe_changes: bool = False
     logging_steps: int = 500
     report_to: str = field(default="auto", metadata=_choice("auto", "none", "tensorboard", "wandb"))
 
@@ -144,16 +151,43 @@ class Recipe:
             (self.method.galore.update_proj_gap >= 1, "method.galore.update_proj_gap", "must be >= 1"),
             (self.method.galore.scale > 0, "method.galore.scale", "must be > 0"),
         ]
+        for name, value in flatten(self.to_dict()):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number; got {value}")
         for ok, key, what in checks:
             if not ok:
                 raise ConfigError(f"{key} {what}")
         for key in ("device_budget", "host_budget"):
             value = getattr(self.offload, key)
             if value != "auto":
+                number = str(value).strip()
+                # a bare number: bytes, or a forgotten unit? (0 is 0 in any unit)
+                if number.replace(".", "", 1).isdigit() and float(number) != 0:
+                    raise ConfigError(
+                        f"offload.{key}: {number} has no unit; write e.g. {number}GiB (or {number}B for bytes)"
+                    )
                 parse_size(value, f"offload.{key}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def with_absolute_paths(self) -> Recipe:
+        """A copy whose paths are absolute: relative paths, in a recipe file as on the command line, are
+        relative to the directory tiertune runs in (as for Hugging Face's ``output_dir``); the run directory,
+        its checkpoints and the saved adapter then name their inputs wherever they are read from."""
+        out = copy.deepcopy(self)
+        sections = (
+            (out.model, "path"),
+            (out.data, "path"),
+            (out.training, "output_dir"),
+            (out.offload, "disk_path"),
+            (out.training, "resume_from_checkpoint"),
+        )
+        for section, key in sections:
+            value = getattr(section, key)
+            if value and value != "auto":
+                setattr(section, key, os.path.abspath(os.path.expanduser(value)))
+        return out
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -231,6 +265,17 @@ def _coerce(hint: Any, value: Any, name: str, choices: tuple[str, ...] | None) -
             return value
     expected = " or ".join("a number" if t is float else t.__name__ for t in allowed if t is not type(None))
     raise ConfigError(f"{name} must be {expected}; got {value!r}")
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """``(dotted.key, value)`` for every setting of a recipe's dict."""
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += flatten(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
 
 
 def _set(tree: dict[str, Any], keys: list[str], value: Any) -> None:

@@ -13,21 +13,34 @@ import json
 import logging
 import math
 import os
+import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from tiertune.errors import ConfigError
+from tiertune.errors import (
+    ConfigError,
+    DataError,
+    DiskFullError,
+    Interrupted,
+    ModelError,
+    NonFiniteError,
+    Signalled,
+)
 from tiertune.finetune.checkpoint import (
     RECIPE_FILE,
     STATE_FILE,
     CheckpointWriter,
-    checkpoints,
+    checkpoint_bytes,
+    is_disk_full,
     latest_checkpoint,
     load_checkpoint,
-    remove_partial,
+    partials,
+    recover,
 )
 from tiertune.finetune.data import batches, load_data
 from tiertune.finetune.engine import EngineConfig, StreamedTrainer
@@ -37,13 +50,13 @@ from tiertune.finetune.lora import LoraSettings
 from tiertune.finetune.optim import GaloreSettings
 from tiertune.finetune.recipe import Recipe, load_recipe
 from tiertune.finetune.reporting import Reporters
+from tiertune.finetune.rundir import LOG_NAME, RunDirectory
+from tiertune.finetune.signals import StopOnSignals, stop_on_signals
 from tiertune.kernels.patch import describe, resolve_backend
 from tiertune.offload.store import StoreConfig
 from tiertune.units import format_size
 
 log = logging.getLogger("tiertune.train")
-
-LOG_NAME = "trainer_log.jsonl"
 
 
 @dataclass
@@ -56,6 +69,9 @@ class TrainResult:
     steps: int = 0
     seconds: float = 0.0
     first_step: int = 1
+    # optimizer steps by how they ran: speculative (during backward, confirmed), redone (during backward,
+    # then again after it: the step was clipped), after_backward
+    optimizer_counts: dict[str, int] = field(default_factory=dict)
 
     @property
     def log_path(self) -> Path:
@@ -76,6 +92,12 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
             f"model.path {recipe.model.path} is not a Hugging Face model directory (no config.json there); "
             "point it at a local directory saved with save_pretrained (for the demo recipe: run `tiertune demo`)"
         )
+    out = Path(recipe.training.output_dir).absolute()
+    for key, other in (("model.path", recipe.model.path), ("offload.disk_path", recipe.offload.disk_path)):
+        if other and Path(other).absolute() == out:
+            raise ConfigError(
+                f"training.output_dir is {key} ({out}): the run would write over it; choose another directory"
+            )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         raise ConfigError(
@@ -162,14 +184,14 @@ def _quant_cache(disk_path: str | None) -> str:
 def _activations(recipe: Recipe, device: str, dtype: torch.dtype, device_budget: int) -> str:
     """``offload.activations``; auto keeps the layer inputs on the device unless, on a GPU, they would take
     more than an eighth of the device budget."""
+    from tiertune.finetune.model import load_config
+
+    config = load_config(recipe.model.path)  # ModelError for a config.json it cannot use, before all else
     choice = recipe.offload.activations
     if choice != "auto":
         return choice
     if device != "cuda":
         return "device"
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(recipe.model.path)
     per_layer = recipe.training.per_device_train_batch_size * recipe.data.max_seq_len * config.hidden_size
     total = per_layer * config.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
     return "host" if total > device_budget // 8 else "device"
@@ -180,21 +202,46 @@ def train(
 ) -> TrainResult:
     """Run a recipe (a ``Recipe`` or the path of a YAML file) to the end and export the model.
 
-    Raises ConfigError, DataError, ModelError or BudgetError with a message that says what to change.
-    """
-    from transformers import AutoTokenizer
+    Relative paths are relative to the current directory; the run directory records them absolute. The run
+    directory is locked for the run and checked first (``rundir.RunDirectory``): a directory holding another
+    run is refused unless the run resumes or ``training.overwrite_output_dir`` is set, a resumed checkpoint is
+    verified against its checksums. ``progress`` prints the banner and a progress bar.
 
+    Raises ConfigError, DataError, ModelError, BudgetError, IntegrityError or DiskFullError with a message that
+    says what to change; NonFiniteError when a step's loss or gradient norm is not finite (nothing is saved or
+    exported after the last good step); ``Interrupted`` (a KeyboardInterrupt) after SIGINT or SIGTERM, once
+    the checkpoint being written is complete and the offload files are removed.
+    """
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
+    recipe = recipe.with_absolute_paths()
     store_cfg, engine_cfg = plan(recipe)
+    run_dir = RunDirectory(recipe.training.output_dir)
+    with stop_on_signals() as stop, run_dir:
+        recover(run_dir.path)
+        try:
+            return _run(recipe, store_cfg, engine_cfg, run_dir, progress, stop)
+        except Signalled as exc:  # before the first step: what was set up has been unwound
+            stop.caught()
+            newest = latest_checkpoint(run_dir.path)
+            step = int(newest.name.rsplit("-", 1)[1]) if newest else 0
+            raise Interrupted(exc.signum, step, newest, run_dir.path / RECIPE_FILE) from None
+
+
+def _run(
+    recipe: Recipe,
+    store_cfg: StoreConfig,
+    engine_cfg: EngineConfig,
+    run_dir: RunDirectory,
+    progress: bool,
+    stop: StopOnSignals,
+) -> TrainResult:
     t, d = recipe.training, recipe.data
+    out = run_dir.path
     torch.manual_seed(t.seed)
-    tokenizer = AutoTokenizer.from_pretrained(recipe.model.path)
+    tokenizer = _tokenizer(recipe.model.path)
     data = load_data(d.path, tokenizer, d.format, d.max_seq_len, d.add_eos, d.skip_bad_rows)
-    log.info(
-        "data: %d rows, %d tokens from %s (%d bad rows skipped, %d with nothing to predict dropped)",
-        len(data), data.tokens, d.path, data.skipped, data.dropped,
-    )  # fmt: skip
+    _check_vocabulary(data, recipe.model.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     rows = math.ceil(data.tokens / d.max_seq_len) if d.packing else len(data)  # packing: about full rows
     per_epoch = math.ceil(rows / t.per_device_train_batch_size)
@@ -204,38 +251,48 @@ def train(
         else max(1, math.ceil(t.num_train_epochs * per_epoch / t.gradient_accumulation_steps))
     )
     engine_cfg.max_steps = steps
-    out = Path(t.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for path in remove_partial(out):
-        log.info("removed %s: an interrupted checkpoint write", path)
+    stop.check()  # a signal during loading that landed where it could not be raised
+    decision = run_dir.decide(recipe, steps)  # every check before anything in the directory changes
+    removed = run_dir.prepare(decision)
+    for path in removed:
+        log.debug("removed %s", path)
+    if decision.clear:
+        log.info("started over in %s: the previous run's checkpoints, log and model were removed", out)
     write_text_atomically(out / RECIPE_FILE, recipe.to_yaml())
-    resume = _resume_path(t.resume_from_checkpoint, out)
+    recipe_path = out / RECIPE_FILE
     result = TrainResult(out)
     stream = batches(data, t.per_device_train_batch_size, pad_id, d.shuffle, t.seed, d.packing, d.max_seq_len)
-    trainer = StreamedTrainer(recipe.model.path, store_cfg, engine_cfg)
     history: list[dict] = []
-    first = 0
-    if resume is not None:
-        try:
-            state = load_checkpoint(trainer, resume)
-        except BaseException:
-            trainer.close()
-            raise
-        first, history = int(state["global_step"]), list(state["log_history"])
-        for _ in range(state["tiertune"]["micro_batches"]):  # the data position: the same batches follow
-            next(stream)
-        _rewrite_log(result.log_path, history)  # the steps after the checkpoint are run again
-        log.info("resumed from %s at step %d of %d", resume, first, steps)
+    first = decision.step
+    trainer = StreamedTrainer(recipe.model.path, store_cfg, engine_cfg)
+    try:
+        if decision.resume is not None:
+            state = load_checkpoint(trainer, decision.resume)
+            history = list(state["log_history"])
+            for _ in range(state["tiertune"]["micro_batches"]):  # the data position: the same batches follow
+                next(stream)
+    except BaseException:
+        trainer.close()
+        raise
+    _rewrite_log(result.log_path, history)  # each step once: a resumed run runs the later ones again
+    counted = dict(trainer.optimizer_counts)  # a resumed run's counters start at its checkpoint's
+    notes = list(decision.notes)
+    if decision.resume is not None:
+        notes.append(f"resumed from {decision.resume} at step {first} of {steps}")
     result.first_step = first + 1
-    banner = _banner(recipe, trainer, store_cfg, steps, first)
-    log.info("%s", banner)
+    banner = _banner(recipe, trainer, store_cfg, steps, first, data)
+    for line in (banner, *notes):  # printed below; in the log for a run without a console
+        log.debug("%s", line)
     if progress:
-        print(banner, flush=True)
+        print("\n".join((banner, *notes)), flush=True)
     bar = _progress(steps, progress, first)
     writer = CheckpointWriter(trainer, out, t.save_total_limit)
     reporters = None
     start = time.perf_counter()
+    done = first
+    failure: BaseException | None = None
     try:
+        _check_room(trainer, out, t.save_steps > 0 and steps > first)
         reporters = Reporters(t.report_to, out, recipe.to_dict(), first)
         with open(result.log_path, "a") as log_file:
             for step in range(first, steps):
@@ -244,6 +301,7 @@ def train(
                 began = time.perf_counter()
                 loss = trainer.step(micro)
                 seconds = time.perf_counter() - began
+                done = step + 1
                 result.losses.append(loss)
                 stats = trainer.store.stats()
                 peaks = {name: tier.peak for name, tier in stats.tiers.items()}
@@ -263,7 +321,11 @@ def train(
                     log_file.flush()
                     history.append(record)
                     reporters.log(record)
-                if t.save_steps > 0 and (step + 1) % t.save_steps == 0 and step + 1 < steps:
+                writer.check()  # a checkpoint that failed in the background stops the run now
+                stop.check()
+                # a checkpoint every save_steps steps and at the last one (as the Hugging Face Trainer), so
+                # that a finished run can be trained further
+                if t.save_steps > 0 and ((step + 1) % t.save_steps == 0 or step + 1 == steps):
                     trainer_state = {
                         "global_step": step + 1,
                         "max_steps": steps,
@@ -277,27 +339,121 @@ def train(
                                     **{k: format_size(v) for k, v in peaks.items()})  # fmt: skip
                     bar.update(1)
         writer.wait()
-        if trainer.adapters is not None:  # a PEFT adapter directory (the base is the input model)
-            trainer.save_adapter(out)
-            tokenizer.save_pretrained(str(out))
-        else:
-            export_hf(trainer, tokenizer, out)
+        _export(trainer, tokenizer, out)
+        final = {"global_step": steps, "max_steps": steps, "log_history": history}
+        write_text_atomically(out / STATE_FILE, json.dumps(final, indent=2))  # the run is finished
+    except BaseException as exc:
+        failure = exc
+        if isinstance(exc, Signalled):
+            stop.caught()
+        raise
     finally:
-        if bar is not None:
-            bar.close()
-        if reporters is not None:
-            reporters.close()
-        try:
-            writer.wait()  # an interrupted run still completes the checkpoint it was writing
-        finally:
-            trainer.close()
+        with stop.deferred():  # a second Ctrl-C or SIGTERM does not cut the clean-up short
+            if bar is not None:
+                bar.close()
+            if reporters is not None:
+                reporters.close()
+            try:
+                writer.wait()  # an interrupted run still completes the checkpoint it was writing
+            except BaseException as exc:
+                if failure is None:
+                    raise
+                log.error("the checkpoint being written failed too: %s", exc)
+            finally:
+                trainer.close()
+                for path in partials(out):
+                    shutil.rmtree(path, ignore_errors=True)
+        if failure is not None:
+            _explain(failure, done, steps, out, recipe_path)
     result.steps = steps
     result.seconds = time.perf_counter() - start
+    result.optimizer_counts = {k: n - counted.get(k, 0) for k, n in trainer.optimizer_counts.items()}
     return result
 
 
-def _banner(recipe: Recipe, trainer: StreamedTrainer, store: StoreConfig, steps: int, first: int) -> str:
-    """What the run is about to do: what is trained, the effective batch, where each state lives, budgets."""
+def _explain(failure: BaseException, done: int, steps: int, out: Path, recipe_path: Path) -> None:
+    """Turn a stop in the middle of a run into the error a user acts on: what happened, the step reached,
+    the newest checkpoint and how to resume."""
+    newest = latest_checkpoint(out)
+    if isinstance(failure, KeyboardInterrupt):
+        signum = failure.signum if isinstance(failure, Signalled) else signal.SIGINT
+        raise Interrupted(signum, done, newest, recipe_path) from None
+    if isinstance(failure, NonFiniteError):
+        where = (
+            f"the newest checkpoint, {newest}, holds the last good state"
+            if newest
+            else "no checkpoint was written yet"
+        )
+        raise NonFiniteError(
+            f"step {done + 1} of {steps}: {failure}; the run stopped and nothing was exported; {where}. Lower "
+            "training.learning_rate, set training.max_grad_norm (e.g. 1.0), or use model.dtype float32, then "
+            "resume with training.resume_from_checkpoint=auto"
+        ) from None
+    if is_disk_full(failure) and not isinstance(failure, DiskFullError):
+        free = shutil.disk_usage(out).free
+        raise DiskFullError(
+            f"the filesystem of training.output_dir {out} is full ({format_size(free)} free): {failure}; free "
+            "space there or point training.output_dir at a larger disk, then resume with "
+            "training.resume_from_checkpoint=auto"
+        ) from None
+
+
+def _export(trainer: StreamedTrainer, tokenizer: Any, out: Path) -> None:
+    """The trained adapter (PEFT) or model (Hugging Face) into the run directory."""
+    if trainer.adapters is not None:  # a PEFT adapter directory (the base is the input model)
+        trainer.save_adapter(out)
+        tokenizer.save_pretrained(str(out))
+    else:
+        export_hf(trainer, tokenizer, out)
+
+
+def _check_room(trainer: StreamedTrainer, out: Path, saves: bool) -> None:
+    """Whether the run directory's filesystem holds what the run will write: a checkpoint (when it saves)
+    and the model at the end. A full disk found now costs nothing; found at the end, it costs the run."""
+    model = 1 << 20 if trainer.adapters is not None else trainer.state_bytes()["weights"]
+    needed = model + (checkpoint_bytes(trainer) if saves else 0)
+    free = shutil.disk_usage(out).free
+    if needed > free:
+        raise DiskFullError(
+            f"training.output_dir {out} has {format_size(free)} free, and the run will write "
+            f"{format_size(needed)} there (one checkpoint and the model); free space there, point "
+            "training.output_dir at a larger disk, or save no checkpoints (training.save_steps=0)"
+        )
+
+
+def _tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelError(
+            f"model.path {model_path} has no tokenizer that transformers can load ({exc}); save the model's "
+            "tokenizer there (tokenizer.save_pretrained)"
+        ) from None
+
+
+def _check_vocabulary(data: Any, model_path: str) -> None:
+    """Token ids the model has no embedding for would fail deep in the first step: say so before loading."""
+    from tiertune.finetune.model import load_config
+
+    vocab = getattr(load_config(model_path).get_text_config(), "vocab_size", None)
+    if vocab is None or len(data) == 0:
+        return
+    top = data.max_token_id
+    if top >= vocab:
+        raise DataError(
+            f"the tokenizer in {model_path} gives token ids up to {top}, but the model's vocabulary has {vocab} "
+            "entries (vocab_size in config.json): use the tokenizer the model was trained with, or resize the "
+            "model's embeddings (model.resize_token_embeddings) and save it before fine-tuning"
+        )
+
+
+def _banner(
+    recipe: Recipe, trainer: StreamedTrainer, store: StoreConfig, steps: int, first: int, data: Any
+) -> str:
+    """What the run is about to do: what is trained, on what data, the effective batch, where each state
+    lives, budgets, and how the optimizer runs."""
     t, cfg = recipe.training, trainer.config
     if trainer.adapters is not None:
         trained = sum(p.numel() for p in trainer.adapters.params)
@@ -320,19 +476,51 @@ def _banner(recipe: Recipe, trainer: StreamedTrainer, store: StoreConfig, steps:
     method = recipe.method.type + (
         f" on a {recipe.model.quantize} base" if recipe.model.quantize != "none" else ""
     )
+    left_out = [f"{data.skipped} bad rows skipped"] if data.skipped else []
+    if data.dropped:
+        left_out.append(f"{data.dropped} rows with nothing to predict dropped")
     lines = [
         f"tiertune: {method}, {trained:,} of {total:,} parameters trained ({100 * trained / max(total, 1):.2f}%)",
+        f"  data: {len(data):,} rows, {data.tokens:,} tokens from {recipe.data.path}"
+        + (f" ({', '.join(left_out)})" if left_out else ""),
         f"  steps {first + 1}-{steps} of {steps}, effective batch {batch} sequences "
         f"({t.per_device_train_batch_size} x {t.gradient_accumulation_steps} accumulated), "
         f"max_seq_len {recipe.data.max_seq_len}{', packed' if recipe.data.packing else ''}",
         f"  state: {where}",
         f"  budgets: device ({store.device}) {format_size(store.device_budget)}, host {format_size(store.host_budget)}"
         + (f", disk {store.disk_path}" if store.disk_path else ""),
-        f"  optimizer: {cfg.optim}, {'overlapped with backward' if trainer.overlap else 'after backward'}; "
-        f"activations on {cfg.activations}; output {t.output_dir}",
+        f"  optimizer: {optimizer_description(recipe, trainer)}",
+        f"  activations on {cfg.activations}; output {t.output_dir}",
         f"  kernels: {trainer.kernel_backend} ({', '.join(fused) or 'none fused: the model modules, unfused loss'})",
     ]
     return "\n".join(lines)
+
+
+def optimizer_description(recipe: Recipe, trainer: StreamedTrainer) -> str:
+    """Which optimizer runs and when, as it will really happen (said in the banner)."""
+    cfg, g = trainer.config, recipe.method.galore
+    eight = cfg.optim == "adamw_bnb_8bit"
+    if recipe.method.type == "galore":
+        name = (
+            f"GaLore {'8-bit ' if eight else ''}AdamW (rank {g.rank}, projections refreshed every "
+            f"{g.update_proj_gap} steps, scale {g.scale}; full-rank AdamW for the other weights)"
+        )
+    else:
+        name = "8-bit AdamW (bitsandbytes)" if eight else "AdamW (torch, fused)"
+    if trainer.adapters is not None:
+        return f"{name} on the adapters, after backward"
+    clipping = bool(cfg.max_grad_norm and cfg.max_grad_norm > 0)
+    if not trainer.overlap:
+        why = "offload.overlap_optimizer: false" if cfg.overlap_optimizer in ("off", False) else (
+            "its twin states do not fit the budgets"
+        )
+        return f"{name} on the CPU after backward ({why})"
+    if not clipping:
+        return f"{name} on the CPU during backward, layer by layer, in place (no clipping)"
+    return (
+        f"{name} on the CPU during backward, speculatively: a step whose gradient norm exceeds "
+        f"max_grad_norm {cfg.max_grad_norm} is redone after backward, and the step after it waits for the norm"
+    )
 
 
 def _progress(total: int, enabled: bool, done: int = 0):
@@ -341,22 +529,6 @@ def _progress(total: int, enabled: bool, done: int = 0):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=done, desc="tiertune", unit="step")
-
-
-def _resume_path(setting: str | None, out: Path) -> Path | None:
-    """``training.resume_from_checkpoint``: none, ``auto`` (the newest complete checkpoint in the run
-    directory, if there is one) or a checkpoint directory."""
-    if setting is None or setting is False:
-        return None
-    if setting == "auto" or setting is True:
-        return latest_checkpoint(out)
-    path = Path(setting)
-    if not (path / STATE_FILE).is_file():
-        raise ConfigError(
-            f"training.resume_from_checkpoint {setting} is not a complete checkpoint (no {STATE_FILE}); "
-            f"use auto, or one of: {', '.join(p.name for p in checkpoints(out)) or 'none in ' + str(out)}"
-        )
-    return path
 
 
 def _rewrite_log(path: Path, records: list[dict]) -> None:

@@ -98,7 +98,7 @@ def patch_model(model: nn.Module, backend: str, nf4: bool | None = None) -> Coun
         elif _is_nf4(module) and (backend == "triton" if nf4 is None else nf4):
             module.forward = functools.partial(_nf4_forward, module, backend)
             counts["nf4"] += 1
-    log.info("kernels (%s): %s", backend, describe(counts) or "none")
+    log.debug("kernels (%s): %s", backend, describe(counts) or "none")
     return counts
 
 

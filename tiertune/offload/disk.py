@@ -22,6 +22,7 @@ directory is touched. ``close`` removes the store's own file.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -55,7 +56,11 @@ _HEADER = struct.Struct(
     "<8sIIQQIIQ"
 )  # magic, version, reserved, slot owner id, length, block size, n_blocks, hash
 _VERSION = 1
-_HINT = "set offload.disk_path to a writable directory on a local NVMe drive"
+_NO_SPACE = (
+    "free space on the filesystem of offload.disk_path, or point offload.disk_path at a directory on a "
+    "larger disk"
+)
+_HINT = "point offload.disk_path at a writable directory on a local disk (an NVMe drive is fastest)"
 
 
 @dataclass(frozen=True)
@@ -80,9 +85,14 @@ def supports_o_direct(directory: str | os.PathLike[str]) -> bool:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
     except OSError as exc:
+        # tmpfs and ramfs create the file and then refuse O_DIRECT: the name is ours alone (O_EXCL, a uuid)
+        _discard(path)
         if exc.errno == errno.EINVAL:
             return False
-        raise
+        raise StorageError(
+            f"disk tier: cannot create a file in {directory} ({exc.strerror}); it is not a writable directory "
+            f"of a regular filesystem; {_HINT}"
+        ) from exc
     try:
         buf = aligned_empty(ALIGN, _CPU)
         buf.fill_(0)
@@ -91,10 +101,15 @@ def supports_o_direct(directory: str | os.PathLike[str]) -> bool:
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return False
-        raise
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(
+                f"disk tier: the filesystem at {directory} is full (no room for a {ALIGN}-byte probe); "
+                f"{_NO_SPACE}"
+            ) from exc
+        raise StorageError(f"disk tier: probing {directory} failed ({exc.strerror}); {_HINT}") from exc
     finally:
         os.close(fd)
-        path.unlink(missing_ok=True)
+        _discard(path)
 
 
 def clean_stale(directory: str | os.PathLike[str]) -> list[Path]:
@@ -152,8 +167,9 @@ class DiskTier:
                 )
         self.direct = direct
         self.path = self.directory / f"{PREFIX}{uuid.uuid4().hex[:16]}{SUFFIX}"
-        self.fd = self._create()
-        self.arena = Arena(shutil.disk_usage(self.directory).free if budget is None else budget)
+        self.budget_is_free_space = budget is None  # no budget: the filesystem's free space is the limit
+        self.arena = Arena(_free_bytes(self.directory) if budget is None else budget)
+        self.fd = self._create()  # last: nothing after it can fail and leave the file behind
         self._allocated = ALIGN  # bytes of the file backed by fallocate
 
     @property
@@ -168,6 +184,7 @@ class DiskTier:
         try:
             fd = os.open(tmp, flags, 0o600)
         except OSError as exc:
+            _discard(tmp)  # some filesystems create the file before refusing the flags
             raise StorageError(
                 f"cannot create a slot file in {self.directory}: {exc.strerror}; {_HINT}"
             ) from exc
@@ -191,12 +208,24 @@ class DiskTier:
         total = slot_bytes(chunk.capacity, block_size)
         header_size = total - chunk.capacity
         offset = self.arena.alloc(total)
+        if offset is None and self.budget_is_free_space:
+            if self.arena.capacity == 0:
+                raise DiskFullError(
+                    f"disk tier: the filesystem at {self.directory} reports 0 bytes free (a ramfs, or a full "
+                    f"disk), so chunk {chunk.name!r} ({format_size(total)}) cannot be placed there; point "
+                    "offload.disk_path at a directory on a real disk with room"
+                )
+            raise DiskFullError(
+                f"disk tier: chunk {chunk.name!r} needs {format_size(total)} but only "
+                f"{format_size(self.arena.largest_free())} is left of the {format_size(self.arena.capacity)} "
+                f"that was free on the filesystem at {self.directory} when the store started; {_NO_SPACE}"
+            )
         if offset is None:
             raise BudgetError(
                 "disk",
                 total,
                 self.arena.largest_free(),
-                "offload.disk_budget",
+                "StoreConfig.disk_budget",  # set only from Python: recipes give the disk tier its free space
                 f"placing chunk {chunk.name!r}",
             )
         offset += ALIGN  # the file's own header
@@ -207,11 +236,10 @@ class DiskTier:
             except OSError as exc:
                 self.arena.free(offset - ALIGN)
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    free = shutil.disk_usage(self.directory).free
+                    free = _free_bytes(self.directory)
                     raise DiskFullError(
                         f"disk tier: no space in {self.directory} for chunk {chunk.name!r} "
-                        f"({format_size(total)} needed, {format_size(free)} free); free space there, "
-                        f"lower offload.disk_budget, or {_HINT}"
+                        f"({format_size(total)} needed, {format_size(free)} free); {_NO_SPACE}"
                     ) from exc
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise StorageError(f"cannot grow {self.path}: {exc.strerror}") from exc
@@ -287,6 +315,17 @@ class DiskTier:
 _CPU = torch.device("cpu")
 
 
+def _free_bytes(directory: Path) -> int:
+    """Bytes free to this user on the filesystem of ``directory``."""
+    return shutil.disk_usage(directory).free
+
+
+def _discard(path: Path) -> None:
+    """Remove ``path`` if it is there; a failure to remove it is no reason to hide the error being raised."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+
+
 def _prepare_directory(directory: Path) -> None:
     if directory.exists() and not directory.is_dir():
         raise StorageError(f"disk tier: {directory} is not a directory; {_HINT}")
@@ -307,7 +346,7 @@ def _pwrite_all(fd: int, view: memoryview, offset: int, path: Path) -> None:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskFullError(
                 f"disk tier: {path.parent} is full (ENOSPC while writing {len(view)} bytes at offset {offset}); "
-                f"free space there, or {_HINT}"
+                f"{_NO_SPACE}"
             ) from exc
         raise StorageError(f"write to {path} at offset {offset} failed: {exc.strerror}") from exc
     if n != len(view):

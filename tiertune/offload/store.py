@@ -46,7 +46,7 @@ _SETTLED = {Tier.DEVICE: S.ON_DEVICE, Tier.HOST: S.ON_HOST, Tier.DISK: S.ON_DISK
 class StoreConfig:
     """How a ``ChunkStore`` is built. Sizes are bytes (or strings like ``'2GiB'``)."""
 
-    device: str | torch.device = "cpu"
+    device: str | torch.device = "cpu"  # cpu, cuda, cuda:N, or auto (cuda when available, else cpu)
     device_budget: int | str = "auto"  # auto: see auto_budget
     host_budget: int | str = "auto"
     disk_path: str | None = None
@@ -60,7 +60,7 @@ class StoreConfig:
     direct: bool | None = None  # None: O_DIRECT when the filesystem supports it
 
     def __post_init__(self) -> None:
-        self.device = torch.device(self.device)
+        self.device = _resolve_device(self.device)
         for name in ("device_budget", "host_budget"):
             value = getattr(self, name)
             if value == "auto":
@@ -71,11 +71,72 @@ class StoreConfig:
         if self.disk_budget == "auto":
             self.disk_budget = None
         if self.disk_budget is not None:
-            self.disk_budget = parse_size(self.disk_budget, "offload.disk_budget")
+            self.disk_budget = parse_size(self.disk_budget, "StoreConfig.disk_budget")
         if self.prefetch_depth < 0:
             raise ConfigError(f"offload.prefetch_depth must be >= 0, got {self.prefetch_depth}")
         if self.host_prefetch_depth is None:
             self.host_prefetch_depth = 2 * self.prefetch_depth
+
+
+def _resolve_device(value: str | torch.device) -> torch.device:
+    """The store's compute device: cpu or an available CUDA device (``auto``: cuda when there is one)."""
+    if value == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(
+            f"device {value!r} is not a device the store can compute on; use device='cpu', 'cuda', 'cuda:N' "
+            "or 'auto' (cuda when available, else cpu)"
+        ) from exc
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"device {str(device)!r}: the store computes on the CPU or a CUDA GPU; use device='cpu', 'cuda', "
+            "'cuda:N' or 'auto' (cuda when available, else cpu)"
+        )
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"device {str(device)!r} requested but torch.cuda.is_available() is False (no CUDA GPU is "
+                f"visible, or this torch {torch.__version__} is built without CUDA); use device='cpu' or "
+                "device='auto' (cuda when available, else cpu)"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device {str(device)!r} requested but this machine has {torch.cuda.device_count()} CUDA "
+                f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}; use one of those or 'auto'"
+            )
+    return device
+
+
+def _check_memory(config: StoreConfig) -> None:
+    """Budgets the machine cannot hold at all fail now, not when their memory is first allocated."""
+    import psutil
+
+    total = psutil.virtual_memory().total
+    device = config.device  # type: ignore[assignment]
+    in_ram = [("offload.host_budget", config.host_budget)]
+    if device.type == "cpu":  # type: ignore[union-attr]
+        in_ram.append(("offload.device_budget", config.device_budget))
+    for setting, budget in in_ram:
+        if budget > total:  # type: ignore[operator]
+            raise ConfigError(
+                f"{setting} is {format_size(budget)} but this machine has {format_size(total)} of memory "  # type: ignore[arg-type]
+                f"in all; lower {setting} (leaving room for the process and the OS) or set it to auto"
+            )
+    if len(in_ram) == 2 and config.host_budget + config.device_budget > total:  # type: ignore[operator]
+        raise ConfigError(
+            f"offload.device_budget ({format_size(config.device_budget)}) and offload.host_budget "  # type: ignore[arg-type]
+            f"({format_size(config.host_budget)}) both live in host memory when computing on the CPU, and "  # type: ignore[arg-type]
+            f"together exceed this machine's {format_size(total)}; lower them or set them to auto"
+        )
+    if device.type == "cuda":  # type: ignore[union-attr]
+        gpu = torch.cuda.get_device_properties(device).total_memory
+        if config.device_budget > gpu:  # type: ignore[operator]
+            raise ConfigError(
+                f"offload.device_budget is {format_size(config.device_budget)} but {device} has "  # type: ignore[arg-type]
+                f"{format_size(gpu)} of memory in all; lower offload.device_budget or set it to auto"
+            )
 
 
 @dataclass
@@ -111,6 +172,7 @@ class ChunkStore:
     """
 
     def __init__(self, config: StoreConfig) -> None:
+        _check_memory(config)
         self.config = config
         self.device = config.device  # type: ignore[assignment]
         pin = self.device.type == "cuda"

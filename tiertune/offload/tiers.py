@@ -33,7 +33,7 @@ class Tier(enum.Enum):
 BUDGET_SETTING = {
     Tier.DEVICE: "offload.device_budget",
     Tier.HOST: "offload.host_budget",
-    Tier.DISK: "offload.disk_budget",
+    Tier.DISK: "offload.disk_path",  # its filesystem's free space (BudgetError says so)
 }
 
 

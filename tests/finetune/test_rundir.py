@@ -1,0 +1,376 @@
+"""The run directory: one run at a time, never mixed with another, never a damaged checkpoint resumed, never a
+non-finite model saved or exported, a full disk said at once."""
+
+import errno
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tiertune.cli.app import app
+from tiertune.errors import ConfigError, DataError, DiskFullError, IntegrityError, NonFiniteError
+from tiertune.finetune import checkpoint as ckpt
+from tiertune.finetune.checkpoint import checkpoints
+from tiertune.finetune.engine import StreamedTrainer
+from tiertune.finetune.rundir import RunDirectory
+from tiertune.finetune.train import train
+
+
+@pytest.fixture(scope="module")
+def model_dir(cat_model):
+    return cat_model(2)
+
+
+@pytest.fixture
+def recipe(tmp_path, model_dir, write_recipe):
+    return write_recipe(
+        tmp_path, model_dir,
+        data={"shuffle": False},
+        training={"max_steps": 6, "save_steps": 2, "learning_rate": "3e-3", "lr_scheduler_type": "cosine"},
+        offload={"params": "disk", "optimizer_states": "disk", "device_budget": "4MiB", "host_budget": "1MiB"},
+    )  # fmt: skip
+
+
+def _log_steps(run_dir):
+    return [json.loads(line)["step"] for line in (run_dir / "trainer_log.jsonl").read_text().splitlines()]
+
+
+def _snapshot(run_dir):
+    """Every file's bytes under the run directory (but its lock), to show that nothing changed."""
+    return {
+        str(p.relative_to(run_dir)): p.read_bytes()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.name != ".tiertune.lock"
+    }
+
+
+def _cli(*args):
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert "Traceback" not in result.output, result.output
+    return result
+
+
+# ----------------------------------------------------------------------------- whose directory it is
+
+
+def test_an_output_dir_holding_another_run_is_refused_unless_overwritten(recipe, tmp_path):
+    """A second run with other settings neither appends to the first one's log nor prunes its checkpoints:
+    it is refused (exit 2, saying what to do) and the directory stays as it was; with
+    overwrite_output_dir it starts over, and the directory then holds only the new run."""
+    first = train(recipe, progress=False)
+    run_dir = first.output_dir
+    before = _snapshot(run_dir)
+    with pytest.raises(ConfigError, match="holds a finished run.*overwrite_output_dir=true"):
+        train(recipe, ("training.learning_rate=1e-2",), progress=False)
+    cli = _cli("train", recipe, "training.learning_rate=1e-2", "-q")
+    assert cli.exit_code == 2 and "training.overwrite_output_dir=true" in cli.output
+    assert _snapshot(run_dir) == before
+    again = train(recipe, ("training.learning_rate=1e-2", "training.max_steps=3",
+                           "training.overwrite_output_dir=true"), progress=False)  # fmt: skip
+    assert _log_steps(run_dir) == [1, 2, 3]
+    assert [p.name for p in checkpoints(run_dir)] == ["checkpoint-2", "checkpoint-3"]
+    assert again.losses[0] == pytest.approx(first.losses[0])
+
+
+def test_a_directory_of_other_files_is_refused(recipe, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"files that are not a tiertune run \(notes.txt\)"):
+        train(recipe, progress=False)
+    train(recipe, ("training.overwrite_output_dir=true", "training.max_steps=1"), progress=False)
+    assert (run_dir / "notes.txt").read_text() == "mine"  # overwriting removes only what a run wrote
+
+
+def test_an_output_dir_that_is_a_file_is_refused(recipe, tmp_path):
+    (tmp_path / "run").write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        train(recipe, progress=False)
+
+
+def test_the_model_directory_is_never_the_output_dir(recipe, model_dir):
+    before = _snapshot(model_dir)
+    for overrides in ((f"training.output_dir={model_dir}",),
+                      (f"training.output_dir={model_dir}", "training.overwrite_output_dir=true")):  # fmt: skip
+        with pytest.raises(ConfigError, match="training.output_dir is model.path"):
+            train(recipe, overrides, progress=False)
+    assert _snapshot(model_dir) == before
+
+
+def test_resume_refuses_another_run_and_names_what_differs(recipe):
+    first = train(recipe, ("training.max_steps=4",), progress=False)
+    with pytest.raises(ConfigError) as info:
+        train(recipe, ("training.max_steps=6", "training.resume_from_checkpoint=auto",
+                       "training.per_device_train_batch_size=2", "training.learning_rate=1e-2"), progress=False)  # fmt: skip
+    message = str(info.value)
+    assert "training.per_device_train_batch_size: 4 -> 2" in message
+    assert "training.learning_rate: 0.003 -> 0.01" in message and "allow_recipe_changes" in message
+    assert _log_steps(first.output_dir) == [1, 2, 3, 4]
+    # what a resumed run may change: how far it goes, where its states live
+    resumed = train(recipe, ("training.max_steps=6", "training.resume_from_checkpoint=auto",
+                             "offload.host_budget=2MiB"), progress=False)  # fmt: skip
+    assert resumed.first_step == 5 and _log_steps(first.output_dir) == [1, 2, 3, 4, 5, 6]
+    # and with allow_recipe_changes, anything the saved state still fits
+    forced = train(recipe, ("training.max_steps=7", "training.resume_from_checkpoint=auto",
+                            "training.learning_rate=1e-2", "training.allow_recipe_changes=true"), progress=False)  # fmt: skip
+    assert forced.first_step == 7
+
+
+def test_a_second_run_on_a_locked_directory_stops_at_once(recipe, tmp_path):
+    """The first run holds the lock (here: this process, as a live run would); the second is refused before
+    it reads or writes anything, naming the first one's pid."""
+    with RunDirectory(tmp_path / "run"):
+        with pytest.raises(ConfigError, match=f"in use by another tiertune run \\(pid {os.getpid()}\\)"):
+            train(recipe, progress=False)
+        cli = _cli("train", recipe, "-q")
+        assert cli.exit_code == 2 and "in use by another tiertune run" in cli.output
+        assert not (tmp_path / "run" / "trainer_log.jsonl").exists()
+    train(recipe, ("training.max_steps=1",), progress=False)  # the lock went with the first run
+
+
+def test_resuming_past_max_steps_is_an_error_and_overwrites_nothing(recipe):
+    """On a finished 6-step run: resuming with max_steps 4 or 6 says it finished; naming checkpoint-4 with
+    max_steps 3 says it is past them; nothing in the directory changes. With max_steps 8 it trains steps 7-8
+    from checkpoint-6."""
+    first = train(recipe, progress=False)
+    before = _snapshot(first.output_dir)
+    for steps in (4, 6):
+        with pytest.raises(ConfigError, match="already finished at step 6"):
+            train(recipe, ("training.resume_from_checkpoint=auto", f"training.max_steps={steps}"), progress=False)
+    with pytest.raises(ConfigError, match="checkpoint-4 is at step 4, past training.max_steps 3"):
+        train(recipe, (f"training.resume_from_checkpoint={first.output_dir}/checkpoint-4",
+                       "training.max_steps=3"), progress=False)  # fmt: skip
+    assert _snapshot(first.output_dir) == before
+    more = train(recipe, ("training.resume_from_checkpoint=auto", "training.max_steps=8"), progress=False)
+    assert more.first_step == 7 and len(more.losses) == 2
+
+
+def test_a_missing_checkpoint_path_says_it_does_not_exist(recipe, tmp_path):
+    with pytest.raises(ConfigError, match="nope does not exist; use auto"):
+        train(recipe, (f"training.resume_from_checkpoint={tmp_path}/nope",), progress=False)
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+
+
+def _flip(path, offset=-64, count=8):
+    data = bytearray(path.read_bytes())
+    for i in range(count):
+        data[offset + i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "flipped state": lambda c: _flip(next((c / "state").glob("*exp_avg_sq*.safetensors"))),
+    "flipped weights": lambda c: _flip(next((c / "state").glob("model.layers.1*.safetensors")), offset=-100),
+    "truncated state": lambda c: os.truncate(next((c / "state").glob("*.exp_avg.safetensors")), 100),
+    "empty state": lambda c: os.truncate(next((c / "state").glob("*.safetensors")), 0),
+    "missing state": lambda c: next((c / "state").glob("*.safetensors")).unlink(),
+    "truncated trainer state": lambda c: os.truncate(c / "trainer_state.json", 20),
+    "truncated rng state": lambda c: os.truncate(c / "rng_state.pth", 50),
+    "missing checksums": lambda c: (c / "checksums.json").unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_checkpoint_is_never_resumed(recipe, damage, capsys):
+    """Killed after step 5 (checkpoints 2 and 4), checkpoint-4 damaged: ``auto`` falls back to checkpoint-2,
+    says so, and repeats the uninterrupted run's losses exactly; naming checkpoint-4 is an error naming
+    the file (exit 2 on the command line)."""
+    whole = train(recipe, ("training.output_dir=" + str(recipe.parent / "whole"),), progress=False)
+    step = StreamedTrainer.step
+    calls = []
+
+    def interrupted(self, micro):
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return step(self, micro)
+
+    StreamedTrainer.step = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(recipe, progress=False)
+    finally:
+        StreamedTrainer.step = step
+    run_dir = recipe.parent / "run"
+    DAMAGE[damage](run_dir / "checkpoint-4")
+    with pytest.raises((IntegrityError, ConfigError)) as info:
+        train(recipe, (f"training.resume_from_checkpoint={run_dir}/checkpoint-4",), progress=False)
+    assert "checkpoint-4" in str(info.value) and "damaged" in str(info.value)
+    cli = _cli("train", recipe, f"training.resume_from_checkpoint={run_dir}/checkpoint-4", "-q")
+    assert cli.exit_code == 2 and "damaged" in cli.output
+    resumed = train(recipe, ("training.resume_from_checkpoint=auto",), progress=True)
+    assert "checkpoint-4 is damaged" in capsys.readouterr().out
+    assert resumed.first_step == 3
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(whole.losses[2:]), rtol=1e-6, atol=0)
+    assert _log_steps(run_dir) == [1, 2, 3, 4, 5, 6]
+
+
+def test_checksums_cover_every_file_of_a_checkpoint(recipe):
+    train(recipe, ("training.max_steps=2",), progress=False)
+    path = recipe.parent / "run" / "checkpoint-2"
+    table = json.loads((path / "checksums.json").read_text())
+    files = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != "checksums.json"}
+    assert set(table) == files and "trainer_state.json" in files and "rng_state.pth" in files
+    ckpt.verify(path)
+
+
+def test_every_checkpoint_damaged_is_an_error_that_says_how_to_start_over(recipe):
+    train(recipe, ("training.max_steps=4", "training.save_total_limit=1"), progress=False)
+    run_dir = recipe.parent / "run"
+    _flip(next((run_dir / "checkpoint-4" / "state").glob("*.safetensors")))
+    with pytest.raises(IntegrityError, match="every checkpoint .* is damaged.*overwrite_output_dir"):
+        train(recipe, ("training.resume_from_checkpoint=auto", "training.max_steps=6"), progress=False)
+
+
+# ----------------------------------------------------------------------------- non-finite values
+
+
+def test_non_finite_settings_are_refused():
+    from tiertune.finetune.recipe import Recipe, TrainingSection
+
+    for value in (float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match="training.learning_rate must be a finite number"):
+            Recipe(training=TrainingSection(learning_rate=value))
+    with pytest.raises(ConfigError, match="training.max_grad_norm must be a finite number"):
+        Recipe(training=TrainingSection(max_grad_norm=float("inf")))
+
+
+@pytest.mark.parametrize("variant", [
+    {},  # speculative optimizer under clipping: the bad step is never applied
+    {"training.max_grad_norm": "0"},  # in place during backward, no clipping
+    {"method.type": "lora", "model.quantize": "nf4"},
+])  # fmt: skip
+def test_a_non_finite_step_stops_the_run_and_saves_nothing_after_the_last_good_step(
+    recipe, monkeypatch, variant
+):
+    """Step 5's loss is NaN: the run stops (exit 3 on the command line) with the step and the newest
+    checkpoint named, exports nothing, and checkpoint-4 (written in the background while step 5 ran) holds
+    finite state and resumes."""
+    loss_sum = StreamedTrainer._loss_sum
+    calls = []
+
+    def poisoned(self, ids, extra, target):
+        calls.append(1)
+        out = loss_sum(self, ids, extra, target)
+        return out * float("nan") if len(calls) == 5 else out  # step 5 (one micro-batch per step)
+
+    monkeypatch.setattr(StreamedTrainer, "_loss_sum", poisoned)
+    overrides = tuple(f"{k}={v}" for k, v in variant.items())
+    with pytest.raises(NonFiniteError, match=r"step 5 of 6: the loss is nan.*checkpoint-4.*holds the last good"):
+        train(recipe, overrides, progress=False)
+    run_dir = recipe.parent / "run"
+    assert not (run_dir / "model.safetensors").exists() and not (run_dir / "adapter_model.safetensors").exists()
+    assert not (run_dir / "trainer_state.json").exists()
+    assert [p.name for p in checkpoints(run_dir)] == ["checkpoint-2", "checkpoint-4"]
+    assert _log_steps(run_dir) == [1, 2, 3, 4]
+    from safetensors.torch import load_file
+
+    for file in [*(run_dir / "checkpoint-4").glob("*.safetensors"), *(run_dir / "checkpoint-4").glob("state/*")]:
+        assert all(torch.isfinite(t).all() for t in load_file(file).values()), file
+    calls.clear()
+    monkeypatch.setattr(StreamedTrainer, "_loss_sum", poisoned)  # NaN again at the 5th call: CLI exit 3
+    cli = _cli("train", recipe, *overrides, "training.overwrite_output_dir=true", "-q")
+    assert cli.exit_code == 3 and "the loss is nan" in cli.output
+    monkeypatch.setattr(StreamedTrainer, "_loss_sum", loss_sum)
+    resumed = train(recipe, (*overrides, "training.resume_from_checkpoint=auto"), progress=False)
+    assert resumed.first_step == 5 and all(map(torch.isfinite, torch.tensor(resumed.losses)))
+
+
+# ----------------------------------------------------------------------------- the log
+
+
+def test_a_restart_without_a_checkpoint_logs_each_step_once(recipe):
+    """Killed before its first checkpoint, the same run started again with ``auto`` starts over from step 1:
+    its log is not appended to."""
+    step = StreamedTrainer.step
+    calls = []
+
+    def interrupted(self, micro):
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return step(self, micro)
+
+    StreamedTrainer.step = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(recipe, progress=False)
+    finally:
+        StreamedTrainer.step = step
+    run_dir = recipe.parent / "run"
+    assert _log_steps(run_dir) == [1] and not checkpoints(run_dir)
+    train(recipe, ("training.resume_from_checkpoint=auto",), progress=False)
+    assert _log_steps(run_dir) == [1, 2, 3, 4, 5, 6]
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+def test_a_full_disk_is_said_before_training(recipe, monkeypatch):
+    usage = shutil.disk_usage
+
+    def full(path):  # the run directory's filesystem is full (the disk tier's directory is not)
+        return usage(path)._replace(free=4096) if str(path).endswith("/run") else usage(path)
+
+    monkeypatch.setattr(shutil, "disk_usage", full)
+    with pytest.raises(DiskFullError, match=r"has 4.00 KiB free, and the run will write .* save no checkpoints"):
+        train(recipe, progress=False)
+    assert not (recipe.parent / "run" / "trainer_log.jsonl").read_text()
+
+
+def test_no_space_while_writing_a_checkpoint_stops_the_run_at_that_step(recipe, monkeypatch):
+    """ENOSPC in the checkpoint's writer thread: the run stops at the next step boundary with a DiskFullError
+    saying how much it needs, and the partial directory is gone."""
+    from safetensors.torch import save_file
+
+    def no_space(tensors, path, *args, **kwargs):
+        if "checkpoint-4" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save_file(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr("safetensors.torch.save_file", no_space)
+    seen = []
+    step = StreamedTrainer.step
+
+    def counting(self, micro):
+        seen.append(1)
+        return step(self, micro)
+
+    monkeypatch.setattr(StreamedTrainer, "step", counting)
+    with pytest.raises(DiskFullError, match=r"no room for checkpoint-4 .* it needs .* free"):
+        train(recipe, progress=False)
+    run_dir = recipe.parent / "run"
+    assert len(seen) == 5  # stopped at the step after the failed save began, not at the next save
+    assert not list(run_dir.glob(".checkpoint-*")) and [p.name for p in checkpoints(run_dir)] == ["checkpoint-2"]
+
+
+# ----------------------------------------------------------------------------- inputs checked up front
+
+
+def test_token_ids_beyond_the_vocabulary_are_a_data_error(recipe, tmp_path, model_dir):
+    small = tmp_path / "small-vocab"
+    shutil.copytree(model_dir, small)
+    config = json.loads((small / "config.json").read_text())
+    config["vocab_size"] = 5
+    (small / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DataError, match=r"token ids up to \d+, but the model's vocabulary has 5 entries"):
+        train(recipe, (f"model.path={small}",), progress=False)
+
+
+def test_relative_paths_are_relative_to_the_working_directory_and_stored_absolute(
+    recipe, tmp_path, monkeypatch, model_dir
+):
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    result = train(recipe, ("training.output_dir=rel/run", "training.max_steps=1", "data.path=data.jsonl"),
+                   progress=False)  # fmt: skip
+    assert result.output_dir == tmp_path / "rel" / "run"
+    saved = yaml.safe_load((result.output_dir / "recipe.yaml").read_text())
+    assert saved["data"]["path"] == str(tmp_path / "data.jsonl")
+    assert saved["training"]["output_dir"] == str(tmp_path / "rel" / "run")
