@@ -198,13 +198,14 @@ class GaLore:
             right = p.shape[0] >= p.shape[1]
             if (hp.step - 1) % self.settings.update_proj_gap == 0:
                 proj[n].copy_(_orthogonal(g, proj[n].shape, right))
-            low = g @ proj[n].t() if right else proj[n].t() @ g
+            pm = _svd_layout(proj[n])
+            low = g @ pm.t() if right else pm.t() @ g
             if eight_bit:  # galore-torch: the 8-bit kernel updates zeros, its result is projected back
                 delta = torch.zeros_like(low)
                 _bnb_adam(delta, low, m, v, n, 0.0, hp)
-                p.add_(self._back(delta, proj[n]))
+                p.add_(self._back(delta, pm))
             else:
-                p.add_(self._back(_hf_adamw(None, low, m[n], v[n], hp), proj[n]), alpha=-_step_size(hp))
+                p.add_(self._back(_hf_adamw(None, low, m[n], v[n], hp), pm), alpha=-_step_size(hp))
             if decay > 0:
                 p.add_(p, alpha=-hp.lr * decay)
 
@@ -249,6 +250,16 @@ def _hf_adamw(
     if param is not None:
         param.add_(normalized, alpha=-_step_size(hp))
     return normalized
+
+
+def _svd_layout(proj: torch.Tensor) -> torch.Tensor:
+    """A column-major copy of a stored (row-major) projection: the memory layout of the ``U[:, :r]`` or
+    ``Vh[:r]`` that galore-torch keeps from ``torch.linalg.svd``. BLAS picks its kernel, so its summation
+    order, by the operands' layout: with a row-major P the products can differ from galore-torch's in the
+    last bits (MKL: ``G Pᵀ`` of tall and square weights at rank 8 or less), and those bits are enough to
+    flip the signs of singular vectors, which LAPACK leaves arbitrary, at the next refresh, where the
+    moments, kept across refreshes, see the flip: a different run, not a rounding difference."""
+    return proj.t().contiguous().t()
 
 
 def _orthogonal(grad: torch.Tensor, shape: torch.Size, right: bool) -> torch.Tensor:
