@@ -8,6 +8,9 @@ each step logged once, the same final weights) and against what the user is told
 - ``sigterm``: SIGTERM at a random moment. Clean if the run exits 143 saying where it stopped and how to
   resume (or 0 if it had finished), leaves no offload slot file and no partial checkpoint, and the resume
   command it printed completes to the reference.
+- ``disk_full``: the run directory on a small tmpfs that another file fills at a random step. Clean if the run
+  stops with exit 2 and a disk-full message, leaves no partial checkpoint or export, and completes to the
+  reference once the space is freed (needs root to mount the tmpfs; skipped otherwise).
 - ``damage``: a stopped run whose newest checkpoint has one file damaged (bytes flipped, truncated, or
   deleted). Resuming that checkpoint by path must be exit 2 naming the damaged file; ``auto`` must fall back
   to an intact checkpoint (saying so) and complete to the reference.
@@ -19,12 +22,13 @@ one JSON object per trial and a summary; exits 1 if there was a defect.
 Runs go through the real command-line entry point (``tiertune.cli.app:main``) in processes forked from this
 one after tiertune is imported (``--spawn`` starts ``tiertune`` executables instead: slower, the same code).
 
-    python benchmarks/faults.py --kills 20 --sigterms 5 --damage 10 --dir /tmp/faults
+    python benchmarks/faults.py --kills 20 --sigterms 5 --disk-full 3 --damage 10 --dir /tmp/faults
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -231,7 +235,8 @@ class Trials:
             time.sleep(delay)
             where = f"start-up +{delay:.2f}s"
         else:
-            while _logged(run_dir) < k and not _exited(pid):
+            # after step k (for k = 0: once the run directory is set up, the first step about to start)
+            while (_logged(run_dir) < k or not (run_dir / "recipe.yaml").is_file()) and not _exited(pid):
                 time.sleep(0.001)
             delay = self.rng.uniform(0, 1.5 * self.step_s)
             time.sleep(delay)
@@ -258,29 +263,36 @@ class Trials:
             return [*defects, f"not finished after {limit} resumes"], limit
         return defects + judge.differences(run_dir), n
 
-    def kill(self, i: int, judge: Judge) -> dict:
-        run_dir, _disk, args = self._dirs(f"kill{i}")
-        log = self.work / "logs" / f"kill{i}.log"
+    def _stopped(self, name: str, signum: int) -> tuple[Path, Path, Path, str, int]:
+        """A run of the recipe sent ``signum`` at a random moment: (run directory, its disk tier's directory,
+        its console log, where it was struck, exit code)."""
+        run_dir, disk, args = self._dirs(name)
+        log = self.work / "logs" / f"{name}.log"
         pid = self.launcher.start(["train", str(self.recipe), "-q", *args], log)
-        at = self.strike(pid, run_dir, signal.SIGKILL)
-        code = self.launcher.wait(pid)
+        at = self.strike(pid, run_dir, signum)
+        return run_dir, disk, log, at, self.launcher.wait(pid)
+
+    def _start_again(self, run_dir: Path, log: Path) -> list[str]:
+        """A run stopped before its run directory was set up is started again as it was first (there is no
+        recipe.yaml in it to resume)."""
+        if (run_dir / "recipe.yaml").is_file():
+            return []
+        args = [f"training.output_dir={run_dir}", f"offload.disk_path={self.work / 'nvme-runs' / run_dir.name}"]
+        code = self.launcher.run(["train", str(self.recipe), "-q", *args], log.with_suffix(".again.log"))
+        return [f"fresh start exit {code}"] if code else []
+
+    def kill(self, i: int, judge: Judge) -> dict:
+        run_dir, _disk, log, at, code = self._stopped(f"kill{i}", signal.SIGKILL)
         checkpoints = sorted(p.name for p in run_dir.glob("checkpoint-*")) if run_dir.is_dir() else []
         defects = [f"traceback before the kill ({log})"] if _traceback(log) else []
-        if not (run_dir / "recipe.yaml").is_file():  # killed before the run directory was set up: start again
-            code2 = self.launcher.run(["train", str(self.recipe), "-q", *args], log.with_suffix(".again.log"))
-            if code2 != 0:
-                defects.append(f"fresh start exit {code2}")
+        defects += self._start_again(run_dir, log)
         more, resumes = self._finish(run_dir, f"kill{i}", judge)
         outcome = "finished before the kill" if code == 0 else "resumed" if checkpoints else "started over"
         return {"trial": "kill", "i": i, "at": at, "exit": code, "checkpoints_at_kill": checkpoints,
                 "outcome": outcome, "resumes": resumes, "defects": defects + more}  # fmt: skip
 
     def sigterm(self, i: int, judge: Judge) -> dict:
-        run_dir, disk, args = self._dirs(f"term{i}")
-        log = self.work / "logs" / f"term{i}.log"
-        pid = self.launcher.start(["train", str(self.recipe), "-q", *args], log)
-        at = self.strike(pid, run_dir, signal.SIGTERM)
-        code = self.launcher.wait(pid)
+        run_dir, disk, log, at, code = self._stopped(f"term{i}", signal.SIGTERM)
         text = log.read_text(errors="replace")
         defects = [f"traceback ({log})"] if _traceback(log) else []
         left = _leftovers(run_dir, disk)
@@ -300,8 +312,7 @@ class Trials:
         else:
             defects.append(f"exit {code} (143 expected)")
             outcome = "unclean"
-        if not (run_dir / "recipe.yaml").is_file():
-            self.launcher.run(["train", str(self.recipe), "-q", *args], log.with_suffix(".again.log"))
+        defects += self._start_again(run_dir, log)
         more, resumes = self._finish(run_dir, f"term{i}", judge)
         return {"trial": "sigterm", "i": i, "at": at, "exit": code, "outcome": outcome,
                 "resumes": resumes, "defects": defects + more}  # fmt: skip
@@ -355,6 +366,54 @@ class Trials:
         return {"trial": "damage", "i": i, "kind": kind, "file": str(target.relative_to(run_dir)),
                 "outcome": "fell back" if fell_back and code == 0 else "defect", "defects": defects}  # fmt: skip
 
+    def disk_full(self, i: int, judge: Judge) -> dict:
+        """The run directory on a small tmpfs that fills up at a random moment (another process's file): the
+        run must stop with a DiskFullError (exit 2, no partial checkpoint or export left), and complete to the
+        reference once space is freed. Needs root to mount; skipped otherwise."""
+        mount = self.work / f"full{i}"
+        mount.mkdir()
+        size = 32 << 20
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                          capture_output=True).returncode:  # fmt: skip
+            return {"trial": "disk_full", "i": i, "outcome": "skipped (cannot mount a tmpfs)", "defects": []}
+        try:
+            run_dir, disk = mount / "run", self.work / "nvme-runs" / f"full{i}"
+            args = [f"training.output_dir={run_dir}", f"offload.disk_path={disk}"]
+            # every other trial saves no checkpoint: the space then runs out writing the log or the model
+            # (with checkpoints, the check before each one finds it first)
+            args += ["training.save_steps=0"] if i % 2 else []
+            log = self.work / "logs" / f"full{i}.log"
+            pid = self.launcher.start(["train", str(self.recipe), "-q", *args], log)
+            k = self.rng.randrange(1, self.steps)
+            while _logged(run_dir) < k and not _exited(pid):
+                time.sleep(0.001)
+            left = self.rng.randrange(0, 512 << 10)
+            filler = mount / "filler"
+            with open(filler, "wb") as f:  # everything but ``left`` bytes
+                free = shutil.disk_usage(mount).free
+                with contextlib.suppress(OSError):
+                    f.write(b"\0" * max(0, free - left))
+            code = self.launcher.wait(pid)
+            text = log.read_text(errors="replace")
+            defects = [f"traceback ({log})"] if _traceback(log) else []
+            left_behind = _leftovers(run_dir, disk)
+            if left_behind:
+                defects.append(f"left behind: {left_behind}")
+            if code == 2 and ("no room" in text or "is full" in text or "no space" in text):
+                outcome = "stopped: disk full"
+            elif code == 0:
+                outcome = "finished in the space left"
+            else:
+                outcome = "unclean"
+                defects.append(f"exit {code} without a disk-full error ({log})")
+            filler.unlink()
+            more, resumes = self._finish(run_dir, f"full{i}", judge)
+            return {"trial": "disk_full", "i": i, "at": f"step {k}, {left} bytes left", "exit": code,
+                    "checkpoints": not i % 2,
+                    "outcome": outcome, "resumes": resumes, "defects": defects + more}  # fmt: skip
+        finally:
+            subprocess.run(["umount", str(mount)], capture_output=True)
+
     def stopped_run(self) -> Path:
         """A run killed once its third checkpoint (step 6) is complete, for the damage trials to copy."""
         run_dir, _, args = self._dirs("stopped")
@@ -378,6 +437,7 @@ def main() -> None:
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--sigterms", type=int, default=5)
     p.add_argument("--damage", type=int, default=10)
+    p.add_argument("--disk-full", type=int, default=3, help="runs whose output_dir fills up (tmpfs; root)")
     p.add_argument("--steps", type=int, default=12, help="steps of the recipe (checkpoints every 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--spawn", action="store_true", help="start tiertune executables instead of forking")
@@ -400,6 +460,9 @@ def main() -> None:
     for i in range(args.sigterms):
         results.append(trials.sigterm(i, judge))
         print(json.dumps(results[-1]), flush=True)
+    for i in range(args.disk_full):
+        results.append(trials.disk_full(i, judge))
+        print(json.dumps(results[-1]), flush=True)
     if args.damage:
         stopped = trials.stopped_run()
         for i in range(args.damage):
@@ -407,7 +470,7 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
     summary: dict = {"machine": machine(), "launch": "spawn" if args.spawn else "fork", "seed": args.seed,
                      "seconds": round(time.monotonic() - began, 1)}  # fmt: skip
-    for kind in ("kill", "sigterm", "damage"):
+    for kind in ("kill", "sigterm", "disk_full", "damage"):
         mine = [r for r in results if r["trial"] == kind]
         outcomes: dict[str, int] = {}
         for r in mine:

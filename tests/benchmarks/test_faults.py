@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "faults.py"
 @pytest.mark.timeout(900)
 def test_faults_finds_no_defect_in_a_small_run(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--kills", "2", "--sigterms", "2", "--damage", "3", "--steps", "8",
+        [sys.executable, str(SCRIPT), "--kills", "2", "--sigterms", "2", "--damage", "3", "--disk-full", "1", "--steps", "8",
          "--seed", "3", "--dir", str(tmp_path / "faults")],
         capture_output=True, text=True, timeout=880,
     )  # fmt: skip
@@ -24,6 +24,7 @@ def test_faults_finds_no_defect_in_a_small_run(tmp_path):
     assert [r for r in trials if r["defects"]] == [], out.stdout[-3000:]
     assert out.returncode == 0, out.stderr[-3000:]
     assert (summary["kill"]["trials"], summary["sigterm"]["trials"], summary["damage"]["trials"]) == (2, 2, 3)
+    assert summary["disk_full"]["trials"] == 1  # skipped where a tmpfs cannot be mounted (not root)
     assert summary["silent_wrong_results"] == 0 and summary["tracebacks"] == 0
     # the damage trials always hit a checkpoint that was there: each fell back to an intact one
     assert summary["damage"]["outcomes"] == {"fell back": 3}

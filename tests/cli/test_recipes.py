@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from tiertune.cli.app import RECIPES, app
 from tiertune.finetune.estimate import estimate
-from tiertune.finetune.recipe import load_recipe
+from tiertune.finetune.recipe import load_recipe, recipe_notes
 from tiertune.units import format_size
 
 CONFIGS = Path(__file__).parent / "model_configs"  # the real models' config.json, no weights
@@ -67,21 +67,14 @@ def test_export_and_merge_errors_exit_2(tmp_path):
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 
 
-def _header(path):
-    """A recipe's header comment: its description (the lines before ``Hardware:``) and its other entries (a
-    line and its indented continuation lines), each with its whitespace collapsed."""
-    description, entries = [], []
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        text = line[1:].strip()
-        if not entries and not text.startswith("Hardware:"):
-            description.append(text)
-        elif entries and line.startswith("#  "):
-            entries[-1] += " " + text
-        else:
-            entries.append(text)
-    return " ".join(" ".join(description).split()), [" ".join(e.split()) for e in entries]
+def test_a_recipe_header_reads_as_a_description_and_its_entries():
+    description, entries = recipe_notes(RECIPES / "llama3-8b-qlora-24gb.yaml")
+    assert description == (
+        "Llama-3-8B QLoRA on one 24 GB GPU: the NF4 base stays on the GPU, LoRA r 16 on every linear layer."
+    )
+    assert entries[0] == "Hardware: one 24 GB GPU (RTX 3090/4090), 32 GB RAM. Edit model.path and data.path first."
+    peaks = next(e for e in entries if e.startswith("peaks:"))
+    assert peaks.endswith("disk_path needs 0 B free.")  # its continuation line joined
 
 
 def test_the_list_shows_whole_descriptions_hardware_and_estimate_wrapped_to_the_terminal():
@@ -90,7 +83,7 @@ def test_the_list_shows_whole_descriptions_hardware_and_estimate_wrapped_to_the_
     assert all(len(line) <= 80 for line in listed.output.splitlines())
     flat = " ".join(listed.output.split())
     for name in ["demo", *GPU_RECIPES]:
-        description, entries = _header(RECIPES / f"{name}.yaml")
+        description, entries = recipe_notes(RECIPES / f"{name}.yaml")
         hardware = next(e for e in entries if e.startswith("Hardware:"))
         assert description.endswith(".") and description in flat, name  # the whole paragraph, not one line
         assert hardware in flat

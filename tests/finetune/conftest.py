@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -65,3 +67,29 @@ def tiny_model_dir(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture
+def interrupted_after():
+    """``with interrupted_after(n): train(...)``: the runs in the block stop with KeyboardInterrupt (as after
+    Ctrl-C) when they start their step n + 1 (counted over all of them)."""
+    from tiertune.finetune.engine import StreamedTrainer
+
+    @contextlib.contextmanager
+    def after(steps: int):
+        step = StreamedTrainer.step
+        calls = []
+
+        def interrupted(self, micro):
+            if len(calls) == steps:
+                raise KeyboardInterrupt
+            calls.append(1)
+            return step(self, micro)
+
+        StreamedTrainer.step = interrupted
+        try:
+            yield
+        finally:
+            StreamedTrainer.step = step
+
+    return after

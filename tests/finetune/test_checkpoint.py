@@ -63,26 +63,15 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_resume_after_an_interruption_repeats_the_uninterrupted_run(
-    tmp_path, model_dir, monkeypatch, variant
+    tmp_path, model_dir, interrupted_after, variant
 ):
     """Interrupted after step 5 (checkpoints at 2 and 4), resumed with ``auto``: steps 5-8 give the same
     losses as the uninterrupted run, and the final weights are the same."""
     overrides = VARIANTS[variant]
     whole = train(_recipe(tmp_path, model_dir, "whole", **overrides), progress=False)
     recipe = _recipe(tmp_path, model_dir, "cut", **overrides)
-    step = StreamedTrainer.step
-    calls = []
-
-    def interrupted(self, micro):
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        calls.append(1)
-        return step(self, micro)
-
-    monkeypatch.setattr(StreamedTrainer, "step", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_after(5), pytest.raises(KeyboardInterrupt):
         train(recipe, progress=False)
-    monkeypatch.setattr(StreamedTrainer, "step", step)
     run_dir = tmp_path / "cut"
     assert [p.name for p in checkpoints(run_dir)] == ["checkpoint-2", "checkpoint-4"]
     resumed = train(recipe, ("training.resume_from_checkpoint=auto",), progress=False)

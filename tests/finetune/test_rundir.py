@@ -176,26 +176,13 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_a_damaged_checkpoint_is_never_resumed(recipe, damage, capsys):
+def test_a_damaged_checkpoint_is_never_resumed(recipe, damage, capsys, interrupted_after):
     """Killed after step 5 (checkpoints 2 and 4), checkpoint-4 damaged: ``auto`` falls back to checkpoint-2,
     says so, and repeats the uninterrupted run's losses exactly; naming checkpoint-4 is an error naming
     the file (exit 2 on the command line)."""
     whole = train(recipe, ("training.output_dir=" + str(recipe.parent / "whole"),), progress=False)
-    step = StreamedTrainer.step
-    calls = []
-
-    def interrupted(self, micro):
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        calls.append(1)
-        return step(self, micro)
-
-    StreamedTrainer.step = interrupted
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train(recipe, progress=False)
-    finally:
-        StreamedTrainer.step = step
+    with interrupted_after(5), pytest.raises(KeyboardInterrupt):
+        train(recipe, progress=False)
     run_dir = recipe.parent / "run"
     DAMAGE[damage](run_dir / "checkpoint-4")
     with pytest.raises((IntegrityError, ConfigError)) as info:
@@ -284,24 +271,11 @@ def test_a_non_finite_step_stops_the_run_and_saves_nothing_after_the_last_good_s
 # ----------------------------------------------------------------------------- the log
 
 
-def test_a_restart_without_a_checkpoint_logs_each_step_once(recipe):
+def test_a_restart_without_a_checkpoint_logs_each_step_once(recipe, interrupted_after):
     """Killed before its first checkpoint, the same run started again with ``auto`` starts over from step 1:
     its log is not appended to."""
-    step = StreamedTrainer.step
-    calls = []
-
-    def interrupted(self, micro):
-        if len(calls) == 1:
-            raise KeyboardInterrupt
-        calls.append(1)
-        return step(self, micro)
-
-    StreamedTrainer.step = interrupted
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train(recipe, progress=False)
-    finally:
-        StreamedTrainer.step = step
+    with interrupted_after(1), pytest.raises(KeyboardInterrupt):
+        train(recipe, progress=False)
     run_dir = recipe.parent / "run"
     assert _log_steps(run_dir) == [1] and not checkpoints(run_dir)
     train(recipe, ("training.resume_from_checkpoint=auto",), progress=False)

@@ -296,24 +296,13 @@ def recipes(
             typer.echo(textwrap.fill(text, columns, initial_indent="  ", subsequent_indent="    ",
                                      break_long_words=False, break_on_hyphens=False))  # fmt: skip
 
+        from tiertune.finetune.recipe import recipe_notes
+
         for stem, path in found.items():
-            # the header comment: a description (up to the Hardware: line), then entries, each a line whose
-            # continuation lines are indented ("#   ...")
-            description: list[str] = []
-            entries: list[str] = []
-            for line in path.read_text().splitlines():
-                if not line.startswith("#"):
-                    break
-                text = line[1:].strip()
-                if not entries and not text.startswith("Hardware:"):
-                    description.append(text)
-                elif entries and line.startswith("#  "):
-                    entries[-1] += " " + text
-                else:
-                    entries.append(text)
+            description, entries = recipe_notes(path)
             typer.echo(stem)
             if description:
-                show(" ".join(description))
+                show(description)
             for entry in entries:
                 if entry.startswith(("Hardware:", "estimate", "peaks:")):
                     show(entry)

@@ -193,6 +193,24 @@ class Recipe:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+def recipe_notes(path: str | Path) -> tuple[str, list[str]]:
+    """A recipe file's header comment: its description (the lines before ``Hardware:``) and its entries (a
+    line with its indented continuation lines, ``#   ...``), each with its whitespace collapsed."""
+    description: list[str] = []
+    entries: list[str] = []
+    for line in Path(path).read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        text = line[1:].strip()
+        if not entries and not text.startswith("Hardware:"):
+            description.append(text)
+        elif entries and line.startswith("#  "):
+            entries[-1] += " " + text
+        else:
+            entries.append(text)
+    return " ".join(" ".join(description).split()), [" ".join(e.split()) for e in entries]
+
+
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a YAML recipe, apply ``key.path=value`` overrides, and validate. Raises ConfigError."""
     path = Path(path)
