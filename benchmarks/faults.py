@@ -114,14 +114,22 @@ class Launcher:
             os._exit(code)
 
     @staticmethod
-    def wait(pid: int, timeout: float = 600) -> int:
-        """The exit code, or -n for a process ended by signal n (as subprocess says it)."""
+    def wait(pid: int, timeout: float = 600, log: Path | None = None) -> int:
+        """The exit code, or -n for a process ended by signal n (as subprocess says it); a process still
+        running after ``timeout`` seconds is hung: its threads' stacks go to ``log`` (with py-spy, where
+        installed), it is killed, and the code is -1."""
         deadline = time.monotonic() + timeout
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 return os.waitstatus_to_exitcode(status)
             if time.monotonic() > deadline:
+                spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+                if log is not None and Path(spy).exists():
+                    with open(log, "a") as f:
+                        f.write("\n--- hung: py-spy dump ---\n")
+                        f.flush()
+                        subprocess.run([spy, "dump", "--pid", str(pid)], stdout=f, stderr=f, timeout=60)
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 return -1
@@ -221,6 +229,7 @@ class Trials:
         code = self.launcher.wait(pid)
         seconds = time.monotonic() - began
         self.step_s = (seconds - self.startup_s) / self.steps
+        self.full_s = seconds
         if code != 0:
             raise SystemExit(f"the reference run failed (exit {code}); see {log}")
         return Judge(run_dir), seconds
@@ -270,7 +279,7 @@ class Trials:
         log = self.work / "logs" / f"{name}.log"
         pid = self.launcher.start(["train", str(self.recipe), "-q", *args], log)
         at = self.strike(pid, run_dir, signum)
-        return run_dir, disk, log, at, self.launcher.wait(pid)
+        return run_dir, disk, log, at, self.launcher.wait(pid, timeout=max(120, 20 * self.full_s), log=log)
 
     def _start_again(self, run_dir: Path, log: Path) -> list[str]:
         """A run stopped before its run directory was set up is started again as it was first (there is no
@@ -310,8 +319,8 @@ class Trials:
         elif code == -signal.SIGTERM and not run_dir.exists():
             outcome = "ended by the signal in interpreter start-up, before tiertune ran"
         else:
-            defects.append(f"exit {code} (143 expected)")
-            outcome = "unclean"
+            defects.append(f"exit {code} (143 expected){' (hung: stacks in ' + str(log) + ')' if code == -1 else ''}")
+            outcome = "hung" if code == -1 else "unclean"
         defects += self._start_again(run_dir, log)
         more, resumes = self._finish(run_dir, f"term{i}", judge)
         return {"trial": "sigterm", "i": i, "at": at, "exit": code, "outcome": outcome,

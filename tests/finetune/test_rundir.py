@@ -327,13 +327,41 @@ def test_no_space_while_writing_a_checkpoint_stops_the_run_at_that_step(recipe, 
 
 
 def test_token_ids_beyond_the_vocabulary_are_a_data_error(recipe, tmp_path, model_dir):
-    small = tmp_path / "small-vocab"
-    shutil.copytree(model_dir, small)
-    config = json.loads((small / "config.json").read_text())
-    config["vocab_size"] = 5
-    (small / "config.json").write_text(json.dumps(config))
-    with pytest.raises(DataError, match=r"token ids up to \d+, but the model's vocabulary has 5 entries"):
-        train(recipe, (f"model.path={small}",), progress=False)
+    """The model's directory holds another model's tokenizer (a larger vocabulary): said before loading,
+    instead of an IndexError in the embedding during the first step."""
+    from tiertune.finetune.demo import make_tokenizer
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(model_dir, mixed)
+    words = [f"word{i} another{i} token{i}" for i in range(200)]
+    make_tokenizer(words + [json.loads(line)["text"] for line in (tmp_path / "data.jsonl").read_text().splitlines()],
+                   mixed)  # fmt: skip
+    data = tmp_path / "words.jsonl"
+    data.write_text("".join(json.dumps({"text": w}) + "\n" for w in words))
+    with pytest.raises(DataError, match=r"token ids up to \d+, but the model's vocabulary has \d+ entries"):
+        train(recipe, (f"model.path={mixed}", f"data.path={data}"), progress=False)
+
+
+def test_a_damaged_file_that_passes_its_checksum_is_still_a_typed_error(recipe, model_dir):
+    """Loading names the file too (a checkpoint whose checksums were rewritten after the damage, or one
+    written before checksums existed)."""
+    from tiertune.finetune.checkpoint import load_checkpoint, write_checksums
+    from tiertune.finetune.recipe import load_recipe
+    from tiertune.finetune.train import plan
+
+    train(recipe, ("training.max_steps=2",), progress=False)
+    path = recipe.parent / "run" / "checkpoint-2"
+    victim = next((path / "state").glob("*.exp_avg.safetensors"))
+    os.truncate(victim, 100)
+    (path / "checksums.json").unlink()
+    write_checksums(path)
+    store, engine = plan(load_recipe(recipe).with_absolute_paths())
+    trainer = StreamedTrainer(str(model_dir), store, engine)
+    try:
+        with pytest.raises(IntegrityError, match=f"{victim.name} cannot be read"):
+            load_checkpoint(trainer, path)
+    finally:
+        trainer.close()
 
 
 def test_relative_paths_are_relative_to_the_working_directory_and_stored_absolute(

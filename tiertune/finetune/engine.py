@@ -213,8 +213,18 @@ class StreamedTrainer:
     all target tokens of all its micro-batches.
     """
 
-    def __init__(self, model_dir: str, store_config: StoreConfig, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        store_config: StoreConfig,
+        config: EngineConfig,
+        safe_point: Callable[[], None] | None = None,
+    ) -> None:
         self.config = config
+        # called on the compute thread where the work may be abandoned, no chunk half acquired there: after
+        # each group loaded, at each micro-batch's start, each decoder layer's forward and backward; it may
+        # raise to stop the run (a signal, train's StopOnSignals.check)
+        self.safe_point = safe_point
         self.store = ChunkStore(store_config)
         self.device = self.store.device
         self.model = build_skeleton(model_dir, config.dtype)
@@ -234,8 +244,9 @@ class StreamedTrainer:
 
             self.quant_cache = QuantCache(config.quant_cache, checkpoint, self.quant.settings())
         self._source = load_into_store(
-            self.parts, checkpoint, self.store, homes, config.dtype, self.quant, cache=self.quant_cache
-        )
+            self.parts, checkpoint, self.store, homes, config.dtype, self.quant, cache=self.quant_cache,
+            safe_point=safe_point,
+        )  # fmt: skip
         if self.quant_cache is not None:
             log.info(
                 "quantized layers: %d read from %s, %d quantized",
@@ -579,6 +590,8 @@ class StreamedTrainer:
         self._norms = {}
         others = [s for s in self._states if s.group.kind != "layer"]
         for k, (mb, lab) in enumerate(zip(micro_batches, labels, strict=True)):
+            if self.safe_point is not None:
+                self.safe_point()
             self._first_micro = k == 0
             self._last_micro = k == len(micro_batches) - 1
             with ExitStack() as stack:
@@ -851,6 +864,8 @@ class StreamedLayer(nn.Module):
         else:
             hidden, rest = kwargs.pop("hidden_states"), ()
         trainer = self._trainer[0]
+        if trainer.safe_point is not None:
+            trainer.safe_point()
         if not torch.is_grad_enabled():  # inference: stream the layer through, nothing saved
             state = trainer._states[trainer._layer_index[self.index]]
             with trainer.bound_group(state, requires_grad=False):
@@ -881,6 +896,8 @@ class _LayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         trainer = ctx.trainer
+        if trainer.safe_point is not None:
+            trainer.safe_point()
         with ExitStack() as stack:
             if trainer._inputs:
                 hidden = stack.enter_context(trainer.stashed_input(ctx.index, ctx.shape))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -217,6 +218,7 @@ def load_into_store(
     quant: Quantizer | None = None,
     chunk_size: int | None = None,
     cache: QuantCache | None = None,
+    safe_point: Callable[[], None] | None = None,
 ) -> dict[str, str]:
     """Register every group's parameters as chunks (in ``dtype``) on its home tier and stream the weights in.
 
@@ -224,7 +226,8 @@ def load_into_store(
     map of parameter names to checkpoint tensor names (``checkpoint_names``). Weights of modules that
     ``quant`` converted are quantized on the way in, one tensor at a time, or read from ``cache`` when an
     earlier run quantized them already. Raises ModelError naming the
-    tensor and file when the checkpoint lacks a weight or has the wrong shape.
+    tensor and file when the checkpoint lacks a weight or has the wrong shape. ``safe_point`` is called
+    after each group (where the load may be abandoned: a run stopped by a signal).
     """
     source = checkpoint_names(parts.model, checkpoint)
     for group in parts.groups:
@@ -234,6 +237,8 @@ def load_into_store(
                 f"the checkpoint in {checkpoint.directory} has no tensor {missing[0]!r} ({group.name})"
             )
     for group in parts.groups:
+        if safe_point is not None:
+            safe_point()
         home = homes if isinstance(homes, Tier | str) else homes[group.kind]
         entries = weight_entries(group, dtype, quant)
         group.chunks = store.add(entries, home=home, name=group.name, chunk_size=chunk_size)

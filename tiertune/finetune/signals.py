@@ -1,13 +1,20 @@
 """Stopping a run on SIGINT (Ctrl-C) and SIGTERM (what schedulers send) through its clean-up.
 
-While a command runs (``stop_on_signals``), both signals raise ``Signalled`` on the main thread, so the run unwinds as from Ctrl-C:
-the checkpoint being written is completed, the offload files are removed, and the user is told where it
-stopped and how to resume (SIGTERM's default would kill the process where it stands). A signal that lands
-in a finalizer (a ``__del__`` run by the garbage collector) cannot raise there: Python would print
-"Exception ignored" and go on. Such a signal is remembered and raised by ``check`` at the next step
-boundary, and its ignored exception is not printed. During the clean-up (``deferred``) further signals are
-noted, not raised, so a second Ctrl-C does not cut the clean-up short (``kill -9`` still does; the next run
-then removes what was left).
+While a command runs (``stop_on_signals``), both signals become ``Signalled`` on the main thread, so the run
+unwinds as from Ctrl-C: the checkpoint being written is completed, the offload files are removed, and the
+user is told where it stopped and how to resume (SIGTERM's default would kill the process where it stands).
+
+Where they are raised:
+
+- While training (``at_safe_points``), a signal is only recorded, and ``check`` raises it at the next safe
+  point: a step boundary, or the start of a decoder layer's forward or backward (the engine's
+  ``safe_point``), where no chunk is half acquired. Raised anywhere else, it could land between a chunk's
+  acquire and the ``try`` that releases it, and the clean-up would then wait forever for that chunk.
+- Otherwise (loading, checking, exporting) it is raised at once. One that lands in a finalizer (a ``__del__``
+  run by the garbage collector) cannot be: Python would print "Exception ignored" and go on. It stays
+  recorded for ``check``, and the ignored exception is not printed.
+- During the clean-up (``deferred``) further signals are noted, not raised, so a second Ctrl-C does not cut
+  it short (``kill -9`` still does; the next run then removes what was left).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ class StopOnSignals:
 
     def __init__(self) -> None:
         self.requested: int | None = None
+        self._at_safe_points = False
         self._installed = False
         self._previous: dict[int, Any] = {}
         self._previous_hook: Any = None
@@ -62,6 +70,15 @@ class StopOnSignals:
         self.requested = None
 
     @contextlib.contextmanager
+    def at_safe_points(self) -> Iterator[None]:
+        """Record signals in the block instead of raising them; ``check`` raises them (training)."""
+        self._at_safe_points = True
+        try:
+            yield
+        finally:
+            self._at_safe_points = False
+
+    @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
         """Note further signals instead of raising them (the clean-up after a stop)."""
         if not self._installed:
@@ -75,8 +92,9 @@ class StopOnSignals:
                 signal.signal(s, handler)
 
     def _raise(self, signum: int, frame: object) -> None:
-        self.requested = signum  # cleared by ``caught`` once the exception is seen to arrive
-        raise Signalled(signum)
+        self.requested = signum  # cleared by ``check``, or by ``caught`` once the exception is seen to arrive
+        if not self._at_safe_points:
+            raise Signalled(signum)
 
     def _unraisable(self, unraisable: Any) -> None:
         if isinstance(unraisable.exc_value, Signalled):

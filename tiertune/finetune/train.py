@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -220,7 +221,10 @@ def train(
     with stop_on_signals() as stop, run_dir:
         recover(run_dir.path)
         try:
-            return _run(recipe, store_cfg, engine_cfg, run_dir, progress, stop)
+            loaded = _load(recipe)
+            stop.check()  # a signal during loading that landed where it could not be raised
+            with stop.at_safe_points():  # from here the run holds chunks and locks
+                return _run(recipe, store_cfg, engine_cfg, run_dir, loaded, progress, stop)
         except Signalled as exc:  # before the first step: what was set up has been unwound
             stop.caught()
             newest = latest_checkpoint(run_dir.path)
@@ -228,16 +232,20 @@ def train(
             raise Interrupted(exc.signum, step, newest, run_dir.path / RECIPE_FILE) from None
 
 
-def _run(
-    recipe: Recipe,
-    store_cfg: StoreConfig,
-    engine_cfg: EngineConfig,
-    run_dir: RunDirectory,
-    progress: bool,
-    stop: StopOnSignals,
-) -> TrainResult:
+@dataclass
+class _Loaded:
+    """The tokenized data of a run and the steps it makes."""
+
+    tokenizer: Any
+    data: Any
+    pad_id: int
+    per_epoch: int
+    steps: int
+
+
+def _load(recipe: Recipe) -> _Loaded:
+    """Tokenizer and data (no chunk store yet: a signal may stop this anywhere)."""
     t, d = recipe.training, recipe.data
-    out = run_dir.path
     torch.manual_seed(t.seed)
     tokenizer = _tokenizer(recipe.model.path)
     data = load_data(d.path, tokenizer, d.format, d.max_seq_len, d.add_eos, d.skip_bad_rows)
@@ -250,8 +258,24 @@ def _run(
         if t.max_steps > 0
         else max(1, math.ceil(t.num_train_epochs * per_epoch / t.gradient_accumulation_steps))
     )
+    return _Loaded(tokenizer, data, pad_id, per_epoch, steps)
+
+
+def _run(
+    recipe: Recipe,
+    store_cfg: StoreConfig,
+    engine_cfg: EngineConfig,
+    run_dir: RunDirectory,
+    loaded: _Loaded,
+    progress: bool,
+    stop: StopOnSignals,
+) -> TrainResult:
+    """The run in its directory: decide, prepare, build the trainer, train, checkpoint, export. Called with
+    signals stopping it at safe points only."""
+    t, d = recipe.training, recipe.data
+    out = run_dir.path
+    data, tokenizer, steps, per_epoch = loaded.data, loaded.tokenizer, loaded.steps, loaded.per_epoch
     engine_cfg.max_steps = steps
-    stop.check()  # a signal during loading that landed where it could not be raised
     decision = run_dir.decide(recipe, steps)  # every check before anything in the directory changes
     removed = run_dir.prepare(decision)
     for path in removed:
@@ -261,16 +285,18 @@ def _run(
     write_text_atomically(out / RECIPE_FILE, recipe.to_yaml())
     recipe_path = out / RECIPE_FILE
     result = TrainResult(out)
-    stream = batches(data, t.per_device_train_batch_size, pad_id, d.shuffle, t.seed, d.packing, d.max_seq_len)
+    stream = batches(data, t.per_device_train_batch_size, loaded.pad_id, d.shuffle, t.seed, d.packing, d.max_seq_len)
     history: list[dict] = []
     first = decision.step
-    trainer = StreamedTrainer(recipe.model.path, store_cfg, engine_cfg)
+    stop.check()
+    trainer = StreamedTrainer(recipe.model.path, store_cfg, engine_cfg, safe_point=stop.check)
     try:
         if decision.resume is not None:
             state = load_checkpoint(trainer, decision.resume)
             history = list(state["log_history"])
             for _ in range(state["tiertune"]["micro_batches"]):  # the data position: the same batches follow
                 next(stream)
+        stop.check()
     except BaseException:
         trainer.close()
         raise
@@ -339,7 +365,9 @@ def _run(
                                     **{k: format_size(v) for k, v in peaks.items()})  # fmt: skip
                     bar.update(1)
         writer.wait()
+        stop.check()
         _export(trainer, tokenizer, out)
+        stop.check()
         final = {"global_step": steps, "max_steps": steps, "log_history": history}
         write_text_atomically(out / STATE_FILE, json.dumps(final, indent=2))  # the run is finished
     except BaseException as exc:
@@ -540,4 +568,11 @@ def export_hf(trainer: StreamedTrainer, tokenizer: object, out: Path) -> None:
     """Write the trained model as a Hugging Face directory in ``out``, streaming chunk by chunk."""
     config = trainer.model.config
     config.use_cache = True
-    write_hf(trainer.weights(), config, tokenizer, out)
+
+    def parts() -> Iterator[dict[str, torch.Tensor]]:
+        for part in trainer.weights():
+            if trainer.safe_point is not None:  # between parts: the export's temporary directory is removed
+                trainer.safe_point()
+            yield part
+
+    write_hf(parts(), config, tokenizer, out)
