@@ -64,6 +64,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument(
+        "--in-process", action="store_true",
+        help="measure every op in this process, not each in a fresh one: quick (a check of the script), but "
+        "the peak-memory figures then carry what earlier ops left",
+    )  # fmt: skip
     p.add_argument("--child", nargs=2, metavar=("OP", "IMPL"), help=argparse.SUPPRESS)
     args = p.parse_args()
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
@@ -300,6 +305,7 @@ def main() -> None:
         return
     report: dict = {
         "machine": machine() | {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu"},
+        "isolation": "one process" if a.in_process else "a process per op and implementation",
         "dtype": str(a.dtype).removeprefix("torch."),
         "tokens": a.tokens,
         "ops": {},
@@ -310,14 +316,17 @@ def main() -> None:
             if impl == "liger" and a.device != "cuda":
                 results[impl] = {"skipped": "Liger-Kernel's Triton kernels need a GPU"}
                 continue
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--child", op, impl]
-            out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-            lines = out.stdout.strip().splitlines()
-            results[impl] = (
-                json.loads(lines[-1])
-                if out.returncode == 0 and lines
-                else {"error": f"exit {out.returncode}"}
-            )
+            if a.in_process:
+                results[impl] = _measure(op, impl, a)
+            else:
+                cmd = [sys.executable, __file__, *sys.argv[1:], "--child", op, impl]
+                out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+                lines = out.stdout.strip().splitlines()
+                results[impl] = (
+                    json.loads(lines[-1])
+                    if out.returncode == 0 and lines
+                    else {"error": f"exit {out.returncode}"}
+                )
             print(f"{op}/{impl}: {json.dumps(results[impl])}", file=sys.stderr, flush=True)
         report["ops"][op] = results | _compare(results)
     print(json.dumps(report, indent=1))
