@@ -26,7 +26,6 @@ partial directory is removed at once.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -43,8 +42,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
-from tiertune.errors import ConfigError, DiskFullError, IntegrityError, StorageError
+from tiertune.errors import ConfigError, DiskFullError, IntegrityError
 from tiertune.finetune.files import fsync_dir, fsync_file
+from tiertune.offload.disk import is_no_space
 from tiertune.units import format_size
 
 if TYPE_CHECKING:
@@ -66,6 +66,14 @@ def checkpoints(run_dir: str | os.PathLike[str]) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _NAME.match(p.name))]
     return [p for _, p in sorted(found) if (p / STATE_FILE).is_file()]
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of a ``checkpoint-<step>`` directory, from its name."""
+    match = _NAME.match(path.name)
+    if match is None:
+        raise ValueError(f"{path} is not named {PREFIX}<step>")
+    return int(match.group(1))
 
 
 def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
@@ -165,9 +173,7 @@ def checkpoint_bytes(trainer: StreamedTrainer) -> int:
 
 def is_disk_full(exc: BaseException) -> bool:
     """Whether an error is a full filesystem (an OSError's ENOSPC, or safetensors' message for it)."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
+    return is_no_space(exc) or "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
 
 
 class CheckpointWriter:
@@ -202,7 +208,6 @@ class CheckpointWriter:
         final = self._run_dir / f"{PREFIX}{step}"
         tmp = self._run_dir / f".{PREFIX}{step}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        self._tmp = tmp
         # room for it, counting the checkpoint of this step it replaces (a resumed run saving it again)
         needed = checkpoint_bytes(trainer)
         free = shutil.disk_usage(self._run_dir).free + _size_of(final)
@@ -396,9 +401,7 @@ def _read(file: Path, reader: Callable[[Path], Any]) -> Any:
         raise IntegrityError(f"{file} is missing: the checkpoint is damaged")
     try:
         return reader(file)
-    except (OSError, StorageError) as exc:
-        raise IntegrityError(f"{file} cannot be read ({exc}): the checkpoint is damaged") from None
-    except Exception as exc:  # safetensors' and pickle's errors for a truncated or damaged file
+    except Exception as exc:  # OS errors, and safetensors' and pickle's for a truncated or damaged file
         raise IntegrityError(
             f"{file} cannot be read ({type(exc).__name__}: {exc}): the checkpoint is damaged"
         ) from None

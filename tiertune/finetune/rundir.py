@@ -81,7 +81,6 @@ class Decision:
     ``clear`` says the previous run's outputs are removed first; ``notes`` are said to the user."""
 
     resume: Path | None = None
-    state: dict[str, Any] | None = None
     step: int = 0
     clear: bool = False
     notes: tuple[str, ...] = ()
@@ -211,17 +210,16 @@ class RunDirectory:
                     "training.overwrite_output_dir=true (the damaged checkpoints are removed)"
                 )
             if self.holds_run() and not self._same_run(recipe) and not t.overwrite_output_dir:
-                raise ConfigError(self._taken_message(recipe, "it has no checkpoint to resume"))
+                raise ConfigError(self._taken_message("it has no checkpoint to resume"))
             return Decision(clear=self.holds_run(), notes=self._restart_note())
         if (self.holds_run() or self.foreign()) and not t.overwrite_output_dir:
-            raise ConfigError(self._taken_message(recipe, None))
+            raise ConfigError(self._taken_message(None))
         return Decision(clear=t.overwrite_output_dir and self.holds_run())
 
     def _resume(
         self, recipe: Recipe, path: Path, max_steps: int, notes: tuple[str, ...], auto: bool
     ) -> Decision:
-        state = read_state(path / STATE_FILE)
-        step = int(state["global_step"])
+        step = int(read_state(path / STATE_FILE)["global_step"])
         finished = self.finished_at()
         if auto and finished is not None and finished >= max_steps:  # a path named on purpose runs again
             raise ConfigError(
@@ -245,31 +243,17 @@ class RunDirectory:
             )
         if changes:
             notes += (f"resuming with changed settings: {', '.join(k for k, _, _ in changes)}",)
-        return Decision(resume=path, state=state, step=step, notes=notes)
+        return Decision(resume=path, step=step, notes=notes)
 
     def changes(self, recipe: Recipe, checkpoint: Path) -> list[tuple[str, Any, Any]]:
         """The settings that make a run (all but ``RESUMABLE_CHANGES``) on which ``recipe`` and the recipe
         that wrote ``checkpoint`` differ: ``(key, then, now)``."""
-        then = _recipe_dict(checkpoint / RECIPE_FILE)
-        if then is None:
-            return []
-        now = dict(flatten(recipe.to_dict()))
-        old = dict(flatten(then))
-        keys = sorted(set(now) | set(old))
-        return [
-            (k, old.get(k), now.get(k))
-            for k in keys
-            if old.get(k) != now.get(k) and not k.startswith(RESUMABLE_CHANGES)
-        ]
+        return _differences(recipe, checkpoint / RECIPE_FILE) or []
 
     def _same_run(self, recipe: Recipe) -> bool:
         """Whether the directory's recipe is ``recipe``'s run (it was started and stopped before its first
         checkpoint)."""
-        then = _recipe_dict(self.path / RECIPE_FILE)
-        if then is None:
-            return False
-        now, old = dict(flatten(recipe.to_dict())), dict(flatten(then))
-        return all(old.get(k) == now.get(k) for k in set(now) | set(old) if not k.startswith(RESUMABLE_CHANGES))
+        return _differences(recipe, self.path / RECIPE_FILE) == []
 
     def _restart_note(self) -> tuple[str, ...]:
         if not self.holds_run():
@@ -279,7 +263,7 @@ class RunDirectory:
     def _names(self) -> str:
         return ", ".join(str(p) for p in checkpoints(self.path))
 
-    def _taken_message(self, recipe: Recipe, why: str | None) -> str:
+    def _taken_message(self, why: str | None) -> str:
         if self.holds_run():
             done = self.finished_at()
             what = f"a finished run (step {done})" if done is not None else "another run's outputs"
@@ -309,7 +293,7 @@ class RunDirectory:
         removed = partials(self.path)
         removed += [p for p in self.path.glob(".export-*") if p.is_dir()]
         if decision.clear:
-            removed += [p for p in self._checkpoint_dirs()]
+            removed += self._checkpoint_dirs()
             for name in _RUN_FILES:
                 if (self.path / name).exists():
                     removed.append(self.path / name)
@@ -320,6 +304,20 @@ class RunDirectory:
             elif path.exists() or path.is_symlink():
                 path.unlink()
         return removed
+
+
+def _differences(recipe: Recipe, recipe_file: Path) -> list[tuple[str, Any, Any]] | None:
+    """The settings that make a run (all but ``RESUMABLE_CHANGES``) on which ``recipe`` and ``recipe_file``
+    differ, as ``(key, then, now)``; None when the file is missing or unreadable."""
+    then = _recipe_dict(recipe_file)
+    if then is None:
+        return None
+    now, old = dict(flatten(recipe.to_dict())), dict(flatten(then))
+    return [
+        (k, old.get(k), now.get(k))
+        for k in sorted(set(now) | set(old))
+        if old.get(k) != now.get(k) and not k.startswith(RESUMABLE_CHANGES)
+    ]
 
 
 def _recipe_dict(path: Path) -> dict[str, Any] | None:

@@ -65,10 +65,6 @@ class StopOnSignals:
             signum, self.requested = self.requested, None
             raise Signalled(signum)
 
-    def caught(self) -> None:
-        """The Signalled exception reached a handler: nothing is pending any more."""
-        self.requested = None
-
     @contextlib.contextmanager
     def at_safe_points(self) -> Iterator[None]:
         """Record signals in the block instead of raising them; ``check`` raises them (training)."""
@@ -92,7 +88,7 @@ class StopOnSignals:
                 signal.signal(s, handler)
 
     def _raise(self, signum: int, frame: object) -> None:
-        self.requested = signum  # cleared by ``check``, or by ``caught`` once the exception is seen to arrive
+        self.requested = signum  # for ``check``, should the exception be swallowed (a finalizer)
         if not self._at_safe_points:
             raise Signalled(signum)
 

@@ -37,6 +37,7 @@ from tiertune.finetune.checkpoint import (
     STATE_FILE,
     CheckpointWriter,
     checkpoint_bytes,
+    checkpoint_step,
     is_disk_full,
     latest_checkpoint,
     load_checkpoint,
@@ -226,9 +227,8 @@ def train(
             with stop.at_safe_points():  # from here the run holds chunks and locks
                 return _run(recipe, store_cfg, engine_cfg, run_dir, loaded, progress, stop)
         except Signalled as exc:  # before the first step: what was set up has been unwound
-            stop.caught()
             newest = latest_checkpoint(run_dir.path)
-            step = int(newest.name.rsplit("-", 1)[1]) if newest else 0
+            step = checkpoint_step(newest) if newest else 0
             raise Interrupted(exc.signum, step, newest, run_dir.path / RECIPE_FILE) from None
 
 
@@ -282,8 +282,8 @@ def _run(
         log.debug("removed %s", path)
     if decision.clear:
         log.info("started over in %s: the previous run's checkpoints, log and model were removed", out)
-    write_text_atomically(out / RECIPE_FILE, recipe.to_yaml())
     recipe_path = out / RECIPE_FILE
+    write_text_atomically(recipe_path, recipe.to_yaml())
     result = TrainResult(out)
     stream = batches(data, t.per_device_train_batch_size, loaded.pad_id, d.shuffle, t.seed, d.packing, d.max_seq_len)
     history: list[dict] = []
@@ -372,8 +372,6 @@ def _run(
         write_text_atomically(out / STATE_FILE, json.dumps(final, indent=2))  # the run is finished
     except BaseException as exc:
         failure = exc
-        if isinstance(exc, Signalled):
-            stop.caught()
         raise
     finally:
         with stop.deferred():  # a second Ctrl-C or SIGTERM does not cut the clean-up short
@@ -539,8 +537,8 @@ def optimizer_description(recipe: Recipe, trainer: StreamedTrainer) -> str:
         return f"{name} on the adapters, after backward"
     clipping = bool(cfg.max_grad_norm and cfg.max_grad_norm > 0)
     if not trainer.overlap:
-        why = "offload.overlap_optimizer: false" if cfg.overlap_optimizer in ("off", False) else (
-            "its twin states do not fit the budgets"
+        why = (  # EngineConfig made overlap_optimizer one of auto/on/off
+            "offload.overlap_optimizer: false" if cfg.overlap_optimizer == "off" else "its twin states do not fit the budgets"
         )
         return f"{name} on the CPU after backward ({why})"
     if not clipping:

@@ -101,7 +101,7 @@ def supports_o_direct(directory: str | os.PathLike[str]) -> bool:
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return False
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if is_no_space(exc):
             raise DiskFullError(
                 f"disk tier: the filesystem at {directory} is full (no room for a {ALIGN}-byte probe); "
                 f"{_NO_SPACE}"
@@ -235,7 +235,7 @@ class DiskTier:
                 os.posix_fallocate(self.fd, self._allocated, end - self._allocated)
             except OSError as exc:
                 self.arena.free(offset - ALIGN)
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                if is_no_space(exc):
                     free = _free_bytes(self.directory)
                     raise DiskFullError(
                         f"disk tier: no space in {self.directory} for chunk {chunk.name!r} "
@@ -315,6 +315,11 @@ class DiskTier:
 _CPU = torch.device("cpu")
 
 
+def is_no_space(exc: BaseException) -> bool:
+    """Whether an error is a filesystem out of room: ENOSPC, or EDQUOT (this user's quota)."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def _free_bytes(directory: Path) -> int:
     """Bytes free to this user on the filesystem of ``directory``."""
     return shutil.disk_usage(directory).free
@@ -343,7 +348,7 @@ def _pwrite_all(fd: int, view: memoryview, offset: int, path: Path) -> None:
     try:
         n = os.pwritev(fd, [view], offset)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if is_no_space(exc):
             raise DiskFullError(
                 f"disk tier: {path.parent} is full (ENOSPC while writing {len(view)} bytes at offset {offset}); "
                 f"{_NO_SPACE}"
