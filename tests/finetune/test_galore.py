@@ -66,8 +66,8 @@ def _pinned_projections(monkeypatch):
         robustness.append(_robustness(grad, margins))
         return pinned
 
-    def ours(grad, shape, right):
-        return _pin_signs(engine(grad, shape, right), right)[0]
+    def ours(grad, shape, right, method="exact", seed=0):
+        return _pin_signs(engine(grad, shape, right, method, seed), right)[0]
 
     monkeypatch.setattr(GaLoreProjector, "get_orthogonal_matrix", reference)
     monkeypatch.setattr(engine_optim, "_orthogonal", ours)
@@ -173,7 +173,11 @@ def test_galore_matches_galore_torch(
     last-bit changes of its gradient, so rounding differences stay rounding differences. The 8-bit runs
     cannot be: rounding the moments to 8 bits is discontinuous too (1e-7 of relative noise in the engine's
     gradients, with the projections shared, moves their weights by 2.4e-3), so they match only because the
-    engine computes bit for bit what galore-torch does (see test_the_update_is_galore_torch_bit_for_bit)."""
+    engine computes bit for bit what galore-torch does (see test_the_update_is_galore_torch_bit_for_bit).
+    With clipping, though, the engine projects before the coefficient c is known (during backward, on the
+    device) and scales the low-rank gradient: c (G Pᵀ) where galore-torch has (c G) Pᵀ, one rounding apart,
+    which the 8-bit moments turn into 1.7e-3 of the weights after 10 steps (measured): that case compares
+    the losses as tightly and the weights within 5e-3."""
     from transformers import AutoModelForCausalLM
 
     eight_bit = optim == "adamw_bnb_8bit"
@@ -210,14 +214,14 @@ def test_galore_matches_galore_torch(
         float((weights[n] - p.detach()).abs().max() / p.detach().abs().max())
         for n, p in reference.named_parameters()
     )
-    assert worst <= 1e-4
+    assert worst <= (5e-3 if eight_bit and max_grad_norm > 0 else 1e-4)
 
 
 @pytest.mark.parametrize("eight_bit", [False, True])
 @pytest.mark.parametrize("shape", [(512, 256), (256, 512)])  # right singular vectors, left ones
 def test_the_update_is_galore_torch_bit_for_bit(monkeypatch, shape, eight_bit):
-    """The same gradients through the engine's GaLore update, its projection kept in a row-major chunk
-    buffer, and through galore-torch's optimizer: the same weights to the bit, over three refreshes. (The
+    """The same gradients through the engine's GaLore projection and update, its projection kept in a
+    row-major chunk buffer, and through galore-torch's optimizer: the same weights to the bit, over three refreshes. (The
     products see the projection in the column-major layout galore-torch keeps it in, so BLAS sums them in
     the same order: with the row-major buffer as it is, G Pᵀ differs in the last bits at rank 8. The
     low-rank moments have 4096 elements, so bitsandbytes keeps them in 8 bits.)"""
@@ -241,7 +245,8 @@ def test_the_update_is_galore_torch_bit_for_bit(monkeypatch, shape, eight_bit):
     ours = {"proj.weight": weight.clone()}
     for step, g in enumerate(grads, 1):
         hp = AdamStep(lr, *betas, eps, decay, step)
-        galore.update(["proj.weight"], ours, {"proj.weight": g.clone()}, m, v, proj, hp, eight_bit)
+        low = galore.project(g.clone(), proj["proj.weight"], galore.refreshes(step))
+        galore.update(["proj.weight"], ours, {"proj.weight": low}, m, v, proj, hp, eight_bit)
 
     param = nn.Parameter(weight.clone())
     group = {"params": [param], "rank": 8, "update_proj_gap": 3, "scale": 0.25, "proj_type": "std"}
@@ -318,3 +323,83 @@ def test_layerwise_update_never_holds_every_layers_gradients(tiny_model_dir, dis
     assert len(grads) == 8 and len(held) == 3 * (8 + 2)  # 8 layers, the (tied) embedding, the final norm
     assert max(held) <= 3, held
     assert written == 0
+
+
+def _gradient_shapes(model, rank):
+    """Bytes of one step's gradients as the CPU optimizer receives them: (GaLore's, AdamW's). A projected
+    m x n weight sends its low-rank gradient, m x r when m >= n, else r x n; every other tensor its own."""
+    targets = _targets(model)
+    galore = full = 0
+    for name, p in model.named_parameters():
+        full += p.numel() * 4
+        if name in targets:
+            m, n = p.shape
+            r = min(rank, m, n)
+            galore += (m * r if m >= n else r * n) * 4
+        else:
+            galore += p.numel() * 4
+    return galore, full
+
+
+@pytest.mark.parametrize("svd", ["exact", "randomized"])
+def test_only_low_rank_gradients_reach_the_cpu_optimizer(tmp_path, disk_dir, svd):
+    """GaLore projects on the compute device during backward: with one micro-batch per step, the gradients
+    handed to the host are the low-rank ones for the projected weights (m/r fewer bytes each), counted by
+    the engine, equal to what the shapes say, and a small share of AdamW's on the same model."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=512, tie_word_embeddings=True,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    rank = 16
+    store = StoreConfig(device_budget="64MiB", host_budget="128MiB", disk_path=str(disk_dir), chunk_size="1GiB")
+    batches = _batches(512)
+    sent = {}
+    for method in ("full", "galore"):
+        cfg = _config(method=method, galore=GaloreSettings(rank=rank, update_proj_gap=2, svd=svd))
+        trainer = StreamedTrainer(str(tmp_path / "model"), store, cfg)
+        try:
+            losses = [trainer.step([batches[s]]) for s in range(3)]  # refreshed at steps 1 and 3
+            sent[method] = trainer.gradient_bytes / 3
+            svd_s = trainer.times["galore_svd"]
+        finally:
+            trainer.close()
+        assert all(torch.isfinite(torch.tensor(losses)))
+    expected_galore, expected_full = _gradient_shapes(reference, rank)
+    assert sent == {"full": expected_full, "galore": expected_galore}
+    assert sent["galore"] < 0.25 * sent["full"]
+    assert svd_s > 0  # the refreshes ran in backward, where the engine times them
+
+
+def test_randomized_svd_finds_the_gradients_subspace():
+    """``svd: randomized`` on a gradient of a few hundred tokens (rank <= tokens) plus noise: its rank-r
+    projection keeps the gradient's energy the exact one keeps (to 1%), is the same for the same seed,
+    orthonormal, and leaves the global random state as it was (dropout does not depend on the choice)."""
+    gen = torch.Generator().manual_seed(0)
+    m, n, tokens, rank = 384, 256, 48, 16
+    grad = torch.randn(m, tokens, generator=gen) @ torch.randn(tokens, n, generator=gen)
+    grad += 1e-3 * torch.randn(m, n, generator=gen)
+    before = torch.get_rng_state()
+    exact = engine_optim._orthogonal(grad, (rank, n), True, "exact")
+    fast = engine_optim._orthogonal(grad, (rank, n), True, "randomized", seed=7)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(fast, engine_optim._orthogonal(grad, (rank, n), True, "randomized", seed=7))
+    torch.testing.assert_close(fast @ fast.t(), torch.eye(rank), atol=1e-5, rtol=0)
+    kept_exact = torch.linalg.matrix_norm(grad @ exact.t())
+    kept_fast = torch.linalg.matrix_norm(grad @ fast.t())
+    assert kept_fast >= 0.99 * kept_exact, (kept_fast, kept_exact)
+    left = engine_optim._orthogonal(grad.t(), (n, rank), False, "randomized", seed=7)  # m < n: left vectors
+    assert left.shape == (n, rank)
+    assert torch.linalg.matrix_norm(left.t() @ grad.t()) >= 0.99 * kept_exact
+
+
+def test_svd_setting_is_checked():
+    from tiertune.errors import ConfigError
+    from tiertune.finetune.optim import GaLore
+
+    linear = nn.Linear(8, 8)
+    with pytest.raises(ConfigError, match="exact or randomized"):
+        GaLore(GaloreSettings(svd="fast"), [linear], {id(linear): "proj"})

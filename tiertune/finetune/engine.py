@@ -29,8 +29,12 @@ How a step runs (all on the caller's thread unless said otherwise):
   once its update has used them; the compute thread waits when the worker falls two units behind, so
   without clipping and gradient accumulation only the layers in flight hold gradients.
 - GaLore (``method: galore``) is the same machinery with another update (``finetune/optim.py``): the
-  moments of the decoder layers' linear weights are low-rank, and their projections are optimizer sources
-  too (twinned, exchanged, prefetched like the moments).
+  moments of the decoder layers' linear weights are low-rank. Their gradients are projected where backward
+  makes them, on the compute device: on the last micro-batch each one's full gradient (summed with the
+  earlier micro-batches' in a host accumulator) has its norm taken, at a refreshing step its SVD computed
+  and written into the projection chunk (acquired on the device, along the trace), and only the low-rank
+  gradient (m/r times smaller) goes to the host for the CPU optimizer, which reads the projection to map
+  its update back (the projection is read there, not rewritten: it is not twinned).
 
 Numerics match a plain PyTorch loop: ``torch.optim.AdamW`` (or bitsandbytes' AdamW8bit, or galore-torch's
 GaLoreAdamW) with weight decay on tensors of two or more dimensions, ``clip_grad_norm_`` and the same
@@ -46,6 +50,7 @@ import os
 import queue
 import threading
 import time
+import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -110,6 +115,9 @@ class EngineConfig:
     overlap_optimizer: str | bool = "auto"
     activations: str = "device"  # where each layer's saved input waits for backward: device or host
     activation_tokens: int = 0  # batch x sequence length of the largest micro-batch (needed for host)
+    # micro-batches per step: with more than one, GaLore sums its projected weights' full gradients in host
+    # accumulators, placed up front (a step with more micro-batches than said adds them when it needs them)
+    gradient_accumulation_steps: int = 1
     # full: every weight trained with AdamW; lora: a frozen base with peft LoRA adapters; galore: every weight
     # trained, the decoder layers' linear weights with Adam in a low-rank projection of their gradients
     method: str = "full"
@@ -153,6 +161,15 @@ class EngineConfig:
             raise ConfigError(f"training.max_steps must be >= 1, got {self.max_steps}")
 
 
+def gradient_entries(fp32: list, galore: GaLore | None) -> dict[str, list]:
+    """The gradient chunks of one weight chunk whose tensors are ``fp32`` entries, by kind: ``grads`` (what
+    the optimizer reads: low-rank for GaLore's projected weights) and, with GaLore, ``accum`` (the projected
+    weights' full gradients, summed over micro-batches; used only when a step has several)."""
+    if galore is None:
+        return {"grads": fp32}
+    return {"grads": galore.gradient_entries(fp32), "accum": galore.accumulator_entries(fp32)}
+
+
 def state_entries(fp32: list, cfg: EngineConfig, galore: GaLore | None) -> dict[str, list]:
     """The optimizer's chunks for one weight chunk whose tensors are ``fp32`` entries, by kind: ``master``
     (when the weights are not fp32), ``exp_avg`` and ``exp_avg_sq`` (8-bit, low-rank for GaLore's projected
@@ -189,8 +206,11 @@ class _GroupState:
         self.master: list[Chunk] = []  # empty when the weights are fp32 (their own master copy)
         self.exp_avg: list[Chunk] = []
         self.exp_avg_sq: list[Chunk] = []
-        # GaLore: the projections, per weight chunk (None for a chunk with no projected weight)
+        # GaLore, per weight chunk (None for a chunk with no projected weight): the projections, and the
+        # full-gradient accumulators of its projected weights (added when a step first has several
+        # micro-batches, or up front when the config says it will)
         self.proj: list[Chunk | None] = []
+        self.accum: list[Chunk | None] = []
         self.twins: list[tuple[Chunk, ...]] = []  # twins of sources(j), per j
 
     @property
@@ -199,10 +219,15 @@ class _GroupState:
         return bool(self.grads)
 
     def sources(self, j: int) -> tuple[Chunk, ...]:
-        """The chunks the optimizer reads and rewrites for weight chunk ``j``: master, moments, projections."""
+        """The chunks the optimizer reads and rewrites for weight chunk ``j``: master weights and moments."""
         master = self.master[j] if self.master else self.weights[j]
+        return (master, self.exp_avg[j], self.exp_avg_sq[j])
+
+    def reads(self, j: int) -> tuple[Chunk, ...]:
+        """Every state chunk the optimizer reads for weight chunk ``j``: the sources and GaLore's projection
+        (which backward writes, the optimizer only reads)."""
         proj = self.proj[j] if self.proj else None
-        return (master, self.exp_avg[j], self.exp_avg_sq[j]) + ((proj,) if proj is not None else ())
+        return self.sources(j) + ((proj,) if proj is not None else ())
 
 
 class StreamedTrainer:
@@ -299,6 +324,9 @@ class StreamedTrainer:
         # optimizer steps by how they ran: confirmed speculation, speculation redone (clipping was active),
         # run after backward (overlap off, or the last step was clipped)
         self.optimizer_counts = {"speculative": 0, "redone": 0, "after_backward": 0}
+        # bytes of gradients backward has handed to the host side (the CPU optimizer's gradient chunks and
+        # GaLore's accumulators), cumulative: GaLore's projected weights send r/m of theirs
+        self.gradient_bytes = 0
         self.last_grad_norm = float("nan")
         self._lr = _Schedule(config)
         self.fused_loss = self._fuse_loss()  # the loss runs fused with the head (kernels.ops.linear_ce)
@@ -374,7 +402,12 @@ class StreamedTrainer:
         for chunk in group.chunks:
             entries = [(s.name, s.shape, torch.float32) for s in chunk.tensors]
             add = partial(self._add_like, entries)
-            state.grads += add(cfg.gradients, f"{chunk.name}.grad")
+            grads = gradient_entries(entries, self.galore)
+            state.grads += self._add_like(grads["grads"], cfg.gradients, f"{chunk.name}.grad")
+            if self.galore is not None:
+                state.accum.append(None)
+                if cfg.gradient_accumulation_steps > 1:
+                    self._add_accumulator(state, len(state.accum) - 1)
             states = state_entries(entries, cfg, self.galore)
             if "master" in states:
                 masters = add(cfg.optimizer_states, f"{chunk.name}.master")
@@ -390,6 +423,16 @@ class StreamedTrainer:
                 proj = states.get("proj")
                 state.proj.append(self._add_like(proj, home, f"{chunk.name}.proj")[0] if proj else None)
         return state
+
+    def _add_accumulator(self, state: _GroupState, j: int) -> Chunk | None:
+        """GaLore's full-gradient accumulator of weight chunk ``j`` (None when it projects no weight there)."""
+        if state.accum[j] is None:
+            entries = [(s.name, s.shape, torch.float32) for s in state.weights[j].tensors]
+            full = self.galore.accumulator_entries(entries)  # type: ignore[union-attr]
+            if full:
+                name = f"{state.weights[j].name}.grad_full"
+                state.accum[j] = self._add_like(full, self.config.gradients, name)[0]
+        return state.accum[j]
 
     def _add_like(self, entries: list, home: str | Tier, name: str) -> list[Chunk]:
         """One chunk holding ``entries`` (the fp32 twin of a weight chunk: never split, whatever its size)."""
@@ -440,7 +483,7 @@ class StreamedTrainer:
     def _unit_host_bytes(self, state: _GroupState, j: int, twins: bool) -> int:
         """Host bytes one optimizer unit pins: gradients and sources (or their twins), plus one source
         while it is copied into its twin."""
-        on_host = [c for c in (state.grads[j], *state.sources(j)) if self._cpu_tier(c) is Tier.HOST]
+        on_host = [c for c in (state.grads[j], *state.reads(j)) if self._cpu_tier(c) is Tier.HOST]
         pinned = sum(c.capacity for c in on_host if c.home is not Tier.HOST)
         return pinned + (max((c.capacity for c in on_host[1:]), default=0) if twins else 0)
 
@@ -548,25 +591,106 @@ class StreamedTrainer:
     def add_grads(self, state: _GroupState, grads: dict[str, torch.Tensor | None]) -> None:
         """Add a micro-batch's gradients into the group's fp32 accumulators (the first micro-batch of a
         step overwrites them); on the last micro-batch note each accumulator's norm, as clip_grad_norm_
-        computes it, and hand the group to the optimizer when it runs during backward."""
-        for chunk in state.grads:
+        computes it, and hand the group to the optimizer when it runs during backward. GaLore's projected
+        weights go through ``_project`` instead."""
+        projected = self.galore.targets if self.galore is not None else ()
+        for j, chunk in enumerate(state.grads):
             began = time.perf_counter()
             views = self.store.acquire(chunk, Tier.HOST, overwrite=self._first_micro)
             self.times["io_wait"] += time.perf_counter() - began
-            for name, acc in views.items():
-                g = grads.get(name)
-                if g is None:
-                    if self._first_micro:
-                        acc.zero_()
-                elif self._first_micro:
-                    acc.copy_(g.detach())
-                else:
-                    acc.add_(g.detach().to(device="cpu", dtype=torch.float32))
-                if self._last_micro:
-                    self._norms[name] = torch.linalg.vector_norm(acc)
-            self.store.release(chunk, dirty=True)
+            try:
+                for name, acc in views.items():
+                    if name in projected:
+                        continue
+                    g = grads.get(name)
+                    if g is None:
+                        if self._first_micro:
+                            acc.zero_()
+                    elif self._first_micro:
+                        acc.copy_(g.detach())
+                    else:
+                        acc.add_(g.detach().to(device="cpu", dtype=torch.float32))
+                    if g is not None:
+                        self.gradient_bytes += acc.numel() * acc.element_size()
+                    if self._last_micro:
+                        self._norms[name] = torch.linalg.vector_norm(acc)
+                low = {n: v for n, v in views.items() if n in projected}
+                if low:
+                    self._project(state, j, low, grads)
+            finally:
+                self.store.release(chunk, dirty=True)
         if self._last_micro and self._speculating:  # waiting for the optimizer here is time it is not hidden
             self.times["optimizer"] += self._worker.submit(state, None)
+
+    def _project(
+        self, state: _GroupState, j: int, low: dict[str, torch.Tensor], grads: dict[str, torch.Tensor | None]
+    ) -> None:
+        """GaLore's projected weights of weight chunk ``j``: until the last micro-batch, sum their full
+        gradients in the host accumulator; on the last, on the compute device, take each full gradient's
+        norm, refresh the projection when the step calls for it, and write the low-rank gradient into
+        ``low`` (the views of the gradient chunk the optimizer reads, on the host)."""
+        galore = self.galore
+        assert galore is not None
+        single = self._first_micro and self._last_micro
+        accum = None if single else self._add_accumulator(state, j)
+        full: dict[str, torch.Tensor] | None = None
+        if accum is not None:
+            began = time.perf_counter()
+            full = self.store.acquire(accum, Tier.HOST, overwrite=self._first_micro)
+            self.times["io_wait"] += time.perf_counter() - began
+        try:
+            if not self._last_micro:  # sum on the host, as the other gradients are
+                for name, acc in full.items():  # type: ignore[union-attr]
+                    g = grads.get(name)
+                    if g is None:
+                        if self._first_micro:
+                            acc.zero_()
+                    elif self._first_micro:
+                        acc.copy_(g.detach())
+                    else:
+                        acc.add_(g.detach().to(device="cpu", dtype=torch.float32))
+                    self.gradient_bytes += acc.numel() * acc.element_size() if g is not None else 0
+                return
+            step = self.step_count + 1
+            refresh = galore.refreshes(step)
+            began = time.perf_counter()
+            proj_chunk = state.proj[j]
+            assert proj_chunk is not None
+            whole = {}
+            for name in low:  # the full gradients on the device, and their norms (clip_grad_norm_'s)
+                g = grads.get(name)
+                if full is not None:
+                    g_full = full[name].to(self.device)
+                    if g is not None:
+                        g_full.add_(g.detach().float())
+                else:
+                    shape = self._meta[name].shape
+                    g_full = g.detach().float() if g is not None else torch.zeros(shape, device=self.device)
+                whole[name] = g_full
+                self._norms[name] = torch.linalg.vector_norm(g_full)
+            # a gradient that is not finite stops the step (NonFiniteError after backward): no SVD of it
+            refresh = refresh and all(bool(torch.isfinite(self._norms[n])) for n in low)
+            if refresh and self.before_update is not None:  # a checkpoint being written needs the old ones
+                self.before_update((proj_chunk,))
+            # read even when refreshed: the same access every step keeps it in the trace, so it is prefetched
+            views = self.store.acquire(proj_chunk, Tier.DEVICE, traced=self._traced)
+            try:
+                for name, dst in low.items():
+                    seed = zlib.crc32(f"{name}:{step}".encode())
+                    began_svd = time.perf_counter()
+                    projected = galore.project(whole.pop(name), views[name], refresh, seed)
+                    if refresh:
+                        self.times["galore_svd"] += time.perf_counter() - began_svd
+                    dst.copy_(projected)
+                    self.gradient_bytes += dst.numel() * dst.element_size()
+            finally:
+                self.store.release(proj_chunk, dirty=refresh)
+            self.times["galore_project"] += time.perf_counter() - began
+        finally:
+            if full is not None:
+                self.store.release(accum, dirty=not self._last_micro)  # type: ignore[arg-type]
+                if self._last_micro:
+                    self.store.discard(accum)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ the step
 
@@ -679,7 +803,11 @@ class StreamedTrainer:
         in place during backward, without clipping, stays: the run stops without saving it)."""
         with contextlib.suppress(BaseException):
             self._worker.join()
-        chunks = [c for s in self._states for c in (*s.grads, *(t for twins in s.twins for t in twins))]
+        chunks = [
+            c
+            for s in self._states
+            for c in (*s.grads, *(a for a in s.accum if a is not None), *(t for ts in s.twins for t in ts))
+        ]
         for chunk in chunks:
             with contextlib.suppress(StateError):  # the run stops: a chunk still held is left as it is
                 self.store.discard(chunk)
@@ -703,13 +831,13 @@ class StreamedTrainer:
         if guard is not None:  # a checkpoint being written needs these chunks as they were
             guard((state.weights[j], *state.sources(j)))
 
-        def get(chunk: Chunk, source: Chunk | None = None) -> dict[str, torch.Tensor]:
+        def get(chunk: Chunk, source: Chunk | None = None, dirty: bool = True) -> dict[str, torch.Tensor]:
             views = store.acquire(chunk, self._cpu_tier(chunk), traced=False, copy_from=source)
-            held.append((chunk, chunk is not state.grads[j]))
+            held.append((chunk, dirty))
             return views
 
         try:
-            grads = get(state.grads[j])
+            grads = get(state.grads[j], dirty=False)
             if state.twins:  # the sources' bytes handed to (or copied into) the twins, the sources untouched
                 views = [get(t, s) for t, s in zip(state.twins[j], state.sources(j), strict=True)]
             else:
@@ -726,7 +854,8 @@ class StreamedTrainer:
             )  # fmt: skip
             eight_bit = cfg.optim == "adamw_bnb_8bit"
             if self.galore is not None:
-                proj = views[3] if len(views) > 3 else {}
+                proj_chunk = state.proj[j]
+                proj = get(proj_chunk, dirty=False) if proj_chunk is not None else {}
                 self.galore.update(names, master, by_name, m, v, proj, hp, eight_bit)
             elif eight_bit:
                 adamw_8bit(names, master, by_name, m, v, hp)
@@ -760,7 +889,7 @@ class StreamedTrainer:
         and projections of the trained groups (gradients and twins are empty then; a frozen base is the
         input model's). In model order, or in the order the optimizer changes them."""
         if in_update_order:
-            return [c for s, j in self._unit_order() if s.trainable for c in (s.weights[j], *s.sources(j))]
+            return [c for s, j in self._unit_order() if s.trainable for c in (s.weights[j], *s.reads(j))]
         out: list[Chunk] = []
         for state in self._states:
             if state.trainable:
@@ -786,13 +915,14 @@ class StreamedTrainer:
     def state_bytes(self) -> dict[str, int]:
         """Bytes of each kind of training state in the store (chunk capacities): ``weights`` (compute dtype,
         quantized where the base is), ``gradients``, ``master`` weights, ``moments`` (both of Adam's),
-        ``projections`` (GaLore) and ``twins`` (the speculative step's copies of master, moments and
-        projections). Optimizer state is master + moments + projections."""
+        ``projections`` (GaLore) and ``twins`` (the speculative step's copies of master weights and
+        moments). Optimizer state is master + moments + projections. ``gradients`` counts GaLore's
+        full-gradient accumulators too (there only with gradient accumulation)."""
         out = dict.fromkeys(("weights", "gradients", "master", "moments", "projections", "twins"), 0)
         for state in self._states:
             kinds = {
                 "weights": state.weights,
-                "gradients": state.grads,
+                "gradients": state.grads + [c for c in state.accum if c is not None],
                 "master": state.master,
                 "moments": state.exp_avg + state.exp_avg_sq,
                 "projections": [c for c in state.proj if c is not None],
@@ -1006,7 +1136,7 @@ class _OptimizerWorker:
                     while position < len(self._plan) and self._plan[position] != (state, j):
                         position += 1
                     ahead = self._plan[position + 1 : position + 1 + self._lookahead]
-                    trainer.store.prefetch([c for s, k in ahead for c in s.sources(k)])
+                    trainer.store.prefetch([c for s, k in ahead for c in s.reads(k)])
                     trainer.optimizer_unit(state, j, coef)
                     trainer.times["optimizer_busy"] += time.perf_counter() - began
             except BaseException as exc:  # reported by join/submit on the compute thread

@@ -8,7 +8,8 @@ each tier:
 - *passes through*: home plus the chunks homed lower that a step uses there (cached copies);
 - *predicted peak*: min(budget, passes through), since the store keeps what passes through until the budget
   is full (gradients homed on disk and dropped after their update count only two layers, those in flight,
-  when no step needs them kept: no clipping, one micro-batch);
+  when no step needs them kept: no clipping, one micro-batch; GaLore's full-gradient accumulators only
+  beyond the twins that replace them during the last micro-batch's backward);
 - *fits*: what the store checks when it places the chunks: home + the largest chunk staged through the
   tier ≤ budget.
 
@@ -118,7 +119,12 @@ def estimate(recipe: Recipe, measure: bool = True) -> Estimate:
             c for c in chunks
             if ORDER.index(c.home) > above and ORDER.index(c.used_on) <= above and id(c) not in transient
         ]  # fmt: skip
-        passes = home + sum(c.capacity for c in staged)
+        # GaLore's accumulators are discarded as the last micro-batch's backward reaches their layer, while
+        # that backward fills the optimizer's twins: the store holds the larger set of the two, not both
+        accumulators = sum(c.capacity for c in staged if c.kind == "accumulators")
+        twins = sum(c.capacity for c in staged if c.kind == "twins")
+        passes = home + sum(c.capacity for c in staged if c.kind != "accumulators")
+        passes += max(0, accumulators - twins)
         if tier is Tier.DISK:  # slots: a header with a checksum per block, then the chunk; nothing above it
             home = passes = sum(
                 slot_bytes(c.capacity, int(store_cfg.block_size)) for c in chunks if c.home is tier
@@ -145,7 +151,7 @@ def _existing(path: str | os.PathLike[str]) -> str:
 
 def _chunks(recipe, store_cfg: StoreConfig, cfg) -> tuple[list[_Chunk], int, int, dict[str, int]]:
     """Every chunk the run would register, laid out as the store lays them out."""
-    from tiertune.finetune.engine import state_entries
+    from tiertune.finetune.engine import gradient_entries, state_entries
     from tiertune.finetune.model import build_skeleton, split_model, weight_entries
     from tiertune.finetune.optim import GaLore
     from tiertune.quant import make_quantizer
@@ -185,11 +191,17 @@ def _chunks(recipe, store_cfg: StoreConfig, cfg) -> tuple[list[_Chunk], int, int
             continue
         trained += group.numel
         fp32 = [(n, tuple(p.shape), torch.float32) for n, p in group.params.items()]
-        add(fp32, "gradients", cfg.gradients, cpu_tier(cfg.gradients), True)
+        gradients = gradient_entries(fp32, galore)
+        add(gradients["grads"], "gradients", cfg.gradients, cpu_tier(cfg.gradients), True)
         grads = chunks[-1]
+        if gradients.get("accum") and cfg.gradient_accumulation_steps > 1:  # GaLore's full gradients
+            add(gradients["accum"], "accumulators", cfg.gradients, cpu_tier(cfg.gradients), True)
         states = state_entries(fp32, cfg, galore)
         sources = [] if "master" in states else [("master", fp32, weights)]
         for key, e in states.items():
+            if key == "proj":  # read on the device by backward (and by the optimizer), never twinned
+                add(e, kinds[key], cfg.optimizer_states, Tier.DEVICE, True)
+                continue
             add(e, kinds[key], cfg.optimizer_states, cpu_tier(cfg.optimizer_states), True)
             sources.append((kinds[key], e, chunks[-1]))
         units.append((grads, sources))
@@ -272,7 +284,9 @@ def _traffic(est: Estimate, chunks: list[_Chunk], budgets: dict[Tier, int]) -> N
     host_room = budgets[Tier.HOST] - sum(c.capacity for c in chunks if c.home is Tier.HOST)
     # gradients are dropped after use and twins are overwritten, never read: neither counts as read; the
     # new values (in the sources or in their twins) are written back once
-    on_disk = [c for c in chunks if c.home is Tier.DISK and c.kind not in ("gradients", "twins")]
+    on_disk = [
+        c for c in chunks if c.home is Tier.DISK and c.kind not in ("gradients", "accumulators", "twins")
+    ]
     used = sum(c.capacity for c in on_disk)
     changed = sum(c.capacity for c in on_disk if c.changed)
     spill = max(0, used - max(0, host_room))

@@ -11,7 +11,9 @@ the reference implementation it names, so that a streamed run matches a plain in
   or more, 32-bit below).
 - ``galore_adamw``: ``galore_torch.GaLoreAdamW`` (Hugging Face-style AdamW, with the gradients of the
   targeted weight matrices projected to rank r by an SVD refreshed every ``update_proj_gap`` steps), or
-  ``galore_torch.GaLoreAdamW8bit`` with 8-bit states.
+  ``galore_torch.GaLoreAdamW8bit`` with 8-bit states. The projection is split from the update:
+  ``GaLore.project`` runs where the gradient is made (the compute device, during backward: the SVD and the
+  product there, so only the low-rank gradient travels to the optimizer), ``GaLore.update`` on the CPU.
 """
 
 from __future__ import annotations
@@ -129,6 +131,9 @@ class GaloreSettings:
     update_proj_gap: int = 200
     scale: float = 0.25
     target_modules: Any = "all-linear"  # linear layers of the decoder layers whose weights are projected
+    # exact: torch.linalg.svd, as galore-torch; randomized: a randomized range finder of rank r + oversampling
+    # (Halko, Martinsson and Tropp), then an exact SVD of that small sketch
+    svd: str = "exact"
 
 
 class GaLore:
@@ -139,6 +144,12 @@ class GaLore:
     the top right singular vectors and the low-rank gradient is G Pᵀ (m x r); otherwise P (m x r) is the
     top left singular vectors and the low-rank gradient is Pᵀ G (r x n). Adam runs on the low-rank
     gradient; its normalized update is projected back and scaled by ``scale``.
+
+    ``project`` (on the device the gradient is on) refreshes P when the step calls for it and returns the
+    low-rank gradient; ``update`` (the CPU optimizer) takes low-rank gradients for the projected weights and
+    full ones for the rest. Clipping scales a gradient by a positive number, which commutes with both the
+    projection and the singular vectors, so projecting before the clipping coefficient is known computes
+    galore-torch's step (to rounding).
     """
 
     def __init__(self, settings: GaloreSettings, layers: list[nn.Module], names: dict[int, str]) -> None:
@@ -146,6 +157,8 @@ class GaLore:
             raise ConfigError(f"method.galore.rank must be >= 1, got {settings.rank}")
         if settings.update_proj_gap < 1:
             raise ConfigError(f"method.galore.update_proj_gap must be >= 1, got {settings.update_proj_gap}")
+        if settings.svd not in SVD_METHODS:
+            raise ConfigError(f"method.galore.svd must be exact or randomized, got {settings.svd!r}")
         self.settings = settings
         self.targets = _targets(settings.target_modules, layers, names)
         if not self.targets:
@@ -169,6 +182,30 @@ class GaLore:
         """Entries of a chunk's projections (fp32), one per projected weight; empty if none is."""
         return [(n, self.shapes(s)[1], torch.float32) for n, s, _ in entries if n in self.targets]
 
+    def gradient_entries(self, entries: Entries) -> Entries:
+        """Entries of the gradients the optimizer receives (fp32): low-rank for the projected weights."""
+        return [(n, self.shapes(s)[0] if n in self.targets else s, torch.float32) for n, s, _ in entries]
+
+    def accumulator_entries(self, entries: Entries) -> Entries:
+        """Entries of the full fp32 gradients of the projected weights, summed over a step's micro-batches
+        (the norm and the SVD need the whole gradient); empty if none is projected."""
+        return [(n, s, torch.float32) for n, s, _ in entries if n in self.targets]
+
+    def refreshes(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (from 1) computes new projections, as galore-torch decides it from
+        its per-parameter step counter."""
+        return (step - 1) % self.settings.update_proj_gap == 0
+
+    def project(self, grad: torch.Tensor, proj: torch.Tensor, refresh: bool, seed: int = 0) -> torch.Tensor:
+        """The low-rank gradient of a projected weight's (fp32) gradient ``grad``, on its device; with
+        ``refresh`` (a step that ``refreshes``) first writes the new projection into ``proj`` (its buffer, of
+        the projection's shape). ``seed`` draws the randomized SVD's sketch (the same on a resumed run)."""
+        right = grad.shape[0] >= grad.shape[1]
+        if refresh:
+            proj.copy_(_orthogonal(grad, proj.shape, right, self.settings.svd, seed))
+        pm = _svd_layout(proj)
+        return grad @ pm.t() if right else pm.t() @ grad
+
     def update(
         self,
         names: list[str],
@@ -180,10 +217,8 @@ class GaLore:
         hp: AdamStep,
         eight_bit: bool,
     ) -> None:
-        """One GaLore AdamW step on the named tensors (the projections refreshed when the step calls for it).
-
-        ``hp.step - 1`` is the number of steps taken before, which decides the refresh as galore-torch's
-        per-parameter step counter does."""
+        """One GaLore AdamW step on the named tensors: ``grads`` holds the low-rank gradients of the projected
+        weights (``project``'s, with the projections ``proj`` it used) and the full gradients of the rest."""
         for n in names:
             p, g = master[n], grads[n]
             decay = hp.weight_decay if decays(p) else 0.0
@@ -195,17 +230,13 @@ class GaLore:
                     if decay > 0:
                         p.add_(p, alpha=-hp.lr * decay)
                 continue
-            right = p.shape[0] >= p.shape[1]
-            if (hp.step - 1) % self.settings.update_proj_gap == 0:
-                proj[n].copy_(_orthogonal(g, proj[n].shape, right))
             pm = _svd_layout(proj[n])
-            low = g @ pm.t() if right else pm.t() @ g
             if eight_bit:  # galore-torch: the 8-bit kernel updates zeros, its result is projected back
-                delta = torch.zeros_like(low)
-                _bnb_adam(delta, low, m, v, n, 0.0, hp)
+                delta = torch.zeros_like(g)
+                _bnb_adam(delta, g, m, v, n, 0.0, hp)
                 p.add_(self._back(delta, pm))
             else:
-                p.add_(self._back(_hf_adamw(None, low, m[n], v[n], hp), pm), alpha=-_step_size(hp))
+                p.add_(self._back(_hf_adamw(None, g, m[n], v[n], hp), pm), alpha=-_step_size(hp))
             if decay > 0:
                 p.add_(p, alpha=-hp.lr * decay)
 
@@ -262,7 +293,27 @@ def _svd_layout(proj: torch.Tensor) -> torch.Tensor:
     return proj.t().contiguous().t()
 
 
-def _orthogonal(grad: torch.Tensor, shape: torch.Size, right: bool) -> torch.Tensor:
-    """The top singular vectors of ``grad`` (right ones as rows, or left ones as columns) of ``shape``."""
-    u, _, vh = torch.linalg.svd(grad.float(), full_matrices=False)
-    return vh[: shape[0]] if right else u[:, : shape[1]]
+SVD_METHODS = ("exact", "randomized")
+OVERSAMPLING = 8  # extra sketch columns of the randomized SVD (Halko et al. suggest 5 to 10)
+POWER_ITERATIONS = 2  # subspace iterations: a gradient's singular values decay slowly
+
+
+def _orthogonal(
+    grad: torch.Tensor, shape: torch.Size, right: bool, method: str = "exact", seed: int = 0
+) -> torch.Tensor:
+    """The top singular vectors of ``grad`` (right ones as rows, or left ones as columns) of ``shape``.
+
+    ``exact``: ``torch.linalg.svd`` of the whole matrix (galore-torch's). ``randomized``: torch's
+    ``svd_lowrank`` with the sketch drawn from ``seed`` (the global random state is left as it was, so
+    dropout does not depend on the choice)."""
+    grad = grad.float()
+    rank = shape[0] if right else shape[1]
+    if method == "exact":
+        u, _, vh = torch.linalg.svd(grad, full_matrices=False)
+        return vh[:rank] if right else u[:, :rank]
+    q = min(rank + OVERSAMPLING, *grad.shape)
+    devices = [grad.device] if grad.is_cuda else []
+    with torch.random.fork_rng(devices=devices, device_type=grad.device.type):
+        torch.manual_seed(seed)
+        u, _, v = torch.svd_lowrank(grad, q=q, niter=POWER_ITERATIONS)
+    return v[:, :rank].t() if right else u[:, :rank]

@@ -51,6 +51,7 @@ class GaloreSection:
     update_proj_gap: int = 200
     scale: float = 0.25
     target_modules: Any = "all-linear"
+    svd: str = field(default="exact", metadata=_choice("exact", "randomized"))
 
 
 @dataclass

@@ -154,6 +154,7 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
         overlap_optimizer=off.overlap_optimizer,
         activations=_activations(recipe, device, dtype, store.device_budget),  # type: ignore[arg-type]
         activation_tokens=t.per_device_train_batch_size * recipe.data.max_seq_len,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
         method=recipe.method.type,
         quantize=recipe.model.quantize,
         quant_cache=_quant_cache(off.disk_path) if recipe.model.quantize != "none" else None,
@@ -170,6 +171,7 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
             update_proj_gap=recipe.method.galore.update_proj_gap,
             scale=recipe.method.galore.scale,
             target_modules=recipe.method.galore.target_modules,
+            svd=recipe.method.galore.svd,
         ),
     )
     return store, engine
