@@ -296,3 +296,33 @@ def test_copy_from_hands_over_a_cached_copy_or_copies(home, disk_dir):
         with pytest.raises(ConfigError, match="layouts differ"):
             (other,) = store.add([("w", (999,), torch.float32)], home=home, name="other")
             store.acquire(other, "host", copy_from=src)
+
+
+def test_a_copy_into_the_device_waits_for_the_compute_streams_last_use_of_it(monkeypatch):
+    # a device-homed chunk changed on the host goes back into its home device memory, which kernels queued
+    # before its last release may still be reading: the copy stream must wait for that release's event
+    import types
+
+    cfg = StoreConfig(
+        device="cpu", device_budget="1MiB", host_budget="1MiB", chunk_size="64KiB", prefetch_depth=0
+    )
+    with ChunkStore(cfg) as store:
+        (chunk,) = store.add({"w": torch.zeros(1024)}, home="device")
+        store.read(chunk)  # a host copy as well
+        store.acquire(chunk)  # on the device...
+        store.release(chunk)
+        last_use = types.SimpleNamespace(synchronize=lambda: None)  # ...what a CUDA release records
+        chunk.device_event = last_use
+        store.acquire(chunk, "host")["w"].fill_(3.0)  # the optimizer's update, on the host
+        store.release(chunk, dirty=True)
+        afters = []
+        copy = store.aio.copy
+        monkeypatch.setattr(
+            store.aio,
+            "copy",
+            lambda dst, src, label, after=None: afters.append(after) or copy(dst, src, label, after),
+        )
+        w = store.acquire(chunk)["w"]  # host -> device, into the home copy
+        assert afters == [last_use]
+        assert torch.equal(w, torch.full((1024,), 3.0))
+        store.release(chunk)

@@ -318,14 +318,28 @@ def measure_bandwidth(
         except OSError as exc:
             notes.append(f"the disk was not probed ({exc}): no disk term in the lower bound")
     if torch.device(store_cfg.device).type == "cuda":
-        src = torch.empty(probe_bytes, dtype=torch.uint8).pin_memory()
-        dst = torch.empty(probe_bytes, dtype=torch.uint8, device=store_cfg.device)
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        out["host_to_device"] = probe_bytes / (time.perf_counter() - began)
+        from tiertune.offload.tiers import HostMemory
+
+        # the source is pinned as the host tier pins it (exactly, and unpinned when done: ``pin_memory()``
+        # would leave the block pinned in torch's caching host allocator for the process's life), and the
+        # copies are waited for on the store's own device (``synchronize()`` waits for the current one only)
+        device = torch.device(store_cfg.device)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        src = HostMemory(probe_bytes, device)
+        try:
+            dst = torch.empty(probe_bytes, dtype=torch.uint8, device=device)
+            dst.copy_(src.tensor, non_blocking=True)  # warm-up
+            torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            dst.copy_(src.tensor, non_blocking=True)
+            torch.cuda.synchronize(device)
+            out["host_to_device"] = probe_bytes / (time.perf_counter() - began)
+            del dst
+            torch.cuda.empty_cache()  # not reserved by this process for the run's own device budget
+        finally:
+            torch.cuda.synchronize(device)  # nothing in flight reads it when it is unpinned
+            src.close()
     out["optimizer_params"] = _adamw_rate()
     return out
 

@@ -5,8 +5,9 @@ Disk I/O: a pool of ``queue_depth`` threads, each issuing one ``os.preadv``/``os
 that depth. Python releases the GIL inside those calls and inside xxh3 hashing, so the threads overlap.
 
 Copies: one thread per direction (host->device, device->host). With CUDA each issues its copies on its own
-stream and waits on an event, so copies overlap compute on the default stream; without CUDA the copy is a
-plain memcpy on that thread.
+stream (one per direction and device) and waits on an event, so copies overlap compute on the default
+stream; without CUDA the copy is a plain memcpy on that thread. A handle completes only once its copy's data
+has arrived, so the host may read a copied-out buffer, pinned or not, as soon as the handle is done.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class AsyncIO:
         self._disk = ThreadPoolExecutor(queue_depth, thread_name_prefix="tiertune-aio")
         self._h2d = ThreadPoolExecutor(1, thread_name_prefix="tiertune-h2d")
         self._d2h = ThreadPoolExecutor(1, thread_name_prefix="tiertune-d2h")
-        self._streams: dict[str, torch.cuda.Stream] = {}
+        self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
         self._closed = False
 
     def run(self, label: str, tasks: list[Callable[[], None]]) -> IOHandle:
@@ -140,20 +141,21 @@ class AsyncIO:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, label: str, after: object | None = None) -> IOHandle:
         """Copy ``src`` into ``dst`` off the caller's thread (and, with CUDA, off its stream).
 
-        ``after``: a CUDA event the copy stream waits for first (the compute stream's last use of ``src``).
+        ``after``: a CUDA event the copy stream waits for first: the compute stream's last use of the device
+        side (its writes to ``src`` before a copy out; its reads of ``dst`` before a copy in).
         """
         self._check_open()
         to_device = dst.device.type != "cpu"
         executor = self._h2d if to_device else self._d2h
         cuda = dst.device.type == "cuda" or src.device.type == "cuda"
         handle = IOHandle(label, 1)
-        key = "h2d" if to_device else "d2h"
 
         def do_copy() -> None:
             if not cuda:
                 dst.copy_(src)
                 return
             device = dst.device if to_device else src.device
+            key = ("h2d" if to_device else "d2h", device)  # a stream belongs to one device
             stream = self._streams.get(key)
             if stream is None:
                 stream = self._streams[key] = torch.cuda.Stream(device)
@@ -161,9 +163,11 @@ class AsyncIO:
                 if after is not None:
                     stream.wait_event(after)  # type: ignore[arg-type]
                 dst.copy_(src, non_blocking=True)
-                done = torch.cuda.Event()
+                # blocking: this thread sleeps until the copy is done instead of spinning a core (the
+                # default), which the CPU optimizer and the disk threads need
+                done = torch.cuda.Event(blocking=True)
                 done.record(stream)
-            done.synchronize()
+            done.synchronize()  # the data has arrived (for a pageable destination too) before the handle is done
 
         executor.submit(_run_part, handle, do_copy)
         return handle

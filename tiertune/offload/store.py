@@ -33,7 +33,7 @@ from tiertune.offload.aio import AsyncIO, IOHandle
 from tiertune.offload.chunk import IN_FLIGHT, Chunk, ChunkState, pack_tensors
 from tiertune.offload.disk import DiskSlot, DiskTier
 from tiertune.offload.schedule import Scheduler
-from tiertune.offload.tiers import BUDGET_SETTING, Allocation, MemoryTier, Tier, auto_budget
+from tiertune.offload.tiers import BUDGET_SETTING, Allocation, MemoryTier, Tier, auto_budget, cuda_cap
 from tiertune.units import format_size, parse_size
 
 log = logging.getLogger("tiertune.offload")
@@ -79,9 +79,13 @@ class StoreConfig:
 
 
 def _resolve_device(value: str | torch.device) -> torch.device:
-    """The store's compute device: cpu or an available CUDA device (``auto``: cuda when there is one)."""
+    """The store's compute device: cpu or an available CUDA device (``auto``: cuda when there is one).
+
+    A CUDA device always gets its index (``cuda`` is the current device now): the store's buffers, streams
+    and events are made on its I/O threads too, whose current device is cuda:0 whatever the caller's is.
+    """
     if value == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        value = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError) as exc:
@@ -106,6 +110,8 @@ def _resolve_device(value: str | torch.device) -> torch.device:
                 f"device {str(device)!r} requested but this machine has {torch.cuda.device_count()} CUDA "
                 f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}; use one of those or 'auto'"
             )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
@@ -137,15 +143,24 @@ def _check_memory(config: StoreConfig) -> None:
                 f"offload.device_budget is {format_size(config.device_budget)} but {device} has "  # type: ignore[arg-type]
                 f"{format_size(gpu)} of memory in all; lower offload.device_budget or set it to auto"
             )
+        cap = cuda_cap(device)  # type: ignore[arg-type]
+        if cap is not None and config.device_budget > cap:  # type: ignore[operator]
+            raise ConfigError(
+                f"offload.device_budget is {format_size(config.device_budget)} but this process may use at "  # type: ignore[arg-type]
+                f"most {format_size(cap)} of {device} (torch.cuda.set_per_process_memory_fraction); lower "
+                "offload.device_budget or set it to auto"
+            )
 
 
 @dataclass
 class TierStats:
-    """Accounted bytes of one tier: its budget, what is allocated now, and the most ever allocated."""
+    """Accounted bytes of one tier: its budget, what is allocated now, and the most ever allocated; and the
+    host memory it holds page-locked for CUDA (exactly its budget once allocated, when pinned)."""
 
     budget: int
     used: int
     peak: int
+    pinned: int = 0
 
 
 @dataclass
@@ -175,11 +190,15 @@ class ChunkStore:
         _check_memory(config)
         self.config = config
         self.device = config.device  # type: ignore[assignment]
-        pin = self.device.type == "cuda"
+        pin = self.device if self.device.type == "cuda" else False  # page-locked for the compute GPU
         self._mem = {
             Tier.DEVICE: MemoryTier(Tier.DEVICE, config.device_budget, self.device),  # type: ignore[arg-type]
             Tier.HOST: MemoryTier(Tier.HOST, config.host_budget, torch.device("cpu"), pin=pin),  # type: ignore[arg-type]
         }
+        if pin:
+            # page-lock the host arena now: a budget the OS or CUDA refuses fails here, saying what to
+            # change, not at its first use on an I/O thread in the middle of a step
+            self._mem[Tier.HOST].allocate()
         self.aio = AsyncIO(config.queue_depth, config.block_size)  # type: ignore[arg-type]
         self.disk: DiskTier | None = None
         if config.disk_path is not None:
@@ -525,7 +544,10 @@ class ChunkStore:
     def stats(self) -> StoreStats:
         """Budgets, current and peak accounted bytes per tier, and bytes moved per link."""
         with self._cond:
-            tiers = {t.value: TierStats(m.budget, m.arena.used, m.arena.peak) for t, m in self._mem.items()}
+            tiers = {
+                t.value: TierStats(m.budget, m.arena.used, m.arena.peak, m.pinned_bytes)
+                for t, m in self._mem.items()
+            }
             if self.disk is not None:
                 a = self.disk.arena
                 tiers["disk"] = TierStats(a.capacity, a.used, a.peak)
@@ -556,6 +578,10 @@ class ChunkStore:
         self.aio.close()
         if self.disk is not None:
             self.disk.close()
+        if self.device.type == "cuda":
+            # kernels or copies the caller queued may still use the tiers' memory: unpinning host memory
+            # under a copy in flight is undefined, and device memory must not be reused under a kernel
+            torch.cuda.synchronize(self.device)
         for mem in self._mem.values():
             mem.close()
 
@@ -845,9 +871,15 @@ class ChunkStore:
             return False
         chunk.copies[dst] = alloc
         chunk.transition(S.TO_DEVICE if dst is Tier.DEVICE else S.TO_HOST)
-        after = chunk.device_event if src is Tier.DEVICE else None
+        # the copy stream waits for the compute stream's last use of the chunk's device memory both ways: a
+        # copy out must not read it before the kernels writing it are done, and a copy in (into the home
+        # copy of a device-homed chunk, after its host copy changed) must not overwrite it under kernels
+        # still reading it; a fresh device range was synchronized with its previous user when freed
         handle = self.aio.copy(
-            alloc.tensor, chunk.copies[src].tensor, f"{src.value}->{dst.value} {chunk.name}", after
+            alloc.tensor,
+            chunk.copies[src].tensor,
+            f"{src.value}->{dst.value} {chunk.name}",
+            chunk.device_event,
         )  # type: ignore[attr-defined]
         ok, fail = (S.ON_DEVICE, S.ON_HOST) if dst is Tier.DEVICE else (S.ON_HOST, S.ON_DEVICE)
         handle.add_done_callback(

@@ -1,7 +1,7 @@
 """The three tiers a chunk can live on, and the allocator that enforces each one's byte budget.
 
 - device: the compute device (a CUDA GPU, or the CPU when there is none);
-- host: a fixed pool of reusable buffers in host memory, pinned when CUDA is present;
+- host: a fixed pool of reusable buffers in host memory, page-locked (pinned) when CUDA is present;
 - disk: one slot file in a directory on NVMe (see ``tiertune.offload.disk``).
 
 Every tier hands out space through an ``Arena`` whose capacity *is* the budget, so the accounting
@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import bisect
 import enum
+import logging
+import mmap
 import threading
+import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tiertune.errors import ConfigError
 from tiertune.offload.chunk import ALIGN
-from tiertune.units import round_up
+from tiertune.units import format_size, round_up
+
+log = logging.getLogger("tiertune.offload")
 
 
 class Tier(enum.Enum):
@@ -45,8 +52,9 @@ AUTO_HOST_FRACTION = 0.5  # of available RAM
 def auto_budget(tier: Tier, device: torch.device) -> int:
     """What ``auto`` means for a tier's budget, from what the machine has free now.
 
-    device: 80% of the GPU's free memory (25% of available RAM when computing on the CPU);
-    host: 50% of available RAM. Both leave room for what is not chunks (activations, the process, the OS).
+    device: 80% of what this process can still get on the GPU (``cuda_room``; 25% of available RAM when
+    computing on the CPU); host: 50% of available RAM. Both leave room for what is not chunks (activations,
+    the process, the OS).
     """
     import psutil
 
@@ -56,9 +64,35 @@ def auto_budget(tier: Tier, device: torch.device) -> int:
     if tier is not Tier.DEVICE:
         raise ConfigError(f"no automatic budget for the {tier.value} tier")
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * AUTO_DEVICE_FRACTION)
+        return int(cuda_room(device) * AUTO_DEVICE_FRACTION)
     return int(available * AUTO_DEVICE_FRACTION_CPU)
+
+
+def cuda_cap(device: torch.device) -> int | None:
+    """The most this process's caching allocator may hold on ``device`` when a memory fraction caps it
+    (``torch.cuda.set_per_process_memory_fraction``: fraction x total, as the allocator computes it), else
+    None."""
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
+    fraction = 1.0 if get_fraction is None else float(get_fraction(device))
+    if fraction >= 1.0:
+        return None
+    _, total = torch.cuda.mem_get_info(device)
+    return int(fraction * total)
+
+
+def cuda_room(device: torch.device) -> int:
+    """Bytes this process can still allocate on ``device`` now: the GPU's free memory, and under a memory
+    fraction cap no more than the cap less what this process's caching allocator already reserved.
+
+    ``mem_get_info`` reports the device's free memory whatever cap this process runs under: with
+    ``set_per_process_memory_fraction`` (how the benchmarks emulate a 24 GiB card on a larger one) an
+    ``auto`` budget taken from it alone would ask for more than the allocator will ever hand out.
+    """
+    free, _ = torch.cuda.mem_get_info(device)
+    cap = cuda_cap(device)
+    if cap is not None:
+        free = min(free, max(0, cap - torch.cuda.memory_reserved(device)))
+    return free
 
 
 class Arena:
@@ -157,26 +191,48 @@ class MemoryTier:
     """Device or host memory: one aligned buffer of ``budget`` bytes, carved up by an ``Arena``.
 
     The buffer is allocated on first use and then reused for the store's life: no transfer allocates.
-    On the host it is pinned when CUDA is available, so host<->device copies can run asynchronously.
+    In host memory (the host tier, and the device tier when computing on the CPU) it is a ``HostMemory`` of
+    exactly the budget, page-locked for CUDA when ``pin`` is set (True: for the current CUDA device; a
+    ``torch.device``: for that one), so host<->device copies can run asynchronously.
     """
 
-    def __init__(self, tier: Tier, budget: int, device: torch.device, pin: bool = False) -> None:
+    def __init__(
+        self, tier: Tier, budget: int, device: torch.device, pin: bool | torch.device = False
+    ) -> None:
         self.tier = tier
         self.device = device
         self.pin = pin
         self.arena = Arena(budget)
         self._base: torch.Tensor | None = None
+        self._host: HostMemory | None = None
         self._base_lock = threading.Lock()
 
     @property
     def budget(self) -> int:
         return self.arena.capacity
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of host memory this tier holds page-locked now: its budget once its buffer exists (never
+        a rounded-up size), 0 before, after ``close`` and when not pinned."""
+        host = self._host
+        return 0 if host is None else host.pinned_bytes
+
     def _buffer(self) -> torch.Tensor:
         with self._base_lock:
             if self._base is None:
-                self._base = aligned_empty(self.arena.capacity, self.device, pin=self.pin)
+                if self.device.type == "cpu":
+                    pin_device = _pin_device(self.pin)
+                    self._host = HostMemory(self.arena.capacity, pin_device, BUDGET_SETTING[self.tier])
+                    self._base = self._host.tensor
+                else:
+                    self._base = aligned_empty(self.arena.capacity, self.device)
             return self._base
+
+    def allocate(self) -> None:
+        """Allocate (and pin) the buffer now rather than on first use, so that memory the OS or CUDA refuses
+        fails here."""
+        self._buffer()
 
     def alloc(self, nbytes: int) -> Allocation | None:
         """An allocation of ``nbytes`` or None when the budget has no contiguous room for it."""
@@ -189,7 +245,18 @@ class MemoryTier:
         self.arena.free(allocation.offset)
 
     def close(self) -> None:
-        self._base = None
+        """Give the buffer back: host memory is unpinned now and unmapped once no allocation's tensor refers
+        to it any more (see ``HostMemory``). No copy into or out of it may still be in flight."""
+        with self._base_lock:
+            host, self._host, self._base = self._host, None, None
+        if host is not None:
+            host.close()
+
+
+def _pin_device(pin: bool | torch.device) -> torch.device | None:
+    if isinstance(pin, torch.device):
+        return pin if pin.index is not None else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cuda", torch.cuda.current_device()) if pin else None
 
 
 def _window(base: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
@@ -203,10 +270,156 @@ def _window(base: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
     return window.set_(base.untyped_storage(), base.storage_offset() + offset, (nbytes,), (1,))
 
 
-def aligned_empty(nbytes: int, device: torch.device, pin: bool = False) -> torch.Tensor:
-    """An uninitialized uint8 tensor of ``nbytes`` whose address is a multiple of ``ALIGN``."""
+def aligned_empty(nbytes: int, device: torch.device) -> torch.Tensor:
+    """An uninitialized uint8 tensor of ``nbytes`` whose address is a multiple of ``ALIGN`` (small pageable
+    buffers such as the disk tier's headers; a tier's arena is a ``HostMemory``)."""
     if device.type != "cpu":
         return torch.empty(nbytes, dtype=torch.uint8, device=device)  # CUDA allocations are 512B+ aligned
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     shift = (-raw.data_ptr()) % ALIGN
     return raw[shift : shift + nbytes]
+
+
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch's own
+# torch.cuda._pin_memory_utils registers memory (cudaHostRegisterDefault, 0, pins it for the current one only)
+
+
+def host_pinned_bytes(budget: int, caching_allocator: bool = False) -> int:
+    """Bytes page-locked for a host tier of ``budget``.
+
+    ``HostMemory`` pins exactly the arena's capacity (the budget rounded down to ``ALIGN``). The former
+    ``torch.empty(capacity + ALIGN, pin_memory=True)`` (``caching_allocator=True``) went through torch's
+    caching host allocator, which rounds every request up to the next power of two (CachingHostAllocator.h,
+    ``c10::llvm::PowerOf2Ceil``, unless ``pinned_max_round_threshold_mb`` is configured): a 40 GiB budget
+    pinned 64 GiB, and a 32 GiB one, plus the alignment slack, 64 GiB as well.
+    """
+    capacity = budget - budget % ALIGN
+    if not caching_allocator:
+        return capacity
+    return 1 << (capacity + ALIGN - 1).bit_length()  # PowerOf2Ceil(capacity + ALIGN)
+
+
+class HostMemory:
+    """``nbytes`` of page-aligned anonymous host memory (an ``mmap``) as the uint8 tensor ``tensor``,
+    page-locked for CUDA with ``cudaHostRegister`` when ``pin_device`` is a CUDA device.
+
+    Exactly ``nbytes`` are mapped and pinned, unlike ``torch.empty(pin_memory=True)``, whose caching host
+    allocator rounds up to a power of two (``host_pinned_bytes``) and keeps the block pinned in its cache
+    after the tensor is gone. Registered memory is what ``is_pinned()`` reports (the pointer's CUDA memory
+    type is host) and what ``copy_(non_blocking=True)`` copies asynchronously by DMA.
+
+    Lifetime: ``tensor`` and every tensor on its storage hold a reference to the mapping, and it is unmapped
+    only when the last of them is gone: a view never outlives its memory. ``close`` (or garbage collection
+    of this object) unregisters the memory from CUDA; views still alive then stay valid as ordinary pageable
+    memory (copies from them become synchronous). Unregistering while a copy into or out of the memory is
+    in flight is undefined in CUDA: synchronize first (``ChunkStore.close`` does). The mapping is never
+    ``mmap.close``d explicitly, since that would unmap it under live views.
+
+    Pages are not populated up front (no ``MAP_POPULATE``, no huge pages): registration faults every page in
+    anyway, and without CUDA an untouched page costs nothing, as with ``torch.empty``. ``MAP_HUGETLB`` would
+    need huge pages reserved by the administrator and fails without them.
+    """
+
+    def __init__(
+        self, nbytes: int, pin_device: torch.device | None = None, setting: str = "offload.host_budget"
+    ) -> None:
+        self.nbytes = nbytes
+        self.pinned_bytes = 0
+        self._unregister: Callable[[], None] | None = None
+        self._mapping: Callable[[], mmap.mmap | None] = lambda: None  # alive while mapped (for tests)
+        if nbytes == 0:  # mmap refuses a length of 0
+            self.tensor = torch.empty(0, dtype=torch.uint8)
+            return
+        try:
+            mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as exc:
+            raise ConfigError(
+                f"{setting} is {format_size(nbytes)} but the OS refused to map that much memory ({exc}); "
+                f"lower {setting} or set it to auto"
+            ) from exc
+        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # holds `mapping` while any view lives
+        self._mapping = weakref.ref(mapping)
+        if pin_device is not None:
+            self._pin(mapping, pin_device, setting)
+
+    def _pin(self, mapping: mmap.mmap, device: torch.device, setting: str) -> None:
+        ptr, nbytes = self.tensor.data_ptr(), self.nbytes
+        began = time.perf_counter()
+        code = _on_own_thread(
+            lambda: int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE)), device
+        )
+        if code != 0:
+            raise ConfigError(
+                f"{setting} is {format_size(nbytes)} but CUDA could not page-lock that much host memory "
+                f"({_cuda_error(code)}{_memlock_limit()}); lower {setting}, raise the limit on locked memory "
+                "(ulimit -l, or LimitMEMLOCK= for a systemd service, --ulimit memlock=-1 for docker) or "
+                "free host memory"
+            )
+        self.pinned_bytes = nbytes
+        # the finalizer holds `mapping`: it cannot be unmapped before it is unregistered, even when this
+        # object is collected without close()
+        self._unregister = finalizer = weakref.finalize(self, _unregister, ptr, device, mapping)
+        finalizer.atexit = False  # the process's exit releases it; CUDA may be gone by then
+        seconds = time.perf_counter() - began
+        log.info("host memory: %s page-locked for %s in %.2f s", format_size(nbytes), device, seconds)
+
+    def close(self) -> None:
+        """Unregister from CUDA and drop ``tensor`` (the memory itself goes when the last view of it does)."""
+        unregister, self._unregister = self._unregister, None
+        self.pinned_bytes = 0
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        if unregister is not None:
+            unregister()
+
+
+def _unregister(ptr: int, device: torch.device, mapping: mmap.mmap) -> None:
+    size = format_size(len(mapping))
+    try:
+        code = _on_own_thread(lambda: int(torch.cuda.cudart().cudaHostUnregister(ptr)), device)
+    except RuntimeError as exc:  # e.g. no thread can start while the interpreter exits
+        log.warning("could not unregister %s of page-locked host memory: %s", size, exc)
+        return
+    if code != 0:
+        log.warning("cudaHostUnregister of %s of page-locked host memory failed: %s", size, _cuda_error(code))
+
+
+def _on_own_thread(call: Callable[[], int], device: torch.device) -> int:
+    """``call()`` (a CUDA runtime call returning its error code) on a short-lived thread whose current device
+    is ``device``.
+
+    A failed runtime call leaves its error as the calling thread's "last error", and torch's next kernel
+    launch check on that thread (``cudaGetLastError``) would then raise it as if that kernel had failed;
+    torch's binding does not clear it. Here it ends with the thread. Setting the device keeps the runtime
+    from creating a context on GPU 0 for a process that computes on another one.
+    """
+    result: list[int | BaseException] = []
+
+    def run() -> None:
+        try:
+            torch.cuda.set_device(device)
+            result.append(call())
+        except BaseException as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=run, name="tiertune-pin", daemon=True)
+    thread.start()
+    thread.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def _cuda_error(code: int) -> str:
+    try:
+        return str(torch.cuda.CudaError(code))
+    except Exception:  # only the message: the code is what matters
+        return f"cudaError {code}"
+
+
+def _memlock_limit() -> str:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return ""
+    return f"; this process's limit on locked memory (ulimit -l) is {format_size(soft)}"
