@@ -355,7 +355,9 @@ def test_only_low_rank_gradients_reach_the_cpu_optimizer(tmp_path, disk_dir, svd
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     rank = 16
-    store = StoreConfig(device_budget="64MiB", host_budget="128MiB", disk_path=str(disk_dir), chunk_size="1GiB")
+    store = StoreConfig(
+        device_budget="64MiB", host_budget="128MiB", disk_path=str(disk_dir), chunk_size="1GiB"
+    )
     batches = _batches(512)
     sent = {}
     for method in ("full", "galore"):
@@ -403,3 +405,43 @@ def test_svd_setting_is_checked():
     linear = nn.Linear(8, 8)
     with pytest.raises(ConfigError, match="exact or randomized"):
         GaLore(GaloreSettings(svd="fast"), [linear], {id(linear): "proj"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("svd", ["exact", "randomized"])
+def test_galore_projects_on_the_gpu(tmp_path, disk_dir, svd):
+    """On a CUDA device the full gradients, the SVDs and the products stay on the GPU: the projections are
+    acquired there in backward (bytes host->device), the host receives only low-rank gradients, and in fp32
+    with the exact SVD the losses are the CPU run's (to float tolerance: cuSOLVER and LAPACK differ in
+    the last bits, and the projections are refreshed at step 1 only)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=512, tie_word_embeddings=True,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    batches = _batches(512)
+    losses, sent = {}, {}
+    for device in ("cpu", "cuda"):
+        store = StoreConfig(
+            device=device, device_budget="64MiB", host_budget="128MiB", disk_path=str(disk_dir / device),
+            chunk_size="1GiB",
+        )  # fmt: skip
+        cfg = _config(method="galore", galore=GaloreSettings(rank=16, update_proj_gap=100, svd=svd))
+        trainer = StreamedTrainer(str(tmp_path / "model"), store, cfg)
+        try:
+            losses[device] = [trainer.step([batches[s]]) for s in range(3)]
+            sent[device] = trainer.gradient_bytes / 3
+            proj = [c for s in trainer._states for c in s.proj if c is not None]
+            if device == "cuda":
+                assert all(trainer.store.moved(c).get("host->device", 0) > 0 for c in proj)
+        finally:
+            trainer.close()
+    assert sent["cuda"] == sent["cpu"] == _gradient_shapes(reference, 16)[0]
+    if svd == "exact":
+        torch.testing.assert_close(
+            torch.tensor(losses["cuda"]), torch.tensor(losses["cpu"]), rtol=1e-4, atol=0
+        )
+    assert all(torch.isfinite(torch.tensor(losses["cuda"])))

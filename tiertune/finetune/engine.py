@@ -768,7 +768,8 @@ class StreamedTrainer:
             return
         # exactly torch.nn.utils.clip_grad_norm_: fp32 per-tensor norms stacked in parameter order, the
         # coefficient an fp32 tensor clamped at 1 and multiplied into every gradient
-        norms = [self._norms[n] for n in self._param_order if n in self._norms]
+        # (GaLore's projected weights have theirs on the compute device: one copy each, after backward)
+        norms = [self._norms[n].cpu() for n in self._param_order if n in self._norms]
         total = torch.linalg.vector_norm(torch.stack(norms))
         coef = None
         if cfg.max_grad_norm and cfg.max_grad_norm > 0:
