@@ -88,6 +88,23 @@ def test_resume_after_an_interruption_repeats_the_uninterrupted_run(
         torch.testing.assert_close(mine[name], value, rtol=1e-6, atol=1e-7)
 
 
+def test_galore_resumes_across_a_refresh_that_follows_the_checkpoint(tmp_path, model_dir, interrupted_after):
+    """GaLore refreshes its projections in backward, on the device, while the checkpoint of the step before
+    may still be written in the background: checkpoint-3 is saved just before step 4 refreshes them
+    (update_proj_gap 3: steps 1, 4, 7). Resumed from it, the run repeats the uninterrupted one."""
+    more = {"method__type": "galore", "training__save_steps": 3}
+    whole = train(_recipe(tmp_path, model_dir, "whole", **more), progress=False)
+    recipe = _recipe(tmp_path, model_dir, "cut", **more)
+    with interrupted_after(5), pytest.raises(KeyboardInterrupt):
+        train(recipe, progress=False)
+    assert [p.name for p in checkpoints(tmp_path / "cut")] == ["checkpoint-3"]
+    resumed = train(recipe, ("training.resume_from_checkpoint=auto",), progress=False)
+    assert resumed.first_step == 4
+    torch.testing.assert_close(
+        torch.tensor(resumed.losses), torch.tensor(whole.losses[3:]), rtol=1e-6, atol=0
+    )
+
+
 def test_save_total_limit_keeps_the_newest(tmp_path, model_dir):
     """The last step is saved too (as the Hugging Face Trainer does), so a finished run can go further."""
     recipe = _recipe(tmp_path, model_dir, "run", training__save_total_limit=2, training__save_steps=3)
