@@ -82,7 +82,7 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
                         disk_path=disk_dir, chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
     engine = EngineConfig(dtype=dtype, method="lora", quantize="nf4", params="disk",
                           lora=LoraSettings(r=16, alpha=32, dropout=0.0), learning_rate=1e-4,
-                          max_steps=args.steps)  # fmt: skip
+                          max_steps=args.steps, quant_cache=args.quant_cache)  # fmt: skip
     began = time.perf_counter()
     trainer = StreamedTrainer(model_dir, store, engine)
     load_s = time.perf_counter() - began
@@ -196,7 +196,8 @@ def _run_peft(model_dir: str, args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """This script's settings (sizes in bytes); ``argv`` defaults to the command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(p, layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000)
     p.add_argument("--steps", type=int, default=3, help="including the first, which records the trace")
@@ -211,9 +212,35 @@ def main() -> None:
     p.add_argument(
         "--gpu-memory-cap", default="0", help="e.g. 24GiB: what each process may allocate on the GPU"
     )
-    args = p.parse_args()
+    p.add_argument(
+        "--quant-cache", default=None,
+        help="directory of quantized layers kept across runs (the recipe's model.quant_cache); none by default",
+    )  # fmt: skip
+    args = p.parse_args(argv)
     for name in ("device_budget", "host_budget", "gpu_memory_cap"):
         setattr(args, name, parse_size(getattr(args, name), f"--{name.replace('_', '-')}"))
+    return args
+
+
+def io_lower_bound(ours: dict, disk_gbps: float) -> dict:
+    """The fastest a tiertune step could be given what it moved (``ours``: ``run_tiertune``'s result): each
+    link's bytes per step over its bandwidth (disk read ``disk_gbps``, host to device as measured), the
+    slowest link's time, and the measured step over that bound."""
+    moved = ours["bytes_moved_per_step"]
+    bounds = {"disk": moved.get("disk->host", 0) / (disk_gbps * 1e9)}
+    if ours.get("host_to_device_gbps"):
+        bounds["host_to_device"] = moved.get("host->device", 0) / (ours["host_to_device_gbps"] * 1e9)
+    # the step cannot be faster than its slowest link moving what the step moved over it
+    bound = max(bounds.values())
+    return {
+        "io_lower_bound_s": bound,
+        "io_lower_bound_by_link_s": bounds,
+        "step_over_io_lower_bound": ours["step_s"] / bound if bound else None,
+    }
+
+
+def main() -> None:
+    args = parse_args()
     if args.child:
         model_dir, disk_dir, mode = args.child
         result = run_tiertune(model_dir, disk_dir, args) if mode == "tiertune" else run_peft(model_dir, args)
@@ -238,16 +265,7 @@ def main() -> None:
     result["disk_read_gbps"], result["disk_read_measured_by"] = gbps, tool
     ours = result.get("tiertune", {})
     if "bytes_moved_per_step" in ours:
-        moved = ours["bytes_moved_per_step"]
-        bounds = {"disk": moved.get("disk->host", 0) / (gbps * 1e9)}
-        if ours.get("host_to_device_gbps"):
-            bounds["host_to_device"] = moved.get("host->device", 0) / (ours["host_to_device_gbps"] * 1e9)
-        # the step cannot be faster than its slowest link moving what the step moved over it
-        result["io_lower_bound_s"] = max(bounds.values())
-        result["io_lower_bound_by_link_s"] = bounds
-        result["step_over_io_lower_bound"] = (
-            ours["step_s"] / result["io_lower_bound_s"] if result["io_lower_bound_s"] else None
-        )
+        result.update(io_lower_bound(ours, gbps))
     print(json.dumps(result))
 
 

@@ -8,6 +8,8 @@ steps in two fresh processes, in the same invocation:
 - ``disk-serial``: the same with the optimizer after backward (``overlap_optimizer: false``): the
   reference the overlap is measured against;
 - ``memory``: weights on the device tier and everything else on the host, budgets large enough for all;
+- ``host`` (when asked for): weights, optimizer states and gradients homed on the host, streamed to the
+  device through ``--device-budget`` (a model whose states fit in memory but not on the GPU);
 - ``disk-galore`` (when asked for): ``disk`` with GaLore (rank ``--galore-rank``) instead of AdamW, whose
   optimizer-state bytes are compared with ``disk``'s (``galore_state_ratio``).
 
@@ -20,6 +22,9 @@ share measured from step times alone: (serial step - overlapped step) / serial o
 A GPU computes while the CPU runs the optimizer. On a CPU-only machine both compete for the same cores,
 so ``--threads 1`` (the default) gives each thread one core (torch's intra-op pool is one thread), which
 emulates that split on a 2-core machine; every mode runs under the same setting.
+
+``--device cuda`` computes on the GPU (``--dtype bfloat16`` there; ``--gpu-memory-cap`` limits what each
+process may allocate, to emulate a smaller card; ``peak_gpu_bytes`` is what it allocated at most).
 
 Run: ``python benchmarks/bench_train.py --dir /mnt/nvme/tmp``
 """
@@ -51,20 +56,29 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    cuda = args.device == "cuda"
+    if cuda and args.gpu_memory_cap:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_cap / total))
     if mode.startswith("disk"):
-        store = StoreConfig(device_budget=args.device_budget, host_budget=args.host_budget, disk_path=disk_dir,
-                            chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
+        store = StoreConfig(device=args.device, device_budget=args.device_budget, host_budget=args.host_budget,
+                            disk_path=disk_dir, chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
         engine = EngineConfig(params="disk", optimizer_states="disk", gradients="host", max_steps=args.steps,
                               overlap_optimizer=mode != "disk-serial")  # fmt: skip
         if mode == "disk-galore":
             engine.method = "galore"
             engine.galore = GaloreSettings(rank=args.galore_rank)
-    else:
-        store = StoreConfig(device_budget=args.memory_device_budget, host_budget=args.memory_host_budget,
+    elif mode == "host":
+        store = StoreConfig(device=args.device, device_budget=args.device_budget, host_budget=args.host_budget,
                             chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
+        engine = EngineConfig(params="host", optimizer_states="host", gradients="host", max_steps=args.steps)
+    else:
+        store = StoreConfig(device=args.device, device_budget=args.memory_device_budget,
+                            host_budget=args.memory_host_budget, chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
         engine = EngineConfig(
             params="device", optimizer_states="host", gradients="host", max_steps=args.steps
         )
+    engine.dtype = getattr(torch, args.dtype)
     engine.learning_rate = 1e-5
     engine.max_grad_norm = args.max_grad_norm
     # the runtime before any model state exists: interpreter, torch, transformers, and what they load on first
@@ -113,6 +127,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         "peak_bytes": {k: v.peak for k, v in stats.tiers.items()},
         "bytes_moved_per_step": {k: (v - before.get(k, 0)) / n for k, v in stats.bytes_moved.items()},
         "peak_rss_bytes": peak_rss(),
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         # what the process holds beyond its budgets (the device tier is host memory on a CPU machine):
         # the runtime, then transient buffers of the size of a parameter group (autograd's gradients of
         # the layer in backward, the embedding's gradient, a clipped gradient copy), logits, activations
@@ -132,7 +147,8 @@ def current_rss() -> int:
     return 0
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """This script's settings (sizes in bytes); ``argv`` defaults to the command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(p, layers=18, hidden=2048, intermediate=5504, heads=16, kv_heads=16, vocab=32000)
     p.add_argument("--steps", type=int, default=3, help="including the first, which records the trace")
@@ -147,9 +163,20 @@ def main() -> None:
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per thread; 0: torch's default")
     p.add_argument("--galore-rank", type=int, default=128)
-    args = p.parse_args()
-    for name in ("device_budget", "host_budget", "memory_device_budget", "memory_host_budget"):
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--gpu-memory-cap", default="0", help="e.g. 24GiB: what each process may allocate on the GPU"
+    )
+    args = p.parse_args(argv)
+    sizes = ("device_budget", "host_budget", "memory_device_budget", "memory_host_budget", "gpu_memory_cap")
+    for name in sizes:
         setattr(args, name, parse_size(getattr(args, name), f"--{name.replace('_', '-')}"))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.child:
         print(json.dumps(run_mode(*args.child, args)))
         return
