@@ -10,8 +10,10 @@ steps in two fresh processes, in the same invocation:
 - ``memory``: weights on the device tier and everything else on the host, budgets large enough for all;
 - ``host`` (when asked for): weights, optimizer states and gradients homed on the host, streamed to the
   device through ``--device-budget`` (a model whose states fit in memory but not on the GPU);
-- ``disk-galore`` (when asked for): ``disk`` with GaLore (rank ``--galore-rank``) instead of AdamW, whose
-  optimizer-state bytes are compared with ``disk``'s (``galore_state_ratio``).
+- ``disk-galore`` (when asked for): ``disk`` with GaLore (rank ``--galore-rank``, SVD ``--galore-svd``:
+  exact or randomized) instead of AdamW, whose optimizer-state bytes are compared with ``disk``'s
+  (``galore_state_ratio``); ``first_step_svd_s`` is the first step's refresh of every projection (on the
+  compute device, during backward) and ``first_step_gradient_bytes`` what backward handed to the host.
 
 Prints one JSON object: per mode, tokens/s and the split of step time into compute (the rest), waiting on
 I/O (blocked in acquire) and optimizer time not hidden (the compute thread waiting for the optimizer
@@ -67,7 +69,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
                               overlap_optimizer=mode != "disk-serial")  # fmt: skip
         if mode == "disk-galore":
             engine.method = "galore"
-            engine.galore = GaloreSettings(rank=args.galore_rank)
+            engine.galore = GaloreSettings(rank=args.galore_rank, svd=args.galore_svd)
     elif mode == "host":
         store = StoreConfig(device=args.device, device_budget=args.device_budget, host_budget=args.host_budget,
                             chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
@@ -99,6 +101,8 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         first = time.perf_counter()
         trainer.step(batch)  # records the trace (and computes GaLore's first projections)
         first_s = time.perf_counter() - first
+        first_svd_s = trainer.times.get("galore_svd", 0.0)
+        first_gradient_bytes = trainer.gradient_bytes
         trainer.times.clear()
         before = trainer.store.stats().bytes_moved  # the load and the first step are not steady state
         losses = [trainer.step(batch) for _ in range(args.steps - 1)]
@@ -116,6 +120,10 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         "grad_norm": trainer.last_grad_norm,
         "load_s": load_s,
         "first_step_s": first_s,
+        # GaLore: the first step's SVD refreshes (every projection), and the gradient bytes backward handed
+        # to the host in that step (low-rank for the projected weights)
+        "first_step_svd_s": first_svd_s,
+        "first_step_gradient_bytes": first_gradient_bytes,
         "step_s": step,
         "tokens_per_second": tokens / step,
         "compute_s": step - times.get("io_wait", 0.0) - times.get("optimizer", 0.0),
@@ -163,6 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per thread; 0: torch's default")
     p.add_argument("--galore-rank", type=int, default=128)
+    p.add_argument("--galore-svd", default="exact", choices=("exact", "randomized"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument(

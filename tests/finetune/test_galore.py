@@ -133,6 +133,20 @@ def _train(path, disk_dir, placement, scale=1, **kw):
     return cfg, trainer
 
 
+def _llama_7b_like(path, layers):
+    """A Llama of hidden 256 and MLP 688 (the 7B model's proportions) with ``layers`` decoder layers, saved
+    at ``path``; returns the model."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=512, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    return model
+
+
 @pytest.fixture(scope="module")
 def wider_llama(tmp_path_factory):
     """A Llama whose rank-16 low-rank moments all have 4096 elements or more, so bitsandbytes keeps them in
@@ -265,13 +279,7 @@ def test_the_update_is_galore_torch_bit_for_bit(monkeypatch, shape, eight_bit):
 def test_galore_optimizer_states_are_under_0_4_of_adamw(tmp_path, disk_dir):
     """Moments and projections of GaLore (rank 32) against AdamW's moments on the same Llama-shaped model
     (hidden 256, MLP 688, 8 layers: decoder layers hold 96% of the parameters, as in a 7B model)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=512, tie_word_embeddings=True,
-    )  # fmt: skip
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    _llama_7b_like(tmp_path, layers=8)
     store = StoreConfig(
         device_budget="64MiB", host_budget="256MiB", disk_path=str(disk_dir), chunk_size="1GiB"
     )
@@ -346,14 +354,7 @@ def test_only_low_rank_gradients_reach_the_cpu_optimizer(tmp_path, disk_dir, svd
     """GaLore projects on the compute device during backward: with one micro-batch per step, the gradients
     handed to the host are the low-rank ones for the projected weights (m/r fewer bytes each), counted by
     the engine, equal to what the shapes say, and a small share of AdamW's on the same model."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=512, tie_word_embeddings=True,
-    )  # fmt: skip
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
-    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    reference = _llama_7b_like(tmp_path / "model", layers=4)
     rank = 16
     store = StoreConfig(
         device_budget="64MiB", host_budget="128MiB", disk_path=str(disk_dir), chunk_size="1GiB"
@@ -414,14 +415,7 @@ def test_galore_projects_on_the_gpu(tmp_path, disk_dir, svd):
     acquired there in backward (bytes host->device), the host receives only low-rank gradients, and in fp32
     with the exact SVD the losses are the CPU run's (to float tolerance: cuSOLVER and LAPACK differ in
     the last bits, and the projections are refreshed at step 1 only)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=512, tie_word_embeddings=True,
-    )  # fmt: skip
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
-    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    reference = _llama_7b_like(tmp_path / "model", layers=2)
     batches = _batches(512)
     losses, sent = {}, {}
     for device in ("cpu", "cuda"):

@@ -602,16 +602,7 @@ class StreamedTrainer:
                 for name, acc in views.items():
                     if name in projected:
                         continue
-                    g = grads.get(name)
-                    if g is None:
-                        if self._first_micro:
-                            acc.zero_()
-                    elif self._first_micro:
-                        acc.copy_(g.detach())
-                    else:
-                        acc.add_(g.detach().to(device="cpu", dtype=torch.float32))
-                    if g is not None:
-                        self.gradient_bytes += acc.numel() * acc.element_size()
+                    self._accumulate(acc, grads.get(name))
                     if self._last_micro:
                         self._norms[name] = torch.linalg.vector_norm(acc)
                 low = {n: v for n, v in views.items() if n in projected}
@@ -621,6 +612,19 @@ class StreamedTrainer:
                 self.store.release(chunk, dirty=True)
         if self._last_micro and self._speculating:  # waiting for the optimizer here is time it is not hidden
             self.times["optimizer"] += self._worker.submit(state, None)
+
+    def _accumulate(self, acc: torch.Tensor, g: torch.Tensor | None) -> None:
+        """Add a micro-batch's gradient ``g`` (None: the tensor had none) into its fp32 host accumulator,
+        which the step's first micro-batch overwrites."""
+        if g is None:
+            if self._first_micro:
+                acc.zero_()
+            return
+        if self._first_micro:
+            acc.copy_(g.detach())
+        else:
+            acc.add_(g.detach().to(device="cpu", dtype=torch.float32))
+        self.gradient_bytes += acc.numel() * acc.element_size()
 
     def _project(
         self, state: _GroupState, j: int, low: dict[str, torch.Tensor], grads: dict[str, torch.Tensor | None]
@@ -641,15 +645,7 @@ class StreamedTrainer:
         try:
             if not self._last_micro:  # sum on the host, as the other gradients are
                 for name, acc in full.items():  # type: ignore[union-attr]
-                    g = grads.get(name)
-                    if g is None:
-                        if self._first_micro:
-                            acc.zero_()
-                    elif self._first_micro:
-                        acc.copy_(g.detach())
-                    else:
-                        acc.add_(g.detach().to(device="cpu", dtype=torch.float32))
-                    self.gradient_bytes += acc.numel() * acc.element_size() if g is not None else 0
+                    self._accumulate(acc, grads.get(name))
                 return
             step = self.step_count + 1
             refresh = galore.refreshes(step)
