@@ -164,3 +164,41 @@ def test_an_encoder_decoder_model_is_named_as_not_a_causal_lm(tiny_model_dir, tm
                                          rf"{copy} is a t5 \(T5ForConditionalGeneration\), an encoder-decoder "
                                          r"model; set model.path to a decoder-only model"):  # fmt: skip
         build_skeleton(copy)
+
+
+def test_moe_experts_stream_into_the_fused_tensors_and_a_missing_one_is_named(tiny_model_dir, tmp_path, disk_dir):
+    """A Mixtral checkpoint as transformers 5 saves it (w1, w2, w3 per expert) fills the model's fused
+    ``gate_up_proj`` (w1 rows, then w3 rows, per expert) and ``down_proj`` exactly as ``from_pretrained``
+    does; a checkpoint without one expert's tensor is a ModelError that names it."""
+    import json as _json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    path, _ = tiny_model_dir("mixtral", layers=2, shard="10MB")
+    expected = dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
+    parts = split_model(build_skeleton(path))
+    with ChunkStore(StoreConfig(device_budget="4MiB", host_budget="4MiB", disk_path=str(disk_dir))) as store:
+        load_into_store(parts, Checkpoint(path), store, "host", torch.float32)
+        for group in parts.groups:
+            for chunk in group.chunks:
+                for name, value in store.read(chunk).items():
+                    assert torch.equal(value, expected[name].detach()), name
+    copy = tmp_path / "model"
+    shutil.copytree(path, copy)
+    (shard,) = copy.glob("*.safetensors")
+    tensors = load_file(shard)
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = copy / "model.safetensors.index.json"
+    if index.exists():
+        data = _json.loads(index.read_text())
+        data["weight_map"].pop("model.layers.1.block_sparse_moe.experts.2.w3.weight", None)
+        index.write_text(_json.dumps(data))
+    parts = split_model(build_skeleton(copy))
+    with (
+        ChunkStore(StoreConfig(device_budget="4MiB", host_budget="4MiB", disk_path=str(disk_dir / "b"))) as store,
+        pytest.raises(ModelError, match=r"lacks expert 2's '\.experts\.\*\.w3\.weight' for .*layers\.1\.mlp\.experts\.gate_up_proj"),
+    ):
+        load_into_store(parts, Checkpoint(copy), store, "host", torch.float32)

@@ -415,7 +415,7 @@ class StreamedTrainer:
                 # from the checkpoint, not from the rounded weights: an fp32 checkpoint keeps its precision
                 with self.store.writing(masters[0]) as views:
                     for name, view in views.items():
-                        checkpoint.read_into(self._source[name], view)
+                        self._source[name].read_into(checkpoint, view)
             home = cfg.optimizer_states
             state.exp_avg += self._add_like(states["exp_avg"], home, f"{chunk.name}.exp_avg")
             state.exp_avg_sq += self._add_like(states["exp_avg_sq"], home, f"{chunk.name}.exp_avg_sq")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,21 +166,41 @@ def split_model(model: nn.Module) -> ModelParts:
     return ModelParts(model, layers_name, layers, embed, head, tied, groups)
 
 
-def checkpoint_names(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
-    """Map the model's parameter names to the checkpoint's tensor names.
+@dataclass(frozen=True)
+class TensorSource:
+    """Where a model parameter's values are in a checkpoint: one tensor (``pieces`` is ``[(key, ())]``), or,
+    for a tensor transformers fuses on load (MoE experts), the checkpoint tensors that fill each part of it:
+    ``(key, index)`` with ``index`` a contiguous block of the parameter (e.g. expert ``e``'s rows)."""
+
+    pieces: tuple[tuple[str, tuple], ...]
+
+    def read_into(self, checkpoint: Checkpoint, out: torch.Tensor) -> None:
+        """Fill ``out`` (the parameter's buffer, any dtype) from the checkpoint, one piece at a time."""
+        for key, index in self.pieces:
+            checkpoint.read_into(key, out[index] if index else out)
+
+
+def checkpoint_names(model: nn.Module, checkpoint: Checkpoint) -> dict[str, TensorSource]:
+    """Map the model's parameter names to where their values are in the checkpoint.
 
     Checkpoints may use older names than the model's modules (GPT-NeoX saves ``embed_out.weight`` for
-    ``lm_head.weight``); transformers keeps the renamings per architecture, and they are applied here
-    exactly as ``from_pretrained`` would. A checkpoint that needs more than renaming (fused MoE experts and
-    the like) raises ModelError rather than loading wrong weights.
+    ``lm_head.weight``), and mixture-of-experts checkpoints keep one tensor per expert where transformers 5
+    builds one fused 3-D tensor per layer (Mixtral's ``experts.3.w1.weight`` and ``w3`` become rows of
+    ``experts.gate_up_proj``). transformers keeps these conversions per architecture; they are applied here
+    as ``from_pretrained`` applies them, but as a plan of reads into each fused tensor's parts, so the
+    streaming loader never holds more than the tensor it fills. Conversions other than renaming, stacking
+    experts (``MergeModulelist``) and joining along a later dimension (``Concatenate``) raise ModelError
+    rather than loading wrong weights.
     """
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming
     except ImportError:  # transformers < 5: checkpoint names are the model's names
-        return {name: name for name in checkpoint.entries}
+        return {name: TensorSource(((name, ()),)) for name in checkpoint.entries}
     transforms = get_model_conversion_mapping(model) or []
-    names = {}
+    names: dict[str, TensorSource] = {}
+    fused: dict[str, list[tuple[int, int, str]]] = {}  # target -> (source pattern, expert, checkpoint key)
+    converters: dict[str, object] = {}
     for key in checkpoint.entries:
         target = key
         for transform in transforms:
@@ -187,14 +208,66 @@ def checkpoint_names(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]
             if matched is None:
                 continue
             if not isinstance(transform, WeightRenaming):
-                raise ModelError(
-                    f"checkpoint tensor {key!r} in {checkpoint.directory} must be converted "
-                    f"({type(transform).__name__}) before {type(model).__name__} can use it; the streaming "
-                    "loader does not do that conversion yet"
-                )
+                k = transform.source_patterns.index(matched)
+                fused.setdefault(renamed, []).append((k, _expert(matched, target, key, model), key))
+                converters[renamed] = transform
             target = renamed
-        names[target] = key
+        if target not in fused:
+            names[target] = TensorSource(((key, ()),))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for target, parts in fused.items():
+        if target in shapes:
+            names[target] = _fused_source(target, shapes[target], parts, converters[target], checkpoint)
     return names
+
+
+def _expert(pattern: str, name: str, key: str, model: nn.Module) -> int:
+    """The expert index the ``*`` of a converter's source pattern matches in ``name``."""
+    match = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), name)
+    if match is None:
+        raise ModelError(f"checkpoint tensor {key!r}: no expert index where {pattern!r} expects one "
+                         f"({type(model).__name__})")  # fmt: skip
+    return int(match.group(1))
+
+
+def _fused_source(
+    target: str, shape: tuple, parts: list[tuple[int, int, str]], converter: object, checkpoint: Checkpoint
+) -> TensorSource:
+    """The reads that build fused parameter ``target`` (of ``shape``): each expert's tensors stacked along
+    dimension 0, the source patterns' tensors side by side along the converter's ``Concatenate`` dimension."""
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]  # type: ignore[attr-defined]
+    concat = ops[1][1] if len(ops) == 2 and ops[1][0] == "Concatenate" else None
+    if not ops or ops[0] != ("MergeModulelist", 0) or (len(ops) > 1 and (concat is None or concat < 1)):
+        raise ModelError(
+            f"{target} is built from {[p for _, _, p in parts][:2]}... by {ops}; the streaming loader only "
+            "stacks experts and joins their tensors along a later dimension"
+        )
+    experts = shape[0]
+    patterns = len(converter.source_patterns)  # type: ignore[attr-defined]
+    by_slot = {(k, e): key for k, e, key in parts}
+    missing = [(k, e) for k in range(patterns) for e in range(experts) if (k, e) not in by_slot]
+    if missing:
+        k, e = missing[0]
+        raise ModelError(
+            f"the checkpoint in {checkpoint.directory} lacks expert {e}'s "
+            f"{converter.source_patterns[k]!r} for {target}"  # type: ignore[attr-defined]
+        )
+    pieces = []
+    for e in range(experts):
+        offset = 0
+        for k in range(patterns):
+            key = by_slot[(k, e)]
+            if concat is None:
+                pieces.append((key, (e,)))
+                continue
+            size = checkpoint.entries[key].shape[concat - 1]
+            index = (e,) + (slice(None),) * (concat - 1) + (slice(offset, offset + size),)
+            pieces.append((key, index))
+            offset += size
+        if concat is not None and offset != shape[concat]:
+            raise ModelError(f"{target}: its parts in the checkpoint add up to {offset} along dimension "
+                             f"{concat}, the model expects {shape[concat]}")  # fmt: skip
+    return TensorSource(tuple(pieces))
 
 
 def weight_entries(group: ParamGroup, dtype: torch.dtype, quant: Quantizer | None = None) -> list:
@@ -219,7 +292,7 @@ def load_into_store(
     chunk_size: int | None = None,
     cache: QuantCache | None = None,
     safe_point: Callable[[], None] | None = None,
-) -> dict[str, str]:
+) -> dict[str, TensorSource]:
     """Register every group's parameters as chunks (in ``dtype``) on its home tier and stream the weights in.
 
     ``homes`` maps a group kind (embed, layer, rest, head) to a tier, or gives one tier for all. Returns the
@@ -254,10 +327,10 @@ def load_into_store(
                     if quant is not None and is_quantized(param):
                         # read in the dtype a plain load quantizes from, one weight at a time
                         weight = torch.empty(tuple(param.shape), dtype=dtype)
-                        checkpoint.read_into(source[name], weight)
+                        source[name].read_into(checkpoint, weight)
                         quant.quantize_into(name, weight, views)
                     else:
-                        checkpoint.read_into(source[name], views[name])
+                        source[name].read_into(checkpoint, views[name])
                 if quantized and cache is not None:
                     cache.save(chunk.name, views)
     return source
