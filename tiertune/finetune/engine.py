@@ -652,30 +652,27 @@ class StreamedTrainer:
             began = time.perf_counter()
             proj_chunk = state.proj[j]
             assert proj_chunk is not None
-            whole = {}
-            for name in low:  # the full gradients on the device, and their norms (clip_grad_norm_'s)
-                g = grads.get(name)
-                if full is not None:
-                    g_full = full[name].to(self.device)
-                    if g is not None:
-                        g_full.add_(g.detach().float())
-                else:
-                    shape = self._meta[name].shape
-                    g_full = g.detach().float() if g is not None else torch.zeros(shape, device=self.device)
-                whole[name] = g_full
-                self._norms[name] = torch.linalg.vector_norm(g_full)
-            # a gradient that is not finite stops the step (NonFiniteError after backward): no SVD of it
-            refresh = refresh and all(bool(torch.isfinite(self._norms[n])) for n in low)
             if refresh and self.before_update is not None:  # a checkpoint being written needs the old ones
                 self.before_update((proj_chunk,))
             # read even when refreshed: the same access every step keeps it in the trace, so it is prefetched
             views = self.store.acquire(proj_chunk, Tier.DEVICE, traced=self._traced)
             try:
-                for name, dst in low.items():
+                for name, dst in low.items():  # one full gradient on the device at a time
+                    g = grads.get(name)
+                    if full is not None:
+                        g_full = full[name].to(self.device)
+                        if g is not None:
+                            g_full.add_(g.detach().float())
+                    else:
+                        shape = self._meta[name].shape
+                        g_full = g.detach().float() if g is not None else torch.zeros(shape, device=self.device)
+                    self._norms[name] = torch.linalg.vector_norm(g_full)  # clip_grad_norm_'s
+                    # a gradient that is not finite stops the step (NonFiniteError after backward): no SVD of it
+                    renew = refresh and bool(torch.isfinite(self._norms[name]))
                     seed = zlib.crc32(f"{name}:{step}".encode())
                     began_svd = time.perf_counter()
-                    projected = galore.project(whole.pop(name), views[name], refresh, seed)
-                    if refresh:
+                    projected = galore.project(g_full, views[name], renew, seed)
+                    if renew:
                         self.times["galore_svd"] += time.perf_counter() - began_svd
                     dst.copy_(projected)
                     self.gradient_bytes += dst.numel() * dst.element_size()
