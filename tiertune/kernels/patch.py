@@ -10,6 +10,7 @@ the rotation. An architecture not in ``ARCHITECTURES`` keeps its modules (the re
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import sys
 import types
@@ -162,16 +163,40 @@ def _fused_gate_up_forward(module: nn.Module, activation: str, backend: str, x: 
 
 def _patch_attention(module: nn.Module, backend: str) -> bool:
     cls = type(module)
-    fn = cls.forward
-    if "apply_rotary_pos_emb" not in fn.__code__.co_names:
+    if "apply_rotary_pos_emb" not in inspect.unwrap(cls.forward).__code__.co_names:
         _say_once(f"kernels: {cls.__name__}.forward does not call apply_rotary_pos_emb; RoPE stays unfused")
         return False
-    namespace = dict(sys.modules[cls.__module__].__dict__)
-    namespace["apply_rotary_pos_emb"] = functools.partial(_rope, backend)
-    forward = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
-    forward.__kwdefaults__ = fn.__kwdefaults__
+    forward = _with_global(cls.forward, "apply_rotary_pos_emb", functools.partial(_rope, backend))
     module.forward = types.MethodType(forward, module)
     return True
+
+
+def _with_global(fn: types.FunctionType, name: str, value: object) -> types.FunctionType:
+    """A copy of ``fn`` whose global ``name`` is ``value``. Decorators made with ``functools.wraps`` (such as
+    transformers' ``deprecate_kwarg`` on attention forwards) are kept: the function they wrap is copied and
+    put in place of the original in a copy of the wrapper."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        namespace = {**fn.__globals__, name: value}
+        copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    else:
+        new_inner = _with_global(inner, name, value)
+        cells = fn.__closure__ or ()
+        closure = tuple(types.CellType(new_inner) if _holds(c, inner) else c for c in cells)
+        if closure == cells:
+            raise RuntimeError(f"{fn.__qualname__}: the function it wraps is not in its closure")
+        copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+        copy.__wrapped__ = new_inner  # type: ignore[attr-defined]
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    return copy
+
+
+def _holds(cell: types.CellType, value: object) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
 
 
 def _rope(
@@ -192,8 +217,14 @@ def _rope(
 
 def _is_lora_linear(module: nn.Module) -> bool:
     from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import ParamWrapper
 
-    return isinstance(module, LoraLayer) and isinstance(getattr(module, "base_layer", None), nn.Module)
+    # a ParamWrapper adapts a parameter (MoE experts, routers), not its module's output: peft's own forward
+    return (
+        isinstance(module, LoraLayer)
+        and not isinstance(module, ParamWrapper)
+        and isinstance(getattr(module, "base_layer", None), nn.Module)
+    )
 
 
 def _patch_lora(module: nn.Module, backend: str) -> bool:
