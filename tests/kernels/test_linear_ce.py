@@ -173,3 +173,50 @@ def test_under_no_grad_only_the_loss_is_computed():
     with Record() as training:
         linear_cross_entropy(x, w, target, chunk_tokens=7, backend="torch")
     assert "aten.addmm_.default" in training.ops and "aten.addmm_.default" not in evaluating.ops
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_bf16_head_is_upcast_a_slice_at_a_time(monkeypatch, with_bias):
+    """A head in bf16 (a tied 256k x 12k embedding is 12.6 GB in fp32): the logits are still computed in fp32,
+    from one slice of at most SLICE_BYTES of the head upcast at a time, never the whole head, and loss and
+    gradients equal the unfused fp32 computation on the same bf16 values."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tiertune.kernels.ops import linear_ce
+
+    tokens, hidden, vocab = 37, 16, 1001
+    monkeypatch.setattr(linear_ce, "SLICE_BYTES", 100 * hidden * 4)  # 100 rows: 11 slices, the last short
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 0.1).bfloat16().requires_grad_()
+    b = (torch.randn(vocab, generator=g) * 0.1).bfloat16().requires_grad_() if with_bias else None
+    target = torch.randint(0, vocab, (tokens,), generator=g)
+    target[:5] = -100
+
+    class Upcasts(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            source = args[0] if func is torch.ops.aten._to_copy.default else None
+            # an fp32 copy of rows of the head (x has only `tokens` rows)
+            if source is not None and source.dim() == 2 and source.shape[0] > tokens and out.dtype == torch.float32:
+                Upcasts.largest = max(Upcasts.largest, out.numel())
+            return out
+
+    with Upcasts():
+        ours = linear_cross_entropy(x, w, target, b, chunk_tokens=16, backend="torch")
+    ours.backward()
+    assert 0 < Upcasts.largest <= 100 * hidden  # slices of the head were upcast, never more than one slice
+    mine = [x.grad.clone(), w.grad.clone()] + ([b.grad.clone()] if with_bias else [])
+    x32 = x.detach().float().requires_grad_()
+    w32 = w.detach().float().requires_grad_()
+    b32 = b.detach().float().requires_grad_() if with_bias else None
+    ref = linear_cross_entropy_reference(x32, w32, target, b32)
+    ref.backward()
+    theirs = [x32.grad, w32.grad] + ([b32.grad] if with_bias else [])
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    for a, r in zip(mine, theirs, strict=True):  # the gradients are returned in the inputs' bf16
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), r.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-3)
