@@ -217,8 +217,8 @@ def train(model_dir: Path, disk_dir: Path, args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     lora = LoraSettings(r=args.rank, alpha=2 * args.rank, dropout=0.0, seed=0, target_modules="all-linear")
-    cfg = EngineConfig(dtype=torch.bfloat16, method="lora", quantize="nf4", lora=lora, learning_rate=1e-4,
-                       params="disk", max_steps=args.steps)  # fmt: skip
+    cfg = EngineConfig(dtype=torch.bfloat16, method="lora", quantize="nf4", lora=lora, learning_rate=args.lr,
+                       params="disk", max_steps=args.steps, warmup_steps=0)  # fmt: skip
     store = StoreConfig(device="cpu", device_budget=args.device_budget, host_budget=args.host_budget,
                         disk_path=str(disk_dir), chunk_size="1GiB", prefetch_depth=1)  # fmt: skip
     began = time.perf_counter()
@@ -227,11 +227,11 @@ def train(model_dir: Path, disk_dir: Path, args: argparse.Namespace) -> dict:
     rss_after_load = peak_rss()
     in_place = sum(c.capacity for c in trainer.store.chunks if trainer.store.in_place(c) is not None)
     vocab = trainer.model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
+    # one batch, trained on at every step: a loss that falls says the adapters learn
+    ids = torch.randint(0, vocab, (1, args.seq_len), generator=torch.Generator().manual_seed(0))
     steps = []
     try:
         for step in range(args.steps):
-            ids = torch.randint(0, vocab, (1, args.seq_len), generator=gen)
             before = trainer.store.stats().bytes_moved.get("disk->host", 0)
             t = time.perf_counter()
             loss = trainer.step([{"input_ids": ids}])
@@ -261,7 +261,8 @@ def main() -> None:
     p.add_argument("--dir", default=".tiertune-bench", help="where the checkpoint and the disk tier go")
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="the model's config.json (no weights)")
     p.add_argument("--layers", type=int, default=None, help="keep only this many decoder layers")
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--host-budget", default="3GiB")
