@@ -336,7 +336,10 @@ class RandomNF4Cache:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.generator = torch.Generator(self.device).manual_seed(0)
 
-    def load(self, name: str, views: dict[str, torch.Tensor]) -> bool:
+    def image(self, chunk: object, block_size: int) -> None:
+        return None  # nothing on disk: the disk tier keeps the generated layers
+
+    def load(self, chunk: object, views: dict[str, torch.Tensor]) -> bool:
         for key, view in views.items():
             if f"{key}.absmax" in views:  # a quantized weight: two 4-bit codes per byte
                 weight = torch.randn(view.numel() * 2, generator=self.generator, device=self.device,
@@ -347,7 +350,7 @@ class RandomNF4Cache:
         self.hits += 1
         return True
 
-    def save(self, name: str, views: dict[str, torch.Tensor]) -> None:
+    def save(self, chunk: object, views: dict[str, torch.Tensor], block_size: int) -> None:
         raise RuntimeError("a generated base is never saved")
 
 

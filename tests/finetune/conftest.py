@@ -44,6 +44,8 @@ def tiny_config(family: str, layers: int = 4):
         "phi3": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=0)),  # fused qkv and gate_up
         "olmo2": ("Olmo2Config", dict(num_key_value_heads=2)),
         "stablelm": ("StableLmConfig", dict(num_key_value_heads=2)),  # partial rotary, biases
+        # logits scaled by logit_scale (Command R+), parallel attention and MLP, tied embeddings
+        "cohere": ("CohereConfig", dict(num_key_value_heads=2, logit_scale=0.5)),
         # mixtures of experts: checkpoints keep a tensor per expert, transformers 5 fuses them on load
         "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
         "qwen3_moe": (

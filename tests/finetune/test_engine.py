@@ -279,7 +279,28 @@ def test_gemma_2_and_3_train_with_the_kernels_and_the_soft_capped_fused_loss(
     torch.testing.assert_close(torch.tensor(losses[kernels]), torch.tensor(losses["none"]), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "stablelm"])
+@pytest.mark.parametrize("family", ["cohere", "mixtral", "deepseek_v3"])
+def test_the_fused_loss_of_scaled_logits_and_moe_models_is_transformers_loss(tiny_model_dir, disk_dir, family):
+    """Cohere's logits are scaled (logit_scale 0.5 here: a fused loss without it is far off), and MoE models'
+    causal-LM heads are plain linears: the loss fused with the head gives the losses of ``kernels: none``
+    (transformers' own logits) for 3 steps."""
+    path, _ = tiny_model_dir(family, layers=2)
+    batches = _batches(211)
+    losses = {}
+    for run in ("none", "torch"):
+        store = StoreConfig(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir / run))
+        trainer = StreamedTrainer(str(path), store, _config(kernels=run, warmup_steps=0))
+        try:
+            assert trainer.fused_loss == (run != "none")
+            losses[run] = [trainer.step(batches[s : s + 1]) for s in range(3)]
+        finally:
+            trainer.close()
+    torch.testing.assert_close(torch.tensor(losses["torch"]), torch.tensor(losses["none"]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(
+    "family", ["mistral", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "stablelm", "cohere"]
+)
 def test_more_families_match_a_plain_pytorch_loop(tiny_model_dir, disk_dir, family):
     path, initial = tiny_model_dir(family)
     _check_parity(path, initial, disk_dir, "host")

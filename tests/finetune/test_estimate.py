@@ -1,12 +1,15 @@
 """``estimate`` against what runs measure: the store's peak bytes per tier, within 15%."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from tiertune.cli.app import app
-from tiertune.finetune.estimate import estimate
+from tiertune.finetune.estimate import QUANT_CACHE, estimate
 from tiertune.finetune.recipe import load_recipe
 from tiertune.finetune.train import train
 
@@ -79,3 +82,86 @@ def test_estimate_creates_nothing_where_disk_path_does_not_exist_yet(tmp_path, m
     assert "disk      (read" in result.output  # the disk was probed...
     assert f"{disk_path} does not exist yet" in result.output and f"probed in {tmp_path}," in result.output
     assert sorted(tmp_path.rglob("*")) == before  # ...and nothing was created or left behind
+
+
+CONFIGS = Path(__file__).parents[1] / "cli" / "model_configs"  # the real models' config.json, no weights
+PUBLISHED = {"mixtral-8x22b": 141e9, "qwen3-235b-a22b": 235e9, "deepseek-v3": 671e9}  # model cards' totals
+
+
+def _qlora(tmp_path, model_dir, **lora):
+    path = tmp_path / "qlora.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"path": str(model_dir), "dtype": "bfloat16", "quantize": "nf4"},
+        "method": {"type": "lora", "lora": {"r": 8, "alpha": 16, "dropout": 0.0, **lora}},
+        "data": {"path": str(tmp_path / "train.jsonl"), "max_seq_len": 2048},
+        "offload": {"params": "disk", "device_budget": "12GiB", "host_budget": "40GiB",
+                    "disk_path": str(tmp_path / "nvme"), "activations": "host"},
+    }))  # fmt: skip
+    return load_recipe(path, ())
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_the_100b_class_moe_configs_are_estimated_with_every_expert_in_nf4(tmp_path, name):
+    predicted = estimate(_qlora(tmp_path, CONFIGS / name), measure=False)
+    assert abs(predicted.parameters - PUBLISHED[name]) <= 0.01 * PUBLISHED[name]
+    # NF4 with double-quantized statistics is 0.516 bytes a parameter; embeddings, head, norms and routers
+    # stay bf16. Experts counted at 2 bytes (most of an MoE) would make it more than 1.5
+    # the config alone says bf16 and no saved quantization: the base is quantized on load into the quantized
+    # cache, whose images are the disk tier's home for it (no copy of them in the slot file)
+    weights = sum(nbytes for kind, (_, nbytes) in predicted.kinds.items() if kind.startswith("weights"))
+    assert 0.50 < weights / predicted.parameters < 0.56, weights / predicted.parameters
+    cached = predicted.kinds[QUANT_CACHE][1]
+    assert cached > 0.9 * weights and predicted.disk_needed >= predicted.tiers["disk"].home + cached
+    assert predicted.moved_per_step["disk->host"] > 0
+    # all-linear on transformers 5: peft adapts the fused experts as parameters, so the trained parameters
+    # hold at least each MoE layer's down_proj B factors (hidden x r * experts), not only attention's
+    config = json.loads((CONFIGS / name / "config.json").read_text())
+    experts = config.get("num_local_experts") or config.get("num_experts") or config["n_routed_experts"]
+    moe_layers = config["num_hidden_layers"] - config.get("first_k_dense_replace", 0)
+    assert predicted.trained_parameters > 8 * experts * config["hidden_size"] * moe_layers
+
+
+def test_attention_only_lora_counts_the_attention_adapters(tmp_path):
+    config = json.loads((CONFIGS / "mixtral-8x22b" / "config.json").read_text())
+    predicted = estimate(
+        _qlora(tmp_path, CONFIGS / "mixtral-8x22b", target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        measure=False,
+    )
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * hidden // heads
+    per_layer = 8 * (hidden + hidden) * 2 + 8 * (hidden + kv) * 2  # q and o, k and v: r (in + out) each
+    assert predicted.trained_parameters == per_layer * config["num_hidden_layers"]
+
+
+def test_deepseek_v3_builds_as_transformers_own_class_and_its_fp8_weights_are_named(tmp_path):
+    import torch
+
+    from tiertune.finetune.model import build_skeleton
+
+    with torch.device("meta"):
+        model = build_skeleton(CONFIGS / "deepseek-v3", torch.bfloat16)
+    assert type(model).__module__ == "transformers.models.deepseek_v3.modeling_deepseek_v3"  # not auto_map's
+    predicted = estimate(_qlora(tmp_path, CONFIGS / "deepseek-v3"), measure=False)
+    assert any("'fp8'" in note and "tiertune train" in note for note in predicted.notes)
+
+
+def test_training_from_an_fp8_checkpoint_stops_with_an_error_naming_it(tmp_path, model_dir, write_recipe):
+    """DeepSeek-V3's published checkpoint is fp8 (its config's quantization_config): tiertune does not read
+    fp8 weights. A tiny model with that config: the run stops before reading a weight, exit 2."""
+    tiny = tmp_path / "tiny-deepseek-v3"
+    tiny.mkdir()
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(model_dir) / file, tiny / file)
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    config = json.loads((CONFIGS / "deepseek-v3" / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                  first_k_dense_replace=1, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
+                  num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=16,
+                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=vocab)  # fmt: skip
+    (tiny / "config.json").write_text(json.dumps(config))
+    recipe = write_recipe(tmp_path, tiny, model={"quantize": "nf4", "dtype": "bfloat16"},
+                          method={"type": "lora", "lora": {"dropout": 0.0}})  # fmt: skip
+    assert any("'fp8'" in note for note in estimate(load_recipe(recipe, ()), measure=False).notes)
+    result = CliRunner().invoke(app, ["train", str(recipe)], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert "saved quantized with 'fp8'" in result.output and "Traceback" not in result.output

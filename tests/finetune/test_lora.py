@@ -224,3 +224,29 @@ def test_a_saved_adapter_names_its_base_by_absolute_path(tiny_model_dir, disk_di
     assert saved["base_model_name_or_path"] == str(path.resolve())
     with peft_wrapping():  # peft's deprecated read, as in tiertune
         AutoPeftModelForCausalLM.from_pretrained(out)  # finds its base from any directory
+
+
+def test_a_cpu_without_native_bf16_computes_the_4bit_layers_in_fp32(tiny_model_dir, monkeypatch):
+    """On a CPU without native bf16 matrix products (AVX2: torch falls back to a scalar loop), a bf16 QLoRA
+    dequantizes its 4-bit weights to fp32 and multiplies in fp32; the activations stay bf16 between layers.
+    The loss is the bf16 run's to bf16 precision."""
+    import bitsandbytes as bnb
+
+    from tiertune.kernels.ops import backend
+
+    path, _ = tiny_model_dir("llama")
+    losses = {}
+    for native in (True, False):
+        monkeypatch.setattr(backend, "native_matmul", lambda dtype, native=native: native)
+        cfg = _config(dtype=torch.bfloat16, quantize="nf4", max_steps=2)
+        trainer = StreamedTrainer(str(path), StoreConfig(device_budget="8MiB", host_budget="8MiB"), cfg)
+        try:
+            compute = torch.bfloat16 if native else torch.float32
+            assert trainer.quant.compute_dtype == compute
+            decoder = [m for layer in trainer.parts.layers for m in layer._layer[0].modules()]
+            layers = [m for m in decoder if isinstance(m, bnb.nn.Linear4bit)]
+            assert layers and all(m.compute_dtype == compute for m in layers)
+            losses[native] = [trainer.step(_batches(211)[s * ACCUM : (s + 1) * ACCUM]) for s in range(2)]
+        finally:
+            trainer.close()
+    torch.testing.assert_close(torch.tensor(losses[False]), torch.tensor(losses[True]), rtol=2e-2, atol=0)

@@ -89,6 +89,9 @@ def test_cli_train_and_dry_run(recipe_file):
         ("method.lora.r=0", "method.lora.r must be >= 1"),
         (("method.type=lora", "method.lora.use_dora=true"), None),
         ("method.lora.use_dora=maybe", "method.lora.use_dora must be bool"),
+        ("method.lora.target_parameters=[mlp.experts.down_proj]", None),
+        ("method.lora.target_parameters=mlp.experts.down_proj", None),
+        ("method.lora.target_parameters=[1, 2]", "method.lora.target_parameters must be a list of names"),
         (
             "offload.overlap_optimizer=maybe",
             "offload.overlap_optimizer must be one of auto, true, false; got 'maybe'",

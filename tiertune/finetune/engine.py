@@ -9,7 +9,9 @@ How a step runs (all on the caller's thread unless said otherwise):
   releases the chunk and saves only the layer's input. Embeddings, final norm and a separate head are
   bound for the whole micro-batch.
 - Loss: summed cross-entropy over the micro-batch's target tokens, divided by the number of target tokens
-  in the whole step (all micro-batches), so the accumulated gradient is the token-weighted mean.
+  in the whole step (all micro-batches), so the accumulated gradient is the token-weighted mean. An MoE
+  whose config asks for it (``output_router_logits``) adds the router's auxiliary loss as transformers
+  defines it (``_RouterAux``; ``router_aux`` says whether the loss has it, ``last_router_aux_loss`` its part).
 - Backward: layer by layer in reverse, each acquires its chunk again, recomputes its forward with the
   saved input (RNG state restored, so dropout matches), back-propagates, and adds its parameter
   gradients into fp32 gradient chunks on the host.
@@ -48,6 +50,7 @@ import logging
 import math
 import os
 import queue
+import sys
 import threading
 import time
 import zlib
@@ -73,12 +76,14 @@ from tiertune.finetune.model import (
 )
 from tiertune.finetune.optim import AdamStep, GaLore, GaloreSettings, adamw, adamw_8bit, moment_entries
 from tiertune.finetune.weights import Checkpoint
+from tiertune.kernels.ops.backend import matmul_dtype
 from tiertune.kernels.ops.linear_ce import linear_cross_entropy
 from tiertune.kernels.patch import patch_model, resolve_backend
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore, StoreConfig
 from tiertune.offload.tiers import BUDGET_SETTING, Tier
 from tiertune.quant import KINDS as QUANT_KINDS
+from tiertune.quant import experts as quant_experts
 from tiertune.quant import is_quantized, make_quantizer, saved_quantization
 from tiertune.units import format_size
 
@@ -90,8 +95,11 @@ IGNORE_INDEX = -100
 # with the head
 FUSED_LOSS_ARCHITECTURES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "stablelm",
-     "gpt_neox"}
+     "gpt_neox", "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}
 )  # fmt: skip
+"""Causal LMs whose logits are the decoder's output times a linear head: Gemma 2/3 soft-cap them
+(``final_logit_softcapping``), Cohere scales them (``logit_scale``: the hidden states are scaled instead, the
+same product), and the MoE ones add their router loss apart (``_RouterAux``)."""
 
 
 @dataclass
@@ -258,10 +266,21 @@ class StreamedTrainer:
         self.model.train()  # dropout as configured, and no inference-only kernels (as the HF Trainer does)
         self.parts: ModelParts = split_model(self.model)
         saved = saved_quantization(self.model.config, model_dir)
-        self.quant = make_quantizer(config.quantize, config.dtype, saved, model_dir)
+        # 4-bit weights dequantize to the dtype products run fast in here (fp32 on a CPU without native bf16)
+        compute = matmul_dtype(config.dtype, self.device)
+        if config.quantize != "none" and compute != config.dtype:
+            log.info("this CPU has no native %s matrix products: quantized layers compute in %s",
+                     str(config.dtype).removeprefix("torch."), str(compute).removeprefix("torch."))  # fmt: skip
+        self.quant = make_quantizer(config.quantize, compute, saved, model_dir)
         if self.quant is not None:  # Linear4bit/8bitLt in every decoder layer, as a plain quantized load has
+            # and, beyond it, MoE layers' fused expert weights 4-bit too (one matrix per expert)
+            marked = []
             for layer in self.parts.layers:
                 self.quant.convert(layer)
+                marked += quant_experts.convert_experts(layer, self.quant)
+            if marked:
+                quant_experts.use_4bit_experts(self.model)
+                log.info("experts: %s stored 4-bit, one matrix per expert", ", ".join(sorted(set(marked))))
             self.parts = split_model(self.model)
         homes = {"embed": config.params, "layer": config.params, "rest": config.params, "head": config.params}
         checkpoint = Checkpoint(model_dir)
@@ -284,6 +303,7 @@ class StreamedTrainer:
         self._slots = self._find_slots()
         self._meta = dict(self.model.named_parameters())  # the skeleton's placeholders, put back by unbind
         self._quantized = {n for n, p in self._meta.items() if is_quantized(p)}
+        self._quantized_experts = {n for n, p in self._meta.items() if quant_experts.is_quantized_experts(p)}
         self._param_order = [n for n, _ in self.model.named_parameters()]
         paths = {id(m): n for n, m in self.model.named_modules()}
         self.galore = GaLore(config.galore, self.parts.layers, paths) if config.method == "galore" else None
@@ -295,6 +315,7 @@ class StreamedTrainer:
         self.adapters = (
             Adapters(self.model, config.lora, self.device, config.optim) if config.method == "lora" else None
         )
+        self._parametrized = self._parametrized_names()
         self._layer_index = [i for i, s in enumerate(self._states) if s.group.kind == "layer"]
         self._traced = True  # weight accesses enter the scheduler's trace (training steps)
         # seconds per step part, cumulative: io_wait (blocked in acquire), optimizer (not hidden), step
@@ -314,6 +335,8 @@ class StreamedTrainer:
         self.overlap = self._add_twins() if trained else False
         self._inputs = self._add_input_chunks()
         self._worker = _OptimizerWorker(self)
+        # MoE: the router's auxiliary loss, where transformers computes one and the config asks for it
+        self.router_aux = _RouterAux.of(self.model, self.parts.layers)
         for i, layer in enumerate(self.parts.layers):
             self.parts.layers[i] = StreamedLayer(self, i, layer)
         for module in self.model.modules():  # buffers (rotary caches) to the device; parameters stay meta
@@ -332,6 +355,11 @@ class StreamedTrainer:
         self.last_grad_norm = float("nan")
         self._lr = _Schedule(config)
         self.fused_loss = self._fuse_loss()  # the loss runs fused with the head (kernels.ops.linear_ce)
+        # the router's logits are collected by the engine (router_aux), not by the model's own output hooks
+        moe = hasattr(self.model.config, "output_router_logits")
+        self._model_kwargs = {"output_router_logits": False} if moe else {}
+        # the weighted auxiliary loss in the last step's loss (None when it has none: router_aux is None)
+        self.last_router_aux_loss: float | None = None
         # called with the chunks the optimizer is about to change (a checkpoint in the background)
         self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
 
@@ -344,6 +372,18 @@ class StreamedTrainer:
             for attr, param in module.named_parameters(recurse=False):
                 slots.setdefault(by_id[id(param)], []).append(_Slot(module, attr))
         return slots
+
+    def _parametrized_names(self) -> set[str]:
+        """The weights peft adapts through a parametrization (MoE routers and unquantized experts).
+        Registering it calls ``set_`` on the bound weight, which bumps the version counter that all views of a
+        chunk share; autograd would then refuse the layer's other weights saved for backward. They are bound
+        as tensors of their own (``_alias``)."""
+        if self.adapters is None:
+            return set()
+        targets = {(id(module), attr) for module, attr in self.adapters.parametrized()}
+        return {
+            n for n, slots in self._slots.items() if any((id(t.module), t.attr) in targets for t in slots)
+        }
 
     def _fuse_loss(self) -> bool:
         """Whether the loss runs fused with the head (``kernels.ops.linear_ce``): for architectures whose
@@ -366,9 +406,12 @@ class StreamedTrainer:
         """The micro-batch's summed cross-entropy over its targets (shifted by one), fused with the head
         where the architecture allows: the [tokens x vocab] logits never exist."""
         if self.fused_loss:
-            hidden = self.model.get_decoder()(input_ids=ids, **extra).last_hidden_state
+            hidden = self.model.get_decoder()(input_ids=ids, **extra, **self._model_kwargs).last_hidden_state
             head = self.model.get_output_embeddings()
             h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+            scale = getattr(self.model.config, "logit_scale", None)
+            if scale is not None and scale != 1:  # Cohere: (h W^T) * s computed as (s h) W^T
+                h = h * scale
             return linear_cross_entropy(
                 h,
                 head.weight,
@@ -379,7 +422,7 @@ class StreamedTrainer:
                 backend=self.kernel_backend,
                 softcap=getattr(self.model.config, "final_logit_softcapping", None),
             )
-        logits = self.model(input_ids=ids, **extra).logits
+        logits = self.model(input_ids=ids, **extra, **self._model_kwargs).logits
         return F.cross_entropy(
             logits[:, :-1].float().reshape(-1, logits.shape[-1]),
             target.reshape(-1),
@@ -555,6 +598,11 @@ class StreamedTrainer:
                 continue
             if name in self._quantized:
                 param = self.quant.parameter(name, self._meta[name].shape, views)  # type: ignore[union-attr]
+            elif name in self._quantized_experts:
+                shape = self._meta[name].shape
+                param = quant_experts.bind(self.quant, name, shape, views)  # type: ignore[arg-type]
+            elif name in self._parametrized:
+                param = nn.Parameter(_alias(view), requires_grad=requires_grad)
             else:
                 param = nn.Parameter(view, requires_grad=requires_grad)
             for slot in self._slots[name]:
@@ -706,6 +754,7 @@ class StreamedTrainer:
         self._lr_now = self._lr.lr(self.step_count)
         self._worker.start_step(self._unit_order())
         total = 0.0
+        aux_total = 0.0
         self._norms = {}
         others = [s for s in self._states if s.group.kind != "layer"]
         for k, (mb, lab) in enumerate(zip(micro_batches, labels, strict=True)):
@@ -723,7 +772,12 @@ class StreamedTrainer:
                 # packed rows come with position_ids restarting per row and no attention mask, from which
                 # transformers builds the block-diagonal causal mask
                 extra = {k: mb[k].to(self.device) for k in ("attention_mask", "position_ids") if k in mb}
+                aux = self.router_aux
+                if aux is not None:
+                    aux.start()
                 loss_sum = self._loss_sum(ids, extra, lab[:, 1:].to(self.device))
+                if aux is not None:  # its gradient joins each layer's backward (_LayerFunction)
+                    aux_total += aux.finish(extra.get("attention_mask"), 1.0 / len(micro_batches))
                 (loss_sum / n_tokens).backward()
                 total += float(loss_sum.detach())
                 grads = {id(state): {n: p.grad for n, p in bound[id(state)].items()} for state in others}
@@ -731,13 +785,17 @@ class StreamedTrainer:
             for state in others:
                 if state.trainable:
                     self.add_grads(state, grads[id(state)])
+        loss = total / n_tokens
+        if self.router_aux is not None:
+            self.last_router_aux_loss = self.router_aux.coef * aux_total / len(micro_batches)
+            loss += self.last_router_aux_loss
         began = time.perf_counter()
-        self._finish_step(total / n_tokens)
+        self._finish_step(loss)
         self.times["optimizer"] += time.perf_counter() - began
         self.store.mark_step()
         self.step_count += 1
         self.times["step"] += time.perf_counter() - step_began
-        return total / n_tokens
+        return loss
 
     def _unit_order(self) -> list[tuple[_GroupState, int]]:
         """The optimizer's work units (group, weight chunk) in the order backward finishes them."""
@@ -878,7 +936,8 @@ class StreamedTrainer:
             for state in others:
                 stack.enter_context(self.bound_group(state, requires_grad=False))
             mask = None if attention_mask is None else attention_mask.to(self.device)
-            return self.model(input_ids=input_ids.to(self.device), attention_mask=mask).logits.float().cpu()
+            ids = input_ids.to(self.device)
+            return self.model(input_ids=ids, attention_mask=mask, **self._model_kwargs).logits.float().cpu()
 
     def state_chunks(self, in_update_order: bool = False) -> list[Chunk]:
         """The chunks whose contents are the training state between steps: weights, master weights, moments
@@ -1047,7 +1106,12 @@ class _LayerFunction(torch.autograd.Function):
                 trained = params if state.trainable else {}
                 adapters = trainer._layer_adapters[ctx.index]
                 inputs = ([x] if input_grad else []) + list(trained.values()) + adapters
-                grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
+                outputs, grad_outputs = [out], [grad_out]
+                if trainer.router_aux is not None:  # the auxiliary loss's gradient at the router logits
+                    for logits, grad in trainer.router_aux.gradients(ctx.index):
+                        outputs.append(logits)
+                        grad_outputs.append(grad)
+                grads = list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
             grad_x = grads.pop(0) if input_grad else None
             if state.trainable:
                 trainer.add_grads(state, dict(zip(trained, grads[: len(trained)], strict=True)))
@@ -1055,8 +1119,111 @@ class _LayerFunction(torch.autograd.Function):
         return (grad_x, None, None, None, None, None, *adapter_grads)
 
 
+def _alias(view: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``view``'s memory that is not a view of the chunk: its version counter is its own."""
+    alias = view.new_empty(0)
+    alias.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+    return alias
+
+
 def _entries(chunk: Chunk) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     return [(s.name, s.shape, s.dtype) for s in chunk.tensors]
+
+
+class _RouterAux:
+    """The router's auxiliary (load-balancing) loss of an MoE model, as transformers defines it, for a model
+    streamed layer by layer.
+
+    transformers' MoE causal LMs (Mixtral, Qwen2/3-MoE...) add ``router_aux_loss_coef *
+    load_balancing_loss_func(router_logits, num_experts, num_experts_per_tok, attention_mask)`` to the loss
+    when ``output_router_logits`` is set, the router logits of every layer collected by output hooks. The loss
+    mixes all layers (expert loads averaged over layers, times mean router probabilities over layers), so
+    here forward hooks on the routers keep each layer's logits (tokens x experts, detached) during the
+    forward; after it, the model's own ``load_balancing_loss_func`` runs on them as leaves and its gradient
+    at each layer's logits is kept; each layer's backward then recomputes its router logits and
+    back-propagates that gradient through them with the layer's output gradient. The result is the gradient
+    of transformers' loss. Models whose transformers class computes no such loss (DeepSeek-V3 balances its
+    experts with a bias, without an auxiliary loss) get none.
+
+    Several micro-batches: each one's auxiliary loss as transformers computes it for that forward, averaged
+    over the step's micro-batches (with one micro-batch, transformers' model loss exactly; the Hugging Face
+    Trainer instead sums them, scaling the coefficient with gradient_accumulation_steps).
+    """
+
+    def __init__(self, loss: Callable, coef: float, experts: int, top_k: int, routers: list[list[nn.Module]],
+                 index: int) -> None:  # fmt: skip
+        self.loss, self.coef, self.experts, self.top_k = loss, coef, experts, top_k
+        self._index = index  # the router output that holds the logits
+        self._collecting = False
+        self._seen: dict[int, list[torch.Tensor]] = defaultdict(list)  # forward: detached logits per layer
+        self._live: dict[int, list[torch.Tensor]] = defaultdict(list)  # backward: recomputed logits
+        self._grads: dict[int, list[torch.Tensor]] = {}
+        for i, modules in enumerate(routers):
+            for module in modules:
+                module.register_forward_hook(partial(self._hook, i))
+
+    @classmethod
+    def of(cls, model: nn.Module, layers: Sequence[nn.Module]) -> _RouterAux | None:
+        """The auxiliary loss of ``model`` (its decoder ``layers`` not yet streamed), or None when the config
+        does not ask for one (``output_router_logits``) or transformers computes none for the model."""
+        config = model.config
+        name = type(model).__name__
+        loss = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+        recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+        computes = loss is not None and recorder is not None and hasattr(model, "router_aux_loss_coef")
+        if not getattr(config, "output_router_logits", False):
+            if computes:
+                log.info("the loss has no router auxiliary loss: %s's config has output_router_logits false",
+                         name)  # fmt: skip
+            return None
+        if not computes:
+            log.info("the loss has no router auxiliary loss: transformers' %s computes none "
+                     "(output_router_logits only returns the router logits)", name)  # fmt: skip
+            return None
+        target = recorder.target_class
+        routers = [[m for m in layer.modules() if isinstance(m, target)] for layer in layers]
+        log.info("the loss includes the router auxiliary loss: %s x transformers' load_balancing_loss_func",
+                 model.router_aux_loss_coef)  # fmt: skip
+        coef, experts, top_k = model.router_aux_loss_coef, model.num_experts, model.num_experts_per_tok
+        return cls(loss, float(coef), int(experts), int(top_k), routers, recorder.index)
+
+    def _hook(self, layer: int, module: nn.Module, args: object, output: object) -> None:
+        logits = output[self._index] if isinstance(output, tuple | list) else output
+        if torch.is_grad_enabled():  # a layer's backward recomputing its forward
+            self._live[layer].append(logits)
+        elif self._collecting:  # the micro-batch's forward
+            self._seen[layer].append(logits.detach())
+
+    def start(self) -> None:
+        """Collect the router logits of the micro-batch's forward that follows."""
+        self._seen.clear()
+        self._live.clear()
+        self._grads.clear()
+        self._collecting = True
+
+    def finish(self, attention_mask: torch.Tensor | None, weight: float) -> float:
+        """After the micro-batch's forward: the auxiliary loss (unweighted) of its router logits; the gradient
+        of ``coef * weight`` times it at each layer's logits is kept for the layers' backward."""
+        self._collecting = False
+        layers = sorted(self._seen)
+        leaves = [t.requires_grad_() for i in layers for t in self._seen[i]]
+        if not leaves:
+            return 0.0
+        with torch.enable_grad():
+            value = self.loss(tuple(leaves), self.experts, self.top_k, attention_mask)
+            grads = iter(torch.autograd.grad(value * (self.coef * weight), leaves))
+        for i in layers:
+            self._grads[i] = [next(grads) for _ in self._seen[i]]
+        self._seen.clear()
+        return float(value.detach())
+
+    def gradients(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """In layer ``layer``'s backward, after its recomputed forward: (router logits, their gradient)."""
+        grads = self._grads.pop(layer, [])
+        live = self._live.pop(layer, [])
+        if len(live) != len(grads):
+            raise StateError(f"layer {layer}: {len(grads)} router outputs in forward, {len(live)} recomputed")
+        return list(zip(live, grads, strict=True))
 
 
 class _OptimizerWorker:

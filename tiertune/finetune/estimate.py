@@ -1,8 +1,11 @@
 """``tiertune estimate``: will a recipe fit, where will each kind of state live, and how fast can a step go.
 
 Nothing is loaded: the model is built on the meta device and every chunk the run would register is laid out
-with the store's own packing (``pack_tensors``), so the byte counts are the run's, to the alignment. For
-each tier:
+with the store's own packing (``pack_tensors``), so the byte counts are the run's, to the alignment. A
+quantized base is converted as the run converts it (MoE experts too, one 4-bit matrix per expert), and LoRA
+adapters are counted from peft's own wrapping of that skeleton (MoE experts and routers included where peft
+adapts them). A checkpoint saved in a quantization tiertune does not read (fp8...) is estimated as its
+unquantized release, with a note saying that training from it stops with an error. For each tier:
 
 - *home*: bytes of the chunks homed there (reserved for the whole run);
 - *passes through*: home plus the chunks homed lower that a step uses there (cached copies);
@@ -31,6 +34,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,6 +51,8 @@ if TYPE_CHECKING:
     from tiertune.finetune.recipe import Recipe
 
 ORDER = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+IN_PLACE = "weights, read in place"  # from the model's own files
+QUANT_CACHE = "weights, quantized cache"  # quantized on load, read in place from the cache's images
 
 
 @dataclass
@@ -56,6 +62,7 @@ class _Chunk:
     capacity: int
     used_on: Tier  # the tier a step uses it on
     changed: bool  # written every step (written back home when it cannot stay cached)
+    in_place: bool = False  # frozen weights read from files (the model's, or the quantized cache's images)
 
 
 @dataclass
@@ -86,8 +93,16 @@ class Estimate:
     notes: list[str] = field(default_factory=list)  # said under the table (e.g. where the disk was probed)
 
     @property
+    def disk_needed(self) -> int:
+        """Free bytes ``offload.disk_path`` needs: the disk tier's slots and the quantized cache's images (the
+        only disk copy of a base quantized on load and homed on disk); weights read in place from the model's
+        own files need none."""
+        return self.tiers["disk"].home + self.kinds.get(QUANT_CACHE, ("disk", 0))[1]
+
+    @property
     def fits(self) -> bool:
-        return all(t.fits for t in self.tiers.values())
+        disk = self.tiers["disk"]
+        return all(t.fits for n, t in self.tiers.items() if n != "disk") and self.disk_needed <= disk.budget
 
 
 def estimate(recipe: Recipe, measure: bool = True) -> Estimate:
@@ -95,7 +110,8 @@ def estimate(recipe: Recipe, measure: bool = True) -> Estimate:
     from tiertune.finetune.train import plan
 
     store_cfg, cfg = plan(recipe)
-    chunks, parameters, trained, outside = _chunks(recipe, store_cfg, cfg)
+    notes: list[str] = []
+    chunks, parameters, trained, outside = _chunks(recipe, store_cfg, cfg, notes)
     clipping = bool(cfg.max_grad_norm and cfg.max_grad_norm > 0)
     layerwise = (
         cfg.overlap_optimizer != "off" and not clipping and recipe.training.gradient_accumulation_steps == 1
@@ -127,13 +143,26 @@ def estimate(recipe: Recipe, measure: bool = True) -> Estimate:
         passes += max(0, accumulators - twins)
         if tier is Tier.DISK:  # slots: a header with a checksum per block, then the chunk; nothing above it
             home = passes = sum(
-                slot_bytes(c.capacity, int(store_cfg.block_size)) for c in chunks if c.home is tier
+                slot_bytes(c.capacity, int(store_cfg.block_size))
+                for c in chunks
+                if c.home is tier and not c.in_place
             )
         peak = min(budgets[tier], passes) if tier is not Tier.DISK else home
         tiers[tier.value] = TierEstimate(
             budgets[tier], home, passes, peak, max((c.capacity for c in staged), default=0)
         )
-    est = Estimate(parameters, trained, kinds, tiers, outside)
+    if IN_PLACE in kinds:
+        notes.append(
+            f"{format_size(kinds[IN_PLACE][1])} of frozen weights are read in place from the model's own files "
+            "(no copy of them at disk_path)"
+        )
+    if QUANT_CACHE in kinds:
+        notes.append(
+            f"the base is quantized on load into {format_size(kinds[QUANT_CACHE][1])} of images in the quantized "
+            "cache under disk_path, read in place from there (the disk tier holds no second copy; the next run "
+            "of the same model and settings reuses them)"
+        )
+    est = Estimate(parameters, trained, kinds, tiers, outside, notes=notes)
     _traffic(est, chunks, budgets)
     if measure:
         est.bandwidth = measure_bandwidth(store_cfg, notes=est.notes)
@@ -149,20 +178,30 @@ def _existing(path: str | os.PathLike[str]) -> str:
     return str(p)
 
 
-def _chunks(recipe, store_cfg: StoreConfig, cfg) -> tuple[list[_Chunk], int, int, dict[str, int]]:
-    """Every chunk the run would register, laid out as the store lays them out."""
+def _chunks(
+    recipe, store_cfg: StoreConfig, cfg, notes: list[str]
+) -> tuple[list[_Chunk], int, int, dict[str, int]]:
+    """Every chunk the run would register, laid out as the store lays them out (what a reader should know
+    about the model is appended to ``notes``)."""
     from tiertune.finetune.engine import gradient_entries, state_entries
     from tiertune.finetune.model import build_skeleton, split_model, weight_entries
     from tiertune.finetune.optim import GaLore
-    from tiertune.quant import make_quantizer
+    from tiertune.quant import is_quantized, make_quantizer
+    from tiertune.quant.experts import convert_experts, is_quantized_experts
 
-    model = build_skeleton(recipe.model.path, cfg.dtype)
-    parts = split_model(model)
-    quant = make_quantizer(cfg.quantize, cfg.dtype)
-    if quant is not None:
-        for layer in parts.layers:
-            quant.convert(layer)
+    # shapes only, so nothing is ever allocated, not even for a moment: a parameter created before it is
+    # moved to meta would be (one fused expert weight of DeepSeek-V3 is 15 GB in bf16)
+    with torch.device("meta"):
+        model = build_skeleton(recipe.model.path, cfg.dtype)
         parts = split_model(model)
+        saved = _saved_quantization(model, recipe, notes)
+        quant = make_quantizer(cfg.quantize, cfg.dtype, saved)
+        # converted as the engine converts them: the linear layers, and MoE experts one 4-bit matrix each
+        if quant is not None:
+            for layer in parts.layers:
+                quant.convert(layer)
+                convert_experts(layer, quant)
+            parts = split_model(model)
     paths = {id(m): n for n, m in model.named_modules()}
     galore = GaLore(cfg.galore, list(parts.layers), paths) if cfg.method == "galore" else None
     device = torch.device(store_cfg.device)
@@ -170,9 +209,9 @@ def _chunks(recipe, store_cfg: StoreConfig, cfg) -> tuple[list[_Chunk], int, int
     size = store_cfg.chunk_size
     chunks: list[_Chunk] = []
 
-    def add(entries: list, kind: str, home: str | Tier, used_on: Tier, changed: bool) -> None:
+    def add(entries: list, kind: str, home: str | Tier, used_on: Tier, changed: bool, in_place: bool = False) -> None:
         for layout in pack_tensors(entries, max(size, 1), store_cfg.num_shards):
-            chunks.append(_Chunk(kind, Tier(home), layout.capacity, used_on, changed))
+            chunks.append(_Chunk(kind, Tier(home), layout.capacity, used_on, changed, in_place))
 
     def cpu_tier(home: str) -> Tier:
         return Tier.DEVICE if home == "device" and cpu_device else Tier.HOST
@@ -182,10 +221,23 @@ def _chunks(recipe, store_cfg: StoreConfig, cfg) -> tuple[list[_Chunk], int, int
     parameters = trained = 0
     units: list[tuple[_Chunk, list[tuple[str, list, _Chunk]]]] = []  # (gradients, [(kind, entries, source)])
     kinds = {"master": "master", "exp_avg": "moments", "exp_avg_sq": "moments", "proj": "projections"}
+    split = None
+    if not trained_flag and cfg.params == "disk":  # a frozen base on disk: read in place where files hold it
+        split = _in_place_split(recipe.model.path, model, cfg, quant, saved)
     for group in parts.groups:
         parameters += group.numel
         # weights are used on the device; trained fp32 weights are their own master, changed on the host too
-        add(weight_entries(group, cfg.dtype, quant), "weights", cfg.params, Tier.DEVICE, trained_flag)
+        entries = weight_entries(group, cfg.dtype, quant)
+        kind = "weights"
+        if split is not None:
+            mapped, entries = split(group)
+            if mapped:
+                add(mapped, IN_PLACE, Tier.DISK, Tier.DEVICE, False, in_place=True)
+            quantized = any(is_quantized(p) or is_quantized_experts(p) for p in group.params.values())
+            if quantized and saved is None and cfg.quant_cache is not None:  # as load_into_store homes it
+                kind = QUANT_CACHE
+        if entries:
+            add(entries, kind, cfg.params, Tier.DEVICE, trained_flag, in_place=kind == QUANT_CACHE)
         weights = chunks[-1]
         if not trained_flag:
             continue
@@ -225,6 +277,7 @@ def _chunks(recipe, store_cfg: StoreConfig, cfg) -> tuple[list[_Chunk], int, int
         outside["saved layer inputs"] = act * len(parts.layers)
     vocab = model.config.vocab_size
     from tiertune.finetune.engine import FUSED_LOSS_ARCHITECTURES
+    from tiertune.kernels.ops.linear_ce import SLICE_BYTES
 
     if cfg.kernels != "none" and model.config.model_type in FUSED_LOSS_ARCHITECTURES:
         # the loss fused with the head: one chunk of fp32 logits (and its gradient, in place), and the head's
@@ -233,16 +286,93 @@ def _chunks(recipe, store_cfg: StoreConfig, cfg) -> tuple[list[_Chunk], int, int
         head = vocab * hidden * 4 if trained_flag else 0
         chunks_held = 2 if getattr(model.config, "final_logit_softcapping", None) else 1
         loss_chunk = min(64 << 20, cfg.activation_tokens * vocab * 4) * chunks_held
-        outside["loss chunk (fused with the head)"] = loss_chunk + head
+        # a head in another dtype is upcast to fp32 a slice of rows at a time
+        upcast = min(SLICE_BYTES, vocab * hidden * 4) if cfg.dtype != torch.float32 else 0
+        outside["loss chunk (fused with the head)"] = loss_chunk + head + upcast
     else:  # the logits of a micro-batch, their fp32 copy for the loss and its gradient
         outside["logits and their gradient"] = cfg.activation_tokens * vocab * (_itemsize(cfg.dtype) + 8)
     if cfg.method == "lora":
-        r = cfg.lora.r
-        linear = [m for layer in parts.layers for m in layer.modules() if hasattr(m, "in_features")]
-        params = sum(r * (m.in_features + m.out_features) for m in linear)
+        params = _adapter_parameters(model, cfg.lora)
         outside["LoRA adapters + states"] = params * 16
         trained = params
     return chunks, parameters, trained, outside
+
+
+def _in_place_split(model_dir: str, model: torch.nn.Module, cfg, quant, saved: dict | None) -> Callable:
+    """``split(group)`` -> (entries read in place from the model's files, entries in ordinary chunks), for a
+    frozen base homed on disk. With the checkpoint's safetensors at hand, the loader's own decision
+    (``read_in_place``); for a directory with only config.json, what a checkpoint saved by transformers holds:
+    a pre-quantized weight as it trains (but its double-quantization offset, kept in JSON), an unquantized one
+    when it is stored in the run's dtype (config.json's dtype), unless transformers builds it from several
+    tensors (MoE experts, one tensor each in checkpoints) or tiertune quantizes it on load (fused experts).
+    ``saved``: the checkpoint's own bitsandbytes quantization (``saved_quantization``), None if it has none."""
+    import json
+
+    from tiertune.errors import ModelError
+    from tiertune.finetune.model import checkpoint_names, read_in_place, weight_entries
+    from tiertune.finetune.weights import Checkpoint
+    from tiertune.quant import is_quantized
+    from tiertune.quant.experts import is_quantized_experts
+
+    try:
+        checkpoint = Checkpoint(model_dir)
+    except ModelError:  # config.json alone
+        checkpoint = None
+    if checkpoint is not None:
+        source = checkpoint_names(model, checkpoint)
+
+        def from_files(group) -> tuple[list, list]:
+            mapped, rest = read_in_place(group, cfg.dtype, quant, checkpoint, source)
+            return [(t.name, t.shape, t.dtype) for t in mapped], rest
+
+        return from_files
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    stored = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+
+    def as_saved(group) -> tuple[list, list]:
+        entries = weight_entries(group, cfg.dtype, quant)
+        for p in group.params.values():
+            if is_quantized_experts(p) or (is_quantized(p) and saved is None):
+                return [], entries
+            if not is_quantized(p) and (p.dim() >= 3 or str(cfg.dtype).removeprefix("torch.") != stored):
+                return [], entries
+        in_json = {e[0] for e in entries if e[0].endswith(".offset")}
+        return [e for e in entries if e[0] not in in_json], [e for e in entries if e[0] in in_json]
+
+    return as_saved
+
+
+def _saved_quantization(model: torch.nn.Module, recipe, notes: list[str]) -> dict | None:
+    """The checkpoint's own quantization, as the run reads it (``saved_quantization``). One that tiertune
+    cannot read (fp8, GPTQ, AWQ...) makes the run stop with a ModelError before it reads a weight; the
+    estimate goes on with the model's shapes, as its unquantized release would be loaded, and says so."""
+    from tiertune.errors import ModelError
+    from tiertune.quant import saved_quantization
+
+    try:
+        return saved_quantization(model.config, recipe.model.path)
+    except ModelError as exc:
+        notes.append(
+            f"{exc}. The figures above are for the same model loaded from bf16 weights (model.quantize: "
+            f"{recipe.model.quantize}); `tiertune train` on this model.path stops with this error"
+        )
+        return None
+
+
+def _adapter_parameters(model: torch.nn.Module, settings) -> int:
+    """The LoRA parameters a run trains on ``model`` (the meta skeleton, converted as the run converts it):
+    peft's own wrapping, as the engine makes it (``Adapters``, on the meta device), so MoE experts and routers
+    count where peft adapts them as parameters (``target_parameters``, or added by peft to ``all-linear``), and
+    a setting peft refuses fails here as it would fail the run."""
+    import warnings
+
+    from tiertune.finetune.lora import Adapters
+
+    with torch.device("meta"), warnings.catch_warnings():
+        # peft's own rank pattern for fused gate_up experts (2r) takes effect but is reported unmatched
+        warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match")
+        adapters = Adapters(model, settings, torch.device("meta"))
+    return sum(p.numel() for p in adapters.params)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -418,19 +548,20 @@ def _lower_bound(est: Estimate) -> None:
 def format_estimate(est: Estimate, title: str) -> str:
     """The estimate as a table a person reads at a glance, with the formulas of the lower bound."""
     lines = [title, f"parameters: {est.parameters:,} ({est.trained_parameters:,} trained)", ""]
-    lines.append(f"{'state':<24}{'lives on':<10}{'bytes':>12}")
+    lines.append(f"{'state':<34}{'lives on':<10}{'bytes':>12}")
     for kind, (tier, nbytes) in est.kinds.items():
-        lines.append(f"{kind:<24}{tier:<10}{format_size(nbytes):>12}")
+        lines.append(f"{kind:<34}{tier:<10}{format_size(nbytes):>12}")
     for what, nbytes in est.outside_store.items():
-        lines.append(f"{what:<24}{'device':<10}{format_size(nbytes):>12}  (outside the chunk store)")
+        lines.append(f"{what:<34}{'device':<10}{format_size(nbytes):>12}  (outside the chunk store)")
     lines += ["", f"{'tier':<8}{'budget':>12}{'home':>12}{'passes':>12}{'peak':>12}  fits"]
     for name, t in est.tiers.items():
         budget = format_size(t.budget) + (" free" if name == "disk" else "")
-        ok = "yes" if t.fits else f"NO: needs {format_size(t.home + t.largest_staged)}"
+        needed = est.disk_needed if name == "disk" else t.home + t.largest_staged
+        ok = "yes" if needed <= t.budget else f"NO: needs {format_size(needed)}"
         lines.append(f"{name:<8}{budget:>12}{format_size(t.home):>12}{format_size(t.passes):>12}"
                      f"{format_size(t.peak):>12}  {ok}")  # fmt: skip
     moved = ", ".join(f"{k} {format_size(v)}" for k, v in est.moved_per_step.items())
-    lines += ["", f"moved per step, at least: {moved}"]
+    lines += ["", f"disk_path needs {format_size(est.disk_needed)} free", f"moved per step, at least: {moved}"]
     if est.lower_bound_s:
         bw = est.bandwidth
         lines.append("step time lower bound = max of:")

@@ -201,6 +201,7 @@ def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: st
     from transformers import AutoConfig
 
     from tiertune.quant import make_quantizer, saved_quantization
+    from tiertune.quant.experts import round_trip
 
     kwargs: dict[str, Any] = {}
     saved = saved_quantization(AutoConfig.from_pretrained(base), base)
@@ -212,6 +213,9 @@ def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: st
     if quantize != "none":
         model = model.dequantize()
         model.to(torch_dtype)
+        # transformers leaves MoE experts unquantized; tiertune trained on them 4-bit (tiertune.quant.experts)
+        quant = make_quantizer(quantize, torch_dtype, saved, base)
+        round_trip(model, quant)
     with peft_wrapping():
         merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     merged.config.quantization_config = None

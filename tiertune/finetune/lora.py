@@ -20,6 +20,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,32 @@ def local_base_path(name_or_path: str | None) -> str | None:
     return name_or_path
 
 
+@contextlib.contextmanager
+def _no_parametrization(active_adapters: list[str]) -> Iterator[None]:
+    """Stands in for ``ParamWrapper._activate_lora`` on a 4-bit expert weight: no parametrization (the experts
+    forward adds the adapters itself)."""
+    yield
+
+
+def _expert_factors(wrapper: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """The active adapters of peft's ``ParamWrapper`` on a fused expert weight (experts, out, in) as
+    ``(B (experts, out, r), A (experts, r, in), scaling)``: ``ParamWrapper.get_delta_factors``'s layout, whose
+    ``scaling * B_e @ A_e`` is expert ``e``'s delta weight."""
+    if wrapper.disable_adapters:
+        return []
+    out = []
+    experts = wrapper.num_experts
+    for adapter in wrapper.active_adapters:
+        if adapter not in wrapper.lora_A:
+            continue
+        a = wrapper.lora_A[adapter].weight  # (r * experts, in)
+        b = wrapper.lora_B[adapter].weight  # (out, r * experts)
+        a = a.reshape(experts, -1, a.shape[-1])
+        b = b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)
+        out.append((b, a, wrapper.scaling[adapter]))
+    return out
+
+
 @dataclass
 class LoraSettings:
     """``method.lora`` of a recipe (names as peft's ``LoraConfig``), plus the seed of the adapter init."""
@@ -58,6 +85,9 @@ class LoraSettings:
     alpha: int = 32
     dropout: float = 0.05
     target_modules: Any = "all-linear"
+    # parameters adapted as such (peft's target_parameters), e.g. MoE experts' "mlp.experts.gate_up_proj"; on
+    # transformers 5, peft adds MoE experts and routers itself to "all-linear" for the architectures it maps
+    target_parameters: list[str] | None = None
     seed: int = 42
     use_dora: bool = False  # DoRA: a trained magnitude per output row on top of the LoRA direction
 
@@ -76,13 +106,22 @@ class Adapters:
             lora_alpha=settings.alpha,
             lora_dropout=settings.dropout,
             target_modules=settings.target_modules,
+            target_parameters=list(settings.target_parameters) if settings.target_parameters else None,
             task_type="CAUSAL_LM",
         )
         try:
             with peft_wrapping():
                 self.peft_model = get_peft_model(model, self.config)
         except ValueError as exc:  # peft: no module matched target_modules, and the like
+            if "ParamWrapper" in str(exc) and "dropout" in str(exc):
+                raise ConfigError(
+                    f"method.lora.dropout is {settings.dropout}, but peft adapts this model's MoE experts or "
+                    "routers as parameters (target_parameters: on transformers 5 it adds them itself to "
+                    "target_modules all-linear), and peft has no dropout there; set method.lora.dropout: 0, "
+                    "or list target_modules without them (e.g. [q_proj, k_proj, v_proj, o_proj])"
+                ) from exc
             raise ConfigError(f"method.lora: {exc}") from exc
+        self.quantized_experts = self._adapt_quantized_experts()
         # the base as a path that loads from any directory, resolved now (against the one it was loaded from)
         for config in (self.config, *self.peft_model.peft_config.values()):
             config.base_model_name_or_path = local_base_path(config.base_model_name_or_path)
@@ -94,6 +133,39 @@ class Adapters:
         self._optimizer: torch.optim.Optimizer | None = None
         self._optim = optim
         self.collect()
+
+    def _adapt_quantized_experts(self) -> list[str]:
+        """peft's adapters of 4-bit fused expert weights (``tiertune.quant.experts``): peft would add their
+        delta to the weight through a parametrization, which a 4-bit weight cannot take; the wrapper leaves
+        the weight as it is and the experts forward adds each expert's low-rank term from peft's own factors
+        (the same sum). Returns the adapted weights' names."""
+        from peft.tuners.lora.layer import ParamWrapper
+
+        from tiertune.quant.experts import add_lora, is_quantized_experts
+
+        adapted = []
+        for name, module in self.peft_model.named_modules():
+            if not isinstance(module, ParamWrapper) or not is_quantized_experts(module.get_param()):
+                continue
+            if not module._did_swap_in_out_features:  # (experts, in, out): convert_experts leaves those
+                raise ConfigError(f"method.lora: {name} is a transposed 4-bit expert weight: no LoRA there")
+            module._activate_lora = _no_parametrization  # an instance attribute: this wrapper only
+            add_lora(module.get_base_layer(), module.parameter_name, partial(_expert_factors, module))
+            adapted.append(f"{name}.{module.parameter_name}")
+        return adapted
+
+    def parametrized(self) -> list[tuple[nn.Module, str]]:
+        """The parameters peft adapts through a parametrization (``ParamWrapper``: MoE routers, unquantized
+        experts), as (module, parameter name): registering it calls ``set_`` on the parameter."""
+        from peft.tuners.lora.layer import ParamWrapper
+
+        from tiertune.quant.experts import is_quantized_experts
+
+        return [
+            (m.get_base_layer(), m.parameter_name)
+            for m in self.peft_model.modules()
+            if isinstance(m, ParamWrapper) and not is_quantized_experts(m.get_param())
+        ]
 
     def collect(self) -> None:
         """Gather the trainable adapter parameters, in model order (again after ``init_dora``)."""

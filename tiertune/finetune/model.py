@@ -28,7 +28,8 @@ from tiertune.offload.chunk import Chunk
 from tiertune.offload.inplace import FileTensor, can_map
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
-from tiertune.quant import Quantizer, SavedWeight, is_quantized
+from tiertune.quant import NF4, Quantizer, SavedWeight, experts, is_quantized
+from tiertune.quant.experts import is_quantized_experts
 
 if TYPE_CHECKING:
     from tiertune.finetune.quant_cache import QuantCache
@@ -279,6 +280,8 @@ def weight_entries(group: ParamGroup, dtype: torch.dtype, quant: Quantizer | Non
     for n, p in group.params.items():
         if quant is not None and is_quantized(p):
             entries += quant.entries(n, tuple(p.shape))
+        elif isinstance(quant, NF4) and is_quantized_experts(p):  # one 4-bit matrix per expert
+            entries += experts.entries(quant, n, tuple(p.shape))
         else:
             entries.append((n, tuple(p.shape), dtype))
     return entries
@@ -308,6 +311,8 @@ def load_into_store(
     checkpoint tensor holds exactly the bytes they train with (a pre-quantized weight and its statistics, or
     an unquantized weight in the compute dtype) are not copied into the disk tier but read from the
     checkpoint's files in place (``ChunkStore.add_in_place``); the rest of the group gets ordinary chunks.
+    Those quantized on load with a ``cache`` are read in place from the cache's images instead
+    (``ChunkStore.home_in_file``): the disk tier never holds them.
 
     Raises ModelError naming the tensor and file when the checkpoint lacks a weight or has the wrong shape.
     ``safe_point`` is called after each group (where the load may be abandoned: a run stopped by a signal).
@@ -329,16 +334,26 @@ def load_into_store(
         mapped: list[FileTensor] = []
         if in_place and Tier(home) is Tier.DISK:
             units, mapped = _split_in_place(units, group, source, saved, checkpoint)
+        quantized = quant is not None and any(
+            is_quantized(p) or is_quantized_experts(p) for p in group.params.values()
+        )
+        cached = cache if quantized and not saved else None
+        # a frozen group quantized on load and homed on disk: the cache's image is its disk copy
+        from_cache = cached is not None and in_place and Tier(home) is Tier.DISK
         group.chunks = store.add_in_place(mapped, group.name, chunk_size) if mapped else []
         if units:
             name = f"{group.name}.more" if mapped else group.name
-            group.chunks += store.add(units, home=home, name=name, chunk_size=chunk_size)
-        quantized = quant is not None and any(is_quantized(p) for p in group.params.values())
+            group.chunks += store.add(units, home=home, name=name, chunk_size=chunk_size, in_file=from_cache)
+        block = store.aio.block_size
         for chunk in group.chunks:
             if store.in_place(chunk) is not None:
                 continue
+            if from_cache and (found := cached.image(chunk, block)) is not None:  # type: ignore[union-attr]
+                store.home_in_file(chunk, *found)
+                cached.hits += 1  # type: ignore[union-attr]
+                continue
             with store.writing(chunk) as views:
-                if quantized and not saved and cache is not None and cache.load(chunk.name, views):
+                if cached is not None and cached.load(chunk, views):
                     continue
                 for name in dict.fromkeys(owner[s.name] for s in chunk.tensors):
                     param = group.params[name]
@@ -349,12 +364,29 @@ def load_into_store(
                         weight = torch.empty(tuple(param.shape), dtype=dtype)
                         source[name].read_into(checkpoint, weight)
                         quant.quantize_into(name, weight, views)
+                    elif isinstance(quant, NF4) and is_quantized_experts(param):  # one expert at a time
+                        shape = tuple(param.shape)
+                        pieces = source[name].pieces
+                        experts.quantize_into(quant, name, shape, dtype, pieces, checkpoint.read_into, views)
                     else:
                         _refuse_quantized(name, source[name], checkpoint)
                         source[name].read_into(checkpoint, views[name])
-                if quantized and not saved and cache is not None:
-                    cache.save(chunk.name, views)
+                if cached is not None:
+                    cached.save(chunk, views, block)
+            if from_cache:  # never written to the disk tier: only the cache holds it
+                store.home_in_file(chunk, *cached.image(chunk, block))  # type: ignore[union-attr,misc]
     return source
+
+
+def read_in_place(
+    group: ParamGroup, dtype: torch.dtype, quant: Quantizer | None, checkpoint: Checkpoint,
+    source: dict[str, TensorSource],
+) -> tuple[list[FileTensor], list]:  # fmt: skip
+    """How ``load_into_store`` lays out frozen group ``group`` homed on disk: the tensors it reads in place
+    from the checkpoint's files, and the entries that get ordinary chunks (``source``: ``checkpoint_names``)."""
+    units = _units(group, weight_entries(group, dtype, quant))
+    rest, mapped = _split_in_place(units, group, source, _saved_weights(group, source, checkpoint, quant), checkpoint)
+    return mapped, [entry for unit in rest for entry in unit]
 
 
 def _units(group: ParamGroup, entries: list) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:

@@ -1,4 +1,5 @@
-"""Quantized chunks saved once, so the next run of the same model and settings skips quantization.
+"""Quantized chunks saved once, so the next run of the same model and settings skips quantization, and a
+frozen base homed on disk is read from the cache itself rather than copied into the disk tier.
 
 Quantizing on the CPU runs at ~70 M parameters/s here (a 70B base: ~17 minutes); reading the result back
 runs at disk speed. The cache lives in ``<root>/<key>/``, where the key digests everything the result
@@ -6,10 +7,12 @@ depends on: each checkpoint file's name, size and modification time, every tenso
 place in its file, the quantization settings, the compute dtype and the bitsandbytes version. A changed
 checkpoint or setting therefore gets a new key and never reads an old entry.
 
-Each chunk's tensors are one safetensors file (``<chunk>/model.safetensors``, read back with the streaming
-reader, no mmap) and a manifest (``<chunk>.json``) with an xxh3-64 digest per tensor. The manifest is written
-last (temporary name, fsync, rename), so a chunk without one is incomplete and is quantized again; a digest
-that does not match what is read raises ``IntegrityError``.
+Each chunk is one file, ``<chunk>.chunk``: the chunk's *image*, its bytes in its layout from byte 0, so a
+chunk homed on disk can be read in place from it (``ChunkStore.home_in_file``): the cache is then the only
+copy of the quantized base on disk. Beside it, a manifest (``<chunk>.json``) records the layout, an xxh3-64
+digest per tensor and one per block of the image. The manifest is written last (temporary name, fsync,
+rename), so an image without one is incomplete and is quantized again; a digest that does not match what
+is read raises ``IntegrityError`` (block digests are checked by the store on every in-place read).
 """
 
 from __future__ import annotations
@@ -17,8 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,10 +30,11 @@ from tiertune.errors import IntegrityError
 from tiertune.finetune.files import fsync_file, write_text_atomically
 from tiertune.finetune.weights import Checkpoint
 from tiertune.offload.aio import buffer_of
+from tiertune.offload.chunk import Chunk, ChunkLayout
 
 log = logging.getLogger("tiertune.quant")
 
-FORMAT = 1
+FORMAT = 2  # 1: a safetensors file per chunk (not readable in place)
 
 
 class QuantCache:
@@ -55,45 +58,106 @@ class QuantCache:
         self.directory = Path(root) / self.key
         self.hits = self.misses = 0
 
-    def load(self, name: str, views: dict[str, torch.Tensor]) -> bool:
-        """Fill ``views`` (a chunk's tensors) from the cache; False if this chunk is not cached (yet)."""
-        manifest = self.directory / f"{name}.json"
-        if not manifest.is_file():
+    def _manifest(self, chunk: Chunk) -> dict | None:
+        """The manifest of ``chunk``'s image when the cache holds one in the chunk's layout, else None."""
+        path = self.directory / f"{chunk.name}.json"
+        if not path.is_file():
+            return None
+        manifest = json.loads(path.read_text())
+        if manifest.get("layout") != _layout(chunk.layout) or not (self.directory / f"{chunk.name}.chunk").is_file():
+            return None
+        return manifest
+
+    def load(self, chunk: Chunk, views: dict[str, torch.Tensor]) -> bool:
+        """Fill ``views`` (``chunk``'s tensors) from the cache, each checked against its digest; False if the
+        cache does not hold this chunk (yet)."""
+        manifest = self._manifest(chunk)
+        if manifest is None:
             self.misses += 1
             return False
-        digests = json.loads(manifest.read_text())["tensors"]
-        if set(digests) != set(views):
-            self.misses += 1
-            return False
-        reader = Checkpoint(self.directory / name)
-        for key, view in views.items():
-            reader.read_into(key, view)
-            if _digest(view) != digests[key]:
-                raise IntegrityError(
-                    f"quantized cache {self.directory / name}: tensor {key!r} does not match its digest; "
-                    f"delete {self.directory} to quantize again"
-                )
+        image = self.directory / f"{chunk.name}.chunk"
+        with open(image, "rb") as f:
+            for spec in chunk.layout.tensors:
+                view = views[spec.name]
+                if view.numel():
+                    _read_exactly(f.fileno(), buffer_of(view.reshape(-1).view(torch.uint8)), spec.offset, image)
+                if _digest(view) != manifest["tensors"][spec.name]:
+                    raise IntegrityError(
+                        f"quantized cache {image}: tensor {spec.name!r} does not match its digest; "
+                        f"delete {self.directory} to quantize again"
+                    )
         self.hits += 1
         return True
 
-    def save(self, name: str, views: dict[str, torch.Tensor]) -> None:
-        """Write a chunk's quantized tensors; the manifest last, so a partial entry is never used."""
-        from safetensors.torch import save_file
+    def image(self, chunk: Chunk, block_size: int) -> tuple[Path, tuple[int, ...] | None] | None:
+        """``chunk``'s image and the digests of its ``block_size`` blocks (None when the manifest has them
+        for another block size), or None when the cache does not hold this chunk."""
+        manifest = self._manifest(chunk)
+        if manifest is None:
+            return None
+        sums = tuple(manifest["blocks"]) if manifest.get("block_size") == block_size else None
+        return self.directory / f"{chunk.name}.chunk", sums
 
+    def save(self, chunk: Chunk, views: dict[str, torch.Tensor], block_size: int) -> None:
+        """Write ``chunk``'s image from its tensors (``views``), then its manifest (layout, a digest per
+        tensor and per ``block_size`` block of the image), so that a partial entry is never used."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        target = self.directory / name
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=self.directory))
+        target = self.directory / f"{chunk.name}.chunk"
+        tmp = target.with_name(f".{target.name}.tmp")
+        sums = []
         try:
-            save_file({k: v.contiguous() for k, v in views.items()}, str(tmp / "model.safetensors"))
-            fsync_file(tmp / "model.safetensors")
-            if target.exists():
-                shutil.rmtree(target)
+            with open(tmp, "wb") as f:
+                for block in _image_blocks(chunk.layout, views, block_size):
+                    f.write(block)
+                    sums.append(xxhash.xxh3_64_intdigest(block))
+            fsync_file(tmp)
             os.replace(tmp, target)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.unlink(missing_ok=True)
             raise
-        manifest = {"tensors": {k: _digest(v) for k, v in views.items()}}
-        write_text_atomically(self.directory / f"{name}.json", json.dumps(manifest))
+        manifest = {
+            "format": FORMAT,
+            "layout": _layout(chunk.layout),
+            "tensors": {k: _digest(v) for k, v in views.items()},
+            "block_size": block_size,
+            "blocks": sums,
+        }
+        write_text_atomically(self.directory / f"{chunk.name}.json", json.dumps(manifest))
+
+
+def _layout(layout: ChunkLayout) -> dict:
+    """A chunk layout as JSON (what an image must match to be read as the chunk)."""
+    return {
+        "capacity": layout.capacity,
+        "tensors": [[t.name, list(t.shape), str(t.dtype).removeprefix("torch."), t.offset] for t in layout.tensors],
+    }
+
+
+def _read_exactly(fd: int, target: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(target):
+        n = os.preadv(fd, [target[done:]], offset + done)
+        if n <= 0:
+            raise IntegrityError(f"quantized cache {path} is shorter than its manifest says")
+        done += n
+
+
+def _image_blocks(layout: ChunkLayout, views: dict[str, torch.Tensor], block_size: int) -> Iterator[bytearray]:
+    """The chunk's image in blocks of ``block_size`` bytes: each tensor's bytes at its offset, zeros between."""
+    tensors = sorted((t for t in layout.tensors if t.nbytes), key=lambda t: t.offset)
+    raw = {t.name: buffer_of(views[t.name].reshape(-1).view(torch.uint8)) for t in tensors}
+    first = 0  # tensors before it end before the current block
+    for start in range(0, layout.capacity, block_size):
+        end = min(start + block_size, layout.capacity)
+        block = bytearray(end - start)
+        while first < len(tensors) and tensors[first].offset + tensors[first].nbytes <= start:
+            first += 1
+        for t in tensors[first:]:
+            if t.offset >= end:
+                break
+            lo, hi = max(start, t.offset), min(end, t.offset + t.nbytes)
+            block[lo - start : hi - start] = raw[t.name][lo - t.offset : hi - t.offset]
+        yield block
 
 
 def _digest(tensor: torch.Tensor) -> str:

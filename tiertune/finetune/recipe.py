@@ -42,6 +42,8 @@ class LoraSection:
     alpha: int = 32
     dropout: float = 0.05
     target_modules: Any = "all-linear"
+    # peft's: parameters adapted as such (MoE experts' fused weights, e.g. mlp.experts.gate_up_proj)
+    target_parameters: list[str] | None = None
     use_dora: bool = False
 
 
@@ -265,6 +267,11 @@ def _coerce(hint: Any, value: Any, name: str, choices: tuple[str, ...] | None) -
     if Any in allowed:
         return value
     for typ in allowed:
+        if typing.get_origin(typ) is list:  # a list of strings; one string alone is a list of one
+            items = [value] if isinstance(value, str) else value
+            if isinstance(items, list) and items and all(isinstance(v, str) and v for v in items):
+                return list(items)
+            continue
         if typ is bool and isinstance(value, bool):
             return value
         if typ is int and isinstance(value, int) and not isinstance(value, bool):
@@ -282,8 +289,16 @@ def _coerce(hint: Any, value: Any, name: str, choices: tuple[str, ...] | None) -
                 options = ", ".join((*choices, "true", "false") if bool in allowed else choices)
                 raise ConfigError(f"{name} must be one of {options}; got {value!r}")
             return value
-    expected = " or ".join("a number" if t is float else t.__name__ for t in allowed if t is not type(None))
+    expected = " or ".join(_describe(t) for t in allowed if t is not type(None))
     raise ConfigError(f"{name} must be {expected}; got {value!r}")
+
+
+def _describe(typ: Any) -> str:
+    if typ is float:
+        return "a number"
+    if typing.get_origin(typ) is list:
+        return "a list of names"
+    return typ.__name__
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

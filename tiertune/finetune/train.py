@@ -1,7 +1,8 @@
 """``train()``: a recipe in, a fine-tuned model out. The loop is here, in one place.
 
 The run directory gets ``trainer_log.jsonl`` (one JSON object per logged step: step, loss, learning_rate,
-grad_norm, tokens_per_second, peak bytes per tier) and, at the end, the model in Hugging Face safetensors
+grad_norm, tokens_per_second, peak bytes per tier; for an MoE whose loss includes the router's auxiliary
+loss, ``router_aux_loss``: that part of ``loss``) and, at the end, the model in Hugging Face safetensors
 format (config, shards, index, tokenizer), written shard by shard from the chunk store and moved into
 place only once complete; for LoRA, the adapter in PEFT format (``adapter_config.json``,
 ``adapter_model.safetensors``) and the tokenizer.
@@ -163,6 +164,7 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
             alpha=recipe.method.lora.alpha,
             dropout=recipe.method.lora.dropout,
             target_modules=recipe.method.lora.target_modules,
+            target_parameters=recipe.method.lora.target_parameters,
             seed=t.seed,
             use_dora=recipe.method.lora.use_dora,
         ),
@@ -344,6 +346,8 @@ def _run(
                     "bytes_moved": stats.bytes_moved,
                     "optimizer_steps": dict(trainer.optimizer_counts),
                 }
+                if trainer.router_aux is not None:  # MoE: the part of "loss" that is the router's aux loss
+                    record["router_aux_loss"] = trainer.last_router_aux_loss
                 if (step + 1) % t.logging_steps == 0 or step + 1 == steps:
                     log_file.write(json.dumps(record) + "\n")
                     log_file.flush()

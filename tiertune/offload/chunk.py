@@ -51,7 +51,8 @@ class ChunkState(enum.Enum):
 S = ChunkState
 TRANSITIONS: Mapping[ChunkState, frozenset[ChunkState]] = {
     # any resting state -> EMPTY: the contents were discarded (``ChunkStore.discard``)
-    S.EMPTY: frozenset({S.IN_USE}),
+    # EMPTY -> ON_DISK: a frozen chunk's bytes found in a file as they are (``ChunkStore.home_in_file``)
+    S.EMPTY: frozenset({S.IN_USE, S.ON_DISK}),
     S.ON_DISK: frozenset({S.LOADING, S.EMPTY}),
     # a failed read rolls back to ON_DISK
     S.LOADING: frozenset({S.ON_HOST, S.ON_DISK}),

@@ -25,14 +25,15 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from tiertune.errors import BudgetError, ConfigError, StateError
+from tiertune.errors import BudgetError, ConfigError, IntegrityError, StateError
 from tiertune.offload.aio import AsyncIO, IOHandle
 from tiertune.offload.chunk import IN_FLIGHT, Chunk, ChunkState, pack_tensors
 from tiertune.offload.disk import DiskSlot, DiskTier
-from tiertune.offload.inplace import FileReader, FileTensor, InPlace, plan_in_place
+from tiertune.offload.inplace import FileReader, FileTensor, InPlace, Window, plan_in_place
 from tiertune.offload.schedule import Scheduler
 from tiertune.offload.tiers import BUDGET_SETTING, Allocation, MemoryTier, Tier, auto_budget, cuda_cap
 from tiertune.units import format_size, parse_size
@@ -230,13 +231,16 @@ class ChunkStore:
         home: Tier | str,
         name: str | None = None,
         chunk_size: int | None = None,
+        in_file: bool = False,
     ) -> list[Chunk]:
         """Register tensors, packed in order into chunks of at most ``chunk_size`` bytes (default: the
         store's), homed on ``home``.
 
         Given a mapping of tensors, their values are copied in; given ``(name, shape, dtype)`` entries,
-        the chunks start EMPTY and read as zeros on first acquire. Raises BudgetError if the home tier
-        cannot hold them, or if a tier cannot stage them on their way to the device.
+        the chunks start EMPTY and read as zeros on first acquire. ``in_file``: frozen chunks homed on disk
+        whose disk copy will be a file (``home_in_file``, right after each is written): no slot of the disk
+        tier is reserved for them. Raises BudgetError if the home tier cannot hold them, or if a tier cannot
+        stage them on their way to the device.
         """
         home = Tier(home)
         if isinstance(tensors, Mapping):
@@ -254,7 +258,7 @@ class ChunkStore:
                     chunk = Chunk(
                         len(self._chunks), f"{prefix}.{i}" if len(layouts) > 1 else prefix, layout, home
                     )
-                    self._place(chunk)
+                    self._place(chunk, slot=not in_file)
                     self._chunks.append(chunk)
                     new.append(chunk)
             except BaseException:
@@ -295,15 +299,49 @@ class ChunkStore:
                 raise
         return new
 
+    def home_in_file(self, chunk: Chunk, path: Path, checksums: tuple[int, ...] | None = None) -> None:
+        """Make ``path`` the disk copy of frozen chunk ``chunk`` (homed on disk): a file that holds the chunk's
+        image, its bytes in its layout from byte 0 (tiertune's quantized cache writes them so). From now on
+        the chunk is read in place from the file and never written, and its slot in the disk tier is freed:
+        the file is its only copy on disk. ``checksums`` (one xxh3-64 per ``block_size`` block of the image)
+        are checked from the first read on; without them, the first read records them.
+
+        Raises StateError for a chunk that is not homed on disk, already in place or acquired, and
+        IntegrityError when the file is shorter than the chunk."""
+        with self._cond:
+            self._check_open()
+            while chunk.state in IN_FLIGHT:
+                self._wait()
+            if chunk.home is not Tier.DISK or self.in_place(chunk) is not None or chunk.state is S.IN_USE:
+                raise StateError(
+                    f"chunk {chunk.name!r} cannot be read from {path}: it is not a released chunk homed on disk"
+                )
+            st = path.stat()
+            if st.st_size < chunk.capacity:
+                raise IntegrityError(
+                    f"{path} holds {st.st_size} bytes where chunk {chunk.name!r} has {chunk.capacity}"
+                )
+            stamp = ((path, st.st_size, st.st_mtime_ns),)
+            slot = self._slots.get(chunk.id)
+            self._slots[chunk.id] = InPlace((Window(path, 0, 0, chunk.capacity),), stamp)
+            if isinstance(slot, DiskSlot) and self.disk is not None:
+                self.disk.release(slot)
+            chunk.disk_checksums = checksums
+            chunk.valid.add(Tier.DISK)
+            if chunk.state is S.EMPTY:
+                chunk.transition(S.ON_DISK)
+            self._cond.notify_all()
+
     def in_place(self, chunk: Chunk) -> InPlace | None:
         """Where ``chunk``'s bytes are read from when it is read in place (``add_in_place``), else None."""
         slot = self._slots.get(chunk.id)
         return slot if isinstance(slot, InPlace) else None
 
-    def _place(self, chunk: Chunk, in_place: InPlace | None = None) -> None:
-        """Reserve ``chunk``'s home space; check every tier above home can stage it. All or nothing."""
+    def _place(self, chunk: Chunk, in_place: InPlace | None = None, slot: bool = True) -> None:
+        """Reserve ``chunk``'s home space (``slot``: on disk too); check every tier above home can stage it.
+        All or nothing."""
         home, size = chunk.home, chunk.capacity
-        if home is Tier.DISK and self.disk is None and in_place is None:
+        if home is Tier.DISK and self.disk is None and in_place is None and slot:
             raise ConfigError(
                 f"chunk {chunk.name!r} is placed on disk but the store has no disk tier; set offload.disk_path"
             )
@@ -327,7 +365,8 @@ class ChunkStore:
         if in_place is not None:
             self._slots[chunk.id] = in_place
         elif home is Tier.DISK:
-            self._slots[chunk.id] = self.disk.reserve(chunk, self.aio.block_size)  # type: ignore[union-attr]
+            if slot:
+                self._slots[chunk.id] = self.disk.reserve(chunk, self.aio.block_size)  # type: ignore[union-attr]
         else:
             alloc = self._alloc(home, chunk, blocking=True)  # may evict cached copies of other chunks
             chunk.copies[home] = alloc
@@ -965,6 +1004,8 @@ class ChunkStore:
     def _start_write(self, chunk: Chunk, drop_host: bool) -> None:
         if self.in_place(chunk) is not None:
             raise StateError(self._read_only(chunk))
+        if chunk.id not in self._slots:
+            raise StateError(f"chunk {chunk.name!r} has no disk copy yet: its file was to be given (home_in_file)")
         assert self.disk is not None
         chunk.transition(S.WRITING)
         handle, sums = self.disk.write(chunk, self._slots[chunk.id], chunk.copies[Tier.HOST].tensor)  # type: ignore[attr-defined]
