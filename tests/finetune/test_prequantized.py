@@ -6,7 +6,7 @@ import torch
 from test_engine import ACCUM, STEPS, _batches
 from test_lora import LORA
 
-from tiertune.errors import ConfigError, StateError
+from tiertune.errors import ConfigError, ModelError, StateError
 from tiertune.finetune.engine import EngineConfig, StreamedTrainer
 from tiertune.offload.store import StoreConfig
 from tiertune.offload.tiers import Tier
@@ -208,3 +208,65 @@ def test_loading_a_prequantized_base_stays_within_the_host_budget(tmp_path, disk
     assert rss["stepped"] >= rss["loaded"]  # and it trains
     if placement == "disk":  # far less than the checkpoint: it stays where it is
         assert rss["loaded"] - rss["baseline"] < written["bytes_on_disk"] / 2, rss
+
+
+def _moe_run(path, cache, disk):
+    cfg = EngineConfig(dtype=torch.float32, method="lora", quantize="nf4", lora=LORA, learning_rate=1e-2,
+                       max_steps=STEPS, params="disk", quant_cache=str(cache))  # fmt: skip
+    store = StoreConfig(device_budget="400KiB", host_budget="200KiB", disk_path=str(disk), prefetch_depth=1)
+    trainer = StreamedTrainer(str(path), store, cfg)
+    try:
+        batches = _batches(trainer.model.config.vocab_size)
+        losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
+        layers = [c for s in trainer._states if s.group.kind == "layer" for c in s.weights]
+        written = {c.name: trainer.store.moved(c).get("host->disk", 0) for c in layers}
+        homed = {c.name: trainer.store.in_place(c) is not None for c in layers}
+        misses = trainer.quant_cache.misses
+    finally:
+        trainer.close()
+    return losses, written, homed, misses
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_prequantized_moe_trains_like_quantize_on_load_with_its_experts_cached(
+    tiny_model_dir, saved_quantized, tmp_path, family
+):
+    """transformers saves a bitsandbytes-quantized MoE with its attention 4-bit and its experts unquantized
+    (one tensor per expert): tiertune reads the first as they are, quantizes the experts on load exactly as
+    from the source checkpoint, and homes the layers in the quantized cache's images, never in the slot
+    file."""
+    src, _ = tiny_model_dir(family, layers=2)
+    saved = saved_quantized(src, "nf4")
+    expected, _, _, _ = _moe_run(src, tmp_path / "cache-src", tmp_path / "disk-src")
+    losses, written, homed, misses = _moe_run(saved, tmp_path / "cache", tmp_path / "disk")
+    assert losses == expected  # the same bytes: the same losses, exactly
+    assert misses == 2 and all(homed.values()) and not any(written.values()), (homed, written)
+    again, written, homed, misses = _moe_run(saved, tmp_path / "cache", tmp_path / "disk2")
+    assert again == expected and misses == 0 and all(homed.values())
+
+
+def test_experts_saved_quantized_one_tensor_per_expert_are_refused_clearly(
+    tiny_model_dir, saved_quantized, tmp_path, disk_dir
+):
+    """A transformers 4 save of a bitsandbytes MoE (``experts.0.w1.weight`` packed 4-bit with its quant
+    state): not read as if it were unquantized, nor failed on shapes, but refused saying what to use."""
+    import shutil
+
+    import bitsandbytes.functional as bf
+    from safetensors.torch import load_file, save_file
+
+    src, _ = tiny_model_dir("mixtral", layers=2)
+    v4 = tmp_path / "v4"
+    shutil.copytree(saved_quantized(src, "nf4"), v4)
+    for shard in v4.glob("*.safetensors"):
+        tensors = {}
+        for key, value in load_file(shard).items():
+            if ".experts." in key and value.is_floating_point():
+                value, state = bf.quantize_4bit(value, quant_type="nf4", compress_statistics=True)
+                tensors.update({f"{key}.{k}": v for k, v in state.as_dict(packed=True).items()})
+            tensors[key] = value
+        save_file(tensors, shard, metadata={"format": "pt"})
+    cfg = EngineConfig(dtype=torch.float32, method="lora", quantize="nf4", lora=LORA, params="host")
+    store = StoreConfig(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
+    with pytest.raises(ModelError, match="quantized one tensor per expert.*unquantized checkpoint"):
+        StreamedTrainer(str(v4), store, cfg)

@@ -285,7 +285,8 @@ class StreamedTrainer:
         homes = {"embed": config.params, "layer": config.params, "rest": config.params, "head": config.params}
         checkpoint = Checkpoint(model_dir)
         self.quant_cache = None
-        if self.quant is not None and config.quant_cache is not None and saved is None:
+        # a pre-quantized checkpoint too: an MoE's experts are saved unquantized (transformers leaves them so)
+        if self.quant is not None and config.quant_cache is not None:
             from tiertune.finetune.quant_cache import QuantCache
 
             self.quant_cache = QuantCache(config.quant_cache, checkpoint, self.quant.settings())

@@ -219,6 +219,14 @@ def checkpoint_names(model: nn.Module, checkpoint: Checkpoint) -> dict[str, Tens
             names[target] = TensorSource(((key, ()),))
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     for target, parts in fused.items():
+        quantized = next((key for _, _, key in parts if _quantized_key(key, checkpoint)), None)
+        if quantized is not None:
+            raise ModelError(
+                f"the checkpoint in {checkpoint.directory} stores {target}'s experts quantized one tensor per "
+                f"expert ({quantized!r} has a bitsandbytes quant_state: a transformers 4 save of a quantized "
+                "MoE); tiertune does not read per-expert quantized experts yet: use the model's unquantized "
+                "checkpoint (its experts are quantized to NF4 on load, and cached beside offload.disk_path)"
+            )
         if target in shapes:
             names[target] = _fused_source(target, shapes[target], parts, converters[target], checkpoint)
     return names
@@ -334,10 +342,11 @@ def load_into_store(
         mapped: list[FileTensor] = []
         if in_place and Tier(home) is Tier.DISK:
             units, mapped = _split_in_place(units, group, source, saved, checkpoint)
-        quantized = quant is not None and any(
-            is_quantized(p) or is_quantized_experts(p) for p in group.params.values()
+        # weights quantized here (a bf16 base; an MoE's experts, which transformers saves unquantized)
+        on_load = quant is not None and any(
+            (is_quantized(p) or is_quantized_experts(p)) and n not in saved for n, p in group.params.items()
         )
-        cached = cache if quantized and not saved else None
+        cached = cache if on_load else None
         # a frozen group quantized on load and homed on disk: the cache's image is its disk copy
         from_cache = cached is not None and in_place and Tier(home) is Tier.DISK
         group.chunks = store.add_in_place(mapped, group.name, chunk_size) if mapped else []
@@ -458,12 +467,17 @@ def _split_in_place(
     return rest, mapped
 
 
+def _quantized_key(key: str, checkpoint: Checkpoint) -> bool:
+    """Whether checkpoint tensor ``key`` holds a bitsandbytes-quantized weight's packed bytes."""
+    return any(
+        f"{key}.{s}" in checkpoint for s in ("quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4")
+    ) or (key.endswith("weight") and key.removesuffix("weight") + "SCB" in checkpoint)
+
+
 def _refuse_quantized(name: str, source: TensorSource, checkpoint: Checkpoint) -> None:
     """A weight the model keeps unquantized must not be read from a quantized tensor's packed bytes."""
     key = source.pieces[0][0]
-    if any(
-        f"{key}.{s}" in checkpoint for s in ("quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4")
-    ) or (key.endswith("weight") and key.removesuffix("weight") + "SCB" in checkpoint):
+    if _quantized_key(key, checkpoint):
         raise ModelError(
             f"{name} is saved quantized in {checkpoint.entries[key].file} ({key!r}), but the model keeps it "
             "unquantized (llm_int8_skip_modules of its quantization_config?); tiertune does not dequantize "
