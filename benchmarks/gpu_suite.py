@@ -331,6 +331,7 @@ class RandomNF4Cache:
         from tiertune.quant.bnb4 import NF4
 
         self.directory = "(generated at load: random NF4)"
+        self.images = False  # nothing on disk: the disk tier keeps the generated layers
         self.hits = self.misses = 0
         self.quant = NF4(settings["dtype"])  # type: ignore[arg-type]
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

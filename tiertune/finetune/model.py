@@ -14,7 +14,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tiertune.errors import ModelError
+from tiertune.errors import ModelError, StateError
 from tiertune.finetune.weights import Checkpoint
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.inplace import FileTensor, can_map
@@ -348,7 +348,7 @@ def load_into_store(
         )
         cached = cache if on_load else None
         # a frozen group quantized on load and homed on disk: the cache's image is its disk copy
-        from_cache = cached is not None and in_place and Tier(home) is Tier.DISK
+        from_cache = cached is not None and cached.images and in_place and Tier(home) is Tier.DISK
         group.chunks = store.add_in_place(mapped, group.name, chunk_size) if mapped else []
         if units:
             name = f"{group.name}.more" if mapped else group.name
@@ -362,29 +362,42 @@ def load_into_store(
                 cached.hits += 1  # type: ignore[union-attr]
                 continue
             with store.writing(chunk) as views:
-                if cached is not None and cached.load(chunk, views):
-                    continue
-                for name in dict.fromkeys(owner[s.name] for s in chunk.tensors):
-                    param = group.params[name]
-                    if name in saved:  # pre-quantized: its bytes as they are (those of this chunk)
-                        saved[name].read_into(checkpoint, views)
-                    elif quant is not None and is_quantized(param):
-                        # read in the dtype a plain load quantizes from, one weight at a time
-                        weight = torch.empty(tuple(param.shape), dtype=dtype)
-                        source[name].read_into(checkpoint, weight)
-                        quant.quantize_into(name, weight, views)
-                    elif isinstance(quant, NF4) and is_quantized_experts(param):  # one expert at a time
-                        shape = tuple(param.shape)
-                        pieces = source[name].pieces
-                        experts.quantize_into(quant, name, shape, dtype, pieces, checkpoint.read_into, views)
-                    else:
-                        _refuse_quantized(name, source[name], checkpoint)
-                        source[name].read_into(checkpoint, views[name])
-                if cached is not None:
-                    cached.save(chunk, views, block)
+                if cached is None or not cached.load(chunk, views):
+                    fill = dict.fromkeys(owner[s.name] for s in chunk.tensors)
+                    _fill(group, fill, views, saved, source, checkpoint, dtype, quant)
+                    if cached is not None:
+                        cached.save(chunk, views, block)
             if from_cache:  # never written to the disk tier: only the cache holds it
-                store.home_in_file(chunk, *cached.image(chunk, block))  # type: ignore[union-attr,misc]
+                found = cached.image(chunk, block)  # type: ignore[union-attr]
+                if found is None:
+                    raise StateError(
+                        f"the quantized cache in {cached.directory} kept no image of {chunk.name}"
+                    )  # type: ignore[union-attr]
+                store.home_in_file(chunk, *found)
     return source
+
+
+def _fill(
+    group: ParamGroup, names: Iterable[str], views: dict[str, torch.Tensor], saved: dict[str, SavedWeight],
+    source: dict[str, TensorSource], checkpoint: Checkpoint, dtype: torch.dtype, quant: Quantizer | None,
+) -> None:  # fmt: skip
+    """Fill a chunk's ``views`` with weights ``names`` of ``group`` from the checkpoint: pre-quantized bytes as
+    they are, quantized on the way in, or read (converting the dtype)."""
+    for name in names:
+        param = group.params[name]
+        if name in saved:  # pre-quantized: its bytes as they are (those of this chunk)
+            saved[name].read_into(checkpoint, views)
+        elif quant is not None and is_quantized(param):
+            # read in the dtype a plain load quantizes from, one weight at a time
+            weight = torch.empty(tuple(param.shape), dtype=dtype)
+            source[name].read_into(checkpoint, weight)
+            quant.quantize_into(name, weight, views)
+        elif isinstance(quant, NF4) and is_quantized_experts(param):  # one expert at a time
+            shape = tuple(param.shape)
+            experts.quantize_into(quant, name, shape, dtype, source[name].pieces, checkpoint.read_into, views)
+        else:
+            _refuse_quantized(name, source[name], checkpoint)
+            source[name].read_into(checkpoint, views[name])
 
 
 def read_in_place(
@@ -394,7 +407,9 @@ def read_in_place(
     """How ``load_into_store`` lays out frozen group ``group`` homed on disk: the tensors it reads in place
     from the checkpoint's files, and the entries that get ordinary chunks (``source``: ``checkpoint_names``)."""
     units = _units(group, weight_entries(group, dtype, quant))
-    rest, mapped = _split_in_place(units, group, source, _saved_weights(group, source, checkpoint, quant), checkpoint)
+    rest, mapped = _split_in_place(
+        units, group, source, _saved_weights(group, source, checkpoint, quant), checkpoint
+    )
     return mapped, [entry for unit in rest for entry in unit]
 
 

@@ -40,6 +40,8 @@ FORMAT = 2  # 1: a safetensors file per chunk (not readable in place)
 class QuantCache:
     """The cache entry of one checkpoint under one set of quantization settings."""
 
+    images = True  # each chunk is kept as a file in its exact layout (``image``): a disk home for it
+
     def __init__(
         self, root: str | os.PathLike[str], checkpoint: Checkpoint, settings: dict[str, object]
     ) -> None:
