@@ -7,8 +7,9 @@ import shutil
 import pytest
 import torch
 from test_engine import ACCUM, _batches
+from test_lora import _config as lora_config
 
-from tiertune.finetune.engine import EngineConfig, StreamedTrainer
+from tiertune.finetune.engine import StreamedTrainer
 from tiertune.finetune.lora import LoraSettings
 from tiertune.offload.store import StoreConfig
 
@@ -18,21 +19,9 @@ LORA = LoraSettings(r=4, alpha=8, dropout=0.0, seed=0)  # peft adapts expert wei
 
 
 def _config(quantize, **kw):
-    base = dict(
-        dtype=torch.float32,
-        method="lora",
-        quantize=quantize,
-        lora=LORA,
-        learning_rate=1e-2,
-        weight_decay=0.1,
-        max_grad_norm=0.05,
-        lr_scheduler_type="cosine",
-        warmup_steps=1,
-        max_steps=STEPS,
-        params="disk",
-    )
-    base.update(kw)
-    return EngineConfig(**base)
+    """test_lora's settings, on disk, with this module's adapters and steps."""
+    return lora_config(**{"quantize": quantize, "lora": LORA, "warmup_steps": 1, "max_steps": STEPS,
+                          "params": "disk", **kw})  # fmt: skip
 
 
 def _nf4_round_trip(weight):

@@ -18,7 +18,7 @@ def test_every_state_has_a_row_and_in_use_only_returns_to_rest():
     ("start", "target"),
     [
         (S.ON_DISK, S.ON_DEVICE),
-        (S.EMPTY, S.ON_DISK),
+        (S.EMPTY, S.ON_HOST),  # EMPTY -> ON_DISK is legal: a frozen chunk homed in a file
         (S.LOADING, S.IN_USE),
         (S.WRITING, S.IN_USE),
         (S.IN_USE, S.ON_DISK),
