@@ -165,3 +165,26 @@ def test_training_from_an_fp8_checkpoint_stops_with_an_error_naming_it(tmp_path,
     result = CliRunner().invoke(app, ["train", str(recipe)], env={"COLUMNS": "200"})
     assert result.exit_code == 2, result.output
     assert "saved quantized with 'fp8'" in result.output and "Traceback" not in result.output
+
+
+def test_gpt_oss_with_mxfp4_experts_stops_with_an_error_naming_it(tmp_path, model_dir, write_recipe):
+    """gpt-oss is published with MXFP4 experts (quant_method mxfp4): tiertune does not read them. The run
+    stops before reading a weight, naming the format, exit 2."""
+    from transformers import GptOssConfig
+
+    tiny = tmp_path / "tiny-gpt-oss"
+    tiny.mkdir()
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(model_dir) / file, tiny / file)
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    config = GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_local_experts=4,
+                          num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                          vocab_size=vocab).to_dict()  # fmt: skip
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tiny / "config.json").write_text(json.dumps(config))
+    recipe = write_recipe(tmp_path, tiny, model={"quantize": "nf4", "dtype": "bfloat16"},
+                          method={"type": "lora", "lora": {"dropout": 0.0}})  # fmt: skip
+    assert any("'mxfp4'" in note for note in estimate(load_recipe(recipe, ()), measure=False).notes)
+    result = CliRunner().invoke(app, ["train", str(recipe)], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert "saved quantized with 'mxfp4'" in result.output and "Traceback" not in result.output
