@@ -73,7 +73,7 @@ def _gpu_peak(args: argparse.Namespace) -> int | None:
 
 
 def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dict:
-    from tiertune.finetune.engine import EngineConfig, StreamedTrainer
+    from tiertune.engine import EngineConfig, StreamedTrainer
     from tiertune.finetune.lora import LoraSettings
     from tiertune.offload.store import StoreConfig
 
@@ -99,7 +99,7 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
                 before = trainer.store.stats().bytes_moved
         stats = trainer.store.stats()
         n = max(1, args.steps - 1)
-        layer = next(s.weights[0] for s in trainer._states if s.group.kind == "layer")
+        layer = next(s.weights[0] for s in trainer.states if s.group.kind == "layer")
     finally:
         trainer.close()
     return {

@@ -211,7 +211,7 @@ def disk_read_rate(directory: Path) -> dict:
 
 def train(model_dir: Path, disk_dir: Path, args: argparse.Namespace) -> dict:
     """The measured part, in a fresh process: QLoRA steps with the base read in place from disk."""
-    from tiertune.finetune.engine import EngineConfig, StreamedTrainer
+    from tiertune.engine import EngineConfig, StreamedTrainer
     from tiertune.finetune.lora import LoraSettings
     from tiertune.offload.store import StoreConfig
 

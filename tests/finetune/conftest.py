@@ -90,7 +90,7 @@ def tiny_model_dir(tmp_path_factory):
 def interrupted_after():
     """``with interrupted_after(n): train(...)``: the runs in the block stop with KeyboardInterrupt (as after
     Ctrl-C) when they start their step n + 1 (counted over all of them)."""
-    from tiertune.finetune.engine import StreamedTrainer
+    from tiertune.engine import StreamedTrainer
 
     @contextlib.contextmanager
     def after(steps: int):

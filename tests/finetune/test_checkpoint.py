@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
+from tiertune.engine import StreamedTrainer
 from tiertune.errors import ConfigError
 from tiertune.finetune.checkpoint import checkpoints
-from tiertune.finetune.engine import StreamedTrainer
 from tiertune.finetune.train import train
 
 STEPS = 8
@@ -130,7 +130,7 @@ def test_a_checkpoint_of_another_recipe_is_refused(tmp_path, model_dir):
 
 SLOW_RUN = """
 import time, sys
-from tiertune.finetune.engine import StreamedTrainer
+from tiertune.engine import StreamedTrainer
 from tiertune.finetune.train import train
 step = StreamedTrainer.step
 def slow(self, micro):  # slow enough for the parent to kill it between two checkpoints
@@ -199,9 +199,9 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_the_step_bo
 
     from safetensors.torch import load_file
 
+    from tiertune.engine import EngineConfig
     from tiertune.finetune import checkpoint
     from tiertune.finetune.data import batches, load_data
-    from tiertune.finetune.engine import EngineConfig
     from tiertune.offload.store import StoreConfig
 
     store = StoreConfig(device_budget="4MiB", host_budget="2MiB", disk_path=str(disk_dir))

@@ -200,7 +200,7 @@ def test_the_engine_trains_packed_rows_like_the_plain_model(tmp_path, tokenizer,
     """A packed micro-batch through the streamed engine gives the loss the plain model gives it."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from tiertune.finetune.engine import EngineConfig, StreamedTrainer
+    from tiertune.engine import EngineConfig, StreamedTrainer
     from tiertune.offload.store import StoreConfig
 
     rows = [{"text": t} for t in ("the red cat sat on the mat", "a dog ran", "name a color", "hi there")]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tiertune.finetune.engine import EngineConfig, StreamedTrainer
+from tiertune.engine import EngineConfig, StreamedTrainer
 from tiertune.offload.store import StoreConfig
 
 STEPS = 10
@@ -163,7 +163,7 @@ def test_optimizer_overlap_modes_are_exact(
         path, initial, disk_dir, placement, overlap_optimizer=overlap, max_grad_norm=max_grad_norm
     )
     assert trainer.optimizer_counts == expected
-    twins = any(s.twins for s in trainer._states)
+    twins = any(s.twins for s in trainer.states)
     assert twins == (overlap == "on" and max_grad_norm > 0)
 
 
@@ -211,7 +211,7 @@ def test_bf16_weights_follow_fp32_master_weights(tiny_model_dir, disk_dir):
     try:
         batch = _batches(211)[:ACCUM]
         losses = [trainer.step(batch) for _ in range(4)]
-        for state in trainer._states:
+        for state in trainer.states:
             assert state.master, "bf16 compute keeps fp32 master weights"
             for weight_chunk, master_chunk in zip(state.weights, state.master):
                 weights, master = trainer.store.read(weight_chunk), trainer.store.read(master_chunk)
@@ -229,7 +229,7 @@ def test_layer_inputs_on_the_host_keep_parity_and_travel_through_the_store(
 ):
     path, initial = tiny_model_dir("llama")
     trainer = _check_parity(path, initial, disk_dir, placement, activations="host", activation_tokens=24)
-    inputs = trainer._inputs
+    inputs = trainer.stash.chunks
     assert len(inputs) == 4 and all(c.home.value == "host" for c in inputs)
     moved = trainer.store.stats().bytes_moved
     # every micro-batch's forward sends each layer's input down and backward brings it back
@@ -341,7 +341,7 @@ def test_8bit_adam_states_match_bitsandbytes_adamw8bit(tiny_model_dir, disk_dir,
     try:
         losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
         weights = trainer.state_dict()
-        moments = [c for s in trainer._states for c in s.exp_avg]
+        moments = [c for s in trainer.states for c in s.exp_avg]
         eight_bit = sum(t.dtype == torch.uint8 for c in moments for t in (x for x in c.tensors))
         counts = dict(trainer.optimizer_counts)
     finally:

@@ -5,8 +5,8 @@ import torch
 from test_engine import ACCUM, STEPS, _batches, _config, plain_training
 from torch import nn
 
+from tiertune.engine import StreamedTrainer
 from tiertune.finetune import optim as engine_optim
-from tiertune.finetune.engine import StreamedTrainer
 from tiertune.finetune.optim import GaloreSettings
 from tiertune.offload.store import StoreConfig
 
@@ -312,7 +312,7 @@ def test_layerwise_update_never_holds_every_layers_gradients(tiny_model_dir, dis
         prefetch_depth=1,
     )
     trainer = StreamedTrainer(str(path), store, cfg)
-    grads = [c for s in trainer._states if s.group.kind == "layer" for c in s.grads]
+    grads = [c for s in trainer.states if s.group.kind == "layer" for c in s.grads]
     held = []
     add_grads = trainer.add_grads
 
@@ -428,7 +428,7 @@ def test_galore_projects_on_the_gpu(tmp_path, disk_dir, svd):
         try:
             losses[device] = [trainer.step([batches[s]]) for s in range(3)]
             sent[device] = trainer.gradient_bytes / 3
-            proj = [c for s in trainer._states for c in s.proj if c is not None]
+            proj = [c for s in trainer.states for c in s.proj if c is not None]
             if device == "cuda":
                 assert all(trainer.store.moved(c).get("host->device", 0) > 0 for c in proj)
         finally:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from test_engine import ACCUM, STEPS, _batches, plain_training
 
-from tiertune.finetune.engine import EngineConfig, StreamedTrainer
+from tiertune.engine import EngineConfig, StreamedTrainer
 from tiertune.finetune.lora import LoraSettings
 from tiertune.offload.store import StoreConfig
 from tiertune.quant import make_quantizer
@@ -176,7 +176,7 @@ def test_an_nf4_layer_moves_at_most_0_3_of_its_bf16_bytes(disk_dir, tmp_path):
         try:
             for _ in range(2):
                 trainer.step(_batches(211)[:ACCUM])
-            layers = [s.weights[0] for s in trainer._states if s.group.kind == "layer"]
+            layers = [s.weights[0] for s in trainer.states if s.group.kind == "layer"]
             moved[quantize] = [trainer.store.moved(c).get("host->device", 0) for c in layers]
         finally:
             trainer.close()

@@ -9,7 +9,7 @@ import torch
 from test_engine import ACCUM, _batches
 from test_lora import _config as lora_config
 
-from tiertune.finetune.engine import StreamedTrainer
+from tiertune.engine import StreamedTrainer
 from tiertune.finetune.lora import LoraSettings
 from tiertune.offload.store import StoreConfig
 
@@ -136,7 +136,7 @@ def _train(path, disk_dir, cfg, save_to=None):
         losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
         trained = trainer.adapter_state_dict()
         trainer.expert_bytes = {
-            n: v for c in trainer._states if c.group.kind == "layer" for w in c.weights
+            n: v for c in trainer.states if c.group.kind == "layer" for w in c.weights
             for n, v in trainer.store.read(w).items() if ".experts." in n
         }  # fmt: skip
         if save_to is not None:

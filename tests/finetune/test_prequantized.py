@@ -6,8 +6,8 @@ import torch
 from test_engine import ACCUM, STEPS, _batches
 from test_lora import LORA
 
+from tiertune.engine import EngineConfig, StreamedTrainer
 from tiertune.errors import ConfigError, ModelError, StateError
-from tiertune.finetune.engine import EngineConfig, StreamedTrainer
 from tiertune.offload.store import StoreConfig
 from tiertune.offload.tiers import Tier
 
@@ -49,7 +49,7 @@ def _run(path, disk_dir, quantize, placement):
     try:
         batches = _batches(trainer.model.config.vocab_size)
         losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
-        layer = next(s for s in trainer._states if s.group.kind == "layer")
+        layer = next(s for s in trainer.states if s.group.kind == "layer")
         chunks = {
             c.name: (trainer.store.in_place(c) is not None, trainer.store.read(c)) for c in layer.weights
         }
@@ -160,7 +160,7 @@ import torch
 sys.path.insert(0, sys.argv[4])
 from bench_load import peak_rss
 from common import proc_status_bytes
-from tiertune.finetune.engine import EngineConfig, StreamedTrainer
+from tiertune.engine import EngineConfig, StreamedTrainer
 from tiertune.finetune.lora import LoraSettings
 from tiertune.offload.store import StoreConfig
 import bitsandbytes, peft  # imported before the baseline, as the trainer would import them
@@ -218,7 +218,7 @@ def _moe_run(path, cache, disk):
     try:
         batches = _batches(trainer.model.config.vocab_size)
         losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
-        layers = [c for s in trainer._states if s.group.kind == "layer" for c in s.weights]
+        layers = [c for s in trainer.states if s.group.kind == "layer" for c in s.weights]
         written = {c.name: trainer.store.moved(c).get("host->disk", 0) for c in layers}
         homed = {c.name: trainer.store.in_place(c) is not None for c in layers}
         misses = trainer.quant_cache.misses

@@ -3,8 +3,8 @@ import os
 import pytest
 import torch
 
+from tiertune.engine import EngineConfig, StreamedTrainer
 from tiertune.errors import IntegrityError
-from tiertune.finetune.engine import EngineConfig, StreamedTrainer
 from tiertune.finetune.lora import LoraSettings
 from tiertune.offload.store import StoreConfig
 from tiertune.quant.bnb4 import NF4
@@ -71,7 +71,7 @@ def test_a_changed_checkpoint_gets_a_new_entry_and_a_corrupt_one_is_refused(tiny
 
 
 def _layers(trainer):
-    return [c for s in trainer._states if s.group.kind == "layer" for c in s.weights]
+    return [c for s in trainer.states if s.group.kind == "layer" for c in s.weights]
 
 
 def test_a_frozen_base_on_disk_is_read_from_the_cache_and_never_copied_into_the_disk_tier(
@@ -98,7 +98,7 @@ def test_a_frozen_base_on_disk_is_read_from_the_cache_and_never_copied_into_the_
             # nothing of a layer was ever written to the disk tier (its slots are reserved while a group
             # loads, then freed); what it received at most is the rest of the model
             assert all(trainer.store.moved(c).get("host->disk", 0) == 0 for c in layers)
-            others = sum(c.capacity for s in trainer._states if s.group.kind != "layer" for c in s.weights)
+            others = sum(c.capacity for s in trainer.states if s.group.kind != "layer" for c in s.weights)
             assert stats.bytes_moved.get("host->disk", 0) <= others
         finally:
             trainer.close()

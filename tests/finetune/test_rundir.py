@@ -11,10 +11,10 @@ import torch
 from typer.testing import CliRunner
 
 from tiertune.cli.app import app
+from tiertune.engine import StreamedTrainer
 from tiertune.errors import ConfigError, DataError, DiskFullError, IntegrityError, NonFiniteError
 from tiertune.finetune import checkpoint as ckpt
 from tiertune.finetune.checkpoint import checkpoints
-from tiertune.finetune.engine import StreamedTrainer
 from tiertune.finetune.rundir import RunDirectory
 from tiertune.finetune.train import train
 

@@ -144,7 +144,7 @@ def test_a_row_without_text_is_named_or_skipped(tmp_path, recipe_file):
 def test_export_is_exactly_the_trained_weights(tiny_model_dir, tmp_path, family, model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tiertune.finetune.engine import EngineConfig, StreamedTrainer
+    from tiertune.engine import EngineConfig, StreamedTrainer
     from tiertune.finetune.train import export_hf
     from tiertune.offload.store import StoreConfig
 

@@ -1,1 +1,1 @@
-"""tiertune.finetune: see DESIGN.md; lands with its issue."""
+"""Entry points (train, estimate, export, demo) and what they need around the engine: see ARCHITECTURE.md."""

@@ -48,7 +48,7 @@ from tiertune.offload.disk import is_no_space
 from tiertune.units import format_size
 
 if TYPE_CHECKING:
-    from tiertune.finetune.engine import StreamedTrainer
+    from tiertune.engine import StreamedTrainer
 
 log = logging.getLogger("tiertune.checkpoint")
 

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from tiertune.errors import ConfigError, DataError
+from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 FORMATS = ("text", "alpaca", "chat")
 

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiertune.offload.chunk import pack_tensors
+from tiertune.offload.chunk import itemsize, pack_tensors
 from tiertune.offload.disk import slot_bytes
 from tiertune.offload.store import StoreConfig
 from tiertune.offload.tiers import Tier
@@ -112,7 +112,7 @@ def estimate(recipe: Recipe, measure: bool = True) -> Estimate:
     store_cfg, cfg = plan(recipe)
     notes: list[str] = []
     chunks, parameters, trained, outside = _chunks(recipe, store_cfg, cfg, notes)
-    clipping = bool(cfg.max_grad_norm and cfg.max_grad_norm > 0)
+    clipping = cfg.clips
     layerwise = (
         cfg.overlap_optimizer != "off" and not clipping and recipe.training.gradient_accumulation_steps == 1
     )
@@ -183,7 +183,7 @@ def _chunks(
 ) -> tuple[list[_Chunk], int, int, dict[str, int]]:
     """Every chunk the run would register, laid out as the store lays them out (what a reader should know
     about the model is appended to ``notes``)."""
-    from tiertune.finetune.engine import gradient_entries, state_entries
+    from tiertune.engine import gradient_entries, state_entries
     from tiertune.finetune.model import build_skeleton, split_model, weight_entries
     from tiertune.finetune.optim import GaLore
     from tiertune.quant import is_quantized, make_quantizer
@@ -217,7 +217,7 @@ def _chunks(
         return Tier.DEVICE if home == "device" and cpu_device else Tier.HOST
 
     trained_flag = cfg.method != "lora"
-    clipping = bool(cfg.max_grad_norm and cfg.max_grad_norm > 0)
+    clipping = cfg.clips
     parameters = trained = 0
     units: list[tuple[_Chunk, list[tuple[str, list, _Chunk]]]] = []  # (gradients, [(kind, entries, source)])
     kinds = {"master": "master", "exp_avg": "moments", "exp_avg_sq": "moments", "proj": "projections"}
@@ -262,7 +262,7 @@ def _chunks(
             for _, e, source in sources:
                 add(e, "twins", source.home, source.used_on if source.kind != "weights" else Tier.HOST, True)
     hidden = model.config.hidden_size
-    act = cfg.activation_tokens * hidden * _itemsize(cfg.dtype)
+    act = cfg.activation_tokens * hidden * itemsize(cfg.dtype)
     outside: dict[str, int] = {}
     if cfg.activations == "host":
         for _ in parts.layers:
@@ -276,7 +276,7 @@ def _chunks(
     else:
         outside["saved layer inputs"] = act * len(parts.layers)
     vocab = model.config.vocab_size
-    from tiertune.finetune.engine import FUSED_LOSS_ARCHITECTURES
+    from tiertune.engine import FUSED_LOSS_ARCHITECTURES
     from tiertune.kernels.ops.linear_ce import SLICE_BYTES
 
     if cfg.kernels != "none" and model.config.model_type in FUSED_LOSS_ARCHITECTURES:
@@ -290,7 +290,7 @@ def _chunks(
         upcast = min(SLICE_BYTES, vocab * hidden * 4) if cfg.dtype != torch.float32 else 0
         outside["loss chunk (fused with the head)"] = loss_chunk + head + upcast
     else:  # the logits of a micro-batch, their fp32 copy for the loss and its gradient
-        outside["logits and their gradient"] = cfg.activation_tokens * vocab * (_itemsize(cfg.dtype) + 8)
+        outside["logits and their gradient"] = cfg.activation_tokens * vocab * (itemsize(cfg.dtype) + 8)
     if cfg.method == "lora":
         params = _adapter_parameters(model, cfg.lora)
         outside["LoRA adapters + states"] = params * 16
@@ -375,8 +375,6 @@ def _adapter_parameters(model: torch.nn.Module, settings) -> int:
     return sum(p.numel() for p in adapters.params)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _twins_fit(chunks: list[_Chunk], units: list, store_cfg: StoreConfig) -> bool:

@@ -225,11 +225,12 @@ class Adapters:
         return [p for p in self.params if id(p) in inside]
 
     def step(
-        self, lr: float, weight_decay: float, betas: tuple[float, float], eps: float, max_grad_norm: float
+        self, lr: float, weight_decay: float, betas: tuple[float, float], eps: float, max_grad_norm: float | None
     ) -> float:
-        """Clip (as ``clip_grad_norm_``), update with AdamW and zero the gradients; returns the gradient norm."""
+        """Clip to ``max_grad_norm`` (as ``clip_grad_norm_``; None: no clipping), update with AdamW and zero the
+        gradients; returns the gradient norm."""
         params = [p for p in self.params if p.grad is not None]
-        if max_grad_norm and max_grad_norm > 0:
+        if max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         else:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tiertune.engine import EngineConfig, StreamedTrainer
 from tiertune.errors import (
     ConfigError,
     DataError,
@@ -46,7 +47,6 @@ from tiertune.finetune.checkpoint import (
     recover,
 )
 from tiertune.finetune.data import batches, load_data
-from tiertune.finetune.engine import EngineConfig, StreamedTrainer
 from tiertune.finetune.export import write_hf
 from tiertune.finetune.files import write_text_atomically
 from tiertune.finetune.lora import LoraSettings
@@ -56,6 +56,7 @@ from tiertune.finetune.reporting import Reporters
 from tiertune.finetune.rundir import LOG_NAME, RunDirectory
 from tiertune.finetune.signals import StopOnSignals, stop_on_signals
 from tiertune.kernels.patch import describe, resolve_backend
+from tiertune.offload.chunk import itemsize
 from tiertune.offload.store import StoreConfig
 from tiertune.units import format_size
 
@@ -199,7 +200,7 @@ def _activations(recipe: Recipe, device: str, dtype: torch.dtype, device_budget:
     if device != "cuda":
         return "device"
     per_layer = recipe.training.per_device_train_batch_size * recipe.data.max_seq_len * config.hidden_size
-    total = per_layer * config.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
+    total = per_layer * config.num_hidden_layers * itemsize(dtype)
     return "host" if total > device_budget // 8 else "device"
 
 
@@ -490,8 +491,8 @@ def _banner(
     if trainer.adapters is not None:
         trained = sum(p.numel() for p in trainer.adapters.params)
     else:
-        trained = sum(s.group.numel for s in trainer._states if s.trainable)
-    total = sum(s.group.numel for s in trainer._states)
+        trained = sum(s.group.numel for s in trainer.states if s.trainable)
+    total = sum(s.group.numel for s in trainer.states)
     batch = (
         t.per_device_train_batch_size * t.gradient_accumulation_steps * int(os.environ.get("WORLD_SIZE", "1"))
     )
@@ -541,7 +542,7 @@ def optimizer_description(recipe: Recipe, trainer: StreamedTrainer) -> str:
         name = "8-bit AdamW (bitsandbytes)" if eight else "AdamW (torch, fused)"
     if trainer.adapters is not None:
         return f"{name} on the adapters, after backward"
-    clipping = bool(cfg.max_grad_norm and cfg.max_grad_norm > 0)
+    clipping = cfg.clips
     if not trainer.overlap:
         why = (  # EngineConfig made overlap_optimizer one of auto/on/off
             "offload.overlap_optimizer: false" if cfg.overlap_optimizer == "off" else "its twin states do not fit the budgets"

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from tiertune.errors import ModelError
+from tiertune.offload.chunk import itemsize
 
 _DTYPES = {
     "F64": torch.float64,
@@ -177,7 +178,7 @@ def _read_header(path: Path) -> list[TensorEntry]:
             begin, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelError(f"weight file {path} is corrupt: bad header entry for {name!r} ({exc})") from exc
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * itemsize(dtype)
         if end - begin != nbytes or begin < 0:
             raise ModelError(
                 f"weight file {path} is corrupt: {name!r} spans {end - begin} bytes, {nbytes} expected"

@@ -1,1 +1,1 @@
-"""tiertune.kernels: see DESIGN.md; lands with its issue."""
+"""Fused GPU kernels (Triton) with exact torch references, and the patching of model modules to use them."""

@@ -87,7 +87,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
+        return self.numel * itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,8 @@ class ChunkLayout:
         return rank * size, (rank + 1) * size
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -154,7 +155,7 @@ def pack_tensors(
             start = round_up(start, TENSOR_ALIGN)
             shape = tuple(int(s) for s in shape)
             specs.append(TensorSpec(name, shape, dtype, start))
-            start += math.prod(shape) * _itemsize(dtype)
+            start += math.prod(shape) * itemsize(dtype)
         return specs
 
     for entry in entries:

@@ -31,7 +31,7 @@ import xxhash
 
 from tiertune.errors import IntegrityError, StorageError
 from tiertune.offload.aio import AsyncIO, IOHandle, buffer_of
-from tiertune.offload.chunk import ALIGN, ChunkLayout, TensorSpec, _itemsize
+from tiertune.offload.chunk import ALIGN, ChunkLayout, TensorSpec, itemsize
 from tiertune.units import round_up
 
 GAP = 64 << 10
@@ -50,7 +50,7 @@ class FileTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class InPlace:
 def can_map(tensor: FileTensor) -> bool:
     """Whether ``tensor`` can be viewed in place: its start in the file is a multiple of its item size (the
     chunk keeps the file's offset modulo ``ALIGN``, so the view has the alignment the file gives it)."""
-    return tensor.start % _itemsize(tensor.dtype) == 0
+    return tensor.start % itemsize(tensor.dtype) == 0
 
 
 def plan_in_place(

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from tiertune.kernels.ops.backend import choose_backend
 
 IGNORE_INDEX = -100
+"""A label that takes no loss (torch's ``cross_entropy`` default): prompt tokens, padding, a packed row's
+first token. The one definition: the data pipeline writes it, the losses skip it."""
 SLICE_BYTES = 64 << 20
 """The most bytes of the head upcast to fp32 at a time (when it is not fp32 already)."""
 

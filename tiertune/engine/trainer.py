@@ -11,7 +11,7 @@ How a step runs (all on the caller's thread unless said otherwise):
 - Loss: summed cross-entropy over the micro-batch's target tokens, divided by the number of target tokens
   in the whole step (all micro-batches), so the accumulated gradient is the token-weighted mean. An MoE
   whose config asks for it (``output_router_logits``) adds the router's auxiliary loss as transformers
-  defines it (``_RouterAux``; ``router_aux`` says whether the loss has it, ``last_router_aux_loss`` its part).
+  defines it (``RouterAux``; ``router_aux`` says whether the loss has it, ``last_router_aux_loss`` its part).
 - Backward: layer by layer in reverse, each acquires its chunk again, recomputes its forward with the
   saved input (RNG state restored, so dropout matches), back-propagates, and adds its parameter
   gradients into fp32 gradient chunks on the host.
@@ -49,14 +49,11 @@ import contextlib
 import logging
 import math
 import os
-import queue
-import sys
-import threading
 import time
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -65,6 +62,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tiertune.engine.router_aux import RouterAux
+from tiertune.engine.streaming import InputStash, StreamedLayer, alias
+from tiertune.engine.update import LRSchedule, OptimizerWorker, StepContext
 from tiertune.errors import BudgetError, ConfigError, DataError, NonFiniteError, StateError
 from tiertune.finetune.lora import Adapters, LoraSettings
 from tiertune.finetune.model import (
@@ -77,7 +77,7 @@ from tiertune.finetune.model import (
 from tiertune.finetune.optim import AdamStep, GaLore, GaloreSettings, adamw, adamw_8bit, moment_entries
 from tiertune.finetune.weights import Checkpoint
 from tiertune.kernels.ops.backend import matmul_dtype
-from tiertune.kernels.ops.linear_ce import linear_cross_entropy
+from tiertune.kernels.ops.linear_ce import IGNORE_INDEX, linear_cross_entropy
 from tiertune.kernels.patch import patch_model, resolve_backend
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore, StoreConfig
@@ -89,7 +89,6 @@ from tiertune.units import format_size
 
 log = logging.getLogger("tiertune.engine")
 
-IGNORE_INDEX = -100
 # causal LMs whose forward is the decoder then a plain linear head, soft-capped by the config's
 # final_logit_softcapping where it has one (Gemma 2 and 3), no other logit scale: their loss can run fused
 # with the head
@@ -99,7 +98,7 @@ FUSED_LOSS_ARCHITECTURES = frozenset(
 )  # fmt: skip
 """Causal LMs whose logits are the decoder's output times a linear head: Gemma 2/3 soft-cap them
 (``final_logit_softcapping``), Cohere scales them (``logit_scale``: the hidden states are scaled instead, the
-same product), and the MoE ones add their router loss apart (``_RouterAux``)."""
+same product), and the MoE ones add their router loss apart (``RouterAux``)."""
 
 
 @dataclass
@@ -139,6 +138,11 @@ class EngineConfig:
     # the model's own modules and unfused loss (the plain-loop oracle of the parity tests)
     kernels: str = "auto"
 
+    @property
+    def clips(self) -> bool:
+        """Whether a step clips the gradient's global norm (``max_grad_norm`` set and positive)."""
+        return bool(self.max_grad_norm and self.max_grad_norm > 0)
+
     def __post_init__(self) -> None:
         if isinstance(self.overlap_optimizer, bool):
             self.overlap_optimizer = "on" if self.overlap_optimizer else "off"
@@ -157,7 +161,9 @@ class EngineConfig:
         if self.method not in ("full", "lora", "galore"):
             raise ConfigError(f"method.type must be full, lora or galore, got {self.method!r}")
         if self.quantize not in QUANT_KINDS:
-            raise ConfigError(f"model.quantize must be one of {', '.join(QUANT_KINDS)}, got {self.quantize!r}")
+            raise ConfigError(
+                f"model.quantize must be one of {', '.join(QUANT_KINDS)}, got {self.quantize!r}"
+            )
         if self.quantize != "none" and self.method != "lora":
             raise ConfigError("a quantized base is frozen: use method.type: lora with model.quantize")
         if self.activations not in ("device", "host"):
@@ -202,7 +208,7 @@ class _Slot:
     attr: str
 
 
-class _GroupState:
+class GroupState:
     """A parameter group's chunks, one entry per weight chunk: weights (compute dtype), fp32 gradients, the
     optimizer's sources (fp32 master weights, or the weights themselves when they are fp32, the Adam
     moments and, with GaLore, the projections) and, when the step is speculative, their twins that receive
@@ -309,16 +315,17 @@ class StreamedTrainer:
         paths = {id(m): n for n, m in self.model.named_modules()}
         self.galore = GaLore(config.galore, self.parts.layers, paths) if config.method == "galore" else None
         trained = config.method != "lora"
-        self._states = [
-            self._add_states(g, checkpoint) if trained else _GroupState(g) for g in self.parts.groups
+        self.states = [
+            self._add_states(g, checkpoint) if trained else GroupState(g) for g in self.parts.groups
         ]
         # LoRA: peft wraps the instance's linear modules (before the layers are replaced by streamed ones)
         self.adapters = (
             Adapters(self.model, config.lora, self.device, config.optim) if config.method == "lora" else None
         )
         self._parametrized = self._parametrized_names()
-        self._layer_index = [i for i, s in enumerate(self._states) if s.group.kind == "layer"]
-        self._traced = True  # weight accesses enter the scheduler's trace (training steps)
+        self._layer_index = [i for i, s in enumerate(self.states) if s.group.kind == "layer"]
+        # the step in progress, as backward's callbacks and the optimizer see it
+        self.step_ctx = StepContext()
         # seconds per step part, cumulative: io_wait (blocked in acquire), optimizer (not hidden), step
         self.times: defaultdict[str, float] = defaultdict(float)
         if self.adapters is not None and self.adapters.pending_dora:
@@ -334,10 +341,16 @@ class StreamedTrainer:
             Counter() if config.kernels == "none" else patch_model(self.model, self.kernel_backend)
         )
         self.overlap = self._add_twins() if trained else False
-        self._inputs = self._add_input_chunks()
-        self._worker = _OptimizerWorker(self)
+        # with activations on the host, each layer's saved input in a chunk of its own
+        self.stash = None
+        if config.activations == "host":
+            numel = config.activation_tokens * self.model.config.hidden_size
+            self.stash = InputStash.add(self.store, len(self.parts.layers), numel, config.dtype, self.times)
+        self._worker = OptimizerWorker(
+            self.store, lambda unit, coef: self.optimizer_unit(*unit, coef), self.times
+        )
         # MoE: the router's auxiliary loss, where transformers computes one and the config asks for it
-        self.router_aux = _RouterAux.of(self.model, self.parts.layers)
+        self.router_aux = RouterAux.of(self.model, self.parts.layers)
         for i, layer in enumerate(self.parts.layers):
             self.parts.layers[i] = StreamedLayer(self, i, layer)
         for module in self.model.modules():  # buffers (rotary caches) to the device; parameters stay meta
@@ -345,8 +358,6 @@ class StreamedTrainer:
                 module._buffers[name] = buf.to(self.device)
         self.step_count = 0
         self._norms: dict[str, torch.Tensor] = {}
-        self._first_micro = self._last_micro = False
-        self._speculating = False
         # optimizer steps by how they ran: confirmed speculation, speculation redone (clipping was active),
         # run after backward (overlap off, or the last step was clipped)
         self.optimizer_counts = {"speculative": 0, "redone": 0, "after_backward": 0}
@@ -354,7 +365,9 @@ class StreamedTrainer:
         # GaLore's accumulators), cumulative: GaLore's projected weights send r/m of theirs
         self.gradient_bytes = 0
         self.last_grad_norm = float("nan")
-        self._lr = _Schedule(config)
+        self._lr = LRSchedule(
+            config.learning_rate, config.lr_scheduler_type, config.warmup_steps, config.max_steps
+        )
         self.fused_loss = self._fuse_loss()  # the loss runs fused with the head (kernels.ops.linear_ce)
         # the router's logits are collected by the engine (router_aux), not by the model's own output hooks
         moe = hasattr(self.model.config, "output_router_logits")
@@ -378,7 +391,7 @@ class StreamedTrainer:
         """The weights peft adapts through a parametrization (MoE routers and unquantized experts).
         Registering it calls ``set_`` on the bound weight, which bumps the version counter that all views of a
         chunk share; autograd would then refuse the layer's other weights saved for backward. They are bound
-        as tensors of their own (``_alias``)."""
+        as tensors of their own (``streaming.alias``)."""
         if self.adapters is None:
             return set()
         targets = {(id(module), attr) for module, attr in self.adapters.parametrized()}
@@ -433,17 +446,17 @@ class StreamedTrainer:
 
     def _init_dora(self) -> None:
         """DoRA's magnitudes from the base weights: one pass over the layers, outside the trace."""
-        self._traced = False
+        self.step_ctx.traced = False
         try:
             for i, layer in enumerate(self.parts.layers):
-                with self.bound_group(self._states[self._layer_index[i]], requires_grad=False):
+                with self.bound_group(self.states[self._layer_index[i]], requires_grad=False):
                     self.adapters.init_dora(layer)  # type: ignore[union-attr]
         finally:
-            self._traced = True
+            self.step_ctx.traced = True
         self.adapters.collect()  # type: ignore[union-attr]
 
-    def _add_states(self, group: ParamGroup, checkpoint: Checkpoint) -> _GroupState:
-        state = _GroupState(group)
+    def _add_states(self, group: ParamGroup, checkpoint: Checkpoint) -> GroupState:
+        state = GroupState(group)
         cfg = self.config
         for chunk in group.chunks:
             entries = [(s.name, s.shape, torch.float32) for s in chunk.tensors]
@@ -470,7 +483,7 @@ class StreamedTrainer:
                 state.proj.append(self._add_like(proj, home, f"{chunk.name}.proj")[0] if proj else None)
         return state
 
-    def _add_accumulator(self, state: _GroupState, j: int) -> Chunk | None:
+    def _add_accumulator(self, state: GroupState, j: int) -> Chunk | None:
         """GaLore's full-gradient accumulator of weight chunk ``j`` (None when it projects no weight there)."""
         if state.accum[j] is None:
             entries = [(s.name, s.shape, torch.float32) for s in state.weights[j].tensors]
@@ -485,48 +498,7 @@ class StreamedTrainer:
         size = sum(math.prod(shape) * 4 for _, shape, _ in entries)
         return self.store.add(entries, home=home, name=name, chunk_size=max(size, 1) + 256 * len(entries))
 
-    def _add_input_chunks(self) -> list[Chunk]:
-        """With activations on the host: one chunk per decoder layer for its saved input, homed on the host
-        and sized for the largest micro-batch. Forward writes it on the device and sends it down without
-        waiting; backward's acquire finds it prefetched back along the trace."""
-        if self.config.activations != "host":
-            return []
-        numel = self.config.activation_tokens * self.model.config.hidden_size
-        return [
-            self.store.add([("x", (numel,), self.config.dtype)], home=Tier.HOST, name=f"input.{i}")[0]
-            for i in range(len(self.parts.layers))
-        ]
-
-    def stash_input(self, index: int, hidden: torch.Tensor) -> None:
-        """Keep layer ``index``'s input for backward in its chunk (activations on the host)."""
-        chunk = self._inputs[index]
-        capacity = chunk.tensors[0].numel
-        if hidden.numel() > capacity or hidden.dtype != chunk.tensors[0].dtype:
-            raise ConfigError(
-                f"a micro-batch's hidden states ({tuple(hidden.shape)}, {hidden.dtype}) do not fit the "
-                f"activation chunk ({capacity} x {chunk.tensors[0].dtype}); set activation_tokens to the "
-                "largest batch x sequence length"
-            )
-        began = time.perf_counter()
-        views = self.store.acquire(chunk, Tier.DEVICE, overwrite=True)
-        self.times["io_wait"] += time.perf_counter() - began
-        views["x"][: hidden.numel()].copy_(hidden.detach().reshape(-1))
-        self.store.release(chunk, dirty=True)
-        self.store.evict(chunk, wait=False)
-
-    @contextmanager
-    def stashed_input(self, index: int, shape: torch.Size) -> Iterator[torch.Tensor]:
-        """Layer ``index``'s saved input on the device, for the duration of the block."""
-        chunk = self._inputs[index]
-        began = time.perf_counter()
-        views = self.store.acquire(chunk, Tier.DEVICE)
-        self.times["io_wait"] += time.perf_counter() - began
-        try:
-            yield views["x"][: math.prod(shape)].view(shape)
-        finally:
-            self.store.release(chunk)
-
-    def _unit_host_bytes(self, state: _GroupState, j: int, twins: bool) -> int:
+    def _unit_host_bytes(self, state: GroupState, j: int, twins: bool) -> int:
         """Host bytes one optimizer unit pins: gradients and sources (or their twins), plus one source
         while it is copied into its twin."""
         on_host = [c for c in (state.grads[j], *state.reads(j)) if self._cpu_tier(c) is Tier.HOST]
@@ -545,10 +517,10 @@ class StreamedTrainer:
         mode = self.config.overlap_optimizer
         if mode == "off":
             return False
-        if not (self.config.max_grad_norm and self.config.max_grad_norm > 0):
+        if not self.config.clips:
             return True
         need: dict[Tier, int] = defaultdict(int)
-        for state in self._states:
+        for state in self.states:
             for j in range(len(state.weights)):
                 for chunk in state.sources(j):
                     need[chunk.home] += chunk.capacity
@@ -556,9 +528,9 @@ class StreamedTrainer:
         # the worker holds one unit on the host (gradients, sources, twins) while backward holds a chunk of
         # gradients there
         unit = max(
-            self._unit_host_bytes(s, j, twins=True) for s in self._states for j in range(len(s.weights))
+            self._unit_host_bytes(s, j, twins=True) for s in self.states for j in range(len(s.weights))
         )
-        working = need.get(Tier.HOST, 0) + unit + max(c.capacity for s in self._states for c in s.grads)
+        working = need.get(Tier.HOST, 0) + unit + max(c.capacity for s in self.states for c in s.grads)
         if working > self.store.room(Tier.HOST):
             short[Tier.HOST] = working
         if short and mode == "on":
@@ -582,12 +554,32 @@ class StreamedTrainer:
                 detail,
             )
             return False
-        for state in self._states:
+        for state in self.states:
             for j in range(len(state.weights)):
                 state.twins.append(
                     tuple(self._add_like(_entries(c), c.home, f"{c.name}.twin")[0] for c in state.sources(j))  # type: ignore[misc]
                 )
         return True
+
+    # ------------------------------------------------------------------ streamed layers (LayerEngine)
+
+    def layer_state(self, index: int) -> GroupState:
+        """The state of decoder layer ``index``'s group."""
+        return self.states[self._layer_index[index]]
+
+    def layer_weights(
+        self, index: int, requires_grad: bool
+    ) -> AbstractContextManager[dict[str, torch.Tensor]]:
+        return self.bound_group(self.layer_state(index), requires_grad)
+
+    def layer_trainable(self, index: int) -> bool:
+        return self.layer_state(index).trainable
+
+    def layer_adapters(self, index: int) -> list[torch.Tensor]:
+        return self._layer_adapters[index]
+
+    def layer_grads(self, index: int, grads: dict[str, torch.Tensor | None]) -> None:
+        self.add_grads(self.layer_state(index), grads)
 
     # ------------------------------------------------------------------ binding
 
@@ -603,7 +595,7 @@ class StreamedTrainer:
                 shape = self._meta[name].shape
                 param = quant_experts.bind(self.quant, name, shape, views)  # type: ignore[arg-type]
             elif name in self._parametrized:
-                param = nn.Parameter(_alias(view), requires_grad=requires_grad)
+                param = nn.Parameter(alias(view), requires_grad=requires_grad)
             else:
                 param = nn.Parameter(view, requires_grad=requires_grad)
             for slot in self._slots[name]:
@@ -618,7 +610,7 @@ class StreamedTrainer:
                 slot.module._parameters[slot.attr] = self._meta[name]
 
     @contextmanager
-    def bound_group(self, state: _GroupState, requires_grad: bool) -> Iterator[dict[str, torch.Tensor]]:
+    def bound_group(self, state: GroupState, requires_grad: bool) -> Iterator[dict[str, torch.Tensor]]:
         """Acquire a group's weight chunks on the device and bind them for the duration of the block."""
         bound: dict[str, torch.Tensor] = {}
         acquired: list[Chunk] = []
@@ -626,7 +618,7 @@ class StreamedTrainer:
             views: dict[str, torch.Tensor] = {}
             for chunk in state.weights:
                 began = time.perf_counter()
-                views.update(self.store.acquire(chunk, Tier.DEVICE, traced=self._traced))
+                views.update(self.store.acquire(chunk, Tier.DEVICE, traced=self.step_ctx.traced))
                 self.times["io_wait"] += time.perf_counter() - began
                 acquired.append(chunk)
             # bound once all are acquired: a weight read in place may have its statistics in another chunk
@@ -639,7 +631,7 @@ class StreamedTrainer:
 
     # ------------------------------------------------------------------ gradients
 
-    def add_grads(self, state: _GroupState, grads: dict[str, torch.Tensor | None]) -> None:
+    def add_grads(self, state: GroupState, grads: dict[str, torch.Tensor | None]) -> None:
         """Add a micro-batch's gradients into the group's fp32 accumulators (the first micro-batch of a
         step overwrites them); on the last micro-batch note each accumulator's norm, as clip_grad_norm_
         computes it, and hand the group to the optimizer when it runs during backward. GaLore's projected
@@ -647,38 +639,40 @@ class StreamedTrainer:
         projected = self.galore.targets if self.galore is not None else ()
         for j, chunk in enumerate(state.grads):
             began = time.perf_counter()
-            views = self.store.acquire(chunk, Tier.HOST, overwrite=self._first_micro)
+            views = self.store.acquire(chunk, Tier.HOST, overwrite=self.step_ctx.first_micro)
             self.times["io_wait"] += time.perf_counter() - began
             try:
                 for name, acc in views.items():
                     if name in projected:
                         continue
                     self._accumulate(acc, grads.get(name))
-                    if self._last_micro:
+                    if self.step_ctx.last_micro:
                         self._norms[name] = torch.linalg.vector_norm(acc)
                 low = {n: v for n, v in views.items() if n in projected}
                 if low:
                     self._project(state, j, low, grads)
             finally:
                 self.store.release(chunk, dirty=True)
-        if self._last_micro and self._speculating:  # waiting for the optimizer here is time it is not hidden
+        if (
+            self.step_ctx.last_micro and self.step_ctx.speculating
+        ):  # waiting for the optimizer here is time it is not hidden
             self.times["optimizer"] += self._worker.submit(state, None)
 
     def _accumulate(self, acc: torch.Tensor, g: torch.Tensor | None) -> None:
         """Add a micro-batch's gradient ``g`` (None: the tensor had none) into its fp32 host accumulator,
         which the step's first micro-batch overwrites."""
         if g is None:
-            if self._first_micro:
+            if self.step_ctx.first_micro:
                 acc.zero_()
             return
-        if self._first_micro:
+        if self.step_ctx.first_micro:
             acc.copy_(g.detach())
         else:
             acc.add_(g.detach().to(device="cpu", dtype=torch.float32))
         self.gradient_bytes += acc.numel() * acc.element_size()
 
     def _project(
-        self, state: _GroupState, j: int, low: dict[str, torch.Tensor], grads: dict[str, torch.Tensor | None]
+        self, state: GroupState, j: int, low: dict[str, torch.Tensor], grads: dict[str, torch.Tensor | None]
     ) -> None:
         """GaLore's projected weights of weight chunk ``j``: until the last micro-batch, sum their full
         gradients in the host accumulator; on the last, on the compute device, take each full gradient's
@@ -686,15 +680,15 @@ class StreamedTrainer:
         ``low`` (the views of the gradient chunk the optimizer reads, on the host)."""
         galore = self.galore
         assert galore is not None
-        single = self._first_micro and self._last_micro
+        single = self.step_ctx.first_micro and self.step_ctx.last_micro
         accum = None if single else self._add_accumulator(state, j)
         full: dict[str, torch.Tensor] | None = None
         if accum is not None:
             began = time.perf_counter()
-            full = self.store.acquire(accum, Tier.HOST, overwrite=self._first_micro)
+            full = self.store.acquire(accum, Tier.HOST, overwrite=self.step_ctx.first_micro)
             self.times["io_wait"] += time.perf_counter() - began
         try:
-            if not self._last_micro:  # sum on the host, as the other gradients are
+            if not self.step_ctx.last_micro:  # sum on the host, as the other gradients are
                 for name, acc in full.items():  # type: ignore[union-attr]
                     self._accumulate(acc, grads.get(name))
                 return
@@ -706,7 +700,7 @@ class StreamedTrainer:
             if refresh and self.before_update is not None:  # a checkpoint being written needs the old ones
                 self.before_update((proj_chunk,))
             # read even when refreshed: the same access every step keeps it in the trace, so it is prefetched
-            views = self.store.acquire(proj_chunk, Tier.DEVICE, traced=self._traced)
+            views = self.store.acquire(proj_chunk, Tier.DEVICE, traced=self.step_ctx.traced)
             try:
                 for name, dst in low.items():  # one full gradient on the device at a time
                     g = grads.get(name)
@@ -716,7 +710,9 @@ class StreamedTrainer:
                             g_full.add_(g.detach().float())
                     else:
                         shape = self._meta[name].shape
-                        g_full = g.detach().float() if g is not None else torch.zeros(shape, device=self.device)
+                        g_full = (
+                            g.detach().float() if g is not None else torch.zeros(shape, device=self.device)
+                        )
                     self._norms[name] = torch.linalg.vector_norm(g_full)  # clip_grad_norm_'s
                     # a gradient that is not finite stops the step (NonFiniteError after backward): no SVD of it
                     renew = refresh and bool(torch.isfinite(self._norms[name]))
@@ -732,8 +728,8 @@ class StreamedTrainer:
             self.times["galore_project"] += time.perf_counter() - began
         finally:
             if full is not None:
-                self.store.release(accum, dirty=not self._last_micro)  # type: ignore[arg-type]
-                if self._last_micro:
+                self.store.release(accum, dirty=not self.step_ctx.last_micro)  # type: ignore[arg-type]
+                if self.step_ctx.last_micro:
                     self.store.discard(accum)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ the step
@@ -748,21 +744,23 @@ class StreamedTrainer:
                 "a training step has no target tokens (every label is -100); check the data and max_seq_len"
             )
         cfg = self.config
-        clipping = bool(cfg.max_grad_norm and cfg.max_grad_norm > 0)
+        clipping = cfg.clips
         # speculate unless the last step was clipped: then this one likely is too, and waiting for the norm
         # costs less than a redo
-        self._speculating = self.overlap and not (clipping and self.last_grad_norm > cfg.max_grad_norm)
-        self._lr_now = self._lr.lr(self.step_count)
+        self.step_ctx.speculating = self.overlap and not (
+            clipping and self.last_grad_norm > cfg.max_grad_norm
+        )
+        self.step_ctx.lr = self._lr.lr(self.step_count)
         self._worker.start_step(self._unit_order())
         total = 0.0
         aux_total = 0.0
         self._norms = {}
-        others = [s for s in self._states if s.group.kind != "layer"]
+        others = [s for s in self.states if s.group.kind != "layer"]
         for k, (mb, lab) in enumerate(zip(micro_batches, labels, strict=True)):
             if self.safe_point is not None:
                 self.safe_point()
-            self._first_micro = k == 0
-            self._last_micro = k == len(micro_batches) - 1
+            self.step_ctx.first_micro = k == 0
+            self.step_ctx.last_micro = k == len(micro_batches) - 1
             with ExitStack() as stack:
                 bound = {}
                 for state in others:
@@ -798,10 +796,10 @@ class StreamedTrainer:
         self.times["step"] += time.perf_counter() - step_began
         return loss
 
-    def _unit_order(self) -> list[tuple[_GroupState, int]]:
+    def _unit_order(self) -> list[tuple[GroupState, int]]:
         """The optimizer's work units (group, weight chunk) in the order backward finishes them."""
-        layers = [self._states[i] for i in reversed(self._layer_index)]
-        others = [s for s in self._states if s.group.kind != "layer"]
+        layers = [self.states[i] for i in reversed(self._layer_index)]
+        others = [s for s in self.states if s.group.kind != "layer"]
         return [(s, j) for s in layers + others for j in range(len(s.weights))]
 
     def _finish_step(self, loss: float) -> None:
@@ -809,14 +807,18 @@ class StreamedTrainer:
         or gradient norm that is not finite raises NonFiniteError, with the step not applied where it had
         not been yet (speculative or after backward: the states are those of the last step)."""
         cfg = self.config
-        self.last_lr = self._lr_now
+        self.last_lr = self.step_ctx.lr
         if self.adapters is not None:  # LoRA: a frozen base; the adapters' optimizer, as in a plain loop
             betas = (cfg.adam_beta1, cfg.adam_beta2)
             if not math.isfinite(loss):
                 self.adapters.zero_grad()
                 raise NonFiniteError(f"the loss is {loss}")
             self.last_grad_norm = self.adapters.step(
-                self._lr_now, cfg.weight_decay, betas, cfg.adam_epsilon, cfg.max_grad_norm
+                self.step_ctx.lr,
+                cfg.weight_decay,
+                betas,
+                cfg.adam_epsilon,
+                cfg.max_grad_norm if cfg.clips else None,
             )
             self.optimizer_counts["after_backward"] += 1
             return
@@ -826,14 +828,14 @@ class StreamedTrainer:
         norms = [self._norms[n].cpu() for n in self._param_order if n in self._norms]
         total = torch.linalg.vector_norm(torch.stack(norms))
         coef = None
-        if cfg.max_grad_norm and cfg.max_grad_norm > 0:
+        if cfg.clips:
             coef = torch.clamp(cfg.max_grad_norm / (total + 1e-6), max=1.0)
         self.last_grad_norm = float(total)
         if not (math.isfinite(loss) and math.isfinite(self.last_grad_norm)):
             self._abandon_step()
             raise NonFiniteError(f"the loss is {loss} and the gradient norm {self.last_grad_norm}")
         order = self._unit_order()
-        if self._speculating:
+        if self.step_ctx.speculating:
             self._worker.join()  # the speculative step used coefficient 1: exact if that is the coefficient
             redo = coef is not None and float(coef) != 1.0
             self.optimizer_counts["redone" if redo else "speculative"] += 1
@@ -846,7 +848,7 @@ class StreamedTrainer:
             for state, j in order:
                 self._worker.submit(state, coef, j)
         self._worker.join()
-        for state in self._states:  # the twins hold the new states: exchange them in (no bytes copied)
+        for state in self.states:  # the twins hold the new states: exchange them in (no bytes copied)
             for j, twins in enumerate(state.twins):
                 for chunk, twin in zip(state.sources(j), twins, strict=True):
                     self.store.exchange(chunk, twin)
@@ -860,7 +862,7 @@ class StreamedTrainer:
             self._worker.join()
         chunks = [
             c
-            for s in self._states
+            for s in self.states
             for c in (*s.grads, *(a for a in s.accum if a is not None), *(t for ts in s.twins for t in ts))
         ]
         for chunk in chunks:
@@ -871,7 +873,7 @@ class StreamedTrainer:
         """Where the CPU optimizer reads ``chunk``: the device tier when that is CPU memory, else the host."""
         return Tier.DEVICE if chunk.home is Tier.DEVICE and self.device.type == "cpu" else Tier.HOST
 
-    def optimizer_unit(self, state: _GroupState, j: int, coef: torch.Tensor | None) -> None:
+    def optimizer_unit(self, state: GroupState, j: int, coef: torch.Tensor | None) -> None:
         """AdamW on weight chunk ``j`` of ``state`` (runs on the optimizer worker's thread).
 
         Reads the gradients and the sources (master weights, moments); writes the new values into the
@@ -904,7 +906,7 @@ class StreamedTrainer:
                 g = torch._foreach_mul(g, coef)  # out of place: a redo needs the gradients as they were
             by_name = dict(zip(names, g, strict=True))
             hp = AdamStep(
-                self._lr_now, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay,
+                self.step_ctx.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay,
                 self.step_count + 1,
             )  # fmt: skip
             eight_bit = cfg.optim == "adamw_bnb_8bit"
@@ -930,10 +932,10 @@ class StreamedTrainer:
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The model's logits for a batch with the current weights (and adapters), streamed layer by layer
         between training steps (outside the scheduler's trace)."""
-        others = [s for s in self._states if s.group.kind != "layer"]
-        self._traced = False
+        others = [s for s in self.states if s.group.kind != "layer"]
+        self.step_ctx.traced = False
         with ExitStack() as stack:
-            stack.callback(setattr, self, "_traced", True)
+            stack.callback(setattr, self.step_ctx, "traced", True)
             for state in others:
                 stack.enter_context(self.bound_group(state, requires_grad=False))
             mask = None if attention_mask is None else attention_mask.to(self.device)
@@ -947,7 +949,7 @@ class StreamedTrainer:
         if in_update_order:
             return [c for s, j in self._unit_order() if s.trainable for c in (s.weights[j], *s.reads(j))]
         out: list[Chunk] = []
-        for state in self._states:
+        for state in self.states:
             if state.trainable:
                 proj = [c for c in state.proj if c is not None]
                 out += state.weights + state.master + state.exp_avg + state.exp_avg_sq + proj
@@ -975,7 +977,7 @@ class StreamedTrainer:
         moments). Optimizer state is master + moments + projections. ``gradients`` counts GaLore's
         full-gradient accumulators too (there only with gradient accumulation)."""
         out = dict.fromkeys(("weights", "gradients", "master", "moments", "projections", "twins"), 0)
-        for state in self._states:
+        for state in self.states:
             kinds = {
                 "weights": state.weights,
                 "gradients": state.grads + [c for c in state.accum if c is not None],
@@ -992,7 +994,7 @@ class StreamedTrainer:
 
     def weights(self) -> Iterator[dict[str, torch.Tensor]]:
         """The current weights, one chunk at a time (CPU copies by parameter name): for streaming export."""
-        for state in self._states:
+        for state in self.states:
             for chunk in state.weights:
                 yield self.store.read(chunk)
 
@@ -1009,7 +1011,7 @@ class StreamedTrainer:
         the module tree, which the streamed stand-ins hide)."""
         streamed = list(self.parts.layers)
         for i, layer in enumerate(streamed):
-            self.parts.layers[i] = layer._layer[0]
+            self.parts.layers[i] = layer.layer
         try:
             yield
         finally:
@@ -1035,302 +1037,5 @@ class StreamedTrainer:
         self.store.close()
 
 
-class StreamedLayer(nn.Module):
-    """Stands in for decoder layer ``index`` of the model instance; streams it through ``_LayerFunction``."""
-
-    def __init__(self, trainer: StreamedTrainer, index: int, layer: nn.Module) -> None:
-        super().__init__()
-        self._trainer = [trainer]  # lists keep them out of the module tree: names and .to() stay the model's
-        self._layer = [layer]
-        self.index = index
-
-    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
-        if args:
-            hidden, rest = args[0], args[1:]
-        else:
-            hidden, rest = kwargs.pop("hidden_states"), ()
-        trainer = self._trainer[0]
-        if trainer.safe_point is not None:
-            trainer.safe_point()
-        if not torch.is_grad_enabled():  # inference: stream the layer through, nothing saved
-            state = trainer._states[trainer._layer_index[self.index]]
-            with trainer.bound_group(state, requires_grad=False):
-                out = self._layer[0](hidden, *rest, **kwargs)
-            return out[0] if isinstance(out, tuple) else out
-        adapters = trainer._layer_adapters[self.index]
-        return _LayerFunction.apply(hidden, trainer, self.index, self._layer[0], rest, kwargs, *adapters)
-
-
-class _LayerFunction(torch.autograd.Function):
-    """Forward without keeping activations (the input is saved); backward recomputes, then frees."""
-
-    @staticmethod
-    def forward(ctx, hidden, trainer, index, layer, args, kwargs, *adapters):
-        state = trainer._states[trainer._layer_index[index]]
-        ctx.trainer, ctx.index, ctx.layer, ctx.args, ctx.kwargs = trainer, index, layer, args, kwargs
-        ctx.cpu_rng = torch.get_rng_state()
-        ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
-        with torch.no_grad(), trainer.bound_group(state, requires_grad=False):
-            out = layer(hidden, *args, **kwargs)
-        if trainer._inputs:
-            trainer.stash_input(index, hidden)
-            ctx.shape = hidden.shape
-        else:
-            ctx.save_for_backward(hidden)
-        return out[0] if isinstance(out, tuple) else out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        trainer = ctx.trainer
-        if trainer.safe_point is not None:
-            trainer.safe_point()
-        with ExitStack() as stack:
-            if trainer._inputs:
-                hidden = stack.enter_context(trainer.stashed_input(ctx.index, ctx.shape))
-            else:
-                (hidden,) = ctx.saved_tensors
-            return _LayerFunction._backward(ctx, hidden, ctx.needs_input_grad[0], grad_out)
-
-    @staticmethod
-    def _backward(ctx, hidden, input_grad, grad_out):
-        trainer = ctx.trainer
-        state = trainer._states[trainer._layer_index[ctx.index]]
-        devices = [hidden.device] if hidden.is_cuda else []
-        with torch.random.fork_rng(devices=devices), trainer.bound_group(state, state.trainable) as params:
-            torch.set_rng_state(ctx.cpu_rng)
-            if ctx.cuda_rng is not None:
-                torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
-            with torch.enable_grad():
-                x = hidden.detach().requires_grad_(input_grad)
-                out = ctx.layer(x, *ctx.args, **ctx.kwargs)
-                out = out[0] if isinstance(out, tuple) else out
-                trained = params if state.trainable else {}
-                adapters = trainer._layer_adapters[ctx.index]
-                inputs = ([x] if input_grad else []) + list(trained.values()) + adapters
-                outputs, grad_outputs = [out], [grad_out]
-                if trainer.router_aux is not None:  # the auxiliary loss's gradient at the router logits
-                    for logits, grad in trainer.router_aux.gradients(ctx.index):
-                        outputs.append(logits)
-                        grad_outputs.append(grad)
-                grads = list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
-            grad_x = grads.pop(0) if input_grad else None
-            if state.trainable:
-                trainer.add_grads(state, dict(zip(trained, grads[: len(trained)], strict=True)))
-            adapter_grads = grads[len(trained) :]  # autograd accumulates these into the adapters' .grad
-        return (grad_x, None, None, None, None, None, *adapter_grads)
-
-
-def _alias(view: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``view``'s memory that is not a view of the chunk: its version counter is its own."""
-    alias = view.new_empty(0)
-    alias.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
-    return alias
-
-
 def _entries(chunk: Chunk) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     return [(s.name, s.shape, s.dtype) for s in chunk.tensors]
-
-
-class _RouterAux:
-    """The router's auxiliary (load-balancing) loss of an MoE model, as transformers defines it, for a model
-    streamed layer by layer.
-
-    transformers' MoE causal LMs (Mixtral, Qwen2/3-MoE...) add ``router_aux_loss_coef *
-    load_balancing_loss_func(router_logits, num_experts, num_experts_per_tok, attention_mask)`` to the loss
-    when ``output_router_logits`` is set, the router logits of every layer collected by output hooks. The loss
-    mixes all layers (expert loads averaged over layers, times mean router probabilities over layers), so
-    here forward hooks on the routers keep each layer's logits (tokens x experts, detached) during the
-    forward; after it, the model's own ``load_balancing_loss_func`` runs on them as leaves and its gradient
-    at each layer's logits is kept; each layer's backward then recomputes its router logits and
-    back-propagates that gradient through them with the layer's output gradient. The result is the gradient
-    of transformers' loss. Models whose transformers class computes no such loss (DeepSeek-V3 balances its
-    experts with a bias, without an auxiliary loss) get none.
-
-    Several micro-batches: each one's auxiliary loss as transformers computes it for that forward, averaged
-    over the step's micro-batches (with one micro-batch, transformers' model loss exactly; the Hugging Face
-    Trainer instead sums them, scaling the coefficient with gradient_accumulation_steps).
-    """
-
-    def __init__(self, loss: Callable, coef: float, experts: int, top_k: int, routers: list[list[nn.Module]],
-                 index: int) -> None:  # fmt: skip
-        self.loss, self.coef, self.experts, self.top_k = loss, coef, experts, top_k
-        self._index = index  # the router output that holds the logits
-        self._collecting = False
-        self._seen: dict[int, list[torch.Tensor]] = defaultdict(list)  # forward: detached logits per layer
-        self._live: dict[int, list[torch.Tensor]] = defaultdict(list)  # backward: recomputed logits
-        self._grads: dict[int, list[torch.Tensor]] = {}
-        for i, modules in enumerate(routers):
-            for module in modules:
-                module.register_forward_hook(partial(self._hook, i))
-
-    @classmethod
-    def of(cls, model: nn.Module, layers: Sequence[nn.Module]) -> _RouterAux | None:
-        """The auxiliary loss of ``model`` (its decoder ``layers`` not yet streamed), or None when the config
-        does not ask for one (``output_router_logits``) or transformers computes none for the model."""
-        config = model.config
-        name = type(model).__name__
-        loss = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
-        recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
-        computes = loss is not None and recorder is not None and hasattr(model, "router_aux_loss_coef")
-        if not getattr(config, "output_router_logits", False):
-            if computes:
-                log.info("the loss has no router auxiliary loss: %s's config has output_router_logits false",
-                         name)  # fmt: skip
-            return None
-        if not computes:
-            log.info("the loss has no router auxiliary loss: transformers' %s computes none "
-                     "(output_router_logits only returns the router logits)", name)  # fmt: skip
-            return None
-        target = recorder.target_class
-        routers = [[m for m in layer.modules() if isinstance(m, target)] for layer in layers]
-        log.info("the loss includes the router auxiliary loss: %s x transformers' load_balancing_loss_func",
-                 model.router_aux_loss_coef)  # fmt: skip
-        coef, experts, top_k = model.router_aux_loss_coef, model.num_experts, model.num_experts_per_tok
-        return cls(loss, float(coef), int(experts), int(top_k), routers, recorder.index)
-
-    def _hook(self, layer: int, module: nn.Module, args: object, output: object) -> None:
-        logits = output[self._index] if isinstance(output, tuple | list) else output
-        if torch.is_grad_enabled():  # a layer's backward recomputing its forward
-            self._live[layer].append(logits)
-        elif self._collecting:  # the micro-batch's forward
-            self._seen[layer].append(logits.detach())
-
-    def start(self) -> None:
-        """Collect the router logits of the micro-batch's forward that follows."""
-        self._seen.clear()
-        self._live.clear()
-        self._grads.clear()
-        self._collecting = True
-
-    def finish(self, attention_mask: torch.Tensor | None, weight: float) -> float:
-        """After the micro-batch's forward: the auxiliary loss (unweighted) of its router logits; the gradient
-        of ``coef * weight`` times it at each layer's logits is kept for the layers' backward."""
-        self._collecting = False
-        layers = sorted(self._seen)
-        leaves = [t.requires_grad_() for i in layers for t in self._seen[i]]
-        if not leaves:
-            return 0.0
-        with torch.enable_grad():
-            value = self.loss(tuple(leaves), self.experts, self.top_k, attention_mask)
-            grads = iter(torch.autograd.grad(value * (self.coef * weight), leaves))
-        for i in layers:
-            self._grads[i] = [next(grads) for _ in self._seen[i]]
-        self._seen.clear()
-        return float(value.detach())
-
-    def gradients(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """In layer ``layer``'s backward, after its recomputed forward: (router logits, their gradient)."""
-        grads = self._grads.pop(layer, [])
-        live = self._live.pop(layer, [])
-        if len(live) != len(grads):
-            raise StateError(f"layer {layer}: {len(grads)} router outputs in forward, {len(live)} recomputed")
-        return list(zip(live, grads, strict=True))
-
-
-class _OptimizerWorker:
-    """One background thread that runs the optimizer's units in the order they are submitted.
-
-    While it works on one unit it prefetches the optimizer states of the next units of the step's plan
-    from disk, even before backward has submitted them (their sources do not depend on the gradients).
-    ``submit`` waits while ``max_pending`` units are queued or running, so that a slow optimizer holds back
-    backward instead of letting every layer's gradients pile up (the step takes as long either way: the
-    worker never idles); it stops waiting when the worker itself waits in the store (for room or a chunk the caller holds).
-    ``join`` waits for the submitted units and re-raises the first error.
-    """
-
-    def __init__(self, trainer: StreamedTrainer, lookahead: int = 2, max_pending: int = 2) -> None:
-        self._trainer = trainer
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._lookahead = lookahead
-        self._max_pending = max_pending
-        self._plan: list[tuple[_GroupState, int]] = []
-        self._pending = 0
-        self._error: BaseException | None = None
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="tiertune-optimizer", daemon=True)
-        self._thread.start()
-
-    def start_step(self, plan: list[tuple[_GroupState, int]]) -> None:
-        self._queue.put(("plan", plan))
-
-    def submit(self, state: _GroupState, coef: torch.Tensor | None, j: int | None = None) -> float:
-        """Queue the unit(s) of ``state`` (chunk ``j``, or all of its chunks); returns the seconds waited."""
-        store = self._trainer.store
-        waited = 0.0
-        for k in range(len(state.weights)) if j is None else (j,):
-            began = time.perf_counter()
-            with self._cond:
-                while self._pending >= self._max_pending and self._error is None:
-                    if store.waiting(self._thread.ident):  # maybe for a chunk the caller holds
-                        break
-                    self._cond.wait(timeout=0.05)
-                if self._error is not None:
-                    raise self._error
-                self._pending += 1
-            waited += time.perf_counter() - began
-            self._queue.put(("unit", (state, k, coef)))
-        return waited
-
-    def join(self) -> None:
-        with self._cond:
-            while self._pending and self._error is None:
-                self._cond.wait()
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    def close(self) -> None:
-        self._queue.put(("stop", None))
-        self._thread.join()
-
-    def _run(self) -> None:
-        trainer = self._trainer
-        position = 0
-        while True:
-            kind, item = self._queue.get()
-            if kind == "stop":
-                return
-            if kind == "plan":
-                self._plan, position = item, 0
-                continue
-            state, j, coef = item
-            try:
-                if self._error is None:
-                    began = time.perf_counter()
-                    while position < len(self._plan) and self._plan[position] != (state, j):
-                        position += 1
-                    ahead = self._plan[position + 1 : position + 1 + self._lookahead]
-                    trainer.store.prefetch([c for s, k in ahead for c in s.reads(k)])
-                    trainer.optimizer_unit(state, j, coef)
-                    trainer.times["optimizer_busy"] += time.perf_counter() - began
-            except BaseException as exc:  # reported by join/submit on the compute thread
-                with self._cond:
-                    self._error = self._error or exc
-            finally:
-                with self._cond:
-                    self._pending -= 1
-                    self._cond.notify_all()
-
-
-class _Schedule:
-    """The learning rate of each step, from transformers' own scheduler (as the HF Trainer computes it)."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        from transformers import get_scheduler
-
-        self._param = nn.Parameter(torch.zeros(1))
-        self._opt = torch.optim.SGD([self._param], lr=config.learning_rate)
-        self._sched = get_scheduler(
-            config.lr_scheduler_type,
-            self._opt,
-            num_warmup_steps=config.warmup_steps,
-            num_training_steps=config.max_steps,
-        )
-        self._at = 0
-
-    def lr(self, step: int) -> float:
-        while self._at < step:
-            self._opt.step()
-            self._sched.step()
-            self._at += 1
-        return float(self._opt.param_groups[0]["lr"])

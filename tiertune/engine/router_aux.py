@@ -1,0 +1,113 @@
+"""The router's auxiliary (load-balancing) loss of a mixture-of-experts model, for a model streamed layer by
+layer (``RouterAux``)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+from torch import nn
+
+from tiertune.errors import StateError
+
+log = logging.getLogger("tiertune.engine")
+
+
+class RouterAux:
+    """The router's auxiliary (load-balancing) loss of an MoE model, as transformers defines it, for a model
+    streamed layer by layer.
+
+    transformers' MoE causal LMs (Mixtral, Qwen2/3-MoE...) add ``router_aux_loss_coef *
+    load_balancing_loss_func(router_logits, num_experts, num_experts_per_tok, attention_mask)`` to the loss
+    when ``output_router_logits`` is set, the router logits of every layer collected by output hooks. The loss
+    mixes all layers (expert loads averaged over layers, times mean router probabilities over layers), so
+    here forward hooks on the routers keep each layer's logits (tokens x experts, detached) during the
+    forward; after it, the model's own ``load_balancing_loss_func`` runs on them as leaves and its gradient
+    at each layer's logits is kept; each layer's backward then recomputes its router logits and
+    back-propagates that gradient through them with the layer's output gradient. The result is the gradient
+    of transformers' loss. Models whose transformers class computes no such loss (DeepSeek-V3 balances its
+    experts with a bias, without an auxiliary loss) get none.
+
+    Several micro-batches: each one's auxiliary loss as transformers computes it for that forward, averaged
+    over the step's micro-batches (with one micro-batch, transformers' model loss exactly; the Hugging Face
+    Trainer instead sums them, scaling the coefficient with gradient_accumulation_steps).
+    """
+
+    def __init__(self, loss: Callable, coef: float, experts: int, top_k: int, routers: list[list[nn.Module]],
+                 index: int) -> None:  # fmt: skip
+        self.loss, self.coef, self.experts, self.top_k = loss, coef, experts, top_k
+        self._index = index  # the router output that holds the logits
+        self._collecting = False
+        self._seen: dict[int, list[torch.Tensor]] = defaultdict(list)  # forward: detached logits per layer
+        self._live: dict[int, list[torch.Tensor]] = defaultdict(list)  # backward: recomputed logits
+        self._grads: dict[int, list[torch.Tensor]] = {}
+        for i, modules in enumerate(routers):
+            for module in modules:
+                module.register_forward_hook(partial(self._hook, i))
+
+    @classmethod
+    def of(cls, model: nn.Module, layers: Sequence[nn.Module]) -> RouterAux | None:
+        """The auxiliary loss of ``model`` (its decoder ``layers`` not yet streamed), or None when the config
+        does not ask for one (``output_router_logits``) or transformers computes none for the model."""
+        config = model.config
+        name = type(model).__name__
+        loss = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+        recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+        computes = loss is not None and recorder is not None and hasattr(model, "router_aux_loss_coef")
+        if not getattr(config, "output_router_logits", False):
+            if computes:
+                log.info("the loss has no router auxiliary loss: %s's config has output_router_logits false",
+                         name)  # fmt: skip
+            return None
+        if not computes:
+            log.info("the loss has no router auxiliary loss: transformers' %s computes none "
+                     "(output_router_logits only returns the router logits)", name)  # fmt: skip
+            return None
+        target = recorder.target_class
+        routers = [[m for m in layer.modules() if isinstance(m, target)] for layer in layers]
+        log.info("the loss includes the router auxiliary loss: %s x transformers' load_balancing_loss_func",
+                 model.router_aux_loss_coef)  # fmt: skip
+        coef, experts, top_k = model.router_aux_loss_coef, model.num_experts, model.num_experts_per_tok
+        return cls(loss, float(coef), int(experts), int(top_k), routers, recorder.index)
+
+    def _hook(self, layer: int, module: nn.Module, args: object, output: object) -> None:
+        logits = output[self._index] if isinstance(output, tuple | list) else output
+        if torch.is_grad_enabled():  # a layer's backward recomputing its forward
+            self._live[layer].append(logits)
+        elif self._collecting:  # the micro-batch's forward
+            self._seen[layer].append(logits.detach())
+
+    def start(self) -> None:
+        """Collect the router logits of the micro-batch's forward that follows."""
+        self._seen.clear()
+        self._live.clear()
+        self._grads.clear()
+        self._collecting = True
+
+    def finish(self, attention_mask: torch.Tensor | None, weight: float) -> float:
+        """After the micro-batch's forward: the auxiliary loss (unweighted) of its router logits; the gradient
+        of ``coef * weight`` times it at each layer's logits is kept for the layers' backward."""
+        self._collecting = False
+        layers = sorted(self._seen)
+        leaves = [t.requires_grad_() for i in layers for t in self._seen[i]]
+        if not leaves:
+            return 0.0
+        with torch.enable_grad():
+            value = self.loss(tuple(leaves), self.experts, self.top_k, attention_mask)
+            grads = iter(torch.autograd.grad(value * (self.coef * weight), leaves))
+        for i in layers:
+            self._grads[i] = [next(grads) for _ in self._seen[i]]
+        self._seen.clear()
+        return float(value.detach())
+
+    def gradients(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """In layer ``layer``'s backward, after its recomputed forward: (router logits, their gradient)."""
+        grads = self._grads.pop(layer, [])
+        live = self._live.pop(layer, [])
+        if len(live) != len(grads):
+            raise StateError(f"layer {layer}: {len(grads)} router outputs in forward, {len(live)} recomputed")
+        return list(zip(live, grads, strict=True))
