@@ -187,10 +187,3 @@ class LayerFunction(torch.autograd.Function):
                 engine.layer_grads(index, dict(zip(trained, grads[: len(trained)], strict=True)))
             adapter_grads = grads[len(trained) :]  # autograd accumulates these into the adapters' .grad
         return (grad_x, None, None, None, None, None, *adapter_grads)
-
-
-def alias(view: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``view``'s memory that is not a view of the chunk: its version counter is its own."""
-    alias = view.new_empty(0)
-    alias.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
-    return alias

@@ -62,8 +62,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tiertune.engine.binding import Binder
 from tiertune.engine.router_aux import RouterAux
-from tiertune.engine.streaming import InputStash, StreamedLayer, alias
+from tiertune.engine.streaming import InputStash, StreamedLayer
 from tiertune.engine.update import LRSchedule, OptimizerWorker, StepContext
 from tiertune.errors import BudgetError, ConfigError, DataError, NonFiniteError, StateError
 from tiertune.finetune.lora import Adapters, LoraSettings
@@ -84,7 +85,7 @@ from tiertune.offload.store import ChunkStore, StoreConfig
 from tiertune.offload.tiers import BUDGET_SETTING, Tier
 from tiertune.quant import KINDS as QUANT_KINDS
 from tiertune.quant import experts as quant_experts
-from tiertune.quant import is_quantized, make_quantizer, saved_quantization
+from tiertune.quant import make_quantizer, saved_quantization
 from tiertune.units import format_size
 
 log = logging.getLogger("tiertune.engine")
@@ -200,14 +201,6 @@ def state_entries(fp32: list, cfg: EngineConfig, galore: GaLore | None) -> dict[
     return out
 
 
-@dataclass
-class _Slot:
-    """Where one parameter is bound in the model instance (a tied weight has several slots)."""
-
-    module: nn.Module
-    attr: str
-
-
 class GroupState:
     """A parameter group's chunks, one entry per weight chunk: weights (compute dtype), fp32 gradients, the
     optimizer's sources (fp32 master weights, or the weights themselves when they are fp32, the Adam
@@ -307,10 +300,8 @@ class StreamedTrainer:
                 self.quant_cache.directory,
                 self.quant_cache.misses,
             )
-        self._slots = self._find_slots()
-        self._meta = dict(self.model.named_parameters())  # the skeleton's placeholders, put back by unbind
-        self._quantized = {n for n, p in self._meta.items() if is_quantized(p)}
-        self._quantized_experts = {n for n, p in self._meta.items() if quant_experts.is_quantized_experts(p)}
+        # binds chunk tensors as the instance's parameters (the skeleton's placeholders back after)
+        self.binder = Binder(self.model, self.quant)
         self._param_order = [n for n, _ in self.model.named_parameters()]
         paths = {id(m): n for n, m in self.model.named_modules()}
         self.galore = GaLore(config.galore, self.parts.layers, paths) if config.method == "galore" else None
@@ -322,7 +313,8 @@ class StreamedTrainer:
         self.adapters = (
             Adapters(self.model, config.lora, self.device, config.optim) if config.method == "lora" else None
         )
-        self._parametrized = self._parametrized_names()
+        if self.adapters is not None:  # bound as tensors of their own (Binder.parametrized)
+            self.binder.parametrize(self.adapters.parametrized())
         self._layer_index = [i for i, s in enumerate(self.states) if s.group.kind == "layer"]
         # the step in progress, as backward's callbacks and the optimizer see it
         self.step_ctx = StepContext()
@@ -378,26 +370,6 @@ class StreamedTrainer:
         self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
 
     # ------------------------------------------------------------------ setup
-
-    def _find_slots(self) -> dict[str, list[_Slot]]:
-        slots: dict[str, list[_Slot]] = {}
-        by_id = {id(p): n for n, p in self.model.named_parameters()}
-        for module in self.model.modules():
-            for attr, param in module.named_parameters(recurse=False):
-                slots.setdefault(by_id[id(param)], []).append(_Slot(module, attr))
-        return slots
-
-    def _parametrized_names(self) -> set[str]:
-        """The weights peft adapts through a parametrization (MoE routers and unquantized experts).
-        Registering it calls ``set_`` on the bound weight, which bumps the version counter that all views of a
-        chunk share; autograd would then refuse the layer's other weights saved for backward. They are bound
-        as tensors of their own (``streaming.alias``)."""
-        if self.adapters is None:
-            return set()
-        targets = {(id(module), attr) for module, attr in self.adapters.parametrized()}
-        return {
-            n for n, slots in self._slots.items() if any((id(t.module), t.attr) in targets for t in slots)
-        }
 
     def _fuse_loss(self) -> bool:
         """Whether the loss runs fused with the head (``kernels.ops.linear_ce``): for architectures whose
@@ -583,32 +555,6 @@ class StreamedTrainer:
 
     # ------------------------------------------------------------------ binding
 
-    def bind(self, views: dict[str, torch.Tensor], requires_grad: bool) -> dict[str, torch.Tensor]:
-        """Make chunk tensors (``views``, by name) the model's parameters; returns the bound leaf tensors."""
-        bound = {}
-        for name, view in views.items():
-            if name not in self._slots:  # a quantized weight's statistics: bound with the weight
-                continue
-            if name in self._quantized:
-                param = self.quant.parameter(name, self._meta[name].shape, views)  # type: ignore[union-attr]
-            elif name in self._quantized_experts:
-                shape = self._meta[name].shape
-                param = quant_experts.bind(self.quant, name, shape, views)  # type: ignore[arg-type]
-            elif name in self._parametrized:
-                param = nn.Parameter(alias(view), requires_grad=requires_grad)
-            else:
-                param = nn.Parameter(view, requires_grad=requires_grad)
-            for slot in self._slots[name]:
-                slot.module._parameters[slot.attr] = param
-            bound[name] = param
-        return bound
-
-    def unbind(self, names: Sequence[str]) -> None:
-        """Put meta placeholders back, so no module keeps a reference to released chunk memory."""
-        for name in names:
-            for slot in self._slots[name]:
-                slot.module._parameters[slot.attr] = self._meta[name]
-
     @contextmanager
     def bound_group(self, state: GroupState, requires_grad: bool) -> Iterator[dict[str, torch.Tensor]]:
         """Acquire a group's weight chunks on the device and bind them for the duration of the block."""
@@ -622,10 +568,10 @@ class StreamedTrainer:
                 self.times["io_wait"] += time.perf_counter() - began
                 acquired.append(chunk)
             # bound once all are acquired: a weight read in place may have its statistics in another chunk
-            bound.update(self.bind(views, requires_grad))
+            bound.update(self.binder.bind(views, requires_grad))
             yield bound
         finally:
-            self.unbind(list(bound))
+            self.binder.unbind(list(bound))
             for chunk in acquired:
                 self.store.release(chunk)
 
@@ -709,7 +655,7 @@ class StreamedTrainer:
                         if g is not None:
                             g_full.add_(g.detach().float())
                     else:
-                        shape = self._meta[name].shape
+                        shape = self.binder.meta[name].shape
                         g_full = (
                             g.detach().float() if g is not None else torch.zeros(shape, device=self.device)
                         )
