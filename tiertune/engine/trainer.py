@@ -45,7 +45,6 @@ transformers LR scheduler.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -65,8 +64,8 @@ from torch import nn
 from tiertune.engine.binding import Binder
 from tiertune.engine.router_aux import RouterAux
 from tiertune.engine.streaming import InputStash, StreamedLayer
-from tiertune.engine.update import LRSchedule, OptimizerWorker, StepContext
-from tiertune.errors import BudgetError, ConfigError, DataError, NonFiniteError, StateError
+from tiertune.engine.update import LRSchedule, StepContext, Updater, cpu_tier
+from tiertune.errors import BudgetError, ConfigError, DataError, NonFiniteError
 from tiertune.finetune.lora import Adapters, LoraSettings
 from tiertune.finetune.model import (
     ModelParts,
@@ -75,7 +74,7 @@ from tiertune.finetune.model import (
     load_into_store,
     split_model,
 )
-from tiertune.finetune.optim import AdamStep, GaLore, GaloreSettings, adamw, adamw_8bit, moment_entries
+from tiertune.finetune.optim import GaLore, GaloreSettings, moment_entries
 from tiertune.finetune.weights import Checkpoint
 from tiertune.kernels.ops.backend import matmul_dtype
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX, linear_cross_entropy
@@ -338,9 +337,6 @@ class StreamedTrainer:
         if config.activations == "host":
             numel = config.activation_tokens * self.model.config.hidden_size
             self.stash = InputStash.add(self.store, len(self.parts.layers), numel, config.dtype, self.times)
-        self._worker = OptimizerWorker(
-            self.store, lambda unit, coef: self.optimizer_unit(*unit, coef), self.times
-        )
         # MoE: the router's auxiliary loss, where transformers computes one and the config asks for it
         self.router_aux = RouterAux.of(self.model, self.parts.layers)
         for i, layer in enumerate(self.parts.layers):
@@ -349,10 +345,15 @@ class StreamedTrainer:
             for name, buf in module.named_buffers(recurse=False):
                 module._buffers[name] = buf.to(self.device)
         self.step_count = 0
-        self._norms: dict[str, torch.Tensor] = {}
         # optimizer steps by how they ran: confirmed speculation, speculation redone (clipping was active),
         # run after backward (overlap off, or the last step was clipped)
         self.optimizer_counts = {"speculative": 0, "redone": 0, "after_backward": 0}
+        # the CPU optimizer of the trained groups, its units in the order backward finishes them
+        layers = [self.states[i] for i in reversed(self._layer_index)]
+        others = [s for s in self.states if s.group.kind != "layer"]
+        units = [(s, j) for s in layers + others for j in range(len(s.weights))]
+        self.updater = Updater(self.store, config, self.states, units, self._param_order, self.step_ctx,
+                               self.times, self.device, self.galore, self.optimizer_counts)  # fmt: skip
         # bytes of gradients backward has handed to the host side (the CPU optimizer's gradient chunks and
         # GaLore's accumulators), cumulative: GaLore's projected weights send r/m of theirs
         self.gradient_bytes = 0
@@ -366,8 +367,6 @@ class StreamedTrainer:
         self._model_kwargs = {"output_router_logits": False} if moe else {}
         # the weighted auxiliary loss in the last step's loss (None when it has none: router_aux is None)
         self.last_router_aux_loss: float | None = None
-        # called with the chunks the optimizer is about to change (a checkpoint in the background)
-        self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -473,7 +472,7 @@ class StreamedTrainer:
     def _unit_host_bytes(self, state: GroupState, j: int, twins: bool) -> int:
         """Host bytes one optimizer unit pins: gradients and sources (or their twins), plus one source
         while it is copied into its twin."""
-        on_host = [c for c in (state.grads[j], *state.reads(j)) if self._cpu_tier(c) is Tier.HOST]
+        on_host = [c for c in (state.grads[j], *state.reads(j)) if cpu_tier(c, self.device) is Tier.HOST]
         pinned = sum(c.capacity for c in on_host if c.home is not Tier.HOST)
         return pinned + (max((c.capacity for c in on_host[1:]), default=0) if twins else 0)
 
@@ -593,7 +592,7 @@ class StreamedTrainer:
                         continue
                     self._accumulate(acc, grads.get(name))
                     if self.step_ctx.last_micro:
-                        self._norms[name] = torch.linalg.vector_norm(acc)
+                        self.updater.norms[name] = torch.linalg.vector_norm(acc)
                 low = {n: v for n, v in views.items() if n in projected}
                 if low:
                     self._project(state, j, low, grads)
@@ -602,7 +601,7 @@ class StreamedTrainer:
         if (
             self.step_ctx.last_micro and self.step_ctx.speculating
         ):  # waiting for the optimizer here is time it is not hidden
-            self.times["optimizer"] += self._worker.submit(state, None)
+            self.times["optimizer"] += self.updater.worker.submit(state, None)
 
     def _accumulate(self, acc: torch.Tensor, g: torch.Tensor | None) -> None:
         """Add a micro-batch's gradient ``g`` (None: the tensor had none) into its fp32 host accumulator,
@@ -638,13 +637,14 @@ class StreamedTrainer:
                 for name, acc in full.items():  # type: ignore[union-attr]
                     self._accumulate(acc, grads.get(name))
                 return
-            step = self.step_count + 1
+            step = self.step_ctx.number
             refresh = galore.refreshes(step)
             began = time.perf_counter()
             proj_chunk = state.proj[j]
             assert proj_chunk is not None
-            if refresh and self.before_update is not None:  # a checkpoint being written needs the old ones
-                self.before_update((proj_chunk,))
+            guard = self.updater.before_update
+            if refresh and guard is not None:  # a checkpoint being written needs the old ones
+                guard((proj_chunk,))
             # read even when refreshed: the same access every step keeps it in the trace, so it is prefetched
             views = self.store.acquire(proj_chunk, Tier.DEVICE, traced=self.step_ctx.traced)
             try:
@@ -659,9 +659,9 @@ class StreamedTrainer:
                         g_full = (
                             g.detach().float() if g is not None else torch.zeros(shape, device=self.device)
                         )
-                    self._norms[name] = torch.linalg.vector_norm(g_full)  # clip_grad_norm_'s
+                    self.updater.norms[name] = torch.linalg.vector_norm(g_full)  # clip_grad_norm_'s
                     # a gradient that is not finite stops the step (NonFiniteError after backward): no SVD of it
-                    renew = refresh and bool(torch.isfinite(self._norms[name]))
+                    renew = refresh and bool(torch.isfinite(self.updater.norms[name]))
                     seed = zlib.crc32(f"{name}:{step}".encode())
                     began_svd = time.perf_counter()
                     projected = galore.project(g_full, views[name], renew, seed)
@@ -697,10 +697,10 @@ class StreamedTrainer:
             clipping and self.last_grad_norm > cfg.max_grad_norm
         )
         self.step_ctx.lr = self._lr.lr(self.step_count)
-        self._worker.start_step(self._unit_order())
+        self.step_ctx.number = self.step_count + 1
+        self.updater.start()
         total = 0.0
         aux_total = 0.0
-        self._norms = {}
         others = [s for s in self.states if s.group.kind != "layer"]
         for k, (mb, lab) in enumerate(zip(micro_batches, labels, strict=True)):
             if self.safe_point is not None:
@@ -742,137 +742,31 @@ class StreamedTrainer:
         self.times["step"] += time.perf_counter() - step_began
         return loss
 
-    def _unit_order(self) -> list[tuple[GroupState, int]]:
-        """The optimizer's work units (group, weight chunk) in the order backward finishes them."""
-        layers = [self.states[i] for i in reversed(self._layer_index)]
-        others = [s for s in self.states if s.group.kind != "layer"]
-        return [(s, j) for s in layers + others for j in range(len(s.weights))]
+    @property
+    def before_update(self) -> Callable[[tuple[Chunk, ...]], None] | None:
+        """Called with the chunks the optimizer is about to change (a checkpoint in the background)."""
+        return self.updater.before_update
+
+    @before_update.setter
+    def before_update(self, hook: Callable[[tuple[Chunk, ...]], None] | None) -> None:
+        self.updater.before_update = hook
 
     def _finish_step(self, loss: float) -> None:
-        """After backward: the exact clipping coefficient; confirm, redo or run the optimizer; commit. A loss
-        or gradient norm that is not finite raises NonFiniteError, with the step not applied where it had
-        not been yet (speculative or after backward: the states are those of the last step)."""
+        """After backward: the adapters' optimizer (LoRA), or the CPU optimizer's confirm / redo / run."""
         cfg = self.config
         self.last_lr = self.step_ctx.lr
-        if self.adapters is not None:  # LoRA: a frozen base; the adapters' optimizer, as in a plain loop
-            betas = (cfg.adam_beta1, cfg.adam_beta2)
-            if not math.isfinite(loss):
-                self.adapters.zero_grad()
-                raise NonFiniteError(f"the loss is {loss}")
-            self.last_grad_norm = self.adapters.step(
-                self.step_ctx.lr,
-                cfg.weight_decay,
-                betas,
-                cfg.adam_epsilon,
-                cfg.max_grad_norm if cfg.clips else None,
-            )
-            self.optimizer_counts["after_backward"] += 1
+        if self.adapters is None:
+            self.last_grad_norm = self.updater.finish(loss)
             return
-        # exactly torch.nn.utils.clip_grad_norm_: fp32 per-tensor norms stacked in parameter order, the
-        # coefficient an fp32 tensor clamped at 1 and multiplied into every gradient
-        # (GaLore's projected weights have theirs on the compute device: one copy each, after backward)
-        norms = [self._norms[n].cpu() for n in self._param_order if n in self._norms]
-        total = torch.linalg.vector_norm(torch.stack(norms))
-        coef = None
-        if cfg.clips:
-            coef = torch.clamp(cfg.max_grad_norm / (total + 1e-6), max=1.0)
-        self.last_grad_norm = float(total)
-        if not (math.isfinite(loss) and math.isfinite(self.last_grad_norm)):
-            self._abandon_step()
-            raise NonFiniteError(f"the loss is {loss} and the gradient norm {self.last_grad_norm}")
-        order = self._unit_order()
-        if self.step_ctx.speculating:
-            self._worker.join()  # the speculative step used coefficient 1: exact if that is the coefficient
-            redo = coef is not None and float(coef) != 1.0
-            self.optimizer_counts["redone" if redo else "speculative"] += 1
-            if redo:
-                self._worker.start_step(order)
-                for state, j in order:
-                    self._worker.submit(state, coef, j)
-        else:
-            self.optimizer_counts["after_backward"] += 1
-            for state, j in order:
-                self._worker.submit(state, coef, j)
-        self._worker.join()
-        for state in self.states:  # the twins hold the new states: exchange them in (no bytes copied)
-            for j, twins in enumerate(state.twins):
-                for chunk, twin in zip(state.sources(j), twins, strict=True):
-                    self.store.exchange(chunk, twin)
-                    self.store.discard(twin)
-                self.store.discard(state.grads[j])  # consumed: their memory is free until the next step
-
-    def _abandon_step(self) -> None:
-        """Drop a step's gradients and speculative twins: its update is not applied (an update already made
-        in place during backward, without clipping, stays: the run stops without saving it)."""
-        with contextlib.suppress(BaseException):
-            self._worker.join()
-        chunks = [
-            c
-            for s in self.states
-            for c in (*s.grads, *(a for a in s.accum if a is not None), *(t for ts in s.twins for t in ts))
-        ]
-        for chunk in chunks:
-            with contextlib.suppress(StateError):  # the run stops: a chunk still held is left as it is
-                self.store.discard(chunk)
-
-    def _cpu_tier(self, chunk: Chunk) -> Tier:
-        """Where the CPU optimizer reads ``chunk``: the device tier when that is CPU memory, else the host."""
-        return Tier.DEVICE if chunk.home is Tier.DEVICE and self.device.type == "cpu" else Tier.HOST
-
-    def optimizer_unit(self, state: GroupState, j: int, coef: torch.Tensor | None) -> None:
-        """AdamW on weight chunk ``j`` of ``state`` (runs on the optimizer worker's thread).
-
-        Reads the gradients and the sources (master weights, moments); writes the new values into the
-        twins when there are some (the sources stay as they were, for a redo) or in place; then writes the
-        compute-dtype weights from the new master weights. Accesses are outside the scheduler's trace: the
-        worker's timing varies, the compute thread's order must not.
-        """
-        cfg = self.config
-        store = self.store
-        held: list[tuple[Chunk, bool]] = []
-        guard = self.before_update
-        if guard is not None:  # a checkpoint being written needs these chunks as they were
-            guard((state.weights[j], *state.sources(j)))
-
-        def get(chunk: Chunk, source: Chunk | None = None, dirty: bool = True) -> dict[str, torch.Tensor]:
-            views = store.acquire(chunk, self._cpu_tier(chunk), traced=False, copy_from=source)
-            held.append((chunk, dirty))
-            return views
-
-        try:
-            grads = get(state.grads[j], dirty=False)
-            if state.twins:  # the sources' bytes handed to (or copied into) the twins, the sources untouched
-                views = [get(t, s) for t, s in zip(state.twins[j], state.sources(j), strict=True)]
-            else:
-                views = [get(c) for c in state.sources(j)]
-            master, m, v = views[:3]
-            names = list(grads)
-            g = [grads[n] for n in names]
-            if coef is not None:
-                g = torch._foreach_mul(g, coef)  # out of place: a redo needs the gradients as they were
-            by_name = dict(zip(names, g, strict=True))
-            hp = AdamStep(
-                self.step_ctx.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay,
-                self.step_count + 1,
-            )  # fmt: skip
-            eight_bit = cfg.optim == "adamw_bnb_8bit"
-            if self.galore is not None:
-                proj_chunk = state.proj[j]
-                proj = get(proj_chunk, dirty=False) if proj_chunk is not None else {}
-                self.galore.update(names, master, by_name, m, v, proj, hp, eight_bit)
-            elif eight_bit:
-                adamw_8bit(names, master, by_name, m, v, hp)
-            else:
-                adamw(names, master, by_name, m, v, hp)
-            if state.master:
-                with store.writing(state.weights[j]) as weights:
-                    for n in names:
-                        weights[n].copy_(master[n])
-        finally:
-            for chunk, dirty in reversed(held):
-                store.release(chunk, dirty=dirty)
-        if not state.twins:  # updated in place: no redo can need these gradients, free their memory
-            store.discard(state.grads[j])
+        if not math.isfinite(loss):  # LoRA: a frozen base; the adapters' optimizer, as in a plain loop
+            self.adapters.zero_grad()
+            raise NonFiniteError(f"the loss is {loss}")
+        betas = (cfg.adam_beta1, cfg.adam_beta2)
+        clip = cfg.max_grad_norm if cfg.clips else None
+        self.last_grad_norm = self.adapters.step(
+            self.step_ctx.lr, cfg.weight_decay, betas, cfg.adam_epsilon, clip
+        )
+        self.optimizer_counts["after_backward"] += 1
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -893,7 +787,7 @@ class StreamedTrainer:
         and projections of the trained groups (gradients and twins are empty then; a frozen base is the
         input model's). In model order, or in the order the optimizer changes them."""
         if in_update_order:
-            return [c for s, j in self._unit_order() if s.trainable for c in (s.weights[j], *s.reads(j))]
+            return [c for s, j in self.updater.units if s.trainable for c in (s.weights[j], *s.reads(j))]
         out: list[Chunk] = []
         for state in self.states:
             if state.trainable:
@@ -979,7 +873,7 @@ class StreamedTrainer:
             return self.adapters.save(directory)
 
     def close(self) -> None:
-        self._worker.close()
+        self.updater.close()
         self.store.close()
 
 

@@ -1,8 +1,12 @@
-"""The update side of a step: the optimizer worker thread that runs the CPU optimizer one weight chunk at a
-time behind backward (``OptimizerWorker``), and the learning rate of each step (``LRSchedule``)."""
+"""The update side of a step: the CPU optimizer of full fine-tuning and GaLore with exact clipping
+(``Updater``), the worker thread that runs it one weight chunk at a time behind backward
+(``OptimizerWorker``), the per-step flags the engine's callbacks read (``StepContext``), and the learning
+rate of each step (``LRSchedule``)."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import queue
 import threading
 import time
@@ -13,10 +17,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tiertune.errors import NonFiniteError, StateError
+from tiertune.finetune.optim import AdamStep, adamw, adamw_8bit
+from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore
+from tiertune.offload.tiers import Tier
 
 if TYPE_CHECKING:
-    from tiertune.engine.trainer import GroupState
+    from tiertune.engine.trainer import EngineConfig, GroupState
+    from tiertune.finetune.optim import GaLore
 
 
 @dataclass
@@ -29,6 +38,12 @@ class StepContext:
     first_micro: bool = False  # the micro-batch being back-propagated is the step's first (overwrites)
     last_micro: bool = False  # ... its last (gradients final: norms taken, units handed to the optimizer)
     traced: bool = True  # weight accesses enter the scheduler's trace (not during inference or DoRA init)
+    number: int = 1  # the step being made, counted from 1 (AdamW's bias correction, GaLore's refreshes)
+
+
+def cpu_tier(chunk: Chunk, device: torch.device) -> Tier:
+    """Where the CPU optimizer reads ``chunk``: the device tier when that is CPU memory, else the host."""
+    return Tier.DEVICE if chunk.home is Tier.DEVICE and device.type == "cpu" else Tier.HOST
 
 
 Unit = tuple["GroupState", int]
@@ -124,6 +139,152 @@ class OptimizerWorker:
                 with self._cond:
                     self._pending -= 1
                     self._cond.notify_all()
+
+
+class Updater:
+    """The update of a full fine-tuning (or GaLore) step, on the CPU: AdamW one weight chunk at a time on
+    the worker thread, the gradient clipped exactly as ``clip_grad_norm_`` does, and the speculate / confirm
+    / redo protocol (the engine's module docstring tells it).
+
+    The gradient side fills ``norms`` on a step's last micro-batch (each parameter's fp32 gradient norm) and,
+    when the step speculates, hands each finished group to ``worker``; ``finish`` computes the coefficient
+    and confirms, redoes or runs the update. ``counts`` counts the steps by how their update ran (the
+    caller's dict); ``before_update``, when set, is called with the chunks about to change (a checkpoint
+    being written in the background needs them as they were).
+    """
+
+    def __init__(
+        self, store: ChunkStore, config: EngineConfig, states: list[GroupState], units: list[Unit],
+        param_order: list[str], ctx: StepContext, times: dict[str, float], device: torch.device,
+        galore: GaLore | None, counts: dict[str, int],
+    ) -> None:  # fmt: skip
+        self.store, self.config, self.states, self.units = store, config, states, units
+        self.param_order, self.ctx, self.device, self.galore, self.counts = (
+            param_order,
+            ctx,
+            device,
+            galore,
+            counts,
+        )
+        self.norms: dict[str, torch.Tensor] = {}
+        self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
+        self.worker = OptimizerWorker(store, lambda unit, coef: self.unit(*unit, coef), times)
+
+    def start(self) -> None:
+        """A step begins: no norms yet; the worker prefetches along the units' order."""
+        self.norms = {}
+        self.worker.start_step(self.units)
+
+    def finish(self, loss: float) -> float:
+        """After backward: the exact clipping coefficient; confirm, redo or run the optimizer; commit. Returns
+        the gradient norm. A loss or norm that is not finite raises NonFiniteError, with the step not applied
+        where it had not been yet (speculative or after backward: the states are those of the last step)."""
+        cfg = self.config
+        # exactly torch.nn.utils.clip_grad_norm_: fp32 per-tensor norms stacked in parameter order, the
+        # coefficient an fp32 tensor clamped at 1 and multiplied into every gradient
+        # (GaLore's projected weights have theirs on the compute device: one copy each, after backward)
+        norms = [self.norms[n].cpu() for n in self.param_order if n in self.norms]
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        coef = None
+        if cfg.clips:
+            coef = torch.clamp(cfg.max_grad_norm / (total + 1e-6), max=1.0)
+        norm = float(total)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self.abandon()
+            raise NonFiniteError(f"the loss is {loss} and the gradient norm {norm}")
+        order = self.units
+        if self.ctx.speculating:
+            self.worker.join()  # the speculative step used coefficient 1: exact if that is the coefficient
+            redo = coef is not None and float(coef) != 1.0
+            self.counts["redone" if redo else "speculative"] += 1
+            if redo:
+                self.worker.start_step(order)
+                for state, j in order:
+                    self.worker.submit(state, coef, j)
+        else:
+            self.counts["after_backward"] += 1
+            for state, j in order:
+                self.worker.submit(state, coef, j)
+        self.worker.join()
+        for state in self.states:  # the twins hold the new states: exchange them in (no bytes copied)
+            for j, twins in enumerate(state.twins):
+                for chunk, twin in zip(state.sources(j), twins, strict=True):
+                    self.store.exchange(chunk, twin)
+                    self.store.discard(twin)
+                self.store.discard(state.grads[j])  # consumed: their memory is free until the next step
+        return norm
+
+    def abandon(self) -> None:
+        """Drop a step's gradients and speculative twins: its update is not applied (an update already made
+        in place during backward, without clipping, stays: the run stops without saving it)."""
+        with contextlib.suppress(BaseException):
+            self.worker.join()
+        chunks = [
+            c
+            for s in self.states
+            for c in (*s.grads, *(a for a in s.accum if a is not None), *(t for ts in s.twins for t in ts))
+        ]
+        for chunk in chunks:
+            with contextlib.suppress(StateError):  # the run stops: a chunk still held is left as it is
+                self.store.discard(chunk)
+
+    def unit(self, state: GroupState, j: int, coef: torch.Tensor | None) -> None:
+        """AdamW on weight chunk ``j`` of ``state`` (runs on the optimizer worker's thread).
+
+        Reads the gradients and the sources (master weights, moments); writes the new values into the
+        twins when there are some (the sources stay as they were, for a redo) or in place; then writes the
+        compute-dtype weights from the new master weights. Accesses are outside the scheduler's trace: the
+        worker's timing varies, the compute thread's order must not.
+        """
+        cfg = self.config
+        store = self.store
+        held: list[tuple[Chunk, bool]] = []
+        guard = self.before_update
+        if guard is not None:  # a checkpoint being written needs these chunks as they were
+            guard((state.weights[j], *state.sources(j)))
+
+        def get(chunk: Chunk, source: Chunk | None = None, dirty: bool = True) -> dict[str, torch.Tensor]:
+            views = store.acquire(chunk, cpu_tier(chunk, self.device), traced=False, copy_from=source)
+            held.append((chunk, dirty))
+            return views
+
+        try:
+            grads = get(state.grads[j], dirty=False)
+            if state.twins:  # the sources' bytes handed to (or copied into) the twins, the sources untouched
+                views = [get(t, s) for t, s in zip(state.twins[j], state.sources(j), strict=True)]
+            else:
+                views = [get(c) for c in state.sources(j)]
+            master, m, v = views[:3]
+            names = list(grads)
+            g = [grads[n] for n in names]
+            if coef is not None:
+                g = torch._foreach_mul(g, coef)  # out of place: a redo needs the gradients as they were
+            by_name = dict(zip(names, g, strict=True))
+            hp = AdamStep(
+                self.ctx.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay,
+                self.ctx.number,
+            )  # fmt: skip
+            eight_bit = cfg.optim == "adamw_bnb_8bit"
+            if self.galore is not None:
+                proj_chunk = state.proj[j]
+                proj = get(proj_chunk, dirty=False) if proj_chunk is not None else {}
+                self.galore.update(names, master, by_name, m, v, proj, hp, eight_bit)
+            elif eight_bit:
+                adamw_8bit(names, master, by_name, m, v, hp)
+            else:
+                adamw(names, master, by_name, m, v, hp)
+            if state.master:
+                with store.writing(state.weights[j]) as weights:
+                    for n in names:
+                        weights[n].copy_(master[n])
+        finally:
+            for chunk, dirty in reversed(held):
+                store.release(chunk, dirty=dirty)
+        if not state.twins:  # updated in place: no redo can need these gradients, free their memory
+            store.discard(state.grads[j])
+
+    def close(self) -> None:
+        self.worker.close()
 
 
 class LRSchedule:
