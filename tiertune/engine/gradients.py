@@ -1,0 +1,140 @@
+"""Backward's gradient hand-off (``GradientSink``): each micro-batch's weight gradients added into the fp32
+gradient chunks on the host, their norms taken on the step's last micro-batch, GaLore's projected weights
+projected on the compute device, and each finished group handed to the optimizer when it runs during
+backward."""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiertune.offload.chunk import Chunk
+from tiertune.offload.store import ChunkStore
+from tiertune.offload.tiers import Tier
+
+if TYPE_CHECKING:
+    from tiertune.engine.trainer import GroupState
+    from tiertune.engine.update import StepContext, Updater
+    from tiertune.finetune.optim import GaLore
+
+
+class GradientSink:
+    """Where backward's weight gradients go. ``bytes`` counts what it has handed to the host side (the CPU
+    optimizer's gradient chunks and GaLore's accumulators), cumulative: GaLore's projected weights send r/m
+    of theirs. ``add_accumulator(state, j)`` gives GaLore's full-gradient accumulator of weight chunk ``j``
+    (registered on first use), ``shapes`` each parameter's shape."""
+
+    def __init__(
+        self, store: ChunkStore, ctx: StepContext, times: dict[str, float], updater: Updater,
+        galore: GaLore | None, device: torch.device, shapes: dict[str, torch.Size],
+        add_accumulator: Callable[[GroupState, int], Chunk | None],
+    ) -> None:  # fmt: skip
+        self.store, self.ctx, self.times, self.updater = store, ctx, times, updater
+        self.galore, self.device, self.shapes, self.add_accumulator = galore, device, shapes, add_accumulator
+        self.bytes = 0
+
+    def add(self, state: GroupState, grads: dict[str, torch.Tensor | None]) -> None:
+        """Add a micro-batch's gradients into the group's fp32 accumulators (the first micro-batch of a
+        step overwrites them); on the last micro-batch note each accumulator's norm, as clip_grad_norm_
+        computes it, and hand the group to the optimizer when it runs during backward. GaLore's projected
+        weights go through ``_project`` instead."""
+        projected = self.galore.targets if self.galore is not None else ()
+        for j, chunk in enumerate(state.grads):
+            began = time.perf_counter()
+            views = self.store.acquire(chunk, Tier.HOST, overwrite=self.ctx.first_micro)
+            self.times["io_wait"] += time.perf_counter() - began
+            try:
+                for name, acc in views.items():
+                    if name in projected:
+                        continue
+                    self._accumulate(acc, grads.get(name))
+                    if self.ctx.last_micro:
+                        self.updater.norms[name] = torch.linalg.vector_norm(acc)
+                low = {n: v for n, v in views.items() if n in projected}
+                if low:
+                    self._project(state, j, low, grads)
+            finally:
+                self.store.release(chunk, dirty=True)
+        if (
+            self.ctx.last_micro and self.ctx.speculating
+        ):  # waiting for the optimizer here is time it is not hidden
+            self.times["optimizer"] += self.updater.worker.submit(state, None)
+
+    def _accumulate(self, acc: torch.Tensor, g: torch.Tensor | None) -> None:
+        """Add a micro-batch's gradient ``g`` (None: the tensor had none) into its fp32 host accumulator,
+        which the step's first micro-batch overwrites."""
+        if g is None:
+            if self.ctx.first_micro:
+                acc.zero_()
+            return
+        if self.ctx.first_micro:
+            acc.copy_(g.detach())
+        else:
+            acc.add_(g.detach().to(device="cpu", dtype=torch.float32))
+        self.bytes += acc.numel() * acc.element_size()
+
+    def _project(
+        self, state: GroupState, j: int, low: dict[str, torch.Tensor], grads: dict[str, torch.Tensor | None]
+    ) -> None:
+        """GaLore's projected weights of weight chunk ``j``: until the last micro-batch, sum their full
+        gradients in the host accumulator; on the last, on the compute device, take each full gradient's
+        norm, refresh the projection when the step calls for it, and write the low-rank gradient into
+        ``low`` (the views of the gradient chunk the optimizer reads, on the host)."""
+        galore = self.galore
+        assert galore is not None
+        single = self.ctx.first_micro and self.ctx.last_micro
+        accum = None if single else self.add_accumulator(state, j)
+        full: dict[str, torch.Tensor] | None = None
+        if accum is not None:
+            began = time.perf_counter()
+            full = self.store.acquire(accum, Tier.HOST, overwrite=self.ctx.first_micro)
+            self.times["io_wait"] += time.perf_counter() - began
+        try:
+            if not self.ctx.last_micro:  # sum on the host, as the other gradients are
+                for name, acc in full.items():  # type: ignore[union-attr]
+                    self._accumulate(acc, grads.get(name))
+                return
+            step = self.ctx.number
+            refresh = galore.refreshes(step)
+            began = time.perf_counter()
+            proj_chunk = state.proj[j]
+            assert proj_chunk is not None
+            guard = self.updater.before_update
+            if refresh and guard is not None:  # a checkpoint being written needs the old ones
+                guard((proj_chunk,))
+            # read even when refreshed: the same access every step keeps it in the trace, so it is prefetched
+            views = self.store.acquire(proj_chunk, Tier.DEVICE, traced=self.ctx.traced)
+            try:
+                for name, dst in low.items():  # one full gradient on the device at a time
+                    g = grads.get(name)
+                    if full is not None:
+                        g_full = full[name].to(self.device)
+                        if g is not None:
+                            g_full.add_(g.detach().float())
+                    else:
+                        shape = self.shapes[name]
+                        g_full = (
+                            g.detach().float() if g is not None else torch.zeros(shape, device=self.device)
+                        )
+                    self.updater.norms[name] = torch.linalg.vector_norm(g_full)  # clip_grad_norm_'s
+                    # a gradient that is not finite stops the step (NonFiniteError after backward): no SVD of it
+                    renew = refresh and bool(torch.isfinite(self.updater.norms[name]))
+                    seed = zlib.crc32(f"{name}:{step}".encode())
+                    began_svd = time.perf_counter()
+                    projected = galore.project(g_full, views[name], renew, seed)
+                    if renew:
+                        self.times["galore_svd"] += time.perf_counter() - began_svd
+                    dst.copy_(projected)
+                    self.bytes += dst.numel() * dst.element_size()
+            finally:
+                self.store.release(proj_chunk, dirty=refresh)
+            self.times["galore_project"] += time.perf_counter() - began
+        finally:
+            if full is not None:
+                self.store.release(accum, dirty=not self.ctx.last_micro)  # type: ignore[arg-type]
+                if self.ctx.last_micro:
+                    self.store.discard(accum)  # type: ignore[arg-type]
