@@ -1,17 +1,15 @@
 """The streamed training engine, in parts (ARCHITECTURE.md has the picture):
 
 - ``trainer``: ``StreamedTrainer`` wires the parts and runs a step (``EngineConfig`` says how);
+- ``layout``: the training state each trained group registers (gradients, master weights, moments, twins);
+- ``binding``: chunk tensors bound as the model instance's parameters;
 - ``streaming``: the streamed decoder layer, its autograd function and the input stash;
-- ``update``: the optimizer worker thread and the learning-rate schedule;
+- ``gradients``: backward's gradient hand-off (accumulation, norms, GaLore's projection);
+- ``update``: the CPU optimizer with exact clipping, its worker thread, the step context, the LR schedule;
 - ``router_aux``: an MoE router's auxiliary loss across streamed layers.
 """
 
-from tiertune.engine.trainer import (
-    FUSED_LOSS_ARCHITECTURES,
-    EngineConfig,
-    StreamedTrainer,
-    gradient_entries,
-    state_entries,
-)
+from tiertune.engine.layout import gradient_entries, state_entries
+from tiertune.engine.trainer import FUSED_LOSS_ARCHITECTURES, EngineConfig, StreamedTrainer
 
 __all__ = ["FUSED_LOSS_ARCHITECTURES", "EngineConfig", "StreamedTrainer", "gradient_entries", "state_entries"]

@@ -62,30 +62,29 @@ from torch import nn
 
 from tiertune.engine.binding import Binder
 from tiertune.engine.gradients import GradientSink
+from tiertune.engine.layout import GroupState, add_accumulator, add_states, add_twins
 from tiertune.engine.router_aux import RouterAux
 from tiertune.engine.streaming import InputStash, StreamedLayer
-from tiertune.engine.update import LRSchedule, StepContext, Updater, cpu_tier
-from tiertune.errors import BudgetError, ConfigError, DataError, NonFiniteError
+from tiertune.engine.update import LRSchedule, StepContext, Updater
+from tiertune.errors import ConfigError, DataError, NonFiniteError
 from tiertune.finetune.lora import Adapters, LoraSettings
 from tiertune.finetune.model import (
     ModelParts,
-    ParamGroup,
     build_skeleton,
     load_into_store,
     split_model,
 )
-from tiertune.finetune.optim import GaLore, GaloreSettings, moment_entries
+from tiertune.finetune.optim import GaLore, GaloreSettings
 from tiertune.finetune.weights import Checkpoint
 from tiertune.kernels.ops.backend import matmul_dtype
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX, linear_cross_entropy
 from tiertune.kernels.patch import patch_model, resolve_backend
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore, StoreConfig
-from tiertune.offload.tiers import BUDGET_SETTING, Tier
+from tiertune.offload.tiers import Tier
 from tiertune.quant import KINDS as QUANT_KINDS
 from tiertune.quant import experts as quant_experts
 from tiertune.quant import make_quantizer, saved_quantization
-from tiertune.units import format_size
 
 log = logging.getLogger("tiertune.engine")
 
@@ -176,67 +175,6 @@ class EngineConfig:
             raise ConfigError(f"training.max_steps must be >= 1, got {self.max_steps}")
 
 
-def gradient_entries(fp32: list, galore: GaLore | None) -> dict[str, list]:
-    """The gradient chunks of one weight chunk whose tensors are ``fp32`` entries, by kind: ``grads`` (what
-    the optimizer reads: low-rank for GaLore's projected weights) and, with GaLore, ``accum`` (the projected
-    weights' full gradients, summed over micro-batches; used only when a step has several)."""
-    if galore is None:
-        return {"grads": fp32}
-    return {"grads": galore.gradient_entries(fp32), "accum": galore.accumulator_entries(fp32)}
-
-
-def state_entries(fp32: list, cfg: EngineConfig, galore: GaLore | None) -> dict[str, list]:
-    """The optimizer's chunks for one weight chunk whose tensors are ``fp32`` entries, by kind: ``master``
-    (when the weights are not fp32), ``exp_avg`` and ``exp_avg_sq`` (8-bit, low-rank for GaLore's projected
-    weights) and GaLore's ``proj`` (when the chunk has a projected weight). The engine registers these; the
-    estimate lays out the same."""
-    eight_bit = cfg.optim == "adamw_bnb_8bit"
-    out: dict[str, list] = {"master": fp32} if cfg.dtype != torch.float32 else {}
-    moments = galore.moment_entries(fp32, eight_bit) if galore else moment_entries(fp32, eight_bit)
-    out["exp_avg"] = out["exp_avg_sq"] = moments
-    proj = galore.projection_entries(fp32) if galore else []
-    if proj:
-        out["proj"] = proj
-    return out
-
-
-class GroupState:
-    """A parameter group's chunks, one entry per weight chunk: weights (compute dtype), fp32 gradients, the
-    optimizer's sources (fp32 master weights, or the weights themselves when they are fp32, the Adam
-    moments and, with GaLore, the projections) and, when the step is speculative, their twins that receive
-    the new values."""
-
-    def __init__(self, group: ParamGroup) -> None:
-        self.group = group
-        self.weights: list[Chunk] = group.chunks
-        self.grads: list[Chunk] = []
-        self.master: list[Chunk] = []  # empty when the weights are fp32 (their own master copy)
-        self.exp_avg: list[Chunk] = []
-        self.exp_avg_sq: list[Chunk] = []
-        # GaLore, per weight chunk (None for a chunk with no projected weight): the projections, and the
-        # full-gradient accumulators of its projected weights (added when a step first has several
-        # micro-batches, or up front when the config says it will)
-        self.proj: list[Chunk | None] = []
-        self.accum: list[Chunk | None] = []
-        self.twins: list[tuple[Chunk, ...]] = []  # twins of sources(j), per j
-
-    @property
-    def trainable(self) -> bool:
-        """Whether the group's weights are trained (full fine-tuning) rather than a frozen base."""
-        return bool(self.grads)
-
-    def sources(self, j: int) -> tuple[Chunk, ...]:
-        """The chunks the optimizer reads and rewrites for weight chunk ``j``: master weights and moments."""
-        master = self.master[j] if self.master else self.weights[j]
-        return (master, self.exp_avg[j], self.exp_avg_sq[j])
-
-    def reads(self, j: int) -> tuple[Chunk, ...]:
-        """Every state chunk the optimizer reads for weight chunk ``j``: the sources and GaLore's projection
-        (which backward writes, the optimizer only reads)."""
-        proj = self.proj[j] if self.proj else None
-        return self.sources(j) + ((proj,) if proj is not None else ())
-
-
 class StreamedTrainer:
     """Full fine-tuning with every state in a chunk store. ``step(micro_batches)`` runs one optimizer step.
 
@@ -306,7 +244,10 @@ class StreamedTrainer:
         self.galore = GaLore(config.galore, self.parts.layers, paths) if config.method == "galore" else None
         trained = config.method != "lora"
         self.states = [
-            self._add_states(g, checkpoint) if trained else GroupState(g) for g in self.parts.groups
+            add_states(self.store, g, config, self.galore, partial(self._read_master, checkpoint))
+            if trained
+            else GroupState(g)
+            for g in self.parts.groups
         ]
         # LoRA: peft wraps the instance's linear modules (before the layers are replaced by streamed ones)
         self.adapters = (
@@ -331,7 +272,7 @@ class StreamedTrainer:
         self.kernel_counts = (
             Counter() if config.kernels == "none" else patch_model(self.model, self.kernel_backend)
         )
-        self.overlap = self._add_twins() if trained else False
+        self.overlap = add_twins(self.store, self.states, config, self.device) if trained else False
         # with activations on the host, each layer's saved input in a chunk of its own
         self.stash = None
         if config.activations == "host":
@@ -426,111 +367,14 @@ class StreamedTrainer:
             self.step_ctx.traced = True
         self.adapters.collect()  # type: ignore[union-attr]
 
-    def _add_states(self, group: ParamGroup, checkpoint: Checkpoint) -> GroupState:
-        state = GroupState(group)
-        cfg = self.config
-        for chunk in group.chunks:
-            entries = [(s.name, s.shape, torch.float32) for s in chunk.tensors]
-            add = partial(self._add_like, entries)
-            grads = gradient_entries(entries, self.galore)
-            state.grads += self._add_like(grads["grads"], cfg.gradients, f"{chunk.name}.grad")
-            if self.galore is not None:
-                state.accum.append(None)
-                if cfg.gradient_accumulation_steps > 1:
-                    self._add_accumulator(state, len(state.accum) - 1)
-            states = state_entries(entries, cfg, self.galore)
-            if "master" in states:
-                masters = add(cfg.optimizer_states, f"{chunk.name}.master")
-                state.master += masters
-                # from the checkpoint, not from the rounded weights: an fp32 checkpoint keeps its precision
-                with self.store.writing(masters[0]) as views:
-                    for name, view in views.items():
-                        self._source[name].read_into(checkpoint, view)
-            home = cfg.optimizer_states
-            state.exp_avg += self._add_like(states["exp_avg"], home, f"{chunk.name}.exp_avg")
-            state.exp_avg_sq += self._add_like(states["exp_avg_sq"], home, f"{chunk.name}.exp_avg_sq")
-            if self.galore is not None:
-                proj = states.get("proj")
-                state.proj.append(self._add_like(proj, home, f"{chunk.name}.proj")[0] if proj else None)
-        return state
+    def _read_master(self, checkpoint: Checkpoint, name: str, view: torch.Tensor) -> None:
+        """Parameter ``name``'s fp32 master weights from the checkpoint (not from the rounded weights: an
+        fp32 checkpoint keeps its precision)."""
+        self._source[name].read_into(checkpoint, view)
 
     def _add_accumulator(self, state: GroupState, j: int) -> Chunk | None:
         """GaLore's full-gradient accumulator of weight chunk ``j`` (None when it projects no weight there)."""
-        if state.accum[j] is None:
-            entries = [(s.name, s.shape, torch.float32) for s in state.weights[j].tensors]
-            full = self.galore.accumulator_entries(entries)  # type: ignore[union-attr]
-            if full:
-                name = f"{state.weights[j].name}.grad_full"
-                state.accum[j] = self._add_like(full, self.config.gradients, name)[0]
-        return state.accum[j]
-
-    def _add_like(self, entries: list, home: str | Tier, name: str) -> list[Chunk]:
-        """One chunk holding ``entries`` (the fp32 twin of a weight chunk: never split, whatever its size)."""
-        size = sum(math.prod(shape) * 4 for _, shape, _ in entries)
-        return self.store.add(entries, home=home, name=name, chunk_size=max(size, 1) + 256 * len(entries))
-
-    def _unit_host_bytes(self, state: GroupState, j: int, twins: bool) -> int:
-        """Host bytes one optimizer unit pins: gradients and sources (or their twins), plus one source
-        while it is copied into its twin."""
-        on_host = [c for c in (state.grads[j], *state.reads(j)) if cpu_tier(c, self.device) is Tier.HOST]
-        pinned = sum(c.capacity for c in on_host if c.home is not Tier.HOST)
-        return pinned + (max((c.capacity for c in on_host[1:]), default=0) if twins else 0)
-
-    def _add_twins(self) -> bool:
-        """Decide whether the optimizer overlaps backward; add the twin states that needs. Returns the choice.
-
-        Without clipping, updating in place during backward is exact. With clipping, the coefficient is
-        known only after the last gradient, so the step runs speculatively with coefficient 1 into twins of
-        the master weights and moments, and is confirmed (the twins exchanged in, no copy) or redone from
-        the untouched originals with the real coefficient. The twins cost 12 bytes per parameter on the
-        optimizer states' tier (plus 4 on the weights' tier when the weights are fp32).
-        """
-        mode = self.config.overlap_optimizer
-        if mode == "off":
-            return False
-        if not self.config.clips:
-            return True
-        need: dict[Tier, int] = defaultdict(int)
-        for state in self.states:
-            for j in range(len(state.weights)):
-                for chunk in state.sources(j):
-                    need[chunk.home] += chunk.capacity
-        short = {t: n for t, n in need.items() if n > self.store.room(t)}
-        # the worker holds one unit on the host (gradients, sources, twins) while backward holds a chunk of
-        # gradients there
-        unit = max(
-            self._unit_host_bytes(s, j, twins=True) for s in self.states for j in range(len(s.weights))
-        )
-        working = need.get(Tier.HOST, 0) + unit + max(c.capacity for s in self.states for c in s.grads)
-        if working > self.store.room(Tier.HOST):
-            short[Tier.HOST] = working
-        if short and mode == "on":
-            tier, needed = next(iter(short.items()))
-            raise BudgetError(
-                tier.value,
-                needed,
-                self.store.room(tier),
-                BUDGET_SETTING[tier],
-                "for the optimizer overlapped with backward: twin optimizer states, and one chunk's optimizer "
-                "working set on the host; or set offload.overlap_optimizer: false",
-            )
-        if short:
-            detail = ", ".join(
-                f"{format_size(n)} on {t.value} ({format_size(self.store.room(t))} free)"
-                for t, n in short.items()
-            )
-            log.info(
-                "optimizer after backward, not overlapped: its speculative twin states need %s; "
-                "raise the budgets (or offload.optimizer_states: disk) to overlap it",
-                detail,
-            )
-            return False
-        for state in self.states:
-            for j in range(len(state.weights)):
-                state.twins.append(
-                    tuple(self._add_like(_entries(c), c.home, f"{c.name}.twin")[0] for c in state.sources(j))  # type: ignore[misc]
-                )
-        return True
+        return add_accumulator(self.store, state, j, self.galore, self.config.gradients)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ streamed layers (LayerEngine)
 
@@ -782,7 +626,3 @@ class StreamedTrainer:
     def close(self) -> None:
         self.updater.close()
         self.store.close()
-
-
-def _entries(chunk: Chunk) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    return [(s.name, s.shape, s.dtype) for s in chunk.tensors]
