@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from tiertune.cli.app import app
 from tiertune.engine import StreamedTrainer
+from tiertune.engine.loss import CausalLMLoss
 from tiertune.errors import ConfigError, DataError, DiskFullError, IntegrityError, NonFiniteError
 from tiertune.finetune import checkpoint as ckpt
 from tiertune.finetune.checkpoint import checkpoints
@@ -238,7 +239,7 @@ def test_a_non_finite_step_stops_the_run_and_saves_nothing_after_the_last_good_s
     """Step 5's loss is NaN: the run stops (exit 3 on the command line) with the step and the newest
     checkpoint named, exports nothing, and checkpoint-4 (written in the background while step 5 ran) holds
     finite state and resumes."""
-    loss_sum = StreamedTrainer._loss_sum
+    loss_sum = CausalLMLoss.__call__
     calls = []
 
     def poisoned(self, ids, extra, target):
@@ -246,7 +247,7 @@ def test_a_non_finite_step_stops_the_run_and_saves_nothing_after_the_last_good_s
         out = loss_sum(self, ids, extra, target)
         return out * float("nan") if len(calls) == 5 else out  # step 5 (one micro-batch per step)
 
-    monkeypatch.setattr(StreamedTrainer, "_loss_sum", poisoned)
+    monkeypatch.setattr(CausalLMLoss, "__call__", poisoned)
     overrides = tuple(f"{k}={v}" for k, v in variant.items())
     with pytest.raises(NonFiniteError, match=r"step 5 of 6: the loss is nan.*checkpoint-4.*holds the last good"):
         train(recipe, overrides, progress=False)
@@ -260,10 +261,10 @@ def test_a_non_finite_step_stops_the_run_and_saves_nothing_after_the_last_good_s
     for file in [*(run_dir / "checkpoint-4").glob("*.safetensors"), *(run_dir / "checkpoint-4").glob("state/*")]:
         assert all(torch.isfinite(t).all() for t in load_file(file).values()), file
     calls.clear()
-    monkeypatch.setattr(StreamedTrainer, "_loss_sum", poisoned)  # NaN again at the 5th call: CLI exit 3
+    monkeypatch.setattr(CausalLMLoss, "__call__", poisoned)  # NaN again at the 5th call: CLI exit 3
     cli = _cli("train", recipe, *overrides, "training.overwrite_output_dir=true", "-q")
     assert cli.exit_code == 3 and "the loss is nan" in cli.output
-    monkeypatch.setattr(StreamedTrainer, "_loss_sum", loss_sum)
+    monkeypatch.setattr(CausalLMLoss, "__call__", loss_sum)
     resumed = train(recipe, (*overrides, "training.resume_from_checkpoint=auto"), progress=False)
     assert resumed.first_step == 5 and all(map(torch.isfinite, torch.tensor(resumed.losses)))
 

@@ -17,7 +17,7 @@ from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
 
 if TYPE_CHECKING:
-    from tiertune.engine.trainer import GroupState
+    from tiertune.engine.layout import GroupState
     from tiertune.engine.update import StepContext, Updater
     from tiertune.finetune.optim import GaLore
 

@@ -24,7 +24,7 @@ from tiertune.offload.tiers import BUDGET_SETTING, Tier
 from tiertune.units import format_size
 
 if TYPE_CHECKING:
-    from tiertune.engine.trainer import EngineConfig
+    from tiertune.engine.config import EngineConfig
 
 log = logging.getLogger("tiertune.engine")
 

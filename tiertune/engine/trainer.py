@@ -52,127 +52,39 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from tiertune.engine.binding import Binder
+from tiertune.engine.config import EngineConfig
 from tiertune.engine.gradients import GradientSink
 from tiertune.engine.layout import GroupState, add_accumulator, add_states, add_twins
+from tiertune.engine.loss import CausalLMLoss
 from tiertune.engine.router_aux import RouterAux
 from tiertune.engine.streaming import InputStash, StreamedLayer
 from tiertune.engine.update import LRSchedule, StepContext, Updater
 from tiertune.errors import ConfigError, DataError, NonFiniteError
-from tiertune.finetune.lora import Adapters, LoraSettings
+from tiertune.finetune.lora import Adapters
 from tiertune.finetune.model import (
     ModelParts,
     build_skeleton,
     load_into_store,
     split_model,
 )
-from tiertune.finetune.optim import GaLore, GaloreSettings
+from tiertune.finetune.optim import GaLore
 from tiertune.finetune.weights import Checkpoint
 from tiertune.kernels.ops.backend import matmul_dtype
-from tiertune.kernels.ops.linear_ce import IGNORE_INDEX, linear_cross_entropy
+from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 from tiertune.kernels.patch import patch_model, resolve_backend
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore, StoreConfig
 from tiertune.offload.tiers import Tier
-from tiertune.quant import KINDS as QUANT_KINDS
 from tiertune.quant import experts as quant_experts
 from tiertune.quant import make_quantizer, saved_quantization
 
 log = logging.getLogger("tiertune.engine")
-
-# causal LMs whose forward is the decoder then a plain linear head, soft-capped by the config's
-# final_logit_softcapping where it has one (Gemma 2 and 3), no other logit scale: their loss can run fused
-# with the head
-FUSED_LOSS_ARCHITECTURES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "stablelm",
-     "gpt_neox", "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}
-)  # fmt: skip
-"""Causal LMs whose logits are the decoder's output times a linear head: Gemma 2/3 soft-cap them
-(``final_logit_softcapping``), Cohere scales them (``logit_scale``: the hidden states are scaled instead, the
-same product), and the MoE ones add their router loss apart (``RouterAux``)."""
-
-
-@dataclass
-class EngineConfig:
-    """Hyper-parameters and placements of the streamed engine (names as Hugging Face TrainingArguments)."""
-
-    dtype: torch.dtype = torch.float32  # compute dtype of the weights
-    learning_rate: float = 5e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0  # 0 or less: no clipping
-    lr_scheduler_type: str = "linear"
-    warmup_steps: int = 0
-    max_steps: int = 1
-    params: str = "host"  # home tier of the compute-dtype weights
-    optimizer_states: str = "host"  # home tier of the fp32 master weights and Adam moments
-    gradients: str = "host"  # home tier of the fp32 gradient accumulators
-    # on: the optimizer runs during backward (speculatively, into twin states, when clipping is on);
-    # off: after backward; auto: on when the twin states fit the budgets, else off
-    overlap_optimizer: str | bool = "auto"
-    activations: str = "device"  # where each layer's saved input waits for backward: device or host
-    activation_tokens: int = 0  # batch x sequence length of the largest micro-batch (needed for host)
-    # micro-batches per step: with more than one, GaLore sums its projected weights' full gradients in host
-    # accumulators, placed up front (a step with more micro-batches than said adds them when it needs them)
-    gradient_accumulation_steps: int = 1
-    # full: every weight trained with AdamW; lora: a frozen base with peft LoRA adapters; galore: every weight
-    # trained, the decoder layers' linear weights with Adam in a low-rank projection of their gradients
-    method: str = "full"
-    quantize: str = "none"  # none, nf4, fp4 or int8: how the layers' linear weights are stored and streamed
-    lora: LoraSettings = field(default_factory=LoraSettings)
-    galore: GaloreSettings = field(default_factory=GaloreSettings)
-    quant_cache: str | None = None  # directory of quantized chunks reused across runs (None: no cache)
-    optim: str = "adamw_torch"  # or adamw_bnb_8bit: Adam moments in 8 bits (bitsandbytes' AdamW8bit)
-    # auto: Triton kernels on a CUDA device with Triton, else the ops' torch references; torch; triton; none:
-    # the model's own modules and unfused loss (the plain-loop oracle of the parity tests)
-    kernels: str = "auto"
-
-    @property
-    def clips(self) -> bool:
-        """Whether a step clips the gradient's global norm (``max_grad_norm`` set and positive)."""
-        return bool(self.max_grad_norm and self.max_grad_norm > 0)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.overlap_optimizer, bool):
-            self.overlap_optimizer = "on" if self.overlap_optimizer else "off"
-        if self.overlap_optimizer not in ("auto", "on", "off"):
-            raise ConfigError(
-                f"offload.overlap_optimizer must be auto, true or false, got {self.overlap_optimizer!r}"
-            )
-        for name in ("params", "optimizer_states", "gradients"):
-            value = getattr(self, name)
-            if value not in ("device", "host", "disk"):
-                raise ConfigError(f"offload.{name} must be device, host or disk, got {value!r}")
-        if self.kernels not in ("auto", "torch", "triton", "none"):
-            raise ConfigError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
-        if self.optim not in ("adamw_torch", "adamw_bnb_8bit"):
-            raise ConfigError(f"training.optim must be adamw_torch or adamw_bnb_8bit, got {self.optim!r}")
-        if self.method not in ("full", "lora", "galore"):
-            raise ConfigError(f"method.type must be full, lora or galore, got {self.method!r}")
-        if self.quantize not in QUANT_KINDS:
-            raise ConfigError(
-                f"model.quantize must be one of {', '.join(QUANT_KINDS)}, got {self.quantize!r}"
-            )
-        if self.quantize != "none" and self.method != "lora":
-            raise ConfigError("a quantized base is frozen: use method.type: lora with model.quantize")
-        if self.activations not in ("device", "host"):
-            raise ConfigError(f"offload.activations must be device or host, got {self.activations!r}")
-        if self.activations == "host" and self.activation_tokens < 1:
-            raise ConfigError("activations on the host need activation_tokens (batch x max sequence length)")
-        if self.learning_rate < 0:
-            raise ConfigError(f"training.learning_rate must be >= 0, got {self.learning_rate}")
-        if self.max_steps < 1:
-            raise ConfigError(f"training.max_steps must be >= 1, got {self.max_steps}")
 
 
 class StreamedTrainer:
@@ -302,59 +214,13 @@ class StreamedTrainer:
         self._lr = LRSchedule(
             config.learning_rate, config.lr_scheduler_type, config.warmup_steps, config.max_steps
         )
-        self.fused_loss = self._fuse_loss()  # the loss runs fused with the head (kernels.ops.linear_ce)
-        # the router's logits are collected by the engine (router_aux), not by the model's own output hooks
-        moe = hasattr(self.model.config, "output_router_logits")
-        self._model_kwargs = {"output_router_logits": False} if moe else {}
+        # the loss, fused with the head where the architecture allows (kernels.ops.linear_ce)
+        self.loss = CausalLMLoss(self.model, config.kernels != "none", self.kernel_backend)
+        self.fused_loss = self.loss.fused
         # the weighted auxiliary loss in the last step's loss (None when it has none: router_aux is None)
         self.last_router_aux_loss: float | None = None
 
     # ------------------------------------------------------------------ setup
-
-    def _fuse_loss(self) -> bool:
-        """Whether the loss runs fused with the head (``kernels.ops.linear_ce``): for architectures whose
-        causal-LM forward is the decoder then a plain linear head; others keep the unfused loss, said once."""
-        if self.config.kernels == "none":
-            return False
-        model_type = self.model.config.model_type
-        head = self.model.get_output_embeddings()
-        if model_type not in FUSED_LOSS_ARCHITECTURES or not isinstance(head, nn.Linear):
-            log.info(
-                "kernels: %s is not in the fused-loss list; the loss runs unfused (full logits)", model_type
-            )
-            return False
-        log.debug(
-            "kernels: fused linear + cross-entropy (%s, chunked) for %s", self.kernel_backend, model_type
-        )
-        return True
-
-    def _loss_sum(self, ids: torch.Tensor, extra: dict, target: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's summed cross-entropy over its targets (shifted by one), fused with the head
-        where the architecture allows: the [tokens x vocab] logits never exist."""
-        if self.fused_loss:
-            hidden = self.model.get_decoder()(input_ids=ids, **extra, **self._model_kwargs).last_hidden_state
-            head = self.model.get_output_embeddings()
-            h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-            scale = getattr(self.model.config, "logit_scale", None)
-            if scale is not None and scale != 1:  # Cohere: (h W^T) * s computed as (s h) W^T
-                h = h * scale
-            return linear_cross_entropy(
-                h,
-                head.weight,
-                target.reshape(-1),
-                head.bias,
-                IGNORE_INDEX,
-                "sum",
-                backend=self.kernel_backend,
-                softcap=getattr(self.model.config, "final_logit_softcapping", None),
-            )
-        logits = self.model(input_ids=ids, **extra, **self._model_kwargs).logits
-        return F.cross_entropy(
-            logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-            target.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
 
     def _init_dora(self) -> None:
         """DoRA's magnitudes from the base weights: one pass over the layers, outside the trace."""
@@ -471,7 +337,7 @@ class StreamedTrainer:
                 aux = self.router_aux
                 if aux is not None:
                     aux.start()
-                loss_sum = self._loss_sum(ids, extra, lab[:, 1:].to(self.device))
+                loss_sum = self.loss(ids, extra, lab[:, 1:].to(self.device))
                 if aux is not None:  # its gradient joins each layer's backward (_LayerFunction)
                     aux_total += aux.finish(extra.get("attention_mask"), 1.0 / len(micro_batches))
                 (loss_sum / n_tokens).backward()
@@ -531,7 +397,9 @@ class StreamedTrainer:
                 stack.enter_context(self.bound_group(state, requires_grad=False))
             mask = None if attention_mask is None else attention_mask.to(self.device)
             ids = input_ids.to(self.device)
-            return self.model(input_ids=ids, attention_mask=mask, **self._model_kwargs).logits.float().cpu()
+            return (
+                self.model(input_ids=ids, attention_mask=mask, **self.loss.model_kwargs).logits.float().cpu()
+            )
 
     def state_chunks(self, in_update_order: bool = False) -> list[Chunk]:
         """The chunks whose contents are the training state between steps: weights, master weights, moments

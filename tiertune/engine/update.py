@@ -24,7 +24,8 @@ from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
 
 if TYPE_CHECKING:
-    from tiertune.engine.trainer import EngineConfig, GroupState
+    from tiertune.engine.config import EngineConfig
+    from tiertune.engine.layout import GroupState
     from tiertune.finetune.optim import GaLore
 
 

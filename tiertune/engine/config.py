@@ -1,0 +1,87 @@
+"""The engine's configuration (``EngineConfig``: hyper-parameters and placements, validated)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tiertune.errors import ConfigError
+from tiertune.finetune.lora import LoraSettings
+from tiertune.finetune.optim import GaloreSettings
+from tiertune.quant import KINDS as QUANT_KINDS
+
+
+@dataclass
+class EngineConfig:
+    """Hyper-parameters and placements of the streamed engine (names as Hugging Face TrainingArguments)."""
+
+    dtype: torch.dtype = torch.float32  # compute dtype of the weights
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 or less: no clipping
+    lr_scheduler_type: str = "linear"
+    warmup_steps: int = 0
+    max_steps: int = 1
+    params: str = "host"  # home tier of the compute-dtype weights
+    optimizer_states: str = "host"  # home tier of the fp32 master weights and Adam moments
+    gradients: str = "host"  # home tier of the fp32 gradient accumulators
+    # on: the optimizer runs during backward (speculatively, into twin states, when clipping is on);
+    # off: after backward; auto: on when the twin states fit the budgets, else off
+    overlap_optimizer: str | bool = "auto"
+    activations: str = "device"  # where each layer's saved input waits for backward: device or host
+    activation_tokens: int = 0  # batch x sequence length of the largest micro-batch (needed for host)
+    # micro-batches per step: with more than one, GaLore sums its projected weights' full gradients in host
+    # accumulators, placed up front (a step with more micro-batches than said adds them when it needs them)
+    gradient_accumulation_steps: int = 1
+    # full: every weight trained with AdamW; lora: a frozen base with peft LoRA adapters; galore: every weight
+    # trained, the decoder layers' linear weights with Adam in a low-rank projection of their gradients
+    method: str = "full"
+    quantize: str = "none"  # none, nf4, fp4 or int8: how the layers' linear weights are stored and streamed
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    galore: GaloreSettings = field(default_factory=GaloreSettings)
+    quant_cache: str | None = None  # directory of quantized chunks reused across runs (None: no cache)
+    optim: str = "adamw_torch"  # or adamw_bnb_8bit: Adam moments in 8 bits (bitsandbytes' AdamW8bit)
+    # auto: Triton kernels on a CUDA device with Triton, else the ops' torch references; torch; triton; none:
+    # the model's own modules and unfused loss (the plain-loop oracle of the parity tests)
+    kernels: str = "auto"
+
+    @property
+    def clips(self) -> bool:
+        """Whether a step clips the gradient's global norm (``max_grad_norm`` set and positive)."""
+        return bool(self.max_grad_norm and self.max_grad_norm > 0)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.overlap_optimizer, bool):
+            self.overlap_optimizer = "on" if self.overlap_optimizer else "off"
+        if self.overlap_optimizer not in ("auto", "on", "off"):
+            raise ConfigError(
+                f"offload.overlap_optimizer must be auto, true or false, got {self.overlap_optimizer!r}"
+            )
+        for name in ("params", "optimizer_states", "gradients"):
+            value = getattr(self, name)
+            if value not in ("device", "host", "disk"):
+                raise ConfigError(f"offload.{name} must be device, host or disk, got {value!r}")
+        if self.kernels not in ("auto", "torch", "triton", "none"):
+            raise ConfigError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
+        if self.optim not in ("adamw_torch", "adamw_bnb_8bit"):
+            raise ConfigError(f"training.optim must be adamw_torch or adamw_bnb_8bit, got {self.optim!r}")
+        if self.method not in ("full", "lora", "galore"):
+            raise ConfigError(f"method.type must be full, lora or galore, got {self.method!r}")
+        if self.quantize not in QUANT_KINDS:
+            raise ConfigError(
+                f"model.quantize must be one of {', '.join(QUANT_KINDS)}, got {self.quantize!r}"
+            )
+        if self.quantize != "none" and self.method != "lora":
+            raise ConfigError("a quantized base is frozen: use method.type: lora with model.quantize")
+        if self.activations not in ("device", "host"):
+            raise ConfigError(f"offload.activations must be device or host, got {self.activations!r}")
+        if self.activations == "host" and self.activation_tokens < 1:
+            raise ConfigError("activations on the host need activation_tokens (batch x max sequence length)")
+        if self.learning_rate < 0:
+            raise ConfigError(f"training.learning_rate must be >= 0, got {self.learning_rate}")
+        if self.max_steps < 1:
+            raise ConfigError(f"training.max_steps must be >= 1, got {self.max_steps}")
