@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine
 
-from tiertune.finetune.optim import SVD_METHODS, _orthogonal
+from tiertune.finetune.optim import SVD_METHODS, orthogonal_basis
 
 
 def layer_gradients(args: argparse.Namespace) -> dict[str, torch.Tensor]:
@@ -78,7 +78,7 @@ def time_svds(grads: dict[str, torch.Tensor], method: str, args: argparse.Namesp
         for rep in range(args.reps + 1):
             _sync(args.device)
             began = time.perf_counter()
-            projections[name] = _orthogonal(g, torch.Size(shape), right, method, seed=rep)
+            projections[name] = orthogonal_basis(g, torch.Size(shape), right, method, seed=rep)
             _sync(args.device)
             runs.append(time.perf_counter() - began)
         seconds[name] = statistics.median(runs[1:])

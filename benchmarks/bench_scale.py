@@ -115,7 +115,7 @@ def write_nf4_checkpoint(
         "bnb_4bit_quant_storage": "uint8", "llm_int8_skip_modules": None}}  # fmt: skip
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     specs, params = _specs(directory)
-    code, nested_code = NF4(torch.bfloat16)._code(torch.device("cpu"))
+    code, nested_code = NF4(torch.bfloat16).codes(torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed)
     pool = torch.randint(0, 256, (_POOL_BYTES,), dtype=torch.uint8, generator=gen)
     cursor = [0]

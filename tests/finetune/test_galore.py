@@ -59,7 +59,7 @@ def _pinned_projections(monkeypatch):
 
     robustness = []
     svd = GaLoreProjector.get_orthogonal_matrix
-    engine = engine_optim._orthogonal
+    engine = engine_optim.orthogonal_basis
 
     def reference(self, grad, rank, type):
         pinned, margins = _pin_signs(svd(self, grad, rank, type), type == "right")
@@ -70,7 +70,7 @@ def _pinned_projections(monkeypatch):
         return _pin_signs(engine(grad, shape, right, method, seed), right)[0]
 
     monkeypatch.setattr(GaLoreProjector, "get_orthogonal_matrix", reference)
-    monkeypatch.setattr(engine_optim, "_orthogonal", ours)
+    monkeypatch.setattr(engine_optim, "orthogonal_basis", ours)
     return robustness
 
 
@@ -386,15 +386,15 @@ def test_randomized_svd_finds_the_gradients_subspace():
     grad = torch.randn(m, tokens, generator=gen) @ torch.randn(tokens, n, generator=gen)
     grad += 1e-3 * torch.randn(m, n, generator=gen)
     before = torch.get_rng_state()
-    exact = engine_optim._orthogonal(grad, (rank, n), True, "exact")
-    fast = engine_optim._orthogonal(grad, (rank, n), True, "randomized", seed=7)
+    exact = engine_optim.orthogonal_basis(grad, (rank, n), True, "exact")
+    fast = engine_optim.orthogonal_basis(grad, (rank, n), True, "randomized", seed=7)
     assert torch.equal(torch.get_rng_state(), before)
-    assert torch.equal(fast, engine_optim._orthogonal(grad, (rank, n), True, "randomized", seed=7))
+    assert torch.equal(fast, engine_optim.orthogonal_basis(grad, (rank, n), True, "randomized", seed=7))
     torch.testing.assert_close(fast @ fast.t(), torch.eye(rank), atol=1e-5, rtol=0)
     kept_exact = torch.linalg.matrix_norm(grad @ exact.t())
     kept_fast = torch.linalg.matrix_norm(grad @ fast.t())
     assert kept_fast >= 0.99 * kept_exact, (kept_fast, kept_exact)
-    left = engine_optim._orthogonal(grad.t(), (n, rank), False, "randomized", seed=7)  # m < n: left vectors
+    left = engine_optim.orthogonal_basis(grad.t(), (n, rank), False, "randomized", seed=7)  # m < n: left vectors
     assert left.shape == (n, rank)
     assert torch.linalg.matrix_norm(left.t() @ grad.t()) >= 0.99 * kept_exact
 

@@ -202,7 +202,7 @@ class GaLore:
         the projection's shape). ``seed`` draws the randomized SVD's sketch (the same on a resumed run)."""
         right = grad.shape[0] >= grad.shape[1]
         if refresh:
-            proj.copy_(_orthogonal(grad, proj.shape, right, self.settings.svd, seed))
+            proj.copy_(orthogonal_basis(grad, proj.shape, right, self.settings.svd, seed))
         pm = _svd_layout(proj)
         return grad @ pm.t() if right else pm.t() @ grad
 
@@ -298,7 +298,7 @@ OVERSAMPLING = 8  # extra sketch columns of the randomized SVD (Halko et al. sug
 POWER_ITERATIONS = 2  # subspace iterations: a gradient's singular values decay slowly
 
 
-def _orthogonal(
+def orthogonal_basis(
     grad: torch.Tensor, shape: torch.Size, right: bool, method: str = "exact", seed: int = 0
 ) -> torch.Tensor:
     """The top singular vectors of ``grad`` (right ones as rows, or left ones as columns) of ``shape``.

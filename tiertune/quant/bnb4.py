@@ -180,7 +180,7 @@ class NF4:
 
     def _check_maps(self, key: str, checkpoint: Checkpoint) -> None:
         """The checkpoint's lookup tables must be the ones these settings dequantize with."""
-        code, nested = self._code(torch.device("cpu"))
+        code, nested = self.codes(torch.device("cpu"))
         maps = [(f"{key}.quant_map", code)] + (
             [(f"{key}.nested_quant_map", nested)] if self.double_quant else []
         )
@@ -199,7 +199,7 @@ class NF4:
         from bitsandbytes.functional import QuantState
 
         packed = views[name]
-        code, nested_code = self._code(packed.device)
+        code, nested_code = self.codes(packed.device)
         nested = None
         if self.double_quant:
             nested = QuantState(
@@ -228,7 +228,8 @@ class NF4:
             bnb_quantized=True,
         )
 
-    def _code(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def codes(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The 4-bit code book and the double quantization's 8-bit code book (bitsandbytes' own), on ``device``."""
         if device not in self._codes:
             import bitsandbytes.functional as F
 
