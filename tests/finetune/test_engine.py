@@ -376,3 +376,11 @@ def test_the_fused_loss_trains_like_the_model_own_loss(tiny_model_dir, disk_dir,
     )
     for name, value in runs["none"][1].items():
         torch.testing.assert_close(runs["torch"][1][name], value, rtol=0, atol=1e-4)  # measured: <= 1.3e-5
+
+
+def test_an_unknown_kernels_value_names_every_choice_the_engine_takes():
+    """``none`` is the engine's (the model's own modules, for the parity oracles); its message says so."""
+    from tiertune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"kernels must be auto, torch, triton \(or none: .*\), got 'fast'"):
+        EngineConfig(kernels="fast")

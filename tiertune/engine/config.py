@@ -9,6 +9,7 @@ import torch
 from tiertune.errors import ConfigError
 from tiertune.finetune.lora import LoraSettings
 from tiertune.finetune.optim import GaloreSettings
+from tiertune.kernels import KERNEL_CHOICES
 from tiertune.quant import KINDS as QUANT_KINDS
 
 
@@ -65,8 +66,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value not in ("device", "host", "disk"):
                 raise ConfigError(f"offload.{name} must be device, host or disk, got {value!r}")
-        if self.kernels not in ("auto", "torch", "triton", "none"):
-            raise ConfigError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
+        if self.kernels not in (*KERNEL_CHOICES, "none"):
+            choices = ", ".join(KERNEL_CHOICES)
+            raise ConfigError(
+                f"kernels must be {choices} (or none: the model's own modules), got {self.kernels!r}"
+            )
         if self.optim not in ("adamw_torch", "adamw_bnb_8bit"):
             raise ConfigError(f"training.optim must be adamw_torch or adamw_bnb_8bit, got {self.optim!r}")
         if self.method not in ("full", "lora", "galore"):

@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from tiertune.errors import ConfigError
+from tiertune.kernels import KERNEL_CHOICES
 from tiertune.units import parse_size
 
 
@@ -126,7 +127,7 @@ class Recipe:
     data: DataSection = field(default_factory=DataSection)
     training: TrainingSection = field(default_factory=TrainingSection)
     offload: OffloadSection = field(default_factory=OffloadSection)
-    kernels: str = field(default="auto", metadata=_choice("auto", "torch", "triton"))
+    kernels: str = field(default="auto", metadata=_choice(*KERNEL_CHOICES))
 
     def __post_init__(self) -> None:
         t = self.training

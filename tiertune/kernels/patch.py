@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from tiertune.errors import ConfigError
+from tiertune.kernels import KERNEL_CHOICES
 from tiertune.kernels.ops.backend import default_backend, triton_available
 from tiertune.kernels.ops.lora import lora_branch
 from tiertune.kernels.ops.nf4 import nf4_linear
@@ -71,7 +72,7 @@ def resolve_backend(kernels: str, device: torch.device) -> str:
             why = "triton is not installed" if device.type == "cuda" else "there is no CUDA device"
             raise ConfigError(f"kernels: triton cannot run here ({why}); use kernels: auto or torch")
         return "triton"
-    raise ConfigError(f"kernels must be auto, torch or triton, got {kernels!r}")
+    raise ConfigError(f"kernels must be {', '.join(KERNEL_CHOICES)}, got {kernels!r}")
 
 
 def patch_model(model: nn.Module, backend: str, nf4: bool | None = None) -> Counter[str]:
