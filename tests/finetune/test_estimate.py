@@ -145,46 +145,42 @@ def test_deepseek_v3_builds_as_transformers_own_class_and_its_fp8_weights_are_na
     assert any("'fp8'" in note and "tiertune train" in note for note in predicted.notes)
 
 
-def test_training_from_an_fp8_checkpoint_stops_with_an_error_naming_it(tmp_path, model_dir, write_recipe):
-    """DeepSeek-V3's published checkpoint is fp8 (its config's quantization_config): tiertune does not read
-    fp8 weights. A tiny model with that config: the run stops before reading a weight, exit 2."""
-    tiny = tmp_path / "tiny-deepseek-v3"
-    tiny.mkdir()
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(model_dir) / file, tiny / file)
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+def _deepseek_v3_fp8(vocab):
+    """DeepSeek-V3's published config (fp8 weights: its quantization_config), at a tiny size."""
     config = json.loads((CONFIGS / "deepseek-v3" / "config.json").read_text())
     config.update(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
                   first_k_dense_replace=1, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
                   num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=16,
                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=vocab)  # fmt: skip
-    (tiny / "config.json").write_text(json.dumps(config))
-    recipe = write_recipe(tmp_path, tiny, model={"quantize": "nf4", "dtype": "bfloat16"},
-                          method={"type": "lora", "lora": {"dropout": 0.0}})  # fmt: skip
-    assert any("'fp8'" in note for note in estimate(load_recipe(recipe, ()), measure=False).notes)
-    result = CliRunner().invoke(app, ["train", str(recipe)], env={"COLUMNS": "200"})
-    assert result.exit_code == 2, result.output
-    assert "saved quantized with 'fp8'" in result.output and "Traceback" not in result.output
+    return config
 
 
-def test_gpt_oss_with_mxfp4_experts_stops_with_an_error_naming_it(tmp_path, model_dir, write_recipe):
-    """gpt-oss is published with MXFP4 experts (quant_method mxfp4): tiertune does not read them. The run
-    stops before reading a weight, naming the format, exit 2."""
+def _gpt_oss_mxfp4(vocab):
+    """A tiny gpt-oss as published: MXFP4 experts (quant_method mxfp4)."""
     from transformers import GptOssConfig
 
-    tiny = tmp_path / "tiny-gpt-oss"
-    tiny.mkdir()
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(model_dir) / file, tiny / file)
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     config = GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_local_experts=4,
                           num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                           vocab_size=vocab).to_dict()  # fmt: skip
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (tiny / "config.json").write_text(json.dumps(config))
+    return config
+
+
+@pytest.mark.parametrize(("make", "method"), [(_deepseek_v3_fp8, "fp8"), (_gpt_oss_mxfp4, "mxfp4")])
+def test_training_from_a_checkpoint_in_a_format_tiertune_does_not_read_stops_naming_it(
+    tmp_path, model_dir, write_recipe, make, method
+):
+    """DeepSeek-V3 is published in fp8, gpt-oss with MXFP4 experts: tiertune reads neither. The estimate
+    says so; the run stops before reading a weight, naming the format, exit 2."""
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(model_dir) / file, tiny / file)
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    (tiny / "config.json").write_text(json.dumps(make(vocab)))
     recipe = write_recipe(tmp_path, tiny, model={"quantize": "nf4", "dtype": "bfloat16"},
                           method={"type": "lora", "lora": {"dropout": 0.0}})  # fmt: skip
-    assert any("'mxfp4'" in note for note in estimate(load_recipe(recipe, ()), measure=False).notes)
+    assert any(f"'{method}'" in note for note in estimate(load_recipe(recipe, ()), measure=False).notes)
     result = CliRunner().invoke(app, ["train", str(recipe)], env={"COLUMNS": "200"})
     assert result.exit_code == 2, result.output
-    assert "saved quantized with 'mxfp4'" in result.output and "Traceback" not in result.output
+    assert f"saved quantized with '{method}'" in result.output and "Traceback" not in result.output
