@@ -13,7 +13,6 @@
 
 from tiertune.engine.config import EngineConfig
 from tiertune.engine.layout import gradient_entries, state_entries
-from tiertune.engine.loss import FUSED_LOSS_ARCHITECTURES
 from tiertune.engine.trainer import StreamedTrainer
 
-__all__ = ["FUSED_LOSS_ARCHITECTURES", "EngineConfig", "StreamedTrainer", "gradient_entries", "state_entries"]
+__all__ = ["EngineConfig", "StreamedTrainer", "gradient_entries", "state_entries"]

@@ -9,17 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tiertune.kernels.architectures import FUSED_LOSS
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX, linear_cross_entropy
 
 log = logging.getLogger("tiertune.engine")
-
-FUSED_LOSS_ARCHITECTURES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "stablelm",
-     "gpt_neox", "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}
-)  # fmt: skip
-"""Causal LMs whose logits are the decoder's output times a linear head: Gemma 2/3 soft-cap them
-(``final_logit_softcapping``), Cohere scales them (``logit_scale``: the hidden states are scaled instead, the
-same product), and the MoE ones add their router loss apart (``RouterAux``)."""
 
 
 class CausalLMLoss:
@@ -37,7 +30,7 @@ class CausalLMLoss:
     def _fusable(self) -> bool:
         model_type = self.model.config.model_type
         head = self.model.get_output_embeddings()
-        if model_type not in FUSED_LOSS_ARCHITECTURES or not isinstance(head, nn.Linear):
+        if model_type not in FUSED_LOSS or not isinstance(head, nn.Linear):
             log.info(
                 "kernels: %s is not in the fused-loss list; the loss runs unfused (full logits)", model_type
             )

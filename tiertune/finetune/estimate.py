@@ -276,10 +276,10 @@ def _chunks(
     else:
         outside["saved layer inputs"] = act * len(parts.layers)
     vocab = model.config.vocab_size
-    from tiertune.engine import FUSED_LOSS_ARCHITECTURES
+    from tiertune.kernels.architectures import FUSED_LOSS
     from tiertune.kernels.ops.linear_ce import SLICE_BYTES
 
-    if cfg.kernels != "none" and model.config.model_type in FUSED_LOSS_ARCHITECTURES:
+    if cfg.kernels != "none" and model.config.model_type in FUSED_LOSS:
         # the loss fused with the head: one chunk of fp32 logits (and its gradient, in place), and the head's
         # fp32 gradient when the head is trained; soft-capped logits (Gemma 2) keep a second chunk, their tanh,
         # on the torch path

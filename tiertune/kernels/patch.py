@@ -4,7 +4,8 @@ modules get forwards that call ``kernels.ops``, and so do peft's LoRA layers and
 Nothing is patched globally: other models of the same class, built before or after, keep transformers' own
 code. The attention forward is transformers' own function, rebuilt with a namespace in which
 ``apply_rotary_pos_emb`` is ours, so it follows whatever the installed transformers version does around
-the rotation. An architecture not in ``ARCHITECTURES`` keeps its modules (the reference), said once.
+the rotation. An architecture without module kernels in ``kernels.architectures`` keeps its modules (the
+reference), said once.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import logging
 import sys
 import types
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tiertune.errors import ConfigError
 from tiertune.kernels import KERNEL_CHOICES
+from tiertune.kernels.architectures import ARCHITECTURES
 from tiertune.kernels.ops.backend import default_backend, triton_available
 from tiertune.kernels.ops.lora import lora_branch
 from tiertune.kernels.ops.nf4 import nf4_linear
@@ -30,32 +31,6 @@ from tiertune.kernels.ops.rope import apply_rope
 from tiertune.kernels.ops.swiglu import GLU_ACTIVATIONS, glu
 
 log = logging.getLogger("tiertune.kernels")
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """The module classes (by name, in the architecture's modeling module) that get our ops."""
-
-    norm: str  # RMSNorm class
-    mlp: str  # gated MLP class: gate_proj/up_proj/down_proj, or one gate_up_proj (phi3)
-    attention: str  # attention class whose forward calls the module's apply_rotary_pos_emb
-    norm_offset: float = 0.0  # Gemma scales by 1 + weight, in fp32
-
-
-def _arch(prefix: str, **kwargs: float) -> Architecture:
-    return Architecture(f"{prefix}RMSNorm", f"{prefix}MLP", f"{prefix}Attention", **kwargs)
-
-
-ARCHITECTURES: dict[str, Architecture] = {
-    "llama": _arch("Llama"),
-    "mistral": _arch("Mistral"),
-    "qwen2": _arch("Qwen2"),
-    "qwen3": _arch("Qwen3"),
-    "gemma": _arch("Gemma", norm_offset=1.0),
-    "gemma2": _arch("Gemma2", norm_offset=1.0),
-    "gemma3_text": _arch("Gemma3", norm_offset=1.0),
-    "phi3": _arch("Phi3"),
-}
 
 
 def resolve_backend(kernels: str, device: torch.device) -> str:
@@ -84,6 +59,8 @@ def patch_model(model: nn.Module, backend: str, nf4: bool | None = None) -> Coun
     counts: Counter[str] = Counter()
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     arch = ARCHITECTURES.get(model_type)
+    if arch is not None and arch.norm is None:  # known (the fused loss), but no module kernels
+        arch = None
     if arch is None:
         _say_once(f"kernels: {model_type} has no kernel table; its layers run transformers' own code")
     for module in model.modules():

@@ -1,0 +1,49 @@
+"""What tiertune knows of each transformers architecture, by ``model_type``: one table.
+
+- ``fused_loss``: the causal LM's logits are the decoder's output times a linear head, soft-capped by the
+  config's ``final_logit_softcapping`` (Gemma 2/3) or scaled by its ``logit_scale`` (Cohere: the hidden
+  states are scaled instead, the same product), MoE router losses added apart: the loss can run fused with
+  the head (``kernels.ops.linear_ce``, ``engine.loss``).
+- ``norm``, ``mlp``, ``attention``: the module classes (by name, in the architecture's modeling module) whose
+  forwards ``kernels.patch`` replaces with tiertune's ops (RMSNorm, gated MLP, RoPE in attention); None where
+  the architecture keeps transformers' own modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture's entry (see the module docstring)."""
+
+    fused_loss: bool = True
+    norm: str | None = None  # RMSNorm class
+    mlp: str | None = None  # gated MLP class: gate_proj/up_proj/down_proj, or one gate_up_proj (phi3)
+    attention: str | None = None  # attention class whose forward calls the module's apply_rotary_pos_emb
+    norm_offset: float = 0.0  # Gemma scales by 1 + weight, in fp32
+
+
+def _patched(prefix: str, **kwargs: float) -> Architecture:
+    return Architecture(True, f"{prefix}RMSNorm", f"{prefix}MLP", f"{prefix}Attention", **kwargs)
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": _patched("Llama"),
+    "mistral": _patched("Mistral"),
+    "qwen2": _patched("Qwen2"),
+    "qwen3": _patched("Qwen3"),
+    "gemma": _patched("Gemma", norm_offset=1.0),
+    "gemma2": _patched("Gemma2", norm_offset=1.0),
+    "gemma3_text": _patched("Gemma3", norm_offset=1.0),
+    "phi3": _patched("Phi3"),
+    **{name: Architecture() for name in ("olmo2", "stablelm", "gpt_neox", "cohere", "cohere2", "mixtral",
+                                         "qwen2_moe", "qwen3_moe", "deepseek_v3")},
+}  # fmt: skip
+
+PATCHED = tuple(sorted(name for name, a in ARCHITECTURES.items() if a.norm is not None))
+"""The architectures whose modules ``kernels.patch`` gives tiertune's ops."""
+
+FUSED_LOSS = frozenset(name for name, a in ARCHITECTURES.items() if a.fused_loss)
+"""The architectures whose loss runs fused with the head."""
