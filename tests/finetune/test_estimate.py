@@ -9,6 +9,7 @@ import yaml
 from typer.testing import CliRunner
 
 from tiertune.cli.app import app
+from tiertune.errors import ModelError
 from tiertune.finetune.estimate import QUANT_CACHE, estimate
 from tiertune.finetune.recipe import load_recipe
 from tiertune.finetune.train import train
@@ -184,3 +185,42 @@ def test_training_from_a_checkpoint_in_a_format_tiertune_does_not_read_stops_nam
     result = CliRunner().invoke(app, ["train", str(recipe)], env={"COLUMNS": "200"})
     assert result.exit_code == 2, result.output
     assert f"saved quantized with '{method}'" in result.output and "Traceback" not in result.output
+
+
+def test_a_hugging_face_model_id_is_estimated_from_its_config_alone(tmp_path, monkeypatch):
+    """``model.path: mistralai/Mixtral-8x22B-v0.1`` (no local directory): only config.json is fetched
+    (here from a stand-in for the Hub), and the estimate is the one of that config in a directory."""
+    import huggingface_hub
+
+    fetched = []
+
+    def download(repo_id, filename, **kwargs):
+        fetched.append((repo_id, filename))
+        snapshot = tmp_path / "hub" / repo_id.replace("/", "--")
+        snapshot.mkdir(parents=True, exist_ok=True)
+        shutil.copy(CONFIGS / "mixtral-8x22b" / "config.json", snapshot / filename)
+        return str(snapshot / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.chdir(tmp_path)
+    by_id = estimate(_qlora(tmp_path, "mistralai/Mixtral-8x22B-v0.1"), measure=False)
+    assert fetched == [("mistralai/Mixtral-8x22B-v0.1", "config.json")]
+    local = estimate(_qlora(tmp_path, CONFIGS / "mixtral-8x22b"), measure=False)
+    assert by_id.parameters == local.parameters and by_id.kinds == local.kinds
+    assert abs(by_id.parameters - PUBLISHED["mixtral-8x22b"]) <= 0.01 * PUBLISHED["mixtral-8x22b"]
+
+
+def test_a_model_id_offline_is_a_clear_error(tmp_path, monkeypatch):
+    """Offline (HF_HUB_OFFLINE, or no network): exit 2 and a message that says what to do, no traceback."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # empty: nothing fetched before
+    monkeypatch.chdir(tmp_path)
+    recipe = _qlora(tmp_path, "mistralai/Mixtral-8x22B-v0.1")
+    with pytest.raises(ModelError, match="could not be fetched from the Hugging Face Hub.*config.json"):
+        estimate(recipe, measure=False)
+    path = tmp_path / "qlora.yaml"
+    result = CliRunner().invoke(app, ["estimate", str(path), "--no-probe"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert "is not a local directory" in result.output and "Traceback" not in result.output

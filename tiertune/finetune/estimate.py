@@ -30,7 +30,9 @@ The step cannot be faster than the slowest of these.
 
 from __future__ import annotations
 
+import copy
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -41,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tiertune.errors import ModelError
 from tiertune.offload.chunk import itemsize, pack_tensors
 from tiertune.offload.disk import slot_bytes
 from tiertune.offload.store import StoreConfig
@@ -105,10 +108,41 @@ class Estimate:
         return all(t.fits for n, t in self.tiers.items() if n != "disk") and self.disk_needed <= disk.budget
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""A Hugging Face model id (``organization/name``)."""
+
+
+def model_directory(path: str) -> str:
+    """``model.path`` as a directory holding the model's config.json: the path itself, or, for a Hugging Face
+    model id that is not a local directory, its config.json alone, fetched into the hub's cache (nothing
+    else is downloaded). Raises ModelError, saying what to do, when it cannot be fetched (offline, an
+    unknown or gated repository)."""
+    if Path(path).expanduser().exists() or not HUB_ID.fullmatch(path):
+        return path
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return str(Path(hf_hub_download(path, "config.json")).parent)
+    except Exception as exc:  # offline, unknown repository, gated, no config.json
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelError(
+            f"model.path {path!r} is not a local directory, and its config.json could not be fetched from the "
+            f"Hugging Face Hub ({type(exc).__name__}: {why[:160]}); to estimate without the network, put the "
+            f"model's config.json in a directory and set model.path to it (`huggingface-cli download {path} "
+            "config.json --local-dir DIR` where the Hub is reachable)"
+        ) from None
+
+
 def estimate(recipe: Recipe, measure: bool = True) -> Estimate:
-    """Predict bytes per tier and the step-time lower bound of ``recipe`` (``measure``: probe bandwidths)."""
+    """Predict bytes per tier and the step-time lower bound of ``recipe`` (``measure``: probe bandwidths).
+    ``model.path`` may be a directory with only the model's config.json, or a Hugging Face model id (its
+    config.json alone is fetched): nothing needs to be downloaded first."""
     from tiertune.finetune.train import plan
 
+    directory = model_directory(recipe.model.path)
+    if directory != recipe.model.path:
+        recipe = copy.deepcopy(recipe)
+        recipe.model.path = directory
     store_cfg, cfg = plan(recipe)
     notes: list[str] = []
     chunks, parameters, trained, outside = _chunks(recipe, store_cfg, cfg, notes)
@@ -308,7 +342,6 @@ def _in_place_split(model_dir: str, model: torch.nn.Module, cfg, quant, saved: d
     ``saved``: the checkpoint's own bitsandbytes quantization (``saved_quantization``), None if it has none."""
     import json
 
-    from tiertune.errors import ModelError
     from tiertune.finetune.model import checkpoint_names, read_in_place, weight_entries
     from tiertune.finetune.weights import Checkpoint
     from tiertune.quant import is_quantized
@@ -346,7 +379,6 @@ def _saved_quantization(model: torch.nn.Module, recipe, notes: list[str]) -> dic
     """The checkpoint's own quantization, as the run reads it (``saved_quantization``). One that tiertune
     cannot read (fp8, GPTQ, AWQ...) makes the run stop with a ModelError before it reads a weight; the
     estimate goes on with the model's shapes, as its unquantized release would be loaded, and says so."""
-    from tiertune.errors import ModelError
     from tiertune.quant import saved_quantization
 
     try:
