@@ -224,3 +224,20 @@ def test_a_model_id_offline_is_a_clear_error(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["estimate", str(path), "--no-probe"], env={"COLUMNS": "200"})
     assert result.exit_code == 2, result.output
     assert "is not a local directory" in result.output and "Traceback" not in result.output
+
+
+def test_a_prequantized_moe_is_estimated_with_its_experts_in_the_quantized_cache(tmp_path):
+    """A bitsandbytes 4-bit MoE as transformers saves it has unquantized experts: the run quantizes them on
+    load and homes those layers in the quantized cache (test_prequantized), so the estimate counts them
+    there, not in the disk tier's slots."""
+    model = tmp_path / "mixtral-bnb-4bit"
+    model.mkdir()
+    config = json.loads((CONFIGS / "mixtral-8x22b" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                     "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    predicted = estimate(_qlora(tmp_path, model), measure=False)
+    cached = predicted.kinds[QUANT_CACHE][1]
+    layers = sum(nbytes for kind, (_, nbytes) in predicted.kinds.items() if kind.startswith("weights"))
+    assert cached > 0.9 * layers, predicted.kinds
+    assert predicted.tiers["disk"].home < 0.01 * cached

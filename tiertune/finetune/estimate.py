@@ -218,10 +218,10 @@ def _chunks(
     """Every chunk the run would register, laid out as the store lays them out (what a reader should know
     about the model is appended to ``notes``)."""
     from tiertune.engine import gradient_entries, state_entries
-    from tiertune.finetune.model import build_skeleton, split_model, weight_entries
+    from tiertune.finetune.model import build_skeleton, quantized_on_load, split_model, weight_entries
     from tiertune.finetune.optim import GaLore
     from tiertune.quant import is_quantized, make_quantizer
-    from tiertune.quant.experts import convert_experts, is_quantized_experts
+    from tiertune.quant.experts import convert_experts
 
     # shapes only, so nothing is ever allocated, not even for a moment: a parameter created before it is
     # moved to meta would be (one fused expert weight of DeepSeek-V3 is 15 GB in bf16)
@@ -267,8 +267,9 @@ def _chunks(
             mapped, entries = split(group)
             if mapped:
                 add(mapped, IN_PLACE, Tier.DISK, Tier.DEVICE, False, in_place=True)
-            quantized = any(is_quantized(p) or is_quantized_experts(p) for p in group.params.values())
-            if quantized and saved is None and cfg.quant_cache is not None:  # as load_into_store homes it
+            # as load_into_store homes it: a checkpoint saved quantized holds every quantized linear weight
+            prequantized = {n for n, p in group.params.items() if is_quantized(p)} if saved is not None else ()
+            if quant is not None and quantized_on_load(group, prequantized) and cfg.quant_cache is not None:
                 kind = QUANT_CACHE
         if entries:
             add(entries, kind, cfg.params, Tier.DEVICE, trained_flag, in_place=kind == QUANT_CACHE)

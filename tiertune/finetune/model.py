@@ -14,7 +14,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -342,11 +342,7 @@ def load_into_store(
         mapped: list[FileTensor] = []
         if in_place and Tier(home) is Tier.DISK:
             units, mapped = _split_in_place(units, group, source, saved, checkpoint)
-        # weights quantized here (a bf16 base; an MoE's experts, which transformers saves unquantized)
-        on_load = quant is not None and any(
-            (is_quantized(p) or is_quantized_experts(p)) and n not in saved for n, p in group.params.items()
-        )
-        cached = cache if on_load else None
+        cached = cache if quant is not None and quantized_on_load(group, saved) else None
         # a frozen group quantized on load and homed on disk: the cache's image is its disk copy
         from_cache = cached is not None and cached.images and in_place and Tier(home) is Tier.DISK
         group.chunks = store.add_in_place(mapped, group.name, chunk_size) if mapped else []
@@ -375,6 +371,15 @@ def load_into_store(
                     )  # type: ignore[union-attr]
                 store.home_in_file(chunk, *found)
     return source
+
+
+def quantized_on_load(group: ParamGroup, saved: Container[str]) -> bool:
+    """Whether ``group`` has a weight quantized as it is loaded (a bf16 base's linear weights; an MoE's experts,
+    which transformers saves unquantized even in a bitsandbytes checkpoint) rather than read pre-quantized
+    (``saved`` names those): such groups are kept in the quantized cache."""
+    return any(
+        (is_quantized(p) or is_quantized_experts(p)) and n not in saved for n, p in group.params.items()
+    )
 
 
 def _fill(
