@@ -357,19 +357,17 @@ def load_into_store(
                 store.home_in_file(chunk, *found)
                 cached.hits += 1  # type: ignore[union-attr]
                 continue
+            written = None
             with store.writing(chunk) as views:
                 if cached is None or not cached.load(chunk, views):
                     fill = dict.fromkeys(owner[s.name] for s in chunk.tensors)
                     _fill(group, fill, views, saved, source, checkpoint, dtype, quant)
                     if cached is not None:
-                        cached.save(chunk, views, block)
+                        written = cached.save(chunk, views, block)
             if from_cache:  # never written to the disk tier: only the cache holds it
-                found = cached.image(chunk, block)  # type: ignore[union-attr]
-                if found is None:
-                    raise StateError(
-                        f"the quantized cache in {cached.directory} kept no image of {chunk.name}"
-                    )  # type: ignore[union-attr]
-                store.home_in_file(chunk, *found)
+                if written is None:  # a cache with no image of it to give, yet one to read from
+                    raise StateError(f"the quantized cache kept no image of {chunk.name}")
+                store.home_in_file(chunk, *written)
     return source
 
 

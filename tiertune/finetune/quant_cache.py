@@ -29,7 +29,7 @@ import xxhash
 from tiertune.errors import IntegrityError
 from tiertune.finetune.files import fsync_file, write_text_atomically
 from tiertune.finetune.weights import Checkpoint
-from tiertune.offload.aio import buffer_of
+from tiertune.offload.aio import buffer_of, pread_full
 from tiertune.offload.chunk import Chunk, ChunkLayout
 
 log = logging.getLogger("tiertune.quant")
@@ -81,8 +81,9 @@ class QuantCache:
         with open(image, "rb") as f:
             for spec in chunk.layout.tensors:
                 view = views[spec.name]
-                if view.numel():
-                    _read_exactly(f.fileno(), buffer_of(view.reshape(-1).view(torch.uint8)), spec.offset, image)
+                raw = buffer_of(view.reshape(-1).view(torch.uint8)) if view.numel() else None
+                if raw is not None and pread_full(f.fileno(), raw, spec.offset) < len(raw):
+                    raise IntegrityError(f"quantized cache {image} is shorter than its manifest says")
                 if _digest(view) != manifest["tensors"][spec.name]:
                     raise IntegrityError(
                         f"quantized cache {image}: tensor {spec.name!r} does not match its digest; "
@@ -100,9 +101,12 @@ class QuantCache:
         sums = tuple(manifest["blocks"]) if manifest.get("block_size") == block_size else None
         return self.directory / f"{chunk.name}.chunk", sums
 
-    def save(self, chunk: Chunk, views: dict[str, torch.Tensor], block_size: int) -> None:
+    def save(
+        self, chunk: Chunk, views: dict[str, torch.Tensor], block_size: int
+    ) -> tuple[Path, tuple[int, ...]]:
         """Write ``chunk``'s image from its tensors (``views``), then its manifest (layout, a digest per
-        tensor and per ``block_size`` block of the image), so that a partial entry is never used."""
+        tensor and per ``block_size`` block of the image), so that a partial entry is never used. Returns
+        the image and its block digests, as ``image`` gives them."""
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self.directory / f"{chunk.name}.chunk"
         tmp = target.with_name(f".{target.name}.tmp")
@@ -125,6 +129,7 @@ class QuantCache:
             "blocks": sums,
         }
         write_text_atomically(self.directory / f"{chunk.name}.json", json.dumps(manifest))
+        return target, tuple(sums)
 
 
 def _layout(layout: ChunkLayout) -> dict:
@@ -133,15 +138,6 @@ def _layout(layout: ChunkLayout) -> dict:
         "capacity": layout.capacity,
         "tensors": [[t.name, list(t.shape), str(t.dtype).removeprefix("torch."), t.offset] for t in layout.tensors],
     }
-
-
-def _read_exactly(fd: int, target: memoryview, offset: int, path: Path) -> None:
-    done = 0
-    while done < len(target):
-        n = os.preadv(fd, [target[done:]], offset + done)
-        if n <= 0:
-            raise IntegrityError(f"quantized cache {path} is shorter than its manifest says")
-        done += n
 
 
 def _image_blocks(layout: ChunkLayout, views: dict[str, torch.Tensor], block_size: int) -> Iterator[bytearray]:

@@ -136,20 +136,16 @@ class Checkpoint:
 
 def _pread(fd: int, entry: TensorEntry, dst: torch.Tensor, offset: int) -> None:
     """Read ``dst.numel()`` bytes of ``entry``, starting ``offset`` bytes into it, from ``fd``."""
-    from tiertune.offload.aio import buffer_of
+    from tiertune.offload.aio import buffer_of, pread_full
 
     if dst.numel() == 0:
         return
     view = buffer_of(dst)
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], entry.start + offset + done)
-        if n <= 0:
-            raise ModelError(
-                f"weight file {entry.file} is truncated: tensor {entry.name!r} needs bytes "
-                f"{entry.start}-{entry.start + entry.nbytes}, the file has {os.fstat(fd).st_size}"
-            )
-        done += n
+    if pread_full(fd, view, entry.start + offset) < len(view):
+        raise ModelError(
+            f"weight file {entry.file} is truncated: tensor {entry.name!r} needs bytes "
+            f"{entry.start}-{entry.start + entry.nbytes}, the file has {os.fstat(fd).st_size}"
+        )
 
 
 def _read_header(path: Path) -> list[TensorEntry]:

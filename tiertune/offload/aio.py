@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -90,6 +91,18 @@ def buffer_of(tensor: torch.Tensor) -> memoryview:
         raise StateError("disk I/O needs a contiguous CPU buffer")
     nbytes = tensor.numel() * tensor.element_size()
     return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def pread_full(fd: int, view: memoryview, offset: int) -> int:
+    """Read ``len(view)`` bytes of ``fd`` at ``offset`` into ``view`` (a ``preadv`` may return fewer); returns
+    how many were read before the file's end (the caller says what a short read means)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
 
 
 class AsyncIO:
