@@ -216,7 +216,6 @@ class StreamedTrainer:
         )
         # the loss, fused with the head where the architecture allows (kernels.ops.linear_ce)
         self.loss = CausalLMLoss(self.model, config.kernels != "none", self.kernel_backend)
-        self.fused_loss = self.loss.fused
         # the weighted auxiliary loss in the last step's loss (None when it has none: router_aux is None)
         self.last_router_aux_loss: float | None = None
 
@@ -289,6 +288,11 @@ class StreamedTrainer:
     def add_grads(self, state: GroupState, grads: dict[str, torch.Tensor | None]) -> None:
         """A micro-batch's weight gradients of ``state``'s group, finished (``GradientSink.add``)."""
         self.gradients.add(state, grads)
+
+    @property
+    def fused_loss(self) -> bool:
+        """Whether the loss runs fused with the head (``CausalLMLoss.fused``)."""
+        return self.loss.fused
 
     @property
     def gradient_bytes(self) -> int:

@@ -35,7 +35,7 @@ experts under an 8-bit base (bitsandbytes' 8-bit matmul has no per-expert form).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -122,19 +122,27 @@ def convert_experts(layer: nn.Module, quant: object) -> list[str]:
     if not isinstance(quant, NF4):
         return []
     marked = []
-    for path, module in layer.named_modules():
-        if not _quantizable(path, module, quant):
+    for path, module, name, p in _fused_weights(layer, quant):
+        module.__dict__["_tiertune_4bit"] = True
+        if isinstance(p, Experts4bit):
             continue
         where = f"{path}." if path else ""
+        placeholder = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
+        module._parameters[name] = Experts4bit(placeholder, name=f"{where}{name}")
+        marked.append(f"{where}{name}")
+    return marked
+
+
+def _fused_weights(root: nn.Module, quant: NF4) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """The fused 3-D expert weights in ``root`` that are stored 4-bit: (module path, experts module, weight
+    name, weight), for the experts modules ``_quantizable`` admits."""
+    for path, module in root.named_modules():
+        if not _quantizable(path, module, quant):
+            continue
         for name in EXPERT_WEIGHTS:
             p = module._parameters.get(name)
-            if p is None or p.dim() != 3 or isinstance(p, Experts4bit):
-                continue
-            placeholder = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
-            module._parameters[name] = Experts4bit(placeholder, name=f"{where}{name}")
-            marked.append(f"{where}{name}")
-        module.__dict__["_tiertune_4bit"] = True
-    return marked
+            if p is not None and p.dim() == 3:
+                yield path, module, name, p
 
 
 def _quantizable(path: str, module: nn.Module, quant: NF4) -> bool:
@@ -158,21 +166,15 @@ def round_trip(model: nn.Module, quant: object) -> list[str]:
     if not isinstance(quant, NF4):
         return []
     done = []
-    for path, module in model.named_modules():
-        if not _quantizable(path, module, quant):
-            continue
-        for name in EXPERT_WEIGHTS:
-            p = module._parameters.get(name)
-            if p is None or p.dim() != 3:
-                continue
-            shape = tuple(p.shape[1:])
-            with torch.no_grad():
-                for e in range(p.shape[0]):
-                    views = {n: torch.empty(s, dtype=dt) for n, s, dt in quant.entries(name, shape)}
-                    quant.quantize_into(name, p[e].to(quant.compute_dtype), views)
-                    state = quant.parameter(name, torch.Size(shape), views).quant_state
-                    p[e].copy_(bnb_f.dequantize_4bit(views[name], state))
-            done.append(f"{path}.{name}")
+    for path, _, name, p in _fused_weights(model, quant):
+        shape = tuple(p.shape[1:])
+        with torch.no_grad():
+            for e in range(p.shape[0]):
+                views = {n: torch.empty(s, dtype=dt) for n, s, dt in quant.entries(name, shape)}
+                quant.quantize_into(name, p[e].to(quant.compute_dtype), views)
+                state = quant.parameter(name, torch.Size(shape), views).quant_state
+                p[e].copy_(bnb_f.dequantize_4bit(views[name], state))
+        done.append(f"{path}.{name}")
     return done
 
 
