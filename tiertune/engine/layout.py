@@ -208,3 +208,38 @@ def add_twins(store: ChunkStore, states: list[GroupState], cfg: EngineConfig, de
 
 def entries_of(chunk: Chunk) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     return [(s.name, s.shape, s.dtype) for s in chunk.tensors]
+
+
+def state_chunks(states: list[GroupState], units: list[tuple[GroupState, int]] | None = None) -> list[Chunk]:
+    """The chunks whose contents are the training state between steps: weights, master weights, moments
+    and projections of the trained groups (gradients and twins are empty then; a frozen base is the input
+    model's). In model order, or, given the optimizer's ``units``, in the order it changes them."""
+    if units is not None:
+        return [c for s, j in units if s.trainable for c in (s.weights[j], *s.reads(j))]
+    out: list[Chunk] = []
+    for state in states:
+        if state.trainable:
+            out += state.weights + state.master + state.exp_avg + state.exp_avg_sq
+            out += [c for c in state.proj if c is not None]
+    return out
+
+
+def state_bytes(states: list[GroupState]) -> dict[str, int]:
+    """Bytes of each kind of training state in the store (chunk capacities): ``weights`` (compute dtype,
+    quantized where the base is), ``gradients``, ``master`` weights, ``moments`` (both of Adam's),
+    ``projections`` (GaLore) and ``twins`` (the speculative step's copies of master weights and moments).
+    Optimizer state is master + moments + projections. ``gradients`` counts GaLore's full-gradient
+    accumulators too (there only with gradient accumulation)."""
+    out = dict.fromkeys(("weights", "gradients", "master", "moments", "projections", "twins"), 0)
+    for state in states:
+        kinds = {
+            "weights": state.weights,
+            "gradients": state.grads + [c for c in state.accum if c is not None],
+            "master": state.master,
+            "moments": state.exp_avg + state.exp_avg_sq,
+            "projections": [c for c in state.proj if c is not None],
+            "twins": [c for twins in state.twins for c in twins],
+        }
+        for kind, chunks in kinds.items():
+            out[kind] += sum(c.capacity for c in chunks)
+    return out

@@ -1,46 +1,8 @@
 """The streamed training engine: full fine-tuning of an unmodified Hugging Face causal LM whose weights,
 gradients and optimizer states live in a ``ChunkStore`` across device, host and disk.
 
-How a step runs (all on the caller's thread unless said otherwise):
-
-- Forward: the model's own ``forward`` runs unchanged. Each decoder layer of the *instance* is replaced
-  by a ``StreamedLayer`` that, through ``_LayerFunction``, acquires the layer's chunk (prefetched from
-  the second step on), binds its tensors as the layer's parameters, computes without keeping activations,
-  releases the chunk and saves only the layer's input. Embeddings, final norm and a separate head are
-  bound for the whole micro-batch.
-- Loss: summed cross-entropy over the micro-batch's target tokens, divided by the number of target tokens
-  in the whole step (all micro-batches), so the accumulated gradient is the token-weighted mean. An MoE
-  whose config asks for it (``output_router_logits``) adds the router's auxiliary loss as transformers
-  defines it (``RouterAux``; ``router_aux`` says whether the loss has it, ``last_router_aux_loss`` its part).
-- Backward: layer by layer in reverse, each acquires its chunk again, recomputes its forward with the
-  saved input (RNG state restored, so dropout matches), back-propagates, and adds its parameter
-  gradients into fp32 gradient chunks on the host.
-- Optimizer: a worker thread runs AdamW (torch's fused CPU kernel) one weight chunk at a time, while the
-  compute thread goes on. During the last micro-batch's backward, each layer is handed to the worker as
-  soon as its gradients are final, so the optimizer runs behind backward; the worker prefetches the next
-  layers' master weights and moments from disk meanwhile and writes the new compute-dtype weights home.
-- Clipping stays exact. The global norm is known only after the last gradient, so the overlapped step is
-  *speculative*: it uses coefficient 1 and writes into twin chunks of the master weights and moments,
-  leaving the originals intact. After backward the exact coefficient ``clamp(max_norm / (norm + 1e-6),
-  max=1)`` is computed as ``clip_grad_norm_`` does. If it is 1 (no clipping) the speculative result is
-  bit-for-bit the real one and the twins are exchanged in (``ChunkStore.exchange``: no bytes copied);
-  otherwise the step is redone from the originals with the real coefficient. After a clipped step the
-  next one is likely clipped too, so it waits for the norm instead of speculating. Without clipping the
-  update is always exact and runs in place, with no twins. ``overlap_optimizer`` (auto/on/off) chooses;
-  auto overlaps when the twins (12 bytes per parameter) fit the budgets. A layer's gradients are dropped
-  once its update has used them; the compute thread waits when the worker falls two units behind, so
-  without clipping and gradient accumulation only the layers in flight hold gradients.
-- GaLore (``method: galore``) is the same machinery with another update (``finetune/optim.py``): the
-  moments of the decoder layers' linear weights are low-rank. Their gradients are projected where backward
-  makes them, on the compute device: on the last micro-batch each one's full gradient (summed with the
-  earlier micro-batches' in a host accumulator) has its norm taken, at a refreshing step its SVD computed
-  and written into the projection chunk (acquired on the device, along the trace), and only the low-rank
-  gradient (m/r times smaller) goes to the host for the CPU optimizer, which reads the projection to map
-  its update back (the projection is read there, not rewritten: it is not twinned).
-
-Numerics match a plain PyTorch loop: ``torch.optim.AdamW`` (or bitsandbytes' AdamW8bit, or galore-torch's
-GaLoreAdamW) with weight decay on tensors of two or more dimensions, ``clip_grad_norm_`` and the same
-transformers LR scheduler.
+``StreamedTrainer`` builds the parts (``tiertune.engine``'s docstring says how a step runs through them)
+and wires them; ``step`` shows a step from the loop's side.
 """
 
 from __future__ import annotations
@@ -60,7 +22,14 @@ import torch
 from tiertune.engine.binding import Binder
 from tiertune.engine.config import EngineConfig
 from tiertune.engine.gradients import GradientSink
-from tiertune.engine.layout import GroupState, add_accumulator, add_states, add_twins
+from tiertune.engine.layout import (
+    GroupState,
+    add_accumulator,
+    add_states,
+    add_twins,
+    state_bytes,
+    state_chunks,
+)
 from tiertune.engine.loss import CausalLMLoss
 from tiertune.engine.router_aux import RouterAux
 from tiertune.engine.streaming import InputStash, StreamedLayer
@@ -406,17 +375,10 @@ class StreamedTrainer:
             )
 
     def state_chunks(self, in_update_order: bool = False) -> list[Chunk]:
-        """The chunks whose contents are the training state between steps: weights, master weights, moments
-        and projections of the trained groups (gradients and twins are empty then; a frozen base is the
-        input model's). In model order, or in the order the optimizer changes them."""
-        if in_update_order:
-            return [c for s, j in self.updater.units if s.trainable for c in (s.weights[j], *s.reads(j))]
-        out: list[Chunk] = []
-        for state in self.states:
-            if state.trainable:
-                proj = [c for c in state.proj if c is not None]
-                out += state.weights + state.master + state.exp_avg + state.exp_avg_sq + proj
-        return out
+        """The chunks holding the training state between steps (``layout.state_chunks``), in model order or
+        in the order the optimizer changes them."""
+        units = self.updater.units if in_update_order else None
+        return state_chunks(self.states, units)
 
     def counters(self) -> dict:
         """The engine's step counters (JSON), for a checkpoint."""
@@ -434,24 +396,8 @@ class StreamedTrainer:
         self.optimizer_counts.update(counters["optimizer_counts"])
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes of each kind of training state in the store (chunk capacities): ``weights`` (compute dtype,
-        quantized where the base is), ``gradients``, ``master`` weights, ``moments`` (both of Adam's),
-        ``projections`` (GaLore) and ``twins`` (the speculative step's copies of master weights and
-        moments). Optimizer state is master + moments + projections. ``gradients`` counts GaLore's
-        full-gradient accumulators too (there only with gradient accumulation)."""
-        out = dict.fromkeys(("weights", "gradients", "master", "moments", "projections", "twins"), 0)
-        for state in self.states:
-            kinds = {
-                "weights": state.weights,
-                "gradients": state.grads + [c for c in state.accum if c is not None],
-                "master": state.master,
-                "moments": state.exp_avg + state.exp_avg_sq,
-                "projections": [c for c in state.proj if c is not None],
-                "twins": [c for twins in state.twins for c in twins],
-            }
-            for kind, chunks in kinds.items():
-                out[kind] += sum(c.capacity for c in chunks)
-        return out
+        """Bytes of each kind of training state in the store (``layout.state_bytes``)."""
+        return state_bytes(self.states)
 
     # ------------------------------------------------------------------ export
 
