@@ -22,4 +22,4 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path):
         for o in c.get("outputs", [])
     )
     assert "Error" not in outputs
-    assert "step time lower bound" in outputs and "checkpoint-8" in outputs
+    assert "s per step" in outputs and "how fast:" in outputs and "checkpoint-8" in outputs

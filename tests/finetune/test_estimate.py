@@ -64,7 +64,7 @@ def test_estimate_command_prints_the_table_and_flags_a_budget_that_cannot_hold(t
         app, ["estimate", str(path), "offload.params=disk", "offload.optimizer_states=disk"]
     )
     assert ok.exit_code == 0, ok.output
-    assert "step time lower bound" in ok.output and "disk      (read" in ok.output
+    assert "how fast:" in ok.output and "  disk         read" in ok.output and "s per step" in ok.output
     short = CliRunner().invoke(app, ["estimate", str(path), "offload.host_budget=64KiB", "--no-probe"])
     assert short.exit_code == 1 and "NO: needs" in short.output and "DOES NOT FIT" in short.output
 
@@ -80,7 +80,7 @@ def test_estimate_creates_nothing_where_disk_path_does_not_exist_yet(tmp_path, m
         env={"COLUMNS": "200"},
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert "disk      (read" in result.output  # the disk was probed...
+    assert "  disk         read" in result.output  # the disk was probed...
     assert f"{disk_path} does not exist yet" in result.output and f"probed in {tmp_path}," in result.output
     assert sorted(tmp_path.rglob("*")) == before  # ...and nothing was created or left behind
 

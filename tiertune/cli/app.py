@@ -202,21 +202,37 @@ def estimate(
         list[str] | None, typer.Argument(help="Dotted overrides, e.g. offload.host_budget=32GiB.")
     ] = None,
     no_probe: Annotated[
-        bool, typer.Option("--no-probe", help="Skip measuring disk and optimizer bandwidth (no lower bound).")
+        bool, typer.Option("--no-probe", help="Measure nothing (disk, optimizer, compute): no step time.")
     ] = False,
+    gpu: Annotated[
+        str,
+        typer.Option(
+            "--gpu",
+            help="What computes: auto (this machine's GPU, measured; else its CPU), cpu, or a GPU by its stated "
+            "peak: rtx3090, rtx4090, a6000, l40s, a100, h100, h200.",
+        ),
+    ] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as one JSON object.")] = False,
 ) -> None:
-    """Predict bytes per tier, whether each budget holds, and the step-time lower bound, without training.
+    """Will a recipe fit (each budget, and this machine), how much disk, how fast: bytes per tier and the step
+    time with its parts, tokens/s and time to finish, without training or downloading the model.
 
-    Example: tiertune estimate recipes/demo.yaml offload.host_budget=32MiB
+    model.path may be a directory with only config.json, or a Hugging Face model id (its config.json alone is
+    fetched). Example: tiertune estimate recipes/llama3-70b-qlora-nvme.yaml --gpu rtx4090
     """
+    import json
+
     from tiertune.finetune.estimate import estimate as predict
     from tiertune.finetune.estimate import format_estimate
     from tiertune.finetune.recipe import load_recipe
 
     with _user_errors():
         resolved = load_recipe(recipe, tuple(overrides or ()))
-        est = predict(resolved, measure=not no_probe)
-    typer.echo(format_estimate(est, f"tiertune estimate {recipe}"))
+        est = predict(resolved, measure=not no_probe, gpu=gpu)
+    if as_json:
+        typer.echo(json.dumps(est.as_json(), indent=1))
+    else:
+        typer.echo(format_estimate(est, f"tiertune estimate {recipe}"))
     if not est.fits:
         raise typer.Exit(1)
 

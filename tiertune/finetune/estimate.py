@@ -44,10 +44,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiertune.errors import ModelError
+from tiertune.finetune.speed import (
+    GPU,
+    StepFlops,
+    StepTime,
+    measure_compute,
+    measure_matmul,
+    resolve_gpu,
+    step_flops,
+)
 from tiertune.offload.chunk import itemsize, pack_tensors
 from tiertune.offload.disk import slot_bytes
 from tiertune.offload.store import StoreConfig
-from tiertune.offload.tiers import Tier
+from tiertune.offload.tiers import AUTO_DEVICE_FRACTION, Tier
 from tiertune.units import format_size
 
 if TYPE_CHECKING:
@@ -92,8 +101,24 @@ class Estimate:
     outside_store: dict[str, int]  # device bytes the store does not manage (adapters, saved activations)
     moved_per_step: dict[str, int] = field(default_factory=dict)
     bandwidth: dict[str, float] = field(default_factory=dict)
-    lower_bound_s: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # said under the table (e.g. where the disk was probed)
+    machine: dict[str, int] = field(default_factory=dict)  # what it has: ram, gpu_memory (bytes)
+    target: str = "cpu"  # what computes: "cpu", or the GPU's name
+    speed: StepTime | None = None  # the step-time estimate (None: not measured)
+
+    def short_of_machine(self) -> dict[str, str]:
+        """Budgets this machine cannot give, by tier, with why (a budget above its RAM or GPU memory)."""
+        out: dict[str, str] = {}
+        ram, gpu = self.machine.get("ram"), self.machine.get("gpu_memory")
+        device, host = self.tiers["device"].budget, self.tiers["host"].budget
+        if gpu is not None and device > gpu:
+            out["device"] = f"the GPU has {format_size(gpu)}"
+        if ram is not None:
+            on_ram = host + (device if gpu is None else 0)  # computing on the CPU: the device tier is RAM too
+            if on_ram > ram:
+                what = "host" if gpu is not None else "host + device"
+                out["host"] = f"{what} budgets {format_size(on_ram)} > this machine's {format_size(ram)} of RAM"
+        return out
 
     @property
     def disk_needed(self) -> int:
@@ -105,7 +130,43 @@ class Estimate:
     @property
     def fits(self) -> bool:
         disk = self.tiers["disk"]
-        return all(t.fits for n, t in self.tiers.items() if n != "disk") and self.disk_needed <= disk.budget
+        return (
+            all(t.fits for n, t in self.tiers.items() if n != "disk")
+            and self.disk_needed <= disk.budget
+            and not self.short_of_machine()
+        )
+
+    def as_json(self) -> dict:
+        """The estimate as JSON: the same figures as ``format_estimate``."""
+        out = {
+            "parameters": self.parameters,
+            "trained_parameters": self.trained_parameters,
+            "target": self.target,
+            "state": {k: {"tier": t, "bytes": n} for k, (t, n) in self.kinds.items()},
+            "outside_store": self.outside_store,
+            "tiers": {
+                n: {"budget": t.budget, "home": t.home, "passes": t.passes, "peak": t.peak,
+                    "fits": (self.disk_needed if n == "disk" else t.home + t.largest_staged) <= t.budget}
+                for n, t in self.tiers.items()
+            },
+            "machine": self.machine,
+            "short_of_machine": self.short_of_machine(),
+            "disk_needed": self.disk_needed,
+            "moved_per_step": self.moved_per_step,
+            "bandwidth": self.bandwidth,
+            "fits": self.fits,
+            "notes": self.notes,
+        }
+        if self.speed is not None:
+            sp = self.speed
+            out["step_time"] = {
+                "seconds": sp.seconds, "bound": sp.bound, "parts_s": sp.parts, "overlapped": sp.overlapped,
+                "flops": sp.flops.total, "flops_formula": sp.flops.formula, "tokens_per_step": sp.flops.tokens,
+                "compute_flops_per_s": sp.compute_rate, "compute_rate_source": sp.compute_rate_source,
+                "tokens_per_second": sp.tokens_per_second, "steps": sp.steps, "steps_source": sp.steps_source,
+                "total_seconds": sp.total_seconds,
+            }  # fmt: skip
+        return out
 
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -133,19 +194,26 @@ def model_directory(path: str) -> str:
         ) from None
 
 
-def estimate(recipe: Recipe, measure: bool = True) -> Estimate:
-    """Predict bytes per tier and the step-time lower bound of ``recipe`` (``measure``: probe bandwidths).
-    ``model.path`` may be a directory with only the model's config.json, or a Hugging Face model id (its
-    config.json alone is fetched): nothing needs to be downloaded first."""
+def estimate(recipe: Recipe, measure: bool = True, gpu: str = "auto") -> Estimate:
+    """Predict bytes per tier, whether each budget holds (against the budget and against this machine) and
+    how long a step takes (``measure``: probe the disk, the CPU optimizer and the compute rate). ``gpu``: what
+    computes (``speed.resolve_gpu``: ``auto``, ``cpu`` or a name of ``speed.GPUS``). ``model.path`` may be a
+    directory with only the model's config.json, or a Hugging Face model id (its config.json alone is
+    fetched): nothing needs to be downloaded first."""
+    import psutil
+
     from tiertune.finetune.train import plan
 
     directory = model_directory(recipe.model.path)
     if directory != recipe.model.path:
         recipe = copy.deepcopy(recipe)
         recipe.model.path = directory
-    store_cfg, cfg = plan(recipe)
+    target = resolve_gpu(gpu)
+    store_cfg, cfg = plan(recipe, "cuda" if target is not None else "cpu")
+    if target is not None and store_cfg.device.type == "cpu" and recipe.offload.device_budget == "auto":
+        store_cfg.device_budget = int(target.memory * AUTO_DEVICE_FRACTION)  # as a run on it would resolve it
     notes: list[str] = []
-    chunks, parameters, trained, outside = _chunks(recipe, store_cfg, cfg, notes)
+    chunks, parameters, trained, outside, flops = _chunks(recipe, store_cfg, cfg, notes, target is not None)
     clipping = cfg.clips
     layerwise = (
         cfg.overlap_optimizer != "off" and not clipping and recipe.training.gradient_accumulation_steps == 1
@@ -197,10 +265,16 @@ def estimate(recipe: Recipe, measure: bool = True) -> Estimate:
             "of the same model and settings reuses them)"
         )
     est = Estimate(parameters, trained, kinds, tiers, outside, notes=notes)
+    est.target = "cpu" if target is None else target.name
+    est.machine["ram"] = psutil.virtual_memory().total
+    if target is not None:
+        est.machine["gpu_memory"] = target.memory
     _traffic(est, chunks, budgets)
     if measure:
         est.bandwidth = measure_bandwidth(store_cfg, notes=est.notes)
-    _lower_bound(est)
+        if target is not None and target.host_to_device and "host_to_device" not in est.bandwidth:
+            est.bandwidth["host_to_device"] = target.host_to_device  # stated: not this machine's GPU
+        est.speed = _step_time(est, recipe, cfg, flops, target)
     return est
 
 
@@ -213,10 +287,10 @@ def _existing(path: str | os.PathLike[str]) -> str:
 
 
 def _chunks(
-    recipe, store_cfg: StoreConfig, cfg, notes: list[str]
-) -> tuple[list[_Chunk], int, int, dict[str, int]]:
+    recipe, store_cfg: StoreConfig, cfg, notes: list[str], on_gpu: bool
+) -> tuple[list[_Chunk], int, int, dict[str, int], StepFlops]:
     """Every chunk the run would register, laid out as the store lays them out (what a reader should know
-    about the model is appended to ``notes``)."""
+    about the model is appended to ``notes``), and the FLOPs of a step (``on_gpu``: computed on a GPU)."""
     from tiertune.engine import gradient_entries, state_entries
     from tiertune.finetune.model import build_skeleton, quantized_on_load, split_model, weight_entries
     from tiertune.finetune.optim import GaLore
@@ -228,6 +302,10 @@ def _chunks(
     with torch.device("meta"):
         model = build_skeleton(recipe.model.path, cfg.dtype)
         parts = split_model(model)
+        t = recipe.training
+        micro = t.per_device_train_batch_size * recipe.data.max_seq_len
+        flops = step_flops(model, list(parts.layers), micro, t.gradient_accumulation_steps,
+                           recipe.data.max_seq_len, trained=cfg.method != "lora")  # fmt: skip
         saved = _saved_quantization(model, recipe, notes)
         quant = make_quantizer(cfg.quantize, cfg.dtype, saved)
         # converted as the engine converts them: the linear layers, and MoE experts one 4-bit matrix each
@@ -238,8 +316,7 @@ def _chunks(
             parts = split_model(model)
     paths = {id(m): n for n, m in model.named_modules()}
     galore = GaLore(cfg.galore, list(parts.layers), paths) if cfg.method == "galore" else None
-    device = torch.device(store_cfg.device)
-    cpu_device = device.type == "cpu"
+    cpu_device = not on_gpu
     size = store_cfg.chunk_size
     chunks: list[_Chunk] = []
 
@@ -330,7 +407,7 @@ def _chunks(
         params = _adapter_parameters(model, cfg.lora)
         outside["LoRA adapters + states"] = params * 16
         trained = params
-    return chunks, parameters, trained, outside
+    return chunks, parameters, trained, outside, flops
 
 
 def _in_place_split(model_dir: str, model: torch.nn.Module, cfg, quant, saved: dict | None) -> Callable:
@@ -441,21 +518,32 @@ def _twins_fit(chunks: list[_Chunk], units: list, store_cfg: StoreConfig) -> boo
 
 
 def _traffic(est: Estimate, chunks: list[_Chunk], budgets: dict[Tier, int]) -> None:
-    """Bytes a step must move at least (see the module docstring)."""
-    host_room = budgets[Tier.HOST] - sum(c.capacity for c in chunks if c.home is Tier.HOST)
-    # gradients are dropped after use and twins are overwritten, never read: neither counts as read; the
-    # new values (in the sources or in their twins) are written back once
-    on_disk = [
-        c for c in chunks if c.home is Tier.DISK and c.kind not in ("gradients", "accumulators", "twins")
-    ]
-    used = sum(c.capacity for c in on_disk)
-    changed = sum(c.capacity for c in on_disk if c.changed)
-    spill = max(0, used - max(0, host_room))
-    est.moved_per_step["disk->host"] = spill
-    est.moved_per_step["host->disk"] = min(changed, spill)
+    """Bytes a step moves between tiers (see the module docstring).
+
+    Host to device: the weights the device has no valid copy of at forward (trained weights are changed on
+    the host every step), and again at backward those it could not keep.
+
+    Disk: what passes through the host beyond its budget cannot stay cached from one step to the next, so
+    each step evicts and brings back that much (``spill``); weights the device cannot keep between forward
+    and backward pass through the host twice. Of the traffic, the share of the staged bytes that are read
+    (weights, master weights, moments, projections: not gradients, accumulators or twins, which are made,
+    not read) is read from disk, the rest written to it."""
+    host = est.tiers["host"]
+    spill = max(0, host.passes - budgets[Tier.HOST])
     device_room = budgets[Tier.DEVICE] - sum(c.capacity for c in chunks if c.home is Tier.DEVICE)
     streamed = sum(c.capacity for c in chunks if c.used_on is Tier.DEVICE and c.home is not Tier.DEVICE)
-    est.moved_per_step["host->device"] = max(0, streamed - max(0, device_room))
+    again = max(0, streamed - max(0, device_room))  # read again for backward
+    staged = [c for c in chunks if c.home is Tier.DISK and c.kind != "activations"]
+    made = ("gradients", "accumulators", "twins")
+    read_share = sum(c.capacity for c in staged if c.kind not in made) / max(1, sum(c.capacity for c in staged))
+    changed = sum(c.capacity for c in staged if c.changed and c.kind not in ("gradients", "accumulators"))
+    moved = spill + (min(again, spill) if spill else 0)
+    est.moved_per_step["disk->host"] = round(moved * read_share)
+    est.moved_per_step["host->disk"] = min(changed, moved - est.moved_per_step["disk->host"])
+    # forward brings up what the device does not hold valid: beyond its room, and trained weights, which the
+    # optimizer changed on the host; backward brings up again what the device could not keep
+    stale = sum(c.capacity for c in chunks if c.used_on is Tier.DEVICE and c.home is not Tier.DEVICE and c.changed)
+    est.moved_per_step["host->device"] = max(stale, streamed - max(0, device_room)) + again
 
 
 def measure_bandwidth(
@@ -564,50 +652,122 @@ def probe_disk(path: str | os.PathLike[str], nbytes: int = 256 << 20) -> tuple[f
     return read, write
 
 
-def _lower_bound(est: Estimate) -> None:
+def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU | None) -> StepTime:
+    """Seconds of each part of a step (see ``speed``), from the bytes moved, the bandwidths measured and the
+    compute rate: measured at the model's own product shape on this machine's CPU or GPU, or a named GPU's
+    stated peak."""
+    from tiertune.errors import TiertuneError
+    from tiertune.finetune.train import steps_of
+    from tiertune.kernels.ops.backend import matmul_dtype
+
+    t = recipe.training
+    micro_batches = t.gradient_accumulation_steps
+    if target is not None and target.peak_flops:
+        compute = flops.total / target.peak_flops
+        source = f"the {target.name}'s stated dense bf16 peak (runs reach less: a lower bound)"
+    else:
+        device = torch.device("cuda" if target is not None else "cpu")
+        where = "this CPU" if target is None else target.name
+        layers = recipe_layers(recipe.model.path)
+        measured = measure_compute(recipe.model.path, cfg, t.per_device_train_batch_size,
+                                   recipe.data.max_seq_len, device)  # fmt: skip
+        if measured is not None:
+            layer, rest = measured
+            compute = micro_batches * (layers * layer + rest)
+            source = (f"measured on {where}: the model's forward and backward with 1 and 2 layers, "
+                      f"{format_seconds(layer)} a layer + {format_seconds(rest)} the rest, per micro-batch")  # fmt: skip
+        else:
+            dtype = matmul_dtype(cfg.dtype, device) if cfg.quantize != "none" else cfg.dtype
+            m, k, n = flops.shape
+            compute = flops.total / measure_matmul(device, dtype, m, k, n)
+            source = f"a ({m} x {k}) @ ({k} x {n}) {str(dtype).removeprefix('torch.')} product measured on {where}"
+    parts = {"compute": compute}
     bw, moved = est.bandwidth, est.moved_per_step
     if "disk_read" in bw:
-        est.lower_bound_s["disk"] = (
-            moved["disk->host"] / bw["disk_read"] + moved["host->disk"] / bw["disk_write"]
-        )
-    if "host_to_device" in bw:
-        est.lower_bound_s["host->device"] = moved["host->device"] / bw["host_to_device"]
+        parts["disk"] = moved["disk->host"] / bw["disk_read"] + moved["host->disk"] / bw["disk_write"]
+    if target is not None and "host_to_device" in bw:
+        parts["host->device"] = moved["host->device"] / bw["host_to_device"]
     if "optimizer_params" in bw and est.kinds.get("moments"):
-        est.lower_bound_s["optimizer"] = est.trained_parameters / bw["optimizer_params"]
+        parts["optimizer"] = est.trained_parameters / bw["optimizer_params"]
+    try:
+        steps: int | None = steps_of(recipe)
+        how = "training.max_steps" if recipe.training.max_steps > 0 else "the epochs over the data"
+    except (TiertuneError, OSError) as exc:
+        steps, how = None, f"unknown: the epochs need the data and tokenizer ({str(exc).splitlines()[0][:120]})"
+    return StepTime(flops, flops.total / compute if compute else 0.0, source, parts, target is not None, steps, how)
+
+
+def recipe_layers(model_dir: str) -> int:
+    """The decoder layers of the model at ``model_dir`` (its config)."""
+    from tiertune.finetune.model import load_config
+
+    return int(load_config(model_dir).num_hidden_layers)
+
+
+def format_seconds(seconds: float) -> str:
+    """A short duration: 850 us, 12.3 ms, 1.25 s."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
 def format_estimate(est: Estimate, title: str) -> str:
-    """The estimate as a table a person reads at a glance, with the formulas of the lower bound."""
-    lines = [title, f"parameters: {est.parameters:,} ({est.trained_parameters:,} trained)", ""]
-    lines.append(f"{'state':<34}{'lives on':<10}{'bytes':>12}")
+    """The estimate as a person reads it: what lives where, whether each budget holds (on the budget and on
+    this machine), the disk it needs, and how fast a step goes, with its parts and formula."""
+    width = max([34, *(len(k) + 2 for k in (*est.kinds, *est.outside_store))])
+    lines = [title, f"parameters: {est.parameters:,} ({est.trained_parameters:,} trained); computes on: {est.target}", ""]
+    lines.append(f"{'state':<{width}}{'lives on':<10}{'bytes':>12}")
     for kind, (tier, nbytes) in est.kinds.items():
-        lines.append(f"{kind:<34}{tier:<10}{format_size(nbytes):>12}")
+        lines.append(f"{kind:<{width}}{tier:<10}{format_size(nbytes):>12}")
     for what, nbytes in est.outside_store.items():
-        lines.append(f"{what:<34}{'device':<10}{format_size(nbytes):>12}  (outside the chunk store)")
-    lines += ["", f"{'tier':<8}{'budget':>12}{'home':>12}{'passes':>12}{'peak':>12}  fits"]
+        lines.append(f"{what:<{width}}{'device':<10}{format_size(nbytes):>12}  (outside the chunk store)")
+    lines += ["", "will it fit:", f"{'tier':<8}{'budget':>12}{'home':>12}{'passes':>12}{'peak':>12}  fits"]
+    short = est.short_of_machine()
     for name, t in est.tiers.items():
         budget = format_size(t.budget) + (" free" if name == "disk" else "")
         needed = est.disk_needed if name == "disk" else t.home + t.largest_staged
         ok = "yes" if needed <= t.budget else f"NO: needs {format_size(needed)}"
+        if name in short:
+            ok = f"NO: {short[name]}" if ok == "yes" else f"{ok}; {short[name]}"
         lines.append(f"{name:<8}{budget:>12}{format_size(t.home):>12}{format_size(t.passes):>12}"
                      f"{format_size(t.peak):>12}  {ok}")  # fmt: skip
     moved = ", ".join(f"{k} {format_size(v)}" for k, v in est.moved_per_step.items())
-    lines += ["", f"disk_path needs {format_size(est.disk_needed)} free", f"moved per step, at least: {moved}"]
-    if est.lower_bound_s:
+    lines += ["", f"how much disk: disk_path needs {format_size(est.disk_needed)} free", "",
+              f"moved per step, at least: {moved}"]  # fmt: skip
+    sp = est.speed
+    if sp is not None:
         bw = est.bandwidth
-        lines.append("step time lower bound = max of:")
-        if "disk" in est.lower_bound_s:
-            lines.append(f"  disk      (read {format_size(est.moved_per_step['disk->host'])} / "
+        lines.append(f"how fast: FLOPs per step = {sp.flops.formula} = {sp.flops.total:.3g}")
+        lines.append(f"  compute      {sp.parts['compute']:.3g} s ({sp.compute_rate_source}), "
+                     f"{sp.compute_rate / 1e12:.3g} TFLOP/s")  # fmt: skip
+        if "disk" in sp.parts:
+            lines.append(f"  disk         read {format_size(est.moved_per_step['disk->host'])} / "
                          f"{bw['disk_read'] / 1e9:.2f} GB/s + write {format_size(est.moved_per_step['host->disk'])} / "
-                         f"{bw['disk_write'] / 1e9:.2f} GB/s) = {est.lower_bound_s['disk']:.2f} s")  # fmt: skip
-        if "host->device" in est.lower_bound_s:
+                         f"{bw['disk_write'] / 1e9:.2f} GB/s = {sp.parts['disk']:.3g} s")  # fmt: skip
+        if "host->device" in sp.parts:
             lines.append(f"  host->device {format_size(est.moved_per_step['host->device'])} / "
-                         f"{bw['host_to_device'] / 1e9:.2f} GB/s = {est.lower_bound_s['host->device']:.2f} s")  # fmt: skip
-        if "optimizer" in est.lower_bound_s:
-            lines.append(f"  optimizer {est.trained_parameters:,} params / {bw['optimizer_params'] / 1e9:.2f} G params/s"
-                         f" = {est.lower_bound_s['optimizer']:.2f} s")  # fmt: skip
-        bound = max(est.lower_bound_s.values())
-        lines.append(f"  => at least {bound:.2f} s per step")
+                         f"{bw['host_to_device'] / 1e9:.1f} GB/s = {sp.parts['host->device']:.3g} s")  # fmt: skip
+        if "optimizer" in sp.parts:
+            lines.append(f"  optimizer    {est.trained_parameters:,} params / {bw['optimizer_params'] / 1e9:.2f} G params/s "
+                         f"(CPU AdamW) = {sp.parts['optimizer']:.3g} s")  # fmt: skip
+        how = "the longest part (they overlap)" if sp.overlapped else "compute + optimizer (one CPU), or the disk"
+        lines.append(f"  => {sp.seconds:.3g} s per step ({how}; bound by {sp.bound}), "
+                     f"{sp.tokens_per_second:,.0f} tokens/s over {sp.flops.tokens:,} tokens per step")  # fmt: skip
+        if sp.total_seconds is not None:
+            lines.append(f"  => {sp.steps:,} steps ({sp.steps_source}): {_duration(sp.total_seconds)}")
+        else:
+            lines.append(f"  => steps {sp.steps_source}")
     lines += [f"note: {note}" for note in est.notes]
-    lines.append("" if est.fits else "DOES NOT FIT: raise the budgets marked NO, or place more state on disk")
+    lines.append("" if est.fits else "DOES NOT FIT: raise the budgets marked NO (within what the machine has), or place more state on disk")
     return "\n".join(lines).rstrip()
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` as a person says it: 42 s, 7.5 min, 3.2 h, 2.1 days."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"

@@ -82,8 +82,10 @@ class TrainResult:
         return self.output_dir / LOG_NAME
 
 
-def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
-    """The store and engine settings a recipe resolves to (``auto`` made concrete for this machine)."""
+def plan(recipe: Recipe, device: str | None = None) -> tuple[StoreConfig, EngineConfig]:
+    """The store and engine settings a recipe resolves to (``auto`` made concrete for this machine).
+    ``device`` (``estimate``): plan the engine for ``cuda`` or ``cpu`` rather than for what this machine
+    has; the store then computes on the CPU where the machine has no GPU (only its layout is used)."""
     if recipe.model.quantize != "none" and recipe.method.type != "lora":
         raise ConfigError(
             f"model.quantize: {recipe.model.quantize} freezes the base; use method.type: lora with it, "
@@ -108,7 +110,7 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
             f"launched as {world} processes, but multi-GPU training (ZeRO sharding) is not available yet; "
             "run a single process"
         )
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     resolve_backend(recipe.kernels, torch.device(device))  # kernels: triton where it cannot run is an error
     dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32}.get(
         recipe.model.dtype
@@ -127,7 +129,7 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
         )
     t = recipe.training
     store = StoreConfig(
-        device=device,
+        device=device if torch.cuda.is_available() else "cpu",
         device_budget=off.device_budget,
         host_budget=off.host_budget,
         disk_path=off.disk_path,
@@ -178,6 +180,14 @@ def plan(recipe: Recipe) -> tuple[StoreConfig, EngineConfig]:
         ),
     )
     return store, engine
+
+
+def steps_of(recipe: Recipe) -> int:
+    """The optimizer steps ``recipe`` makes: ``training.max_steps``, or its epochs over the data as the run
+    counts them (tokenized with the model's tokenizer; a DataError or ModelError when either is missing)."""
+    if recipe.training.max_steps > 0:
+        return recipe.training.max_steps
+    return _load(recipe).steps
 
 
 def _quant_cache(disk_path: str | None) -> str:
@@ -342,6 +352,7 @@ def _run(
                     "learning_rate": trainer.last_lr,
                     "grad_norm": trainer.last_grad_norm,
                     "tokens_per_second": tokens / seconds,
+                    "step_seconds": seconds,
                     "epoch": (step + 1) * t.gradient_accumulation_steps / per_epoch,
                     "peak_bytes": peaks,
                     "bytes_moved": stats.bytes_moved,

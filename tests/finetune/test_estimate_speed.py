@@ -1,0 +1,100 @@
+"""``estimate``'s step time: the FLOPs of a step, its parts, what bounds it, tokens/s and time to finish, and
+the budgets checked against the machine (``--gpu``, ``--json``)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tiertune.cli.app import RECIPES, app
+from tiertune.finetune.estimate import estimate
+from tiertune.finetune.model import build_skeleton, split_model
+from tiertune.finetune.recipe import load_recipe
+from tiertune.finetune.speed import GPUS, step_flops
+
+CONFIGS = Path(__file__).parent.parent / "cli" / "model_configs"
+
+
+@pytest.fixture(scope="module")
+def model_dir(cat_model):
+    return cat_model(2, hidden=64)
+
+
+@pytest.fixture
+def recipe_path(tmp_path, model_dir, write_recipe):
+    return write_recipe(tmp_path, model_dir, training={"gradient_accumulation_steps": 2, "max_steps": 7})
+
+
+def test_the_flops_of_a_step_follow_the_formula(model_dir):
+    with torch.device("meta"):
+        model = build_skeleton(str(model_dir))
+    layers = list(split_model(model).layers)
+    c = model.config
+    kv = c.num_key_value_heads * c.hidden_size // c.num_attention_heads
+    per_layer = 2 * c.hidden_size**2 + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
+    full = step_flops(model, layers, micro_tokens=4 * 32, steps_micro=2, seq_len=32, trained=True)
+    assert full.layer_weights == per_layer * len(layers) and full.tokens == 256
+    attention = 4 * 16 * c.hidden_size * len(layers)  # causal: 32 / 2 positions, all heads
+    assert full.total == 4 * (2 * per_layer * len(layers) + attention) * 256 + 3 * 2 * c.vocab_size * c.hidden_size * 256
+    lora = step_flops(model, layers, 4 * 32, 2, 32, trained=False)
+    assert (lora.layer_factor, lora.head_factor) == (3, 2) and lora.total < full.total
+
+
+def test_an_moe_counts_top_k_of_its_experts():
+    with torch.device("meta"):
+        model = build_skeleton(str(CONFIGS / "mixtral-8x22b"))
+    layers = list(split_model(model).layers)
+    flops = step_flops(model, layers, 2048, 1, 2048, trained=False)
+    c = model.config
+    experts = 3 * c.hidden_size * c.intermediate_size * c.num_experts_per_tok  # w1, w2, w3 of top-k experts
+    assert flops.layer_weights > experts * len(layers)  # attention and router besides
+    assert flops.layer_weights < 1.1 * experts * len(layers) + 4 * c.hidden_size**2 * len(layers)
+    assert 35e9 < flops.layer_weights < 40e9  # Mixtral 8x22B: ~39 B active parameters a token, ~1 B of them embeddings
+
+
+def test_a_named_gpu_is_taken_at_its_stated_peak_and_the_step_is_its_longest_part(tmp_path):
+    path = RECIPES / "llama3-70b-qlora-nvme.yaml"
+    recipe = load_recipe(path, (f"model.path={CONFIGS / 'llama3-70b'}", f"offload.disk_path={tmp_path}"))
+    est = estimate(recipe, gpu="rtx4090")
+    sp = est.speed
+    assert est.target == GPUS["rtx4090"].name and est.machine["gpu_memory"] == 24 << 30
+    assert sp.parts["compute"] == pytest.approx(sp.flops.total / GPUS["rtx4090"].peak_flops)
+    assert sp.parts["host->device"] == pytest.approx(est.moved_per_step["host->device"] / 25e9)
+    assert sp.overlapped and sp.seconds == max(sp.parts.values()) and sp.bound == "compute"
+    assert sp.tokens_per_second == pytest.approx(16 * 2048 / sp.seconds)
+    assert sp.steps is None and "data" in sp.steps_source  # epochs, and no data here
+    # the 40 GiB host budget holds the NF4 base: nothing read from disk after the first step; the device's
+    # 14 GiB do not, so forward and backward each bring the rest up
+    assert est.moved_per_step["disk->host"] == 0 and sp.parts["disk"] == 0
+    device = est.tiers["device"]
+    assert est.moved_per_step["host->device"] == 2 * (device.passes - device.budget)
+
+
+def test_a_budget_the_machine_cannot_give_is_a_no(recipe_path):
+    runner = CliRunner()
+    too_big = runner.invoke(app, ["estimate", str(recipe_path), "offload.host_budget=64TiB", "--no-probe"])
+    assert too_big.exit_code == 1, too_big.output
+    assert "of RAM" in too_big.output and "DOES NOT FIT" in too_big.output
+    gpu = runner.invoke(app, ["estimate", str(recipe_path), "offload.device_budget=40GiB", "--gpu", "rtx4090",
+                              "--no-probe"])  # fmt: skip
+    assert gpu.exit_code == 1 and "NO: the GPU has 24.00 GiB" in gpu.output
+    unknown = runner.invoke(app, ["estimate", str(recipe_path), "--gpu", "tpu"])
+    assert unknown.exit_code == 2 and "rtx4090" in unknown.output
+
+
+def test_json_has_the_step_time_and_the_time_to_finish(recipe_path):
+    out = CliRunner().invoke(app, ["estimate", str(recipe_path), "--json", "--gpu", "cpu"])
+    assert out.exit_code == 0, out.output
+    est = json.loads(out.output)
+    st = est["step_time"]
+    assert st["steps"] == 7 and st["steps_source"] == "training.max_steps"
+    assert st["total_seconds"] == pytest.approx(7 * st["seconds"])
+    assert st["tokens_per_second"] == pytest.approx(st["tokens_per_step"] / st["seconds"])
+    assert st["tokens_per_step"] == 2 * 4 * 32
+    parts = st["parts_s"]
+    assert set(parts) == {"compute", "disk", "optimizer"} and parts["compute"] > 0
+    assert st["seconds"] == pytest.approx(max(parts["compute"] + parts["optimizer"], parts["disk"]))
+    assert "measured on this CPU" in st["compute_rate_source"]
+    assert est["tiers"]["host"]["budget"] == 8 << 20 and est["fits"] is True

@@ -1,0 +1,239 @@
+"""How fast a step can go: the work of a step (FLOPs, bytes over each link, parameters the CPU optimizer
+updates) divided by the rate of the part that does it, and which part bounds the step.
+
+The FLOPs of a step, for ``T`` token positions (batch x accumulation x sequence length: padding computes too):
+
+- decoder layers: ``2 * N * T`` forward, where ``N`` counts the matrix weights a token goes through (an
+  MoE's experts scaled by top-k / experts), plus attention's scores and weighted sum, ``4 * T * s/2 * d_attn``
+  per layer (causal: a token attends to ``s/2`` positions on average). The engine recomputes each layer's
+  forward in backward (only the layer inputs are saved), and backward costs two forwards when the weights
+  are trained (input and weight gradients), one when they are frozen (LoRA: input gradients only): so
+  ``4x`` the forward for full fine-tuning and GaLore, ``3x`` for LoRA;
+- the head: ``2 * V * d * T`` forward, ``3x`` with its gradient when it is trained, ``2x`` when frozen.
+
+Rates: a GPU's stated dense bf16 peak (``GPUS``; no run reaches it, so the compute part is a lower bound)
+or a matrix product of the model's own shape measured on the machine (a CPU, or the GPU this runs on);
+the disk, host-to-device and the CPU optimizer as ``estimate`` measures them. On a GPU the parts overlap
+(prefetch, the optimizer behind backward) and the step takes at least the longest; on a CPU the compute and
+the optimizer share the cores, so their sum competes with the disk.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tiertune.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A GPU as its datasheet states it."""
+
+    name: str
+    peak_flops: float  # dense bf16 tensor-core FLOP/s with fp32 accumulation (what torch's bf16 matmul uses)
+    memory: int  # bytes
+    host_to_device: float  # bytes/s of pinned host-to-device copies on its usual PCIe link (typical, not peak)
+
+
+GPUS: dict[str, GPU] = {
+    "rtx3090": GPU("NVIDIA GeForce RTX 3090", 71e12, 24 << 30, 25e9),
+    "rtx4090": GPU("NVIDIA GeForce RTX 4090", 165.2e12, 24 << 30, 25e9),
+    "a6000": GPU("NVIDIA RTX A6000", 154.8e12, 48 << 30, 25e9),
+    "l40s": GPU("NVIDIA L40S", 362e12, 48 << 30, 25e9),
+    "a100": GPU("NVIDIA A100 80GB", 312e12, 80 << 30, 25e9),
+    "h100": GPU("NVIDIA H100 SXM 80GB", 989e12, 80 << 30, 50e9),
+    "h200": GPU("NVIDIA H200 SXM 141GB", 989e12, 141 * 10**9, 50e9),
+}
+"""``--gpu`` choices: stated peaks (datasheets), memory and typical PCIe rates (PCIe 4.0 x16 ~25 GB/s, 5.0 ~50)."""
+
+
+@dataclass
+class StepFlops:
+    """The FLOPs of one optimizer step and what they are made of."""
+
+    tokens: int  # token positions computed per step
+    layer_weights: int  # matrix weights a token goes through in the decoder layers (N)
+    attention_per_token: float  # forward attention FLOPs per token, all layers
+    head_weights: int  # V * d
+    layer_factor: int  # 4 (trained) or 3 (frozen): forward + recompute + backward, in forwards
+    head_factor: int  # 3 (trained) or 2 (frozen)
+    total: float
+    shape: tuple[int, int, int]  # (micro-batch tokens, hidden, intermediate): the product measured for a rate
+
+    @property
+    def formula(self) -> str:
+        return (
+            f"{self.layer_factor} x (2 x {self.layer_weights / 1e9:.3g} G weights + "
+            f"{self.attention_per_token / 1e9:.3g} G attention) x {self.tokens:,} tokens + "
+            f"{self.head_factor} x 2 x {self.head_weights / 1e6:.3g} M head x {self.tokens:,} tokens"
+        )
+
+
+def step_flops(model: torch.nn.Module, layers: list[torch.nn.Module], micro_tokens: int, steps_micro: int,
+               seq_len: int, trained: bool) -> StepFlops:  # fmt: skip
+    """FLOPs of a step of ``steps_micro`` micro-batches of ``micro_tokens`` positions in rows of ``seq_len``, from the (meta) model's own weights
+    before quantization: every matrix in a decoder layer, 3-D fused experts scaled by top-k / experts."""
+    config = model.config
+    tokens = micro_tokens * steps_micro
+    experts = (getattr(config, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+    n_experts = next((e for e in experts if e), None)
+    top_k = getattr(config, "num_experts_per_tok", None) or 1
+    weights = 0
+    for layer in layers:
+        for p in layer.parameters():
+            if p.dim() == 3 and n_experts:  # fused experts: a token goes through top_k of them
+                weights += p.numel() * top_k // n_experts
+            elif p.dim() >= 2:
+                weights += p.numel()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    attention = 4 * (seq_len / 2) * heads * head_dim * len(layers)
+    head = config.vocab_size * config.hidden_size
+    layer_factor, head_factor = (4, 3) if trained else (3, 2)
+    total = layer_factor * (2 * weights + attention) * tokens + head_factor * 2 * head * tokens
+    inner = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    shape = (micro_tokens, config.hidden_size, inner)
+    return StepFlops(tokens, weights, attention, head, layer_factor, head_factor, total, shape)
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype, m: int, k: int, n: int) -> float:
+    """FLOP/s of ``(m x k) @ (k x n)`` in ``dtype`` on ``device`` (best of a few, after a warm-up): the
+    model's own shapes, so a CPU's small-matrix efficiency is in the figure."""
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    reps = max(1, min(20, int(2e10 / max(1, 2 * m * k * n))))  # ~20 GFLOP a try
+    best = float("inf")
+    for _ in range(3):
+        began = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        sync()
+        best = min(best, (time.perf_counter() - began) / reps)
+    return 2 * m * k * n / best
+
+
+MEASURE_LIMIT = 2 << 30
+"""The most bytes of weights ``measure_compute`` builds (two decoder layers, embeddings and head)."""
+
+
+def measure_compute(model_dir: str, cfg, micro_batch: int, seq_len: int, device: torch.device,
+                    repeats: int = 3) -> tuple[float, float] | None:  # fmt: skip
+    """Seconds of one micro-batch's compute as the engine runs it, measured on ``device``: (per decoder
+    layer, the rest: embeddings, head and loss). The model's own forward is run with one and with two decoder
+    layers (random weights in the run's compute dtype; LoRA adapters as the run wraps them; the loss fused
+    with the head where the run fuses it), each as a step runs it: a forward without autograd (the streamed
+    forward saves only layer inputs), then a forward with autograd and its backward (the recompute and the
+    backward); the difference is one layer. None when two layers, embeddings and head would take more than
+    ``MEASURE_LIMIT`` bytes (the caller falls back to a matrix product's rate). A 4-bit base is measured
+    unquantized (its dequantization is not in the figure)."""
+    import copy
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from tiertune.engine.loss import CausalLMLoss
+    from tiertune.finetune.lora import Adapters
+    from tiertune.finetune.model import load_config
+    from tiertune.kernels.ops.backend import matmul_dtype
+    from tiertune.kernels.patch import resolve_backend
+
+    config = load_config(model_dir)
+    dtype = matmul_dtype(cfg.dtype, device) if cfg.quantize != "none" else cfg.dtype
+    per_layer = 12 * config.hidden_size**2  # attention + MLP, roughly, to decide whether to build them
+    per_layer = max(per_layer, 3 * config.hidden_size * (getattr(config, "intermediate_size", 0) or 0))
+    embed = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    if (2 * per_layer + embed) * torch.finfo(dtype).bits // 8 > MEASURE_LIMIT:
+        return None
+    backend = resolve_backend("torch" if cfg.kernels == "none" else cfg.kernels, device)
+    seconds = []
+    for n in (1, 2):
+        c = copy.deepcopy(config)
+        c.num_hidden_layers = n
+        if isinstance(getattr(c, "layer_types", None), list):
+            c.layer_types = c.layer_types[:n]
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(c, dtype=dtype)
+        model.config.use_cache = False
+        model.train()
+        if cfg.method == "lora":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                Adapters(model, cfg.lora, device)
+        else:
+            model.requires_grad_(True)
+        loss = CausalLMLoss(model, cfg.kernels != "none", backend)
+        ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
+        _time_step(loss, ids, device)  # warm-up
+        seconds.append(sorted(_time_step(loss, ids, device) for _ in range(repeats))[repeats // 2])
+    layer = max(0.0, seconds[1] - seconds[0])
+    return layer, max(0.0, seconds[0] - layer)
+
+
+def _time_step(loss, ids: torch.Tensor, device: torch.device) -> float:
+    """Seconds of a micro-batch's compute as the engine runs it: a forward without autograd, then a forward
+    with autograd and its backward."""
+    began = time.perf_counter()
+    with torch.no_grad():
+        loss(ids, {}, ids[:, 1:])
+    loss(ids, {}, ids[:, 1:]).backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - began
+
+
+def resolve_gpu(choice: str) -> GPU | None:
+    """``--gpu``: ``auto`` (the GPU this machine has, its rates measured; None without one), ``cpu`` (None:
+    the step computes on this CPU) or a name of ``GPUS`` (its stated figures)."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return None
+    if choice == "auto":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return GPU(props.name, 0.0, props.total_memory, 0.0)  # rates measured, not stated
+    try:
+        return GPUS[choice.lower()]
+    except KeyError:
+        raise ConfigError(
+            f"--gpu {choice!r} is not one estimate knows; choose auto, cpu or one of: {', '.join(GPUS)}"
+        ) from None
+
+
+@dataclass
+class StepTime:
+    """The step-time estimate: seconds of each part, which bounds the step, and what follows from it."""
+
+    flops: StepFlops
+    compute_rate: float  # FLOP/s
+    compute_rate_source: str  # "stated peak of ..." or "measured ..."
+    parts: dict[str, float]  # seconds: compute, disk, host->device, optimizer
+    overlapped: bool  # GPU: the parts overlap; CPU: compute + optimizer share the cores
+    steps: int | None  # the recipe's steps (None: unknown without the data)
+    steps_source: str
+
+    @property
+    def seconds(self) -> float:
+        p = self.parts
+        if self.overlapped:
+            return max(p.values(), default=0.0)
+        cores = p.get("compute", 0.0) + p.get("optimizer", 0.0)
+        return max(cores, p.get("disk", 0.0))
+
+    @property
+    def bound(self) -> str:
+        p = self.parts
+        if not self.overlapped and p.get("compute", 0.0) + p.get("optimizer", 0.0) >= p.get("disk", 0.0):
+            return "compute + optimizer (CPU cores)"
+        return max(p, key=p.__getitem__) if p else "nothing"
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.flops.tokens / self.seconds if self.seconds else float("inf")
+
+    @property
+    def total_seconds(self) -> float | None:
+        return None if self.steps is None else self.steps * self.seconds
