@@ -39,8 +39,9 @@ How a step runs (all on the caller's thread unless said otherwise):
   next one is likely clipped too, so it waits for the norm instead of speculating. Without clipping the
   update is always exact and runs in place, with no twins. ``overlap_optimizer`` (auto/on/off) chooses;
   auto overlaps when the twins (12 bytes per parameter) fit the budgets. A layer's gradients are dropped
-  once its update has used them; the compute thread waits when the worker falls two units behind, so
-  without clipping and gradient accumulation only the layers in flight hold gradients.
+  once its update has used them; the compute thread waits when the worker falls two units behind, and
+  without clipping and gradient accumulation (updates in place) it waits for the worker to finish before
+  it makes the next layer's gradients on the host, which then holds one layer's gradients at a time.
 - GaLore (``method: galore``) is the same machinery with another update (``finetune.optim``): the
   moments of the decoder layers' linear weights are low-rank. Their gradients are projected where backward
   makes them, on the compute device: on the last micro-batch each one's full gradient (summed with the

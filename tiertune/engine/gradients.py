@@ -43,6 +43,10 @@ class GradientSink:
         computes it, and hand the group to the optimizer when it runs during backward. GaLore's projected
         weights go through ``_project`` instead."""
         projected = self.galore.targets if self.galore is not None else ()
+        if self.ctx.first_micro and self.ctx.last_micro and self.ctx.speculating and not state.twins:
+            # updated in place, gradients dropped once used: the previous groups' are freed before this one's
+            # are made, so the host holds one group's gradients at a time (a peak the layout predicts exactly)
+            self.times["optimizer"] += self.updater.worker.drain()
         for j, chunk in enumerate(state.grads):
             began = time.perf_counter()
             views = self.store.acquire(chunk, Tier.HOST, overwrite=self.ctx.first_micro)

@@ -102,6 +102,15 @@ class OptimizerWorker:
             self._queue.put(("unit", (state, k, coef)))
         return waited
 
+    def drain(self) -> float:
+        """Wait until the submitted units are done (or the worker waits in the store, perhaps for a chunk the
+        caller holds); returns the seconds waited."""
+        began = time.perf_counter()
+        with self._cond:
+            while self._pending and self._error is None and not self._store.waiting(self._thread.ident):
+                self._cond.wait(timeout=0.05)
+        return time.perf_counter() - began
+
     def join(self) -> None:
         with self._cond:
             while self._pending and self._error is None:

@@ -10,22 +10,17 @@ unquantized release, with a note saying that training from it stops with an erro
 - *home*: bytes of the chunks homed there (reserved for the whole run);
 - *passes through*: home plus the chunks homed lower that a step uses there (cached copies);
 - *predicted peak*: min(budget, passes through), since the store keeps what passes through until the budget
-  is full (gradients homed on disk and dropped after their update count only two layers, those in flight,
-  when no step needs them kept: no clipping, one micro-batch; GaLore's full-gradient accumulators only
-  beyond the twins that replace them during the last micro-batch's backward);
+  is full (gradients homed on disk and dropped after their update count one group's, the largest, when no
+  step needs them kept: no clipping, one micro-batch; GaLore's full-gradient accumulators only beyond the
+  twins that replace them during the last micro-batch's backward). Equal to the store's measured peak to
+  the byte when the budget holds what passes through; when it binds, the tier is full, and how full (less
+  than one chunk below the budget) depends on which chunks the cache holds when an allocation fails;
 - *fits*: what the store checks when it places the chunks: home + the largest chunk staged through the
   tier ≤ budget.
 
-The step-time lower bound uses measured bandwidths (a quick disk probe at ``offload.disk_path``, the
-host-to-device copy rate on a GPU, torch's fused AdamW on this CPU):
-
-- disk: (bytes read + bytes written) per step / bandwidth, where a step reads at least the disk-homed bytes
-  it uses that the host cannot keep (used - host room) and writes back at least the changed ones that it
-  cannot keep;
-- host→device: weights streamed per step beyond what the device keeps, / bandwidth (GPU only);
-- optimizer: trained parameters / the CPU optimizer's parameters per second.
-
-The step cannot be faster than the slowest of these.
+How fast a step goes is ``speed``'s model: the step's FLOPs at a GPU's stated peak or measured on this
+machine, the disk and host-to-device traffic (``_traffic``) at measured rates, and the CPU optimizer at
+torch's fused AdamW rate measured here.
 """
 
 from __future__ import annotations
@@ -221,8 +216,8 @@ def estimate(recipe: Recipe, measure: bool = True, gpu: str = "auto") -> Estimat
     grads = sorted(
         (c for c in chunks if c.kind == "gradients" and c.home is Tier.DISK), key=lambda c: -c.capacity
     )
-    # updated during backward and dropped: only the layers in flight hold gradients in memory
-    transient = {id(c) for c in grads[2:]} if layerwise else set()
+    # updated during backward in place and dropped: one group's gradients in memory at a time (GradientSink)
+    transient = {id(c) for c in grads[1:]} if layerwise else set()
     kinds: dict[str, tuple[str, int]] = {}
     for c in chunks:
         tier, total = kinds.get(c.kind, (c.home.value, 0))
