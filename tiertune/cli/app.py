@@ -322,8 +322,8 @@ def recipes(
             for entry in entries:
                 if entry.startswith(("Hardware:", "estimate", "peaks:")):
                     show(entry)
-                elif step_time := re.search(r"step time >= .*", entry):
-                    show(step_time.group(0))
+                elif entry.startswith("how fast") and (bound := re.search(r"a step takes >= .*", entry)):
+                    show(entry.split(":", 1)[0] + ": " + bound.group(0))
             typer.echo("")
         typer.echo(textwrap.fill("`tiertune recipes NAME` prints one (with the whole estimate); --to FILE copies it.",
                                  columns, break_on_hyphens=False))  # fmt: skip

@@ -659,7 +659,7 @@ def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU
     micro_batches = t.gradient_accumulation_steps
     if target is not None and target.peak_flops:
         compute = flops.total / target.peak_flops
-        source = f"the {target.name}'s stated dense bf16 peak (runs reach less: a lower bound)"
+        source = f"at the {target.name}'s stated dense bf16 peak, which runs do not reach: at least this"
     else:
         device = torch.device("cuda" if target is not None else "cpu")
         where = "this CPU" if target is None else target.name
@@ -687,8 +687,8 @@ def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU
     try:
         steps: int | None = steps_of(recipe)
         how = "training.max_steps" if recipe.training.max_steps > 0 else "the epochs over the data"
-    except (TiertuneError, OSError) as exc:
-        steps, how = None, f"unknown: the epochs need the data and tokenizer ({str(exc).splitlines()[0][:120]})"
+    except (TiertuneError, OSError):
+        steps, how = None, "unknown here: counting the epochs' steps needs the data and the model's tokenizer"
     return StepTime(flops, flops.total / compute if compute else 0.0, source, parts, target is not None, steps, how)
 
 
@@ -751,7 +751,8 @@ def format_estimate(est: Estimate, title: str) -> str:
         if sp.total_seconds is not None:
             lines.append(f"  => {sp.steps:,} steps ({sp.steps_source}): {_duration(sp.total_seconds)}")
         else:
-            lines.append(f"  => steps {sp.steps_source}")
+            lines.append(f"  => steps {sp.steps_source} (or set training.max_steps); 1,000 steps take "
+                         f"{_duration(1000 * sp.seconds)}")  # fmt: skip
     lines += [f"note: {note}" for note in est.notes]
     lines.append("" if est.fits else "DOES NOT FIT: raise the budgets marked NO (within what the machine has), or place more state on disk")
     return "\n".join(lines).rstrip()
