@@ -9,12 +9,11 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from functools import partial
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from tiertune.engine.update import cpu_tier
 from tiertune.errors import BudgetError
 from tiertune.finetune.model import ParamGroup
 from tiertune.finetune.optim import GaLore, moment_entries
@@ -51,6 +50,85 @@ def state_entries(fp32: list, cfg: EngineConfig, galore: GaLore | None) -> dict[
     if proj:
         out["proj"] = proj
     return out
+
+
+ROLES = {
+    "grads": ("grad", "gradients"),
+    "accum": ("grad_full", "accumulators"),
+    "master": ("master", "master"),
+    "exp_avg": ("exp_avg", "moments"),
+    "exp_avg_sq": ("exp_avg_sq", "moments"),
+    "proj": ("proj", "projections"),
+}
+"""A state chunk's role (the ``GroupState`` list it joins) -> (its name's suffix, the kind ``estimate`` reports)."""
+
+
+@dataclass(frozen=True)
+class StateChunk:
+    """One chunk of a trained weight chunk's state as the layout decides it: the engine registers it
+    (``add_states``), ``estimate`` lays out and sums the same."""
+
+    role: str  # a key of ROLES
+    entries: list
+    home: str  # device, host or disk
+    used_on: Tier  # the tier a step uses it on
+
+    @property
+    def kind(self) -> str:
+        return ROLES[self.role][1]
+
+
+def home_tier_used(home: str | Tier, device: torch.device) -> Tier:
+    """The tier the CPU optimizer (and the gradient hand-off) uses a chunk homed on ``home`` on: the device
+    tier when that is CPU memory, else the host (``update.cpu_tier`` for a registered chunk)."""
+    return Tier.DEVICE if Tier(home) is Tier.DEVICE and device.type == "cpu" else Tier.HOST
+
+
+def state_layout(fp32: list, cfg: EngineConfig, galore: GaLore | None, device: torch.device) -> list[StateChunk]:
+    """The state chunks of one weight chunk whose tensors are ``fp32`` entries, in the order the engine
+    registers them: gradients; GaLore's full-gradient accumulators when a step has several micro-batches;
+    master weights (weights not fp32), the moments and GaLore's projections (read on the compute device)."""
+    grads = gradient_entries(fp32, galore)
+    out = [StateChunk("grads", grads["grads"], cfg.gradients, home_tier_used(cfg.gradients, device))]
+    if grads.get("accum") and cfg.gradient_accumulation_steps > 1:
+        out.append(StateChunk("accum", grads["accum"], cfg.gradients, home_tier_used(cfg.gradients, device)))
+    home = cfg.optimizer_states
+    for role, entries in state_entries(fp32, cfg, galore).items():
+        used = Tier.DEVICE if role == "proj" else home_tier_used(home, device)
+        out.append(StateChunk(role, entries, home, used))
+    return out
+
+
+def twins_short(
+    units: list[tuple[tuple[Tier, int], list[tuple[Tier, int]], list[tuple[Tier, int]]]],
+    room: Callable[[Tier], int],
+    device: torch.device,
+) -> dict[Tier, int]:
+    """The ``overlap_optimizer: auto`` test, on sizes alone (the engine passes its registered chunks and
+    ``store.room``, ``estimate`` its laid-out chunks and the room its budgets leave): the tiers whose room
+    cannot take the twin states, with the bytes needed. ``units``: per optimizer unit, its gradients, the
+    sources it rewrites (master weights or fp32 weights, moments) and what else it reads (GaLore's
+    projection), each as (home tier, capacity). Besides the twins, the host must hold one unit's working set
+    (what it pins there, and a source while it is copied into its twin) while backward holds a chunk of
+    gradients there."""
+    need: dict[Tier, int] = defaultdict(int)
+    for _, sources, _ in units:
+        for home, capacity in sources:
+            need[home] += capacity
+    short = {t: n for t, n in need.items() if n > room(t)}
+    unit = max(unit_bytes(grads, sources + reads, device) for grads, sources, reads in units)
+    working = need.get(Tier.HOST, 0) + unit + max(grads[1] for grads, _, _ in units)
+    if working > room(Tier.HOST):
+        short[Tier.HOST] = working
+    return short
+
+
+def unit_bytes(grads: tuple[Tier, int], reads: list[tuple[Tier, int]], device: torch.device) -> int:
+    """Host bytes one optimizer unit holds with twins: what it pins on the host of its gradients and the
+    chunks it reads (those homed below the host), plus one source while it is copied into its twin."""
+    on_host = [(h, c) for h, c in (grads, *reads) if home_tier_used(h, device) is Tier.HOST]
+    pinned = sum(c for h, c in on_host if h is not Tier.HOST)
+    return pinned + max((c for _, c in on_host[1:]), default=0)
 
 
 class GroupState:
@@ -101,28 +179,18 @@ def add_states(
     weight chunk, fp32 gradients (``gradient_entries``), master weights read by ``read_master(name, view)``
     when the weights are not fp32, the moments and GaLore's projections (``state_entries``)."""
     state = GroupState(group)
-    for chunk in group.chunks:
+    for j, chunk in enumerate(group.chunks):
         entries = [(s.name, s.shape, torch.float32) for s in chunk.tensors]
-        add = partial(add_like, store, entries)
-        grads = gradient_entries(entries, galore)
-        state.grads += add_like(store, grads["grads"], cfg.gradients, f"{chunk.name}.grad")
-        if galore is not None:
-            state.accum.append(None)
-            if cfg.gradient_accumulation_steps > 1:
-                add_accumulator(store, state, len(state.accum) - 1, galore, cfg.gradients)
-        states = state_entries(entries, cfg, galore)
-        if "master" in states:
-            masters = add(cfg.optimizer_states, f"{chunk.name}.master")
-            state.master += masters
-            with store.writing(masters[0]) as views:
-                for name, view in views.items():
-                    read_master(name, view)
-        home = cfg.optimizer_states
-        state.exp_avg += add_like(store, states["exp_avg"], home, f"{chunk.name}.exp_avg")
-        state.exp_avg_sq += add_like(store, states["exp_avg_sq"], home, f"{chunk.name}.exp_avg_sq")
-        if galore is not None:
-            proj = states.get("proj")
-            state.proj.append(add_like(store, proj, home, f"{chunk.name}.proj")[0] if proj else None)
+        for spec in state_layout(entries, cfg, galore, store.device):
+            [added] = add_like(store, spec.entries, spec.home, f"{chunk.name}.{ROLES[spec.role][0]}")
+            getattr(state, spec.role).append(added)
+            if spec.role == "master":
+                with store.writing(added) as views:
+                    for name, view in views.items():
+                        read_master(name, view)
+        if galore is not None:  # one entry per weight chunk: None where it projects no weight
+            for roles in (state.accum, state.proj):
+                roles += [None] * (j + 1 - len(roles))
     return state
 
 
@@ -144,14 +212,6 @@ def add_like(store: ChunkStore, entries: list, home: str | Tier, name: str) -> l
     return store.add(entries, home=home, name=name, chunk_size=max(size, 1) + 256 * len(entries))
 
 
-def unit_host_bytes(state: GroupState, j: int, twins: bool, device: torch.device) -> int:
-    """Host bytes one optimizer unit pins: gradients and sources (or their twins), plus one source
-    while it is copied into its twin."""
-    on_host = [c for c in (state.grads[j], *state.reads(j)) if cpu_tier(c, device) is Tier.HOST]
-    pinned = sum(c.capacity for c in on_host if c.home is not Tier.HOST)
-    return pinned + (max((c.capacity for c in on_host[1:]), default=0) if twins else 0)
-
-
 def add_twins(store: ChunkStore, states: list[GroupState], cfg: EngineConfig, device: torch.device) -> bool:
     """Decide whether the optimizer overlaps backward; add the twin states that needs. Returns the choice.
 
@@ -166,18 +226,13 @@ def add_twins(store: ChunkStore, states: list[GroupState], cfg: EngineConfig, de
         return False
     if not cfg.clips:
         return True
-    need: dict[Tier, int] = defaultdict(int)
-    for state in states:
-        for j in range(len(state.weights)):
-            for chunk in state.sources(j):
-                need[chunk.home] += chunk.capacity
-    short = {t: n for t, n in need.items() if n > store.room(t)}
-    # the worker holds one unit on the host (gradients, sources, twins) while backward holds a chunk of
-    # gradients there
-    unit = max(unit_host_bytes(s, j, True, device) for s in states for j in range(len(s.weights)))
-    working = need.get(Tier.HOST, 0) + unit + max(c.capacity for s in states for c in s.grads)
-    if working > store.room(Tier.HOST):
-        short[Tier.HOST] = working
+    units = [
+        ((s.grads[j].home, s.grads[j].capacity), [(c.home, c.capacity) for c in s.sources(j)],
+         [(c.home, c.capacity) for c in s.reads(j)[3:]])
+        for s in states
+        for j in range(len(s.weights))
+    ]  # fmt: skip
+    short = twins_short(units, store.room, device)
     if short and mode == "on":
         tier, needed = next(iter(short.items()))
         raise BudgetError(

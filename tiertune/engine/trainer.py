@@ -153,12 +153,13 @@ class StreamedTrainer:
         self.kernel_counts = (
             Counter() if config.kernels == "none" else patch_model(self.model, self.kernel_backend)
         )
-        self.overlap = add_twins(self.store, self.states, config, self.device) if trained else False
         # with activations on the host, each layer's saved input in a chunk of its own
         self.stash = None
         if config.activations == "host":
             numel = config.activation_tokens * self.model.config.hidden_size
             self.stash = InputStash.add(self.store, len(self.parts.layers), numel, config.dtype, self.times)
+        # after the stash: the twins take what room is left (as estimate lays them out)
+        self.overlap = add_twins(self.store, self.states, config, self.device) if trained else False
         # MoE: the router's auxiliary loss, where transformers computes one and the config asks for it
         self.router_aux = RouterAux.of(self.model, self.parts.layers)
         for i, layer in enumerate(self.parts.layers):

@@ -44,7 +44,9 @@ class StepContext:
 
 def cpu_tier(chunk: Chunk, device: torch.device) -> Tier:
     """Where the CPU optimizer reads ``chunk``: the device tier when that is CPU memory, else the host."""
-    return Tier.DEVICE if chunk.home is Tier.DEVICE and device.type == "cpu" else Tier.HOST
+    from tiertune.engine.layout import home_tier_used
+
+    return home_tier_used(chunk.home, device)
 
 
 Unit = tuple["GroupState", int]

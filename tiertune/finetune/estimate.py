@@ -33,6 +33,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,7 @@ class _Chunk:
     used_on: Tier  # the tier a step uses it on
     changed: bool  # written every step (written back home when it cannot stay cached)
     in_place: bool = False  # frozen weights read from files (the model's, or the quantized cache's images)
+    entries: list = field(default_factory=list, repr=False)  # its tensors (name, shape, dtype)
 
 
 @dataclass
@@ -286,7 +288,7 @@ def _chunks(
 ) -> tuple[list[_Chunk], int, int, dict[str, int], StepFlops]:
     """Every chunk the run would register, laid out as the store lays them out (what a reader should know
     about the model is appended to ``notes``), and the FLOPs of a step (``on_gpu``: computed on a GPU)."""
-    from tiertune.engine import gradient_entries, state_entries
+    from tiertune.engine.layout import home_tier_used, state_layout, twins_short
     from tiertune.finetune.model import build_skeleton, quantized_on_load, split_model, weight_entries
     from tiertune.finetune.optim import GaLore
     from tiertune.quant import is_quantized, make_quantizer
@@ -311,22 +313,18 @@ def _chunks(
             parts = split_model(model)
     paths = {id(m): n for n, m in model.named_modules()}
     galore = GaLore(cfg.galore, list(parts.layers), paths) if cfg.method == "galore" else None
-    cpu_device = not on_gpu
+    device = torch.device("cuda" if on_gpu else "cpu")
     size = store_cfg.chunk_size
     chunks: list[_Chunk] = []
 
     def add(entries: list, kind: str, home: str | Tier, used_on: Tier, changed: bool, in_place: bool = False) -> None:
         for layout in pack_tensors(entries, max(size, 1), store_cfg.num_shards):
-            chunks.append(_Chunk(kind, Tier(home), layout.capacity, used_on, changed, in_place))
-
-    def cpu_tier(home: str) -> Tier:
-        return Tier.DEVICE if home == "device" and cpu_device else Tier.HOST
+            chunks.append(_Chunk(kind, Tier(home), layout.capacity, used_on, changed, in_place, entries))
 
     trained_flag = cfg.method != "lora"
     clipping = cfg.clips
     parameters = trained = 0
-    units: list[tuple[_Chunk, list[tuple[str, list, _Chunk]]]] = []  # (gradients, [(kind, entries, source)])
-    kinds = {"master": "master", "exp_avg": "moments", "exp_avg_sq": "moments", "proj": "projections"}
+    units: list[dict[str, _Chunk]] = []  # per optimizer unit: its weights and state chunks, by role
     split = None
     if not trained_flag and cfg.params == "disk":  # a frozen base on disk: read in place where files hold it
         split = _in_place_split(recipe.model.path, model, cfg, quant, saved)
@@ -350,38 +348,29 @@ def _chunks(
             continue
         trained += group.numel
         fp32 = [(n, tuple(p.shape), torch.float32) for n, p in group.params.items()]
-        gradients = gradient_entries(fp32, galore)
-        add(gradients["grads"], "gradients", cfg.gradients, cpu_tier(cfg.gradients), True)
-        grads = chunks[-1]
-        if gradients.get("accum") and cfg.gradient_accumulation_steps > 1:  # GaLore's full gradients
-            add(gradients["accum"], "accumulators", cfg.gradients, cpu_tier(cfg.gradients), True)
-        states = state_entries(fp32, cfg, galore)
-        sources = [] if "master" in states else [("master", fp32, weights)]
-        for key, e in states.items():
-            if key == "proj":  # read on the device by backward (and by the optimizer), never twinned
-                add(e, kinds[key], cfg.optimizer_states, Tier.DEVICE, True)
-                continue
-            add(e, kinds[key], cfg.optimizer_states, cpu_tier(cfg.optimizer_states), True)
-            sources.append((kinds[key], e, chunks[-1]))
-        units.append((grads, sources))
-    if trained_flag and cfg.overlap_optimizer != "off" and clipping and _twins_fit(chunks, units, store_cfg):
-        for _, sources in units:
-            for _, e, source in sources:
-                add(e, "twins", source.home, source.used_on if source.kind != "weights" else Tier.HOST, True)
+        unit: dict[str, _Chunk] = {"weights": weights}
+        for spec in state_layout(fp32, cfg, galore, device):  # what add_states registers
+            add(spec.entries, spec.kind, spec.home, spec.used_on, True)
+            unit[spec.role] = chunks[-1]
+        units.append(unit)
     hidden = model.config.hidden_size
     act = cfg.activation_tokens * hidden * itemsize(cfg.dtype)
     outside: dict[str, int] = {}
-    if cfg.activations == "host":
+    if cfg.activations == "host":  # InputStash: each layer's saved input in a chunk of its own
         for _ in parts.layers:
-            add(
-                [("x", (cfg.activation_tokens * hidden,), cfg.dtype)],
-                "activations",
-                Tier.HOST,
-                Tier.DEVICE,
-                True,
-            )
+            add([("x", (cfg.activation_tokens * hidden,), cfg.dtype)], "activations", Tier.HOST, Tier.DEVICE, True)
     else:
         outside["saved layer inputs"] = act * len(parts.layers)
+    if trained_flag and cfg.overlap_optimizer != "off" and clipping:  # add_twins' decision, on these sizes
+        described = [
+            ((u["grads"].home, u["grads"].capacity), [(c.home, c.capacity) for c in _sources(u)],
+             [(u["proj"].home, u["proj"].capacity)] if "proj" in u else [])
+            for u in units
+        ]  # fmt: skip
+        if not twins_short(described, partial(_room, chunks, store_cfg), device):
+            for u in units:
+                for source in _sources(u):
+                    add(source.entries, "twins", source.home, home_tier_used(source.home, device), True)
     vocab = model.config.vocab_size
     from tiertune.kernels.architectures import FUSED_LOSS
     from tiertune.kernels.ops.linear_ce import SLICE_BYTES
@@ -482,34 +471,23 @@ def _adapter_parameters(model: torch.nn.Module, settings) -> int:
 
 
 
-def _twins_fit(chunks: list[_Chunk], units: list, store_cfg: StoreConfig) -> bool:
-    """The engine's ``overlap_optimizer: auto`` decision: the twin states fit the room left on their tiers,
-    and the host can hold the twins homed there, one unit's working set and a chunk of gradients."""
-    budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}
+def _sources(unit: dict[str, _Chunk]) -> list[_Chunk]:
+    """The chunks an optimizer unit rewrites (``GroupState.sources``): master weights (or fp32 weights), moments."""
+    return [unit.get("master", unit["weights"]), unit["exp_avg"], unit["exp_avg_sq"]]
 
-    def room(tier: Tier) -> int:
-        if tier is Tier.DISK:
-            return 1 << 62
-        above = ORDER.index(tier)
-        home = sum(c.capacity for c in chunks if c.home is tier)
-        staged = max((c.capacity for c in chunks if ORDER.index(c.home) > above), default=0)
-        return max(0, budgets[tier] - home - staged)
 
-    need: dict[Tier, int] = {}
-    for _, sources in units:
-        for _, _, source in sources:
-            need[source.home] = need.get(source.home, 0) + source.capacity
-    if any(n > room(t) for t, n in need.items()):
-        return False
-    unit = 0
-    for grads, sources in units:
-        on_host = [
-            c for c in (grads, *(s for _, _, s in sources)) if c.used_on is Tier.HOST or c.kind == "weights"
-        ]
-        pinned = sum(c.capacity for c in on_host if c.home is not Tier.HOST)
-        unit = max(unit, pinned + max((c.capacity for c in on_host[1:]), default=0))
-    largest_grads = max((g.capacity for g, _ in units), default=0)
-    return need.get(Tier.HOST, 0) + unit + largest_grads <= room(Tier.HOST)
+def _room(chunks: list[_Chunk], store_cfg: StoreConfig, tier: Tier) -> int:
+    """``ChunkStore.room`` with ``chunks`` placed: what more chunks homed on ``tier`` can take (a memory tier
+    keeps room to stage the largest chunk homed below it; the disk, its free space less the slots)."""
+    if tier is Tier.DISK:
+        free = shutil.disk_usage(_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
+        slots = sum(slot_bytes(c.capacity, int(store_cfg.block_size)) for c in chunks if c.home is tier and not c.in_place)
+        return max(0, free - slots)
+    budget = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}[tier]
+    above = ORDER.index(tier)
+    home = sum(c.capacity for c in chunks if c.home is tier)
+    staged = max((c.capacity for c in chunks if ORDER.index(c.home) > above), default=0)
+    return max(0, budget - home - staged)
 
 
 def _traffic(est: Estimate, chunks: list[_Chunk], budgets: dict[Tier, int]) -> None:
