@@ -113,7 +113,7 @@ def env(
     with _user_errors():
         info = environment(disk_path)
         if probe:
-            from tiertune.finetune.estimate import probe_disk
+            from tiertune.finetune.speed import probe_disk
 
             read, write = probe_disk(disk_path)  # type: ignore[arg-type]
             info["disk"]["read_bytes_per_second"], info["disk"]["write_bytes_per_second"] = read, write

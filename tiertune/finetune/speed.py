@@ -13,19 +13,25 @@ The FLOPs of a step, for ``T`` token positions (batch x accumulation x sequence 
 
 Rates: a GPU's stated dense bf16 peak (``GPUS``; no run reaches it, so the compute part is a lower bound)
 or a matrix product of the model's own shape measured on the machine (a CPU, or the GPU this runs on);
-the disk, host-to-device and the CPU optimizer as ``estimate`` measures them. On a GPU the parts overlap
+the disk (``probe_disk``: the disk tier's own I/O path), host-to-device copies and the CPU optimizer
+(torch's fused AdamW) measured by ``measure_bandwidth``. On a GPU the parts overlap
 (prefetch, the optimizer behind backward) and the step takes at least the longest; on a CPU the compute and
 the optimizer share the cores, so their sum competes with the disk.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from tiertune.errors import ConfigError
+from tiertune.offload.store import StoreConfig
+from tiertune.offload.tiers import Tier
 
 
 @dataclass(frozen=True)
@@ -237,3 +243,117 @@ class StepTime:
     @property
     def total_seconds(self) -> float | None:
         return None if self.steps is None else self.steps * self.seconds
+
+
+def nearest_existing(path: str | os.PathLike[str]) -> str:
+    """``path`` or, when it does not exist yet, its nearest existing parent (where it would be created)."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return str(p)
+
+
+def measure_bandwidth(
+    store_cfg: StoreConfig, probe_bytes: int = 256 << 20, notes: list[str] | None = None
+) -> dict[str, float]:
+    """Bytes per second of the disk (read, write: ``probe_disk``), host-to-device copies (GPU) and the CPU
+    optimizer (parameters per second of torch's fused AdamW). Creates nothing: a ``disk_path`` that does not
+    exist yet is probed in its nearest existing parent directory (the filesystem it would be created on); what
+    a reader should know about the probe is appended to ``notes``."""
+    out: dict[str, float] = {}
+    notes = [] if notes is None else notes
+    if store_cfg.disk_path:
+        where = nearest_existing(store_cfg.disk_path)
+        if Path(where) != Path(store_cfg.disk_path):
+            notes.append(
+                f"offload.disk_path {store_cfg.disk_path} does not exist yet (a run creates it); the disk was "
+                f"probed in {where}, the nearest existing directory above it"
+            )
+        try:
+            out["disk_read"], out["disk_write"] = probe_disk(where, probe_bytes)
+        except OSError as exc:
+            notes.append(f"the disk was not probed ({exc}): no disk term in the lower bound")
+    if torch.device(store_cfg.device).type == "cuda":
+        from tiertune.offload.tiers import HostMemory
+
+        # the source is pinned as the host tier pins it (exactly, and unpinned when done: ``pin_memory()``
+        # would leave the block pinned in torch's caching host allocator for the process's life), and the
+        # copies are waited for on the store's own device (``synchronize()`` waits for the current one only)
+        device = torch.device(store_cfg.device)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        src = HostMemory(probe_bytes, device)
+        try:
+            dst = torch.empty(probe_bytes, dtype=torch.uint8, device=device)
+            dst.copy_(src.tensor, non_blocking=True)  # warm-up
+            torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            dst.copy_(src.tensor, non_blocking=True)
+            torch.cuda.synchronize(device)
+            out["host_to_device"] = probe_bytes / (time.perf_counter() - began)
+            del dst
+            torch.cuda.empty_cache()  # not reserved by this process for the run's own device budget
+        finally:
+            torch.cuda.synchronize(device)  # nothing in flight reads it when it is unpinned
+            src.close()
+    out["optimizer_params"] = _adamw_rate()
+    return out
+
+
+def _adamw_rate(numel: int = 1 << 23) -> float:
+    tensors = [torch.zeros(numel) for _ in range(4)]
+    step = [torch.tensor(1.0)]
+
+    def run() -> None:
+        torch._fused_adamw_([tensors[0]], [tensors[1]], [tensors[2]], [tensors[3]], [], step, lr=1e-3,
+                            beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)  # fmt: skip
+
+    run()
+    began = time.perf_counter()
+    for _ in range(3):
+        run()
+    return 3 * numel / (time.perf_counter() - began)
+
+
+def probe_disk(path: str | os.PathLike[str], nbytes: int = 256 << 20) -> tuple[float, float]:
+    """(read, write) bytes per second of the disk tier's own I/O path (O_DIRECT where supported, 64 MiB
+    chunks, checksums) on ``path``: a quick probe, not a benchmark (``benchmarks/bench_aio.py`` is one). The
+    probe writes into a temporary directory in ``path`` (or, if ``path`` does not exist, in its nearest
+    existing parent) and removes it; nothing is created or left behind."""
+    from tiertune.offload.aio import AsyncIO
+    from tiertune.offload.chunk import Chunk, ChunkLayout, TensorSpec
+    from tiertune.offload.disk import DiskTier
+    from tiertune.offload.tiers import MemoryTier
+
+    path = nearest_existing(path)
+    chunk_size = 64 << 20
+    n = max(1, nbytes // chunk_size)
+    with tempfile.TemporaryDirectory(dir=path, prefix=".probe-") as tmp:
+        aio = AsyncIO(16, 1 << 20)
+        try:
+            disk = DiskTier(Path(tmp), n * (chunk_size + (2 << 20)) + (1 << 20), aio)
+        except BaseException:
+            aio.close()
+            raise
+        try:  # the slot file is closed and removed whatever fails below (the directory goes with it)
+            host = MemoryTier(Tier.HOST, chunk_size, torch.device("cpu")).alloc(chunk_size)
+            host.tensor.view(torch.int32).random_()
+            layout = ChunkLayout((TensorSpec("x", (chunk_size,), torch.uint8, 0),), chunk_size)
+            chunks = [Chunk(i, f"probe{i}", layout, Tier.DISK) for i in range(n)]
+            slots = [disk.reserve(c, 1 << 20) for c in chunks]
+            began = time.perf_counter()
+            handles = [(c, *disk.write(c, s, host.tensor)) for c, s in zip(chunks, slots, strict=True)]
+            for c, handle, sums in handles:
+                handle.wait()
+                c.disk_checksums = tuple(sums)
+            write = n * chunk_size / (time.perf_counter() - began)
+            began = time.perf_counter()
+            for handle in [
+                disk.read(c, s, host.tensor, c.disk_checksums) for c, s in zip(chunks, slots, strict=True)
+            ]:
+                handle.wait()
+            read = n * chunk_size / (time.perf_counter() - began)
+        finally:
+            disk.close()
+            aio.close()
+    return read, write
