@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tiertune.errors import ConfigError
-from tiertune.finetune.lora import LoraSettings
-from tiertune.finetune.optim import GaloreSettings
 from tiertune.kernels import KERNEL_CHOICES
 from tiertune.quant import KINDS as QUANT_KINDS
+from tiertune.settings import GaloreSettings, LoraSettings
 
 
 @dataclass

@@ -19,7 +19,6 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from torch import nn
 
 from tiertune.errors import ConfigError, NonFiniteError
 from tiertune.finetune.files import move_files_into
+from tiertune.settings import LoraSettings
 
 
 @contextlib.contextmanager
@@ -75,21 +75,6 @@ def _expert_factors(wrapper: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor
         b = b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)
         out.append((b, a, wrapper.scaling[adapter]))
     return out
-
-
-@dataclass
-class LoraSettings:
-    """``method.lora`` of a recipe (names as peft's ``LoraConfig``), plus the seed of the adapter init."""
-
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.05
-    target_modules: Any = "all-linear"
-    # parameters adapted as such (peft's target_parameters), e.g. MoE experts' "mlp.experts.gate_up_proj"; on
-    # transformers 5, peft adds MoE experts and routers itself to "all-linear" for the architectures it maps
-    target_parameters: list[str] | None = None
-    seed: int = 42
-    use_dora: bool = False  # DoRA: a trained magnitude per output row on top of the LoRA direction
 
 
 class Adapters:
@@ -205,11 +190,11 @@ class Adapters:
 
     def _materialize(self, device: torch.device) -> None:
         """peft put the adapters where the base weights are (meta): give them memory and peft's own init,
-        from ``settings.seed`` (fp32, as peft keeps adapters of low-precision bases)."""
+        from ``settings.seed`` (42 when None; fp32, as peft keeps adapters of low-precision bases)."""
         from peft.tuners.lora import LoraLayer
 
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.settings.seed)
+            torch.manual_seed(42 if self.settings.seed is None else self.settings.seed)
             for module in self.peft_model.modules():
                 if not isinstance(module, LoraLayer):
                     continue

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from tiertune.errors import ConfigError
+from tiertune.settings import SVD_METHODS, GaloreSettings
 
 MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size: smaller tensors keep 32-bit moments
 BLOCK_8BIT = 256  # bitsandbytes' block size for 8-bit optimizer states
@@ -123,19 +124,6 @@ def adamw_8bit(names: list[str], master: dict, grads: dict, m: dict, v: dict, hp
 # ---------------------------------------------------------------------------------------------- GaLore
 
 
-@dataclass
-class GaloreSettings:
-    """``method.galore`` of a recipe (names as galore-torch's parameter-group options)."""
-
-    rank: int = 128
-    update_proj_gap: int = 200
-    scale: float = 0.25
-    target_modules: Any = "all-linear"  # linear layers of the decoder layers whose weights are projected
-    # exact: torch.linalg.svd, as galore-torch; randomized: a randomized range finder of rank r + oversampling
-    # (Halko, Martinsson and Tropp), then an exact SVD of that small sketch
-    svd: str = "exact"
-
-
 class GaLore:
     """GaLore's bookkeeping for a model: which weights are projected, the shapes of their low-rank moments
     and projections, and the update (galore-torch's ``proj_type: std``).
@@ -158,7 +146,7 @@ class GaLore:
         if settings.update_proj_gap < 1:
             raise ConfigError(f"method.galore.update_proj_gap must be >= 1, got {settings.update_proj_gap}")
         if settings.svd not in SVD_METHODS:
-            raise ConfigError(f"method.galore.svd must be exact or randomized, got {settings.svd!r}")
+            raise ConfigError(f"method.galore.svd must be {' or '.join(SVD_METHODS)}, got {settings.svd!r}")
         self.settings = settings
         self.targets = _targets(settings.target_modules, layers, names)
         if not self.targets:
@@ -293,7 +281,6 @@ def _svd_layout(proj: torch.Tensor) -> torch.Tensor:
     return proj.t().contiguous().t()
 
 
-SVD_METHODS = ("exact", "randomized")
 OVERSAMPLING = 8  # extra sketch columns of the randomized SVD (Halko et al. suggest 5 to 10)
 POWER_ITERATIONS = 2  # subspace iterations: a gradient's singular values decay slowly
 

@@ -23,51 +23,28 @@ import yaml
 
 from tiertune.errors import ConfigError
 from tiertune.kernels import KERNEL_CHOICES
+from tiertune.settings import GaloreSettings, LoraSettings, choices
 from tiertune.units import parse_size
-
-
-def _choice(*values: str) -> dict[str, tuple[str, ...]]:
-    return {"choices": values}
 
 
 @dataclass
 class ModelSection:
     path: str = ""
-    dtype: str = field(default="auto", metadata=_choice("auto", "float32", "bfloat16", "float16"))
-    quantize: str = field(default="none", metadata=_choice("none", "nf4", "fp4", "int8"))
-
-
-@dataclass
-class LoraSection:
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.05
-    target_modules: Any = "all-linear"
-    # peft's: parameters adapted as such (MoE experts' fused weights, e.g. mlp.experts.gate_up_proj)
-    target_parameters: list[str] | None = None
-    use_dora: bool = False
-
-
-@dataclass
-class GaloreSection:
-    rank: int = 128
-    update_proj_gap: int = 200
-    scale: float = 0.25
-    target_modules: Any = "all-linear"
-    svd: str = field(default="exact", metadata=_choice("exact", "randomized"))
+    dtype: str = field(default="auto", metadata=choices("auto", "float32", "bfloat16", "float16"))
+    quantize: str = field(default="none", metadata=choices("none", "nf4", "fp4", "int8"))
 
 
 @dataclass
 class MethodSection:
-    type: str = field(default="full", metadata=_choice("full", "lora", "galore"))
-    lora: LoraSection = field(default_factory=LoraSection)
-    galore: GaloreSection = field(default_factory=GaloreSection)
+    type: str = field(default="full", metadata=choices("full", "lora", "galore"))
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    galore: GaloreSettings = field(default_factory=GaloreSettings)
 
 
 @dataclass
 class DataSection:
     path: str = ""
-    format: str = field(default="text", metadata=_choice("text", "alpaca", "chat"))
+    format: str = field(default="text", metadata=choices("text", "alpaca", "chat"))
     max_seq_len: int = 1024
     packing: bool = False
     shuffle: bool = True
@@ -84,7 +61,7 @@ class TrainingSection:
     gradient_accumulation_steps: int = 1
     learning_rate: float = 5e-5
     lr_scheduler_type: str = field(
-        default="linear", metadata=_choice("constant", "linear", "cosine", "constant_with_warmup")
+        default="linear", metadata=choices("constant", "linear", "cosine", "constant_with_warmup")
     )
     warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -92,7 +69,7 @@ class TrainingSection:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
-    optim: str = field(default="adamw_torch", metadata=_choice("adamw_torch", "adamw_bnb_8bit"))
+    optim: str = field(default="adamw_torch", metadata=choices("adamw_torch", "adamw_bnb_8bit"))
     seed: int = 42
     save_steps: int = 500
     save_total_limit: int | None = None
@@ -102,7 +79,7 @@ class TrainingSection:
     # resume although the checkpoint's recipe differs in what makes a run (model, method, data, batch, ...)
     allow_recipe_changes: bool = False
     logging_steps: int = 500
-    report_to: str = field(default="auto", metadata=_choice("auto", "none", "tensorboard", "wandb"))
+    report_to: str = field(default="auto", metadata=choices("auto", "none", "tensorboard", "wandb"))
 
 
 @dataclass
@@ -110,12 +87,12 @@ class OffloadSection:
     device_budget: str = "auto"
     host_budget: str = "auto"
     disk_path: str | None = None
-    params: str = field(default="auto", metadata=_choice("auto", "device", "host", "disk"))
-    optimizer_states: str = field(default="auto", metadata=_choice("auto", "device", "host", "disk"))
-    activations: str = field(default="auto", metadata=_choice("auto", "device", "host"))
+    params: str = field(default="auto", metadata=choices("auto", "device", "host", "disk"))
+    optimizer_states: str = field(default="auto", metadata=choices("auto", "device", "host", "disk"))
+    activations: str = field(default="auto", metadata=choices("auto", "device", "host"))
     prefetch_depth: int = 2
     # the CPU optimizer during backward (true), after it (false), or during it when its twin states fit
-    overlap_optimizer: bool | str = field(default="auto", metadata=_choice("auto"))
+    overlap_optimizer: bool | str = field(default="auto", metadata=choices("auto"))
 
 
 @dataclass
@@ -127,7 +104,7 @@ class Recipe:
     data: DataSection = field(default_factory=DataSection)
     training: TrainingSection = field(default_factory=TrainingSection)
     offload: OffloadSection = field(default_factory=OffloadSection)
-    kernels: str = field(default="auto", metadata=_choice(*KERNEL_CHOICES))
+    kernels: str = field(default="auto", metadata=choices(*KERNEL_CHOICES))
 
     def __post_init__(self) -> None:
         t = self.training

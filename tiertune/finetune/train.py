@@ -10,6 +10,7 @@ place only once complete; for LoRA, the adapter in PEFT format (``adapter_config
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -49,8 +50,6 @@ from tiertune.finetune.checkpoint import (
 from tiertune.finetune.data import batches, load_data
 from tiertune.finetune.export import write_hf
 from tiertune.finetune.files import write_text_atomically
-from tiertune.finetune.lora import LoraSettings
-from tiertune.finetune.optim import GaloreSettings
 from tiertune.finetune.recipe import Recipe, load_recipe
 from tiertune.finetune.reporting import Reporters
 from tiertune.finetune.rundir import LOG_NAME, RunDirectory
@@ -162,24 +161,16 @@ def plan(recipe: Recipe, device: str | None = None) -> tuple[StoreConfig, Engine
         method=recipe.method.type,
         quantize=recipe.model.quantize,
         quant_cache=_quant_cache(off.disk_path) if recipe.model.quantize != "none" else None,
-        lora=LoraSettings(
-            r=recipe.method.lora.r,
-            alpha=recipe.method.lora.alpha,
-            dropout=recipe.method.lora.dropout,
-            target_modules=recipe.method.lora.target_modules,
-            target_parameters=recipe.method.lora.target_parameters,
-            seed=t.seed,
-            use_dora=recipe.method.lora.use_dora,
-        ),
-        galore=GaloreSettings(
-            rank=recipe.method.galore.rank,
-            update_proj_gap=recipe.method.galore.update_proj_gap,
-            scale=recipe.method.galore.scale,
-            target_modules=recipe.method.galore.target_modules,
-            svd=recipe.method.galore.svd,
-        ),
+        # the method's settings as the recipe holds them (one definition: tiertune.settings); the adapters'
+        # init seed is training.seed unless method.lora.seed sets its own
+        lora=dataclasses.replace(recipe.method.lora, seed=_first(recipe.method.lora.seed, t.seed)),
+        galore=recipe.method.galore,
     )
     return store, engine
+
+
+def _first(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def steps_of(recipe: Recipe) -> int:

@@ -1,0 +1,45 @@
+"""The settings of a fine-tuning method, defined once: a recipe's ``method.lora`` and ``method.galore`` sections
+are these dataclasses (``finetune.recipe`` checks their names, types and choices), and the engine takes them as
+they are (``EngineConfig.lora``/``galore``). Nothing here imports torch, so reading a recipe stays light."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def choices(*values: str) -> dict[str, tuple[str, ...]]:
+    """A field's metadata saying which values it takes (``finetune.recipe`` checks them)."""
+    return {"choices": values}
+
+
+SVD_METHODS = ("exact", "randomized")
+"""``method.galore.svd``: how GaLore's projections are computed."""
+
+
+@dataclass
+class LoraSettings:
+    """``method.lora`` (names as peft's ``LoraConfig``)."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: Any = "all-linear"
+    # parameters adapted as such (peft's target_parameters), e.g. MoE experts' "mlp.experts.gate_up_proj"; on
+    # transformers 5, peft adds MoE experts and routers itself to "all-linear" for the architectures it maps
+    target_parameters: list[str] | None = None
+    use_dora: bool = False  # DoRA: a trained magnitude per output row on top of the LoRA direction
+    seed: int | None = None  # of the adapters' initialization; None: training.seed (42 outside a recipe)
+
+
+@dataclass
+class GaloreSettings:
+    """``method.galore`` (names as galore-torch's parameter-group options)."""
+
+    rank: int = 128
+    update_proj_gap: int = 200
+    scale: float = 0.25
+    target_modules: Any = "all-linear"  # linear layers of the decoder layers whose weights are projected
+    # exact: torch.linalg.svd, as galore-torch; randomized: a randomized range finder of rank r + oversampling
+    # (Halko, Martinsson and Tropp), then an exact SVD of that small sketch
+    svd: str = field(default="exact", metadata=choices(*SVD_METHODS))
