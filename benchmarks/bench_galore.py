@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine
 
-from tiertune.finetune.optim import SVD_METHODS, orthogonal_basis
+from tiertune.methods.optim import SVD_METHODS, orthogonal_basis
 
 
 def layer_gradients(args: argparse.Namespace) -> dict[str, torch.Tensor]:

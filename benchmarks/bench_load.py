@@ -80,8 +80,8 @@ def peak_rss() -> int:
 
 def load(model_dir: str, disk_dir: str, host_budget: int, dtype: str) -> dict:
     """The measured part, run in a fresh process."""
-    from tiertune.finetune.model import build_skeleton, load_into_store, split_model
-    from tiertune.finetune.weights import Checkpoint
+    from tiertune.loading.model import build_skeleton, load_into_store, split_model
+    from tiertune.loading.weights import Checkpoint
     from tiertune.offload.store import ChunkStore, StoreConfig
 
     torch_dtype = getattr(torch, dtype)

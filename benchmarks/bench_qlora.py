@@ -74,7 +74,7 @@ def _gpu_peak(args: argparse.Namespace) -> int | None:
 
 def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dict:
     from tiertune.engine import EngineConfig, StreamedTrainer
-    from tiertune.finetune.lora import LoraSettings
+    from tiertune.methods.lora import LoraSettings
     from tiertune.offload.store import StoreConfig
 
     dtype = _setup_device(args)

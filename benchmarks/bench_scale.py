@@ -77,7 +77,7 @@ class _Writer:
 def _specs(model_dir: Path) -> tuple[list[tuple[str, str, tuple[int, ...]]], int]:
     """Every tensor of the checkpoint (name, kind, logical shape) and the model's parameter count, from the
     model built on the meta device with transformers' own 4-bit conversion of its decoder layers."""
-    from tiertune.finetune.model import build_skeleton, split_model
+    from tiertune.loading.model import build_skeleton, split_model
     from tiertune.quant import NF4, is_quantized
 
     model = build_skeleton(model_dir, torch.bfloat16)
@@ -212,7 +212,7 @@ def disk_read_rate(directory: Path) -> dict:
 def train(model_dir: Path, disk_dir: Path, args: argparse.Namespace) -> dict:
     """The measured part, in a fresh process: QLoRA steps with the base read in place from disk."""
     from tiertune.engine import EngineConfig, StreamedTrainer
-    from tiertune.finetune.lora import LoraSettings
+    from tiertune.methods.lora import LoraSettings
     from tiertune.offload.store import StoreConfig
 
     torch.set_num_threads(args.threads)

@@ -53,7 +53,7 @@ from tiertune.units import parse_size
 def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace) -> dict:
     """The measured part, in a fresh process."""
     from tiertune.engine import EngineConfig, StreamedTrainer
-    from tiertune.finetune.optim import GaloreSettings
+    from tiertune.methods.optim import GaloreSettings
     from tiertune.offload.store import StoreConfig
 
     if args.threads:

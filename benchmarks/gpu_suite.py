@@ -359,9 +359,9 @@ def child_qlora_tiertune(p: dict) -> dict:
     """bench_qlora's tiertune mode on the sparse checkpoint, its NF4 layers generated (``RandomNF4Cache``)."""
     import bench_qlora
 
-    import tiertune.finetune.quant_cache
+    import tiertune.loading.quant_cache
 
-    tiertune.finetune.quant_cache.QuantCache = RandomNF4Cache  # type: ignore[misc]
+    tiertune.loading.quant_cache.QuantCache = RandomNF4Cache  # type: ignore[misc]
     args = bench_qlora.parse_args(p["argv"])
     return bench_qlora.run_tiertune(p["model"], p["disk"], args)
 
@@ -412,8 +412,8 @@ def child_fsdp2(p: dict) -> dict:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from transformers import get_scheduler
 
-    from tiertune.finetune.model import build_skeleton
-    from tiertune.finetune.weights import Checkpoint
+    from tiertune.loading.model import build_skeleton
+    from tiertune.loading.weights import Checkpoint
 
     cuda = p["device"] == "cuda"
     torch.set_num_threads(p["threads"] or torch.get_num_threads())
@@ -521,7 +521,7 @@ CHILDREN: dict[str, Callable[[dict], dict]] = {
 
 def _model_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     """The checkpoint's tensors, names and shapes as transformers' Llama has them (built on the meta device)."""
-    from tiertune.finetune.model import build_skeleton
+    from tiertune.loading.model import build_skeleton
 
     with tempfile.TemporaryDirectory() as tmp:
         _llama_config(shape).save_pretrained(tmp)
@@ -545,7 +545,7 @@ def _llama_config(shape: Shape, quantization: dict | None = None) -> object:
 def _write_sparse(path: Path, tensors: list[tuple[str, tuple[int, ...]]]) -> None:
     """A safetensors file whose header lists ``tensors`` (bf16) and whose data region is a hole: the file has
     their size but no disk blocks. Written by hand because the library writes the data, which is exactly what
-    must not happen here; ``tiertune.finetune.weights`` and ``safetensors.safe_open`` read the header."""
+    must not happen here; ``tiertune.loading.weights`` and ``safetensors.safe_open`` read the header."""
     header: dict[str, object] = {}
     offset = 0
     for name, shape in tensors:

@@ -63,3 +63,53 @@ def test_the_check_finds_a_private_read(tmp_path):
 def test_the_engine_is_in_parts_of_a_few_hundred_lines():
     sizes = {p.name: len(p.read_text().splitlines()) for p in (PACKAGE / "engine").glob("*.py")}
     assert len(sizes) >= 8 and max(sizes.values()) <= 450, sizes
+
+
+LAYERS = {"cli": 0, "finetune": 1, "engine": 2, "loading": 3, "methods": 3, "quant": 4, "kernels": 4, "offload": 5}
+LEAVES = {"errors", "units", "settings", "files"}  # tiertune/*.py that any layer may use
+
+
+def _layer_violations(root: Path) -> list[str]:
+    """Imports that point up the package layers (``LAYERS``: cli, finetune, engine, loading and methods,
+    quant and kernels, offload, then the leaf modules), or across two packages of one layer. Imports under
+    ``if TYPE_CHECKING:`` are annotations only and are not counted."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if len(parts) == 1:
+            continue  # tiertune/__init__.py (the API, imports lazily) and the leaves
+        source = parts[0]
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                if not name.startswith("tiertune."):
+                    continue
+                target = name.split(".")[1]
+                if target == source or target in LEAVES:
+                    continue
+                if target not in LAYERS or LAYERS[target] <= LAYERS[source]:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} imports {name}")
+    return found
+
+
+def test_imports_point_down_the_layers():
+    assert _layer_violations(PACKAGE) == []
+
+
+def test_the_layer_check_finds_an_upward_import(tmp_path):
+    (tmp_path / "offload").mkdir()
+    (tmp_path / "offload" / "store.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tiertune.engine import x\n"
+        "from tiertune.engine.trainer import StreamedTrainer\n"
+    )
+    assert _layer_violations(tmp_path) == ["offload/store.py:4 imports tiertune.engine.trainer"]

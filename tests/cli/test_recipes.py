@@ -76,8 +76,8 @@ def on_4090_flops(recipe) -> float:
     """The FLOPs of a step of ``recipe`` on a GPU (``estimate``'s step_flops of the model's skeleton)."""
     import torch
 
-    from tiertune.finetune.model import build_skeleton, split_model
     from tiertune.finetune.speed import step_flops
+    from tiertune.loading.model import build_skeleton, split_model
 
     with torch.device("meta"):
         model = build_skeleton(recipe.model.path)

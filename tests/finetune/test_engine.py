@@ -170,7 +170,7 @@ def test_optimizer_overlap_modes_are_exact(
 def test_24_layers_train_with_a_device_budget_of_about_two_layers(tiny_model_dir, disk_dir):
     path, _ = tiny_model_dir("llama", layers=24, shard="200KB")
     cfg = _config(params="disk", optimizer_states="disk", gradients="host", max_steps=3, warmup_steps=0)
-    from tiertune.finetune.model import build_skeleton, split_model
+    from tiertune.loading.model import build_skeleton, split_model
     from tiertune.offload.chunk import pack_tensors
 
     def capacity(group):

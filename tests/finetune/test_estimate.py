@@ -151,7 +151,7 @@ def test_attention_only_lora_counts_the_attention_adapters(tmp_path):
 def test_deepseek_v3_builds_as_transformers_own_class_and_its_fp8_weights_are_named(tmp_path):
     import torch
 
-    from tiertune.finetune.model import build_skeleton
+    from tiertune.loading.model import build_skeleton
 
     with torch.device("meta"):
         model = build_skeleton(CONFIGS / "deepseek-v3", torch.bfloat16)

@@ -10,9 +10,9 @@ from typer.testing import CliRunner
 
 from tiertune.cli.app import RECIPES, app
 from tiertune.finetune.estimate import estimate
-from tiertune.finetune.model import build_skeleton, split_model
 from tiertune.finetune.recipe import load_recipe
 from tiertune.finetune.speed import GPUS, step_flops
+from tiertune.loading.model import build_skeleton, split_model
 
 CONFIGS = Path(__file__).parent.parent / "cli" / "model_configs"
 

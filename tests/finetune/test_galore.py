@@ -6,8 +6,8 @@ from test_engine import ACCUM, STEPS, _batches, _config, plain_training
 from torch import nn
 
 from tiertune.engine import StreamedTrainer
-from tiertune.finetune import optim as engine_optim
-from tiertune.finetune.optim import GaloreSettings
+from tiertune.methods import optim as engine_optim
+from tiertune.methods.optim import GaloreSettings
 from tiertune.offload.store import StoreConfig
 
 # rank 4: the rank at which every projection of this test's 32-bit runs is well-posed (see WELL_POSED)
@@ -241,7 +241,7 @@ def test_the_update_is_galore_torch_bit_for_bit(monkeypatch, shape, eight_bit):
     low-rank moments have 4096 elements, so bitsandbytes keeps them in 8 bits.)"""
     import galore_torch
 
-    from tiertune.finetune.optim import AdamStep, GaLore
+    from tiertune.methods.optim import AdamStep, GaLore
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)  # GaLoreAdamW8bit calls it on CPU
     gen = torch.Generator().manual_seed(0)
@@ -401,7 +401,7 @@ def test_randomized_svd_finds_the_gradients_subspace():
 
 def test_svd_setting_is_checked():
     from tiertune.errors import ConfigError
-    from tiertune.finetune.optim import GaLore
+    from tiertune.methods.optim import GaLore
 
     linear = nn.Linear(8, 8)
     with pytest.raises(ConfigError, match="exact or randomized"):

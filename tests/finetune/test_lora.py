@@ -5,7 +5,7 @@ import torch
 from test_engine import ACCUM, STEPS, _batches, plain_training
 
 from tiertune.engine import EngineConfig, StreamedTrainer
-from tiertune.finetune.lora import LoraSettings
+from tiertune.methods.lora import LoraSettings
 from tiertune.offload.store import StoreConfig
 from tiertune.quant import make_quantizer
 
@@ -209,7 +209,7 @@ def test_a_saved_adapter_names_its_base_by_absolute_path(tiny_model_dir, disk_di
 
     from peft import AutoPeftModelForCausalLM
 
-    from tiertune.finetune.lora import peft_wrapping
+    from tiertune.methods.lora import peft_wrapping
 
     path, _ = tiny_model_dir("llama")
     monkeypatch.chdir(path.parent)  # the model given as a path relative to where the run starts

@@ -5,14 +5,14 @@ import torch
 from torch import nn
 
 from tiertune.errors import ModelError
-from tiertune.finetune.model import (
+from tiertune.loading.model import (
     build_skeleton,
     find_decoder_layers,
     load_config,
     load_into_store,
     split_model,
 )
-from tiertune.finetune.weights import Checkpoint
+from tiertune.loading.weights import Checkpoint
 from tiertune.offload.store import ChunkStore, StoreConfig
 from tiertune.offload.tiers import Tier
 

@@ -10,7 +10,7 @@ from test_engine import ACCUM, _batches
 from test_lora import _config as lora_config
 
 from tiertune.engine import StreamedTrainer
-from tiertune.finetune.lora import LoraSettings
+from tiertune.methods.lora import LoraSettings
 from tiertune.offload.store import StoreConfig
 
 FAMILIES = ["mixtral", "qwen3_moe", "deepseek_v3"]

@@ -161,7 +161,7 @@ sys.path.insert(0, sys.argv[4])
 from bench_load import peak_rss
 from common import proc_status_bytes
 from tiertune.engine import EngineConfig, StreamedTrainer
-from tiertune.finetune.lora import LoraSettings
+from tiertune.methods.lora import LoraSettings
 from tiertune.offload.store import StoreConfig
 import bitsandbytes, peft  # imported before the baseline, as the trainer would import them
 

@@ -5,7 +5,7 @@ import torch
 
 from tiertune.engine import EngineConfig, StreamedTrainer
 from tiertune.errors import IntegrityError
-from tiertune.finetune.lora import LoraSettings
+from tiertune.methods.lora import LoraSettings
 from tiertune.offload.store import StoreConfig
 from tiertune.quant.bnb4 import NF4
 

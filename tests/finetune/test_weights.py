@@ -5,7 +5,7 @@ import torch
 from safetensors import safe_open
 
 from tiertune.errors import ModelError
-from tiertune.finetune.weights import INDEX, Checkpoint
+from tiertune.loading.weights import INDEX, Checkpoint
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt_neox"])

@@ -42,7 +42,7 @@ How a step runs (all on the caller's thread unless said otherwise):
   once its update has used them; the compute thread waits when the worker falls two units behind, and
   without clipping and gradient accumulation (updates in place) it waits for the worker to finish before
   it makes the next layer's gradients on the host, which then holds one layer's gradients at a time.
-- GaLore (``method: galore``) is the same machinery with another update (``finetune.optim``): the
+- GaLore (``method: galore``) is the same machinery with another update (``methods.optim``): the
   moments of the decoder layers' linear weights are low-rank. Their gradients are projected where backward
   makes them, on the compute device: on the last micro-batch each one's full gradient (summed with the
   earlier micro-batches' in a host accumulator) has its norm taken, at a refreshing step its SVD computed

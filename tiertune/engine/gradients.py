@@ -19,7 +19,7 @@ from tiertune.offload.tiers import Tier
 if TYPE_CHECKING:
     from tiertune.engine.layout import GroupState
     from tiertune.engine.update import StepContext, Updater
-    from tiertune.finetune.optim import GaLore
+    from tiertune.methods.optim import GaLore
 
 
 class GradientSink:

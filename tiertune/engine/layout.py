@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiertune.errors import BudgetError
-from tiertune.finetune.model import ParamGroup
-from tiertune.finetune.optim import GaLore, moment_entries
+from tiertune.loading.model import ParamGroup
+from tiertune.methods.optim import GaLore, moment_entries
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import BUDGET_SETTING, Tier

@@ -35,18 +35,18 @@ from tiertune.engine.router_aux import RouterAux
 from tiertune.engine.streaming import InputStash, StreamedLayer
 from tiertune.engine.update import LRSchedule, StepContext, Updater
 from tiertune.errors import ConfigError, DataError, NonFiniteError
-from tiertune.finetune.lora import Adapters
-from tiertune.finetune.model import (
+from tiertune.kernels.ops.backend import matmul_dtype
+from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
+from tiertune.kernels.patch import patch_model, resolve_backend
+from tiertune.loading.model import (
     ModelParts,
     build_skeleton,
     load_into_store,
     split_model,
 )
-from tiertune.finetune.optim import GaLore
-from tiertune.finetune.weights import Checkpoint
-from tiertune.kernels.ops.backend import matmul_dtype
-from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
-from tiertune.kernels.patch import patch_model, resolve_backend
+from tiertune.loading.weights import Checkpoint
+from tiertune.methods.lora import Adapters
+from tiertune.methods.optim import GaLore
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore, StoreConfig
 from tiertune.offload.tiers import Tier
@@ -104,7 +104,7 @@ class StreamedTrainer:
         self.quant_cache = None
         # a pre-quantized checkpoint too: an MoE's experts are saved unquantized (transformers leaves them so)
         if self.quant is not None and config.quant_cache is not None:
-            from tiertune.finetune.quant_cache import QuantCache
+            from tiertune.loading.quant_cache import QuantCache
 
             self.quant_cache = QuantCache(config.quant_cache, checkpoint, self.quant.settings())
         self._source = load_into_store(

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tiertune.errors import NonFiniteError, StateError
-from tiertune.finetune.optim import AdamStep, adamw, adamw_8bit
+from tiertune.methods.optim import AdamStep, adamw, adamw_8bit
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
@@ -26,7 +26,7 @@ from tiertune.offload.tiers import Tier
 if TYPE_CHECKING:
     from tiertune.engine.config import EngineConfig
     from tiertune.engine.layout import GroupState
-    from tiertune.finetune.optim import GaLore
+    from tiertune.methods.optim import GaLore
 
 
 @dataclass

@@ -43,7 +43,7 @@ import torch
 import xxhash
 
 from tiertune.errors import ConfigError, DiskFullError, IntegrityError
-from tiertune.finetune.files import fsync_dir, fsync_file
+from tiertune.files import fsync_dir, fsync_file
 from tiertune.offload.disk import is_no_space
 from tiertune.units import format_size
 

@@ -280,8 +280,8 @@ def _chunks(
     """Every chunk the run would register, laid out as the store lays them out (what a reader should know
     about the model is appended to ``notes``), and the FLOPs of a step (``on_gpu``: computed on a GPU)."""
     from tiertune.engine.layout import home_tier_used, state_layout, twins_short
-    from tiertune.finetune.model import build_skeleton, quantized_on_load, split_model, weight_entries
-    from tiertune.finetune.optim import GaLore
+    from tiertune.loading.model import build_skeleton, quantized_on_load, split_model, weight_entries
+    from tiertune.methods.optim import GaLore
     from tiertune.quant import is_quantized, make_quantizer
     from tiertune.quant.experts import convert_experts
 
@@ -395,8 +395,8 @@ def _in_place_split(model_dir: str, model: torch.nn.Module, cfg, quant, saved: d
     ``saved``: the checkpoint's own bitsandbytes quantization (``saved_quantization``), None if it has none."""
     import json
 
-    from tiertune.finetune.model import checkpoint_names, read_in_place, weight_entries
-    from tiertune.finetune.weights import Checkpoint
+    from tiertune.loading.model import checkpoint_names, read_in_place, weight_entries
+    from tiertune.loading.weights import Checkpoint
     from tiertune.quant import is_quantized
     from tiertune.quant.experts import is_quantized_experts
 
@@ -451,7 +451,7 @@ def _adapter_parameters(model: torch.nn.Module, settings) -> int:
     a setting peft refuses fails here as it would fail the run."""
     import warnings
 
-    from tiertune.finetune.lora import Adapters
+    from tiertune.methods.lora import Adapters
 
     with torch.device("meta"), warnings.catch_warnings():
         # peft's own rank pattern for fused gate_up experts (2r) takes effect but is reported unmatched
@@ -557,7 +557,7 @@ def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU
 
 def recipe_layers(model_dir: str) -> int:
     """The decoder layers of the model at ``model_dir`` (its config)."""
-    from tiertune.finetune.model import load_config
+    from tiertune.loading.model import load_config
 
     return int(load_config(model_dir).num_hidden_layers)
 

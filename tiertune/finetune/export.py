@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from tiertune.errors import ConfigError
+from tiertune.files import move_files_into
 from tiertune.finetune.checkpoint import RECIPE_FILE, STATE_FILE
-from tiertune.finetune.files import move_files_into
 
 SHARD_BYTES = 5 * 10**9  # like save_pretrained's default max_shard_size
 _STATE_SUFFIXES = (".master", ".exp_avg", ".exp_avg_sq", ".proj")  # chunks that are not weights
@@ -179,7 +179,7 @@ def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: st
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tiertune.finetune.lora import peft_wrapping
+    from tiertune.methods.lora import peft_wrapping
 
     adapter, out = Path(adapter), Path(out)
     if not (adapter / "adapter_config.json").is_file():

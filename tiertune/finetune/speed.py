@@ -144,10 +144,10 @@ def measure_compute(model_dir: str, cfg, micro_batch: int, seq_len: int, device:
     from transformers import AutoModelForCausalLM
 
     from tiertune.engine.loss import CausalLMLoss
-    from tiertune.finetune.lora import Adapters
-    from tiertune.finetune.model import load_config
     from tiertune.kernels.ops.backend import matmul_dtype
     from tiertune.kernels.patch import resolve_backend
+    from tiertune.loading.model import load_config
+    from tiertune.methods.lora import Adapters
 
     config = load_config(model_dir)
     dtype = matmul_dtype(cfg.dtype, device) if cfg.quantize != "none" else cfg.dtype

@@ -35,6 +35,7 @@ from tiertune.errors import (
     NonFiniteError,
     Signalled,
 )
+from tiertune.files import write_text_atomically
 from tiertune.finetune.checkpoint import (
     RECIPE_FILE,
     STATE_FILE,
@@ -49,7 +50,6 @@ from tiertune.finetune.checkpoint import (
 )
 from tiertune.finetune.data import batches, load_data
 from tiertune.finetune.export import write_hf
-from tiertune.finetune.files import write_text_atomically
 from tiertune.finetune.recipe import Recipe, load_recipe
 from tiertune.finetune.reporting import Reporters
 from tiertune.finetune.rundir import LOG_NAME, RunDirectory
@@ -192,7 +192,7 @@ def _quant_cache(disk_path: str | None) -> str:
 def _activations(recipe: Recipe, device: str, dtype: torch.dtype, device_budget: int) -> str:
     """``offload.activations``; auto keeps the layer inputs on the device unless, on a GPU, they would take
     more than an eighth of the device budget."""
-    from tiertune.finetune.model import load_config
+    from tiertune.loading.model import load_config
 
     config = load_config(recipe.model.path)  # ModelError for a config.json it cannot use, before all else
     choice = recipe.offload.activations
@@ -470,7 +470,7 @@ def _tokenizer(model_path: str) -> Any:
 
 def _check_vocabulary(data: Any, model_path: str) -> None:
     """Token ids the model has no embedding for would fail deep in the first step: say so before loading."""
-    from tiertune.finetune.model import load_config
+    from tiertune.loading.model import load_config
 
     vocab = getattr(load_config(model_path).get_text_config(), "vocab_size", None)
     if vocab is None or len(data) == 0:

@@ -38,7 +38,7 @@ from tiertune.errors import ModelError
 if TYPE_CHECKING:
     from transformers import BitsAndBytesConfig
 
-    from tiertune.finetune.weights import Checkpoint
+    from tiertune.loading.weights import Checkpoint
 
 STATS = ("absmax", "absmax2", "offset")
 NESTED_BLOCKSIZE = 256  # bitsandbytes' block size for the double-quantized scales

@@ -28,7 +28,7 @@ from tiertune.quant.bnb4 import SavedWeight
 if TYPE_CHECKING:
     from transformers import BitsAndBytesConfig
 
-    from tiertune.finetune.weights import Checkpoint
+    from tiertune.loading.weights import Checkpoint
 
 
 @dataclass

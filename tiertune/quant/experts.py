@@ -24,7 +24,7 @@ matmul and again in backward; no more than one expert's weight is ever dequantiz
 
 LoRA on the experts: peft adapts a fused expert weight as a parameter (``target_parameters``, its
 ``ParamWrapper``) by adding ``scaling * B_e @ A_e`` to each expert's weight through a parametrization, which a
-4-bit weight cannot take. The wrapper leaves the weight as it is instead (see ``tiertune.finetune.lora``) and
+4-bit weight cannot take. The wrapper leaves the weight as it is instead (see ``tiertune.methods.lora``) and
 ``add_lora`` hands its factors here: ``experts_forward`` adds ``scaling * B_e (A_e x)`` to each routed expert's
 output, which is peft's ``(W_e + scaling * B_e A_e) x`` with ``W_e`` the dequantized weight.
 

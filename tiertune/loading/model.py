@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tiertune.errors import ModelError, StateError
-from tiertune.finetune.weights import Checkpoint
+from tiertune.loading.weights import Checkpoint
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.inplace import FileTensor, can_map
 from tiertune.offload.store import ChunkStore
@@ -32,7 +32,7 @@ from tiertune.quant import NF4, Quantizer, SavedWeight, experts, is_quantized
 from tiertune.quant.experts import is_quantized_experts
 
 if TYPE_CHECKING:
-    from tiertune.finetune.quant_cache import QuantCache
+    from tiertune.loading.quant_cache import QuantCache
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tiertune.errors import ConfigError, NonFiniteError
-from tiertune.finetune.files import move_files_into
+from tiertune.files import move_files_into
 from tiertune.settings import LoraSettings
 
 

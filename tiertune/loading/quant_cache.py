@@ -27,8 +27,8 @@ import torch
 import xxhash
 
 from tiertune.errors import IntegrityError
-from tiertune.finetune.files import fsync_file, write_text_atomically
-from tiertune.finetune.weights import Checkpoint
+from tiertune.files import fsync_file, write_text_atomically
+from tiertune.loading.weights import Checkpoint
 from tiertune.offload.aio import buffer_of, pread_full
 from tiertune.offload.chunk import Chunk, ChunkLayout
 
