@@ -43,6 +43,7 @@ from tiertune.finetune.speed import (
     StepTime,
     measure_bandwidth,
     measure_compute,
+    measure_copy,
     measure_matmul,
     nearest_existing,
     resolve_gpu,
@@ -532,7 +533,7 @@ def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU
         if measured is not None:
             layer, rest = measured
             compute = micro_batches * (layers * layer + rest)
-            source = (f"measured on {where}: the model's forward and backward with 1 and 2 layers, "
+            source = (f"measured on {where}: the model's forward and backward with 1 and 3 layers, "
                       f"{format_seconds(layer)} a layer + {format_seconds(rest)} the rest, per micro-batch")  # fmt: skip
         else:
             dtype = matmul_dtype(cfg.dtype, device) if cfg.quantize != "none" else cfg.dtype
@@ -545,6 +546,8 @@ def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU
         parts["disk"] = moved["disk->host"] / bw["disk_read"] + moved["host->disk"] / bw["disk_write"]
     if target is not None and "host_to_device" in bw:
         parts["host->device"] = moved["host->device"] / bw["host_to_device"]
+    elif target is None and moved["host->device"]:  # the CPU's own cores copy into the device tier
+        parts["host->device"] = moved["host->device"] / measure_copy()
     if "optimizer_params" in bw and est.kinds.get("moments"):
         parts["optimizer"] = est.trained_parameters / bw["optimizer_params"]
     try:
@@ -603,12 +606,13 @@ def format_estimate(est: Estimate, title: str) -> str:
                          f"{bw['disk_read'] / 1e9:.2f} GB/s + write {format_size(est.moved_per_step['host->disk'])} / "
                          f"{bw['disk_write'] / 1e9:.2f} GB/s = {sp.parts['disk']:.3g} s")  # fmt: skip
         if "host->device" in sp.parts:
+            rate = est.moved_per_step["host->device"] / sp.parts["host->device"]
             lines.append(f"  host->device {format_size(est.moved_per_step['host->device'])} / "
-                         f"{bw['host_to_device'] / 1e9:.1f} GB/s = {sp.parts['host->device']:.3g} s")  # fmt: skip
+                         f"{rate / 1e9:.1f} GB/s = {sp.parts['host->device']:.3g} s")  # fmt: skip
         if "optimizer" in sp.parts:
             lines.append(f"  optimizer    {est.trained_parameters:,} params / {bw['optimizer_params'] / 1e9:.2f} G params/s "
                          f"(CPU AdamW) = {sp.parts['optimizer']:.3g} s")  # fmt: skip
-        how = "the longest part (they overlap)" if sp.overlapped else "compute + optimizer (one CPU), or the disk"
+        how = "the longest part (they overlap)" if sp.overlapped else "the CPU's parts one after another, or the disk"
         lines.append(f"  => {sp.seconds:.3g} s per step ({how}; bound by {sp.bound}), "
                      f"{sp.tokens_per_second:,.0f} tokens/s over {sp.flops.tokens:,} tokens per step")  # fmt: skip
         if sp.total_seconds is not None:

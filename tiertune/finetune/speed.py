@@ -15,8 +15,8 @@ Rates: a GPU's stated dense bf16 peak (``GPUS``; no run reaches it, so the compu
 or a matrix product of the model's own shape measured on the machine (a CPU, or the GPU this runs on);
 the disk (``probe_disk``: the disk tier's own I/O path), host-to-device copies and the CPU optimizer
 (torch's fused AdamW) measured by ``measure_bandwidth``. On a GPU the parts overlap
-(prefetch, the optimizer behind backward) and the step takes at least the longest; on a CPU the compute and
-the optimizer share the cores, so their sum competes with the disk.
+(prefetch, the optimizer behind backward) and the step takes at least the longest; on a CPU the compute, the
+optimizer and the copies to the device tier share the cores, so their sum competes with the disk.
 """
 
 from __future__ import annotations
@@ -125,17 +125,17 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, m: int, k: int, n: 
 
 
 MEASURE_LIMIT = 2 << 30
-"""The most bytes of weights ``measure_compute`` builds (two decoder layers, embeddings and head)."""
+"""The most bytes of weights ``measure_compute`` builds (three decoder layers, embeddings and head)."""
 
 
 def measure_compute(model_dir: str, cfg, micro_batch: int, seq_len: int, device: torch.device,
                     repeats: int = 3) -> tuple[float, float] | None:  # fmt: skip
     """Seconds of one micro-batch's compute as the engine runs it, measured on ``device``: (per decoder
-    layer, the rest: embeddings, head and loss). The model's own forward is run with one and with two decoder
+    layer, the rest: embeddings, head and loss). The model's own forward is run with one and with three decoder
     layers (random weights in the run's compute dtype; LoRA adapters as the run wraps them; the loss fused
-    with the head where the run fuses it), each as a step runs it: a forward without autograd (the streamed
+    with the head and the modules patched with tiertune's ops where the run does so), each as a step runs it: a forward without autograd (the streamed
     forward saves only layer inputs), then a forward with autograd and its backward (the recompute and the
-    backward); the difference is one layer. None when two layers, embeddings and head would take more than
+    backward); half the difference is one layer. None when three layers, embeddings and head would take more than
     ``MEASURE_LIMIT`` bytes (the caller falls back to a matrix product's rate). A 4-bit base is measured
     unquantized (its dequantization is not in the figure)."""
     import copy
@@ -145,7 +145,7 @@ def measure_compute(model_dir: str, cfg, micro_batch: int, seq_len: int, device:
 
     from tiertune.engine.loss import CausalLMLoss
     from tiertune.kernels.ops.backend import matmul_dtype
-    from tiertune.kernels.patch import resolve_backend
+    from tiertune.kernels.patch import patch_model, resolve_backend
     from tiertune.loading.model import load_config
     from tiertune.methods.lora import Adapters
 
@@ -154,11 +154,11 @@ def measure_compute(model_dir: str, cfg, micro_batch: int, seq_len: int, device:
     per_layer = 12 * config.hidden_size**2  # attention + MLP, roughly, to decide whether to build them
     per_layer = max(per_layer, 3 * config.hidden_size * (getattr(config, "intermediate_size", 0) or 0))
     embed = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
-    if (2 * per_layer + embed) * torch.finfo(dtype).bits // 8 > MEASURE_LIMIT:
+    if (3 * per_layer + embed) * torch.finfo(dtype).bits // 8 > MEASURE_LIMIT:
         return None
     backend = resolve_backend("torch" if cfg.kernels == "none" else cfg.kernels, device)
     seconds = []
-    for n in (1, 2):
+    for n in (1, 3):
         c = copy.deepcopy(config)
         c.num_hidden_layers = n
         if isinstance(getattr(c, "layer_types", None), list):
@@ -173,12 +173,28 @@ def measure_compute(model_dir: str, cfg, micro_batch: int, seq_len: int, device:
                 Adapters(model, cfg.lora, device)
         else:
             model.requires_grad_(True)
+        if cfg.kernels != "none":  # tiertune's ops in the modules, as the engine patches them
+            patch_model(model, backend)
         loss = CausalLMLoss(model, cfg.kernels != "none", backend)
         ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
         _time_step(loss, ids, device)  # warm-up
         seconds.append(sorted(_time_step(loss, ids, device) for _ in range(repeats))[repeats // 2])
-    layer = max(0.0, seconds[1] - seconds[0])
+    layer = max(0.0, seconds[1] - seconds[0]) / 2
     return layer, max(0.0, seconds[0] - layer)
+
+
+def measure_copy(nbytes: int = 256 << 20) -> float:
+    """Bytes per second of a copy between two buffers in CPU memory (what the host-to-device transfers cost
+    when the device is the CPU: its cores do them, between compute)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(3):
+        began = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - began)
+    return nbytes / best
 
 
 def _time_step(loss, ids: torch.Tensor, device: torch.device) -> float:
@@ -226,14 +242,17 @@ class StepTime:
         p = self.parts
         if self.overlapped:
             return max(p.values(), default=0.0)
-        cores = p.get("compute", 0.0) + p.get("optimizer", 0.0)
-        return max(cores, p.get("disk", 0.0))
+        return max(self._cores(), p.get("disk", 0.0))
+
+    def _cores(self) -> float:
+        """On a CPU: what its cores do one after another (compute, the optimizer, copies to the device tier)."""
+        return sum(v for k, v in self.parts.items() if k != "disk")
 
     @property
     def bound(self) -> str:
         p = self.parts
-        if not self.overlapped and p.get("compute", 0.0) + p.get("optimizer", 0.0) >= p.get("disk", 0.0):
-            return "compute + optimizer (CPU cores)"
+        if not self.overlapped and self._cores() >= p.get("disk", 0.0):
+            return " + ".join(k for k, v in p.items() if k != "disk" and v) + " (the CPU's cores)"
         return max(p, key=p.__getitem__) if p else "nothing"
 
     @property
