@@ -101,3 +101,14 @@ def test_json_has_the_step_time_and_the_time_to_finish(recipe_path):
     assert st["seconds"] == pytest.approx(max(cores, parts["disk"]))
     assert "measured on this CPU" in st["compute_rate_source"]
     assert est["tiers"]["host"]["budget"] == 8 << 20 and est["fits"] is True
+
+
+@pytest.mark.gpu
+def test_on_a_machine_with_a_gpu_auto_measures_it(recipe_path):
+    recipe = load_recipe(recipe_path)
+    est = estimate(recipe, gpu="auto")
+    sp = est.speed
+    assert est.target == torch.cuda.get_device_name() and est.machine["gpu_memory"] > 0
+    assert sp.overlapped and "measured on" in sp.compute_rate_source and torch.cuda.get_device_name() in sp.compute_rate_source
+    assert est.bandwidth["host_to_device"] > 1e9  # measured, pinned
+    assert sp.seconds == max(sp.parts.values())

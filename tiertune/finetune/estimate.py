@@ -594,7 +594,7 @@ def format_estimate(est: Estimate, title: str) -> str:
                      f"{format_size(t.peak):>12}  {ok}")  # fmt: skip
     moved = ", ".join(f"{k} {format_size(v)}" for k, v in est.moved_per_step.items())
     lines += ["", f"how much disk: disk_path needs {format_size(est.disk_needed)} free", "",
-              f"moved per step, at least: {moved}"]  # fmt: skip
+              f"moved per step: {moved}"]  # fmt: skip
     sp = est.speed
     if sp is not None:
         bw = est.bandwidth
