@@ -65,7 +65,8 @@ def test_the_engine_is_in_parts_of_a_few_hundred_lines():
     assert len(sizes) >= 8 and max(sizes.values()) <= 450, sizes
 
 
-LAYERS = {"cli": 0, "finetune": 1, "engine": 2, "loading": 3, "methods": 3, "quant": 4, "kernels": 4, "offload": 5}
+LAYERS = {"cli": 0, "finetune": 1, "engine": 2, "loading": 3, "methods": 3, "quant": 4, "kernels": 4, "offload": 5,
+          "distributed": 6}
 LEAVES = {"errors", "units", "settings", "files"}  # tiertune/*.py that any layer may use
 
 

@@ -1,0 +1,81 @@
+"""The collectives of ZeRO-3 over chunks, on flat byte or fp32 buffers: the full chunk gathered from every
+rank's shard (``all_gather``), a gradient chunk summed across ranks into this rank's shard
+(``reduce_scatter``), and a small tensor summed everywhere (``all_reduce``: norms, replicated adapters'
+gradients). Each counts what it puts on the wire in ``Wire``, as ring algorithms move it (NCCL's and gloo's):
+``(N - 1) / N`` of the full buffer is sent by each rank for a gather or a scatter, twice that for an
+all-reduce; ``bench_zero`` compares the counts with the ZeRO-3 formula."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from tiertune.errors import StateError
+
+
+@dataclass
+class Wire:
+    """Bytes this rank sent, by collective, cumulative."""
+
+    sent: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def total(self) -> int:
+        return sum(self.sent.values())
+
+
+def _group_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_gather(shard: torch.Tensor, full: torch.Tensor, wire: Wire | None = None) -> None:
+    """``full`` (N x the shard's elements, contiguous) becomes every rank's shard in rank order."""
+    import torch.distributed as dist
+
+    n = _group_size()
+    if full.numel() != n * shard.numel() or full.dtype != shard.dtype:
+        raise StateError(
+            f"all_gather of a {shard.numel()}-element {shard.dtype} shard needs a {n * shard.numel()}-element "
+            f"{shard.dtype} buffer, got {full.numel()} {full.dtype}"
+        )
+    if n == 1:
+        full.copy_(shard)
+        return
+    dist.all_gather_into_tensor(full, shard)
+    if wire is not None:
+        wire.sent["all_gather"] += (n - 1) * shard.numel() * shard.element_size()
+
+
+def reduce_scatter(full: torch.Tensor, shard: torch.Tensor, wire: Wire | None = None) -> None:
+    """``shard`` becomes this rank's part of the sum of every rank's ``full`` (elementwise)."""
+    import torch.distributed as dist
+
+    n = _group_size()
+    if full.numel() != n * shard.numel() or full.dtype != shard.dtype:
+        raise StateError(
+            f"reduce_scatter of a {full.numel()}-element {full.dtype} buffer into {n} shards needs a "
+            f"{full.numel() // max(n, 1)}-element shard, got {shard.numel()} {shard.dtype}"
+        )
+    if n == 1:
+        shard.copy_(full)
+        return
+    single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.12
+    single(shard, full)
+    if wire is not None:
+        wire.sent["reduce_scatter"] += (n - 1) * shard.numel() * shard.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, wire: Wire | None = None) -> None:
+    """``tensor`` becomes the sum over the ranks, on every rank."""
+    import torch.distributed as dist
+
+    n = _group_size()
+    if n == 1:
+        return
+    dist.all_reduce(tensor)
+    if wire is not None:
+        wire.sent["all_reduce"] += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
