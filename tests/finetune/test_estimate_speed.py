@@ -112,3 +112,21 @@ def test_on_a_machine_with_a_gpu_auto_measures_it(recipe_path):
     assert sp.overlapped and "measured on" in sp.compute_rate_source and torch.cuda.get_device_name() in sp.compute_rate_source
     assert est.bandwidth["host_to_device"] > 1e9  # measured, pinned
     assert sp.seconds == max(sp.parts.values())
+
+
+@pytest.mark.parametrize(
+    "family, method",
+    [("llama", "full"), ("qwen2", "lora"), ("gemma2", "full"), ("gemma3_text", "lora"), ("phi3", "full"),
+     ("cohere", "lora"), ("gpt_neox", "full"), ("mixtral", "full"), ("qwen3_moe", "lora"),
+     ("deepseek_v3", "lora"), ("llama", "qlora")],
+)  # fmt: skip
+def test_the_step_time_is_measured_for_every_family_the_engine_trains(tmp_path, tiny_model_dir, write_recipe,
+                                                                      family, method):  # fmt: skip
+    path, _ = tiny_model_dir(family)
+    method_section = {"type": "full" if method == "full" else "lora", "lora": {"dropout": 0.0}}
+    model = {"path": str(path), "dtype": "float32", "quantize": "nf4" if method == "qlora" else "none"}
+    recipe = load_recipe(write_recipe(tmp_path, path, model=model, method=method_section))
+    est = estimate(recipe, gpu="cpu")
+    sp = est.speed
+    assert sp.parts["compute"] > 0 and "measured on this CPU" in sp.compute_rate_source
+    assert sp.flops.layer_weights > 0 and sp.seconds >= sp.parts["compute"]
