@@ -47,12 +47,15 @@ def chunks_case(world: World) -> dict:
     }
 
 
-def dies_case(world: World) -> dict:
-    """Rank 1 exits before the collective; the others must get an error, not wait forever."""
-    if world.rank == 1:
-        os._exit(3)
+def dies_case(world: World, store: dist.Store) -> dict:
+    """Rank 1 exits once the group is up; the others must get an error (in the barrier, if rank 1 left while
+    they were still in it, or in the next collective), not wait forever."""
     began = time.perf_counter()
     try:
+        init_process_group(world, store)
+        dist.barrier()
+        if world.rank == 1:
+            os._exit(3)
         all_gather(torch.zeros(4), torch.empty(4 * world.size))
         return {"error": None}
     except Exception as exc:  # the backend's error for a peer that went away, or the timeout
@@ -62,11 +65,13 @@ def dies_case(world: World) -> dict:
 def main() -> None:
     world = World.from_env()
     store = dist.FileStore(os.environ["TT_STORE"], world.size)
-    init_process_group(world, store)
-    result = {"chunks": chunks_case, "dies": dies_case}[os.environ["TT_CASE"]](world)
-    Path(os.environ["TT_OUT"], f"rank-{world.rank}.json").write_text(json.dumps(result))
-    if os.environ["TT_CASE"] != "dies":
+    if os.environ["TT_CASE"] == "dies":
+        result = dies_case(world, store)
+    else:
+        init_process_group(world, store)
+        result = chunks_case(world)
         dist.destroy_process_group()
+    Path(os.environ["TT_OUT"], f"rank-{world.rank}.json").write_text(json.dumps(result))
     sys.exit(0)
 
 
