@@ -83,8 +83,13 @@ class TierEstimate:
     largest_staged: int
 
     @property
+    def needed(self) -> int:
+        """What the budget must hold (a memory tier): home and the largest chunk staged through it."""
+        return self.home + self.largest_staged
+
+    @property
     def fits(self) -> bool:
-        return self.home + self.largest_staged <= self.budget
+        return self.needed <= self.budget
 
 
 @dataclass
@@ -124,14 +129,14 @@ class Estimate:
         own files need none."""
         return self.tiers["disk"].home + self.kinds.get(QUANT_CACHE, ("disk", 0))[1]
 
+    def needed(self, tier: str) -> int:
+        """What ``tier``'s budget must hold: on a memory tier, its home and the largest chunk staged through
+        it (what the store checks when it places chunks); on the disk, ``disk_needed``."""
+        return self.disk_needed if tier == "disk" else self.tiers[tier].needed
+
     @property
     def fits(self) -> bool:
-        disk = self.tiers["disk"]
-        return (
-            all(t.fits for n, t in self.tiers.items() if n != "disk")
-            and self.disk_needed <= disk.budget
-            and not self.short_of_machine()
-        )
+        return all(self.needed(n) <= t.budget for n, t in self.tiers.items()) and not self.short_of_machine()
 
     def as_json(self) -> dict:
         """The estimate as JSON: the same figures as ``format_estimate``."""
@@ -143,7 +148,7 @@ class Estimate:
             "outside_store": self.outside_store,
             "tiers": {
                 n: {"budget": t.budget, "home": t.home, "passes": t.passes, "peak": t.peak,
-                    "fits": (self.disk_needed if n == "disk" else t.home + t.largest_staged) <= t.budget}
+                    "fits": self.needed(n) <= t.budget}
                 for n, t in self.tiers.items()
             },
             "machine": self.machine,
@@ -210,7 +215,8 @@ def estimate(recipe: Recipe, measure: bool = True, gpu: str = "auto") -> Estimat
     if target is not None and store_cfg.device.type == "cpu" and recipe.offload.device_budget == "auto":
         store_cfg.device_budget = int(target.memory * AUTO_DEVICE_FRACTION)  # as a run on it would resolve it
     notes: list[str] = []
-    chunks, parameters, trained, outside, flops = _chunks(recipe, store_cfg, cfg, notes, target is not None)
+    disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
+    chunks, parameters, trained, outside, flops = _chunks(recipe, store_cfg, cfg, notes, target is not None, disk_room)
     clipping = cfg.clips
     layerwise = (
         cfg.overlap_optimizer != "off" and not clipping and recipe.training.gradient_accumulation_steps == 1
@@ -224,7 +230,6 @@ def estimate(recipe: Recipe, measure: bool = True, gpu: str = "auto") -> Estimat
     for c in chunks:
         tier, total = kinds.get(c.kind, (c.home.value, 0))
         kinds[c.kind] = (tier, total + c.capacity)
-    disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget, Tier.DISK: disk_room}
     tiers = {}
     for tier in ORDER:
@@ -241,11 +246,7 @@ def estimate(recipe: Recipe, measure: bool = True, gpu: str = "auto") -> Estimat
         passes = home + sum(c.capacity for c in staged if c.kind != "accumulators")
         passes += max(0, accumulators - twins)
         if tier is Tier.DISK:  # slots: a header with a checksum per block, then the chunk; nothing above it
-            home = passes = sum(
-                slot_bytes(c.capacity, int(store_cfg.block_size))
-                for c in chunks
-                if c.home is tier and not c.in_place
-            )
+            home = passes = _slots(chunks, store_cfg)
         peak = min(budgets[tier], passes) if tier is not Tier.DISK else home
         tiers[tier.value] = TierEstimate(
             budgets[tier], home, passes, peak, max((c.capacity for c in staged), default=0)
@@ -276,10 +277,11 @@ def estimate(recipe: Recipe, measure: bool = True, gpu: str = "auto") -> Estimat
 
 
 def _chunks(
-    recipe, store_cfg: StoreConfig, cfg, notes: list[str], on_gpu: bool
+    recipe, store_cfg: StoreConfig, cfg, notes: list[str], on_gpu: bool, disk_free: int
 ) -> tuple[list[_Chunk], int, int, dict[str, int], StepFlops]:
     """Every chunk the run would register, laid out as the store lays them out (what a reader should know
-    about the model is appended to ``notes``), and the FLOPs of a step (``on_gpu``: computed on a GPU)."""
+    about the model is appended to ``notes``), and the FLOPs of a step (``on_gpu``: computed on a GPU;
+    ``disk_free``: the free bytes at ``disk_path``, room the overlap decision weighs)."""
     from tiertune.engine.layout import home_tier_used, state_layout, twins_short
     from tiertune.loading.model import build_skeleton, quantized_on_load, split_model, weight_entries
     from tiertune.methods.optim import GaLore
@@ -359,7 +361,7 @@ def _chunks(
              [(u["proj"].home, u["proj"].capacity)] if "proj" in u else [])
             for u in units
         ]  # fmt: skip
-        if not twins_short(described, partial(_room, chunks, store_cfg), device):
+        if not twins_short(described, partial(_room, chunks, store_cfg, disk_free), device):
             for u in units:
                 for source in _sources(u):
                     add(source.entries, "twins", source.home, home_tier_used(source.home, device), True)
@@ -468,13 +470,18 @@ def _sources(unit: dict[str, _Chunk]) -> list[_Chunk]:
     return [unit.get("master", unit["weights"]), unit["exp_avg"], unit["exp_avg_sq"]]
 
 
-def _room(chunks: list[_Chunk], store_cfg: StoreConfig, tier: Tier) -> int:
+def _slots(chunks: list[_Chunk], store_cfg: StoreConfig) -> int:
+    """Bytes of the disk tier's slots for the disk-homed ``chunks`` (a header with a checksum per block, then
+    the chunk); chunks read in place from files take none."""
+    block = int(store_cfg.block_size)
+    return sum(slot_bytes(c.capacity, block) for c in chunks if c.home is Tier.DISK and not c.in_place)
+
+
+def _room(chunks: list[_Chunk], store_cfg: StoreConfig, disk_free: int, tier: Tier) -> int:
     """``ChunkStore.room`` with ``chunks`` placed: what more chunks homed on ``tier`` can take (a memory tier
     keeps room to stage the largest chunk homed below it; the disk, its free space less the slots)."""
     if tier is Tier.DISK:
-        free = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
-        slots = sum(slot_bytes(c.capacity, int(store_cfg.block_size)) for c in chunks if c.home is tier and not c.in_place)
-        return max(0, free - slots)
+        return max(0, disk_free - _slots(chunks, store_cfg))
     budget = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}[tier]
     above = ORDER.index(tier)
     home = sum(c.capacity for c in chunks if c.home is tier)
@@ -586,7 +593,7 @@ def format_estimate(est: Estimate, title: str) -> str:
     short = est.short_of_machine()
     for name, t in est.tiers.items():
         budget = format_size(t.budget) + (" free" if name == "disk" else "")
-        needed = est.disk_needed if name == "disk" else t.home + t.largest_staged
+        needed = est.needed(name)
         ok = "yes" if needed <= t.budget else f"NO: needs {format_size(needed)}"
         if name in short:
             ok = f"NO: {short[name]}" if ok == "yes" else f"{ok}; {short[name]}"
