@@ -34,39 +34,39 @@ def _group_size() -> int:
 
 def all_gather(shard: torch.Tensor, full: torch.Tensor, wire: Wire | None = None) -> None:
     """``full`` (N x the shard's elements, contiguous) becomes every rank's shard in rank order."""
-    import torch.distributed as dist
-
-    n = _group_size()
-    if full.numel() != n * shard.numel() or full.dtype != shard.dtype:
-        raise StateError(
-            f"all_gather of a {shard.numel()}-element {shard.dtype} shard needs a {n * shard.numel()}-element "
-            f"{shard.dtype} buffer, got {full.numel()} {full.dtype}"
-        )
-    if n == 1:
-        full.copy_(shard)
-        return
-    dist.all_gather_into_tensor(full, shard)
-    if wire is not None:
-        wire.sent["all_gather"] += (n - 1) * shard.numel() * shard.element_size()
+    _sharded("all_gather", shard, full, wire)
 
 
 def reduce_scatter(full: torch.Tensor, shard: torch.Tensor, wire: Wire | None = None) -> None:
     """``shard`` becomes this rank's part of the sum of every rank's ``full`` (elementwise)."""
+    _sharded("reduce_scatter", shard, full, wire)
+
+
+def _sharded(kind: str, shard: torch.Tensor, full: torch.Tensor, wire: Wire | None) -> None:
+    """A collective between a full buffer and this rank's shard of it (``all_gather``: shards into the full
+    buffer; ``reduce_scatter``: the sum of the full buffers into the shards); one process copies."""
     import torch.distributed as dist
 
     n = _group_size()
     if full.numel() != n * shard.numel() or full.dtype != shard.dtype:
         raise StateError(
-            f"reduce_scatter of a {full.numel()}-element {full.dtype} buffer into {n} shards needs a "
-            f"{full.numel() // max(n, 1)}-element shard, got {shard.numel()} {shard.dtype}"
+            f"{kind} over {n} ranks needs a full buffer of {n} x the shard's elements in the shard's dtype; "
+            f"got a {shard.numel()}-element {shard.dtype} shard and a {full.numel()}-element {full.dtype} buffer"
         )
+    gather = kind == "all_gather"
     if n == 1:
-        shard.copy_(full)
+        if gather:
+            full.copy_(shard)
+        else:
+            shard.copy_(full)
         return
-    single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.12
-    single(shard, full)
-    if wire is not None:
-        wire.sent["reduce_scatter"] += (n - 1) * shard.numel() * shard.element_size()
+    if gather:
+        dist.all_gather_into_tensor(full, shard)
+    else:
+        single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.12
+        single(shard, full)
+    if wire is not None:  # ring algorithms: each rank sends N - 1 shards either way
+        wire.sent[kind] += (n - 1) * shard.numel() * shard.element_size()
 
 
 def all_reduce(tensor: torch.Tensor, wire: Wire | None = None) -> None:
