@@ -12,8 +12,6 @@
 
 How a step runs (all on the caller's thread unless said otherwise):
 
-How a step runs (all on the caller's thread unless said otherwise):
-
 - Forward: the model's own ``forward`` runs unchanged. Each decoder layer of the *instance* is replaced
   by a ``StreamedLayer`` that, through ``LayerFunction``, acquires the layer's chunk (prefetched from
   the second step on), binds its tensors as the layer's parameters, computes without keeping activations,

@@ -1,7 +1,8 @@
 """The layout of a run's training state: which chunks the engine registers beside the weights for each
 trained group (gradients, master weights, moments, GaLore's projections and accumulators, the speculative
-step's twins), and the group's ``GroupState`` that holds them. ``gradient_entries`` and ``state_entries``
-are shared with ``finetune.estimate``."""
+step's twins), and the group's ``GroupState`` that holds them. ``state_layout`` (what chunks, where) and
+``twins_short`` (whether the twins fit) are pure functions of sizes: the engine registers what they say,
+``finetune.estimate`` sums it."""
 
 from __future__ import annotations
 
@@ -201,7 +202,7 @@ def add_accumulator(store: ChunkStore, state: GroupState, j: int, galore: GaLore
         entries = [(s.name, s.shape, torch.float32) for s in state.weights[j].tensors]
         full = galore.accumulator_entries(entries)
         if full:
-            name = f"{state.weights[j].name}.grad_full"
+            name = f"{state.weights[j].name}.{ROLES['accum'][0]}"
             state.accum[j] = add_like(store, full, home, name)[0]
     return state.accum[j]
 
@@ -228,7 +229,7 @@ def add_twins(store: ChunkStore, states: list[GroupState], cfg: EngineConfig, de
         return True
     units = [
         ((s.grads[j].home, s.grads[j].capacity), [(c.home, c.capacity) for c in s.sources(j)],
-         [(c.home, c.capacity) for c in s.reads(j)[3:]])
+         [(c.home, c.capacity) for c in s.reads(j)[len(s.sources(j)):]])
         for s in states
         for j in range(len(s.weights))
     ]  # fmt: skip
