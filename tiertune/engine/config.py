@@ -49,6 +49,14 @@ class EngineConfig:
     # the model's own modules and unfused loss (the plain-loop oracle of the parity tests)
     kernels: str = "auto"
 
+    def layer_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype the decoder layers' products run in on ``device``: the compute dtype, but for a quantized
+        base the dtype its weights dequantize to, one products run fast in here (fp32 on a CPU without
+        native bf16: ``kernels.ops.backend.matmul_dtype``)."""
+        from tiertune.kernels.ops.backend import matmul_dtype
+
+        return matmul_dtype(self.dtype, device) if self.quantize != "none" else self.dtype
+
     @property
     def clips(self) -> bool:
         """Whether a step clips the gradient's global norm (``max_grad_norm`` set and positive)."""

@@ -35,7 +35,6 @@ from tiertune.engine.router_aux import RouterAux
 from tiertune.engine.streaming import InputStash, StreamedLayer
 from tiertune.engine.update import LRSchedule, StepContext, Updater
 from tiertune.errors import ConfigError, DataError, NonFiniteError
-from tiertune.kernels.ops.backend import matmul_dtype
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 from tiertune.kernels.patch import patch_model, resolve_backend
 from tiertune.loading.model import (
@@ -84,8 +83,8 @@ class StreamedTrainer:
         self.parts: ModelParts = split_model(self.model)
         saved = saved_quantization(self.model.config, model_dir)
         # 4-bit weights dequantize to the dtype products run fast in here (fp32 on a CPU without native bf16)
-        compute = matmul_dtype(config.dtype, self.device)
-        if config.quantize != "none" and compute != config.dtype:
+        compute = config.layer_dtype(self.device)
+        if compute != config.dtype:
             log.info("this CPU has no native %s matrix products: quantized layers compute in %s",
                      str(config.dtype).removeprefix("torch."), str(compute).removeprefix("torch."))  # fmt: skip
         self.quant = make_quantizer(config.quantize, compute, saved, model_dir)

@@ -524,7 +524,6 @@ def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU
     stated peak."""
     from tiertune.errors import TiertuneError
     from tiertune.finetune.train import steps_of
-    from tiertune.kernels.ops.backend import matmul_dtype
 
     t = recipe.training
     micro_batches = t.gradient_accumulation_steps
@@ -543,7 +542,7 @@ def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU
             source = (f"measured on {where}: the model's forward and backward with 1 and 3 layers, "
                       f"{format_seconds(layer)} a layer + {format_seconds(rest)} the rest, per micro-batch")  # fmt: skip
         else:
-            dtype = matmul_dtype(cfg.dtype, device) if cfg.quantize != "none" else cfg.dtype
+            dtype = cfg.layer_dtype(device)
             m, k, n = flops.shape
             compute = flops.total / measure_matmul(device, dtype, m, k, n)
             source = f"a ({m} x {k}) @ ({k} x {n}) {str(dtype).removeprefix('torch.')} product measured on {where}"

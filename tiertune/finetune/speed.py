@@ -131,26 +131,25 @@ MEASURE_LIMIT = 2 << 30
 def measure_compute(model_dir: str, cfg, micro_batch: int, seq_len: int, device: torch.device,
                     repeats: int = 3) -> tuple[float, float] | None:  # fmt: skip
     """Seconds of one micro-batch's compute as the engine runs it, measured on ``device``: (per decoder
-    layer, the rest: embeddings, head and loss). The model's own forward is run with one and with three decoder
-    layers (random weights in the run's compute dtype; LoRA adapters as the run wraps them; the loss fused
-    with the head and the modules patched with tiertune's ops where the run does so), each as a step runs it: a forward without autograd (the streamed
-    forward saves only layer inputs), then a forward with autograd and its backward (the recompute and the
-    backward); half the difference is one layer. None when three layers, embeddings and head would take more than
-    ``MEASURE_LIMIT`` bytes (the caller falls back to a matrix product's rate). A 4-bit base is measured
-    unquantized (its dequantization is not in the figure)."""
+    layer, the rest: embeddings, head and loss). The model's own forward is run with one and with three
+    decoder layers (random weights in the layers' dtype; LoRA adapters as the run wraps them; the loss fused
+    with the head and the modules patched with tiertune's ops where the run does so), each as a step runs it:
+    a forward without autograd (the streamed forward saves only layer inputs), then a forward with autograd
+    and its backward (the recompute and the backward); half the difference is one layer. None when three
+    layers, embeddings and head would take more than ``MEASURE_LIMIT`` bytes (the caller falls back to a
+    matrix product's rate). A 4-bit base is measured unquantized (its dequantization is not in the figure)."""
     import copy
     import warnings
 
     from transformers import AutoModelForCausalLM
 
     from tiertune.engine.loss import CausalLMLoss
-    from tiertune.kernels.ops.backend import matmul_dtype
     from tiertune.kernels.patch import patch_model, resolve_backend
     from tiertune.loading.model import load_config
     from tiertune.methods.lora import Adapters
 
     config = load_config(model_dir)
-    dtype = matmul_dtype(cfg.dtype, device) if cfg.quantize != "none" else cfg.dtype
+    dtype = cfg.layer_dtype(device)
     per_layer = 12 * config.hidden_size**2  # attention + MLP, roughly, to decide whether to build them
     per_layer = max(per_layer, 3 * config.hidden_size * (getattr(config, "intermediate_size", 0) or 0))
     embed = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
