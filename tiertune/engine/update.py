@@ -88,15 +88,11 @@ class OptimizerWorker:
 
     def submit(self, state: GroupState, coef: torch.Tensor | None, j: int | None = None) -> float:
         """Queue the unit(s) of ``state`` (chunk ``j``, or all of its chunks); returns the seconds waited."""
-        store = self._store
         waited = 0.0
         for k in range(len(state.weights)) if j is None else (j,):
             began = time.perf_counter()
             with self._cond:
-                while self._pending >= self._max_pending and self._error is None:
-                    if store.waiting(self._thread.ident):  # maybe for a chunk the caller holds
-                        break
-                    self._cond.wait(timeout=0.05)
+                self._wait_below(self._max_pending)
                 if self._error is not None:
                     raise self._error
                 self._pending += 1
@@ -109,9 +105,14 @@ class OptimizerWorker:
         caller holds); returns the seconds waited."""
         began = time.perf_counter()
         with self._cond:
-            while self._pending and self._error is None and not self._store.waiting(self._thread.ident):
-                self._cond.wait(timeout=0.05)
+            self._wait_below(1)
         return time.perf_counter() - began
+
+    def _wait_below(self, limit: int) -> None:
+        """With the lock held: wait until fewer than ``limit`` units are queued or running, the worker failed,
+        or the worker itself waits in the store (maybe for a chunk the caller holds: waiting on would hang)."""
+        while self._pending >= limit and self._error is None and not self._store.waiting(self._thread.ident):
+            self._cond.wait(timeout=0.05)
 
     def join(self) -> None:
         with self._cond:
