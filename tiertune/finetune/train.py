@@ -127,6 +127,7 @@ def plan(recipe: Recipe, device: str | None = None) -> tuple[StoreConfig, Engine
             "offload.params or offload.optimizer_states is disk but offload.disk_path is not set"
         )
     t = recipe.training
+    lora_seed = recipe.method.lora.seed
     store = StoreConfig(
         device=device if torch.cuda.is_available() else "cpu",
         device_budget=off.device_budget,
@@ -163,14 +164,10 @@ def plan(recipe: Recipe, device: str | None = None) -> tuple[StoreConfig, Engine
         quant_cache=_quant_cache(off.disk_path) if recipe.model.quantize != "none" else None,
         # the method's settings as the recipe holds them (one definition: tiertune.settings); the adapters'
         # init seed is training.seed unless method.lora.seed sets its own
-        lora=dataclasses.replace(recipe.method.lora, seed=_first(recipe.method.lora.seed, t.seed)),
+        lora=dataclasses.replace(recipe.method.lora, seed=t.seed if lora_seed is None else lora_seed),
         galore=recipe.method.galore,
     )
     return store, engine
-
-
-def _first(value: int | None, default: int) -> int:
-    return default if value is None else value
 
 
 def steps_of(recipe: Recipe) -> int:
