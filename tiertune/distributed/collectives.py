@@ -60,11 +60,10 @@ def _sharded(kind: str, shard: torch.Tensor, full: torch.Tensor, wire: Wire | No
         else:
             shard.copy_(full)
         return
-    if gather:
-        dist.all_gather_into_tensor(full, shard)
+    if gather:  # renamed in torch 2.12 (the old names warn there)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(full, shard)
     else:
-        single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.12
-        single(shard, full)
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(shard, full)
     if wire is not None:  # ring algorithms: each rank sends N - 1 shards either way
         wire.sent[kind] += (n - 1) * shard.numel() * shard.element_size()
 

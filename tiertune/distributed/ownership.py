@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tiertune.errors import StateError
-from tiertune.offload.chunk import ChunkLayout, itemsize
+from tiertune.offload.chunk import ChunkLayout, TensorSpec, itemsize
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,17 @@ def run_length(owned: list[list[Slice]]) -> int:
     return max((sum(s.numel for s in slices) for slices in owned), default=0)
 
 
-def pack_by_owner(values: dict[str, torch.Tensor], owned: list[list[Slice]], out: torch.Tensor | None = None) -> torch.Tensor:
-    """One flat fp32 buffer of ``len(owned) * run_length(owned)`` elements: rank r's run is its owned elements of
-    ``values`` (full tensors by name; a missing one counts as zeros) in chunk order, then zeros."""
+def pack_by_owner(
+    values: dict[str, torch.Tensor], owned: list[list[Slice]], out: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """One flat fp32 buffer of ``len(owned) * run_length(owned)`` elements (``out``, or a new one on ``device``,
+    by default the values'): rank r's run is its owned elements of ``values`` (full tensors by name; a missing
+    one counts as zeros) in chunk order, then zeros."""
     run = run_length(owned)
-    first = next(iter(values.values()), None)
-    device = first.device if first is not None else torch.device("cpu")
+    if device is None:
+        first = next(iter(values.values()), None)
+        device = first.device if first is not None else torch.device("cpu")
     if out is None:
         out = torch.empty(len(owned) * run, dtype=torch.float32, device=device)
     for rank, slices in enumerate(owned):
@@ -70,7 +75,7 @@ def pack_by_owner(values: dict[str, torch.Tensor], owned: list[list[Slice]], out
             if value is None:
                 piece.zero_()
             else:
-                piece.copy_(value.reshape(-1)[s.start : s.end])
+                piece.copy_(value.detach().reshape(-1)[s.start : s.end])
             at += s.numel
         out[at : (rank + 1) * run].zero_()
     return out
@@ -83,3 +88,19 @@ def views_of_run(run: torch.Tensor, slices: list[Slice]) -> list[tuple[Slice, to
         out.append((s, run[at : at + s.numel]))
         at += s.numel
     return out
+
+
+def shard_layout(layout: ChunkLayout, rank: int, world_size: int) -> ChunkLayout:
+    """The layout of rank ``rank``'s shard of a chunk laid out as ``layout``: its byte range of the chunk's
+    image (``shard_range``), in which each owned part of a tensor is a flat tensor of that name at the offset
+    its bytes have there. What the rank keeps on its tiers is this shard; its views are the elements it owns
+    (the optimizer updates them), its buffer is what the all-gather sends."""
+    start, end = layout.shard_range(rank, world_size)
+    specs = []
+    dtypes = {t.name: t.dtype for t in layout.tensors}
+    offsets = {t.name: t.offset for t in layout.tensors}
+    for s in owned_slices(layout, world_size)[rank]:
+        dtype = dtypes[s.name]
+        offset = offsets[s.name] + s.start * itemsize(dtype) - start
+        specs.append(TensorSpec(s.name, (s.numel,), dtype, offset))
+    return ChunkLayout(tuple(specs), end - start)

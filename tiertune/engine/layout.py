@@ -17,8 +17,8 @@ import torch
 
 from tiertune.errors import BudgetError
 from tiertune.loading.model import ParamGroup
-from tiertune.methods.optim import GaLore, moment_entries
-from tiertune.offload.chunk import Chunk
+from tiertune.methods.optim import GaLore, decays, moment_entries
+from tiertune.offload.chunk import ALIGN, Chunk, ChunkLayout, tensor_align
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import BUDGET_SETTING, Tier
 from tiertune.units import format_size
@@ -38,14 +38,16 @@ def gradient_entries(fp32: list, galore: GaLore | None) -> dict[str, list]:
     return {"grads": galore.gradient_entries(fp32), "accum": galore.accumulator_entries(fp32)}
 
 
-def state_entries(fp32: list, cfg: EngineConfig, galore: GaLore | None) -> dict[str, list]:
+def state_entries(
+    fp32: list, cfg: EngineConfig, galore: GaLore | None, whole: dict[str, int] | None = None
+) -> dict[str, list]:
     """The optimizer's chunks for one weight chunk whose tensors are ``fp32`` entries, by kind: ``master``
     (when the weights are not fp32), ``exp_avg`` and ``exp_avg_sq`` (8-bit, low-rank for GaLore's projected
     weights) and GaLore's ``proj`` (when the chunk has a projected weight). The engine registers these; the
-    estimate lays out the same."""
+    estimate lays out the same. ``whole``: the whole tensors' elements where the entries are a rank's parts."""
     eight_bit = cfg.optim == "adamw_bnb_8bit"
     out: dict[str, list] = {"master": fp32} if cfg.dtype != torch.float32 else {}
-    moments = galore.moment_entries(fp32, eight_bit) if galore else moment_entries(fp32, eight_bit)
+    moments = galore.moment_entries(fp32, eight_bit) if galore else moment_entries(fp32, eight_bit, whole)
     out["exp_avg"] = out["exp_avg_sq"] = moments
     proj = galore.projection_entries(fp32) if galore else []
     if proj:
@@ -85,16 +87,19 @@ def home_tier_used(home: str | Tier, device: torch.device) -> Tier:
     return Tier.DEVICE if Tier(home) is Tier.DEVICE and device.type == "cpu" else Tier.HOST
 
 
-def state_layout(fp32: list, cfg: EngineConfig, galore: GaLore | None, device: torch.device) -> list[StateChunk]:
+def state_layout(
+    fp32: list, cfg: EngineConfig, galore: GaLore | None, device: torch.device, whole: dict[str, int] | None = None
+) -> list[StateChunk]:
     """The state chunks of one weight chunk whose tensors are ``fp32`` entries, in the order the engine
     registers them: gradients; GaLore's full-gradient accumulators when a step has several micro-batches;
-    master weights (weights not fp32), the moments and GaLore's projections (read on the compute device)."""
+    master weights (weights not fp32), the moments and GaLore's projections (read on the compute device).
+    ``whole``: the whole tensors' elements where the entries are a rank's flat parts of them (ZeRO-3)."""
     grads = gradient_entries(fp32, galore)
     out = [StateChunk("grads", grads["grads"], cfg.gradients, home_tier_used(cfg.gradients, device))]
     if grads.get("accum") and cfg.gradient_accumulation_steps > 1:
         out.append(StateChunk("accum", grads["accum"], cfg.gradients, home_tier_used(cfg.gradients, device)))
     home = cfg.optimizer_states
-    for role, entries in state_entries(fp32, cfg, galore).items():
+    for role, entries in state_entries(fp32, cfg, galore, whole).items():
         used = Tier.DEVICE if role == "proj" else home_tier_used(home, device)
         out.append(StateChunk(role, entries, home, used))
     return out
@@ -141,6 +146,8 @@ class GroupState:
     def __init__(self, group: ParamGroup) -> None:
         self.group = group
         self.weights: list[Chunk] = group.chunks
+        # the tensors weight decay applies to, decided on their whole shapes (a rank of several holds parts)
+        self.decayed = {n for n, p in group.params.items() if decays(p)}
         self.grads: list[Chunk] = []
         self.master: list[Chunk] = []  # empty when the weights are fp32 (their own master copy)
         self.exp_avg: list[Chunk] = []
@@ -180,9 +187,10 @@ def add_states(
     weight chunk, fp32 gradients (``gradient_entries``), master weights read by ``read_master(name, view)``
     when the weights are not fp32, the moments and GaLore's projections (``state_entries``)."""
     state = GroupState(group)
+    whole = {n: p.numel() for n, p in group.params.items()}
     for j, chunk in enumerate(group.chunks):
         entries = [(s.name, s.shape, torch.float32) for s in chunk.tensors]
-        for spec in state_layout(entries, cfg, galore, store.device):
+        for spec in state_layout(entries, cfg, galore, store.device, whole):
             [added] = add_like(store, spec.entries, spec.home, f"{chunk.name}.{ROLES[spec.role][0]}")
             getattr(state, spec.role).append(added)
             if spec.role == "master":
@@ -209,8 +217,11 @@ def add_accumulator(store: ChunkStore, state: GroupState, j: int, galore: GaLore
 
 def add_like(store: ChunkStore, entries: list, home: str | Tier, name: str) -> list[Chunk]:
     """One chunk holding ``entries`` (the fp32 twin of a weight chunk: never split, whatever its size)."""
+    if not entries:  # a rank's shard with none of a small chunk's tensors: its state chunks are empty too
+        return store.add_layouts([ChunkLayout((), ALIGN)], home, name)
     size = sum(math.prod(shape) * 4 for _, shape, _ in entries)
-    return store.add(entries, home=home, name=name, chunk_size=max(size, 1) + 256 * len(entries))
+    align = tensor_align(store.config.num_shards)
+    return store.add(entries, home=home, name=name, chunk_size=max(size, 1) + align * len(entries))
 
 
 def add_twins(store: ChunkStore, states: list[GroupState], cfg: EngineConfig, device: torch.device) -> bool:
@@ -257,7 +268,7 @@ def add_twins(store: ChunkStore, states: list[GroupState], cfg: EngineConfig, de
     for state in states:
         for j in range(len(state.weights)):
             state.twins.append(
-                tuple(add_like(store, entries_of(c), c.home, f"{c.name}.twin")[0] for c in state.sources(j))  # type: ignore[misc]
+                tuple(store.add_layouts([c.layout], c.home, f"{c.name}.twin")[0] for c in state.sources(j))  # type: ignore[misc]
             )
     return True
 

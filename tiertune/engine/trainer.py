@@ -32,17 +32,14 @@ from tiertune.engine.layout import (
 )
 from tiertune.engine.loss import CausalLMLoss
 from tiertune.engine.router_aux import RouterAux
+from tiertune.engine.sharding import Zero
 from tiertune.engine.streaming import InputStash, StreamedLayer
 from tiertune.engine.update import LRSchedule, StepContext, Updater
 from tiertune.errors import ConfigError, DataError, NonFiniteError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 from tiertune.kernels.patch import patch_model, resolve_backend
-from tiertune.loading.model import (
-    ModelParts,
-    build_skeleton,
-    load_into_store,
-    split_model,
-)
+from tiertune.distributed.world import World
+from tiertune.loading.model import ModelParts, build_skeleton, load_into_store, load_shards, split_model
 from tiertune.loading.weights import Checkpoint
 from tiertune.methods.lora import Adapters
 from tiertune.methods.optim import GaLore
@@ -69,8 +66,20 @@ class StreamedTrainer:
         store_config: StoreConfig,
         config: EngineConfig,
         safe_point: Callable[[], None] | None = None,
+        world: World | None = None,
     ) -> None:
+        """``world``: this process among several (ZeRO-3, ``engine.sharding``; the process group joined and
+        ``store_config.num_shards`` its size); each rank's ``step`` gets its own part of the global batch."""
         self.config = config
+        self.world = world or World()
+        if self.world.size > 1 and (store_config.num_shards != self.world.size or config.method == "galore"):
+            raise ConfigError(
+                "method.type: galore does not run sharded yet: GaLore projects each weight matrix's whole "
+                "gradient (its SVD), and a rank holds a part of it; use one process, or method.type full or lora"
+                if config.method == "galore"
+                else f"a store for {self.world.size} ranks splits chunks into {self.world.size} shards "
+                f"(StoreConfig.num_shards is {store_config.num_shards})"
+            )
         # called on the compute thread where the work may be abandoned, no chunk half acquired there: after
         # each group loaded, at each micro-batch's start, each decoder layer's forward and backward; it may
         # raise to stop the run (a signal, train's StopOnSignals.check)
@@ -102,14 +111,23 @@ class StreamedTrainer:
         checkpoint = Checkpoint(model_dir)
         self.quant_cache = None
         # a pre-quantized checkpoint too: an MoE's experts are saved unquantized (transformers leaves them so)
-        if self.quant is not None and config.quant_cache is not None:
+        if self.quant is not None and config.quant_cache is not None and self.world.size == 1:
             from tiertune.loading.quant_cache import QuantCache
 
             self.quant_cache = QuantCache(config.quant_cache, checkpoint, self.quant.settings())
-        self._source = load_into_store(
-            self.parts, checkpoint, self.store, homes, config.dtype, self.quant, cache=self.quant_cache,
-            safe_point=safe_point, in_place=config.method == "lora",
-        )  # fmt: skip
+        self.times: defaultdict[str, float] = defaultdict(float)  # seconds per step part, cumulative
+        self.zero: Zero | None = None
+        if self.world.size > 1:  # this rank's shard of every chunk
+            self._source, full = load_shards(
+                self.parts, checkpoint, self.store, homes, config.dtype, self.world.rank, self.world.size,
+                self.quant, safe_point=safe_point,
+            )  # fmt: skip
+            self.zero = Zero(self.store, self.world, full, self.times)
+        else:
+            self._source = load_into_store(
+                self.parts, checkpoint, self.store, homes, config.dtype, self.quant, cache=self.quant_cache,
+                safe_point=safe_point, in_place=config.method == "lora",
+            )  # fmt: skip
         if self.quant_cache is not None:
             log.info(
                 "quantized layers: %d read from %s, %d quantized",
@@ -138,8 +156,6 @@ class StreamedTrainer:
         self._layer_index = [i for i, s in enumerate(self.states) if s.group.kind == "layer"]
         # the step in progress, as backward's callbacks and the optimizer see it
         self.step_ctx = StepContext()
-        # seconds per step part, cumulative: io_wait (blocked in acquire), optimizer (not hidden), step
-        self.times: defaultdict[str, float] = defaultdict(float)
         if self.adapters is not None and self.adapters.pending_dora:
             self._init_dora()
         self._layer_adapters = [
@@ -175,10 +191,10 @@ class StreamedTrainer:
         others = [s for s in self.states if s.group.kind != "layer"]
         units = [(s, j) for s in layers + others for j in range(len(s.weights))]
         self.updater = Updater(self.store, config, self.states, units, self._param_order, self.step_ctx,
-                               self.times, self.device, self.galore, self.optimizer_counts)  # fmt: skip
+                               self.times, self.device, self.galore, self.optimizer_counts, self.zero)  # fmt: skip
         shapes = {n: p.shape for n, p in self.binder.meta.items()}
         self.gradients = GradientSink(self.store, self.step_ctx, self.times, self.updater, self.galore,
-                                      self.device, shapes, self._add_accumulator)  # fmt: skip
+                                      self.device, shapes, self._add_accumulator, self.zero)  # fmt: skip
         self.last_grad_norm = float("nan")
         self._lr = LRSchedule(
             config.learning_rate, config.lr_scheduler_type, config.warmup_steps, config.max_steps
@@ -203,8 +219,13 @@ class StreamedTrainer:
 
     def _read_master(self, checkpoint: Checkpoint, name: str, view: torch.Tensor) -> None:
         """Parameter ``name``'s fp32 master weights from the checkpoint (not from the rounded weights: an
-        fp32 checkpoint keeps its precision)."""
-        self._source[name].read_into(checkpoint, view)
+        fp32 checkpoint keeps its precision); a rank of several reads its elements of them."""
+        if self.zero is None:
+            self._source[name].read_into(checkpoint, view)
+            return
+        whole = torch.empty(tuple(self.binder.meta[name].shape), dtype=view.dtype)
+        self._source[name].read_into(checkpoint, whole)
+        self.zero.read_slice(name, whole, view)
 
     def _add_accumulator(self, state: GroupState, j: int) -> Chunk | None:
         """GaLore's full-gradient accumulator of weight chunk ``j`` (None when it projects no weight there)."""
@@ -237,9 +258,13 @@ class StreamedTrainer:
         """Acquire a group's weight chunks on the device and bind them for the duration of the block."""
         bound: dict[str, torch.Tensor] = {}
         acquired: list[Chunk] = []
+        gathered = ExitStack()
         try:
             views: dict[str, torch.Tensor] = {}
             for chunk in state.weights:
+                if self.zero is not None:  # the whole chunk gathered from the ranks' shards
+                    views.update(gathered.enter_context(self.zero.gathered(chunk, self.step_ctx.traced)))
+                    continue
                 began = time.perf_counter()
                 views.update(self.store.acquire(chunk, Tier.DEVICE, traced=self.step_ctx.traced))
                 self.times["io_wait"] += time.perf_counter() - began
@@ -251,6 +276,7 @@ class StreamedTrainer:
             self.binder.unbind(list(bound))
             for chunk in acquired:
                 self.store.release(chunk)
+            gathered.close()
 
     # ------------------------------------------------------------------ gradients
 
@@ -275,6 +301,8 @@ class StreamedTrainer:
         step_began = time.perf_counter()
         labels = [mb.get("labels", mb["input_ids"]) for mb in micro_batches]
         n_tokens = sum(int((lab[:, 1:] != IGNORE_INDEX).sum()) for lab in labels)
+        if self.zero is not None:  # the global batch's: every rank divides by it
+            n_tokens = int(self.zero.total(n_tokens, torch.int64))
         if n_tokens == 0:
             raise DataError(
                 "a training step has no target tokens (every label is -100); check the data and max_seq_len"
@@ -320,6 +348,8 @@ class StreamedTrainer:
             for state in others:
                 if state.trainable:
                     self.add_grads(state, grads[id(state)])
+        if self.zero is not None:
+            total = float(self.zero.total(total))
         loss = total / n_tokens
         if self.router_aux is not None:
             self.last_router_aux_loss = self.router_aux.coef * aux_total / len(micro_batches)
@@ -351,6 +381,8 @@ class StreamedTrainer:
         if not math.isfinite(loss):  # LoRA: a frozen base; the adapters' optimizer, as in a plain loop
             self.adapters.zero_grad()
             raise NonFiniteError(f"the loss is {loss}")
+        if self.zero is not None:  # replicated on every rank: the gradients summed over the global batch
+            self.zero.all_reduce_grads(self.adapters.params)
         betas = (cfg.adam_beta1, cfg.adam_beta2)
         clip = cfg.max_grad_norm if cfg.clips else None
         self.last_grad_norm = self.adapters.step(
@@ -402,10 +434,15 @@ class StreamedTrainer:
     # ------------------------------------------------------------------ export
 
     def weights(self) -> Iterator[dict[str, torch.Tensor]]:
-        """The current weights, one chunk at a time (CPU copies by parameter name): for streaming export."""
+        """The current weights, one chunk at a time (CPU copies by parameter name): for streaming export. A
+        rank of several gathers each chunk (every rank must iterate: a collective per chunk)."""
         for state in self.states:
             for chunk in state.weights:
-                yield self.store.read(chunk)
+                if self.zero is None:
+                    yield self.store.read(chunk)
+                    continue
+                with self.zero.gathered(chunk, traced=False) as views:
+                    yield {n: v.cpu().clone() for n, v in views.items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """All current weights by parameter name, on the CPU (small models, tests)."""

@@ -26,6 +26,7 @@ from tiertune.offload.tiers import Tier
 if TYPE_CHECKING:
     from tiertune.engine.config import EngineConfig
     from tiertune.engine.layout import GroupState
+    from tiertune.engine.sharding import Zero
     from tiertune.methods.optim import GaLore
 
 
@@ -169,9 +170,10 @@ class Updater:
     def __init__(
         self, store: ChunkStore, config: EngineConfig, states: list[GroupState], units: list[Unit],
         param_order: list[str], ctx: StepContext, times: dict[str, float], device: torch.device,
-        galore: GaLore | None, counts: dict[str, int],
+        galore: GaLore | None, counts: dict[str, int], zero: Zero | None = None,
     ) -> None:  # fmt: skip
         self.store, self.config, self.states, self.units = store, config, states, units
+        self.zero = zero  # ZeRO-3: the norms are of this rank's elements, the clipping norm all-reduced
         self.param_order, self.ctx, self.device, self.galore, self.counts = (
             param_order,
             ctx,
@@ -197,7 +199,9 @@ class Updater:
         # coefficient an fp32 tensor clamped at 1 and multiplied into every gradient
         # (GaLore's projected weights have theirs on the compute device: one copy each, after backward)
         norms = [self.norms[n].cpu() for n in self.param_order if n in self.norms]
-        total = torch.linalg.vector_norm(torch.stack(norms))
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        if self.zero is not None:
+            total = self.zero.global_norm(total)
         coef = None
         if cfg.clips:
             coef = torch.clamp(cfg.max_grad_norm / (total + 1e-6), max=1.0)
@@ -268,9 +272,9 @@ class Updater:
             else:
                 views = [get(c) for c in state.sources(j)]
             master, m, v = views[:3]
-            names = list(grads)
+            names = list(grads)  # none: a rank's shard with no element of the chunk's tensors (ZeRO-3)
             g = [grads[n] for n in names]
-            if coef is not None:
+            if coef is not None and g:
                 g = torch._foreach_mul(g, coef)  # out of place: a redo needs the gradients as they were
             by_name = dict(zip(names, g, strict=True))
             hp = AdamStep(
@@ -283,9 +287,9 @@ class Updater:
                 proj = get(proj_chunk, dirty=False) if proj_chunk is not None else {}
                 self.galore.update(names, master, by_name, m, v, proj, hp, eight_bit)
             elif eight_bit:
-                adamw_8bit(names, master, by_name, m, v, hp)
+                adamw_8bit(names, master, by_name, m, v, hp, state.decayed)
             else:
-                adamw(names, master, by_name, m, v, hp)
+                adamw(names, master, by_name, m, v, hp, state.decayed)
             if state.master:
                 with store.writing(state.weights[j]) as weights:
                     for n in names:

@@ -15,7 +15,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Container, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,8 @@ from torch import nn
 
 from tiertune.errors import ModelError, StateError
 from tiertune.loading.weights import Checkpoint
-from tiertune.offload.chunk import Chunk
+from tiertune.distributed.ownership import shard_layout
+from tiertune.offload.chunk import Chunk, ChunkLayout, TensorSpec, layout_views, pack_tensors
 from tiertune.offload.inplace import FileTensor, can_map
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
@@ -325,13 +326,7 @@ def load_into_store(
     Raises ModelError naming the tensor and file when the checkpoint lacks a weight or has the wrong shape.
     ``safe_point`` is called after each group (where the load may be abandoned: a run stopped by a signal).
     """
-    source = checkpoint_names(parts.model, checkpoint)
-    for group in parts.groups:
-        missing = [n for n in group.params if n not in source]
-        if missing:
-            raise ModelError(
-                f"the checkpoint in {checkpoint.directory} has no tensor {missing[0]!r} ({group.name})"
-            )
+    source = _sources(parts, checkpoint)
     for group in parts.groups:
         if safe_point is not None:
             safe_point()
@@ -368,6 +363,73 @@ def load_into_store(
                 if written is None:  # a cache with no image of it to give, yet one to read from
                     raise StateError(f"the quantized cache kept no image of {chunk.name}")
                 store.home_in_file(chunk, *written)
+    return source
+
+
+def load_shards(
+    parts: ModelParts,
+    checkpoint: Checkpoint,
+    store: ChunkStore,
+    homes: dict[str, Tier | str] | Tier | str,
+    dtype: torch.dtype,
+    rank: int,
+    world_size: int,
+    quant: Quantizer | None = None,
+    chunk_size: int | None = None,
+    safe_point: Callable[[], None] | None = None,
+) -> tuple[dict[str, TensorSource], dict[int, ChunkLayout]]:
+    """``load_into_store`` for rank ``rank`` of ``world_size`` (ZeRO-3): every group is laid out in chunks as one
+    process would lay it out, padded for ``world_size`` shards, and this rank registers and fills only its
+    shard of each (``shard_layout``). Each weight (quantized on the way in, or read pre-quantized, as one process
+    does) is read only by the ranks whose shards its bytes reach, one weight at a time, and only their bytes
+    are kept: the node's ranks together hold the model once. Returns the checkpoint names
+    (``checkpoint_names``) and each shard chunk's whole layout by chunk id (what a gather reassembles).
+
+    Not here yet: reading frozen weights in place from the checkpoint's files and the quantized cache (each
+    rank's shard is copied into its own tiers)."""
+    source = _sources(parts, checkpoint)
+    full: dict[int, ChunkLayout] = {}
+    for group in parts.groups:
+        if safe_point is not None:
+            safe_point()
+        home = homes if isinstance(homes, Tier | str) else homes[group.kind]
+        units = _units(group, weight_entries(group, dtype, quant))
+        saved = _saved_weights(group, source, checkpoint, quant)
+        size = store.config.chunk_size if chunk_size is None else chunk_size
+        layouts = pack_tensors(units, size, world_size)  # type: ignore[arg-type]
+        shards = [shard_layout(layout, rank, world_size) for layout in layouts]
+        group.chunks = store.add_layouts(shards, home, group.name)
+        first = {entry[0]: unit[0][0] for unit in units for entry in unit}  # entry -> its weight
+        for chunk, layout in zip(group.chunks, layouts, strict=True):
+            full[chunk.id] = layout
+            start, end = layout.shard_range(rank, world_size)
+            by_weight: dict[str, list[TensorSpec]] = {}
+            for spec in layout.tensors:
+                by_weight.setdefault(first[spec.name], []).append(spec)
+            with store.writing(chunk):
+                flat = store.buffer(chunk)
+                flat.zero_()
+                for weight, specs in by_weight.items():
+                    lo, hi = specs[0].offset, max(t.offset + t.nbytes for t in specs)
+                    if hi <= start or lo >= end:
+                        continue  # no byte of it in this rank's shard
+                    image = torch.zeros(hi - lo, dtype=torch.uint8)
+                    moved = ChunkLayout(tuple(replace(t, offset=t.offset - lo) for t in specs), hi - lo)
+                    _fill(group, [weight], layout_views(moved, image), saved, source, checkpoint, dtype, quant)
+                    a, b = max(lo, start), min(hi, end)
+                    flat[a - start : b - start].copy_(image[a - lo : b - lo])
+    return source, full
+
+
+def _sources(parts: ModelParts, checkpoint: Checkpoint) -> dict[str, TensorSource]:
+    """``checkpoint_names``, with a ModelError naming the first parameter the checkpoint lacks."""
+    source = checkpoint_names(parts.model, checkpoint)
+    for group in parts.groups:
+        missing = [n for n in group.params if n not in source]
+        if missing:
+            raise ModelError(
+                f"the checkpoint in {checkpoint.directory} has no tensor {missing[0]!r} ({group.name})"
+            )
     return source
 
 

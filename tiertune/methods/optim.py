@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,25 +53,30 @@ def decays(tensor: torch.Tensor) -> bool:
     return tensor.dim() >= 2
 
 
-def moment_entries(entries: Entries, eight_bit: bool) -> Entries:
+def moment_entries(entries: Entries, eight_bit: bool, whole: dict[str, int] | None = None) -> Entries:
     """Chunk entries of one Adam moment: fp32 like the weights, or in 8 bits (uint8 values plus a
-    per-block absmax) for each tensor of ``MIN_8BIT_SIZE`` elements or more, as bitsandbytes lays them out."""
+    per-block absmax) for each tensor of ``MIN_8BIT_SIZE`` elements or more, as bitsandbytes lays them out.
+    ``whole``: the elements of the whole tensors where entries are a rank's parts of them (ZeRO-3), which
+    decide as the whole tensor does."""
     if not eight_bit:
         return [(name, shape, torch.float32) for name, shape, _ in entries]
     out: Entries = []
     for name, shape, _ in entries:
         numel = math.prod(shape)
-        if numel >= MIN_8BIT_SIZE:
+        if (whole or {}).get(name, numel) >= MIN_8BIT_SIZE:
             out += [(name, shape, torch.uint8), (f"{name}.absmax", (-(-numel // BLOCK_8BIT),), torch.float32)]
         else:
             out.append((name, shape, torch.float32))
     return out
 
 
-def adamw(names: list[str], master: dict, grads: dict, m: dict, v: dict, hp: AdamStep) -> None:
-    """torch's fused AdamW on the named tensors."""
+def adamw(
+    names: list[str], master: dict, grads: dict, m: dict, v: dict, hp: AdamStep, decayed: Container[str]
+) -> None:
+    """torch's fused AdamW on the named tensors, with weight decay on those in ``decayed`` (``decays`` of the
+    whole tensors: the tensors here may be a rank's flat parts of them)."""
     for decay in (True, False):
-        chosen = [n for n in names if decays(master[n]) == decay]
+        chosen = [n for n in names if (n in decayed) == decay]
         if not chosen:
             continue
         step = torch.tensor(float(hp.step))
@@ -115,10 +121,12 @@ def _bnb_adam(
         )  # fmt: skip
 
 
-def adamw_8bit(names: list[str], master: dict, grads: dict, m: dict, v: dict, hp: AdamStep) -> None:
-    """bitsandbytes' AdamW8bit on the named tensors."""
+def adamw_8bit(
+    names: list[str], master: dict, grads: dict, m: dict, v: dict, hp: AdamStep, decayed: Container[str]
+) -> None:
+    """bitsandbytes' AdamW8bit on the named tensors, with weight decay on those in ``decayed``."""
     for n in names:
-        _bnb_adam(master[n], grads[n], m, v, n, hp.weight_decay if decays(master[n]) else 0.0, hp)
+        _bnb_adam(master[n], grads[n], m, v, n, hp.weight_decay if n in decayed else 0.0, hp)
 
 
 # ---------------------------------------------------------------------------------------------- GaLore

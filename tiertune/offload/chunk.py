@@ -33,6 +33,16 @@ ALIGN = 4096
 TENSOR_ALIGN = 256
 """Byte alignment of each tensor inside a chunk, so that kernels can use wide vector loads."""
 
+SHARDED_TENSOR_ALIGN = 1024
+"""Byte alignment of each tensor inside a chunk split into several shards: a shard boundary inside a tensor
+then falls on a multiple of 256 elements of 4 bytes (512 of 2), so that a rank's part of a tensor starts a
+block of bitsandbytes' 8-bit optimizer states (256 elements) and every block is the one-process run's."""
+
+
+def tensor_align(num_shards: int) -> int:
+    """Byte alignment of tensors in a chunk of ``num_shards`` shards."""
+    return TENSOR_ALIGN if num_shards == 1 else SHARDED_TENSOR_ALIGN
+
 
 class ChunkState(enum.Enum):
     """Where a chunk's newest bytes are, or which transfer of them is in flight."""
@@ -115,6 +125,15 @@ class ChunkLayout:
         return rank * size, (rank + 1) * size
 
 
+def layout_views(layout: ChunkLayout, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Typed tensor views of ``layout``'s tensors over ``flat``, a uint8 buffer of its ``capacity`` bytes."""
+    out: dict[str, torch.Tensor] = {}
+    for spec in layout.tensors:
+        raw = flat[spec.offset : spec.offset + spec.nbytes]
+        out[spec.name] = raw.view(spec.dtype).view(spec.shape)
+    return out
+
+
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()
@@ -131,7 +150,7 @@ def pack_tensors(
 
     An entry is ``(name, shape, dtype)``, or a list of them that stays in one chunk (a quantized weight and
     its statistics). A tensor never spans two chunks: one larger than ``chunk_size`` gets a chunk of its
-    own. Each tensor starts at a multiple of ``TENSOR_ALIGN``; each capacity is a multiple of
+    own. Each tensor starts at a multiple of ``tensor_align(num_shards)``; each capacity is a multiple of
     ``ALIGN * num_shards``.
     """
     if chunk_size <= 0:
@@ -142,6 +161,7 @@ def pack_tensors(
     current: list[TensorSpec] = []
     offset = 0
     seen: set[str] = set()
+    align = tensor_align(num_shards)
 
     def close() -> None:
         nonlocal current, offset
@@ -152,7 +172,7 @@ def pack_tensors(
     def place(unit: list, start: int) -> list[TensorSpec]:
         specs = []
         for name, shape, dtype in unit:
-            start = round_up(start, TENSOR_ALIGN)
+            start = round_up(start, align)
             shape = tuple(int(s) for s in shape)
             specs.append(TensorSpec(name, shape, dtype, start))
             start += math.prod(shape) * itemsize(dtype)
@@ -220,11 +240,7 @@ class Chunk:
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed tensor views of this chunk's tensors over ``flat``, a uint8 buffer of ``capacity`` bytes."""
-        out: dict[str, torch.Tensor] = {}
-        for spec in self.layout.tensors:
-            raw = flat[spec.offset : spec.offset + spec.nbytes]
-            out[spec.name] = raw.view(spec.dtype).view(spec.shape)
-        return out
+        return layout_views(self.layout, flat)
 
     def __repr__(self) -> str:
         valid = ",".join(sorted(t.value for t in self.valid))

@@ -31,12 +31,12 @@ import torch
 
 from tiertune.errors import BudgetError, ConfigError, IntegrityError, StateError
 from tiertune.offload.aio import AsyncIO, IOHandle
-from tiertune.offload.chunk import IN_FLIGHT, Chunk, ChunkState, pack_tensors
+from tiertune.offload.chunk import ALIGN, IN_FLIGHT, Chunk, ChunkLayout, ChunkState, pack_tensors
 from tiertune.offload.disk import DiskSlot, DiskTier
 from tiertune.offload.inplace import FileReader, FileTensor, InPlace, Window, plan_in_place
 from tiertune.offload.schedule import Scheduler
 from tiertune.offload.tiers import BUDGET_SETTING, Allocation, MemoryTier, Tier, auto_budget, cuda_cap
-from tiertune.units import format_size, parse_size
+from tiertune.units import format_size, parse_size, round_up
 
 log = logging.getLogger("tiertune.offload")
 
@@ -249,6 +249,18 @@ class ChunkStore:
             entries = list(tensors)
         size = self.config.chunk_size if chunk_size is None else chunk_size
         layouts = pack_tensors(entries, size, self.config.num_shards)  # type: ignore[arg-type]
+        new = self.add_layouts(layouts, home, name, in_file)
+        if isinstance(tensors, Mapping):
+            for chunk in new:
+                self.write(chunk, {s.name: tensors[s.name] for s in chunk.tensors})
+        return new
+
+    def add_layouts(
+        self, layouts: Sequence[ChunkLayout], home: Tier | str, name: str | None = None, in_file: bool = False
+    ) -> list[Chunk]:
+        """Register one EMPTY chunk per layout as it is given (``add`` lays entries out first; a rank's shard
+        of a chunk has a layout of its own), homed on ``home``; all or none. Raises as ``add`` does."""
+        home = Tier(home)
         prefix = name or f"chunk{len(self._chunks)}"
         new: list[Chunk] = []
         with self._cond:
@@ -266,9 +278,6 @@ class ChunkStore:
                     self._unplace(chunk)
                     self._chunks.remove(chunk)
                 raise
-        if isinstance(tensors, Mapping):
-            for chunk in new:
-                self.write(chunk, {s.name: tensors[s.name] for s in chunk.tensors})
         return new
 
     def add_in_place(
@@ -479,6 +488,36 @@ class ChunkStore:
             yield views
         finally:
             self.release(chunk, dirty=True)
+
+    def buffer(self, chunk: Chunk) -> torch.Tensor:
+        """The flat uint8 buffer (``capacity`` bytes) behind an acquired chunk's views, on the tier it is
+        acquired on; valid until the matching ``release``. For whole-chunk transfers: a shard gathered into
+        a full chunk, bytes copied as they are."""
+        with self._cond:
+            if chunk.state is not S.IN_USE:
+                raise StateError(f"the buffer of chunk {chunk.name!r} that is not acquired ({chunk.state.value})")
+            return chunk.copies[chunk.use_tier].tensor  # type: ignore[index,attr-defined]
+
+    @contextlib.contextmanager
+    def scratch(self, nbytes: int, name: str, tier: Tier | str = Tier.DEVICE) -> Iterator[torch.Tensor]:
+        """A uint8 buffer of ``nbytes`` (rounded up to ``ALIGN``) on a memory tier for the block, counted in the
+        tier's budget and peak like a chunk (cached chunks are evicted to make room; BudgetError when there is
+        none): what a chunk's shards are gathered into for compute. Its contents start undefined."""
+        tier = Tier(tier)
+        if tier is Tier.DISK:
+            raise ConfigError("scratch space is on the device or the host, not on disk")
+        standin = Chunk(-1, name, ChunkLayout((), round_up(max(nbytes, 1), ALIGN)), tier)
+        with self._cond:
+            self._check_open()
+            alloc = self._alloc(tier, standin, blocking=True)
+        try:
+            yield alloc.tensor[:nbytes]  # type: ignore[union-attr]
+        finally:
+            if self._mem[tier].device.type == "cuda":  # kernels queued on it finish before its memory is reused
+                torch.cuda.current_stream(self.device).synchronize()
+            with self._cond:
+                self._mem[tier].free(alloc)  # type: ignore[arg-type]
+                self._cond.notify_all()
 
     def write(self, chunk: Chunk, values: Mapping[str, torch.Tensor]) -> None:
         """Copy ``values`` into ``chunk``'s tensors (on its home tier, or staged on the host for disk)."""

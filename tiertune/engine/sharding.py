@@ -1,0 +1,117 @@
+"""ZeRO-3 over the store's chunks, for one rank of several (``Zero``).
+
+Every weight chunk is laid out as one process lays it out, padded so that it splits into N equal shards, and
+this rank's store holds only shard r of it (``loading.model.load_shards``): its views are the elements the
+rank owns, the fp32 gradients, master weights and moments registered beside it (``layout.add_states``) hold
+those elements only, so the CPU optimizer updates the rank's part of every tensor and writes the new weights
+into its own shard. Nothing is held N times.
+
+- A group bound for compute reads this rank's shard through the tiers (prefetched along the trace, as a
+  whole chunk is in one process) and all-gathers the whole chunk into scratch space on the device, counted
+  in the device budget; the shard is released at once, the whole chunk freed when the group is.
+- A micro-batch's weight gradients of a chunk are packed by owner and reduce-scattered: each rank receives
+  the sum over the ranks of the elements it owns, which the gradient hand-off adds into its fp32 gradients.
+- The gradient norm for clipping is the square root of the all-reduced sum of the ranks' squared norms; the
+  step's token count and loss are all-reduced, so every rank's loss is divided by the tokens of the whole
+  global batch and the sum of the ranks' gradients is the token-weighted mean over all of them.
+- Replicated tensors (LoRA's adapters) have their gradients all-reduced before their optimizer steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from tiertune.distributed.collectives import Wire, all_gather, all_reduce, reduce_scatter
+from tiertune.distributed.ownership import Slice, owned_slices, pack_by_owner, run_length, views_of_run
+from tiertune.distributed.world import World
+from tiertune.offload.chunk import Chunk, ChunkLayout, layout_views
+from tiertune.offload.store import ChunkStore
+from tiertune.offload.tiers import Tier
+
+
+class Zero:
+    """This rank's side of ZeRO-3: ``full`` maps each shard chunk's id to the whole chunk's layout. ``wire``
+    counts the bytes this rank sends; ``times`` (the engine's) gets ``gather`` and ``reduce_scatter``
+    seconds."""
+
+    def __init__(
+        self, store: ChunkStore, world: World, full: dict[int, ChunkLayout], times: dict[str, float]
+    ) -> None:
+        self.store, self.world, self.full, self.times = store, world, full, times
+        self.owned = {cid: owned_slices(layout, world.size) for cid, layout in full.items()}
+        # the part of each tensor this rank owns (a tensor is never split between two chunks)
+        self.mine: dict[str, Slice] = {s.name: s for owned in self.owned.values() for s in owned[world.rank]}
+        self.device = store.device
+        self.wire = Wire()
+
+    @contextmanager
+    def gathered(self, chunk: Chunk, traced: bool = True) -> Iterator[dict[str, torch.Tensor]]:
+        """The whole chunk of which ``chunk`` is this rank's shard, on the device for the block: its tensors'
+        views over scratch space. Every rank must enter it for the same chunk (a collective)."""
+        layout = self.full[chunk.id]
+        began = time.perf_counter()
+        self.store.acquire(chunk, Tier.DEVICE, traced=traced)
+        held = True
+        try:
+            self.times["io_wait"] += time.perf_counter() - began
+            with self.store.scratch(layout.capacity, f"{chunk.name}.gathered") as flat:
+                began = time.perf_counter()
+                all_gather(self.store.buffer(chunk), flat, self.wire)
+                self.times["gather"] += time.perf_counter() - began
+                self.store.release(chunk)
+                held = False
+                yield layout_views(layout, flat)
+        finally:
+            if held:
+                self.store.release(chunk)
+
+    def reduce(self, chunk: Chunk, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """The sum over the ranks of a micro-batch's gradients of ``chunk``'s tensors (whole tensors by name;
+        None counts as zeros), for the elements this rank owns: flat fp32 tensors by name, one for each tensor
+        of the shard, on the device. Every rank must call it for the same chunk (a collective)."""
+        owned = self.owned[chunk.id]
+        began = time.perf_counter()
+        present = {n: g for n, g in grads.items() if g is not None}
+        packed = pack_by_owner(present, owned, device=self.device)
+        run = torch.empty(run_length(owned), dtype=torch.float32, device=self.device)
+        reduce_scatter(packed, run, self.wire)
+        self.times["reduce_scatter"] += time.perf_counter() - began
+        return {s.name: view for s, view in views_of_run(run, owned[self.world.rank])}
+
+    def global_norm(self, local: torch.Tensor) -> torch.Tensor:
+        """The norm over all ranks' elements, from this rank's norm of its own (fp32, on the CPU)."""
+        squared = (local.float() ** 2).reshape(1).to(self.device)
+        all_reduce(squared, self.wire)
+        return squared.sqrt().cpu().reshape(())
+
+    def total(self, value: float | int, dtype: torch.dtype = torch.float64) -> float | int:
+        """``value`` summed over the ranks (a step's loss or its token count)."""
+        t = torch.tensor([value], dtype=dtype, device=self.device)
+        all_reduce(t, self.wire)
+        return t.item()
+
+    def all_reduce_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Replicated parameters' gradients summed over the ranks (one all-reduce; a missing one counts as
+        zeros and is made)."""
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if not params:
+            return
+        flat = torch.cat([p.grad.reshape(-1).float() for p in params])  # type: ignore[union-attr]
+        all_reduce(flat, self.wire)
+        at = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[at : at + n].view_as(p.grad))  # type: ignore[union-attr]
+            at += n
+
+    def read_slice(self, name: str, whole: torch.Tensor, view: torch.Tensor) -> None:
+        """Copy this rank's elements of tensor ``name`` (``whole``, the tensor as one process has it) into
+        ``view`` (its flat part of a shard)."""
+        s = self.mine[name]
+        view.copy_(whole.reshape(-1)[s.start : s.end])
