@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from tiertune.distributed.world import World
 from tiertune.engine.binding import Binder
 from tiertune.engine.config import EngineConfig
 from tiertune.engine.gradients import GradientSink
@@ -38,7 +39,6 @@ from tiertune.engine.update import LRSchedule, StepContext, Updater
 from tiertune.errors import ConfigError, DataError, NonFiniteError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 from tiertune.kernels.patch import patch_model, resolve_backend
-from tiertune.distributed.world import World
 from tiertune.loading.model import ModelParts, build_skeleton, load_into_store, load_shards, split_model
 from tiertune.loading.weights import Checkpoint
 from tiertune.methods.lora import Adapters

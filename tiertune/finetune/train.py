@@ -10,6 +10,7 @@ place only once complete; for LoRA, the adapter in PEFT format (``adapter_config
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tiertune.distributed.world import World
 from tiertune.engine import EngineConfig, StreamedTrainer
 from tiertune.errors import (
     ConfigError,
@@ -50,9 +52,10 @@ from tiertune.finetune.checkpoint import (
 )
 from tiertune.finetune.data import batches, load_data
 from tiertune.finetune.export import write_hf
+from tiertune.finetune.ranks import decided_by_main, join, rows_of
 from tiertune.finetune.recipe import Recipe, load_recipe
 from tiertune.finetune.reporting import Reporters
-from tiertune.finetune.rundir import LOG_NAME, RunDirectory
+from tiertune.finetune.rundir import LOG_NAME, Decision, RunDirectory
 from tiertune.finetune.signals import StopOnSignals, stop_on_signals
 from tiertune.kernels.patch import describe, resolve_backend
 from tiertune.offload.chunk import itemsize
@@ -103,12 +106,21 @@ def plan(recipe: Recipe, device: str | None = None) -> tuple[StoreConfig, Engine
             raise ConfigError(
                 f"training.output_dir is {key} ({out}): the run would write over it; choose another directory"
             )
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise ConfigError(
-            f"launched as {world} processes, but multi-GPU training (ZeRO sharding) is not available yet; "
-            "run a single process"
-        )
+    world = World.from_env()
+    t = recipe.training
+    if world.size > 1:
+        if recipe.method.type == "galore":
+            raise ConfigError(
+                f"launched as {world.size} processes, but method.type: galore does not run sharded yet (GaLore "
+                "projects each weight matrix's whole gradient, a rank holds a part of it); run one process, or "
+                "use method.type: full or lora"
+            )
+        if t.save_steps > 0 or t.resume_from_checkpoint:
+            raise ConfigError(
+                f"launched as {world.size} processes: checkpoints of a sharded run are not written or resumed yet; "
+                "set training.save_steps=0 and leave training.resume_from_checkpoint unset (the model is still "
+                "exported at the end), or run one process"
+            )
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     resolve_backend(recipe.kernels, torch.device(device))  # kernels: triton where it cannot run is an error
     dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32}.get(
@@ -126,16 +138,20 @@ def plan(recipe: Recipe, device: str | None = None) -> tuple[StoreConfig, Engine
         raise ConfigError(
             "offload.params or offload.optimizer_states is disk but offload.disk_path is not set"
         )
-    t = recipe.training
     lora_seed = recipe.method.lora.seed
     store = StoreConfig(
         device=device if torch.cuda.is_available() else "cpu",
         device_budget=off.device_budget,
         host_budget=off.host_budget,
-        disk_path=off.disk_path,
+        disk_path=str(world.disk_dir(off.disk_path)) if off.disk_path else None,  # rank-r of several
         chunk_size=1 << 40,  # one chunk per parameter group (a decoder layer): its states then mirror it
         prefetch_depth=off.prefetch_depth,
+        num_shards=world.size,
     )
+    if world.local_size > 1:  # the host budget is the node's, shared by its ranks (the device's too on a CPU)
+        store.host_budget //= world.local_size  # type: ignore[operator]
+        if store.device.type == "cpu":  # type: ignore[union-attr]
+            store.device_budget //= world.local_size  # type: ignore[operator]
     engine = EngineConfig(
         dtype=dtype,
         learning_rate=t.learning_rate,
@@ -220,15 +236,18 @@ def train(
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
     recipe = recipe.with_absolute_paths()
+    world = World.from_env()
     store_cfg, engine_cfg = plan(recipe)
+    join(world)  # several processes: the process group, this rank's GPU and threads
     run_dir = RunDirectory(recipe.training.output_dir)
-    with stop_on_signals() as stop, run_dir:
-        recover(run_dir.path)
+    with stop_on_signals() as stop, run_dir if world.is_main else contextlib.nullcontext():
+        if world.is_main:  # the run directory is rank 0's: it locks, checks and prepares it for all
+            recover(run_dir.path)
         try:
             loaded = _load(recipe)
             stop.check()  # a signal during loading that landed where it could not be raised
             with stop.at_safe_points():  # from here the run holds chunks and locks
-                return _run(recipe, store_cfg, engine_cfg, run_dir, loaded, progress, stop)
+                return _run(recipe, store_cfg, engine_cfg, run_dir, loaded, progress and world.is_main, stop, world)
         except Signalled as exc:  # before the first step: what was set up has been unwound
             newest = latest_checkpoint(run_dir.path)
             step = checkpoint_step(newest) if newest else 0
@@ -247,7 +266,8 @@ class _Loaded:
 
 
 def _load(recipe: Recipe) -> _Loaded:
-    """Tokenizer and data (no chunk store yet: a signal may stop this anywhere)."""
+    """Tokenizer and data (no chunk store yet: a signal may stop this anywhere). Steps count global batches:
+    per-device batch x the launch's ranks."""
     t, d = recipe.training, recipe.data
     torch.manual_seed(t.seed)
     tokenizer = _tokenizer(recipe.model.path)
@@ -255,7 +275,7 @@ def _load(recipe: Recipe) -> _Loaded:
     _check_vocabulary(data, recipe.model.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     rows = math.ceil(data.tokens / d.max_seq_len) if d.packing else len(data)  # packing: about full rows
-    per_epoch = math.ceil(rows / t.per_device_train_batch_size)
+    per_epoch = math.ceil(rows / (t.per_device_train_batch_size * World.from_env().size))
     steps = (
         t.max_steps
         if t.max_steps > 0
@@ -272,27 +292,36 @@ def _run(
     loaded: _Loaded,
     progress: bool,
     stop: StopOnSignals,
+    world: World,
 ) -> TrainResult:
     """The run in its directory: decide, prepare, build the trainer, train, checkpoint, export. Called with
-    signals stopping it at safe points only."""
+    signals stopping it at safe points only. Of several ranks, rank 0 decides, prepares, logs and writes the
+    run's files; every rank trains and exports (each chunk gathered in turn)."""
     t, d = recipe.training, recipe.data
     out = run_dir.path
     data, tokenizer, steps, per_epoch = loaded.data, loaded.tokenizer, loaded.steps, loaded.per_epoch
     engine_cfg.max_steps = steps
-    decision = run_dir.decide(recipe, steps)  # every check before anything in the directory changes
-    removed = run_dir.prepare(decision)
-    for path in removed:
-        log.debug("removed %s", path)
-    if decision.clear:
-        log.info("started over in %s: the previous run's checkpoints, log and model were removed", out)
     recipe_path = out / RECIPE_FILE
-    write_text_atomically(recipe_path, recipe.to_yaml())
+
+    def settle() -> Decision:
+        decision = run_dir.decide(recipe, steps)  # every check before anything in the directory changes
+        removed = run_dir.prepare(decision)
+        for path in removed:
+            log.debug("removed %s", path)
+        if decision.clear:
+            log.info("started over in %s: the previous run's checkpoints, log and model were removed", out)
+        write_text_atomically(recipe_path, recipe.to_yaml())
+        return decision
+
+    decision = decided_by_main(world, settle)
     result = TrainResult(out)
-    stream = batches(data, t.per_device_train_batch_size, loaded.pad_id, d.shuffle, t.seed, d.packing, d.max_seq_len)
+    # the global batches, and this rank's rows of each
+    stream = rows_of(world, batches(data, t.per_device_train_batch_size * world.size, loaded.pad_id, d.shuffle,
+                                    t.seed, d.packing, d.max_seq_len))  # fmt: skip
     history: list[dict] = []
     first = decision.step
     stop.check()
-    trainer = StreamedTrainer(recipe.model.path, store_cfg, engine_cfg, safe_point=stop.check)
+    trainer = StreamedTrainer(recipe.model.path, store_cfg, engine_cfg, safe_point=stop.check, world=world)
     try:
         if decision.resume is not None:
             state = load_checkpoint(trainer, decision.resume)
@@ -303,7 +332,8 @@ def _run(
     except BaseException:
         trainer.close()
         raise
-    _rewrite_log(result.log_path, history)  # each step once: a resumed run runs the later ones again
+    if world.is_main:
+        _rewrite_log(result.log_path, history)  # each step once: a resumed run runs the later ones again
     counted = dict(trainer.optimizer_counts)  # a resumed run's counters start at its checkpoint's
     notes = list(decision.notes)
     if decision.resume is not None:
@@ -321,9 +351,10 @@ def _run(
     done = first
     failure: BaseException | None = None
     try:
-        _check_room(trainer, out, t.save_steps > 0 and steps > first)
-        reporters = Reporters(t.report_to, out, recipe.to_dict(), first)
-        with open(result.log_path, "a") as log_file:
+        if world.is_main:
+            _check_room(trainer, out, t.save_steps > 0 and steps > first)
+        reporters = Reporters(t.report_to if world.is_main else "none", out, recipe.to_dict(), first)
+        with open(result.log_path if world.is_main else os.devnull, "a") as log_file:
             for step in range(first, steps):
                 micro = [next(stream) for _ in range(t.gradient_accumulation_steps)]
                 tokens = sum(int(mb["num_tokens"]) for mb in micro)
@@ -372,10 +403,11 @@ def _run(
                     bar.update(1)
         writer.wait()
         stop.check()
-        _export(trainer, tokenizer, out)
+        _export(trainer, tokenizer, out, world.is_main)
         stop.check()
-        final = {"global_step": steps, "max_steps": steps, "log_history": history}
-        write_text_atomically(out / STATE_FILE, json.dumps(final, indent=2))  # the run is finished
+        if world.is_main:
+            final = {"global_step": steps, "max_steps": steps, "log_history": history}
+            write_text_atomically(out / STATE_FILE, json.dumps(final, indent=2))  # the run is finished
     except BaseException as exc:
         failure = exc
         raise
@@ -393,7 +425,7 @@ def _run(
                 log.error("the checkpoint being written failed too: %s", exc)
             finally:
                 trainer.close()
-                for path in partials(out):
+                for path in partials(out) if world.is_main else ():
                     shutil.rmtree(path, ignore_errors=True)
         if failure is not None:
             _explain(failure, done, steps, out, recipe_path)
@@ -430,13 +462,18 @@ def _explain(failure: BaseException, done: int, steps: int, out: Path, recipe_pa
         ) from None
 
 
-def _export(trainer: StreamedTrainer, tokenizer: Any, out: Path) -> None:
-    """The trained adapter (PEFT) or model (Hugging Face) into the run directory."""
+def _export(trainer: StreamedTrainer, tokenizer: Any, out: Path, writes: bool = True) -> None:
+    """The trained adapter (PEFT) or model (Hugging Face) into the run directory. Of several ranks, only one
+    ``writes``; every rank takes part in gathering a sharded model's chunks."""
     if trainer.adapters is not None:  # a PEFT adapter directory (the base is the input model)
-        trainer.save_adapter(out)
-        tokenizer.save_pretrained(str(out))
-    else:
+        if writes:  # replicated: every rank has it whole
+            trainer.save_adapter(out)
+            tokenizer.save_pretrained(str(out))
+    elif writes:
         export_hf(trainer, tokenizer, out)
+    else:
+        for _ in trainer.weights():  # the gathers rank 0 makes, chunk by chunk
+            pass
 
 
 def _check_room(trainer: StreamedTrainer, out: Path, saves: bool) -> None:
@@ -492,9 +529,8 @@ def _banner(
     else:
         trained = sum(s.group.numel for s in trainer.states if s.trainable)
     total = sum(s.group.numel for s in trainer.states)
-    batch = (
-        t.per_device_train_batch_size * t.gradient_accumulation_steps * int(os.environ.get("WORLD_SIZE", "1"))
-    )
+    world = trainer.world
+    batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * world.size
     fused = [describe(trainer.kernel_counts)] if trainer.kernel_counts else []
     if trainer.fused_loss:
         fused.append("fused loss")
@@ -516,11 +552,18 @@ def _banner(
         f"  data: {len(data):,} rows, {data.tokens:,} tokens from {recipe.data.path}"
         + (f" ({', '.join(left_out)})" if left_out else ""),
         f"  steps {first + 1}-{steps} of {steps}, effective batch {batch} sequences "
-        f"({t.per_device_train_batch_size} x {t.gradient_accumulation_steps} accumulated), "
+        f"({t.per_device_train_batch_size} x {t.gradient_accumulation_steps} accumulated"
+        + (f" x {world.size} ranks" if world.size > 1 else "") + "), "
         f"max_seq_len {recipe.data.max_seq_len}{', packed' if recipe.data.packing else ''}",
         f"  state: {where}",
         f"  budgets: device ({store.device}) {format_size(store.device_budget)}, host {format_size(store.host_budget)}"
-        + (f", disk {store.disk_path}" if store.disk_path else ""),
+        + (f", disk {store.disk_path}" if store.disk_path else "")
+        + (
+            f"; per rank of {world.size} (ZeRO-3: each keeps 1/{world.size} of every chunk; offload.host_budget"
+            f" is the node's, shared by its {world.local_size} ranks)"
+            if world.size > 1
+            else ""
+        ),
         f"  optimizer: {optimizer_description(recipe, trainer)}",
         f"  activations on {cfg.activations}; output {t.output_dir}",
         f"  kernels: {trainer.kernel_backend} ({', '.join(fused) or 'none fused: the model modules, unfused loss'})",

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from tiertune.distributed.ownership import shard_layout
 from tiertune.errors import ModelError, StateError
 from tiertune.loading.weights import Checkpoint
-from tiertune.distributed.ownership import shard_layout
 from tiertune.offload.chunk import Chunk, ChunkLayout, TensorSpec, layout_views, pack_tensors
 from tiertune.offload.inplace import FileTensor, can_map
 from tiertune.offload.store import ChunkStore
