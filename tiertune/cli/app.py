@@ -192,7 +192,10 @@ def train(
                        f"disk_path={store.disk_path}")  # fmt: skip
             return
         result = run(resolved, progress=not quiet)
-    _report(result)
+    from tiertune.distributed.world import World
+
+    if World.from_env().is_main:  # of several ranks, one reports
+        _report(result)
 
 
 @app.command()

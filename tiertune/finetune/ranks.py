@@ -34,6 +34,18 @@ def join(world: World) -> None:
     log.info("rank %d of %d (%s), %d threads", world.rank, world.size, backend, world.threads())
 
 
+def launch_notes(world: World, env: dict[str, str]) -> list[str]:
+    """What to tell a user about how the run was launched: ``accelerate launch --cpu`` starts one process
+    whatever ``--num_processes`` says (its CPU launcher runs several only under MPI)."""
+    if world.size == 1 and env.get("ACCELERATE_USE_CPU", "").lower() == "true":
+        return [
+            "one process: `accelerate launch --cpu` starts one whatever --num_processes says; for N processes "
+            "on CPUs, `accelerate launch --multi_gpu --num_processes N -m tiertune.cli train RECIPE` (gloo) "
+            "or `torchrun --nproc_per_node N -m tiertune.cli train RECIPE`"
+        ]
+    return []
+
+
 def decided_by_main(world: World, decide: Callable[[], T]) -> T:
     """``decide()`` on rank 0, its result (or its error: a ``TiertuneError`` is raised on every rank, with its
     message) given to every rank."""

@@ -52,7 +52,7 @@ from tiertune.finetune.checkpoint import (
 )
 from tiertune.finetune.data import batches, load_data
 from tiertune.finetune.export import write_hf
-from tiertune.finetune.ranks import decided_by_main, join, rows_of
+from tiertune.finetune.ranks import decided_by_main, join, launch_notes, rows_of
 from tiertune.finetune.recipe import Recipe, load_recipe
 from tiertune.finetune.reporting import Reporters
 from tiertune.finetune.rundir import LOG_NAME, Decision, RunDirectory
@@ -335,7 +335,7 @@ def _run(
     if world.is_main:
         _rewrite_log(result.log_path, history)  # each step once: a resumed run runs the later ones again
     counted = dict(trainer.optimizer_counts)  # a resumed run's counters start at its checkpoint's
-    notes = list(decision.notes)
+    notes = list(decision.notes) + launch_notes(world, dict(os.environ))
     if decision.resume is not None:
         notes.append(f"resumed from {decision.resume} at step {first} of {steps}")
     result.first_step = first + 1
@@ -555,7 +555,7 @@ def _banner(
         f"({t.per_device_train_batch_size} x {t.gradient_accumulation_steps} accumulated"
         + (f" x {world.size} ranks" if world.size > 1 else "") + "), "
         f"max_seq_len {recipe.data.max_seq_len}{', packed' if recipe.data.packing else ''}",
-        f"  state: {where}",
+        f"  state{f' (of each of {world.size} ranks)' if world.size > 1 else ''}: {where}",
         f"  budgets: device ({store.device}) {format_size(store.device_budget)}, host {format_size(store.host_budget)}"
         + (f", disk {store.disk_path}" if store.disk_path else "")
         + (
