@@ -31,23 +31,20 @@ from tiertune.engine.layout import (
     state_bytes,
     state_chunks,
 )
+from tiertune.engine.loaded import load_model
 from tiertune.engine.loss import CausalLMLoss
 from tiertune.engine.router_aux import RouterAux
-from tiertune.engine.sharding import Zero
 from tiertune.engine.streaming import InputStash, StreamedLayer
 from tiertune.engine.update import LRSchedule, StepContext, Updater
 from tiertune.errors import ConfigError, DataError, NonFiniteError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 from tiertune.kernels.patch import patch_model, resolve_backend
-from tiertune.loading.model import ModelParts, build_skeleton, load_into_store, load_shards, split_model
 from tiertune.loading.weights import Checkpoint
 from tiertune.methods.lora import Adapters
 from tiertune.methods.optim import GaLore
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore, StoreConfig
 from tiertune.offload.tiers import Tier
-from tiertune.quant import experts as quant_experts
-from tiertune.quant import make_quantizer, saved_quantization
 
 log = logging.getLogger("tiertune.engine")
 
@@ -86,55 +83,11 @@ class StreamedTrainer:
         self.safe_point = safe_point
         self.store = ChunkStore(store_config)
         self.device = self.store.device
-        self.model = build_skeleton(model_dir, config.dtype)
-        self.model.config.use_cache = False
-        self.model.train()  # dropout as configured, and no inference-only kernels (as the HF Trainer does)
-        self.parts: ModelParts = split_model(self.model)
-        saved = saved_quantization(self.model.config, model_dir)
-        # 4-bit weights dequantize to the dtype products run fast in here (fp32 on a CPU without native bf16)
-        compute = config.layer_dtype(self.device)
-        if compute != config.dtype:
-            log.info("this CPU has no native %s matrix products: quantized layers compute in %s",
-                     str(config.dtype).removeprefix("torch."), str(compute).removeprefix("torch."))  # fmt: skip
-        self.quant = make_quantizer(config.quantize, compute, saved, model_dir)
-        if self.quant is not None:  # Linear4bit/8bitLt in every decoder layer, as a plain quantized load has
-            # and, beyond it, MoE layers' fused expert weights 4-bit too (one matrix per expert)
-            marked = []
-            for layer in self.parts.layers:
-                self.quant.convert(layer)
-                marked += quant_experts.convert_experts(layer, self.quant)
-            if marked:
-                quant_experts.use_4bit_experts(self.model)
-                log.info("experts: %s stored 4-bit, one matrix per expert", ", ".join(sorted(set(marked))))
-            self.parts = split_model(self.model)
-        homes = {"embed": config.params, "layer": config.params, "rest": config.params, "head": config.params}
-        checkpoint = Checkpoint(model_dir)
-        self.quant_cache = None
-        # a pre-quantized checkpoint too: an MoE's experts are saved unquantized (transformers leaves them so)
-        if self.quant is not None and config.quant_cache is not None and self.world.size == 1:
-            from tiertune.loading.quant_cache import QuantCache
-
-            self.quant_cache = QuantCache(config.quant_cache, checkpoint, self.quant.settings())
         self.times: defaultdict[str, float] = defaultdict(float)  # seconds per step part, cumulative
-        self.zero: Zero | None = None
-        if self.world.size > 1:  # this rank's shard of every chunk
-            self._source, full = load_shards(
-                self.parts, checkpoint, self.store, homes, config.dtype, self.world.rank, self.world.size,
-                self.quant, safe_point=safe_point,
-            )  # fmt: skip
-            self.zero = Zero(self.store, self.world, full, self.times)
-        else:
-            self._source = load_into_store(
-                self.parts, checkpoint, self.store, homes, config.dtype, self.quant, cache=self.quant_cache,
-                safe_point=safe_point, in_place=config.method == "lora",
-            )  # fmt: skip
-        if self.quant_cache is not None:
-            log.info(
-                "quantized layers: %d read from %s, %d quantized",
-                self.quant_cache.hits,
-                self.quant_cache.directory,
-                self.quant_cache.misses,
-            )
+        loaded = load_model(model_dir, self.store, config, self.world, self.times, safe_point)
+        self.model, self.parts, self.quant = loaded.model, loaded.parts, loaded.quant
+        self.zero, self.quant_cache, self._source = loaded.zero, loaded.quant_cache, loaded.source
+        checkpoint = loaded.checkpoint
         # binds chunk tensors as the instance's parameters (the skeleton's placeholders back after)
         self.binder = Binder(self.model, self.quant)
         self._param_order = [n for n, _ in self.model.named_parameters()]

@@ -1,0 +1,97 @@
+"""The model a run trains, made ready for the engine (``load_model``): the skeleton on the meta device, its
+quantized layers converted as a quantized load converts them, and its weights streamed into the store: whole
+chunks for one process, this rank's shard of each for one of several (ZeRO-3, ``engine.sharding``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from tiertune.distributed.world import World
+from tiertune.engine.config import EngineConfig
+from tiertune.engine.sharding import Zero
+from tiertune.loading.model import (
+    ModelParts,
+    TensorSource,
+    build_skeleton,
+    load_into_store,
+    load_shards,
+    split_model,
+)
+from tiertune.loading.weights import Checkpoint
+from tiertune.offload.store import ChunkStore
+from tiertune.quant import Quantizer, make_quantizer, saved_quantization
+from tiertune.quant import experts as quant_experts
+
+if TYPE_CHECKING:
+    from tiertune.loading.quant_cache import QuantCache
+
+log = logging.getLogger("tiertune.engine")
+
+
+@dataclass
+class LoadedModel:
+    """What ``load_model`` made: the model instance and its parts (their groups' chunks in the store), the
+    quantizer of its layers (None: not quantized), the checkpoint and where each parameter is in it, and this
+    rank's side of ZeRO-3 (None for one process)."""
+
+    model: nn.Module
+    parts: ModelParts
+    quant: Quantizer | None
+    checkpoint: Checkpoint
+    source: dict[str, TensorSource]
+    zero: Zero | None
+    quant_cache: QuantCache | None = None  # where quantized layers were read from or kept (one process)
+
+
+def load_model(
+    model_dir: str, store: ChunkStore, config: EngineConfig, world: World, times: dict[str, float],
+    safe_point: Callable[[], None] | None = None,
+) -> LoadedModel:  # fmt: skip
+    """Build the model of ``model_dir`` for training and stream its weights into ``store`` (homed on
+    ``config.params``); ``safe_point`` is called after each group (see ``loading.model.load_into_store``)."""
+    model = build_skeleton(model_dir, config.dtype)
+    model.config.use_cache = False
+    model.train()  # dropout as configured, and no inference-only kernels (as the HF Trainer does)
+    parts = split_model(model)
+    saved = saved_quantization(model.config, model_dir)
+    # 4-bit weights dequantize to the dtype products run fast in here (fp32 on a CPU without native bf16)
+    compute = config.layer_dtype(store.device)
+    if compute != config.dtype:
+        log.info("this CPU has no native %s matrix products: quantized layers compute in %s",
+                 str(config.dtype).removeprefix("torch."), str(compute).removeprefix("torch."))  # fmt: skip
+    quant = make_quantizer(config.quantize, compute, saved, model_dir)
+    if quant is not None:  # Linear4bit/8bitLt in every decoder layer, as a plain quantized load has
+        # and, beyond it, MoE layers' fused expert weights 4-bit too (one matrix per expert)
+        marked = []
+        for layer in parts.layers:
+            quant.convert(layer)
+            marked += quant_experts.convert_experts(layer, quant)
+        if marked:
+            quant_experts.use_4bit_experts(model)
+            log.info("experts: %s stored 4-bit, one matrix per expert", ", ".join(sorted(set(marked))))
+        parts = split_model(model)
+    homes = dict.fromkeys(("embed", "layer", "rest", "head"), config.params)
+    checkpoint = Checkpoint(model_dir)
+    if world.size > 1:  # this rank's shard of every chunk
+        source, full = load_shards(
+            parts, checkpoint, store, homes, config.dtype, world.rank, world.size, quant, safe_point=safe_point
+        )
+        return LoadedModel(model, parts, quant, checkpoint, source, Zero(store, world, full, times))
+    cache = None
+    # a pre-quantized checkpoint too: an MoE's experts are saved unquantized (transformers leaves them so)
+    if quant is not None and config.quant_cache is not None:
+        from tiertune.loading.quant_cache import QuantCache
+
+        cache = QuantCache(config.quant_cache, checkpoint, quant.settings())
+    source = load_into_store(
+        parts, checkpoint, store, homes, config.dtype, quant, cache=cache, safe_point=safe_point,
+        in_place=config.method == "lora",
+    )  # fmt: skip
+    if cache is not None:
+        log.info("quantized layers: %d read from %s, %d quantized", cache.hits, cache.directory, cache.misses)
+    return LoadedModel(model, parts, quant, checkpoint, source, None, cache)
