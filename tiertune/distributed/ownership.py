@@ -97,10 +97,8 @@ def shard_layout(layout: ChunkLayout, rank: int, world_size: int) -> ChunkLayout
     (the optimizer updates them), its buffer is what the all-gather sends."""
     start, end = layout.shard_range(rank, world_size)
     specs = []
-    dtypes = {t.name: t.dtype for t in layout.tensors}
-    offsets = {t.name: t.offset for t in layout.tensors}
+    whole = {t.name: t for t in layout.tensors}
     for s in owned_slices(layout, world_size)[rank]:
-        dtype = dtypes[s.name]
-        offset = offsets[s.name] + s.start * itemsize(dtype) - start
-        specs.append(TensorSpec(s.name, (s.numel,), dtype, offset))
+        t = whole[s.name]
+        specs.append(TensorSpec(s.name, (s.numel,), t.dtype, t.offset + s.start * itemsize(t.dtype) - start))
     return ChunkLayout(tuple(specs), end - start)

@@ -273,10 +273,6 @@ def add_twins(store: ChunkStore, states: list[GroupState], cfg: EngineConfig, de
     return True
 
 
-def entries_of(chunk: Chunk) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    return [(s.name, s.shape, s.dtype) for s in chunk.tensors]
-
-
 def state_chunks(states: list[GroupState], units: list[tuple[GroupState, int]] | None = None) -> list[Chunk]:
     """The chunks whose contents are the training state between steps: weights, master weights, moments
     and projections of the trained groups (gradients and twins are empty then; a frozen base is the input

@@ -69,12 +69,14 @@ class StreamedTrainer:
         ``store_config.num_shards`` its size); each rank's ``step`` gets its own part of the global batch."""
         self.config = config
         self.world = world or World()
-        if self.world.size > 1 and (store_config.num_shards != self.world.size or config.method == "galore"):
+        if self.world.size > 1 and config.method == "galore":
             raise ConfigError(
                 "method.type: galore does not run sharded yet: GaLore projects each weight matrix's whole "
                 "gradient (its SVD), and a rank holds a part of it; use one process, or method.type full or lora"
-                if config.method == "galore"
-                else f"a store for {self.world.size} ranks splits chunks into {self.world.size} shards "
+            )
+        if self.world.size > 1 and store_config.num_shards != self.world.size:
+            raise ConfigError(
+                f"a store for {self.world.size} ranks splits chunks into {self.world.size} shards "
                 f"(StoreConfig.num_shards is {store_config.num_shards})"
             )
         # called on the compute thread where the work may be abandoned, no chunk half acquired there: after
@@ -210,26 +212,22 @@ class StreamedTrainer:
     def bound_group(self, state: GroupState, requires_grad: bool) -> Iterator[dict[str, torch.Tensor]]:
         """Acquire a group's weight chunks on the device and bind them for the duration of the block."""
         bound: dict[str, torch.Tensor] = {}
-        acquired: list[Chunk] = []
-        gathered = ExitStack()
-        try:
-            views: dict[str, torch.Tensor] = {}
-            for chunk in state.weights:
-                if self.zero is not None:  # the whole chunk gathered from the ranks' shards
-                    views.update(gathered.enter_context(self.zero.gathered(chunk, self.step_ctx.traced)))
-                    continue
-                began = time.perf_counter()
-                views.update(self.store.acquire(chunk, Tier.DEVICE, traced=self.step_ctx.traced))
-                self.times["io_wait"] += time.perf_counter() - began
-                acquired.append(chunk)
-            # bound once all are acquired: a weight read in place may have its statistics in another chunk
-            bound.update(self.binder.bind(views, requires_grad))
-            yield bound
-        finally:
-            self.binder.unbind(list(bound))
-            for chunk in acquired:
-                self.store.release(chunk)
-            gathered.close()
+        with ExitStack() as held:  # closed after the unbinding below: the chunks released, or gathers freed
+            try:
+                views: dict[str, torch.Tensor] = {}
+                for chunk in state.weights:
+                    if self.zero is not None:  # the whole chunk gathered from the ranks' shards
+                        views.update(held.enter_context(self.zero.gathered(chunk, self.step_ctx.traced)))
+                        continue
+                    began = time.perf_counter()
+                    views.update(self.store.acquire(chunk, Tier.DEVICE, traced=self.step_ctx.traced))
+                    self.times["io_wait"] += time.perf_counter() - began
+                    held.callback(self.store.release, chunk)
+                # bound once all are acquired: a weight read in place may have its statistics in another chunk
+                bound.update(self.binder.bind(views, requires_grad))
+                yield bound
+            finally:
+                self.binder.unbind(list(bound))
 
     # ------------------------------------------------------------------ gradients
 

@@ -332,7 +332,7 @@ def load_into_store(
             safe_point()
         home = homes if isinstance(homes, Tier | str) else homes[group.kind]
         units = _units(group, weight_entries(group, dtype, quant))
-        owner = {entry[0]: unit[0][0] for unit in units for entry in unit}  # entry -> its weight
+        owner = _weight_of(units)
         saved = _saved_weights(group, source, checkpoint, quant)
         mapped: list[FileTensor] = []
         if in_place and Tier(home) is Tier.DISK:
@@ -389,17 +389,17 @@ def load_shards(
     rank's shard is copied into its own tiers)."""
     source = _sources(parts, checkpoint)
     full: dict[int, ChunkLayout] = {}
+    size = store.config.chunk_size if chunk_size is None else chunk_size
     for group in parts.groups:
         if safe_point is not None:
             safe_point()
         home = homes if isinstance(homes, Tier | str) else homes[group.kind]
         units = _units(group, weight_entries(group, dtype, quant))
         saved = _saved_weights(group, source, checkpoint, quant)
-        size = store.config.chunk_size if chunk_size is None else chunk_size
         layouts = pack_tensors(units, size, world_size)  # type: ignore[arg-type]
         shards = [shard_layout(layout, rank, world_size) for layout in layouts]
         group.chunks = store.add_layouts(shards, home, group.name)
-        first = {entry[0]: unit[0][0] for unit in units for entry in unit}  # entry -> its weight
+        first = _weight_of(units)
         for chunk, layout in zip(group.chunks, layouts, strict=True):
             full[chunk.id] = layout
             start, end = layout.shard_range(rank, world_size)
@@ -476,6 +476,11 @@ def read_in_place(
         units, group, source, _saved_weights(group, source, checkpoint, quant), checkpoint
     )
     return mapped, [entry for unit in rest for entry in unit]
+
+
+def _weight_of(units: list[list]) -> dict[str, str]:
+    """Each entry of ``units`` (``_units``) -> the weight whose unit it is in (a weight's statistics -> it)."""
+    return {entry[0]: unit[0][0] for unit in units for entry in unit}
 
 
 def _units(group: ParamGroup, entries: list) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
