@@ -258,7 +258,7 @@ def test_a_non_finite_step_stops_the_run_and_saves_nothing_after_the_last_good_s
     assert _log_steps(run_dir) == [1, 2, 3, 4]
     from safetensors.torch import load_file
 
-    for file in [*(run_dir / "checkpoint-4").glob("*.safetensors"), *(run_dir / "checkpoint-4").glob("state/*")]:
+    for file in [*(run_dir / "checkpoint-4").glob("*.safetensors"), *(run_dir / "checkpoint-4").glob("state/*.safetensors")]:
         assert all(torch.isfinite(t).all() for t in load_file(file).values()), file
     calls.clear()
     monkeypatch.setattr(CausalLMLoss, "__call__", poisoned)  # NaN again at the 5th call: CLI exit 3

@@ -172,12 +172,14 @@ def test_export_is_exactly_the_trained_weights(tiny_model_dir, tmp_path, family,
         assert torch.equal(params[name].detach(), value), name
 
 
-def test_multi_process_launch_stops_with_a_clear_message(recipe_file, monkeypatch):
+def test_multi_process_launch_plans_shards_or_says_what_it_cannot_do(recipe_file, monkeypatch):
     from tiertune.finetune.train import plan
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="launched as 2 processes"):
-        plan(load_recipe(recipe_file))
+    store, _ = plan(load_recipe(recipe_file, ("training.save_steps=2",)))  # sharded checkpoints are written
+    assert store.num_shards == 2
+    with pytest.raises(ConfigError, match="launched as 2 processes, but method.type: galore"):
+        plan(load_recipe(recipe_file, ("method.type=galore",)))
 
 
 def test_qlora_recipe_writes_an_adapter_that_peft_loads(recipe_file, model_dir):

@@ -2,13 +2,15 @@
 
 ``checkpoint-<step>/`` in the run directory holds everything the next step depends on:
 
-- ``state/<chunk>.safetensors``: the contents of every chunk of training state (weights, fp32 master
-  weights, Adam moments, 8-bit moments with their absmax, GaLore projections), read from wherever the store
-  keeps them (device, host or disk), one chunk at a time;
+- ``state/``: the contents of every chunk of training state (weights, fp32 master weights, Adam moments,
+  8-bit moments with their absmax, GaLore projections), read from wherever the store keeps them (device, host
+  or disk), one chunk at a time: ``state/<chunk>.safetensors`` from one process, ``state/rank-<r>/`` from
+  each rank of several (its shards only), and ``state/index.json``, where each tensor lies, which does not
+  depend on the number of processes: a checkpoint resumes in any number (``state_index``);
 - for LoRA: the adapter in PEFT format (``adapter_config.json``, ``adapter_model.safetensors``: the checkpoint
   directory loads with ``PeftModel.from_pretrained``) and ``adapter_optimizer.pt`` (weights and optimizer
   state as trained);
-- ``rng_state.pth``: Python's and torch's random states (CPU and CUDA);
+- ``rng_state.pth`` (``rng_state_<rank>.pth`` of several): Python's and torch's random states (CPU, CUDA);
 - ``recipe.yaml``: the resolved recipe (``tiertune export`` and ``merge`` read it);
 - ``trainer_state.json``: the step, the epoch, the micro-batches of data consumed, the engine's counters and
   the log history, as the Hugging Face Trainer names them;
@@ -42,8 +44,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
-from tiertune.errors import ConfigError, DiskFullError, IntegrityError
-from tiertune.files import fsync_dir, fsync_file
+from tiertune.errors import ConfigError, DiskFullError, IntegrityError, StateError
+from tiertune.files import fsync_dir, fsync_file, write_text_atomically
+from tiertune.finetune.ranks import decided_by_main
+from tiertune.finetune.state_index import INDEX_FILE, StateReader, merge, placements, rank_index
 from tiertune.offload.disk import is_no_space
 from tiertune.units import format_size
 
@@ -54,7 +58,9 @@ log = logging.getLogger("tiertune.checkpoint")
 
 PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
-CHECKSUMS = "checksums.json"  # {relative path: {"bytes": n, "xxh3_64": hex}} of every other file, written last
+CHECKSUMS = (
+    "checksums.json"  # {relative path: {"bytes": n, "xxh3_64": hex}} of every other file, written last
+)
 RECIPE_FILE = "recipe.yaml"  # the resolved recipe of the run, in the run directory and in each checkpoint
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 
@@ -112,12 +118,15 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_checksums(directory: Path) -> None:
-    """Record the size and xxh3-64 of every file under ``directory`` in its ``checksums.json``."""
+def write_checksums(directory: Path, known: dict[str, dict] | None = None) -> None:
+    """Record the size and xxh3-64 of every file under ``directory`` in its ``checksums.json``; those of
+    ``known`` (relative path -> entry: the other ranks' files, hashed by them) are taken as they are."""
+    known = known or {}
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS)
-    table = {
-        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "xxh3_64": file_digest(p)} for p in files
-    }
+    table = {}
+    for p in files:
+        name = str(p.relative_to(directory))
+        table[name] = known.get(name) or {"bytes": p.stat().st_size, "xxh3_64": file_digest(p)}
     (directory / CHECKSUMS).write_text(json.dumps(table, indent=1))
 
 
@@ -185,10 +194,19 @@ class CheckpointWriter:
     its optimizer thread), a chunk not yet written is written first, by the thread that wants to change it:
     the checkpoint is the state of one step boundary, and no copy of the whole state is ever held. ``wait``
     blocks until the checkpoint is complete and re-raises the writer's error.
+
+    Of several ranks, every rank calls ``save`` at the same step (it is a collective: rank 0 prepares the
+    directory and checks the room for all); each writes its own shards into ``state/rank-<r>/`` and, once
+    they are fsynced, ``state/rank-<r>.json`` (its pieces of the index and its files' checksums). Rank 0's
+    writer waits for every rank's, merges them into ``state/index.json`` and ``checksums.json``, and commits.
+    The writer threads exchange only files, never collectives; a rank that stops (killed, or failed) leaves
+    the checkpoint uncommitted: rank 0 gives up once no rank has written a byte for the collective timeout,
+    and the partial directory is removed.
     """
 
     def __init__(self, trainer: StreamedTrainer, run_dir: str | os.PathLike[str], limit: int | None) -> None:
         self._trainer = trainer
+        self._world = trainer.world
         self._run_dir = Path(run_dir)
         self._limit = limit
         self._cond = threading.Condition()
@@ -196,49 +214,69 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._failed: BaseException | None = None  # the first failed chunk write of the current save
+        self._files: dict[int, Path] = {}  # chunk id -> its file in the checkpoint being written
         self.blocked_s = 0.0  # time the training threads waited for chunks to be written first
         self.last: Path | None = None
 
     def save(self, trainer_state: dict, recipe_yaml: str | None = None) -> Path:
         """Start writing ``checkpoint-<global_step>`` (with the run's ``recipe.yaml``, when given); returns the
-        path it will have once complete."""
+        path it will have once complete. Of several ranks, every rank calls it at the same step."""
         self.wait()
-        trainer = self._trainer
+        trainer, world = self._trainer, self._world
         step = int(trainer_state["global_step"])
         final = self._run_dir / f"{PREFIX}{step}"
         tmp = self._run_dir / f".{PREFIX}{step}.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
         # room for it, counting the checkpoint of this step it replaces (a resumed run saving it again)
         needed = checkpoint_bytes(trainer)
-        free = shutil.disk_usage(self._run_dir).free + _size_of(final)
-        if needed > free:
-            raise self._disk_full(step, needed, free)
-        try:
-            (tmp / "state").mkdir(parents=True)
-            if trainer.adapters is not None:  # small, in memory: written now
-                trainer.save_adapter(tmp)
-                torch.save(trainer.adapters.training_state(), tmp / "adapter_optimizer.pt")
-            torch.save(_rng_states(), tmp / "rng_state.pth")
-            if recipe_yaml is not None:
-                (tmp / RECIPE_FILE).write_text(recipe_yaml)
-        except BaseException as exc:
+        if trainer.zero is not None:  # the ranks' parts, on the node's filesystems
+            needed = int(trainer.zero.total(needed, torch.int64))
+
+        def prepare() -> None:  # rank 0 (of several)
             shutil.rmtree(tmp, ignore_errors=True)
+            free = shutil.disk_usage(self._run_dir).free + _size_of(final)
+            if needed > free:
+                raise self._disk_full(step, needed, free)
+            try:
+                (tmp / "state").mkdir(parents=True)
+                if trainer.adapters is not None:  # small, in memory, replicated: written now
+                    trainer.save_adapter(tmp)
+                    torch.save(trainer.adapters.training_state(), tmp / "adapter_optimizer.pt")
+                if recipe_yaml is not None:
+                    (tmp / RECIPE_FILE).write_text(recipe_yaml)
+            except BaseException as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if is_disk_full(exc):
+                    raise self._disk_full(step, needed, shutil.disk_usage(self._run_dir).free) from None
+                raise
+
+        decided_by_main(world, prepare)
+        own = tmp / "state" / f"rank-{world.rank}" if world.size > 1 else tmp / "state"
+        try:
+            own.mkdir(parents=True, exist_ok=True)
+            torch.save(_rng_states(), tmp / rng_file(world.rank, world.size))
+        except BaseException as exc:
+            if world.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
             if is_disk_full(exc):
                 raise self._disk_full(step, needed, shutil.disk_usage(self._run_dir).free) from None
             raise
         chunks = trainer.state_chunks(in_update_order=True)
+        placed = placements(trainer)
+        self._files = {c.id: own / f"{c.name}.safetensors" for c in chunks if placed[c.id]}
+        files = [(str(self._files[c.id].relative_to(tmp)), placed[c.id]) for c in trainer.state_chunks()
+                 if c.id in self._files]  # fmt: skip
         state = dict(trainer_state, tiertune=dict(trainer_state.get("tiertune", {}), **trainer.counters()))
-        state["tiertune"]["state_chunks"] = [c.name for c in trainer.state_chunks()]
         state["tiertune"]["checksums"] = CHECKSUMS
+        state["tiertune"]["world_size"] = world.size
         self._needed = needed
         with self._cond:
             self._state = {c.id: "pending" for c in chunks}
             self._failed = None
-        self._files = tmp / "state"
         trainer.before_update = self.capture
         self._thread = threading.Thread(
-            target=self._run, args=(chunks, tmp, final, state), name="tiertune-checkpoint", daemon=True
-        )
+            target=self._run, args=(chunks, rank_index(files), tmp, final, state), name="tiertune-checkpoint",
+            daemon=True,
+        )  # fmt: skip
         self._thread.start()
         return final
 
@@ -275,11 +313,14 @@ class CheckpointWriter:
 
     def _claim(self, chunk) -> bool:
         """True if the caller is to write ``chunk`` now; waits while another thread writes it. Nothing more
-        is written once a write has failed."""
+        is written once a write has failed (nor a chunk of no tensors: a rank's empty share of a small one)."""
         with self._cond:
             while self._state.get(chunk.id) == "writing":
                 self._cond.wait()
             if self._state.get(chunk.id) != "pending" or self._failed is not None:
+                return False
+            if chunk.id not in self._files:
+                self._state[chunk.id] = "done"
                 return False
             self._state[chunk.id] = "writing"
             return True
@@ -290,7 +331,7 @@ class CheckpointWriter:
         from safetensors.torch import save_file
 
         try:
-            save_file(self._trainer.store.read(chunk), self._files / f"{chunk.name}.safetensors")
+            save_file(self._trainer.store.read(chunk), self._files[chunk.id])
         except BaseException as exc:
             with self._cond:
                 self._failed = self._failed or exc
@@ -299,28 +340,90 @@ class CheckpointWriter:
                 self._state[chunk.id] = "done"
                 self._cond.notify_all()
 
-    def _run(self, chunks: list, tmp: Path, final: Path, state: dict) -> None:
+    def _run(self, chunks: list, pieces: dict[str, dict], tmp: Path, final: Path, state: dict) -> None:
+        world = self._world
         try:
             for chunk in chunks:
                 if self._claim(chunk):
                     self._write(chunk)
             if self._failed is not None:
                 raise self._failed
+            if world.size > 1:
+                _hand_in(tmp, world.rank, world.size, pieces)
+                if not world.is_main:
+                    return  # rank 0 commits
+                parts = _collect(tmp, world.size, state["global_step"])
+                index = merge([p["pieces"] for p in parts], world.size)
+                known = {name: entry for p in parts for name, entry in p["checksums"].items()}
+                for r in range(world.size):
+                    (tmp / "state" / f"rank-{r}.json").unlink()
+            else:
+                index, known = merge([pieces], 1), {}
+            (tmp / "state" / INDEX_FILE).write_text(json.dumps(index, indent=1))
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
-            write_checksums(tmp)
+            write_checksums(tmp, known)
             _commit(tmp, final, self._run_dir)
             for stale in prune(self._run_dir, self._limit):
                 log.debug("removed %s (save_total_limit %d)", stale, self._limit)
             self.last = final
             log.info("saved %s", final)
         except BaseException as exc:  # re-raised by wait() on the training thread
-            shutil.rmtree(tmp, ignore_errors=True)  # never a partial left behind by a failed write
+            if world.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)  # never a partial left behind by a failed write
             if is_disk_full(exc):
                 step = int(state["global_step"])
                 exc = self._disk_full(step, self._needed, shutil.disk_usage(self._run_dir).free)
             self._error = exc
         finally:
             self._trainer.before_update = None
+
+
+def rng_file(rank: int, world_size: int) -> str:
+    """A process's random states in a checkpoint: ``rng_state.pth`` for one, ``rng_state_<rank>.pth`` of
+    several (as the Hugging Face Trainer names them)."""
+    return "rng_state.pth" if world_size == 1 else f"rng_state_{rank}.pth"
+
+
+def _hand_in(tmp: Path, rank: int, world_size: int, pieces: dict[str, dict]) -> None:
+    """A rank's part done: its files fsynced, then ``state/rank-<r>.json`` (its index entries and its files'
+    checksums) written under a temporary name and renamed, which tells rank 0 it is complete."""
+    own = tmp / "state" / f"rank-{rank}"
+    files = [*sorted(p for p in own.iterdir() if p.is_file()), tmp / rng_file(rank, world_size)]
+    checksums = {}
+    for path in files:
+        fsync_file(path)
+        checksums[str(path.relative_to(tmp))] = {"bytes": path.stat().st_size, "xxh3_64": file_digest(path)}
+    fsync_dir(own)
+    part = tmp / "state" / f"rank-{rank}.json"
+    write_text_atomically(part, json.dumps({"pieces": pieces, "checksums": checksums}))
+
+
+def _collect(tmp: Path, world_size: int, step: int) -> list[dict]:
+    """Every rank's hand-in (``_hand_in``), waited for as long as some rank keeps writing: StateError once
+    none has written a byte for the collective timeout (a rank that died or failed)."""
+    from tiertune.distributed.world import collective_timeout
+
+    patience = collective_timeout().total_seconds()
+    parts: dict[int, dict] = {}
+    seen, quiet_since, pause = -1, time.monotonic(), 0.02
+    while len(parts) < world_size:
+        for r in range(world_size):
+            path = tmp / "state" / f"rank-{r}.json"
+            if r not in parts and path.is_file():
+                parts[r] = json.loads(path.read_text())
+        written = _size_of(tmp)
+        if written != seen:
+            seen, quiet_since = written, time.monotonic()
+        elif time.monotonic() - quiet_since > patience and len(parts) < world_size:
+            missing = [r for r in range(world_size) if r not in parts]
+            raise StateError(
+                f"{PREFIX}{step} was not written: rank(s) {missing} wrote nothing for {patience:.0f} s (stopped or "
+                "failed); the checkpoints before it are intact"
+            )
+        if len(parts) < world_size:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+    return [parts[r] for r in range(world_size)]
 
 
 def _size_of(path: Path) -> int:
@@ -358,9 +461,9 @@ def prune(run_dir: str | os.PathLike[str], limit: int | None) -> list[Path]:
 
 
 def load_checkpoint(trainer: StreamedTrainer, path: str | os.PathLike[str]) -> dict:
-    """Put a checkpoint's state into a freshly built trainer of the same recipe; returns its trainer state."""
-    from safetensors.torch import load_file
-
+    """Put a checkpoint's state into a freshly built trainer of the same recipe; returns its trainer state.
+    The checkpoint may have been written by another number of processes: each reads the ranges it holds
+    (``state_index``). Of several ranks, every rank calls it (the check of the state is agreed on)."""
     path = Path(path)
     state_file = path / STATE_FILE
     if not state_file.is_file():
@@ -369,21 +472,21 @@ def load_checkpoint(trainer: StreamedTrainer, path: str | os.PathLike[str]) -> d
             "training.resume_from_checkpoint at a checkpoint-<step> directory, or use auto"
         )
     state = read_state(state_file)
-    saved = state.get("tiertune", {}).get("state_chunks")
-    ours = [c.name for c in trainer.state_chunks()]
-    if saved is None or saved != ours:
-        raise ConfigError(
-            f"checkpoint {path} was written by a run with other training state (model, method.type, optim "
-            "or chunking differ); resume with the recipe that wrote it"
-        )
-    for chunk in trainer.state_chunks():
-        file = path / "state" / f"{chunk.name}.safetensors"
-        tensors = _read(file, load_file)
-        expected = {t.name: (tuple(t.shape), t.dtype) for t in chunk.tensors}
-        found = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
-        if found != expected:
-            raise IntegrityError(f"{file} does not hold the tensors of {chunk.name}: the checkpoint is damaged")
-        trainer.store.write(chunk, tensors)
+    placed = placements(trainer)
+    wanted = {p.key: (p.shape, p.dtype) for found in placed.values() for p in found}
+    world = trainer.world
+    if world.size > 1:  # every rank checks the whole state's names, so that all agree
+        import torch.distributed as dist
+
+        everyone: list[dict] = [{} for _ in range(world.size)]
+        dist.all_gather_object(everyone, wanted)
+        wanted = {k: v for part in everyone for k, v in part.items()}
+    with StateReader(path, state) as reader:
+        reader.check(wanted)
+        for chunk in trainer.state_chunks():
+            with trainer.store.writing(chunk) as views:
+                for p in placed[chunk.id]:
+                    reader.read(p.key, p.start, p.end, views[p.name].reshape(-1))
     if trainer.adapters is not None:
         cfg = trainer.config
         blob = _read(path / "adapter_optimizer.pt", partial(torch.load, weights_only=False))
@@ -391,7 +494,9 @@ def load_checkpoint(trainer: StreamedTrainer, path: str | os.PathLike[str]) -> d
             blob, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon
         )
     trainer.restore_counters(state["tiertune"])
-    _set_rng_states(_read(path / "rng_state.pth", partial(torch.load, weights_only=False)))
+    rng = [path / rng_file(world.rank, world.size), path / rng_file(0, 1), path / rng_file(0, 2)]
+    found = next((f for f in rng if f.is_file()), rng[0])  # of another world size: rank 0's (or the only) one
+    _set_rng_states(_read(found, partial(torch.load, weights_only=False)))
     return state
 
 

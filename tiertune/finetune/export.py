@@ -24,7 +24,6 @@ from tiertune.files import move_files_into
 from tiertune.finetune.checkpoint import RECIPE_FILE, STATE_FILE
 
 SHARD_BYTES = 5 * 10**9  # like save_pretrained's default max_shard_size
-_STATE_SUFFIXES = (".master", ".exp_avg", ".exp_avg_sq", ".proj")  # chunks that are not weights
 
 
 def write_hf(parts: Iterable[dict[str, torch.Tensor]], config: Any, tokenizer: Any, out: Path) -> Path:
@@ -134,13 +133,15 @@ def export(
     state = source / STATE_FILE
     if not state.is_file():
         raise ConfigError(f"{source} is neither a finished run nor a complete checkpoint")
-    names = json.loads(state.read_text())["tiertune"]["state_chunks"]
-    from safetensors.torch import load_file
+    from tiertune.finetune.checkpoint import read_state
+    from tiertune.finetune.state_index import StateReader
 
-    weights = [n for n in names if not n.endswith(_STATE_SUFFIXES)]
+    trainer_state = read_state(state)
     config = AutoConfig.from_pretrained(recipe.model.path)
-    write_hf((load_file(source / "state" / f"{n}.safetensors") for n in weights), config, tokenizer, out)
-    return out, f"Hugging Face model at step {json.loads(state.read_text())['global_step']}"
+    with StateReader(source, trainer_state) as reader:  # whole tensors, whatever the ranks that wrote them
+        parts = ({name: reader.whole(f"weights/{name}")} for name in reader.keys("weights"))
+        write_hf(parts, config, tokenizer, out)
+    return out, f"Hugging Face model at step {trainer_state['global_step']}"
 
 
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}

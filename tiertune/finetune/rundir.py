@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from tiertune.distributed.world import World
 from tiertune.errors import ConfigError, IntegrityError, StorageError
 from tiertune.finetune.checkpoint import (
     PREFIX,
@@ -84,6 +85,38 @@ class Decision:
     step: int = 0
     clear: bool = False
     notes: tuple[str, ...] = ()
+
+
+def _batch_split(
+    changes: list[tuple[str, Any, Any]], recipe: Recipe, checkpoint: Path
+) -> tuple[list[tuple[str, Any, Any]], str, str]:
+    """The changes of a resumed run, counting the global micro-batch (per-device batch x ranks) rather than
+    its split: a run launched on another number of processes continues the same steps when the per-device
+    batch times the ranks is what it was (elastic resume). Returns the changes, a note when the split
+    changed, and the setting that keeps the batch when the batch changed."""
+    key = "training.per_device_train_batch_size"
+    per_device = recipe.training.per_device_train_batch_size
+    then_per_device = next((a for k, a, _ in changes if k == key), per_device)
+    counters = read_state(checkpoint / STATE_FILE).get("tiertune", {})
+    ranks_then = int(counters.get("world_size", 1))
+    rows_then = int(counters.get("rows_per_micro_batch", then_per_device * ranks_then))
+    ranks = World.from_env().size
+    rows = per_device * ranks
+    others = [c for c in changes if c[0] != key]
+    if ranks == ranks_then:
+        return changes, "", ""
+    if rows == rows_then:
+        note = (f"resuming on {ranks} process(es) a run written by {ranks_then}: the global micro-batch stays "
+                f"{rows} rows ({per_device} per device x {ranks})")  # fmt: skip
+        return others, note, ""
+    split = ("global micro-batch (per_device_train_batch_size x processes)",
+             f"{then_per_device} x {ranks_then}", f"{per_device} x {ranks}")  # fmt: skip
+    keep = (
+        f" (to keep its {rows_then} rows on {ranks} process(es): {key}={rows_then // ranks})"
+        if rows_then % ranks == 0
+        else ""
+    )
+    return [*others, split], "", keep
 
 
 class RunDirectory:
@@ -233,13 +266,14 @@ class RunDirectory:
                 f"after its checkpoint; raise training.max_steps above {step}, resume an earlier checkpoint "
                 "with training.resume_from_checkpoint=PATH, or start over with training.overwrite_output_dir=true"
             )
-        changes = self.changes(recipe, path)
+        changes, note, hint = _batch_split(self.changes(recipe, path), recipe, path)
+        notes += (note,) if note else ()
         if changes and not recipe.training.allow_recipe_changes:
             listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)
             raise ConfigError(
                 f"{path} was written by another run: {listed}. A resumed run must be the same run: resume with the "
-                "recipe that wrote it, set training.allow_recipe_changes=true to continue with these changes, or "
-                "start a new run in another training.output_dir (or with training.overwrite_output_dir=true)"
+                f"recipe that wrote it{hint}, set training.allow_recipe_changes=true to continue with these changes, "
+                "or start a new run in another training.output_dir (or with training.overwrite_output_dir=true)"
             )
         if changes:
             notes += (f"resuming with changed settings: {', '.join(k for k, _, _ in changes)}",)

@@ -108,19 +108,12 @@ def plan(recipe: Recipe, device: str | None = None) -> tuple[StoreConfig, Engine
             )
     world = World.from_env()
     t = recipe.training
-    if world.size > 1:
-        if recipe.method.type == "galore":
-            raise ConfigError(
-                f"launched as {world.size} processes, but method.type: galore does not run sharded yet (GaLore "
-                "projects each weight matrix's whole gradient, a rank holds a part of it); run one process, or "
-                "use method.type: full or lora"
-            )
-        if t.save_steps > 0 or t.resume_from_checkpoint:
-            raise ConfigError(
-                f"launched as {world.size} processes: checkpoints of a sharded run are not written or resumed yet; "
-                "set training.save_steps=0 and leave training.resume_from_checkpoint unset (the model is still "
-                "exported at the end), or run one process"
-            )
+    if world.size > 1 and recipe.method.type == "galore":
+        raise ConfigError(
+            f"launched as {world.size} processes, but method.type: galore does not run sharded yet (GaLore "
+            "projects each weight matrix's whole gradient, a rank holds a part of it); run one process, or "
+            "use method.type: full or lora"
+        )
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     resolve_backend(recipe.kernels, torch.device(device))  # kernels: triton where it cannot run is an error
     dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32}.get(
@@ -247,7 +240,9 @@ def train(
             loaded = _load(recipe)
             stop.check()  # a signal during loading that landed where it could not be raised
             with stop.at_safe_points():  # from here the run holds chunks and locks
-                return _run(recipe, store_cfg, engine_cfg, run_dir, loaded, progress and world.is_main, stop, world)
+                return _run(
+                    recipe, store_cfg, engine_cfg, run_dir, loaded, progress and world.is_main, stop, world
+                )
         except Signalled as exc:  # before the first step: what was set up has been unwound
             newest = latest_checkpoint(run_dir.path)
             step = checkpoint_step(newest) if newest else 0
@@ -315,9 +310,9 @@ def _run(
 
     decision = decided_by_main(world, settle)
     result = TrainResult(out)
-    # the global batches, and this rank's rows of each
-    stream = rows_of(world, batches(data, t.per_device_train_batch_size * world.size, loaded.pad_id, d.shuffle,
-                                    t.seed, d.packing, d.max_seq_len))  # fmt: skip
+    # the global batches (of ``rows``: per-device x ranks), and this rank's rows of each
+    rows = t.per_device_train_batch_size * world.size
+    stream = rows_of(world, batches(data, rows, loaded.pad_id, d.shuffle, t.seed, d.packing, d.max_seq_len))
     history: list[dict] = []
     first = decision.step
     stop.check()
@@ -326,7 +321,8 @@ def _run(
         if decision.resume is not None:
             state = load_checkpoint(trainer, decision.resume)
             history = list(state["log_history"])
-            for _ in range(state["tiertune"]["micro_batches"]):  # the data position: the same batches follow
+            skip = _batches_done(state["tiertune"], rows)  # the data position: the same batches follow
+            for _ in range(skip):
                 next(stream)
         stop.check()
     except BaseException:
@@ -394,7 +390,10 @@ def _run(
                         "max_steps": steps,
                         "epoch": record["epoch"],
                         "log_history": history,
-                        "tiertune": {"micro_batches": (step + 1) * t.gradient_accumulation_steps},
+                        "tiertune": {
+                            "micro_batches": (step + 1) * t.gradient_accumulation_steps,
+                            "rows_per_micro_batch": rows,
+                        },
                     }
                     writer.save(trainer_state, recipe.to_yaml())  # written while the next steps run
                 if bar is not None:
@@ -433,6 +432,15 @@ def _run(
     result.seconds = time.perf_counter() - start
     result.optimizer_counts = {k: n - counted.get(k, 0) for k, n in trainer.optimizer_counts.items()}
     return result
+
+
+def _batches_done(counters: dict, rows: int) -> int:
+    """The global micro-batches of ``rows`` rows a resumed run skips: those its checkpoint consumed, or, when
+    it was written with micro-batches of another size (a recipe change the run allowed), as many as hold
+    the rows it consumed."""
+    done = int(counters["micro_batches"])
+    then = int(counters.get("rows_per_micro_batch", rows))
+    return done if then == rows else done * then // rows
 
 
 def _explain(failure: BaseException, done: int, steps: int, out: Path, recipe_path: Path) -> None:
@@ -553,7 +561,8 @@ def _banner(
         + (f" ({', '.join(left_out)})" if left_out else ""),
         f"  steps {first + 1}-{steps} of {steps}, effective batch {batch} sequences "
         f"({t.per_device_train_batch_size} x {t.gradient_accumulation_steps} accumulated"
-        + (f" x {world.size} ranks" if world.size > 1 else "") + "), "
+        + (f" x {world.size} ranks" if world.size > 1 else "")
+        + "), "
         f"max_seq_len {recipe.data.max_seq_len}{', packed' if recipe.data.packing else ''}",
         f"  state{f' (of each of {world.size} ranks)' if world.size > 1 else ''}: {where}",
         f"  budgets: device ({store.device}) {format_size(store.device_budget)}, host {format_size(store.host_budget)}"
@@ -587,7 +596,9 @@ def optimizer_description(recipe: Recipe, trainer: StreamedTrainer) -> str:
     clipping = cfg.clips
     if not trainer.overlap:
         why = (  # EngineConfig made overlap_optimizer one of auto/on/off
-            "offload.overlap_optimizer: false" if cfg.overlap_optimizer == "off" else "its twin states do not fit the budgets"
+            "offload.overlap_optimizer: false"
+            if cfg.overlap_optimizer == "off"
+            else "its twin states do not fit the budgets"
         )
         return f"{name} on the CPU after backward ({why})"
     if not clipping:
