@@ -41,6 +41,11 @@ class StateError(TiertuneError, RuntimeError):
     """An illegal chunk state transition or use of a closed store: a bug, never bad input."""
 
 
+class RankError(TiertuneError, RuntimeError):
+    """A collective of a multi-process run failed: another rank stopped (killed, or failed with its own
+    error) or did not answer within the collective timeout. Every rank stops; the newest checkpoint is intact."""
+
+
 class StorageError(TiertuneError, OSError):
     """The disk tier cannot be used: missing or unwritable directory, failed I/O."""
 

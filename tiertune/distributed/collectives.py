@@ -8,11 +8,13 @@ all-reduce; ``bench_zero`` compares the counts with the ZeRO-3 formula."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-from tiertune.errors import StateError
+from tiertune.errors import RankError, StateError
 
 
 @dataclass
@@ -24,6 +26,29 @@ class Wire:
     @property
     def total(self) -> int:
         return sum(self.sent.values())
+
+
+@contextmanager
+def guarded(kind: str) -> Iterator[None]:
+    """A collective's failure as a ``RankError``: the backend's error (gloo's closed connection, NCCL's
+    abort, a timeout) means another rank stopped or cannot be reached, and says so in a line."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, RankError | StateError):
+            raise
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        timed_out = "timed out" in detail.lower() or "timeout" in detail.lower()
+        why = (
+            "another rank did not answer within the collective timeout (TIERTUNE_COLLECTIVE_TIMEOUT seconds, "
+            "default 600; it may have stopped, or be far slower)"
+            if timed_out
+            else "another rank stopped (killed, or stopped by its own error: see its output)"
+        )
+        raise RankError(f"rank {rank}: {kind} failed: {why} [{detail[:300]}]") from None
 
 
 def _group_size() -> int:
@@ -60,10 +85,11 @@ def _sharded(kind: str, shard: torch.Tensor, full: torch.Tensor, wire: Wire | No
         else:
             shard.copy_(full)
         return
-    if gather:  # renamed in torch 2.12 (the old names warn there)
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(full, shard)
-    else:
-        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(shard, full)
+    with guarded(kind):
+        if gather:  # renamed in torch 2.12 (the old names warn there)
+            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(full, shard)
+        else:
+            (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(shard, full)
     if wire is not None:  # ring algorithms: each rank sends N - 1 shards either way
         wire.sent[kind] += (n - 1) * shard.numel() * shard.element_size()
 
@@ -75,6 +101,7 @@ def all_reduce(tensor: torch.Tensor, wire: Wire | None = None) -> None:
     n = _group_size()
     if n == 1:
         return
-    dist.all_reduce(tensor)
+    with guarded("all_reduce"):
+        dist.all_reduce(tensor)
     if wire is not None:
         wire.sent["all_reduce"] += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n

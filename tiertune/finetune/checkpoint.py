@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
+from tiertune.distributed.collectives import guarded
 from tiertune.errors import ConfigError, DiskFullError, IntegrityError, StateError
 from tiertune.files import fsync_dir, fsync_file, write_text_atomically
 from tiertune.finetune.ranks import decided_by_main
@@ -215,6 +216,7 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self._failed: BaseException | None = None  # the first failed chunk write of the current save
         self._files: dict[int, Path] = {}  # chunk id -> its file in the checkpoint being written
+        self._abandoned = threading.Event()  # rank 0 stops waiting for the other ranks' parts
         self.blocked_s = 0.0  # time the training threads waited for chunks to be written first
         self.last: Path | None = None
 
@@ -298,6 +300,11 @@ class CheckpointWriter:
             raise error
         return self.last
 
+    def abandon(self) -> None:
+        """Stop waiting for the other ranks' parts of the checkpoint being written (a rank was lost: they will
+        not come); it is not committed, the checkpoints before it stay as they are."""
+        self._abandoned.set()
+
     def check(self) -> None:
         """Re-raise the writer's error now if it has failed (called after every step, so a failed write, a
         full disk say, stops the run at once rather than at the next save)."""
@@ -352,7 +359,7 @@ class CheckpointWriter:
                 _hand_in(tmp, world.rank, world.size, pieces)
                 if not world.is_main:
                     return  # rank 0 commits
-                parts = _collect(tmp, world.size, state["global_step"])
+                parts = _collect(tmp, world.size, state["global_step"], self._abandoned)
                 index = merge([p["pieces"] for p in parts], world.size)
                 known = {name: entry for p in parts for name, entry in p["checksums"].items()}
                 for r in range(world.size):
@@ -398,9 +405,10 @@ def _hand_in(tmp: Path, rank: int, world_size: int, pieces: dict[str, dict]) -> 
     write_text_atomically(part, json.dumps({"pieces": pieces, "checksums": checksums}))
 
 
-def _collect(tmp: Path, world_size: int, step: int) -> list[dict]:
+def _collect(tmp: Path, world_size: int, step: int, abandoned: threading.Event) -> list[dict]:
     """Every rank's hand-in (``_hand_in``), waited for as long as some rank keeps writing: StateError once
-    none has written a byte for the collective timeout (a rank that died or failed)."""
+    none has written a byte for the collective timeout (a rank that died or failed), or at once when the
+    training thread has ``abandoned`` the checkpoint."""
     from tiertune.distributed.world import collective_timeout
 
     patience = collective_timeout().total_seconds()
@@ -414,11 +422,11 @@ def _collect(tmp: Path, world_size: int, step: int) -> list[dict]:
         written = _size_of(tmp)
         if written != seen:
             seen, quiet_since = written, time.monotonic()
-        elif time.monotonic() - quiet_since > patience and len(parts) < world_size:
+        elif len(parts) < world_size and (abandoned.is_set() or time.monotonic() - quiet_since > patience):
             missing = [r for r in range(world_size) if r not in parts]
+            why = "stopped" if abandoned.is_set() else f"wrote nothing for {patience:.0f} s (stopped or failed)"
             raise StateError(
-                f"{PREFIX}{step} was not written: rank(s) {missing} wrote nothing for {patience:.0f} s (stopped or "
-                "failed); the checkpoints before it are intact"
+                f"{PREFIX}{step} was not written: rank(s) {missing} {why}; the checkpoints before it are intact"
             )
         if len(parts) < world_size:
             time.sleep(pause)
@@ -479,7 +487,8 @@ def load_checkpoint(trainer: StreamedTrainer, path: str | os.PathLike[str]) -> d
         import torch.distributed as dist
 
         everyone: list[dict] = [{} for _ in range(world.size)]
-        dist.all_gather_object(everyone, wanted)
+        with guarded("all_gather_object"):
+            dist.all_gather_object(everyone, wanted)
         wanted = {k: v for part in everyone for k, v in part.items()}
     with StateReader(path, state) as reader:
         reader.check(wanted)

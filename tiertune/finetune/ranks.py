@@ -12,6 +12,7 @@ from typing import TypeVar
 
 import torch
 
+from tiertune.distributed.collectives import guarded
 from tiertune.distributed.world import World, init_process_group
 from tiertune.errors import TiertuneError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
@@ -59,9 +60,11 @@ def decided_by_main(world: World, decide: Callable[[], T]) -> T:
             box[0] = decide()
         except TiertuneError as exc:
             box[0] = exc
-            dist.broadcast_object_list(box, src=0)
+            with guarded("broadcast"):
+                dist.broadcast_object_list(box, src=0)
             raise
-    dist.broadcast_object_list(box, src=0)
+    with guarded("broadcast"):
+        dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], TiertuneError):
         raise box[0]
     return box[0]  # type: ignore[return-value]

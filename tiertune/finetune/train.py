@@ -35,6 +35,7 @@ from tiertune.errors import (
     Interrupted,
     ModelError,
     NonFiniteError,
+    RankError,
     Signalled,
 )
 from tiertune.files import write_text_atomically
@@ -417,6 +418,8 @@ def _run(
             if reporters is not None:
                 reporters.close()
             try:
+                if isinstance(failure, RankError):  # the lost rank's part of a checkpoint will not come
+                    writer.abandon()
                 writer.wait()  # an interrupted run still completes the checkpoint it was writing
             except BaseException as exc:
                 if failure is None:
@@ -460,6 +463,12 @@ def _explain(failure: BaseException, done: int, steps: int, out: Path, recipe_pa
             f"step {done + 1} of {steps}: {failure}; the run stopped and nothing was exported; {where}. Lower "
             "training.learning_rate, set training.max_grad_norm (e.g. 1.0), or use model.dtype float32, then "
             "resume with training.resume_from_checkpoint=auto"
+        ) from None
+    if isinstance(failure, RankError):
+        where = f"the newest checkpoint, {newest}, is intact" if newest else "no checkpoint was written yet"
+        raise RankError(
+            f"{failure}; every rank stopped after step {done} of {steps}; {where}. Resume with "
+            "training.resume_from_checkpoint=auto, on this or another number of processes"
         ) from None
     if is_disk_full(failure) and not isinstance(failure, DiskFullError):
         free = shutil.disk_usage(out).free
