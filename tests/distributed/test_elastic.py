@@ -156,3 +156,29 @@ def test_killing_a_rank_mid_step_leaves_the_last_checkpoint_intact_and_stops_eve
            "training.per_device_train_batch_size=6", "--quiet")  # fmt: skip
     assert list(losses(run))[-1] == step + 1
     assert torch.isfinite(torch.tensor(list(losses(run).values()))).all()
+
+
+def test_a_qlora_run_checkpointed_by_2_ranks_resumes_on_one(tmp_path, cat_model, write_recipe, launch, losses):
+    """The adapters are replicated: rank 0 writes them (PEFT format, with their optimizer) and every rank its
+    random states; the NF4 base is the input model's. One process continues the 2 ranks' run."""
+    pytest.importorskip("bitsandbytes")
+
+    def recipe(name: str, batch: int, **training):
+        path = _recipe(tmp_path, cat_model, write_recipe, name, batch, **{"max_steps": 4, **training})
+        lora = ("model.quantize=nf4", "method.type=lora", "method.lora.r=4", "method.lora.dropout=0")
+        return path, lora
+
+    one, lora = recipe("one", 6)
+    launch(one, *lora, "--quiet")
+    two, _ = recipe("two", 3, max_steps=2)
+    launch(two, *lora, ranks=2)
+    sharded = tmp_path / "two" / "checkpoint-2"
+    assert (sharded / "adapter_model.safetensors").is_file() and (sharded / "adapter_optimizer.pt").is_file()
+    assert {p.name for p in sharded.glob("rng_state_*.pth")} == {"rng_state_0.pth", "rng_state_1.pth"}
+    verify(sharded)
+    back, _ = recipe("back", 6, resume_from_checkpoint=str(sharded))
+    launch(back, *lora, "--quiet")
+    _close(losses(tmp_path / "back"), losses(tmp_path / "one"), [3, 4])
+    a = load_file(tmp_path / "back" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "one" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
