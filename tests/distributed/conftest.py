@@ -27,10 +27,10 @@ def launch():
 
 @pytest.fixture
 def losses():
-    """``losses(run_dir)``: step -> loss, from the run's ``trainer_log.jsonl``."""
+    """``losses(run_dir, field="loss")``: step -> the field, from the run's ``trainer_log.jsonl``."""
 
-    def read(run: Path) -> dict[int, float]:
+    def read(run: Path, field: str = "loss") -> dict[int, float]:
         records = [json.loads(line) for line in (run / "trainer_log.jsonl").read_text().splitlines()]
-        return {r["step"]: r["loss"] for r in records}
+        return {r["step"]: r[field] for r in records}
 
     return read

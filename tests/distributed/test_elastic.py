@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 
 from tiertune.errors import ConfigError
 from tiertune.finetune.checkpoint import checkpoints, latest_checkpoint, verify
+from tiertune.finetune.estimate import estimate
+from tiertune.finetune.recipe import load_recipe
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -172,6 +174,11 @@ def test_a_qlora_run_checkpointed_by_2_ranks_resumes_on_one(tmp_path, cat_model,
     launch(one, *lora, "--quiet")
     two, _ = recipe("two", 3, max_steps=2)
     launch(two, *lora, ranks=2)
+    # the estimate for 2 processes: the NF4 base gathered as its packed bytes, the adapters' gradients all-reduced
+    predicted = estimate(load_recipe(two, lora), measure=False, processes=2).scale_out.wire
+    for step in losses(tmp_path / "two", "wire_bytes").values():
+        assert step["all_gather"] == predicted["all_gather"] and "reduce_scatter" not in step
+        assert predicted["all_reduce"] <= step["all_reduce"] <= predicted["all_reduce"] + 64
     sharded = tmp_path / "two" / "checkpoint-2"
     assert (sharded / "adapter_model.safetensors").is_file() and (sharded / "adapter_optimizer.pt").is_file()
     assert {p.name for p in sharded.glob("rng_state_*.pth")} == {"rng_state_0.pth", "rng_state_1.pth"}

@@ -2,6 +2,7 @@
 loopback rendezvous, a timeout on every collective): the ranks train as one process with their global batch,
 rank 0 alone writes the run's files, each rank offloads into its own directory."""
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -34,6 +35,15 @@ def test_torchrun_trains_as_one_process_with_the_global_batch(tmp_path, cat_mode
     a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
+    # the estimate for 2 processes predicts the bytes each rank sends per step, as the run logged them
+    from tiertune.finetune.estimate import estimate
+    from tiertune.finetune.recipe import load_recipe
+
+    predicted = estimate(load_recipe(two), measure=False, processes=2).scale_out.wire
+    records = [json.loads(line) for line in (tmp_path / "two" / "trainer_log.jsonl").read_text().splitlines()]
+    for sent in (r["wire_bytes"] for r in records):
+        assert sent["all_gather"] == predicted["all_gather"] and sent["reduce_scatter"] == predicted["reduce_scatter"]
+        assert sent["all_reduce"] <= 64  # the step's token count, loss and gradient norm
     # rank 0 writes the run's files and reports once; each rank offloaded into its own directory
     assert done.stdout.count("done: 4 steps") == 1
     assert "x 2 ranks" in done.stdout

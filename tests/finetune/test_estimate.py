@@ -255,3 +255,30 @@ def test_a_prequantized_moe_is_estimated_with_its_experts_in_the_quantized_cache
     layers = sum(nbytes for kind, (_, nbytes) in predicted.kinds.items() if kind.startswith("weights"))
     assert cached > 0.9 * layers, predicted.kinds
     assert predicted.tiers["disk"].home < 0.01 * cached
+
+
+def test_estimate_for_several_processes_says_what_each_rank_and_node_holds_and_sends(
+    make_recipe, tmp_path, model_dir, write_recipe
+):
+    from tiertune.errors import ConfigError
+
+    recipe = make_recipe(("offload.params=disk", "offload.optimizer_states=disk"))
+    one = estimate(recipe, measure=False)
+    four = estimate(recipe, measure=False, processes=4, per_node=2)
+    assert one.scale_out is None and four.tiers == one.tiers  # the table stays one process's
+    so = four.scale_out
+    # each rank homes a quarter of the disk tier's chunks (each padded to whole 4 KiB pages per shard)
+    chunks = sum(n for tier, n in one.kinds.values() if tier == "disk")
+    assert chunks / 4 <= so.per_rank["disk"] <= chunks / 4 + 4096 * 4 * 64
+    assert so.per_node_bytes["disk"] == 2 * so.per_rank["disk"]
+    assert so.budgets["host"] == one.tiers["host"].budget // 2  # the node's budget, split between its 2 ranks
+    # per micro-batch (2), forward gathers every weight once, backward each layer's again, and the gradients
+    # are reduce-scattered in fp32; (N - 1)/N of each leaves each rank
+    weights = one.kinds["weights"][1]
+    assert 2 * 3 / 4 * weights < so.wire["all_gather"] < 2 * 2 * 3 / 4 * weights + 4096 * 64
+    assert so.wire["reduce_scatter"] >= 2 * 3 / 4 * one.trained_parameters * 4
+    path = write_recipe(tmp_path, model_dir, name="cli")
+    data = json.loads(CliRunner().invoke(app, ["estimate", str(path), "--no-probe", "--json", "--processes", "2"]).output)
+    assert data["scale_out"]["processes"] == 2 and data["scale_out"]["wire_bytes_per_step_per_rank"]["all_gather"] > 0
+    with pytest.raises(ConfigError, match="--per-node"):
+        estimate(recipe, measure=False, processes=2, per_node=3)

@@ -216,6 +216,12 @@ def estimate(
         ),
     ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as one JSON object.")] = False,
+    processes: Annotated[
+        int, typer.Option("--processes", help="Launched as N ranks (torchrun / accelerate): per rank, per node, wire.")
+    ] = 1,
+    per_node: Annotated[
+        int | None, typer.Option("--per-node", help="Ranks on each node (default: all of --processes).")
+    ] = None,
 ) -> None:
     """Will a recipe fit (each budget, and this machine), how much disk, how fast: bytes per tier and the step
     time with its parts, tokens/s and time to finish, without training or downloading the model.
@@ -231,7 +237,7 @@ def estimate(
 
     with _user_errors():
         resolved = load_recipe(recipe, tuple(overrides or ()))
-        est = predict(resolved, measure=not no_probe, gpu=gpu)
+        est = predict(resolved, measure=not no_probe, gpu=gpu, processes=processes, per_node=per_node)
     if as_json:
         typer.echo(json.dumps(est.as_json(), indent=1))
     else:

@@ -26,6 +26,7 @@ torch's fused AdamW rate measured here.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 import shutil
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiertune.errors import ModelError
+from tiertune.errors import ConfigError, ModelError
 from tiertune.finetune.speed import (
     GPU,
     StepFlops,
@@ -49,7 +50,7 @@ from tiertune.finetune.speed import (
     resolve_gpu,
     step_flops,
 )
-from tiertune.offload.chunk import itemsize, pack_tensors
+from tiertune.offload.chunk import ChunkLayout, itemsize, pack_tensors
 from tiertune.offload.disk import slot_bytes
 from tiertune.offload.store import StoreConfig
 from tiertune.offload.tiers import AUTO_DEVICE_FRACTION, Tier
@@ -72,6 +73,8 @@ class _Chunk:
     changed: bool  # written every step (written back home when it cannot stay cached)
     in_place: bool = False  # frozen weights read from files (the model's, or the quantized cache's images)
     entries: list = field(default_factory=list, repr=False)  # its tensors (name, shape, dtype)
+    layer: bool = False  # weights of a decoder layer (gathered again in backward, which recomputes it)
+    layout: ChunkLayout | None = field(default=None, repr=False)  # as the store lays it out
 
 
 @dataclass
@@ -93,6 +96,69 @@ class TierEstimate:
 
 
 @dataclass
+class ScaleOut:
+    """The run launched as ``processes`` ranks, ``per_node`` of them on each node (ZeRO-3 over chunks): what
+    one rank keeps on each tier (its shard of every chunk, 1/N of it padded to whole 4 KiB pages; layer inputs
+    whole), the whole chunks it gathers on its device while computing, what a node's ranks keep together,
+    and the bytes one rank sends per step (ring algorithms send (N - 1)/N of each buffer): ``all_gather``
+    (forward gathers every weight chunk, backward each layer's again, per micro-batch), ``reduce_scatter``
+    (the trained weights' fp32 gradients, per micro-batch) and ``all_reduce`` (replicated LoRA adapters'
+    gradients, per step)."""
+
+    processes: int
+    per_node: int
+    per_rank: dict[str, int]  # tier -> bytes one rank homes there
+    gathered: int  # device bytes of whole chunks gathered at once: a layer's and the embeddings' and head's
+    wire: dict[str, int]  # collective -> bytes one rank sends per step
+    budgets: dict[str, int] = field(default_factory=dict)  # a rank's device and host budgets
+
+    @property
+    def fits(self) -> bool:
+        """Whether a rank's device and host budgets hold its shards (and, on the device, what it gathers)."""
+        return self.per_rank["device"] + self.gathered <= self.budgets["device"] and (
+            self.per_rank["host"] <= self.budgets["host"]
+        )
+
+    @property
+    def per_node_bytes(self) -> dict[str, int]:
+        """Host and disk bytes of a node's ranks together (each rank has a device of its own)."""
+        return {tier: n * self.per_node for tier, n in self.per_rank.items() if tier != "device"}
+
+    def as_json(self) -> dict:
+        return {"processes": self.processes, "per_node": self.per_node, "per_rank_bytes": self.per_rank,
+                "per_node_bytes": self.per_node_bytes, "gathered_on_device": self.gathered,
+                "wire_bytes_per_step_per_rank": self.wire, "budgets_per_rank": self.budgets,
+                "fits": self.fits}  # fmt: skip
+
+
+def _scale_out(chunks: list[_Chunk], processes: int, per_node: int, micro_batches: int, adapters: int) -> ScaleOut:
+    """``ScaleOut`` from the chunks one process would register, laid out (padded) for ``processes`` shards:
+    the gathers and reduce-scatters as ``engine.sharding.Zero`` runs them (a trained chunk's gradients packed
+    by owner, each rank's run padded to the longest)."""
+    from tiertune.distributed.ownership import owned_slices, run_length
+
+    n = processes
+    page = 4096
+
+    def shard(c: _Chunk) -> int:
+        return c.capacity if c.kind == "activations" else -(-c.capacity // (n * page)) * page
+
+    per_rank = {tier.value: sum(shard(c) for c in chunks if c.home is tier) for tier in ORDER}
+    weights = [c for c in chunks if c.kind in ("weights", IN_PLACE, QUANT_CACHE)]
+    layers = [c.capacity for c in weights if c.layer]
+    gathered = max(layers, default=0) + sum(c.capacity for c in weights if not c.layer)
+    ring = (n - 1) / n
+    wire = {
+        "all_gather": round(micro_batches * ring * (sum(c.capacity for c in weights) + sum(layers))),
+        "reduce_scatter": micro_batches * sum(
+            (n - 1) * run_length(owned_slices(c.layout, n)) * 4 for c in weights if c.changed and c.layout
+        ),
+        "all_reduce": round(2 * ring * adapters * 4),
+    }
+    return ScaleOut(n, per_node, per_rank, gathered, {k: v for k, v in wire.items() if v})
+
+
+@dataclass
 class Estimate:
     """What ``estimate`` predicts for a recipe (bytes are integers)."""
 
@@ -107,6 +173,7 @@ class Estimate:
     machine: dict[str, int] = field(default_factory=dict)  # what it has: ram, gpu_memory (bytes)
     target: str = "cpu"  # what computes: "cpu", or the GPU's name
     speed: StepTime | None = None  # the step-time estimate (None: not measured)
+    scale_out: ScaleOut | None = None  # launched as several processes (``estimate(processes=N)``)
 
     def short_of_machine(self) -> dict[str, str]:
         """Budgets this machine cannot give, by tier, with why (a budget above its RAM or GPU memory)."""
@@ -136,7 +203,9 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return all(self.needed(n) <= t.budget for n, t in self.tiers.items()) and not self.short_of_machine()
+        """Whether every budget holds (and, launched as several processes, each rank's)."""
+        ranks = self.scale_out is None or self.scale_out.fits
+        return all(self.needed(n) <= t.budget for n, t in self.tiers.items()) and not self.short_of_machine() and ranks
 
     def as_json(self) -> dict:
         """The estimate as JSON: the same figures as ``format_estimate``."""
@@ -159,6 +228,8 @@ class Estimate:
             "fits": self.fits,
             "notes": self.notes,
         }
+        if self.scale_out is not None:
+            out["scale_out"] = self.scale_out.as_json()
         if self.speed is not None:
             sp = self.speed
             out["step_time"] = {
@@ -196,12 +267,20 @@ def model_directory(path: str) -> str:
         ) from None
 
 
-def estimate(recipe: Recipe, measure: bool = True, gpu: str = "auto") -> Estimate:
+def estimate(
+    recipe: Recipe, measure: bool = True, gpu: str = "auto", processes: int = 1, per_node: int | None = None
+) -> Estimate:
     """Predict bytes per tier, whether each budget holds (against the budget and against this machine) and
     how long a step takes (``measure``: probe the disk, the CPU optimizer and the compute rate). ``gpu``: what
     computes (``speed.resolve_gpu``: ``auto``, ``cpu`` or a name of ``speed.GPUS``). ``model.path`` may be a
     directory with only the model's config.json, or a Hugging Face model id (its config.json alone is
-    fetched): nothing needs to be downloaded first."""
+    fetched): nothing needs to be downloaded first. ``processes``: the run launched as that many ranks,
+    ``per_node`` (default: all) on each node: ``Estimate.scale_out`` says what each rank and node holds and
+    sends (the tiers' table stays one process's)."""
+    if processes < 1 or (per_node is not None and not 1 <= per_node <= processes):
+        raise ConfigError(
+            f"--processes must be >= 1 and --per-node between 1 and it; got {processes} and {per_node}"
+        )
     import psutil
 
     from tiertune.finetune.train import plan
@@ -268,6 +347,15 @@ def estimate(recipe: Recipe, measure: bool = True, gpu: str = "auto") -> Estimat
     if target is not None:
         est.machine["gpu_memory"] = target.memory
     _traffic(est, chunks, budgets)
+    if processes > 1:  # the same chunks laid out (padded) for N shards, as each rank registers its shard
+        sharded = dataclasses.replace(store_cfg, num_shards=processes)
+        laid, _, trained_n, _, _ = _chunks(recipe, sharded, cfg, [], target is not None, disk_room)
+        local = per_node or processes
+        adapters = trained_n if cfg.method == "lora" else 0
+        est.scale_out = _scale_out(laid, processes, local, recipe.training.gradient_accumulation_steps, adapters)
+        on_cpu = store_cfg.device.type == "cpu" and target is None  # the device tier is the node's RAM too
+        est.scale_out.budgets = {"device": store_cfg.device_budget // (local if on_cpu else 1),
+                                 "host": store_cfg.host_budget // local}  # fmt: skip
     if measure:
         est.bandwidth = measure_bandwidth(store_cfg, notes=est.notes)
         if target is not None and target.host_to_device and "host_to_device" not in est.bandwidth:
@@ -311,9 +399,10 @@ def _chunks(
     size = store_cfg.chunk_size
     chunks: list[_Chunk] = []
 
-    def add(entries: list, kind: str, home: str | Tier, used_on: Tier, changed: bool, in_place: bool = False) -> None:
+    def add(entries: list, kind: str, home: str | Tier, used_on: Tier, changed: bool, in_place: bool = False,
+            layer: bool = False) -> None:  # fmt: skip
         for layout in pack_tensors(entries, max(size, 1), store_cfg.num_shards):
-            chunks.append(_Chunk(kind, Tier(home), layout.capacity, used_on, changed, in_place, entries))
+            chunks.append(_Chunk(kind, Tier(home), layout.capacity, used_on, changed, in_place, entries, layer, layout))
 
     trained_flag = cfg.method != "lora"
     clipping = cfg.clips
@@ -330,13 +419,14 @@ def _chunks(
         if split is not None:
             mapped, entries = split(group)
             if mapped:
-                add(mapped, IN_PLACE, Tier.DISK, Tier.DEVICE, False, in_place=True)
+                add(mapped, IN_PLACE, Tier.DISK, Tier.DEVICE, False, in_place=True, layer=group.kind == "layer")
             # as load_into_store homes it: a checkpoint saved quantized holds every quantized linear weight
             prequantized = {n for n, p in group.params.items() if is_quantized(p)} if saved is not None else ()
             if quant is not None and quantized_on_load(group, prequantized) and cfg.quant_cache is not None:
                 kind = QUANT_CACHE
         if entries:
-            add(entries, kind, cfg.params, Tier.DEVICE, trained_flag, in_place=kind == QUANT_CACHE)
+            add(entries, kind, cfg.params, Tier.DEVICE, trained_flag, in_place=kind == QUANT_CACHE,
+                layer=group.kind == "layer")  # fmt: skip
         weights = chunks[-1]
         if not trained_flag:
             continue
@@ -626,9 +716,27 @@ def format_estimate(est: Estimate, title: str) -> str:
         else:
             lines.append(f"  => steps {sp.steps_source} (or set training.max_steps); 1,000 steps take "
                          f"{_duration(1000 * sp.seconds)}")  # fmt: skip
+    if est.scale_out is not None:
+        lines += ["", *_format_scale_out(est.scale_out)]
     lines += [f"note: {note}" for note in est.notes]
     lines.append("" if est.fits else "DOES NOT FIT: raise the budgets marked NO (within what the machine has), or place more state on disk")
     return "\n".join(lines).rstrip()
+
+
+def _format_scale_out(so: ScaleOut) -> list[str]:
+    """``ScaleOut`` as a person reads it: a rank's bytes and budgets, a node's, and the wire per step."""
+    rank = ", ".join(f"{tier} {format_size(n)}" for tier, n in so.per_rank.items())
+    ok = "yes" if so.fits else "NO: raise offload.host_budget / device_budget (the node's, split between its ranks)"
+    budgets = ", ".join(f"{tier} {format_size(n)}" for tier, n in so.budgets.items())
+    node = ", ".join(f"{tier} {format_size(n)}" for tier, n in so.per_node_bytes.items())
+    wire = ", ".join(f"{k} {format_size(v)}" for k, v in so.wire.items())
+    return [
+        f"as {so.processes} processes ({so.per_node} per node; ZeRO-3: each rank keeps 1/{so.processes} of every chunk):",
+        f"  per rank: {rank}, + {format_size(so.gathered)} of whole chunks gathered on its device while computing",
+        f"  a rank's budgets: {budgets}; fits: {ok}",
+        f"  per node: {node}",
+        f"  on the wire per step, each rank sends: {wire}",
+    ]
 
 
 def _duration(seconds: float) -> str:

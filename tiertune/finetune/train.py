@@ -2,7 +2,8 @@
 
 The run directory gets ``trainer_log.jsonl`` (one JSON object per logged step: step, loss, learning_rate,
 grad_norm, tokens_per_second, peak bytes per tier; for an MoE whose loss includes the router's auxiliary
-loss, ``router_aux_loss``: that part of ``loss``) and, at the end, the model in Hugging Face safetensors
+loss, ``router_aux_loss``: that part of ``loss``; of several ranks, ``wire_bytes``: what rank 0 sent in the
+step, by collective) and, at the end, the model in Hugging Face safetensors
 format (config, shards, index, tokenizer), written shard by shard from the chunk store and moved into
 place only once complete; for LoRA, the adapter in PEFT format (``adapter_config.json``,
 ``adapter_model.safetensors``) and the tokenizer.
@@ -345,6 +346,7 @@ def _run(
     writer = CheckpointWriter(trainer, out, t.save_total_limit)
     reporters = None
     start = time.perf_counter()
+    wired: dict[str, int] = dict(trainer.zero.wire.sent) if trainer.zero is not None else {}  # before step 1
     done = first
     failure: BaseException | None = None
     try:
@@ -376,6 +378,10 @@ def _run(
                 }
                 if trainer.router_aux is not None:  # MoE: the part of "loss" that is the router's aux loss
                     record["router_aux_loss"] = trainer.last_router_aux_loss
+                if trainer.zero is not None:  # the bytes this rank sent in the step, by collective
+                    sent = dict(trainer.zero.wire.sent)
+                    record["wire_bytes"] = {k: n - wired.get(k, 0) for k, n in sent.items()}
+                    wired = sent
                 if (step + 1) % t.logging_steps == 0 or step + 1 == steps:
                     log_file.write(json.dumps(record) + "\n")
                     log_file.flush()
