@@ -438,6 +438,10 @@ def _user_errors() -> Iterator[None]:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     except Interrupted as exc:
+        from tiertune.distributed.world import World
+
+        if not World.from_env().is_main:  # every rank got the signal: rank 0 says where the run stopped
+            raise typer.Exit(128 + exc.signal) from None
         typer.echo(f"tiertune: {exc}", err=True)
         if exc.recipe is not None and Path(exc.recipe).is_file():
             typer.echo(
