@@ -88,6 +88,30 @@ def test_resume_after_an_interruption_repeats_the_uninterrupted_run(
         torch.testing.assert_close(mine[name], value, rtol=1e-6, atol=1e-7)
 
 
+def test_a_checkpoint_written_before_the_state_index_resumes(tmp_path, model_dir, interrupted_after):
+    """A one-process checkpoint of the form tiertune wrote before ``state/index.json`` (whole tensors in
+    ``state/<chunk>.safetensors``, the chunks named in ``trainer_state.json``) is read through an index built
+    from its files, and the resumed run repeats the uninterrupted one."""
+    from tiertune.finetune.checkpoint import STATE_FILE, write_checksums
+
+    whole = train(_recipe(tmp_path, model_dir, "whole", training__optim="adamw_bnb_8bit"), progress=False)
+    recipe = _recipe(tmp_path, model_dir, "cut", training__optim="adamw_bnb_8bit")
+    with interrupted_after(5), pytest.raises(KeyboardInterrupt):
+        train(recipe, progress=False)
+    old = tmp_path / "cut" / "checkpoint-4"
+    (old / "state" / "index.json").unlink()
+    state = json.loads((old / STATE_FILE).read_text())
+    state["tiertune"]["state_chunks"] = sorted(p.stem for p in (old / "state").glob("*.safetensors"))
+    (old / STATE_FILE).write_text(json.dumps(state))
+    (old / "checksums.json").unlink()
+    write_checksums(old)
+    resumed = train(recipe, ("training.resume_from_checkpoint=auto",), progress=False)
+    assert resumed.first_step == 5
+    torch.testing.assert_close(
+        torch.tensor(resumed.losses), torch.tensor(whole.losses[4:]), rtol=1e-6, atol=0
+    )
+
+
 def test_galore_resumes_across_a_refresh_that_follows_the_checkpoint(tmp_path, model_dir, interrupted_after):
     """GaLore refreshes its projections in backward, on the device, while the checkpoint of the step before
     may still be written in the background: checkpoint-3 is saved just before step 4 refreshes them

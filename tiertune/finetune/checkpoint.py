@@ -59,9 +59,7 @@ log = logging.getLogger("tiertune.checkpoint")
 
 PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
-CHECKSUMS = (
-    "checksums.json"  # {relative path: {"bytes": n, "xxh3_64": hex}} of every other file, written last
-)
+CHECKSUMS = "checksums.json"  # {relative path: {"bytes": n, "xxh3_64": hex}} of every other file, written last
 RECIPE_FILE = "recipe.yaml"  # the resolved recipe of the run, in the run directory and in each checkpoint
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 
@@ -119,6 +117,11 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+def checksum(path: Path) -> dict:
+    """A file's entry in ``checksums.json``: its size and xxh3-64."""
+    return {"bytes": path.stat().st_size, "xxh3_64": file_digest(path)}
+
+
 def write_checksums(directory: Path, known: dict[str, dict] | None = None) -> None:
     """Record the size and xxh3-64 of every file under ``directory`` in its ``checksums.json``; those of
     ``known`` (relative path -> entry: the other ranks' files, hashed by them) are taken as they are."""
@@ -127,7 +130,7 @@ def write_checksums(directory: Path, known: dict[str, dict] | None = None) -> No
     table = {}
     for p in files:
         name = str(p.relative_to(directory))
-        table[name] = known.get(name) or {"bytes": p.stat().st_size, "xxh3_64": file_digest(p)}
+        table[name] = known.get(name) or checksum(p)
     (directory / CHECKSUMS).write_text(json.dumps(table, indent=1))
 
 
@@ -399,7 +402,7 @@ def _hand_in(tmp: Path, rank: int, world_size: int, pieces: dict[str, dict]) -> 
     checksums = {}
     for path in files:
         fsync_file(path)
-        checksums[str(path.relative_to(tmp))] = {"bytes": path.stat().st_size, "xxh3_64": file_digest(path)}
+        checksums[str(path.relative_to(tmp))] = checksum(path)
     fsync_dir(own)
     part = tmp / "state" / f"rank-{rank}.json"
     write_text_atomically(part, json.dumps({"pieces": pieces, "checksums": checksums}))
@@ -414,24 +417,24 @@ def _collect(tmp: Path, world_size: int, step: int, abandoned: threading.Event) 
     patience = collective_timeout().total_seconds()
     parts: dict[int, dict] = {}
     seen, quiet_since, pause = -1, time.monotonic(), 0.02
-    while len(parts) < world_size:
+    while True:
         for r in range(world_size):
             path = tmp / "state" / f"rank-{r}.json"
             if r not in parts and path.is_file():
                 parts[r] = json.loads(path.read_text())
+        if len(parts) == world_size:
+            return [parts[r] for r in range(world_size)]
         written = _size_of(tmp)
         if written != seen:
             seen, quiet_since = written, time.monotonic()
-        elif len(parts) < world_size and (abandoned.is_set() or time.monotonic() - quiet_since > patience):
+        elif abandoned.is_set() or time.monotonic() - quiet_since > patience:
             missing = [r for r in range(world_size) if r not in parts]
             why = "stopped" if abandoned.is_set() else f"wrote nothing for {patience:.0f} s (stopped or failed)"
             raise StateError(
                 f"{PREFIX}{step} was not written: rank(s) {missing} {why}; the checkpoints before it are intact"
             )
-        if len(parts) < world_size:
-            time.sleep(pause)
-            pause = min(pause * 2, 0.5)
-    return [parts[r] for r in range(world_size)]
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
 
 
 def _size_of(path: Path) -> int:

@@ -88,16 +88,16 @@ class Decision:
 
 
 def _batch_split(
-    changes: list[tuple[str, Any, Any]], recipe: Recipe, checkpoint: Path
+    changes: list[tuple[str, Any, Any]], recipe: Recipe, counters: dict
 ) -> tuple[list[tuple[str, Any, Any]], str, str]:
     """The changes of a resumed run, counting the global micro-batch (per-device batch x ranks) rather than
     its split: a run launched on another number of processes continues the same steps when the per-device
     batch times the ranks is what it was (elastic resume). Returns the changes, a note when the split
-    changed, and the setting that keeps the batch when the batch changed."""
+    changed, and the setting that keeps the batch when the batch changed. ``counters``: the checkpoint's
+    trainer state's ``tiertune`` part (the processes and rows that wrote it)."""
     key = "training.per_device_train_batch_size"
     per_device = recipe.training.per_device_train_batch_size
     then_per_device = next((a for k, a, _ in changes if k == key), per_device)
-    counters = read_state(checkpoint / STATE_FILE).get("tiertune", {})
     ranks_then = int(counters.get("world_size", 1))
     rows_then = int(counters.get("rows_per_micro_batch", then_per_device * ranks_then))
     ranks = World.from_env().size
@@ -252,7 +252,8 @@ class RunDirectory:
     def _resume(
         self, recipe: Recipe, path: Path, max_steps: int, notes: tuple[str, ...], auto: bool
     ) -> Decision:
-        step = int(read_state(path / STATE_FILE)["global_step"])
+        state = read_state(path / STATE_FILE)
+        step = int(state["global_step"])
         finished = self.finished_at()
         if auto and finished is not None and finished >= max_steps:  # a path named on purpose runs again
             raise ConfigError(
@@ -266,7 +267,7 @@ class RunDirectory:
                 f"after its checkpoint; raise training.max_steps above {step}, resume an earlier checkpoint "
                 "with training.resume_from_checkpoint=PATH, or start over with training.overwrite_output_dir=true"
             )
-        changes, note, hint = _batch_split(self.changes(recipe, path), recipe, path)
+        changes, note, hint = _batch_split(self.changes(recipe, path), recipe, state.get("tiertune", {}))
         notes += (note,) if note else ()
         if changes and not recipe.training.allow_recipe_changes:
             listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)

@@ -26,22 +26,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiertune.engine.layout import ROLES
 from tiertune.errors import ConfigError, IntegrityError, StateError
+from tiertune.loading.weights import SAFETENSORS_DTYPES
 from tiertune.methods.optim import BLOCK_8BIT
 
 if TYPE_CHECKING:
     from tiertune.engine import StreamedTrainer
+    from tiertune.engine.sharding import Zero
 
 INDEX_FILE = "index.json"  # in the checkpoint's state/ directory
 FORMAT = "tiertune-state/1"
 ABSMAX = ".absmax"  # the suffix of an 8-bit moment's per-block absmax
-ROLE_SUFFIXES = {"master": ".master", "exp_avg": ".exp_avg", "exp_avg_sq": ".exp_avg_sq", "proj": ".proj"}
-"""The suffix of a state chunk's name, per role (a weight chunk's name has none)."""
+STATE_ROLES = ("weights", "master", "exp_avg", "exp_avg_sq", "proj")
+"""The ``GroupState`` lists whose chunks hold the training state between steps (``layout.state_chunks``)."""
 _OPEN_FILES = 32  # files a reader keeps open (memory-mapped) at once
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-    "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64,
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -71,10 +70,8 @@ def placements(trainer: StreamedTrainer) -> dict[int, list[Placement]]:
     for state in trainer.states:
         if not state.trainable:
             continue
-        roles = {"weights": state.weights, "master": state.master, "exp_avg": state.exp_avg,
-                 "exp_avg_sq": state.exp_avg_sq, "proj": state.proj}  # fmt: skip
-        for role, chunks in roles.items():
-            for chunk in chunks:
+        for role in STATE_ROLES:
+            for chunk in getattr(state, role):
                 if chunk is None:
                     continue
                 out[chunk.id] = [
@@ -85,7 +82,7 @@ def placements(trainer: StreamedTrainer) -> dict[int, list[Placement]]:
 
 
 def _placement(
-    role: str, name: str, local: tuple[int, ...], dtype: torch.dtype, params: dict, zero: Any
+    role: str, name: str, local: tuple[int, ...], dtype: torch.dtype, params: dict, zero: Zero | None
 ) -> Placement:
     numel = math.prod(local)
     key = f"{role}/{name}"
@@ -262,13 +259,14 @@ class StateReader:
             raise IntegrityError(f"{self.path / 'state' / INDEX_FILE} is missing: the checkpoint is damaged")
         tensors: dict[str, dict] = {}
         for chunk in names:
-            role = next((r for r, s in ROLE_SUFFIXES.items() if chunk.endswith(s)), "weights")
+            # a state chunk is named <weight chunk>.<its role's suffix> (layout.add_states)
+            role = next((r for r in STATE_ROLES[1:] if chunk.endswith(f".{ROLES[r][0]}")), "weights")
             file = f"state/{chunk}.safetensors"
             handle = self._file(file)
-            for name in handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open has keys(), it is not iterable)
                 piece = handle.get_slice(name)
                 shape = list(piece.get_shape())
-                dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+                dtype = SAFETENSORS_DTYPES.get(piece.get_dtype())
                 if dtype is None:
                     raise IntegrityError(
                         f"{self.path / file}: {name} has dtype {piece.get_dtype()}, not a state's"

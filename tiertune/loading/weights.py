@@ -23,7 +23,7 @@ import torch
 from tiertune.errors import ModelError
 from tiertune.offload.chunk import itemsize
 
-_DTYPES = {
+SAFETENSORS_DTYPES = {  # a safetensors header's dtype -> torch's
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -169,7 +169,7 @@ def _read_header(path: Path) -> list[TensorEntry]:
         if name == "__metadata__":
             continue
         try:
-            dtype = _DTYPES[info["dtype"]]
+            dtype = SAFETENSORS_DTYPES[info["dtype"]]
             shape = tuple(int(s) for s in info["shape"])
             begin, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
