@@ -7,6 +7,7 @@ Importing tiertune does no CUDA work and loads neither torch nor transformers un
 memory manager lives in ``tiertune.offload``, the training engine in ``tiertune.finetune``.
 """
 
+import logging
 from typing import Any
 
 from tiertune.errors import (
@@ -24,6 +25,18 @@ from tiertune.errors import (
 )
 
 __version__ = "0.1.0"
+
+
+class _NotTheUsersProblem(logging.Filter):
+    """Drops what a dependency logs that a tiertune user can do nothing about: bitsandbytes' CPU backend, on CPUs
+    with AVX-512 BF16, warns at import that it could not fetch an optional hub kernel (``kernels-community``),
+    for every command, quantized model or not, and falls back to its own kernels."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in str(record.msg)
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NotTheUsersProblem())
 
 _LAZY = {
     "train": "tiertune.finetune.train",

@@ -5,7 +5,6 @@ they are (``EngineConfig.lora``/``galore``). Nothing here imports torch, so read
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 
 def choices(*values: str) -> dict[str, tuple[str, ...]]:
@@ -24,7 +23,7 @@ class LoraSettings:
     r: int = 16
     alpha: int = 32
     dropout: float = 0.05
-    target_modules: Any = "all-linear"
+    target_modules: str | list[str] = "all-linear"  # a name, "all-linear", or a list of module names
     # parameters adapted as such (peft's target_parameters), e.g. MoE experts' "mlp.experts.gate_up_proj"; on
     # transformers 5, peft adds MoE experts and routers itself to "all-linear" for the architectures it maps
     target_parameters: list[str] | None = None
@@ -39,7 +38,7 @@ class GaloreSettings:
     rank: int = 128
     update_proj_gap: int = 200
     scale: float = 0.25
-    target_modules: Any = "all-linear"  # linear layers of the decoder layers whose weights are projected
+    target_modules: str | list[str] = "all-linear"  # linear layers of the decoder layers whose weights are projected
     # exact: torch.linalg.svd, as galore-torch; randomized: a randomized range finder of rank r + oversampling
     # (Halko, Martinsson and Tropp), then an exact SVD of that small sketch
     svd: str = field(default="exact", metadata=choices(*SVD_METHODS))

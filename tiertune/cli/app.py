@@ -11,7 +11,7 @@ import signal
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -198,6 +198,28 @@ def train(
         _report(result)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch(ctx: typer.Context) -> None:
+    """Train on several processes: torchrun's launcher, its options first, then the tiertune command.
+
+    The same as `torchrun [OPTIONS] -m tiertune.cli train RECIPE ...`, except how it ends: a stop (SIGTERM,
+    Ctrl-C) exits 128 + the signal once every rank has stopped through its clean-up, a rank's error exits with
+    that rank's code (2: a setting to fix), each with one line, not torchrun's traceback.
+
+    Example: tiertune launch --standalone --nproc_per_node 2 train recipes/demo.yaml
+    """
+    from tiertune.finetune.ranks import launch as run
+
+    args = list(ctx.args)
+    if "train" not in args:
+        _usage_error("give torchrun's options, then the command: tiertune launch --nproc_per_node 2 train RECIPE")
+    at = args.index("train")
+    code, said = run(args[:at], args[at:])
+    if said:
+        typer.echo(said, err=True)
+    raise typer.Exit(code)
+
+
 @app.command()
 def estimate(
     recipe: Annotated[Path, typer.Argument(help="A YAML recipe (see recipes/).")],
@@ -246,6 +268,11 @@ def estimate(
         raise typer.Exit(1)
 
 
+_Overwrite = Annotated[
+    bool, typer.Option("--overwrite", help="Replace --out when it holds a model or a run (the whole directory).")
+]
+
+
 @app.command()
 def export(
     source: Annotated[
@@ -253,15 +280,20 @@ def export(
     ],
     out: Annotated[Path, typer.Option("--out", help="The directory to write.")],
     fmt: Annotated[str, typer.Option("--format", help="hf (a model), peft (an adapter) or auto.")] = "auto",
+    overwrite: _Overwrite = False,
 ) -> None:
     """Write a run or checkpoint as a Hugging Face model directory (full, GaLore) or a PEFT adapter (LoRA).
+
+    A checkpoint is verified against its checksums first. --out must be new or empty (or hold a model or a
+    run that --overwrite replaces); it is never the run itself nor the model it trained. The export is
+    written beside --out and renamed into place, so it is never left partial.
 
     Example: tiertune export runs/demo/out/checkpoint-40 --out exported/
     """
     from tiertune.finetune.export import export as run
 
     with _user_errors():
-        path, what = run(source, out, fmt)
+        path, what = run(source, out, fmt, overwrite)
     typer.echo(f"wrote {what} to {path}")
 
 
@@ -278,6 +310,7 @@ def merge(
         str | None,
         typer.Option(help="The merged weights' dtype, e.g. bfloat16 (default: the base model's own dtype)."),
     ] = None,
+    overwrite: _Overwrite = False,
 ) -> None:
     """Fold a LoRA adapter into its base model and write the merged Hugging Face model.
 
@@ -290,7 +323,7 @@ def merge(
     from tiertune.finetune.export import merge as run
 
     with _user_errors():
-        path, what = run(adapter, out, base, dtype)
+        path, what = run(adapter, out, base, dtype, overwrite)
     typer.echo(f"merged: {what}; wrote {path}")
 
 
@@ -338,18 +371,18 @@ def recipes(
                                  columns, break_on_hyphens=False))  # fmt: skip
         return
     if name not in found:
-        typer.echo(
-            f"error: no built-in recipe {name!r}; `tiertune recipes` lists: {', '.join(found)}", err=True
-        )
-        raise typer.Exit(2)
+        _usage_error(f"no built-in recipe {name!r}; `tiertune recipes` lists: {', '.join(found)}")
     if to is None:
         typer.echo(found[name].read_text(), nl=False)
         return
     target = to / f"{name}.yaml" if to.is_dir() else to
     if target.exists():
-        typer.echo(f"error: {target} exists; choose another --to", err=True)
-        raise typer.Exit(2)
-    target.write_text(found[name].read_text())
+        _usage_error(f"{target} exists; choose another --to")
+    try:
+        with open(target, "x") as f:  # never over a file made meanwhile
+            f.write(found[name].read_text())
+    except OSError as exc:
+        _usage_error(f"cannot write {target} ({exc.strerror or exc}); choose a writable --to")
     typer.echo(
         f"copied {name} to {target}; edit model.path (and the budgets) before `tiertune train {target}`"
     )
@@ -370,6 +403,8 @@ def demo(
 
     Example: tiertune demo --steps 20
     """
+    if steps is not None and steps < 1:
+        _usage_error(f"--steps must be >= 1 (the steps to train), got {steps}")
     _console_log(quiet, verbose)
     recipes = RECIPES
     data = recipes / "data" / "demo.jsonl"
@@ -392,6 +427,12 @@ def demo(
             make_model(workdir / "model", read_rows(data)["text"], layers=8, hidden=256)
         result = run(recipe, progress=not quiet)
     _report(result)
+
+
+def _usage_error(message: str) -> NoReturn:
+    """End the command with exit code 2 and one line saying what to change."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
 
 
 _CONSOLE: list = []  # the console handler, once made
@@ -444,9 +485,15 @@ def _user_errors() -> Iterator[None]:
             raise typer.Exit(128 + exc.signal) from None
         typer.echo(f"tiertune: {exc}", err=True)
         if exc.recipe is not None and Path(exc.recipe).is_file():
-            typer.echo(
-                f"resume with: tiertune train {exc.recipe} training.resume_from_checkpoint=auto", err=True
-            )
+            world = World.from_env()
+            command = f"train {exc.recipe} training.resume_from_checkpoint=auto"
+            if world.size == 1:
+                launcher = "tiertune"
+            elif world.local_size == world.size:  # one node
+                launcher = f"tiertune launch --standalone --nproc_per_node {world.size}"
+            else:
+                launcher = f"(your launch of {world.size} processes) -m tiertune.cli"
+            typer.echo(f"resume with: {launcher} {command}", err=True)
         raise typer.Exit(128 + exc.signal) from None
     except KeyboardInterrupt as exc:  # outside a run (loading, checking, exporting): nothing to resume
         signum = exc.signum if isinstance(exc, Signalled) else signal.SIGINT

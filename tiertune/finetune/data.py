@@ -104,6 +104,8 @@ def read_rows(path: str | Path, skip_bad_rows: bool = False, cache_dir: str | No
     if loader != "parquet":  # the JSON reader takes bytes that are not UTF-8 and fails on the first row read
         _check_utf8(path)
     datasets.disable_progress_bars()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its parser's complaint: said below, once
     try:
         rows = datasets.load_dataset(loader, data_files=str(path), split="train", cache_dir=cache_dir)
     except Exception as exc:  # datasets raises several kinds for a file its parser rejects
@@ -111,6 +113,8 @@ def read_rows(path: str | Path, skip_bad_rows: bool = False, cache_dir: str | No
             return _json_lines(path, skip_bad_rows)
         cause = exc.__cause__ or exc
         raise DataError(f"{path} could not be read as {loader}: {cause}") from exc
+    finally:
+        datasets.logging.set_verbosity(verbosity)
     if loader == "text":  # one row per non-empty line
         rows = rows.filter(lambda text: bool(text.strip()), input_columns="text")
     if len(rows) == 0:
@@ -167,7 +171,17 @@ def _json_lines(path: Path, skip_bad_rows: bool) -> Any:
             raise DataError(
                 f"{path}, line {n}: not valid JSON ({exc.msg}); fix it or set data.skip_bad_rows: true"
             ) from exc
-        records.append(record if isinstance(record, dict) else {"_not_an_object": json.dumps(record)})
+        if not isinstance(record, dict):
+            if skip_bad_rows:
+                continue
+            kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+                type(record), "a number"
+            )
+            raise DataError(
+                f"{path}, line {n}: {kind}, not a JSON object with the fields of data.format; fix the line or set "
+                "data.skip_bad_rows: true"
+            )
+        records.append(record)
     if not records:
         raise DataError(f"{path} holds no rows")
     # rows with different keys: every column present in every row (missing ones None), as datasets does
@@ -203,6 +217,9 @@ def load_data(
         "add_eos": add_eos,
         "skip_bad_rows": skip_bad_rows,
         "source": str(path),
+        # datasets fingerprints the function by its name only: a change of this module's code must not find
+        # the tokenization the previous code cached
+        "code": _code_version(),
     }
     encoded = rows.map(
         _encode,
@@ -213,9 +230,17 @@ def load_data(
         desc="tokenizing",
     )
     skipped = sum(encoded["bad"])
+    lossy = sum(encoded["lossy"])
+    if lossy * 2 > len(encoded):  # skipped one by one with data.skip_bad_rows, but not most of the data
+        first = encoded["lossy"].index(True) + 1
+        raise DataError(
+            f"{path}: the tokenizer transformers picked for this model ({type(tokenizer).__name__}) loses most of "
+            f"the text of {lossy} of {len(encoded)} rows (row {first} first): it is not this data's tokenizer. "
+            f"{_TOKENIZER_HINT}"
+        )
     kept = encoded.filter(lambda bad, useful: useful and not bad, input_columns=["bad", "useful"])
     dropped = len(encoded) - skipped - len(kept)
-    kept = kept.remove_columns(["bad", "useful"])
+    kept = kept.remove_columns(["bad", "useful", "lossy"])
     if len(kept) == 0:
         raise DataError(
             f"{path} has no usable rows ({skipped} skipped as bad, {dropped} with nothing to predict within "
@@ -224,16 +249,46 @@ def load_data(
     return TokenizedData(kept, skipped, dropped, Path(path))
 
 
+@functools.cache
+def _code_version() -> str:
+    """A hash of this module's source (part of the tokenization's cache key)."""
+    import hashlib
+
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+_TOKENIZER_HINT = (
+    "Save the model's own tokenizer in model.path (tokenizer.save_pretrained); if it is there, check that "
+    "tokenizer_config.json's tokenizer_class and config.json's model_type name the same tokenizer"
+)
+KEPT_FRACTION = 0.5
+"""A row whose tokens decode to fewer than this fraction of its text's characters (whitespace aside) has lost its
+text to the tokenizer (unknown words, or a tokenizer class that does not match its vocabulary)."""
+
+
 def _encode(batch: dict, indices: list[int], **settings: Any) -> dict[str, list]:
     """``datasets.map`` function: a batch of rows to ``input_ids`` and ``labels`` (module level, so that
     datasets can fingerprint it and cache its result)."""
-    out: dict[str, list] = {"input_ids": [], "labels": [], "bad": [], "useful": []}
+    out: dict[str, list] = {"input_ids": [], "labels": [], "bad": [], "useful": [], "lossy": []}
+    tokenizer = settings["tokenizer"]
     for k, index in enumerate(indices):
         row = {key: values[k] for key, values in batch.items()}
+        lossy = False
         try:
-            ids, labels = _render(
-                row, settings["tokenizer"], settings["fmt"], settings["max_seq_len"], settings["add_eos"]
+            ids, labels, parts = _render(
+                row, tokenizer, settings["fmt"], settings["max_seq_len"], settings["add_eos"]
             )
+            kept, total = _characters_kept(tokenizer, parts)
+            if kept < KEPT_FRACTION * total:
+                lossy = True
+                if not settings["skip_bad_rows"]:
+                    raise DataError(
+                        f"{settings['source']}, row {index + 1}: the tokenizer transformers picked for this model "
+                        f"({type(tokenizer).__name__}) keeps {kept} of the row's {total} characters (whitespace "
+                        f"aside; {len(ids)} tokens): it cannot represent this text. {_TOKENIZER_HINT}; or set "
+                        "data.skip_bad_rows: true to leave such rows out"
+                    )
+                ids, labels = [], []
         except _BadRow as exc:
             if not settings["skip_bad_rows"]:
                 raise DataError(
@@ -244,38 +299,69 @@ def _encode(batch: dict, indices: list[int], **settings: Any) -> dict[str, list]
         out["input_ids"].append(ids)
         out["labels"].append(labels)
         out["bad"].append(not ids)
+        out["lossy"].append(lossy)
         # the loss predicts token t+1 from token t: a row needs a target after its first token
         out["useful"].append(any(lab != IGNORE_INDEX for lab in labels[1:]))
     return out
 
 
+def _characters_kept(tokenizer: Any, parts: list[tuple[list[int], str]]) -> tuple[int, int]:
+    """Of the characters (whitespace aside) of each text of ``parts``, how many its tokens decode back to (special
+    tokens, an unknown word's among them, decode to nothing), and how many there are."""
+    special = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+    kept = total = 0
+    for ids, text in parts:
+        for token in special:  # a chat template's markers are not the text's characters
+            text = text.replace(token, "")
+        total += _visible(text)
+        kept += _visible(tokenizer.decode(ids, skip_special_tokens=True)) if ids else 0
+    return min(kept, total), total
+
+
+def _visible(text: str) -> int:
+    return sum(1 for ch in text if not ch.isspace())
+
+
 def _render(
     row: dict, tokenizer: Any, fmt: str, max_seq_len: int, add_eos: bool
-) -> tuple[list[int], list[int]]:
+) -> tuple[list[int], list[int], list[tuple[list[int], str]]]:
+    """A row's ``input_ids`` and ``labels`` cut to ``max_seq_len``, and its texts with the tokens each became
+    (for ``_characters_kept``)."""
     eos = [tokenizer.eos_token_id] if add_eos else []
     if fmt == "text":
         text = _string(row, "text")
-        ids = list(tokenizer(text)["input_ids"]) + eos
+        content = list(tokenizer(text)["input_ids"])
+        ids = content + eos
         labels = list(ids)
+        parts = [(content, text)]
     elif fmt == "alpaca":
         instruction, output = _string(row, "instruction"), _string(row, "output")
         extra = row.get("input")
         if extra is not None and not isinstance(extra, str):
-            raise _BadRow("a string 'input' (or none)", type(extra).__name__)
+            raise _BadRow("a string 'input' (or none)", _a(type(extra).__name__))
         template = ALPACA_PROMPT_WITH_INPUT if extra else ALPACA_PROMPT
-        prompt = list(tokenizer(template.format(instruction=instruction, input=extra))["input_ids"])
-        response = list(tokenizer(output, add_special_tokens=False)["input_ids"]) + eos
+        rendered = template.format(instruction=instruction, input=extra)
+        prompt = list(tokenizer(rendered)["input_ids"])
+        answer = list(tokenizer(output, add_special_tokens=False)["input_ids"])
+        response = answer + eos
         ids = prompt + response
         labels = [IGNORE_INDEX] * len(prompt) + response
+        parts = [(prompt, rendered), (answer, output)]
     else:
-        ids, labels = _chat(row, tokenizer)
-    return ids[:max_seq_len], labels[:max_seq_len]
+        ids, labels, text = _chat(row, tokenizer)
+        parts = [(ids, text)]
+    return ids[:max_seq_len], labels[:max_seq_len], parts
+
+
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article."""
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def _string(row: dict, field: str) -> str:
     value = row.get(field)
     if not isinstance(value, str):
-        found = "no such field" if value is None else f"a {type(value).__name__}"
+        found = "no such field" if value is None else _a(type(value).__name__)
         raise _BadRow(f"a string field {field!r}", f"{found} (the row has {_keys(row)})")
     return value
 
@@ -285,7 +371,7 @@ def _keys(row: dict) -> str:
     return f"keys {present}" if present else "no keys"
 
 
-def _chat(row: dict, tokenizer: Any) -> tuple[list[int], list[int]]:
+def _chat(row: dict, tokenizer: Any) -> tuple[list[int], list[int], str]:
     """A conversation through the chat template; labels only on the assistant turns' tokens."""
     messages = row.get("messages")
     if (
@@ -319,7 +405,7 @@ def _chat(row: dict, tokenizer: Any) -> tuple[list[int], list[int]]:
         tok if any(s <= start < e for s, e in spans) else IGNORE_INDEX
         for tok, (start, _) in zip(ids, encoded["offset_mapping"], strict=True)
     ]
-    return ids, labels
+    return ids, labels, text
 
 
 def batches(

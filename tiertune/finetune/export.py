@@ -13,15 +13,25 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tiertune.errors import ConfigError
-from tiertune.files import move_files_into
-from tiertune.finetune.checkpoint import RECIPE_FILE, STATE_FILE
+from tiertune.errors import ConfigError, DiskFullError
+from tiertune.files import fsync_dir, fsync_file, move_files_into
+from tiertune.finetune.checkpoint import (
+    CHECKSUMS,
+    PREFIX,
+    RECIPE_FILE,
+    STATE_FILE,
+    is_disk_full,
+    latest_checkpoint,
+    read_state,
+    verify,
+)
+from tiertune.units import format_size
 
 SHARD_BYTES = 5 * 10**9  # like save_pretrained's default max_shard_size
 
@@ -84,12 +94,107 @@ def _recipe_of(directory: Path) -> Any:
     )
 
 
+def _is_checkpoint(path: Path) -> bool:
+    return path.name.startswith(PREFIX) or (path / CHECKSUMS).is_file() or (path / "state").is_dir()
+
+
+def check_out(out: Path, overwrite: bool, protected: list[tuple[Path, str]]) -> None:
+    """ConfigError unless ``out`` may receive an export: never one of the ``protected`` directories (the model
+    a run trained, the run or adapter being exported), nor a directory around or inside one; never a live run's
+    directory; a non-empty directory only when it holds a model or a run and ``overwrite`` says to replace it
+    whole (one that holds other files is never replaced)."""
+    from tiertune.finetune.rundir import LOCK_FILE, RunDirectory, lock_holder
+
+    target = out.resolve()
+    for path, what in protected:
+        if not str(path):
+            continue
+        kept = path.resolve()
+        if target == kept or target.is_relative_to(kept) or kept.is_relative_to(target):
+            where = "is" if target == kept else "is inside" if target.is_relative_to(kept) else "holds"
+            raise ConfigError(f"--out {out} {where} {what}, {path}; write the export to another directory")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a directory (new or empty) to write the export to")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    holder = lock_holder(out / LOCK_FILE)
+    if holder is not None:
+        raise ConfigError(f"--out {out} is the directory of a live run (pid {holder}); choose another directory")
+    run = RunDirectory(out).is_run()
+    model = any(n in ("config.json", "adapter_config.json") or n.endswith(".safetensors") for n in entries)
+    if not (run or model):
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise ConfigError(
+            f"--out {out} holds files that are neither a model nor a run ({shown}); write the export to a new or "
+            "empty directory"
+        )
+    if not overwrite:
+        what = "a tiertune run" if run else "a model"
+        raise ConfigError(
+            f"--out {out} holds {what}; choose a new or empty directory, or pass --overwrite to replace it "
+            "(the whole directory)"
+        )
+
+
+@contextlib.contextmanager
+def _writing(out: Path, needed: int) -> Iterator[Path]:
+    """A temporary directory beside ``out`` to write an export into; once the block completes, its files are
+    fsynced and it becomes ``out`` (an existing ``out``, which ``check_out`` allowed, is replaced whole). A failure
+    leaves ``out`` as it was and nothing else behind; a full disk is a DiskFullError."""
+    out = out.absolute()
+    parent = out.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(parent).free
+    except OSError as exc:
+        raise ConfigError(f"cannot write to {parent} ({exc.strerror or exc}); choose a writable --out") from None
+    if needed > free:
+        raise _no_room(out, needed, free)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=parent))
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise _no_room(out, needed, shutil.disk_usage(parent).free) from None
+        raise ConfigError(f"cannot write to {parent} ({exc.strerror or exc}); choose a writable --out") from None
+    try:
+        yield tmp
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                fsync_file(path)
+        fsync_dir(tmp)
+        if out.exists() and any(out.iterdir()):  # replaced whole (check_out allowed it)
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=parent))
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)  # rename(2) takes the place of an empty directory
+        fsync_dir(parent)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc):
+            raise _no_room(out, needed, shutil.disk_usage(parent).free) from None
+        raise
+
+
+def _no_room(out: Path, needed: int, free: int) -> DiskFullError:
+    return DiskFullError(
+        f"no room to write {out}: the export needs about {format_size(needed)} and the filesystem has "
+        f"{format_size(free)} free; free space there or choose --out on a larger disk (nothing was written)"
+    )
+
+
 def export(
-    source: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str = "auto"
+    source: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str = "auto", overwrite: bool = False
 ) -> tuple[Path, str]:
     """Export a run directory or one of its checkpoints: ``hf`` (a model directory, from a full or GaLore run)
-    or ``peft`` (the adapter, from a LoRA run); ``auto`` picks what the run trained. Returns the output and
-    what was written."""
+    or ``peft`` (the adapter, from a LoRA run); ``auto`` picks what the run trained. A checkpoint is verified
+    against its checksums first (IntegrityError naming a damaged file). ``out`` must be new or empty, or hold a
+    model or a run that ``overwrite`` replaces whole; it is never the run itself nor its model. The export is
+    written beside ``out`` and renamed into place: never partial. Returns the output and what was written."""
     from transformers import AutoConfig, AutoTokenizer
 
     source, out = Path(source), Path(out)
@@ -107,40 +212,46 @@ def export(
             f"{source} is a {recipe.method.type} run: export it as {'peft' if lora else 'hf'}"
             + ("; `tiertune merge` folds the adapter into its base" if lora else "")
         )
+    checkpoint = _is_checkpoint(source)
+    run_dir = source.parent if checkpoint else source
+    check_out(out, overwrite, [(Path(recipe.model.path), "the model the run trained (model.path)"),
+                               (run_dir, "the run being exported")])  # fmt: skip
+    if checkpoint:
+        verify(source)  # a damaged checkpoint never exports as a model
+    elif not (source / "adapter_config.json" if lora else source / STATE_FILE).is_file():
+        newest = latest_checkpoint(source)
+        raise ConfigError(
+            f"{source} is a run that has not finished: export one of its checkpoints"
+            + (f", e.g. {newest}" if newest else " (it has none yet)")
+        )
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.path)
     if lora:
-        if not (source / "adapter_config.json").is_file():
-            raise ConfigError(
-                f"{source} holds no adapter yet (the run has not finished; export a checkpoint)"
-            )
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
-        try:
-            for name in ("adapter_model.safetensors", "adapter_config.json"):
+        files = ("adapter_model.safetensors", "adapter_config.json")
+        with _writing(out, sum(os.path.getsize(source / f) for f in files)) as tmp:
+            for name in files:
                 shutil.copy2(source / name, tmp / name)
             tokenizer.save_pretrained(tmp)
-            move_files_into(tmp, out, last="adapter_config.json")
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         return out, f"PEFT adapter of {recipe.model.path}"
-    if (source / "model.safetensors").is_file() or (source / "model.safetensors.index.json").is_file():
-        from transformers import AutoModelForCausalLM
+    if not checkpoint:  # the run's final model: its files as they are
+        from tiertune.finetune.rundir import model_files
 
-        model = AutoModelForCausalLM.from_pretrained(source)
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        files = model_files(source)
+        if not any(f.endswith(".safetensors") for f in files):
+            raise ConfigError(f"{source} is a finished run without its model files; export its newest checkpoint")
+        with _writing(out, sum(os.path.getsize(source / f) for f in files)) as tmp:
+            for name in files:
+                shutil.copy2(source / name, tmp / name)
+            tokenizer.save_pretrained(tmp)
         return out, "Hugging Face model (the run's final export)"
-    state = source / STATE_FILE
-    if not state.is_file():
-        raise ConfigError(f"{source} is neither a finished run nor a complete checkpoint")
-    from tiertune.finetune.checkpoint import read_state
     from tiertune.finetune.state_index import StateReader
 
-    trainer_state = read_state(state)
+    trainer_state = read_state(source / STATE_FILE)
     config = AutoConfig.from_pretrained(recipe.model.path)
     with StateReader(source, trainer_state) as reader:  # whole tensors, whatever the ranks that wrote them
-        parts = ({name: reader.whole(f"weights/{name}")} for name in reader.keys("weights"))
-        write_hf(parts, config, tokenizer, out)
+        names = reader.keys("weights")
+        needed = sum(reader.nbytes(f"weights/{name}") for name in names) + (1 << 20)
+        with _writing(out, needed) as tmp:
+            write_hf(({name: reader.whole(f"weights/{name}")} for name in names), config, tokenizer, tmp)
     return out, f"Hugging Face model at step {trainer_state['global_step']}"
 
 
@@ -172,11 +283,13 @@ def base_dtype(model_dir: str | os.PathLike[str]) -> tuple[str, str]:
 
 
 def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: str | None = None,
-          dtype: str | None = None) -> tuple[Path, str]:  # fmt: skip
+          dtype: str | None = None, overwrite: bool = False) -> tuple[Path, str]:  # fmt: skip
     """Fold a LoRA adapter into its base and write the merged model, in ``dtype`` (default: the base model's
     own, see ``base_dtype``). For an adapter trained on a quantized base, the base is loaded quantized and
-    dequantized first, so the adapter is added to the weights it was trained against. Returns the output and a
-    sentence saying what was merged into what, and in which dtype it was written."""
+    dequantized first, so the adapter is added to the weights it was trained against. ``out`` as for
+    ``export`` (never the base nor the adapter; replaced whole only with ``overwrite``); an adapter that is a
+    checkpoint is verified first. Returns the output and a sentence saying what was merged into what, and in
+    which dtype it was written."""
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -188,6 +301,12 @@ def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: st
     base = base or PeftConfig.from_pretrained(adapter).base_model_name_or_path
     if not base or not (Path(base) / "config.json").is_file():
         raise ConfigError(f"the adapter's base model {base!r} is not a local model directory; pass --base")
+    protected = [(Path(base), "the base model"), (adapter, "the adapter")]
+    if (adapter.parent / RECIPE_FILE).is_file():
+        protected.append((adapter.parent, "the adapter's run"))
+    check_out(out, overwrite, protected)
+    if _is_checkpoint(adapter) and (adapter / STATE_FILE).is_file():
+        verify(adapter)
     quantize = "none"
     with contextlib.suppress(ConfigError):  # an adapter from elsewhere: no recipe, an unquantized base
         quantize = _recipe_of(adapter).model.quantize
@@ -223,16 +342,12 @@ def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: st
     if hasattr(merged, "hf_quantizer"):
         merged.hf_quantizer = None
         merged.is_quantized = False
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".merge-", dir=out))
-    try:
+    needed = sum(p.numel() * p.element_size() for p in merged.state_dict().values()) + (1 << 20)
+    with _writing(out, needed) as tmp:
         merged.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(
             adapter if (adapter / "tokenizer_config.json").is_file() else base
         ).save_pretrained(tmp)
-        move_files_into(tmp, out, last="config.json")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     what = (
         f"the adapter was added to the dequantized {quantize} weights of {base} (what it was trained against)"
         if quantize != "none"

@@ -6,8 +6,11 @@ of them with the same message.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -16,6 +19,7 @@ from tiertune.distributed.collectives import guarded
 from tiertune.distributed.world import World, init_process_group
 from tiertune.errors import TiertuneError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
+from tiertune.offload.disk import clean_stale
 
 log = logging.getLogger("tiertune.train")
 
@@ -27,12 +31,98 @@ def join(world: World) -> None:
     threads set to its share of the node's cores (the CPU optimizer of every local rank runs at once)."""
     if world.size == 1:
         return
+    stop_with_launcher()
     device = world.device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(world.threads())
     backend = init_process_group(world)
     log.info("rank %d of %d (%s), %d threads", world.rank, world.size, backend, world.threads())
+
+
+def stop_with_launcher() -> None:
+    """Ask the kernel to send this rank SIGTERM when the launcher that started it (torchrun, ``accelerate
+    launch``) dies, even by ``kill -9``: the rank then stops through its clean-up (the checkpoint being written
+    is completed, the offload files removed) instead of training on unsupervised. Linux only (elsewhere a
+    launcher's death leaves its ranks to the collective timeout)."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != launcher:  # it died before the request was made: stop now, as it would have
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def sweep_other_ranks(disk_path: str | os.PathLike[str], world: World) -> list[Path]:
+    """Remove the slot files that launches on another number of processes left in ``disk_path``: ``rank-<r>/``
+    directories this launch does not use (a run resumed on fewer processes), or ``disk_path`` itself (one
+    process's, under several) or every ``rank-<r>/`` (several processes', under one). Only unlocked files go
+    (``offload.disk.clean_stale``: a live store holds its file's lock), and a ``rank-<r>/`` left empty. Call it
+    once this launch's stores are open. Returns what was removed."""
+    root = Path(disk_path)
+    if not root.is_dir():
+        return []
+    dirs = [root] if world.size > 1 else []
+    for path in sorted(root.glob("rank-*")):
+        number = path.name.removeprefix("rank-")
+        if path.is_dir() and number.isdigit() and not (world.size > 1 and int(number) < world.size):
+            dirs.append(path)
+    removed: list[Path] = []
+    for path in dirs:
+        removed += clean_stale(path)
+        if path != root:
+            with contextlib.suppress(OSError):  # not empty: another live run's, or files that are not ours
+                path.rmdir()
+    return removed
+
+
+def launch(launcher_args: list[str], command: list[str]) -> tuple[int, str]:
+    """Run ``tiertune COMMAND...`` as the ranks torchrun's launcher starts with ``launcher_args`` (its options:
+    ``--nproc_per_node 2``, ``--standalone``, ...), in this process. Returns the exit code and a line saying
+    how the launch ended: 0 when every rank finished; a rank's own exit code when one failed (2 for an error to
+    fix, each rank having said which); 128 + the signal when the launch was stopped (SIGTERM, Ctrl-C) and its
+    ranks stopped through their clean-up. Where torchrun itself ends with its traceback, this ends with that line."""
+    import signal
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        args = torchrun.parse_args([*launcher_args, "-m", "tiertune.cli", *command])
+    except SystemExit as exc:  # argparse said what is wrong with the launcher's options
+        return (exc.code if isinstance(exc.code, int) else 2), ""
+    try:
+        torchrun.run(args)
+    except SignalException as exc:
+        name = signal.Signals(exc.sigval).name
+        return 128 + int(exc.sigval), (
+            f"tiertune launch: stopped by {name}; every rank stopped through its clean-up (rank 0 said above "
+            "where, and how to resume)"
+        )
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT, "tiertune launch: stopped by SIGINT; every rank was stopped"
+    except ChildFailedError as exc:
+        rank, failure = min(exc.failures.items())
+        code = failure.exitcode
+        if code > 0:
+            how = f"exited with code {code}"
+        else:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"ended with {code}"
+            code = 128 - code
+        return code, f"tiertune launch: rank {rank} {how} (its message is above); the other ranks stopped"
+    return 0, ""
 
 
 def launch_notes(world: World, env: dict[str, str]) -> list[str]:

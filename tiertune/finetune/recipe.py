@@ -117,7 +117,26 @@ class Recipe:
                 "training.max_steps",
                 "or num_train_epochs must be > 0",
             ),
+            (t.num_train_epochs >= 0, "training.num_train_epochs", f"must be >= 0, got {t.num_train_epochs}"),
             (t.warmup_steps >= 0, "training.warmup_steps", "must be >= 0"),
+            (t.weight_decay >= 0, "training.weight_decay", f"must be >= 0, got {t.weight_decay}"),
+            (t.adam_epsilon >= 0, "training.adam_epsilon", f"must be >= 0, got {t.adam_epsilon}"),
+            (
+                t.max_grad_norm >= 0,
+                "training.max_grad_norm",
+                f"must be >= 0 (0: no clipping), got {t.max_grad_norm}",
+            ),
+            (t.save_steps >= 0, "training.save_steps", f"must be >= 0 (0: no checkpoints), got {t.save_steps}"),
+            (
+                t.save_total_limit is None or t.save_total_limit >= 0,
+                "training.save_total_limit",
+                f"must be >= 0 (0 or null: keep every checkpoint), got {t.save_total_limit}",
+            ),
+            (
+                0 <= t.seed < 2**64,
+                "training.seed",
+                f"must be in [0, 2**64) (torch's generators take 64 bits), got {t.seed}",
+            ),
             (
                 0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1,
                 "training.adam_beta1/adam_beta2",
@@ -127,6 +146,11 @@ class Recipe:
             (self.data.max_seq_len >= 2, "data.max_seq_len", "must be >= 2 (a token and its target)"),
             (self.offload.prefetch_depth >= 0, "offload.prefetch_depth", "must be >= 0"),
             (self.method.lora.r >= 1, "method.lora.r", "must be >= 1"),
+            (
+                self.method.lora.seed is None or 0 <= self.method.lora.seed < 2**64,
+                "method.lora.seed",
+                f"must be in [0, 2**64) or null, got {self.method.lora.seed}",
+            ),
             (0 <= self.method.lora.dropout < 1, "method.lora.dropout", "must be in [0, 1)"),
             (self.method.galore.rank >= 1, "method.galore.rank", "must be >= 1"),
             (self.method.galore.update_proj_gap >= 1, "method.galore.update_proj_gap", "must be >= 1"),
@@ -195,14 +219,13 @@ def recipe_notes(path: str | Path) -> tuple[str, list[str]]:
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a YAML recipe, apply ``key.path=value`` overrides, and validate. Raises ConfigError."""
     path = Path(path)
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.y*ml"))[:5]
+        there = f" (YAML files there: {', '.join(found)})" if found else ""
+        raise ConfigError(f"recipe {path} is a directory; give a YAML recipe file{there}")
     if not path.is_file():
         raise ConfigError(f"recipe {path} does not exist; `tiertune recipes` lists the built-in ones")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"recipe {path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
+    raw = parse_yaml(_utf8(path), f"recipe {path}") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"recipe {path} must be a mapping of sections (model:, data:, training:, ...)")
     for item in overrides:
@@ -211,8 +234,53 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
             raise ConfigError(
                 f"override {item!r} must look like section.key=value, e.g. training.learning_rate=1e-4"
             )
-        _set(raw, key.strip().split("."), yaml.safe_load(value) if value.strip() else None)
+        parsed = parse_yaml(value, f"override {item!r}") if value.strip() else None
+        _set(raw, key.strip().split("."), parsed)
     return build(Recipe, raw, "")
+
+
+def _utf8(path: Path) -> str:
+    """A recipe file's text; ConfigError naming the first byte that is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"recipe {path} is not UTF-8 text: byte 0x{data[exc.start]:02x} at byte offset {exc.start} (line "
+            f"{line}) cannot be decoded; save the recipe as UTF-8"
+        ) from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last one)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise ConfigError(
+                    f"`{key}` is given twice in one section (lines {seen[key]} and {line}); keep one"
+                )
+            seen.setdefault(key, line)
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str, what: str) -> Any:
+    """``text`` as YAML (a recipe, or an override's value); ConfigError naming ``what`` and where it fails, or
+    the key given twice."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except ConfigError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or exc
+        hint = "; quote a value that is meant as text" if what.startswith("override") else ""
+        raise ConfigError(f"{what} is not valid YAML{where}: {problem}{hint}") from None
 
 
 def build(cls: type, data: Any, prefix: str) -> Any:
@@ -220,7 +288,10 @@ def build(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'the recipe'} must be a mapping, got {type(data).__name__}")
+        what = f"section {prefix.rstrip('.')}" if prefix else "the recipe"
+        raise ConfigError(
+            f"{what} must be a mapping of settings (key: value, one per line), got a {type(data).__name__}"
+        )
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     values = {}
@@ -274,6 +345,8 @@ def _coerce(hint: Any, value: Any, name: str, choices: tuple[str, ...] | None) -
 def _describe(typ: Any) -> str:
     if typ is float:
         return "a number"
+    if typ is str:
+        return "a string"
     if typing.get_origin(typ) is list:
         return "a list of names"
     return typ.__name__

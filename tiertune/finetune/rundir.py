@@ -19,8 +19,10 @@ Nothing is written or removed until every check has passed (``RunDirectory.decid
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import json
 import logging
 import os
 import re
@@ -48,10 +50,11 @@ log = logging.getLogger("tiertune.train")
 
 LOCK_FILE = ".tiertune.lock"
 LOG_NAME = "trainer_log.jsonl"
+LAUNCH_FILE = "launch.json"  # the processes a run was launched on and its global micro-batch, beside its recipe
 
 # what a run writes into its directory, besides its checkpoints: the log, the resolved recipe, the final
 # trainer state, TensorBoard/W&B event files, and the exported model or adapter
-_RUN_FILES = (LOG_NAME, RECIPE_FILE, STATE_FILE, "runs", "wandb")
+_RUN_FILES = (LOG_NAME, RECIPE_FILE, LAUNCH_FILE, STATE_FILE, "runs", "wandb")
 _MODEL_FILES = re.compile(
     r"^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
     r"|adapter_config\.json|adapter_model\.safetensors)$"
@@ -119,6 +122,29 @@ def _batch_split(
     return [*others, split], "", keep
 
 
+def model_files(directory: Path) -> list[str]:
+    """The files of a model or adapter in ``directory`` (weights, index, configs), by name."""
+    return sorted(p.name for p in directory.iterdir() if p.is_file() and _MODEL_FILES.match(p.name))
+
+
+def lock_holder(lock_file: Path) -> str | None:
+    """The pid of the live run holding ``lock_file`` (``LOCK_FILE`` of a run directory), or None when no run
+    holds it (nor when it does not exist)."""
+    try:
+        fd = os.open(lock_file, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 class RunDirectory:
     """``training.output_dir`` for the life of one run: locked on ``open``, checked by ``decide``, made ready by
     ``prepare``, unlocked by ``close``."""
@@ -126,6 +152,7 @@ class RunDirectory:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._fd: int | None = None
+        self._made: list[Path] = []  # the directories ``open`` made (``__exit__`` removes them if unused)
 
     # ---------------------------------------------------------------- the lock
 
@@ -136,6 +163,7 @@ class RunDirectory:
                 f"training.output_dir {self.path} is a file, not a directory; choose a directory for the run"
             )
         try:
+            self._made = [p for p in (self.path, *self.path.parents) if not p.exists()]
             self.path.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -170,12 +198,29 @@ class RunDirectory:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+        self.remove_if_unused()
+
+    def remove_if_unused(self) -> None:
+        """Remove the directories ``open`` made when nothing but its lock file was written into them (a run
+        refused before it started leaves no empty output_dir behind)."""
+        if not self._made or [p.name for p in self.path.iterdir()] != [LOCK_FILE]:
+            return
+        with contextlib.suppress(OSError):  # a file appeared meanwhile (another run's): the directory stays
+            (self.path / LOCK_FILE).unlink()
+            for made in self._made:  # deepest first; rmdir refuses a directory that is not empty
+                made.rmdir()
+        self._made = []
 
     # ---------------------------------------------------------------- what it holds
 
     def holds_run(self) -> bool:
         """Whether a run wrote here: its log, recipe, trainer state, a checkpoint or a model."""
         return any((self.path / name).exists() for name in _MARKS) or bool(self._checkpoint_dirs())
+
+    def is_run(self) -> bool:
+        """Whether a run wrote here (its log, recipe, trainer state, lock or a checkpoint), not only a model."""
+        marks = (LOG_NAME, RECIPE_FILE, STATE_FILE, LOCK_FILE)
+        return any((self.path / name).exists() for name in marks) or bool(self._checkpoint_dirs())
 
     def foreign(self) -> list[str]:
         """Entries a run did not write (nor its lock, partial checkpoints and exports)."""
@@ -242,12 +287,18 @@ class RunDirectory:
                     f"every checkpoint in {self.path} is damaged ({'; '.join(notes)}); start over with "
                     "training.overwrite_output_dir=true (the damaged checkpoints are removed)"
                 )
-            if self.holds_run() and not self._same_run(recipe) and not t.overwrite_output_dir:
-                raise ConfigError(self._taken_message("it has no checkpoint to resume"))
+            if self.holds_run() and not t.overwrite_output_dir:
+                self._check_same_run(recipe)
             return Decision(clear=self.holds_run(), notes=self._restart_note())
-        if (self.holds_run() or self.foreign()) and not t.overwrite_output_dir:
+        if t.overwrite_output_dir:
+            return Decision(clear=self.holds_run())
+        if self.holds_run() and not checkpoints(self.path) and self.finished_at() is None and not self.foreign():
+            # this run's own start, stopped before its first checkpoint: nothing to resume, start it over
+            self._check_same_run(recipe)
+            return Decision(clear=True, notes=self._restart_note())
+        if self.holds_run() or self.foreign():
             raise ConfigError(self._taken_message(None))
-        return Decision(clear=t.overwrite_output_dir and self.holds_run())
+        return Decision()
 
     def _resume(
         self, recipe: Recipe, path: Path, max_steps: int, notes: tuple[str, ...], auto: bool
@@ -285,10 +336,20 @@ class RunDirectory:
         that wrote ``checkpoint`` differ: ``(key, then, now)``."""
         return _differences(recipe, checkpoint / RECIPE_FILE) or []
 
-    def _same_run(self, recipe: Recipe) -> bool:
-        """Whether the directory's recipe is ``recipe``'s run (it was started and stopped before its first
-        checkpoint)."""
-        return _differences(recipe, self.path / RECIPE_FILE) == []
+    def _check_same_run(self, recipe: Recipe) -> None:
+        """ConfigError unless the directory's recipe is ``recipe``'s run (started, then stopped before its first
+        checkpoint), counting the global micro-batch, not its split over the processes (``LAUNCH_FILE``)."""
+        changes = _differences(recipe, self.path / RECIPE_FILE)
+        if changes is None:  # no readable recipe: another run's outputs, or not a run's
+            raise ConfigError(self._taken_message("it has no checkpoint to resume"))
+        changes, _, hint = _batch_split(changes, recipe, _launch(self.path))
+        if changes:
+            listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)
+            raise ConfigError(
+                f"training.output_dir {self.path} holds the start of another run (stopped before its first "
+                f"checkpoint): {listed}. Start it with the recipe that made it{hint}, choose another "
+                "training.output_dir, or set training.overwrite_output_dir=true to start this one there"
+            )
 
     def _restart_note(self) -> tuple[str, ...]:
         if not self.holds_run():
@@ -339,6 +400,20 @@ class RunDirectory:
             elif path.exists() or path.is_symlink():
                 path.unlink()
         return removed
+
+
+def launch_record(world: World, rows: int) -> str:
+    """``LAUNCH_FILE``'s text: the processes a run is launched on and the rows of its global micro-batch."""
+    return json.dumps({"world_size": world.size, "rows_per_micro_batch": rows}) + "\n"
+
+
+def _launch(path: Path) -> dict:
+    """A run directory's ``LAUNCH_FILE`` (of a run written before it existed: one process)."""
+    try:
+        found = json.loads((path / LAUNCH_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _differences(recipe: Recipe, recipe_file: Path) -> list[tuple[str, Any, Any]] | None:

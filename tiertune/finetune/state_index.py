@@ -139,6 +139,18 @@ def _numel(shape: list[int]) -> int:
     return math.prod(shape)
 
 
+def _role_of_file(file: str) -> str | None:
+    """The role whose chunks a state file holds (``state/[rank-<r>/]<chunk>.safetensors``, the chunk named
+    ``<weight chunk>.<role's suffix>`` or, for the weights, the weight chunk's own name); None for a path
+    outside the state directory."""
+    parts = file.split("/")
+    inside = len(parts) in (2, 3) and parts[0] == "state" and (len(parts) == 2 or parts[1].startswith("rank-"))
+    if not inside or not parts[-1].endswith(".safetensors") or ".." in parts:
+        return None
+    stem = parts[-1].removesuffix(".safetensors")
+    return next((r for r in STATE_ROLES[1:] if stem.endswith(f".{ROLES[r][0]}")), "weights")
+
+
 class StateReader:
     """Reads ranges of a checkpoint's state tensors from the pieces that hold them (memory-mapped, a few
     files open at a time). ``with StateReader(path, trainer_state) as reader: reader.read(...)``."""
@@ -166,6 +178,9 @@ class StateReader:
         else:
             self.tensors = self._legacy(trainer_state)
             self.world_size = 1
+        for key, entry in self.tensors.items():
+            self._check_entry(key, entry)
+        self._checked: set[tuple[str, str]] = set()  # (file, name) pieces whose stored tensor was checked
 
     def __enter__(self) -> StateReader:
         return self
@@ -199,10 +214,67 @@ class StateReader:
 
     def read(self, key: str, start: int, end: int, out: torch.Tensor) -> None:
         """Copy elements ``[start, end)`` of state tensor ``key`` (flattened) into ``out`` (flat)."""
-        for file, name, a, b in self.tensors[key]["pieces"]:
+        entry = self.tensors[key]
+        for file, name, a, b in entry["pieces"]:
             lo, hi = max(a, start), min(b, end)
             if lo < hi:
+                self._check_piece(key, entry["dtype"], file, name, b - a)
                 out[lo - start : hi - start].copy_(self._range(file, name, lo - a, hi - a))
+
+    def _damaged(self, what: str) -> IntegrityError:
+        return IntegrityError(f"{self.path / 'state' / INDEX_FILE}: {what}: the checkpoint is damaged")
+
+    def _check_entry(self, key: str, entry: Any) -> None:
+        """IntegrityError unless ``entry`` is a well-formed index entry of state tensor ``key``: a known role and
+        dtype, and pieces that tile the tensor, each from a file of the state directory that holds that role's
+        chunks (an index edited to read one role's tensor from another's file is refused)."""
+        role, _, param = key.partition("/")
+        if role not in STATE_ROLES or not param:
+            raise self._damaged(f"{key!r} is not a state tensor (<role>/<parameter>, role one of {STATE_ROLES})")
+        try:
+            shape, dtype, pieces = list(entry["shape"]), entry["dtype"], list(entry["pieces"])
+            ok = all(type(n) is int and n >= 0 for n in shape) and isinstance(getattr(torch, dtype, None), torch.dtype)
+        except (KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise self._damaged(f"the entry of {key} is malformed")
+        at = 0
+        for piece in pieces:
+            if not (isinstance(piece, list) and len(piece) == 4 and isinstance(piece[0], str)
+                    and isinstance(piece[1], str) and all(type(n) is int for n in piece[2:])):  # fmt: skip
+                raise self._damaged(f"a piece of {key} is malformed ({piece!r})")
+            file, name, start, end = piece
+            if start != at or end <= start:
+                raise self._damaged(f"the pieces of {key} do not tile it (a gap or overlap at element {at})")
+            at = end
+            if name != param:
+                raise self._damaged(f"a piece of {key} names {name!r}, another tensor")
+            if _role_of_file(file) != role:
+                raise self._damaged(f"a piece of {key} lies in {file}, which holds another role's state")
+        if at != _numel(shape):
+            raise self._damaged(f"the pieces of {key} cover {at} of its {_numel(shape)} elements")
+
+    def _check_piece(self, key: str, dtype: str, file: str, name: str, numel: int) -> None:
+        """IntegrityError unless the stored tensor ``name`` of ``file`` has the dtype and size its piece of
+        ``key`` says (checked once per piece)."""
+        if (file, name) in self._checked:
+            return
+        try:
+            piece = self._file(file).get_slice(name)
+            found = SAFETENSORS_DTYPES.get(piece.get_dtype())
+            size = math.prod(piece.get_shape())
+        except IntegrityError:
+            raise
+        except Exception as exc:  # safetensors' errors: no such tensor, a damaged header
+            raise IntegrityError(
+                f"{self.path / file} cannot be read ({type(exc).__name__}: {exc}): the checkpoint is damaged"
+            ) from None
+        if found is None or dtype_name(found) != dtype or size != numel:
+            raise IntegrityError(
+                f"{self.path / file}: {name} is {piece.get_dtype()} of {size} elements, its index entry ({key}) "
+                f"says {dtype} of {numel}: the checkpoint is damaged"
+            )
+        self._checked.add((file, name))
 
     def whole(self, key: str) -> torch.Tensor:
         """State tensor ``key`` assembled whole, in its shape."""
@@ -210,6 +282,11 @@ class StateReader:
         out = torch.empty(_numel(entry["shape"]), dtype=getattr(torch, entry["dtype"]))
         self.read(key, 0, out.numel(), out)
         return out.view(entry["shape"])
+
+    def nbytes(self, key: str) -> int:
+        """Bytes of state tensor ``key`` whole."""
+        entry = self.tensors[key]
+        return _numel(entry["shape"]) * getattr(torch, entry["dtype"]).itemsize
 
     def keys(self, role: str) -> list[str]:
         """The parameter names of the state tensors of ``role`` (e.g. ``weights``), in index order."""
@@ -259,9 +336,8 @@ class StateReader:
             raise IntegrityError(f"{self.path / 'state' / INDEX_FILE} is missing: the checkpoint is damaged")
         tensors: dict[str, dict] = {}
         for chunk in names:
-            # a state chunk is named <weight chunk>.<its role's suffix> (layout.add_states)
-            role = next((r for r in STATE_ROLES[1:] if chunk.endswith(f".{ROLES[r][0]}")), "weights")
             file = f"state/{chunk}.safetensors"
+            role = _role_of_file(file)
             handle = self._file(file)
             for name in handle.keys():  # noqa: SIM118 (safe_open has keys(), it is not iterable)
                 piece = handle.get_slice(name)

@@ -54,10 +54,10 @@ from tiertune.finetune.checkpoint import (
 )
 from tiertune.finetune.data import batches, load_data
 from tiertune.finetune.export import write_hf
-from tiertune.finetune.ranks import decided_by_main, join, launch_notes, rows_of
+from tiertune.finetune.ranks import decided_by_main, join, launch_notes, rows_of, sweep_other_ranks
 from tiertune.finetune.recipe import Recipe, load_recipe
 from tiertune.finetune.reporting import Reporters
-from tiertune.finetune.rundir import LOG_NAME, Decision, RunDirectory
+from tiertune.finetune.rundir import LAUNCH_FILE, LOG_NAME, Decision, RunDirectory, launch_record
 from tiertune.finetune.signals import StopOnSignals, stop_on_signals
 from tiertune.kernels.patch import describe, resolve_backend
 from tiertune.offload.chunk import itemsize
@@ -235,16 +235,18 @@ def train(
     store_cfg, engine_cfg = plan(recipe)
     join(world)  # several processes: the process group, this rank's GPU and threads
     run_dir = RunDirectory(recipe.training.output_dir)
-    with stop_on_signals() as stop, run_dir if world.is_main else contextlib.nullcontext():
-        if world.is_main:  # the run directory is rank 0's: it locks, checks and prepares it for all
-            recover(run_dir.path)
+    with stop_on_signals() as stop:
         try:
-            loaded = _load(recipe)
+            loaded = _load(recipe)  # a data or tokenizer error before the run directory is made
             stop.check()  # a signal during loading that landed where it could not be raised
-            with stop.at_safe_points():  # from here the run holds chunks and locks
-                return _run(
-                    recipe, store_cfg, engine_cfg, run_dir, loaded, progress and world.is_main, stop, world
-                )
+            # the run directory is rank 0's: it locks, checks and prepares it for all
+            with run_dir if world.is_main else contextlib.nullcontext():
+                if world.is_main:
+                    recover(run_dir.path)
+                with stop.at_safe_points():  # from here the run holds chunks and locks
+                    return _run(
+                        recipe, store_cfg, engine_cfg, run_dir, loaded, progress and world.is_main, stop, world
+                    )
         except Signalled as exc:  # before the first step: what was set up has been unwound
             newest = latest_checkpoint(run_dir.path)
             step = checkpoint_step(newest) if newest else 0
@@ -307,7 +309,6 @@ def _run(
             log.debug("removed %s", path)
         if decision.clear:
             log.info("started over in %s: the previous run's checkpoints, log and model were removed", out)
-        write_text_atomically(recipe_path, recipe.to_yaml())
         return decision
 
     decision = decided_by_main(world, settle)
@@ -322,7 +323,8 @@ def _run(
     try:
         if decision.resume is not None:
             state = load_checkpoint(trainer, decision.resume)
-            history = list(state["log_history"])
+            # the steps up to the checkpoint's (one written by an older tiertune may hold later ones)
+            history = [r for r in state["log_history"] if int(r.get("step", 0)) <= first]
             skip = _batches_done(state["tiertune"], rows)  # the data position: the same batches follow
             for _ in range(skip):
                 next(stream)
@@ -330,7 +332,12 @@ def _run(
     except BaseException:
         trainer.close()
         raise
-    if world.is_main:
+    if world.is_main and recipe.offload.disk_path:  # directories this launch does not use
+        for path in sweep_other_ranks(recipe.offload.disk_path, world):
+            log.debug("removed %s (a slot file of a launch on another number of processes)", path)
+    if world.is_main:  # the run's files, once its model is loaded (a model that cannot be leaves none)
+        write_text_atomically(recipe_path, recipe.to_yaml())
+        write_text_atomically(out / LAUNCH_FILE, launch_record(world, rows))
         _rewrite_log(result.log_path, history)  # each step once: a resumed run runs the later ones again
     counted = dict(trainer.optimizer_counts)  # a resumed run's counters start at its checkpoint's
     notes = list(decision.notes) + launch_notes(world, dict(os.environ))
@@ -396,7 +403,7 @@ def _run(
                         "global_step": step + 1,
                         "max_steps": steps,
                         "epoch": record["epoch"],
-                        "log_history": history,
+                        "log_history": list(history),  # as of this step: the writer serialises it later
                         "tiertune": {
                             "micro_batches": (step + 1) * t.gradient_accumulation_steps,
                             "rows_per_micro_batch": rows,
