@@ -14,7 +14,9 @@ TEXTS = [f"the {a} cat sat on the {b} mat ." for a in ("red", "big", "old") for 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("model"), TEXTS, layers=2)
+    made = make_model(tmp_path_factory.mktemp("model"), TEXTS, layers=2)
+    _MODEL[:] = [made]
+    return made
 
 
 @pytest.fixture
@@ -77,7 +79,41 @@ CASES = [
      "offload.host_budget is 100.00 TiB but this machine has"),
     ("budget without a unit", ["offload.host_budget=64"],
      "offload.host_budget: 64 has no unit; write e.g. 64GiB (or 64B for bytes)"),
+    # found by the fault campaign of issue 26: each was a traceback, accepted nonsense or an unclear message
+    ("override that is not YAML", ["training.learning_rate=[1e-4"],
+     "override 'training.learning_rate=[1e-4' is not valid YAML at line 1"),
+    ("seed beyond 64 bits", ["training.seed=100000000000000000000000"], "training.seed must be in [0, 2**64)"),
+    ("negative weight decay", ["training.weight_decay=-0.1"], "training.weight_decay must be >= 0, got -0.1"),
+    ("negative adam epsilon", ["training.adam_epsilon=-1e-8"], "training.adam_epsilon must be >= 0"),
+    ("negative max_grad_norm", ["training.max_grad_norm=-1"], "training.max_grad_norm must be >= 0 (0: no clipping)"),
+    ("negative save_total_limit", ["training.save_total_limit=-2"], "training.save_total_limit must be >= 0"),
+    ("a mapping where a list belongs", ["method.type=lora", "method.lora.target_modules={q_proj: 1}"],
+     "method.lora.target_modules must be a string or a list of names; got {'q_proj': 1}"),
+    ("a section that is not a mapping", ["training=[1]"],
+     "section training must be a mapping of settings (key: value, one per line), got a list"),
+    ("a JSON line that is not an object", lambda t: [f"data.path={_file(t, 'd.jsonl', TWO_ROWS_ONE_ARRAY)}"],
+     "d.jsonl, line 2: an array, not a JSON object with the fields of data.format"),
+    ("text the tokenizer cannot represent", lambda t: [f"data.path={_file(t, 'd.jsonl', UNKNOWN_WORDS)}"],
+     "row 1: the tokenizer transformers picked for this model (TokenizersBackend) keeps 0 of the row's 27 characters"),
+    ("model without a tokenizer", lambda t: [f"model.path={_without_tokenizer(t)}"],
+     "has no tokenizer that transformers can load (no tokenizer.json or tokenizer_config.json)"),
 ]  # fmt: skip
+
+TWO_ROWS_ONE_ARRAY = json.dumps({"text": TEXTS[0]}) + "\n[1, 2]\n"
+UNKNOWN_WORDS = json.dumps({"text": "zebras quietly juggle lanterns"}) + "\n"
+
+
+def _without_tokenizer(tmp_path):
+    import shutil
+
+    model = tmp_path / "no-tokenizer"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(_MODEL[0] / name, model / name)
+    return model
+
+
+_MODEL: list = []  # the module's model directory, for cases that copy part of it
 
 
 @pytest.mark.parametrize(("name", "overrides", "message"), CASES, ids=[c[0] for c in CASES])
@@ -87,7 +123,8 @@ def test_malformed_input_exits_2_with_a_specific_message(tmp_path, recipe, name,
     assert result.exit_code == 2, result.output
     assert message in result.output, result.output
     assert "Traceback" not in result.output
-    assert len(result.output.strip().splitlines()) <= 3  # short: the message, not a dump
+    assert len(result.output.strip().splitlines()) == 1, result.output  # one line: the message, not a dump
+    assert not (tmp_path / "run").exists()  # nothing made: no empty output_dir left behind
 
 
 T5 = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_model": 32, "d_ff": 64,
@@ -119,9 +156,36 @@ def test_a_model_tiertune_cannot_use_exits_2(tmp_path, model_dir, write_recipe, 
 
 def test_bad_recipe_files(tmp_path):
     bad = _file(tmp_path, "bad.yaml", "model:\n  path: [unclosed\n")
-    for path, message in [(bad, "not valid YAML at line"), (str(tmp_path / "nope.yaml"), "does not exist")]:
-        result = CliRunner().invoke(app, ["train", path])
-        assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    latin1 = _bytes(tmp_path, "latin1.yaml", b"model:\n  path: caf\xe9\n")
+    twice = _file(tmp_path, "twice.yaml", "training:\n  max_steps: 3\n  learning_rate: 1e-4\n  max_steps: 5\n")
+    (tmp_path / "recipes").mkdir()
+    cases = [
+        (bad, "not valid YAML at line"),
+        (str(tmp_path / "nope.yaml"), "does not exist"),
+        (latin1, "latin1.yaml is not UTF-8 text: byte 0xe9 at byte offset 18 (line 2) cannot be decoded"),
+        (twice, "twice.yaml: `max_steps` is given twice in one section (lines 2 and 4); keep one"),
+        (str(tmp_path / "recipes"), "recipes is a directory; give a YAML recipe file"),
+    ]
+    for path, message in cases:
+        for command in (["train", path], ["estimate", path, "--no-probe"]):
+            result = CliRunner().invoke(app, command, env={"COLUMNS": "300"})
+            assert result.exit_code == 2, result.output
+            assert message in result.output and "Traceback" not in result.output, result.output
+            assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_bad_command_options(tmp_path):
+    cases = [
+        (["demo", "--steps", "0", "--workdir", str(tmp_path / "demo")], "--steps must be >= 1 (the steps to train), got 0"),
+        (["recipes", "demo", "--to", "/proc/no/such/dir/demo.yaml"], "cannot write /proc/no/such/dir/demo.yaml"),
+        (["recipes", "nope"], "no built-in recipe 'nope'"),
+    ]  # fmt: skip
+    for command, message in cases:
+        result = CliRunner().invoke(app, command, env={"COLUMNS": "300"})
+        assert result.exit_code == 2, result.output
+        assert message in result.output and "Traceback" not in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+    assert not (tmp_path / "demo").exists()
 
 
 @pytest.mark.slow

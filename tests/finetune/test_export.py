@@ -1,5 +1,8 @@
 """export (a run or checkpoint as a model or adapter) and merge (an adapter folded into its base)."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -125,3 +128,183 @@ def test_a_lora_run_and_its_merge_emit_no_future_warning(tmp_path, run):
         result = run("method.type=lora")
         merge(result.output_dir, tmp_path / "merged")
     assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
+
+
+# ---------------------------------------------------------------- faults around export (issue 26)
+
+
+def _full_run(tmp_path, model_dir, write_recipe):
+    path = write_recipe(tmp_path, model_dir, name="full",
+                        training={"max_steps": 4, "learning_rate": "3e-3", "save_steps": 2, "report_to": "none"})  # fmt: skip
+    return train(path, progress=False)
+
+
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from tiertune.cli.app import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "300"})
+
+
+def _flip(path, at=-16):
+    data = bytearray(path.read_bytes())
+    for k in range(4):
+        data[at + k] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_export_verifies_the_checkpoint_first(tmp_path, model_dir, write_recipe):
+    """4 flipped bytes in a weight file, a state file swapped for another checkpoint's, an edited index: each is
+    exit 2 naming the file, and nothing is written (before: exit 0 and a model that is not the checkpoint's)."""
+    import shutil
+
+    result = _full_run(tmp_path, model_dir, write_recipe)
+    run_dir = result.output_dir
+    cases = {}
+    flipped = tmp_path / "flipped"
+    shutil.copytree(run_dir, flipped)
+    _flip(flipped / "checkpoint-4" / "state" / "model.layers.1.safetensors")
+    cases["flipped"] = (flipped, "state/model.layers.1.safetensors does not match its checksum")
+    swapped = tmp_path / "swapped"
+    shutil.copytree(run_dir, swapped)
+    shutil.copy(swapped / "checkpoint-2" / "state" / "embed.safetensors", swapped / "checkpoint-4" / "state")
+    cases["swapped"] = (swapped, "state/embed.safetensors does not match its checksum")
+    edited = tmp_path / "edited"
+    shutil.copytree(run_dir, edited)
+    index = edited / "checkpoint-4" / "state" / "index.json"
+    index.write_text(index.read_text().replace('"shape": [', '"shape": [2, ', 1))
+    cases["edited index"] = (edited, "state/index.json has")
+    for name, (run, message) in cases.items():
+        out = tmp_path / f"out-{name}"
+        done = _cli("export", run / "checkpoint-4", "--out", out)
+        assert done.exit_code == 2, (name, done.output)
+        assert message in done.output and "damaged" in done.output, (name, done.output)
+        assert "Traceback" not in done.output and len(done.output.strip().splitlines()) == 1
+        assert not out.exists() and not list(tmp_path.glob(f".out-{name}*"))
+
+
+def test_an_edited_index_that_passes_its_checksums_is_refused(tmp_path, model_dir, write_recipe):
+    """An index whose moment pieces point at the other moment's files (checksums recomputed by hand) would resume
+    a step on the wrong state, or export the wrong tensors: refused naming the index (IntegrityError, exit 2)."""
+    from tiertune.errors import IntegrityError
+    from tiertune.finetune.checkpoint import CHECKSUMS, write_checksums
+    from tiertune.finetune.state_index import StateReader
+
+    result = _full_run(tmp_path, model_dir, write_recipe)
+    checkpoint = result.output_dir / "checkpoint-4"
+    index_file = checkpoint / "state" / "index.json"
+    original = index_file.read_text()
+    edits = {
+        "moment read from the other moment's file": lambda key, p: p.__setitem__(0, p[0].replace(".exp_avg.", ".exp_avg_sq."))
+        if key.startswith("exp_avg/") else None,
+        "weight read from a moment's file": lambda key, p: p.__setitem__(0, p[0].replace(".safetensors", ".exp_avg.safetensors"))
+        if key.startswith("weights/") else None,
+        "a file outside the state directory": lambda key, p: p.__setitem__(0, "../" + p[0]) if key.startswith("weights/") else None,
+        "a piece naming another tensor": lambda key, p: p.__setitem__(1, "lm_head.weight")
+        if key == "weights/model.embed_tokens.weight" else None,
+    }  # fmt: skip
+    for name, edit in edits.items():
+        index = json.loads(original)
+        for key, entry in index["tensors"].items():
+            for piece in entry["pieces"]:
+                edit(key, piece)
+        index_file.write_text(json.dumps(index))
+        (checkpoint / CHECKSUMS).unlink()
+        write_checksums(checkpoint)
+        with pytest.raises(IntegrityError, match="index.json: .*the checkpoint is damaged"):
+            StateReader(checkpoint, {})
+        done = _cli("export", checkpoint, "--out", tmp_path / "out")
+        assert done.exit_code == 2 and "index.json" in done.output, (name, done.output)
+        resumed = _cli("train", result.output_dir / "recipe.yaml", f"training.resume_from_checkpoint={checkpoint}",
+                       "training.max_steps=6", "-q")  # fmt: skip
+        assert resumed.exit_code == 2 and "index.json" in resumed.output, (name, resumed.output)
+    # a piece whose stored tensor is not what the index says (dtype or size) is found when it is read
+    index = json.loads(original)
+    piece = index["tensors"]["weights/lm_head.weight"]["pieces"][0]
+    index["tensors"]["weights/lm_head.weight"]["dtype"] = "bfloat16"
+    index_file.write_text(json.dumps(index))
+    (checkpoint / CHECKSUMS).unlink()
+    write_checksums(checkpoint)
+    done = _cli("export", checkpoint, "--out", tmp_path / "out")
+    assert done.exit_code == 2 and f"{piece[1]} is F32" in done.output, done.output
+
+
+def test_export_never_writes_over_a_model_or_a_run(tmp_path, model_dir, write_recipe):
+    """--out over an earlier export, a run, the recipe's model.path or the run itself is refused (exit 2, nothing
+    changed); --overwrite replaces an earlier export or another run whole, never model.path nor the run exported."""
+    import hashlib
+
+    def digest(directory):
+        return {p.relative_to(directory): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(directory.rglob("*")) if p.is_file()}  # fmt: skip
+
+    result = _full_run(tmp_path, model_dir, write_recipe)
+    run_dir, checkpoint = result.output_dir, result.output_dir / "checkpoint-2"
+    other = train(write_recipe(tmp_path, model_dir, name="other", training={"max_steps": 1, "output_dir": str(tmp_path / "other")}),
+                  progress=False).output_dir  # fmt: skip
+    assert _cli("export", checkpoint, "--out", tmp_path / "first").exit_code == 0
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    before = {p: digest(p) for p in (model_dir, run_dir, other, tmp_path / "first", tmp_path / "notes")}
+    refused = {
+        tmp_path / "first": "holds a model; choose a new or empty directory, or pass --overwrite",
+        other: "holds a tiertune run",
+        model_dir: "is the model the run trained (model.path)",
+        model_dir / "sub": "is inside the model the run trained (model.path)",
+        run_dir: "is the run being exported",
+        tmp_path / "notes": "holds files that are neither a model nor a run (todo.txt)",
+    }
+    for out, message in refused.items():
+        done = _cli("export", checkpoint, "--out", out)
+        assert done.exit_code == 2 and message in done.output, (out, done.output)
+    for out in (model_dir, run_dir, run_dir / "checkpoint-4", tmp_path, tmp_path / "notes"):
+        done = _cli("export", checkpoint, "--out", out, "--overwrite")
+        assert done.exit_code == 2, (out, done.output)
+    assert {p: digest(p) for p in before} == before  # nothing changed
+    for out in (tmp_path / "first", other):  # replaced whole, by the model of step 2
+        done = _cli("export", checkpoint, "--out", out, "--overwrite")
+        assert done.exit_code == 0, done.output
+        assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                         "tokenizer_config.json"]  # fmt: skip
+    assert digest(tmp_path / "first")[Path("model.safetensors")] == digest(other)[Path("model.safetensors")]
+
+
+def test_export_to_a_full_disk_leaves_nothing(tmp_path, model_dir, write_recipe, monkeypatch):
+    """The filesystem fills while the weights are written: exit 2 saying so, and neither --out nor a partial
+    directory beside it (before: a SafetensorError traceback and a config.json, the file that marks a model
+    complete, left in --out)."""
+    import errno
+    import shutil
+
+    import safetensors.torch
+
+    result = _full_run(tmp_path, model_dir, write_recipe)
+
+    def full(src, dst, *args, **kwargs):  # half the file written, then the disk is full
+        if str(src).endswith(".safetensors") or isinstance(src, dict):
+            Path(dst).write_bytes(b"\0" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return copy2(src, dst, *args, **kwargs)
+
+    copy2 = shutil.copy2
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    monkeypatch.setattr(shutil, "copy2", full)
+    for source in (result.output_dir / "checkpoint-4", result.output_dir):
+        out = tmp_path / "exports" / "model"
+        done = _cli("export", source, "--out", out)
+        assert done.exit_code == 2, done.output
+        assert "no room to write" in done.output and "Traceback" not in done.output, done.output
+        assert not out.exists() and list((tmp_path / "exports").iterdir()) == []
+
+
+def test_merge_never_writes_over_its_base_or_another_model(tmp_path, model_dir, run):
+    result = run("method.type=lora")
+    assert _cli("export", result.output_dir, "--out", tmp_path / "adapter").exit_code == 0
+    for out, message in [(model_dir, "is the base model"), (result.output_dir, "is the adapter"),
+                         (tmp_path / "adapter", "holds a model")]:  # fmt: skip
+        done = _cli("merge", result.output_dir, "--out", out)
+        assert done.exit_code == 2 and message in done.output, done.output
+    assert _cli("merge", result.output_dir, "--out", tmp_path / "adapter", "--overwrite").exit_code == 0
+    assert (tmp_path / "adapter" / "model.safetensors").is_file()
+    assert not (tmp_path / "adapter" / "adapter_config.json").exists()  # replaced whole

@@ -173,6 +173,7 @@ DAMAGE = {
     "truncated trainer state": lambda c: os.truncate(c / "trainer_state.json", 20),
     "truncated rng state": lambda c: os.truncate(c / "rng_state.pth", 50),
     "missing checksums": lambda c: (c / "checksums.json").unlink(),
+    "missing trainer state": lambda c: (c / "trainer_state.json").unlink(),  # was skipped by auto in silence
 }
 
 
@@ -281,6 +282,85 @@ def test_a_restart_without_a_checkpoint_logs_each_step_once(recipe, interrupted_
     assert _log_steps(run_dir) == [1] and not checkpoints(run_dir)
     train(recipe, ("training.resume_from_checkpoint=auto",), progress=False)
     assert _log_steps(run_dir) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_run_stopped_before_its_first_checkpoint_restarts_on_another_number_of_processes(recipe):
+    """What 2 ranks of 3 rows each leave when stopped before their first checkpoint (their recipe, with
+    per_device_train_batch_size 3, and the launch they ran as) is the same run for one process of 6 rows: it
+    starts over there, with or without ``auto``; one process of another batch is refused, naming the setting that
+    keeps it (before: "holds another run's outputs", whatever the batch)."""
+    from tiertune.finetune.recipe import load_recipe
+    from tiertune.finetune.rundir import LAUNCH_FILE
+
+    run_dir = recipe.parent / "run"
+
+    def stopped_on_two_ranks() -> None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir()
+        written = load_recipe(recipe, ("training.per_device_train_batch_size=3",)).with_absolute_paths()
+        (run_dir / "recipe.yaml").write_text(written.to_yaml())
+        (run_dir / LAUNCH_FILE).write_text(json.dumps({"world_size": 2, "rows_per_micro_batch": 6}))
+        (run_dir / "trainer_log.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n")
+
+    stopped_on_two_ranks()
+    before = _snapshot(run_dir)
+    with pytest.raises(ConfigError, match=r"processes\): '3 x 2' -> '4 x 1'.*per_device_train_batch_size=6\)"):
+        train(recipe, ("training.per_device_train_batch_size=4", "training.resume_from_checkpoint=auto"),
+              progress=False)  # fmt: skip
+    assert _snapshot(run_dir) == before
+    for setting in ("training.resume_from_checkpoint=auto", "training.resume_from_checkpoint=null"):
+        stopped_on_two_ranks()
+        done = train(recipe, ("training.per_device_train_batch_size=6", "training.max_steps=2", setting),
+                     progress=False)  # fmt: skip
+        assert done.first_step == 1 and _log_steps(run_dir) == [1, 2]
+        assert json.loads((run_dir / LAUNCH_FILE).read_text()) == {"world_size": 1, "rows_per_micro_batch": 6}
+
+
+def test_a_resumed_log_never_repeats_a_step(recipe, interrupted_after):
+    """A checkpoint whose log_history holds steps after it (as the background writer once serialised the live
+    list) resumes with its own steps only: the log has each step once."""
+    with interrupted_after(5), pytest.raises(KeyboardInterrupt):
+        train(recipe, progress=False)
+    run_dir = recipe.parent / "run"
+    checkpoint = run_dir / "checkpoint-4"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert [r["step"] for r in state["log_history"]] == [1, 2, 3, 4]
+    state["log_history"].append(dict(state["log_history"][-1], step=5))
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    (checkpoint / "checksums.json").unlink()
+    ckpt.write_checksums(checkpoint)
+    train(recipe, ("training.resume_from_checkpoint=auto",), progress=False)
+    assert _log_steps(run_dir) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_checkpoint_holds_the_log_of_its_own_step(recipe, monkeypatch):
+    """The background writer serialises a checkpoint's trainer state after the next steps were logged: its
+    log_history is the one of its step (before: the live list, holding later steps)."""
+    import threading
+
+    from tiertune.finetune import reporting
+
+    later = threading.Event()
+    log = reporting.Reporters.log
+
+    def logged(self, record):  # step 3 logged: the writer of checkpoint-2 may go on
+        log(self, record)
+        if record["step"] >= 3:
+            later.set()
+
+    merge = ckpt.merge
+
+    def merge_late(*args, **kwargs):  # the writer of checkpoint-2 serialises its state after step 3
+        later.wait(timeout=60)
+        return merge(*args, **kwargs)
+
+    monkeypatch.setattr(reporting.Reporters, "log", logged)
+    monkeypatch.setattr(ckpt, "merge", merge_late)
+    train(recipe, ("training.max_steps=4",), progress=False)
+    for step in (2, 4):
+        state = json.loads((recipe.parent / "run" / f"checkpoint-{step}" / "trainer_state.json").read_text())
+        assert [r["step"] for r in state["log_history"]] == list(range(1, step + 1))
+    assert later.is_set()
 
 
 # ----------------------------------------------------------------------------- a full disk

@@ -64,13 +64,19 @@ RECIPE_FILE = "recipe.yaml"  # the resolved recipe of the run, in the run direct
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 
 
-def checkpoints(run_dir: str | os.PathLike[str]) -> list[Path]:
-    """The complete checkpoints of a run directory, oldest first."""
+def checkpoint_dirs(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """Every ``checkpoint-<step>`` directory of a run directory, oldest first, complete or not (a complete one
+    has its ``trainer_state.json``: one without was damaged, since a checkpoint is renamed into place whole)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found) if (p / STATE_FILE).is_file()]
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def checkpoints(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """The complete checkpoints of a run directory, oldest first."""
+    return [p for p in checkpoint_dirs(run_dir) if (p / STATE_FILE).is_file()]
 
 
 def checkpoint_step(path: Path) -> int:
@@ -135,7 +141,9 @@ def write_checksums(directory: Path, known: dict[str, dict] | None = None) -> No
 
 
 def read_state(path: Path) -> dict:
-    """A ``trainer_state.json``; IntegrityError naming the file when it cannot be read."""
+    """A ``trainer_state.json``; IntegrityError naming the file when it is missing or cannot be read."""
+    if not path.is_file():
+        raise IntegrityError(f"{path} is missing: the checkpoint is damaged")
     try:
         state = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -302,7 +302,7 @@ def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: st
     if not base or not (Path(base) / "config.json").is_file():
         raise ConfigError(f"the adapter's base model {base!r} is not a local model directory; pass --base")
     protected = [(Path(base), "the base model"), (adapter, "the adapter")]
-    if (adapter.parent / RECIPE_FILE).is_file():
+    if _is_checkpoint(adapter):
         protected.append((adapter.parent, "the adapter's run"))
     check_out(out, overwrite, protected)
     if _is_checkpoint(adapter) and (adapter / STATE_FILE).is_file():

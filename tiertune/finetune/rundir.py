@@ -39,6 +39,7 @@ from tiertune.finetune.checkpoint import (
     PREFIX,
     RECIPE_FILE,
     STATE_FILE,
+    checkpoint_dirs,
     checkpoints,
     partials,
     read_state,
@@ -57,7 +58,8 @@ LAUNCH_FILE = "launch.json"  # the processes a run was launched on and its globa
 _RUN_FILES = (LOG_NAME, RECIPE_FILE, LAUNCH_FILE, STATE_FILE, "runs", "wandb")
 _MODEL_FILES = re.compile(
     r"^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
-    r"|adapter_config\.json|adapter_model\.safetensors)$"
+    r"|adapter_config\.json|adapter_model\.safetensors"
+    r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|chat_template\.jinja)$"
 )
 _MARKS = {LOG_NAME, RECIPE_FILE, STATE_FILE, "config.json", "adapter_config.json"}  # "a run was here"
 
@@ -263,6 +265,11 @@ class RunDirectory:
                     f"training.resume_from_checkpoint {setting} does not exist; use auto (the newest checkpoint "
                     f"in the run directory) or one of: {self._names() or 'none in ' + str(self.path)}"
                 )
+            if not (path / STATE_FILE).is_file() and checkpoint_dirs(path.parent).count(path):
+                raise IntegrityError(
+                    f"{path / STATE_FILE} is missing: the checkpoint is damaged; use auto (the newest intact "
+                    f"checkpoint), or one of: {self._names() or 'none in ' + str(self.path)}"
+                )
             if not (path / STATE_FILE).is_file():
                 raise ConfigError(
                     f"training.resume_from_checkpoint {setting} is not a complete checkpoint (no {STATE_FILE}); "
@@ -272,9 +279,9 @@ class RunDirectory:
             return self._resume(recipe, path, max_steps, (), auto=False)
         if setting == "auto":
             notes: list[str] = []
-            for path in reversed(checkpoints(self.path)):
+            for path in reversed(checkpoint_dirs(self.path)):
                 try:
-                    verify(path)
+                    verify(path)  # one without its trainer state is damaged too (IntegrityError naming it)
                 except IntegrityError as exc:
                     notes.append(f"{path.name} is damaged ({exc}); trying the one before it")
                     log.warning("%s is damaged: %s", path, exc)

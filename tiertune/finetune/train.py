@@ -526,9 +526,12 @@ def _tokenizer(model_path: str) -> Any:
     try:
         return AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError, TypeError) as exc:
+        why = " ".join(str(exc).split("\n")[0].split()).rstrip(": ") or type(exc).__name__  # its first line
+        found = [p.name for p in Path(model_path).glob("tokenizer*")]
         raise ModelError(
-            f"model.path {model_path} has no tokenizer that transformers can load ({exc}); save the model's "
-            "tokenizer there (tokenizer.save_pretrained)"
+            f"model.path {model_path} has no tokenizer that transformers can load ("
+            + (f"{', '.join(sorted(found))} there: {why}" if found else "no tokenizer.json or tokenizer_config.json")
+            + "); save the model's tokenizer there (tokenizer.save_pretrained)"
         ) from None
 
 

@@ -107,6 +107,12 @@ class Checkpoint:
             )
         if not out.is_contiguous():
             raise ModelError(f"cannot read {name!r} into a non-contiguous tensor")
+        if out.dtype.is_floating_point and not entry.dtype.is_floating_point:
+            raise ModelError(
+                f"tensor {name!r} in {entry.file} is {str(entry.dtype).removeprefix('torch.')}, but it is a "
+                "floating-point weight of the model: casting would train on its integers. The file is not this "
+                "model's weights (a quantized checkpoint needs its quantization_config in config.json)"
+            )
         fd = os.open(entry.file, os.O_RDONLY)
         try:
             if out.dtype == entry.dtype:
