@@ -50,3 +50,43 @@ def test_quiet_prints_only_the_last_line_and_verbose_the_debug_log(recipe):
     assert quiet.startswith("done: 3 steps")
     verbose = _run("train", recipe, "--verbose", "training.overwrite_output_dir=true")
     assert "DEBUG tiertune.kernels: kernels (torch)" in verbose and "bad rows skipped" in verbose
+
+
+AVX512_BF16 = '''
+import importlib.abc
+import sys
+
+
+class AvxBf16(importlib.abc.MetaPathFinder):
+    """bitsandbytes as on a CPU with AVX-512 BF16: its CPU backend then tries to fetch a hub kernel."""
+
+    def find_spec(self, name, path, target=None):
+        if name == "bitsandbytes.backends.cpu.ops":
+            import bitsandbytes.functional as functional
+
+            functional.has_avx512bf16 = lambda: True
+        return None
+
+
+sys.meta_path.insert(0, AvxBf16())
+'''
+
+
+def test_a_dependency_s_unactionable_warning_is_not_printed(tmp_path, recipe):
+    """On CPUs with AVX-512 BF16 every command printed bitsandbytes' "Failed to load CPU gemm_4bit_forward from
+    kernels-community" warning (the campaign's machines; here the CPU is made to look like one), even with -q and
+    for unquantized models: --quiet prints the final line alone."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "shim").mkdir()
+    (tmp_path / "shim" / "sitecustomize.py").write_text(AVX512_BF16)
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path / "shim")}
+    probe = subprocess.run([sys.executable, "-c", "import bitsandbytes"], env=env, capture_output=True, text=True)
+    assert "kernels-community" in probe.stderr  # what bitsandbytes alone prints there
+    tool = str(Path(sys.executable).with_name("tiertune"))
+    done = subprocess.run([tool, "train", str(recipe), "-q"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "kernels-community" not in done.stdout + done.stderr
+    assert done.stderr == "" and done.stdout.startswith("done: 3 steps") and len(done.stdout.splitlines()) == 1

@@ -106,7 +106,7 @@ def test_chat_needs_a_template(tmp_path, tokenizer):
         ("text", [{"text": "the red cat"}, {"prompt": "x"}],
          r"rows.jsonl, row 2: expected a string field 'text', found no such field \(the row has keys \['prompt'\]\)"),
         ("alpaca", [{"instruction": "say hi", "output": "hi"}, {"instruction": "say hi", "output": 3}],
-         r"row 2: expected a string field 'output', found a int"),
+         r"row 2: expected a string field 'output', found an int"),
         ("chat", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}]},
                   {"messages": "hi"}],
          r"row 2: expected a list 'messages' of \{'role', 'content'\} objects"),
@@ -153,6 +153,59 @@ def test_tokenization_is_cached_and_reused(tmp_path, tokenizer):
     assert {f: (tmp_path / f).stat().st_mtime_ns for f in files} == mtimes  # not rewritten
     other = load_data(path, tokenizer, "text", 3, cache_dir=cache)  # other settings: tokenized anew
     assert {f["filename"] for f in other.rows.cache_files} != files
+
+
+def test_a_change_of_the_tokenization_code_is_not_served_from_the_cache(tmp_path, tokenizer, monkeypatch):
+    """datasets fingerprints the map function by its name: tiertune's code is part of the key, so an upgrade that
+    tokenizes differently never reads what the previous version cached."""
+    from tiertune.finetune import data as module
+
+    path = _write(tmp_path / "d.jsonl", [{"text": "the red cat sat"}, {"text": "a dog ran"}])
+    cache = str(tmp_path / "cache")
+    first = {f["filename"] for f in load_data(path, tokenizer, "text", 64, cache_dir=cache).rows.cache_files}
+    monkeypatch.setattr(module, "_code_version", lambda: "another version of data.py")
+    again = {f["filename"] for f in load_data(path, tokenizer, "text", 64, cache_dir=cache).rows.cache_files}
+    assert again and again.isdisjoint(first)
+
+
+def _mismatched_model(tmp_path):
+    """What a user met: a directory whose config says Qwen2 beside a word-level tokenizer.json. transformers
+    builds Qwen2's tokenizer class, which turns every row into a token or two."""
+    from transformers import AutoTokenizer, Qwen2Config
+
+    from tiertune.finetune.demo import make_tokenizer
+
+    tok = make_tokenizer(WORDS, tmp_path)
+    Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)  # fmt: skip
+    return AutoTokenizer.from_pretrained(tmp_path)
+
+
+def test_a_tokenizer_that_loses_the_text_is_refused(tmp_path, tokenizer):
+    """Rows that tokenize to (almost) nothing would train "fine" on BOS/EOS alone (the loss falls to 0.3 in 3
+    steps): each is refused naming the tokenizer class transformers picked and the row; with
+    data.skip_bad_rows a few are left out and counted, most of the data is still an error."""
+    qwen = _mismatched_model(tmp_path / "model")
+    rows = [{"text": "the red cat sat on the mat"}, {"text": "a dog ran far away"}, {"text": "hi there"}]
+    path = _write(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DataError, match=rf"d.jsonl, row 1: the tokenizer .* \({type(qwen).__name__}\) keeps \d+ of "
+                                        r"the row's 20 characters"):  # fmt: skip
+        load_data(path, qwen, "text", 64)
+    with pytest.raises(DataError, match=r"loses most of the text of 3 of 3 rows \(row 1 first\)"):
+        load_data(path, qwen, "text", 64, skip_bad_rows=True)
+    for fmt, row in [("alpaca", {"instruction": "name a color", "output": "blue is a color"}),
+                     ("chat", {"messages": [{"role": "user", "content": "say hi"},
+                                            {"role": "assistant", "content": "hi there"}]})]:  # fmt: skip
+        qwen.chat_template = CHAT_TEMPLATE
+        with pytest.raises(DataError, match="row 1: the tokenizer"):
+            load_data(_write(tmp_path / f"{fmt}.jsonl", [row]), qwen, fmt, 64)
+        assert len(load_data(_write(tmp_path / f"{fmt}-ok.jsonl", [row]), tokenizer, fmt, 64)) == 1
+    # the right tokenizer: one row of unknown words among known ones is left out and counted
+    mixed = _write(tmp_path / "mixed.jsonl", [*rows, {"text": "zebras juggle lanterns"}])
+    with pytest.raises(DataError, match="row 4: the tokenizer .* keeps 0 of the row's 20 characters"):
+        load_data(mixed, tokenizer, "text", 64)
+    data = load_data(mixed, tokenizer, "text", 64, skip_bad_rows=True)
+    assert (len(data), data.skipped) == (3, 1)
 
 
 def test_shuffling_is_deterministic_per_seed_and_epoch(tmp_path, tokenizer):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from parity import assert_adam_trained_close
 from test_engine import ACCUM, STEPS, _batches, plain_training
 
 from tiertune.engine import EngineConfig, StreamedTrainer
@@ -89,8 +90,8 @@ def _assert_matches_the_plain_run(path, cfg, initial, trained, batches, losses):
     assert all(float(v.abs().max()) > 0 for k, v in trained.items() if "lora_B" in k)  # every adapter learned
     ref = get_peft_model_state_dict(reference)
     assert set(trained) == set(ref)
-    for name, value in ref.items():
-        torch.testing.assert_close(trained[name], value.detach(), rtol=1e-4, atol=1e-6)
+    for name, value in ref.items():  # Adam's near-zero gradient entries: see parity
+        assert_adam_trained_close(trained[name], value, name)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

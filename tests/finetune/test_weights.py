@@ -78,3 +78,22 @@ def test_shape_mismatch_names_the_tensor(tiny_model_dir):
     ckpt = Checkpoint(path)
     with pytest.raises(ModelError, match="model.norm.weight.*expects"):
         ckpt.read_into("model.norm.weight", torch.empty(3))
+
+
+def test_an_integer_tensor_for_a_floating_weight_is_refused(tiny_model_dir, tmp_path):
+    """An int32 tensor where the model has a floating-point weight was cast and trained on (its integers as
+    weights): a ModelError naming the tensor, its file and dtype."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = tiny_model_dir("llama")
+    copy = _copy(path, tmp_path)
+    shard = next(f for f in sorted(copy.glob("*.safetensors")) if "model.norm.weight" in load_file(f))
+    tensors = load_file(shard)
+    shape = tuple(tensors["model.norm.weight"].shape)
+    tensors["model.norm.weight"] = torch.arange(shape[0], dtype=torch.int32)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=rf"'model.norm.weight' in .*{shard.name} is int32, but it is a floating"):
+        Checkpoint(copy).read_into("model.norm.weight", torch.empty(shape))
+    out = torch.empty(shape, dtype=torch.int32)  # read as what it is: allowed (quantized bases store integers)
+    Checkpoint(copy).read_into("model.norm.weight", out)
+    assert out.tolist() == list(range(shape[0]))
