@@ -3,11 +3,17 @@ loopback rendezvous, a timeout on every collective): the ranks train as one proc
 rank 0 alone writes the run's files, each rank offloads into its own directory."""
 
 import json
+import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+from launching import launch_env, torchrun
 from safetensors.torch import load_file
 
 
@@ -80,3 +86,62 @@ def test_a_sharded_run_plans_its_share_and_refuses_what_it_cannot_do_before_load
     assert store.host_budget == 8 << 20  # the node's 16 MiB shared by its 2 ranks
     with pytest.raises(ConfigError, match="galore does not run sharded"):
         plan(load_recipe(_recipe(tmp_path, cat_model, write_recipe, "g", batch=2), ("method.type=galore",)))
+
+
+def _training(tmp_path, recipe, command):
+    """Start ``command`` (a launch of ``recipe`` with a long run) and wait until its ranks are training (rank 0
+    logged a step); returns the process and its ranks' pids."""
+    log = open(tmp_path / "launch.log", "w")  # noqa: SIM115 (closed by the caller's process end)
+    proc = subprocess.Popen(command, env=launch_env(), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                            start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 240
+    run_log = tmp_path / "long" / "trainer_log.jsonl"
+    while not (run_log.is_file() and run_log.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "launch.log").read_text()[-3000:]
+        time.sleep(0.2)
+    ranks = [p.pid for p in psutil.Process(proc.pid).children(recursive=True) if "tiertune.cli" in " ".join(p.cmdline())]
+    assert len(ranks) == 2, ranks
+    return proc, ranks
+
+
+def _long_recipe(tmp_path, cat_model, write_recipe):
+    return _recipe(tmp_path, cat_model, write_recipe, "long", batch=2, max_steps=2000, save_steps=20,
+                   logging_steps=1)  # fmt: skip
+
+
+def test_the_ranks_stop_when_their_launcher_is_killed(tmp_path, cat_model, write_recipe):
+    """kill -9 of torchrun left its ranks training unsupervised (issue 26): each rank asked the kernel for
+    SIGTERM when its launcher dies, and stops through its clean-up (its offload files removed)."""
+    recipe = _long_recipe(tmp_path, cat_model, write_recipe)
+    proc, ranks = _training(tmp_path, recipe, [*torchrun(2), "-m", "tiertune.cli", "train", str(recipe), "-q"])
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while any(psutil.pid_exists(r) and psutil.Process(r).status() != psutil.STATUS_ZOMBIE for r in ranks):
+        assert time.monotonic() < deadline, "the ranks went on training after their launcher was killed"
+        time.sleep(0.2)
+    log = (tmp_path / "launch.log").read_text()
+    assert "stopped by SIGTERM" in log
+    assert not list((tmp_path / "long-nvme").rglob("*.slots"))  # each rank removed its offload files
+
+
+def test_tiertune_launch_says_how_a_stop_ended(tmp_path, cat_model, write_recipe):
+    """SIGTERM to the launch: the ranks stop cleanly (rank 0 says where and how to resume), and the launch
+    itself ends with exit 143 and one line saying so, not torchrun's SignalException traceback; a setting to fix
+    is the ranks' exit 2, the launch's last line naming it."""
+    tool = str(Path(sys.executable).with_name("tiertune"))
+    recipe = _long_recipe(tmp_path, cat_model, write_recipe)
+    command = [tool, "launch", "--standalone", "--nproc_per_node", "2", "train", str(recipe), "-q"]
+    proc, _ = _training(tmp_path, recipe, command)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143
+    log = (tmp_path / "launch.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
+    assert "tiertune: stopped by SIGTERM after step" in log
+    assert "resume with: tiertune launch --standalone --nproc_per_node 2 train" in log
+    assert log.strip().splitlines()[-1].startswith("tiertune launch: stopped by SIGTERM; every rank stopped")
+    bad = subprocess.run([*command, "training.learning_rate=-1"], env=launch_env(), capture_output=True, text=True,
+                         timeout=240, cwd=tmp_path)  # fmt: skip
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+    assert "training.learning_rate must be >= 0" in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("tiertune launch: rank 0 exited with code 2")
