@@ -146,8 +146,9 @@ class Judge:
         self.losses = _losses(run_dir)
         self.weights = _weights(run_dir)
 
-    def differences(self, run_dir: Path) -> list[str]:
-        """Why ``run_dir``'s finished run is not the reference (empty when it is)."""
+    def differences(self, run_dir: Path, rtol: float = 1e-6, atol: float = 1e-7) -> list[str]:
+        """Why ``run_dir``'s finished run is not the reference (empty when it is). A run that went through
+        several processes sums its gradients in another order: compared with ``rtol=1e-5, atol=1e-6``."""
         import torch
 
         if not (run_dir / "model.safetensors").is_file():
@@ -156,11 +157,11 @@ class Judge:
         losses = _losses(run_dir)
         if [s for s, _ in losses] != [s for s, _ in self.losses]:
             problems.append(f"logged steps {[s for s, _ in losses]} (each step once expected)")
-        elif any(abs(a - b) > 1e-6 * abs(b) for (_, a), (_, b) in zip(losses, self.losses)):
+        elif any(abs(a - b) > max(rtol, 1e-6) * abs(b) for (_, a), (_, b) in zip(losses, self.losses)):
             problems.append("losses differ from the uninterrupted run")
         weights = _weights(run_dir)
         if set(weights) != set(self.weights) or any(
-            not torch.allclose(weights[k], v, rtol=1e-6, atol=1e-7) for k, v in self.weights.items()
+            not torch.allclose(weights[k], v, rtol=rtol, atol=atol) for k, v in self.weights.items()
         ):
             problems.append("final weights differ from the uninterrupted run")
         return problems
@@ -440,6 +441,545 @@ class Trials:
         return run_dir
 
 
+
+# ---------------------------------------------------------------- bad input
+
+
+def bad_inputs(work: Path, recipe: Path) -> list[tuple[str, list[str], str]]:
+    """``(name, tiertune arguments, what the message must say)`` for every kind of bad input a user can give; the
+    files they need are made under ``work/inputs``. Each must end with exit 2, one line, no traceback, and no
+    output directory made."""
+    from tiertune.finetune.demo import make_tokenizer
+
+    root = work / "inputs"
+    root.mkdir(exist_ok=True)
+    model = work / "model"
+
+    def file(name: str, content: str | bytes) -> str:
+        path = root / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return str(path)
+
+    def rows(*items: object) -> str:
+        return "".join(json.dumps(r) + "\n" for r in items)
+
+    def model_copy(name: str, without: tuple[str, ...] = ()) -> Path:
+        out = root / name
+        if not out.exists():
+            shutil.copytree(model, out, ignore=shutil.ignore_patterns(*without))
+        return out
+
+    # a config that says Qwen2 beside a word-level tokenizer: transformers builds Qwen2's tokenizer class
+    qwen = root / "qwen-config"
+    if not qwen.exists():
+        from transformers import Qwen2Config
+
+        tok = make_tokenizer(TEXTS, qwen)
+        shutil.copy(model / "model.safetensors", qwen)
+        Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2).save_pretrained(qwen)  # fmt: skip
+    ints = model_copy("int32-weight")
+    if not (ints / "marker").exists():
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(ints / "model.safetensors")
+        norm = tensors["model.norm.weight"]
+        tensors["model.norm.weight"] = torch.arange(norm.numel(), dtype=torch.int32)
+        save_file(tensors, ints / "model.safetensors", metadata={"format": "pt"})
+        (ints / "marker").write_text("int32")
+    bare = model_copy("no-tokenizer", without=("tokenizer*",))
+    dup = "training:\n  max_steps: 3\n  learning_rate: 1e-4\n  max_steps: 5\n"
+    (root / "a-directory").mkdir(exist_ok=True)
+    (root / "a-directory" / "notes.txt").write_text("x")
+    taken = file("output-is-a-file", "not a directory")
+    train = ["train", str(recipe)]
+    latin1 = file("latin1.jsonl", b'{"text": "caf\xe9"}\n')
+    cases = [
+        ("unknown key", [*train, "training.learnig_rate=1e-4"], "did you mean `training.learning_rate`"),
+        ("unknown section", [*train, "modle.path=x"], "did you mean `model`"),
+        ("wrong type", [*train, "training.max_steps=abc"], "must be int"),
+        ("negative learning rate", [*train, "training.learning_rate=-1"], "learning_rate must be >= 0"),
+        ("learning rate not a number", [*train, "training.learning_rate=.nan"], "must be a finite number"),
+        ("not key=value", [*train, "training"], "must look like section.key=value"),
+        ("bad size", [*train, "offload.host_budget=lots"], "cannot read 'lots' as a size"),
+        ("budget without a unit", [*train, "offload.host_budget=64"], "has no unit"),
+        ("budget beyond the machine", [*train, "offload.host_budget=100TiB"], "but this machine has"),
+        ("budget too small", [*train, "offload.host_budget=16KiB"], "raise `offload.host_budget`"),
+        ("unknown choice", [*train, "model.quantize=nf5"], "must be one of none, nf4, fp4, int8"),
+        ("missing model directory", [*train, "model.path=/nonexistent/model"], "not a Hugging Face model directory"),
+        ("quantized full fine-tuning", [*train, "model.quantize=nf4"], "use method.type: lora"),
+        ("lora rank 0", [*train, "method.lora.r=0"], "method.lora.r must be >= 1"),
+        ("galore rank 0", [*train, "method.type=galore", "method.galore.rank=0"], "method.galore.rank must be >= 1"),
+        ("sequence too short", [*train, "data.max_seq_len=1"], "data.max_seq_len must be >= 2"),
+        ("unknown optimizer", [*train, "training.optim=sgd"], "training.optim must be one of"),
+        ("disk without a path", [*train, "offload.disk_path=null", "offload.params=disk"], "disk_path is not set"),
+        ("unwritable disk path", [*train, "offload.disk_path=/proc/tiertune"], "/proc/tiertune"),
+        ("resume a missing checkpoint", [*train, "training.resume_from_checkpoint=/nonexistent/checkpoint-5"],
+         "does not exist; use auto"),
+        ("override that is not YAML", [*train, "training.learning_rate=[1e-4"], "is not valid YAML"),
+        ("seed beyond 64 bits", [*train, "training.seed=100000000000000000000000"], "training.seed must be in"),
+        ("negative weight decay", [*train, "training.weight_decay=-0.1"], "weight_decay must be >= 0"),
+        ("negative adam epsilon", [*train, "training.adam_epsilon=-1e-8"], "adam_epsilon must be >= 0"),
+        ("negative max_grad_norm", [*train, "training.max_grad_norm=-1"], "max_grad_norm must be >= 0"),
+        ("negative save_total_limit", [*train, "training.save_total_limit=-2"], "save_total_limit must be >= 0"),
+        ("a mapping where a list belongs", [*train, "method.type=lora", "method.lora.target_modules={q_proj: 1}"],
+         "must be a string or a list of names"),
+        ("a section that is a list", [*train, "training=[1]"], "section training must be a mapping"),
+        ("output_dir that is a file", [*train, f"training.output_dir={taken}"], "is a file, not a directory"),
+        ("data file missing", [*train, "data.path=/nonexistent.jsonl"], "does not exist"),
+        ("data file of an unknown type", [*train, f"data.path={file('d.xml', '<x/>')}"], "must end in .jsonl"),
+        ("row without its field", [*train, f"data.path={file('field.jsonl', rows({'txt': 'a'}))}"],
+         "row 1: expected a string field 'text', found no such field"),
+        ("empty dataset", [*train, f"data.path={file('empty.jsonl', '')}"], "holds no rows"),
+        ("line that is not JSON", [*train, f"data.path={file('oops.jsonl', '{oops' + chr(10))}"], "not valid JSON"),
+        ("a JSON line that is an array", [*train, f"data.path={file('array.jsonl', rows({'text': TEXTS[0]}, [1, 2]))}"],
+         "line 2: an array, not a JSON object"),
+        ("data not UTF-8", [*train, f"data.path={latin1}"],
+         "is not UTF-8 text: byte 0xe9"),
+        ("data path a directory", [*train, f"data.path={root / 'a-directory'}"], "is a directory"),
+        ("chat without a template", [*train, "data.format=chat"], "this tokenizer has none"),
+        ("rows the tokenizer cannot represent", [*train, f"data.path={file('unknown.jsonl', rows({'text': 'zebras juggle lanterns'}))}"],
+         "keeps 0 of the row's 20 characters"),
+        ("a tokenizer that is not the data's", [*train, f"model.path={qwen}"],
+         "picked for this model (Qwen2Tokenizer)"),
+        ("same, rows skipped", [*train, f"model.path={qwen}", "data.skip_bad_rows=true"],
+         "loses most of the text of 12 of 12 rows"),
+        ("model without a tokenizer", [*train, f"model.path={bare}"], "no tokenizer.json or tokenizer_config.json"),
+        ("an integer tensor for a float weight", [*train, f"model.path={ints}"], "is int32, but it is a floating"),
+        ("recipe not UTF-8", ["train", file("latin1.yaml", b"model:\n  path: caf" + bytes([0xE9]) + b"\n")],
+         "is not UTF-8 text: byte 0xe9"),
+        ("recipe with a key given twice", ["train", file("twice.yaml", dup)], "given twice in one section (lines 2 and 4)"),
+        ("recipe that is a directory", ["train", str(root / "a-directory")], "is a directory; give a YAML recipe"),
+        ("recipe missing", ["train", str(root / "nope.yaml")], "does not exist"),
+        ("recipe not YAML", ["train", file("bad.yaml", "model:\n  path: [unclosed\n")], "not valid YAML at line"),
+        ("recipe a list", ["train", file("list.yaml", "- 1\n- 2\n")], "must be a mapping of sections"),
+        ("estimate with a bad override", ["estimate", str(recipe), "--no-probe", "training.max_steps=abc"], "must be int"),
+        ("demo of 0 steps", ["demo", "--steps", "0", "--workdir", str(root / "demo")], "--steps must be >= 1"),
+        ("recipes --to an unwritable path", ["recipes", "demo", "--to", "/proc/no/such/demo.yaml"], "cannot write"),
+        ("recipes of an unknown name", ["recipes", "nope"], "no built-in recipe 'nope'"),
+        ("export of nothing", ["export", str(root / "no-run"), "--out", str(root / "out")], "does not exist"),
+        ("export of a model that is not a run", ["export", str(model), "--out", str(root / "out")], "has no recipe.yaml"),
+        ("merge of what is not an adapter", ["merge", str(model), "--out", str(root / "out")], "is not a PEFT adapter"),
+    ]  # fmt: skip
+    return cases
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+class InputTrials:
+    """Bad input through the command line: exit 2, one line naming what to change, no traceback, nothing made."""
+
+    def __init__(self, work: Path, recipe: Path, launcher: Launcher) -> None:
+        self.work, self.recipe, self.launcher = work, recipe, launcher
+
+    def trial(self, i: int, case: tuple[str, list[str], str]) -> dict:
+        name, args, message = case
+        out = self.work / "runs" / f"input{i}"
+        disk = self.work / "nvme-runs" / f"input{i}"
+        shutil.rmtree(out, ignore_errors=True)
+        if args[0] == "train":  # before the case's own overrides, which win
+            args = [*args[:2], f"training.output_dir={out}", f"offload.disk_path={disk}", *args[2:]]
+        log = self.work / "logs" / f"input{i}.log"
+        code = self.launcher.run([*args, "-q"] if args[0] in ("train", "demo") else args, log)
+        text = log.read_text(errors="replace")
+        defects = [f"traceback ({log})"] if _traceback(log) else []
+        if code != 2:
+            defects.append(f"exit {code} (2 expected) ({log})")
+        if message not in text:
+            defects.append(f"the message does not say {message!r} ({log})")
+        if len(_lines(text)) != 1:
+            defects.append(f"{len(_lines(text))} lines, not one ({log})")
+        made = [p for p in (out, self.work / "inputs" / "out", self.work / "inputs" / "demo") if p.exists()]
+        if made:
+            defects.append(f"made {[str(p) for p in made]}")
+        return {"trial": "bad_input", "i": i, "input": name, "exit": code,
+                "outcome": "refused" if not defects else "defect", "defects": defects}  # fmt: skip
+
+
+# ---------------------------------------------------------------- export
+
+
+class ExportTrials:
+    """``tiertune export`` of damaged checkpoints (one process's and per-rank shards), and to a filling disk."""
+
+    def __init__(self, work: Path, launcher: Launcher, rng: random.Random) -> None:
+        self.work, self.launcher, self.rng = work, launcher, rng
+
+    def damaged(self, i: int, stopped: Path) -> dict:
+        """A copy of ``stopped``'s newest checkpoint with one file damaged (flipped, truncated, deleted, swapped for
+        the older checkpoint's, or the index edited to read one role from another's file with the checksums made to
+        match): exit 2 naming the damaged file, and nothing written."""
+        from tiertune.finetune.checkpoint import CHECKSUMS, write_checksums
+
+        run_dir = self.work / "runs" / f"export-damage{i}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.copytree(stopped, run_dir)
+        found = sorted(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        newest, older = found[-1], found[-2]
+        files = sorted(p for p in newest.rglob("*") if p.is_file())
+        target = self.rng.choice(files)
+        kind = self.rng.choice(["flip", "truncate", "delete", "swap", "index"])
+        named = target.name
+        if kind == "swap":  # a rank's shards (or a file) from another checkpoint
+            shards = [p for p in files if p.parent.name.startswith("rank-")]
+            target = self.rng.choice(shards or [p for p in files if p.suffix == ".safetensors"])
+            swapped = target.parent
+            for f in swapped.iterdir():
+                twin = older / f.relative_to(newest)
+                if twin.is_file():
+                    shutil.copy(twin, f)
+            named = ""  # any file of what was swapped: checked below
+        elif kind == "index":
+            index_file = newest / "state" / "index.json"
+            index = json.loads(index_file.read_text())
+            for key, entry in index["tensors"].items():
+                if key.startswith("exp_avg/"):
+                    for piece in entry["pieces"]:
+                        piece[0] = piece[0].replace(".exp_avg.", ".exp_avg_sq.")
+            index_file.write_text(json.dumps(index))
+            (newest / CHECKSUMS).unlink()
+            write_checksums(newest)
+            named = "index.json"
+        elif kind == "flip" and target.stat().st_size:
+            data = bytearray(target.read_bytes())
+            start = self.rng.randrange(len(data))
+            for k in range(start, min(len(data), start + 4)):
+                data[k] ^= 0xFF
+            target.write_bytes(bytes(data))
+        elif kind in ("flip", "truncate"):
+            kind = "truncate"
+            os.truncate(target, self.rng.randrange(max(target.stat().st_size, 1)))
+        else:
+            target.unlink()
+        out = self.work / "exports" / f"damage{i}"
+        log = self.work / "logs" / f"export-damage{i}.log"
+        code = self.launcher.run(["export", str(newest), "--out", str(out)], log)
+        text = log.read_text(errors="replace")
+        defects = [f"traceback ({log})"] if _traceback(log) else []
+        if code != 2 or "damaged" not in text:
+            defects.append(f"exit {code}, not 2 naming the damage ({log})")
+        elif named and named not in text and named != "checksums.json":  # a damaged table names a file it lists
+            defects.append(f"the error does not name {named} ({log})")
+        if out.exists() or list(out.parent.glob(f".{out.name}.*")):
+            defects.append("something was written")
+        return {"trial": "export_damage", "i": i, "kind": kind, "file": str(target.relative_to(run_dir)),
+                "ranks": len(list((newest / "state").glob("rank-*/"))) or 1,
+                "outcome": "refused" if not defects else "defect", "defects": defects}  # fmt: skip
+
+    def full_disk(self, i: int, sources: list[Path]) -> dict:
+        """Export into a small tmpfs that another process fills while the export writes (from the moment its
+        temporary directory appears, or at once): exit 2 saying the disk is full with nothing left in the tmpfs,
+        or exit 0 with a model that loads. Needs root to mount; skipped otherwise."""
+        mount = self.work / f"export-full{i}"
+        mount.mkdir(exist_ok=True)
+        source = sources[i % len(sources)]
+        size = sum(p.stat().st_size for p in source.rglob("*.safetensors") if "exp_avg" not in p.name)
+        size = int(size * self.rng.uniform(1.2, 2.5)) + (1 << 20)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                          capture_output=True).returncode:  # fmt: skip
+            return {"trial": "export_full", "i": i, "outcome": "skipped (cannot mount a tmpfs)", "defects": []}
+        try:
+            out = mount / "model"
+            log = self.work / "logs" / f"export-full{i}.log"
+            early = self.rng.random() < 0.3
+            filler = mount / "filler"
+            if early:  # full before it starts
+                _fill(filler, self.rng.randrange(0, 256 << 10))
+            pid = self.launcher.start(["export", str(source), "--out", str(out)], log)
+            if not early:
+                while not list(mount.glob(".model.export-*")) and not _exited(pid):
+                    time.sleep(0.0002)
+                _fill(filler, 0)
+            code = self.launcher.wait(pid)
+            text = log.read_text(errors="replace")
+            defects = [f"traceback ({log})"] if _traceback(log) else []
+            left = sorted(p.name for p in mount.iterdir() if p.name not in ("filler", "model"))
+            if code == 2 and "no room to write" in text:
+                outcome = "stopped: disk full"
+                if out.exists() or left:
+                    defects.append(f"left behind: {[*left, *(['model'] if out.exists() else [])]}")
+            elif code == 0:
+                outcome = "finished in the space left"
+                from transformers import AutoConfig
+
+                try:
+                    AutoConfig.from_pretrained(out)
+                    _weights(out)
+                except Exception as exc:
+                    defects.append(f"the export does not load: {exc}")
+            else:
+                outcome = "unclean"
+                defects.append(f"exit {code} without a disk-full error ({log})")
+            return {"trial": "export_full", "i": i, "source": source.name, "when": "before" if early else "during",
+                    "exit": code, "outcome": outcome, "defects": defects}  # fmt: skip
+        finally:
+            subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def _fill(path: Path, leave: int) -> None:
+    """Fill ``path``'s filesystem but ``leave`` bytes."""
+    with open(path, "ab") as f, contextlib.suppress(OSError):
+        while (free := shutil.disk_usage(path.parent).free) > leave:
+            f.write(b"\0" * min(free - leave, 1 << 20))
+            f.flush()
+
+
+# ---------------------------------------------------------------- several processes
+
+
+class RankTrials:
+    """2-process runs under torchrun (gloo on the CPU): a rank killed while the checkpoint writer works, the
+    launcher killed (its ranks must stop), the launch stopped by SIGTERM (``tiertune launch``), a run stopped
+    before its first checkpoint restarted on another number of processes. Every run is finished by resuming on a
+    random number of processes (1 or 2, the global micro-batch kept) and compared with the reference."""
+
+    def __init__(self, trials: Trials, judge: Judge) -> None:
+        self.t, self.judge = trials, judge
+        self.work = trials.work
+
+    def _command(self, ranks: int, args: list[str], launch: bool = False) -> list[str]:
+        per_device = [f"training.per_device_train_batch_size={4 // ranks}"]
+        if launch:
+            tool = str(Path(sys.executable).with_name("tiertune"))
+            return [tool, "launch", "--standalone", "--nproc_per_node", str(ranks), *args, *per_device, "-q"]
+        head = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+        return [*head, "-m", "tiertune.cli", *args, *per_device, "-q"]
+
+    def _start(self, ranks: int, args: list[str], log: Path, launch: bool = False) -> subprocess.Popen:
+        env = dict(os.environ, OMP_NUM_THREADS="1", TIERTUNE_COLLECTIVE_TIMEOUT="60", PYTHONUNBUFFERED="1")
+        with open(log, "wb") as f:
+            return subprocess.Popen(self._command(ranks, args, launch), stdout=f, stderr=subprocess.STDOUT, env=env)
+
+    def _ranks_of(self, proc: subprocess.Popen) -> list[int]:
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            return [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
+                    if "tiertune.cli" in " ".join(p.cmdline())]  # fmt: skip
+        return []
+
+    def _gone(self, pids: list[int], timeout: float) -> bool:
+        import psutil
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            alive = []
+            for pid in pids:
+                with contextlib.suppress(psutil.Error):
+                    if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                        alive.append(pid)
+            if not alive:
+                return True
+            time.sleep(0.1)
+        return False
+
+    def _finish(self, run_dir: Path, disk: Path, name: str) -> tuple[list[str], list[int]]:
+        """Resume with ``auto`` on 1 or 2 processes (random) until finished; the result against the reference
+        (multi-process tolerance), and no slot file left in the disk path. Returns (defects, world sizes)."""
+        defects: list[str] = []
+        sizes = []
+        for n in range(5):
+            if (run_dir / "trainer_state.json").is_file():
+                break
+            ranks = self.t.rng.choice([1, 2])
+            sizes.append(ranks)
+            log = self.work / "logs" / f"{name}-resume{n}.log"
+            args = ["train", str(run_dir / "recipe.yaml"), "training.resume_from_checkpoint=auto"]
+            if ranks == 1:
+                code = self.t.launcher.run([*args, "training.per_device_train_batch_size=4", "-q"], log)
+            else:
+                proc = self._start(2, args, log)
+                try:
+                    code = proc.wait(timeout=600)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    code = -1
+            if "Traceback" in "\n".join(line for line in log.read_text(errors="replace").splitlines()
+                                        if not line.startswith("[rank")) and ranks == 1:  # fmt: skip
+                defects.append(f"traceback on resume ({log})")
+            if code != 0:
+                return [*defects, f"resume on {ranks} exit {code} ({log})"], sizes
+        else:
+            return [*defects, "not finished after 5 resumes"], sizes
+        defects += self.judge.differences(run_dir, rtol=1e-5, atol=1e-6)
+        left = [p.name for p in disk.rglob("*.slots")] if disk.is_dir() else []
+        if left:
+            defects.append(f"slot files left in the disk path: {left}")
+        return defects, sizes
+
+    def _dirs(self, name: str) -> tuple[Path, Path, list[str]]:
+        return self.t._dirs(name)
+
+    def rank_kill(self, i: int) -> dict:
+        """kill -9 of a random rank while a checkpoint is being written (its partial directory exists): the
+        launch ends non-zero, every rank exits, the newest complete checkpoint verifies, and the run resumes."""
+        from tiertune.finetune.checkpoint import checkpoints, verify
+
+        run_dir, disk, args = self._dirs(f"rank-kill{i}")
+        log = self.work / "logs" / f"rank-kill{i}.log"
+        proc = self._start(2, ["train", str(self.t.recipe), *args], log)
+        nth = self.t.rng.randrange(1, self.t.steps // 2)  # which checkpoint write to strike
+        seen: set[str] = set()
+        victim, at = None, "never"
+        while proc.poll() is None:
+            partial = [p.name for p in run_dir.glob(".checkpoint-*.partial")] if run_dir.is_dir() else []
+            seen.update(partial)
+            if partial and len(seen) >= nth:
+                ranks = self._ranks_of(proc)
+                if ranks:
+                    victim = self.t.rng.choice(ranks)
+                    time.sleep(self.t.rng.uniform(0, 0.05))
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(victim, signal.SIGKILL)
+                    at = f"writing {partial[0]}"
+                break
+            time.sleep(0.001)
+        ranks = self._ranks_of(proc)
+        try:
+            code = proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = -1
+        defects = [] if self._gone(ranks, 60) else ["ranks left running"]
+        if code == -1:
+            defects.append("the launch hung")
+        for path in checkpoints(run_dir):
+            try:
+                verify(path)
+            except Exception as exc:
+                defects.append(f"{path.name} does not verify: {exc}")
+        more, sizes = self._finish(run_dir, disk, f"rank-kill{i}")
+        return {"trial": "rank_kill", "i": i, "at": at, "exit": code, "resumed_on": sizes,
+                "outcome": "finished before the kill" if code == 0 else "resumed", "defects": defects + more}  # fmt: skip
+
+    def orphan(self, i: int) -> dict:
+        """kill -9 of torchrun after a random step: its ranks must stop (SIGTERM from the kernel, through their
+        clean-up: no slot file left), then the run resumes."""
+        run_dir, disk, args = self._dirs(f"orphan{i}")
+        log = self.work / "logs" / f"orphan{i}.log"
+        proc = self._start(2, ["train", str(self.t.recipe), *args], log)
+        k = self.t.rng.randrange(1, self.t.steps)
+        while _logged(run_dir) < k and proc.poll() is None:
+            time.sleep(0.005)
+        ranks = self._ranks_of(proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        defects = [] if self._gone(ranks, 60) else ["ranks went on training after their launcher was killed"]
+        left = [p.name for p in disk.rglob("*.slots")] if disk.is_dir() else []
+        if left and not defects:
+            defects.append(f"the stopped ranks left slot files: {left}")
+        more, sizes = self._finish(run_dir, disk, f"orphan{i}")
+        return {"trial": "orphan", "i": i, "at": f"after step {k}", "ranks": len(ranks), "resumed_on": sizes,
+                "outcome": "ranks stopped" if not defects else "defect", "defects": defects + more}  # fmt: skip
+
+    def launch_term(self, i: int) -> dict:
+        """SIGTERM to ``tiertune launch`` at a random moment: exit 143 and its last line saying every rank stopped
+        (or 0 if it had finished), no traceback, no slot file; then the run resumes."""
+        run_dir, disk, args = self._dirs(f"launch-term{i}")
+        log = self.work / "logs" / f"launch-term{i}.log"
+        proc = self._start(2, ["train", str(self.t.recipe), *args], log, launch=True)
+        k = self.t.rng.randrange(0, self.t.steps)
+        while (_logged(run_dir) < k or not (run_dir / "recipe.yaml").is_file()) and proc.poll() is None:
+            time.sleep(0.005)
+        time.sleep(self.t.rng.uniform(0, 1.5 * self.t.step_s))
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = -1
+        text = log.read_text(errors="replace")
+        defects = [f"traceback ({log})"] if "Traceback" in text else []
+        last = _lines(text)[-1] if _lines(text) else ""
+        if code == 143:
+            if not last.startswith("tiertune launch: stopped by SIGTERM"):
+                defects.append(f"the last line is {last!r}")
+        elif code != 0:
+            defects.append(f"exit {code} (143 expected) ({log})")
+        left = [p.name for p in disk.rglob("*.slots")] if disk.is_dir() else []
+        if left:
+            defects.append(f"left behind: {left}")
+        more, sizes = self._finish(run_dir, disk, f"launch-term{i}")
+        return {"trial": "launch_term", "i": i, "at": f"step {k}", "exit": code, "resumed_on": sizes,
+                "outcome": "stopped cleanly" if code == 143 else "finished before the signal" if code == 0 else "defect",
+                "defects": defects + more}  # fmt: skip
+
+    def elastic_early(self, i: int) -> dict:
+        """A 2-process run stopped (kill -9 of a rank, or of the launcher) before its first checkpoint, restarted
+        with ``auto`` on one process of the same global batch: it starts over (it was refused as "another run's
+        outputs"), and finishes as the reference."""
+        run_dir, disk, args = self._dirs(f"elastic-early{i}")
+        log = self.work / "logs" / f"elastic-early{i}.log"
+        proc = self._start(2, ["train", str(self.t.recipe), *args], log)
+        while not _logged(run_dir) and proc.poll() is None:  # step 1 done; checkpoint-2 comes after step 2
+            time.sleep(0.002)
+        how = self.t.rng.choice(["a rank", "the launcher"])
+        ranks = self._ranks_of(proc)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.t.rng.choice(ranks) if how == "a rank" and ranks else proc.pid, signal.SIGKILL)
+        try:
+            proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        defects = [] if self._gone(ranks, 60) else ["ranks left running"]
+        from tiertune.finetune.checkpoint import checkpoints
+
+        early = not checkpoints(run_dir)
+        log2 = self.work / "logs" / f"elastic-early{i}-one.log"
+        code = self.t.launcher.run(["train", str(run_dir / "recipe.yaml"), "training.resume_from_checkpoint=auto",
+                                    "training.per_device_train_batch_size=4", "-q"], log2)  # fmt: skip
+        if code != 0 or _traceback(log2):
+            defects.append(f"restart on one process: exit {code} ({log2})")
+        else:
+            defects += self.judge.differences(run_dir, rtol=1e-5, atol=1e-6)
+            left = [p.name for p in disk.rglob("*.slots")] if disk.is_dir() else []
+            if left:
+                defects.append(f"slot files left in the disk path: {left}")
+        return {"trial": "elastic_early", "i": i, "killed": how, "before_first_checkpoint": early,
+                "outcome": "restarted on one process" if not defects else "defect", "defects": defects}  # fmt: skip
+
+    def stopped(self) -> Path:
+        """A 2-process run killed once its third checkpoint is complete (per-rank shards), for export trials."""
+        run_dir, _, args = self._dirs("stopped-ranks")
+        log = self.work / "logs" / "stopped-ranks.log"
+        proc = self._start(2, ["train", str(self.t.recipe), *args], log)
+        deadline = time.monotonic() + 600
+        while not (run_dir / "checkpoint-6" / "checksums.json").is_file():
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit(f"the 2-process run to damage did not reach checkpoint-6; see {log}")
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)  # its ranks stop (their launcher died)
+        proc.wait()
+        time.sleep(3)
+        return run_dir
+
+
+KINDS = ("kill", "sigterm", "disk_full", "damage", "bad_input", "export_damage", "export_full", "rank_kill",
+         "orphan", "launch_term", "elastic_early")  # fmt: skip
+
+
+def table(results: list[dict]) -> str:
+    """The trials by kind: how many, how many clean, how many with a defect."""
+    rows = [("trials", "kind", "clean", "defects", "skipped")]
+    for kind in KINDS:
+        mine = [r for r in results if r["trial"] == kind]
+        if not mine:
+            continue
+        skipped = sum(1 for r in mine if str(r["outcome"]).startswith("skipped"))
+        bad = sum(1 for r in mine if r["defects"])
+        rows.append((str(len(mine)), kind, str(len(mine) - bad - skipped), str(bad), str(skipped)))
+    total = len(results)
+    bad = sum(1 for r in results if r["defects"])
+    skipped = sum(1 for r in results if str(r["outcome"]).startswith("skipped"))
+    rows.append((str(total), "all", str(total - bad - skipped), str(bad), str(skipped)))
+    widths = [max(len(r[k]) for r in rows) for k in range(5)]
+    return "\n".join("  ".join(c.rjust(w) if k != 1 else c.ljust(w) for k, (c, w) in enumerate(zip(r, widths)))
+                     for r in rows)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default=".tiertune-faults", help="working directory (emptied first)")
@@ -447,6 +987,13 @@ def main() -> None:
     p.add_argument("--sigterms", type=int, default=5)
     p.add_argument("--damage", type=int, default=10)
     p.add_argument("--disk-full", type=int, default=3, help="runs whose output_dir fills up (tmpfs; root)")
+    p.add_argument("--inputs", type=int, default=-1, help="bad inputs tried (-1: every one in bad_inputs)")
+    p.add_argument("--export-damage", type=int, default=0, help="exports of damaged checkpoints (half per-rank)")
+    p.add_argument("--export-full", type=int, default=0, help="exports into a filling tmpfs (root)")
+    p.add_argument("--rank-kills", type=int, default=0, help="2-process runs, a rank killed writing a checkpoint")
+    p.add_argument("--orphans", type=int, default=0, help="2-process runs whose torchrun is killed")
+    p.add_argument("--launch-terms", type=int, default=0, help="2-process `tiertune launch` runs sent SIGTERM")
+    p.add_argument("--elastic-early", type=int, default=0, help="2-process runs stopped before a checkpoint")
     p.add_argument("--steps", type=int, default=12, help="steps of the recipe (checkpoints every 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--spawn", action="store_true", help="start tiertune executables instead of forking")
@@ -454,6 +1001,7 @@ def main() -> None:
     work = Path(args.dir).resolve()
     shutil.rmtree(work, ignore_errors=True)
     (work / "logs").mkdir(parents=True)
+    (work / "exports").mkdir()
     rng = random.Random(args.seed)
     recipe = setup(work, args.steps)
     trials = Trials(work, recipe, Launcher(args.spawn), args.steps, rng)
@@ -463,23 +1011,46 @@ def main() -> None:
                                     "startup_s": round(trials.startup_s, 2), "step_s": round(trials.step_s, 3)}}),
           flush=True)  # fmt: skip
     results = []
+
+    def record(result: dict) -> None:
+        results.append(result)
+        print(json.dumps(result), flush=True)
+
     for i in range(args.kills):
-        results.append(trials.kill(i, judge))
-        print(json.dumps(results[-1]), flush=True)
+        record(trials.kill(i, judge))
     for i in range(args.sigterms):
-        results.append(trials.sigterm(i, judge))
-        print(json.dumps(results[-1]), flush=True)
+        record(trials.sigterm(i, judge))
     for i in range(args.disk_full):
-        results.append(trials.disk_full(i, judge))
-        print(json.dumps(results[-1]), flush=True)
-    if args.damage:
-        stopped = trials.stopped_run()
-        for i in range(args.damage):
-            results.append(trials.damage(i, judge, stopped))
-            print(json.dumps(results[-1]), flush=True)
+        record(trials.disk_full(i, judge))
+    stopped = trials.stopped_run() if args.damage or args.export_damage else None
+    for i in range(args.damage):
+        record(trials.damage(i, judge, stopped))
+    cases = bad_inputs(work, recipe)
+    inputs = InputTrials(work, recipe, trials.launcher)
+    for i, case in enumerate(cases if args.inputs < 0 else cases[: args.inputs]):
+        record(inputs.trial(i, case))
+    ranks = RankTrials(trials, judge)
+    exports = ExportTrials(work, trials.launcher, rng)
+    if args.export_damage:
+        sources = [stopped, ranks.stopped()]
+        for i in range(args.export_damage):
+            record(exports.damaged(i, sources[i % 2]))
+    if args.export_full:
+        reference = work / "runs" / "reference"
+        sources = [reference, reference / f"checkpoint-{args.steps}"]
+        for i in range(args.export_full):
+            record(exports.full_disk(i, sources))
+    for i in range(args.rank_kills):
+        record(ranks.rank_kill(i))
+    for i in range(args.orphans):
+        record(ranks.orphan(i))
+    for i in range(args.launch_terms):
+        record(ranks.launch_term(i))
+    for i in range(args.elastic_early):
+        record(ranks.elastic_early(i))
     summary: dict = {"machine": machine(), "launch": "spawn" if args.spawn else "fork", "seed": args.seed,
                      "seconds": round(time.monotonic() - began, 1)}  # fmt: skip
-    for kind in ("kill", "sigterm", "disk_full", "damage"):
+    for kind in KINDS:
         mine = [r for r in results if r["trial"] == kind]
         outcomes: dict[str, int] = {}
         for r in mine:
@@ -491,8 +1062,10 @@ def main() -> None:
         1 for d in all_defects if "differ" in d or "each step once" in d or "without saying" in d
     )
     summary["tracebacks"] = sum(1 for d in all_defects if "traceback" in d)
+    summary["trials"] = len(results)
     summary["defects"] = sum(1 for r in results if r["defects"])
     print(json.dumps({"summary": summary}), flush=True)
+    print(table(results), flush=True)
     sys.exit(1 if summary["defects"] else 0)
 
 

@@ -1,5 +1,7 @@
-"""The fault-injection script, small: kill -9, SIGTERM and damaged checkpoints against a tiny recipe, every
-resume checked against the uninterrupted run. BENCHMARKS.md has the full run's figures."""
+"""The fault-injection script, small: kill -9, SIGTERM, damaged checkpoints, bad input, damaged and full-disk
+exports, and 2-process runs (a rank killed writing a checkpoint, torchrun killed, `tiertune launch` stopped, a
+run stopped before its first checkpoint restarted on one process), every resume checked against the
+uninterrupted run. BENCHMARKS.md has the full run's figures."""
 
 import json
 import subprocess
@@ -11,20 +13,29 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "faults.py"
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_faults_finds_no_defect_in_a_small_run(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--kills", "2", "--sigterms", "2", "--damage", "3", "--disk-full", "1", "--steps", "8",
-         "--seed", "3", "--dir", str(tmp_path / "faults")],
-        capture_output=True, text=True, timeout=880,
+        [sys.executable, str(SCRIPT), "--kills", "2", "--sigterms", "2", "--damage", "3", "--disk-full", "1",
+         "--inputs", "10", "--export-damage", "2", "--export-full", "1", "--rank-kills", "1", "--orphans", "1",
+         "--launch-terms", "1", "--elastic-early", "1", "--steps", "8", "--seed", "3", "--dir", str(tmp_path / "faults")],
+        capture_output=True, text=True, timeout=1480,
     )  # fmt: skip
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     summary = lines[-1]["summary"]
     trials = [r for r in lines if "trial" in r]
     assert [r for r in trials if r["defects"]] == [], out.stdout[-3000:]
     assert out.returncode == 0, out.stderr[-3000:]
-    assert (summary["kill"]["trials"], summary["sigterm"]["trials"], summary["damage"]["trials"]) == (2, 2, 3)
-    assert summary["disk_full"]["trials"] == 1  # skipped where a tmpfs cannot be mounted (not root)
+    counts = {kind: summary[kind]["trials"] for kind in ("kill", "sigterm", "damage", "bad_input", "export_damage",
+                                                         "rank_kill", "orphan", "launch_term", "elastic_early")}  # fmt: skip
+    assert counts == {"kill": 2, "sigterm": 2, "damage": 3, "bad_input": 10, "export_damage": 2, "rank_kill": 1,
+                      "orphan": 1, "launch_term": 1, "elastic_early": 1}  # fmt: skip
+    assert summary["disk_full"]["trials"] == summary["export_full"]["trials"] == 1  # skipped where not root
     assert summary["silent_wrong_results"] == 0 and summary["tracebacks"] == 0
     # the damage trials always hit a checkpoint that was there: each fell back to an intact one
     assert summary["damage"]["outcomes"] == {"fell back": 3}
+    # one export damaged a one-process checkpoint, one a 2-process one (per-rank shards): both refused
+    assert sorted(r["ranks"] for r in trials if r["trial"] == "export_damage") == [1, 2]
+    assert summary["export_damage"]["outcomes"] == {"refused": 2}
+    assert summary["elastic_early"]["outcomes"] == {"restarted on one process": 1}
+    assert "trials  kind" in out.stdout  # the table

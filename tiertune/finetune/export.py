@@ -86,7 +86,7 @@ def write_hf(parts: Iterable[dict[str, torch.Tensor]], config: Any, tokenizer: A
 def _recipe_of(directory: Path) -> Any:
     from tiertune.finetune.recipe import load_recipe
 
-    for candidate in (directory / RECIPE_FILE, directory.parent / RECIPE_FILE):
+    for candidate in (directory / RECIPE_FILE, *([directory.parent / RECIPE_FILE] if _is_checkpoint(directory) else [])):
         if candidate.is_file():
             return load_recipe(candidate)
     raise ConfigError(
