@@ -86,7 +86,10 @@ def write_hf(parts: Iterable[dict[str, torch.Tensor]], config: Any, tokenizer: A
 def _recipe_of(directory: Path) -> Any:
     from tiertune.finetune.recipe import load_recipe
 
-    for candidate in (directory / RECIPE_FILE, *([directory.parent / RECIPE_FILE] if _is_checkpoint(directory) else [])):
+    candidates = [directory / RECIPE_FILE]
+    if _is_checkpoint(directory):  # a checkpoint's own recipe, else its run's
+        candidates.append(directory.parent / RECIPE_FILE)
+    for candidate in candidates:
         if candidate.is_file():
             return load_recipe(candidate)
     raise ConfigError(
