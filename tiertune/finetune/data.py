@@ -311,7 +311,7 @@ def _characters_kept(tokenizer: Any, parts: list[tuple[list[int], str]]) -> tupl
     special = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
     kept = total = 0
     for ids, text in parts:
-        for token in special:  # a chat template's markers are not the text's characters
+        for token in special:  # written in the text, they decode to nothing
             text = text.replace(token, "")
         total += _visible(text)
         kept += _visible(tokenizer.decode(ids, skip_special_tokens=True)) if ids else 0
@@ -325,8 +325,8 @@ def _visible(text: str) -> int:
 def _render(
     row: dict, tokenizer: Any, fmt: str, max_seq_len: int, add_eos: bool
 ) -> tuple[list[int], list[int], list[tuple[list[int], str]]]:
-    """A row's ``input_ids`` and ``labels`` cut to ``max_seq_len``, and its texts with the tokens each became
-    (for ``_characters_kept``)."""
+    """A row's ``input_ids`` and ``labels`` cut to ``max_seq_len``, and the row's own texts (not a template's)
+    with the tokens each becomes (for ``_characters_kept``)."""
     eos = [tokenizer.eos_token_id] if add_eos else []
     if fmt == "text":
         text = _string(row, "text")
@@ -340,17 +340,20 @@ def _render(
         if extra is not None and not isinstance(extra, str):
             raise _BadRow("a string 'input' (or none)", _a(type(extra).__name__))
         template = ALPACA_PROMPT_WITH_INPUT if extra else ALPACA_PROMPT
-        rendered = template.format(instruction=instruction, input=extra)
-        prompt = list(tokenizer(rendered)["input_ids"])
+        prompt = list(tokenizer(template.format(instruction=instruction, input=extra))["input_ids"])
         answer = list(tokenizer(output, add_special_tokens=False)["input_ids"])
         response = answer + eos
         ids = prompt + response
         labels = [IGNORE_INDEX] * len(prompt) + response
-        parts = [(prompt, rendered), (answer, output)]
+        parts = [(_content_ids(tokenizer, t), t) for t in (instruction, extra or "")] + [(answer, output)]
     else:
-        ids, labels, text = _chat(row, tokenizer)
-        parts = [(ids, text)]
+        ids, labels, contents = _chat(row, tokenizer)
+        parts = [(_content_ids(tokenizer, c), c) for c in contents]
     return ids[:max_seq_len], labels[:max_seq_len], parts
+
+
+def _content_ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
 def _a(noun: str) -> str:
@@ -371,7 +374,7 @@ def _keys(row: dict) -> str:
     return f"keys {present}" if present else "no keys"
 
 
-def _chat(row: dict, tokenizer: Any) -> tuple[list[int], list[int], str]:
+def _chat(row: dict, tokenizer: Any) -> tuple[list[int], list[int], list[str]]:
     """A conversation through the chat template; labels only on the assistant turns' tokens."""
     messages = row.get("messages")
     if (
@@ -405,7 +408,7 @@ def _chat(row: dict, tokenizer: Any) -> tuple[list[int], list[int], str]:
         tok if any(s <= start < e for s, e in spans) else IGNORE_INDEX
         for tok, (start, _) in zip(ids, encoded["offset_mapping"], strict=True)
     ]
-    return ids, labels, text
+    return ids, labels, [m["content"] for m in messages]
 
 
 def batches(
