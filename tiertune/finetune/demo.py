@@ -39,5 +39,13 @@ def make_model(
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar says nothing here
+    try:
+        AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     return directory
