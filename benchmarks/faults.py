@@ -868,6 +868,8 @@ class RankTrials:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         defects = [] if self._gone(ranks, 60) else ["ranks went on training after their launcher was killed"]
+        if not defects and "tiertune: stopped by SIGTERM" not in log.read_text(errors="replace"):
+            defects.append(f"rank 0 does not say it was stopped by SIGTERM ({log})")
         left = [p.name for p in disk.rglob("*.slots")] if disk.is_dir() else []
         if left and not defects:
             defects.append(f"the stopped ranks left slot files: {left}")
@@ -897,6 +899,8 @@ class RankTrials:
         if code == 143:
             if not last.startswith("tiertune launch: stopped by SIGTERM"):
                 defects.append(f"the last line is {last!r}")
+            if (run_dir / "recipe.yaml").is_file() and "tiertune: stopped by SIGTERM" not in text:
+                defects.append(f"rank 0 does not say it was stopped by SIGTERM ({log})")
         elif code != 0:
             defects.append(f"exit {code} (143 expected) ({log})")
         left = [p.name for p in disk.rglob("*.slots")] if disk.is_dir() else []

@@ -62,3 +62,24 @@ def test_a_signal_stops_the_run_cleanly_and_says_how_to_resume(tmp_path, model_d
     )  # fmt: skip
     assert again.exit_code == 0, again.output
     assert f"steps {step + 1}-{step + 2}" in again.output and (run_dir / "model.safetensors").exists()
+
+
+def test_a_lost_rank_while_this_one_was_stopping_for_sigterm_is_the_signal_s_stop(tmp_path, capsys):
+    """Under a launcher's SIGTERM every rank stops; one that is inside a collective when another has already
+    stopped sees it fail before its next safe point. Its stop is the signal's (exit 143, where and how to
+    resume), not a lost rank's RankError: the signal noted at that point, or during the clean-up, says so."""
+    from tiertune.errors import Interrupted, RankError
+    from tiertune.finetune.signals import StopOnSignals
+    from tiertune.finetune.train import _explain
+
+    with pytest.raises(Interrupted, match="stopped by SIGTERM after step 2") as info:
+        _explain(RankError("all_gather failed"), 2, 10, tmp_path, tmp_path / "recipe.yaml", signal.SIGTERM)
+    assert info.value.signal == signal.SIGTERM
+    with pytest.raises(RankError):
+        _explain(RankError("all_gather failed"), 2, 10, tmp_path, tmp_path / "recipe.yaml", None)
+    stop = StopOnSignals()
+    stop._note(signal.SIGTERM, None)  # first signal in a clean-up that a lost rank began: noted, not printed
+    assert stop.requested == signal.SIGTERM and capsys.readouterr().err == ""
+    stop.raised = signal.SIGINT  # a stop by Ctrl-C, then SIGTERM during its clean-up: said
+    stop._note(signal.SIGTERM, None)
+    assert "SIGTERM received again" in capsys.readouterr().err

@@ -4,6 +4,7 @@ rank 0 alone writes the run's files, each rank offloads into its own directory."
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -144,4 +145,23 @@ def test_tiertune_launch_says_how_a_stop_ended(tmp_path, cat_model, write_recipe
                          timeout=240, cwd=tmp_path)  # fmt: skip
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
     assert "training.learning_rate must be >= 0" in bad.stderr
-    assert bad.stderr.strip().splitlines()[-1].startswith("tiertune launch: rank 0 exited with code 2")
+    assert re.match(r"tiertune launch: rank [01] exited with code 2", bad.stderr.strip().splitlines()[-1])
+
+
+def test_a_launch_reports_the_rank_whose_error_it_was(monkeypatch):
+    """Rank 1 failed with exit 2; torchrun then stopped rank 0, still exiting with the same error, by SIGTERM:
+    the launch says rank 1's code, not rank 0's signal (as it once did, exiting 143 for a setting to fix)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from tiertune.finetune.ranks import launch
+
+    def failed(args):
+        first = ProcessFailure(local_rank=1, pid=11, exitcode=2, error_file="<N/A>")
+        then = ProcessFailure(local_rank=0, pid=10, exitcode=-signal.SIGTERM, error_file="<N/A>")
+        then.timestamp = first.timestamp + 1
+        raise ChildFailedError("tiertune.cli", {0: then, 1: first})
+
+    monkeypatch.setattr(torchrun, "run", failed)
+    code, said = launch(["--standalone", "--nproc_per_node", "2"], ["train", "recipe.yaml"])
+    assert code == 2 and said.startswith("tiertune launch: rank 1 exited with code 2"), said

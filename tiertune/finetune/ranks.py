@@ -111,7 +111,10 @@ def launch(launcher_args: list[str], command: list[str]) -> tuple[int, str]:
     except KeyboardInterrupt:
         return 128 + signal.SIGINT, "tiertune launch: stopped by SIGINT; every rank was stopped"
     except ChildFailedError as exc:
-        rank, failure = min(exc.failures.items())
+        # the rank whose own error it was (exit code > 0), the first to fail; torchrun then stopped the others
+        # by SIGTERM, and a rank still exiting with the same error may be among them
+        own = {r: f for r, f in exc.failures.items() if f.exitcode > 0} or exc.failures
+        rank, failure = min(own.items(), key=lambda item: (item[1].timestamp, item[0]))
         code = failure.exitcode
         if code > 0:
             how = f"exited with code {code}"

@@ -37,6 +37,7 @@ class StopOnSignals:
 
     def __init__(self) -> None:
         self.requested: int | None = None
+        self.raised: int | None = None  # the signal raised as ``Signalled`` (the run is stopping for it)
         self._at_safe_points = False
         self._installed = False
         self._previous: dict[int, Any] = {}
@@ -63,6 +64,7 @@ class StopOnSignals:
         """Raise the signal that arrived where it could not be raised (at a step boundary, say)."""
         if self.requested is not None:
             signum, self.requested = self.requested, None
+            self.raised = signum
             raise Signalled(signum)
 
     @contextlib.contextmanager
@@ -90,6 +92,7 @@ class StopOnSignals:
     def _raise(self, signum: int, frame: object) -> None:
         self.requested = signum  # for ``check``, should the exception be swallowed (a finalizer)
         if not self._at_safe_points:
+            self.raised = signum
             raise Signalled(signum)
 
     def _unraisable(self, unraisable: Any) -> None:
@@ -98,6 +101,10 @@ class StopOnSignals:
         self._previous_hook(unraisable)
 
     def _note(self, signum: int, frame: object) -> None:
+        if self.raised is None and self.requested is None:
+            # the first, while the run stops for another reason (another rank's stop): said as the stop's cause
+            self.requested = signum
+            return
         print(
             f"tiertune: {signal.Signals(signum).name} received again; finishing the checkpoint being written "
             "and removing the offload files (kill -9 stops at once; the next run cleans up)",

@@ -443,7 +443,7 @@ def _run(
                 for path in partials(out) if world.is_main else ():
                     shutil.rmtree(path, ignore_errors=True)
         if failure is not None:
-            _explain(failure, done, steps, out, recipe_path)
+            _explain(failure, done, steps, out, recipe_path, stop.requested)
     result.steps = steps
     result.seconds = time.perf_counter() - start
     result.optimizer_counts = {k: n - counted.get(k, 0) for k, n in trainer.optimizer_counts.items()}
@@ -459,10 +459,17 @@ def _batches_done(counters: dict, rows: int) -> int:
     return done if then == rows else done * then // rows
 
 
-def _explain(failure: BaseException, done: int, steps: int, out: Path, recipe_path: Path) -> None:
+def _explain(
+    failure: BaseException, done: int, steps: int, out: Path, recipe_path: Path, pending: int | None = None
+) -> None:
     """Turn a stop in the middle of a run into the error a user acts on: what happened, the step reached,
-    the newest checkpoint and how to resume."""
+    the newest checkpoint and how to resume. ``pending``: a signal this process received and had not yet acted
+    on (at its next safe point)."""
     newest = latest_checkpoint(out)
+    if isinstance(failure, RankError) and pending is not None:
+        # every rank got the launcher's SIGTERM: another stopped first and this one's collective failed before
+        # its next safe point. That is the signal's stop, not a lost rank.
+        raise Interrupted(pending, done, newest, recipe_path) from None
     if isinstance(failure, KeyboardInterrupt):
         signum = failure.signum if isinstance(failure, Signalled) else signal.SIGINT
         raise Interrupted(signum, done, newest, recipe_path) from None
