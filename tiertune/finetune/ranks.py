@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -46,8 +48,6 @@ def stop_with_launcher() -> None:
     is completed, the offload files removed) instead of training on unsupervised. Linux only (elsewhere a
     launcher's death leaves its ranks to the collective timeout)."""
     import ctypes
-    import signal
-    import sys
 
     if not sys.platform.startswith("linux"):
         return
@@ -90,8 +90,6 @@ def launch(launcher_args: list[str], command: list[str]) -> tuple[int, str]:
     how the launch ended: 0 when every rank finished; a rank's own exit code when one failed (2 for an error to
     fix, each rank having said which); 128 + the signal when the launch was stopped (SIGTERM, Ctrl-C) and its
     ranks stopped through their clean-up. Where torchrun itself ends with its traceback, this ends with that line."""
-    import signal
-
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
