@@ -155,8 +155,9 @@ def _flip(path, at=-16):
 
 
 def test_export_verifies_the_checkpoint_first(tmp_path, model_dir, write_recipe):
-    """4 flipped bytes in a weight file, a state file swapped for another checkpoint's, an edited index: each is
-    exit 2 naming the file, and nothing is written (before: exit 0 and a model that is not the checkpoint's)."""
+    """4 flipped bytes in a weight file, a state file swapped for another checkpoint's, an edited index, a
+    truncated recipe.yaml: each is exit 2 naming the file, and nothing is written (before: exit 0 and a model
+    that is not the checkpoint's)."""
     import shutil
 
     result = _full_run(tmp_path, model_dir, write_recipe)
@@ -175,6 +176,12 @@ def test_export_verifies_the_checkpoint_first(tmp_path, model_dir, write_recipe)
     index = edited / "checkpoint-4" / "state" / "index.json"
     index.write_text(index.read_text().replace('"shape": [', '"shape": [2, ', 1))
     cases["edited index"] = (edited, "state/index.json has")
+    cut = tmp_path / "cut-recipe"  # read before the checksums: its damage is named, not a YAML error
+    shutil.copytree(run_dir, cut)
+    recipe = cut / "checkpoint-4" / "recipe.yaml"
+    text = recipe.read_bytes()
+    recipe.write_bytes(text[: text.index(b"\n  ", len(text) // 2) + 4])  # mid-key: not YAML any more
+    cases["cut recipe"] = (cut, "recipe.yaml has")
     for name, (run, message) in cases.items():
         out = tmp_path / f"out-{name}"
         done = _cli("export", run / "checkpoint-4", "--out", out)

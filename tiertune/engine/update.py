@@ -61,7 +61,8 @@ class OptimizerWorker:
     from disk, even before backward has submitted them (their sources do not depend on the gradients).
     ``submit`` waits while ``max_pending`` units are queued or running, so that a slow optimizer holds back
     backward instead of letting every layer's gradients pile up (the step takes as long either way: the
-    worker never idles); it stops waiting when the worker itself waits in the store (for room or a chunk the caller holds).
+    worker never idles); it stops waiting when the worker itself waits in the store on another thread (for
+    room, or a chunk the caller holds), not when it waits for a read of its states.
     ``join`` waits for the submitted units and re-raises the first error.
     """
 
@@ -102,8 +103,8 @@ class OptimizerWorker:
         return waited
 
     def drain(self) -> float:
-        """Wait until the submitted units are done (or the worker waits in the store, perhaps for a chunk the
-        caller holds); returns the seconds waited."""
+        """Wait until the submitted units are done (or the worker waits in the store on another thread,
+        perhaps for a chunk the caller holds); returns the seconds waited."""
         began = time.perf_counter()
         with self._cond:
             self._wait_below(1)
@@ -111,7 +112,9 @@ class OptimizerWorker:
 
     def _wait_below(self, limit: int) -> None:
         """With the lock held: wait until fewer than ``limit`` units are queued or running, the worker failed,
-        or the worker itself waits in the store (maybe for a chunk the caller holds: waiting on would hang)."""
+        or the worker itself waits in the store on another thread (maybe for a chunk the caller holds:
+        waiting on would hang). A worker waiting for a transfer in flight is waited for: the transfer ends by
+        itself, and returning early would let the caller stage its next chunks beside the worker's."""
         while self._pending >= limit and self._error is None and not self._store.waiting(self._thread.ident):
             self._cond.wait(timeout=0.05)
 

@@ -205,7 +205,13 @@ def export(
         raise ConfigError(
             f"{source} does not exist; give a tiertune run directory or a checkpoint-<step> in it"
         )
-    recipe = _recipe_of(source)
+    checkpoint = _is_checkpoint(source)
+    try:
+        recipe = _recipe_of(source)
+    except ConfigError:
+        if checkpoint:  # a damaged recipe.yaml is named as the checkpoint's damage
+            verify(source)
+        raise
     lora = recipe.method.type == "lora"
     fmt = ("peft" if lora else "hf") if fmt == "auto" else fmt
     if fmt not in ("hf", "peft"):
@@ -215,7 +221,6 @@ def export(
             f"{source} is a {recipe.method.type} run: export it as {'peft' if lora else 'hf'}"
             + ("; `tiertune merge` folds the adapter into its base" if lora else "")
         )
-    checkpoint = _is_checkpoint(source)
     run_dir = source.parent if checkpoint else source
     check_out(out, overwrite, [(Path(recipe.model.path), "the model the run trained (model.path)"),
                                (run_dir, "the run being exported")])  # fmt: skip

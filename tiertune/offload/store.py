@@ -216,7 +216,7 @@ class ChunkStore:
         self._wanted: dict[int, int] = {}  # chunk id -> acquires waiting for it: never evicted meanwhile
         self._holders: dict[int, dict[int, int]] = {}  # chunk id -> {thread id: pins held}
         self._stalled: set[int] = set()  # threads waiting for room that only other threads' releases make
-        self._waiting: dict[int, int] = defaultdict(int)  # thread id -> 1 while it waits in the store
+        self._waiting: dict[int, int] = defaultdict(int)  # thread id -> 1 while it waits on another thread
         self._moved: dict[str, int] = {}
         self._moved_by: dict[int, dict[str, int]] = {}  # chunk id -> link -> bytes
         self._fatal: BaseException | None = None
@@ -606,8 +606,9 @@ class ChunkStore:
             self._cond.notify_all()
 
     def waiting(self, thread_id: int | None) -> bool:
-        """Whether thread ``thread_id`` is blocked in the store (for room, for a transfer, or for a chunk
-        another thread holds): a thread waiting for it must not keep holding what it has acquired."""
+        """Whether thread ``thread_id`` is blocked in the store on another thread (for room, or for a chunk
+        another thread holds): a thread waiting for it must not keep holding what it has acquired. A wait
+        for a transfer in flight is not reported: it ends without anyone's help."""
         with self._cond:
             return self._waiting.get(thread_id, 0) > 0  # type: ignore[arg-type]
 
@@ -747,15 +748,18 @@ class ChunkStore:
         me = threading.get_ident()
         holders[me] = holders.get(me, 0) + 1
 
-    def _wait(self) -> None:
+    def _wait(self, on_others: bool = False) -> None:
+        """Wait for a notification. ``on_others``: what is waited for may need another thread to act (free
+        room, release a chunk it holds); such a wait is what ``waiting`` reports. A wait for a transfer in
+        flight ends by itself."""
         if self._fatal is not None:
             raise self._fatal
         me = threading.get_ident()
-        self._waiting[me] += 1
+        self._waiting[me] += on_others
         try:
             self._cond.wait()
         finally:
-            self._waiting[me] -= 1
+            self._waiting[me] -= on_others
         if self._fatal is not None:
             raise self._fatal
 
@@ -793,7 +797,7 @@ class ChunkStore:
     def _drop_stale_for_overwrite(self, chunk: Chunk, tier: Tier) -> None:
         """Before an overwriting acquire: forget contents that would otherwise be fetched to ``tier``."""
         while chunk.state in IN_FLIGHT or (chunk.state is S.IN_USE and chunk.use_tier is not tier):
-            self._wait()
+            self._wait(on_others=chunk.state is S.IN_USE)
         if chunk.state is S.IN_USE or chunk.state is S.EMPTY or tier in chunk.valid:
             return
         self._forget(chunk)
@@ -815,7 +819,7 @@ class ChunkStore:
             if chunk.error is not None:
                 raise chunk.error
             if chunk.state in IN_FLIGHT or (chunk.state is S.IN_USE and chunk.use_tier is not tier):
-                self._wait()
+                self._wait(on_others=chunk.state is S.IN_USE)
                 continue
             if tier in chunk.valid:
                 return
@@ -876,7 +880,7 @@ class ChunkStore:
                     self._stalled.add(me)
                 self._demand[tier] += 1
                 try:
-                    self._wait()
+                    self._wait(on_others=True)
                 finally:
                     self._demand[tier] -= 1
                     self._stalled.discard(me)
