@@ -1,4 +1,5 @@
-"""examples/quickstart.ipynb runs top to bottom on the CPU (a fresh kernel, as a user would run it)."""
+"""examples/quickstart.ipynb runs top to bottom on the CPU (a fresh kernel, as a user would run it) and leaves
+nothing in the temporary directory."""
 
 from pathlib import Path
 
@@ -22,4 +23,7 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path):
         for o in c.get("outputs", [])
     )
     assert "Error" not in outputs
+    printed = "".join(o.get("text", "") for o in nb.cells[1].outputs)  # the first cell prints its directory
+    work = Path(next(w for w in printed.split() if "tiertune-quickstart-" in w))
+    assert work.name.startswith("tiertune-quickstart-") and not work.exists()  # the last cell removed it
     assert "s per step" in outputs and "how fast:" in outputs and "checkpoint-8" in outputs
