@@ -18,7 +18,10 @@ class DataError(TiertuneError, ValueError):
 class BudgetError(TiertuneError, MemoryError):
     """A tier cannot hold what is asked of it, even after evicting everything it may evict."""
 
-    def __init__(self, tier: str, needed: int, available: int, setting: str, detail: str = "") -> None:
+    def __init__(
+        self, tier: str, needed: int, available: int, setting: str, detail: str = "", message: str = ""
+    ) -> None:
+        """``message``: the whole message, when the refusal is of several tiers at once (a run's plan)."""
         from tiertune.units import format_size
 
         self.tier = tier
@@ -34,7 +37,7 @@ class BudgetError(TiertuneError, MemoryError):
             f"{tier} tier: needs {format_size(needed)} but only {format_size(available)} is available"
             f"{' (' + detail + ')' if detail else ''}; {what} or place less state on the {tier} tier"
         )
-        super().__init__(msg)
+        super().__init__(message or msg)
 
 
 class StateError(TiertuneError, RuntimeError):

@@ -1,7 +1,6 @@
 """The built-in recipes: listed, copied, valid, and the estimates written in them still true."""
 
 import re
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -10,16 +9,17 @@ from tiertune.cli.app import RECIPES, app
 from tiertune.finetune.estimate import estimate
 from tiertune.finetune.recipe import load_recipe, recipe_notes
 from tiertune.finetune.speed import GPUS
+from tiertune.loading.hub import SHIPPED
 from tiertune.units import format_size
 
-CONFIGS = Path(__file__).parent / "model_configs"  # the real models' config.json, no weights
+CONFIGS = SHIPPED  # the real models' config.json, by model id, as tiertune ships them (no weights)
 GPU_RECIPES = {
-    "llama3-8b-qlora-24gb": "llama3-8b",
-    "llama3-70b-qlora-nvme": "llama3-70b",
-    "llama2-13b-full-nvme": "llama2-13b",
-    "llama2-7b-galore": "llama2-7b",
-    "command-r-plus-104b-qlora": "command-r-plus-104b",
-    "mixtral-8x22b-qlora-24gb": "mixtral-8x22b",
+    "llama3-8b-qlora-24gb": "meta-llama/Meta-Llama-3-8B",
+    "llama3-70b-qlora-nvme": "meta-llama/Meta-Llama-3-70B",
+    "llama2-13b-full-nvme": "meta-llama/Llama-2-13b-hf",
+    "llama2-7b-galore": "meta-llama/Llama-2-7b-hf",
+    "command-r-plus-104b-qlora": "CohereForAI/c4ai-command-r-plus",
+    "mixtral-8x22b-qlora-24gb": "mistralai/Mixtral-8x22B-v0.1",
 }
 
 

@@ -1,6 +1,7 @@
 """``estimate`` against what runs measure: the store's peak bytes per tier, to the byte where the tier holds
 what passes through it, and a full tier where the budget binds."""
 
+import io
 import json
 import shutil
 from pathlib import Path
@@ -14,6 +15,7 @@ from tiertune.errors import ModelError
 from tiertune.finetune.estimate import QUANT_CACHE, estimate
 from tiertune.finetune.recipe import load_recipe
 from tiertune.finetune.train import train
+from tiertune.loading.hub import SHIPPED
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +101,8 @@ def test_estimate_creates_nothing_where_disk_path_does_not_exist_yet(tmp_path, m
     assert sorted(tmp_path.rglob("*")) == before  # ...and nothing was created or left behind
 
 
-CONFIGS = Path(__file__).parents[1] / "cli" / "model_configs"  # the real models' config.json, no weights
-PUBLISHED = {"mixtral-8x22b": 141e9, "qwen3-235b-a22b": 235e9, "deepseek-v3": 671e9}  # model cards' totals
+CONFIGS = SHIPPED  # the real models' config.json, by model id, as tiertune ships them (no weights)
+PUBLISHED = {"mistralai/Mixtral-8x22B-v0.1": 141e9, "Qwen/Qwen3-235B-A22B": 235e9, "deepseek-ai/DeepSeek-V3": 671e9}  # model cards' totals
 
 
 def _qlora(tmp_path, model_dir, **lora):
@@ -137,9 +139,9 @@ def test_the_100b_class_moe_configs_are_estimated_with_every_expert_in_nf4(tmp_p
 
 
 def test_attention_only_lora_counts_the_attention_adapters(tmp_path):
-    config = json.loads((CONFIGS / "mixtral-8x22b" / "config.json").read_text())
+    config = json.loads((CONFIGS / "mistralai/Mixtral-8x22B-v0.1" / "config.json").read_text())
     predicted = estimate(
-        _qlora(tmp_path, CONFIGS / "mixtral-8x22b", target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        _qlora(tmp_path, CONFIGS / "mistralai/Mixtral-8x22B-v0.1", target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
         measure=False,
     )
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
@@ -154,15 +156,15 @@ def test_deepseek_v3_builds_as_transformers_own_class_and_its_fp8_weights_are_na
     from tiertune.loading.model import build_skeleton
 
     with torch.device("meta"):
-        model = build_skeleton(CONFIGS / "deepseek-v3", torch.bfloat16)
+        model = build_skeleton(CONFIGS / "deepseek-ai/DeepSeek-V3", torch.bfloat16)
     assert type(model).__module__ == "transformers.models.deepseek_v3.modeling_deepseek_v3"  # not auto_map's
-    predicted = estimate(_qlora(tmp_path, CONFIGS / "deepseek-v3"), measure=False)
+    predicted = estimate(_qlora(tmp_path, CONFIGS / "deepseek-ai/DeepSeek-V3"), measure=False)
     assert any("'fp8'" in note and "tiertune train" in note for note in predicted.notes)
 
 
 def _deepseek_v3_fp8(vocab):
     """DeepSeek-V3's published config (fp8 weights: its quantization_config), at a tiny size."""
-    config = json.loads((CONFIGS / "deepseek-v3" / "config.json").read_text())
+    config = json.loads((CONFIGS / "deepseek-ai/DeepSeek-V3" / "config.json").read_text())
     config.update(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
                   first_k_dense_replace=1, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
                   num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=16,
@@ -201,43 +203,67 @@ def test_training_from_a_checkpoint_in_a_format_tiertune_does_not_read_stops_nam
     assert f"saved quantized with '{method}'" in result.output and "Traceback" not in result.output
 
 
-def test_a_hugging_face_model_id_is_estimated_from_its_config_alone(tmp_path, monkeypatch):
-    """``model.path: mistralai/Mixtral-8x22B-v0.1`` (no local directory): only config.json is fetched
-    (here from a stand-in for the Hub), and the estimate is the one of that config in a directory."""
-    import huggingface_hub
-
-    fetched = []
-
-    def download(repo_id, filename, **kwargs):
-        fetched.append((repo_id, filename))
-        snapshot = tmp_path / "hub" / repo_id.replace("/", "--")
-        snapshot.mkdir(parents=True, exist_ok=True)
-        shutil.copy(CONFIGS / "mixtral-8x22b" / "config.json", snapshot / filename)
-        return str(snapshot / filename)
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
-    monkeypatch.chdir(tmp_path)
-    by_id = estimate(_qlora(tmp_path, "mistralai/Mixtral-8x22B-v0.1"), measure=False)
-    assert fetched == [("mistralai/Mixtral-8x22B-v0.1", "config.json")]
-    local = estimate(_qlora(tmp_path, CONFIGS / "mixtral-8x22b"), measure=False)
-    assert by_id.parameters == local.parameters and by_id.kinds == local.kinds
-    assert abs(by_id.parameters - PUBLISHED["mixtral-8x22b"]) <= 0.01 * PUBLISHED["mixtral-8x22b"]
-
-
-def test_a_model_id_offline_is_a_clear_error(tmp_path, monkeypatch):
-    """Offline (HF_HUB_OFFLINE, or no network): exit 2 and a message that says what to do, no traceback."""
+def test_a_built_in_recipes_model_id_is_estimated_offline_from_its_shipped_config(tmp_path, monkeypatch):
+    """``model.path: mistralai/Mixtral-8x22B-v0.1`` with no network and an empty cache: the config.json tiertune
+    ships for the built-in recipes' models is used, and the estimate is that of the config in a directory."""
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # empty: nothing fetched before
     monkeypatch.chdir(tmp_path)
-    recipe = _qlora(tmp_path, "mistralai/Mixtral-8x22B-v0.1")
-    with pytest.raises(ModelError, match="could not be fetched from the Hugging Face Hub.*config.json"):
+    by_id = estimate(_qlora(tmp_path, "mistralai/Mixtral-8x22B-v0.1"), measure=False)
+    local = estimate(_qlora(tmp_path, CONFIGS / "mistralai/Mixtral-8x22B-v0.1"), measure=False)
+    assert by_id.parameters == local.parameters and by_id.kinds == local.kinds
+    assert abs(by_id.parameters - PUBLISHED["mistralai/Mixtral-8x22B-v0.1"]) <= 0.01 * PUBLISHED["mistralai/Mixtral-8x22B-v0.1"]
+
+
+def test_another_model_id_is_estimated_from_its_config_alone(tmp_path, monkeypatch):
+    """A model id tiertune does not ship: only its config.json is fetched (here from a stand-in for the Hub)."""
+    import huggingface_hub
+
+    from tiertune.loading import hub
+
+    fetched = []
+
+    def download(repo_id, allow_patterns=None, local_files_only=False, **kwargs):
+        if local_files_only:
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+        fetched.append((repo_id, allow_patterns))
+        snapshot = tmp_path / "hub" / repo_id.replace("/", "--")
+        snapshot.mkdir(parents=True, exist_ok=True)
+        shutil.copy(CONFIGS / "mistralai/Mixtral-8x22B-v0.1" / "config.json", snapshot / "config.json")
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    monkeypatch.setattr(hub.socket, "create_connection", lambda *a, **k: io.BytesIO())  # the Hub answers
+    monkeypatch.chdir(tmp_path)
+    by_id = estimate(_qlora(tmp_path, "someone/mixtral-copy"), measure=False)
+    assert fetched == [("someone/mixtral-copy", ["config.json"])]
+    local = estimate(_qlora(tmp_path, CONFIGS / "mistralai/Mixtral-8x22B-v0.1"), measure=False)
+    assert by_id.parameters == local.parameters and by_id.kinds == local.kinds
+
+
+def test_a_model_id_offline_is_a_clear_error_at_once(tmp_path, monkeypatch):
+    """Offline (HF_HUB_OFFLINE, or a Hub that cannot be reached): exit 2 at once with one line naming `hf
+    download` and HF_HUB_OFFLINE, not a minute of the hub client's retries; no traceback."""
+    import time
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # empty: nothing fetched before
+    monkeypatch.chdir(tmp_path)
+    recipe = _qlora(tmp_path, "someone/not-shipped")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelError, match="HF_HUB_OFFLINE is set.*`hf download someone/not-shipped`"):
         estimate(recipe, measure=False)
-    path = tmp_path / "qlora.yaml"
-    result = CliRunner().invoke(app, ["estimate", str(path), "--no-probe"], env={"COLUMNS": "200"})
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://127.0.0.1:9")  # nothing listens there
+    began = time.perf_counter()
+    result = CliRunner().invoke(app, ["estimate", str(tmp_path / "qlora.yaml"), "--no-probe"], env={"COLUMNS": "200"})
+    assert time.perf_counter() - began < 30
     assert result.exit_code == 2, result.output
-    assert "is not a local directory" in result.output and "Traceback" not in result.output
+    assert "cannot be reached" in result.output and "`hf download someone/not-shipped`" in result.output
+    assert "HF_HUB_OFFLINE=1" in result.output and "Retrying" not in result.output and "Traceback" not in result.output
 
 
 def test_a_prequantized_moe_is_estimated_with_its_experts_in_the_quantized_cache(tmp_path):
@@ -246,7 +272,7 @@ def test_a_prequantized_moe_is_estimated_with_its_experts_in_the_quantized_cache
     there, not in the disk tier's slots."""
     model = tmp_path / "mixtral-bnb-4bit"
     model.mkdir()
-    config = json.loads((CONFIGS / "mixtral-8x22b" / "config.json").read_text())
+    config = json.loads((CONFIGS / "mistralai/Mixtral-8x22B-v0.1" / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True,
                                      "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}  # fmt: skip
     (model / "config.json").write_text(json.dumps(config))

@@ -2,7 +2,6 @@
 the budgets checked against the machine (``--gpu``, ``--json``)."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +11,10 @@ from tiertune.cli.app import RECIPES, app
 from tiertune.finetune.estimate import estimate
 from tiertune.finetune.recipe import load_recipe
 from tiertune.finetune.speed import GPUS, step_flops
+from tiertune.loading.hub import SHIPPED
 from tiertune.loading.model import build_skeleton, split_model
 
-CONFIGS = Path(__file__).parent.parent / "cli" / "model_configs"
+CONFIGS = SHIPPED  # the real models' config.json, by model id, as tiertune ships them (no weights)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_the_flops_of_a_step_follow_the_formula(model_dir):
 
 def test_an_moe_counts_top_k_of_its_experts():
     with torch.device("meta"):
-        model = build_skeleton(str(CONFIGS / "mixtral-8x22b"))
+        model = build_skeleton(str(CONFIGS / "mistralai/Mixtral-8x22B-v0.1"))
     layers = list(split_model(model).layers)
     flops = step_flops(model, layers, 2048, 1, 2048, trained=False)
     c = model.config
@@ -56,7 +56,7 @@ def test_an_moe_counts_top_k_of_its_experts():
 
 def test_a_named_gpu_is_taken_at_its_stated_peak_and_the_step_is_its_longest_part(tmp_path):
     path = RECIPES / "llama3-70b-qlora-nvme.yaml"
-    recipe = load_recipe(path, (f"model.path={CONFIGS / 'llama3-70b'}", f"offload.disk_path={tmp_path}"))
+    recipe = load_recipe(path, (f"model.path={CONFIGS / 'meta-llama/Meta-Llama-3-70B'}", f"offload.disk_path={tmp_path}"))
     est = estimate(recipe, gpu="rtx4090")
     sp = est.speed
     assert est.target == GPUS["rtx4090"].name and est.machine["gpu_memory"] == 24 << 30

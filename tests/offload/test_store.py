@@ -326,3 +326,33 @@ def test_a_copy_into_the_device_waits_for_the_compute_streams_last_use_of_it(mon
         assert afters == [last_use]
         assert torch.equal(w, torch.full((1024,), 3.0))
         store.release(chunk)
+
+
+@pytest.mark.parametrize("reserve", [False, True])
+def test_chunks_in_use_cannot_fragment_a_planned_tier_into_a_failure(tmp_path, reserve):
+    # four 3-page chunks fill a 12-page arena; two stay in use, splitting it into 3-page gaps: a 5-page chunk
+    # then fits nowhere though 6 pages are free. A plan reserves a slot of its class, and it goes there
+    page = 4096
+    slots = {5 * page: 1} if reserve else None
+    config = StoreConfig(device="cpu", device_budget=8 * page, host_budget=12 * page + (5 * page if reserve else 0),
+                         disk_path=str(tmp_path), reserve={"host": slots} if slots else None)  # fmt: skip
+    with ChunkStore(config) as store:
+        small = [store.add([("x", (3 * page,), torch.uint8)], home="disk", name=f"s{i}")[0] for i in range(4)]
+        [big] = store.add([("x", (5 * page,), torch.uint8)], home="disk", name="big")
+        for chunk in small:
+            store.acquire(chunk, Tier.HOST)
+        store.release(small[0], dirty=True)
+        store.release(small[2], dirty=True)
+        held = sorted(c.copies[Tier.HOST].offset for c in (small[1], small[3]))
+        assert held[1] - held[0] == 6 * page  # in use: every other chunk, the gaps between them 3 pages each
+        if not reserve:
+            with pytest.raises(BudgetError, match="needs 20.00 KiB but only 12.00 KiB is available"):
+                store.acquire(big, Tier.HOST)
+            return
+        views = store.acquire(big, Tier.HOST)
+        assert views["x"].numel() == 5 * page and store._mem[Tier.HOST].in_reserve(big.copies[Tier.HOST])
+        # counted by size class: the smallest slot that holds a chunk (the 3-page ones have no class of their own)
+        assert store.in_use_peaks()["host"] == {5 * page: 4}
+        store.release(big)
+        for chunk in (small[1], small[3]):
+            store.release(chunk)

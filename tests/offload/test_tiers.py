@@ -1,7 +1,9 @@
 import random
 
+import pytest
 import torch
 
+from tiertune.errors import ConfigError
 from tiertune.offload.chunk import ALIGN
 from tiertune.offload.tiers import Arena, MemoryTier, Tier, aligned_empty
 
@@ -87,7 +89,7 @@ def test_allocations_have_their_own_autograd_version_counter():
     y = (x * w).sum()  # autograd saves w
     b.tensor.fill_(3)  # e.g. a prefetch landing in the neighbouring chunk
     y.backward()  # would raise "modified by an inplace operation" if a and b shared a version counter
-    assert a.tensor.data_ptr() + ALIGN == b.tensor.data_ptr()  # still one contiguous arena
+    assert abs(a.tensor.data_ptr() - b.tensor.data_ptr()) == ALIGN  # still one contiguous arena
 
 
 def test_budgets_beyond_the_machines_memory_fail_up_front(monkeypatch):
@@ -126,3 +128,28 @@ def test_a_cuda_device_without_cuda_is_a_config_error():
         with pytest.raises(ConfigError, match=rf"device '{device}' requested but torch.cuda.is_available\(\) is "
                                               r"False .*; use device='cpu' or device='auto'"):  # fmt: skip
             StoreConfig(device=device, device_budget="4GiB", host_budget="16GiB")
+
+
+def test_homes_go_lowest_and_cached_copies_best_fit_from_the_top():
+    arena = Arena(10 * ALIGN, top=True)
+    home = arena.alloc(2 * ALIGN, lowest=True)
+    cached = arena.alloc(ALIGN)
+    assert home == 0 and cached == 9 * ALIGN  # the free space between them stays one piece
+    assert arena.largest_free() == 7 * ALIGN
+    arena.check()
+
+
+def test_reserved_slots_serve_only_their_size_class():
+    tier = MemoryTier(Tier.HOST, 4 * ALIGN + 3 * ALIGN + 5 * ALIGN, torch.device("cpu"),
+                      reserve={3 * ALIGN: 1, 5 * ALIGN: 1})  # fmt: skip
+    assert tier.arena.capacity == 4 * ALIGN and tier.reserved == 8 * ALIGN and tier.slot_sizes == [3 * ALIGN, 5 * ALIGN]
+    small = tier.alloc_reserved(2 * ALIGN)  # the smallest slot that holds it
+    assert small is not None and tier.slot_size(small) == 3 * ALIGN
+    assert tier.alloc_reserved(ALIGN) is None  # its class's slot is taken; the larger class's is not its
+    big = tier.alloc_reserved(4 * ALIGN)
+    assert big is not None and tier.slot_size(big) == 5 * ALIGN and tier.alloc_reserved(6 * ALIGN) is None
+    assert tier.used == 6 * ALIGN and tier.peak == 6 * ALIGN
+    tier.free(small)
+    assert tier.used == 4 * ALIGN and tier.largest_free() == 4 * ALIGN
+    with pytest.raises(ConfigError, match="reserves 32.00 KiB"):
+        MemoryTier(Tier.HOST, ALIGN, torch.device("cpu"), reserve={2 * ALIGN: 4})

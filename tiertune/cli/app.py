@@ -158,7 +158,7 @@ _Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Also print tier
 
 @app.command()
 def train(
-    recipe: Annotated[Path, typer.Argument(help="A YAML recipe (see recipes/).")],
+    recipe: Annotated[Path, typer.Argument(help="A YAML recipe, or a built-in one by name (`tiertune recipes`).")],
     overrides: Annotated[
         list[str] | None, typer.Argument(help="Dotted overrides, e.g. training.learning_rate=1e-4.")
     ] = None,
@@ -183,9 +183,12 @@ def train(
         from tiertune.finetune.train import train as run
 
         resolved = load_recipe(recipe, tuple(overrides or ())).with_absolute_paths()
-        store, engine = plan(resolved)
         if dry_run:
+            from tiertune.loading.hub import config_directory
+
             typer.echo(resolved.to_yaml())
+            resolved.model.path = config_directory(resolved.model.path)  # nothing downloaded but a config
+            store, engine = plan(resolved)
             typer.echo(f"plan: device={store.device} params={engine.params} optimizer_states={engine.optimizer_states} "
                        f"gradients={engine.gradients} dtype={str(engine.dtype).removeprefix('torch.')} "
                        f"device_budget={format_size(store.device_budget)} host_budget={format_size(store.host_budget)} "
@@ -222,7 +225,7 @@ def launch(ctx: typer.Context) -> None:
 
 @app.command()
 def estimate(
-    recipe: Annotated[Path, typer.Argument(help="A YAML recipe (see recipes/).")],
+    recipe: Annotated[Path, typer.Argument(help="A YAML recipe, or a built-in one by name (`tiertune recipes`).")],
     overrides: Annotated[
         list[str] | None, typer.Argument(help="Dotted overrides, e.g. offload.host_budget=32GiB.")
     ] = None,
@@ -325,6 +328,8 @@ def merge(
     with _user_errors():
         path, what = run(adapter, out, base, dtype, overwrite)
     typer.echo(f"merged: {what}; wrote {path}")
+
+
 
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"  # shipped with the package

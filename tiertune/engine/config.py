@@ -32,6 +32,9 @@ class EngineConfig:
     # on: the optimizer runs during backward (speculatively, into twin states, when clipping is on);
     # off: after backward; auto: on when the twin states fit the budgets, else off
     overlap_optimizer: str | bool = "auto"
+    # the run's memory plan decided whether the speculative step's twins are made (``engine.plan``, checked
+    # against the budgets before loading): None, the engine decides from the store's room
+    twins: bool | None = None
     activations: str = "device"  # where each layer's saved input waits for backward: device or host
     activation_tokens: int = 0  # batch x sequence length of the largest micro-batch (needed for host)
     # micro-batches per step: with more than one, GaLore sums its projected weights' full gradients in host

@@ -238,6 +238,10 @@ def add_twins(store: ChunkStore, states: list[GroupState], cfg: EngineConfig, de
         return False
     if not cfg.clips:
         return True
+    if cfg.twins is not None:  # the run's plan decided, on the same sizes and the budgets
+        if cfg.twins:
+            _register_twins(store, states)
+        return cfg.twins
     units = [
         ((s.grads[j].home, s.grads[j].capacity), [(c.home, c.capacity) for c in s.sources(j)],
          [(c.home, c.capacity) for c in s.reads(j)[len(s.sources(j)):]])
@@ -265,12 +269,16 @@ def add_twins(store: ChunkStore, states: list[GroupState], cfg: EngineConfig, de
             detail,
         )
         return False
+    _register_twins(store, states)
+    return True
+
+
+def _register_twins(store: ChunkStore, states: list[GroupState]) -> None:
     for state in states:
         for j in range(len(state.weights)):
             state.twins.append(
                 tuple(store.add_layouts([c.layout], c.home, f"{c.name}.twin")[0] for c in state.sources(j))  # type: ignore[misc]
             )
-    return True
 
 
 def state_chunks(states: list[GroupState], units: list[tuple[GroupState, int]] | None = None) -> list[Chunk]:

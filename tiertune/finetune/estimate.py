@@ -27,16 +27,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from tiertune.engine.plan import Plan, PlannedChunk, make_plan
 from tiertune.errors import ConfigError, ModelError
 from tiertune.finetune.speed import (
     GPU,
@@ -50,7 +49,8 @@ from tiertune.finetune.speed import (
     resolve_gpu,
     step_flops,
 )
-from tiertune.offload.chunk import ChunkLayout, itemsize, pack_tensors
+from tiertune.loading.hub import config_directory
+from tiertune.offload.chunk import itemsize, pack_tensors
 from tiertune.offload.disk import slot_bytes
 from tiertune.offload.store import StoreConfig
 from tiertune.offload.tiers import AUTO_DEVICE_FRACTION, Tier
@@ -64,17 +64,7 @@ IN_PLACE = "weights, read in place"  # from the model's own files
 QUANT_CACHE = "weights, quantized cache"  # quantized on load, read in place from the cache's images
 
 
-@dataclass
-class _Chunk:
-    kind: str  # weights, gradients, master, moments, projections, twins, activations
-    home: Tier
-    capacity: int
-    used_on: Tier  # the tier a step uses it on
-    changed: bool  # written every step (written back home when it cannot stay cached)
-    in_place: bool = False  # frozen weights read from files (the model's, or the quantized cache's images)
-    entries: list = field(default_factory=list, repr=False)  # its tensors (name, shape, dtype)
-    layer: bool = False  # weights of a decoder layer (gathered again in backward, which recomputes it)
-    layout: ChunkLayout | None = field(default=None, repr=False)  # as the store lays it out
+_Chunk = PlannedChunk  # one chunk the run would register
 
 
 @dataclass
@@ -83,12 +73,13 @@ class TierEstimate:
     home: int
     passes: int
     peak: int
-    largest_staged: int
+    largest_staged: int  # the largest chunk homed lower that a step uses here
+    in_use: int = 0  # a memory tier: the slots the plan reserves for the chunks in use there at once
 
     @property
     def needed(self) -> int:
-        """What the budget must hold (a memory tier): home and the largest chunk staged through it."""
-        return self.home + self.largest_staged
+        """What the budget must hold (a memory tier): its homes and the plan's reserved slots."""
+        return self.home + self.in_use
 
     @property
     def fits(self) -> bool:
@@ -174,6 +165,7 @@ class Estimate:
     target: str = "cpu"  # what computes: "cpu", or the GPU's name
     speed: StepTime | None = None  # the step-time estimate (None: not measured)
     scale_out: ScaleOut | None = None  # launched as several processes (``estimate(processes=N)``)
+    plan: Plan | None = None  # the run's memory plan (``engine.plan``): what train checks before loading
 
     def short_of_machine(self) -> dict[str, str]:
         """Budgets this machine cannot give, by tier, with why (a budget above its RAM or GPU memory)."""
@@ -197,8 +189,9 @@ class Estimate:
         return self.tiers["disk"].home + self.kinds.get(QUANT_CACHE, ("disk", 0))[1]
 
     def needed(self, tier: str) -> int:
-        """What ``tier``'s budget must hold: on a memory tier, its home and the largest chunk staged through
-        it (what the store checks when it places chunks); on the disk, ``disk_needed``."""
+        """What ``tier``'s budget must hold: on a memory tier, its homes and the slots the run's plan reserves
+        for the chunks in use there at once (what ``train`` checks before it loads the model); on the disk,
+        ``disk_needed``."""
         return self.disk_needed if tier == "disk" else self.tiers[tier].needed
 
     @property
@@ -228,6 +221,12 @@ class Estimate:
             "fits": self.fits,
             "notes": self.notes,
         }
+        if self.plan is not None:
+            out["plan"] = {
+                t.value: {"needed": self.plan.needed(t), "home": self.plan.home[t],
+                          "reserved_slots": {str(size): n for size, n in sorted(self.plan.reserve[t].items())}}
+                for t in self.plan.home
+            }  # fmt: skip
         if self.scale_out is not None:
             out["scale_out"] = self.scale_out.as_json()
         if self.speed is not None:
@@ -240,31 +239,6 @@ class Estimate:
                 "total_seconds": sp.total_seconds,
             }  # fmt: skip
         return out
-
-
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-"""A Hugging Face model id (``organization/name``)."""
-
-
-def model_directory(path: str) -> str:
-    """``model.path`` as a directory holding the model's config.json: the path itself, or, for a Hugging Face
-    model id that is not a local directory, its config.json alone, fetched into the hub's cache (nothing
-    else is downloaded). Raises ModelError, saying what to do, when it cannot be fetched (offline, an
-    unknown or gated repository)."""
-    if Path(path).expanduser().exists() or not HUB_ID.fullmatch(path):
-        return path
-    from huggingface_hub import hf_hub_download
-
-    try:
-        return str(Path(hf_hub_download(path, "config.json")).parent)
-    except Exception as exc:  # offline, unknown repository, gated, no config.json
-        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ModelError(
-            f"model.path {path!r} is not a local directory, and its config.json could not be fetched from the "
-            f"Hugging Face Hub ({type(exc).__name__}: {why[:160]}); to estimate without the network, put the "
-            f"model's config.json in a directory and set model.path to it (`huggingface-cli download {path} "
-            "config.json --local-dir DIR` where the Hub is reachable)"
-        ) from None
 
 
 def estimate(
@@ -285,7 +259,7 @@ def estimate(
 
     from tiertune.finetune.train import plan
 
-    directory = model_directory(recipe.model.path)
+    directory = config_directory(recipe.model.path)
     if directory != recipe.model.path:
         recipe = copy.deepcopy(recipe)
         recipe.model.path = directory
@@ -296,6 +270,7 @@ def estimate(
     notes: list[str] = []
     disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
     chunks, parameters, trained, outside, flops = _chunks(recipe, store_cfg, cfg, notes, target is not None, disk_room)
+    memory = make_plan(chunks, on_cpu=target is None)
     clipping = cfg.clips
     layerwise = (
         cfg.overlap_optimizer != "off" and not clipping and recipe.training.gradient_accumulation_steps == 1
@@ -327,9 +302,9 @@ def estimate(
         if tier is Tier.DISK:  # slots: a header with a checksum per block, then the chunk; nothing above it
             home = passes = _slots(chunks, store_cfg)
         peak = min(budgets[tier], passes) if tier is not Tier.DISK else home
-        tiers[tier.value] = TierEstimate(
-            budgets[tier], home, passes, peak, max((c.capacity for c in staged), default=0)
-        )
+        in_use = memory.needed(tier) - home if tier is not Tier.DISK else 0
+        largest = max((c.capacity for c in staged), default=0)
+        tiers[tier.value] = TierEstimate(budgets[tier], home, passes, peak, largest, in_use)
     if IN_PLACE in kinds:
         notes.append(
             f"{format_size(kinds[IN_PLACE][1])} of frozen weights are read in place from the model's own files "
@@ -341,7 +316,7 @@ def estimate(
             "cache under disk_path, read in place from there (the disk tier holds no second copy; the next run "
             "of the same model and settings reuses them)"
         )
-    est = Estimate(parameters, trained, kinds, tiers, outside, notes=notes)
+    est = Estimate(parameters, trained, kinds, tiers, outside, notes=notes, plan=memory)
     est.target = "cpu" if target is None else target.name
     est.machine["ram"] = psutil.virtual_memory().total
     if target is not None:
@@ -364,13 +339,24 @@ def estimate(
     return est
 
 
+def memory_plan(recipe: Recipe, store_cfg: StoreConfig, cfg) -> tuple[Plan, bool]:
+    """The run's memory plan (``engine.plan``) for the store and engine settings ``plan`` resolved, from the
+    chunks it will register laid out on the meta device (nothing is loaded), and whether those include the
+    speculative step's twins (they do when the run fits with them). What ``train`` checks before loading the
+    model, and what ``estimate`` reports."""
+    on_gpu = store_cfg.device.type == "cuda"  # type: ignore[union-attr]
+    disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
+    chunks, *_ = _chunks(recipe, store_cfg, cfg, [], on_gpu, disk_room)
+    return make_plan(chunks, on_cpu=not on_gpu), any(c.role == "twin" for c in chunks)
+
+
 def _chunks(
     recipe, store_cfg: StoreConfig, cfg, notes: list[str], on_gpu: bool, disk_free: int
 ) -> tuple[list[_Chunk], int, int, dict[str, int], StepFlops]:
     """Every chunk the run would register, laid out as the store lays them out (what a reader should know
     about the model is appended to ``notes``), and the FLOPs of a step (``on_gpu``: computed on a GPU;
     ``disk_free``: the free bytes at ``disk_path``, room the overlap decision weighs)."""
-    from tiertune.engine.layout import home_tier_used, state_layout, twins_short
+    from tiertune.engine.layout import home_tier_used, state_layout
     from tiertune.loading.model import build_skeleton, quantized_on_load, split_model, weight_entries
     from tiertune.methods.optim import GaLore
     from tiertune.quant import is_quantized, make_quantizer
@@ -400,9 +386,10 @@ def _chunks(
     chunks: list[_Chunk] = []
 
     def add(entries: list, kind: str, home: str | Tier, used_on: Tier, changed: bool, in_place: bool = False,
-            layer: bool = False) -> None:  # fmt: skip
+            layer: bool = False, group: int = -1, role: str = "weights") -> None:  # fmt: skip
         for layout in pack_tensors(entries, max(size, 1), store_cfg.num_shards):
-            chunks.append(_Chunk(kind, Tier(home), layout.capacity, used_on, changed, in_place, entries, layer, layout))
+            chunks.append(_Chunk(kind, Tier(home), layout.capacity, used_on, changed, in_place, entries, layer,
+                                 layout, group, role))  # fmt: skip
 
     trained_flag = cfg.method != "lora"
     clipping = cfg.clips
@@ -411,7 +398,7 @@ def _chunks(
     split = None
     if not trained_flag and cfg.params == "disk":  # a frozen base on disk: read in place where files hold it
         split = _in_place_split(recipe.model.path, model, cfg, quant, saved)
-    for group in parts.groups:
+    for gi, group in enumerate(parts.groups):
         parameters += group.numel
         # weights are used on the device; trained fp32 weights are their own master, changed on the host too
         entries = weight_entries(group, cfg.dtype, quant)
@@ -419,14 +406,15 @@ def _chunks(
         if split is not None:
             mapped, entries = split(group)
             if mapped:
-                add(mapped, IN_PLACE, Tier.DISK, Tier.DEVICE, False, in_place=True, layer=group.kind == "layer")
+                add(mapped, IN_PLACE, Tier.DISK, Tier.DEVICE, False, in_place=True, layer=group.kind == "layer",
+                    group=gi)  # fmt: skip
             # as load_into_store homes it: a checkpoint saved quantized holds every quantized linear weight
             prequantized = {n for n, p in group.params.items() if is_quantized(p)} if saved is not None else ()
             if quant is not None and quantized_on_load(group, prequantized) and cfg.quant_cache is not None:
                 kind = QUANT_CACHE
         if entries:
             add(entries, kind, cfg.params, Tier.DEVICE, trained_flag, in_place=kind == QUANT_CACHE,
-                layer=group.kind == "layer")  # fmt: skip
+                layer=group.kind == "layer", group=gi)  # fmt: skip
         weights = chunks[-1]
         if not trained_flag:
             continue
@@ -434,7 +422,7 @@ def _chunks(
         fp32 = [(n, tuple(p.shape), torch.float32) for n, p in group.params.items()]
         unit: dict[str, _Chunk] = {"weights": weights}
         for spec in state_layout(fp32, cfg, galore, device):  # what add_states registers
-            add(spec.entries, spec.kind, spec.home, spec.used_on, True)
+            add(spec.entries, spec.kind, spec.home, spec.used_on, True, group=gi, role=spec.role)
             unit[spec.role] = chunks[-1]
         units.append(unit)
     hidden = model.config.hidden_size
@@ -442,19 +430,21 @@ def _chunks(
     outside: dict[str, int] = {}
     if cfg.activations == "host":  # InputStash: each layer's saved input in a chunk of its own
         for _ in parts.layers:
-            add([("x", (cfg.activation_tokens * hidden,), cfg.dtype)], "activations", Tier.HOST, Tier.DEVICE, True)
+            add([("x", (cfg.activation_tokens * hidden,), cfg.dtype)], "activations", Tier.HOST, Tier.DEVICE, True,
+                role="act")  # fmt: skip
     else:
         outside["saved layer inputs"] = act * len(parts.layers)
-    if trained_flag and cfg.overlap_optimizer != "off" and clipping:  # add_twins' decision, on these sizes
-        described = [
-            ((u["grads"].home, u["grads"].capacity), [(c.home, c.capacity) for c in _sources(u)],
-             [(u["proj"].home, u["proj"].capacity)] if "proj" in u else [])
-            for u in units
-        ]  # fmt: skip
-        if not twins_short(described, partial(_room, chunks, store_cfg, disk_free), device):
-            for u in units:
-                for source in _sources(u):
-                    add(source.entries, "twins", source.home, home_tier_used(source.home, device), True)
+    if trained_flag and cfg.overlap_optimizer != "off" and clipping:
+        # the speculative step's twins: when the run fits with them (the plan, and the disk's room), or asked for
+        before = len(chunks)
+        for u in units:
+            for source in _sources(u):
+                add(source.entries, "twins", source.home, home_tier_used(source.home, device), True,
+                    group=source.group, role="twin")  # fmt: skip
+        budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}
+        fits = not make_plan(chunks, on_cpu=not on_gpu).short(budgets) and _slots(chunks, store_cfg) <= disk_free
+        if cfg.overlap_optimizer != "on" and not fits:
+            del chunks[before:]
     vocab = model.config.vocab_size
     from tiertune.kernels.architectures import FUSED_LOSS
     from tiertune.kernels.ops.linear_ce import SLICE_BYTES
@@ -719,6 +709,9 @@ def format_estimate(est: Estimate, title: str) -> str:
     if est.scale_out is not None:
         lines += ["", *_format_scale_out(est.scale_out)]
     lines += [f"note: {note}" for note in est.notes]
+    if est.plan is not None:
+        slots = "; ".join(f"{t.value} {est.plan.describe(t)}" for t in est.plan.home if est.plan.reserve[t])
+        lines.append(f"in use at once (slots reserved by size): {slots or 'none'}")
     lines.append("" if est.fits else "DOES NOT FIT: raise the budgets marked NO (within what the machine has), or place more state on disk")
     return "\n".join(lines).rstrip()
 

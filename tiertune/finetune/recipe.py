@@ -23,8 +23,12 @@ import yaml
 
 from tiertune.errors import ConfigError
 from tiertune.kernels import KERNEL_CHOICES
+from tiertune.loading.hub import is_hub_id
 from tiertune.settings import GaloreSettings, LoraSettings, choices
 from tiertune.units import parse_size
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+"""The built-in recipes, shipped with the package (``load_recipe`` takes one by its name)."""
 
 
 @dataclass
@@ -190,6 +194,8 @@ class Recipe:
         )
         for section, key in sections:
             value = getattr(section, key)
+            if section is out.model and is_hub_id(value):  # a Hugging Face model id, not a path
+                continue
             if value and value != "auto":
                 setattr(section, key, os.path.abspath(os.path.expanduser(value)))
         return out
@@ -219,6 +225,8 @@ def recipe_notes(path: str | Path) -> tuple[str, list[str]]:
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a YAML recipe, apply ``key.path=value`` overrides, and validate. Raises ConfigError."""
     path = Path(path)
+    if not path.exists() and path.name == str(path) and (RECIPES / f"{path}.yaml").is_file():
+        path = RECIPES / f"{path}.yaml"  # a built-in recipe by its name (`tiertune recipes` lists them)
     if path.is_dir():
         found = sorted(p.name for p in path.glob("*.y*ml"))[:5]
         there = f" (YAML files there: {', '.join(found)})" if found else ""

@@ -30,6 +30,7 @@ import torch
 from tiertune.distributed.world import World
 from tiertune.engine import EngineConfig, StreamedTrainer
 from tiertune.errors import (
+    BudgetError,
     ConfigError,
     DataError,
     DiskFullError,
@@ -60,8 +61,10 @@ from tiertune.finetune.reporting import Reporters
 from tiertune.finetune.rundir import LAUNCH_FILE, LOG_NAME, Decision, RunDirectory, launch_record
 from tiertune.finetune.signals import StopOnSignals, stop_on_signals
 from tiertune.kernels.patch import describe, resolve_backend
+from tiertune.loading.hub import model_directory
 from tiertune.offload.chunk import itemsize
 from tiertune.offload.store import StoreConfig
+from tiertune.offload.tiers import BUDGET_SETTING, Tier
 from tiertune.units import format_size
 
 log = logging.getLogger("tiertune.train")
@@ -100,7 +103,8 @@ def plan(recipe: Recipe, device: str | None = None) -> tuple[StoreConfig, Engine
     if not (Path(recipe.model.path) / "config.json").is_file():
         raise ConfigError(
             f"model.path {recipe.model.path} is not a Hugging Face model directory (no config.json there); "
-            "point it at a local directory saved with save_pretrained (for the demo recipe: run `tiertune demo`)"
+            "point it at a local directory saved with save_pretrained, or give a Hugging Face model id "
+            "(organization/name; for the demo recipe: run `tiertune demo`)"
         )
     out = Path(recipe.training.output_dir).absolute()
     for key, other in (("model.path", recipe.model.path), ("offload.disk_path", recipe.offload.disk_path)):
@@ -231,8 +235,11 @@ def train(
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
     recipe = recipe.with_absolute_paths()
+    recipe.model.path = model_directory(recipe.model.path)  # a model id: its snapshot in the hub's cache
     world = World.from_env()
     store_cfg, engine_cfg = plan(recipe)
+    if world.size == 1:
+        admit(recipe, store_cfg, engine_cfg)
     join(world)  # several processes: the process group, this rank's GPU and threads
     run_dir = RunDirectory(recipe.training.output_dir)
     with stop_on_signals() as stop:
@@ -251,6 +258,26 @@ def train(
             newest = latest_checkpoint(run_dir.path)
             step = checkpoint_step(newest) if newest else 0
             raise Interrupted(exc.signum, step, newest, run_dir.path / RECIPE_FILE) from None
+
+
+def admit(recipe: Recipe, store_cfg: StoreConfig, engine_cfg: EngineConfig) -> None:
+    """Check the run's memory plan against its budgets before anything is loaded, and hand it to the store
+    and the engine (``engine.plan``): the slots the store reserves for the chunks in use at once, and whether
+    the speculative step's twins are made. Raises BudgetError naming the smallest budgets that work.
+    ``tiertune estimate`` reports the same plan."""
+    from tiertune.finetune.estimate import memory_plan
+
+    memory, twins = memory_plan(recipe, store_cfg, engine_cfg)
+    budgets = {Tier.DEVICE: int(store_cfg.device_budget), Tier.HOST: int(store_cfg.host_budget)}  # type: ignore[arg-type]
+    why = memory.refusal(budgets)
+    if why:
+        tier, needed = next(iter(memory.short(budgets).items()))
+        raise BudgetError(
+            tier.value, needed, budgets[tier], BUDGET_SETTING[tier],
+            message=f"the run does not fit its budgets, checked before loading the model: {why}",
+        )  # fmt: skip
+    store_cfg.reserve = memory.store_reserve()
+    engine_cfg.twins = twins
 
 
 @dataclass

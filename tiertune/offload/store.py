@@ -35,7 +35,15 @@ from tiertune.offload.chunk import ALIGN, IN_FLIGHT, Chunk, ChunkLayout, ChunkSt
 from tiertune.offload.disk import DiskSlot, DiskTier
 from tiertune.offload.inplace import FileReader, FileTensor, InPlace, Window, plan_in_place
 from tiertune.offload.schedule import Scheduler
-from tiertune.offload.tiers import BUDGET_SETTING, Allocation, MemoryTier, Tier, auto_budget, cuda_cap
+from tiertune.offload.tiers import (
+    BUDGET_SETTING,
+    Allocation,
+    MemoryTier,
+    Tier,
+    auto_budget,
+    cuda_cap,
+    slot_class,
+)
 from tiertune.units import format_size, parse_size, round_up
 
 log = logging.getLogger("tiertune.offload")
@@ -60,6 +68,9 @@ class StoreConfig:
     block_size: int | str = 1 << 20
     num_shards: int = 1
     direct: bool | None = None  # None: O_DIRECT when the filesystem supports it
+    # the run's plan (engine.plan.Plan.reserve): per memory tier ("device", "host"), {slot size: count} of
+    # slots kept for chunks in use there (see MemoryTier); None: no slots, every chunk shares the arena
+    reserve: dict[str, dict[int, int]] | None = None
 
     def __post_init__(self) -> None:
         self.device = _resolve_device(self.device)
@@ -193,9 +204,12 @@ class ChunkStore:
         self.config = config
         self.device = config.device  # type: ignore[assignment]
         pin = self.device if self.device.type == "cuda" else False  # page-locked for the compute GPU
+        reserve = config.reserve or {}
         self._mem = {
-            Tier.DEVICE: MemoryTier(Tier.DEVICE, config.device_budget, self.device),  # type: ignore[arg-type]
-            Tier.HOST: MemoryTier(Tier.HOST, config.host_budget, torch.device("cpu"), pin=pin),  # type: ignore[arg-type]
+            Tier.DEVICE: MemoryTier(Tier.DEVICE, config.device_budget, self.device, reserve=reserve.get("device")),  # type: ignore[arg-type]
+            Tier.HOST: MemoryTier(
+                Tier.HOST, config.host_budget, torch.device("cpu"), pin=pin, reserve=reserve.get("host")  # type: ignore[arg-type]
+            ),
         }
         if pin:
             # page-lock the host arena now: a budget the OS or CUDA refuses fails here, saying what to
@@ -213,10 +227,14 @@ class ChunkStore:
         self._reserved = {Tier.DEVICE: 0, Tier.HOST: 0}
         self._largest_cached = {Tier.DEVICE: 0, Tier.HOST: 0}
         self._demand = {Tier.DEVICE: 0, Tier.HOST: 0}  # blocking allocations waiting for room, per tier
-        self._wanted: dict[int, int] = {}  # chunk id -> acquires waiting for it: never evicted meanwhile
+        # (chunk id, tier) -> acquires waiting for it there: its copy there (and, for the device, the host
+        # copy it is staged through) is never evicted meanwhile; its other copies may be
+        self._wanted: dict[tuple[int, Tier], int] = {}
         self._holders: dict[int, dict[int, int]] = {}  # chunk id -> {thread id: pins held}
         self._stalled: set[int] = set()  # threads waiting for room that only other threads' releases make
         self._waiting: dict[int, int] = defaultdict(int)  # thread id -> 1 while it waits on another thread
+        self._in_use: dict[tuple[Tier, int], int] = defaultdict(int)  # (tier, class) -> chunks in use there
+        self._in_use_peak: dict[tuple[Tier, int], int] = defaultdict(int)
         self._moved: dict[str, int] = {}
         self._moved_by: dict[int, dict[str, int]] = {}  # chunk id -> link -> bytes
         self._fatal: BaseException | None = None
@@ -359,7 +377,18 @@ class ChunkStore:
         reserved = dict(self._reserved)
         if home is not Tier.DISK:
             reserved[home] += size
-        for tier in ([home] if home is not Tier.DISK else []) + list(stages):
+        planned = home is not Tier.DISK and self._mem[home].slot_sizes
+        if planned and reserved[home] > self._mem[home].arena.capacity:
+            # the plan reserved the room to stage and use chunks: homes have the rest
+            mem = self._mem[home]
+            raise BudgetError(
+                home.value, reserved[home] + mem.reserved, mem.budget, BUDGET_SETTING[home],
+                f"placing chunk {chunk.name!r} there for the whole run, beside the "
+                f"{format_size(mem.reserved)} the run's plan reserves for chunks in use there",
+            )
+        for tier in ([home] if home is not Tier.DISK and not planned else []) + [
+            t for t in stages if not self._mem[t].slot_sizes
+        ]:
             largest = max(self._largest_cached[tier], size if tier in stages else 0)
             needed = reserved[tier] + largest
             if needed > self._mem[tier].budget:
@@ -377,7 +406,7 @@ class ChunkStore:
             if slot:
                 self._slots[chunk.id] = self.disk.reserve(chunk, self.aio.block_size)  # type: ignore[union-attr]
         else:
-            alloc = self._alloc(home, chunk, blocking=True)  # may evict cached copies of other chunks
+            alloc = self._alloc_home(home, chunk)
             chunk.copies[home] = alloc
             self._reserved[home] += size
         for tier in stages:
@@ -470,6 +499,7 @@ class ChunkStore:
                 chunk.device_event = event
             if chunk.pins == 0:
                 chunk.use_tier = None
+                self._count_in_use(chunk, tier, -1)
                 chunk.transition(_SETTLED[tier])
                 self._cond.notify_all()
 
@@ -561,8 +591,10 @@ class ChunkStore:
         with self._cond:
             if tier is Tier.DISK:
                 return 0 if self.disk is None else self.disk.arena.free_bytes
-            budget = self._mem[tier].budget
-            return max(0, budget - self._reserved[tier] - self._largest_cached[tier])
+            mem = self._mem[tier]
+            if mem.slot_sizes:  # the plan reserved the room to stage and use chunks
+                return max(0, mem.arena.capacity - self._reserved[tier])
+            return max(0, mem.budget - self._reserved[tier] - self._largest_cached[tier])
 
     def discard(self, chunk: Chunk) -> None:
         """Forget ``chunk``'s contents: no copy of them is written back or read again, and cached copies
@@ -666,14 +698,22 @@ class ChunkStore:
     def stats(self) -> StoreStats:
         """Budgets, current and peak accounted bytes per tier, and bytes moved per link."""
         with self._cond:
-            tiers = {
-                t.value: TierStats(m.budget, m.arena.used, m.arena.peak, m.pinned_bytes)
-                for t, m in self._mem.items()
-            }
+            tiers = {t.value: TierStats(m.budget, m.used, m.peak, m.pinned_bytes) for t, m in self._mem.items()}
             if self.disk is not None:
                 a = self.disk.arena
                 tiers["disk"] = TierStats(a.capacity, a.used, a.peak)
             return StoreStats(tiers, dict(self._moved), self.scheduler.divergences)
+
+    def in_use_peaks(self) -> dict[str, dict[int, int]]:
+        """Per memory tier, the most chunks homed elsewhere that were in use there at once (since
+        ``reset_peaks``), by size class: the reserved slot size when the store has a plan, else the chunk's
+        capacity. What the plan's ``reserve`` must cover."""
+        with self._cond:
+            out: dict[str, dict[int, int]] = {}
+            for (tier, size), n in self._in_use_peak.items():
+                if n:
+                    out.setdefault(tier.value, {})[size] = n
+            return out
 
     def moved(self, chunk: Chunk) -> dict[str, int]:
         """Bytes of ``chunk`` moved so far, per link ("host->device": bytes, ...)."""
@@ -683,7 +723,8 @@ class ChunkStore:
     def reset_peaks(self) -> None:
         with self._cond:
             for m in self._mem.values():
-                m.arena.reset_peak()
+                m.reset_peak()
+            self._in_use_peak = defaultdict(int, self._in_use)
 
     @property
     def chunks(self) -> tuple[Chunk, ...]:
@@ -728,13 +769,14 @@ class ChunkStore:
         """``_make_resident`` for an acquire. While it waits, the chunk is not yet pinned, and the trace
         cursor is already past it (so it looks far from its next use): mark it wanted, or a prefetch could
         evict it again."""
-        self._wanted[chunk.id] = self._wanted.get(chunk.id, 0) + 1
+        key = (chunk.id, tier)
+        self._wanted[key] = self._wanted.get(key, 0) + 1
         try:
             self._make_resident(chunk, tier, zero)
         finally:
-            self._wanted[chunk.id] -= 1
-            if not self._wanted[chunk.id]:
-                del self._wanted[chunk.id]
+            self._wanted[key] -= 1
+            if not self._wanted[key]:
+                del self._wanted[key]
 
     def _pin(self, chunk: Chunk, tier: Tier, zero: bool = True) -> None:
         self._make_wanted_resident(chunk, tier, zero)
@@ -744,9 +786,20 @@ class ChunkStore:
             chunk.transition(S.IN_USE)
             chunk.use_tier = tier
             chunk.pins = 1
+            self._count_in_use(chunk, tier, 1)
         holders = self._holders.setdefault(chunk.id, {})
         me = threading.get_ident()
         holders[me] = holders.get(me, 0) + 1
+
+    def _count_in_use(self, chunk: Chunk, tier: Tier, change: int) -> None:
+        """Count chunks in use on ``tier`` not homed there, by size class (``in_use_peaks``)."""
+        if chunk.home is tier:
+            return
+        sizes = self._mem[tier].slot_sizes
+        key = (tier, (slot_class(sizes, chunk.capacity) if sizes else None) or round_up(chunk.capacity, ALIGN))
+        self._in_use[key] += change
+        if change > 0 and self._in_use[key] > self._in_use_peak[key]:
+            self._in_use_peak[key] = self._in_use[key]
 
     def _wait(self, on_others: bool = False) -> None:
         """Wait for a notification. ``on_others``: what is waited for may need another thread to act (free
@@ -846,20 +899,53 @@ class ChunkStore:
             else:
                 self._start_load(chunk, blocking=True)
 
-    def _alloc(self, tier: Tier, chunk: Chunk, blocking: bool, before: float = math.inf) -> Allocation | None:
+    def _alloc_home(self, tier: Tier, chunk: Chunk) -> Allocation:
+        """Space for ``chunk`` homed on memory tier ``tier``, the lowest that fits: with a plan, after evicting
+        the cached copies of the arena (waiting for their write-backs), so that the homes stay one block at
+        the bottom and fit as the plan counted them. Registration happens at start-up: nothing is lost."""
+        mem = self._mem[tier]
+        if mem.slot_sizes:
+            while True:
+                for victim in self._victims(tier, exclude=chunk, before=math.inf):
+                    if not mem.in_reserve(victim.copies[tier]):  # type: ignore[arg-type]
+                        self._evict(victim, tier, blocking=True)
+                if not any(
+                    c.state in IN_FLIGHT and tier in c.copies and not mem.in_reserve(c.copies[tier])  # type: ignore[arg-type]
+                    for c in self._chunks
+                ):
+                    break
+                self._wait()
+        return self._alloc(tier, chunk, blocking=True, home=True)  # type: ignore[return-value]
+
+    def _alloc(
+        self, tier: Tier, chunk: Chunk, blocking: bool, before: float = math.inf, home: bool = False
+    ) -> Allocation | None:
         """Space for ``chunk`` on a memory tier, evicting other chunks' cached copies as needed.
 
         Non-blocking (prefetch): only victims used later than ``before`` are evicted, and None is returned
-        when space cannot be made right now. Blocking: waits for write-backs, or raises BudgetError.
+        when space cannot be made right now. Blocking: a free reserved slot of the chunk's class when the
+        arena has no room (``MemoryTier``), else evicts; waits for write-backs, or raises BudgetError.
+        ``home``: the chunk's home copy, the lowest range of the arena that fits (never a reserved slot).
         """
         mem = self._mem[tier]
         if not blocking and self._demand[tier]:
             return None  # an acquire is waiting for room here: space freed now is its, not a prefetch's
+        # the most the arena can ever give a copy (the homes stay): beyond it only a reserved slot can hold the
+        # chunk, and evicting copies from the arena would only lose them (a prefetch evicting them over and
+        # over for a chunk that can never fit there would keep another thread's chunk in flight forever)
+        beyond = chunk.capacity > mem.arena.capacity - (0 if home else self._reserved[tier])
+        slot = slot_class(mem.slot_sizes, chunk.capacity) if not home else None
         while True:
-            alloc = mem.alloc(chunk.capacity)
+            alloc = None if beyond else mem.alloc(chunk.capacity, lowest=home)
+            if alloc is None and not home:
+                alloc = mem.alloc_reserved(chunk.capacity)  # a prefetch too: the copy can be evicted
             if alloc is not None:
                 return alloc
+            if beyond and slot is None and not blocking:
+                return None
             victims = self._victims(tier, exclude=chunk, before=before)
+            if beyond and slot is not None:  # only a copy in a slot of its class makes room for it
+                victims = [v for v in victims if mem.slot_size(v.copies[tier]) == slot]  # type: ignore[arg-type]
             if victims:
                 victim = victims[0]
                 if self._evict(victim, tier, blocking):
@@ -888,10 +974,10 @@ class ChunkStore:
             raise BudgetError(
                 tier.value,
                 chunk.capacity,
-                mem.arena.largest_free(),
+                mem.largest_free(),
                 BUDGET_SETTING[tier],
                 f"for chunk {chunk.name!r}; everything else resident there is in use "
-                f"({self._in_use_summary(tier)}; {format_size(mem.arena.free_bytes)} free in all)",
+                f"({self._in_use_summary(tier)}; {format_size(mem.free_bytes)} free in all)",
             )
 
     def _claim(
@@ -936,7 +1022,8 @@ class ChunkStore:
             c
             for c in self._chunks
             if c is not exclude
-            and c.id not in self._wanted
+            and (c.id, tier) not in self._wanted
+            and (tier is Tier.DEVICE or (c.id, Tier.DEVICE) not in self._wanted)
             and c.home is not tier
             and tier in c.copies
             # a chunk in use elsewhere can still give up its copy here: the copy in use holds its bytes

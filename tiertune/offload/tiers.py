@@ -17,7 +17,7 @@ import mmap
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -101,11 +101,12 @@ class Arena:
     Thread-safe. ``alloc`` returns None when no free range is large enough; it never exceeds capacity.
     """
 
-    def __init__(self, capacity: int, align: int = ALIGN) -> None:
+    def __init__(self, capacity: int, align: int = ALIGN, top: bool = False) -> None:
         if capacity < 0:
             raise ConfigError(f"arena capacity cannot be negative, got {capacity}")
         self.capacity = capacity - capacity % align
         self.align = align
+        self.top = top  # best fit from the top end (see ``alloc``)
         self._free: list[tuple[int, int]] = (
             [(0, self.capacity)] if self.capacity else []
         )  # sorted (off, size)
@@ -115,23 +116,36 @@ class Arena:
         self.high_water = 0  # largest end offset ever handed out (how far a backing file must reach)
         self._lock = threading.Lock()
 
-    def alloc(self, nbytes: int) -> int | None:
-        """Offset of a free range of ``nbytes`` (rounded up to the alignment), or None if none fits."""
+    def alloc(self, nbytes: int, lowest: bool = False) -> int | None:
+        """Offset of a free range of ``nbytes`` (rounded up to the alignment), or None if none fits.
+
+        Best fit: the smallest free range that fits, from its bottom end (an arena made ``top=True``: the
+        highest of the smallest, from its top end). ``lowest``: the lowest range that fits, from its bottom
+        end. A memory tier places the chunks homed on it lowest and cached copies best fit from the top: the
+        homes stay one block at the bottom, and copies evicted around them leave the rest in one piece."""
         size = round_up(max(nbytes, 1), self.align)
         with self._lock:
             best = -1
             for i, (_, free_size) in enumerate(self._free):
-                if free_size >= size and (best < 0 or free_size < self._free[best][1]):
+                if free_size < size:
+                    continue
+                if lowest:
                     best = i
-                    if free_size == size:
+                    break
+                if best < 0 or free_size < self._free[best][1] or (self.top and free_size == self._free[best][1]):
+                    best = i
+                    if free_size == size and not self.top:
                         break
             if best < 0:
                 return None
-            offset, free_size = self._free[best]
+            start, free_size = self._free[best]
+            offset = start + free_size - size if self.top and not lowest else start
             if free_size == size:
                 del self._free[best]
+            elif offset == start:
+                self._free[best] = (start + size, free_size - size)
             else:
-                self._free[best] = (offset + size, free_size - size)
+                self._free[best] = (start, free_size - size)
             self._used[offset] = size
             self.used += size
             self.peak = max(self.peak, self.used)
@@ -187,6 +201,13 @@ class Allocation:
     tensor: torch.Tensor
 
 
+def slot_class(sizes: Sequence[int], nbytes: int) -> int | None:
+    """The reserved slot size a chunk of ``nbytes`` may use among ``sizes`` (sorted): the smallest that holds
+    it, so each size serves the chunks between the next smaller size and itself; None when none does."""
+    i = bisect.bisect_left(sizes, round_up(max(nbytes, 1), ALIGN))
+    return sizes[i] if i < len(sizes) else None
+
+
 class MemoryTier:
     """Device or host memory: one aligned buffer of ``budget`` bytes, carved up by an ``Arena``.
 
@@ -194,22 +215,77 @@ class MemoryTier:
     In host memory (the host tier, and the device tier when computing on the CPU) it is a ``HostMemory`` of
     exactly the budget, page-locked for CUDA when ``pin`` is set (True: for the current CUDA device; a
     ``torch.device``: for that one), so host<->device copies can run asynchronously.
+
+    ``reserve`` ({slot size: count}) sets slots apart at the top of the budget: the run's plan reserves, per
+    size class, as many slots as chunks of that class can be in use there at once (``engine.plan``). The
+    rest is the arena, shared by the chunks homed here and cached copies, where fragmentation can leave no
+    range large enough; a chunk that must be placed now then takes a slot of its class (``alloc_reserved``),
+    which only chunks of its class use. So the chunks in use can never fragment the tier into a failure:
+    at most one fewer than the slots of a class hold chunks of that class in use, and the others hold copies
+    that can be evicted.
     """
 
     def __init__(
-        self, tier: Tier, budget: int, device: torch.device, pin: bool | torch.device = False
-    ) -> None:
+        self, tier: Tier, budget: int, device: torch.device, pin: bool | torch.device = False,
+        reserve: Mapping[int, int] | None = None,
+    ) -> None:  # fmt: skip
         self.tier = tier
         self.device = device
         self.pin = pin
-        self.arena = Arena(budget)
+        total = budget - budget % ALIGN
+        wanted = {round_up(size, ALIGN): n for size, n in (reserve or {}).items() if n > 0}
+        reserved = sum(size * n for size, n in wanted.items())
+        if reserved > total:
+            raise ConfigError(
+                f"{BUDGET_SETTING[tier]} is {format_size(total)} but the run's plan reserves {format_size(reserved)} "
+                "there for the chunks in use at once"
+            )
+        self.capacity = total
+        self.arena = Arena(total - reserved, top=True)
+        self.slot_sizes = sorted(wanted)
+        self._slots: dict[int, int] = {}  # offset -> size, the reserved slots
+        self._slot_used: dict[int, int] = {}  # offset -> bytes allocated there (the free slots are absent)
+        offset = self.arena.capacity
+        for size in self.slot_sizes:
+            for _ in range(wanted[size]):
+                self._slots[offset] = size
+                offset += size
+        self._peak = 0
         self._base: torch.Tensor | None = None
         self._host: HostMemory | None = None
         self._base_lock = threading.Lock()
 
     @property
     def budget(self) -> int:
-        return self.arena.capacity
+        return self.capacity
+
+    @property
+    def reserved(self) -> int:
+        """Bytes set apart in reserved slots."""
+        return self.capacity - self.arena.capacity
+
+    @property
+    def used(self) -> int:
+        """Bytes allocated now, in the arena and the reserved slots."""
+        return self.arena.used + sum(self._slot_used.values())
+
+    @property
+    def peak(self) -> int:
+        """The most bytes ever allocated at once (since ``reset_peak``)."""
+        return max(self._peak, self.arena.peak)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used
+
+    def largest_free(self) -> int:
+        """The largest allocation that would succeed now, in the arena or a free reserved slot."""
+        free_slots = [size for off, size in self._slots.items() if off not in self._slot_used]
+        return max([self.arena.largest_free(), *free_slots])
+
+    def reset_peak(self) -> None:
+        self.arena.reset_peak()
+        self._peak = self.used
 
     @property
     def pinned_bytes(self) -> int:
@@ -223,10 +299,10 @@ class MemoryTier:
             if self._base is None:
                 if self.device.type == "cpu":
                     pin_device = _pin_device(self.pin)
-                    self._host = HostMemory(self.arena.capacity, pin_device, BUDGET_SETTING[self.tier])
+                    self._host = HostMemory(self.capacity, pin_device, BUDGET_SETTING[self.tier])
                     self._base = self._host.tensor
                 else:
-                    self._base = aligned_empty(self.arena.capacity, self.device)
+                    self._base = aligned_empty(self.capacity, self.device)
             return self._base
 
     def allocate(self) -> None:
@@ -234,15 +310,38 @@ class MemoryTier:
         fails here."""
         self._buffer()
 
-    def alloc(self, nbytes: int) -> Allocation | None:
-        """An allocation of ``nbytes`` or None when the budget has no contiguous room for it."""
-        offset = self.arena.alloc(nbytes)
+    def alloc(self, nbytes: int, lowest: bool = False) -> Allocation | None:
+        """An allocation of ``nbytes`` in the arena, or None when it has no contiguous room for it
+        (``lowest``: the lowest range that fits, for a chunk homed here)."""
+        offset = self.arena.alloc(nbytes, lowest)
         if offset is None:
             return None
+        self._peak = max(self._peak, self.used)
         return Allocation(offset, _window(self._buffer(), offset, nbytes))
 
+    def alloc_reserved(self, nbytes: int) -> Allocation | None:
+        """A free reserved slot of ``nbytes``' class (``slot_class``), or None when all of them are taken."""
+        size = slot_class(self.slot_sizes, nbytes)
+        for offset, slot in self._slots.items():
+            if slot == size and offset not in self._slot_used:
+                self._slot_used[offset] = round_up(max(nbytes, 1), ALIGN)
+                self._peak = max(self._peak, self.used)
+                return Allocation(offset, _window(self._buffer(), offset, nbytes))
+        return None
+
+    def in_reserve(self, allocation: Allocation) -> bool:
+        """Whether ``allocation`` is a reserved slot."""
+        return allocation.offset in self._slots
+
+    def slot_size(self, allocation: Allocation) -> int | None:
+        """The size of the reserved slot ``allocation`` is, or None for a range of the arena."""
+        return self._slots.get(allocation.offset)
+
     def free(self, allocation: Allocation) -> None:
-        self.arena.free(allocation.offset)
+        if allocation.offset in self._slots:
+            del self._slot_used[allocation.offset]
+        else:
+            self.arena.free(allocation.offset)
 
     def close(self) -> None:
         """Give the buffer back: host memory is unpinned now and unmapped once no allocation's tensor refers

@@ -1,0 +1,211 @@
+"""The run's memory plan: what each memory tier must hold for a training step never to fail for room.
+
+A tier holds the chunks homed on it for the whole run, and copies of chunks homed lower while a step uses
+them. A copy in use (acquired) cannot be evicted, so the tier must always have room for every chunk that can
+be in use on it at once; and the room must be contiguous where it is needed, which a shared arena cannot
+promise (copies in use split it into gaps). So the plan reserves *slots*: per size class, as many slots as
+chunks of that class can be in use on the tier at once, counted from the engine's step over the run's own
+chunk layout. The store places a chunk in a slot of its class when its arena has no room
+(``offload.tiers.MemoryTier``); the arena holds the homes and caches what it can beyond them.
+
+Who holds chunks in use at once (the engine's step, ``engine.trainer`` and ``engine.update``):
+
+- the compute thread, on the device: the weights of the groups outside the decoder layers (embeddings,
+  final norm, head: bound for the whole micro-batch), one decoder layer's weights (and, with GaLore, its
+  projection), and one saved layer input when those are chunks; on the host: one group's gradients (and
+  GaLore's full-gradient accumulator, and its projection passing through) while backward adds to them, or
+  one chunk homed on disk passing through to the device;
+- the optimizer worker, on the tier it updates on (the host, or the device tier when that is CPU memory):
+  one unit's gradients, master weights and moments (their twins and one source being copied into its twin
+  when the step speculates), the weights it writes and GaLore's projection.
+
+A thread's count per class is the most any one of its moments needs; the tier's is the sum over the threads.
+The checkpoint writer reads one chunk at a time and never waits while holding it: it takes what is free and
+needs no slot of its own. ``finetune.estimate`` lays out the chunks; ``finetune.train`` checks the plan
+against the budgets before the model is loaded and gives the store its ``reserve``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from tiertune.offload.chunk import ALIGN, ChunkLayout
+from tiertune.offload.tiers import BUDGET_SETTING, Tier, slot_class
+from tiertune.units import format_size, round_up
+
+ORDER = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+MEMORY = (Tier.DEVICE, Tier.HOST)
+CLASS_SPREAD = 1.25
+"""Chunks whose sizes are within this factor of a class's smallest share its slots (each slot the size of the
+class's largest): fewer classes, so fewer slots summed over classes whose chunks are never in use together."""
+
+WEIGHTS = ("weights", "weights, read in place", "weights, quantized cache")
+
+
+@dataclass
+class PlannedChunk:
+    """One chunk the run registers, as the plan sees it."""
+
+    kind: str  # weights (or read in place / quantized cache), gradients, master, moments, ..., activations
+    home: Tier
+    capacity: int
+    used_on: Tier  # the tier a step uses it on
+    changed: bool = False  # written every step (written back home when it cannot stay cached)
+    in_place: bool = False  # frozen weights read from files (the model's, or the quantized cache's images)
+    entries: list = field(default_factory=list, repr=False)  # its tensors (name, shape, dtype)
+    layer: bool = False  # weights of a decoder layer (gathered again in backward, which recomputes it)
+    layout: ChunkLayout | None = field(default=None, repr=False)  # as the store lays it out
+    group: int = -1  # the parameter group it belongs to (-1: none, e.g. a saved layer input)
+    role: str = ""  # weights, grads, accum, master, exp_avg, exp_avg_sq, proj, twin, act
+
+
+@dataclass
+class Plan:
+    """Per memory tier: the bytes of the chunks homed there, and the reserved slots ({size: count})."""
+
+    home: dict[Tier, int]
+    reserve: dict[Tier, dict[int, int]]
+
+    def needed(self, tier: Tier) -> int:
+        """The smallest budget ``tier`` works with: its homes and its reserved slots."""
+        return self.home[tier] + sum(size * n for size, n in self.reserve[tier].items())
+
+    def short(self, budgets: Mapping[Tier, int]) -> dict[Tier, int]:
+        """The memory tiers whose budget is below what they need, with what they need."""
+        return {t: self.needed(t) for t in MEMORY if self.needed(t) > budgets[t]}
+
+    def store_reserve(self) -> dict[str, dict[int, int]]:
+        """``StoreConfig.reserve``."""
+        return {t.value: dict(r) for t, r in self.reserve.items() if r}
+
+    def refusal(self, budgets: Mapping[Tier, int]) -> str:
+        """Why ``budgets`` are refused, naming the smallest that work (empty when they work)."""
+        short = self.short(budgets)
+        if not short:
+            return ""
+        smallest = ", ".join(f"{BUDGET_SETTING[t]}: {_size_setting(self.needed(t))}" for t in MEMORY)
+        parts = "; ".join(
+            f"the {t.value} tier needs {format_size(n)} ({format_size(self.home[t])} homed there for the run, "
+            f"{format_size(n - self.home[t])} for the chunks in use there at once: {self.describe(t)}) but "
+            f"{BUDGET_SETTING[t]} is {format_size(budgets[t])}"
+            for t, n in short.items()
+        )
+        return f"{parts}. The smallest budgets that work: {smallest} (or place more state lower)"
+
+    def describe(self, tier: Tier) -> str:
+        """The reserved slots of ``tier`` in words."""
+        slots = sorted(self.reserve[tier].items(), reverse=True)
+        return ", ".join(f"{n} x {format_size(size)}" for size, n in slots) or "none"
+
+
+def _size_setting(nbytes: int) -> str:
+    """``nbytes`` rounded up to whole MiB, as a budget setting reads it."""
+    return f"{-(-nbytes // (1 << 20))}MiB"
+
+
+def cpu_tier(home: Tier, on_cpu: bool) -> Tier:
+    """The tier the CPU optimizer (and the gradient hand-off) uses a chunk homed on ``home`` on
+    (``engine.layout.home_tier_used``)."""
+    return Tier.DEVICE if home is Tier.DEVICE and on_cpu else Tier.HOST
+
+
+def make_plan(chunks: list[PlannedChunk], on_cpu: bool) -> Plan:
+    """The plan for a run registering ``chunks`` (``on_cpu``: the device tier is CPU memory)."""
+    home = {t: sum(round_up(c.capacity, ALIGN) for c in chunks if c.home is t) for t in MEMORY}
+    threads = _in_use(chunks, on_cpu)
+    reserve: dict[Tier, dict[int, int]] = {}
+    for tier in MEMORY:
+        moments = [[c for t, c in moment if t is tier] for thread in threads for moment in thread]
+        sizes = size_classes(c for moment in moments for c in moment)
+        counts: Counter[int] = Counter()
+        for thread in threads:
+            most: Counter[int] = Counter()
+            for moment in thread:
+                here = Counter(slot_class(sizes, c) for t, c in moment if t is tier)
+                most |= here  # the most of each class at any one moment of this thread
+            counts += most
+        reserve[tier] = {size: n for size, n in counts.items() if size is not None and n}  # type: ignore[misc]
+    return Plan(home, reserve)
+
+
+def size_classes(capacities: Iterable[int]) -> list[int]:
+    """Slot sizes for chunks of ``capacities``: sorted, each the largest of the chunks within
+    ``CLASS_SPREAD`` of the smallest one it serves."""
+    sizes: list[int] = []
+    low = 0
+    for cap in sorted({round_up(max(c, 1), ALIGN) for c in capacities}):
+        if sizes and cap <= low * CLASS_SPREAD:
+            sizes[-1] = cap
+        else:
+            sizes.append(cap)
+            low = cap
+    return sizes
+
+
+Moment = list[tuple[Tier, int]]
+"""Chunks in use at one moment of a thread: (tier, capacity) of each chunk not homed on that tier."""
+
+
+def _in_use(chunks: list[PlannedChunk], on_cpu: bool) -> list[list[Moment]]:
+    """Per thread (compute, optimizer), its moments of most chunks in use (see the module docstring)."""
+    groups: dict[int, dict[str, list[PlannedChunk]]] = {}
+    for c in chunks:
+        if c.group >= 0:
+            groups.setdefault(c.group, {}).setdefault(c.role, []).append(c)
+
+    def on(tier: Tier, cs: Iterable[PlannedChunk]) -> Moment:
+        return [(tier, c.capacity) for c in cs if c.home is not tier]
+
+    acts = [c for c in chunks if c.role == "act"]
+    others = [c for g in groups.values() for c in g.get("weights", []) if not c.layer]
+    layers = [g for g in groups.values() if any(c.layer for c in g.get("weights", []))]
+    device: list[Moment] = []
+    for g in layers or [{}]:
+        used = others + g.get("weights", []) + g.get("proj", [])[:1] + acts[:1]
+        device.append(on(Tier.DEVICE, used))
+    host: list[Moment] = []
+    for g in groups.values():  # backward adds to one group's gradients
+        held = g.get("grads", [])[:1] + g.get("accum", [])[:1]
+        passing = [c for c in g.get("proj", [])[:1] if c.home is Tier.DISK]
+        if held:
+            host.append(on(Tier.HOST, held + passing))
+    for c in chunks:  # a chunk homed on disk passes through the host to the device
+        if c.home is Tier.DISK and c.used_on is Tier.DEVICE:
+            host.append([(Tier.HOST, c.capacity)])
+    optimizer = [
+        _unit(g, j, on_cpu) for g in groups.values() for j in range(len(g.get("grads", [])))
+    ]
+    # the compute thread's device moments (layers bound) and host moments (a chunk staged for them, gradients
+    # added) coincide: counted as two threads, each on its own tier
+    return [device, host, optimizer]
+
+
+def _unit(g: dict[str, list[PlannedChunk]], j: int, on_cpu: bool) -> Moment:
+    """What the optimizer worker holds in use for weight chunk ``j`` of group ``g`` (``Updater.unit``)."""
+    moment: Moment = []
+
+    def use(c: PlannedChunk | None, tier: Tier | None = None) -> None:
+        if c is not None:
+            t = tier or cpu_tier(c.home, on_cpu)
+            if c.home is not t:
+                moment.append((t, c.capacity))
+
+    use(_at(g, "grads", j))
+    sources = [_at(g, "master", j) or _at(g, "weights", j), _at(g, "exp_avg", j), _at(g, "exp_avg_sq", j)]
+    twins = g.get("twin", [])[3 * j : 3 * j + 3]
+    for c in twins or sources:
+        use(c)
+    if twins:  # one source held while it is copied into its twin
+        use(max((c for c in sources if c is not None), key=lambda c: c.capacity, default=None))
+    weights = _at(g, "weights", j)
+    if _at(g, "master", j) is not None and weights is not None:  # written from the new master weights
+        use(weights, Tier.DEVICE if weights.home is Tier.DEVICE else Tier.HOST)
+    use(_at(g, "proj", j))
+    return moment
+
+
+def _at(group: dict[str, list[PlannedChunk]], role: str, j: int) -> PlannedChunk | None:
+    chunks = group.get(role, [])
+    return chunks[j] if j < len(chunks) else None
