@@ -52,6 +52,22 @@ def test_quiet_prints_only_the_last_line_and_verbose_the_debug_log(recipe):
     assert "DEBUG tiertune.kernels: kernels (torch)" in verbose and "bad rows skipped" in verbose
 
 
+def test_a_run_piped_to_a_file_prints_plain_step_lines_not_bar_frames(recipe):
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = shutil.which("tiertune") or str(Path(sys.executable).parent / "tiertune")
+    done = subprocess.run([tool, "train", str(recipe)], capture_output=True, text=True, timeout=300)  # not a tty
+    assert done.returncode == 0, done.stderr
+    out = done.stdout + done.stderr
+    assert "\r" not in out and "step/s" not in out  # no progress bar frames in a log
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"]  # logging_steps: 1
+    assert all("loss " in line and "tokens/s" in line and "peak device" in line for line in lines)
+
+
 AVX512_BF16 = '''
 import importlib.abc
 import sys

@@ -316,6 +316,30 @@ def test_a_run_stopped_before_its_first_checkpoint_restarts_on_another_number_of
         assert json.loads((run_dir / LAUNCH_FILE).read_text()) == {"world_size": 1, "rows_per_micro_batch": 6}
 
 
+def test_a_run_that_failed_before_its_first_step_does_not_block_its_directory(recipe, monkeypatch):
+    """A run that loaded its model and then failed before any step (its recipe written, no step logged) leaves
+    nothing anyone could lose: the next run there starts, whatever its recipe (before: "holds another run's
+    outputs" until the user found overwrite_output_dir). A run that made a step still keeps its directory."""
+    def fail(self, micro_batches):
+        raise ConfigError("a setting to fix, found at the first step")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(StreamedTrainer, "step", fail)
+        with pytest.raises(ConfigError, match="found at the first step"):
+            train(recipe, progress=False)
+    run_dir = recipe.parent / "run"
+    assert (run_dir / "recipe.yaml").is_file() and not _log_steps(run_dir)
+    done = train(recipe, ("training.learning_rate=1e-3", "training.max_steps=2"), progress=False)
+    assert done.first_step == 1 and _log_steps(run_dir) == [1, 2]
+    (run_dir / "trainer_state.json").unlink()  # as if stopped after step 2, before its checkpoint
+    shutil.rmtree(run_dir / "checkpoint-2")
+    for name in os.listdir(run_dir):
+        if name.endswith(".safetensors") or (name.endswith(".json") and name != "launch.json"):
+            (run_dir / name).unlink()
+    with pytest.raises(ConfigError, match="holds the start of another run"):
+        train(recipe, ("training.learning_rate=2e-3",), progress=False)
+
+
 def test_a_resumed_log_never_repeats_a_step(recipe, interrupted_after):
     """A checkpoint whose log_history holds steps after it (as the background writer once serialised the live
     list) resumes with its own steps only: the log has each step once."""

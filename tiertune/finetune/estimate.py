@@ -39,6 +39,7 @@ from tiertune.engine.plan import Plan, PlannedChunk, make_plan
 from tiertune.errors import ConfigError, ModelError
 from tiertune.finetune.speed import (
     GPU,
+    NOISY,
     StepFlops,
     StepTime,
     measure_bandwidth,
@@ -617,10 +618,17 @@ def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU
         measured = measure_compute(recipe.model.path, cfg, t.per_device_train_batch_size,
                                    recipe.data.max_seq_len, device)  # fmt: skip
         if measured is not None:
-            layer, rest = measured
+            layer, rest = measured.layer, measured.rest
             compute = micro_batches * (layers * layer + rest)
             source = (f"measured on {where}: the model's forward and backward with 1 and 3 layers, "
-                      f"{format_seconds(layer)} a layer + {format_seconds(rest)} the rest, per micro-batch")  # fmt: skip
+                      f"{format_seconds(layer)} a layer + {format_seconds(rest)} the rest, per micro-batch, "
+                      f"the fastest of repeats with {torch.get_num_threads()} threads")  # fmt: skip
+            if measured.spread > NOISY:
+                est.notes.append(
+                    f"the compute measurement's repeats varied by {measured.spread:.0%}: the CPU was busy with other "
+                    "work while measuring, and a run now would be slower than the step time above (it uses the "
+                    "fastest repeat); estimate again on an idle machine for a steadier figure"
+                )
         else:
             dtype = cfg.layer_dtype(device)
             m, k, n = flops.shape

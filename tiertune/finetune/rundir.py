@@ -294,14 +294,16 @@ class RunDirectory:
                     f"every checkpoint in {self.path} is damaged ({'; '.join(notes)}); start over with "
                     "training.overwrite_output_dir=true (the damaged checkpoints are removed)"
                 )
-            if self.holds_run() and not t.overwrite_output_dir:
+            if self.holds_run() and not t.overwrite_output_dir and not self.before_first_step():
                 self._check_same_run(recipe)
             return Decision(clear=self.holds_run(), notes=self._restart_note())
         if t.overwrite_output_dir:
             return Decision(clear=self.holds_run())
         if self.holds_run() and not checkpoints(self.path) and self.finished_at() is None and not self.foreign():
-            # this run's own start, stopped before its first checkpoint: nothing to resume, start it over
-            self._check_same_run(recipe)
+            # this run's own start, stopped before its first checkpoint: nothing to resume, start it over; a
+            # start that failed before its first step (a budget, a data file to fix) is anyone's to start over
+            if not self.before_first_step():
+                self._check_same_run(recipe)
             return Decision(clear=True, notes=self._restart_note())
         if self.holds_run() or self.foreign():
             raise ConfigError(self._taken_message(None))
@@ -358,9 +360,25 @@ class RunDirectory:
                 "training.output_dir, or set training.overwrite_output_dir=true to start this one there"
             )
 
+    def before_first_step(self) -> bool:
+        """Whether the directory holds only the start of a run that stopped before its first step: no
+        checkpoint, model or final state, and no step in its log (nothing anyone could lose by starting over)."""
+        if checkpoints(self.path) or self._checkpoint_dirs() or self.finished_at() is not None or self.foreign():
+            return False
+        if any((self.path / name).exists() for name in ("config.json", "adapter_config.json")):
+            return False
+        log_path = self.path / LOG_NAME
+        try:
+            lines = log_path.read_text().splitlines() if log_path.exists() else []
+        except OSError:
+            return False
+        return not any(line.strip() for line in lines)
+
     def _restart_note(self) -> tuple[str, ...]:
         if not self.holds_run():
             return ()
+        if self.before_first_step():
+            return (f"{self.path} holds a run that stopped before its first step: starting over from step 1",)
         return (f"{self.path} holds this run's start but no checkpoint: starting over from step 1",)
 
     def _names(self) -> str:

@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -128,16 +129,33 @@ MEASURE_LIMIT = 2 << 30
 """The most bytes of weights ``measure_compute`` builds (three decoder layers, embeddings and head)."""
 
 
+class Compute(NamedTuple):
+    """``measure_compute``'s result: seconds of one micro-batch per decoder layer and for the rest, and how
+    much the repeats varied (the slowest over the fastest, less one: 0.1 is 10%)."""
+
+    layer: float
+    rest: float
+    spread: float
+
+
+NOISY = 0.25
+"""A spread of repeats above this says the machine was busy while measuring (``Compute.spread``)."""
+
+
 def measure_compute(model_dir: str, cfg, micro_batch: int, seq_len: int, device: torch.device,
-                    repeats: int = 3) -> tuple[float, float] | None:  # fmt: skip
+                    repeats: int = 5, budget: float = 30.0) -> Compute | None:  # fmt: skip
     """Seconds of one micro-batch's compute as the engine runs it, measured on ``device``: (per decoder
     layer, the rest: embeddings, head and loss). The model's own forward is run with one and with three
     decoder layers (random weights in the layers' dtype; LoRA adapters as the run wraps them; the loss fused
     with the head and the modules patched with tiertune's ops where the run does so), each as a step runs it:
     a forward without autograd (the streamed forward saves only layer inputs), then a forward with autograd
-    and its backward (the recompute and the backward); half the difference is one layer. None when three
-    layers, embeddings and head would take more than ``MEASURE_LIMIT`` bytes (the caller falls back to a
-    matrix product's rate). A 4-bit base is measured unquantized (its dequantization is not in the figure)."""
+    and its backward (the recompute and the backward); half the difference is one layer. Each model is run
+    ``repeats`` times after a warm-up (fewer once ``budget`` seconds have passed) with the threads this process
+    computes with, as the run will, and the fastest repeat counts: another program's load slows a repeat,
+    never speeds one up, and a busy CPU oversubscribed by torch's threads can slow one several times over
+    (``spread`` says by how much they varied). None when three layers, embeddings and head would take more
+    than ``MEASURE_LIMIT`` bytes (the caller falls back to a matrix product's rate). A 4-bit base is measured
+    unquantized (its dequantization is not in the figure)."""
     import copy
     import warnings
 
@@ -157,6 +175,8 @@ def measure_compute(model_dir: str, cfg, micro_batch: int, seq_len: int, device:
         return None
     backend = resolve_backend("torch" if cfg.kernels == "none" else cfg.kernels, device)
     seconds = []
+    spread = 0.0
+    began = time.perf_counter()
     for n in (1, 3):
         c = copy.deepcopy(config)
         c.num_hidden_layers = n
@@ -177,9 +197,13 @@ def measure_compute(model_dir: str, cfg, micro_batch: int, seq_len: int, device:
         loss = CausalLMLoss(model, cfg.kernels != "none", backend)
         ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
         _time_step(loss, ids, device)  # warm-up
-        seconds.append(sorted(_time_step(loss, ids, device) for _ in range(repeats))[repeats // 2])
+        times = [_time_step(loss, ids, device)]
+        while len(times) < repeats and (len(times) < 2 or time.perf_counter() - began < budget * n / 4):
+            times.append(_time_step(loss, ids, device))
+        seconds.append(min(times))
+        spread = max(spread, max(times) / min(times) - 1)
     layer = max(0.0, seconds[1] - seconds[0]) / 2
-    return layer, max(0.0, seconds[0] - layer)
+    return Compute(layer, max(0.0, seconds[0] - layer), spread)
 
 
 def measure_copy(nbytes: int = 256 << 20) -> float:

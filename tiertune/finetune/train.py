@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
 import os
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -376,7 +378,7 @@ def _run(
         log.debug("%s", line)
     if progress:
         print("\n".join((banner, *notes)), flush=True)
-    bar = _progress(steps, progress, first)
+    bar = _Progress(steps, first, t.logging_steps) if progress else None
     writer = CheckpointWriter(trainer, out, t.save_total_limit)
     reporters = None
     start = time.perf_counter()
@@ -438,9 +440,7 @@ def _run(
                     }
                     writer.save(trainer_state, recipe.to_yaml())  # written while the next steps run
                 if bar is not None:
-                    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / seconds:.0f}",
-                                    **{k: format_size(v) for k, v in peaks.items()})  # fmt: skip
-                    bar.update(1)
+                    bar.update(step + 1, loss, tokens / seconds, peaks)
         writer.wait()
         stop.check()
         _export(trainer, tokenizer, out, world.is_main)
@@ -668,12 +668,41 @@ def optimizer_description(recipe: Recipe, trainer: StreamedTrainer) -> str:
     )
 
 
-def _progress(total: int, enabled: bool, done: int = 0):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
+class _Progress:
+    """How a run shows its progress: a bar in a terminal (tqdm) or a notebook with ipywidgets (tqdm's widget),
+    else one plain line per logged step (loss, tokens/s, peak bytes per tier): a log file or a pipe gets no
+    bar frames, and a notebook without ipywidgets no "IProgress not found" warning."""
 
-    return tqdm(total=total, initial=done, desc="tiertune", unit="step")
+    def __init__(self, total: int, done: int, every: int) -> None:
+        self.total, self.every = total, every
+        self._bar = None
+        notebook = _in_notebook()
+        if notebook and importlib.util.find_spec("ipywidgets") is not None:
+            from tqdm.notebook import tqdm
+        elif not notebook and sys.stderr.isatty():
+            from tqdm import tqdm
+        else:
+            return
+        self._bar = tqdm(total=total, initial=done, desc="tiertune", unit="step")
+
+    def update(self, step: int, loss: float, tokens_per_second: float, peaks: dict[str, int]) -> None:
+        memory = {k: format_size(v) for k, v in peaks.items()}
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_second:.0f}", **memory)
+            self._bar.update(1)
+        elif step % self.every == 0 or step == self.total:
+            peak = ", ".join(f"{k} {v}" for k, v in memory.items())
+            print(f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_second:,.0f} tokens/s  peak {peak}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel."""
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
 
 
 def _rewrite_log(path: Path, records: list[dict]) -> None:
