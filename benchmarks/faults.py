@@ -505,7 +505,7 @@ def bad_inputs(work: Path, recipe: Path) -> list[tuple[str, list[str], str]]:
         ("bad size", [*train, "offload.host_budget=lots"], "cannot read 'lots' as a size"),
         ("budget without a unit", [*train, "offload.host_budget=64"], "has no unit"),
         ("budget beyond the machine", [*train, "offload.host_budget=100TiB"], "but this machine has"),
-        ("budget too small", [*train, "offload.host_budget=16KiB"], "raise `offload.host_budget`"),
+        ("budget too small", [*train, "offload.host_budget=16KiB"], "checked before loading the model: the host tier needs"),
         ("unknown choice", [*train, "model.quantize=nf5"], "must be one of none, nf4, fp4, int8"),
         ("missing model directory", [*train, "model.path=/nonexistent/model"], "not a Hugging Face model directory"),
         ("quantized full fine-tuning", [*train, "model.quantize=nf4"], "use method.type: lora"),

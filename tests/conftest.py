@@ -35,6 +35,24 @@ def _offload_logs(caplog):
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _temp_dir(tmp_path_factory):
+    """Every temporary file of the session, this process's and its subprocesses' (torchrun's torchelastic_*
+    directories, notebooks, launches), in the session's own temporary directory, which pytest removes (but
+    for failed tests': ``tmp_path_retention_policy``): the tests leave nothing in the system's temp dir."""
+    import tempfile
+
+    path = str(tmp_path_factory.mktemp("tmp"))
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = path, path
+    yield
+    if saved[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved[0]
+    tempfile.tempdir = saved[1]
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _datasets_cache(tmp_path_factory):
     """The datasets library's cache (tokenized data) in the test session's temporary directory, not ~/.cache."""
     import os

@@ -66,7 +66,7 @@ CASES = [
     ("chat without a template", ["data.format=chat"], "this tokenizer has none"),
     ("unwritable disk path", ["offload.disk_path=/proc/tiertune", "offload.params=disk"], "/proc/tiertune"),
     ("budget too small", ["offload.params=disk", "offload.host_budget=16KiB"],
-     "raise `offload.host_budget`"),
+     "checked before loading the model: the host tier needs"),
     ("no checkpoint to resume", ["training.resume_from_checkpoint=/nonexistent/checkpoint-5"],
      "/nonexistent/checkpoint-5 does not exist; use auto"),
     ("disk path on a special filesystem", ["offload.disk_path=/proc", "offload.params=disk"],

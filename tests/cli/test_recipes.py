@@ -106,7 +106,7 @@ def test_a_recipe_header_reads_as_a_description_and_its_entries():
     assert description == (
         "Llama-3-8B QLoRA on one 24 GB GPU: the NF4 base stays on the GPU, LoRA r 16 on every linear layer."
     )
-    assert entries[0] == "Hardware: one 24 GB GPU (RTX 3090/4090), 32 GB RAM. Edit model.path and data.path first."
+    assert entries[0] == "Hardware: one 24 GB GPU (RTX 3090/4090), 32 GB RAM. Set data.path (and offload.disk_path) first."
     peaks = next(e for e in entries if e.startswith("peaks:"))
     assert peaks.endswith("disk_path needs 0 B free.")  # its continuation line joined
 

@@ -123,6 +123,8 @@ def test_the_ranks_stop_when_their_launcher_is_killed(tmp_path, cat_model, write
         time.sleep(0.2)
     log = (tmp_path / "launch.log").read_text()
     assert "stopped by SIGTERM" in log
+    # how to resume names a launcher and the processes (as printed, `tiertune train` alone would be refused)
+    assert "resume with: tiertune launch --standalone --nproc_per_node 2 train" in log, log[-2000:]
     assert not list((tmp_path / "long-nvme").rglob("*.slots"))  # each rank removed its offload files
 
 

@@ -309,3 +309,14 @@ def test_a_directory_as_data_path_is_named_with_the_files_in_it(tmp_path, tokeni
     with pytest.raises(DataError, match=rf"data.path {empty} is a directory; point data.path at a .jsonl, .json, "
                                         r".parquet, .csv, .txt file in it$"):  # fmt: skip
         load_data(empty, tokenizer, "text", 64)
+
+
+def test_the_readme_states_the_alpaca_prompts_the_rows_are_wrapped_in():
+    # to prompt a model trained on alpaca rows, a user needs the template: the README prints it, as the code has it
+    from pathlib import Path
+
+    from tiertune.finetune.data import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in readme.split("```text\n")[1:]]
+    assert ALPACA_PROMPT in blocks and ALPACA_PROMPT_WITH_INPUT in blocks

@@ -80,8 +80,9 @@ class Plan:
         """``StoreConfig.reserve``."""
         return {t.value: dict(r) for t, r in self.reserve.items() if r}
 
-    def refusal(self, budgets: Mapping[Tier, int]) -> str:
-        """Why ``budgets`` are refused, naming the smallest that work (empty when they work)."""
+    def refusal(self, budgets: Mapping[Tier, int], lower: str = "") -> str:
+        """Why ``budgets`` are refused, naming the smallest that work (empty when they work); ``lower``: the
+        settings that would place state lower, where some are not at their lowest yet."""
         short = self.short(budgets)
         if not short:
             return ""
@@ -92,7 +93,7 @@ class Plan:
             f"{BUDGET_SETTING[t]} is {format_size(budgets[t])}"
             for t, n in short.items()
         )
-        return f"{parts}. The smallest budgets that work: {smallest} (or place more state lower)"
+        return f"{parts}. The smallest budgets that work: {smallest}" + (f" (or set {lower})" if lower else "")
 
     def describe(self, tier: Tier) -> str:
         """The reserved slots of ``tier`` in words."""

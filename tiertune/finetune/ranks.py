@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -98,6 +99,8 @@ def launch(launcher_args: list[str], command: list[str]) -> tuple[int, str]:
         args = torchrun.parse_args([*launcher_args, "-m", "tiertune.cli", *command])
     except SystemExit as exc:  # argparse said what is wrong with the launcher's options
         return (exc.code if isinstance(exc.code, int) else 2), ""
+    scratch = tempfile.TemporaryDirectory(prefix="tiertune-launch-")  # torchrun's error files, removed after
+    saved, tempfile.tempdir = tempfile.tempdir, scratch.name
     try:
         torchrun.run(args)
     except SignalException as exc:
@@ -123,6 +126,9 @@ def launch(launcher_args: list[str], command: list[str]) -> tuple[int, str]:
                 how = f"ended with {code}"
             code = 128 - code
         return code, f"tiertune launch: rank {rank} {how} (its message is above); the other ranks stopped"
+    finally:
+        tempfile.tempdir = saved
+        scratch.cleanup()
     return 0, ""
 
 

@@ -271,7 +271,12 @@ def admit(recipe: Recipe, store_cfg: StoreConfig, engine_cfg: EngineConfig) -> N
 
     memory, twins = memory_plan(recipe, store_cfg, engine_cfg)
     budgets = {Tier.DEVICE: int(store_cfg.device_budget), Tier.HOST: int(store_cfg.host_budget)}  # type: ignore[arg-type]
-    why = memory.refusal(budgets)
+    if store_cfg.disk_path is None:
+        lower = "offload.disk_path, to place state on disk"
+    else:
+        homes = (("offload.params", engine_cfg.params), ("offload.optimizer_states", engine_cfg.optimizer_states))
+        lower = " and ".join(f"{key}: disk" for key, home in homes if home != "disk")
+    why = memory.refusal(budgets, lower)
     if why:
         tier, needed = next(iter(memory.short(budgets).items()))
         raise BudgetError(
