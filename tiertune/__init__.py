@@ -8,6 +8,7 @@ memory manager lives in ``tiertune.offload``, the training engine in ``tiertune.
 """
 
 import logging
+import warnings
 from typing import Any
 
 from tiertune.errors import (
@@ -37,6 +38,9 @@ class _NotTheUsersProblem(logging.Filter):
 
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NotTheUsersProblem())
+# in a notebook without ipywidgets, the first import of tqdm.auto (by transformers, datasets or the hub client)
+# warns "IProgress not found"; tiertune's own progress is plain lines there, and the user asked for no widget
+warnings.filterwarnings("ignore", message="IProgress not found")
 
 _LAZY = {
     "train": "tiertune.finetune.train",
