@@ -3,6 +3,7 @@ what passes through it, and a full tier where the budget binds."""
 
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -83,6 +84,14 @@ def test_estimate_command_prints_the_table_and_flags_a_budget_that_cannot_hold(t
     assert "how fast:" in ok.output and "  disk         read" in ok.output and "s per step" in ok.output
     short = CliRunner().invoke(app, ["estimate", str(path), "offload.host_budget=64KiB", "--no-probe"])
     assert short.exit_code == 1 and "NO: needs" in short.output and "DOES NOT FIT" in short.output
+    # the budgets train would accept, the same the run's refusal names
+    from tiertune.errors import BudgetError
+
+    with pytest.raises(BudgetError) as refused:
+        train(load_recipe(path, ("offload.host_budget=64KiB",)), progress=False)
+    named = re.search(r"The smallest budgets that work: (offload.device_budget: \d+MiB, offload.host_budget: \d+MiB)",
+                      str(refused.value))  # fmt: skip
+    assert named and f"the smallest budgets that work (what train checks before loading): {named.group(1)}" in short.output
 
 
 def test_estimate_creates_nothing_where_disk_path_does_not_exist_yet(tmp_path, make_recipe):

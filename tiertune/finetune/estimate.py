@@ -720,7 +720,13 @@ def format_estimate(est: Estimate, title: str) -> str:
     if est.plan is not None:
         slots = "; ".join(f"{t.value} {est.plan.describe(t)}" for t in est.plan.home if est.plan.reserve[t])
         lines.append(f"in use at once (slots reserved by size): {slots or 'none'}")
-    lines.append("" if est.fits else "DOES NOT FIT: raise the budgets marked NO (within what the machine has), or place more state on disk")
+    if not est.fits:
+        lower = any(tier != "disk" for kind, (tier, _) in est.kinds.items() if kind in ("weights", "master", "moments"))
+        lines.append("DOES NOT FIT: raise the budgets marked NO (within what the machine has)"
+                     + (", or place more state on disk" if lower else ""))  # fmt: skip
+        if est.plan is not None:
+            smallest = ", ".join(f"offload.{t.value}_budget: {-(-est.plan.needed(t) // (1 << 20))}MiB" for t in est.plan.home)
+            lines.append(f"the smallest budgets that work (what train checks before loading): {smallest}")
     return "\n".join(lines).rstrip()
 
 
