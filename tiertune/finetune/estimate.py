@@ -558,18 +558,6 @@ def _slots(chunks: list[_Chunk], store_cfg: StoreConfig) -> int:
     return sum(slot_bytes(c.capacity, block) for c in chunks if c.home is Tier.DISK and not c.in_place)
 
 
-def _room(chunks: list[_Chunk], store_cfg: StoreConfig, disk_free: int, tier: Tier) -> int:
-    """``ChunkStore.room`` with ``chunks`` placed: what more chunks homed on ``tier`` can take (a memory tier
-    keeps room to stage the largest chunk homed below it; the disk, its free space less the slots)."""
-    if tier is Tier.DISK:
-        return max(0, disk_free - _slots(chunks, store_cfg))
-    budget = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}[tier]
-    above = ORDER.index(tier)
-    home = sum(c.capacity for c in chunks if c.home is tier)
-    staged = max((c.capacity for c in chunks if ORDER.index(c.home) > above), default=0)
-    return max(0, budget - home - staged)
-
-
 def _traffic(est: Estimate, chunks: list[_Chunk], budgets: dict[Tier, int]) -> None:
     """Bytes a step moves between tiers (see the module docstring).
 
