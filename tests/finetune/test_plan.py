@@ -135,8 +135,8 @@ def test_random_layouts_either_finish_or_are_refused_up_front(tmp_path, cat_mode
         overrides = [
             f"method.type={method}",
             f"model.dtype={rng.choice(['float32', 'bfloat16'])}",
-            f"offload.params={rng.choice(['host', 'disk'])}",
-            f"offload.optimizer_states={rng.choice(['host', 'disk'])}",
+            f"offload.params={rng.choice(['device', 'host', 'disk'])}",
+            f"offload.optimizer_states={rng.choice(['device', 'host', 'disk'])}",
             f"offload.activations={rng.choice(['device', 'host'])}",
             f"training.max_grad_norm={rng.choice([0, 1.0])}",
             f"training.gradient_accumulation_steps={rng.choice([1, 2])}",

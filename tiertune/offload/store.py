@@ -205,6 +205,7 @@ class ChunkStore:
         self.device = config.device  # type: ignore[assignment]
         pin = self.device if self.device.type == "cuda" else False  # page-locked for the compute GPU
         reserve = config.reserve or {}
+        self._planned = config.reserve is not None  # the run's plan covers staging and use (see _place)
         self._mem = {
             Tier.DEVICE: MemoryTier(Tier.DEVICE, config.device_budget, self.device, reserve=reserve.get("device")),  # type: ignore[arg-type]
             Tier.HOST: MemoryTier(
@@ -377,8 +378,8 @@ class ChunkStore:
         reserved = dict(self._reserved)
         if home is not Tier.DISK:
             reserved[home] += size
-        planned = home is not Tier.DISK and self._mem[home].slot_sizes
-        if planned and reserved[home] > self._mem[home].arena.capacity:
+        planned = self._planned
+        if planned and home is not Tier.DISK and reserved[home] > self._mem[home].arena.capacity:
             # the plan reserved the room to stage and use chunks: homes have the rest
             mem = self._mem[home]
             raise BudgetError(
@@ -386,9 +387,7 @@ class ChunkStore:
                 f"placing chunk {chunk.name!r} there for the whole run, beside the "
                 f"{format_size(mem.reserved)} the run's plan reserves for chunks in use there",
             )
-        for tier in ([home] if home is not Tier.DISK and not planned else []) + [
-            t for t in stages if not self._mem[t].slot_sizes
-        ]:
+        for tier in [] if planned else ([home] if home is not Tier.DISK else []) + list(stages):
             largest = max(self._largest_cached[tier], size if tier in stages else 0)
             needed = reserved[tier] + largest
             if needed > self._mem[tier].budget:
@@ -592,7 +591,7 @@ class ChunkStore:
             if tier is Tier.DISK:
                 return 0 if self.disk is None else self.disk.arena.free_bytes
             mem = self._mem[tier]
-            if mem.slot_sizes:  # the plan reserved the room to stage and use chunks
+            if self._planned:  # the plan reserved the room to stage and use chunks
                 return max(0, mem.arena.capacity - self._reserved[tier])
             return max(0, mem.budget - self._reserved[tier] - self._largest_cached[tier])
 
@@ -904,7 +903,7 @@ class ChunkStore:
         the cached copies of the arena (waiting for their write-backs), so that the homes stay one block at
         the bottom and fit as the plan counted them. Registration happens at start-up: nothing is lost."""
         mem = self._mem[tier]
-        if mem.slot_sizes:
+        if self._planned:
             while True:
                 for victim in self._victims(tier, exclude=chunk, before=math.inf):
                     if not mem.in_reserve(victim.copies[tier]):  # type: ignore[arg-type]
