@@ -31,17 +31,17 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import torch
+
+from tiertune.engine.layout import home_tier_used
 from tiertune.offload.chunk import ALIGN, ChunkLayout
 from tiertune.offload.tiers import BUDGET_SETTING, Tier, slot_class
 from tiertune.units import format_size, round_up
 
-ORDER = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 MEMORY = (Tier.DEVICE, Tier.HOST)
 CLASS_SPREAD = 1.25
 """Chunks whose sizes are within this factor of a class's smallest share its slots (each slot the size of the
 class's largest): fewer classes, so fewer slots summed over classes whose chunks are never in use together."""
-
-WEIGHTS = ("weights", "weights, read in place", "weights, quantized cache")
 
 
 @dataclass
@@ -86,7 +86,7 @@ class Plan:
         short = self.short(budgets)
         if not short:
             return ""
-        smallest = ", ".join(f"{BUDGET_SETTING[t]}: {_size_setting(self.needed(t))}" for t in MEMORY)
+        smallest = self.smallest()
         parts = "; ".join(
             f"the {t.value} tier needs {format_size(n)} ({format_size(self.home[t])} homed there for the run, "
             f"{format_size(n - self.home[t])} for the chunks in use there at once: {self.describe(t)}) but "
@@ -95,21 +95,14 @@ class Plan:
         )
         return f"{parts}. The smallest budgets that work: {smallest}" + (f" (or set {lower})" if lower else "")
 
+    def smallest(self) -> str:
+        """The smallest budgets that work, as settings (rounded up to whole MiB)."""
+        return ", ".join(f"{BUDGET_SETTING[t]}: {-(-self.needed(t) // (1 << 20))}MiB" for t in MEMORY)
+
     def describe(self, tier: Tier) -> str:
         """The reserved slots of ``tier`` in words."""
         slots = sorted(self.reserve[tier].items(), reverse=True)
         return ", ".join(f"{n} x {format_size(size)}" for size, n in slots) or "none"
-
-
-def _size_setting(nbytes: int) -> str:
-    """``nbytes`` rounded up to whole MiB, as a budget setting reads it."""
-    return f"{-(-nbytes // (1 << 20))}MiB"
-
-
-def cpu_tier(home: Tier, on_cpu: bool) -> Tier:
-    """The tier the CPU optimizer (and the gradient hand-off) uses a chunk homed on ``home`` on
-    (``engine.layout.home_tier_used``)."""
-    return Tier.DEVICE if home is Tier.DEVICE and on_cpu else Tier.HOST
 
 
 def make_plan(chunks: list[PlannedChunk], on_cpu: bool) -> Plan:
@@ -186,10 +179,11 @@ def _in_use(chunks: list[PlannedChunk], on_cpu: bool) -> list[list[Moment]]:
 def _unit(g: dict[str, list[PlannedChunk]], j: int, on_cpu: bool) -> Moment:
     """What the optimizer worker holds in use for weight chunk ``j`` of group ``g`` (``Updater.unit``)."""
     moment: Moment = []
+    device = torch.device("cpu" if on_cpu else "cuda")
 
     def use(c: PlannedChunk | None, tier: Tier | None = None) -> None:
         if c is not None:
-            t = tier or cpu_tier(c.home, on_cpu)
+            t = tier or home_tier_used(c.home, device)
             if c.home is not t:
                 moment.append((t, c.capacity))
 

@@ -713,8 +713,7 @@ def format_estimate(est: Estimate, title: str) -> str:
         lines.append("DOES NOT FIT: raise the budgets marked NO (within what the machine has)"
                      + (", or place more state on disk" if lower else ""))  # fmt: skip
         if est.plan is not None:
-            smallest = ", ".join(f"offload.{t.value}_budget: {-(-est.plan.needed(t) // (1 << 20))}MiB" for t in est.plan.home)
-            lines.append(f"the smallest budgets that work (what train checks before loading): {smallest}")
+            lines.append(f"the smallest budgets that work (what train checks before loading): {est.plan.smallest()}")
     return "\n".join(lines).rstrip()
 
 
