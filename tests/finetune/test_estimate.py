@@ -1,6 +1,7 @@
 """``estimate`` against what runs measure: the store's peak bytes per tier, to the byte where the tier holds
 what passes through it, and a full tier where the budget binds."""
 
+import dataclasses
 import io
 import json
 import re
@@ -17,6 +18,7 @@ from tiertune.finetune.estimate import QUANT_CACHE, estimate
 from tiertune.finetune.recipe import load_recipe
 from tiertune.finetune.train import train
 from tiertune.loading.hub import SHIPPED
+from tiertune.offload.tiers import Tier
 
 
 @pytest.fixture(scope="module")
@@ -315,5 +317,13 @@ def test_estimate_for_several_processes_says_what_each_rank_and_node_holds_and_s
     path = write_recipe(tmp_path, model_dir, name="cli")
     data = json.loads(CliRunner().invoke(app, ["estimate", str(path), "--no-probe", "--json", "--processes", "2"]).output)
     assert data["scale_out"]["processes"] == 2 and data["scale_out"]["wire_bytes_per_step_per_rank"]["all_gather"] > 0
+    # a rank's memory plan: the whole chunks it gathers take device slots, and it is what fits is decided by
+    plan = data["scale_out"]["plan_per_rank"]
+    assert plan["device"]["needed"] >= data["scale_out"]["gathered_on_device"], plan
+    exact = {t: so.plan.needed(Tier(t)) for t in ("device", "host")}
+    assert dataclasses.replace(so, budgets=exact).fits
+    assert not dataclasses.replace(so, budgets={**exact, "host": exact["host"] - 1}).fits
+    text = CliRunner().invoke(app, ["estimate", str(path), "--no-probe", "--processes", "2"]).output
+    assert "a rank's memory plan needs: device" in text, text
     with pytest.raises(ConfigError, match="--per-node"):
         estimate(recipe, measure=False, processes=2, per_node=3)

@@ -6,19 +6,21 @@ step's twins), and the group's ``GroupState`` that holds them. ``state_layout`` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from tiertune.distributed.ownership import shard_layout
 from tiertune.errors import BudgetError
 from tiertune.loading.model import ParamGroup
 from tiertune.methods.optim import GaLore, decays, moment_entries
-from tiertune.offload.chunk import ALIGN, Chunk, ChunkLayout, tensor_align
+from tiertune.offload.chunk import ALIGN, Chunk, ChunkLayout, pack_tensors, tensor_align
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import BUDGET_SETTING, Tier
 from tiertune.units import format_size
@@ -176,22 +178,57 @@ class GroupState:
         return self.sources(j) + ((proj,) if proj is not None else ())
 
 
+def laid_states(
+    weights: ChunkLayout, cfg: EngineConfig, galore: GaLore | None, device: torch.device,
+    whole: ChunkLayout | None = None,
+) -> list[tuple[StateChunk, ChunkLayout]]:  # fmt: skip
+    """The state chunks of weight chunk ``weights`` (``state_layout``), each laid out as ``add_like`` lays it
+    out. For a rank's shard of the chunk ``whole`` (ZeRO-3) each is as large as the largest rank's: ranks own
+    different elements, and with equal capacities on every rank one memory plan (``engine.plan``) holds for
+    all of them."""
+    shards = whole.num_shards if whole is not None else 1
+    numel = {t.name: math.prod(t.shape) for t in whole.tensors} if whole is not None else None
+
+    def laid(chunk: ChunkLayout) -> list[tuple[StateChunk, ChunkLayout]]:
+        fp32 = [(t.name, t.shape, torch.float32) for t in chunk.tensors]
+        return [(spec, _one_chunk(spec.entries, shards)) for spec in state_layout(fp32, cfg, galore, device, numel)]
+
+    mine = laid(weights)
+    if whole is None:
+        return mine
+    largest: dict[str, int] = defaultdict(int)
+    for rank in range(shards):
+        for spec, layout in laid(shard_layout(whole, rank, shards)):
+            largest[spec.role] = max(largest[spec.role], layout.capacity)
+    return [(spec, dataclasses.replace(layout, capacity=largest[spec.role])) for spec, layout in mine]
+
+
+def _one_chunk(entries: list, num_shards: int) -> ChunkLayout:
+    """``entries`` in one chunk, never split (``add_like``); a rank's shard with no tensors: one empty page."""
+    if not entries:
+        return ChunkLayout((), ALIGN)
+    size = sum(math.prod(shape) * 4 for _, shape, _ in entries)
+    [layout] = pack_tensors(entries, max(size, 1) + tensor_align(num_shards) * len(entries), num_shards)
+    return layout
+
+
 def add_states(
     store: ChunkStore,
     group: ParamGroup,
     cfg: EngineConfig,
     galore: GaLore | None,
     read_master: Callable[[str, torch.Tensor], None],
+    wholes: Mapping[int, ChunkLayout] | None = None,
 ) -> GroupState:
     """Register the training state of trained group ``group`` (its weight chunks already in ``store``): per
     weight chunk, fp32 gradients (``gradient_entries``), master weights read by ``read_master(name, view)``
-    when the weights are not fp32, the moments and GaLore's projections (``state_entries``)."""
+    when the weights are not fp32, the moments and GaLore's projections (``state_entries``), laid out by
+    ``laid_states``. ``wholes``: one rank's of several, the whole chunk of each of its shards by chunk id."""
     state = GroupState(group)
-    whole = {n: p.numel() for n, p in group.params.items()}
     for j, chunk in enumerate(group.chunks):
-        entries = [(s.name, s.shape, torch.float32) for s in chunk.tensors]
-        for spec in state_layout(entries, cfg, galore, store.device, whole):
-            [added] = add_like(store, spec.entries, spec.home, f"{chunk.name}.{ROLES[spec.role][0]}")
+        whole = wholes[chunk.id] if wholes is not None else None
+        for spec, layout in laid_states(chunk.layout, cfg, galore, store.device, whole):
+            [added] = store.add_layouts([layout], spec.home, f"{chunk.name}.{ROLES[spec.role][0]}")
             getattr(state, spec.role).append(added)
             if spec.role == "master":
                 with store.writing(added) as views:

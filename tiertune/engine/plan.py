@@ -12,7 +12,9 @@ Who holds chunks in use at once (the engine's step, ``engine.trainer`` and ``eng
 
 - the compute thread, on the device: the weights of the groups outside the decoder layers (embeddings,
   final norm, head: bound for the whole micro-batch), one decoder layer's weights (and, with GaLore, its
-  projection), and one saved layer input when those are chunks; on the host: one group's gradients (and
+  projection), and one saved layer input when those are chunks; one rank of several (ZeRO-3) holds those
+  weights as whole chunks gathered into scratch space, and the shard it is gathering; on the host: one
+  group's gradients (and
   GaLore's full-gradient accumulator, and its projection passing through) while backward adds to them, or
   one chunk homed on disk passing through to the device;
 - the optimizer worker, on the tier it updates on (the host, or the device tier when that is CPU memory):
@@ -59,6 +61,7 @@ class PlannedChunk:
     layout: ChunkLayout | None = field(default=None, repr=False)  # as the store lays it out
     group: int = -1  # the parameter group it belongs to (-1: none, e.g. a saved layer input)
     role: str = ""  # weights, grads, accum, master, exp_avg, exp_avg_sq, proj, twin, act
+    whole: ChunkLayout | None = field(default=None, repr=False)  # ZeRO-3: the chunk a rank's shard is part of
 
 
 @dataclass
@@ -80,24 +83,49 @@ class Plan:
         """``StoreConfig.reserve``."""
         return {t.value: dict(r) for t, r in self.reserve.items() if r}
 
-    def refusal(self, budgets: Mapping[Tier, int], lower: str = "") -> str:
+    def refusal(
+        self, budgets: Mapping[Tier, int], lower: str = "", sharing: Mapping[Tier, int] | None = None
+    ) -> str:
         """Why ``budgets`` are refused, naming the smallest that work (empty when they work); ``lower``: the
-        settings that would place state lower, where some are not at their lowest yet."""
+        settings that would place state lower, where some are not at their lowest yet; ``sharing``: per tier,
+        the processes that split its setting between them (several ranks on a node: ``budgets`` are one's)."""
         short = self.short(budgets)
         if not short:
             return ""
-        smallest = self.smallest()
+        sharing = sharing or {}
+
+        def given(t: Tier) -> str:
+            n = sharing.get(t, 1)
+            if n == 1:
+                return f"{BUDGET_SETTING[t]} is {format_size(budgets[t])}"
+            return f"each of the node's {n} ranks gets {BUDGET_SETTING[t]} / {n} = {format_size(budgets[t])}"
+
         parts = "; ".join(
             f"the {t.value} tier needs {format_size(n)} ({format_size(self.home[t])} homed there for the run, "
             f"{format_size(n - self.home[t])} for the chunks in use there at once: {self.describe(t)}) but "
-            f"{BUDGET_SETTING[t]} is {format_size(budgets[t])}"
+            f"{given(t)}"
             for t, n in short.items()
         )
-        return f"{parts}. The smallest budgets that work: {smallest}" + (f" (or set {lower})" if lower else "")
+        smallest = self.smallest(sharing)
+        return f"{parts}. The smallest budgets that work: {smallest}" + (
+            f" (or set {lower})" if lower else ""
+        )
 
-    def smallest(self) -> str:
-        """The smallest budgets that work, as settings (rounded up to whole MiB)."""
-        return ", ".join(f"{BUDGET_SETTING[t]}: {-(-self.needed(t) // (1 << 20))}MiB" for t in MEMORY)
+    def smallest(self, sharing: Mapping[Tier, int] | None = None) -> str:
+        """The smallest budgets that work, as settings (rounded up to whole MiB; ``sharing``: per tier, the
+        processes that split its setting, as in ``refusal``)."""
+        sharing = sharing or {}
+        return ", ".join(
+            f"{BUDGET_SETTING[t]}: {-(-self.needed(t) // (1 << 20)) * sharing.get(t, 1)}MiB" for t in MEMORY
+        )
+
+    def as_json(self) -> dict:
+        """Per memory tier: the bytes it needs, its homes, and its reserved slots ({size: count})."""
+        return {
+            t.value: {"needed": self.needed(t), "home": self.home[t],
+                      "reserved_slots": {str(size): n for size, n in sorted(self.reserve[t].items())}}
+            for t in MEMORY
+        }  # fmt: skip
 
     def describe(self, tier: Tier) -> str:
         """The reserved slots of ``tier`` in words."""
@@ -156,9 +184,18 @@ def _in_use(chunks: list[PlannedChunk], on_cpu: bool) -> list[list[Moment]]:
     others = [c for g in groups.values() for c in g.get("weights", []) if not c.layer]
     layers = [g for g in groups.values() if any(c.layer for c in g.get("weights", []))]
     device: list[Moment] = []
+    sharded = any(c.whole is not None for c in chunks)
     for g in layers or [{}]:
-        used = others + g.get("weights", []) + g.get("proj", [])[:1] + acts[:1]
-        device.append(on(Tier.DEVICE, used))
+        weights = others + g.get("weights", [])
+        used = on(Tier.DEVICE, g.get("proj", [])[:1] + acts[:1])
+        if not sharded:
+            device.append(on(Tier.DEVICE, weights) + used)
+            continue
+        # ZeRO-3 (``engine.sharding.Zero.gathered``): each bound chunk whole in scratch space on the device, and
+        # the shard being gathered (released once gathered); the others are gathered first, then each layer
+        wholes = [(Tier.DEVICE, c.whole.capacity) for c in weights if c.whole is not None]
+        device.append(wholes + _largest(on(Tier.DEVICE, g.get("weights", []))) + used)
+        device.append(wholes[: len(others)] + _largest(on(Tier.DEVICE, others)) + used)
     host: list[Moment] = []
     for g in groups.values():  # backward adds to one group's gradients
         held = g.get("grads", [])[:1] + g.get("accum", [])[:1]
@@ -168,12 +205,15 @@ def _in_use(chunks: list[PlannedChunk], on_cpu: bool) -> list[list[Moment]]:
     for c in chunks:  # a chunk homed on disk passes through the host to the device
         if c.home is Tier.DISK and c.used_on is Tier.DEVICE:
             host.append([(Tier.HOST, c.capacity)])
-    optimizer = [
-        _unit(g, j, on_cpu) for g in groups.values() for j in range(len(g.get("grads", [])))
-    ]
+    optimizer = [_unit(g, j, on_cpu) for g in groups.values() for j in range(len(g.get("grads", [])))]
     # the compute thread's device moments (layers bound) and host moments (a chunk staged for them, gradients
     # added) coincide: counted as two threads, each on its own tier
     return [device, host, optimizer]
+
+
+def _largest(moment: Moment) -> Moment:
+    """The largest chunk of ``moment`` (none when it is empty)."""
+    return sorted(moment, key=lambda held: held[1])[-1:]
 
 
 def _unit(g: dict[str, list[PlannedChunk]], j: int, on_cpu: bool) -> Moment:

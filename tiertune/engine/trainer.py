@@ -96,8 +96,9 @@ class StreamedTrainer:
         paths = {id(m): n for n, m in self.model.named_modules()}
         self.galore = GaLore(config.galore, self.parts.layers, paths) if config.method == "galore" else None
         trained = config.method != "lora"
+        wholes = self.zero.full if self.zero is not None else None  # one rank's shards: their whole chunks
         self.states = [
-            add_states(self.store, g, config, self.galore, partial(self._read_master, checkpoint))
+            add_states(self.store, g, config, self.galore, partial(self._read_master, checkpoint), wholes)
             if trained
             else GroupState(g)
             for g in self.parts.groups

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tiertune.distributed.ownership import shard_layout
 from tiertune.engine.plan import Plan, PlannedChunk, make_plan
 from tiertune.errors import ConfigError, ModelError
 from tiertune.finetune.speed import (
@@ -103,13 +104,15 @@ class ScaleOut:
     gathered: int  # device bytes of whole chunks gathered at once: a layer's and the embeddings' and head's
     wire: dict[str, int]  # collective -> bytes one rank sends per step
     budgets: dict[str, int] = field(default_factory=dict)  # a rank's device and host budgets
+    plan: Plan | None = None  # a rank's memory plan: what train checks on each rank before loading
 
     @property
     def fits(self) -> bool:
-        """Whether a rank's device and host budgets hold its shards (and, on the device, what it gathers)."""
-        return self.per_rank["device"] + self.gathered <= self.budgets["device"] and (
-            self.per_rank["host"] <= self.budgets["host"]
-        )
+        """Whether a rank's device and host budgets hold its plan (its shards, the whole chunks it gathers on
+        its device, the slots for what it uses at once)."""
+        if self.plan is None:
+            return False
+        return not self.plan.short({Tier(t): n for t, n in self.budgets.items()})
 
     @property
     def per_node_bytes(self) -> dict[str, int]:
@@ -120,31 +123,25 @@ class ScaleOut:
         return {"processes": self.processes, "per_node": self.per_node, "per_rank_bytes": self.per_rank,
                 "per_node_bytes": self.per_node_bytes, "gathered_on_device": self.gathered,
                 "wire_bytes_per_step_per_rank": self.wire, "budgets_per_rank": self.budgets,
-                "fits": self.fits}  # fmt: skip
+                "plan_per_rank": self.plan.as_json() if self.plan else None, "fits": self.fits}  # fmt: skip
 
 
 def _scale_out(chunks: list[_Chunk], processes: int, per_node: int, micro_batches: int, adapters: int) -> ScaleOut:
-    """``ScaleOut`` from the chunks one process would register, laid out (padded) for ``processes`` shards:
-    the gathers and reduce-scatters as ``engine.sharding.Zero`` runs them (a trained chunk's gradients packed
-    by owner, each rank's run padded to the longest)."""
+    """``ScaleOut`` from the chunks one rank registers (``_chunks`` of a store of ``processes`` shards): the
+    gathers and reduce-scatters as ``engine.sharding.Zero`` runs them (a trained chunk's gradients packed by
+    owner, each rank's run padded to the longest)."""
     from tiertune.distributed.ownership import owned_slices, run_length
 
     n = processes
-    page = 4096
-
-    def shard(c: _Chunk) -> int:
-        return c.capacity if c.kind == "activations" else -(-c.capacity // (n * page)) * page
-
-    per_rank = {tier.value: sum(shard(c) for c in chunks if c.home is tier) for tier in ORDER}
-    weights = [c for c in chunks if c.kind in ("weights", IN_PLACE, QUANT_CACHE)]
-    layers = [c.capacity for c in weights if c.layer]
-    gathered = max(layers, default=0) + sum(c.capacity for c in weights if not c.layer)
+    per_rank = {tier.value: sum(c.capacity for c in chunks if c.home is tier) for tier in ORDER}
+    wholes = [c.whole for c in chunks if c.whole is not None]
+    changed = [c.whole for c in chunks if c.whole is not None and c.changed]
+    layers = [c.whole.capacity for c in chunks if c.whole is not None and c.layer]
+    gathered = max(layers, default=0) + sum(w.capacity for w in wholes) - sum(layers)
     ring = (n - 1) / n
     wire = {
-        "all_gather": round(micro_batches * ring * (sum(c.capacity for c in weights) + sum(layers))),
-        "reduce_scatter": micro_batches * sum(
-            (n - 1) * run_length(owned_slices(c.layout, n)) * 4 for c in weights if c.changed and c.layout
-        ),
+        "all_gather": round(micro_batches * ring * (sum(w.capacity for w in wholes) + sum(layers))),
+        "reduce_scatter": micro_batches * sum((n - 1) * run_length(owned_slices(w, n)) * 4 for w in changed),
         "all_reduce": round(2 * ring * adapters * 4),
     }
     return ScaleOut(n, per_node, per_rank, gathered, {k: v for k, v in wire.items() if v})
@@ -223,11 +220,7 @@ class Estimate:
             "notes": self.notes,
         }
         if self.plan is not None:
-            out["plan"] = {
-                t.value: {"needed": self.plan.needed(t), "home": self.plan.home[t],
-                          "reserved_slots": {str(size): n for size, n in sorted(self.plan.reserve[t].items())}}
-                for t in self.plan.home
-            }  # fmt: skip
+            out["plan"] = self.plan.as_json()
         if self.scale_out is not None:
             out["scale_out"] = self.scale_out.as_json()
         if self.speed is not None:
@@ -323,15 +316,18 @@ def estimate(
     if target is not None:
         est.machine["gpu_memory"] = target.memory
     _traffic(est, chunks, budgets)
-    if processes > 1:  # the same chunks laid out (padded) for N shards, as each rank registers its shard
-        sharded = dataclasses.replace(store_cfg, num_shards=processes)
-        laid, _, trained_n, _, _ = _chunks(recipe, sharded, cfg, [], target is not None, disk_room)
+    if processes > 1:  # the chunks each rank registers (its shards), under a rank's budgets, as train plans it
         local = per_node or processes
+        on_cpu = store_cfg.device.type == "cpu" and target is None  # the device tier is the node's RAM too
+        sharded = dataclasses.replace(
+            store_cfg, num_shards=processes, host_budget=store_cfg.host_budget // local,
+            device_budget=store_cfg.device_budget // (local if on_cpu else 1),
+        )  # fmt: skip
+        laid, _, trained_n, _, _ = _chunks(recipe, sharded, cfg, [], target is not None, disk_room)
         adapters = trained_n if cfg.method == "lora" else 0
         est.scale_out = _scale_out(laid, processes, local, recipe.training.gradient_accumulation_steps, adapters)
-        on_cpu = store_cfg.device.type == "cpu" and target is None  # the device tier is the node's RAM too
-        est.scale_out.budgets = {"device": store_cfg.device_budget // (local if on_cpu else 1),
-                                 "host": store_cfg.host_budget // local}  # fmt: skip
+        est.scale_out.budgets = {"device": sharded.device_budget, "host": sharded.host_budget}
+        est.scale_out.plan = make_plan(laid, on_cpu=target is None)
     if measure:
         est.bandwidth = measure_bandwidth(store_cfg, notes=est.notes)
         if target is not None and target.host_to_device and "host_to_device" not in est.bandwidth:
@@ -357,7 +353,7 @@ def _chunks(
     """Every chunk the run would register, laid out as the store lays them out (what a reader should know
     about the model is appended to ``notes``), and the FLOPs of a step (``on_gpu``: computed on a GPU;
     ``disk_free``: the free bytes at ``disk_path``, room the overlap decision weighs)."""
-    from tiertune.engine.layout import home_tier_used, state_layout
+    from tiertune.engine.layout import home_tier_used
     from tiertune.loading.model import build_skeleton, quantized_on_load, split_model, weight_entries
     from tiertune.methods.optim import GaLore
     from tiertune.quant import is_quantized, make_quantizer
@@ -386,9 +382,11 @@ def _chunks(
     size = store_cfg.chunk_size
     chunks: list[_Chunk] = []
 
+    shards = store_cfg.num_shards
+
     def add(entries: list, kind: str, home: str | Tier, used_on: Tier, changed: bool, in_place: bool = False,
             layer: bool = False, group: int = -1, role: str = "weights") -> None:  # fmt: skip
-        for layout in pack_tensors(entries, max(size, 1), store_cfg.num_shards):
+        for layout in pack_tensors(entries, max(size, 1), shards):
             chunks.append(_Chunk(kind, Tier(home), layout.capacity, used_on, changed, in_place, entries, layer,
                                  layout, group, role))  # fmt: skip
 
@@ -397,9 +395,21 @@ def _chunks(
     parameters = trained = 0
     units: list[dict[str, _Chunk]] = []  # per optimizer unit: its weights and state chunks, by role
     split = None
-    if not trained_flag and cfg.params == "disk":  # a frozen base on disk: read in place where files hold it
+    # a frozen base on disk: read in place where files hold it (one process; a rank of several copies its shard)
+    if not trained_flag and cfg.params == "disk" and shards == 1:
         split = _in_place_split(recipe.model.path, model, cfg, quant, saved)
-    for gi, group in enumerate(parts.groups):
+    if shards > 1:  # ZeRO-3: a rank's shard of each chunk (``loading.model.load_shards``) and its states
+        for gi, group in enumerate(parts.groups):
+            parameters += group.numel
+            for whole in pack_tensors(weight_entries(group, cfg.dtype, quant), max(size, 1), shards):
+                mine = shard_layout(whole, 0, shards)  # every rank's shard has the same capacity
+                chunks.append(_Chunk("weights", Tier(cfg.params), mine.capacity, Tier.DEVICE, trained_flag,
+                                     entries=list(mine.tensors), layer=group.kind == "layer", layout=mine,
+                                     group=gi, role="weights", whole=whole))  # fmt: skip
+                if trained_flag:
+                    units.append(_states(chunks, cfg, galore, device, gi))
+        trained = parameters if trained_flag else 0
+    for gi, group in enumerate(parts.groups if shards == 1 else ()):
         parameters += group.numel
         # weights are used on the device; trained fp32 weights are their own master, changed on the host too
         entries = weight_entries(group, cfg.dtype, quant)
@@ -416,16 +426,10 @@ def _chunks(
         if entries:
             add(entries, kind, cfg.params, Tier.DEVICE, trained_flag, in_place=kind == QUANT_CACHE,
                 layer=group.kind == "layer", group=gi)  # fmt: skip
-        weights = chunks[-1]
         if not trained_flag:
             continue
         trained += group.numel
-        fp32 = [(n, tuple(p.shape), torch.float32) for n, p in group.params.items()]
-        unit: dict[str, _Chunk] = {"weights": weights}
-        for spec in state_layout(fp32, cfg, galore, device):  # what add_states registers
-            add(spec.entries, spec.kind, spec.home, spec.used_on, True, group=gi, role=spec.role)
-            unit[spec.role] = chunks[-1]
-        units.append(unit)
+        units.append(_states(chunks, cfg, galore, device, gi))
     hidden = model.config.hidden_size
     act = cfg.activation_tokens * hidden * itemsize(cfg.dtype)
     outside: dict[str, int] = {}
@@ -438,10 +442,10 @@ def _chunks(
     if trained_flag and cfg.overlap_optimizer != "off" and clipping:
         # the speculative step's twins: when the run fits with them (the plan, and the disk's room), or asked for
         before = len(chunks)
-        for u in units:
+        for u in units:  # each a chunk laid out as its source is (``layout.add_twins``)
             for source in _sources(u):
-                add(source.entries, "twins", source.home, home_tier_used(source.home, device), True,
-                    group=source.group, role="twin")  # fmt: skip
+                chunks.append(dataclasses.replace(source, kind="twins", used_on=home_tier_used(source.home, device),
+                                                  changed=True, layer=False, role="twin", whole=None))  # fmt: skip
         budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}
         fits = not make_plan(chunks, on_cpu=not on_gpu).short(budgets) and _slots(chunks, store_cfg) <= disk_free
         if cfg.overlap_optimizer != "on" and not fits:
@@ -544,6 +548,21 @@ def _adapter_parameters(model: torch.nn.Module, settings) -> int:
     return sum(p.numel() for p in adapters.params)
 
 
+
+
+def _states(chunks: list[_Chunk], cfg, galore, device: torch.device, group: int) -> dict[str, _Chunk]:
+    """Append the state chunks the engine registers beside the weight chunk last in ``chunks``
+    (``layout.laid_states``: a rank's shard of a whole chunk, its states as large as the largest rank's);
+    returns the optimizer unit: its chunks by role."""
+    from tiertune.engine.layout import laid_states
+
+    weights = chunks[-1]
+    unit = {"weights": weights}
+    for spec, layout in laid_states(weights.layout, cfg, galore, device, weights.whole):  # type: ignore[arg-type]
+        chunks.append(_Chunk(spec.kind, Tier(spec.home), layout.capacity, spec.used_on, True, entries=spec.entries,
+                             layout=layout, group=group, role=spec.role))  # fmt: skip
+        unit[spec.role] = chunks[-1]
+    return unit
 
 
 def _sources(unit: dict[str, _Chunk]) -> list[_Chunk]:
@@ -718,19 +737,27 @@ def format_estimate(est: Estimate, title: str) -> str:
 
 
 def _format_scale_out(so: ScaleOut) -> list[str]:
-    """``ScaleOut`` as a person reads it: a rank's bytes and budgets, a node's, and the wire per step."""
+    """``ScaleOut`` as a person reads it: a rank's bytes, plan and budgets, a node's, and the wire per step."""
     rank = ", ".join(f"{tier} {format_size(n)}" for tier, n in so.per_rank.items())
     ok = "yes" if so.fits else "NO: raise offload.host_budget / device_budget (the node's, split between its ranks)"
     budgets = ", ".join(f"{tier} {format_size(n)}" for tier, n in so.budgets.items())
     node = ", ".join(f"{tier} {format_size(n)}" for tier, n in so.per_node_bytes.items())
     wire = ", ".join(f"{k} {format_size(v)}" for k, v in so.wire.items())
-    return [
+    lines = [
         f"as {so.processes} processes ({so.per_node} per node; ZeRO-3: each rank keeps 1/{so.processes} of every chunk):",
         f"  per rank: {rank}, + {format_size(so.gathered)} of whole chunks gathered on its device while computing",
+    ]
+    if so.plan is not None:
+        needs = "; ".join(
+            f"{t.value} {format_size(so.plan.needed(t))} (slots: {so.plan.describe(t)})" for t in (Tier.DEVICE, Tier.HOST)
+        )
+        lines.append(f"  a rank's memory plan needs: {needs}")
+    lines += [
         f"  a rank's budgets: {budgets}; fits: {ok}",
         f"  per node: {node}",
         f"  on the wire per step, each rank sends: {wire}",
     ]
+    return lines
 
 
 def _duration(seconds: float) -> str:

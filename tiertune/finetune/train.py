@@ -240,8 +240,7 @@ def train(
     recipe.model.path = model_directory(recipe.model.path)  # a model id: its snapshot in the hub's cache
     world = World.from_env()
     store_cfg, engine_cfg = plan(recipe)
-    if world.size == 1:
-        admit(recipe, store_cfg, engine_cfg)
+    admit(recipe, store_cfg, engine_cfg, world)  # every rank: all refuse alike, before the process group
     join(world)  # several processes: the process group, this rank's GPU and threads
     run_dir = RunDirectory(recipe.training.output_dir)
     with stop_on_signals() as stop:
@@ -262,21 +261,24 @@ def train(
             raise Interrupted(exc.signum, step, newest, run_dir.path / RECIPE_FILE) from None
 
 
-def admit(recipe: Recipe, store_cfg: StoreConfig, engine_cfg: EngineConfig) -> None:
+def admit(recipe: Recipe, store_cfg: StoreConfig, engine_cfg: EngineConfig, world: World | None = None) -> None:
     """Check the run's memory plan against its budgets before anything is loaded, and hand it to the store
     and the engine (``engine.plan``): the slots the store reserves for the chunks in use at once, and whether
     the speculative step's twins are made. Raises BudgetError naming the smallest budgets that work.
-    ``tiertune estimate`` reports the same plan."""
+    ``tiertune estimate`` reports the same plan. One rank of several plans its own shards (``store_cfg``
+    has ``num_shards`` and the rank's budgets); the plan is the same on every rank, so all refuse alike."""
     from tiertune.finetune.estimate import memory_plan
 
     memory, twins = memory_plan(recipe, store_cfg, engine_cfg)
     budgets = {Tier.DEVICE: int(store_cfg.device_budget), Tier.HOST: int(store_cfg.host_budget)}  # type: ignore[arg-type]
+    local = world.local_size if world is not None else 1
+    sharing = {Tier.HOST: local, Tier.DEVICE: local if store_cfg.device.type == "cpu" else 1}  # type: ignore[union-attr]
     if store_cfg.disk_path is None:
         lower = "offload.disk_path, to place state on disk"
     else:
         homes = (("offload.params", engine_cfg.params), ("offload.optimizer_states", engine_cfg.optimizer_states))
         lower = " and ".join(f"{key}: disk" for key, home in homes if home != "disk")
-    why = memory.refusal(budgets, lower)
+    why = memory.refusal(budgets, lower, sharing)
     if why:
         tier, needed = next(iter(memory.short(budgets).items()))
         raise BudgetError(

@@ -539,12 +539,14 @@ class ChunkStore:
         with self._cond:
             self._check_open()
             alloc = self._alloc(tier, standin, blocking=True)
+            self._count_in_use(standin, tier, 1, scratch=True)
         try:
             yield alloc.tensor[:nbytes]  # type: ignore[union-attr]
         finally:
             if self._mem[tier].device.type == "cuda":  # kernels queued on it finish before its memory is reused
                 torch.cuda.current_stream(self.device).synchronize()
             with self._cond:
+                self._count_in_use(standin, tier, -1, scratch=True)
                 self._mem[tier].free(alloc)  # type: ignore[arg-type]
                 self._cond.notify_all()
 
@@ -704,9 +706,9 @@ class ChunkStore:
             return StoreStats(tiers, dict(self._moved), self.scheduler.divergences)
 
     def in_use_peaks(self) -> dict[str, dict[int, int]]:
-        """Per memory tier, the most chunks homed elsewhere that were in use there at once (since
-        ``reset_peaks``), by size class: the reserved slot size when the store has a plan, else the chunk's
-        capacity. What the plan's ``reserve`` must cover."""
+        """Per memory tier, the most chunks homed elsewhere (and scratch buffers) that were in use there at
+        once (since ``reset_peaks``), by size class: the reserved slot size when the store has a plan, else
+        the chunk's capacity. What the plan's ``reserve`` must cover."""
         with self._cond:
             out: dict[str, dict[int, int]] = {}
             for (tier, size), n in self._in_use_peak.items():
@@ -790,9 +792,10 @@ class ChunkStore:
         me = threading.get_ident()
         holders[me] = holders.get(me, 0) + 1
 
-    def _count_in_use(self, chunk: Chunk, tier: Tier, change: int) -> None:
-        """Count chunks in use on ``tier`` not homed there, by size class (``in_use_peaks``)."""
-        if chunk.home is tier:
+    def _count_in_use(self, chunk: Chunk, tier: Tier, change: int, scratch: bool = False) -> None:
+        """Count chunks in use on ``tier`` not homed there (and ``scratch`` space), by size class
+        (``in_use_peaks``)."""
+        if chunk.home is tier and not scratch:
             return
         sizes = self._mem[tier].slot_sizes
         key = (tier, (slot_class(sizes, chunk.capacity) if sizes else None) or round_up(chunk.capacity, ALIGN))

@@ -1,0 +1,43 @@
+"""One rank of ``tiertune train`` launched by torchrun, watched: whether it loaded the model (built its
+trainer), what its store had in use at once by size class and what its plan reserved (``engine.plan``), and
+the BudgetError it raised, if any. Writes ``rank-<r>.json`` into ``TT_OUT``; the recipe is ``argv[1]``."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from tiertune.distributed.world import World
+from tiertune.errors import BudgetError
+from tiertune.finetune import train as train_module
+from tiertune.offload import store as store_module
+
+
+def main() -> None:
+    seen: dict = {"loaded": False, "stores": [], "refused": None}
+    built = train_module.StreamedTrainer
+
+    def trainer(*args, **kwargs):
+        seen["loaded"] = True
+        return built(*args, **kwargs)
+
+    close = store_module.ChunkStore.close
+
+    def closing(self):
+        if not self._closed:
+            seen["stores"].append({"peaks": self.in_use_peaks(), "reserve": self.config.reserve})
+        close(self)
+
+    train_module.StreamedTrainer = trainer
+    store_module.ChunkStore.close = closing
+    world = World.from_env()
+    try:
+        result = train_module.train(sys.argv[1], progress=False)
+        seen["steps"] = len(result.losses)
+    except BudgetError as exc:
+        seen["refused"] = str(exc)
+    Path(os.environ["TT_OUT"], f"rank-{world.rank}.json").write_text(json.dumps(seen))
+
+
+if __name__ == "__main__":
+    main()
