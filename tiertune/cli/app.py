@@ -466,6 +466,20 @@ def _console_log(quiet: bool, verbose: bool) -> None:
     logging.getLogger("tiertune").setLevel(level)
 
 
+def _said_by_rank_zero() -> bool:
+    """Whether this process is a rank other than 0 of a launched run that has not joined its process group
+    yet: what fails before then (the recipe, its files, the budgets) is read from what every rank shares and
+    fails alike on every rank, so rank 0 alone says it."""
+    from tiertune.distributed.world import World
+
+    world = World.from_env()
+    if world.size == 1 or world.is_main:
+        return False
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
 @contextlib.contextmanager
 def _user_errors() -> Iterator[None]:
     """Errors a user can fix end the command with exit code 2 and their message, never a traceback; a
@@ -481,6 +495,8 @@ def _user_errors() -> Iterator[None]:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(3) from None
     except TiertuneError as exc:
+        if _said_by_rank_zero():
+            raise typer.Exit(2) from None
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     except Interrupted as exc:
