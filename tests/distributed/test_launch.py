@@ -146,7 +146,7 @@ def test_tiertune_launch_says_how_a_stop_ended(tmp_path, cat_model, write_recipe
     bad = subprocess.run([*command, "training.learning_rate=-1"], env=launch_env(), capture_output=True, text=True,
                          timeout=240, cwd=tmp_path)  # fmt: skip
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
-    assert "training.learning_rate must be >= 0" in bad.stderr
+    assert bad.stderr.count("training.learning_rate must be >= 0") == 1  # every rank fails alike: rank 0 says it
     assert re.match(r"tiertune launch: rank [01] exited with code 2", bad.stderr.strip().splitlines()[-1])
 
 
