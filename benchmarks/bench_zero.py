@@ -78,12 +78,12 @@ def worker(args: argparse.Namespace) -> None:
         for _ in range(ACCUM):
             ids = torch.randint(0, vocab, (args.rows, args.seq), generator=g)
             micro.append({"input_ids": ids[world.rank * rows : (world.rank + 1) * rows]})
-        before = dict(trainer.zero.wire.sent) if trainer.zero is not None else {}
+        before = trainer.wire_sent()
         began = time.perf_counter()
         losses.append(trainer.step(micro))
         seconds.append(time.perf_counter() - began)
-        if trainer.zero is not None:
-            wire_steps.append({k: v - before.get(k, 0) for k, v in trainer.zero.wire.sent.items()})
+        if world.size > 1:
+            wire_steps.append({k: v - before.get(k, 0) for k, v in trainer.wire_sent().items()})
     stats = trainer.store.stats()
     psi = sum(s.group.numel for s in trainer.states)
     psi_layers = sum(s.group.numel for s in trainer.states if s.group.kind == "layer")

@@ -114,3 +114,30 @@ def test_the_layer_check_finds_an_upward_import(tmp_path):
         "from tiertune.engine.trainer import StreamedTrainer\n"
     )
     assert _layer_violations(tmp_path) == ["offload/store.py:4 imports tiertune.engine.trainer"]
+
+
+def _mode_checks(files: list[Path], root: Path = ROOT) -> list[str]:
+    """Where code asks which sharding it holds (``x is None`` / ``x is not None`` of a name or attribute called
+    ``zero``, or ``isinstance(x, Zero | Local)``) instead of calling the one it holds."""
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(op, ast.Is | ast.IsNot) for op in node.ops):
+                names = [node.left, *node.comparators]
+                if any(getattr(n, "id", getattr(n, "attr", None)) == "zero" for n in names):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
+            asks = isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
+            if asks and len(node.args) == 2 and any(n in ast.unparse(node.args[1]) for n in ("Zero", "Local")):
+                found.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_one_process_and_one_rank_of_several_run_the_same_code():
+    # the trainer holds a sharding (engine.sharding: Local or Zero) and calls it; nobody asks which one
+    files = sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py"))
+    assert _mode_checks(files) == []
+
+
+def test_the_mode_check_finds_a_branch_on_the_sharding(tmp_path):
+    (tmp_path / "a.py").write_text("def f(t):\n    if t.zero is None:\n        return 1\n    return isinstance(t, Zero)\n")
+    assert _mode_checks([tmp_path / "a.py"], tmp_path) == ["a.py:2 t.zero is None", "a.py:4 isinstance(t, Zero)"]

@@ -89,7 +89,7 @@ def main() -> None:
         "disk_used": stats.tiers["disk"].used if "disk" in stats.tiers else 0,
         "disk_bytes": disk_bytes,
         "state_bytes": trainer.state_bytes(),
-        "wire": dict(trainer.zero.wire.sent) if trainer.zero is not None else {},
+        "wire": trainer.wire_sent(),
     }
     out = Path(os.environ["TT_OUT"])
     if world.is_main:

@@ -18,7 +18,7 @@ from tiertune.offload.tiers import Tier
 
 if TYPE_CHECKING:
     from tiertune.engine.layout import GroupState
-    from tiertune.engine.sharding import Zero
+    from tiertune.engine.sharding import Sharding
     from tiertune.engine.update import StepContext, Updater
     from tiertune.methods.optim import GaLore
 
@@ -32,10 +32,10 @@ class GradientSink:
     def __init__(
         self, store: ChunkStore, ctx: StepContext, times: dict[str, float], updater: Updater,
         galore: GaLore | None, device: torch.device, shapes: dict[str, torch.Size],
-        add_accumulator: Callable[[GroupState, int], Chunk | None], zero: Zero | None = None,
+        add_accumulator: Callable[[GroupState, int], Chunk | None], sharding: Sharding,
     ) -> None:  # fmt: skip
         self.store, self.ctx, self.times, self.updater = store, ctx, times, updater
-        self.zero = zero  # ZeRO-3: each chunk's gradients reduce-scattered first, this rank's elements kept
+        self.sharding = sharding  # ZeRO-3: each chunk's gradients reduce-scattered first, this rank's kept
         self.galore, self.device, self.shapes, self.add_accumulator = galore, device, shapes, add_accumulator
         self.bytes = 0
 
@@ -51,7 +51,7 @@ class GradientSink:
             self.times["optimizer"] += self.updater.worker.drain()
         for j, chunk in enumerate(state.grads):
             # ZeRO-3: the sum over the ranks of the elements this rank owns (a collective: before any wait here)
-            mine = grads if self.zero is None else self.zero.reduce(state.weights[j], grads)
+            mine = self.sharding.reduce(state.weights[j], grads)
             began = time.perf_counter()
             views = self.store.acquire(chunk, Tier.HOST, overwrite=self.ctx.first_micro)
             self.times["io_wait"] += time.perf_counter() - began

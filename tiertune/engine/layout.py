@@ -223,10 +223,10 @@ def add_states(
     """Register the training state of trained group ``group`` (its weight chunks already in ``store``): per
     weight chunk, fp32 gradients (``gradient_entries``), master weights read by ``read_master(name, view)``
     when the weights are not fp32, the moments and GaLore's projections (``state_entries``), laid out by
-    ``laid_states``. ``wholes``: one rank's of several, the whole chunk of each of its shards by chunk id."""
+    ``laid_states``. ``wholes``: one rank's of several, the whole chunk of each of its shards by chunk id (``Zero.full``)."""
     state = GroupState(group)
     for j, chunk in enumerate(group.chunks):
-        whole = wholes[chunk.id] if wholes is not None else None
+        whole = (wholes or {}).get(chunk.id)
         for spec, layout in laid_states(chunk.layout, cfg, galore, store.device, whole):
             [added] = store.add_layouts([layout], spec.home, f"{chunk.name}.{ROLES[spec.role][0]}")
             getattr(state, spec.role).append(added)

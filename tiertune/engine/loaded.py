@@ -13,7 +13,7 @@ from torch import nn
 
 from tiertune.distributed.world import World
 from tiertune.engine.config import EngineConfig
-from tiertune.engine.sharding import Zero
+from tiertune.engine.sharding import Local, Sharding, Zero
 from tiertune.loading.model import (
     ModelParts,
     TensorSource,
@@ -36,15 +36,15 @@ log = logging.getLogger("tiertune.engine")
 @dataclass
 class LoadedModel:
     """What ``load_model`` made: the model instance and its parts (their groups' chunks in the store), the
-    quantizer of its layers (None: not quantized), the checkpoint and where each parameter is in it, and this
-    rank's side of ZeRO-3 (None for one process)."""
+    quantizer of its layers (None: not quantized), the checkpoint and where each parameter is in it, and how
+    the chunks are held among the ranks (``Local`` for one process, ``Zero`` for one rank of several)."""
 
     model: nn.Module
     parts: ModelParts
     quant: Quantizer | None
     checkpoint: Checkpoint
     source: dict[str, TensorSource]
-    zero: Zero | None
+    sharding: Sharding
     quant_cache: QuantCache | None = None  # where quantized layers were read from or kept (one process)
 
 
@@ -94,4 +94,4 @@ def load_model(
     )  # fmt: skip
     if cache is not None:
         log.info("quantized layers: %d read from %s, %d quantized", cache.hits, cache.directory, cache.misses)
-    return LoadedModel(model, parts, quant, checkpoint, source, None, cache)
+    return LoadedModel(model, parts, quant, checkpoint, source, Local(store, times), cache)

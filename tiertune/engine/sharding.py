@@ -1,4 +1,6 @@
-"""ZeRO-3 over the store's chunks, for one rank of several (``Zero``).
+"""How a process holds the model's chunks among its ranks: ``Local`` for one process (every chunk whole here),
+``Zero`` for one rank of several (ZeRO-3 over the store's chunks). The trainer always holds one and never asks
+which: one process is the sharding of world size 1, where each collective is the identity.
 
 Every weight chunk is laid out as one process lays it out, padded so that it splits into N equal shards, and
 this rank's store holds only shard r of it (``loading.model.load_shards``): its views are the elements the
@@ -20,7 +22,7 @@ into its own shard. Nothing is held N times.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -31,6 +33,54 @@ from tiertune.distributed.world import World
 from tiertune.offload.chunk import Chunk, ChunkLayout, layout_views
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
+
+
+class Local:
+    """One process: every chunk whole in its own store. Binding acquires a chunk on the device, gradients are
+    kept as they are, totals and norms are this process's, nothing goes on the wire."""
+
+    def __init__(self, store: ChunkStore, times: dict[str, float]) -> None:
+        self.store, self.times = store, times
+        self.full: dict[int, ChunkLayout] = {}  # no chunk is a shard of another
+        self.wire = Wire()  # never sent on
+
+    @contextmanager
+    def gathered(self, chunk: Chunk, traced: bool = True) -> Iterator[dict[str, torch.Tensor]]:
+        """``chunk``'s tensors on the device for the block (acquired and released)."""
+        began = time.perf_counter()
+        views = self.store.acquire(chunk, Tier.DEVICE, traced=traced)
+        self.times["io_wait"] += time.perf_counter() - began
+        try:
+            yield views
+        finally:
+            self.store.release(chunk)
+
+    def read_whole(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        """A CPU copy of ``chunk``'s tensors (read through the host, outside the trace)."""
+        return self.store.read(chunk)
+
+    def reduce(self, chunk: Chunk, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        """A micro-batch's gradients of ``chunk``: this process's are the sum."""
+        return grads
+
+    def global_norm(self, local: torch.Tensor) -> torch.Tensor:
+        """The gradient norm over all elements: this process's."""
+        return local
+
+    def total(self, value: float | int, dtype: torch.dtype = torch.float64) -> float | int:
+        """``value`` summed over the ranks: ``value``."""
+        return value
+
+    def all_reduce_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Nothing to sum: the adapters' gradients are this process's."""
+
+    def read_part(self, name: str, read: Callable[[torch.Tensor], None], view: torch.Tensor, shape: tuple) -> None:
+        """Fill ``view`` with tensor ``name`` (of ``shape``) as ``read(tensor)`` reads it: the whole tensor."""
+        read(view)
+
+    def part(self, name: str) -> tuple[int, int] | None:
+        """The elements [start, end) of tensor ``name`` this process owns, None for all of it."""
+        return None
 
 
 class Zero:
@@ -68,6 +118,12 @@ class Zero:
         finally:
             if held:
                 self.store.release(chunk)
+
+    def read_whole(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        """A CPU copy of the whole chunk of which ``chunk`` is this rank's shard, by tensor name (a collective:
+        every rank must call it for the same chunk)."""
+        with self.gathered(chunk, traced=False) as views:
+            return {n: v.cpu().clone() for n, v in views.items()}
 
     def reduce(self, chunk: Chunk, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
         """The sum over the ranks of a micro-batch's gradients of ``chunk``'s tensors (whole tensors by name;
@@ -110,8 +166,19 @@ class Zero:
             p.grad.copy_(flat[at : at + n].view_as(p.grad))  # type: ignore[union-attr]
             at += n
 
-    def read_slice(self, name: str, whole: torch.Tensor, view: torch.Tensor) -> None:
-        """Copy this rank's elements of tensor ``name`` (``whole``, the tensor as one process has it) into
-        ``view`` (its flat part of a shard)."""
+    def read_part(self, name: str, read: Callable[[torch.Tensor], None], view: torch.Tensor, shape: tuple) -> None:
+        """Fill ``view`` (this rank's flat part of tensor ``name`` in a shard) with its elements of the tensor
+        of ``shape`` that ``read(tensor)`` reads whole."""
+        whole = torch.empty(shape, dtype=view.dtype)
+        read(whole)
         s = self.mine[name]
         view.copy_(whole.reshape(-1)[s.start : s.end])
+
+    def part(self, name: str) -> tuple[int, int] | None:
+        """The elements [start, end) of tensor ``name`` this rank owns."""
+        s = self.mine[name]
+        return s.start, s.end
+
+
+Sharding = Local | Zero
+"""What the trainer holds: one process's (``Local``) or one rank's of several (``Zero``)."""

@@ -44,7 +44,6 @@ from tiertune.methods.lora import Adapters
 from tiertune.methods.optim import GaLore
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore, StoreConfig
-from tiertune.offload.tiers import Tier
 
 log = logging.getLogger("tiertune.engine")
 
@@ -88,7 +87,7 @@ class StreamedTrainer:
         self.times: defaultdict[str, float] = defaultdict(float)  # seconds per step part, cumulative
         loaded = load_model(model_dir, self.store, config, self.world, self.times, safe_point)
         self.model, self.parts, self.quant = loaded.model, loaded.parts, loaded.quant
-        self.zero, self.quant_cache, self._source = loaded.zero, loaded.quant_cache, loaded.source
+        self.sharding, self.quant_cache, self._source = loaded.sharding, loaded.quant_cache, loaded.source
         checkpoint = loaded.checkpoint
         # binds chunk tensors as the instance's parameters (the skeleton's placeholders back after)
         self.binder = Binder(self.model, self.quant)
@@ -96,9 +95,9 @@ class StreamedTrainer:
         paths = {id(m): n for n, m in self.model.named_modules()}
         self.galore = GaLore(config.galore, self.parts.layers, paths) if config.method == "galore" else None
         trained = config.method != "lora"
-        wholes = self.zero.full if self.zero is not None else None  # one rank's shards: their whole chunks
+        read_master = partial(self._read_master, checkpoint)
         self.states = [
-            add_states(self.store, g, config, self.galore, partial(self._read_master, checkpoint), wholes)
+            add_states(self.store, g, config, self.galore, read_master, self.sharding.full)
             if trained
             else GroupState(g)
             for g in self.parts.groups
@@ -147,10 +146,10 @@ class StreamedTrainer:
         others = [s for s in self.states if s.group.kind != "layer"]
         units = [(s, j) for s in layers + others for j in range(len(s.weights))]
         self.updater = Updater(self.store, config, self.states, units, self._param_order, self.step_ctx,
-                               self.times, self.device, self.galore, self.optimizer_counts, self.zero)  # fmt: skip
+                               self.times, self.device, self.galore, self.optimizer_counts, self.sharding)  # fmt: skip
         shapes = {n: p.shape for n, p in self.binder.meta.items()}
         self.gradients = GradientSink(self.store, self.step_ctx, self.times, self.updater, self.galore,
-                                      self.device, shapes, self._add_accumulator, self.zero)  # fmt: skip
+                                      self.device, shapes, self._add_accumulator, self.sharding)  # fmt: skip
         self.last_grad_norm = float("nan")
         self._lr = LRSchedule(
             config.learning_rate, config.lr_scheduler_type, config.warmup_steps, config.max_steps
@@ -176,12 +175,8 @@ class StreamedTrainer:
     def _read_master(self, checkpoint: Checkpoint, name: str, view: torch.Tensor) -> None:
         """Parameter ``name``'s fp32 master weights from the checkpoint (not from the rounded weights: an
         fp32 checkpoint keeps its precision); a rank of several reads its elements of them."""
-        if self.zero is None:
-            self._source[name].read_into(checkpoint, view)
-            return
-        whole = torch.empty(tuple(self.binder.meta[name].shape), dtype=view.dtype)
-        self._source[name].read_into(checkpoint, whole)
-        self.zero.read_slice(name, whole, view)
+        read = partial(self._source[name].read_into, checkpoint)
+        self.sharding.read_part(name, read, view, tuple(self.binder.meta[name].shape))
 
     def _add_accumulator(self, state: GroupState, j: int) -> Chunk | None:
         """GaLore's full-gradient accumulator of weight chunk ``j`` (None when it projects no weight there)."""
@@ -216,14 +211,8 @@ class StreamedTrainer:
         with ExitStack() as held:  # closed after the unbinding below: the chunks released, or gathers freed
             try:
                 views: dict[str, torch.Tensor] = {}
-                for chunk in state.weights:
-                    if self.zero is not None:  # the whole chunk gathered from the ranks' shards
-                        views.update(held.enter_context(self.zero.gathered(chunk, self.step_ctx.traced)))
-                        continue
-                    began = time.perf_counter()
-                    views.update(self.store.acquire(chunk, Tier.DEVICE, traced=self.step_ctx.traced))
-                    self.times["io_wait"] += time.perf_counter() - began
-                    held.callback(self.store.release, chunk)
+                for chunk in state.weights:  # of several ranks: the whole chunk gathered from their shards
+                    views.update(held.enter_context(self.sharding.gathered(chunk, self.step_ctx.traced)))
                 # bound once all are acquired: a weight read in place may have its statistics in another chunk
                 bound.update(self.binder.bind(views, requires_grad))
                 yield bound
@@ -253,8 +242,7 @@ class StreamedTrainer:
         step_began = time.perf_counter()
         labels = [mb.get("labels", mb["input_ids"]) for mb in micro_batches]
         n_tokens = sum(int((lab[:, 1:] != IGNORE_INDEX).sum()) for lab in labels)
-        if self.zero is not None:  # the global batch's: every rank divides by it
-            n_tokens = int(self.zero.total(n_tokens, torch.int64))
+        n_tokens = int(self.sharding.total(n_tokens, torch.int64))  # the global batch's: every rank divides by it
         if n_tokens == 0:
             raise DataError(
                 "a training step has no target tokens (every label is -100); check the data and max_seq_len"
@@ -300,8 +288,7 @@ class StreamedTrainer:
             for state in others:
                 if state.trainable:
                     self.add_grads(state, grads[id(state)])
-        if self.zero is not None:
-            total = float(self.zero.total(total))
+        total = float(self.sharding.total(total))
         loss = total / n_tokens
         if self.router_aux is not None:
             self.last_router_aux_loss = self.router_aux.coef * aux_total / len(micro_batches)
@@ -333,8 +320,8 @@ class StreamedTrainer:
         if not math.isfinite(loss):  # LoRA: a frozen base; the adapters' optimizer, as in a plain loop
             self.adapters.zero_grad()
             raise NonFiniteError(f"the loss is {loss}")
-        if self.zero is not None:  # replicated on every rank: the gradients summed over the global batch
-            self.zero.all_reduce_grads(self.adapters.params)
+        # replicated on every rank: the gradients summed over the global batch
+        self.sharding.all_reduce_grads(self.adapters.params)
         betas = (cfg.adam_beta1, cfg.adam_beta2)
         clip = cfg.max_grad_norm if cfg.clips else None
         self.last_grad_norm = self.adapters.step(
@@ -379,6 +366,14 @@ class StreamedTrainer:
         self.last_grad_norm = float(counters["last_grad_norm"])
         self.optimizer_counts.update(counters["optimizer_counts"])
 
+    def wire_sent(self) -> dict[str, int]:
+        """Bytes this process has sent to the other ranks so far, by collective (none for one process)."""
+        return dict(self.sharding.wire.sent)
+
+    def total(self, value: float | int, dtype: torch.dtype = torch.float64) -> float | int:
+        """``value`` summed over the ranks (a collective: every rank calls it; one process: ``value``)."""
+        return self.sharding.total(value, dtype)
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes of each kind of training state in the store (``layout.state_bytes``)."""
         return state_bytes(self.states)
@@ -390,11 +385,7 @@ class StreamedTrainer:
         rank of several gathers each chunk (every rank must iterate: a collective per chunk)."""
         for state in self.states:
             for chunk in state.weights:
-                if self.zero is None:
-                    yield self.store.read(chunk)
-                    continue
-                with self.zero.gathered(chunk, traced=False) as views:
-                    yield {n: v.cpu().clone() for n, v in views.items()}
+                yield self.sharding.read_whole(chunk)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """All current weights by parameter name, on the CPU (small models, tests)."""

@@ -26,7 +26,7 @@ from tiertune.offload.tiers import Tier
 if TYPE_CHECKING:
     from tiertune.engine.config import EngineConfig
     from tiertune.engine.layout import GroupState
-    from tiertune.engine.sharding import Zero
+    from tiertune.engine.sharding import Sharding
     from tiertune.methods.optim import GaLore
 
 
@@ -173,10 +173,10 @@ class Updater:
     def __init__(
         self, store: ChunkStore, config: EngineConfig, states: list[GroupState], units: list[Unit],
         param_order: list[str], ctx: StepContext, times: dict[str, float], device: torch.device,
-        galore: GaLore | None, counts: dict[str, int], zero: Zero | None = None,
+        galore: GaLore | None, counts: dict[str, int], sharding: Sharding,
     ) -> None:  # fmt: skip
         self.store, self.config, self.states, self.units = store, config, states, units
-        self.zero = zero  # ZeRO-3: the norms are of this rank's elements, the clipping norm all-reduced
+        self.sharding = sharding  # ZeRO-3: the norms are of this rank's elements, the clipping norm all-reduced
         self.param_order, self.ctx, self.device, self.galore, self.counts = (
             param_order,
             ctx,
@@ -203,8 +203,7 @@ class Updater:
         # (GaLore's projected weights have theirs on the compute device: one copy each, after backward)
         norms = [self.norms[n].cpu() for n in self.param_order if n in self.norms]
         total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-        if self.zero is not None:
-            total = self.zero.global_norm(total)
+        total = self.sharding.global_norm(total)
         coef = None
         if cfg.clips:
             coef = torch.clamp(cfg.max_grad_norm / (total + 1e-6), max=1.0)

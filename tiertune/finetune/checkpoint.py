@@ -240,9 +240,7 @@ class CheckpointWriter:
         final = self._run_dir / f"{PREFIX}{step}"
         tmp = self._run_dir / f".{PREFIX}{step}.partial"
         # room for it, counting the checkpoint of this step it replaces (a resumed run saving it again)
-        needed = checkpoint_bytes(trainer)
-        if trainer.zero is not None:  # the ranks' parts, on the node's filesystems
-            needed = int(trainer.zero.total(needed, torch.int64))
+        needed = int(trainer.total(checkpoint_bytes(trainer), torch.int64))  # the ranks' parts, all of them
 
         def prepare() -> None:  # rank 0 (of several)
             shutil.rmtree(tmp, ignore_errors=True)

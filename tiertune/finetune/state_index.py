@@ -33,7 +33,7 @@ from tiertune.methods.optim import BLOCK_8BIT
 
 if TYPE_CHECKING:
     from tiertune.engine import StreamedTrainer
-    from tiertune.engine.sharding import Zero
+    from tiertune.engine.sharding import Sharding
 
 INDEX_FILE = "index.json"  # in the checkpoint's state/ directory
 FORMAT = "tiertune-state/1"
@@ -65,7 +65,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def placements(trainer: StreamedTrainer) -> dict[int, list[Placement]]:
     """For each chunk of ``trainer``'s training state (``state_chunks``), where its tensors lie in the run's
     state: whole tensors for one process, this rank's owned ranges for a rank of several."""
-    zero = trainer.zero
+    sharding = trainer.sharding
     out: dict[int, list[Placement]] = {}
     for state in trainer.states:
         if not state.trainable:
@@ -75,27 +75,28 @@ def placements(trainer: StreamedTrainer) -> dict[int, list[Placement]]:
                 if chunk is None:
                     continue
                 out[chunk.id] = [
-                    _placement(role, t.name, tuple(t.shape), t.dtype, state.group.params, zero)
+                    _placement(role, t.name, tuple(t.shape), t.dtype, state.group.params, sharding)
                     for t in chunk.tensors
                 ]
     return out
 
 
 def _placement(
-    role: str, name: str, local: tuple[int, ...], dtype: torch.dtype, params: dict, zero: Zero | None
+    role: str, name: str, local: tuple[int, ...], dtype: torch.dtype, params: dict, sharding: Sharding
 ) -> Placement:
     numel = math.prod(local)
     key = f"{role}/{name}"
-    if zero is None:  # one process: the whole tensor
-        return Placement(name, local, key, 0, numel, local, dtype)
     param = name.removesuffix(ABSMAX)
-    owned = zero.mine[param]
+    part = sharding.part(param)
+    if part is None:  # the whole tensor (one process), in the shape this state holds it
+        return Placement(name, local, key, 0, numel, local, dtype)
+    start, end = part
     whole = tuple(params[param].shape)
     if param == name:
-        return Placement(name, local, key, owned.start, owned.end, whole, dtype)
-    if owned.start % BLOCK_8BIT:  # shards start on an 8-bit block (tensor_align): a bug if not
-        raise StateError(f"{param}: this rank's part starts at element {owned.start}, inside an 8-bit block")
-    first = owned.start // BLOCK_8BIT
+        return Placement(name, local, key, start, end, whole, dtype)
+    if start % BLOCK_8BIT:  # shards start on an 8-bit block (tensor_align): a bug if not
+        raise StateError(f"{param}: this rank's part starts at element {start}, inside an 8-bit block")
+    first = start // BLOCK_8BIT
     blocks = -(-math.prod(whole) // BLOCK_8BIT)
     return Placement(name, local, key, first, first + numel, (blocks,), dtype)
 

@@ -389,7 +389,7 @@ def _run(
     writer = CheckpointWriter(trainer, out, t.save_total_limit)
     reporters = None
     start = time.perf_counter()
-    wired: dict[str, int] = dict(trainer.zero.wire.sent) if trainer.zero is not None else {}  # before step 1
+    wired = trainer.wire_sent()  # before step 1
     done = first
     failure: BaseException | None = None
     try:
@@ -421,8 +421,8 @@ def _run(
                 }
                 if trainer.router_aux is not None:  # MoE: the part of "loss" that is the router's aux loss
                     record["router_aux_loss"] = trainer.last_router_aux_loss
-                if trainer.zero is not None:  # the bytes this rank sent in the step, by collective
-                    sent = dict(trainer.zero.wire.sent)
+                sent = trainer.wire_sent()
+                if sent:  # of several ranks: the bytes this rank sent in the step, by collective
                     record["wire_bytes"] = {k: n - wired.get(k, 0) for k, n in sent.items()}
                     wired = sent
                 if (step + 1) % t.logging_steps == 0 or step + 1 == steps:
