@@ -204,7 +204,8 @@ def laid_states(
 
 
 def _one_chunk(entries: list, num_shards: int) -> ChunkLayout:
-    """``entries`` in one chunk, never split (``add_like``); a rank's shard with no tensors: one empty page."""
+    """``entries`` in one chunk, never split; a rank's shard with no tensors: one empty page (its state chunks
+    are empty too)."""
     if not entries:
         return ChunkLayout((), ALIGN)
     size = sum(math.prod(shape) * 4 for _, shape, _ in entries)
@@ -253,12 +254,9 @@ def add_accumulator(store: ChunkStore, state: GroupState, j: int, galore: GaLore
 
 
 def add_like(store: ChunkStore, entries: list, home: str | Tier, name: str) -> list[Chunk]:
-    """One chunk holding ``entries`` (the fp32 twin of a weight chunk: never split, whatever its size)."""
-    if not entries:  # a rank's shard with none of a small chunk's tensors: its state chunks are empty too
-        return store.add_layouts([ChunkLayout((), ALIGN)], home, name)
-    size = sum(math.prod(shape) * 4 for _, shape, _ in entries)
-    align = tensor_align(store.config.num_shards)
-    return store.add(entries, home=home, name=name, chunk_size=max(size, 1) + align * len(entries))
+    """One chunk holding ``entries`` (the fp32 twin of a weight chunk: never split, whatever its size), laid out
+    by ``_one_chunk``."""
+    return store.add_layouts([_one_chunk(entries, store.config.num_shards)], home, name)
 
 
 def add_twins(store: ChunkStore, states: list[GroupState], cfg: EngineConfig, device: torch.device) -> bool:
