@@ -7,29 +7,17 @@ import os
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the watch, shared with test_plan.py
+import watching
+
 from tiertune.distributed.world import World
 from tiertune.errors import BudgetError
 from tiertune.finetune import train as train_module
-from tiertune.offload import store as store_module
 
 
 def main() -> None:
-    seen: dict = {"loaded": False, "stores": [], "refused": None}
-    built = train_module.StreamedTrainer
-
-    def trainer(*args, **kwargs):
-        seen["loaded"] = True
-        return built(*args, **kwargs)
-
-    close = store_module.ChunkStore.close
-
-    def closing(self):
-        if not self._closed:
-            seen["stores"].append({"peaks": self.in_use_peaks(), "reserve": self.config.reserve})
-        close(self)
-
-    train_module.StreamedTrainer = trainer
-    store_module.ChunkStore.close = closing
+    seen = watching.watch(setattr)
+    seen["refused"] = None
     world = World.from_env()
     try:
         result = train_module.train(sys.argv[1], progress=False)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from launching import TIMEOUT, launch_env, torchrun
+from watching import check_in_use
 
 from tiertune.finetune.estimate import estimate
 from tiertune.finetune.recipe import load_recipe
@@ -83,8 +84,4 @@ def test_launched_ranks_train_or_are_all_refused_before_loading(tmp_path, cat_mo
     assert scale_out(fits).fits
     for rank in _launch(fits, tmp_path / "trained"):
         assert rank["refused"] is None and rank["loaded"] and rank["steps"] == 2, rank
-        for store in rank["stores"]:
-            for tier, by_class in store["peaks"].items():
-                slots = (store["reserve"] or {}).get(tier, {})
-                for size, n in by_class.items():
-                    assert n <= slots.get(size, 0), (tier, size, n, slots)
+        check_in_use(rank)

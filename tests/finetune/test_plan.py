@@ -10,13 +10,13 @@ import re
 
 import pytest
 import torch
+import watching
+from watching import check_in_use
 
 from tiertune.errors import BudgetError
-from tiertune.finetune import train as train_module
 from tiertune.finetune.estimate import estimate
 from tiertune.finetune.recipe import load_recipe
 from tiertune.finetune.train import train
-from tiertune.offload import store as store_module
 from tiertune.offload.tiers import Tier, slot_class
 
 MiB = 1 << 20
@@ -42,35 +42,8 @@ def smol_dir(tmp_path_factory):
 
 @pytest.fixture
 def watch(monkeypatch):
-    """What a run did: whether it built its trainer (loaded the model), and each store's in-use peaks and
-    reserve when it closed."""
-    seen: dict = {"loaded": False, "stores": []}
-    built = train_module.StreamedTrainer
-
-    def trainer(*args, **kwargs):
-        seen["loaded"] = True
-        return built(*args, **kwargs)
-
-    close = store_module.ChunkStore.close
-
-    def closing(self):
-        if not self._closed:
-            seen["stores"].append((self.in_use_peaks(), self.config.reserve))
-        close(self)
-
-    monkeypatch.setattr(train_module, "StreamedTrainer", trainer)
-    monkeypatch.setattr(store_module.ChunkStore, "close", closing)
-    return seen
-
-
-def _check_in_use(seen: dict) -> None:
-    """Every store kept, per tier and size class, no more chunks in use at once than its plan reserved."""
-    assert seen["stores"]
-    for peaks, reserve in seen["stores"]:
-        for tier, by_class in peaks.items():
-            slots = (reserve or {}).get(tier, {})
-            for size, n in by_class.items():
-                assert size in slots and n <= slots[size], (tier, size, n, slots)
+    """What a run did (``watching.watch``)."""
+    return watching.watch(monkeypatch.setattr)
 
 
 def _smallest(message: str) -> dict[str, str]:
@@ -109,7 +82,7 @@ def test_the_tied_embedding_full_fine_tune_trains_or_is_refused_before_loading(
     assert est.fits and watch["loaded"]
     steps = [json.loads(line).get("step") for line in result.log_path.read_text().splitlines()]
     assert 2 in steps
-    _check_in_use(watch)
+    check_in_use(watch)
 
 
 def test_the_smallest_budgets_a_refusal_names_train_to_the_end(tmp_path, smol_dir, write_recipe, watch):
@@ -122,7 +95,7 @@ def test_the_smallest_budgets_a_refusal_names_train_to_the_end(tmp_path, smol_di
     result = train(recipe, progress=False)
     records = [json.loads(line) for line in result.log_path.read_text().splitlines()]
     assert records[-1]["step"] == 2
-    _check_in_use(watch)
+    check_in_use(watch)
 
 
 def test_random_layouts_either_finish_or_are_refused_up_front(tmp_path, cat_model, write_recipe, watch):
@@ -161,7 +134,7 @@ def test_random_layouts_either_finish_or_are_refused_up_front(tmp_path, cat_mode
         assert est.fits, (overrides, budgets)
         outcomes.append("trained")
     assert outcomes.count("trained") >= 8 and outcomes.count("refused") >= 3, outcomes
-    _check_in_use(watch)
+    check_in_use(watch)
 
 
 def test_size_classes_give_each_chunk_the_smallest_slot_that_holds_it():
