@@ -9,10 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
 from tiertune.cli.app import app
+from tiertune.engine import replay as replaying
 from tiertune.errors import ModelError
 from tiertune.finetune.estimate import QUANT_CACHE, estimate
 from tiertune.finetune.recipe import load_recipe
@@ -59,20 +61,77 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_predicted_peaks_match_the_measured_ones(make_recipe, case):
-    recipe = make_recipe(CASES[case])
+GEMMA_CASES = {
+    "gemma, lora on an fp32 base, 2 MiB host budget, base on disk": (
+        "method.type=lora", "offload.params=disk", "offload.host_budget=2MiB"),
+    "gemma, lora on an fp32 base, 2 MiB host and device budgets": (
+        "method.type=lora", "offload.params=disk", "offload.host_budget=2MiB", "offload.device_budget=2MiB"),
+    "gemma, qlora, 1 MiB host and device budgets": (
+        "model.quantize=nf4", "method.type=lora", "offload.params=disk", "offload.host_budget=1MiB",
+        "offload.device_budget=1MiB"),
+    "gemma, full, 8-bit, activations on the host, 4 MiB host budget": (
+        "offload.params=disk", "offload.optimizer_states=disk", "training.optim=adamw_bnb_8bit",
+        "offload.activations=host", "offload.host_budget=4MiB"),
+}  # fmt: skip
+# the host budget binds while the CPU optimizer's thread and the I/O threads work: which copies the host keeps
+# depends on when each transfer lands, and a run's own bytes per step vary from run to run (at 8 micro-batches,
+# five runs each: the first case read 20.8 to 23.2 MB from disk and wrote 19.6 to 21.4 MB; the Gemma case
+# read 21.7 to 22.3 MB, and one more run of it read 12.0 MB). The replay lands each transfer by the store's
+# next call: the peaks are still exact, the bytes moved are checked within the runs' spread
+TIMED = {"full, states on disk, host budget short", "gemma, full, 8-bit, activations on the host, 4 MiB host budget"}
+# micro-batches per step: 1 and 8, but for the cases that are about one micro-batch
+RUNS = [(case, n) for case in [*CASES, *GEMMA_CASES] for n in (1, 8)
+        if n == 1 or "one micro-batch" not in case]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    """A small random Gemma (tied and scaled embeddings, 1 + w norms) with the cat texts' tokenizer."""
+    from transformers import AutoModelForCausalLM, GemmaConfig
+
+    from tests.conftest import CAT_TEXTS
+    from tiertune.finetune.demo import make_tokenizer
+
+    directory = tmp_path_factory.mktemp("gemma")
+    tok = make_tokenizer(CAT_TEXTS, directory)
+    config = GemmaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, bos_token_id=None)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize(("case", "micro_batches"), RUNS)
+def test_the_peaks_and_the_bytes_a_step_moves_are_a_runs(tmp_path, model_dir, gemma_dir, write_recipe, monkeypatch,
+                                                          case, micro_batches):  # fmt: skip
+    """The estimate's peak of every tier is the run's, to the byte (the replay runs each way the update can go:
+    a clipped first step, redone, then after backward, then speculated and confirmed); the bytes its last step
+    moves on each link, replayed with the steps the run clipped, are the run's last step's within 2%."""
+    overrides = [o for o in {**CASES, **GEMMA_CASES}[case] if not o.startswith("training.gradient_accumulation")]
+    path = write_recipe(tmp_path, gemma_dir if case in GEMMA_CASES else model_dir,
+                        training={"gradient_accumulation_steps": micro_batches, "max_steps": 4},
+                        offload={"device_budget": "64MiB", "host_budget": "64MiB"})  # fmt: skip
+    recipe = load_recipe(path, overrides)
     predicted = estimate(recipe, measure=False)
     assert predicted.fits
     result = train(recipe, progress=False)
-    measured = json.loads(result.log_path.read_text().splitlines()[-1])["peak_bytes"]
-    for tier, peak in measured.items():
-        expected = predicted.tiers[tier].peak
-        t = predicted.tiers[tier]
-        if t.passes <= t.budget:  # the tier holds what passes through it: the peak to the byte
-            assert peak == expected, (tier, peak, expected, predicted.tiers)
-        else:  # the budget binds: the tier is full, less than one chunk below its budget
-            assert expected == t.budget and t.budget - t.largest_staged < peak <= t.budget, (tier, peak, t)
+    log = [json.loads(line) for line in result.log_path.read_text().splitlines()]
+    for tier, peak in log[-1]["peak_bytes"].items():
+        assert peak == predicted.tiers[tier].peak, (tier, peak, predicted.tiers)
+    clipped = tuple(record["grad_norm"] > recipe.training.max_grad_norm for record in log)
+    monkeypatch.setattr(replaying, "CLIPPED", clipped)
+    moved = estimate(recipe, measure=False).moved_per_step
+    before, after = log[-2]["bytes_moved"], log[-1]["bytes_moved"]
+    measured = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
+    assert measured.get("host->device", 0) > 0 or case.startswith("gemma, lora") or "lora" in case
+    if case in TIMED:  # every link within the spread of the run's own figures
+        for link in set(measured) | set(moved):
+            assert abs(moved.get(link, 0) - measured.get(link, 0)) <= 0.5 * measured.get(link, 0) + (1 << 20), (
+                link, moved, measured)
+        return
+    for link in set(measured) | set(moved):
+        assert abs(moved.get(link, 0) - measured.get(link, 0)) <= 0.02 * measured.get(link, 0), (link, moved, measured)
 
 
 def test_estimate_command_prints_the_table_and_flags_a_budget_that_cannot_hold(tmp_path, make_recipe):

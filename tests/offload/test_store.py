@@ -356,3 +356,37 @@ def test_chunks_in_use_cannot_fragment_a_planned_tier_into_a_failure(tmp_path, r
         store.release(big)
         for chunk in (small[1], small[3]):
             store.release(chunk)
+
+
+def test_a_ledger_places_evicts_and_moves_as_the_store_does_without_a_byte(disk_dir, tmp_path):
+    """The same calls on a store and on a ledger (``StoreConfig.ledger``): the same peaks and the same bytes per
+    link, with the ledger's tiers on the meta device and no file at its disk_path."""
+    entries = [("w", (40_000,), torch.float32)]  # 160 KB chunks: the 512 KiB host holds three of them
+
+    def run(store: ChunkStore) -> tuple[dict, dict, str]:
+        chunks = [store.add(entries, home="disk", name=f"c{i}")[0] for i in range(6)]
+        chunks += [store.add(entries, home="host", name="h")[0]]
+        for step in range(3):
+            for chunk in chunks:  # forward: read on the device
+                store.acquire(chunk, "device")
+                store.release(chunk)
+            for chunk in reversed(chunks):  # an update on the host, written back when evicted
+                store.acquire(chunk, "host", overwrite=step == 0)
+                store.release(chunk, dirty=True)
+            store.mark_step()
+        store.wait()
+        stats = store.stats()
+        where = store.acquire(chunks[0], "device")["w"].device.type
+        store.release(chunks[0])
+        return {t: s.peak for t, s in stats.tiers.items()}, stats.bytes_moved, where
+
+    common = dict(device_budget="512KiB", host_budget="512KiB", chunk_size="1MiB", block_size="64KiB",
+                  prefetch_depth=0)  # fmt: skip
+    with ChunkStore(StoreConfig(disk_path=str(disk_dir), **common)) as store:
+        real = run(store)
+    nowhere = tmp_path / "not-created"
+    with ChunkStore(StoreConfig(disk_path=str(nowhere), ledger=True, **common)) as ledger:
+        counted = run(ledger)
+    assert counted[:2] == real[:2] and real[1]["host->disk"] > 0 and real[1]["disk->host"] > 0
+    assert (real[2], counted[2]) == ("cpu", "meta")
+    assert not nowhere.exists()

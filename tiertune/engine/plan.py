@@ -41,6 +41,8 @@ from tiertune.offload.tiers import BUDGET_SETTING, Tier, slot_class
 from tiertune.units import format_size, round_up
 
 MEMORY = (Tier.DEVICE, Tier.HOST)
+IN_PLACE = "weights, read in place"  # a planned chunk's kind: frozen weights read from the model's own files
+QUANT_CACHE = "weights, quantized cache"  # quantized on load (written once), read in place from the cache
 CLASS_SPREAD = 1.25
 """Chunks whose sizes are within this factor of a class's smallest share its slots (each slot the size of the
 class's largest): fewer classes, so fewer slots summed over classes whose chunks are never in use together."""

@@ -9,17 +9,18 @@ unquantized release, with a note saying that training from it stops with an erro
 
 - *home*: bytes of the chunks homed there (reserved for the whole run);
 - *passes through*: home plus the chunks homed lower that a step uses there (cached copies);
-- *predicted peak*: min(budget, passes through), since the store keeps what passes through until the budget
-  is full (gradients homed on disk and dropped after their update count one group's, the largest, when no
-  step needs them kept: no clipping, one micro-batch; GaLore's full-gradient accumulators only beyond the
-  twins that replace them during the last micro-batch's backward). Equal to the store's measured peak to
-  the byte when the budget holds what passes through; when it binds, the tier is full, and how full (less
-  than one chunk below the budget) depends on which chunks the cache holds when an allocation fails;
-- *fits*: what the store checks when it places the chunks: home + the largest chunk staged through the
-  tier ≤ budget.
+- *peak*: what the run's store holds there at most, replayed (``engine.replay``): the chunks registered in
+  the trainer's order through the store's own placement, eviction and prefetch on a ledger (no bytes), and a
+  step's calls in the engine's order, every micro-batch, each way the optimizer's update runs (speculated and
+  confirmed, redone after a clipped step, after backward). Equal to a run's measured peak to the byte, and so
+  are the bytes a step moves on each link (``moved_per_step``, the replay's last step) where one thread's
+  order decides them; where the host budget binds while the CPU optimizer works beside backward, its thread's
+  timing moves a run's own figures from step to step (see ``tests/finetune/test_estimate.py``);
+- *fits*: the run's memory plan (``engine.plan``): the homes and the slots reserved for the chunks in use at
+  once fit each memory tier's budget, as ``train`` checks before loading.
 
 How fast a step goes is ``speed``'s model: the step's FLOPs at a GPU's stated peak or measured on this
-machine, the disk and host-to-device traffic (``_traffic``) at measured rates, and the CPU optimizer at
+machine, the replayed step's disk and PCIe traffic at measured rates, and the CPU optimizer at
 torch's fused AdamW rate measured here.
 """
 
@@ -36,7 +37,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiertune.distributed.ownership import shard_layout
-from tiertune.engine.plan import Plan, PlannedChunk, make_plan
+from tiertune.engine import replay as replaying
+from tiertune.engine.plan import IN_PLACE, QUANT_CACHE, Plan, PlannedChunk, make_plan
+from tiertune.engine.replay import Replayed
 from tiertune.errors import ConfigError, ModelError
 from tiertune.finetune.speed import (
     GPU,
@@ -54,6 +57,7 @@ from tiertune.finetune.speed import (
 from tiertune.loading.hub import config_directory
 from tiertune.offload.chunk import itemsize, pack_tensors
 from tiertune.offload.disk import slot_bytes
+from tiertune.offload.inplace import FileTensor, plan_in_place
 from tiertune.offload.store import StoreConfig
 from tiertune.offload.tiers import AUTO_DEVICE_FRACTION, Tier
 from tiertune.units import format_size
@@ -62,8 +66,7 @@ if TYPE_CHECKING:
     from tiertune.finetune.recipe import Recipe
 
 ORDER = (Tier.DEVICE, Tier.HOST, Tier.DISK)
-IN_PLACE = "weights, read in place"  # from the model's own files
-QUANT_CACHE = "weights, quantized cache"  # quantized on load, read in place from the cache's images
+LINKS = ("disk->host", "host->disk", "host->device", "device->host")  # what a step moves, link by link
 
 
 _Chunk = PlannedChunk  # one chunk the run would register
@@ -265,37 +268,24 @@ def estimate(
     disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
     chunks, parameters, trained, outside, flops = _chunks(recipe, store_cfg, cfg, notes, target is not None, disk_room)
     memory = make_plan(chunks, on_cpu=target is None)
-    clipping = cfg.clips
-    layerwise = (
-        cfg.overlap_optimizer != "off" and not clipping and recipe.training.gradient_accumulation_steps == 1
-    )
-    grads = sorted(
-        (c for c in chunks if c.kind == "gradients" and c.home is Tier.DISK), key=lambda c: -c.capacity
-    )
-    # updated during backward in place and dropped: one group's gradients in memory at a time (GradientSink)
-    transient = {id(c) for c in grads[1:]} if layerwise else set()
     kinds: dict[str, tuple[str, int]] = {}
     for c in chunks:
         tier, total = kinds.get(c.kind, (c.home.value, 0))
         kinds[c.kind] = (tier, total + c.capacity)
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget, Tier.DISK: disk_room}
+    replayed = _replay(chunks, store_cfg, cfg, memory, budgets, recipe.training.gradient_accumulation_steps, notes)
     tiers = {}
     for tier in ORDER:
         above = ORDER.index(tier)
         home = sum(c.capacity for c in chunks if c.home is tier)
-        staged = [
-            c for c in chunks
-            if ORDER.index(c.home) > above and ORDER.index(c.used_on) <= above and id(c) not in transient
-        ]  # fmt: skip
-        # GaLore's accumulators are discarded as the last micro-batch's backward reaches their layer, while
-        # that backward fills the optimizer's twins: the store holds the larger set of the two, not both
-        accumulators = sum(c.capacity for c in staged if c.kind == "accumulators")
-        twins = sum(c.capacity for c in staged if c.kind == "twins")
-        passes = home + sum(c.capacity for c in staged if c.kind != "accumulators")
-        passes += max(0, accumulators - twins)
+        staged = [c for c in chunks if ORDER.index(c.home) > above and ORDER.index(c.used_on) <= above]
+        passes = home + sum(c.capacity for c in staged)
         if tier is Tier.DISK:  # slots: a header with a checksum per block, then the chunk; nothing above it
             home = passes = _slots(chunks, store_cfg)
-        peak = min(budgets[tier], passes) if tier is not Tier.DISK else home
+        if replayed is not None:
+            peak = replayed.peaks.get(tier.value, 0)
+        else:  # no step to replay: the tier fills up to what passes through it
+            peak = min(budgets[tier], passes) if tier is not Tier.DISK else home
         in_use = memory.needed(tier) - home if tier is not Tier.DISK else 0
         largest = max((c.capacity for c in staged), default=0)
         tiers[tier.value] = TierEstimate(budgets[tier], home, passes, peak, largest, in_use)
@@ -315,7 +305,7 @@ def estimate(
     est.machine["ram"] = psutil.virtual_memory().total
     if target is not None:
         est.machine["gpu_memory"] = target.memory
-    _traffic(est, chunks, budgets)
+    est.moved_per_step = {link: replayed.moved.get(link, 0) for link in LINKS} if replayed is not None else {}
     if processes > 1:  # the chunks each rank registers (its shards), under a rank's budgets, as train plans it
         local = per_node or processes
         on_cpu = store_cfg.device.type == "cpu" and target is None  # the device tier is the node's RAM too
@@ -416,20 +406,29 @@ def _chunks(
         kind = "weights"
         if split is not None:
             mapped, entries = split(group)
-            if mapped:
+            if mapped and isinstance(mapped[0], FileTensor):  # laid out over the files as the store lays them
+                for layout, _ in plan_in_place(mapped, max(size, 1)):
+                    chunks.append(_Chunk(IN_PLACE, Tier.DISK, layout.capacity, Tier.DEVICE, False, True,
+                                         [(t.name, t.shape, t.dtype) for t in layout.tensors],
+                                         group.kind == "layer", layout, gi, "weights"))  # fmt: skip
+            elif mapped:  # config.json alone: where each tensor starts in its file is not known
                 add(mapped, IN_PLACE, Tier.DISK, Tier.DEVICE, False, in_place=True, layer=group.kind == "layer",
                     group=gi)  # fmt: skip
             # as load_into_store homes it: a checkpoint saved quantized holds every quantized linear weight
             prequantized = {n for n, p in group.params.items() if is_quantized(p)} if saved is not None else ()
             if quant is not None and quantized_on_load(group, prequantized) and cfg.quant_cache is not None:
                 kind = QUANT_CACHE
+        before = len(chunks)
         if entries:
             add(entries, kind, cfg.params, Tier.DEVICE, trained_flag, in_place=kind == QUANT_CACHE,
                 layer=group.kind == "layer", group=gi)  # fmt: skip
         if not trained_flag:
             continue
         trained += group.numel
-        units.append(_states(chunks, cfg, galore, device, gi))
+        weights, chunks[before:] = chunks[before:], []
+        for w in weights:  # each weight chunk followed by its states (``layout.add_states``)
+            chunks.append(w)
+            units.append(_states(chunks, cfg, galore, device, gi))
     hidden = model.config.hidden_size
     act = cfg.activation_tokens * hidden * itemsize(cfg.dtype)
     outside: dict[str, int] = {}
@@ -496,8 +495,7 @@ def _in_place_split(model_dir: str, model: torch.nn.Module, cfg, quant, saved: d
         source = checkpoint_names(model, checkpoint)
 
         def from_files(group) -> tuple[list, list]:
-            mapped, rest = read_in_place(group, cfg.dtype, quant, checkpoint, source)
-            return [(t.name, t.shape, t.dtype) for t in mapped], rest
+            return read_in_place(group, cfg.dtype, quant, checkpoint, source)
 
         return from_files
     raw = json.loads((Path(model_dir) / "config.json").read_text())
@@ -577,33 +575,20 @@ def _slots(chunks: list[_Chunk], store_cfg: StoreConfig) -> int:
     return sum(slot_bytes(c.capacity, block) for c in chunks if c.home is Tier.DISK and not c.in_place)
 
 
-def _traffic(est: Estimate, chunks: list[_Chunk], budgets: dict[Tier, int]) -> None:
-    """Bytes a step moves between tiers (see the module docstring).
-
-    Host to device: the weights the device has no valid copy of at forward (trained weights are changed on
-    the host every step), and again at backward those it could not keep.
-
-    Disk: what passes through the host beyond its budget cannot stay cached from one step to the next, so
-    each step evicts and brings back that much (``spill``); weights the device cannot keep between forward
-    and backward pass through the host twice. Of the traffic, the share of the staged bytes that are read
-    (weights, master weights, moments, projections: not gradients, accumulators or twins, which are made,
-    not read) is read from disk, the rest written to it."""
-    host = est.tiers["host"]
-    spill = max(0, host.passes - budgets[Tier.HOST])
-    device_room = budgets[Tier.DEVICE] - sum(c.capacity for c in chunks if c.home is Tier.DEVICE)
-    streamed = sum(c.capacity for c in chunks if c.used_on is Tier.DEVICE and c.home is not Tier.DEVICE)
-    again = max(0, streamed - max(0, device_room))  # read again for backward
-    staged = [c for c in chunks if c.home is Tier.DISK and c.kind != "activations"]
-    made = ("gradients", "accumulators", "twins")
-    read_share = sum(c.capacity for c in staged if c.kind not in made) / max(1, sum(c.capacity for c in staged))
-    changed = sum(c.capacity for c in staged if c.changed and c.kind not in ("gradients", "accumulators"))
-    moved = spill + (min(again, spill) if spill else 0)
-    est.moved_per_step["disk->host"] = round(moved * read_share)
-    est.moved_per_step["host->disk"] = min(changed, moved - est.moved_per_step["disk->host"])
-    # forward brings up what the device does not hold valid: beyond its room, and trained weights, which the
-    # optimizer changed on the host; backward brings up again what the device could not keep
-    stale = sum(c.capacity for c in chunks if c.used_on is Tier.DEVICE and c.home is not Tier.DEVICE and c.changed)
-    est.moved_per_step["host->device"] = max(stale, streamed - max(0, device_room)) + again
+def _replay(
+    chunks: list[_Chunk], store_cfg: StoreConfig, cfg, memory: Plan, budgets: dict[Tier, int], micro_batches: int,
+    notes: list[str],
+) -> Replayed | None:  # fmt: skip
+    """The run's steps replayed on a ledger (``engine.replay``): the store's own placement, eviction and prefetch
+    over these chunks, the engine's calls in its order, every micro-batch; its peaks and the bytes a step
+    moves. None (with a note) when the budgets cannot hold the plan: there is no step to replay."""
+    if memory.short(budgets):
+        notes.append("no step replayed: the budgets cannot hold the run's memory plan (the peaks shown are what "
+                     "passes through each tier, up to its budget)")  # fmt: skip
+        return None
+    twins = any(c.role == "twin" for c in chunks)
+    ledger = dataclasses.replace(store_cfg, reserve=memory.store_reserve(), disk_budget=None)
+    return replaying.replay(chunks, ledger, dataclasses.replace(cfg, twins=twins), micro_batches, replaying.CLIPPED)
 
 
 def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU | None) -> StepTime:
@@ -642,13 +627,15 @@ def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU
             compute = flops.total / measure_matmul(device, dtype, m, k, n)
             source = f"a ({m} x {k}) @ ({k} x {n}) {str(dtype).removeprefix('torch.')} product measured on {where}"
     parts = {"compute": compute}
-    bw, moved = est.bandwidth, est.moved_per_step
+    bw = est.bandwidth
+    moved = {link: est.moved_per_step.get(link, 0) for link in LINKS}
     if "disk_read" in bw:
         parts["disk"] = moved["disk->host"] / bw["disk_read"] + moved["host->disk"] / bw["disk_write"]
-    if target is not None and "host_to_device" in bw:
-        parts["host->device"] = moved["host->device"] / bw["host_to_device"]
-    elif target is None and moved["host->device"]:  # the CPU's own cores copy into the device tier
-        parts["host->device"] = moved["host->device"] / measure_copy()
+    for link in ("host->device", "device->host"):  # PCIe: each way at the host-to-device rate
+        if target is not None and "host_to_device" in bw:
+            parts[link] = moved[link] / bw["host_to_device"]
+        elif target is None and moved[link]:  # the CPU's own cores copy between the tiers
+            parts[link] = moved[link] / measure_copy()
     if "optimizer_params" in bw and est.kinds.get("moments"):
         parts["optimizer"] = est.trained_parameters / bw["optimizer_params"]
     try:
@@ -693,7 +680,7 @@ def format_estimate(est: Estimate, title: str) -> str:
             ok = f"NO: {short[name]}" if ok == "yes" else f"{ok}; {short[name]}"
         lines.append(f"{name:<8}{budget:>12}{format_size(t.home):>12}{format_size(t.passes):>12}"
                      f"{format_size(t.peak):>12}  {ok}")  # fmt: skip
-    moved = ", ".join(f"{k} {format_size(v)}" for k, v in est.moved_per_step.items())
+    moved = ", ".join(f"{k} {format_size(est.moved_per_step[k])}" for k in LINKS if k in est.moved_per_step)
     lines += ["", f"how much disk: disk_path needs {format_size(est.disk_needed)} free", "",
               f"moved per step: {moved}"]  # fmt: skip
     sp = est.speed
@@ -703,13 +690,15 @@ def format_estimate(est: Estimate, title: str) -> str:
         lines.append(f"  compute      {sp.parts['compute']:.3g} s ({sp.compute_rate_source}), "
                      f"{sp.compute_rate / 1e12:.3g} TFLOP/s")  # fmt: skip
         if "disk" in sp.parts:
-            lines.append(f"  disk         read {format_size(est.moved_per_step['disk->host'])} / "
-                         f"{bw['disk_read'] / 1e9:.2f} GB/s + write {format_size(est.moved_per_step['host->disk'])} / "
+            moved = est.moved_per_step
+            lines.append(f"  disk         read {format_size(moved.get('disk->host', 0))} / "
+                         f"{bw['disk_read'] / 1e9:.2f} GB/s + write {format_size(moved.get('host->disk', 0))} / "
                          f"{bw['disk_write'] / 1e9:.2f} GB/s = {sp.parts['disk']:.3g} s")  # fmt: skip
-        if "host->device" in sp.parts:
-            rate = est.moved_per_step["host->device"] / sp.parts["host->device"]
-            lines.append(f"  host->device {format_size(est.moved_per_step['host->device'])} / "
-                         f"{rate / 1e9:.1f} GB/s = {sp.parts['host->device']:.3g} s")  # fmt: skip
+        for link in ("host->device", "device->host"):
+            if sp.parts.get(link):
+                rate = est.moved_per_step[link] / sp.parts[link]
+                lines.append(f"  {link} {format_size(est.moved_per_step[link])} / "
+                             f"{rate / 1e9:.1f} GB/s = {sp.parts[link]:.3g} s")  # fmt: skip
         if "optimizer" in sp.parts:
             lines.append(f"  optimizer    {est.trained_parameters:,} params / {bw['optimizer_params'] / 1e9:.2f} G params/s "
                          f"(CPU AdamW) = {sp.parts['optimizer']:.3g} s")  # fmt: skip

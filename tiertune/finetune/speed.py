@@ -255,7 +255,7 @@ class StepTime:
     flops: StepFlops
     compute_rate: float  # FLOP/s
     compute_rate_source: str  # "stated peak of ..." or "measured ..."
-    parts: dict[str, float]  # seconds: compute, disk, host->device, optimizer
+    parts: dict[str, float]  # seconds: compute, disk, host->device, device->host, optimizer
     overlapped: bool  # GPU: the parts overlap; CPU: compute + optimizer share the cores
     steps: int | None  # the recipe's steps (None: unknown without the data)
     steps_source: str

@@ -65,7 +65,8 @@ class IOHandle:
                 return
         fn(self)
 
-    def _part_done(self, error: BaseException | None = None) -> None:
+    def part_done(self, error: BaseException | None = None) -> None:
+        """One part finished (``error``: it failed); the last runs the callbacks."""
         with self._lock:
             if error is not None and self._error is None:
                 self._error = error
@@ -135,14 +136,14 @@ class AsyncIO:
 
         def next_step(done: IOHandle) -> None:
             if done.error is not None:
-                outer._part_done(done.error)
+                outer.part_done(done.error)
                 return
             try:
                 second = self.run(label, tasks())
             except BaseException as exc:
-                outer._part_done(exc)
+                outer.part_done(exc)
                 return
-            second.add_done_callback(lambda h: outer._part_done(h.error))
+            second.add_done_callback(lambda h: outer.part_done(h.error))
 
         first.add_done_callback(next_step)
         return outer
@@ -202,6 +203,6 @@ def _run_part(handle: IOHandle, task: Callable[[], None]) -> None:
     try:
         task()
     except BaseException as exc:
-        handle._part_done(exc)
+        handle.part_done(exc)
     else:
-        handle._part_done(None)
+        handle.part_done(None)

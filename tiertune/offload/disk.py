@@ -172,6 +172,18 @@ class DiskTier:
         self.fd = self._create()  # last: nothing after it can fail and leave the file behind
         self._allocated = ALIGN  # bytes of the file backed by fallocate
 
+    @classmethod
+    def ledger(cls, budget: int | None, aio: AsyncIO) -> DiskTier:
+        """The slots' bookkeeping without a file (``StoreConfig.ledger``): slots within ``budget`` (None: no
+        limit); nothing is written or read."""
+        tier = cls.__new__(cls)
+        tier.directory = tier.path = Path("/nonexistent-ledger")
+        tier.aio, tier.direct, tier.budget_is_free_space = aio, False, False
+        tier.arena = Arena(budget if budget is not None else 1 << 60)
+        tier.fd = -1  # no file: close() has nothing to do
+        tier._allocated = 1 << 62  # never grown (reserve's fallocate)
+        return tier
+
     @property
     def budget(self) -> int:
         return self.arena.capacity

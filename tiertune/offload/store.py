@@ -71,6 +71,10 @@ class StoreConfig:
     # the run's plan (engine.plan.Plan.reserve): per memory tier ("device", "host"), {slot size: count} of
     # slots kept for chunks in use there (see MemoryTier); None: no slots, every chunk shares the arena
     reserve: dict[str, dict[int, int]] | None = None
+    # a ledger: the same placement, eviction and prefetch, over no bytes (the tiers' arenas on the meta
+    # device, each transfer done at the store's next call, no file at disk_path): what ``engine.replay`` runs
+    # a step's calls through to count the bytes a run's step holds and moves, without the machine to run it
+    ledger: bool = False
 
     def __post_init__(self) -> None:
         self.device = _resolve_device(self.device)
@@ -200,16 +204,20 @@ class ChunkStore:
     """
 
     def __init__(self, config: StoreConfig) -> None:
-        _check_memory(config)
+        if not config.ledger:
+            _check_memory(config)
         self.config = config
         self.device = config.device  # type: ignore[assignment]
-        pin = self.device if self.device.type == "cuda" else False  # page-locked for the compute GPU
+        self.ledger = config.ledger
+        pin = self.device if self.device.type == "cuda" and not self.ledger else False  # page-locked for the GPU
+        memory = {t: torch.device("meta") if self.ledger else d for t, d in
+                  ((Tier.DEVICE, self.device), (Tier.HOST, torch.device("cpu")))}  # fmt: skip
         reserve = config.reserve or {}
         self._planned = config.reserve is not None  # the run's plan covers staging and use (see _place)
         self._mem = {
-            Tier.DEVICE: MemoryTier(Tier.DEVICE, config.device_budget, self.device, reserve=reserve.get("device")),  # type: ignore[arg-type]
+            Tier.DEVICE: MemoryTier(Tier.DEVICE, config.device_budget, memory[Tier.DEVICE], reserve=reserve.get("device")),  # type: ignore[arg-type]
             Tier.HOST: MemoryTier(
-                Tier.HOST, config.host_budget, torch.device("cpu"), pin=pin, reserve=reserve.get("host")  # type: ignore[arg-type]
+                Tier.HOST, config.host_budget, memory[Tier.HOST], pin=pin, reserve=reserve.get("host")  # type: ignore[arg-type]
             ),
         }
         if pin:
@@ -218,7 +226,9 @@ class ChunkStore:
             self._mem[Tier.HOST].allocate()
         self.aio = AsyncIO(config.queue_depth, config.block_size)  # type: ignore[arg-type]
         self.disk: DiskTier | None = None
-        if config.disk_path is not None:
+        if config.disk_path is not None and self.ledger:
+            self.disk = DiskTier.ledger(config.disk_budget, self.aio)  # type: ignore[arg-type]
+        elif config.disk_path is not None:
             self.disk = DiskTier(config.disk_path, config.disk_budget, self.aio, direct=config.direct)  # type: ignore[arg-type]
             weakref.finalize(self, DiskTier.close, self.disk)
         self.scheduler = Scheduler()
@@ -239,6 +249,7 @@ class ChunkStore:
         self._moved: dict[str, int] = {}
         self._moved_by: dict[int, dict[str, int]] = {}  # chunk id -> link -> bytes
         self._fatal: BaseException | None = None
+        self._landing: list[IOHandle] = []  # a ledger's transfers, done at its next call (``_land``)
         self._cond = threading.Condition(threading.RLock())
         self._closed = False
 
@@ -306,7 +317,11 @@ class ChunkStore:
         or a cache's safetensors): chunks homed on disk, read in place, never written and taking nothing of
         the disk tier's budget. They start ON_DISK. Raises BudgetError if the host or device cannot stage them."""
         size = self.config.chunk_size if chunk_size is None else chunk_size
-        plans = plan_in_place(tensors, size)  # type: ignore[arg-type]
+        return self.add_placed(plan_in_place(tensors, size), name)  # type: ignore[arg-type]
+
+    def add_placed(self, plans: Sequence[tuple[ChunkLayout, InPlace]], name: str) -> list[Chunk]:
+        """Register frozen chunks read in place, each a layout and where its bytes are (``add_in_place`` plans
+        them from the files' tensors; a ledger's have no file)."""
         new: list[Chunk] = []
         with self._cond:
             self._check_open()
@@ -344,14 +359,18 @@ class ChunkStore:
                 raise StateError(
                     f"chunk {chunk.name!r} cannot be read from {path}: it is not a released chunk homed on disk"
                 )
-            st = path.stat()
-            if st.st_size < chunk.capacity:
-                raise IntegrityError(
-                    f"{path} holds {st.st_size} bytes where chunk {chunk.name!r} has {chunk.capacity}"
-                )
-            stamp = ((path, st.st_size, st.st_mtime_ns),)
+            if self.ledger:  # a file nobody reads
+                place = InPlace((), ())
+            else:
+                st = path.stat()
+                if st.st_size < chunk.capacity:
+                    raise IntegrityError(
+                        f"{path} holds {st.st_size} bytes where chunk {chunk.name!r} has {chunk.capacity}"
+                    )
+                stamp = ((path, st.st_size, st.st_mtime_ns),)
+                place = InPlace((Window(path, 0, 0, chunk.capacity),), stamp)
             slot = self._slots.get(chunk.id)
-            self._slots[chunk.id] = InPlace((Window(path, 0, 0, chunk.capacity),), stamp)
+            self._slots[chunk.id] = place
             if isinstance(slot, DiskSlot) and self.disk is not None:
                 self.disk.release(slot)
             chunk.disk_checksums = checksums
@@ -447,6 +466,7 @@ class ChunkStore:
             raise ConfigError("chunks are acquired on the device or the host, not on disk")
         copy = None
         with self._cond:
+            self._land()
             self._check_open()
             if traced:
                 self.scheduler.on_access(chunk.id, tier, overwrite or copy_from is not None)
@@ -471,6 +491,7 @@ class ChunkStore:
     def release(self, chunk: Chunk, dirty: bool = False) -> None:
         """Unpin ``chunk``. ``dirty=True`` says its tensors were modified: other copies become stale."""
         with self._cond:
+            self._land()
             if chunk.state is not S.IN_USE:
                 raise StateError(
                     f"release of chunk {chunk.name!r} that is not acquired ({chunk.state.value})"
@@ -490,7 +511,7 @@ class ChunkStore:
             if dirty:
                 for other in list(chunk.valid - {tier}):
                     self._invalidate(chunk, other)
-            if tier is Tier.DEVICE and self.device.type == "cuda":
+            if tier is Tier.DEVICE and self.device.type == "cuda" and not self.ledger:
                 # kernels queued on the compute stream may still read or write the chunk: remember when
                 # they finish, so a copy out waits for them and its memory is not reused before
                 event = torch.cuda.Event()
@@ -508,6 +529,7 @@ class ChunkStore:
         disk) and releases them as modified. Outside the scheduler's trace, e.g. for loading weights."""
         tier = Tier.DEVICE if chunk.home is Tier.DEVICE else Tier.HOST
         with self._cond:
+            self._land()
             self._check_open()
             if self.in_place(chunk) is not None:
                 raise StateError(self._read_only(chunk))
@@ -537,6 +559,7 @@ class ChunkStore:
             raise ConfigError("scratch space is on the device or the host, not on disk")
         standin = Chunk(-1, name, ChunkLayout((), round_up(max(nbytes, 1), ALIGN)), tier)
         with self._cond:
+            self._land()
             self._check_open()
             alloc = self._alloc(tier, standin, blocking=True)
             self._count_in_use(standin, tier, 1, scratch=True)
@@ -559,6 +582,7 @@ class ChunkStore:
     def read(self, chunk: Chunk) -> dict[str, torch.Tensor]:
         """A copy of ``chunk``'s tensors on the CPU (outside the scheduler's trace)."""
         with self._cond:
+            self._land()
             self._check_open()
             self._pin(chunk, Tier.HOST)
             views = chunk.views(chunk.copies[Tier.HOST].tensor)  # type: ignore[attr-defined]
@@ -572,6 +596,7 @@ class ChunkStore:
         the trace that the caller knows are coming, like the optimizer's). Evicts only cached copies that
         the trace does not need within its host lookahead; chunks that cannot get room are skipped."""
         with self._cond:
+            self._land()
             self._check_open()
             ahead = self.scheduler.upcoming(self.config.host_prefetch_depth)  # type: ignore[arg-type]
             before = max((self.scheduler.next_use(c) for c in ahead), default=math.inf)
@@ -601,6 +626,7 @@ class ChunkStore:
         """Forget ``chunk``'s contents: no copy of them is written back or read again, and cached copies
         free their space. The chunk is EMPTY afterwards (its next acquire reads zeros)."""
         with self._cond:
+            self._land()
             self._check_open()
             while chunk.state in IN_FLIGHT:
                 self._wait()
@@ -622,6 +648,7 @@ class ChunkStore:
                 f"chunks {a.name!r} and {b.name!r} cannot exchange contents: layouts or homes differ"
             )
         with self._cond:
+            self._land()
             self._check_open()
             while a.state in IN_FLIGHT or b.state in IN_FLIGHT:
                 self._wait()
@@ -648,6 +675,7 @@ class ChunkStore:
     def mark_step(self) -> None:
         """Tell the scheduler a training step ended: the first step's access order becomes the trace."""
         with self._cond:
+            self._land()
             self.scheduler.mark_step()
             self._prefetch()
 
@@ -669,6 +697,7 @@ class ChunkStore:
         returns at once: for data written on the device that is needed again much later.
         """
         with self._cond:
+            self._land()
             self._check_open()
             if not wait:
                 if chunk.state is S.IN_USE:
@@ -693,12 +722,14 @@ class ChunkStore:
     def wait(self) -> None:
         """Block until no transfer is in flight (prefetches and write-backs included)."""
         with self._cond:
+            self._land()
             while any(c.state in IN_FLIGHT for c in self._chunks):
                 self._wait()
 
     def stats(self) -> StoreStats:
         """Budgets, current and peak accounted bytes per tier, and bytes moved per link."""
         with self._cond:
+            self._land()
             tiers = {t.value: TierStats(m.budget, m.used, m.peak, m.pinned_bytes) for t, m in self._mem.items()}
             if self.disk is not None:
                 a = self.disk.arena
@@ -803,12 +834,29 @@ class ChunkStore:
         if change > 0 and self._in_use[key] > self._in_use_peak[key]:
             self._in_use_peak[key] = self._in_use[key]
 
+    def _in_flight(self, label: str) -> IOHandle:
+        """A ledger's transfer (no byte moves): done at the store's next call, as a transfer started during one
+        call of a run's step is, most often, by the next (``_land``)."""
+        handle = IOHandle(label, parts=1)
+        self._landing.append(handle)
+        return handle
+
+    def _land(self) -> None:
+        """A ledger: finish the transfers started so far, and those their completions start."""
+        while self._landing:
+            self._landing.pop(0).part_done()
+
     def _wait(self, on_others: bool = False) -> None:
         """Wait for a notification. ``on_others``: what is waited for may need another thread to act (free
         room, release a chunk it holds); such a wait is what ``waiting`` reports. A wait for a transfer in
         flight ends by itself."""
         if self._fatal is not None:
             raise self._fatal
+        if self.ledger:  # nothing happens meanwhile but the transfers started: they finish now
+            if not self._landing:
+                raise StateError("a ledger waits for another thread: one thread's calls cannot replay this")
+            self._land()
+            return
         me = threading.get_ident()
         self._waiting[me] += on_others
         try:
@@ -1094,12 +1142,11 @@ class ChunkStore:
         # copy out must not read it before the kernels writing it are done, and a copy in (into the home
         # copy of a device-homed chunk, after its host copy changed) must not overwrite it under kernels
         # still reading it; a fresh device range was synchronized with its previous user when freed
-        handle = self.aio.copy(
-            alloc.tensor,
-            chunk.copies[src].tensor,
-            f"{src.value}->{dst.value} {chunk.name}",
-            chunk.device_event,
-        )  # type: ignore[attr-defined]
+        label = f"{src.value}->{dst.value} {chunk.name}"
+        if self.ledger:
+            handle = self._in_flight(label)
+        else:
+            handle = self.aio.copy(alloc.tensor, chunk.copies[src].tensor, label, chunk.device_event)  # type: ignore[attr-defined]
         ok, fail = (S.ON_DEVICE, S.ON_HOST) if dst is Tier.DEVICE else (S.ON_HOST, S.ON_DEVICE)
         handle.add_done_callback(
             lambda h: self._done(chunk, h, src, dst, ok, fail, drop=src if then_drop else None)
@@ -1116,7 +1163,9 @@ class ChunkStore:
         chunk.transition(S.LOADING)
         sums: list[int] = []
         try:
-            if isinstance(slot, InPlace):
+            if self.ledger:
+                handle = self._in_flight(f"read {chunk.name}")
+            elif isinstance(slot, InPlace):
                 handle = self.files.read(chunk.name, slot, alloc.tensor, chunk.disk_checksums, sums)
             else:
                 handle = self.disk.read(chunk, slot, alloc.tensor, chunk.disk_checksums)  # type: ignore[union-attr,arg-type]
@@ -1140,7 +1189,10 @@ class ChunkStore:
             raise StateError(f"chunk {chunk.name!r} has no disk copy yet: its file was to be given (home_in_file)")
         assert self.disk is not None
         chunk.transition(S.WRITING)
-        handle, sums = self.disk.write(chunk, self._slots[chunk.id], chunk.copies[Tier.HOST].tensor)  # type: ignore[attr-defined]
+        if self.ledger:
+            handle, sums = self._in_flight(f"write {chunk.name}"), []
+        else:
+            handle, sums = self.disk.write(chunk, self._slots[chunk.id], chunk.copies[Tier.HOST].tensor)  # type: ignore[attr-defined]
 
         def done(h: IOHandle) -> None:
             if h.error is None:
