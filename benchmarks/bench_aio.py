@@ -141,7 +141,7 @@ def bench_engine(args: argparse.Namespace, directory: Path) -> dict:
 def bench_overlap(args: argparse.Namespace, directory: Path) -> dict:
     chunk_size = args.overlap_chunk_size
     n = args.overlap_chunks
-    cfg = StoreConfig(
+    cfg = StoreConfig.resolve(
         device_budget=4 * chunk_size,
         host_budget=8 * chunk_size,
         disk_path=str(directory),

@@ -87,7 +87,7 @@ def load(model_dir: str, disk_dir: str, host_budget: int, dtype: str) -> dict:
     torch_dtype = getattr(torch, dtype)
     start = time.perf_counter()
     parts = split_model(build_skeleton(model_dir, torch_dtype))
-    cfg = StoreConfig(device_budget="1GiB", host_budget=host_budget, disk_path=disk_dir, chunk_size="256MiB")
+    cfg = StoreConfig.resolve(device_budget="1GiB", host_budget=host_budget, disk_path=disk_dir, chunk_size="256MiB")
     with ChunkStore(cfg) as store:
         load_into_store(parts, Checkpoint(model_dir), store, "disk", torch_dtype)
         store.flush()

@@ -78,7 +78,7 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
     from tiertune.offload.store import StoreConfig
 
     dtype = _setup_device(args)
-    store = StoreConfig(device=args.device, device_budget=args.device_budget, host_budget=args.host_budget,
+    store = StoreConfig.resolve(device=args.device, device_budget=args.device_budget, host_budget=args.host_budget,
                         disk_path=disk_dir, chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
     engine = EngineConfig(dtype=dtype, method="lora", quantize="nf4", params="disk",
                           lora=LoraSettings(r=16, alpha=32, dropout=0.0), learning_rate=1e-4,

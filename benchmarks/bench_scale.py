@@ -219,7 +219,7 @@ def train(model_dir: Path, disk_dir: Path, args: argparse.Namespace) -> dict:
     lora = LoraSettings(r=args.rank, alpha=2 * args.rank, dropout=0.0, seed=0, target_modules="all-linear")
     cfg = EngineConfig(dtype=torch.bfloat16, method="lora", quantize="nf4", lora=lora, learning_rate=args.lr,
                        params="disk", max_steps=args.steps, warmup_steps=0)  # fmt: skip
-    store = StoreConfig(device="cpu", device_budget=args.device_budget, host_budget=args.host_budget,
+    store = StoreConfig.resolve(device="cpu", device_budget=args.device_budget, host_budget=args.host_budget,
                         disk_path=str(disk_dir), chunk_size="1GiB", prefetch_depth=1)  # fmt: skip
     began = time.perf_counter()
     trainer = StreamedTrainer(str(model_dir), store, cfg)

@@ -63,7 +63,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_cap / total))
     if mode.startswith("disk"):
-        store = StoreConfig(device=args.device, device_budget=args.device_budget, host_budget=args.host_budget,
+        store = StoreConfig.resolve(device=args.device, device_budget=args.device_budget, host_budget=args.host_budget,
                             disk_path=disk_dir, chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
         engine = EngineConfig(params="disk", optimizer_states="disk", gradients="host", max_steps=args.steps,
                               overlap_optimizer=mode != "disk-serial")  # fmt: skip
@@ -71,11 +71,11 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
             engine.method = "galore"
             engine.galore = GaloreSettings(rank=args.galore_rank, svd=args.galore_svd)
     elif mode == "host":
-        store = StoreConfig(device=args.device, device_budget=args.device_budget, host_budget=args.host_budget,
+        store = StoreConfig.resolve(device=args.device, device_budget=args.device_budget, host_budget=args.host_budget,
                             chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
         engine = EngineConfig(params="host", optimizer_states="host", gradients="host", max_steps=args.steps)
     else:
-        store = StoreConfig(device=args.device, device_budget=args.memory_device_budget,
+        store = StoreConfig.resolve(device=args.device, device_budget=args.memory_device_budget,
                             host_budget=args.memory_host_budget, chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
         engine = EngineConfig(
             params="device", optimizer_states="host", gradients="host", max_steps=args.steps

@@ -60,7 +60,7 @@ def worker(args: argparse.Namespace) -> None:
     if world.size > 1:
         init_process_group(world, dist.FileStore(str(args.dir / "rendezvous"), world.size))
     torch.set_num_threads(world.threads())
-    store_cfg = StoreConfig(
+    store_cfg = StoreConfig.resolve(
         device="cpu", device_budget=args.budget // world.size, host_budget=args.budget // world.size,
         disk_path=str(world.disk_dir(args.dir / f"nvme-{world.size}")), chunk_size=1 << 40, num_shards=world.size,
     )  # fmt: skip

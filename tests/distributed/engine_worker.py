@@ -64,7 +64,7 @@ def main() -> None:
     torch.manual_seed(0)
     case = os.environ["TT_CASE"]
     disk = world.disk_dir(os.environ["TT_DISK"])
-    store_cfg = StoreConfig(
+    store_cfg = StoreConfig.resolve(
         device="cpu", device_budget="64MiB", host_budget="64MiB", disk_path=str(disk), chunk_size=1 << 40,
         num_shards=world.size,
     )  # fmt: skip

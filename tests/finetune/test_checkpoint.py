@@ -228,7 +228,7 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_the_step_bo
     from tiertune.finetune.data import batches, load_data
     from tiertune.offload.store import StoreConfig
 
-    store = StoreConfig(device_budget="4MiB", host_budget="2MiB", disk_path=str(disk_dir))
+    store = StoreConfig.resolve(device_budget="4MiB", host_budget="2MiB", disk_path=str(disk_dir))
     config = EngineConfig(params="disk", optimizer_states="disk", max_steps=4, learning_rate=1e-3)
     trainer = StreamedTrainer(str(model_dir), store, config)
     from transformers import AutoTokenizer

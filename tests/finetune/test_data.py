@@ -268,7 +268,7 @@ def test_the_engine_trains_packed_rows_like_the_plain_model(tmp_path, tokenizer,
     expected = torch.nn.functional.cross_entropy(
         logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1), ignore_index=-100
     )
-    store = StoreConfig(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
+    store = StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
     trainer = StreamedTrainer(str(tmp_path / "model"), store, EngineConfig(learning_rate=0.0))
     try:
         loss = trainer.step([batch])

@@ -107,7 +107,7 @@ def _check_parity(path, initial, disk_dir, placement, **kw):
 
     # with states on disk the host holds a fraction of them, so every step reads and writes them on disk
     host = "2MiB" if placement == "disk" else "8MiB"
-    store = StoreConfig(
+    store = StoreConfig.resolve(
         device_budget="8MiB", host_budget=host, disk_path=str(disk_dir), chunk_size="1MiB", prefetch_depth=1
     )
     trainer = StreamedTrainer(str(path), store, cfg)
@@ -185,7 +185,7 @@ def test_24_layers_train_with_a_device_budget_of_about_two_layers(tiny_model_dir
         capacity(g) for g in groups if g.kind != "layer"
     )  # embed + final norm, bound per micro-batch
     budget = pinned + 2 * layer_bytes  # two layers: the one computing and the one prefetched
-    store = StoreConfig(
+    store = StoreConfig.resolve(
         device_budget=budget, host_budget="4MiB", disk_path=str(disk_dir), chunk_size="1MiB", prefetch_depth=1
     )
     trainer = StreamedTrainer(str(path), store, cfg)
@@ -206,7 +206,7 @@ def test_24_layers_train_with_a_device_budget_of_about_two_layers(tiny_model_dir
 def test_bf16_weights_follow_fp32_master_weights(tiny_model_dir, disk_dir):
     path, _ = tiny_model_dir("qwen2")
     cfg = _config(dtype=torch.bfloat16, params="disk", optimizer_states="disk", max_steps=4, warmup_steps=0)
-    store = StoreConfig(device_budget="8MiB", host_budget="2MiB", disk_path=str(disk_dir), chunk_size=1 << 40)
+    store = StoreConfig.resolve(device_budget="8MiB", host_budget="2MiB", disk_path=str(disk_dir), chunk_size=1 << 40)
     trainer = StreamedTrainer(str(path), store, cfg)
     try:
         batch = _batches(211)[:ACCUM]
@@ -242,7 +242,7 @@ def test_a_micro_batch_larger_than_the_activation_chunks_is_a_clear_error(tiny_m
 
     path, _ = tiny_model_dir("llama")
     cfg = _config(activations="host", activation_tokens=8)
-    trainer = StreamedTrainer(str(path), StoreConfig(device_budget="8MiB", host_budget="8MiB"), cfg)
+    trainer = StreamedTrainer(str(path), StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB"), cfg)
     try:
         with pytest.raises(ConfigError, match="do not fit the activation chunk"):
             trainer.step(_batches(211)[:1])  # 2 x 12 tokens
@@ -267,7 +267,7 @@ def test_gemma_2_and_3_train_with_the_kernels_and_the_soft_capped_fused_loss(
     batches = _batches(211)
     losses = {}
     for run in ("none", kernels):
-        store = StoreConfig(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir / run))
+        store = StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir / run))
         trainer = StreamedTrainer(str(path), store, _config(kernels=run, warmup_steps=0))
         try:
             if run != "none":
@@ -288,7 +288,7 @@ def test_the_fused_loss_of_scaled_logits_and_moe_models_is_transformers_loss(tin
     batches = _batches(211)
     losses = {}
     for run in ("none", "torch"):
-        store = StoreConfig(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir / run))
+        store = StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir / run))
         trainer = StreamedTrainer(str(path), store, _config(kernels=run, warmup_steps=0))
         try:
             assert trainer.fused_loss == (run != "none")
@@ -335,7 +335,7 @@ def test_8bit_adam_states_match_bitsandbytes_adamw8bit(tiny_model_dir, disk_dir,
                               eps=cfg.adam_epsilon)  # fmt: skip
     batches = _batches(reference.config.vocab_size)
     expected = plain_training(reference, opt, params, cfg, batches)
-    store = StoreConfig(device_budget="8MiB", host_budget="2MiB" if placement == "disk" else "8MiB",
+    store = StoreConfig.resolve(device_budget="8MiB", host_budget="2MiB" if placement == "disk" else "8MiB",
                         disk_path=str(disk_dir), chunk_size="1MiB", prefetch_depth=1)  # fmt: skip
     trainer = StreamedTrainer(str(path), store, cfg)
     try:
@@ -363,7 +363,7 @@ def test_the_fused_loss_trains_like_the_model_own_loss(tiny_model_dir, disk_dir,
     batches = _batches(211)
     runs = {}
     for kernels in ("none", "torch"):
-        store = StoreConfig(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir / kernels))
+        store = StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir / kernels))
         trainer = StreamedTrainer(str(path), store, _config(kernels=kernels))
         try:
             assert trainer.fused_loss == (kernels == "torch")

@@ -122,7 +122,7 @@ def _train(path, disk_dir, placement, scale=1, **kw):
         **kw,
     )
     host = (2 if placement == "disk" else 8) * scale << 20
-    store = StoreConfig(
+    store = StoreConfig.resolve(
         device_budget=8 * scale << 20,
         host_budget=host,
         disk_path=str(disk_dir),
@@ -280,7 +280,7 @@ def test_galore_optimizer_states_are_under_0_4_of_adamw(tmp_path, disk_dir):
     """Moments and projections of GaLore (rank 32) against AdamW's moments on the same Llama-shaped model
     (hidden 256, MLP 688, 8 layers: decoder layers hold 96% of the parameters, as in a 7B model)."""
     _llama_7b_like(tmp_path, layers=8)
-    store = StoreConfig(
+    store = StoreConfig.resolve(
         device_budget="64MiB", host_budget="256MiB", disk_path=str(disk_dir), chunk_size="1GiB"
     )
     measured = {}
@@ -304,7 +304,7 @@ def test_layerwise_update_never_holds_every_layers_gradients(tiny_model_dir, dis
     (in host memory, with their home on disk; nothing is written there), never all 8."""
     path, _ = tiny_model_dir("llama", layers=8)
     cfg = _config(method=method, max_grad_norm=0.0, overlap_optimizer=True, gradients="disk")
-    store = StoreConfig(
+    store = StoreConfig.resolve(
         device_budget="8MiB",
         host_budget="16MiB",
         disk_path=str(disk_dir),
@@ -356,7 +356,7 @@ def test_only_low_rank_gradients_reach_the_cpu_optimizer(tmp_path, disk_dir, svd
     the engine, equal to what the shapes say, and a small share of AdamW's on the same model."""
     reference = _llama_7b_like(tmp_path / "model", layers=4)
     rank = 16
-    store = StoreConfig(
+    store = StoreConfig.resolve(
         device_budget="64MiB", host_budget="128MiB", disk_path=str(disk_dir), chunk_size="1GiB"
     )
     batches = _batches(512)
@@ -419,7 +419,7 @@ def test_galore_projects_on_the_gpu(tmp_path, disk_dir, svd):
     batches = _batches(512)
     losses, sent = {}, {}
     for device in ("cpu", "cuda"):
-        store = StoreConfig(
+        store = StoreConfig.resolve(
             device=device, device_budget="64MiB", host_budget="128MiB", disk_path=str(disk_dir / device),
             chunk_size="1GiB",
         )  # fmt: skip

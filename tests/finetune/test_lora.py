@@ -65,7 +65,7 @@ def _train(path, disk_dir, cfg, placement, save_to=None):
     """STEPS steps of the engine; returns the initial and trained adapters, batches, losses and store stats
     (on disk, budgets of a few layers: the base streams from disk every step)."""
     device, host = ("160KiB", "96KiB") if placement == "disk" else ("8MiB", "8MiB")
-    store = StoreConfig(device_budget=device, host_budget=host, disk_path=str(disk_dir), prefetch_depth=1)
+    store = StoreConfig.resolve(device_budget=device, host_budget=host, disk_path=str(disk_dir), prefetch_depth=1)
     trainer = StreamedTrainer(str(path), store, cfg)
     try:
         initial = trainer.adapter_state_dict()
@@ -133,7 +133,7 @@ def test_saved_adapter_loads_with_peft_and_reproduces_the_logits(tiny_model_dir,
     from tiertune.quant.bnb4 import NF4
 
     path, _ = tiny_model_dir("qwen2")
-    store = StoreConfig(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
+    store = StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
     trainer = StreamedTrainer(str(path), store, _config(params="disk", max_steps=3))
     batches = _batches(trainer.model.config.vocab_size)
     try:
@@ -170,7 +170,7 @@ def test_an_nf4_layer_moves_at_most_0_3_of_its_bf16_bytes(disk_dir, tmp_path):
     for quantize in ("nf4", "none"):
         cfg = _config(dtype=torch.bfloat16, quantize=quantize, max_steps=2)
         # two layers fit on the device: each layer comes from the host on every pass
-        store = StoreConfig(
+        store = StoreConfig.resolve(
             device_budget="3MiB", host_budget="16MiB", disk_path=str(disk_dir), prefetch_depth=1
         )
         trainer = StreamedTrainer(str(tmp_path / "model"), store, cfg)
@@ -189,7 +189,7 @@ def test_an_nf4_layer_moves_at_most_0_3_of_its_bf16_bytes(disk_dir, tmp_path):
 def test_lora_on_an_int8_or_unquantized_base_matches_peft(tiny_model_dir, disk_dir, quantize):
     path, _ = tiny_model_dir("llama")
     cfg = _config(params="host", quantize=quantize)
-    trainer = StreamedTrainer(str(path), StoreConfig(device_budget="8MiB", host_budget="8MiB"), cfg)
+    trainer = StreamedTrainer(str(path), StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB"), cfg)
     try:
         initial = trainer.adapter_state_dict()
         batches = _batches(trainer.model.config.vocab_size)
@@ -214,7 +214,7 @@ def test_a_saved_adapter_names_its_base_by_absolute_path(tiny_model_dir, disk_di
 
     path, _ = tiny_model_dir("llama")
     monkeypatch.chdir(path.parent)  # the model given as a path relative to where the run starts
-    store = StoreConfig(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
+    store = StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
     trainer = StreamedTrainer(path.name, store, _config(quantize="none", max_steps=1))
     try:
         out = trainer.save_adapter(tmp_path / "adapter")
@@ -240,7 +240,7 @@ def test_a_cpu_without_native_bf16_computes_the_4bit_layers_in_fp32(tiny_model_d
     for native in (True, False):
         monkeypatch.setattr(backend, "native_matmul", lambda dtype, native=native: native)
         cfg = _config(dtype=torch.bfloat16, quantize="nf4", max_steps=2)
-        trainer = StreamedTrainer(str(path), StoreConfig(device_budget="8MiB", host_budget="8MiB"), cfg)
+        trainer = StreamedTrainer(str(path), StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB"), cfg)
         try:
             compute = torch.bfloat16 if native else torch.float32
             assert trainer.quant.compute_dtype == compute

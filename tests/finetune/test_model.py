@@ -46,7 +46,7 @@ def test_split_finds_layers_embeddings_head_and_groups_every_parameter_once(
 def test_streamed_load_puts_every_weight_in_its_chunk(tiny_model_dir, disk_dir, family, home):
     path, model = tiny_model_dir(family)
     parts = split_model(build_skeleton(path))
-    cfg = StoreConfig(device_budget="4MiB", host_budget="1MiB", disk_path=str(disk_dir), chunk_size="64KiB")
+    cfg = StoreConfig.resolve(device_budget="4MiB", host_budget="1MiB", disk_path=str(disk_dir), chunk_size="64KiB")
     with ChunkStore(cfg) as store:
         load_into_store(parts, Checkpoint(path), store, home, torch.float32)
         expected = model.state_dict()
@@ -61,7 +61,7 @@ def test_streamed_load_puts_every_weight_in_its_chunk(tiny_model_dir, disk_dir, 
 def test_load_converts_dtype(tiny_model_dir, disk_dir):
     path, model = tiny_model_dir("qwen2")
     parts = split_model(build_skeleton(path))
-    with ChunkStore(StoreConfig(device_budget="4MiB", host_budget="4MiB", disk_path=str(disk_dir))) as store:
+    with ChunkStore(StoreConfig.resolve(device_budget="4MiB", host_budget="4MiB", disk_path=str(disk_dir))) as store:
         load_into_store(
             parts,
             Checkpoint(path),
@@ -108,7 +108,7 @@ def test_missing_model_dir_and_missing_tensor(tiny_model_dir, tmp_path, disk_dir
     parts = split_model(build_skeleton(path))
     parts.groups[1].params["model.layers.0.extra.weight"] = nn.Parameter(torch.empty(2, device="meta"))
     with (
-        ChunkStore(StoreConfig(device_budget="1MiB", host_budget="1MiB", disk_path=str(disk_dir))) as store,
+        ChunkStore(StoreConfig.resolve(device_budget="1MiB", host_budget="1MiB", disk_path=str(disk_dir))) as store,
         pytest.raises(ModelError, match="no tensor 'model.layers.0.extra.weight'"),
     ):
         load_into_store(parts, Checkpoint(path), store, "disk", torch.float32)
@@ -179,7 +179,7 @@ def test_moe_experts_stream_into_the_fused_tensors_and_a_missing_one_is_named(ti
     path, _ = tiny_model_dir("mixtral", layers=2, shard="10MB")
     expected = dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
     parts = split_model(build_skeleton(path))
-    with ChunkStore(StoreConfig(device_budget="4MiB", host_budget="4MiB", disk_path=str(disk_dir))) as store:
+    with ChunkStore(StoreConfig.resolve(device_budget="4MiB", host_budget="4MiB", disk_path=str(disk_dir))) as store:
         load_into_store(parts, Checkpoint(path), store, "host", torch.float32)
         for group in parts.groups:
             for chunk in group.chunks:
@@ -198,7 +198,7 @@ def test_moe_experts_stream_into_the_fused_tensors_and_a_missing_one_is_named(ti
         index.write_text(_json.dumps(data))
     parts = split_model(build_skeleton(copy))
     with (
-        ChunkStore(StoreConfig(device_budget="4MiB", host_budget="4MiB", disk_path=str(disk_dir / "b"))) as store,
+        ChunkStore(StoreConfig.resolve(device_budget="4MiB", host_budget="4MiB", disk_path=str(disk_dir / "b"))) as store,
         pytest.raises(ModelError, match=r"lacks expert 2's '\.experts\.\*\.w3\.weight' for .*layers\.1\.mlp\.experts\.gate_up_proj"),
     ):
         load_into_store(parts, Checkpoint(copy), store, "host", torch.float32)

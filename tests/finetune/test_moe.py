@@ -129,7 +129,7 @@ def _plain_loop(model, cfg, batches, with_labels=False):
 def _train(path, disk_dir, cfg, save_to=None):
     """STEPS steps of the engine with the frozen base on disk and a host budget of a few layers; returns the
     initial and trained adapters, the batches, the losses and the trainer (closed)."""
-    store = StoreConfig(device_budget="4MiB", host_budget="1MiB", disk_path=str(disk_dir), prefetch_depth=1)
+    store = StoreConfig.resolve(device_budget="4MiB", host_budget="1MiB", disk_path=str(disk_dir), prefetch_depth=1)
     trainer = StreamedTrainer(str(path), store, cfg)
     try:
         initial = trainer.adapter_state_dict()
@@ -232,7 +232,7 @@ def test_experts_lora_needs_no_dropout(tiny_model_dir, disk_dir):
 
     path, _ = tiny_model_dir("mixtral")
     cfg = _config("nf4", lora=LoraSettings(r=4, alpha=8, dropout=0.05))
-    store = StoreConfig(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
+    store = StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
     with pytest.raises(ConfigError, match="set method.lora.dropout: 0"):
         StreamedTrainer(str(path), store, cfg).close()
 
@@ -260,7 +260,7 @@ def test_the_router_aux_loss_is_transformers_loss(tiny_model_dir, disk_dir, tmp_
     reference.config.use_cache = False
     batches = _batches(reference.config.vocab_size)
     expected = _plain_loop(reference, cfg, batches, with_labels=True)
-    store = StoreConfig(device_budget="8MiB", host_budget="2MiB", disk_path=str(disk_dir), chunk_size="1MiB")
+    store = StoreConfig.resolve(device_budget="8MiB", host_budget="2MiB", disk_path=str(disk_dir), chunk_size="1MiB")
     states = dict(params="disk", optimizer_states="disk", gradients="disk")
     trainer = StreamedTrainer(
         str(path),
@@ -288,7 +288,7 @@ def test_deepseek_v3_has_no_router_aux_loss(tiny_model_dir, tmp_path, disk_dir):
     from transformers import AutoModelForCausalLM
 
     path = _with_router_aux(tiny_model_dir("deepseek_v3")[0], tmp_path, coef=0.5)
-    store = StoreConfig(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
+    store = StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
     trainer = StreamedTrainer(str(path), store, _config("none", method="full", kernels="none"))
     batch = _batches(211)[:1]
     try:

@@ -44,7 +44,7 @@ def _run(path, disk_dir, quantize, placement):
     cfg = EngineConfig(dtype=torch.float32, method="lora", quantize=quantize, lora=LORA, learning_rate=1e-2,
                        max_steps=STEPS, params=placement)  # fmt: skip
     device, host = ("160KiB", "96KiB") if placement == "disk" else ("8MiB", "8MiB")
-    store = StoreConfig(device_budget=device, host_budget=host, disk_path=str(disk_dir), prefetch_depth=1)
+    store = StoreConfig.resolve(device_budget=device, host_budget=host, disk_path=str(disk_dir), prefetch_depth=1)
     trainer = StreamedTrainer(str(path), store, cfg)
     try:
         batches = _batches(trainer.model.config.vocab_size)
@@ -101,7 +101,7 @@ def test_a_prequantized_base_without_double_quantization_matches_peft_on_it(
     saved = saved_quantized(src, "nf4", bnb_4bit_use_double_quant=False)
     cfg = EngineConfig(dtype=torch.float32, method="lora", quantize="nf4", lora=LORA, learning_rate=1e-2,
                        max_steps=STEPS, params="disk")  # fmt: skip
-    store = StoreConfig(
+    store = StoreConfig.resolve(
         device_budget="160KiB", host_budget="96KiB", disk_path=str(disk_dir), prefetch_depth=1
     )
     trainer = StreamedTrainer(str(saved), store, cfg)
@@ -129,7 +129,7 @@ def test_a_prequantized_base_asks_for_its_own_quantization(tiny_model_dir, saved
     for quantize in ("none", "int8"):
         cfg = EngineConfig(dtype=torch.float32, method="lora", quantize=quantize, lora=LORA, max_steps=1)
         with pytest.raises(ConfigError, match="set model.quantize: nf4"):
-            StreamedTrainer(str(saved), StoreConfig(device_budget="8MiB", host_budget="8MiB"), cfg)
+            StreamedTrainer(str(saved), StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB"), cfg)
 
 
 def test_a_chunk_read_in_place_is_never_written(tiny_model_dir, saved_quantized, disk_dir):
@@ -138,7 +138,7 @@ def test_a_chunk_read_in_place_is_never_written(tiny_model_dir, saved_quantized,
     cfg = EngineConfig(
         dtype=torch.float32, method="lora", quantize="nf4", lora=LORA, max_steps=1, params="disk"
     )
-    store = StoreConfig(
+    store = StoreConfig.resolve(
         device_budget="160KiB", host_budget="96KiB", disk_path=str(disk_dir), prefetch_depth=1
     )
     trainer = StreamedTrainer(str(saved), store, cfg)
@@ -169,7 +169,7 @@ model, disk, placement = sys.argv[1:4]
 lora = LoraSettings(r=4, alpha=8, dropout=0.0, seed=0)
 cfg = EngineConfig(dtype=torch.bfloat16, method="lora", quantize="nf4", lora=lora, max_steps=1, params=placement)
 host = "16MiB" if placement == "disk" else "112MiB"
-store = StoreConfig(device_budget="24MiB", host_budget=host, disk_path=disk, prefetch_depth=1)
+store = StoreConfig.resolve(device_budget="24MiB", host_budget=host, disk_path=disk, prefetch_depth=1)
 baseline = proc_status_bytes("VmRSS")
 trainer = StreamedTrainer(model, store, cfg)
 loaded = peak_rss()
@@ -213,7 +213,7 @@ def test_loading_a_prequantized_base_stays_within_the_host_budget(tmp_path, disk
 def _moe_run(path, cache, disk):
     cfg = EngineConfig(dtype=torch.float32, method="lora", quantize="nf4", lora=LORA, learning_rate=1e-2,
                        max_steps=STEPS, params="disk", quant_cache=str(cache))  # fmt: skip
-    store = StoreConfig(device_budget="400KiB", host_budget="200KiB", disk_path=str(disk), prefetch_depth=1)
+    store = StoreConfig.resolve(device_budget="400KiB", host_budget="200KiB", disk_path=str(disk), prefetch_depth=1)
     trainer = StreamedTrainer(str(path), store, cfg)
     try:
         batches = _batches(trainer.model.config.vocab_size)
@@ -267,6 +267,6 @@ def test_experts_saved_quantized_one_tensor_per_expert_are_refused_clearly(
             tensors[key] = value
         save_file(tensors, shard, metadata={"format": "pt"})
     cfg = EngineConfig(dtype=torch.float32, method="lora", quantize="nf4", lora=LORA, params="host")
-    store = StoreConfig(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
+    store = StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
     with pytest.raises(ModelError, match="quantized one tensor per expert.*unquantized checkpoint"):
         StreamedTrainer(str(v4), store, cfg)

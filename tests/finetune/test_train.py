@@ -149,7 +149,7 @@ def test_export_is_exactly_the_trained_weights(tiny_model_dir, tmp_path, family,
     from tiertune.offload.store import StoreConfig
 
     path, _ = tiny_model_dir(family)  # llama: tied embeddings; gpt_neox: untied head saved as embed_out
-    store = StoreConfig(
+    store = StoreConfig.resolve(
         device_budget="4MiB", host_budget="4MiB", disk_path=str(tmp_path / "nvme"), chunk_size=1 << 40
     )
     trainer = StreamedTrainer(

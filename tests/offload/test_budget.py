@@ -51,7 +51,7 @@ def test_random_workload_never_exceeds_budgets(
     largest = max(sizes) * ALIGN
     reserved = {h: sum(s * ALIGN for s, hh in zip(sizes, homes) if hh == h) for h in ("device", "host")}
     # room for two pinned chunks plus one being staged, whatever the fragmentation; the rest is cache
-    cfg = StoreConfig(
+    cfg = StoreConfig.resolve(
         device_budget=reserved["device"] + 3 * largest + extra[0] * ALIGN,
         host_budget=reserved["host"] + 4 * largest + extra[1] * ALIGN,
         disk_path=str(tmp_path_factory.mktemp("disk")),
@@ -112,7 +112,7 @@ def test_tight_budget_streaming_like_training(disk_dir, seed):
     """24 'layers' homed on disk, device budget of two layers: a forward/backward-shaped access order."""
     gen = torch.Generator().manual_seed(seed)
     layer = 16 * ALIGN
-    cfg = StoreConfig(
+    cfg = StoreConfig.resolve(
         device_budget=2 * layer,
         host_budget=6 * layer,
         disk_path=str(disk_dir),
@@ -147,7 +147,7 @@ def test_threaded_stress_random_configurations(tmp_path, block):
         rng = random.Random(trial)
         layer = rng.choice([1, 4, 16]) * ALIGN
         homes = [rng.choice(["disk", "host", "disk"]) for _ in range(rng.randint(4, 30))]
-        cfg = StoreConfig(
+        cfg = StoreConfig.resolve(
             device_budget=rng.randint(2, 5) * layer,
             host_budget=(homes.count("host") + rng.randint(3, 8)) * layer,
             disk_path=str(tmp_path / f"t{trial}"),

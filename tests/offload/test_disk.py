@@ -56,7 +56,7 @@ def _disk_store(disk_dir, **kw):
         block_size=64 << 10,
     )
     cfg.update(kw)
-    return ChunkStore(StoreConfig(**cfg))
+    return ChunkStore(StoreConfig.resolve(**cfg))
 
 
 def _on_disk(store, value):
@@ -178,7 +178,7 @@ def test_close_removes_the_file_and_stale_files_of_crashed_runs_are_cleaned(disk
         f"""
         import os, torch
         from tiertune.offload.store import ChunkStore, StoreConfig
-        s = ChunkStore(StoreConfig(device_budget=1 << 20, host_budget=1 << 20, disk_path={str(disk_dir)!r}))
+        s = ChunkStore(StoreConfig.resolve(device_budget=1 << 20, host_budget=1 << 20, disk_path={str(disk_dir)!r}))
         c, = s.add({{"w": torch.ones(1000)}}, home="disk")
         s.flush()
         os._exit(0)  # a crash: no close, no finalizers

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_host_pool_is_pinned_and_device_tier_is_on_the_gpu(disk_dir):
-    cfg = StoreConfig(
+    cfg = StoreConfig.resolve(
         device="cuda", device_budget="64MiB", host_budget="64MiB", disk_path=str(disk_dir), chunk_size="8MiB"
     )
     with ChunkStore(cfg) as store:
@@ -64,7 +64,7 @@ def test_host_to_device_copy_overlaps_compute():
 
 def test_eviction_waits_for_kernels_still_using_a_released_chunk(disk_dir):
     n = 4 << 20
-    cfg = StoreConfig(
+    cfg = StoreConfig.resolve(
         device="cuda", device_budget=2 * 4 * n, host_budget=8 * 4 * n, chunk_size=4 * n, prefetch_depth=0
     )
     with ChunkStore(cfg) as store:
@@ -103,7 +103,7 @@ def test_host_tier_pins_exactly_its_budget_outside_torchs_caching_allocator():
     torch.empty(1, device="cuda")  # the CUDA context first: what it locks is not the tier's
     allocator = _host_allocator_bytes()
     locked = {key: _status_bytes(key) for key in ("VmLck", "VmPin")}
-    cfg = StoreConfig(device="cuda", device_budget="64MiB", host_budget=budget, chunk_size="8MiB")
+    cfg = StoreConfig.resolve(device="cuda", device_budget="64MiB", host_budget=budget, chunk_size="8MiB")
     with ChunkStore(cfg) as store:
         host = store._mem[Tier.HOST]
         base = host._buffer()
@@ -145,7 +145,7 @@ def test_host_tier_pins_exactly_its_budget_outside_torchs_caching_allocator():
 
 def test_a_copy_into_a_device_homed_chunk_waits_for_kernels_still_reading_it():
     n = 4 << 20
-    cfg = StoreConfig(
+    cfg = StoreConfig.resolve(
         device="cuda", device_budget=4 * 4 * n, host_budget=4 * 4 * n, chunk_size=4 * n, prefetch_depth=0
     )
     with ChunkStore(cfg) as store:
@@ -176,7 +176,7 @@ def test_auto_device_budget_stays_under_the_process_memory_fraction():
     fraction = (8 << 30) / total
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     try:
-        cfg = StoreConfig(device="cuda", device_budget="auto", host_budget="64MiB", chunk_size="8MiB")
+        cfg = StoreConfig.resolve(device="cuda", device_budget="auto", host_budget="64MiB", chunk_size="8MiB")
         cap = int(fraction * total)
         assert 0 < cfg.device_budget <= 0.8 * (cap - torch.cuda.memory_reserved(device)) + 1
         with ChunkStore(cfg) as store:
@@ -193,7 +193,7 @@ def test_bandwidth_probe_leaves_nothing_pinned():
 
     torch.empty(1, device="cuda")
     before = _host_allocator_bytes()
-    cfg = StoreConfig(device="cuda", device_budget="64MiB", host_budget="64MiB")
+    cfg = StoreConfig.resolve(device="cuda", device_budget="64MiB", host_budget="64MiB")
     rates = measure_bandwidth(cfg, probe_bytes=64 << 20)
     assert rates["host_to_device"] > 1e9  # bytes/s: a pinned copy on a PCIe/NVLink GPU
     assert _host_allocator_bytes() == before

@@ -178,7 +178,7 @@ def test_auto_device_budget_respects_the_process_memory_fraction(monkeypatch):
 
 def test_a_device_budget_over_the_memory_fraction_cap_fails_up_front(monkeypatch):
     _fake_gpu(monkeypatch, free=79 * GiB, total=80 * GiB, fraction=0.3, reserved=0)
-    cfg = StoreConfig(device="cuda:0", device_budget="30GiB", host_budget="1MiB")
+    cfg = StoreConfig.resolve(device="cuda:0", device_budget="30GiB", host_budget="1MiB")
     with pytest.raises(ConfigError, match=r"offload.device_budget is 30.00 GiB but this process may use at most "
                                           r"24.00 GiB of cuda:0 \(torch.cuda.set_per_process_memory_fraction\); "
                                           r"lower offload.device_budget or set it to auto"):  # fmt: skip

@@ -12,7 +12,7 @@ D = Tier.DEVICE
 
 
 def _store(device_chunks, prefetch_depth=0, home="host", n=3, disk_dir=None, host_chunks=16):
-    cfg = StoreConfig(
+    cfg = StoreConfig.resolve(
         device_budget=device_chunks * ALIGN,
         host_budget=(n * ALIGN if home == "host" else 0) + host_chunks * ALIGN,
         disk_path=str(disk_dir) if disk_dir else None,

@@ -41,7 +41,7 @@ def _assert_same(views, expected):
 
 @pytest.mark.parametrize("home", ["device", "host", "disk"])
 def test_round_trip_of_mixed_dtypes_through_every_path(home, disk_dir):
-    cfg = StoreConfig(
+    cfg = StoreConfig.resolve(
         device_budget="1MiB",
         host_budget="1MiB",
         disk_path=str(disk_dir),
@@ -81,7 +81,7 @@ def test_round_trip_of_mixed_dtypes_through_every_path(home, disk_dir):
 
 def test_empty_chunks_read_as_zeros_and_add_with_specs(disk_dir):
     with ChunkStore(
-        StoreConfig(device_budget="64KiB", host_budget="64KiB", disk_path=str(disk_dir))
+        StoreConfig.resolve(device_budget="64KiB", host_budget="64KiB", disk_path=str(disk_dir))
     ) as store:
         (chunk,) = store.add([("w", (10, 10), torch.float32)], home="disk")
         assert chunk.state is ChunkState.EMPTY
@@ -91,7 +91,7 @@ def test_empty_chunks_read_as_zeros_and_add_with_specs(disk_dir):
 
 def test_evictions_keep_data_when_budgets_are_tight(disk_dir):
     # 12 chunks homed on disk; device and host can each hold only two at a time
-    cfg = StoreConfig(
+    cfg = StoreConfig.resolve(
         device_budget=2 * 8192,
         host_budget=2 * 8192,
         disk_path=str(disk_dir),
@@ -114,7 +114,7 @@ def test_evictions_keep_data_when_budgets_are_tight(disk_dir):
 
 def test_budget_errors_name_the_tier_the_bytes_and_the_setting(disk_dir):
     with ChunkStore(
-        StoreConfig(device_budget="16KiB", host_budget="16KiB", disk_path=str(disk_dir), chunk_size="1MiB")
+        StoreConfig.resolve(device_budget="16KiB", host_budget="16KiB", disk_path=str(disk_dir), chunk_size="1MiB")
     ) as store:
         with pytest.raises(
             BudgetError, match=r"host tier: needs 24.00 KiB but only 16.00 KiB .* `offload.host_budget`"
@@ -132,7 +132,7 @@ def test_budget_errors_name_the_tier_the_bytes_and_the_setting(disk_dir):
 
 
 def test_budget_error_when_everything_resident_is_in_use():
-    with ChunkStore(StoreConfig(device_budget="8KiB", host_budget="64KiB", chunk_size="4KiB")) as store:
+    with ChunkStore(StoreConfig.resolve(device_budget="8KiB", host_budget="64KiB", chunk_size="4KiB")) as store:
         a, b, c = (store.add([(n, (1024,), torch.float32)], home="host")[0] for n in "abc")
         store.acquire(a)
         store.acquire(b)
@@ -143,7 +143,7 @@ def test_budget_error_when_everything_resident_is_in_use():
 
 
 def test_misuse_raises_state_errors(disk_dir):
-    store = ChunkStore(StoreConfig(device_budget="64KiB", host_budget="64KiB", disk_path=str(disk_dir)))
+    store = ChunkStore(StoreConfig.resolve(device_budget="64KiB", host_budget="64KiB", disk_path=str(disk_dir)))
     (chunk,) = store.add({"w": torch.ones(3)}, home="disk")
     with pytest.raises(StateError, match="not acquired"):
         store.release(chunk)
@@ -160,14 +160,14 @@ def test_misuse_raises_state_errors(disk_dir):
 
 def test_disk_placement_without_a_disk_tier_is_a_config_error():
     with (
-        ChunkStore(StoreConfig(device_budget="64KiB", host_budget="64KiB")) as store,
+        ChunkStore(StoreConfig.resolve(device_budget="64KiB", host_budget="64KiB")) as store,
         pytest.raises(ConfigError, match="offload.disk_path"),
     ):
         store.add([("w", (3,), torch.float32)], home="disk")
 
 
 def test_pins_nest_and_dirty_from_any_holder_counts():
-    with ChunkStore(StoreConfig(device_budget="64KiB", host_budget="64KiB")) as store:
+    with ChunkStore(StoreConfig.resolve(device_budget="64KiB", host_budget="64KiB")) as store:
         (chunk,) = store.add({"w": torch.zeros(4)}, home="host")
         w1 = store.acquire(chunk)["w"]
         w2 = store.acquire(chunk)["w"]
@@ -184,7 +184,7 @@ def _cfg(disk_dir, **kw):
     base = dict(device_budget="1MiB", host_budget="1MiB", disk_path=str(disk_dir), chunk_size="64KiB",
                 block_size="16KiB")  # fmt: skip
     base.update(kw)
-    return StoreConfig(**base)
+    return StoreConfig.resolve(**base)
 
 
 @pytest.mark.parametrize("home", ["device", "host", "disk"])
@@ -303,7 +303,7 @@ def test_a_copy_into_the_device_waits_for_the_compute_streams_last_use_of_it(mon
     # before its last release may still be reading: the copy stream must wait for that release's event
     import types
 
-    cfg = StoreConfig(
+    cfg = StoreConfig.resolve(
         device="cpu", device_budget="1MiB", host_budget="1MiB", chunk_size="64KiB", prefetch_depth=0
     )
     with ChunkStore(cfg) as store:
@@ -334,7 +334,7 @@ def test_chunks_in_use_cannot_fragment_a_planned_tier_into_a_failure(tmp_path, r
     # then fits nowhere though 6 pages are free. A plan reserves a slot of its class, and it goes there
     page = 4096
     slots = {5 * page: 1} if reserve else None
-    config = StoreConfig(device="cpu", device_budget=8 * page, host_budget=12 * page + (5 * page if reserve else 0),
+    config = StoreConfig.resolve(device="cpu", device_budget=8 * page, host_budget=12 * page + (5 * page if reserve else 0),
                          disk_path=str(tmp_path), reserve={"host": slots} if slots else None)  # fmt: skip
     with ChunkStore(config) as store:
         small = [store.add([("x", (3 * page,), torch.uint8)], home="disk", name=f"s{i}")[0] for i in range(4)]
@@ -382,10 +382,10 @@ def test_a_ledger_places_evicts_and_moves_as_the_store_does_without_a_byte(disk_
 
     common = dict(device_budget="512KiB", host_budget="512KiB", chunk_size="1MiB", block_size="64KiB",
                   prefetch_depth=0)  # fmt: skip
-    with ChunkStore(StoreConfig(disk_path=str(disk_dir), **common)) as store:
+    with ChunkStore(StoreConfig.resolve(disk_path=str(disk_dir), **common)) as store:
         real = run(store)
     nowhere = tmp_path / "not-created"
-    with ChunkStore(StoreConfig(disk_path=str(nowhere), ledger=True, **common)) as ledger:
+    with ChunkStore(StoreConfig.resolve(disk_path=str(nowhere), ledger=True, **common)) as ledger:
         counted = run(ledger)
     assert counted[:2] == real[:2] and real[1]["host->disk"] > 0 and real[1]["disk->host"] > 0
     assert (real[2], counted[2]) == ("cpu", "meta")

@@ -61,7 +61,7 @@ def test_auto_budgets_follow_what_the_machine_has():
 
     from tiertune.offload.store import StoreConfig
 
-    cfg = StoreConfig(device_budget="auto", host_budget="auto", disk_budget="auto")
+    cfg = StoreConfig.resolve(device_budget="auto", host_budget="auto", disk_budget="auto")
     available = psutil.virtual_memory().available
     assert 0 < cfg.device_budget < available and 0 < cfg.host_budget < available
     assert cfg.device_budget + cfg.host_budget < available  # room left for the process and the OS
@@ -75,9 +75,9 @@ def test_budget_typos_are_config_errors():
     from tiertune.offload.store import StoreConfig
 
     with pytest.raises(ConfigError, match="offload.host_budget"):
-        StoreConfig(host_budget="automatic")
+        StoreConfig.resolve(host_budget="automatic")
     with pytest.raises(ConfigError, match="offload.prefetch_depth"):
-        StoreConfig(prefetch_depth=-1)
+        StoreConfig.resolve(prefetch_depth=-1)
 
 
 def test_allocations_have_their_own_autograd_version_counter():
@@ -102,15 +102,15 @@ def test_budgets_beyond_the_machines_memory_fail_up_front(monkeypatch):
     total = psutil.virtual_memory().total
     with pytest.raises(ConfigError, match=r"offload.host_budget is 100.00 TiB but this machine has .* of memory in "
                                           r"all; lower offload.host_budget .* or set it to auto"):  # fmt: skip
-        ChunkStore(StoreConfig(host_budget="100TiB", device_budget="1MiB"))
+        ChunkStore(StoreConfig.resolve(host_budget="100TiB", device_budget="1MiB"))
     with pytest.raises(ConfigError, match="offload.device_budget is .* but this machine has"):
-        ChunkStore(StoreConfig(device="cpu", device_budget=total + (1 << 30), host_budget="1MiB"))
+        ChunkStore(StoreConfig.resolve(device="cpu", device_budget=total + (1 << 30), host_budget="1MiB"))
     real = psutil.virtual_memory
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real()._replace(total=48 << 20))
     with pytest.raises(ConfigError, match="together exceed this machine's 48.00 MiB"):
-        ChunkStore(StoreConfig(device="cpu", device_budget="32MiB", host_budget="32MiB"))
+        ChunkStore(StoreConfig.resolve(device="cpu", device_budget="32MiB", host_budget="32MiB"))
     # plain byte counts from code are still read as bytes
-    ChunkStore(StoreConfig(device_budget=16 << 20, host_budget=16 << 20)).close()
+    ChunkStore(StoreConfig.resolve(device_budget=16 << 20, host_budget=16 << 20)).close()
 
 
 def test_a_cuda_device_without_cuda_is_a_config_error():
@@ -119,15 +119,15 @@ def test_a_cuda_device_without_cuda_is_a_config_error():
     from tiertune.errors import ConfigError
     from tiertune.offload.store import StoreConfig
 
-    assert StoreConfig(device="auto").device == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert StoreConfig.resolve(device="auto").device == torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ConfigError, match="use device='cpu', 'cuda', 'cuda:N' or 'auto'"):
-        StoreConfig(device="gpu")
+        StoreConfig.resolve(device="gpu")
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     for device in ("cuda", "cuda:0"):  # as in the README's example, on a machine without a GPU
         with pytest.raises(ConfigError, match=rf"device '{device}' requested but torch.cuda.is_available\(\) is "
                                               r"False .*; use device='cpu' or device='auto'"):  # fmt: skip
-            StoreConfig(device=device, device_budget="4GiB", host_budget="16GiB")
+            StoreConfig.resolve(device=device, device_budget="4GiB", host_budget="16GiB")
 
 
 def test_homes_go_lowest_and_cached_copies_best_fit_from_the_top():

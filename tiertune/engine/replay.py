@@ -11,7 +11,7 @@ accumulators and projections beside them); the optimizer's units on their tier, 
 speculates, during backward when it overlaps; the twins exchanged in. The optimizer worker's calls are made
 in turn with the compute thread's (the worker keeping up with backward), and each transfer finishes by the
 store's next call. So what a step moves comes from the schedule the engine runs, with every micro-batch, and
-a change to that schedule is a change here, checked against a run by ``tests/engine/test_replay.py``.
+a change to that schedule is a change here, checked against runs by ``tests/finetune/test_estimate.py``.
 """
 
 from __future__ import annotations
@@ -82,9 +82,8 @@ def replay(
     gradient norm is above ``max_grad_norm`` (the engine speculates on a step unless the one before was
     clipped, and redoes a speculative step that is). The first step records the trace, as in a run; the bytes
     moved are the last step's."""
-    ledger = dataclasses.replace(store_cfg, ledger=True, device="cpu")
-    device = store_cfg.device if isinstance(store_cfg.device, torch.device) else torch.device(store_cfg.device)
-    store = ChunkStore(ledger)
+    store = ChunkStore(dataclasses.replace(store_cfg, ledger=True))
+    device = store_cfg.device
     try:
         groups, stash = _register(store, chunks)
         step = _Step(store, cfg, device, groups, stash)

@@ -331,7 +331,7 @@ def memory_plan(recipe: Recipe, store_cfg: StoreConfig, cfg) -> tuple[Plan, bool
     chunks it will register laid out on the meta device (nothing is loaded), and whether those include the
     speculative step's twins (they do when the run fits with them). What ``train`` checks before loading the
     model, and what ``estimate`` reports."""
-    on_gpu = store_cfg.device.type == "cuda"  # type: ignore[union-attr]
+    on_gpu = store_cfg.device.type == "cuda"
     disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
     chunks, *_ = _chunks(recipe, store_cfg, cfg, [], on_gpu, disk_room)
     return make_plan(chunks, on_cpu=not on_gpu), any(c.role == "twin" for c in chunks)

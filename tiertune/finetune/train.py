@@ -140,7 +140,7 @@ def plan(recipe: Recipe, device: str | None = None) -> tuple[StoreConfig, Engine
             "offload.params or offload.optimizer_states is disk but offload.disk_path is not set"
         )
     lora_seed = recipe.method.lora.seed
-    store = StoreConfig(
+    store = StoreConfig.resolve(
         device=device if torch.cuda.is_available() else "cpu",
         device_budget=off.device_budget,
         host_budget=off.host_budget,
@@ -150,9 +150,9 @@ def plan(recipe: Recipe, device: str | None = None) -> tuple[StoreConfig, Engine
         num_shards=world.size,
     )
     if world.local_size > 1:  # the host budget is the node's, shared by its ranks (the device's too on a CPU)
-        store.host_budget //= world.local_size  # type: ignore[operator]
-        if store.device.type == "cpu":  # type: ignore[union-attr]
-            store.device_budget //= world.local_size  # type: ignore[operator]
+        store.host_budget //= world.local_size
+        if store.device.type == "cpu":
+            store.device_budget //= world.local_size
     engine = EngineConfig(
         dtype=dtype,
         learning_rate=t.learning_rate,
@@ -173,7 +173,7 @@ def plan(recipe: Recipe, device: str | None = None) -> tuple[StoreConfig, Engine
         # norm), and they are dropped once used, so nothing is written there unless the host runs short
         gradients="disk" if off.disk_path else "host",
         overlap_optimizer=off.overlap_optimizer,
-        activations=_activations(recipe, device, dtype, store.device_budget),  # type: ignore[arg-type]
+        activations=_activations(recipe, device, dtype, store.device_budget),
         activation_tokens=t.per_device_train_batch_size * recipe.data.max_seq_len,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         method=recipe.method.type,
@@ -270,9 +270,9 @@ def admit(recipe: Recipe, store_cfg: StoreConfig, engine_cfg: EngineConfig, worl
     from tiertune.finetune.estimate import memory_plan
 
     memory, twins = memory_plan(recipe, store_cfg, engine_cfg)
-    budgets = {Tier.DEVICE: int(store_cfg.device_budget), Tier.HOST: int(store_cfg.host_budget)}  # type: ignore[arg-type]
+    budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}
     local = world.local_size if world is not None else 1
-    sharing = {Tier.HOST: local, Tier.DEVICE: local if store_cfg.device.type == "cpu" else 1}  # type: ignore[union-attr]
+    sharing = {Tier.HOST: local, Tier.DEVICE: local if store_cfg.device.type == "cpu" else 1}
     if store_cfg.disk_path is None:
         lower = "offload.disk_path, to place state on disk"
     else:

@@ -16,7 +16,7 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -122,7 +122,7 @@ class AsyncIO:
         self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
         self._closed = False
 
-    def run(self, label: str, tasks: list[Callable[[], None]]) -> IOHandle:
+    def run(self, label: str, tasks: Sequence[Callable[[], None]]) -> IOHandle:
         """Run ``tasks`` (each one block request) on the disk queue; the handle completes when all have."""
         self._check_open()
         handle = IOHandle(label, len(tasks))
@@ -152,7 +152,9 @@ class AsyncIO:
         """Split ``nbytes`` into [start, end) ranges of at most ``block_size``."""
         return [(a, min(a + self.block_size, nbytes)) for a in range(0, nbytes, self.block_size)]
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, label: str, after: object | None = None) -> IOHandle:
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, label: str, after: torch.cuda.Event | None = None
+    ) -> IOHandle:
         """Copy ``src`` into ``dst`` off the caller's thread (and, with CUDA, off its stream).
 
         ``after``: a CUDA event the copy stream waits for first: the compute stream's last use of the device
@@ -175,7 +177,7 @@ class AsyncIO:
                 stream = self._streams[key] = torch.cuda.Stream(device)
             with torch.cuda.stream(stream):
                 if after is not None:
-                    stream.wait_event(after)  # type: ignore[arg-type]
+                    stream.wait_event(after)
                 dst.copy_(src, non_blocking=True)
                 # blocking: this thread sleeps until the copy is done instead of spinning a core (the
                 # default), which the CPU optimizer and the disk threads need

@@ -15,7 +15,7 @@ import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -25,7 +25,9 @@ from tiertune.units import round_up
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from tiertune.offload.tiers import Tier
+    from tiertune.offload.tiers import Allocation, Tier
+
+Entry = tuple[str, Sequence[int], torch.dtype]  # a tensor: its name, shape and dtype
 
 ALIGN = 4096
 """Byte alignment of every chunk buffer, capacity and shard: what O_DIRECT needs on common filesystems."""
@@ -140,9 +142,7 @@ def itemsize(dtype: torch.dtype) -> int:
 
 
 def pack_tensors(
-    entries: Iterable[
-        tuple[str, Sequence[int], torch.dtype] | Sequence[tuple[str, Sequence[int], torch.dtype]]
-    ],
+    entries: Iterable[Entry | Sequence[Entry]],
     chunk_size: int,
     num_shards: int = 1,
 ) -> list[ChunkLayout]:
@@ -179,7 +179,7 @@ def pack_tensors(
         return specs
 
     for entry in entries:
-        unit = [entry] if isinstance(entry[0], str) else list(entry)  # type: ignore[list-item]
+        unit = _unit(entry)
         for name, _, _ in unit:
             if name in seen:
                 raise ConfigError(f"tensor {name!r} registered twice")
@@ -192,6 +192,13 @@ def pack_tensors(
         offset = specs[-1].offset + specs[-1].nbytes
     close()
     return layouts
+
+
+def _unit(entry: Entry | Sequence[Entry]) -> list[Entry]:
+    """The tensors of ``entry``: one tensor's ``(name, shape, dtype)``, or a unit of several."""
+    if isinstance(entry[0], str):
+        return [cast(Entry, entry)]
+    return list(cast(Sequence[Entry], entry))
 
 
 def _layout(tensors: list[TensorSpec], num_shards: int) -> ChunkLayout:
@@ -214,7 +221,7 @@ class Chunk:
     layout: ChunkLayout
     home: Tier
     state: ChunkState = ChunkState.EMPTY
-    copies: dict[Tier, object] = field(default_factory=dict)
+    copies: dict[Tier, Allocation] = field(default_factory=dict)  # a memory tier's (the disk's: the store's slots)
     valid: set[Tier] = field(default_factory=set)
     pins: int = 0
     use_tier: Tier | None = None
@@ -222,7 +229,7 @@ class Chunk:
     error: BaseException | None = None
     disk_checksums: tuple[int, ...] | None = None
     last_use: int = 0
-    device_event: object | None = None  # CUDA event: the compute stream's last use of the device copy
+    device_event: torch.cuda.Event | None = None  # the compute stream's last use of the device copy
 
     @property
     def capacity(self) -> int:

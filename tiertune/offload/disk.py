@@ -261,12 +261,12 @@ class DiskTier:
     def release(self, slot: DiskSlot) -> None:
         self.arena.free(slot.offset - ALIGN)
 
-    def write(self, chunk: Chunk, slot: DiskSlot, src: object) -> tuple[IOHandle, list[int]]:
+    def write(self, chunk: Chunk, slot: DiskSlot, src: torch.Tensor) -> tuple[IOHandle, list[int]]:
         """Write the host buffer ``src`` (uint8, ``capacity`` bytes) to ``slot``: blocks, then the header.
 
         Returns the handle and the list the per-block checksums land in (complete once the handle is).
         """
-        view = buffer_of(src)  # type: ignore[arg-type]
+        view = buffer_of(src)
         ranges = self.aio.blocks(slot.capacity)
         sums = [0] * len(ranges)
         base = slot.payload_offset
@@ -291,9 +291,9 @@ class DiskTier:
         )
         return self.aio.then(blocks, f"write header {chunk.name}", header_tasks), sums
 
-    def read(self, chunk: Chunk, slot: DiskSlot, dst: object, expected: tuple[int, ...]) -> IOHandle:
+    def read(self, chunk: Chunk, slot: DiskSlot, dst: torch.Tensor, expected: tuple[int, ...]) -> IOHandle:
         """Read ``slot`` into the host buffer ``dst``, verifying lengths and checksums block by block."""
-        view = buffer_of(dst)  # type: ignore[arg-type]
+        view = buffer_of(dst)
         ranges = self.aio.blocks(slot.capacity)
         if len(expected) != len(ranges):
             raise IntegrityError(f"chunk {chunk.name!r}: {len(expected)} checksums for {len(ranges)} blocks")

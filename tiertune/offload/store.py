@@ -26,12 +26,13 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tiertune.errors import BudgetError, ConfigError, IntegrityError, StateError
 from tiertune.offload.aio import AsyncIO, IOHandle
-from tiertune.offload.chunk import ALIGN, IN_FLIGHT, Chunk, ChunkLayout, ChunkState, pack_tensors
+from tiertune.offload.chunk import ALIGN, IN_FLIGHT, Chunk, ChunkLayout, ChunkState, Entry, pack_tensors
 from tiertune.offload.disk import DiskSlot, DiskTier
 from tiertune.offload.inplace import FileReader, FileTensor, InPlace, Window, plan_in_place
 from tiertune.offload.schedule import Scheduler
@@ -54,18 +55,19 @@ _SETTLED = {Tier.DEVICE: S.ON_DEVICE, Tier.HOST: S.ON_HOST, Tier.DISK: S.ON_DISK
 
 @dataclass
 class StoreConfig:
-    """How a ``ChunkStore`` is built. Sizes are bytes (or strings like ``'2GiB'``)."""
+    """How a ``ChunkStore`` is built, in resolved values: a device, sizes in bytes. ``StoreConfig.resolve``
+    takes what a recipe says (``'2GiB'``, ``auto``, ``cuda``) and resolves it."""
 
-    device: str | torch.device = "cpu"  # cpu, cuda, cuda:N, or auto (cuda when available, else cpu)
-    device_budget: int | str = "auto"  # auto: see auto_budget
-    host_budget: int | str = "auto"
+    device_budget: int
+    host_budget: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # cpu or cuda:N
     disk_path: str | None = None
-    disk_budget: int | str | None = None  # None or "auto": the free space at disk_path when the store starts
-    chunk_size: int | str = 64 << 20
+    disk_budget: int | None = None  # None: the free space at disk_path when the store starts
+    chunk_size: int = 64 << 20
     prefetch_depth: int = 2
-    host_prefetch_depth: int | None = None  # None: 2 x prefetch_depth (disk reads run further ahead)
+    host_prefetch_depth: int = 4  # disk reads run further ahead than copies to the device
     queue_depth: int = 16
-    block_size: int | str = 1 << 20
+    block_size: int = 1 << 20
     num_shards: int = 1
     direct: bool | None = None  # None: O_DIRECT when the filesystem supports it
     # the run's plan (engine.plan.Plan.reserve): per memory tier ("device", "host"), {slot size: count} of
@@ -77,22 +79,43 @@ class StoreConfig:
     ledger: bool = False
 
     def __post_init__(self) -> None:
-        self.device = _resolve_device(self.device)
-        for name in ("device_budget", "host_budget"):
+        for name in ("device_budget", "host_budget", "chunk_size", "block_size", "disk_budget"):
             value = getattr(self, name)
-            if value == "auto":
-                value = auto_budget(Tier.DEVICE if name == "device_budget" else Tier.HOST, self.device)
-            setattr(self, name, parse_size(value, f"offload.{name}"))
-        for name in ("chunk_size", "block_size"):
-            setattr(self, name, parse_size(getattr(self, name), f"offload.{name}"))
-        if self.disk_budget == "auto":
-            self.disk_budget = None
-        if self.disk_budget is not None:
-            self.disk_budget = parse_size(self.disk_budget, "StoreConfig.disk_budget")
-        if self.prefetch_depth < 0:
-            raise ConfigError(f"offload.prefetch_depth must be >= 0, got {self.prefetch_depth}")
-        if self.host_prefetch_depth is None:
-            self.host_prefetch_depth = 2 * self.prefetch_depth
+            if value is not None and not isinstance(value, int):
+                raise TypeError(f"StoreConfig.{name} is bytes (an int), got {value!r}: StoreConfig.resolve reads sizes")
+        if not isinstance(self.device, torch.device):
+            raise TypeError(f"StoreConfig.device is a torch.device, got {self.device!r}: StoreConfig.resolve reads names")
+        if self.prefetch_depth < 0 or self.host_prefetch_depth < 0:
+            raise ConfigError(
+                f"offload.prefetch_depth must be >= 0, got {self.prefetch_depth} (host: {self.host_prefetch_depth})"
+            )
+
+    @classmethod
+    def resolve(
+        cls, device: str | torch.device = "cpu", device_budget: int | str = "auto", host_budget: int | str = "auto",
+        disk_budget: int | str | None = None, chunk_size: int | str = 64 << 20, block_size: int | str = 1 << 20,
+        prefetch_depth: int = 2, host_prefetch_depth: int | None = None, **rest: Any,
+    ) -> StoreConfig:  # fmt: skip
+        """A config from what a recipe or a caller says: ``device`` cpu, cuda, cuda:N or auto (cuda when there is
+        one); budgets as sizes (``'2GiB'``) or ``auto`` (``tiers.auto_budget``); ``disk_budget`` None or
+        ``auto`` for the free space at ``disk_path``; ``host_prefetch_depth`` None for twice ``prefetch_depth``.
+        Other fields (``rest``) are taken as they are."""
+        resolved = _resolve_device(device)
+
+        def budget(value: int | str, tier: Tier, name: str) -> int:
+            return auto_budget(tier, resolved) if value == "auto" else parse_size(value, f"offload.{name}")
+
+        return cls(
+            device=resolved,
+            device_budget=budget(device_budget, Tier.DEVICE, "device_budget"),
+            host_budget=budget(host_budget, Tier.HOST, "host_budget"),
+            disk_budget=None if disk_budget in (None, "auto") else parse_size(disk_budget, "StoreConfig.disk_budget"),
+            chunk_size=parse_size(chunk_size, "offload.chunk_size"),
+            block_size=parse_size(block_size, "offload.block_size"),
+            prefetch_depth=prefetch_depth,
+            host_prefetch_depth=2 * prefetch_depth if host_prefetch_depth is None else host_prefetch_depth,
+            **rest,
+        )
 
 
 def _resolve_device(value: str | torch.device) -> torch.device:
@@ -137,33 +160,33 @@ def _check_memory(config: StoreConfig) -> None:
     import psutil
 
     total = psutil.virtual_memory().total
-    device = config.device  # type: ignore[assignment]
+    device = config.device
     in_ram = [("offload.host_budget", config.host_budget)]
-    if device.type == "cpu":  # type: ignore[union-attr]
+    if device.type == "cpu":
         in_ram.append(("offload.device_budget", config.device_budget))
     for setting, budget in in_ram:
-        if budget > total:  # type: ignore[operator]
+        if budget > total:
             raise ConfigError(
-                f"{setting} is {format_size(budget)} but this machine has {format_size(total)} of memory "  # type: ignore[arg-type]
+                f"{setting} is {format_size(budget)} but this machine has {format_size(total)} of memory "
                 f"in all; lower {setting} (leaving room for the process and the OS) or set it to auto"
             )
-    if len(in_ram) == 2 and config.host_budget + config.device_budget > total:  # type: ignore[operator]
+    if len(in_ram) == 2 and config.host_budget + config.device_budget > total:
         raise ConfigError(
-            f"offload.device_budget ({format_size(config.device_budget)}) and offload.host_budget "  # type: ignore[arg-type]
-            f"({format_size(config.host_budget)}) both live in host memory when computing on the CPU, and "  # type: ignore[arg-type]
+            f"offload.device_budget ({format_size(config.device_budget)}) and offload.host_budget "
+            f"({format_size(config.host_budget)}) both live in host memory when computing on the CPU, and "
             f"together exceed this machine's {format_size(total)}; lower them or set them to auto"
         )
-    if device.type == "cuda":  # type: ignore[union-attr]
+    if device.type == "cuda":
         gpu = torch.cuda.get_device_properties(device).total_memory
-        if config.device_budget > gpu:  # type: ignore[operator]
+        if config.device_budget > gpu:
             raise ConfigError(
-                f"offload.device_budget is {format_size(config.device_budget)} but {device} has "  # type: ignore[arg-type]
+                f"offload.device_budget is {format_size(config.device_budget)} but {device} has "
                 f"{format_size(gpu)} of memory in all; lower offload.device_budget or set it to auto"
             )
-        cap = cuda_cap(device)  # type: ignore[arg-type]
-        if cap is not None and config.device_budget > cap:  # type: ignore[operator]
+        cap = cuda_cap(device)
+        if cap is not None and config.device_budget > cap:
             raise ConfigError(
-                f"offload.device_budget is {format_size(config.device_budget)} but this process may use at "  # type: ignore[arg-type]
+                f"offload.device_budget is {format_size(config.device_budget)} but this process may use at "
                 f"most {format_size(cap)} of {device} (torch.cuda.set_per_process_memory_fraction); lower "
                 "offload.device_budget or set it to auto"
             )
@@ -192,7 +215,7 @@ class ChunkStore:
 
     Typical use (the training engine does this per layer)::
 
-        store = ChunkStore(StoreConfig(device_budget="2GiB", host_budget="8GiB", disk_path="/nvme/tt"))
+        store = ChunkStore(StoreConfig.resolve(device_budget="2GiB", host_budget="8GiB", disk_path="/nvme/tt"))
         chunks = store.add({"w": weight, "b": bias}, home="disk")
         for step in range(n):
             for chunk in chunks:
@@ -207,7 +230,7 @@ class ChunkStore:
         if not config.ledger:
             _check_memory(config)
         self.config = config
-        self.device = config.device  # type: ignore[assignment]
+        self.device = config.device
         self.ledger = config.ledger
         pin = self.device if self.device.type == "cuda" and not self.ledger else False  # page-locked for the GPU
         memory = {t: torch.device("meta") if self.ledger else d for t, d in
@@ -215,21 +238,21 @@ class ChunkStore:
         reserve = config.reserve or {}
         self._planned = config.reserve is not None  # the run's plan covers staging and use (see _place)
         self._mem = {
-            Tier.DEVICE: MemoryTier(Tier.DEVICE, config.device_budget, memory[Tier.DEVICE], reserve=reserve.get("device")),  # type: ignore[arg-type]
+            Tier.DEVICE: MemoryTier(Tier.DEVICE, config.device_budget, memory[Tier.DEVICE], reserve=reserve.get("device")),
             Tier.HOST: MemoryTier(
-                Tier.HOST, config.host_budget, memory[Tier.HOST], pin=pin, reserve=reserve.get("host")  # type: ignore[arg-type]
+                Tier.HOST, config.host_budget, memory[Tier.HOST], pin=pin, reserve=reserve.get("host")
             ),
         }
         if pin:
             # page-lock the host arena now: a budget the OS or CUDA refuses fails here, saying what to
             # change, not at its first use on an I/O thread in the middle of a step
             self._mem[Tier.HOST].allocate()
-        self.aio = AsyncIO(config.queue_depth, config.block_size)  # type: ignore[arg-type]
+        self.aio = AsyncIO(config.queue_depth, config.block_size)
         self.disk: DiskTier | None = None
         if config.disk_path is not None and self.ledger:
-            self.disk = DiskTier.ledger(config.disk_budget, self.aio)  # type: ignore[arg-type]
+            self.disk = DiskTier.ledger(config.disk_budget, self.aio)
         elif config.disk_path is not None:
-            self.disk = DiskTier(config.disk_path, config.disk_budget, self.aio, direct=config.direct)  # type: ignore[arg-type]
+            self.disk = DiskTier(config.disk_path, config.disk_budget, self.aio, direct=config.direct)
             weakref.finalize(self, DiskTier.close, self.disk)
         self.scheduler = Scheduler()
         self._chunks: list[Chunk] = []
@@ -257,7 +280,7 @@ class ChunkStore:
 
     def add(
         self,
-        tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, Sequence[int], torch.dtype]],
+        tensors: Mapping[str, torch.Tensor] | Sequence[Entry | Sequence[Entry]],
         home: Tier | str,
         name: str | None = None,
         chunk_size: int | None = None,
@@ -273,12 +296,11 @@ class ChunkStore:
         stage them on their way to the device.
         """
         home = Tier(home)
-        if isinstance(tensors, Mapping):
-            entries = [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
-        else:
-            entries = list(tensors)
+        entries: list[Entry | Sequence[Entry]] = (
+            [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()] if isinstance(tensors, Mapping) else list(tensors)
+        )
         size = self.config.chunk_size if chunk_size is None else chunk_size
-        layouts = pack_tensors(entries, size, self.config.num_shards)  # type: ignore[arg-type]
+        layouts = pack_tensors(entries, size, self.config.num_shards)
         new = self.add_layouts(layouts, home, name, in_file)
         if isinstance(tensors, Mapping):
             for chunk in new:
@@ -317,7 +339,7 @@ class ChunkStore:
         or a cache's safetensors): chunks homed on disk, read in place, never written and taking nothing of
         the disk tier's budget. They start ON_DISK. Raises BudgetError if the host or device cannot stage them."""
         size = self.config.chunk_size if chunk_size is None else chunk_size
-        return self.add_placed(plan_in_place(tensors, size), name)  # type: ignore[arg-type]
+        return self.add_placed(plan_in_place(tensors, size), name)
 
     def add_placed(self, plans: Sequence[tuple[ChunkLayout, InPlace]], name: str) -> list[Chunk]:
         """Register frozen chunks read in place, each a layout and where its bytes are (``add_in_place`` plans
@@ -422,7 +444,8 @@ class ChunkStore:
             self._slots[chunk.id] = in_place
         elif home is Tier.DISK:
             if slot:
-                self._slots[chunk.id] = self.disk.reserve(chunk, self.aio.block_size)  # type: ignore[union-attr]
+                assert self.disk is not None  # checked above
+                self._slots[chunk.id] = self.disk.reserve(chunk, self.aio.block_size)
         else:
             alloc = self._alloc_home(home, chunk)
             chunk.copies[home] = alloc
@@ -436,7 +459,7 @@ class ChunkStore:
             if isinstance(slot, DiskSlot) and self.disk is not None:
                 self.disk.release(slot)
         elif chunk.home in chunk.copies:
-            self._mem[chunk.home].free(chunk.copies.pop(chunk.home))  # type: ignore[arg-type]
+            self._mem[chunk.home].free(chunk.copies.pop(chunk.home))
             self._reserved[chunk.home] -= chunk.capacity
 
     # ------------------------------------------------------------------ use
@@ -477,15 +500,16 @@ class ChunkStore:
                 if overwrite:
                     self._drop_stale_for_overwrite(chunk, tier)
                 self._pin(chunk, tier, zero=not overwrite)
-            views = chunk.views(chunk.copies[tier].tensor)  # type: ignore[attr-defined]
+            views = chunk.views(chunk.copies[tier].tensor)
             if traced:
                 self._prefetch()
         if copy is not None:  # outside the lock: other threads' transfers and acquires go on meanwhile
             dst, src = copy
+            assert copy_from is not None
             try:
                 dst.copy_(src)
             finally:
-                self.release(copy_from)  # type: ignore[arg-type]
+                self.release(copy_from)
         return views
 
     def release(self, chunk: Chunk, dirty: bool = False) -> None:
@@ -534,7 +558,7 @@ class ChunkStore:
             if self.in_place(chunk) is not None:
                 raise StateError(self._read_only(chunk))
             self._pin(chunk, tier)
-            views = chunk.views(chunk.copies[tier].tensor)  # type: ignore[attr-defined]
+            views = chunk.views(chunk.copies[tier].tensor)
         try:
             yield views
         finally:
@@ -547,7 +571,8 @@ class ChunkStore:
         with self._cond:
             if chunk.state is not S.IN_USE:
                 raise StateError(f"the buffer of chunk {chunk.name!r} that is not acquired ({chunk.state.value})")
-            return chunk.copies[chunk.use_tier].tensor  # type: ignore[index,attr-defined]
+            assert chunk.use_tier is not None
+            return chunk.copies[chunk.use_tier].tensor
 
     @contextlib.contextmanager
     def scratch(self, nbytes: int, name: str, tier: Tier | str = Tier.DEVICE) -> Iterator[torch.Tensor]:
@@ -562,15 +587,16 @@ class ChunkStore:
             self._land()
             self._check_open()
             alloc = self._alloc(tier, standin, blocking=True)
+            assert alloc is not None  # a blocking allocation returns one or raises
             self._count_in_use(standin, tier, 1, scratch=True)
         try:
-            yield alloc.tensor[:nbytes]  # type: ignore[union-attr]
+            yield alloc.tensor[:nbytes]
         finally:
             if self._mem[tier].device.type == "cuda":  # kernels queued on it finish before its memory is reused
                 torch.cuda.current_stream(self.device).synchronize()
             with self._cond:
                 self._count_in_use(standin, tier, -1, scratch=True)
-                self._mem[tier].free(alloc)  # type: ignore[arg-type]
+                self._mem[tier].free(alloc)
                 self._cond.notify_all()
 
     def write(self, chunk: Chunk, values: Mapping[str, torch.Tensor]) -> None:
@@ -585,7 +611,7 @@ class ChunkStore:
             self._land()
             self._check_open()
             self._pin(chunk, Tier.HOST)
-            views = chunk.views(chunk.copies[Tier.HOST].tensor)  # type: ignore[attr-defined]
+            views = chunk.views(chunk.copies[Tier.HOST].tensor)
         try:
             return {k: v.clone() for k, v in views.items()}
         finally:
@@ -598,7 +624,7 @@ class ChunkStore:
         with self._cond:
             self._land()
             self._check_open()
-            ahead = self.scheduler.upcoming(self.config.host_prefetch_depth)  # type: ignore[arg-type]
+            ahead = self.scheduler.upcoming(self.config.host_prefetch_depth)
             before = max((self.scheduler.next_use(c) for c in ahead), default=math.inf)
             for chunk in chunks:
                 if (
@@ -670,7 +696,7 @@ class ChunkStore:
         another thread holds): a thread waiting for it must not keep holding what it has acquired. A wait
         for a transfer in flight is not reported: it ends without anyone's help."""
         with self._cond:
-            return self._waiting.get(thread_id, 0) > 0  # type: ignore[arg-type]
+            return thread_id is not None and self._waiting.get(thread_id, 0) > 0
 
     def mark_step(self) -> None:
         """Tell the scheduler a training step ended: the first step's access order becomes the trace."""
@@ -794,7 +820,8 @@ class ChunkStore:
             raise StateError("the chunk store is closed")
 
     def _read_only(self, chunk: Chunk) -> str:
-        files = ", ".join(str(f) for f in self.in_place(chunk).files)  # type: ignore[union-attr]
+        place = self.in_place(chunk)
+        files = ", ".join(str(f) for f in place.files) if place is not None else "its file"
         return f"chunk {chunk.name!r} is read in place from {files}: it is frozen and is never written"
 
     def _make_wanted_resident(self, chunk: Chunk, tier: Tier, zero: bool = True) -> None:
@@ -895,7 +922,7 @@ class ChunkStore:
         except BaseException:
             self.release(src)
             raise
-        return chunk.copies[tier].tensor, src.copies[tier].tensor  # type: ignore[attr-defined]
+        return chunk.copies[tier].tensor, src.copies[tier].tensor
 
     def _drop_stale_for_overwrite(self, chunk: Chunk, tier: Tier) -> None:
         """Before an overwriting acquire: forget contents that would otherwise be fetched to ``tier``."""
@@ -932,7 +959,7 @@ class ChunkStore:
                     continue
                 if zero:
                     alloc.tensor.zero_()
-                chunk.copies[tier] = alloc  # type: ignore[assignment]
+                chunk.copies[tier] = alloc
                 chunk.valid.add(tier)
                 return
             if tier is Tier.DISK:
@@ -957,15 +984,17 @@ class ChunkStore:
         if self._planned:
             while True:
                 for victim in self._victims(tier, exclude=chunk, before=math.inf):
-                    if not mem.in_reserve(victim.copies[tier]):  # type: ignore[arg-type]
+                    if not mem.in_reserve(victim.copies[tier]):
                         self._evict(victim, tier, blocking=True)
                 if not any(
-                    c.state in IN_FLIGHT and tier in c.copies and not mem.in_reserve(c.copies[tier])  # type: ignore[arg-type]
+                    c.state in IN_FLIGHT and tier in c.copies and not mem.in_reserve(c.copies[tier])
                     for c in self._chunks
                 ):
                     break
                 self._wait()
-        return self._alloc(tier, chunk, blocking=True, home=True)  # type: ignore[return-value]
+        alloc = self._alloc(tier, chunk, blocking=True, home=True)
+        assert alloc is not None  # a blocking allocation returns one or raises
+        return alloc
 
     def _alloc(
         self, tier: Tier, chunk: Chunk, blocking: bool, before: float = math.inf, home: bool = False
@@ -995,7 +1024,7 @@ class ChunkStore:
                 return None
             victims = self._victims(tier, exclude=chunk, before=before)
             if beyond and slot is not None:  # only a copy in a slot of its class makes room for it
-                victims = [v for v in victims if mem.slot_size(v.copies[tier]) == slot]  # type: ignore[arg-type]
+                victims = [v for v in victims if mem.slot_size(v.copies[tier]) == slot]
             if victims:
                 victim = victims[0]
                 if self._evict(victim, tier, blocking):
@@ -1108,8 +1137,8 @@ class ChunkStore:
         chunk.valid.discard(tier)
         if tier is not chunk.home and tier in chunk.copies and tier is not Tier.DISK:
             if tier is Tier.DEVICE and chunk.device_event is not None:
-                chunk.device_event.synchronize()  # type: ignore[attr-defined]  # kernels done with it
-            self._mem[tier].free(chunk.copies.pop(tier))  # type: ignore[arg-type]
+                chunk.device_event.synchronize()  # kernels done with it
+            self._mem[tier].free(chunk.copies.pop(tier))
 
     def _settle(self, chunk: Chunk) -> None:
         """Set a resting chunk's state to where its newest copy is."""
@@ -1146,7 +1175,7 @@ class ChunkStore:
         if self.ledger:
             handle = self._in_flight(label)
         else:
-            handle = self.aio.copy(alloc.tensor, chunk.copies[src].tensor, label, chunk.device_event)  # type: ignore[attr-defined]
+            handle = self.aio.copy(alloc.tensor, chunk.copies[src].tensor, label, chunk.device_event)
         ok, fail = (S.ON_DEVICE, S.ON_HOST) if dst is Tier.DEVICE else (S.ON_HOST, S.ON_DEVICE)
         handle.add_done_callback(
             lambda h: self._done(chunk, h, src, dst, ok, fail, drop=src if then_drop else None)
@@ -1168,7 +1197,8 @@ class ChunkStore:
             elif isinstance(slot, InPlace):
                 handle = self.files.read(chunk.name, slot, alloc.tensor, chunk.disk_checksums, sums)
             else:
-                handle = self.disk.read(chunk, slot, alloc.tensor, chunk.disk_checksums)  # type: ignore[union-attr,arg-type]
+                assert self.disk is not None and chunk.disk_checksums is not None
+                handle = self.disk.read(chunk, slot, alloc.tensor, chunk.disk_checksums)
         except BaseException:
             chunk.transition(S.ON_DISK)
             self._invalidate(chunk, Tier.HOST)
@@ -1189,10 +1219,13 @@ class ChunkStore:
             raise StateError(f"chunk {chunk.name!r} has no disk copy yet: its file was to be given (home_in_file)")
         assert self.disk is not None
         chunk.transition(S.WRITING)
+        slot = self._slots[chunk.id]
+        assert isinstance(slot, DiskSlot)  # a chunk read in place is never written (above)
+        sums: list[int] = []
         if self.ledger:
-            handle, sums = self._in_flight(f"write {chunk.name}"), []
+            handle = self._in_flight(f"write {chunk.name}")
         else:
-            handle, sums = self.disk.write(chunk, self._slots[chunk.id], chunk.copies[Tier.HOST].tensor)  # type: ignore[attr-defined]
+            handle, sums = self.disk.write(chunk, slot, chunk.copies[Tier.HOST].tensor)
 
         def done(h: IOHandle) -> None:
             if h.error is None:
@@ -1258,7 +1291,7 @@ class ChunkStore:
                 self._start_copy(
                     chunk, Tier.HOST, Tier.DEVICE, blocking=False, before=sched.next_use(cid, Tier.DEVICE)
                 )
-        for cid in sched.upcoming(self.config.host_prefetch_depth):  # type: ignore[arg-type]
+        for cid in sched.upcoming(self.config.host_prefetch_depth):
             chunk = self._chunks[cid]
             if self._busy(chunk) or chunk.valid & {Tier.HOST, Tier.DEVICE} or Tier.DISK not in chunk.valid:
                 continue
