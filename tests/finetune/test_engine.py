@@ -378,9 +378,10 @@ def test_the_fused_loss_trains_like_the_model_own_loss(tiny_model_dir, disk_dir,
         torch.testing.assert_close(runs["torch"][1][name], value, rtol=0, atol=1e-4)  # measured: <= 1.3e-5
 
 
-def test_an_unknown_kernels_value_names_every_choice_the_engine_takes():
-    """``none`` is the engine's (the model's own modules, for the parity oracles); its message says so."""
+def test_an_unknown_kernels_value_names_every_choice_a_recipe_takes():
+    """A recipe built in Python is checked as one read from YAML: the setting and its choices named."""
     from tiertune.errors import ConfigError
+    from tiertune.finetune.recipe import Recipe
 
-    with pytest.raises(ConfigError, match=r"kernels must be auto, torch, triton \(or none: .*\), got 'fast'"):
-        EngineConfig(kernels="fast")
+    with pytest.raises(ConfigError, match=r"kernels must be one of auto, torch, triton; got 'fast'"):
+        Recipe(kernels="fast")

@@ -6,9 +6,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiertune.errors import ConfigError
-from tiertune.kernels import KERNEL_CHOICES
-from tiertune.quant import KINDS as QUANT_KINDS
 from tiertune.settings import GaloreSettings, LoraSettings
 
 
@@ -66,36 +63,6 @@ class EngineConfig:
         return bool(self.max_grad_norm and self.max_grad_norm > 0)
 
     def __post_init__(self) -> None:
+        # resolved values: the recipe checks each setting, ``finetune.train.plan`` the rules between them
         if isinstance(self.overlap_optimizer, bool):
             self.overlap_optimizer = "on" if self.overlap_optimizer else "off"
-        if self.overlap_optimizer not in ("auto", "on", "off"):
-            raise ConfigError(
-                f"offload.overlap_optimizer must be auto, true or false, got {self.overlap_optimizer!r}"
-            )
-        for name in ("params", "optimizer_states", "gradients"):
-            value = getattr(self, name)
-            if value not in ("device", "host", "disk"):
-                raise ConfigError(f"offload.{name} must be device, host or disk, got {value!r}")
-        if self.kernels not in (*KERNEL_CHOICES, "none"):
-            choices = ", ".join(KERNEL_CHOICES)
-            raise ConfigError(
-                f"kernels must be {choices} (or none: the model's own modules), got {self.kernels!r}"
-            )
-        if self.optim not in ("adamw_torch", "adamw_bnb_8bit"):
-            raise ConfigError(f"training.optim must be adamw_torch or adamw_bnb_8bit, got {self.optim!r}")
-        if self.method not in ("full", "lora", "galore"):
-            raise ConfigError(f"method.type must be full, lora or galore, got {self.method!r}")
-        if self.quantize not in QUANT_KINDS:
-            raise ConfigError(
-                f"model.quantize must be one of {', '.join(QUANT_KINDS)}, got {self.quantize!r}"
-            )
-        if self.quantize != "none" and self.method != "lora":
-            raise ConfigError("a quantized base is frozen: use method.type: lora with model.quantize")
-        if self.activations not in ("device", "host"):
-            raise ConfigError(f"offload.activations must be device or host, got {self.activations!r}")
-        if self.activations == "host" and self.activation_tokens < 1:
-            raise ConfigError("activations on the host need activation_tokens (batch x max sequence length)")
-        if self.learning_rate < 0:
-            raise ConfigError(f"training.learning_rate must be >= 0, got {self.learning_rate}")
-        if self.max_steps < 1:
-            raise ConfigError(f"training.max_steps must be >= 1, got {self.max_steps}")

@@ -68,11 +68,6 @@ class StreamedTrainer:
         ``store_config.num_shards`` its size); each rank's ``step`` gets its own part of the global batch."""
         self.config = config
         self.world = world or World()
-        if self.world.size > 1 and config.method == "galore":
-            raise ConfigError(
-                "method.type: galore does not run sharded yet: GaLore projects each weight matrix's whole "
-                "gradient (its SVD), and a rank holds a part of it; use one process, or method.type full or lora"
-            )
         if self.world.size > 1 and store_config.num_shards != self.world.size:
             raise ConfigError(
                 f"a store for {self.world.size} ranks splits chunks into {self.world.size} shards "

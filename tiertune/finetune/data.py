@@ -200,7 +200,7 @@ def load_data(
 ) -> TokenizedData:
     """Read, render and tokenize a data file (the tokenization is cached by ``datasets``)."""
     if fmt not in FORMATS:
-        raise ConfigError(f"data.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise ValueError(f"the data formats are {', '.join(FORMATS)} (a recipe's data.format), got {fmt!r}")
     if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
             "data.format: chat renders conversations with the tokenizer's chat template, and this "

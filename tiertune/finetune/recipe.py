@@ -25,7 +25,6 @@ from tiertune.errors import ConfigError
 from tiertune.kernels import KERNEL_CHOICES
 from tiertune.loading.hub import is_hub_id
 from tiertune.settings import GaloreSettings, LoraSettings, choices
-from tiertune.units import parse_size
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 """The built-in recipes, shipped with the package (``load_recipe`` takes one by its name)."""
@@ -148,7 +147,6 @@ class Recipe:
             ),
             (t.logging_steps >= 1, "training.logging_steps", "must be >= 1"),
             (self.data.max_seq_len >= 2, "data.max_seq_len", "must be >= 2 (a token and its target)"),
-            (self.offload.prefetch_depth >= 0, "offload.prefetch_depth", "must be >= 0"),
             (self.method.lora.r >= 1, "method.lora.r", "must be >= 1"),
             (
                 self.method.lora.seed is None or 0 <= self.method.lora.seed < 2**64,
@@ -166,16 +164,7 @@ class Recipe:
         for ok, key, what in checks:
             if not ok:
                 raise ConfigError(f"{key} {what}")
-        for key in ("device_budget", "host_budget"):
-            value = getattr(self.offload, key)
-            if value != "auto":
-                number = str(value).strip()
-                # a bare number: bytes, or a forgotten unit? (0 is 0 in any unit)
-                if number.replace(".", "", 1).isdigit() and float(number) != 0:
-                    raise ConfigError(
-                        f"offload.{key}: {number} has no unit; write e.g. {number}GiB (or {number}B for bytes)"
-                    )
-                parse_size(value, f"offload.{key}")
+        _check_choices(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -309,11 +298,26 @@ def build(cls: type, data: Any, prefix: str) -> Any:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean `{prefix}{close[0]}`?" if close else f"; known keys: {', '.join(fields)}"
             raise ConfigError(f"unknown key `{name}`{hint}")
-        values[key] = _coerce(hints[key], value, name, fields[key].metadata.get("choices"))
+        values[key] = _coerce(hints[key], value, name)
     return cls(**values)
 
 
-def _coerce(hint: Any, value: Any, name: str, choices: tuple[str, ...] | None) -> Any:
+def _check_choices(recipe: Recipe) -> None:
+    """Every setting with a fixed set of values (a field's ``choices``) holds one of them: a recipe read from
+    YAML and one built in Python alike."""
+    sections = [("", recipe)] + [(f"{f.name}.", getattr(recipe, f.name)) for f in dataclasses.fields(recipe)
+                                 if dataclasses.is_dataclass(getattr(recipe, f.name))]  # fmt: skip
+    for prefix, section in sections:
+        for f in dataclasses.fields(section):
+            options = f.metadata.get("choices")
+            value = getattr(section, f.name)
+            if options is None or isinstance(value, bool) or value in options:
+                continue
+            listed = ", ".join((*options, "true", "false") if "bool" in str(f.type) else options)
+            raise ConfigError(f"{prefix}{f.name} must be one of {listed}; got {value!r}")
+
+
+def _coerce(hint: Any, value: Any, name: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return build(hint, value, f"{name}.")
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
@@ -341,11 +345,7 @@ def _coerce(hint: Any, value: Any, name: str, choices: tuple[str, ...] | None) -
             except ValueError:
                 pass
         if typ is str and isinstance(value, str | int | float) and not isinstance(value, bool):
-            value = str(value)
-            if choices and value not in choices:
-                options = ", ".join((*choices, "true", "false") if bool in allowed else choices)
-                raise ConfigError(f"{name} must be one of {options}; got {value!r}")
-            return value
+            return str(value)
     expected = " or ".join(_describe(t) for t in allowed if t is not type(None))
     raise ConfigError(f"{name} must be {expected}; got {value!r}")
 

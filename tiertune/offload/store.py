@@ -103,7 +103,13 @@ class StoreConfig:
         resolved = _resolve_device(device)
 
         def budget(value: int | str, tier: Tier, name: str) -> int:
-            return auto_budget(tier, resolved) if value == "auto" else parse_size(value, f"offload.{name}")
+            if value == "auto":
+                return auto_budget(tier, resolved)
+            number = str(value).strip()
+            if isinstance(value, str) and number.replace(".", "", 1).isdigit() and float(number) != 0:
+                # a bare number in a recipe: bytes, or a forgotten unit? (0 is 0 in any unit)
+                raise ConfigError(f"offload.{name}: {number} has no unit; write e.g. {number}GiB (or {number}B for bytes)")
+            return parse_size(value, f"offload.{name}")
 
         return cls(
             device=resolved,

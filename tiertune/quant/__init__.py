@@ -62,7 +62,7 @@ def make_quantizer(kind: str, compute_dtype: torch.dtype, saved: dict[str, Any] 
     """The quantizer of ``model.quantize`` (``none`` gives None). ``saved`` (``saved_quantization``) is the
     checkpoint's own quantization: its weights are read as they are, so ``kind`` must name the same one."""
     if kind not in KINDS:
-        raise ConfigError(f"model.quantize must be one of {', '.join(KINDS)}, got {kind!r}")
+        raise ValueError(f"the quantizations are {', '.join(KINDS)} (a recipe's model.quantize), got {kind!r}")
     if saved is not None and kind != saved["kind"]:
         bits = "8-bit" if saved["kind"] == "int8" else f"4-bit {saved['kind'].upper()}"
         raise ConfigError(
