@@ -3,7 +3,7 @@ with (``WORLD_SIZE`` unset or 1: the whole global batch in one process). Started
 ``tests/distributed/test_zero.py`` with the variables torchrun sets and:
 
 - ``TT_MODEL``: the model directory; ``TT_CASE``: full (params and states on disk), adam8 (8-bit AdamW,
-  states on disk) or qlora (an NF4 base on disk, LoRA adapters);
+  states on disk) or qlora (an NF4 base on disk, read in place from the node's quantized cache; LoRA adapters);
 - ``TT_STORE``: a FileStore path for the rendezvous; ``TT_DISK``: the offload directory (``rank-r`` below it);
 - ``TT_OUT``: where it writes ``rank-<r>.json`` (losses, peaks, disk bytes) and, from rank 0, ``weights.pt``.
 """
@@ -53,7 +53,9 @@ def engine_config(case: str) -> EngineConfig:
     if case == "qlora":  # no dropout: its masks come from each process's own random stream
         common["learning_rate"] = 2e-2
         lora = LoraSettings(r=4, alpha=8, dropout=0.0, seed=0)
-        return EngineConfig(**common, params="disk", method="lora", quantize="nf4", lora=lora)
+        # the node's quantized cache, as a run keeps it: beside the ranks' offload directories
+        cache = str(Path(os.environ["TT_DISK"]) / "quantized")
+        return EngineConfig(**common, params="disk", method="lora", quantize="nf4", lora=lora, quant_cache=cache)
     raise ValueError(case)
 
 

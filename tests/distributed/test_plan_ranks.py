@@ -41,10 +41,13 @@ CASES = [
     {"method": {"type": "full"}, "model": {"dtype": "bfloat16"},
      "offload": {"params": "device", "optimizer_states": "host"},
      "training": {"gradient_accumulation_steps": 2, "max_grad_norm": 0}},
+    # QLoRA, the NF4 base homed on disk: each rank reads its shards in place (the node's quantized cache, the
+    # checkpoint's files) and gathers whole chunks
+    {"method": {"type": "lora"}, "model": {"quantize": "nf4"}, "offload": {"params": "disk"}},
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("case", CASES, ids=["full-disk", "lora-host", "full-bf16-device"])
+@pytest.mark.parametrize("case", CASES, ids=["full-disk", "lora-host", "full-bf16-device", "qlora-disk"])
 def test_launched_ranks_train_or_are_all_refused_before_loading(tmp_path, cat_model, write_recipe, case):
     model = cat_model(2, hidden=128)
 

@@ -121,3 +121,16 @@ def test_each_rank_holds_its_share_of_the_state(runs, family, case):
     assert dirs == ["rank-0", "rank-1"]
     for r in ranks:
         assert 0 < r["disk_bytes"] <= one[0]["disk_bytes"] * 0.65
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_sharded_qlora_reads_its_base_in_place_from_one_cache_per_node(runs, size):
+    """No rank copies the frozen base into its disk tier: each reads its shard of every chunk from the files,
+    the NF4 layers from the node's quantized cache (one image of each whole chunk, quantized once for all
+    ranks), the rest from the checkpoint's own files; as one process reads its whole chunks."""
+    one, _, _ = runs("llama", "qlora", 1)
+    ranks, _, root = runs("llama", "qlora", size)
+    assert one[0]["disk_used"] == 0 and [r["disk_used"] for r in ranks] == [0] * size
+    images = sorted(p.name for p in (root / "disk" / "quantized").rglob("*.chunk"))
+    assert len(images) == 3 and all(name.endswith(f".of{size}.chunk") for name in images), images  # 3 layers
+    assert all(r["disk_bytes"] <= 4096 * 4 for r in ranks)  # the ranks' slot files: headers only

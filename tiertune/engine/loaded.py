@@ -77,17 +77,18 @@ def load_model(
         parts = split_model(model)
     homes = dict.fromkeys(("embed", "layer", "rest", "head"), config.params)
     checkpoint = Checkpoint(model_dir)
-    if world.size > 1:  # this rank's shard of every chunk
-        source, full = load_shards(
-            parts, checkpoint, store, homes, config.dtype, world.rank, world.size, quant, safe_point=safe_point
-        )
-        return LoadedModel(model, parts, quant, checkpoint, source, Zero(store, world, full, times))
     cache = None
     # a pre-quantized checkpoint too: an MoE's experts are saved unquantized (transformers leaves them so)
     if quant is not None and config.quant_cache is not None:
         from tiertune.loading.quant_cache import QuantCache
 
         cache = QuantCache(config.quant_cache, checkpoint, quant.settings())
+    if world.size > 1:  # this rank's shard of every chunk; a frozen base's read in place, as one process's
+        source, full = load_shards(
+            parts, checkpoint, store, homes, config.dtype, world.rank, world.size, quant, safe_point=safe_point,
+            in_place=config.method == "lora", cache=cache,
+        )  # fmt: skip
+        return LoadedModel(model, parts, quant, checkpoint, source, Zero(store, world, full, times), cache)
     source = load_into_store(
         parts, checkpoint, store, homes, config.dtype, quant, cache=cache, safe_point=safe_point,
         in_place=config.method == "lora",

@@ -55,12 +55,12 @@ from tiertune.finetune.speed import (
     step_flops,
 )
 from tiertune.loading.hub import config_directory
-from tiertune.offload.chunk import itemsize, pack_tensors
+from tiertune.offload.chunk import ALIGN, ChunkLayout, itemsize, pack_tensors
 from tiertune.offload.disk import slot_bytes
 from tiertune.offload.inplace import FileTensor, plan_in_place
 from tiertune.offload.store import StoreConfig
 from tiertune.offload.tiers import AUTO_DEVICE_FRACTION, Tier
-from tiertune.units import format_size
+from tiertune.units import format_size, round_up
 
 if TYPE_CHECKING:
     from tiertune.finetune.recipe import Recipe
@@ -384,23 +384,20 @@ def _chunks(
     clipping = cfg.clips
     parameters = trained = 0
     units: list[dict[str, _Chunk]] = []  # per optimizer unit: its weights and state chunks, by role
-    split = None
-    # a frozen base on disk: read in place where files hold it (one process; a rank of several copies its shard)
-    if not trained_flag and cfg.params == "disk" and shards == 1:
-        split = _in_place_split(recipe.model.path, model, cfg, quant, saved)
-    if shards > 1:  # ZeRO-3: a rank's shard of each chunk (``loading.model.load_shards``) and its states
-        for gi, group in enumerate(parts.groups):
-            parameters += group.numel
-            for whole in pack_tensors(weight_entries(group, cfg.dtype, quant), max(size, 1), shards):
-                mine = shard_layout(whole, 0, shards)  # every rank's shard has the same capacity
-                chunks.append(_Chunk("weights", Tier(cfg.params), mine.capacity, Tier.DEVICE, trained_flag,
-                                     entries=list(mine.tensors), layer=group.kind == "layer", layout=mine,
-                                     group=gi, role="weights", whole=whole))  # fmt: skip
-                if trained_flag:
-                    units.append(_states(chunks, cfg, galore, device, gi))
-        trained = parameters if trained_flag else 0
-    for gi, group in enumerate(parts.groups if shards == 1 else ()):
+    # a frozen base on disk: read in place where files hold it (each rank of several its shard of them)
+    split = _in_place_split(recipe.model.path, model, cfg, quant, saved) if not trained_flag and cfg.params == "disk" else None
+
+    def weight_chunk(kind: str, home: str | Tier, layout: ChunkLayout, in_place: bool, layer: bool, gi: int) -> None:
+        """A weight chunk as the loader registers it: whole, or (ZeRO-3, ``load_shards``) a rank's shard of it,
+        every rank's the same capacity."""
+        mine = shard_layout(layout, 0, shards) if shards > 1 else layout
+        chunks.append(_Chunk(kind, Tier(home), mine.capacity, Tier.DEVICE, trained_flag and not in_place, in_place,
+                             [(t.name, t.shape, t.dtype) for t in mine.tensors], layer, mine, gi, "weights",
+                             layout if shards > 1 else None))  # fmt: skip
+
+    for gi, group in enumerate(parts.groups):
         parameters += group.numel
+        layer = group.kind == "layer"
         # weights are used on the device; trained fp32 weights are their own master, changed on the host too
         entries = weight_entries(group, cfg.dtype, quant)
         kind = "weights"
@@ -408,20 +405,19 @@ def _chunks(
             mapped, entries = split(group)
             if mapped and isinstance(mapped[0], FileTensor):  # laid out over the files as the store lays them
                 for layout, _ in plan_in_place(mapped, max(size, 1)):
-                    chunks.append(_Chunk(IN_PLACE, Tier.DISK, layout.capacity, Tier.DEVICE, False, True,
-                                         [(t.name, t.shape, t.dtype) for t in layout.tensors],
-                                         group.kind == "layer", layout, gi, "weights"))  # fmt: skip
+                    if shards > 1:  # padded for the shards (``load_shards``)
+                        layout = ChunkLayout(layout.tensors, round_up(layout.capacity, ALIGN * shards), shards)
+                    weight_chunk(IN_PLACE, Tier.DISK, layout, True, layer, gi)
             elif mapped:  # config.json alone: where each tensor starts in its file is not known
-                add(mapped, IN_PLACE, Tier.DISK, Tier.DEVICE, False, in_place=True, layer=group.kind == "layer",
-                    group=gi)  # fmt: skip
-            # as load_into_store homes it: a checkpoint saved quantized holds every quantized linear weight
+                for layout in pack_tensors(mapped, max(size, 1), shards):
+                    weight_chunk(IN_PLACE, Tier.DISK, layout, True, layer, gi)
+            # as the loader homes it: a checkpoint saved quantized holds every quantized linear weight
             prequantized = {n for n, p in group.params.items() if is_quantized(p)} if saved is not None else ()
             if quant is not None and quantized_on_load(group, prequantized) and cfg.quant_cache is not None:
                 kind = QUANT_CACHE
         before = len(chunks)
-        if entries:
-            add(entries, kind, cfg.params, Tier.DEVICE, trained_flag, in_place=kind == QUANT_CACHE,
-                layer=group.kind == "layer", group=gi)  # fmt: skip
+        for layout in pack_tensors(entries, max(size, 1), shards) if entries else ():
+            weight_chunk(kind, cfg.params, layout, kind == QUANT_CACHE, layer, gi)
         if not trained_flag:
             continue
         trained += group.numel

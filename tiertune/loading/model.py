@@ -25,12 +25,13 @@ from torch import nn
 from tiertune.distributed.ownership import shard_layout
 from tiertune.errors import ModelError, StateError
 from tiertune.loading.weights import Checkpoint
-from tiertune.offload.chunk import Chunk, ChunkLayout, TensorSpec, layout_views, pack_tensors
-from tiertune.offload.inplace import FileTensor, can_map
+from tiertune.offload.chunk import ALIGN, Chunk, ChunkLayout, TensorSpec, layout_views, pack_tensors
+from tiertune.offload.inplace import FileTensor, InPlace, can_map, plan_in_place
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
 from tiertune.quant import NF4, Quantizer, SavedWeight, experts, is_quantized
 from tiertune.quant.experts import is_quantized_experts
+from tiertune.units import round_up
 
 if TYPE_CHECKING:
     from tiertune.loading.quant_cache import QuantCache
@@ -377,6 +378,8 @@ def load_shards(
     quant: Quantizer | None = None,
     chunk_size: int | None = None,
     safe_point: Callable[[], None] | None = None,
+    in_place: bool = False,
+    cache: QuantCache | None = None,
 ) -> tuple[dict[str, TensorSource], dict[int, ChunkLayout]]:
     """``load_into_store`` for rank ``rank`` of ``world_size`` (ZeRO-3): every group is laid out in chunks as one
     process would lay it out, padded for ``world_size`` shards, and this rank registers and fills only its
@@ -385,8 +388,10 @@ def load_shards(
     are kept: the node's ranks together hold the model once. Returns the checkpoint names
     (``checkpoint_names``) and each shard chunk's whole layout by chunk id (what a gather reassembles).
 
-    Not here yet: reading frozen weights in place from the checkpoint's files and the quantized cache (each
-    rank's shard is copied into its own tiers)."""
+    ``in_place`` (a frozen base, as for ``load_into_store``): a group homed on disk is read in place, each
+    rank's shard from its byte range of the files: the checkpoint's own where they hold the weights as they
+    train, else the ``cache``'s image of each whole chunk, quantized once for the node's ranks
+    (``QuantCache.shared``). The disk tier then holds no copy of the base on any rank."""
     source = _sources(parts, checkpoint)
     full: dict[int, ChunkLayout] = {}
     size = store.config.chunk_size if chunk_size is None else chunk_size
@@ -396,11 +401,37 @@ def load_shards(
         home = homes if isinstance(homes, Tier | str) else homes[group.kind]
         units = _units(group, weight_entries(group, dtype, quant))
         saved = _saved_weights(group, source, checkpoint, quant)
-        layouts = pack_tensors(units, size, world_size)  # type: ignore[arg-type]
-        shards = [shard_layout(layout, rank, world_size) for layout in layouts]
-        group.chunks = store.add_layouts(shards, home, group.name)
         first = _weight_of(units)
-        for chunk, layout in zip(group.chunks, layouts, strict=True):
+        frozen_on_disk = in_place and Tier(home) is Tier.DISK
+        mapped: list[FileTensor] = []
+        if frozen_on_disk:
+            units, mapped = _split_in_place(units, group, source, saved, checkpoint)
+        group.chunks = []
+        for layout, place in plan_in_place(mapped, size) if mapped else ():  # the checkpoint's own files
+            whole = ChunkLayout(layout.tensors, round_up(layout.capacity, ALIGN * world_size), world_size)
+            [chunk] = store.add_placed([(shard_layout(whole, rank, world_size), place.part(*whole.shard_range(rank)))],
+                                       f"{group.name}.{len(group.chunks)}")  # fmt: skip
+            full[chunk.id] = whole
+            group.chunks.append(chunk)
+        layouts = pack_tensors(units, size, world_size) if units else []
+        if frozen_on_disk and cache is not None and quant is not None and quantized_on_load(group, saved):
+            for layout in layouts:  # the cache's image of the whole chunk, shared by the node's ranks
+                name = f"{group.name}.{len(group.chunks)}.of{world_size}"
+                weights = list(dict.fromkeys(first[t.name] for t in layout.tensors))
+                path, _ = cache.shared(
+                    name, layout, lambda views, g=group, w=weights, sv=saved: _fill(
+                        g, w, views, sv, source, checkpoint, dtype, quant),
+                    store.aio.block_size,
+                )  # fmt: skip
+                [chunk] = store.add_placed([(shard_layout(layout, rank, world_size),
+                                             InPlace.image(path, *layout.shard_range(rank)))], name)  # fmt: skip
+                full[chunk.id] = layout
+                group.chunks.append(chunk)
+            continue
+        shards = [shard_layout(layout, rank, world_size) for layout in layouts]
+        added = store.add_layouts(shards, home, group.name) if shards else []
+        group.chunks += added
+        for chunk, layout in zip(added, layouts, strict=True):
             full[chunk.id] = layout
             start, end = layout.shard_range(rank, world_size)
             by_weight: dict[str, list[TensorSpec]] = {}

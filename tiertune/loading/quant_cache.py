@@ -17,10 +17,11 @@ is read raises ``IntegrityError`` (block digests are checked by the store on eve
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -30,7 +31,8 @@ from tiertune.errors import IntegrityError
 from tiertune.files import fsync_file, write_text_atomically
 from tiertune.loading.weights import Checkpoint
 from tiertune.offload.aio import buffer_of, pread_full
-from tiertune.offload.chunk import Chunk, ChunkLayout
+from tiertune.offload.chunk import Chunk, ChunkLayout, layout_views
+from tiertune.offload.tiers import Tier
 
 log = logging.getLogger("tiertune.quant")
 
@@ -100,6 +102,28 @@ class QuantCache:
             return None
         sums = tuple(manifest["blocks"]) if manifest.get("block_size") == block_size else None
         return self.directory / f"{chunk.name}.chunk", sums
+
+    def shared(
+        self, name: str, layout: ChunkLayout, fill: Callable[[dict[str, torch.Tensor]], None], block_size: int
+    ) -> tuple[Path, tuple[int, ...] | None]:
+        """The image of chunk ``name`` laid out as ``layout`` (a whole chunk, of which a rank of several keeps a
+        shard), made by ``fill(views)`` when the cache holds none: by one process at a time (a lock per chunk),
+        so a node's ranks quantize each chunk once and read their shards of the one image in place."""
+        standin = Chunk(-1, name, layout, Tier.DISK)
+        found = self.image(standin, block_size)
+        if found is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with open(self.directory / f".{name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                found = self.image(standin, block_size)
+                if found is None:
+                    flat = torch.zeros(layout.capacity, dtype=torch.uint8)
+                    views = layout_views(layout, flat)
+                    fill(views)
+                    self.misses += 1
+                    return self.save(standin, views, block_size)
+        self.hits += 1
+        return found
 
     def save(
         self, chunk: Chunk, views: dict[str, torch.Tensor], block_size: int

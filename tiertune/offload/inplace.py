@@ -74,6 +74,23 @@ class InPlace:
     def files(self) -> tuple[Path, ...]:
         return tuple(path for path, _, _ in self.stamps)
 
+    def part(self, start: int, end: int) -> InPlace:
+        """Where bytes [start, end) of the chunk are (a rank's shard of it: ``ChunkLayout.shard_range``), as a
+        chunk of their own: the windows' parts in that range, at offsets from ``start``."""
+        windows = []
+        for w in self.windows:
+            lo, hi = max(start, w.offset), min(end, w.offset + w.nbytes)
+            if lo < hi:
+                windows.append(Window(w.file, w.file_start + lo - w.offset, lo - start, hi - lo))
+        files = {w.file for w in windows}
+        return InPlace(tuple(windows), tuple(s for s in self.stamps if s[0] in files))
+
+    @classmethod
+    def image(cls, path: Path, start: int, end: int) -> InPlace:
+        """Bytes [start, end) of the file ``path``, an image of a chunk from its byte 0 (the quantized cache's)."""
+        st = path.stat()
+        return cls((Window(path, start, 0, end - start),), ((path, st.st_size, st.st_mtime_ns),))
+
 
 def can_map(tensor: FileTensor) -> bool:
     """Whether ``tensor`` can be viewed in place: its start in the file is a multiple of its item size (the
