@@ -96,17 +96,17 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
             times.append(time.perf_counter() - began)
             print(f"tiertune step {len(times)}: {times[-1]:.1f} s", file=sys.stderr, flush=True)
             if len(times) == 1:  # the load and the first step (which records the trace) are not steady state
-                before = trainer.store.stats().bytes_moved
-        stats = trainer.store.stats()
+                before = trainer.store_stats().bytes_moved
+        stats = trainer.store_stats()
         n = max(1, args.steps - 1)
-        layer = next(s.weights[0] for s in trainer.states if s.group.kind == "layer")
+        layer_bytes = trainer.chunk_sizes()["layer_weights"][0]
     finally:
         trainer.close()
     return {
         **_step_figures(load_s, times, losses, args),
         "bytes_moved_per_step": {k: (v - before.get(k, 0)) / n for k, v in stats.bytes_moved.items()},
         "peak_bytes": {k: v.peak for k, v in stats.tiers.items()},
-        "layer_chunk_bytes": layer.capacity,
+        "layer_chunk_bytes": layer_bytes,
         "peak_rss_bytes": peak_rss(),
         "peak_gpu_bytes": _gpu_peak(args),
         "host_to_device_gbps": _host_to_device_gbps(args),

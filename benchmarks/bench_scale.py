@@ -225,23 +225,23 @@ def train(model_dir: Path, disk_dir: Path, args: argparse.Namespace) -> dict:
     trainer = StreamedTrainer(str(model_dir), store, cfg)
     load_s = time.perf_counter() - began
     rss_after_load = peak_rss()
-    in_place = sum(c.capacity for c in trainer.store.chunks if trainer.store.in_place(c) is not None)
+    in_place = sum(trainer.chunk_sizes().get("in_place", []))
     vocab = trainer.model.config.vocab_size
     # one batch, trained on at every step: a loss that falls says the adapters learn
     ids = torch.randint(0, vocab, (1, args.seq_len), generator=torch.Generator().manual_seed(0))
     steps = []
     try:
         for step in range(args.steps):
-            before = trainer.store.stats().bytes_moved.get("disk->host", 0)
+            before = trainer.store_stats().bytes_moved.get("disk->host", 0)
             t = time.perf_counter()
             loss = trainer.step([{"input_ids": ids}])
             seconds = time.perf_counter() - t
-            read = trainer.store.stats().bytes_moved.get("disk->host", 0) - before
+            read = trainer.store_stats().bytes_moved.get("disk->host", 0) - before
             steps.append({"loss": loss, "s": seconds, "disk_bytes_read": read})
             print(f"step {step + 1}: loss {loss:.4f}, {seconds:.1f} s, read {read / 2**30:.2f} GiB",
                   file=sys.stderr, flush=True)  # fmt: skip
-        stats = trainer.store.stats()
-        trained = sum(p.numel() for p in trainer.adapters.params)  # type: ignore[union-attr]
+        stats = trainer.store_stats()
+        trained = trainer.parameter_counts()["trained"]
     finally:
         trainer.close()
     return {

@@ -104,11 +104,11 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         first_svd_s = trainer.times.get("galore_svd", 0.0)
         first_gradient_bytes = trainer.gradient_bytes
         trainer.times.clear()
-        before = trainer.store.stats().bytes_moved  # the load and the first step are not steady state
+        before = trainer.store_stats().bytes_moved  # the load and the first step are not steady state
         losses = [trainer.step(batch) for _ in range(args.steps - 1)]
         n = args.steps - 1
         times = {k: v / n for k, v in trainer.times.items()}
-        stats = trainer.store.stats()
+        stats = trainer.store_stats()
     finally:
         trainer.close()
     step = times["step"]
@@ -144,7 +144,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         - store.host_budget
         - (store.device_budget if store.device.type == "cpu" else 0),
         "state_bytes": trainer.state_bytes(),
-        "largest_group_fp32_bytes": max(c.capacity for c in trainer.store.chunks if c.name.endswith(".grad")),
+        "largest_group_fp32_bytes": max(trainer.chunk_sizes()["grads"]),
     }
 
 

@@ -84,9 +84,9 @@ def worker(args: argparse.Namespace) -> None:
         seconds.append(time.perf_counter() - began)
         if world.size > 1:
             wire_steps.append({k: v - before.get(k, 0) for k, v in trainer.wire_sent().items()})
-    stats = trainer.store.stats()
-    psi = sum(s.group.numel for s in trainer.states)
-    psi_layers = sum(s.group.numel for s in trainer.states if s.group.kind == "layer")
+    stats = trainer.store_stats()
+    counts = trainer.parameter_counts()
+    psi, psi_layers = counts["total"], counts.get("layer", 0)
     result = {
         "losses": losses,
         "step_seconds": seconds,

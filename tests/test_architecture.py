@@ -141,3 +141,27 @@ def test_one_process_and_one_rank_of_several_run_the_same_code():
 def test_the_mode_check_finds_a_branch_on_the_sharding(tmp_path):
     (tmp_path / "a.py").write_text("def f(t):\n    if t.zero is None:\n        return 1\n    return isinstance(t, Zero)\n")
     assert _mode_checks([tmp_path / "a.py"], tmp_path) == ["a.py:2 t.zero is None", "a.py:4 isinstance(t, Zero)"]
+
+
+def _trainer_reads(files: list[Path], root: Path = ROOT) -> list[str]:
+    """Where code outside engine/ reads what the trainer holds inside: its store, its sharding or its states
+    (attributes so named of a name or attribute called ``trainer``/``_trainer``)."""
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("store", "sharding", "states"):
+                owner = getattr(node.value, "id", getattr(node.value, "attr", None))
+                if owner in ("trainer", "_trainer"):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
+    return sorted(found)
+
+
+def test_nothing_outside_the_engine_reads_the_trainers_store_sharding_or_states():
+    # the run, the checkpoint and the benchmarks ask the trainer (store_stats, chunk_sizes, state_parts, ...)
+    files = [p for p in sorted(PACKAGE.rglob("*.py")) if "engine" not in p.relative_to(PACKAGE).parts]
+    assert _trainer_reads(files + sorted((ROOT / "benchmarks").glob("*.py"))) == []
+
+
+def test_the_trainer_check_finds_a_read_of_its_store(tmp_path):
+    (tmp_path / "a.py").write_text("def f(self):\n    return self._trainer.store.stats(), trainer.states\n")
+    assert _trainer_reads([tmp_path / "a.py"], tmp_path) == ["a.py:2 self._trainer.store", "a.py:2 trainer.states"]

@@ -57,6 +57,9 @@ def state_entries(
     return out
 
 
+STATE_ROLES = ("weights", "master", "exp_avg", "exp_avg_sq", "proj")
+"""The roles of a trained group's chunks whose contents are its state between steps (what a checkpoint keeps)."""
+
 ROLES = {
     "grads": ("grad", "gradients"),
     "accum": ("grad_full", "accumulators"),

@@ -28,7 +28,6 @@ from tiertune.engine.layout import (
     add_accumulator,
     add_states,
     add_twins,
-    state_bytes,
     state_chunks,
 )
 from tiertune.engine.loaded import load_model
@@ -36,6 +35,7 @@ from tiertune.engine.loss import CausalLMLoss
 from tiertune.engine.router_aux import RouterAux
 from tiertune.engine.streaming import InputStash, StreamedLayer
 from tiertune.engine.update import LRSchedule, StepContext, Updater
+from tiertune.engine.views import TrainerViews
 from tiertune.errors import ConfigError, DataError, NonFiniteError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 from tiertune.kernels.patch import patch_model, resolve_backend
@@ -48,7 +48,7 @@ from tiertune.offload.store import ChunkStore, StoreConfig
 log = logging.getLogger("tiertune.engine")
 
 
-class StreamedTrainer:
+class StreamedTrainer(TrainerViews):
     """Full fine-tuning with every state in a chunk store. ``step(micro_batches)`` runs one optimizer step.
 
     ``micro_batches`` are dicts with ``input_ids``, optional ``attention_mask``, optional ``position_ids``
@@ -360,34 +360,6 @@ class StreamedTrainer:
         self.step_count = int(counters["step_count"])
         self.last_grad_norm = float(counters["last_grad_norm"])
         self.optimizer_counts.update(counters["optimizer_counts"])
-
-    def wire_sent(self) -> dict[str, int]:
-        """Bytes this process has sent to the other ranks so far, by collective (none for one process)."""
-        return dict(self.sharding.wire.sent)
-
-    def total(self, value: float | int, dtype: torch.dtype = torch.float64) -> float | int:
-        """``value`` summed over the ranks (a collective: every rank calls it; one process: ``value``)."""
-        return self.sharding.total(value, dtype)
-
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes of each kind of training state in the store (``layout.state_bytes``)."""
-        return state_bytes(self.states)
-
-    # ------------------------------------------------------------------ export
-
-    def weights(self) -> Iterator[dict[str, torch.Tensor]]:
-        """The current weights, one chunk at a time (CPU copies by parameter name): for streaming export. A
-        rank of several gathers each chunk (every rank must iterate: a collective per chunk)."""
-        for state in self.states:
-            for chunk in state.weights:
-                yield self.sharding.read_whole(chunk)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """All current weights by parameter name, on the CPU (small models, tests)."""
-        out: dict[str, torch.Tensor] = {}
-        for part in self.weights():
-            out.update(part)
-        return out
 
     @contextmanager
     def _unstreamed(self) -> Iterator[None]:

@@ -347,7 +347,7 @@ class CheckpointWriter:
         from safetensors.torch import save_file
 
         try:
-            save_file(self._trainer.store.read(chunk), self._files[chunk.id])
+            save_file(self._trainer.read_chunk(chunk), self._files[chunk.id])
         except BaseException as exc:
             with self._cond:
                 self._failed = self._failed or exc
@@ -502,7 +502,7 @@ def load_checkpoint(trainer: StreamedTrainer, path: str | os.PathLike[str]) -> d
     with StateReader(path, state) as reader:
         reader.check(wanted)
         for chunk in trainer.state_chunks():
-            with trainer.store.writing(chunk) as views:
+            with trainer.writing(chunk) as views:
                 for p in placed[chunk.id]:
                     reader.read(p.key, p.start, p.end, views[p.name].reshape(-1))
     if trainer.adapters is not None:

@@ -20,26 +20,24 @@ from __future__ import annotations
 import json
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiertune.engine.layout import ROLES
+from tiertune.engine.layout import ROLES, STATE_ROLES
 from tiertune.errors import ConfigError, IntegrityError, StateError
 from tiertune.loading.weights import SAFETENSORS_DTYPES
 from tiertune.methods.optim import BLOCK_8BIT
 
 if TYPE_CHECKING:
     from tiertune.engine import StreamedTrainer
-    from tiertune.engine.sharding import Sharding
 
 INDEX_FILE = "index.json"  # in the checkpoint's state/ directory
 FORMAT = "tiertune-state/1"
 ABSMAX = ".absmax"  # the suffix of an 8-bit moment's per-block absmax
-STATE_ROLES = ("weights", "master", "exp_avg", "exp_avg_sq", "proj")
-"""The ``GroupState`` lists whose chunks hold the training state between steps (``layout.state_chunks``)."""
 _OPEN_FILES = 32  # files a reader keeps open (memory-mapped) at once
 
 
@@ -65,29 +63,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 def placements(trainer: StreamedTrainer) -> dict[int, list[Placement]]:
     """For each chunk of ``trainer``'s training state (``state_chunks``), where its tensors lie in the run's
     state: whole tensors for one process, this rank's owned ranges for a rank of several."""
-    sharding = trainer.sharding
-    out: dict[int, list[Placement]] = {}
-    for state in trainer.states:
-        if not state.trainable:
-            continue
-        for role in STATE_ROLES:
-            for chunk in getattr(state, role):
-                if chunk is None:
-                    continue
-                out[chunk.id] = [
-                    _placement(role, t.name, tuple(t.shape), t.dtype, state.group.params, sharding)
-                    for t in chunk.tensors
-                ]
-    return out
+    return {
+        chunk.id: [_placement(role, t.name, tuple(t.shape), t.dtype, params, trainer.part) for t in chunk.tensors]
+        for role, chunk, params in trainer.state_parts()
+    }
 
 
 def _placement(
-    role: str, name: str, local: tuple[int, ...], dtype: torch.dtype, params: dict, sharding: Sharding
-) -> Placement:
+    role: str, name: str, local: tuple[int, ...], dtype: torch.dtype, params: dict,
+    part_of: Callable[[str], tuple[int, int] | None],
+) -> Placement:  # fmt: skip
     numel = math.prod(local)
     key = f"{role}/{name}"
     param = name.removesuffix(ABSMAX)
-    part = sharding.part(param)
+    part = part_of(param)
     if part is None:  # the whole tensor (one process), in the shape this state holds it
         return Placement(name, local, key, 0, numel, local, dtype)
     start, end = part

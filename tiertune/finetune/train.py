@@ -405,7 +405,7 @@ def _run(
                 seconds = time.perf_counter() - began
                 done = step + 1
                 result.losses.append(loss)
-                stats = trainer.store.stats()
+                stats = trainer.store_stats()
                 peaks = {name: tier.peak for name, tier in stats.tiers.items()}
                 record = {
                     "step": step + 1,
@@ -598,11 +598,8 @@ def _banner(
     """What the run is about to do: what is trained, on what data, the effective batch, where each state
     lives, budgets, and how the optimizer runs."""
     t, cfg = recipe.training, trainer.config
-    if trainer.adapters is not None:
-        trained = sum(p.numel() for p in trainer.adapters.params)
-    else:
-        trained = sum(s.group.numel for s in trainer.states if s.trainable)
-    total = sum(s.group.numel for s in trainer.states)
+    counts = trainer.parameter_counts()
+    trained, total = counts["trained"], counts["total"]
     world = trainer.world
     batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * world.size
     fused = [describe(trainer.kernel_counts)] if trainer.kernel_counts else []

@@ -1,0 +1,115 @@
+"""What callers outside the engine read of a run's trainer (``TrainerViews``, a base of ``StreamedTrainer``):
+the bytes it sent, totals over the ranks, its memory and traffic, its parameters and chunks, the chunks of its
+state to checkpoint and fill back, its weights. They ask these, never its store, sharding or states
+(``tests/test_architecture.py`` checks it)."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiertune.engine.layout import ROLES, STATE_ROLES, state_bytes
+from tiertune.offload.chunk import Chunk
+from tiertune.offload.store import StoreStats
+
+if TYPE_CHECKING:
+    from tiertune.engine.layout import GroupState
+    from tiertune.engine.sharding import Sharding
+    from tiertune.methods.lora import Adapters
+    from tiertune.offload.store import ChunkStore
+
+
+class TrainerViews:
+    """Read-only views of a trainer's run (and the two ways a checkpoint reads and fills its state)."""
+
+    store: ChunkStore
+    sharding: Sharding
+    states: list[GroupState]
+    adapters: Adapters | None
+
+    def wire_sent(self) -> dict[str, int]:
+        """Bytes this process has sent to the other ranks so far, by collective (none for one process)."""
+        return dict(self.sharding.wire.sent)
+
+    def total(self, value: float | int, dtype: torch.dtype = torch.float64) -> float | int:
+        """``value`` summed over the ranks (a collective: every rank calls it; one process: ``value``)."""
+        return self.sharding.total(value, dtype)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of each kind of training state in the store (``layout.state_bytes``)."""
+        return state_bytes(self.states)
+
+    def store_stats(self) -> StoreStats:
+        """Per tier its budget, bytes held now and at most; per link the bytes moved so far (``ChunkStore.stats``)."""
+        return self.store.stats()
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Parameters of the model: ``total``, ``trained`` (the adapters' for LoRA), and per group kind (embed,
+        layer, rest, head)."""
+        counts: Counter[str] = Counter()
+        for state in self.states:
+            counts[state.group.kind] += state.group.numel
+            counts["total"] += state.group.numel
+        counts["trained"] = (sum(p.numel() for p in self.adapters.params) if self.adapters is not None
+                             else sum(s.group.numel for s in self.states if s.trainable))  # fmt: skip
+        return dict(counts)
+
+    def chunk_sizes(self) -> dict[str, list[int]]:
+        """Capacities of the run's chunks (this rank's shards, of several), by what they hold: ``weights`` (every
+        group's, in order), ``layer_weights`` (the decoder layers'), ``in_place`` (frozen weights read from their
+        files) and each role of the training state (``grads``, ``master``, ``exp_avg``, ...)."""
+        out: defaultdict[str, list[int]] = defaultdict(list)
+        for state in self.states:
+            for chunk in state.weights:
+                out["weights"].append(chunk.capacity)
+                if state.group.kind == "layer":
+                    out["layer_weights"].append(chunk.capacity)
+                if self.store.in_place(chunk) is not None:
+                    out["in_place"].append(chunk.capacity)
+            for role in ROLES:
+                out[role] += [c.capacity for c in getattr(state, role, ()) if c is not None]
+        return dict(out)
+
+    def state_parts(self) -> Iterator[tuple[str, Chunk, dict[str, torch.Tensor]]]:
+        """Each chunk of the trained groups' state between steps (weights, master weights, moments, GaLore's
+        projections) with its role and its group's parameters (on the meta device): what a checkpoint's state
+        index lists (``part`` says which elements of each parameter this process holds)."""
+        for state in self.states:
+            if not state.trainable:
+                continue
+            for role in STATE_ROLES:
+                for chunk in getattr(state, role):
+                    if chunk is not None:
+                        yield role, chunk, state.group.params
+
+    def part(self, name: str) -> tuple[int, int] | None:
+        """The elements [start, end) of parameter ``name`` this rank owns (None: the whole tensor, one process)."""
+        return self.sharding.part(name)
+
+    def read_chunk(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        """A CPU copy of one of the run's chunks (a checkpoint writes them one at a time)."""
+        return self.store.read(chunk)
+
+    def writing(self, chunk: Chunk) -> AbstractContextManager[dict[str, torch.Tensor]]:
+        """One of the run's chunks to fill in place (a checkpoint's state read back into it)."""
+        return self.store.writing(chunk)
+
+    # ------------------------------------------------------------------ export
+
+    def weights(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The current weights, one chunk at a time (CPU copies by parameter name): for streaming export. A
+        rank of several gathers each chunk (every rank must iterate: a collective per chunk)."""
+        for state in self.states:
+            for chunk in state.weights:
+                yield self.sharding.read_whole(chunk)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """All current weights by parameter name, on the CPU (small models, tests)."""
+        out: dict[str, torch.Tensor] = {}
+        for part in self.weights():
+            out.update(part)
+        return out
