@@ -75,15 +75,16 @@ steps are not clipped."""
 
 def replay(
     chunks: Sequence[PlannedChunk], store_cfg: StoreConfig, cfg: EngineConfig, micro_batches: int,
-    clipped: Sequence[bool] = CLIPPED,
+    clipped: Sequence[bool] = CLIPPED, device: torch.device | None = None,
 ) -> Replayed:  # fmt: skip
     """Replay ``len(clipped)`` training steps of ``micro_batches`` micro-batches over ``chunks`` on a ledger
     store configured as ``store_cfg`` (its budgets and the plan's reserve). ``clipped[k]``: whether step k's
     gradient norm is above ``max_grad_norm`` (the engine speculates on a step unless the one before was
     clipped, and redoes a speculative step that is). The first step records the trace, as in a run; the bytes
-    moved are the last step's."""
+    moved are the last step's. ``device``: what the run computes on (default: the store's), which decides the
+    tier the CPU optimizer uses a chunk homed on the device on (``layout.home_tier_used``)."""
     store = ChunkStore(dataclasses.replace(store_cfg, ledger=True))
-    device = store_cfg.device
+    device = device or store_cfg.device
     try:
         groups, stash = _register(store, chunks)
         step = _Step(store, cfg, device, groups, stash)

@@ -273,7 +273,9 @@ def estimate(
         tier, total = kinds.get(c.kind, (c.home.value, 0))
         kinds[c.kind] = (tier, total + c.capacity)
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget, Tier.DISK: disk_room}
-    replayed = _replay(chunks, store_cfg, cfg, memory, budgets, recipe.training.gradient_accumulation_steps, notes)
+    device = torch.device("cuda" if target is not None else "cpu")  # what the run would compute on
+    replayed = _replay(chunks, store_cfg, cfg, memory, budgets, recipe.training.gradient_accumulation_steps, notes,
+                       device)  # fmt: skip
     tiers = {}
     for tier in ORDER:
         above = ORDER.index(tier)
@@ -573,7 +575,7 @@ def _slots(chunks: list[_Chunk], store_cfg: StoreConfig) -> int:
 
 def _replay(
     chunks: list[_Chunk], store_cfg: StoreConfig, cfg, memory: Plan, budgets: dict[Tier, int], micro_batches: int,
-    notes: list[str],
+    notes: list[str], device: torch.device,
 ) -> Replayed | None:  # fmt: skip
     """The run's steps replayed on a ledger (``engine.replay``): the store's own placement, eviction and prefetch
     over these chunks, the engine's calls in its order, every micro-batch; its peaks and the bytes a step
@@ -584,7 +586,8 @@ def _replay(
         return None
     twins = any(c.role == "twin" for c in chunks)
     ledger = dataclasses.replace(store_cfg, reserve=memory.store_reserve(), disk_budget=None)
-    return replaying.replay(chunks, ledger, dataclasses.replace(cfg, twins=twins), micro_batches, replaying.CLIPPED)
+    return replaying.replay(chunks, ledger, dataclasses.replace(cfg, twins=twins), micro_batches, replaying.CLIPPED,
+                            device)  # fmt: skip
 
 
 def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU | None) -> StepTime:
