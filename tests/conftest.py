@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
 import pytest
 import torch
+from tiny import tiny_config
 
 # Triton's kernels run in its interpreter on a CPU (fp32 only: its bf16 arithmetic is wrong). Triton reads
 # this when it is first imported, which transformers, peft or torch may do at any point of a session.
@@ -112,3 +114,49 @@ def _write_recipe(tmp_path, model_dir, name: str = "recipe", texts=CAT_TEXTS, **
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Save a tiny random model of a family as a sharded safetensors HF directory; returns (dir, model)."""
+    from transformers import AutoModelForCausalLM
+
+    made = {}
+
+    def make(family: str, layers: int = 4, shard: str = "40KB"):
+        key = (family, layers, shard)
+        if key not in made:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(tiny_config(family, layers))
+            path = tmp_path_factory.mktemp(f"{family}-{layers}")
+            model.save_pretrained(path, max_shard_size=shard)
+            made[key] = (path, model)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture
+def interrupted_after():
+    """``with interrupted_after(n): train(...)``: the runs in the block stop with KeyboardInterrupt (as after
+    Ctrl-C) when they start their step n + 1 (counted over all of them)."""
+    from tiertune.engine import StreamedTrainer
+
+    @contextlib.contextmanager
+    def after(steps: int):
+        step = StreamedTrainer.step
+        calls = []
+
+        def interrupted(self, micro):
+            if len(calls) == steps:
+                raise KeyboardInterrupt
+            calls.append(1)
+            return step(self, micro)
+
+        StreamedTrainer.step = interrupted
+        try:
+            yield
+        finally:
+            StreamedTrainer.step = step
+
+    return after

@@ -2,7 +2,6 @@
 part of every global batch, train as one process with the whole batch does: full fine-tuning with the weights
 and states on disk, 8-bit AdamW, QLoRA with an NF4 base on disk; on Llama (tied embeddings) and Qwen2."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,12 +19,9 @@ WORKER = Path(__file__).with_name("engine_worker.py")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``runs(family, case, size)``: the worker's results by rank and rank 0's final weights, run once."""
+    from tiny import tiny_config
     from transformers import AutoModelForCausalLM
 
-    spec = importlib.util.spec_from_file_location("finetune_conftest", Path(__file__).parents[1] / "finetune" / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    tiny_config = module.tiny_config
 
     done: dict = {}
     models: dict = {}

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from test_engine import ACCUM, STEPS, _batches, _config, plain_training
+from parity import ACCUM, STEPS, _batches, _config, plain_training
 from torch import nn
 
 from tiertune.engine import StreamedTrainer

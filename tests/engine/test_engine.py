@@ -4,43 +4,10 @@ import importlib.util
 
 import pytest
 import torch
-from torch import nn
+from parity import ACCUM, STEPS, _batches, _config, plain_training
 
-from tiertune.engine import EngineConfig, StreamedTrainer
+from tiertune.engine import StreamedTrainer
 from tiertune.offload.store import StoreConfig
-
-STEPS = 10
-ACCUM = 2
-
-
-def _batches(vocab, seed=0):
-    """STEPS x ACCUM micro-batches of 2 sequences, with padding (label -100) of varying length."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(STEPS * ACCUM):
-        ids = torch.randint(0, vocab, (2, 12), generator=g)
-        mask = torch.ones_like(ids)
-        pad = int(torch.randint(0, 5, (1,), generator=g))
-        if pad:
-            mask[1, -pad:] = 0
-        labels = ids.masked_fill(mask == 0, -100)
-        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
-    return out
-
-
-def _config(**kw):
-    base = dict(
-        dtype=torch.float32,
-        learning_rate=3e-3,
-        weight_decay=0.1,
-        max_grad_norm=0.5,
-        lr_scheduler_type="cosine",
-        warmup_steps=3,
-        max_steps=STEPS,
-        kernels="none",  # the model's own loss, op for op like the plain loop (the fused loss: its own test)
-    )
-    base.update(kw)
-    return EngineConfig(**base)
 
 
 def _reference(model, batches, cfg):
@@ -55,39 +22,6 @@ def _reference(model, batches, cfg):
         groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True
     )
     return plain_training(model, opt, list(model.parameters()), cfg, batches)
-
-
-def plain_training(model, opt, clipped, cfg, batches):
-    """STEPS steps the plain way: token-weighted loss over ACCUM micro-batches, ``clip_grad_norm_`` over
-    ``clipped`` (skipped when max_grad_norm is 0, as the HF Trainer does), ``opt``, transformers' scheduler.
-    Returns the losses."""
-    from transformers import get_scheduler
-
-    sched = get_scheduler(
-        cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps
-    )
-    losses = []
-    for step in range(STEPS):
-        mbs = batches[step * ACCUM : (step + 1) * ACCUM]
-        n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs)
-        total = 0.0
-        for mb in mbs:
-            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-            loss = nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]),
-                mb["labels"][:, 1:].reshape(-1),
-                ignore_index=-100,
-                reduction="sum",
-            )
-            (loss / n).backward()
-            total += float(loss.detach())
-        if cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(clipped, cfg.max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(total / n)
-    return losses
 
 
 def _check_parity(path, initial, disk_dir, placement, **kw):

@@ -1,9 +1,6 @@
+"""Tiny random models of each family tiertune knows, built from configs (no hub): ``tiny_config``."""
+
 from __future__ import annotations
-
-import contextlib
-
-import pytest
-import torch
 
 
 def tiny_config(family: str, layers: int = 4):
@@ -64,49 +61,3 @@ def tiny_config(family: str, layers: int = 4):
     }
     name, extra = more[family]
     return getattr(transformers, name)(**common, **extra)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """Save a tiny random model of a family as a sharded safetensors HF directory; returns (dir, model)."""
-    from transformers import AutoModelForCausalLM
-
-    made = {}
-
-    def make(family: str, layers: int = 4, shard: str = "40KB"):
-        key = (family, layers, shard)
-        if key not in made:
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(tiny_config(family, layers))
-            path = tmp_path_factory.mktemp(f"{family}-{layers}")
-            model.save_pretrained(path, max_shard_size=shard)
-            made[key] = (path, model)
-        return made[key]
-
-    return make
-
-
-@pytest.fixture
-def interrupted_after():
-    """``with interrupted_after(n): train(...)``: the runs in the block stop with KeyboardInterrupt (as after
-    Ctrl-C) when they start their step n + 1 (counted over all of them)."""
-    from tiertune.engine import StreamedTrainer
-
-    @contextlib.contextmanager
-    def after(steps: int):
-        step = StreamedTrainer.step
-        calls = []
-
-        def interrupted(self, micro):
-            if len(calls) == steps:
-                raise KeyboardInterrupt
-            calls.append(1)
-            return step(self, micro)
-
-        StreamedTrainer.step = interrupted
-        try:
-            yield
-        finally:
-            StreamedTrainer.step = step
-
-    return after

@@ -2,32 +2,13 @@
 
 import pytest
 import torch
-from parity import assert_adam_trained_close
-from test_engine import ACCUM, STEPS, _batches, plain_training
+from parity import ACCUM, LORA, STEPS, _batches, assert_adam_trained_close, plain_training
+from parity import lora_config as _config
 
-from tiertune.engine import EngineConfig, StreamedTrainer
+from tiertune.engine import StreamedTrainer
 from tiertune.methods.lora import LoraSettings
 from tiertune.offload.store import StoreConfig
 from tiertune.quant import make_quantizer
-
-LORA = LoraSettings(r=4, alpha=8, dropout=0.0, seed=0)
-
-
-def _config(**kw):
-    base = dict(
-        dtype=torch.float32,
-        method="lora",
-        quantize="nf4",
-        lora=LORA,
-        learning_rate=1e-2,
-        weight_decay=0.1,
-        max_grad_norm=0.05,
-        lr_scheduler_type="cosine",
-        warmup_steps=3,
-        max_steps=STEPS,
-    )
-    base.update(kw)
-    return EngineConfig(**base)
 
 
 def _peft_model(path, cfg):

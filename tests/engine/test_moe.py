@@ -6,9 +6,7 @@ import shutil
 
 import pytest
 import torch
-from parity import assert_adam_trained_close
-from test_engine import ACCUM, _batches
-from test_lora import _config as lora_config
+from parity import ACCUM, _batches, assert_adam_trained_close, lora_config
 
 from tiertune.engine import StreamedTrainer
 from tiertune.methods.lora import LoraSettings
@@ -81,7 +79,7 @@ def _reference(path, quantize):
 
 
 def _plain_loop(model, cfg, batches, with_labels=False):
-    """STEPS steps of the plain loop (as tests/finetune/test_engine.py's, here over STEPS): AdamW with decay
+    """STEPS steps of the plain loop (as tests/engine/test_engine.py's, here over STEPS): AdamW with decay
     on matrices, clip_grad_norm_, transformers' scheduler. ``with_labels``: the model's own loss (one
     micro-batch a step), else the token-weighted cross-entropy over ACCUM micro-batches. Returns the losses."""
     from transformers import get_scheduler

@@ -3,8 +3,7 @@ chunks as they are, trained like the same weights quantized on load, and read in
 
 import pytest
 import torch
-from test_engine import ACCUM, STEPS, _batches
-from test_lora import LORA
+from parity import ACCUM, LORA, STEPS, _batches
 
 from tiertune.engine import EngineConfig, StreamedTrainer
 from tiertune.errors import ConfigError, ModelError, StateError
@@ -93,8 +92,8 @@ def test_a_prequantized_base_without_double_quantization_matches_peft_on_it(
 ):
     """NF4 with plain fp32 scales (``bnb_4bit_use_double_quant=False``): the reference is peft on the
     checkpoint as transformers loads it."""
+    from parity import plain_training
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-    from test_engine import plain_training
     from transformers import AutoModelForCausalLM
 
     src, _ = tiny_model_dir("llama")

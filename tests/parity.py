@@ -1,0 +1,108 @@
+"""The plain-loop oracle the parity tests compare the engine against (the same data order and hyper-parameters,
+in memory, torch.optim or peft + bitsandbytes), and comparing weights trained two ways where the comparison is
+well-posed on every x86 CPU, not only the one a tolerance was tuned on."""
+
+import torch
+from torch import nn
+
+from tiertune.engine import EngineConfig
+from tiertune.settings import LoraSettings
+
+STEPS = 10
+ACCUM = 2
+
+
+def _batches(vocab, seed=0):
+    """STEPS x ACCUM micro-batches of 2 sequences, with padding (label -100) of varying length."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(STEPS * ACCUM):
+        ids = torch.randint(0, vocab, (2, 12), generator=g)
+        mask = torch.ones_like(ids)
+        pad = int(torch.randint(0, 5, (1,), generator=g))
+        if pad:
+            mask[1, -pad:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def _config(**kw):
+    base = dict(
+        dtype=torch.float32,
+        learning_rate=3e-3,
+        weight_decay=0.1,
+        max_grad_norm=0.5,
+        lr_scheduler_type="cosine",
+        warmup_steps=3,
+        max_steps=STEPS,
+        kernels="none",  # the model's own loss, op for op like the plain loop (the fused loss: its own test)
+    )
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def plain_training(model, opt, clipped, cfg, batches):
+    """STEPS steps the plain way: token-weighted loss over ACCUM micro-batches, ``clip_grad_norm_`` over
+    ``clipped`` (skipped when max_grad_norm is 0, as the HF Trainer does), ``opt``, transformers' scheduler.
+    Returns the losses."""
+    from transformers import get_scheduler
+
+    sched = get_scheduler(
+        cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps
+    )
+    losses = []
+    for step in range(STEPS):
+        mbs = batches[step * ACCUM : (step + 1) * ACCUM]
+        n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs)
+        total = 0.0
+        for mb in mbs:
+            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+            loss = nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]),
+                mb["labels"][:, 1:].reshape(-1),
+                ignore_index=-100,
+                reduction="sum",
+            )
+            (loss / n).backward()
+            total += float(loss.detach())
+        if cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(clipped, cfg.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(total / n)
+    return losses
+
+
+LORA = LoraSettings(r=4, alpha=8, dropout=0.0, seed=0)
+
+
+def lora_config(**kw):
+    base = dict(
+        dtype=torch.float32,
+        method="lora",
+        quantize="nf4",
+        lora=LORA,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        max_grad_norm=0.05,
+        lr_scheduler_type="cosine",
+        warmup_steps=3,
+        max_steps=STEPS,
+    )
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def assert_adam_trained_close(actual: torch.Tensor, expected: torch.Tensor, name: str = "") -> None:
+    """Adam divides each gradient entry by its own running magnitude: an entry whose gradient is nearly zero
+    turns float rounding (which differs between CPUs, MKL's last bits) into a step of up to the learning rate.
+    So the tensor is compared as a whole (the difference's norm <= 1e-4 of the tensor's), and element by element
+    (rtol 1e-4, atol 1e-5) for all but 0.5% of its entries: a wrong gradient or update fails both."""
+    actual, expected = actual.detach().float(), expected.detach().float()
+    assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
+    scale = float(expected.norm()) or 1.0
+    assert float((actual - expected).norm()) <= 1e-4 * scale, (name, float((actual - expected).norm()), scale)
+    beyond = ~torch.isclose(actual, expected, rtol=1e-4, atol=1e-5)
+    assert int(beyond.sum()) <= max(1, actual.numel() // 200), (name, int(beyond.sum()), actual.numel())
