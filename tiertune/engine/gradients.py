@@ -19,7 +19,7 @@ from tiertune.offload.tiers import Tier
 if TYPE_CHECKING:
     from tiertune.engine.layout import GroupState
     from tiertune.engine.sharding import Sharding
-    from tiertune.engine.update import StepContext, Updater
+    from tiertune.engine.update import AdapterUpdate, StepContext, Updater
     from tiertune.methods.optim import GaLore
 
 
@@ -30,7 +30,7 @@ class GradientSink:
     (registered on first use), ``shapes`` each parameter's shape."""
 
     def __init__(
-        self, store: ChunkStore, ctx: StepContext, times: dict[str, float], updater: Updater,
+        self, store: ChunkStore, ctx: StepContext, times: dict[str, float], updater: Updater | AdapterUpdate,
         galore: GaLore | None, device: torch.device, shapes: dict[str, torch.Size],
         add_accumulator: Callable[[GroupState, int], Chunk | None], sharding: Sharding,
     ) -> None:  # fmt: skip

@@ -8,7 +8,6 @@ and wires them; ``step`` shows a step from the loop's side.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections import Counter, defaultdict
@@ -34,9 +33,9 @@ from tiertune.engine.loaded import load_model
 from tiertune.engine.loss import CausalLMLoss
 from tiertune.engine.router_aux import RouterAux
 from tiertune.engine.streaming import InputStash, StreamedLayer
-from tiertune.engine.update import LRSchedule, StepContext, Updater
+from tiertune.engine.update import AdapterUpdate, LRSchedule, StepContext, Updater
 from tiertune.engine.views import TrainerViews
-from tiertune.errors import ConfigError, DataError, NonFiniteError
+from tiertune.errors import ConfigError, DataError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 from tiertune.kernels.patch import patch_model, resolve_backend
 from tiertune.loading.weights import Checkpoint
@@ -140,8 +139,13 @@ class StreamedTrainer(TrainerViews):
         layers = [self.states[i] for i in reversed(self._layer_index)]
         others = [s for s in self.states if s.group.kind != "layer"]
         units = [(s, j) for s in layers + others for j in range(len(s.weights))]
-        self.updater = Updater(self.store, config, self.states, units, self._param_order, self.step_ctx,
-                               self.times, self.device, self.galore, self.optimizer_counts, self.sharding)  # fmt: skip
+        # the update: the CPU optimizer of the trained groups' chunks, or the adapters' own (LoRA)
+        self.updater: Updater | AdapterUpdate = (
+            Updater(self.store, config, self.states, units, self._param_order, self.step_ctx, self.times,
+                    self.device, self.galore, self.optimizer_counts, self.sharding)
+            if self.adapters is None
+            else AdapterUpdate(self.adapters, config, self.step_ctx, self.optimizer_counts, self.sharding)
+        )  # fmt: skip
         shapes = {n: p.shape for n, p in self.binder.meta.items()}
         self.gradients = GradientSink(self.store, self.step_ctx, self.times, self.updater, self.galore,
                                       self.device, shapes, self._add_accumulator, self.sharding)  # fmt: skip
@@ -306,23 +310,9 @@ class StreamedTrainer(TrainerViews):
         self.updater.before_update = hook
 
     def _finish_step(self, loss: float) -> None:
-        """After backward: the adapters' optimizer (LoRA), or the CPU optimizer's confirm / redo / run."""
-        cfg = self.config
+        """After backward: the update (the CPU optimizer's confirm / redo / run, or the adapters' step)."""
         self.last_lr = self.step_ctx.lr
-        if self.adapters is None:
-            self.last_grad_norm = self.updater.finish(loss)
-            return
-        if not math.isfinite(loss):  # LoRA: a frozen base; the adapters' optimizer, as in a plain loop
-            self.adapters.zero_grad()
-            raise NonFiniteError(f"the loss is {loss}")
-        # replicated on every rank: the gradients summed over the global batch
-        self.sharding.all_reduce_grads(self.adapters.params)
-        betas = (cfg.adam_beta1, cfg.adam_beta2)
-        clip = cfg.max_grad_norm if cfg.clips else None
-        self.last_grad_norm = self.adapters.step(
-            self.step_ctx.lr, cfg.weight_decay, betas, cfg.adam_epsilon, clip
-        )
-        self.optimizer_counts["after_backward"] += 1
+        self.last_grad_norm = self.updater.finish(loss)
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
