@@ -267,7 +267,7 @@ def admit(recipe: Recipe, store_cfg: StoreConfig, engine_cfg: EngineConfig, worl
     the speculative step's twins are made. Raises BudgetError naming the smallest budgets that work.
     ``tiertune estimate`` reports the same plan. One rank of several plans its own shards (``store_cfg``
     has ``num_shards`` and the rank's budgets); the plan is the same on every rank, so all refuse alike."""
-    from tiertune.finetune.estimate import memory_plan
+    from tiertune.finetune.run_layout import memory_plan
 
     memory, twins = memory_plan(recipe, store_cfg, engine_cfg)
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}

@@ -1,0 +1,281 @@
+"""A run's layout, laid out before anything is loaded: every chunk the run registers (weights, read in place
+or not, whole or a rank's shard; each trained chunk's state; the saved layer inputs; the speculative step's
+twins), as the loader and ``engine.layout`` lay them out, and the bytes the run keeps outside the store.
+``train`` plans its memory from it before loading (``memory_plan``); ``estimate`` reports it, plans it and
+replays a step over it (``engine.replay``).
+
+The model is built on the meta device (nothing is allocated, not even for a moment): a quantized base is
+converted as the run converts it (MoE experts too, one 4-bit matrix per expert), LoRA adapters are counted
+from peft's own wrapping of that skeleton, and frozen weights read in place are laid out over the files
+as the store lays them (``offload.inplace.plan_in_place``) where the checkpoint is at hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiertune.distributed.ownership import shard_layout
+from tiertune.engine.plan import IN_PLACE, QUANT_CACHE, Plan, PlannedChunk, make_plan
+from tiertune.errors import ModelError
+from tiertune.finetune.speed import StepFlops, nearest_existing, step_flops
+from tiertune.offload.chunk import ALIGN, ChunkLayout, itemsize, pack_tensors
+from tiertune.offload.disk import slot_bytes
+from tiertune.offload.inplace import FileTensor, plan_in_place
+from tiertune.offload.store import StoreConfig
+from tiertune.offload.tiers import Tier
+from tiertune.units import round_up
+
+if TYPE_CHECKING:
+    from tiertune.finetune.recipe import Recipe
+
+_Chunk = PlannedChunk
+
+
+def memory_plan(recipe: Recipe, store_cfg: StoreConfig, cfg) -> tuple[Plan, bool]:
+    """The run's memory plan (``engine.plan``) for the store and engine settings ``plan`` resolved, from the
+    chunks it will register laid out on the meta device (nothing is loaded), and whether those include the
+    speculative step's twins (they do when the run fits with them). What ``train`` checks before loading the
+    model, and what ``estimate`` reports."""
+    on_gpu = store_cfg.device.type == "cuda"
+    disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
+    chunks, *_ = run_layout(recipe, store_cfg, cfg, [], on_gpu, disk_room)
+    return make_plan(chunks, on_cpu=not on_gpu), any(c.role == "twin" for c in chunks)
+
+
+def run_layout(
+    recipe, store_cfg: StoreConfig, cfg, notes: list[str], on_gpu: bool, disk_free: int
+) -> tuple[list[_Chunk], int, int, dict[str, int], StepFlops]:
+    """Every chunk the run would register, laid out as the store lays them out (what a reader should know
+    about the model is appended to ``notes``), and the FLOPs of a step (``on_gpu``: computed on a GPU;
+    ``disk_free``: the free bytes at ``disk_path``, room the overlap decision weighs)."""
+    from tiertune.engine.layout import home_tier_used
+    from tiertune.loading.model import build_skeleton, quantized_on_load, split_model, weight_entries
+    from tiertune.methods.optim import GaLore
+    from tiertune.quant import is_quantized, make_quantizer
+    from tiertune.quant.experts import convert_experts
+
+    # shapes only, so nothing is ever allocated, not even for a moment: a parameter created before it is
+    # moved to meta would be (one fused expert weight of DeepSeek-V3 is 15 GB in bf16)
+    with torch.device("meta"):
+        model = build_skeleton(recipe.model.path, cfg.dtype)
+        parts = split_model(model)
+        t = recipe.training
+        micro = t.per_device_train_batch_size * recipe.data.max_seq_len
+        flops = step_flops(model, list(parts.layers), micro, t.gradient_accumulation_steps,
+                           recipe.data.max_seq_len, trained=cfg.method != "lora")  # fmt: skip
+        saved = _saved_quantization(model, recipe, notes)
+        quant = make_quantizer(cfg.quantize, cfg.dtype, saved)
+        # converted as the engine converts them: the linear layers, and MoE experts one 4-bit matrix each
+        if quant is not None:
+            for layer in parts.layers:
+                quant.convert(layer)
+                convert_experts(layer, quant)
+            parts = split_model(model)
+    paths = {id(m): n for n, m in model.named_modules()}
+    galore = GaLore(cfg.galore, list(parts.layers), paths) if cfg.method == "galore" else None
+    device = torch.device("cuda" if on_gpu else "cpu")
+    size = store_cfg.chunk_size
+    chunks: list[_Chunk] = []
+
+    shards = store_cfg.num_shards
+
+    def add(entries: list, kind: str, home: str | Tier, used_on: Tier, changed: bool, in_place: bool = False,
+            layer: bool = False, group: int = -1, role: str = "weights") -> None:  # fmt: skip
+        for layout in pack_tensors(entries, max(size, 1), shards):
+            chunks.append(_Chunk(kind, Tier(home), layout.capacity, used_on, changed, in_place, entries, layer,
+                                 layout, group, role))  # fmt: skip
+
+    trained_flag = cfg.method != "lora"
+    clipping = cfg.clips
+    parameters = trained = 0
+    units: list[dict[str, _Chunk]] = []  # per optimizer unit: its weights and state chunks, by role
+    # a frozen base on disk: read in place where files hold it (each rank of several its shard of them)
+    split = _in_place_split(recipe.model.path, model, cfg, quant, saved) if not trained_flag and cfg.params == "disk" else None
+
+    def weight_chunk(kind: str, home: str | Tier, layout: ChunkLayout, in_place: bool, layer: bool, gi: int) -> None:
+        """A weight chunk as the loader registers it: whole, or (ZeRO-3, ``load_shards``) a rank's shard of it,
+        every rank's the same capacity."""
+        mine = shard_layout(layout, 0, shards) if shards > 1 else layout
+        chunks.append(_Chunk(kind, Tier(home), mine.capacity, Tier.DEVICE, trained_flag and not in_place, in_place,
+                             [(t.name, t.shape, t.dtype) for t in mine.tensors], layer, mine, gi, "weights",
+                             layout if shards > 1 else None))  # fmt: skip
+
+    for gi, group in enumerate(parts.groups):
+        parameters += group.numel
+        layer = group.kind == "layer"
+        # weights are used on the device; trained fp32 weights are their own master, changed on the host too
+        entries = weight_entries(group, cfg.dtype, quant)
+        kind = "weights"
+        if split is not None:
+            mapped, entries = split(group)
+            if mapped and isinstance(mapped[0], FileTensor):  # laid out over the files as the store lays them
+                for layout, _ in plan_in_place(mapped, max(size, 1)):
+                    if shards > 1:  # padded for the shards (``load_shards``)
+                        layout = ChunkLayout(layout.tensors, round_up(layout.capacity, ALIGN * shards), shards)
+                    weight_chunk(IN_PLACE, Tier.DISK, layout, True, layer, gi)
+            elif mapped:  # config.json alone: where each tensor starts in its file is not known
+                for layout in pack_tensors(mapped, max(size, 1), shards):
+                    weight_chunk(IN_PLACE, Tier.DISK, layout, True, layer, gi)
+            # as the loader homes it: a checkpoint saved quantized holds every quantized linear weight
+            prequantized = {n for n, p in group.params.items() if is_quantized(p)} if saved is not None else ()
+            if quant is not None and quantized_on_load(group, prequantized) and cfg.quant_cache is not None:
+                kind = QUANT_CACHE
+        before = len(chunks)
+        for layout in pack_tensors(entries, max(size, 1), shards) if entries else ():
+            weight_chunk(kind, cfg.params, layout, kind == QUANT_CACHE, layer, gi)
+        if not trained_flag:
+            continue
+        trained += group.numel
+        weights, chunks[before:] = chunks[before:], []
+        for w in weights:  # each weight chunk followed by its states (``layout.add_states``)
+            chunks.append(w)
+            units.append(_states(chunks, cfg, galore, device, gi))
+    hidden = model.config.hidden_size
+    act = cfg.activation_tokens * hidden * itemsize(cfg.dtype)
+    outside: dict[str, int] = {}
+    if cfg.activations == "host":  # InputStash: each layer's saved input in a chunk of its own
+        for _ in parts.layers:
+            add([("x", (cfg.activation_tokens * hidden,), cfg.dtype)], "activations", Tier.HOST, Tier.DEVICE, True,
+                role="act")  # fmt: skip
+    else:
+        outside["saved layer inputs"] = act * len(parts.layers)
+    if trained_flag and cfg.overlap_optimizer != "off" and clipping:
+        # the speculative step's twins: when the run fits with them (the plan, and the disk's room), or asked for
+        before = len(chunks)
+        for u in units:  # each a chunk laid out as its source is (``layout.add_twins``)
+            for source in _sources(u):
+                chunks.append(dataclasses.replace(source, kind="twins", used_on=home_tier_used(source.home, device),
+                                                  changed=True, layer=False, role="twin", whole=None))  # fmt: skip
+        budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}
+        fits = not make_plan(chunks, on_cpu=not on_gpu).short(budgets) and slot_bytes_of(chunks, store_cfg) <= disk_free
+        if cfg.overlap_optimizer != "on" and not fits:
+            del chunks[before:]
+    vocab = model.config.vocab_size
+    from tiertune.kernels.architectures import FUSED_LOSS
+    from tiertune.kernels.ops.linear_ce import SLICE_BYTES
+
+    if cfg.kernels != "none" and model.config.model_type in FUSED_LOSS:
+        # the loss fused with the head: one chunk of fp32 logits (and its gradient, in place), and the head's
+        # fp32 gradient when the head is trained; soft-capped logits (Gemma 2) keep a second chunk, their tanh,
+        # on the torch path
+        head = vocab * hidden * 4 if trained_flag else 0
+        chunks_held = 2 if getattr(model.config, "final_logit_softcapping", None) else 1
+        loss_chunk = min(64 << 20, cfg.activation_tokens * vocab * 4) * chunks_held
+        # a head in another dtype is upcast to fp32 a slice of rows at a time
+        upcast = min(SLICE_BYTES, vocab * hidden * 4) if cfg.dtype != torch.float32 else 0
+        outside["loss chunk (fused with the head)"] = loss_chunk + head + upcast
+    else:  # the logits of a micro-batch, their fp32 copy for the loss and its gradient
+        outside["logits and their gradient"] = cfg.activation_tokens * vocab * (itemsize(cfg.dtype) + 8)
+    if cfg.method == "lora":
+        params = _adapter_parameters(model, cfg.lora)
+        outside["LoRA adapters + states"] = params * 16
+        trained = params
+    return chunks, parameters, trained, outside, flops
+
+
+def _in_place_split(model_dir: str, model: torch.nn.Module, cfg, quant, saved: dict | None) -> Callable:
+    """``split(group)`` -> (entries read in place from the model's files, entries in ordinary chunks), for a
+    frozen base homed on disk. With the checkpoint's safetensors at hand, the loader's own decision
+    (``read_in_place``); for a directory with only config.json, what a checkpoint saved by transformers holds:
+    a pre-quantized weight as it trains (but its double-quantization offset, kept in JSON), an unquantized one
+    when it is stored in the run's dtype (config.json's dtype), unless transformers builds it from several
+    tensors (MoE experts, one tensor each in checkpoints) or tiertune quantizes it on load (fused experts).
+    ``saved``: the checkpoint's own bitsandbytes quantization (``saved_quantization``), None if it has none."""
+    import json
+
+    from tiertune.loading.model import checkpoint_names, read_in_place, weight_entries
+    from tiertune.loading.weights import Checkpoint
+    from tiertune.quant import is_quantized
+    from tiertune.quant.experts import is_quantized_experts
+
+    try:
+        checkpoint = Checkpoint(model_dir)
+    except ModelError:  # config.json alone
+        checkpoint = None
+    if checkpoint is not None:
+        source = checkpoint_names(model, checkpoint)
+
+        def from_files(group) -> tuple[list, list]:
+            return read_in_place(group, cfg.dtype, quant, checkpoint, source)
+
+        return from_files
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    stored = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+
+    def as_saved(group) -> tuple[list, list]:
+        entries = weight_entries(group, cfg.dtype, quant)
+        for p in group.params.values():
+            if is_quantized_experts(p) or (is_quantized(p) and saved is None):
+                return [], entries
+            if not is_quantized(p) and (p.dim() >= 3 or str(cfg.dtype).removeprefix("torch.") != stored):
+                return [], entries
+        in_json = {e[0] for e in entries if e[0].endswith(".offset")}
+        return [e for e in entries if e[0] not in in_json], [e for e in entries if e[0] in in_json]
+
+    return as_saved
+
+
+def _saved_quantization(model: torch.nn.Module, recipe, notes: list[str]) -> dict | None:
+    """The checkpoint's own quantization, as the run reads it (``saved_quantization``). One that tiertune
+    cannot read (fp8, GPTQ, AWQ...) makes the run stop with a ModelError before it reads a weight; the
+    estimate goes on with the model's shapes, as its unquantized release would be loaded, and says so."""
+    from tiertune.quant import saved_quantization
+
+    try:
+        return saved_quantization(model.config, recipe.model.path)
+    except ModelError as exc:
+        notes.append(
+            f"{exc}. The figures above are for the same model loaded from bf16 weights (model.quantize: "
+            f"{recipe.model.quantize}); `tiertune train` on this model.path stops with this error"
+        )
+        return None
+
+
+def _adapter_parameters(model: torch.nn.Module, settings) -> int:
+    """The LoRA parameters a run trains on ``model`` (the meta skeleton, converted as the run converts it):
+    peft's own wrapping, as the engine makes it (``Adapters``, on the meta device), so MoE experts and routers
+    count where peft adapts them as parameters (``target_parameters``, or added by peft to ``all-linear``), and
+    a setting peft refuses fails here as it would fail the run."""
+    import warnings
+
+    from tiertune.methods.lora import Adapters
+
+    with torch.device("meta"), warnings.catch_warnings():
+        # peft's own rank pattern for fused gate_up experts (2r) takes effect but is reported unmatched
+        warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match")
+        adapters = Adapters(model, settings, torch.device("meta"))
+    return sum(p.numel() for p in adapters.params)
+
+
+
+
+def _states(chunks: list[_Chunk], cfg, galore, device: torch.device, group: int) -> dict[str, _Chunk]:
+    """Append the state chunks the engine registers beside the weight chunk last in ``chunks``
+    (``layout.laid_states``: a rank's shard of a whole chunk, its states as large as the largest rank's);
+    returns the optimizer unit: its chunks by role."""
+    from tiertune.engine.layout import laid_states
+
+    weights = chunks[-1]
+    unit = {"weights": weights}
+    for spec, layout in laid_states(weights.layout, cfg, galore, device, weights.whole):  # type: ignore[arg-type]
+        chunks.append(_Chunk(spec.kind, Tier(spec.home), layout.capacity, spec.used_on, True, entries=spec.entries,
+                             layout=layout, group=group, role=spec.role))  # fmt: skip
+        unit[spec.role] = chunks[-1]
+    return unit
+
+
+def _sources(unit: dict[str, _Chunk]) -> list[_Chunk]:
+    """The chunks an optimizer unit rewrites (``GroupState.sources``): master weights (or fp32 weights), moments."""
+    return [unit.get("master", unit["weights"]), unit["exp_avg"], unit["exp_avg_sq"]]
+
+
+def slot_bytes_of(chunks: list[_Chunk], store_cfg: StoreConfig) -> int:
+    """Bytes of the disk tier's slots for the disk-homed ``chunks`` (a header with a checksum per block, then
+    the chunk); chunks read in place from files take none."""
+    block = int(store_cfg.block_size)
+    return sum(slot_bytes(c.capacity, block) for c in chunks if c.home is Tier.DISK and not c.in_place)
