@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tiertune.distributed.world import World
 from tiertune.engine import replay as replaying
 from tiertune.engine.plan import IN_PLACE, QUANT_CACHE, Plan, PlannedChunk, make_plan
 from tiertune.engine.replay import Replayed
@@ -55,6 +56,7 @@ from tiertune.offload.tiers import AUTO_DEVICE_FRACTION, Tier
 from tiertune.units import format_size
 
 if TYPE_CHECKING:
+    from tiertune.engine.config import EngineConfig
     from tiertune.finetune.recipe import Recipe
 
 ORDER = (Tier.DEVICE, Tier.HOST, Tier.DISK)
@@ -253,9 +255,15 @@ def estimate(
         recipe = copy.deepcopy(recipe)
         recipe.model.path = directory
     target = resolve_gpu(gpu)
-    store_cfg, cfg = plan(recipe, "cuda" if target is not None else "cpu")
-    if target is not None and store_cfg.device.type == "cpu" and recipe.offload.device_budget == "auto":
-        store_cfg.device_budget = int(target.memory * AUTO_DEVICE_FRACTION)  # as a run on it would resolve it
+
+    def planned(world: World) -> tuple[StoreConfig, EngineConfig]:
+        """``plan`` for the target and ``world`` (one process, or a rank of a launch of ``processes``)."""
+        store_cfg, cfg = plan(recipe, "cuda" if target is not None else "cpu", world)
+        if target is not None and store_cfg.device.type == "cpu" and recipe.offload.device_budget == "auto":
+            store_cfg.device_budget = int(target.memory * AUTO_DEVICE_FRACTION)  # as a run on it resolves it
+        return store_cfg, cfg
+
+    store_cfg, cfg = planned(World())
     notes: list[str] = []
     disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
     chunks, parameters, trained, outside, flops = run_layout(recipe, store_cfg, cfg, notes, target is not None, disk_room)
@@ -302,11 +310,7 @@ def estimate(
     est.moved_per_step = {link: replayed.moved.get(link, 0) for link in LINKS} if replayed is not None else {}
     if processes > 1:  # the chunks each rank registers (its shards), under a rank's budgets, as train plans it
         local = per_node or processes
-        on_cpu = store_cfg.device.type == "cpu" and target is None  # the device tier is the node's RAM too
-        sharded = dataclasses.replace(
-            store_cfg, num_shards=processes, host_budget=store_cfg.host_budget // local,
-            device_budget=store_cfg.device_budget // (local if on_cpu else 1),
-        )  # fmt: skip
+        sharded, _ = planned(World(rank=0, size=processes, local_rank=0, local_size=local))
         laid, _, trained_n, _, _ = run_layout(recipe, sharded, cfg, [], target is not None, disk_room)
         adapters = trained_n if cfg.method == "lora" else 0
         est.scale_out = _scale_out(laid, processes, local, recipe.training.gradient_accumulation_steps, adapters)

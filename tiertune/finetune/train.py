@@ -91,10 +91,12 @@ class TrainResult:
         return self.output_dir / LOG_NAME
 
 
-def plan(recipe: Recipe, device: str | None = None) -> tuple[StoreConfig, EngineConfig]:
-    """The store and engine settings a recipe resolves to (``auto`` made concrete for this machine).
-    ``device`` (``estimate``): plan the engine for ``cuda`` or ``cpu`` rather than for what this machine
-    has; the store then computes on the CPU where the machine has no GPU (only its layout is used)."""
+def plan(recipe: Recipe, device: str | None = None, world: World | None = None) -> tuple[StoreConfig, EngineConfig]:
+    """The store and engine settings a recipe resolves to (``auto`` made concrete for this machine), with every
+    rule between settings (``tests/test_rules.py``). ``device`` (``estimate``): plan the engine for ``cuda`` or
+    ``cpu`` rather than for what this machine has; the store then computes on the CPU where the machine has
+    no GPU (only its layout is used). ``world``: this process among a launch's (default: the environment's);
+    ``estimate --processes`` plans a rank of a launch that is not running."""
     if recipe.model.quantize != "none" and recipe.method.type != "lora":
         raise ConfigError(
             f"model.quantize: {recipe.model.quantize} freezes the base; use method.type: lora with it, "
@@ -114,7 +116,7 @@ def plan(recipe: Recipe, device: str | None = None) -> tuple[StoreConfig, Engine
             raise ConfigError(
                 f"training.output_dir is {key} ({out}): the run would write over it; choose another directory"
             )
-    world = World.from_env()
+    world = world or World.from_env()
     t = recipe.training
     if world.size > 1 and recipe.method.type == "galore":
         raise ConfigError(
@@ -151,7 +153,7 @@ def plan(recipe: Recipe, device: str | None = None) -> tuple[StoreConfig, Engine
     )
     if world.local_size > 1:  # the host budget is the node's, shared by its ranks (the device's too on a CPU)
         store.host_budget //= world.local_size
-        if store.device.type == "cpu":
+        if device == "cpu":
             store.device_budget //= world.local_size
     engine = EngineConfig(
         dtype=dtype,
