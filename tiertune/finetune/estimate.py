@@ -36,7 +36,7 @@ from tiertune.distributed.world import World
 from tiertune.engine import replay as replaying
 from tiertune.engine.plan import IN_PLACE, QUANT_CACHE, Plan, PlannedChunk, make_plan
 from tiertune.engine.replay import Replayed
-from tiertune.errors import ConfigError
+from tiertune.errors import BudgetError, ConfigError, StateError
 from tiertune.finetune.run_layout import run_layout, slot_bytes_of
 from tiertune.finetune.speed import (
     GPU,
@@ -337,8 +337,13 @@ def _replay(
         return None
     twins = any(c.role == "twin" for c in chunks)
     ledger = dataclasses.replace(store_cfg, reserve=memory.store_reserve(), disk_budget=None)
-    return replaying.replay(chunks, ledger, dataclasses.replace(cfg, twins=twins), micro_batches, replaying.CLIPPED,
-                            device)  # fmt: skip
+    try:
+        return replaying.replay(chunks, ledger, dataclasses.replace(cfg, twins=twins), micro_batches,
+                                replaying.CLIPPED, device)  # fmt: skip
+    except (BudgetError, StateError) as exc:  # the store's own refusal, as a run would meet it
+        notes.append(f"a step could not be replayed within these budgets ({exc}); the peaks shown are what passes "
+                     "through each tier, up to its budget")  # fmt: skip
+        return None
 
 
 def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU | None) -> StepTime:
