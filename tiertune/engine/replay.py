@@ -130,8 +130,9 @@ def _register(store: ChunkStore, chunks: Sequence[PlannedChunk]) -> tuple[list[_
         if states:
             trained.append(unit)
     stash = [_add(store, c) for c in acts]
-    for unit, twin in zip([u for u in trained for _ in range(3)], twins, strict=False):
-        unit.twins.append(_add(store, twin))
+    if twins:  # three per trained unit, in its sources' order (``layout.add_twins``)
+        for unit, twin in zip([u for u in trained for _ in range(3)], twins, strict=True):
+            unit.twins.append(_add(store, twin))
     for group in groups.values():  # a frozen group's chunks are weights alone: no unit of the optimizer
         group.units = [u for u in group.units if u.roles]
     return [groups[g] for g in sorted(groups)], stash
@@ -171,7 +172,7 @@ class _Step:
         twins = any(u.twins for u in self.order)
         # ``layout.add_twins``: overlapped when not clipping, or with the twins of a speculative step
         self.overlap = cfg.overlap_optimizer != "off" and (not cfg.clips or twins)
-        self.speculating = self.overlap
+        self.speculating = self.overlap  # the step being run's (``run``)
 
     def run(self, number: int, micro_batches: int, speculating: bool, clipped: bool) -> None:
         """One step (``StreamedTrainer.step``, ``Updater.finish``): ``speculating``, the optimizer runs during
