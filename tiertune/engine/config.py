@@ -32,8 +32,11 @@ class EngineConfig:
     # the run's memory plan decided whether the speculative step's twins are made (``engine.plan``, checked
     # against the budgets before loading): None, the engine decides from the store's room
     twins: bool | None = None
-    activations: str = "device"  # where each layer's saved input waits for backward: device or host
+    activations: str = "device"  # where the hidden states at the layer boundaries wait: device or host
     activation_tokens: int = 0  # batch x sequence length of the largest micro-batch (needed for host)
+    # micro-batches run through each layer while it is loaded (a wave, ``engine.schedule``): 0, a whole
+    # step's (with activations on the host, gradient_accumulation_steps: the slots of the boundary chunks)
+    wave_size: int = 0
     # micro-batches per step: with more than one, GaLore sums its projected weights' full gradients in host
     # accumulators, placed up front (a step with more micro-batches than said adds them when it needs them)
     gradient_accumulation_steps: int = 1

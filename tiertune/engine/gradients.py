@@ -1,5 +1,6 @@
-"""Backward's gradient hand-off (``GradientSink``): each micro-batch's weight gradients added into the fp32
-gradient chunks on the host, their norms taken on the step's last micro-batch, GaLore's projected weights
+"""Backward's gradient hand-off (``GradientSink``): each wave's weight gradients (summed over its micro-batches
+on the device, ``engine.schedule``) added into the fp32 gradient chunks on the host, their norms taken on the
+step's last wave, GaLore's projected weights
 projected on the compute device, and each finished group handed to the optimizer when it runs during
 backward."""
 
@@ -40,12 +41,12 @@ class GradientSink:
         self.bytes = 0
 
     def add(self, state: GroupState, grads: dict[str, torch.Tensor | None]) -> None:
-        """Add a micro-batch's gradients into the group's fp32 accumulators (the first micro-batch of a
-        step overwrites them); on the last micro-batch note each accumulator's norm, as clip_grad_norm_
+        """Add a wave's gradients into the group's fp32 accumulators (the first wave of a step overwrites
+        them); on the last wave note each accumulator's norm, as clip_grad_norm_
         computes it, and hand the group to the optimizer when it runs during backward. GaLore's projected
         weights go through ``_project`` instead."""
         projected = self.galore.targets if self.galore is not None else ()
-        if self.ctx.first_micro and self.ctx.last_micro and self.ctx.speculating and not state.twins:
+        if self.ctx.first_wave and self.ctx.last_wave and self.ctx.speculating and not state.twins:
             # updated in place, gradients dropped once used: the previous groups' are freed before this one's
             # are made, so the host holds one group's gradients at a time (a peak the layout predicts exactly)
             self.times["optimizer"] += self.updater.worker.drain()
@@ -53,14 +54,14 @@ class GradientSink:
             # ZeRO-3: the sum over the ranks of the elements this rank owns (a collective: before any wait here)
             mine = self.sharding.reduce(state.weights[j], grads)
             began = time.perf_counter()
-            views = self.store.acquire(chunk, Tier.HOST, overwrite=self.ctx.first_micro)
+            views = self.store.acquire(chunk, Tier.HOST, overwrite=self.ctx.first_wave)
             self.times["io_wait"] += time.perf_counter() - began
             try:
                 for name, acc in views.items():
                     if name in projected:
                         continue
                     self._accumulate(acc, mine.get(name))
-                    if self.ctx.last_micro:
+                    if self.ctx.last_wave:
                         self.updater.norms[name] = torch.linalg.vector_norm(acc)
                 low = {n: v for n, v in views.items() if n in projected}
                 if low:
@@ -68,18 +69,18 @@ class GradientSink:
             finally:
                 self.store.release(chunk, dirty=True)
         if (
-            self.ctx.last_micro and self.ctx.speculating
+            self.ctx.last_wave and self.ctx.speculating
         ):  # waiting for the optimizer here is time it is not hidden
             self.times["optimizer"] += self.updater.worker.submit(state, None)
 
     def _accumulate(self, acc: torch.Tensor, g: torch.Tensor | None) -> None:
-        """Add a micro-batch's gradient ``g`` (None: the tensor had none) into its fp32 host accumulator,
-        which the step's first micro-batch overwrites."""
+        """Add a wave's gradient ``g`` (None: the tensor had none) into its fp32 host accumulator, which the
+        step's first wave overwrites."""
         if g is None:
-            if self.ctx.first_micro:
+            if self.ctx.first_wave:
                 acc.zero_()
             return
-        if self.ctx.first_micro:
+        if self.ctx.first_wave:
             acc.copy_(g.detach())
         else:
             acc.add_(g.detach().to(device="cpu", dtype=torch.float32))
@@ -88,21 +89,21 @@ class GradientSink:
     def _project(
         self, state: GroupState, j: int, low: dict[str, torch.Tensor], grads: dict[str, torch.Tensor | None]
     ) -> None:
-        """GaLore's projected weights of weight chunk ``j``: until the last micro-batch, sum their full
-        gradients in the host accumulator; on the last, on the compute device, take each full gradient's
+        """GaLore's projected weights of weight chunk ``j``: until the last wave, sum their full gradients
+        in the host accumulator; on the last, on the compute device, take each full gradient's
         norm, refresh the projection when the step calls for it, and write the low-rank gradient into
         ``low`` (the views of the gradient chunk the optimizer reads, on the host)."""
         galore = self.galore
         assert galore is not None
-        single = self.ctx.first_micro and self.ctx.last_micro
+        single = self.ctx.first_wave and self.ctx.last_wave
         accum = None if single else self.add_accumulator(state, j)
         full: dict[str, torch.Tensor] | None = None
         if accum is not None:
             began = time.perf_counter()
-            full = self.store.acquire(accum, Tier.HOST, overwrite=self.ctx.first_micro)
+            full = self.store.acquire(accum, Tier.HOST, overwrite=self.ctx.first_wave)
             self.times["io_wait"] += time.perf_counter() - began
         try:
-            if not self.ctx.last_micro:  # sum on the host, as the other gradients are
+            if not self.ctx.last_wave:  # sum on the host, as the other gradients are
                 for name, acc in full.items():  # type: ignore[union-attr]
                     self._accumulate(acc, grads.get(name))
                 return
@@ -143,6 +144,6 @@ class GradientSink:
             self.times["galore_project"] += time.perf_counter() - began
         finally:
             if full is not None:
-                self.store.release(accum, dirty=not self.ctx.last_micro)  # type: ignore[arg-type]
-                if self.ctx.last_micro:
+                self.store.release(accum, dirty=not self.ctx.last_wave)  # type: ignore[arg-type]
+                if self.ctx.last_wave:
                     self.store.discard(accum)  # type: ignore[arg-type]

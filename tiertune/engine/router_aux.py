@@ -32,6 +32,9 @@ class RouterAux:
     of transformers' loss. Models whose transformers class computes no such loss (DeepSeek-V3 balances its
     experts with a bias, without an auxiliary loss) get none.
 
+    The step's schedule runs a wave of micro-batches through each layer (``engine.schedule``): ``micro`` says
+    whose forward a layer is running, and each micro-batch's logits and gradients are kept apart.
+
     Several micro-batches: each one's auxiliary loss as transformers computes it for that forward, averaged
     over the step's micro-batches (with one micro-batch, transformers' model loss exactly; the Hugging Face
     Trainer instead sums them, scaling the coefficient with gradient_accumulation_steps).
@@ -42,9 +45,11 @@ class RouterAux:
         self.loss, self.coef, self.experts, self.top_k = loss, coef, experts, top_k
         self._index = index  # the router output that holds the logits
         self._collecting = False
-        self._seen: dict[int, list[torch.Tensor]] = defaultdict(list)  # forward: detached logits per layer
-        self._live: dict[int, list[torch.Tensor]] = defaultdict(list)  # backward: recomputed logits
-        self._grads: dict[int, list[torch.Tensor]] = {}
+        self.micro = 0  # the micro-batch of the wave whose forward the layers are running
+        # forward: detached logits per (micro-batch, layer); backward: one layer's recomputed logits
+        self._seen: dict[tuple[int, int], list[torch.Tensor]] = defaultdict(list)
+        self._live: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         for i, modules in enumerate(routers):
             for module in modules:
                 module.register_forward_hook(partial(self._hook, i))
@@ -78,35 +83,36 @@ class RouterAux:
         logits = output[self._index] if isinstance(output, tuple | list) else output
         if torch.is_grad_enabled():  # a layer's backward recomputing its forward
             self._live[layer].append(logits)
-        elif self._collecting:  # the micro-batch's forward
-            self._seen[layer].append(logits.detach())
+        elif self._collecting:  # the wave's forward
+            self._seen[(self.micro, layer)].append(logits.detach())
 
     def start(self) -> None:
-        """Collect the router logits of the micro-batch's forward that follows."""
+        """Collect the router logits of the wave's forward that follows."""
         self._seen.clear()
         self._live.clear()
         self._grads.clear()
         self._collecting = True
 
-    def finish(self, attention_mask: torch.Tensor | None, weight: float) -> float:
-        """After the micro-batch's forward: the auxiliary loss (unweighted) of its router logits; the gradient
-        of ``coef * weight`` times it at each layer's logits is kept for the layers' backward."""
+    def finish(self, micro: int, attention_mask: torch.Tensor | None, weight: float) -> float:
+        """After the wave's forward: the auxiliary loss (unweighted) of micro-batch ``micro``'s router logits;
+        the gradient of ``coef * weight`` times it at each layer's logits is kept for the layers' backward."""
         self._collecting = False
-        layers = sorted(self._seen)
-        leaves = [t.requires_grad_() for i in layers for t in self._seen[i]]
+        layers = sorted(i for m, i in self._seen if m == micro)
+        seen = [self._seen.pop((micro, i)) for i in layers]
+        leaves = [t.requires_grad_() for ts in seen for t in ts]
         if not leaves:
             return 0.0
         with torch.enable_grad():
             value = self.loss(tuple(leaves), self.experts, self.top_k, attention_mask)
             grads = iter(torch.autograd.grad(value * (self.coef * weight), leaves))
-        for i in layers:
-            self._grads[i] = [next(grads) for _ in self._seen[i]]
-        self._seen.clear()
+        for i, ts in zip(layers, seen, strict=True):
+            self._grads[(micro, i)] = [next(grads) for _ in ts]
         return float(value.detach())
 
-    def gradients(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """In layer ``layer``'s backward, after its recomputed forward: (router logits, their gradient)."""
-        grads = self._grads.pop(layer, [])
+    def gradients(self, micro: int, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """In layer ``layer``'s backward of micro-batch ``micro``, after its recomputed forward: (router
+        logits, their gradient)."""
+        grads = self._grads.pop((micro, layer), [])
         live = self._live.pop(layer, [])
         if len(live) != len(grads):
             raise StateError(f"layer {layer}: {len(grads)} router outputs in forward, {len(live)} recomputed")

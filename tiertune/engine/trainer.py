@@ -32,7 +32,8 @@ from tiertune.engine.layout import (
 from tiertune.engine.loaded import load_model
 from tiertune.engine.loss import CausalLMLoss
 from tiertune.engine.router_aux import RouterAux
-from tiertune.engine.streaming import InputStash, StreamedLayer
+from tiertune.engine.schedule import ChunkStash, DeviceStash, LayerMajor, Stash
+from tiertune.engine.streaming import StreamedLayer, Visit
 from tiertune.engine.update import AdapterUpdate, LRSchedule, StepContext, Updater
 from tiertune.engine.views import TrainerViews
 from tiertune.errors import ConfigError, DataError
@@ -117,17 +118,21 @@ class StreamedTrainer(TrainerViews):
         self.kernel_counts = (
             Counter() if config.kernels == "none" else patch_model(self.model, self.kernel_backend)
         )
-        # with activations on the host, each layer's saved input in a chunk of its own
-        self.stash = None
+        # the hidden states at the layer boundaries of a wave of micro-batches: with activations on the host,
+        # a chunk per boundary with a slot per micro-batch of a wave
+        self.stash: Stash = DeviceStash(self.device, config.dtype)
         if config.activations == "host":
-            numel = config.activation_tokens * self.model.config.hidden_size
-            self.stash = InputStash.add(self.store, len(self.parts.layers), numel, config.dtype, self.times)
+            slot = config.activation_tokens * self.model.config.hidden_size
+            slots = config.wave_size or config.gradient_accumulation_steps
+            self.stash = ChunkStash.add(self.store, len(self.parts.layers), slot, slots, config.dtype, self.times)
         # after the stash: the twins take what room is left (as estimate lays them out)
         self.overlap = add_twins(self.store, self.states, config, self.device) if trained else False
         # MoE: the router's auxiliary loss, where transformers computes one and the config asks for it
         self.router_aux = RouterAux.of(self.model, self.parts.layers)
         for i, layer in enumerate(self.parts.layers):
             self.parts.layers[i] = StreamedLayer(self, i, layer)
+        self.visit: Visit | None = None  # the decoder's pass in progress inside a step (``engine.streaming``)
+        self.schedule = LayerMajor(self, self.stash)
         for module in self.model.modules():  # buffers (rotary caches) to the device; parameters stay meta
             for name, buf in module.named_buffers(recurse=False):
                 module._buffers[name] = buf.to(self.device)
@@ -258,35 +263,14 @@ class StreamedTrainer(TrainerViews):
         self.updater.start()
         total = 0.0
         aux_total = 0.0
-        others = [s for s in self.states if s.group.kind != "layer"]
-        for k, (mb, lab) in enumerate(zip(micro_batches, labels, strict=True)):
-            if self.safe_point is not None:
-                self.safe_point()
-            self.step_ctx.first_micro = k == 0
-            self.step_ctx.last_micro = k == len(micro_batches) - 1
-            with ExitStack() as stack:
-                bound = {}
-                for state in others:
-                    bound[id(state)] = stack.enter_context(
-                        self.bound_group(state, requires_grad=state.trainable)
-                    )
-                ids = mb["input_ids"].to(self.device)
-                # packed rows come with position_ids restarting per row and no attention mask, from which
-                # transformers builds the block-diagonal causal mask
-                extra = {k: mb[k].to(self.device) for k in ("attention_mask", "position_ids") if k in mb}
-                aux = self.router_aux
-                if aux is not None:
-                    aux.start()
-                loss_sum = self.loss(ids, extra, lab[:, 1:].to(self.device))
-                if aux is not None:  # its gradient joins each layer's backward (_LayerFunction)
-                    aux_total += aux.finish(extra.get("attention_mask"), 1.0 / len(micro_batches))
-                (loss_sum / n_tokens).backward()
-                total += float(loss_sum.detach())
-                grads = {id(state): {n: p.grad for n, p in bound[id(state)].items()} for state in others}
-            # released first: the optimizer writes these groups' weights
-            for state in others:
-                if state.trainable:
-                    self.add_grads(state, grads[id(state)])
+        waves = self.schedule.waves(len(micro_batches))
+        for w, wave in enumerate(waves):
+            self.step_ctx.first_wave = w == 0
+            self.step_ctx.last_wave = w == len(waves) - 1
+            batches = [micro_batches[k] for k in wave]
+            loss_sum, aux_sum = self.schedule.run(batches, [labels[k] for k in wave], n_tokens, len(micro_batches))
+            total += loss_sum
+            aux_total += aux_sum
         total = float(self.sharding.total(total))
         loss = total / n_tokens
         if self.router_aux is not None:

@@ -38,8 +38,8 @@ class StepContext:
 
     lr: float = 0.0  # this step's learning rate
     speculating: bool = False  # the optimizer runs during backward, into twins, before the norm is known
-    first_micro: bool = False  # the micro-batch being back-propagated is the step's first (overwrites)
-    last_micro: bool = False  # ... its last (gradients final: norms taken, units handed to the optimizer)
+    first_wave: bool = False  # the wave of micro-batches being back-propagated is the step's first (overwrites)
+    last_wave: bool = False  # ... its last (gradients final: norms taken, units handed to the optimizer)
     traced: bool = True  # weight accesses enter the scheduler's trace (not during inference or DoRA init)
     number: int = 1  # the step being made, counted from 1 (AdamW's bias correction, GaLore's refreshes)
 

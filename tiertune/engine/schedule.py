@@ -1,0 +1,375 @@
+"""A training step's schedule: layer-major, in waves of micro-batches (``LayerMajor``).
+
+A step of k micro-batches runs as waves of m (m = k when their saved hidden states fit, ``Stash``). In a
+wave each decoder layer is visited once in forward and once in backward, for all m micro-batches while its
+weights are on the device, so the weights cross disk and PCIe k/m times a step instead of k times:
+
+- prefix: per micro-batch, the decoder called in a ``Capture`` visit computes the embeddings and the call of
+  every layer (masks, rotary tables), skipping the layers; the embeddings' output goes to boundary 0;
+- forward: for layer i = 0..L-1, its weights acquired once; each micro-batch's boundary i through it (each
+  micro-batch with its own random stream, so dropout is the micro-batch's however the wave is cut) into
+  boundary i+1; boundary i sent home for backward;
+- suffix: per micro-batch, the decoder called again in a ``Suffix`` visit: the final norm, head and loss on
+  boundary L, back-propagated to it (the head's gradients summed on the device, fp32);
+- backward: for layer i = L-1..0, its weights acquired once; each micro-batch's forward recomputed from
+  boundary i (its random stream restored) and back-propagated, the weight gradients summed on the device in
+  fp32 (the order a host accumulator would add them) and handed to the engine once (``layer_grads``:
+  the host's accumulators, the optimizer during backward);
+- the embeddings, recomputed per micro-batch, back-propagated from boundary 0's gradient (when trained).
+
+The groups outside the decoder layers stay bound for the wave. The bytes a step moves follow from this
+order; ``engine.replay`` makes the same store calls, so ``tiertune estimate`` counts them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack, suppress
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiertune.engine.streaming import Call, Capture, Stop, Suffix, run_layer
+from tiertune.errors import ConfigError, StateError
+from tiertune.offload.chunk import Chunk
+from tiertune.offload.store import ChunkStore
+from tiertune.offload.tiers import Tier
+
+if TYPE_CHECKING:
+    from tiertune.engine.trainer import StreamedTrainer
+
+
+class Stash:
+    """A wave's hidden states at the layer boundaries: boundary i is decoder layer i's input (0: the
+    embeddings' output), boundary L the last layer's output. ``open(i, shapes, write)`` gives a view on the
+    device per micro-batch (``shapes``); ``close(i, keep)`` ends its use (``keep``: read again in backward;
+    else its content is dropped). ``slots``: the most micro-batches a wave can have (None: any)."""
+
+    slots: int | None = None
+
+    def open(self, index: int, shapes: Sequence[torch.Size], write: bool) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def close(self, index: int, keep: bool) -> None:
+        raise NotImplementedError
+
+
+class DeviceStash(Stash):
+    """Activations on the device: the boundaries are tensors there, outside the chunk store."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self._held: dict[int, list[torch.Tensor]] = {}
+
+    def open(self, index: int, shapes: Sequence[torch.Size], write: bool) -> list[torch.Tensor]:
+        if write:
+            self._held[index] = [torch.empty(s, dtype=self.dtype, device=self.device) for s in shapes]
+        return self._held[index]
+
+    def close(self, index: int, keep: bool) -> None:
+        if not keep:
+            del self._held[index]
+
+
+class ChunkStash(Stash):
+    """Activations in the chunk store: one chunk per boundary, homed on the host, with ``slots`` slots of a
+    micro-batch's hidden states (the largest micro-batch's). A boundary written in forward is sent home
+    without waiting; backward's acquire finds it prefetched back along the trace. Seconds blocked go to
+    ``times["io_wait"]``."""
+
+    def __init__(self, store: ChunkStore, chunks: list[Chunk], slots: int, times: dict[str, float]) -> None:
+        self.store, self.chunks, self.slots, self.times = store, chunks, slots, times
+        self._written: set[int] = set()
+
+    @classmethod
+    def add(
+        cls, store: ChunkStore, layers: int, slot: int, slots: int, dtype: torch.dtype, times: dict[str, float]
+    ) -> ChunkStash:
+        """Register the ``layers + 1`` boundary chunks of ``slots`` slots of ``slot`` elements in ``store``."""
+        chunks = [
+            store.add([("x", (slot * slots,), dtype)], home=Tier.HOST, name=f"boundary.{i}")[0]
+            for i in range(layers + 1)
+        ]
+        return cls(store, chunks, slots, times)
+
+    def open(self, index: int, shapes: Sequence[torch.Size], write: bool) -> list[torch.Tensor]:
+        chunk = self.chunks[index]
+        slot = chunk.tensors[0].numel // self.slots
+        for shape in shapes:
+            if math.prod(shape) > slot:
+                raise ConfigError(
+                    f"a micro-batch's hidden states ({tuple(shape)}) do not fit the activation chunk's slots "
+                    f"({slot} elements); set activation_tokens to the largest batch x sequence length"
+                )
+        began = time.perf_counter()
+        x = self.store.acquire(chunk, Tier.DEVICE, overwrite=write)["x"]
+        self.times["io_wait"] += time.perf_counter() - began
+        if write:
+            self._written.add(index)
+        return [x[j * slot : j * slot + math.prod(s)].view(s) for j, s in enumerate(shapes)]
+
+    def close(self, index: int, keep: bool) -> None:
+        chunk = self.chunks[index]
+        self.store.release(chunk, dirty=index in self._written)
+        self._written.discard(index)
+        if keep:
+            self.store.evict(chunk, wait=False)
+        else:
+            self.store.discard(chunk)
+
+
+@dataclass
+class Rng:
+    """A random stream's state: the CPU generator's and, computing on CUDA, the device's."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None
+
+    @classmethod
+    def now(cls, device: torch.device) -> Rng:
+        return cls(torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+    def set(self, device: torch.device) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, device)
+
+
+def streams(count: int, device: torch.device) -> list[Rng]:
+    """``count`` random streams, each seeded by a draw from the global generator (which advances by as many
+    draws; its state is what a checkpoint keeps, so a resumed run draws the same streams)."""
+    seeds = torch.randint(0, 2**62, (count,)).tolist()
+    devices = [device] if device.type == "cuda" else []
+    out = []
+    with torch.random.fork_rng(devices=devices):
+        for seed in seeds:
+            torch.manual_seed(seed)
+            out.append(Rng.now(device))
+    return out
+
+
+@dataclass
+class _Micro:
+    """One micro-batch of a wave: its inputs on the device, the calls of its layers, its random stream (at the
+    start of its forward, and before each layer), its hidden states' shape and their gradient being carried."""
+
+    ids: torch.Tensor
+    extra: dict[str, torch.Tensor]
+    target: torch.Tensor
+    start: Rng
+    rng: Rng
+    calls: list[Call] = field(default_factory=list)
+    before: list[Rng] = field(default_factory=list)
+    shape: torch.Size = field(default_factory=torch.Size)
+    grad: torch.Tensor | None = None
+
+
+class LayerMajor:
+    """The layer-major step of ``engine`` (the module docstring), its boundaries in ``stash``."""
+
+    def __init__(self, engine: StreamedTrainer, stash: Stash) -> None:
+        self.engine, self.stash = engine, stash
+        self.layers = [layer.layer for layer in engine.parts.layers]  # the model's own (streamed) layers
+
+    def waves(self, micro_batches: int) -> list[range]:
+        """The waves of a step of ``micro_batches``: as many at a time as the stash has slots (the engine's
+        ``wave_size`` when set), the last one what is left."""
+        m = min(x for x in (micro_batches, self.stash.slots, self.engine.config.wave_size or None) if x)
+        return [range(lo, min(lo + m, micro_batches)) for lo in range(0, micro_batches, m)]
+
+    def run(self, batches: Sequence[dict[str, torch.Tensor]], labels: Sequence[torch.Tensor], n_tokens: int,
+            micro_batches: int) -> tuple[float, float]:  # fmt: skip
+        """One wave over ``batches`` (their ``labels``), its loss divided by the step's ``n_tokens`` target
+        tokens; returns the wave's summed cross-entropy and its router auxiliary losses' sum (unweighted)."""
+        engine = self.engine
+        device = engine.device
+        others = [s for s in engine.states if s.group.kind != "layer"]
+        summed: dict[int, dict[str, torch.Tensor]] = {id(s): {} for s in others}
+        with ExitStack() as stack:
+            bound = {
+                id(s): stack.enter_context(engine.bound_group(s, requires_grad=s.trainable)) for s in others
+            }
+            stack.callback(setattr, engine, "visit", None)
+            micro = [
+                _Micro(b["input_ids"].to(device),
+                       {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
+                       lab[:, 1:].to(device), rng, rng)
+                for b, lab, rng in zip(batches, labels, streams(len(batches), device), strict=True)
+            ]  # fmt: skip
+            prefix_trained, first = self._prefix(micro)
+            last = self._forward(micro, first)
+            total, aux_total = self._suffix(micro, last, n_tokens, micro_batches, bound, summed)
+            self._backward(micro, prefix_trained)
+            if prefix_trained:
+                self._prefix_backward(micro, bound, summed)
+        for state in others:  # released first: the optimizer writes these groups' weights
+            if state.trainable:
+                engine.add_grads(state, {n: summed[id(state)].get(n) for n in bound[id(state)]})
+        return total, aux_total
+
+    # ------------------------------------------------------------------ the passes
+
+    def _decoder(self, mb: _Micro) -> None:
+        engine = self.engine
+        engine.model.get_decoder()(input_ids=mb.ids, **mb.extra, **engine.loss.model_kwargs)
+
+    def _prefix(self, micro: list[_Micro]) -> tuple[bool, list[torch.Tensor]]:
+        """Each micro-batch's embeddings into boundary 0 (returned, held) and its layers' calls; and whether
+        the embeddings' output carries a gradient (a trained embedding, or adapters in it)."""
+        engine = self.engine
+        trained = False
+        outputs: list[torch.Tensor] = []
+        for mb in micro:
+            if engine.safe_point is not None:
+                engine.safe_point()
+            visit = engine.visit = Capture(len(self.layers))
+            devices = [engine.device] if engine.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                mb.start.set(engine.device)
+                self._decoder(mb)
+                mb.rng = Rng.now(engine.device)
+            if visit.first is None or any(c is None for c in visit.calls):
+                raise StateError("the model's decoder did not call each of its layers once")
+            mb.calls = visit.calls  # type: ignore[assignment]
+            mb.shape = visit.first.shape
+            trained = trained or visit.first.requires_grad
+            outputs.append(visit.first.detach())
+        first = self.stash.open(0, [mb.shape for mb in micro], write=True)
+        for x, out in zip(first, outputs, strict=True):
+            x.copy_(out)
+        return trained, first
+
+    def _forward(self, micro: list[_Micro], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Layers 0..L-1, each visited once for every micro-batch of the wave, from boundary 0 (``xs``, held);
+        returns boundary L, held."""
+        engine = self.engine
+        shapes = [mb.shape for mb in micro]
+        aux = engine.router_aux
+        if aux is not None:
+            aux.start()
+        devices = [engine.device] if engine.device.type == "cuda" else []
+        for i, layer in enumerate(self.layers):
+            if engine.safe_point is not None:
+                engine.safe_point()
+            with torch.no_grad(), engine.layer_weights(i, requires_grad=False):
+                ys = self.stash.open(i + 1, shapes, write=True)
+                for j, mb in enumerate(micro):
+                    if aux is not None:
+                        aux.micro = j
+                    with torch.random.fork_rng(devices=devices):
+                        mb.rng.set(engine.device)
+                        mb.before.append(mb.rng)
+                        out = run_layer(layer, xs[j], mb.calls[i])
+                        mb.rng = Rng.now(engine.device)
+                    ys[j].copy_(out)
+                    del out
+            self.stash.close(i, keep=True)
+            xs = ys
+        return xs
+
+    def _suffix(self, micro: list[_Micro], outs: list[torch.Tensor], n_tokens: int, micro_batches: int,
+                bound: dict, summed: dict) -> tuple[float, float]:  # fmt: skip
+        """Per micro-batch: the final norm, head and loss on the last layer's output (``outs``, boundary L,
+        held), back-propagated to it."""
+        engine = self.engine
+        last = len(self.layers)
+        aux = engine.router_aux
+        total = aux_total = 0.0
+        for j, mb in enumerate(micro):
+            leaf = outs[j].detach().requires_grad_()
+            engine.visit = Suffix(last - 1, leaf)
+            if aux is not None:  # its gradient joins each layer's backward
+                aux_total += aux.finish(j, mb.extra.get("attention_mask"), 1.0 / micro_batches)
+            loss_sum = engine.loss(mb.ids, mb.extra, mb.target)
+            (loss_sum / n_tokens).backward()
+            total += float(loss_sum.detach())
+            mb.grad = leaf.grad
+            if mb.grad is None:
+                raise StateError("the loss does not depend on the last decoder layer's output")
+            _harvest(bound, summed)
+        engine.visit = None
+        self.stash.close(last, keep=False)
+        return total, aux_total
+
+    def _backward(self, micro: list[_Micro], prefix_trained: bool) -> None:
+        """Layers L-1..0, each visited once: recomputed and back-propagated for every micro-batch."""
+        engine = self.engine
+        shapes = [mb.shape for mb in micro]
+        devices = [engine.device] if engine.device.type == "cuda" else []
+        for i in reversed(range(len(self.layers))):
+            if engine.safe_point is not None:
+                engine.safe_point()
+            trainable = engine.layer_trainable(i)
+            adapters = engine.layer_adapters(i)
+            input_grad = i > 0 or prefix_trained
+            summed: dict[str, torch.Tensor] = {}
+            xs = self.stash.open(i, shapes, write=False)
+            with engine.layer_weights(i, trainable) as params:
+                trained = params if trainable else {}
+                for j, mb in enumerate(micro):
+                    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+                        mb.before[i].set(engine.device)
+                        x = xs[j].detach().requires_grad_(input_grad)
+                        out = run_layer(self.layers[i], x, mb.calls[i])
+                        inputs = ([x] if input_grad else []) + list(trained.values()) + adapters
+                        outputs, grad_outputs = [out], [mb.grad]
+                        if engine.router_aux is not None:  # the auxiliary loss's gradient at the router logits
+                            for logits, grad in engine.router_aux.gradients(j, i):
+                                outputs.append(logits)
+                                grad_outputs.append(grad)
+                        grads = (
+                            list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
+                            if inputs
+                            else []
+                        )
+                    mb.grad = grads.pop(0) if input_grad else None
+                    for name, g in zip(trained, grads[: len(trained)], strict=True):
+                        _add(summed, name, g)
+                    for p, g in zip(adapters, grads[len(trained) :], strict=True):
+                        if g is not None:  # as autograd accumulates a leaf's gradient
+                            p.grad = g if p.grad is None else p.grad.add_(g)
+                    del out, x, grads
+            self.stash.close(i, keep=False)
+            if trainable:
+                engine.layer_grads(i, {n: summed.get(n) for n in trained})
+
+    def _prefix_backward(self, micro: list[_Micro], bound: dict, summed: dict) -> None:
+        """The embeddings of each micro-batch recomputed and back-propagated from boundary 0's gradient."""
+        engine = self.engine
+        devices = [engine.device] if engine.device.type == "cuda" else []
+        for mb in micro:
+            visit = engine.visit = Capture(len(self.layers), first_only=True)
+            with torch.random.fork_rng(devices=devices):
+                mb.start.set(engine.device)
+                with suppress(Stop):
+                    self._decoder(mb)
+            engine.visit = None
+            if visit.first is not None and visit.first.requires_grad and mb.grad is not None:
+                torch.autograd.backward(visit.first, mb.grad)
+                _harvest(bound, summed)
+            mb.grad = None
+
+
+def _add(summed: dict[str, torch.Tensor], name: str, g: torch.Tensor | None) -> None:
+    """Add a micro-batch's gradient ``g`` into ``summed[name]`` in fp32 (the first one kept as it is, in fp32)."""
+    if g is None:
+        return
+    if name in summed:
+        summed[name].add_(g)
+    else:
+        summed[name] = g.float()
+
+
+def _harvest(bound: dict[int, dict[str, torch.Tensor]], summed: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Move the gradients autograd left on the bound groups' tensors into the wave's fp32 sums."""
+    for key, params in bound.items():
+        for name, p in params.items():
+            if p.grad is not None:
+                _add(summed[key], name, p.grad)
+                p.grad = None
+
+
+__all__ = ["ChunkStash", "DeviceStash", "LayerMajor", "Stash"]
