@@ -11,8 +11,8 @@ chunk layout. The store places a chunk in a slot of its class when its arena has
 Who holds chunks in use at once (the engine's step, ``engine.trainer`` and ``engine.update``):
 
 - the compute thread, on the device: the weights of the groups outside the decoder layers (embeddings,
-  final norm, head: bound for the whole micro-batch), one decoder layer's weights (and, with GaLore, its
-  projection), and one saved layer input when those are chunks; one rank of several (ZeRO-3) holds those
+  final norm, head: bound for the whole wave of micro-batches), one decoder layer's weights (and, with
+  GaLore, its projection), and two layer boundaries (the layer's input and output) when those are chunks; one rank of several (ZeRO-3) holds those
   weights as whole chunks gathered into scratch space, and the shard it is gathering; on the host: one
   group's gradients (and
   GaLore's full-gradient accumulator, and its projection passing through) while backward adds to them, or
@@ -189,7 +189,8 @@ def _in_use(chunks: list[PlannedChunk], on_cpu: bool) -> list[list[Moment]]:
     sharded = any(c.whole is not None for c in chunks)
     for g in layers or [{}]:
         weights = others + g.get("weights", [])
-        used = on(Tier.DEVICE, g.get("proj", [])[:1] + acts[:1])
+        # forward reads one layer boundary and writes the next (``engine.schedule``); backward reads one
+        used = on(Tier.DEVICE, g.get("proj", [])[:1] + acts[:2])
         if not sharded:
             device.append(on(Tier.DEVICE, weights) + used)
             continue
@@ -207,7 +208,7 @@ def _in_use(chunks: list[PlannedChunk], on_cpu: bool) -> list[list[Moment]]:
     for c in chunks:  # a chunk homed on disk passes through the host to the device
         if c.home is Tier.DISK and c.used_on is Tier.DEVICE:
             host.append([(Tier.HOST, c.capacity)])
-    optimizer = [_unit(g, j, on_cpu) for g in groups.values() for j in range(len(g.get("grads", [])))]
+    optimizer = [m for g in groups.values() for j in range(len(g.get("grads", []))) for m in _unit(g, j, on_cpu)]
     # the compute thread's device moments (layers bound) and host moments (a chunk staged for them, gradients
     # added) coincide: counted as two threads, each on its own tier
     return [device, host, optimizer]
@@ -218,29 +219,35 @@ def _largest(moment: Moment) -> Moment:
     return sorted(moment, key=lambda held: held[1])[-1:]
 
 
-def _unit(g: dict[str, list[PlannedChunk]], j: int, on_cpu: bool) -> Moment:
-    """What the optimizer worker holds in use for weight chunk ``j`` of group ``g`` (``Updater.unit``)."""
+def _unit(g: dict[str, list[PlannedChunk]], j: int, on_cpu: bool) -> list[Moment]:
+    """What the optimizer worker holds in use for weight chunk ``j`` of group ``g`` (``Updater.unit``): one
+    moment, or with twins one per source, held while it is copied into its twin (any of them)."""
     moment: Moment = []
     device = torch.device("cpu" if on_cpu else "cuda")
 
-    def use(c: PlannedChunk | None, tier: Tier | None = None) -> None:
+    def use(c: PlannedChunk | None, tier: Tier | None = None, into: Moment = moment) -> None:
         if c is not None:
             t = tier or home_tier_used(c.home, device)
             if c.home is not t:
-                moment.append((t, c.capacity))
+                into.append((t, c.capacity))
 
     use(_at(g, "grads", j))
     sources = [_at(g, "master", j) or _at(g, "weights", j), _at(g, "exp_avg", j), _at(g, "exp_avg_sq", j)]
     twins = g.get("twin", [])[3 * j : 3 * j + 3]
     for c in twins or sources:
         use(c)
-    if twins:  # one source held while it is copied into its twin
-        use(max((c for c in sources if c is not None), key=lambda c: c.capacity, default=None))
     weights = _at(g, "weights", j)
     if _at(g, "master", j) is not None and weights is not None:  # written from the new master weights
         use(weights, Tier.DEVICE if weights.home is Tier.DEVICE else Tier.HOST)
     use(_at(g, "proj", j))
-    return moment
+    if not twins:
+        return [moment]
+    moments = []
+    for source in sources:  # one source held while it is copied into its twin
+        held = list(moment)
+        use(source, into=held)
+        moments.append(held)
+    return moments
 
 
 def _at(group: dict[str, list[PlannedChunk]], role: str, j: int) -> PlannedChunk | None:

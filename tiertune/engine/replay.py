@@ -4,10 +4,10 @@ store's own code.
 ``replay`` registers the run's chunks (the ``PlannedChunk`` list ``finetune.estimate`` lays out, in the order
 the trainer registers them) in a ``ChunkStore`` that is a ledger (``StoreConfig.ledger``: the same placement,
 eviction, prefetch and trace, over no bytes), and makes the calls a step makes, in the engine's order
-(``engine.trainer.step``, ``engine.streaming``, ``engine.gradients``, ``engine.update``): per micro-batch the
-groups outside the decoder layers bound, each layer's weights acquired in forward and again in backward (which
-recomputes it), its saved input put and got when those are chunks, its gradients added on the host (GaLore's
-accumulators and projections beside them); the optimizer's units on their tier, into the twins when the step
+(``engine.trainer.step``, ``engine.schedule``, ``engine.gradients``, ``engine.update``): per wave of
+micro-batches the groups outside the decoder layers bound, each layer's weights acquired once in forward and
+once in backward (which recomputes it), the boundary chunks of the layers' inputs written and read when those
+are chunks, each layer's gradients added on the host once (GaLore's accumulators and projections beside them); the optimizer's units on their tier, into the twins when the step
 speculates, during backward when it overlaps; the twins exchanged in. The optimizer worker's calls are made
 in turn with the compute thread's (the worker keeping up with backward), and each transfer finishes by the
 store's next call. So what a step moves comes from the schedule the engine runs, with every micro-batch, and
@@ -26,6 +26,7 @@ import torch
 from tiertune.engine.config import EngineConfig
 from tiertune.engine.layout import home_tier_used
 from tiertune.engine.plan import IN_PLACE, QUANT_CACHE, PlannedChunk
+from tiertune.engine.schedule import waves as schedule_waves
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.inplace import InPlace
 from tiertune.offload.store import ChunkStore, StoreConfig
@@ -102,7 +103,7 @@ def replay(
 
 def _register(store: ChunkStore, chunks: Sequence[PlannedChunk]) -> tuple[list[_Group], list[Chunk]]:
     """Register ``chunks`` in the trainer's order: every group's weights (``engine.loaded``), then each trained
-    group's states (``layout.add_states``), the saved layer inputs (``InputStash``), the twins
+    group's states (``layout.add_states``), the boundary chunks (``schedule.ChunkStash``), the twins
     (``layout.add_twins``). ``chunks`` come in the estimate's order: a weight chunk, then its states."""
     groups: dict[int, _Group] = {}
     units: list[tuple[_Unit, list[PlannedChunk]]] = []
@@ -175,31 +176,49 @@ class _Step:
         self.speculating = self.overlap  # the step being run's (``run``)
 
     def run(self, number: int, micro_batches: int, speculating: bool, clipped: bool) -> None:
-        """One step (``StreamedTrainer.step``, ``Updater.finish``): ``speculating``, the optimizer runs during
-        backward, and again after it when the step is ``clipped``; else after backward."""
-        store = self.store
+        """One step (``StreamedTrainer.step``, ``engine.schedule``, ``Updater.finish``): per wave of
+        micro-batches each layer visited once in forward and once in backward; ``speculating``, the optimizer
+        runs during backward, and again after it when the step is ``clipped``; else after backward."""
+        store, stash = self.store, self.stash
         self.speculating = speculating
-        for k in range(micro_batches):
-            first, last = k == 0, k == micro_batches - 1
-            for group in self.others:  # bound for the whole micro-batch
-                for chunk in group.weights:
-                    store.acquire(chunk, Tier.DEVICE)
-            for i, group in enumerate(self.layers):  # forward: the weights, then the saved input
+        waves = schedule_waves(self.cfg, micro_batches)
+        for w in range(len(waves)):
+            first, last = w == 0, w == len(waves) - 1
+            for group in self.others:  # bound for the whole wave
                 self._weights(group)
+            done = leaving = None  # ``schedule.ChunkStash``: the boundary read last, the one going down
+            if stash:  # the prefix: the embeddings' output into boundary 0
+                store.acquire(stash[0], Tier.DEVICE, overwrite=True)
+            for i, group in enumerate(self.layers):  # forward: boundary i through layer i into i + 1
+                if leaving is not None:
+                    store.evict(stash[leaving], wait=True)
+                    leaving = None
+                self._weights(group)
+                if stash:
+                    store.acquire(stash[i + 1], Tier.DEVICE, overwrite=True)
+                    if done is not None:
+                        store.evict(stash[done], wait=False)
+                        leaving, done = done, None
                 self._release(group.weights)
-                if self.stash:
-                    store.acquire(self.stash[i], Tier.DEVICE, overwrite=True)
-                    store.release(self.stash[i], dirty=True)
-                    store.evict(self.stash[i], wait=False)
-            for i in reversed(range(len(self.layers))):  # backward: the saved input, the weights again
+                if stash:
+                    store.release(stash[i], dirty=True)
+                    done = i
+            if stash:  # the suffix: the loss on the last boundary, which is then dropped
+                store.release(stash[-1], dirty=True)
+                store.discard(stash[-1])
+            for i in reversed(range(len(self.layers))):  # backward: boundary i, the weights again
                 group = self.layers[i]
-                if self.stash:
-                    store.acquire(self.stash[i], Tier.DEVICE)
+                if leaving is not None:
+                    store.evict(stash[leaving], wait=True)
+                    leaving = None
+                if stash:
+                    store.acquire(stash[i], Tier.DEVICE)
                 self._weights(group)
-                self._grads(group, number, first, last)
                 self._release(group.weights)
-                if self.stash:
-                    store.release(self.stash[i])
+                if stash:
+                    store.release(stash[i])
+                    store.discard(stash[i])
+                self._grads(group, number, first, last)
                 self._overlapped(group, last)  # the worker waits for the weights it writes to be released
             for group in reversed(self.others):
                 self._release(group.weights)
@@ -226,7 +245,8 @@ class _Step:
             self.store.release(chunk)
 
     def _grads(self, group: _Group, number: int, first: bool, last: bool) -> None:
-        """``GradientSink.add``: each unit's gradients on the host (GaLore: its accumulator and projection)."""
+        """``GradientSink.add`` of a wave: each unit's gradients on the host (GaLore: its accumulator and
+        projection); ``first``, ``last``: the step's first and last wave."""
         store = self.store
         for unit in group.units:
             grads = unit.roles["grads"]
@@ -246,7 +266,7 @@ class _Step:
             store.release(grads, dirty=True)
 
     def _overlapped(self, group: _Group, last: bool) -> None:
-        """The optimizer during backward: a group's units once its last micro-batch's gradients are in."""
+        """The optimizer during backward: a group's units once its last wave's gradients are in."""
         if last and self.speculating:
             for unit in group.units:
                 self._update(unit)

@@ -39,14 +39,30 @@ from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
 
 if TYPE_CHECKING:
+    from tiertune.engine.config import EngineConfig
     from tiertune.engine.trainer import StreamedTrainer
+
+
+def stash_slots(cfg: EngineConfig) -> int:
+    """The micro-batches a boundary chunk has slots for, with activations on the host: ``wave_size``, else the
+    step's ``gradient_accumulation_steps``."""
+    return cfg.wave_size or cfg.gradient_accumulation_steps
+
+
+def waves(cfg: EngineConfig, micro_batches: int) -> list[range]:
+    """The waves of a step of ``micro_batches``: ``wave_size`` at a time (0: all), no more than the boundary
+    chunks have slots for, the last wave what is left."""
+    slots = stash_slots(cfg) if cfg.activations == "host" else None
+    m = min(x for x in (micro_batches, slots, cfg.wave_size or None) if x)
+    return [range(lo, min(lo + m, micro_batches)) for lo in range(0, micro_batches, m)]
 
 
 class Stash:
     """A wave's hidden states at the layer boundaries: boundary i is decoder layer i's input (0: the
     embeddings' output), boundary L the last layer's output. ``open(i, shapes, write)`` gives a view on the
     device per micro-batch (``shapes``); ``close(i, keep)`` ends its use (``keep``: read again in backward;
-    else its content is dropped). ``slots``: the most micro-batches a wave can have (None: any)."""
+    else its content is dropped); ``settle()``, called before each layer's weights are acquired, waits for
+    what the stash sent home a layer ago. ``slots``: the most micro-batches a wave can have (None: any)."""
 
     slots: int | None = None
 
@@ -55,6 +71,9 @@ class Stash:
 
     def close(self, index: int, keep: bool) -> None:
         raise NotImplementedError
+
+    def settle(self) -> None:
+        """Nothing to wait for (a stash that sends nothing home)."""
 
 
 class DeviceStash(Stash):
@@ -76,13 +95,20 @@ class DeviceStash(Stash):
 
 class ChunkStash(Stash):
     """Activations in the chunk store: one chunk per boundary, homed on the host, with ``slots`` slots of a
-    micro-batch's hidden states (the largest micro-batch's). A boundary written in forward is sent home
-    without waiting; backward's acquire finds it prefetched back along the trace. Seconds blocked go to
-    ``times["io_wait"]``."""
+    micro-batch's hidden states (the largest micro-batch's). Backward's acquire finds each boundary prefetched
+    back along the trace. Seconds blocked go to ``times["io_wait"]``.
+
+    Forward sends a boundary home one layer after it was read: while layer i runs, boundary i-1 goes down
+    (started once boundary i+1 has its room), and the next layer waits for it to land before it acquires
+    anything. The device then holds three boundaries a moment, the copy overlaps a whole layer's compute, and
+    every allocation happens at a point the transfers have landed by: the peaks are those the replay counts
+    (``engine.replay``). The last layer's input is not sent down: backward reads it first."""
 
     def __init__(self, store: ChunkStore, chunks: list[Chunk], slots: int, times: dict[str, float]) -> None:
         self.store, self.chunks, self.slots, self.times = store, chunks, slots, times
         self._written: set[int] = set()
+        self._done: int | None = None  # read in forward, still on the device: sent down when the next is opened
+        self._leaving: int | None = None  # being sent down: landed by ``settle``
 
     @classmethod
     def add(
@@ -109,6 +135,11 @@ class ChunkStash(Stash):
         self.times["io_wait"] += time.perf_counter() - began
         if write:
             self._written.add(index)
+            if self._done is not None:
+                self.store.evict(self.chunks[self._done], wait=False)
+                self._leaving, self._done = self._done, None
+        elif self._done == index:
+            self._done = None
         return [x[j * slot : j * slot + math.prod(s)].view(s) for j, s in enumerate(shapes)]
 
     def close(self, index: int, keep: bool) -> None:
@@ -116,9 +147,16 @@ class ChunkStash(Stash):
         self.store.release(chunk, dirty=index in self._written)
         self._written.discard(index)
         if keep:
-            self.store.evict(chunk, wait=False)
+            self._done = index
         else:
             self.store.discard(chunk)
+
+    def settle(self) -> None:
+        if self._leaving is not None:
+            began = time.perf_counter()
+            self.store.evict(self.chunks[self._leaving], wait=True)
+            self.times["io_wait"] += time.perf_counter() - began
+            self._leaving = None
 
 
 @dataclass
@@ -175,10 +213,8 @@ class LayerMajor:
         self.layers = [layer.layer for layer in engine.parts.layers]  # the model's own (streamed) layers
 
     def waves(self, micro_batches: int) -> list[range]:
-        """The waves of a step of ``micro_batches``: as many at a time as the stash has slots (the engine's
-        ``wave_size`` when set), the last one what is left."""
-        m = min(x for x in (micro_batches, self.stash.slots, self.engine.config.wave_size or None) if x)
-        return [range(lo, min(lo + m, micro_batches)) for lo in range(0, micro_batches, m)]
+        """The waves of a step of ``micro_batches`` (``waves``)."""
+        return waves(self.engine.config, micro_batches)
 
     def run(self, batches: Sequence[dict[str, torch.Tensor]], labels: Sequence[torch.Tensor], n_tokens: int,
             micro_batches: int) -> tuple[float, float]:  # fmt: skip
@@ -254,6 +290,7 @@ class LayerMajor:
         for i, layer in enumerate(self.layers):
             if engine.safe_point is not None:
                 engine.safe_point()
+            self.stash.settle()
             with torch.no_grad(), engine.layer_weights(i, requires_grad=False):
                 ys = self.stash.open(i + 1, shapes, write=True)
                 for j, mb in enumerate(micro):
@@ -306,6 +343,7 @@ class LayerMajor:
             adapters = engine.layer_adapters(i)
             input_grad = i > 0 or prefix_trained
             summed: dict[str, torch.Tensor] = {}
+            self.stash.settle()
             xs = self.stash.open(i, shapes, write=False)
             with engine.layer_weights(i, trainable) as params:
                 trained = params if trainable else {}

@@ -32,7 +32,7 @@ from tiertune.engine.layout import (
 from tiertune.engine.loaded import load_model
 from tiertune.engine.loss import CausalLMLoss
 from tiertune.engine.router_aux import RouterAux
-from tiertune.engine.schedule import ChunkStash, DeviceStash, LayerMajor, Stash
+from tiertune.engine.schedule import ChunkStash, DeviceStash, LayerMajor, Stash, stash_slots
 from tiertune.engine.streaming import StreamedLayer, Visit
 from tiertune.engine.update import AdapterUpdate, LRSchedule, StepContext, Updater
 from tiertune.engine.views import TrainerViews
@@ -123,8 +123,8 @@ class StreamedTrainer(TrainerViews):
         self.stash: Stash = DeviceStash(self.device, config.dtype)
         if config.activations == "host":
             slot = config.activation_tokens * self.model.config.hidden_size
-            slots = config.wave_size or config.gradient_accumulation_steps
-            self.stash = ChunkStash.add(self.store, len(self.parts.layers), slot, slots, config.dtype, self.times)
+            self.stash = ChunkStash.add(self.store, len(self.parts.layers), slot, stash_slots(config), config.dtype,
+                                        self.times)  # fmt: skip
         # after the stash: the twins take what room is left (as estimate lays them out)
         self.overlap = add_twins(self.store, self.states, config, self.device) if trained else False
         # MoE: the router's auxiliary loss, where transformers computes one and the config asks for it

@@ -123,10 +123,11 @@ class ScaleOut:
                 "plan_per_rank": self.plan.as_json() if self.plan else None, "fits": self.fits}  # fmt: skip
 
 
-def _scale_out(chunks: list[_Chunk], processes: int, per_node: int, micro_batches: int, adapters: int) -> ScaleOut:
+def _scale_out(chunks: list[_Chunk], processes: int, per_node: int, waves: int, adapters: int) -> ScaleOut:
     """``ScaleOut`` from the chunks one rank registers (``_chunks`` of a store of ``processes`` shards): the
     gathers and reduce-scatters as ``engine.sharding.Zero`` runs them (a trained chunk's gradients packed by
-    owner, each rank's run padded to the longest)."""
+    owner, each rank's run padded to the longest), once per wave of micro-batches (``engine.schedule``): the
+    groups outside the layers gathered once, each layer twice (forward, backward), each gradient reduced once."""
     from tiertune.distributed.ownership import owned_slices, run_length
 
     n = processes
@@ -137,11 +138,32 @@ def _scale_out(chunks: list[_Chunk], processes: int, per_node: int, micro_batche
     gathered = max(layers, default=0) + sum(w.capacity for w in wholes) - sum(layers)
     ring = (n - 1) / n
     wire = {
-        "all_gather": round(micro_batches * ring * (sum(w.capacity for w in wholes) + sum(layers))),
-        "reduce_scatter": micro_batches * sum((n - 1) * run_length(owned_slices(w, n)) * 4 for w in changed),
+        "all_gather": round(waves * ring * (sum(w.capacity for w in wholes) + sum(layers))),
+        "reduce_scatter": waves * sum((n - 1) * run_length(owned_slices(w, n)) * 4 for w in changed),
         "all_reduce": round(2 * ring * adapters * 4),
     }
     return ScaleOut(n, per_node, per_rank, gathered, {k: v for k, v in wire.items() if v})
+
+
+@dataclass
+class Waves:
+    """How a step runs its micro-batches (``engine.schedule``): ``micro_batches`` in waves of ``wave``, each wave
+    streaming the weights once; the hidden states at the layer boundaries of a wave (``stash`` bytes) wait on
+    ``stash_tier``."""
+
+    micro_batches: int
+    wave: int
+    stash: int
+    stash_tier: str
+
+    @property
+    def count(self) -> int:
+        """Waves per step."""
+        return -(-self.micro_batches // self.wave)
+
+    def as_json(self) -> dict:
+        return {"micro_batches": self.micro_batches, "wave": self.wave, "waves": self.count,
+                "stash_bytes": self.stash, "stash_tier": self.stash_tier}  # fmt: skip
 
 
 @dataclass
@@ -161,6 +183,7 @@ class Estimate:
     speed: StepTime | None = None  # the step-time estimate (None: not measured)
     scale_out: ScaleOut | None = None  # launched as several processes (``estimate(processes=N)``)
     plan: Plan | None = None  # the run's memory plan (``engine.plan``): what train checks before loading
+    waves: Waves | None = None  # the micro-batches a wave runs, and where its boundary hidden states wait
 
     def short_of_machine(self) -> dict[str, str]:
         """Budgets this machine cannot give, by tier, with why (a budget above its RAM or GPU memory)."""
@@ -218,6 +241,8 @@ class Estimate:
         }
         if self.plan is not None:
             out["plan"] = self.plan.as_json()
+        if self.waves is not None:
+            out["waves"] = self.waves.as_json()
         if self.scale_out is not None:
             out["scale_out"] = self.scale_out.as_json()
         if self.speed is not None:
@@ -266,7 +291,9 @@ def estimate(
     store_cfg, cfg = planned(World())
     notes: list[str] = []
     disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
-    chunks, parameters, trained, outside, flops = run_layout(recipe, store_cfg, cfg, notes, target is not None, disk_room)
+    chunks, parameters, trained, outside, flops, wave = run_layout(recipe, store_cfg, cfg, notes, target is not None,
+                                                                   disk_room)  # fmt: skip
+    cfg = dataclasses.replace(cfg, wave_size=wave)  # as ``admit`` hands it to the engine
     memory = make_plan(chunks, on_cpu=target is None)
     kinds: dict[str, tuple[str, int]] = {}
     for c in chunks:
@@ -303,6 +330,9 @@ def estimate(
             "of the same model and settings reuses them)"
         )
     est = Estimate(parameters, trained, kinds, tiers, outside, notes=notes, plan=memory)
+    acts = sum(c.capacity for c in chunks if c.role == "act")
+    est.waves = Waves(recipe.training.gradient_accumulation_steps, wave,
+                      acts or outside.get("hidden states at the layer boundaries", 0), "host" if acts else "device")
     est.target = "cpu" if target is None else target.name
     est.machine["ram"] = psutil.virtual_memory().total
     if target is not None:
@@ -311,9 +341,11 @@ def estimate(
     if processes > 1:  # the chunks each rank registers (its shards), under a rank's budgets, as train plans it
         local = per_node or processes
         sharded, _ = planned(World(rank=0, size=processes, local_rank=0, local_size=local))
-        laid, _, trained_n, _, _ = run_layout(recipe, sharded, cfg, [], target is not None, disk_room)
+        laid, _, trained_n, _, _, rank_wave = run_layout(recipe, sharded, dataclasses.replace(cfg, wave_size=0), [],
+                                                         target is not None, disk_room)  # fmt: skip
         adapters = trained_n if cfg.method == "lora" else 0
-        est.scale_out = _scale_out(laid, processes, local, recipe.training.gradient_accumulation_steps, adapters)
+        waves = -(-recipe.training.gradient_accumulation_steps // rank_wave)  # as the rank's plan cuts its step
+        est.scale_out = _scale_out(laid, processes, local, waves, adapters)
         est.scale_out.budgets = {"device": sharded.device_budget, "host": sharded.host_budget}
         est.scale_out.plan = make_plan(laid, on_cpu=target is None)
     if measure:
@@ -436,8 +468,13 @@ def format_estimate(est: Estimate, title: str) -> str:
         lines.append(f"{name:<8}{budget:>12}{format_size(t.home):>12}{format_size(t.passes):>12}"
                      f"{format_size(t.peak):>12}  {ok}")  # fmt: skip
     moved = ", ".join(f"{k} {format_size(est.moved_per_step[k])}" for k in LINKS if k in est.moved_per_step)
-    lines += ["", f"how much disk: disk_path needs {format_size(est.disk_needed)} free", "",
-              f"moved per step: {moved}"]  # fmt: skip
+    lines += ["", f"how much disk: disk_path needs {format_size(est.disk_needed)} free", ""]
+    w = est.waves
+    if w is not None:
+        lines.append(f"micro-batches: {w.micro_batches} per step in {w.count} wave{'s' if w.count > 1 else ''} of "
+                     f"{w.wave} (the weights stream once per wave); the hidden states at the layer boundaries of a "
+                     f"wave: {format_size(w.stash)} on the {w.stash_tier}")  # fmt: skip
+    lines.append(f"moved per step: {moved}")
     sp = est.speed
     if sp is not None:
         bw = est.bandwidth

@@ -15,12 +15,14 @@ import dataclasses
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from tiertune.distributed.ownership import shard_layout
 from tiertune.engine.plan import IN_PLACE, QUANT_CACHE, Plan, PlannedChunk, make_plan
+from tiertune.engine.schedule import stash_slots
+from tiertune.engine.schedule import waves as schedule_waves
 from tiertune.errors import ModelError
 from tiertune.finetune.speed import StepFlops, nearest_existing, step_flops
 from tiertune.offload.chunk import ALIGN, ChunkLayout, itemsize, pack_tensors
@@ -36,23 +38,37 @@ if TYPE_CHECKING:
 _Chunk = PlannedChunk
 
 
-def memory_plan(recipe: Recipe, store_cfg: StoreConfig, cfg) -> tuple[Plan, bool]:
+def memory_plan(recipe: Recipe, store_cfg: StoreConfig, cfg) -> tuple[Plan, bool, int]:
     """The run's memory plan (``engine.plan``) for the store and engine settings ``plan`` resolved, from the
-    chunks it will register laid out on the meta device (nothing is loaded), and whether those include the
-    speculative step's twins (they do when the run fits with them). What ``train`` checks before loading the
-    model, and what ``estimate`` reports."""
+    chunks it will register laid out on the meta device (nothing is loaded), whether those include the
+    speculative step's twins (they do when the run fits with them), and the micro-batches a wave runs. What
+    ``train`` checks before loading the model, and what ``estimate`` reports."""
     on_gpu = store_cfg.device.type == "cuda"
     disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
-    chunks, *_ = run_layout(recipe, store_cfg, cfg, [], on_gpu, disk_room)
-    return make_plan(chunks, on_cpu=not on_gpu), any(c.role == "twin" for c in chunks)
+    laid = run_layout(recipe, store_cfg, cfg, [], on_gpu, disk_room)
+    return make_plan(laid.chunks, on_cpu=not on_gpu), any(c.role == "twin" for c in laid.chunks), laid.wave
+
+
+class RunLayout(NamedTuple):
+    """What ``run_layout`` lays out: the chunks, the parameters (all, trained), the device bytes outside the
+    store by what holds them, a step's FLOPs, and the micro-batches a wave runs (``engine.schedule``)."""
+
+    chunks: list[_Chunk]
+    parameters: int
+    trained: int
+    outside: dict[str, int]
+    flops: StepFlops
+    wave: int
 
 
 def run_layout(
     recipe, store_cfg: StoreConfig, cfg, notes: list[str], on_gpu: bool, disk_free: int
-) -> tuple[list[_Chunk], int, int, dict[str, int], StepFlops]:
+) -> RunLayout:
     """Every chunk the run would register, laid out as the store lays them out (what a reader should know
     about the model is appended to ``notes``), and the FLOPs of a step (``on_gpu``: computed on a GPU;
-    ``disk_free``: the free bytes at ``disk_path``, room the overlap decision weighs)."""
+    ``disk_free``: the free bytes at ``disk_path``, room the overlap decision weighs). With activations on the
+    host and ``cfg.wave_size`` 0, the wave is the most micro-batches of a step whose boundary chunks fit the
+    budgets (decided before the twins, which take the room left)."""
     from tiertune.engine.layout import home_tier_used
     from tiertune.loading.model import build_skeleton, quantized_on_load, split_model, weight_entries
     from tiertune.methods.optim import GaLore
@@ -138,12 +154,38 @@ def run_layout(
     hidden = model.config.hidden_size
     act = cfg.activation_tokens * hidden * itemsize(cfg.dtype)
     outside: dict[str, int] = {}
-    if cfg.activations == "host":  # InputStash: each layer's saved input in a chunk of its own
-        for _ in parts.layers:
-            add([("x", (cfg.activation_tokens * hidden,), cfg.dtype)], "activations", Tier.HOST, Tier.DEVICE, True,
-                role="act")  # fmt: skip
-    else:
-        outside["saved layer inputs"] = act * len(parts.layers)
+    k = t.gradient_accumulation_steps
+    m = len(schedule_waves(cfg, k)[0])  # micro-batches per wave
+    if cfg.activations == "host":  # ``schedule.ChunkStash``: a chunk per layer boundary, a slot per micro-batch
+
+        def boundaries(slots: int) -> list[_Chunk]:
+            before = len(chunks)
+            for _ in range(len(parts.layers) + 1):
+                add([("x", (slots * cfg.activation_tokens * hidden,), cfg.dtype)], "activations", Tier.HOST,
+                    Tier.DEVICE, True, role="act")  # fmt: skip
+            laid, chunks[before:] = chunks[before:], []
+            return laid
+
+        if not cfg.wave_size:  # the most micro-batches at a time whose boundaries fit the budgets
+            budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}
+            while m > 1 and make_plan(chunks + boundaries(m), on_cpu=not on_gpu).short(budgets):
+                m -= 1
+            m = -(-k // -(-k // m))  # as many waves, of even sizes: the boundaries take no more than they need
+            if m < k:
+                notes.append(
+                    f"the hidden states at the layer boundaries of {k} micro-batches do not fit the budgets: a step "
+                    f"runs as {-(-k // m)} waves of {m} micro-batches, each wave streaming the weights once"
+                )
+        chunks.extend(boundaries(stash_slots(cfg) if cfg.wave_size else m))
+    else:  # ``schedule.DeviceStash``
+        outside["hidden states at the layer boundaries"] = act * m * (len(parts.layers) + 1)
+    # backward carries each micro-batch's gradient at a layer boundary; a trained layer's gradient is summed
+    # over the wave in fp32
+    outside["boundary gradients of a wave"] = act * m
+    if trained_flag:
+        outside["a layer's gradient, summed over a wave (fp32)"] = max(
+            (sum(p.numel() for p in layer.parameters()) for layer in parts.layers), default=0
+        ) * 4
     if trained_flag and cfg.overlap_optimizer != "off" and clipping:
         # the speculative step's twins: when the run fits with them (the plan, and the disk's room), or asked for
         before = len(chunks)
@@ -175,7 +217,7 @@ def run_layout(
         params = _adapter_parameters(model, cfg.lora)
         outside["LoRA adapters + states"] = params * 16
         trained = params
-    return chunks, parameters, trained, outside, flops
+    return RunLayout(chunks, parameters, trained, outside, flops, m)
 
 
 def _in_place_split(model_dir: str, model: torch.nn.Module, cfg, quant, saved: dict | None) -> Callable:

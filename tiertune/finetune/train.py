@@ -271,7 +271,7 @@ def admit(recipe: Recipe, store_cfg: StoreConfig, engine_cfg: EngineConfig, worl
     has ``num_shards`` and the rank's budgets); the plan is the same on every rank, so all refuse alike."""
     from tiertune.finetune.run_layout import memory_plan
 
-    memory, twins = memory_plan(recipe, store_cfg, engine_cfg)
+    memory, twins, wave = memory_plan(recipe, store_cfg, engine_cfg)
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}
     local = world.local_size if world is not None else 1
     sharing = {Tier.HOST: local, Tier.DEVICE: local if store_cfg.device.type == "cpu" else 1}
@@ -289,6 +289,7 @@ def admit(recipe: Recipe, store_cfg: StoreConfig, engine_cfg: EngineConfig, worl
         )  # fmt: skip
     store_cfg.reserve = memory.store_reserve()
     engine_cfg.twins = twins
+    engine_cfg.wave_size = wave
 
 
 @dataclass
