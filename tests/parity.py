@@ -12,11 +12,11 @@ STEPS = 10
 ACCUM = 2
 
 
-def _batches(vocab, seed=0):
-    """STEPS x ACCUM micro-batches of 2 sequences, with padding (label -100) of varying length."""
+def _batches(vocab, seed=0, count=STEPS * ACCUM):
+    """``count`` (STEPS x ACCUM) micro-batches of 2 sequences, with padding (label -100) of varying length."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(STEPS * ACCUM):
+    for _ in range(count):
         ids = torch.randint(0, vocab, (2, 12), generator=g)
         mask = torch.ones_like(ids)
         pad = int(torch.randint(0, 5, (1,), generator=g))
@@ -42,18 +42,18 @@ def _config(**kw):
     return EngineConfig(**base)
 
 
-def plain_training(model, opt, clipped, cfg, batches):
-    """STEPS steps the plain way: token-weighted loss over ACCUM micro-batches, ``clip_grad_norm_`` over
-    ``clipped`` (skipped when max_grad_norm is 0, as the HF Trainer does), ``opt``, transformers' scheduler.
-    Returns the losses."""
+def plain_training(model, opt, clipped, cfg, batches, steps=STEPS, accum=ACCUM, norms=None):
+    """``steps`` steps the plain way: token-weighted loss over ``accum`` micro-batches, ``clip_grad_norm_``
+    over ``clipped`` (skipped when max_grad_norm is 0, as the HF Trainer does), ``opt``, transformers'
+    scheduler. Returns the losses; appends each step's gradient norm to ``norms`` when given."""
     from transformers import get_scheduler
 
     sched = get_scheduler(
         cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps
     )
     losses = []
-    for step in range(STEPS):
-        mbs = batches[step * ACCUM : (step + 1) * ACCUM]
+    for step in range(steps):
+        mbs = batches[step * accum : (step + 1) * accum]
         n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs)
         total = 0.0
         for mb in mbs:
@@ -66,8 +66,10 @@ def plain_training(model, opt, clipped, cfg, batches):
             )
             (loss / n).backward()
             total += float(loss.detach())
-        if cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(clipped, cfg.max_grad_norm)
+        if cfg.max_grad_norm > 0 or norms is not None:
+            norm = torch.nn.utils.clip_grad_norm_(clipped, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+            if norms is not None:
+                norms.append(float(norm))
         opt.step()
         sched.step()
         opt.zero_grad()
