@@ -41,9 +41,11 @@ from common import add_model_args, machine, run_child
 from tiertune.units import parse_size
 
 
-def _batch(vocab: int, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+def _batches(vocab: int, args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
+    """A step's ``--micro-batches`` micro-batches of ``--batch`` x ``--seq`` random tokens (the same each step)."""
     gen = torch.Generator().manual_seed(0)
-    return {"input_ids": torch.randint(0, vocab, (args.batch, args.seq), generator=gen)}
+    return [{"input_ids": torch.randint(0, vocab, (args.batch, args.seq), generator=gen)}
+            for _ in range(args.micro_batches)]  # fmt: skip
 
 
 def _setup_device(args: argparse.Namespace) -> torch.dtype:
@@ -62,7 +64,7 @@ def _step_figures(load_s: float, times: list[float], losses: list[float], args: 
     return {
         "load_and_quantize_s": load_s,
         "step_s": step_s,
-        "tokens_per_second": args.batch * args.seq / step_s,
+        "tokens_per_second": args.batch * args.seq * args.micro_batches / step_s,
         "first_step_s": times[0],
         "losses": losses,
     }
@@ -82,11 +84,12 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
                         disk_path=disk_dir, chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
     engine = EngineConfig(dtype=dtype, method="lora", quantize="nf4", params="disk",
                           lora=LoraSettings(r=16, alpha=32, dropout=0.0), learning_rate=1e-4,
-                          max_steps=args.steps, quant_cache=args.quant_cache)  # fmt: skip
+                          max_steps=args.steps, quant_cache=args.quant_cache,
+                          gradient_accumulation_steps=args.micro_batches, wave_size=args.wave_size)  # fmt: skip
     began = time.perf_counter()
     trainer = StreamedTrainer(model_dir, store, engine)
     load_s = time.perf_counter() - began
-    batch = [_batch(trainer.model.config.vocab_size, args)]
+    batch = _batches(trainer.model.config.vocab_size, args)
     try:
         losses, times = [], []
         before: dict[str, int] = {}
@@ -174,15 +177,19 @@ def _run_peft(model_dir: str, args: argparse.Namespace) -> dict:
     base.enable_input_require_grads()
     load_s = time.perf_counter() - began
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    batch = {k: v.to(base.device) for k, v in _batch(base.config.vocab_size, args).items()}
+    batches = [{k: v.to(base.device) for k, v in b.items()} for b in _batches(base.config.vocab_size, args)]
     losses, times = [], []
     for _ in range(args.steps):
         began = time.perf_counter()
-        logits = model(input_ids=batch["input_ids"]).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), batch["input_ids"][:, 1:].reshape(-1)
-        )
-        loss.backward()
+        total = 0.0
+        for batch in batches:  # gradient accumulation, as a Trainer runs it
+            logits = model(input_ids=batch["input_ids"]).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), batch["input_ids"][:, 1:].reshape(-1)
+            ) / len(batches)
+            loss.backward()
+            total += float(loss)
+        loss = torch.tensor(total)
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         opt.step()
         opt.zero_grad()
@@ -203,6 +210,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="including the first, which records the trace")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro-batches", type=int, default=1, help="per step (gradient accumulation)")
+    p.add_argument("--wave-size", type=int, default=0,
+                   help="micro-batches through a layer while it is loaded (0: the step's; 1: one at a time, the "
+                        "schedule before the layer-major step)")  # fmt: skip
     p.add_argument("--host-budget", default="8GiB")
     p.add_argument("--device-budget", default="2GiB")
     p.add_argument("--modes", default="tiertune,peft")

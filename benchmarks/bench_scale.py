@@ -15,6 +15,8 @@ the statistics only). Everything it wrote is removed at the end unless ``--keep`
 
 Run: ``python benchmarks/bench_scale.py --dir /mnt/nvme/tmp`` (default model: Command R+ 104B, ~58 GB on
 disk; ``--config`` names another config.json, ``--layers`` shrinks it for a quick look).
+``--micro-batches 1,8`` trains once per count (each in a fresh process) and prints each run against the first:
+the disk bytes and seconds of a step of 8 micro-batches over those of a step of 1.
 """
 
 from __future__ import annotations
@@ -209,8 +211,9 @@ def disk_read_rate(directory: Path) -> dict:
     return {"tool": "tiertune probe_disk", "read_GBps": read / 1e9}
 
 
-def train(model_dir: Path, disk_dir: Path, args: argparse.Namespace) -> dict:
-    """The measured part, in a fresh process: QLoRA steps with the base read in place from disk."""
+def train(model_dir: Path, disk_dir: Path, args: argparse.Namespace, micro_batches: int) -> dict:
+    """The measured part, in a fresh process: QLoRA steps of ``micro_batches`` micro-batches with the base read
+    in place from disk."""
     from tiertune.engine import EngineConfig, StreamedTrainer
     from tiertune.methods.lora import LoraSettings
     from tiertune.offload.store import StoreConfig
@@ -218,7 +221,8 @@ def train(model_dir: Path, disk_dir: Path, args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     lora = LoraSettings(r=args.rank, alpha=2 * args.rank, dropout=0.0, seed=0, target_modules="all-linear")
     cfg = EngineConfig(dtype=torch.bfloat16, method="lora", quantize="nf4", lora=lora, learning_rate=args.lr,
-                       params="disk", max_steps=args.steps, warmup_steps=0)  # fmt: skip
+                       params="disk", max_steps=args.steps, warmup_steps=0,
+                       gradient_accumulation_steps=micro_batches)  # fmt: skip
     store = StoreConfig.resolve(device="cpu", device_budget=args.device_budget, host_budget=args.host_budget,
                         disk_path=str(disk_dir), chunk_size="1GiB", prefetch_depth=1)  # fmt: skip
     began = time.perf_counter()
@@ -227,24 +231,28 @@ def train(model_dir: Path, disk_dir: Path, args: argparse.Namespace) -> dict:
     rss_after_load = peak_rss()
     in_place = sum(trainer.chunk_sizes().get("in_place", []))
     vocab = trainer.model.config.vocab_size
-    # one batch, trained on at every step: a loss that falls says the adapters learn
-    ids = torch.randint(0, vocab, (1, args.seq_len), generator=torch.Generator().manual_seed(0))
+    # the same micro-batches, trained on at every step: a loss that falls says the adapters learn
+    gen = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, vocab, (1, args.seq_len), generator=gen)} for _ in range(micro_batches)]
     steps = []
     try:
         for step in range(args.steps):
             before = trainer.store_stats().bytes_moved.get("disk->host", 0)
             t = time.perf_counter()
-            loss = trainer.step([{"input_ids": ids}])
+            loss = trainer.step(batches)
             seconds = time.perf_counter() - t
             read = trainer.store_stats().bytes_moved.get("disk->host", 0) - before
             steps.append({"loss": loss, "s": seconds, "disk_bytes_read": read})
-            print(f"step {step + 1}: loss {loss:.4f}, {seconds:.1f} s, read {read / 2**30:.2f} GiB",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(f"{micro_batches} micro-batches, step {step + 1}: loss {loss:.4f}, {seconds:.1f} s, "
+                  f"read {read / 2**30:.2f} GiB", file=sys.stderr, flush=True)  # fmt: skip
         stats = trainer.store_stats()
         trained = trainer.parameter_counts()["trained"]
     finally:
         trainer.close()
+    later = steps[1:] or steps
     return {
+        "micro_batches": micro_batches,
+        "tokens_per_step": micro_batches * args.seq_len,
         "load_s": load_s,
         "peak_rss_after_load_bytes": rss_after_load,
         "peak_rss_bytes": peak_rss(),
@@ -252,6 +260,8 @@ def train(model_dir: Path, disk_dir: Path, args: argparse.Namespace) -> dict:
         "in_place_bytes": in_place,
         "slot_file_peak_bytes": stats.tiers["disk"].peak,
         "steps": steps,
+        "s_per_step": sum(s["s"] for s in later) / len(later),
+        "disk_bytes_read_per_step": sum(s["disk_bytes_read"] for s in later) / len(later),
         "times": {k: round(v, 2) for k, v in trainer.times.items()},
     }
 
@@ -264,15 +274,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--micro-batches", default="1",
+                   help="micro-batches per step, comma-separated: one run each (e.g. 1,8: the second is compared)")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--host-budget", default="3GiB")
     p.add_argument("--device-budget", default="8GiB")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--keep", action="store_true", help="leave the checkpoint on disk")
-    p.add_argument("--child", nargs=2, metavar=("MODEL", "DISK"), help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=3, metavar=("MODEL", "DISK", "K"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(train(Path(args.child[0]), Path(args.child[1]), args)))
+        print(json.dumps(train(Path(args.child[0]), Path(args.child[1]), args, int(args.child[2]))))
         return
     config = json.loads(Path(args.config).read_text())
     if args.layers is not None:
@@ -284,24 +296,35 @@ def main() -> None:
         written = write_nf4_checkpoint(config, work / "model")
         (work / "disk").mkdir()
         rate = disk_read_rate(work / "disk")
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", str(work / "model"), str(work / "disk")]
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-        run = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {
-            "error": f"exit {out.returncode} (its stderr is above)"}  # fmt: skip
+        runs = []
+        for k in [int(x) for x in args.micro_batches.split(",")]:  # each in a fresh process, its own disk tier
+            disk = work / f"disk-{k}"
+            disk.mkdir()
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--child", str(work / "model"), str(disk), str(k)]
+            out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {
+                "micro_batches": k, "error": f"exit {out.returncode} (its stderr is above)"})  # fmt: skip
+            shutil.rmtree(disk, ignore_errors=True)
         rate_after = disk_read_rate(work / "disk")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+    best = max(rate["read_GBps"], rate_after["read_GBps"]) * 1e9
+    for run in runs:
+        if "steps" in run:
+            read, per_step = run["disk_bytes_read_per_step"], run["s_per_step"]
+            run.update(io_lower_bound_s=read / best, io_bound_share=read / best / per_step)
     result = {"benchmark": "bench_scale", "model": config.get("model_type"), "config": args.config,
               "layers": config["num_hidden_layers"], **written, "free_disk_before_bytes": free_before,
-              "disk_read": [rate, rate_after], **run, "machine": machine()}  # fmt: skip
-    if "steps" in run:
-        later = run["steps"][1:] or run["steps"]
-        per_step = sum(s["s"] for s in later) / len(later)
-        read = sum(s["disk_bytes_read"] for s in later) / len(later)
-        best = max(rate["read_GBps"], rate_after["read_GBps"]) * 1e9
-        result.update(s_per_step=per_step, disk_bytes_read_per_step=read, io_lower_bound_s=read / best,
-                      io_bound_share=read / best / per_step)  # fmt: skip
+              "disk_read": [rate, rate_after], "runs": runs, "machine": machine()}  # fmt: skip
+    first, *rest = runs
+    if rest and all("steps" in r for r in runs):  # each run against the first (one micro-batch a step)
+        result["against_first"] = [
+            {"micro_batches": r["micro_batches"],
+             "disk_bytes_per_step": r["disk_bytes_read_per_step"] / first["disk_bytes_read_per_step"],
+             "s_per_step": r["s_per_step"] / first["s_per_step"]}
+            for r in rest
+        ]  # fmt: skip
     print(json.dumps(result))
 
 

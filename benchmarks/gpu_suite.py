@@ -6,11 +6,12 @@ result's keys, which ``--dry-run`` prints too.
 
 On the device machine (no network there; the wheels come from ``bash benchmarks/gpu_wheels.sh`` run here
 first), three calls of the device tool, each with ``carry: [".whl"]`` and ``timeout_s: 600``; each command
-stays inside its ``--budget-s`` (what does not fit is skipped and says so) and tees its JSON to $OUT::
+stays inside its ``--budget-s`` (what does not fit is skipped and says so; the qlora phase cuts its depth to the
+time the accumulation phase leaves it) and tees its JSON to $OUT::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. || exit; PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py --phases tests,kernels --budget-s 530 | tee $OUT/tests-kernels.jsonl
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. || exit; PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py --phases qlora --budget-s 530 | tee $OUT/qlora.jsonl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. || exit; PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py --phases accumulation,qlora --budget-s 530 | tee $OUT/qlora.jsonl
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. || exit; PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py --phases full --budget-s 530 | tee $OUT/full.jsonl
 
@@ -26,6 +27,10 @@ Phases and what each result says:
   and the step against its I/O lower bound (disk read and host-to-device bandwidths measured in the same
   run). ``qlora/peft``: transformers + bitsandbytes + peft on the deepest model of the same shape that fits
   the same cap (an estimate of its memory picks the depth, smaller depths are tried after an out-of-memory).
+- ``accumulation``: ``accumulation/tiertune``: QLoRA of 16 of the 70B shape's layers, streamed from disk
+  through budgets below them, at 1 micro-batch a step, at 8 (the layer-major step: each layer visited once a
+  step for all 8) and at 8 one micro-batch at a time (the schedule before it): tokens/s and bytes moved per
+  step of each, the layer-major speedup (target >= 2x) and k=8 over k=1.
 - ``full``: ``full/tiertune``: full fine-tuning, weights and AdamW states homed in host memory, streamed to
   the GPU under the cap, the optimizer overlapped with backward; ``full/fsdp2``: ``fully_shard`` with
   ``CPUOffloadPolicy`` (one process, world size 1), activation checkpointing and torch AdamW on the same
@@ -81,7 +86,7 @@ from tiertune.units import format_size, parse_size
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-PHASES = ("tests", "kernels", "qlora", "full")
+PHASES = ("tests", "kernels", "qlora", "accumulation", "full")
 COMMON_KEYS = ("phase", "result", "machine", "gpu_memory_cap_bytes", "command", "dry_run")
 _TRAINING = ("batch", "seq", "tokens_per_step", "steps", "load_s", "step_s", "first_step_s",
              "tokens_per_second", "losses", "peak_gpu_bytes", "peak_rss_bytes")  # fmt: skip
@@ -100,6 +105,9 @@ KEYS: dict[str, tuple[str, ...]] = {
                        "disk_read_gbps", "disk_read_measured_by", "host_to_device_gbps", "io_lower_bound_s",
                        "io_lower_bound_by_link_s", "step_over_io_lower_bound", "disk_usage"),
     "qlora/peft": ("system", "base", "layers_chosen_by", "attempts", *_TRAINING, "parameters_vs_tiertune_base"),
+    "accumulation/tiertune": ("system", "base", "batch", "seq", "micro_batches", "host_budget_bytes",
+                              "device_budget_bytes", "disk_read_gbps", "runs", "layer_major_speedup",
+                              "k8_over_k1_tokens_per_second", "k8_over_k1_disk_bytes"),
     "full/tiertune": ("system", "model", "plan", "placement", *_TRAINING, "max_grad_norm", *_FLOPS,
                       "optimizer", "optimizer_hidden_share", "optimizer_busy_s", "optimizer_not_hidden_s",
                       "io_wait_s", "peak_tier_bytes"),
@@ -112,6 +120,7 @@ PHASE_RESULTS = {
     "tests": ("tests",),
     "kernels": ("kernels", "galore"),
     "qlora": ("qlora/tiertune", "qlora/peft"),
+    "accumulation": ("accumulation/tiertune",),
     "full": ("full/tiertune", "full/fsdp2", "full/deepspeed"),
 }
 # what only a GPU has or measures: null in a dry run
@@ -195,6 +204,10 @@ class Settings:
     qlora_host_budget: int
     qlora_device_budget: int
     peft_reserve_s: float  # what the peft reference needs of the qlora phase's budget
+    # the accumulation phase: the qlora shape cut to this many layers, streamed through budgets below it
+    accum_layers: int
+    accum_host_budget: int
+    accum_device_budget: int
     full_shape: Shape
     full_batch: int
     full_seq: int
@@ -218,6 +231,9 @@ class Settings:
                              "--rank", "128", "--tokens", "4096", "--layers", "32", "--reps", "3", "--threads", "0"),
                 qlora_shape=LLAMA3_70B, qlora_batch=1, qlora_seq=2048, qlora_steps=3,
                 qlora_host_budget=12 << 30, qlora_device_budget=10 << 30, peft_reserve_s=170.0,
+                # 16 of the 70B shape's layers (~7.5 GB of NF4) through 3 GiB of host and 5 GiB of device budget
+                # (the 2.1 GB bf16 embedding stays on the device): every wave streams them from disk
+                accum_layers=16, accum_host_budget=3 << 30, accum_device_budget=5 << 30,
                 full_shape=LLAMA2_7B, full_batch=8, full_seq=2048, full_steps=4, full_device_budget=6 << 30,
                 disk_probe_bytes=2 << 30, ram_reserve=20 << 30, disk_margin=3 << 30,
             )  # fmt: skip
@@ -232,6 +248,7 @@ class Settings:
             # streams from the disk tier as the real one does
             qlora_shape=Shape("toy Llama (dry run)", 8, 128, 256, 4, 2, 256), qlora_batch=1, qlora_seq=32,
             qlora_steps=2, qlora_host_budget=256 << 10, qlora_device_budget=256 << 10, peft_reserve_s=20.0,
+            accum_layers=8, accum_host_budget=256 << 10, accum_device_budget=256 << 10,
             full_shape=Shape("toy Llama (dry run)", 2, 128, 256, 4, 4, 512), full_batch=2, full_seq=32,
             full_steps=3, full_device_budget=2 << 20, disk_probe_bytes=16 << 20, ram_reserve=1 << 30,
             disk_margin=64 << 20,
@@ -271,7 +288,7 @@ def emit(ctx: Context, phase: str, result: str, values: dict, began: float) -> d
     if missing and not ({"error", "skipped"} & set(values)):
         raise KeyError(f"result {result} lacks {missing}: KEYS and the code disagree")
     # the processes of qlora and full run under the cap; the tests and the kernels have the whole GPU
-    capped = phase in ("qlora", "full") and not ctx.settings.dry_run
+    capped = phase in ("qlora", "accumulation", "full") and not ctx.settings.dry_run
     cap = ctx.settings.gpu_cap if capped else None
     out = {"phase": phase, "result": result, **dict.fromkeys(missing), **values, "machine": ctx.machine,
            "gpu_memory_cap_bytes": cap, "command": ctx.command, "dry_run": ctx.settings.dry_run,
@@ -1044,6 +1061,64 @@ def phase_qlora(ctx: Context) -> None:
         _peft_reference(ctx, tmp, dtype)
 
 
+ACCUMULATION_RUNS = (("1 micro-batch", 1, 0), ("8 micro-batches, layer-major", 8, 0),
+                     ("8 micro-batches, one at a time", 8, 1))
+"""The accumulation phase's runs: (label, micro-batches per step, wave size: 0 the step's, 1 the schedule
+before the layer-major step, each micro-batch's forward and backward streaming every layer)."""
+
+
+def phase_accumulation(ctx: Context) -> None:
+    """QLoRA of the 70B shape (cut to ``accum_layers`` layers, budgets below them) at 1 and at 8 micro-batches
+    a step: the layer-major step (each layer visited once a step for all 8) against one micro-batch at a time
+    (each visit once per micro-batch). Tokens/s and the bytes moved per step of each."""
+    import bench_qlora
+
+    s = ctx.settings
+    dtype = getattr(torch, s.dtype)
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=ctx.dir, prefix="accumulation-") as name:
+        tmp = Path(name)
+        gbps, measured_by = bench_qlora.disk_read_gbps(tmp, s.disk_probe_bytes)
+        shape = s.qlora_shape.with_layers(s.accum_layers)
+        model = tmp / "base"
+        write_checkpoint(model, shape, "sparse", dtype)
+        runs: dict[str, dict] = {}
+        for label, k, wave in ACCUMULATION_RUNS:
+            argv = [*shape.args(), "--steps", "2", "--batch", str(s.qlora_batch), "--seq", str(s.qlora_seq),
+                    "--micro-batches", str(k), "--wave-size", str(wave),
+                    "--host-budget", f"{s.accum_host_budget}B", "--device-budget", f"{s.accum_device_budget}B",
+                    "--device", s.device, "--gpu-memory-cap", f"{s.gpu_cap}B", "--quant-cache", "generated"]  # fmt: skip
+            left = ctx.budget.left() - 10
+            if left < 30:
+                runs[label] = {"skipped": f"{left:.0f} s of the budget left"}
+                continue
+            out = run_child("qlora-tiertune", {"argv": argv, "model": str(model), "disk": str(tmp / f"disk-{k}-{wave}")},
+                            left)  # fmt: skip
+            runs[label] = {"micro_batches": k, "wave_size": wave, **{key: out.get(key) for key in (
+                "error", "step_s", "first_step_s", "tokens_per_second", "losses", "peak_gpu_bytes",
+                "bytes_moved_per_step", "peak_bytes")}}  # fmt: skip
+            shutil.rmtree(tmp / f"disk-{k}-{wave}", ignore_errors=True)
+    one, layer_major, at_a_time = (runs[label] for label, _, _ in ACCUMULATION_RUNS)
+
+    def ratio(a: dict, b: dict, key: str, link: str | None = None) -> float | None:
+        x = (a.get(key) or {}).get(link) if link else a.get(key)
+        y = (b.get(key) or {}).get(link) if link else b.get(key)
+        return x / y if x and y else None
+
+    values = {
+        "system": "tiertune", "base": {**shape.describe(), "of": s.qlora_shape.name}, "batch": s.qlora_batch,
+        "seq": s.qlora_seq, "micro_batches": [k for _, k, _ in ACCUMULATION_RUNS],
+        "host_budget_bytes": s.accum_host_budget, "device_budget_bytes": s.accum_device_budget,
+        "disk_read_gbps": gbps, "runs": runs,
+        "layer_major_speedup": ratio(layer_major, at_a_time, "tokens_per_second"),
+        "k8_over_k1_tokens_per_second": ratio(layer_major, one, "tokens_per_second"),
+        "k8_over_k1_disk_bytes": ratio(layer_major, one, "bytes_moved_per_step", "disk->host"),
+    }  # fmt: skip
+    log(f"accumulation: disk reads {gbps:.2f} GB/s ({measured_by}); layer-major speedup at 8 micro-batches: "
+        f"{values['layer_major_speedup']}")  # fmt: skip
+    emit(ctx, "accumulation", "accumulation/tiertune", values, began)
+
+
 def _qlora_depth(ctx: Context, free: int, gbps: float, dtype: torch.dtype) -> tuple[Shape, str | None, int]:
     """The layers of the 70B shape that run, and the steps: all of them unless the disk cannot hold their disk
     tier next to the checkpoint's embedding, or streaming them (a step reads the base about twice: forward,
@@ -1241,6 +1316,7 @@ PHASE_FUNCS: dict[str, Callable[[Context], None]] = {
     "tests": phase_tests,
     "kernels": phase_kernels,
     "qlora": phase_qlora,
+    "accumulation": phase_accumulation,
     "full": phase_full,
 }
 

@@ -206,8 +206,9 @@ def _quant_cache(disk_path: str | None) -> str:
 
 
 def _activations(recipe: Recipe, device: str, dtype: torch.dtype, device_budget: int) -> str:
-    """``offload.activations``; auto keeps the layer inputs on the device unless, on a GPU, they would take
-    more than an eighth of the device budget."""
+    """``offload.activations``; auto keeps the hidden states at the layer boundaries of a step's micro-batches
+    (``engine.schedule``: every micro-batch of the step runs through a layer while it is loaded) on the device
+    unless, on a GPU, they would take more than an eighth of the device budget."""
     from tiertune.loading.model import load_config
 
     config = load_config(recipe.model.path)  # ModelError for a config.json it cannot use, before all else
@@ -216,8 +217,9 @@ def _activations(recipe: Recipe, device: str, dtype: torch.dtype, device_budget:
         return choice
     if device != "cuda":
         return "device"
-    per_layer = recipe.training.per_device_train_batch_size * recipe.data.max_seq_len * config.hidden_size
-    total = per_layer * config.num_hidden_layers * itemsize(dtype)
+    t = recipe.training
+    per_layer = t.per_device_train_batch_size * recipe.data.max_seq_len * config.hidden_size
+    total = per_layer * t.gradient_accumulation_steps * (config.num_hidden_layers + 1) * itemsize(dtype)
     return "host" if total > device_budget // 8 else "device"
 
 
