@@ -75,6 +75,9 @@ class Stash:
     def settle(self) -> None:
         """Nothing to wait for (a stash that sends nothing home)."""
 
+    def abandon(self) -> None:
+        """Let go of every boundary still open (a wave that stopped midway: a signal, an error)."""
+
 
 class DeviceStash(Stash):
     """Activations on the device: the boundaries are tensors there, outside the chunk store."""
@@ -92,6 +95,9 @@ class DeviceStash(Stash):
         if not keep:
             del self._held[index]
 
+    def abandon(self) -> None:
+        self._held.clear()
+
 
 class ChunkStash(Stash):
     """Activations in the chunk store: one chunk per boundary, homed on the host, with ``slots`` slots of a
@@ -107,6 +113,7 @@ class ChunkStash(Stash):
     def __init__(self, store: ChunkStore, chunks: list[Chunk], slots: int, times: dict[str, float]) -> None:
         self.store, self.chunks, self.slots, self.times = store, chunks, slots, times
         self._written: set[int] = set()
+        self._open: set[int] = set()
         self._done: int | None = None  # read in forward, still on the device: sent down when the next is opened
         self._leaving: int | None = None  # being sent down: landed by ``settle``
 
@@ -133,6 +140,7 @@ class ChunkStash(Stash):
         began = time.perf_counter()
         x = self.store.acquire(chunk, Tier.DEVICE, overwrite=write)["x"]
         self.times["io_wait"] += time.perf_counter() - began
+        self._open.add(index)
         if write:
             self._written.add(index)
             if self._done is not None:
@@ -146,10 +154,19 @@ class ChunkStash(Stash):
         chunk = self.chunks[index]
         self.store.release(chunk, dirty=index in self._written)
         self._written.discard(index)
+        self._open.discard(index)
         if keep:
             self._done = index
         else:
             self.store.discard(chunk)
+
+    def abandon(self) -> None:
+        for index in sorted(self._open):
+            self.store.release(self.chunks[index])
+            self.store.discard(self.chunks[index])
+        self._open.clear()
+        self._written.clear()
+        self._done = self._leaving = None
 
     def settle(self) -> None:
         if self._leaving is not None:
@@ -229,6 +246,7 @@ class LayerMajor:
                 id(s): stack.enter_context(engine.bound_group(s, requires_grad=s.trainable)) for s in others
             }
             stack.callback(setattr, engine, "visit", None)
+            stack.callback(self.stash.abandon)  # nothing is open when the wave ends as it should
             micro = [
                 _Micro(b["input_ids"].to(device),
                        {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
