@@ -147,6 +147,7 @@ def test_estimate_command_prints_the_table_and_flags_a_budget_that_cannot_hold(t
     )
     assert ok.exit_code == 0, ok.output
     assert "how fast:" in ok.output and "  disk         read" in ok.output and "s per step" in ok.output
+    assert "micro-batches: 2 per step in 1 wave of 2 (the weights stream once per wave)" in ok.output
     short = CliRunner().invoke(app, ["estimate", str(path), "offload.host_budget=64KiB", "--no-probe"])
     assert short.exit_code == 1 and "NO: needs" in short.output and "DOES NOT FIT" in short.output
     # the budgets train would accept, the same the run's refusal names
