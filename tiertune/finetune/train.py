@@ -642,10 +642,20 @@ def _banner(
             else ""
         ),
         f"  optimizer: {optimizer_description(recipe, trainer)}",
-        f"  activations on {cfg.activations}; output {t.output_dir}",
+        f"  micro-batches: {_waves(trainer, t.gradient_accumulation_steps)}; the hidden states at the layer "
+        f"boundaries on the {cfg.activations}; output {t.output_dir}",
         f"  kernels: {trainer.kernel_backend} ({', '.join(fused) or 'none fused: the model modules, unfused loss'})",
     ]
     return "\n".join(lines)
+
+
+def _waves(trainer: StreamedTrainer, micro_batches: int) -> str:
+    """How a step runs its micro-batches (``engine.schedule``), in words."""
+    waves = trainer.schedule.waves(micro_batches)
+    if len(waves) == 1:
+        return f"{micro_batches} a step, through each layer while it is loaded (the weights stream once a step)"
+    return (f"{micro_batches} a step in {len(waves)} waves of up to {len(waves[0])} (their layer boundaries do not "
+            "fit the budgets at once; the weights stream once a wave)")  # fmt: skip
 
 
 def optimizer_description(recipe: Recipe, trainer: StreamedTrainer) -> str:
