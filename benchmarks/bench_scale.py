@@ -38,7 +38,7 @@ from bench_load import peak_rss
 from common import machine
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = ROOT / "tests" / "cli" / "model_configs" / "command-r-plus-104b" / "config.json"
+DEFAULT_CONFIG = ROOT / "tiertune" / "recipes" / "models" / "CohereForAI" / "c4ai-command-r-plus" / "config.json"
 SHARD_BYTES = 4 << 30
 _ST = {torch.float32: "F32", torch.bfloat16: "BF16", torch.uint8: "U8"}
 _POOL_BYTES = 256 << 20
