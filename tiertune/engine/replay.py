@@ -17,6 +17,7 @@ a change to that schedule is a change here, checked against runs by ``tests/fine
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 from tiertune.engine.config import EngineConfig
 from tiertune.engine.layout import home_tier_used
 from tiertune.engine.plan import IN_PLACE, QUANT_CACHE, PlannedChunk
+from tiertune.engine.schedule import ChunkStash, DeviceStash, Stash, stash_slots
 from tiertune.engine.schedule import waves as schedule_waves
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.inplace import InPlace
@@ -165,7 +167,13 @@ class _Step:
     def __init__(
         self, store: ChunkStore, cfg: EngineConfig, device: torch.device, groups: list[_Group], stash: list[Chunk]
     ) -> None:
-        self.store, self.cfg, self.device, self.stash = store, cfg, device, stash
+        self.store, self.cfg, self.device = store, cfg, device
+        # the layer boundaries: the engine's stash over the ledger (``schedule.ChunkStash``), else tensors of
+        # no bytes (activations on the device, outside the store)
+        self.boundaries: Stash = (
+            ChunkStash(store, stash, stash_slots(cfg), defaultdict(float)) if stash
+            else DeviceStash(torch.device("meta"), cfg.dtype)
+        )  # fmt: skip
         self.layers = [g for g in groups if g.layer]
         self.others = [g for g in groups if not g.layer]
         # the optimizer's units in the order backward finishes them (``StreamedTrainer.units``)
@@ -179,45 +187,31 @@ class _Step:
         """One step (``StreamedTrainer.step``, ``engine.schedule``, ``Updater.finish``): per wave of
         micro-batches each layer visited once in forward and once in backward; ``speculating``, the optimizer
         runs during backward, and again after it when the step is ``clipped``; else after backward."""
-        store, stash = self.store, self.stash
+        store = self.store
         self.speculating = speculating
         waves = schedule_waves(self.cfg, micro_batches)
-        for w in range(len(waves)):
+        for w, wave in enumerate(waves):
             first, last = w == 0, w == len(waves) - 1
             for group in self.others:  # bound for the whole wave
                 self._weights(group)
-            done = leaving = None  # ``schedule.ChunkStash``: the boundary read last, the one going down
-            if stash:  # the prefix: the embeddings' output into boundary 0
-                store.acquire(stash[0], Tier.DEVICE, overwrite=True)
+            # the boundaries as the engine's own stash opens, closes and sends them home (views of no bytes)
+            shapes = [torch.Size([1])] * len(wave)
+            boundaries = self.boundaries
+            boundaries.open(0, shapes, write=True)  # the prefix: the embeddings' output
             for i, group in enumerate(self.layers):  # forward: boundary i through layer i into i + 1
-                if leaving is not None:
-                    store.evict(stash[leaving], wait=True)
-                    leaving = None
+                boundaries.settle()
                 self._weights(group)
-                if stash:
-                    store.acquire(stash[i + 1], Tier.DEVICE, overwrite=True)
-                    if done is not None:
-                        store.evict(stash[done], wait=False)
-                        leaving, done = done, None
+                boundaries.open(i + 1, shapes, write=True)
                 self._release(group.weights)
-                if stash:
-                    store.release(stash[i], dirty=True)
-                    done = i
-            if stash:  # the suffix: the loss on the last boundary, which is then dropped
-                store.release(stash[-1], dirty=True)
-                store.discard(stash[-1])
+                boundaries.close(i, keep=True)
+            boundaries.close(len(self.layers), keep=False)  # the suffix: the loss on the last boundary
             for i in reversed(range(len(self.layers))):  # backward: boundary i, the weights again
                 group = self.layers[i]
-                if leaving is not None:
-                    store.evict(stash[leaving], wait=True)
-                    leaving = None
-                if stash:
-                    store.acquire(stash[i], Tier.DEVICE)
+                boundaries.settle()
+                boundaries.open(i, shapes, write=False)
                 self._weights(group)
                 self._release(group.weights)
-                if stash:
-                    store.release(stash[i])
-                    store.discard(stash[i])
+                boundaries.close(i, keep=False)
                 self._grads(group, number, first, last)
                 self._overlapped(group, last)  # the worker waits for the weights it writes to be released
             for group in reversed(self.others):
