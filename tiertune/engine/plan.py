@@ -12,10 +12,10 @@ Who holds chunks in use at once (the engine's step, ``engine.trainer`` and ``eng
 
 - the compute thread, on the device: the weights of the groups outside the decoder layers (embeddings,
   final norm, head: bound for the whole wave of micro-batches), one decoder layer's weights (and, with
-  GaLore, its projection), and two layer boundaries (the layer's input and output) when those are chunks; one rank of several (ZeRO-3) holds those
-  weights as whole chunks gathered into scratch space, and the shard it is gathering; on the host: one
-  group's gradients (and
-  GaLore's full-gradient accumulator, and its projection passing through) while backward adds to them, or
+  GaLore, its projection), and two layer boundaries (the layer's input and output) when those are chunks;
+  one rank of several (ZeRO-3) holds those weights as whole chunks gathered into scratch space, and the
+  shard it is gathering; on the host: one group's gradients (and GaLore's full-gradient accumulator, and
+  its projection passing through) while backward adds to them, or
   one chunk homed on disk passing through to the device;
 - the optimizer worker, on the tier it updates on (the host, or the device tier when that is CPU memory):
   one unit's gradients, master weights and moments (their twins and one source being copied into its twin

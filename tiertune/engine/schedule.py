@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from contextlib import ExitStack, suppress
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -62,9 +62,7 @@ class Stash:
     embeddings' output), boundary L the last layer's output. ``open(i, shapes, write)`` gives a view on the
     device per micro-batch (``shapes``); ``close(i, keep)`` ends its use (``keep``: read again in backward;
     else its content is dropped); ``settle()``, called before each layer's weights are acquired, waits for
-    what the stash sent home a layer ago. ``slots``: the most micro-batches a wave can have (None: any)."""
-
-    slots: int | None = None
+    what the stash sent home a layer ago."""
 
     def open(self, index: int, shapes: Sequence[torch.Size], write: bool) -> list[torch.Tensor]:
         raise NotImplementedError
@@ -192,6 +190,13 @@ class Rng:
         if self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda, device)
 
+    @contextmanager
+    def running(self, device: torch.device) -> Iterator[None]:
+        """The block draws from this stream; the global generators are put back after it."""
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            self.set(device)
+            yield
+
 
 def streams(count: int, device: torch.device) -> list[Rng]:
     """``count`` random streams, each seeded by a draw from the global generator (which advances by as many
@@ -280,9 +285,7 @@ class LayerMajor:
             if engine.safe_point is not None:
                 engine.safe_point()
             visit = engine.visit = Capture(len(self.layers))
-            devices = [engine.device] if engine.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices):
-                mb.start.set(engine.device)
+            with mb.start.running(engine.device):
                 self._decoder(mb)
                 mb.rng = Rng.now(engine.device)
             if visit.first is None or any(c is None for c in visit.calls):
@@ -304,7 +307,6 @@ class LayerMajor:
         aux = engine.router_aux
         if aux is not None:
             aux.start()
-        devices = [engine.device] if engine.device.type == "cuda" else []
         for i, layer in enumerate(self.layers):
             if engine.safe_point is not None:
                 engine.safe_point()
@@ -314,8 +316,7 @@ class LayerMajor:
                 for j, mb in enumerate(micro):
                     if aux is not None:
                         aux.micro = j
-                    with torch.random.fork_rng(devices=devices):
-                        mb.rng.set(engine.device)
+                    with mb.rng.running(engine.device):
                         mb.before.append(mb.rng)
                         out = run_layer(layer, xs[j], mb.calls[i])
                         mb.rng = Rng.now(engine.device)
@@ -353,7 +354,6 @@ class LayerMajor:
         """Layers L-1..0, each visited once: recomputed and back-propagated for every micro-batch."""
         engine = self.engine
         shapes = [mb.shape for mb in micro]
-        devices = [engine.device] if engine.device.type == "cuda" else []
         for i in reversed(range(len(self.layers))):
             if engine.safe_point is not None:
                 engine.safe_point()
@@ -366,8 +366,7 @@ class LayerMajor:
             with engine.layer_weights(i, trainable) as params:
                 trained = params if trainable else {}
                 for j, mb in enumerate(micro):
-                    with torch.random.fork_rng(devices=devices), torch.enable_grad():
-                        mb.before[i].set(engine.device)
+                    with mb.before[i].running(engine.device), torch.enable_grad():
                         x = xs[j].detach().requires_grad_(input_grad)
                         out = run_layer(self.layers[i], x, mb.calls[i])
                         inputs = ([x] if input_grad else []) + list(trained.values()) + adapters
@@ -395,13 +394,10 @@ class LayerMajor:
     def _prefix_backward(self, micro: list[_Micro], bound: dict, summed: dict) -> None:
         """The embeddings of each micro-batch recomputed and back-propagated from boundary 0's gradient."""
         engine = self.engine
-        devices = [engine.device] if engine.device.type == "cuda" else []
         for mb in micro:
             visit = engine.visit = Capture(len(self.layers), first_only=True)
-            with torch.random.fork_rng(devices=devices):
-                mb.start.set(engine.device)
-                with suppress(Stop):
-                    self._decoder(mb)
+            with mb.start.running(engine.device), suppress(Stop):
+                self._decoder(mb)
             engine.visit = None
             if visit.first is not None and visit.first.requires_grad and mb.grad is not None:
                 torch.autograd.backward(visit.first, mb.grad)
