@@ -826,7 +826,8 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def phase_tests(ctx: Context) -> None:
     """``pytest -m gpu``: the counts from its JUnit report and the failing test ids."""
     began = time.perf_counter()
-    share = 0.6 if "kernels" in ctx.phases else 1.0  # the kernels take about 20 s an op
+    # the phases after it keep their share (the kernels take about 20 s an op)
+    share = 1.0 if ctx.phases[-1] == "tests" else 0.6 if "kernels" in ctx.phases else 0.5
     limit = ctx.budget.left() * share - 10
     with tempfile.TemporaryDirectory(dir=ctx.dir) as tmp:
         report = Path(tmp) / "junit.xml"

@@ -175,7 +175,10 @@ def test_a_patched_instance_in_bf16_on_a_gpu(model_type):
     patched = copy.deepcopy(model)
     assert patch_model(patched, "triton")["rope"] == 2
     ours, theirs = run(patched, ids), run(model, ids)
-    torch.testing.assert_close(ours[0].float(), theirs[0].float(), rtol=2e-2, atol=2e-2)
+    # relative norms: bf16 logits of a whole model differ elementwise by more than any fixed tolerance near 0
+    # (Gemma 3 on an H100: one logit of 13534 off by 0.024, on a value of 0.005)
+    rel = (ours[0].float() - theirs[0].float()).norm() / theirs[0].float().norm()
+    assert rel < 2e-2, ("logits", float(rel))
     for name, grad in theirs[1].items():
         rel = (ours[1][name].float() - grad.float()).norm() / grad.float().norm().clamp_min(1e-6)
         assert rel < 2e-2, (name, float(rel))

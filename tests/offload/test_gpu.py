@@ -29,14 +29,14 @@ def test_host_pool_is_pinned_and_device_tier_is_on_the_gpu(disk_dir):
 
 
 def test_host_to_device_copy_overlaps_compute():
+    """A copy on the side stream runs while the compute stream works: together they take about the longer of
+    the two, not their sum. The compute is sized to the copy's time (matmuls of 4096, ~3 ms in fp32 on an H100),
+    since with either far longer the overlap can save little of the sum (an H100 copied 512 MiB in 10.5 ms
+    beside 438 ms of compute: 438.2 ms together, a perfect overlap that a ratio of the sum cannot show)."""
     aio = AsyncIO()
     src = torch.empty(512 << 20, dtype=torch.uint8).pin_memory()
     dst = torch.empty_like(src, device="cuda")
-    a = torch.randn(8192, 8192, device="cuda")
-
-    def compute():
-        for _ in range(20):
-            a.mul_(1.0001).add_(a @ a * 1e-9)
+    a = torch.randn(4096, 4096, device="cuda")
 
     def timed(fn):
         torch.cuda.synchronize()
@@ -47,19 +47,25 @@ def test_host_to_device_copy_overlaps_compute():
         torch.cuda.synchronize()
         return start.elapsed_time(end)
 
-    compute()  # warm-up
+    def matmuls(n):
+        for _ in range(n):
+            a.mul_(1.0001).add_(a @ a * 1e-9)
+
+    matmuls(2)  # warm-up
     aio.copy(dst, src, "warm-up").wait()
     t_copy = timed(lambda: aio.copy(dst, src, "alone").wait())
-    t_compute = timed(compute)
+    n = max(1, round(t_copy / (timed(lambda: matmuls(5)) / 5)))
+    t_compute = timed(lambda: matmuls(n))
 
     def both():
         handle = aio.copy(dst, src, "overlapped")
-        compute()
+        matmuls(n)
         handle.wait()
 
     t_both = timed(both)
     aio.close()
-    assert t_both < 0.85 * (t_copy + t_compute), (t_copy, t_compute, t_both)
+    # serial would be the sum; a full overlap the longer of the two (about half the sum here)
+    assert t_both < 0.8 * (t_copy + t_compute), (n, t_copy, t_compute, t_both)
 
 
 def test_eviction_waits_for_kernels_still_using_a_released_chunk(disk_dir):

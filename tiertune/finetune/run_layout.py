@@ -199,18 +199,17 @@ def run_layout(
             del chunks[before:]
     vocab = model.config.vocab_size
     from tiertune.kernels.architectures import FUSED_LOSS
-    from tiertune.kernels.ops.linear_ce import SLICE_BYTES
+    from tiertune.kernels.ops.linear_ce import working_bytes
 
     if cfg.kernels != "none" and model.config.model_type in FUSED_LOSS:
-        # the loss fused with the head: one chunk of fp32 logits (and its gradient, in place), and the head's
-        # fp32 gradient when the head is trained; soft-capped logits (Gemma 2) keep a second chunk, their tanh,
-        # on the torch path
+        # the loss fused with the head: its chunk of fp32 logits and what goes with it (the op's own figure),
+        # and the head's fp32 gradient when the head is trained. On a GPU in bf16/fp16 the op's products run on
+        # the tensor cores (larger chunks); a torch without them takes less, so the figure is an upper bound.
         head = vocab * hidden * 4 if trained_flag else 0
-        chunks_held = 2 if getattr(model.config, "final_logit_softcapping", None) else 1
-        loss_chunk = min(64 << 20, cfg.activation_tokens * vocab * 4) * chunks_held
-        # a head in another dtype is upcast to fp32 a slice of rows at a time
-        upcast = min(SLICE_BYTES, vocab * hidden * 4) if cfg.dtype != torch.float32 else 0
-        outside["loss chunk (fused with the head)"] = loss_chunk + head + upcast
+        mixed = on_gpu and cfg.dtype in (torch.bfloat16, torch.float16)
+        capped = bool(getattr(model.config, "final_logit_softcapping", None))
+        loss = working_bytes(cfg.activation_tokens, vocab, hidden, cfg.dtype, mixed, capped)
+        outside["loss chunk (fused with the head)"] = loss + head
     else:  # the logits of a micro-batch, their fp32 copy for the loss and its gradient
         outside["logits and their gradient"] = cfg.activation_tokens * vocab * (itemsize(cfg.dtype) + 8)
     if cfg.method == "lora":

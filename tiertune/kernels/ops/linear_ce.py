@@ -11,12 +11,19 @@ that are not ignored. ``softcap`` (Gemma 2's final-logit soft-capping) replaces 
 ``softcap * tanh(z / softcap)`` before the softmax; their gradient is taken through the cap (times
 ``1 - tanh(z / softcap)^2``).
 
-The logits are always computed in fp32. A head stored in another dtype (bf16) is upcast one slice of at most
-``SLICE_BYTES`` of vocabulary rows at a time, never whole: Command R+'s tied 256k x 12k head is 12.6 GB in
-fp32, more than the rest of a step needs on a 24 GB GPU or a small host.
+The logits are always fp32. On a CUDA device with a bf16 or fp16 head and input (``mixed_matmul``), the
+products run on the tensor cores in that dtype with an fp32 output (``torch.mm(..., out_dtype=float32)``): the
+logits are never rounded to bf16 and the head is never copied; the logits' gradient is rounded to the input's
+dtype for the two backward products (as autograd through a bf16 ``lm_head`` does), and the head's gradient is
+summed over the chunks in fp32. Elsewhere (a CPU, an fp32 head) the products run in fp32, and a head stored in
+another dtype is upcast one slice of at most ``SLICE_BYTES`` of vocabulary rows at a time, never whole:
+Command R+'s tied 256k x 12k head is 12.6 GB in fp32, more than the rest of a step needs on a 24 GB GPU or a
+small host. ``working_bytes`` is what the op holds beside its inputs and gradients (the memory plan's figure).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +35,51 @@ IGNORE_INDEX = -100
 first token. The one definition: the data pipeline writes it, the losses skip it."""
 SLICE_BYTES = 64 << 20
 """The most bytes of the head upcast to fp32 at a time (when it is not fp32 already)."""
+CHUNK_BYTES = 64 << 20
+"""The fp32 logits of one chunk of tokens, by default, where the products run in fp32."""
+MIXED_CHUNK_BYTES = 512 << 20
+"""The same on the tensor cores (``mixed_matmul``): each chunk adds its share of the head's fp32 gradient, a
+product whose inner dimension is the chunk's tokens; at 64 MiB (130 tokens of a 128k vocabulary) reading and
+writing that gradient, not the arithmetic, set its time (an H100 took 22x eager's time), at 512 MiB (1046)
+the arithmetic does."""
+
+
+@functools.cache
+def _mixed_supported(device_type: str) -> bool:
+    """Whether this torch multiplies bf16 matrices into fp32 on ``device_type`` (``mm``'s ``out_dtype``)."""
+    a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+    try:
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError):  # an older torch, or a backend without the kernel (the CPU's)
+        return False
+
+
+def mixed_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the op's products run in ``x``'s dtype with fp32 outputs: a CUDA device, bf16 or fp16 ``x`` and
+    ``weight`` alike, and a torch whose ``mm`` takes ``out_dtype``."""
+    return (
+        x.device.type == "cuda" and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+        and _mixed_supported(x.device.type)
+    )  # fmt: skip
+
+
+def default_chunk_tokens(vocab: int, mixed: bool) -> int:
+    """Tokens per chunk: ``MIXED_CHUNK_BYTES`` or ``CHUNK_BYTES`` of fp32 logits."""
+    return max(1, (MIXED_CHUNK_BYTES if mixed else CHUNK_BYTES) // (4 * vocab))
+
+
+def working_bytes(
+    tokens: int, vocab: int, hidden: int, dtype: torch.dtype, mixed: bool, softcap: bool = False
+) -> int:
+    """What the op holds at its peak beside its inputs and the gradients it returns, for ``tokens`` tokens of a
+    ``vocab`` x ``hidden`` head in ``dtype`` with the default chunks: the chunk's fp32 logits (which become
+    their gradient in place), a second chunk for soft-capped logits (their tanh, on the torch path), and either
+    the gradient's copy in ``dtype`` (``mixed``) or one slice of the head upcast to fp32 (a head not in fp32)."""
+    chunk = min(default_chunk_tokens(vocab, mixed), tokens) * vocab
+    held = chunk * 4 * (2 if softcap else 1)
+    if mixed:
+        return held + chunk * torch.finfo(dtype).bits // 8
+    return held + (min(SLICE_BYTES, vocab * hidden * 4) if dtype != torch.float32 else 0)
 
 
 def _head_slices(weight: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
@@ -84,15 +136,20 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_x = torch.empty_like(x) if want_x else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
-        slices = _head_slices(weight)
+        mixed = mixed_matmul(x, weight)
+        slices = [(slice(None), weight)] if mixed else _head_slices(weight)
         b32 = None if bias is None else bias.float()
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for start in range(0, n, chunk_tokens):
             xs = x[start : start + chunk_tokens]
             ts = target[start : start + chunk_tokens]
             keep = valid[start : start + chunk_tokens]
-            x32 = xs.float()
-            if len(slices) == 1:
+            x32 = xs if mixed else xs.float()
+            if mixed:  # the tensor cores, in x's dtype, into fp32
+                logits = torch.mm(xs, weight.t(), out_dtype=torch.float32)
+                if b32 is not None:
+                    logits += b32
+            elif len(slices) == 1:
                 logits = F.linear(x32, slices[0][1].float(), b32)
             else:  # each slice of the head upcast in turn: one slice's fp32 copy at a time
                 logits = torch.empty(len(xs), weight.shape[0], dtype=torch.float32, device=x.device)
@@ -122,6 +179,15 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad.mul_((keep * scale).unsqueeze(1))
                 if softcap is not None:  # through the cap: d softcap * tanh(z / softcap) / dz = 1 - tanh^2
                     grad.mul_(tanh.square_().neg_().add_(1.0))
+            if mixed:  # the gradient rounded to x's dtype, as autograd through a bf16 head has it
+                g = grad.to(x.dtype)
+                if want_x:
+                    grad_x[start : start + chunk_tokens] = g @ weight
+                if want_w:
+                    torch.addmm(grad_w, g.t(), xs, out_dtype=torch.float32, out=grad_w)
+                if want_b:
+                    grad_b += grad.sum(0)
+                continue
             if want_x:
                 gx = grad[:, slices[0][0]] @ slices[0][1].float()
                 for rows, w in slices[1:]:
@@ -167,7 +233,8 @@ def linear_cross_entropy(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``x @ weight.T (+ bias)`` (``x``: [tokens, hidden], ``target``: [tokens]) without
-    materializing the logits. ``chunk_tokens`` defaults to about 64 MiB of fp32 logits per chunk.
+    materializing the logits. ``chunk_tokens`` defaults to ``default_chunk_tokens``: 64 MiB of fp32 logits per
+    chunk, 512 MiB on the tensor cores (``mixed_matmul``).
     ``backend``: ``torch``, ``triton`` (the per-row loss and gradient in one kernel) or ``auto`` (Triton on a
     CUDA device when it is installed). ``softcap``: the logits become ``softcap * tanh(logits / softcap)``
     (Gemma 2's ``final_logit_softcapping``); None leaves them as they are."""
@@ -176,7 +243,7 @@ def linear_cross_entropy(
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive or None, got {softcap!r}")
     if chunk_tokens is None:
-        chunk_tokens = max(1, (64 << 20) // (4 * weight.shape[0]))
+        chunk_tokens = default_chunk_tokens(weight.shape[0], mixed_matmul(x, weight))
     backend = choose_backend(backend, x)
     return ChunkedLinearCrossEntropy.apply(
         x,
