@@ -9,6 +9,10 @@ import torch
 from tiertune.settings import GaloreSettings, LoraSettings
 
 
+STACK_TOKENS = 2048
+"""The most tokens a quantized layer's visit runs as one batch by default (``EngineConfig.stack_tokens``)."""
+
+
 @dataclass
 class EngineConfig:
     """Hyper-parameters and placements of the streamed engine (names as Hugging Face TrainingArguments)."""
@@ -37,6 +41,13 @@ class EngineConfig:
     # micro-batches run through each layer while it is loaded (a wave, ``engine.schedule``): 0, a whole
     # step's (with activations on the host, gradient_accumulation_steps: the slots of the boundary chunks)
     wave_size: int = 0
+    # a layer's visit runs consecutive micro-batches of a wave as one batch of at most this many tokens (batch
+    # x sequence) where that computes the same (``engine.schedule.stacks``): a quantized layer dequantized once
+    # for all of them, not once each; the weight gradients are then summed inside the matmuls, so they differ
+    # from one-at-a-time's in the last bits. A layer's temporaries are at most those of a micro-batch of this
+    # many tokens. 0: each on its own; None: STACK_TOKENS for a quantized base, else 0 (unquantized products
+    # cost the same either way, and one at a time the sums keep a plain loop's order, bit for bit)
+    stack_tokens: int | None = None
     # micro-batches per step: with more than one, GaLore sums its projected weights' full gradients in host
     # accumulators, placed up front (a step with more micro-batches than said adds them when it needs them)
     gradient_accumulation_steps: int = 1
@@ -59,6 +70,13 @@ class EngineConfig:
         from tiertune.kernels.ops.backend import matmul_dtype
 
         return matmul_dtype(self.dtype, device) if self.quantize != "none" else self.dtype
+
+    @property
+    def stack_limit(self) -> int:
+        """``stack_tokens`` resolved: the most tokens a layer's visit runs as one batch (0: one at a time)."""
+        if self.stack_tokens is not None:
+            return self.stack_tokens
+        return STACK_TOKENS if self.quantize != "none" else 0
 
     @property
     def clips(self) -> bool:

@@ -9,13 +9,20 @@ weights are on the device, so the weights cross disk and PCIe k/m times a step i
 - forward: for layer i = 0..L-1, its weights acquired once; each micro-batch's boundary i through it (each
   micro-batch with its own random stream, so dropout is the micro-batch's however the wave is cut) into
   boundary i+1; boundary i sent home for backward;
-- suffix: per micro-batch, the decoder called again in a ``Suffix`` visit: the final norm, head and loss on
-  boundary L, back-propagated to it (the head's gradients summed on the device, fp32);
+- suffix: per micro-batch (or per stack, below), the decoder called again in a ``Suffix`` visit: the final
+  norm, head and loss on boundary L, back-propagated to it (the head's gradients summed on the device, fp32);
 - backward: for layer i = L-1..0, its weights acquired once; each micro-batch's forward recomputed from
   boundary i (its random stream restored) and back-propagated, the weight gradients summed on the device in
   fp32 (the order a host accumulator would add them) and handed to the engine once (``layer_grads``:
   the host's accumulators, the optimizer during backward);
 - the embeddings, recomputed per micro-batch, back-propagated from boundary 0's gradient (when trained).
+
+Within a layer's visit, the wave's micro-batches run as few batches (*stacks*, ``stacks``) as compute the
+same: nothing in the layer draws random numbers, no router loss is kept per micro-batch, a stack's calls
+differ only along the batch, and it holds at most ``EngineConfig.stack_limit`` tokens (by default a quantized
+base's layers only). A quantized layer is then dequantized once per stack, not once per micro-batch (on a
+CPU, most of a small micro-batch's time), and its gradients are summed by the matmuls themselves. The suffix
+stacks the same way: the head is read once per stack, not once per micro-batch.
 
 The groups outside the decoder layers stay bound for the wave. The bytes a step moves follow from this
 order; ``engine.replay`` makes the same store calls, so ``tiertune estimate`` counts them.
@@ -31,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tiertune.engine.streaming import Call, Capture, Stop, Suffix, run_layer
 from tiertune.errors import ConfigError, StateError
@@ -211,6 +220,63 @@ def streams(count: int, device: torch.device) -> list[Rng]:
     return out
 
 
+def draws_random(layer: nn.Module) -> bool:
+    """Whether ``layer`` may draw random numbers in training: a dropout module, or a dropout probability an
+    attention implementation reads (``attention_dropout``, ``dropout``), above 0 anywhere in it."""
+    for module in layer.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        for name in ("attention_dropout", "dropout"):
+            value = getattr(module, name, None)
+            if isinstance(value, float) and value > 0:
+                return True
+    return False
+
+
+def _same(a: object, b: object) -> bool:
+    """Whether two leaves of a layer's call are the same value (tensors: shape and elements)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and a.dtype == b.dtype and torch.equal(a, b)
+        )  # fmt: skip
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # an object without a plain equality
+        return False
+
+
+def stack_calls(calls: Sequence[Call], batches: Sequence[int]) -> Call | None:
+    """One call for micro-batches of ``batches`` rows stacked along the batch, or None where their ``calls``
+    differ otherwise: a tensor of two or more dimensions whose first is each micro-batch's batch (masks,
+    position ids, rotary tables) is concatenated; every other leaf must be the same in all."""
+    flat, spec = tree_flatten(calls[0])
+    others = []
+    for call in calls[1:]:
+        leaves, other_spec = tree_flatten(call)
+        if other_spec != spec:
+            return None
+        others.append(leaves)
+    out = []
+    for k, leaf in enumerate(flat):
+        column = [leaf, *(leaves[k] for leaves in others)]
+        batched = all(
+            isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == b and t.shape[1:] == leaf.shape[1:]
+            for t, b in zip(column, batches, strict=True)
+        )
+        if batched:
+            out.append(torch.cat(column))
+        elif all(_same(leaf, t) for t in column[1:]):
+            out.append(leaf)
+        else:
+            return None
+    return tree_unflatten(out, spec)
+
+
 @dataclass
 class _Micro:
     """One micro-batch of a wave: its inputs on the device, the calls of its layers, its random stream (at the
@@ -233,6 +299,42 @@ class LayerMajor:
     def __init__(self, engine: StreamedTrainer, stash: Stash) -> None:
         self.engine, self.stash = engine, stash
         self.layers = [layer.layer for layer in engine.parts.layers]  # the model's own (streamed) layers
+        self._random = [draws_random(layer) for layer in self.layers]
+
+    def stacks(self, i: int, micro: Sequence[_Micro]) -> list[list[int]]:
+        """The micro-batches of a wave (indices) that layer ``i``'s visit runs together: each joins the first
+        stack whose calls its own stacks with (``stack_calls``: a micro-batch with padding, whose layers get a
+        mask, and one without do not) while the stack holds at most ``stack_limit`` tokens, when the layer
+        draws no random numbers and no router loss is kept per micro-batch; else each runs on its own."""
+        limit = self.engine.config.stack_limit
+        if limit <= 0 or self._random[i] or self.engine.router_aux is not None:
+            return [[j] for j in range(len(micro))]
+        groups: list[list[int]] = []
+        tokens: list[int] = []
+        for j, mb in enumerate(micro):
+            n = math.prod(mb.shape[:-1])
+            for g, group in enumerate(groups):
+                head = micro[group[0]]
+                if (
+                    tokens[g] + n <= limit and mb.shape[1:] == head.shape[1:]
+                    and stack_calls([head.calls[i], mb.calls[i]], [head.shape[0], mb.shape[0]]) is not None
+                ):  # fmt: skip
+                    group.append(j)
+                    tokens[g] += n
+                    break
+            else:
+                groups.append([j])
+                tokens.append(n)
+        return groups
+
+    def _stacked(self, i: int, micro: Sequence[_Micro], group: list[int], xs: Sequence[torch.Tensor]
+                 ) -> tuple[torch.Tensor, Call]:  # fmt: skip
+        """The inputs and call of ``group``'s micro-batches at layer ``i`` as one batch."""
+        if len(group) == 1:
+            return xs[group[0]], micro[group[0]].calls[i]
+        call = stack_calls([micro[j].calls[i] for j in group], [micro[j].shape[0] for j in group])
+        assert call is not None  # ``stacks`` checked each against the first
+        return torch.cat([xs[j] for j in group]), call
 
     def waves(self, micro_batches: int) -> list[range]:
         """The waves of a step of ``micro_batches`` (``waves``)."""
@@ -313,15 +415,20 @@ class LayerMajor:
             self.stash.settle()
             with torch.no_grad(), engine.layer_weights(i, requires_grad=False):
                 ys = self.stash.open(i + 1, shapes, write=True)
-                for j, mb in enumerate(micro):
+                for group in self.stacks(i, micro):
+                    head = micro[group[0]]
                     if aux is not None:
-                        aux.micro = j
-                    with mb.rng.running(engine.device):
-                        mb.before.append(mb.rng)
-                        out = run_layer(layer, xs[j], mb.calls[i])
-                        mb.rng = Rng.now(engine.device)
-                    ys[j].copy_(out)
-                    del out
+                        aux.micro = group[0]
+                    x, call = self._stacked(i, micro, group, xs)
+                    with head.rng.running(engine.device):  # a stack draws nothing: one stream will do
+                        for j in group:
+                            micro[j].before.append(head.rng)
+                        out = run_layer(layer, x, call)
+                        if len(group) == 1:
+                            head.rng = Rng.now(engine.device)
+                    for j, part in zip(group, out.split([micro[j].shape[0] for j in group]), strict=True):
+                        ys[j].copy_(part)
+                    del out, x
             self.stash.close(i, keep=True)
             xs = ys
         return xs
@@ -334,21 +441,52 @@ class LayerMajor:
         last = len(self.layers)
         aux = engine.router_aux
         total = aux_total = 0.0
-        for j, mb in enumerate(micro):
-            leaf = outs[j].detach().requires_grad_()
+        for group in self._suffix_stacks(micro):
+            parts = [micro[j] for j in group]
+            one = len(group) == 1
+            leaf = (outs[group[0]] if one else torch.cat([outs[j] for j in group])).detach().requires_grad_()
             engine.visit = Suffix(last - 1, leaf)
-            if aux is not None:  # its gradient joins each layer's backward
-                aux_total += aux.finish(j, mb.extra.get("attention_mask"), 1.0 / micro_batches)
-            loss_sum = engine.loss(mb.ids, mb.extra, mb.target)
+            if aux is not None:  # its gradient joins each layer's backward (a stack of one: ``_suffix_stacks``)
+                aux_total += aux.finish(group[0], parts[0].extra.get("attention_mask"), 1.0 / micro_batches)
+            if one:
+                ids, extra, target = parts[0].ids, parts[0].extra, parts[0].target
+            else:
+                ids, target = torch.cat([mb.ids for mb in parts]), torch.cat([mb.target for mb in parts])
+                extra = {k: torch.cat([mb.extra[k] for mb in parts]) for k in parts[0].extra}
+            loss_sum = engine.loss(ids, extra, target)
             (loss_sum / n_tokens).backward()
             total += float(loss_sum.detach())
-            mb.grad = leaf.grad
-            if mb.grad is None:
+            if leaf.grad is None:
                 raise StateError("the loss does not depend on the last decoder layer's output")
+            for mb, grad in zip(parts, leaf.grad.split([mb.shape[0] for mb in parts]), strict=True):
+                mb.grad = grad
             _harvest(bound, summed)
         engine.visit = None
         self.stash.close(last, keep=False)
         return total, aux_total
+
+    def _suffix_stacks(self, micro: Sequence[_Micro]) -> list[list[int]]:
+        """The micro-batches the final norm, head and loss run on together: as ``stacks`` (at most
+        ``stack_limit`` tokens, no router loss per micro-batch), those of one sequence length with the same
+        inputs beside the ids (an attention mask in all or in none)."""
+        limit = self.engine.config.stack_limit
+        if limit <= 0 or self.engine.router_aux is not None:
+            return [[j] for j in range(len(micro))]
+        groups: list[list[int]] = []
+        tokens: list[int] = []
+        for j, mb in enumerate(micro):
+            n = math.prod(mb.shape[:-1])
+            key = (mb.shape[1:], sorted(mb.extra))
+            for g, group in enumerate(groups):
+                head = micro[group[0]]
+                if tokens[g] + n <= limit and key == (head.shape[1:], sorted(head.extra)):
+                    group.append(j)
+                    tokens[g] += n
+                    break
+            else:
+                groups.append([j])
+                tokens.append(n)
+        return groups
 
     def _backward(self, micro: list[_Micro], prefix_trained: bool) -> None:
         """Layers L-1..0, each visited once: recomputed and back-propagated for every micro-batch."""
@@ -365,22 +503,29 @@ class LayerMajor:
             xs = self.stash.open(i, shapes, write=False)
             with engine.layer_weights(i, trainable) as params:
                 trained = params if trainable else {}
-                for j, mb in enumerate(micro):
-                    with mb.before[i].running(engine.device), torch.enable_grad():
-                        x = xs[j].detach().requires_grad_(input_grad)
-                        out = run_layer(self.layers[i], x, mb.calls[i])
+                for group in self.stacks(i, micro):
+                    head = micro[group[0]]
+                    with head.before[i].running(engine.device), torch.enable_grad():
+                        x, call = self._stacked(i, micro, group, xs)
+                        x = x.detach().requires_grad_(input_grad)
+                        out = run_layer(self.layers[i], x, call)
                         inputs = ([x] if input_grad else []) + list(trained.values()) + adapters
-                        outputs, grad_outputs = [out], [mb.grad]
+                        grad = head.grad if len(group) == 1 else torch.cat([micro[j].grad for j in group])
+                        outputs, grad_outputs = [out], [grad]
                         if engine.router_aux is not None:  # the auxiliary loss's gradient at the router logits
-                            for logits, grad in engine.router_aux.gradients(j, i):
+                            for logits, g in engine.router_aux.gradients(group[0], i):
                                 outputs.append(logits)
-                                grad_outputs.append(grad)
+                                grad_outputs.append(g)
                         grads = (
                             list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
                             if inputs
                             else []
                         )
-                    mb.grad = grads.pop(0) if input_grad else None
+                        del grad
+                    gx = grads.pop(0) if input_grad else None
+                    parts = gx.split([micro[j].shape[0] for j in group]) if gx is not None else [None] * len(group)
+                    for j, part in zip(group, parts, strict=True):
+                        micro[j].grad = part
                     for name, g in zip(trained, grads[: len(trained)], strict=True):
                         _add(summed, name, g)
                     for p, g in zip(adapters, grads[len(trained) :], strict=True):
