@@ -112,8 +112,13 @@ def test_a_quantized_layer_is_called_once_per_visit_for_the_wave(tiny_model_dir,
     for stack in (None, 0):
         cfg = lora_config(lora=lora, params="disk", max_steps=STEPS, gradient_accumulation_steps=K,
                           activations=activations, activation_tokens=24, stack_tokens=stack)  # fmt: skip
-        calls = []
-        monkeypatch.setattr(schedule_module, "run_layer", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+        calls: list[int] = []
+
+        def counted(layer, hidden, call, calls=calls):
+            calls.append(hidden.shape[0])
+            return real(layer, hidden, call)
+
+        monkeypatch.setattr(schedule_module, "run_layer", counted)
         store = StoreConfig.resolve(device_budget="8MiB", host_budget="2MiB", disk_path=str(disk_dir / str(stack)),
                                     chunk_size="1MiB", prefetch_depth=1)  # fmt: skip
         trainer = StreamedTrainer(str(path), store, cfg)

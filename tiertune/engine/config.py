@@ -8,7 +8,6 @@ import torch
 
 from tiertune.settings import GaloreSettings, LoraSettings
 
-
 STACK_TOKENS = 2048
 """The most tokens a quantized layer's visit runs as one batch by default (``EngineConfig.stack_tokens``)."""
 
