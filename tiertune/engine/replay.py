@@ -27,8 +27,8 @@ import torch
 from tiertune.engine.config import EngineConfig
 from tiertune.engine.layout import home_tier_used
 from tiertune.engine.plan import IN_PLACE, QUANT_CACHE, PlannedChunk
-from tiertune.engine.schedule import ChunkStash, DeviceStash, Stash, stash_slots
 from tiertune.engine.schedule import waves as schedule_waves
+from tiertune.engine.stash import ChunkStash, DeviceStash, Stash, stash_slots
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.inplace import InPlace
 from tiertune.offload.store import ChunkStore, StoreConfig
@@ -105,7 +105,7 @@ def replay(
 
 def _register(store: ChunkStore, chunks: Sequence[PlannedChunk]) -> tuple[list[_Group], list[Chunk]]:
     """Register ``chunks`` in the trainer's order: every group's weights (``engine.loaded``), then each trained
-    group's states (``layout.add_states``), the boundary chunks (``schedule.ChunkStash``), the twins
+    group's states (``layout.add_states``), the boundary chunks (``stash.ChunkStash``), the twins
     (``layout.add_twins``). ``chunks`` come in the estimate's order: a weight chunk, then its states."""
     groups: dict[int, _Group] = {}
     units: list[tuple[_Unit, list[PlannedChunk]]] = []
@@ -168,7 +168,7 @@ class _Step:
         self, store: ChunkStore, cfg: EngineConfig, device: torch.device, groups: list[_Group], stash: list[Chunk]
     ) -> None:
         self.store, self.cfg, self.device = store, cfg, device
-        # the layer boundaries: the engine's stash over the ledger (``schedule.ChunkStash``), else tensors of
+        # the layer boundaries: the engine's stash over the ledger (``stash.ChunkStash``), else tensors of
         # no bytes (activations on the device, outside the store)
         self.boundaries: Stash = (
             ChunkStash(store, stash, stash_slots(cfg), defaultdict(float)) if stash

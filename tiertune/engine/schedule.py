@@ -31,31 +31,21 @@ order; ``engine.replay`` makes the same store calls, so ``tiertune estimate`` co
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from tiertune.engine.stacking import draws_random, stack_calls
+from tiertune.engine.stash import Stash, stash_slots
 from tiertune.engine.streaming import Call, Capture, Stop, Suffix, run_layer
-from tiertune.errors import ConfigError, StateError
-from tiertune.offload.chunk import Chunk
-from tiertune.offload.store import ChunkStore
-from tiertune.offload.tiers import Tier
+from tiertune.errors import StateError
 
 if TYPE_CHECKING:
     from tiertune.engine.config import EngineConfig
     from tiertune.engine.trainer import StreamedTrainer
-
-
-def stash_slots(cfg: EngineConfig) -> int:
-    """The micro-batches a boundary chunk has slots for, with activations on the host: ``wave_size``, else the
-    step's ``gradient_accumulation_steps``."""
-    return cfg.wave_size or cfg.gradient_accumulation_steps
 
 
 def waves(cfg: EngineConfig, micro_batches: int) -> list[range]:
@@ -64,123 +54,6 @@ def waves(cfg: EngineConfig, micro_batches: int) -> list[range]:
     slots = stash_slots(cfg) if cfg.activations == "host" else None
     m = min(x for x in (micro_batches, slots, cfg.wave_size or None) if x)
     return [range(lo, min(lo + m, micro_batches)) for lo in range(0, micro_batches, m)]
-
-
-class Stash:
-    """A wave's hidden states at the layer boundaries: boundary i is decoder layer i's input (0: the
-    embeddings' output), boundary L the last layer's output. ``open(i, shapes, write)`` gives a view on the
-    device per micro-batch (``shapes``); ``close(i, keep)`` ends its use (``keep``: read again in backward;
-    else its content is dropped); ``settle()``, called before each layer's weights are acquired, waits for
-    what the stash sent home a layer ago."""
-
-    def open(self, index: int, shapes: Sequence[torch.Size], write: bool) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    def close(self, index: int, keep: bool) -> None:
-        raise NotImplementedError
-
-    def settle(self) -> None:
-        """Nothing to wait for (a stash that sends nothing home)."""
-
-    def abandon(self) -> None:
-        """Let go of every boundary still open (a wave that stopped midway: a signal, an error)."""
-
-
-class DeviceStash(Stash):
-    """Activations on the device: the boundaries are tensors there, outside the chunk store."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.device, self.dtype = device, dtype
-        self._held: dict[int, list[torch.Tensor]] = {}
-
-    def open(self, index: int, shapes: Sequence[torch.Size], write: bool) -> list[torch.Tensor]:
-        if write:
-            self._held[index] = [torch.empty(s, dtype=self.dtype, device=self.device) for s in shapes]
-        return self._held[index]
-
-    def close(self, index: int, keep: bool) -> None:
-        if not keep:
-            del self._held[index]
-
-    def abandon(self) -> None:
-        self._held.clear()
-
-
-class ChunkStash(Stash):
-    """Activations in the chunk store: one chunk per boundary, homed on the host, with ``slots`` slots of a
-    micro-batch's hidden states (the largest micro-batch's). Backward's acquire finds each boundary prefetched
-    back along the trace. Seconds blocked go to ``times["io_wait"]``.
-
-    Forward sends a boundary home one layer after it was read: while layer i runs, boundary i-1 goes down
-    (started once boundary i+1 has its room), and the next layer waits for it to land before it acquires
-    anything. The device then holds three boundaries a moment, the copy overlaps a whole layer's compute, and
-    every allocation happens at a point the transfers have landed by: the peaks are those the replay counts
-    (``engine.replay``). The last layer's input is not sent down: backward reads it first."""
-
-    def __init__(self, store: ChunkStore, chunks: list[Chunk], slots: int, times: dict[str, float]) -> None:
-        self.store, self.chunks, self.slots, self.times = store, chunks, slots, times
-        self._written: set[int] = set()
-        self._open: set[int] = set()
-        self._done: int | None = None  # read in forward, still on the device: sent down when the next is opened
-        self._leaving: int | None = None  # being sent down: landed by ``settle``
-
-    @classmethod
-    def add(
-        cls, store: ChunkStore, layers: int, slot: int, slots: int, dtype: torch.dtype, times: dict[str, float]
-    ) -> ChunkStash:
-        """Register the ``layers + 1`` boundary chunks of ``slots`` slots of ``slot`` elements in ``store``."""
-        chunks = [
-            store.add([("x", (slot * slots,), dtype)], home=Tier.HOST, name=f"boundary.{i}")[0]
-            for i in range(layers + 1)
-        ]
-        return cls(store, chunks, slots, times)
-
-    def open(self, index: int, shapes: Sequence[torch.Size], write: bool) -> list[torch.Tensor]:
-        chunk = self.chunks[index]
-        slot = chunk.tensors[0].numel // self.slots
-        for shape in shapes:
-            if math.prod(shape) > slot:
-                raise ConfigError(
-                    f"a micro-batch's hidden states ({tuple(shape)}) do not fit the activation chunk's slots "
-                    f"({slot} elements); set activation_tokens to the largest batch x sequence length"
-                )
-        began = time.perf_counter()
-        x = self.store.acquire(chunk, Tier.DEVICE, overwrite=write)["x"]
-        self.times["io_wait"] += time.perf_counter() - began
-        self._open.add(index)
-        if write:
-            self._written.add(index)
-            if self._done is not None:
-                self.store.evict(self.chunks[self._done], wait=False)
-                self._leaving, self._done = self._done, None
-        elif self._done == index:
-            self._done = None
-        return [x[j * slot : j * slot + math.prod(s)].view(s) for j, s in enumerate(shapes)]
-
-    def close(self, index: int, keep: bool) -> None:
-        chunk = self.chunks[index]
-        self.store.release(chunk, dirty=index in self._written)
-        self._written.discard(index)
-        self._open.discard(index)
-        if keep:
-            self._done = index
-        else:
-            self.store.discard(chunk)
-
-    def abandon(self) -> None:
-        for index in sorted(self._open):
-            self.store.release(self.chunks[index])
-            self.store.discard(self.chunks[index])
-        self._open.clear()
-        self._written.clear()
-        self._done = self._leaving = None
-
-    def settle(self) -> None:
-        if self._leaving is not None:
-            began = time.perf_counter()
-            self.store.evict(self.chunks[self._leaving], wait=True)
-            self.times["io_wait"] += time.perf_counter() - began
-            self._leaving = None
 
 
 @dataclass
@@ -218,63 +91,6 @@ def streams(count: int, device: torch.device) -> list[Rng]:
             torch.manual_seed(seed)
             out.append(Rng.now(device))
     return out
-
-
-def draws_random(layer: nn.Module) -> bool:
-    """Whether ``layer`` may draw random numbers in training: a dropout module, or a dropout probability an
-    attention implementation reads (``attention_dropout``, ``dropout``), above 0 anywhere in it."""
-    for module in layer.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            return True
-        for name in ("attention_dropout", "dropout"):
-            value = getattr(module, name, None)
-            if isinstance(value, float) and value > 0:
-                return True
-    return False
-
-
-def _same(a: object, b: object) -> bool:
-    """Whether two leaves of a layer's call are the same value (tensors: shape and elements)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-            and a.dtype == b.dtype and torch.equal(a, b)
-        )  # fmt: skip
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    try:
-        return bool(a == b)
-    except (RuntimeError, TypeError, ValueError):  # an object without a plain equality
-        return False
-
-
-def stack_calls(calls: Sequence[Call], batches: Sequence[int]) -> Call | None:
-    """One call for micro-batches of ``batches`` rows stacked along the batch, or None where their ``calls``
-    differ otherwise: a tensor of two or more dimensions whose first is each micro-batch's batch (masks,
-    position ids, rotary tables) is concatenated; every other leaf must be the same in all."""
-    flat, spec = tree_flatten(calls[0])
-    others = []
-    for call in calls[1:]:
-        leaves, other_spec = tree_flatten(call)
-        if other_spec != spec:
-            return None
-        others.append(leaves)
-    out = []
-    for k, leaf in enumerate(flat):
-        column = [leaf, *(leaves[k] for leaves in others)]
-        batched = all(
-            isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == b and t.shape[1:] == leaf.shape[1:]
-            for t, b in zip(column, batches, strict=True)
-        )
-        if batched:
-            out.append(torch.cat(column))
-        elif all(_same(leaf, t) for t in column[1:]):
-            out.append(leaf)
-        else:
-            return None
-    return tree_unflatten(out, spec)
 
 
 @dataclass
@@ -569,4 +385,4 @@ def _harvest(bound: dict[int, dict[str, torch.Tensor]], summed: dict[int, dict[s
                 p.grad = None
 
 
-__all__ = ["ChunkStash", "DeviceStash", "LayerMajor", "Stash"]
+__all__ = ["LayerMajor", "streams", "waves"]

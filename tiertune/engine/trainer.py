@@ -32,7 +32,8 @@ from tiertune.engine.layout import (
 from tiertune.engine.loaded import load_model
 from tiertune.engine.loss import CausalLMLoss
 from tiertune.engine.router_aux import RouterAux
-from tiertune.engine.schedule import ChunkStash, DeviceStash, LayerMajor, Stash, stash_slots
+from tiertune.engine.schedule import LayerMajor
+from tiertune.engine.stash import ChunkStash, DeviceStash, Stash, stash_slots
 from tiertune.engine.streaming import StreamedLayer, Visit
 from tiertune.engine.update import AdapterUpdate, LRSchedule, StepContext, Updater
 from tiertune.engine.views import TrainerViews

@@ -21,8 +21,8 @@ import torch
 
 from tiertune.distributed.ownership import shard_layout
 from tiertune.engine.plan import IN_PLACE, QUANT_CACHE, Plan, PlannedChunk, make_plan
-from tiertune.engine.schedule import stash_slots
 from tiertune.engine.schedule import waves as schedule_waves
+from tiertune.engine.stash import stash_slots
 from tiertune.errors import ModelError
 from tiertune.finetune.speed import StepFlops, nearest_existing, step_flops
 from tiertune.offload.chunk import ALIGN, ChunkLayout, itemsize, pack_tensors
@@ -156,7 +156,7 @@ def run_layout(
     outside: dict[str, int] = {}
     k = t.gradient_accumulation_steps
     m = len(schedule_waves(cfg, k)[0])  # micro-batches per wave
-    if cfg.activations == "host":  # ``schedule.ChunkStash``: a chunk per layer boundary, a slot per micro-batch
+    if cfg.activations == "host":  # ``stash.ChunkStash``: a chunk per layer boundary, a slot per micro-batch
 
         def boundaries(slots: int) -> list[_Chunk]:
             before = len(chunks)
@@ -177,7 +177,7 @@ def run_layout(
                     f"runs as {-(-k // m)} waves of {m} micro-batches, each wave streaming the weights once"
                 )
         chunks.extend(boundaries(stash_slots(cfg) if cfg.wave_size else m))
-    else:  # ``schedule.DeviceStash``
+    else:  # ``stash.DeviceStash``
         outside["hidden states at the layer boundaries"] = act * m * (len(parts.layers) + 1)
     # backward carries each micro-batch's gradient at a layer boundary; a trained layer's gradient is summed
     # over the wave in fp32
