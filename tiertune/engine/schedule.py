@@ -31,7 +31,7 @@ order; ``engine.replay`` makes the same store calls, so ``tiertune estimate`` co
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -125,23 +125,11 @@ class LayerMajor:
         limit = self.engine.config.stack_limit
         if limit <= 0 or self._random[i] or self.engine.router_aux is not None:
             return [[j] for j in range(len(micro))]
-        groups: list[list[int]] = []
-        tokens: list[int] = []
-        for j, mb in enumerate(micro):
-            n = math.prod(mb.shape[:-1])
-            for g, group in enumerate(groups):
-                head = micro[group[0]]
-                if (
-                    tokens[g] + n <= limit and mb.shape[1:] == head.shape[1:]
-                    and stack_calls([head.calls[i], mb.calls[i]], [head.shape[0], mb.shape[0]]) is not None
-                ):  # fmt: skip
-                    group.append(j)
-                    tokens[g] += n
-                    break
-            else:
-                groups.append([j])
-                tokens.append(n)
-        return groups
+        return _first_fit(
+            micro, limit,
+            lambda head, mb: mb.shape[1:] == head.shape[1:]
+            and stack_calls([head.calls[i], mb.calls[i]], [head.shape[0], mb.shape[0]]) is not None,
+        )  # fmt: skip
 
     def _stacked(self, i: int, micro: Sequence[_Micro], group: list[int], xs: Sequence[torch.Tensor]
                  ) -> tuple[torch.Tensor, Call]:  # fmt: skip
@@ -288,21 +276,10 @@ class LayerMajor:
         limit = self.engine.config.stack_limit
         if limit <= 0 or self.engine.router_aux is not None:
             return [[j] for j in range(len(micro))]
-        groups: list[list[int]] = []
-        tokens: list[int] = []
-        for j, mb in enumerate(micro):
-            n = math.prod(mb.shape[:-1])
-            key = (mb.shape[1:], sorted(mb.extra))
-            for g, group in enumerate(groups):
-                head = micro[group[0]]
-                if tokens[g] + n <= limit and key == (head.shape[1:], sorted(head.extra)):
-                    group.append(j)
-                    tokens[g] += n
-                    break
-            else:
-                groups.append([j])
-                tokens.append(n)
-        return groups
+        return _first_fit(
+            micro, limit,
+            lambda head, mb: (mb.shape[1:], sorted(mb.extra)) == (head.shape[1:], sorted(head.extra)),
+        )  # fmt: skip
 
     def _backward(self, micro: list[_Micro], prefix_trained: bool) -> None:
         """Layers L-1..0, each visited once: recomputed and back-propagated for every micro-batch."""
@@ -364,6 +341,24 @@ class LayerMajor:
                 torch.autograd.backward(visit.first, mb.grad)
                 _harvest(bound, summed)
             mb.grad = None
+
+
+def _first_fit(micro: Sequence[_Micro], limit: int, joins: Callable[[_Micro, _Micro], bool]) -> list[list[int]]:
+    """``micro`` (indices) in stacks of at most ``limit`` tokens: each micro-batch joins the first stack whose
+    first micro-batch it ``joins`` and that has room for it, else starts one."""
+    groups: list[list[int]] = []
+    tokens: list[int] = []
+    for j, mb in enumerate(micro):
+        n = math.prod(mb.shape[:-1])
+        for g, group in enumerate(groups):
+            if tokens[g] + n <= limit and joins(micro[group[0]], mb):
+                group.append(j)
+                tokens[g] += n
+                break
+        else:
+            groups.append([j])
+            tokens.append(n)
+    return groups
 
 
 def _add(summed: dict[str, torch.Tensor], name: str, g: torch.Tensor | None) -> None:
