@@ -274,6 +274,8 @@ class Context:
     command: str
     dir: Path
     printed: list[str] = field(default_factory=list)
+    # where the tests phase writes pytest's whole output (stderr gets its tail)
+    pytest_log: Path | None = None
 
 
 def log(message: str) -> None:
@@ -711,8 +713,8 @@ def _pow2ceil(n: int) -> int:
 def plan_full(s: Settings, ram: int, disk_free: int, pinned_rounds: bool) -> dict:
     """The deepest model of the full phase's shape whose states both systems hold in host memory, and the
     arithmetic: tiertune keeps bf16 weights (2 B/parameter), fp32 master weights and both Adam moments
-    (12 B) on the host, plus the fp32 gradients of the layers in flight (updated in place during backward, no
-    clipping, so no twin states); FSDP2's CPU offload keeps fp32 parameters and fp32 gradients (each a pinned
+    (12 B) and an fp32 gradient chunk per layer (4 B: the store homes each for the whole run, though a layer's
+    is consumed by its update during backward; no clipping, so no twin states) on the host; FSDP2's CPU offload keeps fp32 parameters and fp32 gradients (each a pinned
     tensor, rounded up to a power of two by torch's pinned allocator unless that is configured off) and the
     Adam moments (8 B). The checkpoint (2 B/parameter) must fit on disk."""
     from tiertune.offload import tiers
@@ -724,7 +726,7 @@ def plan_full(s: Settings, ram: int, disk_free: int, pinned_rounds: bool) -> dic
         shape = s.full_shape.with_layers(layers)
         n = shape.parameters()
         working = 3 * 4 * shape.layer_params() + 4 * shape.vocab * shape.hidden + (1 << 30)
-        tiertune_host = 14 * n + working
+        tiertune_host = 18 * n + working
         tiertune_pinned = tiertune_host if exact_pin else _pow2ceil(tiertune_host + 4096)
         sizes = [o * i for o, i in shape.linears().values()] + [shape.hidden] * 2
         pin = _pow2ceil if pinned_rounds else (lambda b: b)
@@ -753,7 +755,7 @@ def plan_full(s: Settings, ram: int, disk_free: int, pinned_rounds: bool) -> dic
             "weights_bf16": 2,
             "master_fp32": 4,
             "adam_moments_fp32": 8,
-            "gradients_fp32": "the layers in flight only",
+            "gradients_fp32": 4,
         },
         "fsdp2_host_bytes": fsdp2_host,
         "fsdp2_pinned_rounding": pinned_rounds,
@@ -850,6 +852,8 @@ def phase_tests(ctx: Context) -> None:
                 output, _ = proc.communicate()
         code = proc.returncode
         print(output[-4000:], file=sys.stderr, flush=True)
+        if ctx.pytest_log is not None:
+            ctx.pytest_log.write_text(output)
         counts = parse_junit(report) if report.is_file() else None
     command = shlex.join(["python", *pytest]).replace(str(report), "REPORT.xml")
     values: dict = {"pytest_command": command, "exit_code": code, "timed_out": timed_out}
@@ -1261,7 +1265,7 @@ def phase_full(ctx: Context) -> None:
             "system": "tiertune", "plan": plan,
             "placement": {"weights": f"host (bf16), streamed through a {format_size(s.full_device_budget)} device "
                           "tier", "optimizer_states": "host (fp32 master weights and Adam moments)",
-                          "gradients": "host (fp32; each layer's freed once its update ran)",
+                          "gradients": "host (fp32, one chunk per layer homed for the run; each consumed by its layer's update in backward)",
                           "activations": "device (each layer's input; layers recomputed in backward)"},
             "optimizer": "tiertune CPU AdamW (torch's fused CPU kernel) overlapped with backward, in place "
             "(no clipping)",
@@ -1334,6 +1338,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--gpu-memory-cap", default="24GiB", help="what each measured process may allocate on the GPU"
     )
+    p.add_argument("--pytest-log", default=None, help="file for the tests phase's whole pytest output")
     p.add_argument("--child", nargs=2, metavar=("NAME", "PARAMS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -1352,7 +1357,8 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(
         ["python", os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]
     )
-    ctx = Context(settings, budget, phases, describe_machine(directory), command, directory)
+    ctx = Context(settings, budget, phases, describe_machine(directory), command, directory,
+                  pytest_log=Path(args.pytest_log) if args.pytest_log else None)  # fmt: skip
     crashed = False
     for phase in phases:
         log(f"phase {phase}: {budget.left():.0f} s of the budget left")

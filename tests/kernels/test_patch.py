@@ -169,16 +169,22 @@ def test_backends(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", PATCHED)
 def test_a_patched_instance_in_bf16_on_a_gpu(model_type):
-    """The Triton kernels compiled for the GPU, in bf16: logits and gradients near transformers' own."""
-    model = tiny(model_type, hidden_size=256, intermediate_size=688, head_dim=64).to("cuda", torch.bfloat16)
+    """The Triton kernels compiled for the GPU, in bf16: logits and gradients as near the model's fp32 truth as
+    transformers' own bf16 computation is (relative norms: bf16 logits of a whole model differ elementwise by
+    more than any fixed tolerance near 0, and a fixed relative bound was ill-posed too: Gemma 3's q_proj
+    gradient was 2.2% off eager bf16 on an H100, which is itself a few percent off fp32)."""
+    truth_model = tiny(model_type, hidden_size=256, intermediate_size=688, head_dim=64).to("cuda")
+    model = copy.deepcopy(truth_model).to(torch.bfloat16)
     ids = torch.randint(1, 101, (2, 67), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     patched = copy.deepcopy(model)
     assert patch_model(patched, "triton")["rope"] == 2
-    ours, theirs = run(patched, ids), run(model, ids)
-    # relative norms: bf16 logits of a whole model differ elementwise by more than any fixed tolerance near 0
-    # (Gemma 3 on an H100: one logit of 13534 off by 0.024, on a value of 0.005)
-    rel = (ours[0].float() - theirs[0].float()).norm() / theirs[0].float().norm()
-    assert rel < 2e-2, ("logits", float(rel))
-    for name, grad in theirs[1].items():
-        rel = (ours[1][name].float() - grad.float()).norm() / grad.float().norm().clamp_min(1e-6)
-        assert rel < 2e-2, (name, float(rel))
+    ours, theirs, truth = run(patched, ids), run(model, ids), run(truth_model, ids)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b).norm() / b.norm().clamp_min(1e-6))
+
+    # within 1.5x of eager bf16's own error, plus 0.2% for where eager happens to be very near the truth
+    assert rel(ours[0], truth[0]) <= 1.5 * rel(theirs[0], truth[0]) + 2e-3, "logits"
+    for name, grad in truth[1].items():
+        ours_err, eager_err = rel(ours[1][name], grad), rel(theirs[1][name], grad)
+        assert ours_err <= 1.5 * eager_err + 2e-3, (name, ours_err, eager_err)
