@@ -38,6 +38,7 @@ from tiertune.engine.streaming import StreamedLayer, Visit
 from tiertune.engine.update import AdapterUpdate, LRSchedule, StepContext, Updater
 from tiertune.engine.views import TrainerViews
 from tiertune.errors import ConfigError, DataError
+from tiertune.kernels.ops.attention import use_segment_attention
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 from tiertune.kernels.patch import patch_model, resolve_backend
 from tiertune.loading.weights import Checkpoint
@@ -119,6 +120,8 @@ class StreamedTrainer(TrainerViews):
         self.kernel_counts = (
             Counter() if config.kernels == "none" else patch_model(self.model, self.kernel_backend)
         )
+        # packed and padded rows as causal segments, never a sequence x sequence mask (None: it does; else why not)
+        self.attention_kept = "kernels: none" if config.kernels == "none" else use_segment_attention(self.model)
         # the hidden states at the layer boundaries of a wave of micro-batches: with activations on the host,
         # a chunk per boundary with a slot per micro-batch of a wave
         self.stash: Stash = DeviceStash(self.device, config.dtype)

@@ -610,6 +610,8 @@ def _banner(
     fused = [describe(trainer.kernel_counts)] if trainer.kernel_counts else []
     if trainer.fused_loss:
         fused.append("fused loss")
+    if trainer.attention_kept is None:
+        fused.append("segment attention")
     homes = {"weights": cfg.params, "gradients": cfg.gradients, "master": cfg.optimizer_states,
              "moments": cfg.optimizer_states, "projections": cfg.optimizer_states, "twins": cfg.optimizer_states}  # fmt: skip
     where = ", ".join(

@@ -1,0 +1,109 @@
+"""Segment attention (``kernels.ops.attention``): packed and padded rows as causal segments, never a
+sequence x sequence mask, equal to transformers' own attention on the positions a loss reads."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tiertune.kernels.ops.attention import NAME, segment_attention_fits, segments, use_segment_attention
+
+
+def tiny(model_type: str, **overrides) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, head_dim=16, pad_token_id=0,
+    )  # fmt: skip
+    kw.update(overrides)
+    config = AutoConfig.for_model(model_type, **kw)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def run(model, batch: dict, valid: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    logits = model(**batch, use_cache=False).logits
+    weights = torch.linspace(-1, 1, logits.shape[-1])
+    (logits * weights * valid[..., None]).sum().backward()
+    return (logits * valid[..., None]).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def packed_positions(lengths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+def test_segments_from_positions_and_padding():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0]])
+    assert segments(pos, None, 1, 10) == [[(0, 3), (3, 5), (5, 9), (9, 10)]]
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    assert segments(None, mask, 2, 6) == [[(0, 4)], [(0, 6)]]
+    assert segments(None, torch.tensor([[1, 0, 1, 0]]), 1, 4) is None  # a hole: the mask path
+    assert segments(None, None, 2, 5) == [[(0, 5)], [(0, 5)]]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_packed_rows_equal_sdpas_block_diagonal_mask(model_type):
+    """Three documents in one row and a row of two (position_ids restarting), fp32: logits and every
+    gradient equal transformers' sdpa with its block-diagonal mask."""
+    model = tiny(model_type)
+    ours = copy.deepcopy(model)
+    assert use_segment_attention(ours) is None and ours.config._attn_implementation == NAME
+    ids = torch.randint(1, 101, (2, 48), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([packed_positions([20, 5, 23]), packed_positions([31, 17])])
+    batch = {"input_ids": ids, "position_ids": pos}
+    valid = torch.ones(2, 48)
+    a, b = run(ours, batch, valid), run(model, batch, valid)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5)
+    for name, grad in b[1].items():
+        torch.testing.assert_close(a[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_padded_rows_equal_sdpa_on_the_valid_positions():
+    model = tiny("llama")
+    ours = copy.deepcopy(model)
+    assert use_segment_attention(ours) is None
+    ids = torch.randint(1, 101, (3, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 40, dtype=torch.long)
+    mask[0, 31:] = 0
+    mask[2, 7:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    a, b = run(ours, batch, mask.float()), run(model, batch, mask.float())
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5)
+    for name, grad in b[1].items():
+        torch.testing.assert_close(a[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_no_sequence_by_sequence_tensor_for_a_packed_row(monkeypatch):
+    """The largest tensor attention sees for a packed 4096-token row is linear in the length (sdpa's mask
+    would be 4096 x 4096)."""
+    import torch.nn.functional as F
+
+    model = tiny("llama")
+    assert use_segment_attention(model) is None
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append(attn_mask)
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    ids = torch.randint(1, 101, (1, 4096))
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=packed_positions([1000, 3000, 96]))
+    assert seen and all(m is None for m in seen)
+
+
+def test_what_keeps_its_own_attention():
+    from transformers import AutoConfig
+
+    gemma2 = AutoConfig.for_model("gemma2")
+    assert segment_attention_fits(gemma2) is not None
+    mistral = AutoConfig.for_model("mistral", sliding_window=4096)
+    assert segment_attention_fits(mistral) == "a sliding attention window"
+    assert segment_attention_fits(AutoConfig.for_model("llama")) is None
