@@ -47,6 +47,9 @@ class EngineConfig:
     # many tokens. 0: each on its own; None: STACK_TOKENS for a quantized base, else 0 (unquantized products
     # cost the same either way, and one at a time the sums keep a plain loop's order, bit for bit)
     stack_tokens: int | None = None
+    # a layer's MLP computed this many tokens at a time in forward and backward (``engine.tiling``): its
+    # intermediate activations exist for one tile, not the whole sequence; 0: untiled
+    sequence_tile: int = 2048
     # micro-batches per step: with more than one, GaLore sums its projected weights' full gradients in host
     # accumulators, placed up front (a step with more micro-batches than said adds them when it needs them)
     gradient_accumulation_steps: int = 1

@@ -94,6 +94,8 @@ class OffloadSection:
     optimizer_states: str = field(default="auto", metadata=choices("auto", "device", "host", "disk"))
     activations: str = field(default="auto", metadata=choices("auto", "device", "host"))
     prefetch_depth: int = 2
+    # a layer's MLP computed this many tokens at a time (0: untiled; auto: engine.tiling.SEQUENCE_TILE)
+    sequence_tile: int | str = field(default="auto", metadata=choices("auto"))
     # the CPU optimizer during backward (true), after it (false), or during it when its twin states fit
     overlap_optimizer: bool | str = field(default="auto", metadata=choices("auto"))
 
@@ -146,6 +148,12 @@ class Recipe:
                 "must be in [0, 1)",
             ),
             (t.logging_steps >= 1, "training.logging_steps", "must be >= 1"),
+            (
+                self.offload.sequence_tile == "auto"
+                or (type(self.offload.sequence_tile) is int and self.offload.sequence_tile >= 0),
+                "offload.sequence_tile",
+                f"must be auto or a number of tokens >= 0 (0: untiled), got {self.offload.sequence_tile}",
+            ),
             (self.data.max_seq_len >= 2, "data.max_seq_len", "must be >= 2 (a token and its target)"),
             (self.method.lora.r >= 1, "method.lora.r", "must be >= 1"),
             (
@@ -311,7 +319,8 @@ def _check_choices(recipe: Recipe) -> None:
         for f in dataclasses.fields(section):
             options = f.metadata.get("choices")
             value = getattr(section, f.name)
-            if options is None or isinstance(value, bool) or value in options:
+            numeric = isinstance(value, int) and not isinstance(value, bool) and "int" in str(f.type)
+            if options is None or isinstance(value, bool) or numeric or value in options:
                 continue
             listed = ", ".join((*options, "true", "false") if "bool" in str(f.type) else options)
             raise ConfigError(f"{prefix}{f.name} must be one of {listed}; got {value!r}")

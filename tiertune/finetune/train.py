@@ -31,6 +31,7 @@ import torch
 
 from tiertune.distributed.world import World
 from tiertune.engine import EngineConfig, StreamedTrainer
+from tiertune.engine.tiling import SEQUENCE_TILE
 from tiertune.errors import (
     BudgetError,
     ConfigError,
@@ -177,6 +178,7 @@ def plan(recipe: Recipe, device: str | None = None, world: World | None = None) 
         overlap_optimizer=off.overlap_optimizer,
         activations=_activations(recipe, device, dtype, store.device_budget),
         activation_tokens=t.per_device_train_batch_size * recipe.data.max_seq_len,
+        sequence_tile=SEQUENCE_TILE if off.sequence_tile == "auto" else int(off.sequence_tile),
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         method=recipe.method.type,
         quantize=recipe.model.quantize,

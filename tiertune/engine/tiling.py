@@ -1,0 +1,86 @@
+"""Sequence tiling of a layer's MLP: the position-wise block computed ``tile`` tokens at a time, in forward and
+again in backward, so that its intermediate activations (gate, up, their product: several times the hidden
+size per token) exist for one tile at a time instead of the whole sequence.
+
+Forward runs each tile without autograd and keeps only the block's input; backward recomputes each tile with
+autograd and back-propagates that tile's output gradient, summing the parameters' gradients over the tiles.
+Exact: every token's computation is the untiled one (a weight's gradient is the same sum in another order). A
+block that draws random numbers (dropout in a LoRA branch) draws the same in the recomputation: each tile's
+random state is kept from forward.
+
+Applies to a decoder layer's ``mlp`` when it is position-wise and dense (no ``experts``: an MoE block's router
+is per token too, but its logits feed the auxiliary loss outside the block)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tiertune.engine.schedule import Rng
+from tiertune.engine.stacking import draws_random
+
+SEQUENCE_TILE = 2048  # tokens; the plan's choice when offload.sequence_tile is auto
+
+
+class _Tiled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, forward: Callable, tile: int, random: bool, x: torch.Tensor, *params: torch.Tensor):
+        ctx.forward, ctx.tile = forward, tile
+        ctx.save_for_backward(x, *params)
+        flat = x.reshape(1, -1, x.shape[-1])
+        outs, ctx.rngs = [], []
+        with torch.no_grad():
+            for part in flat.split(tile, dim=1):
+                if random:
+                    ctx.rngs.append(Rng.now(x.device))
+                outs.append(forward(part))
+        return torch.cat(outs, dim=1).view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, *params = ctx.saved_tensors
+        wants_x = ctx.needs_input_grad[3]
+        trained = [i for i, p in enumerate(params) if ctx.needs_input_grad[4 + i]]
+        flat = x.reshape(1, -1, x.shape[-1])
+        grads = grad.reshape(1, -1, grad.shape[-1])
+        gx = torch.empty_like(flat) if wants_x else None
+        sums: list[torch.Tensor | None] = [None] * len(params)
+        start = 0
+        for t, (part, g) in enumerate(zip(flat.split(ctx.tile, dim=1), grads.split(ctx.tile, dim=1), strict=True)):
+            part = part.detach().requires_grad_(wants_x)
+            with torch.enable_grad(), torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+                if ctx.rngs:
+                    ctx.rngs[t].set(x.device)
+                out = ctx.forward(part)
+            inputs = ([part] if wants_x else []) + [params[i] for i in trained]
+            got = list(torch.autograd.grad(out, inputs, g, allow_unused=True)) if inputs else []
+            if wants_x:
+                gx[:, start : start + part.shape[1]] = got.pop(0)  # type: ignore[index]
+            for i, gp in zip(trained, got, strict=True):
+                if gp is not None:
+                    sums[i] = gp if sums[i] is None else sums[i].add_(gp)
+            start += part.shape[1]
+        return None, None, None, gx.view_as(x) if gx is not None else None, *sums
+
+
+def tile_mlp(layer: nn.Module, tile: int) -> bool:
+    """Give ``layer``'s ``mlp`` a forward that runs in tiles of ``tile`` tokens when it sees more; True if it
+    did (a dense, position-wise block), False if the layer keeps its own (none, or an MoE block)."""
+    mlp = getattr(layer, "mlp", None)
+    if tile <= 0 or not isinstance(mlp, nn.Module) or any(n.endswith("experts") for n, _ in mlp.named_modules()):
+        return False
+    inner = mlp.forward
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args or kwargs or x.numel() // x.shape[-1] <= tile:
+            return inner(x, *args, **kwargs)
+        if not torch.is_grad_enabled():  # a pass without backward: tiles too, nothing to keep
+            flat = x.reshape(1, -1, x.shape[-1])
+            return torch.cat([inner(part) for part in flat.split(tile, dim=1)], dim=1).view(*x.shape[:-1], -1)
+        params = [p for p in mlp.parameters() if p.requires_grad]
+        return _Tiled.apply(inner, tile, mlp.training and draws_random(mlp), x, *params)
+
+    mlp.forward = forward
+    return True
