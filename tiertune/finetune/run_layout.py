@@ -85,6 +85,7 @@ def run_layout(
         flops = step_flops(model, list(parts.layers), micro, t.gradient_accumulation_steps,
                            recipe.data.max_seq_len, trained=cfg.method != "lora")  # fmt: skip
         saved = _saved_quantization(model, recipe, notes)
+        layer_saved = _layer_saved(model, cfg, micro, t.gradient_accumulation_steps, notes)
         quant = make_quantizer(cfg.quantize, cfg.dtype, saved)
         # converted as the engine converts them: the linear layers, and MoE experts one 4-bit matrix each
         if quant is not None:
@@ -179,6 +180,8 @@ def run_layout(
         chunks.extend(boundaries(stash_slots(cfg) if cfg.wave_size else m))
     else:  # ``stash.DeviceStash``
         outside["hidden states at the layer boundaries"] = act * m * (len(parts.layers) + 1)
+    if layer_saved:
+        outside["a layer's saved activations (recompute and backward)"] = layer_saved
     # backward carries each micro-batch's gradient at a layer boundary; a trained layer's gradient is summed
     # over the wave in fp32
     outside["boundary gradients of a wave"] = act * m
@@ -217,6 +220,20 @@ def run_layout(
         outside["LoRA adapters + states"] = params * 16
         trained = params
     return RunLayout(chunks, parameters, trained, outside, flops, m)
+
+
+def _layer_saved(model: torch.nn.Module, cfg, micro: int, k: int, notes: list[str]) -> int:
+    """What autograd keeps of one decoder layer while backward runs through it (``activations``), for the most
+    tokens a layer's visit runs at once: a micro-batch, or a stack of them (``stack_limit``); 0 with a note
+    when the layer cannot be traced on the meta device."""
+    from tiertune.finetune.activations import layer_saved_bytes
+
+    stack = min(cfg.stack_limit, k * micro) if cfg.stack_limit > 0 else 0
+    try:
+        return layer_saved_bytes(model, cfg, max(micro, stack))
+    except Exception as exc:  # an op without a meta kernel: the figure is left out, and said
+        notes.append(f"a layer's saved activations are not counted (tracing it on the meta device failed: {exc})")
+        return 0
 
 
 def _in_place_split(model_dir: str, model: torch.nn.Module, cfg, quant, saved: dict | None) -> Callable:
