@@ -3,12 +3,13 @@
 under a fixed memory budget.
 
 A random Llama (hidden 256, MLP 1024, 2 layers, 4 heads; a word-level tokenizer fitted to the bundled demo
-data), LoRA on every linear, the layer inputs on the host (``offload.activations: host``), packed rows of the
-demo text cut to exactly the sequence length, one micro-batch of one row, 2 steps. Each length runs in a fresh
+data), LoRA on every linear, the layer inputs on the host (``offload.activations: host``), one micro-batch of
+one row a step, 2 steps: the demo rows packed into the row (``--data packed``: documents of ~13 tokens, the
+attention cut into them) or one long document cut to the length (``--data document``). Each length runs in a fresh
 process (its peak RSS is its own). One JSON object per length, then a summary:
 
-- ``slope``: the growth of peak RSS per token between two lengths (``--slope-between``, default 8K and 32K), in
-  bytes and in hidden states' worth of bytes (``hidden`` x the compute dtype's size), with the estimate's own
+- ``slope``: the growth of peak RSS per token between two lengths (``--slope-between``, default 8K and 32K; each
+  length's median of ``--repeats`` runs), in bytes and in hidden states' worth of bytes (``hidden`` x the compute dtype's size), with the estimate's own
   per-token growth of what it says the run holds (the store's tiers and the bytes outside the store) and their
   ratio;
 - ``longest`` (``--bisect BYTES``): the longest multiple of 1024 tokens whose run's peak RSS stays within the
@@ -59,21 +60,21 @@ def make_model(directory: Path) -> Path:
     return directory
 
 
-def make_data(path: Path, tokens: int) -> Path:
-    """Rows of the demo text, enough of them to pack into one row of ``tokens`` tokens."""
+def make_data(path: Path, tokens: int, packed: bool) -> Path:
+    """The demo text, at least ``tokens`` tokens of it: its rows, to be packed into one row (``packed``), or
+    one long document (the rows joined) cut to the length."""
     from tiertune.finetune.data import read_rows
 
     texts = [row["text"] for row in read_rows(ROOT / "tiertune/recipes/data/demo.jsonl")]
     words = sum(len(t.split()) for t in texts)
-    copies = tokens // max(words, 1) + 2
+    rows = texts * (tokens // max(words, 1) + 2)
     with path.open("w") as f:
-        for _ in range(copies):
-            for t in texts:
-                f.write(json.dumps({"text": t}) + "\n")
+        for row in rows if packed else [" ".join(rows)]:
+            f.write(json.dumps({"text": row}) + "\n")
     return path
 
 
-def recipe(work: Path, model: Path, seq: int, tile: int | None, steps: int) -> Path:
+def recipe(work: Path, model: Path, seq: int, tile: int | None, steps: int, packed: bool) -> Path:
     offload = {"activations": "host", "host_budget": "auto", "device_budget": "auto"}
     if tile is not None:
         offload["sequence_tile"] = tile
@@ -81,8 +82,8 @@ def recipe(work: Path, model: Path, seq: int, tile: int | None, steps: int) -> P
     path.write_text(yaml.safe_dump({
         "model": {"path": str(model), "dtype": "float32"},
         "method": {"type": "lora", "lora": {"r": 8, "alpha": 16, "target_modules": "all-linear"}},
-        "data": {"path": str(make_data(work / f"data-{seq}.jsonl", seq)), "format": "text", "max_seq_len": seq,
-                 "packing": True},
+        "data": {"path": str(make_data(work / f"data-{seq}.jsonl", seq, packed)), "format": "text", "max_seq_len": seq,
+                 "packing": packed},
         "training": {"output_dir": str(work / "runs" / str(seq)), "max_steps": steps, "per_device_train_batch_size": 1,
                      "logging_steps": 1, "save_steps": 0, "overwrite_output_dir": True, "learning_rate": 1e-4},
         "offload": offload,
@@ -116,8 +117,8 @@ def child(path: Path) -> dict:
     }
 
 
-def run_length(work: Path, model: Path, seq: int, tile: int | None, steps: int) -> dict:
-    path = recipe(work, model, seq, tile, steps)
+def run_length(work: Path, model: Path, seq: int, tile: int | None, steps: int, packed: bool) -> dict:
+    path = recipe(work, model, seq, tile, steps, packed)
     proc = subprocess.run([sys.executable, __file__, "--child", str(path)], capture_output=True, text=True)
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-3:]
@@ -132,6 +133,9 @@ def main() -> None:
     p.add_argument("--slope-between", default="8192,32768")
     p.add_argument("--sequence-tile", type=int, default=None, help="offload.sequence_tile (default: the plan's)")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--data", choices=("packed", "document"), default="packed",
+                   help="the demo rows packed into each row (documents of ~13 tokens), or one long document")
+    p.add_argument("--repeats", type=int, default=3, help="runs per length; the slope takes each length's median")
     p.add_argument("--bisect", default=None, help="a peak RSS budget (e.g. 4GiB): the longest length within it")
     p.add_argument("--bisect-low", type=int, default=1024)
     p.add_argument("--bisect-high", type=int, default=1 << 20)
@@ -148,10 +152,17 @@ def main() -> None:
     model = make_model(args.dir / "model")
     results = {}
     for seq in (int(x) for x in args.lengths.split(",")):
-        results[seq] = run_length(args.dir, model, seq, args.sequence_tile, args.steps)
-        print(json.dumps(results[seq]), flush=True)
+        runs = [run_length(args.dir, model, seq, args.sequence_tile, args.steps, args.data == "packed") for _ in range(args.repeats)]
+        for r in runs:
+            print(json.dumps(r), flush=True)
+        good = [r for r in runs if "error" not in r]
+        if good:  # the median run by peak RSS (the allocator's high-water mark drifts between runs)
+            good.sort(key=lambda r: r["peak_rss_bytes"])
+            results[seq] = {**good[len(good) // 2], "peak_rss_bytes_runs": [r["peak_rss_bytes"] for r in good]}
+        else:
+            results[seq] = runs[0]
     summary: dict = {"machine": machine(), "hidden": HIDDEN, "intermediate": INTERMEDIATE, "layers": LAYERS,
-                     "sequence_tile": args.sequence_tile}  # fmt: skip
+                     "sequence_tile": args.sequence_tile, "data": args.data}  # fmt: skip
     lo, hi = (int(x) for x in args.slope_between.split(","))
     if lo in results and hi in results and "error" not in results[lo] and "error" not in results[hi]:
         state = HIDDEN * 4  # fp32
@@ -170,7 +181,7 @@ def main() -> None:
         low, high, trials = args.bisect_low, args.bisect_high, []
         while high - low > 1024:
             mid = (low + high) // 2 // 1024 * 1024
-            r = run_length(args.dir, model, mid, args.sequence_tile, 1)
+            r = run_length(args.dir, model, mid, args.sequence_tile, 1, args.data == "packed")
             fits = "error" not in r and r["peak_rss_bytes"] <= budget
             trials.append({"seq": mid, "fits": fits, "peak_rss_bytes": r.get("peak_rss_bytes"),
                            "error": r.get("error")})  # fmt: skip

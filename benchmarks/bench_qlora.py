@@ -85,7 +85,9 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
     engine = EngineConfig(dtype=dtype, method="lora", quantize="nf4", params="disk",
                           lora=LoraSettings(r=16, alpha=32, dropout=0.0), learning_rate=1e-4,
                           max_steps=args.steps, quant_cache=args.quant_cache,
-                          gradient_accumulation_steps=args.micro_batches, wave_size=args.wave_size)  # fmt: skip
+                          gradient_accumulation_steps=args.micro_batches, wave_size=args.wave_size,
+                          activations=args.activations, activation_tokens=args.batch * args.seq,
+                          sequence_tile=args.sequence_tile)  # fmt: skip
     began = time.perf_counter()
     trainer = StreamedTrainer(model_dir, store, engine)
     load_s = time.perf_counter() - began
@@ -214,6 +216,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wave-size", type=int, default=0,
                    help="micro-batches through a layer while it is loaded (0: the step's; 1: one at a time, the "
                         "schedule before the layer-major step)")  # fmt: skip
+    p.add_argument("--activations", choices=("device", "host"), default="device",
+                   help="where the hidden states at the layer boundaries wait (offload.activations)")
+    p.add_argument("--sequence-tile", type=int, default=2048, help="a layer's MLP this many tokens at a time")
     p.add_argument("--host-budget", default="8GiB")
     p.add_argument("--device-budget", default="2GiB")
     p.add_argument("--modes", default="tiertune,peft")

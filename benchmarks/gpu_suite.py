@@ -86,7 +86,7 @@ from tiertune.units import format_size, parse_size
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-PHASES = ("tests", "kernels", "qlora", "accumulation", "full")
+PHASES = ("tests", "kernels", "qlora", "accumulation", "full", "longseq")
 COMMON_KEYS = ("phase", "result", "machine", "gpu_memory_cap_bytes", "command", "dry_run")
 _TRAINING = ("batch", "seq", "tokens_per_step", "steps", "load_s", "step_s", "first_step_s",
              "tokens_per_second", "losses", "peak_gpu_bytes", "peak_rss_bytes")  # fmt: skip
@@ -114,6 +114,8 @@ KEYS: dict[str, tuple[str, ...]] = {
     "full/fsdp2": ("system", "model", "placement", *_TRAINING, "max_grad_norm", *_FLOPS, "optimizer",
                    "optimizer_s", "mixed_precision", "backend", "pinned_memory_rounding"),
     "full/deepspeed": ("reference", "skipped"),
+    "longseq/tiertune": ("system", "base", "batch", "host_budget_bytes", "device_budget_bytes", "sequence_tile",
+                         "runs", "longest_trained"),
 }  # fmt: skip
 # the results each phase prints (kernels: one per op)
 PHASE_RESULTS = {
@@ -122,6 +124,7 @@ PHASE_RESULTS = {
     "qlora": ("qlora/tiertune", "qlora/peft"),
     "accumulation": ("accumulation/tiertune",),
     "full": ("full/tiertune", "full/fsdp2", "full/deepspeed"),
+    "longseq": ("longseq/tiertune",),
 }
 # what only a GPU has or measures: null in a dry run
 GPU_ONLY = frozenset(
@@ -185,6 +188,7 @@ class Shape:
 
 LLAMA3_70B = Shape("Llama-3-70B", 80, 8192, 28672, 64, 8, 128256)
 LLAMA2_7B = Shape("Llama-2-7B", 32, 4096, 11008, 32, 32, 32000)
+LLAMA3_8B = Shape("Llama-3-8B", 32, 4096, 14336, 32, 8, 128256)
 
 
 @dataclass(frozen=True)
@@ -213,6 +217,11 @@ class Settings:
     full_seq: int
     full_steps: int
     full_device_budget: int
+    # the longseq phase: QLoRA of the 8B shape cut to this many layers, one row of each length a step
+    longseq_layers: int
+    longseq_seqs: tuple[int, ...]
+    longseq_host_budget: int
+    longseq_device_budget: int
     disk_probe_bytes: int
     ram_reserve: int  # host memory left to the OS, the CUDA runtime, the interpreter and the page cache
     disk_margin: int
@@ -235,6 +244,9 @@ class Settings:
                 # (the 2.1 GB bf16 embedding stays on the device): every wave streams them from disk
                 accum_layers=16, accum_host_budget=3 << 30, accum_device_budget=5 << 30,
                 full_shape=LLAMA2_7B, full_batch=8, full_seq=2048, full_steps=4, full_device_budget=6 << 30,
+                # a layer's memory at a length is the same at any depth: 4 layers keep 256K tokens within minutes
+                longseq_layers=4, longseq_seqs=(65536, 131072, 262144), longseq_host_budget=24 << 30,
+                longseq_device_budget=4 << 30,
                 disk_probe_bytes=2 << 30, ram_reserve=20 << 30, disk_margin=3 << 30,
             )  # fmt: skip
         return cls(
@@ -250,7 +262,8 @@ class Settings:
             qlora_steps=2, qlora_host_budget=256 << 10, qlora_device_budget=256 << 10, peft_reserve_s=20.0,
             accum_layers=8, accum_host_budget=256 << 10, accum_device_budget=256 << 10,
             full_shape=Shape("toy Llama (dry run)", 2, 128, 256, 4, 4, 512), full_batch=2, full_seq=32,
-            full_steps=3, full_device_budget=2 << 20, disk_probe_bytes=16 << 20, ram_reserve=1 << 30,
+            full_steps=3, full_device_budget=2 << 20, longseq_layers=2, longseq_seqs=(256, 512),
+            longseq_host_budget=64 << 20, longseq_device_budget=16 << 20, disk_probe_bytes=16 << 20, ram_reserve=1 << 30,
             disk_margin=64 << 20,
         )  # fmt: skip
 
@@ -1124,6 +1137,47 @@ def phase_accumulation(ctx: Context) -> None:
     emit(ctx, "accumulation", "accumulation/tiertune", values, began)
 
 
+def phase_longseq(ctx: Context) -> None:
+    """QLoRA of the Llama-3-8B shape (cut to ``longseq_layers`` layers: a layer's memory at a length is the
+    same at any depth) on one row of 64K, 128K and 256K tokens a step under the GPU cap: the layer inputs on
+    the host, segment attention, the MLP in sequence tiles, the head fused with the loss. Tokens/s and peak GPU
+    memory of each length, up to the first that does not train."""
+    s = ctx.settings
+    dtype = getattr(torch, s.dtype)
+    began = time.perf_counter()
+    tile = 256 if s.dry_run else 2048  # the dry run's rows are tiled too
+    shape = (LLAMA3_8B if not s.dry_run else s.qlora_shape).with_layers(s.longseq_layers)
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(dir=ctx.dir, prefix="longseq-") as name:
+        tmp = Path(name)
+        model = tmp / "base"
+        write_checkpoint(model, shape, "sparse", dtype)
+        for seq in s.longseq_seqs:
+            argv = [*shape.args(), "--steps", "2", "--batch", "1", "--seq", str(seq), "--activations", "host",
+                    "--sequence-tile", str(tile), "--host-budget", f"{s.longseq_host_budget}B",
+                    "--device-budget", f"{s.longseq_device_budget}B", "--device", s.device,
+                    "--gpu-memory-cap", f"{s.gpu_cap}B", "--quant-cache", "generated"]  # fmt: skip
+            left = ctx.budget.left() - 10
+            if left < 30:
+                runs[str(seq)] = {"skipped": f"{left:.0f} s of the budget left"}
+                break
+            out = run_child("qlora-tiertune", {"argv": argv, "model": str(model), "disk": str(tmp / f"disk-{seq}")},
+                            left)  # fmt: skip
+            runs[str(seq)] = {key: out.get(key) for key in ("error", "step_s", "first_step_s", "tokens_per_second",
+                                                             "losses", "peak_gpu_bytes", "peak_rss_bytes")}  # fmt: skip
+            log(f"longseq {seq} tokens: {json.dumps(runs[str(seq)])}")
+            shutil.rmtree(tmp / f"disk-{seq}", ignore_errors=True)
+            if out.get("error"):
+                break
+    trained = [int(k) for k, r in runs.items() if r.get("step_s") is not None]
+    values = {
+        "system": "tiertune", "base": {**shape.describe(), "of": LLAMA3_8B.name}, "batch": 1,
+        "host_budget_bytes": s.longseq_host_budget, "device_budget_bytes": s.longseq_device_budget,
+        "sequence_tile": tile, "runs": runs, "longest_trained": max(trained, default=None),
+    }  # fmt: skip
+    emit(ctx, "longseq", "longseq/tiertune", values, began)
+
+
 def _qlora_depth(ctx: Context, free: int, gbps: float, dtype: torch.dtype) -> tuple[Shape, str | None, int]:
     """The layers of the 70B shape that run, and the steps: all of them unless the disk cannot hold their disk
     tier next to the checkpoint's embedding, or streaming them (a step reads the base about twice: forward,
@@ -1323,6 +1377,7 @@ PHASE_FUNCS: dict[str, Callable[[Context], None]] = {
     "qlora": phase_qlora,
     "accumulation": phase_accumulation,
     "full": phase_full,
+    "longseq": phase_longseq,
 }
 
 

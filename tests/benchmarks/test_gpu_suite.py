@@ -93,3 +93,7 @@ def test_the_dry_run_measures_what_a_cpu_can(results):
     assert fsdp2["backend"] == "gloo"
     # same checkpoint, batches, AdamW and learning-rate schedule, fp32 on the CPU: the same losses
     assert full["losses"] == pytest.approx(fsdp2["losses"], rel=1e-4)
+    (long,) = results["longseq/tiertune"]
+    # the dry run's rows (256 and 512 tokens) are tiled by 256 tokens, the longer in two tiles
+    assert long["sequence_tile"] == 256 and long["longest_trained"] == 512
+    assert all(r["tokens_per_second"] > 0 and _finite(r["losses"]) for r in long["runs"].values())

@@ -63,7 +63,7 @@ def test_packed_rows_equal_sdpas_block_diagonal_mask(model_type):
         torch.testing.assert_close(a[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_padded_rows_equal_sdpa_on_the_valid_positions():
+def test_padded_rows_equal_sdpa():
     model = tiny("llama")
     ours = copy.deepcopy(model)
     assert use_segment_attention(ours) is None
@@ -74,6 +74,9 @@ def test_padded_rows_equal_sdpa_on_the_valid_positions():
     batch = {"input_ids": ids, "attention_mask": mask}
     a, b = run(ours, batch, mask.float()), run(model, batch, mask.float())
     torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5)
+    # every position, padded ones too (an MoE router sees them)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(**batch).logits, model(**batch).logits, rtol=1e-5, atol=1e-5)
     for name, grad in b[1].items():
         torch.testing.assert_close(a[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
 

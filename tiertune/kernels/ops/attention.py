@@ -10,8 +10,9 @@ attention implementation is ``tiertune_segments``: its mask function hands the a
 (as transformers' flash-attention path does), and the attention cuts each row into segments, from the
 ``position_ids`` (a new document wherever a position is not its predecessor's plus one, as transformers finds
 them) and the padding (a right-padded row's valid prefix). Segments of equal length run together in one call;
-a row with only one segment is its whole length. Padded positions' outputs are zeros (nothing reads them: the
-labels there are ignored and causal attention never looks forward).
+a row with only one segment is its whole length. A padded tail's queries attend to all of their row's valid
+keys (what sdpa's causal-and-padding mask gives them: nothing reads them, the labels there are ignored, but an
+MoE router sees them); a row with no valid token gives zeros.
 
 Exact: each segment's queries see exactly the keys the block-diagonal causal mask allows. A row without
 padding or packing takes the same SDPA call as transformers' ``sdpa`` (the same bits).
@@ -89,9 +90,9 @@ def segment_attention(
     batch, heads, length, _ = query.shape
     gqa = key.shape[1] != heads
 
-    def sdpa(q, k, v, mask=None):
+    def sdpa(q, k, v, mask=None, causal=True):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                              is_causal=mask is None, enable_gqa=gqa)  # fmt: skip
+                                              is_causal=causal and mask is None, enable_gqa=gqa)  # fmt: skip
 
     kv = key.shape[2]
     rows = segments(kwargs.get("position_ids"), attention_mask, batch, length) if kv == length > 1 else None
@@ -117,6 +118,16 @@ def segment_attention(
         o = sdpa(q, k, v) if n > 1 else v.repeat_interleave(heads // key.shape[1], 1) if gqa else v
         parts.append(o.transpose(1, 2).reshape(len(starts) * n, heads, -1))
         where.append(index)
+    for b, row in enumerate(rows):  # a padded tail's queries see every valid key of their row, as sdpa's mask has it
+        n = row[-1][1] if row else 0
+        if 0 < n < length:
+            at = b * length
+            tail = torch.arange(at + n, at + length, device=query.device)
+            valid = torch.arange(at, at + n, device=query.device)
+            q = flat[0].index_select(0, tail).view(1, length - n, *flat[0].shape[1:]).transpose(1, 2)
+            k, v = (x.index_select(0, valid).view(1, n, *x.shape[1:]).transpose(1, 2) for x in flat[1:])
+            parts.append(sdpa(q, k, v, causal=False).transpose(1, 2).reshape(length - n, heads, -1))
+            where.append(tail)
     out = query.new_zeros(batch * length, heads, query.shape[-1]).index_copy(0, torch.cat(where), torch.cat(parts))
     return out.view(batch, length, heads, -1), None
 
