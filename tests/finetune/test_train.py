@@ -238,7 +238,7 @@ def test_the_banner_says_what_is_trained_and_where_each_state_lives(recipe_file,
     assert "tiertune: full, " in out and "parameters trained (100.00%)" in out
     assert "effective batch 8 sequences (4 x 2 accumulated)" in out
     assert "weights" in out and "on disk" in out and "budgets: device (cpu) 4.00 MiB, host 1.00 MiB" in out
-    assert "kernels: torch (glu x3, rms_norm x7, rope x3, fused loss)" in out
+    assert "kernels: torch (glu x3, rms_norm x7, rope x3, fused loss, segment attention)" in out
 
 
 def test_steps_are_reported_to_tensorboard_and_wandb(recipe_file, tmp_path, monkeypatch):
