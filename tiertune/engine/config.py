@@ -11,6 +11,9 @@ from tiertune.settings import GaloreSettings, LoraSettings
 STACK_TOKENS = 2048
 """The most tokens a quantized layer's visit runs as one batch by default (``EngineConfig.stack_tokens``)."""
 
+SEQUENCE_TILE = 2048
+"""The tokens a layer's MLP computes at a time by default (``EngineConfig.sequence_tile``, ``engine.tiling``)."""
+
 
 @dataclass
 class EngineConfig:
@@ -49,7 +52,7 @@ class EngineConfig:
     stack_tokens: int | None = None
     # a layer's MLP computed this many tokens at a time in forward and backward (``engine.tiling``): its
     # intermediate activations exist for one tile, not the whole sequence; 0: untiled
-    sequence_tile: int = 2048
+    sequence_tile: int = SEQUENCE_TILE
     # micro-batches per step: with more than one, GaLore sums its projected weights' full gradients in host
     # accumulators, placed up front (a step with more micro-batches than said adds them when it needs them)
     gradient_accumulation_steps: int = 1

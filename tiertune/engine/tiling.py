@@ -14,6 +14,7 @@ is per token too, but its logits feed the auxiliary loss outside the block)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -21,7 +22,16 @@ from torch import nn
 from tiertune.engine.schedule import Rng
 from tiertune.engine.stacking import draws_random
 
-SEQUENCE_TILE = 2048  # tokens; the plan's choice when offload.sequence_tile is auto
+
+def _in_tiles(forward: Callable, x: torch.Tensor, tile: int, rngs: list[Rng] | None = None) -> torch.Tensor:
+    """``forward`` over ``x``'s tokens ``tile`` at a time (batch and sequence flattened), the outputs joined;
+    ``rngs``: each tile's random state is appended to it first."""
+    outs = []
+    for part in x.reshape(1, -1, x.shape[-1]).split(tile, dim=1):
+        if rngs is not None:
+            rngs.append(Rng.now(x.device))
+        outs.append(forward(part))
+    return torch.cat(outs, dim=1).view(*x.shape[:-1], -1)
 
 
 class _Tiled(torch.autograd.Function):
@@ -29,14 +39,9 @@ class _Tiled(torch.autograd.Function):
     def forward(ctx, forward: Callable, tile: int, random: bool, x: torch.Tensor, *params: torch.Tensor):
         ctx.forward, ctx.tile = forward, tile
         ctx.save_for_backward(x, *params)
-        flat = x.reshape(1, -1, x.shape[-1])
-        outs, ctx.rngs = [], []
+        ctx.rngs = [] if random else None
         with torch.no_grad():
-            for part in flat.split(tile, dim=1):
-                if random:
-                    ctx.rngs.append(Rng.now(x.device))
-                outs.append(forward(part))
-        return torch.cat(outs, dim=1).view(*x.shape[:-1], -1)
+            return _in_tiles(forward, x, tile, ctx.rngs)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -50,9 +55,7 @@ class _Tiled(torch.autograd.Function):
         start = 0
         for t, (part, g) in enumerate(zip(flat.split(ctx.tile, dim=1), grads.split(ctx.tile, dim=1), strict=True)):
             part = part.detach().requires_grad_(wants_x)
-            with torch.enable_grad(), torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
-                if ctx.rngs:
-                    ctx.rngs[t].set(x.device)
+            with torch.enable_grad(), ctx.rngs[t].running(x.device) if ctx.rngs else nullcontext():
                 out = ctx.forward(part)
             inputs = ([part] if wants_x else []) + [params[i] for i in trained]
             got = list(torch.autograd.grad(out, inputs, g, allow_unused=True)) if inputs else []
@@ -72,15 +75,15 @@ def tile_mlp(layer: nn.Module, tile: int) -> bool:
     if tile <= 0 or not isinstance(mlp, nn.Module) or any(n.endswith("experts") for n, _ in mlp.named_modules()):
         return False
     inner = mlp.forward
+    random = draws_random(mlp)  # its dropout probabilities, fixed once built
 
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args or kwargs or x.numel() // x.shape[-1] <= tile:
             return inner(x, *args, **kwargs)
         if not torch.is_grad_enabled():  # a pass without backward: tiles too, nothing to keep
-            flat = x.reshape(1, -1, x.shape[-1])
-            return torch.cat([inner(part) for part in flat.split(tile, dim=1)], dim=1).view(*x.shape[:-1], -1)
+            return _in_tiles(inner, x, tile)
         params = [p for p in mlp.parameters() if p.requires_grad]
-        return _Tiled.apply(inner, tile, mlp.training and draws_random(mlp), x, *params)
+        return _Tiled.apply(inner, tile, mlp.training and random, x, *params)
 
     mlp.forward = forward
     return True

@@ -65,7 +65,7 @@ def layer_saved_bytes(model: nn.Module, cfg, tokens: int) -> int:
     parts = split_model(model)
     layer = parts.layers[0]
     tile_mlp(layer, cfg.sequence_tile)
-    params = {p.data_ptr() for p in model.parameters()} | {id(p) for p in model.parameters()}
+    params = {id(p) for p in model.parameters()}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

@@ -94,7 +94,7 @@ class OffloadSection:
     optimizer_states: str = field(default="auto", metadata=choices("auto", "device", "host", "disk"))
     activations: str = field(default="auto", metadata=choices("auto", "device", "host"))
     prefetch_depth: int = 2
-    # a layer's MLP computed this many tokens at a time (0: untiled; auto: engine.tiling.SEQUENCE_TILE)
+    # a layer's MLP computed this many tokens at a time (0: untiled; auto: engine.config.SEQUENCE_TILE)
     sequence_tile: int | str = field(default="auto", metadata=choices("auto"))
     # the CPU optimizer during backward (true), after it (false), or during it when its twin states fit
     overlap_optimizer: bool | str = field(default="auto", metadata=choices("auto"))

@@ -31,7 +31,7 @@ import torch
 
 from tiertune.distributed.world import World
 from tiertune.engine import EngineConfig, StreamedTrainer
-from tiertune.engine.tiling import SEQUENCE_TILE
+from tiertune.engine.config import SEQUENCE_TILE
 from tiertune.errors import (
     BudgetError,
     ConfigError,
