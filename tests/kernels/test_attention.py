@@ -110,3 +110,34 @@ def test_what_keeps_its_own_attention():
     mistral = AutoConfig.for_model("mistral", sliding_window=4096)
     assert segment_attention_fits(mistral) == "a sliding attention window"
     assert segment_attention_fits(AutoConfig.for_model("llama")) is None
+
+
+def test_backward_recomputes_each_call_with_the_forwards_dropout():
+    """A packed and right-padded batch with attention dropout: the gradients ``segment_attention`` computes by
+    recomputing each SDPA call in backward equal autograd through the same calls, each given the same random
+    draws (the random state replayed from forward)."""
+    import torch.nn.functional as F
+
+    from tiertune.kernels.ops.attention import _gather, _jobs, segment_attention, segments
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 40, 8, generator=g, requires_grad=True) for _ in range(3))
+    positions = torch.cat([torch.arange(15), torch.arange(25)])[None].expand(2, -1)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, 33:] = 0
+    grad = torch.randn(2, 40, 4, 8, generator=g)
+    torch.manual_seed(7)
+    out, _ = segment_attention(None, q, k, v, mask, dropout=0.3, scaling=None, position_ids=positions)
+    ours = torch.autograd.grad(out, (q, k, v), grad)
+
+    torch.manual_seed(7)
+    rows = segments(positions, mask, 2, 40)
+    expected = q.new_zeros(2, 40, 4, 8)
+    for q_at, kv_at, n, causal in _jobs(rows, 40, q.device):
+        o = F.scaled_dot_product_attention(_gather(q, q_at, n), _gather(k, kv_at, n), _gather(v, kv_at, n),
+                                           dropout_p=0.3, is_causal=causal)  # fmt: skip
+        expected = expected.index_put((q_at[0], q_at[1]), o.transpose(1, 2).reshape(-1, 4, 8))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for a, b in zip(ours, torch.autograd.grad(expected, (q, k, v), grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert any(x.abs().sum() > 0 for x in ours)

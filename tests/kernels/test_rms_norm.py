@@ -46,3 +46,29 @@ def test_the_reference_is_what_transformers_computes(family):
     torch.testing.assert_close(
         rms_norm_reference(x, module.weight, 1e-6, offset), module(x), rtol=1e-6, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("weight_grad", [True, False])
+def test_the_torch_function_back_propagates_as_autograd_through_the_reference(dtype, offset, weight_grad):
+    """``RMSNormTorch`` (the CPU path under autograd: it keeps the input and rstd only) gives the reference's
+    output bit for bit, and the gradients autograd computes through the reference (fp32: 1e-6 relative; bf16:
+    within a bf16 rounding of the largest entry)."""
+    from tiertune.kernels.ops.rms_norm import RMSNormTorch
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 7, 96, generator=g).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype).requires_grad_(weight_grad)
+    dy = torch.randn(2, 7, 96, generator=g).to(dtype)
+    ours = RMSNormTorch.apply(x, w, 1e-6, offset)
+    ref = rms_norm_reference(x, w, 1e-6, offset)
+    assert torch.equal(ours, ref)
+    wanted = [x, w] if weight_grad else [x]
+    got, expected = torch.autograd.grad(ours, wanted, dy), torch.autograd.grad(ref, wanted, dy)
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    for a, b in zip(got, expected, strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **tol)
+    with torch.no_grad():  # no autograd: the reference itself
+        assert rms_norm(x, w, 1e-6, offset, backend="torch").grad_fn is None

@@ -1,19 +1,52 @@
-"""What one decoder layer keeps for backward while the engine back-propagates through it: traced, not guessed.
+"""What one decoder layer's recompute and backward hold at their peak: traced, not guessed.
 
-The engine recomputes a layer from its input and back-propagates through it, one layer at a time, so the
-activations of one layer's autograd graph are what a long sequence adds beyond the layer boundaries. Here the
-model's first decoder layer runs on the meta device (no memory, any length) as the engine runs it: the
-method's LoRA adapters in it, tiertune's ops, segment attention and the MLP in sequence tiles, and every tensor
-autograd saves is counted once (``torch.autograd.graph.saved_tensors_hooks``), parameters aside."""
+The engine recomputes a layer from its input and back-propagates through it, one layer at a time, so one layer's
+activations (what autograd saves) and temporaries (what its ops and their gradients hold for a while) are what
+a long sequence adds beyond the layer boundaries and their gradients. Here the model's first decoder layer runs
+forward and backward on the meta device (no memory, any length) as the engine runs it: the method's LoRA
+adapters in it, tiertune's ops, segment attention and the MLP in sequence tiles. ``LiveBytes`` counts every
+tensor storage the ops create while it lives (a weak reference to the storage says when it is freed) and keeps
+the peak; the layer's input and its output's gradient are the engine's (the boundary and its gradient)."""
 
 from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of tensor storages created inside this mode and still alive (``live``), and their high-water
+    mark (``peak``); views count once, with their storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._refs: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage not in self._seen:
+                    n = storage.nbytes()
+                    self._seen[storage] = n
+                    self.live += n
+                    self.peak = max(self.peak, self.live)
+                    self._refs.append(weakref.ref(storage, lambda _, n=n: self._freed(n)))
+        return out
+
+    def _freed(self, n: int) -> None:
+        self.live -= n
 
 
 class _FlashShaped(torch.autograd.Function):
@@ -21,24 +54,28 @@ class _FlashShaped(torch.autograd.Function):
     SDPA decomposes into the math path, which would count the sequence x sequence scores."""
 
     @staticmethod
-    def forward(ctx, q, k, v):
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    def forward(ctx, q, k, v):  # the output laid out (batch, length, heads, dim), as the kernels write it
+        batch, heads, length, _ = q.shape
+        out = q.new_empty(batch, length, heads, v.shape[-1]).transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
         return out
 
     @staticmethod
-    def backward(ctx, grad):  # never run: the trace only counts
-        raise NotImplementedError
+    def backward(ctx, grad):  # the three gradients, as the kernels return them
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     return _FlashShaped.apply(q, k, v)
 
 
-def layer_saved_bytes(model: nn.Module, cfg, tokens: int) -> int:
-    """Bytes autograd saves in the first decoder layer of ``model`` (a meta-device skeleton, not quantized)
-    for one micro-batch of ``tokens`` tokens, as ``cfg`` (an ``EngineConfig``) runs it. Raises what the trace
-    raises (an architecture whose ops have no meta kernels)."""
+def layer_peak_bytes(model: nn.Module, cfg, tokens: int) -> int:
+    """The most bytes of activations and temporaries the first decoder layer of ``model`` (a meta-device
+    skeleton, not quantized) holds at once while it runs forward and backward for one micro-batch of ``tokens``
+    tokens, as ``cfg`` (an ``EngineConfig``) runs it; its input and its output's gradient aside. Raises what the
+    trace raises (an architecture whose ops have no meta kernels). A full fine-tune's weight gradients aside:
+    the plan counts them as their own item."""
     from tiertune.engine.tiling import tile_mlp
     from tiertune.kernels.ops.attention import use_segment_attention
     from tiertune.kernels.patch import patch_model
@@ -65,14 +102,9 @@ def layer_saved_bytes(model: nn.Module, cfg, tokens: int) -> int:
     parts = split_model(model)
     layer = parts.layers[0]
     tile_mlp(layer, cfg.sequence_tile)
-    params = {id(p) for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in params and not isinstance(t, nn.Parameter):
-            seen[id(t)] = t.numel() * t.element_size()
-        return t
-
+    # the adapters' gradients are a layer's temporaries too; a full fine-tune's weight gradients are the plan's
+    # own item (``a layer's gradient, summed over a wave``)
+    trained = [p for n, p in layer.named_parameters() if cfg.method == "lora" and "lora_" in n]
     rotary = next((m for n, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")
                    and ".layers." not in f".{n}."), None)  # fmt: skip
     hidden = torch.zeros(1, tokens, model.config.hidden_size, device="meta", dtype=cfg.dtype, requires_grad=True)
@@ -80,12 +112,16 @@ def layer_saved_bytes(model: nn.Module, cfg, tokens: int) -> int:
     kwargs = {"attention_mask": None}  # one document: segment attention needs no positions to cut it
     if rotary is not None:
         kwargs["position_embeddings"] = rotary(hidden, positions)
+    grad = torch.zeros(1, tokens, model.config.hidden_size, device="meta", dtype=cfg.dtype)
     layer.train()
     sdpa = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = _sdpa
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            layer(hidden, **kwargs)
+        with torch.enable_grad(), LiveBytes() as live:
+            out = layer(hidden, **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+            torch.autograd.grad(out, [hidden, *trained], grad, allow_unused=True)
+            del out
     finally:
         F.scaled_dot_product_attention = sdpa
-    return sum(seen.values())
+    return live.peak

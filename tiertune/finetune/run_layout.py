@@ -181,7 +181,7 @@ def run_layout(
     else:  # ``stash.DeviceStash``
         outside["hidden states at the layer boundaries"] = act * m * (len(parts.layers) + 1)
     if layer_saved:
-        outside["a layer's saved activations (recompute and backward)"] = layer_saved
+        outside["a layer's activations and temporaries (recompute and backward)"] = layer_saved
     # backward carries each micro-batch's gradient at a layer boundary; a trained layer's gradient is summed
     # over the wave in fp32
     outside["boundary gradients of a wave"] = act * m
@@ -223,16 +223,16 @@ def run_layout(
 
 
 def _layer_saved(model: torch.nn.Module, cfg, micro: int, k: int, notes: list[str]) -> int:
-    """What autograd keeps of one decoder layer while backward runs through it (``activations``), for the most
+    """The most one decoder layer's recompute and backward hold at once (``activations``), for the most
     tokens a layer's visit runs at once: a micro-batch, or a stack of them (``stack_limit``); 0 with a note
     when the layer cannot be traced on the meta device."""
-    from tiertune.finetune.activations import layer_saved_bytes
+    from tiertune.finetune.activations import layer_peak_bytes
 
     stack = min(cfg.stack_limit, k * micro) if cfg.stack_limit > 0 else 0
     try:
-        return layer_saved_bytes(model, cfg, max(micro, stack))
+        return layer_peak_bytes(model, cfg, max(micro, stack))
     except Exception as exc:  # an op without a meta kernel: the figure is left out, and said
-        notes.append(f"a layer's saved activations are not counted (tracing it on the meta device failed: {exc})")
+        notes.append(f"a layer's activations and temporaries are not counted (tracing it on the meta device failed: {exc})")
         return 0
 
 

@@ -104,32 +104,101 @@ def segment_attention(
         if attention_mask is not None:
             mask = mask & attention_mask[:, -kv:].bool()[:, None, None, :]
         return sdpa(query, key, value, mask).transpose(1, 2).contiguous(), None
-    by_length: dict[int, list[int]] = defaultdict(list)  # segment length -> the flat index of each start
+    return _Segments.apply(query, key, value, _jobs(rows, length, query.device), dropout, scaling), None
+
+
+# the most query tokens of equal-length segments one SDPA call takes: what bounds backward's temporaries
+_JOB_TOKENS = 2048
+
+
+def _jobs(rows: list[list[tuple[int, int]]], length: int, device: torch.device) -> list[tuple]:
+    """The SDPA calls that cover ``rows``: ``(q_at, kv_at, segments, causal)`` with ``q_at``/``kv_at`` the
+    (row, position) index pairs of the calls' queries and keys, segment by segment. Equal-length segments go
+    together, up to ``_JOB_TOKENS`` queries a call; a padded tail's queries attend to their row's valid keys."""
+    by_length: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for b, row in enumerate(rows):
         for s, e in row:
-            by_length[e - s].append(b * length + s)
-    # tokens gathered and scattered by flat index: one index_select per tensor and length, one index_copy out
-    # (slicing each segment apart would make backward allocate a whole-row gradient per segment)
-    flat = [x.transpose(1, 2).reshape(batch * length, x.shape[1], x.shape[3]) for x in (query, key, value)]
-    parts, where = [], []
+            by_length[e - s].append((b, s))
+    jobs = []
     for n, starts in by_length.items():
-        index = (torch.tensor(starts)[:, None] + torch.arange(n)).flatten().to(query.device)
-        q, k, v = (x.index_select(0, index).view(len(starts), n, *x.shape[1:]).transpose(1, 2) for x in flat)
-        o = sdpa(q, k, v) if n > 1 else v.repeat_interleave(heads // key.shape[1], 1) if gqa else v
-        parts.append(o.transpose(1, 2).reshape(len(starts) * n, heads, -1))
-        where.append(index)
-    for b, row in enumerate(rows):  # a padded tail's queries see every valid key of their row, as sdpa's mask has it
+        step = max(1, _JOB_TOKENS // n)
+        for i in range(0, len(starts), step):
+            part = torch.tensor(starts[i : i + step])
+            at = (part[:, :1].expand(-1, n).flatten(), (part[:, 1:] + torch.arange(n)).flatten())
+            at = tuple(t.to(device) for t in at)
+            jobs.append((at, at, len(part), True))
+    for b, row in enumerate(rows):
         n = row[-1][1] if row else 0
         if 0 < n < length:
-            at = b * length
-            tail = torch.arange(at + n, at + length, device=query.device)
-            valid = torch.arange(at, at + n, device=query.device)
-            q = flat[0].index_select(0, tail).view(1, length - n, *flat[0].shape[1:]).transpose(1, 2)
-            k, v = (x.index_select(0, valid).view(1, n, *x.shape[1:]).transpose(1, 2) for x in flat[1:])
-            parts.append(sdpa(q, k, v, causal=False).transpose(1, 2).reshape(length - n, heads, -1))
-            where.append(tail)
-    out = query.new_zeros(batch * length, heads, query.shape[-1]).index_copy(0, torch.cat(where), torch.cat(parts))
-    return out.view(batch, length, heads, -1), None
+            q_at = (torch.full((length - n,), b), torch.arange(n, length))
+            kv_at = (torch.full((n,), b), torch.arange(n))
+            jobs.append((tuple(t.to(device) for t in q_at), tuple(t.to(device) for t in kv_at), 1, False))
+    return jobs
+
+
+def _gather(x: torch.Tensor, at: tuple[torch.Tensor, torch.Tensor], segments: int) -> torch.Tensor:
+    """The tokens ``at`` of ``x`` (batch, heads, length, dim) as (segments, heads, tokens, dim)."""
+    picked = x[at[0], :, at[1]]  # (tokens, heads, dim)
+    return picked.view(segments, -1, *picked.shape[1:]).transpose(1, 2)
+
+
+class _Segments(torch.autograd.Function):
+    """Every segment's causal attention, written into one (batch, length, heads, dim) output. Keeps the
+    queries, keys and values only: backward gathers each call's tokens again and recomputes its attention
+    with autograd, its gradients written into the whole tensors' (autograd through the gathers would keep a
+    copy of every gathered token and output, and make each call's backward a whole-length zero tensor per input).
+    Dropout draws the same in the recomputation: the random state is kept from forward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, jobs, dropout, scaling):
+        ctx.save_for_backward(q, k, v)
+        ctx.jobs, ctx.dropout, ctx.scaling = jobs, dropout, scaling
+        ctx.rng = _rng_state(q.device) if dropout > 0 else None
+        batch, heads, length, _ = q.shape
+        out = q.new_zeros(batch, length, heads, v.shape[-1])
+        for q_at, kv_at, n, causal in jobs:
+            o = _call(_gather(q, q_at, n), _gather(k, kv_at, n), _gather(v, kv_at, n), dropout, scaling, causal)
+            out[q_at] = o.transpose(1, 2).reshape(-1, heads, v.shape[-1])
+            del o  # one call's temporaries at a time
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        heads = q.shape[1]
+        grads = [torch.zeros(x.shape[0], x.shape[2], x.shape[1], x.shape[3], dtype=x.dtype, device=x.device)
+                 for x in (q, k, v)]  # fmt: skip
+        with torch.random.fork_rng([q.device] if q.device.type != "cpu" else [], enabled=ctx.rng is not None):
+            if ctx.rng is not None:
+                _set_rng_state(q.device, ctx.rng)
+            for q_at, kv_at, n, causal in ctx.jobs:
+                parts = [x[at[0], :, at[1]].detach().requires_grad_() for x, at in ((q, q_at), (k, kv_at), (v, kv_at))]
+                with torch.enable_grad():
+                    o = _call(*(x.view(n, -1, *x.shape[1:]).transpose(1, 2) for x in parts), ctx.dropout,
+                              ctx.scaling, causal)  # fmt: skip
+                g = grad[q_at].view(n, -1, heads, grad.shape[-1]).transpose(1, 2)
+                got = torch.autograd.grad(o, parts, g)
+                del o, parts, g  # one call's temporaries at a time
+                for whole, at, part in zip(grads, (q_at, kv_at, kv_at), got, strict=True):
+                    whole.index_put_(at, part, accumulate=True)  # a padded tail's call shares its row's keys
+                del got, part
+        return *(x.transpose(1, 2) for x in grads), None, None, None
+
+
+def _call(q, k, v, dropout: float, scaling: float | None, causal: bool) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=causal,
+                                          enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
 
 
 def segment_mask(
