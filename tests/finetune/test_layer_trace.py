@@ -51,9 +51,9 @@ def _real_peak(model, cfg, tokens: int) -> int:
     grad = torch.randn_like(hidden)
     with LiveBytes() as live:
         out = layer(hidden, attention_mask=None, position_embeddings=embeddings)
-        out = out[0] if isinstance(out, tuple) else out
-        torch.autograd.grad(out, [hidden, *trained], grad)
+        edge = torch.autograd.graph.get_gradient_edge(out[0] if isinstance(out, tuple) else out)
         del out
+        torch.autograd.grad([edge], [hidden, *trained], [grad])
     return live.peak
 
 

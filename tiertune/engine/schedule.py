@@ -304,7 +304,11 @@ class LayerMajor:
                         out = run_layer(self.layers[i], x, call)
                         inputs = ([x] if input_grad else []) + list(trained.values()) + adapters
                         grad = head.grad if len(group) == 1 else torch.cat([micro[j].grad for j in group])
-                        outputs, grad_outputs = [out], [grad]
+                        # the output's place in the graph, not the output: its storage goes now (nothing in backward
+                        # reads it), a hidden state's worth of bytes less at the layer's backward peak
+                        outputs: list = [torch.autograd.graph.get_gradient_edge(out)]
+                        grad_outputs = [grad]
+                        del out
                         if engine.router_aux is not None:  # the auxiliary loss's gradient at the router logits
                             for logits, g in engine.router_aux.gradients(group[0], i):
                                 outputs.append(logits)
@@ -324,7 +328,7 @@ class LayerMajor:
                     for p, g in zip(adapters, grads[len(trained) :], strict=True):
                         if g is not None:  # as autograd accumulates a leaf's gradient
                             p.grad = g if p.grad is None else p.grad.add_(g)
-                    del out, x, grads
+                    del outputs, x, grads
             self.stash.close(i, keep=False)
             if trainable:
                 engine.layer_grads(i, {n: summed.get(n) for n in trained})

@@ -119,9 +119,9 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int) -> int:
     try:
         with torch.enable_grad(), LiveBytes() as live:
             out = layer(hidden, **kwargs)
-            out = out[0] if isinstance(out, tuple) else out
-            torch.autograd.grad(out, [hidden, *trained], grad, allow_unused=True)
-            del out
+            edge = torch.autograd.graph.get_gradient_edge(out[0] if isinstance(out, tuple) else out)
+            del out  # as the engine lets the output go before backward (its place in the graph is enough)
+            torch.autograd.grad([edge], [hidden, *trained], [grad], allow_unused=True)
     finally:
         F.scaled_dot_product_attention = sdpa
     return live.peak
