@@ -31,6 +31,7 @@ def _real_peak(model, cfg, tokens: int) -> int:
 
     from peft import LoraConfig, inject_adapter_in_model
 
+    from tiertune.engine.schedule import Handoff
     from tiertune.engine.tiling import tile_mlp
     from tiertune.kernels.ops.attention import use_segment_attention
     from tiertune.kernels.patch import patch_model
@@ -51,9 +52,9 @@ def _real_peak(model, cfg, tokens: int) -> int:
     grad = torch.randn_like(hidden)
     with LiveBytes() as live:
         out = layer(hidden, attention_mask=None, position_embeddings=embeddings)
-        edge = torch.autograd.graph.get_gradient_edge(out[0] if isinstance(out, tuple) else out)
-        del out
-        torch.autograd.grad([edge], [hidden, *trained], [grad])
+        seed = Handoff.apply(out[0] if isinstance(out, tuple) else out, [grad])
+        del out, grad
+        torch.autograd.grad(seed, [hidden, *trained])
     return live.peak
 
 

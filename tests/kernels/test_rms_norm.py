@@ -53,22 +53,22 @@ def test_the_reference_is_what_transformers_computes(family):
 @pytest.mark.parametrize("weight_grad", [True, False])
 def test_the_torch_function_back_propagates_as_autograd_through_the_reference(dtype, offset, weight_grad):
     """``RMSNormTorch`` (the CPU path under autograd: it keeps the input and rstd only) gives the reference's
-    output bit for bit, and the gradients autograd computes through the reference (fp32: 1e-6 relative; bf16:
-    within a bf16 rounding of the largest entry)."""
+    output bit for bit, and the gradients autograd computes through the reference (fp32: 1e-5, the weight's a
+    sum over 3000 rows in another order; bf16: within a bf16 rounding)."""
     from tiertune.kernels.ops.rms_norm import RMSNormTorch
 
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 7, 96, generator=g).to(dtype).requires_grad_()
+    x = torch.randn(3, 1000, 96, generator=g).to(dtype).requires_grad_()  # several tiles of rows, one short
     w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype).requires_grad_(weight_grad)
-    dy = torch.randn(2, 7, 96, generator=g).to(dtype)
+    dy = torch.randn(3, 1000, 96, generator=g).to(dtype)
     ours = RMSNormTorch.apply(x, w, 1e-6, offset)
     ref = rms_norm_reference(x, w, 1e-6, offset)
     assert torch.equal(ours, ref)
     wanted = [x, w] if weight_grad else [x]
     got, expected = torch.autograd.grad(ours, wanted, dy), torch.autograd.grad(ref, wanted, dy)
-    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     for a, b in zip(got, expected, strict=True):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b, **tol)
-    with torch.no_grad():  # no autograd: the reference itself
-        assert rms_norm(x, w, 1e-6, offset, backend="torch").grad_fn is None
+    with torch.no_grad():  # no autograd: the same bits
+        assert torch.equal(rms_norm(x, w, 1e-6, offset, backend="torch"), ref)

@@ -304,11 +304,13 @@ class LayerMajor:
                         out = run_layer(self.layers[i], x, call)
                         inputs = ([x] if input_grad else []) + list(trained.values()) + adapters
                         grad = head.grad if len(group) == 1 else torch.cat([micro[j].grad for j in group])
-                        # the output's place in the graph, not the output: its storage goes now (nothing in backward
-                        # reads it), a hidden state's worth of bytes less at the layer's backward peak
-                        outputs: list = [torch.autograd.graph.get_gradient_edge(out)]
-                        grad_outputs = [grad]
-                        del out
+                        for j in group:
+                            micro[j].grad = None
+                        # neither the output nor its gradient stays referenced here while backward runs: the output
+                        # goes now (nothing reads it), the gradient once the layer's ops have used it
+                        outputs: list = [Handoff.apply(out, [grad])]
+                        grad_outputs: list = [None]
+                        del out, grad
                         if engine.router_aux is not None:  # the auxiliary loss's gradient at the router logits
                             for logits, g in engine.router_aux.gradients(group[0], i):
                                 outputs.append(logits)
@@ -318,7 +320,6 @@ class LayerMajor:
                             if inputs
                             else []
                         )
-                        del grad
                     gx = grads.pop(0) if input_grad else None
                     parts = gx.split([micro[j].shape[0] for j in group]) if gx is not None else [None] * len(group)
                     for j, part in zip(group, parts, strict=True):
@@ -345,6 +346,21 @@ class LayerMajor:
                 torch.autograd.backward(visit.first, mb.grad)
                 _harvest(bound, summed)
             mb.grad = None
+
+
+class Handoff(torch.autograd.Function):
+    """A scalar on ``out``'s graph whose backward hands ``out`` the gradient in ``holder`` (taken from it):
+    back-propagating from the scalar is back-propagating ``out`` with that gradient, but neither ``out`` (not
+    saved) nor the gradient (autograd's only reference once taken) outlives its use."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, holder: list[torch.Tensor]) -> torch.Tensor:
+        ctx.holder = holder
+        return out.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _: torch.Tensor):
+        return ctx.holder.pop(), None
 
 
 def _first_fit(micro: Sequence[_Micro], limit: int, joins: Callable[[_Micro, _Micro], bool]) -> list[list[int]]:
@@ -384,4 +400,4 @@ def _harvest(bound: dict[int, dict[str, torch.Tensor]], summed: dict[int, dict[s
                 p.grad = None
 
 
-__all__ = ["LayerMajor", "streams", "waves"]
+__all__ = ["Handoff", "LayerMajor", "streams", "waves"]

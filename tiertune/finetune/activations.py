@@ -76,6 +76,7 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int) -> int:
     tokens, as ``cfg`` (an ``EngineConfig``) runs it; its input and its output's gradient aside. Raises what the
     trace raises (an architecture whose ops have no meta kernels). A full fine-tune's weight gradients aside:
     the plan counts them as their own item."""
+    from tiertune.engine.schedule import Handoff
     from tiertune.engine.tiling import tile_mlp
     from tiertune.kernels.ops.attention import use_segment_attention
     from tiertune.kernels.patch import patch_model
@@ -119,9 +120,9 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int) -> int:
     try:
         with torch.enable_grad(), LiveBytes() as live:
             out = layer(hidden, **kwargs)
-            edge = torch.autograd.graph.get_gradient_edge(out[0] if isinstance(out, tuple) else out)
-            del out  # as the engine lets the output go before backward (its place in the graph is enough)
-            torch.autograd.grad([edge], [hidden, *trained], [grad], allow_unused=True)
+            seed = Handoff.apply(out[0] if isinstance(out, tuple) else out, [grad])
+            del out, grad  # as the engine's backward: neither stays referenced while backward runs
+            torch.autograd.grad(seed, [hidden, *trained], allow_unused=True)
     finally:
         F.scaled_dot_product_attention = sdpa
     return live.peak

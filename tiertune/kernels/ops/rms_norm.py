@@ -1,11 +1,11 @@
 """RMSNorm, as Llama/Qwen/Mistral compute it (and Gemma's ``1 + weight`` variant): the row normalized in fp32,
 cast back to the input dtype, then multiplied by the weight.
 
-``rms_norm_reference`` is the oracle and the no-autograd CPU path; ``RMSNormTorch`` is the CPU path that
-back-propagates: the same arithmetic, but it keeps only the input and the per-row ``rstd`` for backward and
-computes the input's gradient in one pass with in-place ops (autograd through the reference keeps the fp32
-input, the normalized row and their cast, and its backward holds some five row-sized temporaries at once: at a
-long sequence that is what a layer's backward peaks on). ``RMSNormTriton`` runs forward and backward as Triton
+``rms_norm_reference`` is the oracle; ``RMSNormTorch`` is the CPU path: the same arithmetic, row by row the
+same bits, but a tile of rows at a time, keeping only the input and the per-row ``rstd`` for backward, which
+computes the input's gradient with in-place ops (autograd through the reference keeps the fp32 input, the
+normalized row and their cast, and its backward holds some five temporaries as large as the input at once: at
+a long sequence that was what a layer's backward peaked on). ``RMSNormTriton`` runs forward and backward as Triton
 kernels (one program per row forward; backward programs each take a stride of rows and keep a partial sum of
 the weight's gradient, summed at the end).
 """
@@ -34,25 +34,48 @@ class RMSNormTorch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset):
-        dtype = x.dtype
-        h = x.float()
-        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        n = x.shape[-1]
+        x2 = x.reshape(-1, n)
+        scale = offset + weight
+        y = torch.empty(x2.shape, dtype=torch.result_type(scale, x), device=x.device)
+        rstd = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
+        for rows in range(0, x2.shape[0], _ROWS):  # a tile of rows at a time, as backward
+            part = slice(rows, rows + _ROWS)
+            h = x2[part].float()
+            rstd[part] = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            y[part] = scale * (h * rstd[part]).to(x.dtype)
+            del h
         ctx.save_for_backward(x, weight, rstd)
         ctx.offset = offset
-        return (offset + weight) * (h * rstd).to(dtype)
+        return y.view(*x.shape[:-1], n)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dtype = x.dtype
-        xhat = x.float() * rstd
-        dw = None
-        if ctx.needs_input_grad[1]:  # as autograd reduces the product's broadcast: over every leading dim
-            dw = (dy * xhat.to(dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        g = (dy * (ctx.offset + weight)).to(dtype).float()
-        mean = (g * xhat).mean(-1, keepdim=True)
-        dx = g.sub_(xhat.mul_(mean)).mul_(rstd).to(dtype)
-        return dx, dw, None, None
+        n = x.shape[-1]
+        x2, dy2, rstd2 = x.reshape(-1, n), dy.reshape(-1, n), rstd.reshape(-1, 1)
+        dx = torch.empty_like(x2)
+        dw = torch.zeros(n, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
+        for rows in range(0, x2.shape[0], _ROWS):  # a tile of rows at a time: its fp32 temporaries, not the input's
+            part = slice(rows, rows + _ROWS)
+            dx[part] = _rows_backward(x2[part], dy2[part], rstd2[part], weight, ctx.offset, dw)
+        return dx.view(x.shape), dw.to(weight.dtype) if dw is not None else None, None, None
+
+
+_ROWS = 1024  # rows of a tile in ``RMSNormTorch.backward``
+
+
+def _rows_backward(x, dy, rstd, weight, offset, dw) -> torch.Tensor:
+    """The input's gradient for some rows; their share of the weight's gradient added to ``dw`` (fp32) when
+    it is wanted. The arithmetic of autograd through ``rms_norm_reference``: ``dy * (offset + weight)`` cast to
+    the input's dtype and back, ``rstd * (g - xhat * mean(g * xhat))``."""
+    dtype = x.dtype
+    xhat = x.float() * rstd
+    if dw is not None:
+        dw += (dy * xhat.to(dtype)).float().sum(0)
+    g = (dy * (offset + weight)).to(dtype).float()
+    mean = (g * xhat).mean(-1, keepdim=True)
+    return g.sub_(xhat.mul_(mean)).mul_(rstd).to(dtype)
 
 
 class RMSNormTriton(torch.autograd.Function):
@@ -78,10 +101,8 @@ class RMSNormTriton(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, backend: str = "auto"):
     """RMSNorm with the Triton kernels (``triton``, or ``auto`` on a GPU with Triton), else in torch ops:
-    ``RMSNormTorch`` where autograd records it, the reference where it does not."""
+    ``RMSNormTorch`` (the reference's arithmetic, a tile of rows at a time)."""
     backend = choose_backend(backend, x)
     if backend == "triton":
         return RMSNormTriton.apply(x, weight, eps, offset)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return RMSNormTorch.apply(x, weight, eps, offset)
-    return rms_norm_reference(x, weight, eps, offset)
+    return RMSNormTorch.apply(x, weight, eps, offset)
