@@ -247,6 +247,14 @@ def estimate(
     per_node: Annotated[
         int | None, typer.Option("--per-node", help="Ranks on each node (default: all of --processes).")
     ] = None,
+    longest: Annotated[
+        bool,
+        typer.Option(
+            "--longest",
+            help="Also search the longest data.max_seq_len that fits (the plan estimated at each length tried: "
+            "a minute or so).",
+        ),
+    ] = False,
 ) -> None:
     """Will a recipe fit (each budget, and this machine), how much disk, how fast: bytes per tier and the step
     time with its parts, tokens/s and time to finish, without training or downloading the model.
@@ -263,10 +271,20 @@ def estimate(
     with _user_errors():
         resolved = load_recipe(recipe, tuple(overrides or ()))
         est = predict(resolved, measure=not no_probe, gpu=gpu, processes=processes, per_node=per_node)
+        found = None
+        if longest:
+            from tiertune.finetune.longest import longest_sequence
+
+            found = longest_sequence(resolved, gpu=gpu)
     if as_json:
-        typer.echo(json.dumps(est.as_json(), indent=1))
+        typer.echo(json.dumps({**est.as_json(), **({"longest_sequence": found.as_json()} if found else {})}, indent=1))
     else:
         typer.echo(format_estimate(est, f"tiertune estimate {recipe}"))
+        if found is not None:
+            typer.echo(
+                f"longest sequence within the budgets: {found.tokens:,} tokens a row (data.max_seq_len, a multiple "
+                f"of {found.multiple:,}; {found.batch} row(s) a micro-batch; {len(found.tried)} lengths estimated)"
+            )
     if not est.fits:
         raise typer.Exit(1)
 

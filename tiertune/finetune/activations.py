@@ -24,7 +24,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 class LiveBytes(TorchDispatchMode):
     """The bytes of tensor storages created inside this mode and still alive (``live``), and their high-water
-    mark (``peak``); views count once, with their storage."""
+    mark (``peak``); views count once, with their storage, and a view of what an op was given (a parameter, a
+    tensor made outside) not at all."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -34,10 +35,12 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        given = [t.untyped_storage() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = {id(s) for s in given}  # ``given`` holds them while their ids are compared
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
-                if storage not in self._seen:
+                if storage not in self._seen and id(storage) not in inputs:  # not a view of an input (a weight)
                     n = storage.nbytes()
                     self._seen[storage] = n
                     self.live += n

@@ -142,13 +142,14 @@ def lora_branch(
 ) -> torch.Tensor:
     """``dropout(x) @ A^T @ B^T * scale`` (dropout probability ``p`` when ``training``) without storing the
     dropped-out ``x``. ``backend``: ``torch``, ``triton`` or ``auto`` (Triton on a CUDA device when it is
-    installed). Without dropout the torch backend is the plain reference: there is no mask to save."""
+    installed). Without dropout and with ``x`` in A's dtype the torch backend is the plain reference: there is no
+    mask and no cast copy of ``x`` that autograd would keep."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"the dropout probability must be in [0, 1), got {p}")
     backend = choose_backend(backend, x)
     p = p if training else 0.0
     if backend == "triton":
         return LoRABranchTriton.apply(x, a, b, scale, p, None)
-    if p == 0:
+    if p == 0 and x.dtype == a.dtype:  # nothing to cast: autograd keeps x itself
         return lora_branch_reference(x, a, b, scale)
     return LoRABranchTorch.apply(x, a, b, scale, p, None)
