@@ -244,9 +244,10 @@ class Settings:
                 # (the 2.1 GB bf16 embedding stays on the device): every wave streams them from disk
                 accum_layers=16, accum_host_budget=3 << 30, accum_device_budget=5 << 30,
                 full_shape=LLAMA2_7B, full_batch=8, full_seq=2048, full_steps=4, full_device_budget=6 << 30,
-                # a layer's memory at a length is the same at any depth: 4 layers keep 256K tokens within minutes
+                # a layer's memory at a length is the same at any depth: 4 layers keep 256K tokens within minutes;
+                # the device holds up to three boundaries at once (2 GiB each at 256K: 4 GiB refused it) + weights
                 longseq_layers=4, longseq_seqs=(65536, 131072, 262144), longseq_host_budget=24 << 30,
-                longseq_device_budget=4 << 30,
+                longseq_device_budget=8 << 30,
                 disk_probe_bytes=2 << 30, ram_reserve=20 << 30, disk_margin=3 << 30,
             )  # fmt: skip
         return cls(

@@ -221,3 +221,22 @@ def test_triton_matches_the_reference_in_bf16_on_a_gpu(x_shape, out_features, ra
     for name, u, v in zip(("out", "grad_x", "grad_a", "grad_b"), got, want):
         err = (u.float() - v.float()).norm() / v.float().norm()
         assert err < 1e-2, (name, err.item())
+
+
+def test_the_branch_returns_the_dtype_asked_for_and_back_propagates_in_tiles():
+    """An fp32 adapter on bf16 inputs of 8,192 tokens, the output asked for in bf16: the reference's output cast
+    to bf16 and its gradients; and what forward and backward hold at once stays under three inputs' worth (the
+    input's gradient and the output, both bf16, and a tile's fp32 temporaries): casting the whole output's
+    gradient to fp32 and multiplying it back would alone hold four."""
+    from tiertune.finetune.activations import LiveBytes
+
+    x, a, b, dy = _inputs((8192, 256), 256, 8, seed=3)
+    x = x.detach().bfloat16().requires_grad_()
+    dy = dy.bfloat16()
+    want = _run(lambda: lora_branch_reference(x, a, b, 2.0).bfloat16(), x, a, b, dy)
+    with LiveBytes() as live:
+        got = _run(lambda: lora_branch(x, a, b, 2.0, backend="torch", out_dtype=torch.bfloat16), x, a, b, dy)
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.bfloat16
+    _assert_all_close(got, want, rtol=2e-2, atol=2e-2)
+    x_bytes = x.numel() * x.element_size()
+    assert live.peak < 3 * x_bytes, (live.peak, x_bytes)

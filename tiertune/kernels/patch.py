@@ -234,8 +234,9 @@ def _lora_forward(
     dropout = module.lora_dropout[name]
     p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
     a, b = module.lora_A[name].weight, module.lora_B[name].weight
-    delta = lora_branch(x, a, b, module.scaling[name], p, module.training, backend)  # casts x to A's dtype
-    return result + delta.to(result.dtype)
+    # computes in A's dtype (x cast tile by tile), returns the base output's
+    delta = lora_branch(x, a, b, module.scaling[name], p, module.training, backend, out_dtype=result.dtype)
+    return result + delta
 
 
 # ---------------------------------------------------------------------------------------------- NF4
