@@ -141,3 +141,25 @@ def test_backward_recomputes_each_call_with_the_forwards_dropout():
     for a, b in zip(ours, torch.autograd.grad(expected, (q, k, v), grad), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert any(x.abs().sum() > 0 for x in ours)
+
+
+def test_a_packed_rows_gradients_written_over_its_own_queries_keys_and_values_are_the_same():
+    """Packed rows, no padding: when q, k and v are intermediates (as in a model) each call's gradients are
+    written over the tokens it read; they equal those of the same call on leaves (new tensors, summed)."""
+    from tiertune.kernels.ops.attention import segment_attention
+
+    g = torch.Generator().manual_seed(1)
+    leaves = [torch.randn(2, 4, 48, 8, generator=g, requires_grad=True) for _ in range(3)]
+    positions = torch.cat([torch.arange(20), torch.arange(28)])[None].expand(2, -1)
+    grad = torch.randn(2, 48, 4, 8, generator=g)
+    held = [x * 1.0 for x in leaves]  # intermediates: the in-place path
+    out, _ = segment_attention(None, *held, None, position_ids=positions)
+    in_place = torch.autograd.grad(out, leaves, grad)
+    assert out.grad_fn.in_place
+    # the intermediates now hold their gradients (x * 1.0: the leaves' gradients)
+    assert all(torch.equal(x.detach(), gx) for x, gx in zip(held, in_place, strict=True))
+    out2, _ = segment_attention(None, *leaves, None, position_ids=positions)
+    assert not out2.grad_fn.in_place
+    torch.testing.assert_close(out, out2, rtol=0, atol=0)
+    for a, b in zip(in_place, torch.autograd.grad(out2, leaves, grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -147,12 +147,22 @@ class _Segments(torch.autograd.Function):
     queries, keys and values only: backward gathers each call's tokens again and recomputes its attention
     with autograd, its gradients written into the whole tensors' (autograd through the gathers would keep a
     copy of every gathered token and output, and make each call's backward a whole-length zero tensor per input).
-    Dropout draws the same in the recomputation: the random state is kept from forward."""
+    Dropout draws the same in the recomputation: the random state is kept from forward.
+
+    Where no call reads another's tokens (no padded tail attending to its row's keys) and the queries, keys and
+    values are the layer's own intermediates (not leaves a caller holds, three separate storages), each
+    call's gradients are written over the very tokens it read: nothing reads them again, and backward then
+    holds no second set of whole-length tensors."""
 
     @staticmethod
     def forward(ctx, q, k, v, jobs, dropout, scaling):
         ctx.save_for_backward(q, k, v)
         ctx.jobs, ctx.dropout, ctx.scaling = jobs, dropout, scaling
+        ctx.in_place = (
+            all(causal for *_, causal in jobs)
+            and all(x.grad_fn is not None for x in (q, k, v))
+            and len({x.untyped_storage().data_ptr() for x in (q, k, v)}) == 3
+        )
         ctx.rng = _rng_state(q.device) if dropout > 0 else None
         batch, heads, length, _ = q.shape
         out = q.new_zeros(batch, length, heads, v.shape[-1])
@@ -166,8 +176,11 @@ class _Segments(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v = ctx.saved_tensors
         heads = q.shape[1]
-        grads = [torch.zeros(x.shape[0], x.shape[2], x.shape[1], x.shape[3], dtype=x.dtype, device=x.device)
-                 for x in (q, k, v)]  # fmt: skip
+        if ctx.in_place:  # (batch, length, heads, dim) views of the inputs themselves
+            grads = [x.transpose(1, 2) for x in (q, k, v)]
+        else:
+            grads = [torch.zeros(x.shape[0], x.shape[2], x.shape[1], x.shape[3], dtype=x.dtype, device=x.device)
+                     for x in (q, k, v)]  # fmt: skip
         with torch.random.fork_rng([q.device] if q.device.type != "cpu" else [], enabled=ctx.rng is not None):
             if ctx.rng is not None:
                 _set_rng_state(q.device, ctx.rng)
@@ -180,7 +193,8 @@ class _Segments(torch.autograd.Function):
                 got = torch.autograd.grad(o, parts, g)
                 del o, parts, g  # one call's temporaries at a time
                 for whole, at, part in zip(grads, (q_at, kv_at, kv_at), got, strict=True):
-                    whole.index_put_(at, part, accumulate=True)  # a padded tail's call shares its row's keys
+                    # over the tokens read, or added (a padded tail's call shares its row's keys)
+                    whole.index_put_(at, part, accumulate=not ctx.in_place)
                 del got, part
         return *(x.transpose(1, 2) for x in grads), None, None, None
 
