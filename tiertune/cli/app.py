@@ -8,6 +8,7 @@ import os
 import platform
 import shutil
 import signal
+import time
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -484,6 +485,9 @@ def _console_log(quiet: bool, verbose: bool) -> None:
     logging.getLogger("tiertune").setLevel(level)
 
 
+RANK_ZERO_GRACE_S = 10.0  # how long a silent rank waits before it exits with rank 0's error
+
+
 def _said_by_rank_zero() -> bool:
     """Whether this process is a rank other than 0 of a launched run that has not joined its process group
     yet: what fails before then (the recipe, its files, the budgets) is read from what every rank shares and
@@ -513,7 +517,8 @@ def _user_errors() -> Iterator[None]:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(3) from None
     except TiertuneError as exc:
-        if _said_by_rank_zero():
+        if _said_by_rank_zero():  # wait for rank 0 to say it: the launcher stops every rank once one exits
+            time.sleep(RANK_ZERO_GRACE_S)  # (SIGTERM's default again here: the launcher ends the wait cleanly)
             raise typer.Exit(2) from None
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
