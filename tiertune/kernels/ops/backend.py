@@ -1,4 +1,5 @@
-"""Which implementation of an op runs: its Triton kernels or its torch reference."""
+"""Which implementation of an op runs: its Triton kernels or its torch reference; and how the torch paths walk a
+long input (``row_tiles``)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,9 @@ def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or native_matmul(dtype):
         return dtype
     return torch.float32
+
+
+def row_tiles(rows: int, size: int) -> list[slice]:
+    """``rows`` rows cut into slices of ``size`` (the last shorter): the torch paths compute a long input a tile
+    at a time so that their fp32 temporaries are a tile's, not the input's."""
+    return [slice(i, i + size) for i in range(0, rows, size)]

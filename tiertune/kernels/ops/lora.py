@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tiertune.kernels.ops.backend import choose_backend
+from tiertune.kernels.ops.backend import choose_backend, row_tiles
 
 
 def lora_branch_reference(
@@ -78,14 +78,10 @@ def _keep(seed: int, x: torch.Tensor, p: float) -> torch.Tensor | None:
 _ROWS = 2048  # tokens a tile of the B-side products runs at: their fp32 temporaries are a tile's, not the input's
 
 
-def _rows(n: int) -> list[slice]:
-    return [slice(i, i + _ROWS) for i in range(0, n, _ROWS)]
-
-
 def _b_forward(h: torch.Tensor, b: torch.Tensor, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
     """``(h @ B^T) * scale`` for ``h`` [tokens, r], cast to ``out_dtype`` a tile of rows at a time."""
     out = torch.empty(h.shape[0], b.shape[0], dtype=out_dtype, device=h.device)
-    for rows in _rows(h.shape[0]):
+    for rows in row_tiles(h.shape[0], _ROWS):
         out[rows] = F.linear(h[rows], b).mul_(scale)
     return out
 
@@ -95,7 +91,7 @@ def _b_backward(grad: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: flo
     B's (None unless ``want_b``), a tile of rows at a time (``grad * scale`` in B's dtype is a tile's)."""
     gh = torch.empty(h.shape[0], b.shape[1], dtype=b.dtype, device=h.device)
     grad_b = torch.zeros_like(b) if want_b else None
-    for rows in _rows(h.shape[0]):
+    for rows in row_tiles(h.shape[0], _ROWS):
         gs = (grad[rows] * scale).to(b.dtype)  # the gradient of lora_B's output
         if grad_b is not None:
             grad_b += gs.t() @ h[rows]
@@ -114,7 +110,7 @@ class LoRABranchTorch(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         keep = _keep(seed, x2, p)
         h = torch.empty(x2.shape[0], a.shape[0], dtype=a.dtype, device=x.device)
-        for rows in _rows(x2.shape[0]):  # x cast (and dropped out) a tile at a time
+        for rows in row_tiles(x2.shape[0], _ROWS):  # x cast (and dropped out) a tile at a time
             h[rows] = F.linear(_dropped(x2[rows], a.dtype, keep[rows] if keep is not None else None, p), a)
         del keep
         h = h.view(*x.shape[:-1], a.shape[0])
@@ -133,7 +129,7 @@ class LoRABranchTorch(torch.autograd.Function):
         keep = _keep(ctx.seed, x2, ctx.p)
         grad_a = torch.zeros_like(a) if want_a else None
         grad_x = torch.empty_like(x2) if want_x else None
-        for rows in _rows(x2.shape[0]):
+        for rows in row_tiles(x2.shape[0], _ROWS):
             part = keep[rows] if keep is not None else None
             g = gh[rows].to(a.dtype)
             if grad_a is not None:

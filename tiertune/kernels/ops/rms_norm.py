@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tiertune.kernels.ops.backend import choose_backend
+from tiertune.kernels.ops.backend import choose_backend, row_tiles
 
 
 def rms_norm_reference(
@@ -39,8 +39,7 @@ class RMSNormTorch(torch.autograd.Function):
         scale = offset + weight
         y = torch.empty(x2.shape, dtype=torch.result_type(scale, x), device=x.device)
         rstd = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
-        for rows in range(0, x2.shape[0], _ROWS):  # a tile of rows at a time, as backward
-            part = slice(rows, rows + _ROWS)
+        for part in row_tiles(x2.shape[0], _ROWS):  # a tile of rows at a time, as backward
             h = x2[part].float()
             rstd[part] = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
             y[part] = scale * (h * rstd[part]).to(x.dtype)
@@ -56,13 +55,12 @@ class RMSNormTorch(torch.autograd.Function):
         x2, dy2, rstd2 = x.reshape(-1, n), dy.reshape(-1, n), rstd.reshape(-1, 1)
         dx = torch.empty_like(x2)
         dw = torch.zeros(n, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
-        for rows in range(0, x2.shape[0], _ROWS):  # a tile of rows at a time: its fp32 temporaries, not the input's
-            part = slice(rows, rows + _ROWS)
+        for part in row_tiles(x2.shape[0], _ROWS):
             dx[part] = _rows_backward(x2[part], dy2[part], rstd2[part], weight, ctx.offset, dw)
         return dx.view(x.shape), dw.to(weight.dtype) if dw is not None else None, None, None
 
 
-_ROWS = 1024  # rows of a tile in ``RMSNormTorch.backward``
+_ROWS = 1024  # rows of a tile in ``RMSNormTorch``
 
 
 def _rows_backward(x, dy, rstd, weight, offset, dw) -> torch.Tensor:
