@@ -9,7 +9,8 @@ block that draws random numbers (dropout in a LoRA branch) draws the same in the
 random state is kept from forward.
 
 Applies to a decoder layer's ``mlp`` when it is position-wise and dense (no ``experts``: an MoE block's router
-is per token too, but its logits feed the auxiliary loss outside the block)."""
+is per token too, but its logits feed the auxiliary loss outside the block), with the norm before it where the
+architecture's table names one (``kernels.architectures``: ``mlp_norm``)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,22 @@ from tiertune.engine.stacking import draws_random
 
 
 def _in_tiles(forward: Callable, x: torch.Tensor, tile: int, rngs: list[Rng] | None = None) -> torch.Tensor:
-    """``forward`` over ``x``'s tokens ``tile`` at a time (batch and sequence flattened), the outputs joined;
+    """``forward`` over ``x``'s tokens ``tile`` at a time (batch and sequence flattened), each output written into
+    the whole one;
     ``rngs``: each tile's random state is appended to it first."""
-    outs = []
+    out: torch.Tensor | None = None
+    start = 0
     for part in x.reshape(1, -1, x.shape[-1]).split(tile, dim=1):
         if rngs is not None:
             rngs.append(Rng.now(x.device))
-        outs.append(forward(part))
-    return torch.cat(outs, dim=1).view(*x.shape[:-1], -1)
+        y = forward(part)
+        if out is None:  # each tile's output goes into the whole one as it comes (no list of them to join)
+            out = y.new_empty(1, x.numel() // x.shape[-1], y.shape[-1])
+        out[:, start : start + part.shape[1]] = y
+        start += part.shape[1]
+        del y
+    assert out is not None
+    return out.view(*x.shape[:-1], -1)
 
 
 class _Tiled(torch.autograd.Function):
@@ -68,22 +77,44 @@ class _Tiled(torch.autograd.Function):
         return None, None, None, gx.view_as(x) if gx is not None else None, *sums
 
 
-def tile_mlp(layer: nn.Module, tile: int) -> bool:
+def tile_mlp(layer: nn.Module, tile: int, norm: str | None = None) -> bool:
     """Give ``layer``'s ``mlp`` a forward that runs in tiles of ``tile`` tokens when it sees more; True if it
-    did (a dense, position-wise block), False if the layer keeps its own (none, or an MoE block)."""
+    did (a dense, position-wise block), False if the layer keeps its own (none, or an MoE block).
+
+    ``norm``: the name of ``layer``'s norm whose output only the MLP reads (``kernels.architectures``,
+    ``mlp_norm``): it joins the tiled block (the MLP computes ``mlp(norm(x))`` a tile at a time and the norm
+    module passes its input through), so the normed sequence is never kept whole: backward recomputes it per
+    tile from the norm's input, which the layer holds anyway (its residual)."""
     mlp = getattr(layer, "mlp", None)
     if tile <= 0 or not isinstance(mlp, nn.Module) or any(n.endswith("experts") for n, _ in mlp.named_modules()):
         return False
     inner = mlp.forward
-    random = draws_random(mlp)  # its dropout probabilities, fixed once built
+    modules = [mlp]
+    normed = getattr(layer, norm, None) if norm else None
+    if isinstance(normed, nn.Module):
+        applied = normed.forward
+
+        def block(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            return inner(applied(x), *args, **kwargs)
+
+        normed.forward = _passes_through
+        modules.append(normed)
+    else:
+        block = inner
+    random = any(draws_random(m) for m in modules)  # dropout probabilities, fixed once built
 
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args or kwargs or x.numel() // x.shape[-1] <= tile:
-            return inner(x, *args, **kwargs)
+            return block(x, *args, **kwargs)
         if not torch.is_grad_enabled():  # a pass without backward: tiles too, nothing to keep
-            return _in_tiles(inner, x, tile)
-        params = [p for p in mlp.parameters() if p.requires_grad]
-        return _Tiled.apply(inner, tile, mlp.training and random, x, *params)
+            return _in_tiles(block, x, tile)
+        params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        return _Tiled.apply(block, tile, mlp.training and random, x, *params)
 
     mlp.forward = forward
     return True
+
+
+def _passes_through(x: torch.Tensor) -> torch.Tensor:
+    """A norm folded into its MLP's tiled block: the block normalises each tile itself."""
+    return x

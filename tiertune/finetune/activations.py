@@ -11,6 +11,8 @@ the peak; the layer's input and its output's gradient are the engine's (the boun
 from __future__ import annotations
 
 import copy
+import os
+import sys
 import warnings
 import weakref
 
@@ -25,15 +27,22 @@ from torch.utils.weak import WeakIdKeyDictionary
 class LiveBytes(TorchDispatchMode):
     """The bytes of tensor storages created inside this mode and still alive (``live``), and their high-water
     mark (``peak``); views count once, with their storage, and a view of what an op was given (a parameter, a
-    tensor made outside) not at all."""
+    tensor made outside) not at all.
+
+    Where backward's engine sums two gradients of one tensor it adds the second into the first in place when it
+    holds the only reference to a dense tensor that is no view; under a dispatch mode (this one) it never does.
+    So such a sum counts as made in place: the output takes the operand's bytes (the first if it qualifies, else
+    the second; a tensor no one else references is assumed, which is what the engine's own buffers hold)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = self.peak = 0
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [bytes it counts for now]
         self._refs: list[weakref.ref] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.add.Tensor and not torch.is_grad_enabled() and _summed_by_autograd():
+            self._in_place(*args[:2])
         out = func(*args, **(kwargs or {}))
         given = [t.untyped_storage() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         inputs = {id(s) for s in given}  # ``given`` holds them while their ids are compared
@@ -41,15 +50,39 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 if storage not in self._seen and id(storage) not in inputs:  # not a view of an input (a weight)
-                    n = storage.nbytes()
-                    self._seen[storage] = n
-                    self.live += n
+                    counted = [storage.nbytes()]
+                    self._seen[storage] = counted
+                    self.live += counted[0]
                     self.peak = max(self.peak, self.live)
-                    self._refs.append(weakref.ref(storage, lambda _, n=n: self._freed(n)))
+                    self._refs.append(weakref.ref(storage, lambda _, c=counted: self._freed(c)))
         return out
 
-    def _freed(self, n: int) -> None:
-        self.live -= n
+    def _in_place(self, old, new) -> None:
+        """The engine's ``old + new`` as it would run it: into ``old`` or else ``new``, if one qualifies."""
+        for t in (old, new):
+            if (isinstance(t, torch.Tensor) and not t._is_view() and t.is_contiguous()
+                    and t.shape == old.shape == new.shape and t.dtype == old.dtype == new.dtype):  # fmt: skip
+                counted = self._seen.get(t.untyped_storage())
+                if counted is not None:  # its bytes pass to the sum
+                    self._freed(counted)
+                return
+
+    def _freed(self, counted: list[int]) -> None:
+        self.live -= counted[0]
+        counted[0] = 0
+
+
+def _summed_by_autograd() -> bool:
+    """Whether the op being dispatched was called by backward's engine itself (no Python frame between it and
+    the engine's entry): how the engine sums two gradients of one tensor."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "_engine_run_backward":
+            return True
+        if f"{os.sep}torch{os.sep}" not in frame.f_code.co_filename:
+            return False  # Python code of its own (an autograd Function's backward) called it
+        frame = frame.f_back
+    return False
 
 
 class _FlashShaped(torch.autograd.Function):
@@ -81,6 +114,7 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int) -> int:
     the plan counts them as their own item."""
     from tiertune.engine.schedule import Handoff
     from tiertune.engine.tiling import tile_mlp
+    from tiertune.kernels.architectures import mlp_norm
     from tiertune.kernels.ops.attention import use_segment_attention
     from tiertune.kernels.patch import patch_model
     from tiertune.loading.model import split_model
@@ -105,7 +139,7 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int) -> int:
         use_segment_attention(model)
     parts = split_model(model)
     layer = parts.layers[0]
-    tile_mlp(layer, cfg.sequence_tile)
+    tile_mlp(layer, cfg.sequence_tile, mlp_norm(model.config.model_type))
     # the adapters' gradients are a layer's temporaries too; a full fine-tune's weight gradients are the plan's
     # own item (``a layer's gradient, summed over a wave``)
     trained = [p for n, p in layer.named_parameters() if cfg.method == "lora" and "lora_" in n]

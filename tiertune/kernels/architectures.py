@@ -7,6 +7,8 @@
 - ``norm``, ``mlp``, ``attention``: the module classes (by name, in the architecture's modeling module) whose
   forwards ``kernels.patch`` replaces with tiertune's ops (RMSNorm, gated MLP, RoPE in attention); None where
   the architecture keeps transformers' own modules.
+- ``mlp_norm``: the decoder layer's norm whose output only its (dense) MLP reads; the MLP's sequence tiling
+  takes it into the tiled block (``engine.tiling``). None where no norm feeds the MLP alone, or unchecked.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ class Architecture:
     mlp: str | None = None  # gated MLP class: gate_proj/up_proj/down_proj, or one gate_up_proj (phi3)
     attention: str | None = None  # attention class whose forward calls the module's apply_rotary_pos_emb
     norm_offset: float = 0.0  # Gemma scales by 1 + weight, in fp32
+    mlp_norm: str | None = None  # the layer's norm feeding only its MLP: ``h = mlp(mlp_norm(h))``
 
 
-def _patched(prefix: str, **kwargs: float) -> Architecture:
-    return Architecture(True, f"{prefix}RMSNorm", f"{prefix}MLP", f"{prefix}Attention", **kwargs)
+def _patched(prefix: str, mlp_norm: str = "post_attention_layernorm", **kwargs: float) -> Architecture:
+    return Architecture(True, f"{prefix}RMSNorm", f"{prefix}MLP", f"{prefix}Attention", mlp_norm=mlp_norm, **kwargs)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -35,8 +38,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": _patched("Qwen2"),
     "qwen3": _patched("Qwen3"),
     "gemma": _patched("Gemma", norm_offset=1.0),
-    "gemma2": _patched("Gemma2", norm_offset=1.0),
-    "gemma3_text": _patched("Gemma3", norm_offset=1.0),
+    # sandwich norms: post_attention_layernorm norms the attention's output before its residual add
+    "gemma2": _patched("Gemma2", "pre_feedforward_layernorm", norm_offset=1.0),
+    "gemma3_text": _patched("Gemma3", "pre_feedforward_layernorm", norm_offset=1.0),
     "phi3": _patched("Phi3"),
     **{name: Architecture() for name in ("olmo2", "stablelm", "gpt_neox", "cohere", "cohere2", "mixtral",
                                          "qwen2_moe", "qwen3_moe", "deepseek_v3")},
@@ -47,3 +51,9 @@ PATCHED = tuple(sorted(name for name, a in ARCHITECTURES.items() if a.norm is no
 
 FUSED_LOSS = frozenset(name for name, a in ARCHITECTURES.items() if a.fused_loss)
 """The architectures whose loss runs fused with the head."""
+
+
+def mlp_norm(model_type: str) -> str | None:
+    """The name of the norm only the MLP of ``model_type``'s decoder layers reads (None: none known)."""
+    arch = ARCHITECTURES.get(model_type)
+    return arch.mlp_norm if arch is not None else None

@@ -129,14 +129,18 @@ def lora_a_forward(x: torch.Tensor, a: torch.Tensor, seed: int, p: float) -> tor
 
 
 def lora_a_backward(
-    x: torch.Tensor, a: torch.Tensor, grad_h: torch.Tensor, seed: int, p: float, want_x: bool, want_a: bool
+    x: torch.Tensor, a: torch.Tensor, grad_h: torch.Tensor, seed: int, p: float, want_x: bool, want_a: bool,
+    shape: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``grad_x = mask * (grad_h @ A) / (1 - p)`` (x's dtype) and ``grad_A = grad_h^T @ dropout(x)`` (A's)."""
+    """``grad_x = mask * (grad_h @ A) / (1 - p)`` (x's dtype; made in ``shape``, the input's before it was
+    flattened, when given: not a view, so autograd may add another gradient into it in place) and
+    ``grad_A = grad_h^T @ dropout(x)`` (A's)."""
     rows, n_in = x.shape
     rank = a.shape[0]
-    gx = torch.empty_like(x) if want_x else None
+    whole = torch.empty(shape or x.shape, dtype=x.dtype, device=x.device) if want_x else None
+    gx = whole.view(rows, n_in) if whole is not None else None
     if rows == 0 or not (want_x or want_a):
-        return gx, torch.zeros_like(a) if want_a else None
+        return whole, torch.zeros_like(a) if want_a else None
     a, grad_h = a.contiguous(), grad_h.to(a.dtype).contiguous()
     block_m, block_n, block_r = _rows_block(rows), _cols_block(n_in), _rank_block(rank)
     row_blocks, col_blocks = triton.cdiv(rows, block_m), triton.cdiv(n_in, block_n)
@@ -150,7 +154,7 @@ def lora_a_backward(
         PRECISION=_precision(a.dtype), BLOCK_M=block_m, BLOCK_N=block_n, R=block_r,
     )  # fmt: skip
     ga = partial[:, :rank].sum(0).to(a.dtype) if want_a else None
-    return gx, ga
+    return whole, ga
 
 
 def keep_mask(seed: int, numel: int, p: float, device: torch.device) -> torch.Tensor:

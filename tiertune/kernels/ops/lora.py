@@ -128,15 +128,18 @@ class LoRABranchTorch(torch.autograd.Function):
                                  ctx.scale, want_b)  # fmt: skip
         keep = _keep(ctx.seed, x2, ctx.p)
         grad_a = torch.zeros_like(a) if want_a else None
-        grad_x = torch.empty_like(x2) if want_x else None
+        # x's shape, not a view of a flat tensor: autograd adds the base layer's gradient into it in place
+        grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if want_x else None
+        flat = grad_x.view(-1, x.shape[-1]) if grad_x is not None else None
         for rows in row_tiles(x2.shape[0], _ROWS):
             part = keep[rows] if keep is not None else None
             g = gh[rows].to(a.dtype)
             if grad_a is not None:
                 grad_a += g.t() @ _dropped(x2[rows], a.dtype, part, ctx.p)
-            if grad_x is not None:
-                grad_x[rows] = _dropped(g @ a, a.dtype, part, ctx.p)
-        return grad_x.view(x.shape) if grad_x is not None else None, grad_a, grad_b, None, None, None, None
+            if flat is not None:
+                flat[rows] = _dropped(g @ a, a.dtype, part, ctx.p)
+        del flat
+        return grad_x, grad_a, grad_b, None, None, None, None
 
 
 class LoRABranchTriton(torch.autograd.Function):
@@ -161,9 +164,7 @@ class LoRABranchTriton(torch.autograd.Function):
         x2, a, b, h = ctx.saved_tensors
         want_x, want_a, want_b = ctx.needs_input_grad[:3]
         gh, grad_b = _b_backward(grad_out.reshape(-1, grad_out.shape[-1]), h, b, ctx.scale, want_b)
-        grad_x, grad_a = ctx.backward_fn(x2, a, gh, ctx.seed, ctx.p, want_x, want_a)
-        if grad_x is not None:
-            grad_x = grad_x.view(ctx.shape)
+        grad_x, grad_a = ctx.backward_fn(x2, a, gh, ctx.seed, ctx.p, want_x, want_a, tuple(ctx.shape))
         return grad_x, grad_a, grad_b, None, None, None, None
 
 
