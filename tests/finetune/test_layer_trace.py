@@ -24,6 +24,30 @@ def test_live_bytes_counts_a_storage_once_and_sees_it_freed():
     assert live.live == 0 and live.peak == 8000
 
 
+class _Doubled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full_like(grad, 2.0)  # a tensor of its own, no view
+
+
+def test_live_bytes_counts_autograds_sum_of_two_gradients_as_in_place():
+    """Two gradients of one tensor: the engine adds the second into the first in place (it holds the only
+    reference, no view); under a dispatch mode it would not, so ``LiveBytes`` counts the sum as in place. Held
+    at the peak: the output, its gradient and the two gradients (4 x 4000 bytes), not a fifth for the sum."""
+    x = torch.randn(1000, requires_grad=True)
+    with LiveBytes() as live:
+        y = _Doubled.apply(x) + _Doubled.apply(x)
+        (gx,) = torch.autograd.grad(y, [x], torch.ones_like(y))
+    assert live.peak == 4 * 4000, live.peak
+    assert torch.equal(gx, torch.full((1000,), 4.0))
+    del y, gx
+    assert live.live == 0
+
+
 def _real_peak(model, cfg, tokens: int) -> int:
     """The peak ``LiveBytes`` sees when the first layer of ``model``, prepared as the engine prepares it, runs
     forward and backward on real tensors (with the default SDPA: on a CPU its flash kernel)."""

@@ -240,3 +240,30 @@ def test_the_branch_returns_the_dtype_asked_for_and_back_propagates_in_tiles():
     _assert_all_close(got, want, rtol=2e-2, atol=2e-2)
     x_bytes = x.numel() * x.element_size()
     assert live.peak < 3 * x_bytes, (live.peak, x_bytes)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autograd_adds_the_base_layers_input_gradient_into_the_branchs(backend, monkeypatch):
+    """A LoRA layer's input gradient is the base layer's plus the branch's: the branch makes its own in the
+    input's shape (no view of a flat tensor), so backward's engine sums the two into it in place and no third
+    input-sized tensor is made (the engine does so only for a tensor it holds the only reference to, no view).
+    Triton's interpreter keeps a reference to a kernel's arguments: there only the shape is checked."""
+    made = []
+    function = FUNCTIONS[backend]
+    original = function.backward
+
+    def backward(ctx, grad_out):
+        grads = original(ctx, grad_out)
+        made.append((grads[0].data_ptr(), grads[0]._is_view()))  # no reference kept: that would stop the sum
+        return grads
+
+    monkeypatch.setattr(function, "backward", staticmethod(backward))
+    x, a, b, _ = _inputs((2, 37, 48), 48, 8, seed=5)
+    base = torch.nn.Linear(48, 48).requires_grad_(False)
+    y = base(x) + lora_branch(x, a, b, 2.0, backend=backend)
+    (gx,) = torch.autograd.grad(y, [x], torch.ones_like(y))
+    assert made[0][1] is False
+    if backend == "torch":
+        assert made[0][0] == gx.data_ptr()
+    want = torch.ones(2, 37, 48) @ (base.weight + 2.0 * b @ a).detach()
+    torch.testing.assert_close(gx, want, rtol=1e-5, atol=1e-5)
