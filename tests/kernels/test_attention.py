@@ -163,3 +163,61 @@ def test_a_packed_rows_gradients_written_over_its_own_queries_keys_and_values_ar
     torch.testing.assert_close(out, out2, rtol=0, atol=0)
     for a, b in zip(in_place, torch.autograd.grad(out2, leaves, grad), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 4), (6, 1)])
+@pytest.mark.parametrize("held", [False, True])
+def test_long_rows_run_a_kv_head_at_a_time_and_equal_sdpa(monkeypatch, heads, kv_heads, held):
+    """Rows of one document at least ``_GROUPED_TOKENS`` long with autograd (lowered to 64 here): one SDPA call
+    per row and KV head, recomputed in backward; output and gradients equal SDPA's over all heads at once (fp32,
+    1e-6), written over q, k and v when they are intermediates (``held``), into new tensors for leaves."""
+    import torch.nn.functional as F
+
+    from tiertune.kernels.ops import attention
+
+    monkeypatch.setattr(attention, "_GROUPED_TOKENS", 64)
+    g = torch.Generator().manual_seed(2)
+    leaves = [torch.randn(2, n, 80, 8, generator=g, requires_grad=True) for n in (heads, kv_heads, kv_heads)]
+    grad = torch.randn(2, 80, heads, 8, generator=g)
+    inputs = [x * 1.0 for x in leaves] if held else leaves
+    out, _ = attention.segment_attention(None, *inputs, None)
+    assert type(out.grad_fn).__name__ == "_HeadGroupsBackward" and out.grad_fn.in_place == held
+    ours = torch.autograd.grad(out, leaves, grad)
+    expected = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=kv_heads != heads).transpose(1, 2)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    for a, b in zip(ours, torch.autograd.grad(expected, leaves, grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+    class Refused:
+        @staticmethod
+        def apply(*args):
+            raise AssertionError("a KV head at a time")
+
+    monkeypatch.setattr(attention, "_HeadGroups", Refused)
+    with torch.no_grad():  # forward without backward keeps SDPA's one call, as does a shorter row
+        attention.segment_attention(None, *leaves, None)
+    attention.segment_attention(None, *(x[:, :, :63] for x in leaves), None)
+
+
+def test_long_rows_recompute_each_call_with_the_forwards_dropout(monkeypatch):
+    """Attention dropout in the KV-head calls: backward's recomputation draws what forward drew (the gradients
+    equal autograd through the same calls, made by hand with the same seed)."""
+    import torch.nn.functional as F
+
+    from tiertune.kernels.ops import attention
+
+    monkeypatch.setattr(attention, "_GROUPED_TOKENS", 32)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, n, 40, 8, generator=g, requires_grad=True) for n in (4, 2, 2))
+    grad = torch.randn(1, 40, 4, 8, generator=g)
+    torch.manual_seed(11)
+    out, _ = attention.segment_attention(None, q, k, v, None, dropout=0.4)
+    ours = torch.autograd.grad(out, (q, k, v), grad)
+    torch.manual_seed(11)
+    parts = [F.scaled_dot_product_attention(q[:, 2 * j : 2 * j + 2], k[:, j : j + 1], v[:, j : j + 1], dropout_p=0.4,
+                                            is_causal=True, enable_gqa=True) for j in range(2)]  # fmt: skip
+    expected = torch.cat(parts, dim=1).transpose(1, 2)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for a, b in zip(ours, torch.autograd.grad(expected, (q, k, v), grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -177,3 +177,29 @@ def test_triton_matches_the_reference_in_bf16_on_a_gpu(q_heads, kv_heads, seq, d
         assert a.dtype == torch.bfloat16
         err, eager_err = ((x.double() - t).norm() / t.norm() for x in (a, b))
         assert err <= 1.05 * eager_err and err < 4e-3, (name, float(err), float(eager_err))
+
+
+@pytest.mark.parametrize("rot", [64, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_path_is_the_references_arithmetic_in_tiles(monkeypatch, rot, dtype):
+    """``RoPETorch`` (the torch backend) a tile of 4 positions at a time: outputs and gradients bit for bit what
+    autograd through ``rope_reference`` gives, for any cos and sin (halves that differ) and a partial rotary;
+    without autograd it rotates the same."""
+    from tiertune.kernels.ops import rope
+
+    monkeypatch.setattr(rope, "_TOKENS", 4)
+    g = torch.Generator(device=DEVICE).manual_seed(rot)
+    q = _heads(g, 2, 4, 11, 64, "transposed", dtype)
+    k = _heads(g, 2, 2, 11, 64, "fused", dtype)
+    cos, sin = (torch.randn(2, 11, rot, generator=g, device=DEVICE).to(dtype) for _ in range(2))
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    qr, kr = q.detach().requires_grad_(), k.detach().requires_grad_()
+    oq, ok = rope_reference(qr, kr, cos, sin)
+    torch.autograd.backward((oq, ok), (dq, dk))
+    want = (oq.detach(), ok.detach(), qr.grad, kr.grad)
+    got = _run(q, k, cos, sin, dq, dk, "torch")
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with torch.no_grad():
+        for a, b in zip(apply_rope(q, k, cos, sin, backend="torch"), want[:2], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

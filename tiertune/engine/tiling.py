@@ -22,44 +22,48 @@ from torch import nn
 
 from tiertune.engine.schedule import Rng
 from tiertune.engine.stacking import draws_random
+from tiertune.kernels.architectures import mlp_fold
 
 
 def _in_tiles(forward: Callable, x: torch.Tensor, tile: int, rngs: list[Rng] | None = None) -> torch.Tensor:
     """``forward`` over ``x``'s tokens ``tile`` at a time (batch and sequence flattened), each output written into
     the whole one;
     ``rngs``: each tile's random state is appended to it first."""
-    out: torch.Tensor | None = None
+    out: torch.Tensor | None = None  # in x's shape, not a view: its caller may add into it in place
+    flat: torch.Tensor | None = None
     start = 0
     for part in x.reshape(1, -1, x.shape[-1]).split(tile, dim=1):
         if rngs is not None:
             rngs.append(Rng.now(x.device))
         y = forward(part)
         if out is None:  # each tile's output goes into the whole one as it comes (no list of them to join)
-            out = y.new_empty(1, x.numel() // x.shape[-1], y.shape[-1])
-        out[:, start : start + part.shape[1]] = y
+            out = y.new_empty(*x.shape[:-1], y.shape[-1])
+            flat = out.view(1, -1, y.shape[-1])
+        flat[:, start : start + part.shape[1]] = y  # type: ignore[index]
         start += part.shape[1]
         del y
     assert out is not None
-    return out.view(*x.shape[:-1], -1)
+    return out
 
 
 class _Tiled(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, forward: Callable, tile: int, random: bool, x: torch.Tensor, *params: torch.Tensor):
+    def forward(ctx, forward: Callable, tile: int, random: bool, residual: bool, x: torch.Tensor, *params):
         ctx.forward, ctx.tile = forward, tile
         ctx.save_for_backward(x, *params)
         ctx.rngs = [] if random else None
         with torch.no_grad():
-            return _in_tiles(forward, x, tile, ctx.rngs)
+            return _adds_in_place(_in_tiles(forward, x, tile, ctx.rngs), residual)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, *params = ctx.saved_tensors
-        wants_x = ctx.needs_input_grad[3]
-        trained = [i for i, p in enumerate(params) if ctx.needs_input_grad[4 + i]]
+        wants_x = ctx.needs_input_grad[4]
+        trained = [i for i, p in enumerate(params) if ctx.needs_input_grad[5 + i]]
         flat = x.reshape(1, -1, x.shape[-1])
         grads = grad.reshape(1, -1, grad.shape[-1])
-        gx = torch.empty_like(flat) if wants_x else None
+        whole = torch.empty(x.shape, dtype=x.dtype, device=x.device) if wants_x else None  # no view: summed in place
+        gx = whole.view(1, -1, x.shape[-1]) if whole is not None else None
         sums: list[torch.Tensor | None] = [None] * len(params)
         start = 0
         for t, (part, g) in enumerate(zip(flat.split(ctx.tile, dim=1), grads.split(ctx.tile, dim=1), strict=True)):
@@ -74,17 +78,20 @@ class _Tiled(torch.autograd.Function):
                 if gp is not None:
                     sums[i] = gp if sums[i] is None else sums[i].add_(gp)
             start += part.shape[1]
-        return None, None, None, gx.view_as(x) if gx is not None else None, *sums
+        del gx
+        return None, None, None, None, whole, *sums
 
 
-def tile_mlp(layer: nn.Module, tile: int, norm: str | None = None) -> bool:
+def tile_mlp(layer: nn.Module, tile: int, model_type: str | None = None) -> bool:
     """Give ``layer``'s ``mlp`` a forward that runs in tiles of ``tile`` tokens when it sees more; True if it
     did (a dense, position-wise block), False if the layer keeps its own (none, or an MoE block).
 
-    ``norm``: the name of ``layer``'s norm whose output only the MLP reads (``kernels.architectures``,
-    ``mlp_norm``): it joins the tiled block (the MLP computes ``mlp(norm(x))`` a tile at a time and the norm
+    What ``kernels.architectures`` knows of ``model_type``'s layers: its ``mlp_norm`` (the norm whose output
+    only the MLP reads) joins the tiled block (the MLP computes ``mlp(norm(x))`` a tile at a time and the norm
     module passes its input through), so the normed sequence is never kept whole: backward recomputes it per
-    tile from the norm's input, which the layer holds anyway (its residual)."""
+    tile from the norm's input, which the layer holds anyway (its residual); with ``mlp_residual`` the layer's
+    residual sum goes into the block's output in place (``_Residual``)."""
+    norm, adds = mlp_fold(model_type) if model_type else (None, False)
     mlp = getattr(layer, "mlp", None)
     if tile <= 0 or not isinstance(mlp, nn.Module) or any(n.endswith("experts") for n, _ in mlp.named_modules()):
         return False
@@ -102,17 +109,36 @@ def tile_mlp(layer: nn.Module, tile: int, norm: str | None = None) -> bool:
     else:
         block = inner
     random = any(draws_random(m) for m in modules)  # dropout probabilities, fixed once built
+    residual = adds and isinstance(normed, nn.Module)
 
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args or kwargs or x.numel() // x.shape[-1] <= tile:
             return block(x, *args, **kwargs)
         if not torch.is_grad_enabled():  # a pass without backward: tiles too, nothing to keep
-            return _in_tiles(block, x, tile)
+            return _adds_in_place(_in_tiles(block, x, tile), residual)
         params = [p for m in modules for p in m.parameters() if p.requires_grad]
-        return _Tiled.apply(block, tile, mlp.training and random, x, *params)
+        return _Tiled.apply(block, tile, mlp.training and random, residual, x, *params)
 
     mlp.forward = forward
     return True
+
+
+class _Residual(torch.Tensor):
+    """The tiled block's output where the layer adds it to its residual at once and reads it no more (Llama's
+    ``hidden_states = residual + hidden_states``): the sum goes into it in place (``residual + out`` calls
+    ``out.__radd__`` first: a subclass's reflected method), so the layer's output and the block's do not exist
+    at once. The sum is a plain tensor again (an alias), as is what any other op makes of it."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __radd__(self, other):
+        if isinstance(other, torch.Tensor) and other.shape == self.shape and other.dtype == self.dtype:
+            return torch.Tensor.add_(self, other).as_subclass(torch.Tensor)
+        return torch.Tensor.__add__(self.as_subclass(torch.Tensor), other)
+
+
+def _adds_in_place(out: torch.Tensor, residual: bool) -> torch.Tensor:
+    return torch.Tensor._make_subclass(_Residual, out) if residual else out
 
 
 def _passes_through(x: torch.Tensor) -> torch.Tensor:

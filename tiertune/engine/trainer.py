@@ -39,7 +39,6 @@ from tiertune.engine.tiling import tile_mlp
 from tiertune.engine.update import AdapterUpdate, LRSchedule, StepContext, Updater
 from tiertune.engine.views import TrainerViews
 from tiertune.errors import ConfigError, DataError
-from tiertune.kernels.architectures import mlp_norm
 from tiertune.kernels.ops.attention import use_segment_attention
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 from tiertune.kernels.patch import patch_model, resolve_backend
@@ -136,7 +135,7 @@ class StreamedTrainer(TrainerViews):
         # MoE: the router's auxiliary loss, where transformers computes one and the config asks for it
         self.router_aux = RouterAux.of(self.model, self.parts.layers)
         for i, layer in enumerate(self.parts.layers):
-            tile_mlp(layer, config.sequence_tile, mlp_norm(self.model.config.model_type))
+            tile_mlp(layer, config.sequence_tile, self.model.config.model_type)
             self.parts.layers[i] = StreamedLayer(self, i, layer)
         self.visit: Visit | None = None  # the decoder's pass in progress inside a step (``engine.streaming``)
         self.schedule = LayerMajor(self, self.stash)

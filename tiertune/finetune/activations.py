@@ -11,6 +11,7 @@ the peak; the layer's input and its output's gradient are the engine's (the boun
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import sys
 import warnings
@@ -79,42 +80,51 @@ def _summed_by_autograd() -> bool:
     while frame is not None:
         if frame.f_code.co_name == "_engine_run_backward":
             return True
-        if f"{os.sep}torch{os.sep}" not in frame.f_code.co_filename:
+        if f"{os.sep}torch{os.sep}" not in frame.f_code.co_filename and frame.f_code.co_name != "__torch_dispatch__":
             return False  # Python code of its own (an autograd Function's backward) called it
         frame = frame.f_back
     return False
 
 
 class _FlashShaped(torch.autograd.Function):
-    """Attention as a flash kernel saves it (queries, keys, values, output, fp32 log-sum-exp): on the meta device
-    SDPA decomposes into the math path, which would count the sequence x sequence scores."""
+    """Attention as a GPU's flash kernel saves it (queries, keys, values, output, fp32 log-sum-exp) and as its
+    backward works (below): on the meta device SDPA decomposes into the math path, which would count the
+    sequence x sequence scores."""
 
     @staticmethod
-    def forward(ctx, q, k, v):  # the output laid out (batch, length, heads, dim), as the kernels write it
+    def forward(ctx, q, k, v, gpu):
+        ctx.gpu = gpu
         batch, heads, length, _ = q.shape
-        out = q.new_empty(batch, length, heads, v.shape[-1]).transpose(1, 2)
+        # a GPU's kernels write (batch, length, heads, dim), which the layer's transpose back finds contiguous; a
+        # CPU's flash kernel (batch, heads, length, dim), which it copies
+        out = (q.new_empty(batch, length, heads, v.shape[-1]).transpose(1, 2) if gpu
+               else q.new_empty(batch, heads, length, v.shape[-1]))  # fmt: skip
         ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
         return out
 
     @staticmethod
-    def backward(ctx, grad):  # the three gradients, as the kernels return them
+    def backward(ctx, grad):
         q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        # on a GPU, FlashAttention-2's backward (PyTorch's flash kernel): beside the three gradients, an fp32
+        # accumulator of the queries' and, for grouped KV heads, the keys' and values' gradients at the queries'
+        # head count (a CPU's flash kernel works in per-thread blocks)
+        work = [torch.empty_like(q, dtype=torch.float32)] if ctx.gpu else []
+        if ctx.gpu and k.shape[1] != q.shape[1]:
+            work += [torch.empty_like(q), torch.empty_like(q)]
+        grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        del work
+        return *grads, None
 
 
-def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    return _FlashShaped.apply(q, k, v)
-
-
-def layer_peak_bytes(model: nn.Module, cfg, tokens: int) -> int:
+def layer_peak_bytes(model: nn.Module, cfg, tokens: int, gpu: bool = False) -> int:
     """The most bytes of activations and temporaries the first decoder layer of ``model`` (a meta-device
     skeleton, not quantized) holds at once while it runs forward and backward for one micro-batch of ``tokens``
-    tokens, as ``cfg`` (an ``EngineConfig``) runs it; its input and its output's gradient aside. Raises what the
+    tokens, as ``cfg`` (an ``EngineConfig``) runs it on a GPU (``gpu``: its attention kernels' workspace) or a
+    CPU; its input and its output's gradient aside. Raises what the
     trace raises (an architecture whose ops have no meta kernels). A full fine-tune's weight gradients aside:
     the plan counts them as their own item."""
     from tiertune.engine.schedule import Handoff
     from tiertune.engine.tiling import tile_mlp
-    from tiertune.kernels.architectures import mlp_norm
     from tiertune.kernels.ops.attention import use_segment_attention
     from tiertune.kernels.patch import patch_model
     from tiertune.loading.model import split_model
@@ -139,7 +149,7 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int) -> int:
         use_segment_attention(model)
     parts = split_model(model)
     layer = parts.layers[0]
-    tile_mlp(layer, cfg.sequence_tile, mlp_norm(model.config.model_type))
+    tile_mlp(layer, cfg.sequence_tile, model.config.model_type)
     # the adapters' gradients are a layer's temporaries too; a full fine-tune's weight gradients are the plan's
     # own item (``a layer's gradient, summed over a wave``)
     trained = [p for n, p in layer.named_parameters() if cfg.method == "lora" and "lora_" in n]
@@ -153,7 +163,7 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int) -> int:
     grad = torch.zeros(1, tokens, model.config.hidden_size, device="meta", dtype=cfg.dtype)
     layer.train()
     sdpa = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _sdpa
+    F.scaled_dot_product_attention = functools.partial(_sdpa, gpu=gpu)
     try:
         with torch.enable_grad(), LiveBytes() as live:
             out = layer(hidden, **kwargs)
@@ -163,3 +173,7 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int) -> int:
     finally:
         F.scaled_dot_product_attention = sdpa
     return live.peak
+
+
+def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, gpu=False):
+    return _FlashShaped.apply(q, k, v, gpu)

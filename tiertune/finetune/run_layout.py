@@ -85,7 +85,7 @@ def run_layout(
         flops = step_flops(model, list(parts.layers), micro, t.gradient_accumulation_steps,
                            recipe.data.max_seq_len, trained=cfg.method != "lora")  # fmt: skip
         saved = _saved_quantization(model, recipe, notes)
-        layer_saved = _layer_saved(model, cfg, micro, t.gradient_accumulation_steps, notes)
+        layer_saved = _layer_saved(model, cfg, micro, t.gradient_accumulation_steps, notes, on_gpu)
         quant = make_quantizer(cfg.quantize, cfg.dtype, saved)
         # converted as the engine converts them: the linear layers, and MoE experts one 4-bit matrix each
         if quant is not None:
@@ -222,7 +222,7 @@ def run_layout(
     return RunLayout(chunks, parameters, trained, outside, flops, m)
 
 
-def _layer_saved(model: torch.nn.Module, cfg, micro: int, k: int, notes: list[str]) -> int:
+def _layer_saved(model: torch.nn.Module, cfg, micro: int, k: int, notes: list[str], on_gpu: bool) -> int:
     """The most one decoder layer's recompute and backward hold at once (``activations``), for the most
     tokens a layer's visit runs at once: a micro-batch, or a stack of them (``stack_limit``); 0 with a note
     when the layer cannot be traced on the meta device."""
@@ -230,7 +230,7 @@ def _layer_saved(model: torch.nn.Module, cfg, micro: int, k: int, notes: list[st
 
     stack = min(cfg.stack_limit, k * micro) if cfg.stack_limit > 0 else 0
     try:
-        return layer_peak_bytes(model, cfg, max(micro, stack))
+        return layer_peak_bytes(model, cfg, max(micro, stack), gpu=on_gpu)
     except Exception as exc:  # an op without a meta kernel: the figure is left out, and said
         notes.append(f"a layer's activations and temporaries are not counted (tracing it on the meta device failed: {exc})")
         return 0

@@ -9,6 +9,8 @@
   the architecture keeps transformers' own modules.
 - ``mlp_norm``: the decoder layer's norm whose output only its (dense) MLP reads; the MLP's sequence tiling
   takes it into the tiled block (``engine.tiling``). None where no norm feeds the MLP alone, or unchecked.
+- ``mlp_residual``: the layer adds the MLP's output to its residual at once (``residual + mlp(...)``) and reads
+  it no more: the sum may go into the MLP's output in place.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ class Architecture:
     attention: str | None = None  # attention class whose forward calls the module's apply_rotary_pos_emb
     norm_offset: float = 0.0  # Gemma scales by 1 + weight, in fp32
     mlp_norm: str | None = None  # the layer's norm feeding only its MLP: ``h = mlp(mlp_norm(h))``
+    mlp_residual: bool = False  # ``h = residual + mlp(...)``, the MLP's output read by nothing else
 
 
-def _patched(prefix: str, mlp_norm: str = "post_attention_layernorm", **kwargs: float) -> Architecture:
-    return Architecture(True, f"{prefix}RMSNorm", f"{prefix}MLP", f"{prefix}Attention", mlp_norm=mlp_norm, **kwargs)
+def _patched(prefix: str, mlp_norm: str = "post_attention_layernorm", mlp_residual: bool = True,
+             **kwargs: float) -> Architecture:  # fmt: skip
+    return Architecture(True, f"{prefix}RMSNorm", f"{prefix}MLP", f"{prefix}Attention", mlp_norm=mlp_norm,
+                        mlp_residual=mlp_residual, **kwargs)  # fmt: skip
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -38,10 +43,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": _patched("Qwen2"),
     "qwen3": _patched("Qwen3"),
     "gemma": _patched("Gemma", norm_offset=1.0),
-    # sandwich norms: post_attention_layernorm norms the attention's output before its residual add
-    "gemma2": _patched("Gemma2", "pre_feedforward_layernorm", norm_offset=1.0),
-    "gemma3_text": _patched("Gemma3", "pre_feedforward_layernorm", norm_offset=1.0),
-    "phi3": _patched("Phi3"),
+    # sandwich norms: post_attention_layernorm norms the attention's output before its residual add, and
+    # post_feedforward_layernorm the MLP's
+    "gemma2": _patched("Gemma2", "pre_feedforward_layernorm", False, norm_offset=1.0),
+    "gemma3_text": _patched("Gemma3", "pre_feedforward_layernorm", False, norm_offset=1.0),
+    "phi3": _patched("Phi3", mlp_residual=False),  # a dropout between the MLP and the residual
     **{name: Architecture() for name in ("olmo2", "stablelm", "gpt_neox", "cohere", "cohere2", "mixtral",
                                          "qwen2_moe", "qwen3_moe", "deepseek_v3")},
 }  # fmt: skip
@@ -53,7 +59,7 @@ FUSED_LOSS = frozenset(name for name, a in ARCHITECTURES.items() if a.fused_loss
 """The architectures whose loss runs fused with the head."""
 
 
-def mlp_norm(model_type: str) -> str | None:
-    """The name of the norm only the MLP of ``model_type``'s decoder layers reads (None: none known)."""
-    arch = ARCHITECTURES.get(model_type)
-    return arch.mlp_norm if arch is not None else None
+def mlp_fold(model_type: str) -> tuple[str | None, bool]:
+    """``model_type``'s ``mlp_norm`` and ``mlp_residual`` (None and False where it is not in the table)."""
+    arch = ARCHITECTURES.get(model_type, Architecture())
+    return arch.mlp_norm, arch.mlp_residual

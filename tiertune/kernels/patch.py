@@ -236,7 +236,9 @@ def _lora_forward(
     a, b = module.lora_A[name].weight, module.lora_B[name].weight
     # computes in A's dtype (x cast tile by tile), returns the base output's
     delta = lora_branch(x, a, b, module.scaling[name], p, module.training, backend, out_dtype=result.dtype)
-    return result + delta
+    # into the base output (its op keeps its inputs, not its output): no third output-sized tensor at once;
+    # autograd forbids that for a view a custom Function made (bitsandbytes' 4-bit matmul returns one)
+    return result + delta if result._is_view() else result.add_(delta)
 
 
 # ---------------------------------------------------------------------------------------------- NF4

@@ -97,6 +97,8 @@ def segment_attention(
     kv = key.shape[2]
     rows = segments(kwargs.get("position_ids"), attention_mask, batch, length) if kv == length > 1 else None
     if rows is not None and all(r == [(0, length)] for r in rows):
+        if length >= _GROUPED_TOKENS and torch.is_grad_enabled():
+            return _HeadGroups.apply(query, key, value, dropout, scaling), None
         return sdpa(query, key, value).transpose(1, 2).contiguous(), None
     if rows is None:  # decoding against a cache, or padding that is not a suffix: the mask (small, or rare)
         q_at = torch.arange(length, device=query.device)[:, None] + (kv - length)
@@ -109,6 +111,8 @@ def segment_attention(
 
 # the most query tokens of equal-length segments one SDPA call takes: what bounds backward's temporaries
 _JOB_TOKENS = 2048
+# rows of one document this long run their attention with autograd a KV head at a time (``_HeadGroups``)
+_GROUPED_TOKENS = 16384
 
 
 def _jobs(rows: list[list[tuple[int, int]]], length: int, device: torch.device) -> list[tuple]:
@@ -158,11 +162,7 @@ class _Segments(torch.autograd.Function):
     def forward(ctx, q, k, v, jobs, dropout, scaling):
         ctx.save_for_backward(q, k, v)
         ctx.jobs, ctx.dropout, ctx.scaling = jobs, dropout, scaling
-        ctx.in_place = (
-            all(causal for *_, causal in jobs)
-            and all(x.grad_fn is not None for x in (q, k, v))
-            and len({x.untyped_storage().data_ptr() for x in (q, k, v)}) == 3
-        )
+        ctx.in_place = all(causal for *_, causal in jobs) and _own_intermediates(q, k, v)
         ctx.rng = _rng_state(q.device) if dropout > 0 else None
         batch, heads, length, _ = q.shape
         out = q.new_zeros(batch, length, heads, v.shape[-1])
@@ -197,6 +197,68 @@ class _Segments(torch.autograd.Function):
                     whole.index_put_(at, part, accumulate=not ctx.in_place)
                 del got, part
         return *(x.transpose(1, 2) for x in grads), None, None, None
+
+
+def _own_intermediates(q, k, v) -> bool:
+    """Whether the queries, keys and values are a layer's intermediates (not leaves a caller holds) in three
+    storages of their own: a backward that has read them may write their gradients over them."""
+    storages = {x.untyped_storage()._cdata for x in (q, k, v)}  # the storage itself (a meta one has no address)
+    return all(x.grad_fn is not None for x in (q, k, v)) and len(storages) == 3
+
+
+class _HeadGroups(torch.autograd.Function):
+    """Causal attention over whole rows (one document each), one SDPA call per row and KV head with the query
+    heads that read it, written into one (batch, length, heads, dim) output. Keeps the queries, keys and values
+    only; backward recomputes each call with autograd.
+
+    A long row's attention through SDPA with autograd keeps its output and log-sum-exp for backward, and the
+    flash kernel's backward holds an fp32 accumulator of the queries' gradient and, for grouped KV heads, the
+    keys' and values' gradients at the query heads' count: at 256K tokens of Llama-3-8B four times the queries'
+    bytes beside the three gradients. A call per KV head holds a group's share of that. The price: the
+    attention forward runs again in backward (a long row's attention is most of its compute). Gradients are
+    written over the inputs when they are the layer's intermediates (``_own_intermediates``); dropout draws
+    the same in the recomputation (the random state is kept from forward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dropout, scaling):
+        ctx.save_for_backward(q, k, v)
+        ctx.dropout, ctx.scaling = dropout, scaling
+        ctx.in_place = _own_intermediates(q, k, v)
+        ctx.rng = _rng_state(q.device) if dropout > 0 else None
+        batch, heads, length, _ = q.shape
+        out = q.new_empty(batch, length, heads, v.shape[-1])
+        for b, h, j in _head_calls(q, k):
+            o = _call(q[b, h][None], k[b, j][None], v[b, j][None], dropout, scaling, True)
+            out[b, :, h] = o[0].transpose(0, 1)
+            del o  # one call's temporaries at a time
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        grads = (q, k, v) if ctx.in_place else tuple(torch.empty_like(x) for x in (q, k, v))
+        with torch.random.fork_rng([q.device] if q.device.type != "cpu" else [], enabled=ctx.rng is not None):
+            if ctx.rng is not None:
+                _set_rng_state(q.device, ctx.rng)
+            for b, h, j in _head_calls(q, k):
+                parts = [x[b, at][None].detach().requires_grad_() for x, at in ((q, h), (k, j), (v, j))]
+                with torch.enable_grad():
+                    o = _call(*parts, ctx.dropout, ctx.scaling, True)
+                got = torch.autograd.grad(o, parts, grad[b, :, h].transpose(0, 1)[None])
+                del o, parts  # nothing reads this call's inputs again: its gradients may go over them
+                for whole, at, part in zip(grads, (h, j, j), got, strict=True):
+                    whole[b, at] = part[0]
+                del got
+        # views when written over the inputs (returned as themselves, autograd would take them for outputs)
+        return *(x.view_as(x) for x in grads), None, None
+
+
+def _head_calls(q: torch.Tensor, k: torch.Tensor):
+    """(row, query heads, KV head) of each call of ``_HeadGroups``: the query heads that read KV head j."""
+    per = q.shape[1] // k.shape[1]
+    for b in range(q.shape[0]):
+        for j in range(k.shape[1]):
+            yield b, slice(j * per, (j + 1) * per), slice(j, j + 1)
 
 
 def _call(q, k, v, dropout: float, scaling: float | None, causal: bool) -> torch.Tensor:

@@ -2,7 +2,8 @@
 ``apply_rotary_pos_emb`` with ``unsqueeze_dim=1``), and the partial rotary of Phi-3 and GPT-NeoX: when ``cos``
 is narrower than a head, only the first ``cos.shape[-1]`` features rotate and the rest pass through.
 
-``rope_reference`` is the oracle and the CPU path; ``RoPETriton`` runs forward and backward as a Triton kernel
+``rope_reference`` is the oracle; ``RoPETorch`` its arithmetic as one autograd Function, a tile of positions at a
+time (the CPU path); ``RoPETriton`` runs forward and backward as a Triton kernel
 (one program per token and block of heads, reading ``q``/``k`` through their strides, so HF's transposed views
 need no copy). Backward is the rotation by ``-sin`` and saves only ``cos`` and ``sin``, not ``q`` and ``k``.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tiertune.kernels.ops.backend import choose_backend
+from tiertune.kernels.ops.backend import choose_backend, row_tiles
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -25,6 +26,18 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         return x * cos + _rotate_half(x) * sin
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def _apply_transposed(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``_apply`` at its input for the output's gradient ``g``: ``g * cos`` plus the transposed
+    ``rotate_half`` of ``g * sin`` (autograd's arithmetic through ``_apply``; the rotation by ``-sin`` when
+    the two halves of ``sin`` are equal, as in every model's)."""
+    rot = cos.shape[-1]
+    half = rot // 2
+    g_rot = g[..., :rot]
+    s = g_rot * sin
+    out = g_rot * cos + torch.cat((s[..., half:], -s[..., :half]), dim=-1)
+    return out if rot == g.shape[-1] else torch.cat((out, g[..., rot:]), dim=-1)
 
 
 def rope_reference(
@@ -83,12 +96,51 @@ class RoPETriton(torch.autograd.Function):
         return gq, gk, None, None
 
 
+_TOKENS = 2048  # positions a tile of ``RoPETorch`` rotates at once: its temporaries are a tile's
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, apply=_apply) -> torch.Tensor:
+    """``apply`` over ``x`` [batch, heads, seq, dim] a tile of positions at a time, into one new tensor."""
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    for part in row_tiles(x.shape[2], _TOKENS):
+        out[:, :, part] = apply(x[:, :, part], cos[:, :, part], sin[:, :, part])
+    return out
+
+
+class RoPETorch(torch.autograd.Function):
+    """The reference's arithmetic as one autograd Function: saves only ``cos`` and ``sin`` (autograd through the
+    reference keeps nothing of q and k either, but its backward and forward make several whole-length
+    temporaries per tensor); forward and backward (``_apply_transposed``) a tile of positions at a time.
+    No gradient for ``cos``/``sin``."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        ctx.save_for_backward(cos, sin)
+        ctx.dtypes = (q.dtype, k.dtype)
+        outs = tuple(_rotated(x, cos, sin, torch.promote_types(x.dtype, cos.dtype)) for x in (q, k))
+        ctx.mark_non_differentiable(*(o for o, want in zip(outs, ctx.needs_input_grad[:2], strict=True) if not want))
+        return outs
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        grads = tuple(
+            _rotated(g, cos, sin, dtype, _apply_transposed) if want else None
+            for g, want, dtype in zip((dq, dk), ctx.needs_input_grad[:2], ctx.dtypes, strict=True)
+        )
+        return *grads, None, None
+
+
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on ``q`` and ``k`` with the Triton kernel (``triton``, or ``auto`` on a GPU with Triton) or the
-    reference (``torch``)."""
+    """RoPE on ``q`` and ``k`` with the Triton kernel (``triton``, or ``auto`` on a GPU with Triton) or in
+    torch (``torch``: the reference's arithmetic, ``RoPETorch``)."""
     backend = choose_backend(backend, q)
     if backend == "triton":
         return RoPETriton.apply(q, k, cos, sin)
-    return rope_reference(q, k, cos, sin)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return tuple(_rotated(x, cos, sin, torch.promote_types(x.dtype, cos.dtype)) for x in (q, k))
+    return RoPETorch.apply(q, k, cos, sin)
