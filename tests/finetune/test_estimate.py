@@ -393,3 +393,23 @@ def test_estimate_for_several_processes_says_what_each_rank_and_node_holds_and_s
     assert "a rank's memory plan needs: device" in text, text
     with pytest.raises(ConfigError, match="--per-node"):
         estimate(recipe, measure=False, processes=2, per_node=3)
+
+
+def test_what_computes_must_hold_the_tiers_and_what_is_outside_the_store(tmp_path, make_recipe):
+    """Budgets that hold are not enough: on a GPU its memory must hold the device tier's needs plus a layer's
+    activations, the boundary gradients and the loss chunk (outside the store). A GPU of just that size fits;
+    one byte less, and the estimate says NO on that line and does not fit."""
+    from tiertune.finetune.estimate import format_estimate
+    from tiertune.units import format_size
+
+    est = estimate(make_recipe(()), measure=False, gpu="rtx4090")
+    what, has, held = est.computes_on()
+    assert has == 24 * 10**9 or has > held
+    assert what == "the GPU" and held == est.needed("device") + sum(est.outside_store.values())
+    assert est.outside_store and est.fits, format_estimate(est, "t")
+    est.tiers["device"].budget = est.needed("device")  # the device budget no larger than the GPU
+    est.machine["gpu_memory"] = held
+    assert est.fits and f"the GPU ({format_size(held)}) holds {format_size(held)}" in format_estimate(est, "t")
+    est.machine["gpu_memory"] = held - 1
+    assert not est.fits and not est.short_of_machine() and est.needed("device") <= est.tiers["device"].budget
+    assert "outside the store  NO" in format_estimate(est, "t") and est.as_json()["computes_on"]["held"] == held

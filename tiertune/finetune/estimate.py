@@ -212,11 +212,26 @@ class Estimate:
         ``disk_needed``."""
         return self.disk_needed if tier == "disk" else self.tiers[tier].needed
 
+    def computes_on(self) -> tuple[str, int, int] | None:
+        """What computes, the bytes it has and the bytes the run holds there: on a GPU, its memory against the
+        device tier's needs plus the bytes outside the store; on the CPU, this machine's RAM against the host and
+        device tiers' needs plus those bytes. None when the machine's size is not known."""
+        outside = sum(self.outside_store.values())
+        if "gpu_memory" in self.machine:
+            return "the GPU", self.machine["gpu_memory"], self.needed("device") + outside
+        if "ram" in self.machine:
+            return "this machine's RAM", self.machine["ram"], self.needed("host") + self.needed("device") + outside
+        return None
+
     @property
     def fits(self) -> bool:
-        """Whether every budget holds (and, launched as several processes, each rank's)."""
+        """Whether every budget holds (and, launched as several processes, each rank's), and what computes
+        holds the run (``computes_on``)."""
         ranks = self.scale_out is None or self.scale_out.fits
-        return all(self.needed(n) <= t.budget for n, t in self.tiers.items()) and not self.short_of_machine() and ranks
+        on = self.computes_on()
+        room = on is None or on[2] <= on[1]
+        return (all(self.needed(n) <= t.budget for n, t in self.tiers.items()) and not self.short_of_machine()
+                and ranks and room)  # fmt: skip
 
     def as_json(self) -> dict:
         """The estimate as JSON: the same figures as ``format_estimate``."""
@@ -233,6 +248,7 @@ class Estimate:
             },
             "machine": self.machine,
             "short_of_machine": self.short_of_machine(),
+            "computes_on": dict(zip(("what", "bytes", "held"), on, strict=True)) if (on := self.computes_on()) else None,
             "disk_needed": self.disk_needed,
             "moved_per_step": self.moved_per_step,
             "bandwidth": self.bandwidth,
@@ -467,6 +483,12 @@ def format_estimate(est: Estimate, title: str) -> str:
             ok = f"NO: {short[name]}" if ok == "yes" else f"{ok}; {short[name]}"
         lines.append(f"{name:<8}{budget:>12}{format_size(t.home):>12}{format_size(t.passes):>12}"
                      f"{format_size(t.peak):>12}  {ok}")  # fmt: skip
+    on = est.computes_on()
+    if on is not None:
+        what, has, held = on
+        ok = "yes" if held <= has else "NO"
+        lines.append(f"{what} ({format_size(has)}) holds {format_size(held)}: the tiers it homes and what is "
+                     f"outside the store  {ok}")  # fmt: skip
     moved = ", ".join(f"{k} {format_size(est.moved_per_step[k])}" for k in LINKS if k in est.moved_per_step)
     lines += ["", f"how much disk: disk_path needs {format_size(est.disk_needed)} free", ""]
     w = est.waves

@@ -34,12 +34,9 @@ def why_not(est) -> str | None:
     for name, tier in est.tiers.items():
         if est.needed(name) > tier.budget:
             return f"the {name} tier needs {est.needed(name):,} B of its {tier.budget:,} B budget"
-    outside = sum(est.outside_store.values())
-    if "gpu_memory" in est.machine:
-        total, room, what = est.needed("device") + outside, est.machine["gpu_memory"], "the GPU"
-    else:
-        total, room, what = est.needed("host") + est.needed("device") + outside, est.machine["ram"], "this machine's RAM"
-    if total > room:
+    on = est.computes_on()
+    if on is not None and on[2] > on[1]:
+        what, room, total = on
         return f"{what} has {room:,} B and the run needs {total:,} B there (the store's tiers and what is outside it)"
     return None
 
