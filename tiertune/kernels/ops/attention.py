@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -181,9 +183,7 @@ class _Segments(torch.autograd.Function):
         else:
             grads = [torch.zeros(x.shape[0], x.shape[2], x.shape[1], x.shape[3], dtype=x.dtype, device=x.device)
                      for x in (q, k, v)]  # fmt: skip
-        with torch.random.fork_rng([q.device] if q.device.type != "cpu" else [], enabled=ctx.rng is not None):
-            if ctx.rng is not None:
-                _set_rng_state(q.device, ctx.rng)
+        with _forwards_rng(q.device, ctx.rng):
             for q_at, kv_at, n, causal in ctx.jobs:
                 parts = [x[at[0], :, at[1]].detach().requires_grad_() for x, at in ((q, q_at), (k, kv_at), (v, kv_at))]
                 with torch.enable_grad():
@@ -237,9 +237,7 @@ class _HeadGroups(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v = ctx.saved_tensors
         grads = (q, k, v) if ctx.in_place else tuple(torch.empty_like(x) for x in (q, k, v))
-        with torch.random.fork_rng([q.device] if q.device.type != "cpu" else [], enabled=ctx.rng is not None):
-            if ctx.rng is not None:
-                _set_rng_state(q.device, ctx.rng)
+        with _forwards_rng(q.device, ctx.rng):
             for b, h, j in _head_calls(q, k):
                 parts = [x[b, at][None].detach().requires_grad_() for x, at in ((q, h), (k, j), (v, j))]
                 with torch.enable_grad():
@@ -268,6 +266,16 @@ def _call(q, k, v, dropout: float, scaling: float | None, causal: bool) -> torch
 
 def _rng_state(device: torch.device) -> torch.Tensor:
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+@contextmanager
+def _forwards_rng(device: torch.device, state: torch.Tensor | None) -> Iterator[None]:
+    """A backward's recomputation drawing what forward drew: ``device``'s random state set to ``state`` (kept
+    from forward; None: nothing drawn, nothing to set) and restored after."""
+    with torch.random.fork_rng([device] if device.type != "cpu" else [], enabled=state is not None):
+        if state is not None:
+            _set_rng_state(device, state)
+        yield
 
 
 def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:

@@ -140,7 +140,4 @@ def apply_rope(
     backend = choose_backend(backend, q)
     if backend == "triton":
         return RoPETriton.apply(q, k, cos, sin)
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return tuple(_rotated(x, cos, sin, torch.promote_types(x.dtype, cos.dtype)) for x in (q, k))
     return RoPETorch.apply(q, k, cos, sin)
