@@ -1,6 +1,6 @@
-"""The settings of a fine-tuning method, defined once: a recipe's ``method.lora`` and ``method.galore`` sections
-are these dataclasses (``finetune.recipe`` checks their names, types and choices), and the engine takes them as
-they are (``EngineConfig.lora``/``galore``). Nothing here imports torch, so reading a recipe stays light."""
+"""The settings of a fine-tuning method and objective, defined once: a recipe's ``method.lora``,
+``method.galore`` and ``objective`` sections are these dataclasses (``finetune.recipe`` checks their names, types and choices), and the engine takes them as
+they are (``EngineConfig.lora``/``galore``/``objective``). Nothing here imports torch, so reading a recipe stays light."""
 
 from __future__ import annotations
 
@@ -42,3 +42,30 @@ class GaloreSettings:
     # exact: torch.linalg.svd, as galore-torch; randomized: a randomized range finder of rank r + oversampling
     # (Halko, Martinsson and Tropp), then an exact SVD of that small sketch
     svd: str = field(default="exact", metadata=choices(*SVD_METHODS))
+
+
+OBJECTIVES = ("sft", "dpo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+
+
+@dataclass
+class ObjectiveSettings:
+    """``objective`` (names as TRL's ``DPOConfig``): ``type`` ``sft`` (the default: the mean cross-entropy of the
+    target tokens) or ``dpo`` with ``beta`` and ``loss_type`` (``engine.objective`` has the formulas);
+    ``disable_dropout`` (TRL's default) sets every dropout of the model and its adapters to 0 for a preference
+    objective."""
+
+    type: str = field(default="sft", metadata=choices(*OBJECTIVES))
+    beta: float = 0.1
+    loss_type: str = field(default="sigmoid", metadata=choices(*DPO_LOSS_TYPES))
+    disable_dropout: bool = True
+
+    @property
+    def paired(self) -> bool:
+        """Whether the objective trains on pairs of completions (``data.format: preference``)."""
+        return self.type != "sft"
+
+    @property
+    def reference(self) -> bool:
+        """Whether the objective compares the policy with a reference model."""
+        return self.type == "dpo"

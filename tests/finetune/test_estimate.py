@@ -122,6 +122,15 @@ def test_the_peaks_and_the_bytes_a_step_moves_are_a_runs(tmp_path, model_dir, ge
     result = train(recipe, progress=False)
     log = [json.loads(line) for line in result.log_path.read_text().splitlines()]
     for tier, peak in log[-1]["peak_bytes"].items():
+        if case in TIMED and tier == "host":
+            # the budget binds while the optimizer's thread and the I/O threads work: when a transfer lands decides
+            # which cached copies are evicted to make room, so how full the host gets varies by up to one staged
+            # copy. Measured 2026-11-27 on the Gemma case, 30 runs alone: 29 exact, one 32 KiB below; 37 runs
+            # beside two busy processes: 34 exact, three 8 to 36 KiB below; never above (and never above budget)
+            expected = predicted.tiers[tier]
+            assert expected.peak - expected.largest_staged <= peak <= expected.peak <= expected.budget, (
+                tier, peak, predicted.tiers)
+            continue
         assert peak == predicted.tiers[tier].peak, (tier, peak, predicted.tiers)
     clipped = tuple(record["grad_norm"] > recipe.training.max_grad_norm for record in log)
     monkeypatch.setattr(replaying, "CLIPPED", clipped)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiertune.settings import GaloreSettings, LoraSettings
+from tiertune.settings import GaloreSettings, LoraSettings, ObjectiveSettings
 
 STACK_TOKENS = 2048
 """The most tokens a quantized layer's visit runs as one batch by default (``EngineConfig.stack_tokens``)."""
@@ -67,6 +67,8 @@ class EngineConfig:
     # auto: Triton kernels on a CUDA device with Triton, else the ops' torch references; torch; triton; none:
     # the model's own modules and unfused loss (the plain-loop oracle of the parity tests)
     kernels: str = "auto"
+    # what a step minimizes: the target tokens' cross-entropy (sft), or a preference objective over pairs
+    objective: ObjectiveSettings = field(default_factory=ObjectiveSettings)
 
     def layer_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype the decoder layers' products run in on ``device``: the compute dtype, but for a quantized

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiertune.kernels.architectures import FUSED_LOSS
-from tiertune.kernels.ops.linear_ce import IGNORE_INDEX, linear_cross_entropy
+from tiertune.kernels.ops.linear_ce import IGNORE_INDEX, linear_cross_entropy, token_cross_entropy
 
 log = logging.getLogger("tiertune.engine")
 
@@ -38,15 +38,12 @@ class CausalLMLoss:
         log.debug("kernels: fused linear + cross-entropy (%s, chunked) for %s", self.backend, model_type)
         return True
 
-    def __call__(self, ids: torch.Tensor, extra: dict, target: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, extra: dict, target: torch.Tensor,
+                 token_weight: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """The summed cross-entropy of ``target``'s tokens (``token_weight``: each token's weight in the sum)."""
         if self.fused:
-            decoder = self.model.get_decoder()
-            hidden = decoder(input_ids=ids, **extra, **self.model_kwargs).last_hidden_state
+            h = self._hidden(ids, extra)
             head = self.model.get_output_embeddings()
-            h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-            scale = getattr(self.model.config, "logit_scale", None)
-            if scale is not None and scale != 1:  # Cohere: (h W^T) * s computed as (s h) W^T
-                h = h * scale
             return linear_cross_entropy(
                 h,
                 head.weight,
@@ -55,12 +52,39 @@ class CausalLMLoss:
                 IGNORE_INDEX,
                 "sum",
                 backend=self.backend,
-                softcap=getattr(self.model.config, "final_logit_softcapping", None),
+                softcap=self._softcap,
+                token_weight=token_weight,
             )
+        losses = F.cross_entropy(self._logits(ids, extra), target.reshape(-1), ignore_index=IGNORE_INDEX,
+                                 reduction="none")  # fmt: skip
+        return (losses if token_weight is None else losses * token_weight).sum()
+
+    @torch.no_grad()
+    def token_losses(self, ids: torch.Tensor, extra: dict, target: torch.Tensor) -> torch.Tensor:
+        """Each target token's cross-entropy ([rows, length - 1], 0 where ``target`` is ``IGNORE_INDEX``), without
+        autograd and, fused, without the whole logits."""
+        if self.fused:
+            head = self.model.get_output_embeddings()
+            out = token_cross_entropy(self._hidden(ids, extra), head.weight, target.reshape(-1), head.bias,
+                                      IGNORE_INDEX, softcap=self._softcap)  # fmt: skip
+        else:
+            out = F.cross_entropy(self._logits(ids, extra), target.reshape(-1), ignore_index=IGNORE_INDEX,
+                                  reduction="none")  # fmt: skip
+        return out.view(target.shape)
+
+    @property
+    def _softcap(self) -> float | None:
+        return getattr(self.model.config, "final_logit_softcapping", None)
+
+    def _hidden(self, ids: torch.Tensor, extra: dict) -> torch.Tensor:
+        """The decoder's last hidden states before each target ([rows x (length - 1), hidden]), times the
+        logit scale (Cohere: (h W^T) * s computed as (s h) W^T)."""
+        hidden = self.model.get_decoder()(input_ids=ids, **extra, **self.model_kwargs).last_hidden_state
+        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        scale = getattr(self.model.config, "logit_scale", None)
+        return h * scale if scale is not None and scale != 1 else h
+
+    def _logits(self, ids: torch.Tensor, extra: dict) -> torch.Tensor:
+        """The model's own logits before each target, in fp32 ([rows x (length - 1), vocabulary])."""
         logits = self.model(input_ids=ids, **extra, **self.model_kwargs).logits
-        return F.cross_entropy(
-            logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-            target.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
+        return logits[:, :-1].float().reshape(-1, logits.shape[-1])

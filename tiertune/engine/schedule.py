@@ -38,10 +38,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tiertune.engine.objective import pair_losses
 from tiertune.engine.stacking import draws_random, stack_calls
 from tiertune.engine.stash import Stash, stash_slots
 from tiertune.engine.streaming import Call, Capture, Stop, Suffix, run_layer
 from tiertune.errors import StateError
+from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from tiertune.engine.config import EngineConfig
@@ -107,6 +109,8 @@ class _Micro:
     before: list[Rng] = field(default_factory=list)
     shape: torch.Size = field(default_factory=torch.Size)
     grad: torch.Tensor | None = None
+    pairs: int = 0  # a preference objective's pairs: the first ``pairs`` rows chosen, the next rejected
+    ref: torch.Tensor | None = None  # the reference's hidden states at the boundary the wave has reached
 
 
 class LayerMajor:
@@ -116,6 +120,11 @@ class LayerMajor:
         self.engine, self.stash = engine, stash
         self.layers = [layer.layer for layer in engine.parts.layers]  # the model's own (streamed) layers
         self._random = [draws_random(layer) for layer in self.layers]
+        # a preference objective's metric sums over the step so far (``engine.objective.METRICS``; the engine
+        # resets them at each step's start)
+        self.metrics: dict[str, float] = {}
+        # whether the layers' forward visits run the reference too (the base, adapters off) beside the policy
+        self.reference = engine.objective.reference
 
     def stacks(self, i: int, micro: Sequence[_Micro]) -> list[list[int]]:
         """The micro-batches of a wave (indices) that layer ``i``'s visit runs together: each joins the first
@@ -161,12 +170,13 @@ class LayerMajor:
             micro = [
                 _Micro(b["input_ids"].to(device),
                        {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
-                       lab[:, 1:].to(device), rng, rng)
+                       lab[:, 1:].to(device), rng, rng, pairs=int(b.get("pairs", 0)))
                 for b, lab, rng in zip(batches, labels, streams(len(batches), device), strict=True)
             ]  # fmt: skip
             prefix_trained, first = self._prefix(micro)
             last = self._forward(micro, first)
-            total, aux_total = self._suffix(micro, last, n_tokens, micro_batches, bound, summed)
+            suffix = self._paired_suffix if engine.objective.paired else self._suffix
+            total, aux_total = suffix(micro, last, n_tokens, micro_batches, bound, summed)
             self._backward(micro, prefix_trained)
             if prefix_trained:
                 self._prefix_backward(micro, bound, summed)
@@ -200,10 +210,21 @@ class LayerMajor:
             mb.shape = visit.first.shape
             trained = trained or visit.first.requires_grad
             outputs.append(visit.first.detach())
+            if self.reference:  # the base's embeddings: the policy's unless adapters change them
+                mb.ref = outputs[-1] if not visit.first.requires_grad else self._reference_embeddings(mb)
         first = self.stash.open(0, [mb.shape for mb in micro], write=True)
         for x, out in zip(first, outputs, strict=True):
             x.copy_(out)
         return trained, first
+
+    def _reference_embeddings(self, mb: _Micro) -> torch.Tensor:
+        """``mb``'s embeddings by the reference (the base, adapters off), its random streams untouched."""
+        engine = self.engine
+        visit = engine.visit = Capture(len(self.layers), first_only=True)
+        with engine.reference(), mb.start.running(engine.device), suppress(Stop):
+            self._decoder(mb)
+        assert visit.first is not None  # the policy's capture of the same call found it
+        return visit.first
 
     def _forward(self, micro: list[_Micro], xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Layers 0..L-1, each visited once for every micro-batch of the wave, from boundary 0 (``xs``, held);
@@ -233,9 +254,62 @@ class LayerMajor:
                     for j, part in zip(group, out.split([micro[j].shape[0] for j in group]), strict=True):
                         ys[j].copy_(part)
                     del out, x
+                    if self.reference:  # the same weights, read once: the reference's hidden states move on too
+                        self._reference_layer(i, micro, group)
             self.stash.close(i, keep=True)
             xs = ys
         return xs
+
+    def _reference_layer(self, i: int, micro: Sequence[_Micro], group: list[int]) -> None:
+        """Layer ``i`` (its weights bound) on the reference's hidden states of ``group``'s micro-batches: the
+        base's output, adapters off, without autograd and without drawing from any random stream."""
+        engine = self.engine
+        x, call = self._stacked(i, micro, group, [mb.ref for mb in micro])  # type: ignore[misc]
+        devices = [engine.device] if engine.device.type == "cuda" else []
+        with engine.reference(), torch.random.fork_rng(devices=devices):
+            out = run_layer(self.layers[i], x, call)
+        del x
+        for j, part in zip(group, out.split([micro[j].shape[0] for j in group]), strict=True):
+            micro[j].ref = part
+
+    def _paired_suffix(self, micro: list[_Micro], outs: list[torch.Tensor], n_pairs: int, micro_batches: int,
+                       bound: dict, summed: dict) -> tuple[float, float]:  # fmt: skip
+        """Per micro-batch of pairs: the preference objective (``engine.objective``) from its sequences'
+        log-probabilities (the reference's from its own hidden states, computed first), back-propagated to the
+        last layer's output through the head as a weighted cross-entropy; its loss divided by the step's
+        ``n_pairs``. Returns the wave's summed loss and router auxiliary losses."""
+        engine = self.engine
+        last = len(self.layers)
+        aux = engine.router_aux
+        total = aux_total = 0.0
+        for j, mb in enumerate(micro):
+            ref_logps = None
+            if mb.ref is not None:
+                engine.visit = Suffix(last - 1, mb.ref)
+                with engine.reference():
+                    ref_logps = -engine.loss.token_losses(mb.ids, mb.extra, mb.target).sum(1)
+                mb.ref = None
+            leaf = outs[j].detach().requires_grad_()
+            engine.visit = Suffix(last - 1, leaf)
+            if aux is not None:
+                aux_total += aux.finish(j, mb.extra.get("attention_mask"), 1.0 / micro_batches)
+            logps = (-engine.loss.token_losses(mb.ids, mb.extra, mb.target).sum(1)).requires_grad_()
+            tokens = (mb.target != IGNORE_INDEX).sum(1)
+            losses, metrics = pair_losses(engine.objective, logps, ref_logps, tokens)
+            loss_sum = losses.sum()
+            (slope,) = torch.autograd.grad(loss_sum, logps)  # d loss / d each sequence's log-probability
+            weight = (-slope / n_pairs).unsqueeze(1).expand(mb.target.shape).reshape(-1)
+            engine.loss(mb.ids, mb.extra, mb.target, token_weight=weight).backward()
+            total += float(loss_sum.detach())
+            for name, value in metrics.items():
+                self.metrics[name] = self.metrics.get(name, 0.0) + value
+            if leaf.grad is None:
+                raise StateError("the loss does not depend on the last decoder layer's output")
+            mb.grad = leaf.grad
+            _harvest(bound, summed)
+        engine.visit = None
+        self.stash.close(last, keep=False)
+        return total, aux_total
 
     def _suffix(self, micro: list[_Micro], outs: list[torch.Tensor], n_tokens: int, micro_batches: int,
                 bound: dict, summed: dict) -> tuple[float, float]:  # fmt: skip

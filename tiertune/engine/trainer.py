@@ -31,6 +31,7 @@ from tiertune.engine.layout import (
 )
 from tiertune.engine.loaded import load_model
 from tiertune.engine.loss import CausalLMLoss
+from tiertune.engine.objective import METRICS, disable_dropout
 from tiertune.engine.router_aux import RouterAux
 from tiertune.engine.schedule import LayerMajor
 from tiertune.engine.stash import ChunkStash, DeviceStash, Stash, stash_slots
@@ -70,6 +71,7 @@ class StreamedTrainer(TrainerViews):
         """``world``: this process among several (ZeRO-3, ``engine.sharding``; the process group joined and
         ``store_config.num_shards`` its size); each rank's ``step`` gets its own part of the global batch."""
         self.config = config
+        self.objective = config.objective  # what a step minimizes (engine.objective)
         self.world = world or World()
         if self.world.size > 1 and store_config.num_shards != self.world.size:
             raise ConfigError(
@@ -166,6 +168,14 @@ class StreamedTrainer(TrainerViews):
         )
         # the loss, fused with the head where the architecture allows (kernels.ops.linear_ce)
         self.loss = CausalLMLoss(self.model, config.kernels != "none", self.kernel_backend)
+        # a preference objective's last step's metrics (TRL's names: engine.objective)
+        self.last_metrics: dict[str, float] = {}
+        if self.objective.reference and self.adapters is None:
+            raise ConfigError(
+                "objective.type: dpo runs its reference as the base with the adapters off: it needs method: lora"
+            )
+        if self.objective.paired and self.objective.disable_dropout:
+            disable_dropout(self.model)
         # the weighted auxiliary loss in the last step's loss (None when it has none: router_aux is None)
         self.last_router_aux_loss: float | None = None
 
@@ -202,6 +212,13 @@ class StreamedTrainer(TrainerViews):
         self, index: int, requires_grad: bool
     ) -> AbstractContextManager[dict[str, torch.Tensor]]:
         return self.bound_group(self.layer_state(index), requires_grad)
+
+    @contextmanager
+    def reference(self) -> Iterator[None]:
+        """The model as a preference objective's reference for the block: the base, its adapters off."""
+        assert self.adapters is not None  # __init__ refuses a reference without adapters
+        with torch.no_grad(), self.adapters.disabled():
+            yield
 
     def layer_trainable(self, index: int) -> bool:
         return self.layer_state(index).trainable
@@ -248,15 +265,26 @@ class StreamedTrainer(TrainerViews):
     # ------------------------------------------------------------------ the step
 
     def step(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> float:
-        """One optimizer step over ``micro_batches`` (gradient accumulation); returns the step's loss."""
+        """One optimizer step over ``micro_batches`` (gradient accumulation); returns the step's loss: the mean
+        over its target tokens, or, for a preference objective, over its pairs (micro-batches with ``pairs``:
+        their first ``pairs`` rows the chosen sequences, the next ``pairs`` the rejected ones)."""
         step_began = time.perf_counter()
         labels = [mb.get("labels", mb["input_ids"]) for mb in micro_batches]
-        n_tokens = sum(int((lab[:, 1:] != IGNORE_INDEX).sum()) for lab in labels)
+        if self.objective.paired:
+            if not all("pairs" in mb and 2 * int(mb["pairs"]) == len(mb["input_ids"]) for mb in micro_batches):
+                raise DataError(
+                    f"objective.type {self.objective.type} trains on pairs: each micro-batch needs 'pairs' and twice "
+                    "as many rows (chosen, then rejected; data.format: preference)"
+                )
+            n_tokens = sum(int(mb["pairs"]) for mb in micro_batches)
+        else:
+            n_tokens = sum(int((lab[:, 1:] != IGNORE_INDEX).sum()) for lab in labels)
         n_tokens = int(self.sharding.total(n_tokens, torch.int64))  # the global batch's: every rank divides by it
         if n_tokens == 0:
             raise DataError(
                 "a training step has no target tokens (every label is -100); check the data and max_seq_len"
             )
+        self.schedule.metrics = dict.fromkeys(METRICS, 0.0) if self.objective.paired else {}
         cfg = self.config
         clipping = cfg.clips
         # speculate unless the last step was clipped: then this one likely is too, and waiting for the norm
@@ -279,6 +307,7 @@ class StreamedTrainer(TrainerViews):
             aux_total += aux_sum
         total = float(self.sharding.total(total))
         loss = total / n_tokens
+        self.last_metrics = {k: float(self.sharding.total(v)) / n_tokens for k, v in self.schedule.metrics.items()}
         if self.router_aux is not None:
             self.last_router_aux_loss = self.router_aux.coef * aux_total / len(micro_batches)
             loss += self.last_router_aux_loss

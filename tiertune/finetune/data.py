@@ -8,6 +8,13 @@ Files: ``.jsonl``/``.json`` (JSON lines, or a JSON list of objects), ``.parquet`
   the loss is on the response (``output`` and EOS) only.
 - ``chat``: ``messages``, a list of ``{"role", "content"}``, rendered by the tokenizer's chat template;
   the loss is on the assistant turns only (found by rendering the conversation turn by turn).
+- ``preference``: ``prompt``, ``chosen`` and ``rejected``, strings or conversations (TRL's standard and
+  conversational preference forms; a conversational row without ``prompt`` shares its leading turns), tokenized
+  as TRL's ``DPOTrainer`` does: EOS appended to a string completion that lacks it, the prompt tokenized alone
+  (a conversation's with the generation prompt) and with each completion, the completion starting where they
+  diverge, each sequence cut to ``max_seq_len`` from its start. A row whose prompt fills ``max_seq_len`` or
+  whose two completions are the same is dropped and counted; an empty completion is a bad row. The loss is on
+  the completions; a batch is its rows' chosen sequences, then their rejected ones.
 
 Sequences are cut to ``max_seq_len``; a row left without a token to predict is dropped and counted. A row
 without the fields of its format raises ``DataError`` naming the file, the row and the field, or is
@@ -38,7 +45,9 @@ from tiertune.errors import ConfigError, DataError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-FORMATS = ("text", "alpaca", "chat")
+FORMATS = ("text", "alpaca", "chat", "preference")
+PAIRED = ("preference",)
+"""The formats whose rows are pairs of completions (a preference objective's, ``engine.objective``)."""
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the "
@@ -65,13 +74,17 @@ class TokenizedData:
 
     @functools.cached_property
     def tokens(self) -> int:
-        """Tokens in all rows (reads the whole column once)."""
-        return sum(len(ids) for ids in self.rows["input_ids"])
+        """Tokens in all rows, both sequences of a pair (reads the columns once)."""
+        return sum(len(ids) for column in self._id_columns for ids in self.rows[column])
+
+    @property
+    def _id_columns(self) -> list[str]:
+        return [c for c in ("input_ids", "rejected_ids") if c in self.rows.column_names]
 
     @functools.cached_property
     def max_token_id(self) -> int:
         """The largest token id in the rows (-1 when there are none)."""
-        return max((max(ids) for ids in self.rows["input_ids"] if len(ids)), default=-1)
+        return max((max(ids) for column in self._id_columns for ids in self.rows[column] if len(ids)), default=-1)
 
 
 class _BadRow(Exception):
@@ -244,7 +257,8 @@ def load_data(
     if len(kept) == 0:
         raise DataError(
             f"{path} has no usable rows ({skipped} skipped as bad, {dropped} with nothing to predict within "
-            f"data.max_seq_len {max_seq_len})"
+            f"data.max_seq_len {max_seq_len}"
+            + (", a prompt that fills it, or a chosen completion equal to the rejected one)" if fmt in PAIRED else ")")
         )
     return TokenizedData(kept, skipped, dropped, Path(path))
 
@@ -269,15 +283,24 @@ text to the tokenizer (unknown words, or a tokenizer class that does not match i
 def _encode(batch: dict, indices: list[int], **settings: Any) -> dict[str, list]:
     """``datasets.map`` function: a batch of rows to ``input_ids`` and ``labels`` (module level, so that
     datasets can fingerprint it and cache its result)."""
+    paired = settings["fmt"] in PAIRED
     out: dict[str, list] = {"input_ids": [], "labels": [], "bad": [], "useful": [], "lossy": []}
+    if paired:
+        out.update(rejected_ids=[], rejected_labels=[])
     tokenizer = settings["tokenizer"]
     for k, index in enumerate(indices):
         row = {key: values[k] for key, values in batch.items()}
         lossy = False
+        rejected: tuple[list[int], list[int]] = ([], [])
         try:
-            ids, labels, parts = _render(
-                row, tokenizer, settings["fmt"], settings["max_seq_len"], settings["add_eos"]
-            )
+            if paired:
+                ids, labels, rejected, parts = _render_pair(
+                    row, tokenizer, settings["max_seq_len"], settings["add_eos"]
+                )
+            else:
+                ids, labels, parts = _render(
+                    row, tokenizer, settings["fmt"], settings["max_seq_len"], settings["add_eos"]
+                )
             kept, total = _characters_kept(tokenizer, parts)
             if kept < KEPT_FRACTION * total:
                 lossy = True
@@ -288,20 +311,26 @@ def _encode(batch: dict, indices: list[int], **settings: Any) -> dict[str, list]
                         f"aside; {len(ids)} tokens): it cannot represent this text. {_TOKENIZER_HINT}; or set "
                         "data.skip_bad_rows: true to leave such rows out"
                     )
-                ids, labels = [], []
+                ids, labels, rejected = [], [], ([], [])
         except _BadRow as exc:
             if not settings["skip_bad_rows"]:
                 raise DataError(
                     f"{settings['source']}, row {index + 1}: expected {exc.field}, found {exc.found}; fix the "
                     "row or set data.skip_bad_rows: true"
                 ) from None
-            ids, labels = [], []
+            ids, labels, rejected = [], [], ([], [])
         out["input_ids"].append(ids)
         out["labels"].append(labels)
         out["bad"].append(not ids)
         out["lossy"].append(lossy)
         # the loss predicts token t+1 from token t: a row needs a target after its first token
-        out["useful"].append(any(lab != IGNORE_INDEX for lab in labels[1:]))
+        useful = any(lab != IGNORE_INDEX for lab in labels[1:])
+        if paired:
+            out["rejected_ids"].append(rejected[0])
+            out["rejected_labels"].append(rejected[1])
+            # and a pair two different completions, each with a target
+            useful = useful and any(lab != IGNORE_INDEX for lab in rejected[1][1:]) and rejected[0] != ids
+        out["useful"].append(useful)
     return out
 
 
@@ -350,6 +379,74 @@ def _render(
         ids, labels, contents = _chat(row, tokenizer)
         parts = [(_content_ids(tokenizer, c), c) for c in contents]
     return ids[:max_seq_len], labels[:max_seq_len], parts
+
+
+def _render_pair(row: dict, tokenizer: Any, max_seq_len: int, add_eos: bool
+                 ) -> tuple[list[int], list[int], tuple[list[int], list[int]], list[tuple[list[int], str]]]:  # fmt: skip
+    """A preference row's chosen sequence and labels, its rejected ones, and its texts, as TRL's DPOTrainer
+    tokenizes them (the module's docstring)."""
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    prompt = row.get("prompt")
+    conversational = isinstance(chosen, list)
+    if conversational:
+        for field in ("chosen", "rejected") + (("prompt",) if prompt is not None else ()):
+            _messages(row, field)
+        if prompt is None:  # an implicit prompt: the turns the two conversations share
+            shared = 0
+            while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+                shared += 1
+            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        if not chosen or not rejected:
+            raise _BadRow("a chosen and a rejected turn after the prompt", "an empty completion")
+        texts = [m["content"] for m in (*prompt, *chosen, *rejected)]
+        prompt_ids = _chat_ids(tokenizer, prompt, add_generation_prompt=True)
+        pair_ids = [_chat_ids(tokenizer, prompt + c) for c in (chosen, rejected)]
+    else:
+        prompt, chosen, rejected = _string(row, "prompt"), _string(row, "chosen"), _string(row, "rejected")
+        if not chosen.strip() or not rejected.strip():
+            raise _BadRow("non-empty strings 'chosen' and 'rejected'", "an empty completion")
+        texts = [prompt, chosen, rejected]
+        eos = tokenizer.eos_token if add_eos else None
+        if eos:
+            chosen, rejected = (c if c.endswith(eos) else c + eos for c in (chosen, rejected))
+        prompt_ids = list(tokenizer(prompt)["input_ids"])
+        pair_ids = [list(tokenizer(prompt + c)["input_ids"]) for c in (chosen, rejected)]
+    # the completion starts where the prompt alone and prompt + completion diverge (TRL's common prefix)
+    start = min(_common_prefix(prompt_ids, ids) for ids in pair_ids)
+    parts = [(_content_ids(tokenizer, t), t) for t in texts]
+    # a prompt that fills max_seq_len leaves no target: the row is dropped (TRL's filter)
+    (ids, labels), second = ((ids[:max_seq_len], ([IGNORE_INDEX] * start + ids[start:])[:max_seq_len])
+                             for ids in pair_ids)  # fmt: skip
+    return ids, labels, second, parts
+
+
+def _messages(row: dict, field: str) -> list[dict]:
+    value = row.get(field)
+    if not isinstance(value, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in value
+    ):
+        found = "no such field" if value is None else "something else"
+        raise _BadRow(f"a list {field!r} of {{'role', 'content'}} objects", f"{found} (the row has {_keys(row)})")
+    return value
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            "conversational preference rows are rendered with the tokenizer's chat template, and this tokenizer "
+            "has none; use a model whose tokenizer has one, or rows whose prompt and completions are strings"
+        )
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                        add_generation_prompt=add_generation_prompt)  # fmt: skip
+    return list(out["input_ids"])
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _content_ids(tokenizer: Any, text: str) -> list[int]:
@@ -429,6 +526,15 @@ def batches(
         rows = (data.rows[i] for i in order)
         if packing:
             yield from _packed(rows, batch_size, pad_id, max_seq_len)
+        elif "rejected_ids" in data.rows.column_names:  # pairs: each batch its chosen rows, then its rejected
+            group = []
+            for row in rows:
+                group.append(row)
+                if len(group) == batch_size:
+                    yield _paired(group, pad_id)
+                    group = []
+            if group:
+                yield _paired(group, pad_id)
         else:
             group: list[dict] = []
             for row in rows:
@@ -452,6 +558,15 @@ def _padded(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         labels[r, :n] = torch.tensor(row["labels"])
         mask[r, :n] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": labels, "num_tokens": mask.sum()}
+
+
+def _paired(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Preference rows as one padded batch of their chosen sequences, then their rejected ones; ``pairs``
+    counts the rows."""
+    rejected = [{"input_ids": r["rejected_ids"], "labels": r["rejected_labels"]} for r in rows]
+    batch = _padded([*rows, *rejected], pad_id)
+    batch["pairs"] = torch.tensor(len(rows))
+    return batch
 
 
 def _packed(

@@ -24,7 +24,7 @@ import yaml
 from tiertune.errors import ConfigError
 from tiertune.kernels import KERNEL_CHOICES
 from tiertune.loading.hub import is_hub_id
-from tiertune.settings import GaloreSettings, LoraSettings, choices
+from tiertune.settings import GaloreSettings, LoraSettings, ObjectiveSettings, choices
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 """The built-in recipes, shipped with the package (``load_recipe`` takes one by its name)."""
@@ -47,7 +47,7 @@ class MethodSection:
 @dataclass
 class DataSection:
     path: str = ""
-    format: str = field(default="text", metadata=choices("text", "alpaca", "chat"))
+    format: str = field(default="text", metadata=choices("text", "alpaca", "chat", "preference"))
     max_seq_len: int = 1024
     packing: bool = False
     shuffle: bool = True
@@ -109,6 +109,7 @@ class Recipe:
     data: DataSection = field(default_factory=DataSection)
     training: TrainingSection = field(default_factory=TrainingSection)
     offload: OffloadSection = field(default_factory=OffloadSection)
+    objective: ObjectiveSettings = field(default_factory=ObjectiveSettings)
     kernels: str = field(default="auto", metadata=choices(*KERNEL_CHOICES))
 
     def __post_init__(self) -> None:
@@ -165,14 +166,34 @@ class Recipe:
             (self.method.galore.rank >= 1, "method.galore.rank", "must be >= 1"),
             (self.method.galore.update_proj_gap >= 1, "method.galore.update_proj_gap", "must be >= 1"),
             (self.method.galore.scale > 0, "method.galore.scale", "must be > 0"),
+            (self.objective.beta > 0, "objective.beta", f"must be > 0, got {self.objective.beta}"),
+            (
+                self.objective.paired == (self.data.format == "preference"),
+                "objective.type",
+                f"{self.objective.type} trains on "
+                + ("pairs: set data.format: preference (rows of prompt, chosen, rejected)" if self.objective.paired
+                   else "single sequences; data.format: preference needs objective.type: dpo"),
+            ),
+            (
+                not (self.objective.paired and self.data.packing),
+                "data.packing",
+                "must be false for a preference objective (a pair's sequences are scored whole)",
+            ),
+            (
+                not self.objective.reference or self.method.type == "lora",
+                "objective.type",
+                "dpo needs a reference model; tiertune runs it as the base with the adapters off (in the same "
+                "layer visit as the policy), so it needs method.type: lora for now; a full or GaLore fine-tune's "
+                "reference (the initial weights' log-probabilities, computed before training) is not built yet",
+            ),
         ]
         for name, value in flatten(self.to_dict()):
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{name} must be a finite number; got {value}")
+        _check_choices(self)
         for ok, key, what in checks:
             if not ok:
                 raise ConfigError(f"{key} {what}")
-        _check_choices(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

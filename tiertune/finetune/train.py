@@ -177,7 +177,8 @@ def plan(recipe: Recipe, device: str | None = None, world: World | None = None) 
         gradients="disk" if off.disk_path else "host",
         overlap_optimizer=off.overlap_optimizer,
         activations=_activations(recipe, device, dtype, store.device_budget),
-        activation_tokens=t.per_device_train_batch_size * recipe.data.max_seq_len,
+        # a micro-batch of pairs holds each pair's two sequences
+        activation_tokens=t.per_device_train_batch_size * recipe.data.max_seq_len * (1 + recipe.objective.paired),
         sequence_tile=SEQUENCE_TILE if off.sequence_tile == "auto" else int(off.sequence_tile),
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         method=recipe.method.type,
@@ -187,6 +188,7 @@ def plan(recipe: Recipe, device: str | None = None, world: World | None = None) 
         # init seed is training.seed unless method.lora.seed sets its own
         lora=dataclasses.replace(recipe.method.lora, seed=t.seed if lora_seed is None else lora_seed),
         galore=recipe.method.galore,
+        objective=recipe.objective,
     )
     return store, engine
 
@@ -428,6 +430,7 @@ def _run(
                 }
                 if trainer.router_aux is not None:  # MoE: the part of "loss" that is the router's aux loss
                     record["router_aux_loss"] = trainer.last_router_aux_loss
+                record.update(trainer.last_metrics)  # a preference objective's rewards and log-probabilities
                 sent = trainer.wire_sent()
                 if sent:  # of several ranks: the bytes this rank sent in the step, by collective
                     record["wire_bytes"] = {k: n - wired.get(k, 0) for k, n in sent.items()}

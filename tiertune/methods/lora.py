@@ -106,6 +106,10 @@ class Adapters:
                     "or list target_modules without them (e.g. [q_proj, k_proj, v_proj, o_proj])"
                 ) from exc
             raise ConfigError(f"method.lora: {exc}") from exc
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        # every adapted module, found now: a streaming engine takes the decoder layers out of the module tree
+        self.tuner_layers = [m for m in self.peft_model.modules() if isinstance(m, BaseTunerLayer)]
         self.quantized_experts = self._adapt_quantized_experts()
         # the base as a path that loads from any directory, resolved now (against the one it was loaded from)
         for config in (self.config, *self.peft_model.peft_config.values()):
@@ -203,6 +207,20 @@ class Adapters:
                         part.to_empty(device=device)
                         part.float()
                     module.reset_lora_parameters(adapter, init_lora_weights=True)
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """The model without its adapters for the block (the base: a preference objective's reference); their
+        parameters and what requires gradients stay as they are (peft's ``disable_adapter`` would change both)."""
+        layers = self.tuner_layers
+        before = [m._disable_adapters for m in layers]
+        for m in layers:
+            m._disable_adapters = True
+        try:
+            yield
+        finally:
+            for m, was in zip(layers, before, strict=True):
+                m._disable_adapters = was
 
     def in_module(self, module: nn.Module) -> list[nn.Parameter]:
         """The trainable adapter parameters inside ``module`` (a decoder layer), in model order."""

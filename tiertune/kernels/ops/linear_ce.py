@@ -124,11 +124,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         backend="torch",
         softcap=None,
         grads=True,
+        token_weight=None,
     ):
         n = x.shape[0]
         valid = target != ignore_index
         count = int(valid.sum())
         scale = 1.0 / max(count, 1) if reduction == "mean" else 1.0
+        # the loss of token t counts token_weight[t] times (None: once); an ignored token's weight is unused
+        weights = valid.float() if token_weight is None else torch.where(valid, token_weight.float(), 0.0)
         # the gradients are computed here, in forward; none when autograd will not ask for them (no_grad)
         want_x, want_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
         want_b = grads and bias is not None and ctx.needs_input_grad[3]
@@ -143,27 +146,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n, chunk_tokens):
             xs = x[start : start + chunk_tokens]
             ts = target[start : start + chunk_tokens]
-            keep = valid[start : start + chunk_tokens]
+            keep = weights[start : start + chunk_tokens]
             x32 = xs if mixed else xs.float()
-            if mixed:  # the tensor cores, in x's dtype, into fp32
-                logits = torch.mm(xs, weight.t(), out_dtype=torch.float32)
-                if b32 is not None:
-                    logits += b32
-            elif len(slices) == 1:
-                logits = F.linear(x32, slices[0][1].float(), b32)
-            else:  # each slice of the head upcast in turn: one slice's fp32 copy at a time
-                logits = torch.empty(len(xs), weight.shape[0], dtype=torch.float32, device=x.device)
-                for rows, w in slices:
-                    logits[:, rows] = x32 @ w.float().t()
-                if b32 is not None:
-                    logits += b32
+            logits = _chunk_logits(xs, x32, weight, b32, slices, mixed)
             if (
                 backend == "triton" and wanted
             ):  # one kernel: the rows' losses, and the logits become their gradient
                 from tiertune.kernels.ops._triton_ce import ce_rows
 
-                total += ce_rows(logits, ts, ignore_index, scale, softcap).sum()
+                total += (ce_rows(logits, ts, ignore_index, scale, softcap) * keep).sum()
                 grad = logits
+                if token_weight is not None:
+                    grad.mul_(keep.unsqueeze(1))
             else:
                 if softcap is not None:  # tanh(z / softcap) stays for the gradient: a second chunk buffer
                     tanh = logits.div_(softcap).tanh_()
@@ -218,7 +212,57 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_x = next(saved).mul_(grad_out) if want_x else None
         grad_w = next(saved).mul_(grad_out).to(ctx.dtypes[0]) if want_w else None
         grad_b = next(saved).mul_(grad_out).to(ctx.dtypes[1]) if want_b else None
-        return grad_x, grad_w, None, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, None, grad_b, None, None, None, None, None, None, None
+
+
+def _chunk_logits(xs: torch.Tensor, x32: torch.Tensor, weight: torch.Tensor, b32: torch.Tensor | None,
+                  slices: list[tuple[slice, torch.Tensor]], mixed: bool) -> torch.Tensor:  # fmt: skip
+    """The fp32 logits of a chunk of tokens ``xs`` (``x32``: in fp32 unless ``mixed``)."""
+    if mixed:  # the tensor cores, in x's dtype, into fp32
+        logits = torch.mm(xs, weight.t(), out_dtype=torch.float32)
+        if b32 is not None:
+            logits += b32
+        return logits
+    if len(slices) == 1:
+        return F.linear(x32, slices[0][1].float(), b32)
+    # each slice of the head upcast in turn: one slice's fp32 copy at a time
+    logits = torch.empty(len(xs), weight.shape[0], dtype=torch.float32, device=xs.device)
+    for rows, w in slices:
+        logits[:, rows] = x32 @ w.float().t()
+    if b32 is not None:
+        logits += b32
+    return logits
+
+
+@torch.no_grad()
+def token_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_tokens: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Each token's cross-entropy of ``x @ weight.T (+ bias)`` against ``target`` in fp32 (0 where the target is
+    ``ignore_index``), without autograd and without the whole logits: a chunk's at a time, as
+    ``linear_cross_entropy`` computes them (its loss is these summed). A preference objective's sequence
+    log-probabilities are these negated, summed per sequence (``engine.objective``)."""
+    mixed = mixed_matmul(x, weight)
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(weight.shape[0], mixed)
+    slices = [(slice(None), weight)] if mixed else _head_slices(weight)
+    b32 = None if bias is None else bias.float()
+    out = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    for start in range(0, x.shape[0], chunk_tokens):
+        xs = x[start : start + chunk_tokens]
+        ts = target[start : start + chunk_tokens]
+        logits = _chunk_logits(xs, xs if mixed else xs.float(), weight, b32, slices, mixed)
+        if softcap is not None:
+            logits = logits.div_(softcap).tanh_().mul_(softcap)
+        picked = logits.gather(1, ts.clamp_min(0).unsqueeze(1)).squeeze(1)
+        out[start : start + chunk_tokens] = (torch.logsumexp(logits, dim=-1) - picked) * (ts != ignore_index)
+    return out
 
 
 def linear_cross_entropy(
@@ -231,13 +275,16 @@ def linear_cross_entropy(
     chunk_tokens: int | None = None,
     backend: str = "auto",
     softcap: float | None = None,
+    token_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``x @ weight.T (+ bias)`` (``x``: [tokens, hidden], ``target``: [tokens]) without
     materializing the logits. ``chunk_tokens`` defaults to ``default_chunk_tokens``: 64 MiB of fp32 logits per
     chunk, 512 MiB on the tensor cores (``mixed_matmul``).
     ``backend``: ``torch``, ``triton`` (the per-row loss and gradient in one kernel) or ``auto`` (Triton on a
     CUDA device when it is installed). ``softcap``: the logits become ``softcap * tanh(logits / softcap)``
-    (Gemma 2's ``final_logit_softcapping``); None leaves them as they are."""
+    (Gemma 2's ``final_logit_softcapping``); None leaves them as they are. ``token_weight`` ([tokens], not
+    trained): token t's loss counts that many times in the sum (a preference objective's gradient is such a sum,
+    its weights the objective's derivative by each sequence's log-probability)."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be sum or mean, got {reduction!r}")
     if softcap is not None and not softcap > 0:
@@ -256,4 +303,5 @@ def linear_cross_entropy(
         backend,
         softcap,
         torch.is_grad_enabled(),
+        None if token_weight is None else token_weight.detach(),
     )

@@ -1,0 +1,184 @@
+"""Preference tuning (``objective``, ``data.format: preference``) against TRL 1.16's DPOTrainer with peft: the
+tokenization, and every step's loss and reward margin of a LoRA DPO run with the base on disk."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from tiertune.errors import ConfigError, DataError
+from tiertune.finetune.data import batches, load_data
+from tiertune.finetune.recipe import load_recipe
+from tiertune.finetune.train import train
+
+PAIRS = [
+    {"prompt": f"the {a} cat", "chosen": f" sat on the {b} mat .", "rejected": f" sat on the {c}"}
+    for a, b, c in [("red", "blue", "wet"), ("big", "flat", "blue"), ("old", "wet", "flat"), ("fat", "blue", "red"),
+                    ("red", "flat", "old"), ("big", "wet", "fat"), ("old", "blue", "big"), ("fat", "flat", "wet")]
+]  # fmt: skip
+LORA = {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear", "seed": 3}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(cat_model):
+    return cat_model(2, hidden=64)
+
+
+def _rows(tmp_path, rows=PAIRS):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _trl(model_dir, tmp_path, loss_type, steps, lora_seed):
+    """TRL's DPOTrainer with peft LoRA on the same data, in file order, fp32, its adapters initialized as
+    tiertune initializes its own (peft's init, seeded by method.lora.seed)."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    class InOrder(DPOTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                     learning_rate=1e-3, max_steps=steps, beta=0.1, loss_type=[loss_type], max_length=32,
+                     logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False, use_cpu=True,
+                     lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
+                     optim="adamw_torch", seed=0, save_strategy="no")  # fmt: skip
+    peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(PAIRS),
+                      processing_class=_tokenizer(model_dir), peft_config=peft)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(lora_seed)
+        for module in trainer.model.modules():
+            if isinstance(module, LoraLayer):
+                for adapter in module.active_adapters:
+                    module.reset_lora_parameters(adapter, init_lora_weights=True)
+    trainer.train()
+    return trainer, [h for h in trainer.state.log_history if "loss" in h and "rewards/margins" in h]
+
+
+def test_preference_rows_are_tokenized_as_trls_dpo_trainer(model_dir, tmp_path):
+    """Prompt and completion split, EOS appended, cut from the start: the ids TRL's DPOTrainer trains on."""
+    trainer, _ = _trl(model_dir, tmp_path, "sigmoid", 1, 0)
+    ours = load_data(_rows(tmp_path), _tokenizer(model_dir), "preference", 32).rows
+    assert len(ours) == len(PAIRS)
+    for row, theirs in zip(ours, trainer.train_dataset):
+        prompt = theirs["prompt_ids"]
+        assert row["input_ids"] == prompt + theirs["chosen_ids"]
+        assert row["rejected_ids"] == prompt + theirs["rejected_ids"]
+        assert row["labels"] == [-100] * len(prompt) + theirs["chosen_ids"]
+        assert row["rejected_labels"] == [-100] * len(prompt) + theirs["rejected_ids"]
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_lora_dpo_follows_trl_and_peft_with_the_base_on_disk(model_dir, tmp_path, write_recipe, loss_type):
+    """Each step's loss and reward margin equal TRL + peft's (relative 1e-4); the reference is the base with
+    the adapters off, run in the same layer visits as the policy: step 1's policy is the reference (LoRA's B
+    starts at zero), so its sigmoid loss is ln 2 and its margins 0."""
+    steps = 4
+    path = write_recipe(tmp_path, model_dir, data={"path": str(_rows(tmp_path)), "format": "preference",
+                                                   "shuffle": False},
+                        method=LORA, objective={"type": "dpo", "beta": 0.1, "loss_type": loss_type},
+                        training={"max_steps": steps, "per_device_train_batch_size": 2,
+                                  "gradient_accumulation_steps": 2, "learning_rate": 1e-3},
+                        offload={"params": "disk", "device_budget": "2MiB", "host_budget": "1MiB"})  # fmt: skip
+    result = train(load_recipe(path), progress=False)
+    ours = [json.loads(line) for line in result.log_path.read_text().splitlines()]
+    _, theirs = _trl(model_dir, tmp_path, loss_type, steps, LORA["lora"]["seed"])
+    assert len(ours) == len(theirs) == steps
+    if loss_type == "sigmoid":
+        assert ours[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert ours[0]["rewards/margins"] == 0.0
+    for mine, ref in zip(ours, theirs):
+        for key in ("loss", "rewards/margins", "rewards/chosen", "logps/chosen", "logps/rejected"):
+            assert mine[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (key, mine["step"], mine, ref)
+    assert ours[-1]["rewards/margins"] != 0.0  # the adapters moved the policy away from the reference
+
+
+def test_a_batch_of_pairs_is_its_chosen_rows_then_its_rejected(model_dir, tmp_path):
+    data = load_data(_rows(tmp_path), _tokenizer(model_dir), "preference", 32)
+    batch = next(batches(data, 3, 0, shuffle=False, seed=0))
+    assert int(batch["pairs"]) == 3 and batch["input_ids"].shape[0] == 6
+    rows = data.rows
+    for r in range(3):
+        n, m = len(rows[r]["input_ids"]), len(rows[r]["rejected_ids"])
+        assert batch["input_ids"][r, :n].tolist() == rows[r]["input_ids"]
+        assert batch["input_ids"][3 + r, :m].tolist() == rows[r]["rejected_ids"]
+        assert batch["attention_mask"][3 + r].sum() == m
+
+
+def test_bad_preference_rows_are_named_skipped_or_dropped(model_dir, tmp_path):
+    tok = _tokenizer(model_dir)
+    missing = [*PAIRS[:2], {"prompt": "the red cat", "chosen": " sat"}]
+    with pytest.raises(DataError, match=r"row 3: expected a string field 'rejected'"):
+        load_data(_rows(tmp_path, missing), tok, "preference", 32)
+    assert load_data(_rows(tmp_path, missing), tok, "preference", 32, skip_bad_rows=True).skipped == 1
+    empty = [*PAIRS[:2], {"prompt": "the red cat", "chosen": " sat", "rejected": "  "}]
+    with pytest.raises(DataError, match="row 3: expected non-empty strings 'chosen' and 'rejected'"):
+        load_data(_rows(tmp_path, empty), tok, "preference", 32)
+    same = [{**p, "rejected": p["chosen"]} for p in PAIRS]
+    with pytest.raises(DataError, match="a chosen completion equal to the rejected one"):
+        load_data(_rows(tmp_path, same), tok, "preference", 32)
+    long_prompt = [{"prompt": "the red cat", "chosen": " sat", "rejected": " mat"},
+                   {"prompt": "the old cat", "chosen": " mat", "rejected": " sat"},
+                   {"prompt": "the red cat sat on the mat", "chosen": " sat", "rejected": " mat"}]  # fmt: skip
+    data = load_data(_rows(tmp_path, long_prompt), tok, "preference", 5)  # the last prompt fills max_seq_len
+    assert (len(data), data.dropped) == (2, 1)
+
+
+@pytest.mark.parametrize(("sections", "message"), [
+    ({"objective": {"type": "dpo"}}, "dpo trains on pairs: set data.format: preference"),
+    ({"data": {"format": "preference"}}, "data.format: preference needs objective.type: dpo"),
+    ({"objective": {"type": "dpo"}, "data": {"format": "preference"}}, "needs method.type: lora"),
+    ({"objective": {"type": "dpo", "beta": 0}, "data": {"format": "preference"}, "method": LORA},
+     "objective.beta must be > 0"),
+    ({"objective": {"type": "dpo", "loss_type": "sigmod"}, "data": {"format": "preference"}, "method": LORA},
+     "objective.loss_type must be one of sigmoid, ipo, hinge"),
+    ({"objective": {"type": "dpo"}, "data": {"format": "preference", "packing": True}, "method": LORA},
+     "data.packing must be false for a preference objective"),
+])  # fmt: skip
+def test_a_preference_recipe_that_cannot_run_says_what_to_change(model_dir, tmp_path, write_recipe, sections,
+                                                                  message):  # fmt: skip
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(write_recipe(tmp_path, model_dir, **sections))
+
+
+def test_conversational_pairs_are_tokenized_with_trls_own_functions(tmp_path):
+    """Conversations (a prompt given, or shared leading turns) through the chat template: the ids TRL's
+    DPOTrainer computes with its own helpers (``extract_prompt``, ``_tokenize``, ``common_prefix_length``)."""
+    from trl.data_utils import _tokenize, common_prefix_length, extract_prompt
+
+    from tests.finetune.test_data import CHAT_TEMPLATE, WORDS
+    from tiertune.finetune.demo import make_tokenizer
+
+    tok = make_tokenizer(WORDS, tmp_path)
+    tok.chat_template = CHAT_TEMPLATE
+    user = [{"role": "user", "content": "name a color"}]
+    rows = [
+        {"prompt": user, "chosen": [{"role": "assistant", "content": "blue is a color"}],
+         "rejected": [{"role": "assistant", "content": "hi there"}]},
+        {"chosen": [*user, {"role": "assistant", "content": "blue"}],
+         "rejected": [*user, {"role": "assistant", "content": "a dog ran far away"}]},
+    ]  # fmt: skip
+    ours = load_data(_rows(tmp_path, rows), tok, "preference", 64).rows
+    for row, given in zip(ours, rows):
+        given = given if "prompt" in given else extract_prompt(given)
+        prompt = _tokenize(tok, given["prompt"], add_generation_prompt=True)["input_ids"]
+        pair = [_tokenize(tok, given["prompt"] + given[k])["input_ids"] for k in ("chosen", "rejected")]
+        start = min(common_prefix_length(prompt, ids) for ids in pair)
+        assert row["input_ids"] == pair[0] and row["rejected_ids"] == pair[1]
+        assert row["labels"] == [-100] * start + pair[0][start:]
+        assert row["rejected_labels"] == [-100] * start + pair[1][start:]
+        assert start > 0 and start < len(pair[0])
