@@ -182,3 +182,37 @@ def test_conversational_pairs_are_tokenized_with_trls_own_functions(tmp_path):
         assert row["labels"] == [-100] * start + pair[0][start:]
         assert row["rejected_labels"] == [-100] * start + pair[1][start:]
         assert start > 0 and start < len(pair[0])
+
+
+@pytest.mark.parametrize("activations", ["device", "host"])
+def test_a_dpo_steps_peaks_and_bytes_are_the_estimates_and_its_weights_cross_once(cat_model, tmp_path, write_recipe,
+                                                                                   activations):  # fmt: skip
+    """A LoRA DPO run whose base streams from disk every step (1 MiB budgets): every tier's peak is the
+    estimate's to the byte and its last step moves the bytes the estimate replays. The reference shares the
+    policy's layer visits: with the boundaries on the device a step moves exactly what an SFT step of as many
+    micro-batches moves (the base read once); on the host a pair's boundaries are two rows', and where the host
+    budget holds fewer micro-batches' boundaries the step runs in more waves (each reading the base once)."""
+    from tiertune.finetune.estimate import estimate
+
+    model = cat_model(4, hidden=128)
+    moved = {}
+    for objective in ("dpo", "sft"):
+        run = tmp_path / objective
+        run.mkdir()
+        data = {"path": str(_rows(run)), "format": "preference"} if objective == "dpo" else {}
+        path = write_recipe(run, model, data=data, method=LORA, objective={"type": objective},
+                            training={"max_steps": 3, "per_device_train_batch_size": 2,
+                                      "gradient_accumulation_steps": 4},
+                            offload={"params": "disk", "activations": activations, "device_budget": "1MiB",
+                                     "host_budget": "1MiB"})  # fmt: skip
+        recipe = load_recipe(path)
+        predicted = estimate(recipe, measure=False)
+        log = [json.loads(line) for line in train(recipe, progress=False).log_path.read_text().splitlines()]
+        assert log[-1]["peak_bytes"] == {tier: predicted.tiers[tier].peak for tier in log[-1]["peak_bytes"]}
+        before, after = log[-2]["bytes_moved"], log[-1]["bytes_moved"]
+        moved[objective] = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
+        assert moved[objective] == {k: v for k, v in predicted.moved_per_step.items() if v}
+    if activations == "device":  # the base, read once a step by both
+        assert moved["dpo"] == moved["sft"] and moved["dpo"]["disk->host"] > 0
+    else:  # a pair's boundaries are two rows': twice the traffic, and under this host budget twice the waves
+        assert moved["dpo"]["device->host"] == 2 * moved["sft"]["device->host"] > 0

@@ -81,9 +81,12 @@ def run_layout(
         model = build_skeleton(recipe.model.path, cfg.dtype)
         parts = split_model(model)
         t = recipe.training
-        micro = t.per_device_train_batch_size * recipe.data.max_seq_len
+        objective = recipe.objective
+        # a micro-batch of pairs is each pair's two sequences
+        micro = t.per_device_train_batch_size * recipe.data.max_seq_len * (1 + objective.paired)
         flops = step_flops(model, list(parts.layers), micro, t.gradient_accumulation_steps,
-                           recipe.data.max_seq_len, trained=cfg.method != "lora")  # fmt: skip
+                           recipe.data.max_seq_len, trained=cfg.method != "lora", reference=objective.reference,
+                           paired=objective.paired)  # fmt: skip
         saved = _saved_quantization(model, recipe, notes)
         layer_saved = _layer_saved(model, cfg, micro, t.gradient_accumulation_steps, notes, on_gpu)
         quant = make_quantizer(cfg.quantize, cfg.dtype, saved)
@@ -182,6 +185,9 @@ def run_layout(
         outside["hidden states at the layer boundaries"] = act * m * (len(parts.layers) + 1)
     if layer_saved:
         outside["a layer's activations and temporaries (recompute and backward)"] = layer_saved
+    if recipe.objective.reference:  # ``schedule._reference_layer``: the reference's boundary per micro-batch of the
+        # wave, and the one a layer's visit makes from it
+        outside["the reference's hidden states (DPO)"] = act * (m + 1)
     # backward carries each micro-batch's gradient at a layer boundary; a trained layer's gradient is summed
     # over the wave in fp32
     outside["boundary gradients of a wave"] = act * m

@@ -80,9 +80,11 @@ class StepFlops:
 
 
 def step_flops(model: torch.nn.Module, layers: list[torch.nn.Module], micro_tokens: int, steps_micro: int,
-               seq_len: int, trained: bool) -> StepFlops:  # fmt: skip
+               seq_len: int, trained: bool, reference: bool = False, paired: bool = False) -> StepFlops:  # fmt: skip
     """FLOPs of a step of ``steps_micro`` micro-batches of ``micro_tokens`` positions in rows of ``seq_len``, from the (meta) model's own weights
-    before quantization: every matrix in a decoder layer, 3-D fused experts scaled by top-k / experts."""
+    before quantization: every matrix in a decoder layer, 3-D fused experts scaled by top-k / experts. A
+    preference objective (``paired``) runs the head once more without autograd (the sequences' log-probabilities
+    before their weighted gradient); its ``reference`` one more forward of every layer and of the head."""
     config = model.config
     tokens = micro_tokens * steps_micro
     experts = (getattr(config, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
@@ -100,6 +102,7 @@ def step_flops(model: torch.nn.Module, layers: list[torch.nn.Module], micro_toke
     attention = 4 * (seq_len / 2) * heads * head_dim * len(layers)
     head = config.vocab_size * config.hidden_size
     layer_factor, head_factor = (4, 3) if trained else (3, 2)
+    layer_factor, head_factor = layer_factor + reference, head_factor + reference + paired
     total = layer_factor * (2 * weights + attention) * tokens + head_factor * 2 * head * tokens
     inner = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
     shape = (micro_tokens, config.hidden_size, inner)
