@@ -37,9 +37,10 @@ def _tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _trl(model_dir, tmp_path, loss_type, steps, lora_seed):
-    """TRL's DPOTrainer with peft LoRA on the same data, in file order, fp32, its adapters initialized as
-    tiertune initializes its own (peft's init, seeded by method.lora.seed)."""
+def _trl(model_dir, tmp_path, loss_type, steps, lora_seed=None, learning_rate=1e-3):
+    """TRL's DPOTrainer on the same data, in file order, fp32: with peft LoRA, its adapters initialized as
+    tiertune initializes its own (peft's init, seeded by method.lora.seed), or (``lora_seed`` None) a full
+    fine-tune against a frozen copy of the initial model."""
     from datasets import Dataset
     from peft import LoraConfig
     from peft.tuners.lora import LoraLayer
@@ -52,16 +53,16 @@ def _trl(model_dir, tmp_path, loss_type, steps, lora_seed):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                     learning_rate=1e-3, max_steps=steps, beta=0.1, loss_type=[loss_type], max_length=32,
+                     learning_rate=learning_rate, max_steps=steps, beta=0.1, loss_type=[loss_type], max_length=32,
                      logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False, use_cpu=True,
                      lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
                      optim="adamw_torch", seed=0, save_strategy="no")  # fmt: skip
     peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(PAIRS),
-                      processing_class=_tokenizer(model_dir), peft_config=peft)  # fmt: skip
+                      processing_class=_tokenizer(model_dir), peft_config=None if lora_seed is None else peft)  # fmt: skip
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(lora_seed)
-        for module in trainer.model.modules():
+        torch.manual_seed(lora_seed or 0)
+        for module in trainer.model.modules() if lora_seed is not None else ():
             if isinstance(module, LoraLayer):
                 for adapter in module.active_adapters:
                     module.reset_lora_parameters(adapter, init_lora_weights=True)
@@ -71,7 +72,7 @@ def _trl(model_dir, tmp_path, loss_type, steps, lora_seed):
 
 def test_preference_rows_are_tokenized_as_trls_dpo_trainer(model_dir, tmp_path):
     """Prompt and completion split, EOS appended, cut from the start: the ids TRL's DPOTrainer trains on."""
-    trainer, _ = _trl(model_dir, tmp_path, "sigmoid", 1, 0)
+    trainer, _ = _trl(model_dir, tmp_path, "sigmoid", 1)
     ours = load_data(_rows(tmp_path), _tokenizer(model_dir), "preference", 32).rows
     assert len(ours) == len(PAIRS)
     for row, theirs in zip(ours, trainer.train_dataset):
@@ -105,6 +106,41 @@ def test_lora_dpo_follows_trl_and_peft_with_the_base_on_disk(model_dir, tmp_path
         for key in ("loss", "rewards/margins", "rewards/chosen", "logps/chosen", "logps/rejected"):
             assert mine[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (key, mine["step"], mine, ref)
     assert ours[-1]["rewards/margins"] != 0.0  # the adapters moved the policy away from the reference
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_full_dpo_follows_trl_with_params_and_states_on_disk(model_dir, tmp_path, write_recipe, loss_type):
+    """A full fine-tune's reference is its initial weights: their log-probabilities come from one streamed pass
+    before the first step (TRL keeps a frozen copy of the model and runs it each step). Each step's loss and
+    reward margin equal TRL's (relative 1e-4) with the weights and Adam states on disk under small budgets; a
+    second run reads the cached figures instead of computing them again."""
+    steps = 4
+    path = write_recipe(tmp_path, model_dir, data={"path": str(_rows(tmp_path)), "format": "preference",
+                                                   "shuffle": False},
+                        objective={"type": "dpo", "beta": 0.1, "loss_type": loss_type},
+                        training={"max_steps": steps, "per_device_train_batch_size": 2,
+                                  "gradient_accumulation_steps": 2, "learning_rate": 1e-4},
+                        offload={"params": "disk", "optimizer_states": "disk", "device_budget": "1MiB",
+                                 "host_budget": "1MiB"})  # fmt: skip
+    recipe = load_recipe(path)
+    result = train(recipe, progress=False)
+    ours = [json.loads(line) for line in result.log_path.read_text().splitlines()]
+    _, theirs = _trl(model_dir, tmp_path, loss_type, steps, learning_rate=1e-4)
+    assert len(ours) == len(theirs) == steps
+    for mine, ref in zip(ours, theirs):
+        for key in ("loss", "rewards/margins", "rewards/chosen", "logps/chosen", "logps/rejected"):
+            assert mine[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (key, mine["step"], mine, ref)
+    assert ours[-1]["rewards/margins"] > 0
+
+    from tiertune.engine.trainer import StreamedTrainer
+
+    def refuse(*_):
+        raise AssertionError("the cached reference was computed again")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StreamedTrainer, "sequence_logps", refuse)
+        again = train(load_recipe(path, ["training.output_dir=" + str(tmp_path / "again")]), progress=False)
+    assert [json.loads(line)["loss"] for line in again.log_path.read_text().splitlines()] == [r["loss"] for r in ours]
 
 
 def test_a_batch_of_pairs_is_its_chosen_rows_then_its_rejected(model_dir, tmp_path):
@@ -141,7 +177,6 @@ def test_bad_preference_rows_are_named_skipped_or_dropped(model_dir, tmp_path):
 @pytest.mark.parametrize(("sections", "message"), [
     ({"objective": {"type": "dpo"}}, "dpo trains on pairs: set data.format: preference"),
     ({"data": {"format": "preference"}}, "data.format: preference needs objective.type: dpo"),
-    ({"objective": {"type": "dpo"}, "data": {"format": "preference"}}, "needs method.type: lora"),
     ({"objective": {"type": "dpo", "beta": 0}, "data": {"format": "preference"}, "method": LORA},
      "objective.beta must be > 0"),
     ({"objective": {"type": "dpo", "loss_type": "sigmod"}, "data": {"format": "preference"}, "method": LORA},
@@ -184,10 +219,11 @@ def test_conversational_pairs_are_tokenized_with_trls_own_functions(tmp_path):
         assert start > 0 and start < len(pair[0])
 
 
-@pytest.mark.parametrize("activations", ["device", "host"])
+@pytest.mark.parametrize(("method", "activations"), [("lora", "device"), ("lora", "host"), ("full", "device")])
 def test_a_dpo_steps_peaks_and_bytes_are_the_estimates_and_its_weights_cross_once(cat_model, tmp_path, write_recipe,
-                                                                                   activations):  # fmt: skip
-    """A LoRA DPO run whose base streams from disk every step (1 MiB budgets): every tier's peak is the
+                                                                                   method, activations):  # fmt: skip
+    """A DPO run whose weights stream every step (a 1 MiB device budget; LoRA's base from disk under a 1 MiB host
+    budget, a full fine-tune's from the host, its states on disk, under 64 MiB): every tier's peak is the
     estimate's to the byte and its last step moves the bytes the estimate replays. The reference shares the
     policy's layer visits: with the boundaries on the device a step moves exactly what an SFT step of as many
     micro-batches moves (the base read once); on the host a pair's boundaries are two rows', and where the host
@@ -200,11 +236,13 @@ def test_a_dpo_steps_peaks_and_bytes_are_the_estimates_and_its_weights_cross_onc
         run = tmp_path / objective
         run.mkdir()
         data = {"path": str(_rows(run)), "format": "preference"} if objective == "dpo" else {}
-        path = write_recipe(run, model, data=data, method=LORA, objective={"type": objective},
+        placement = {"params": "disk"} if method == "lora" else {"params": "disk", "optimizer_states": "disk"}
+        path = write_recipe(run, model, data=data, method=LORA if method == "lora" else {"type": "full"},
+                            objective={"type": objective},
                             training={"max_steps": 3, "per_device_train_batch_size": 2,
                                       "gradient_accumulation_steps": 4},
-                            offload={"params": "disk", "activations": activations, "device_budget": "1MiB",
-                                     "host_budget": "1MiB"})  # fmt: skip
+                            offload={**placement, "activations": activations, "device_budget": "1MiB",
+                                     "host_budget": "1MiB" if method == "lora" else "64MiB"})  # fmt: skip
         recipe = load_recipe(path)
         predicted = estimate(recipe, measure=False)
         log = [json.loads(line) for line in train(recipe, progress=False).log_path.read_text().splitlines()]
@@ -212,7 +250,9 @@ def test_a_dpo_steps_peaks_and_bytes_are_the_estimates_and_its_weights_cross_onc
         before, after = log[-2]["bytes_moved"], log[-1]["bytes_moved"]
         moved[objective] = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
         assert moved[objective] == {k: v for k, v in predicted.moved_per_step.items() if v}
-    if activations == "device":  # the base, read once a step by both
-        assert moved["dpo"] == moved["sft"] and moved["dpo"]["disk->host"] > 0
+    if activations == "device":  # the weights, read once a step by both (a full fine-tune's reference came first)
+        assert moved["dpo"].keys() == moved["sft"].keys() and moved["dpo"]["host->device"] > 0
+        for link, sft in moved["sft"].items():  # a full fine-tune's pairs take more device room: a few KiB
+            assert sft <= moved["dpo"][link] <= (sft if method == "lora" else 1.01 * sft), (link, moved)
     else:  # a pair's boundaries are two rows': twice the traffic, and under this host budget twice the waves
         assert moved["dpo"]["device->host"] == 2 * moved["sft"]["device->host"] > 0

@@ -32,7 +32,9 @@ def pair_losses(settings: ObjectiveSettings, logps: torch.Tensor, ref_logps: tor
     """Each pair's loss and the micro-batch's metric sums (``METRICS``, summed over its pairs) from its
     sequences' log-probabilities ``logps`` ([2 x pairs]: chosen, then rejected; autograd flows through them),
     the reference's (``ref_logps``, None when the objective has no reference) and each sequence's completion
-    tokens (``tokens``)."""
+    tokens (``tokens``). A pair without a target in either sequence (a rank's padding: ``finetune.ranks``)
+    has no loss and no metrics (``counted``)."""
+    valid = counted(tokens).float()
     logps = logps.float()
     chosen, rejected = logps.chunk(2)
     ref_chosen, ref_rejected = (torch.zeros_like(chosen),) * 2 if ref_logps is None else ref_logps.float().chunk(2)
@@ -50,14 +52,21 @@ def pair_losses(settings: ObjectiveSettings, logps: torch.Tensor, ref_logps: tor
         raise ValueError(f"no DPO loss {settings.loss_type!r} (the recipe checks objective.loss_type)")
     chosen_rewards, rejected_rewards = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
     metrics = {
-        "rewards/chosen": float(chosen_rewards.sum()),
-        "rewards/rejected": float(rejected_rewards.sum()),
-        "rewards/accuracies": float((chosen_rewards > rejected_rewards).float().sum()),
-        "rewards/margins": float((chosen_rewards - rejected_rewards).sum()),
-        "logps/chosen": float(chosen.detach().sum()),
-        "logps/rejected": float(rejected.detach().sum()),
+        "rewards/chosen": float((chosen_rewards * valid).sum()),
+        "rewards/rejected": float((rejected_rewards * valid).sum()),
+        "rewards/accuracies": float(((chosen_rewards > rejected_rewards).float() * valid).sum()),
+        "rewards/margins": float(((chosen_rewards - rejected_rewards) * valid).sum()),
+        "logps/chosen": float((chosen.detach() * valid).sum()),
+        "logps/rejected": float((rejected.detach() * valid).sum()),
     }
-    return losses, metrics
+    return losses * valid, metrics
+
+
+def counted(tokens: torch.Tensor) -> torch.Tensor:
+    """Which pairs of a micro-batch count (a target in both sequences), from each sequence's target tokens
+    ([2 x pairs]: chosen, then rejected)."""
+    chosen, rejected = tokens.chunk(2)
+    return (chosen > 0) & (rejected > 0)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -75,4 +84,4 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-__all__ = ["LOSS_TYPES", "METRICS", "disable_dropout", "pair_losses"]
+__all__ = ["LOSS_TYPES", "METRICS", "counted", "disable_dropout", "pair_losses"]

@@ -111,6 +111,7 @@ class _Micro:
     grad: torch.Tensor | None = None
     pairs: int = 0  # a preference objective's pairs: the first ``pairs`` rows chosen, the next rejected
     ref: torch.Tensor | None = None  # the reference's hidden states at the boundary the wave has reached
+    ref_logps: torch.Tensor | None = None  # or its sequences' log-probabilities, computed before the step
 
 
 class LayerMajor:
@@ -123,8 +124,10 @@ class LayerMajor:
         # a preference objective's metric sums over the step so far (``engine.objective.METRICS``; the engine
         # resets them at each step's start)
         self.metrics: dict[str, float] = {}
-        # whether the layers' forward visits run the reference too (the base, adapters off) beside the policy
-        self.reference = engine.objective.reference
+        # whether the layers' forward visits run the reference too (the base, adapters off) beside the policy;
+        # a full fine-tune's reference is its initial weights, whose log-probabilities the run computes before
+        # training (``sequence_logps``) and hands each step with its micro-batches (``ref_logps``)
+        self.reference = engine.objective.reference and engine.adapters is not None
 
     def stacks(self, i: int, micro: Sequence[_Micro]) -> list[list[int]]:
         """The micro-batches of a wave (indices) that layer ``i``'s visit runs together: each joins the first
@@ -170,7 +173,8 @@ class LayerMajor:
             micro = [
                 _Micro(b["input_ids"].to(device),
                        {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
-                       lab[:, 1:].to(device), rng, rng, pairs=int(b.get("pairs", 0)))
+                       lab[:, 1:].to(device), rng, rng, pairs=int(b.get("pairs", 0)),
+                       ref_logps=b["ref_logps"].to(device) if "ref_logps" in b else None)
                 for b, lab, rng in zip(batches, labels, streams(len(batches), device), strict=True)
             ]  # fmt: skip
             prefix_trained, first = self._prefix(micro)
@@ -184,6 +188,47 @@ class LayerMajor:
             if state.trainable:
                 engine.add_grads(state, {n: summed[id(state)].get(n) for n in bound[id(state)]})
         return total, aux_total
+
+    def sequence_logps(self, batches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each batch's rows' log-probabilities of their targets (summed over each row's ``labels``, shifted),
+        by the model as it is now, without autograd: each layer visited once for all ``batches`` (their
+        boundaries held on the device), the head fused (``CausalLMLoss.token_losses``). The global random
+        generators are left as they were: a run draws the same streams with or without this pass."""
+        engine = self.engine
+        device = engine.device
+        others = [s for s in engine.states if s.group.kind != "layer"]
+        devices = [device] if device.type == "cuda" else []
+        with ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=devices))
+            stack.enter_context(torch.no_grad())
+            for state in others:
+                stack.enter_context(engine.bound_group(state, requires_grad=False))
+            stack.callback(setattr, engine, "visit", None)
+            micro = []
+            xs: list[torch.Tensor] = []
+            for b in batches:
+                labels = b.get("labels", b["input_ids"])
+                mb = _Micro(b["input_ids"].to(device),
+                            {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
+                            labels[:, 1:].to(device), None, None)  # type: ignore[arg-type]  # fmt: skip
+                visit = engine.visit = Capture(len(self.layers))
+                self._decoder(mb)
+                if visit.first is None or any(c is None for c in visit.calls):
+                    raise StateError("the model's decoder did not call each of its layers once")
+                mb.calls = visit.calls  # type: ignore[assignment]
+                micro.append(mb)
+                xs.append(visit.first)
+            for i, layer in enumerate(self.layers):
+                if engine.safe_point is not None:
+                    engine.safe_point()
+                with engine.layer_weights(i, requires_grad=False):
+                    for j, mb in enumerate(micro):
+                        xs[j] = run_layer(layer, xs[j], mb.calls[i])
+            out = []
+            for j, mb in enumerate(micro):
+                engine.visit = Suffix(len(self.layers) - 1, xs[j])
+                out.append(-engine.loss.token_losses(mb.ids, mb.extra, mb.target).sum(1))
+        return out
 
     # ------------------------------------------------------------------ the passes
 
@@ -283,7 +328,7 @@ class LayerMajor:
         aux = engine.router_aux
         total = aux_total = 0.0
         for j, mb in enumerate(micro):
-            ref_logps = None
+            ref_logps = mb.ref_logps
             if mb.ref is not None:
                 engine.visit = Suffix(last - 1, mb.ref)
                 with engine.reference():

@@ -31,7 +31,7 @@ from tiertune.engine.layout import (
 )
 from tiertune.engine.loaded import load_model
 from tiertune.engine.loss import CausalLMLoss
-from tiertune.engine.objective import METRICS, disable_dropout
+from tiertune.engine.objective import METRICS, counted, disable_dropout
 from tiertune.engine.router_aux import RouterAux
 from tiertune.engine.schedule import LayerMajor
 from tiertune.engine.stash import ChunkStash, DeviceStash, Stash, stash_slots
@@ -170,10 +170,6 @@ class StreamedTrainer(TrainerViews):
         self.loss = CausalLMLoss(self.model, config.kernels != "none", self.kernel_backend)
         # a preference objective's last step's metrics (TRL's names: engine.objective)
         self.last_metrics: dict[str, float] = {}
-        if self.objective.reference and self.adapters is None:
-            raise ConfigError(
-                "objective.type: dpo runs its reference as the base with the adapters off: it needs method: lora"
-            )
         if self.objective.paired and self.objective.disable_dropout:
             disable_dropout(self.model)
         # the weighted auxiliary loss in the last step's loss (None when it has none: router_aux is None)
@@ -213,10 +209,19 @@ class StreamedTrainer(TrainerViews):
     ) -> AbstractContextManager[dict[str, torch.Tensor]]:
         return self.bound_group(self.layer_state(index), requires_grad)
 
+    def sequence_logps(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each micro-batch's rows' log-probabilities of their labels, by the weights as they are, in one pass
+        of the layers without autograd (``LayerMajor.sequence_logps``); the store forgets the pass (its chunk
+        accesses are not a step's, its peaks not a step's: ``ChunkStore.forget_pass``)."""
+        try:
+            return self.schedule.sequence_logps(micro_batches)
+        finally:
+            self.store.forget_pass()
+
     @contextmanager
     def reference(self) -> Iterator[None]:
         """The model as a preference objective's reference for the block: the base, its adapters off."""
-        assert self.adapters is not None  # __init__ refuses a reference without adapters
+        assert self.adapters is not None  # a full fine-tune's reference comes with its micro-batches
         with torch.no_grad(), self.adapters.disabled():
             yield
 
@@ -276,7 +281,8 @@ class StreamedTrainer(TrainerViews):
                     f"objective.type {self.objective.type} trains on pairs: each micro-batch needs 'pairs' and twice "
                     "as many rows (chosen, then rejected; data.format: preference)"
                 )
-            n_tokens = sum(int(mb["pairs"]) for mb in micro_batches)
+            # the pairs with targets (a rank's padding pair has none)
+            n_tokens = sum(int(counted((lab[:, 1:] != IGNORE_INDEX).sum(1)).sum()) for lab in labels)
         else:
             n_tokens = sum(int((lab[:, 1:] != IGNORE_INDEX).sum()) for lab in labels)
         n_tokens = int(self.sharding.total(n_tokens, torch.int64))  # the global batch's: every rank divides by it

@@ -528,8 +528,8 @@ def batches(
             yield from _packed(rows, batch_size, pad_id, max_seq_len)
         elif "rejected_ids" in data.rows.column_names:  # pairs: each batch its chosen rows, then its rejected
             group = []
-            for row in rows:
-                group.append(row)
+            for i in order:
+                group.append({**data.rows[i], "row": i})
                 if len(group) == batch_size:
                     yield _paired(group, pad_id)
                     group = []
@@ -562,10 +562,12 @@ def _padded(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 
 def _paired(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Preference rows as one padded batch of their chosen sequences, then their rejected ones; ``pairs``
-    counts the rows."""
+    counts the rows, ``rows`` holds their indices in the data (a reference's log-probabilities are kept by
+    row: ``finetune.reference``)."""
     rejected = [{"input_ids": r["rejected_ids"], "labels": r["rejected_labels"]} for r in rows]
     batch = _padded([*rows, *rejected], pad_id)
     batch["pairs"] = torch.tensor(len(rows))
+    batch["rows"] = torch.tensor([r["row"] for r in rows])
     return batch
 
 

@@ -177,6 +177,9 @@ def rows_of(world: World, stream: Iterator[dict[str, torch.Tensor]]) -> Iterator
         yield from stream
         return
     for batch in stream:
+        if "pairs" in batch:  # preference pairs: the rank's run of pairs, their chosen rows and rejected rows
+            yield _pairs_of(world, batch)
+            continue
         rows = batch["input_ids"].shape[0]
         per = -(-rows // world.size)
         lo, hi = min(world.rank * per, rows), min((world.rank + 1) * per, rows)
@@ -186,3 +189,23 @@ def rows_of(world: World, stream: Iterator[dict[str, torch.Tensor]]) -> Iterator
         part = {k: v[:1].clone() if v.dim() else v for k, v in batch.items()}
         part["labels"] = torch.full_like(part.get("labels", part["input_ids"]), IGNORE_INDEX)
         yield part
+
+
+def _pairs_of(world: World, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's pairs of a global batch of preference pairs (``data.batches``: its chosen rows, then its
+    rejected rows): the r-th of N equal runs of pairs. A rank left with none gets one pair without targets
+    (nothing to the loss: ``engine.objective.pair_losses`` counts only pairs with targets)."""
+    pairs = int(batch["pairs"])
+    per = -(-pairs // world.size)
+    lo, hi = min(world.rank * per, pairs), min((world.rank + 1) * per, pairs)
+    empty = hi == lo
+    if empty:
+        lo, hi = 0, 1
+    rows = torch.cat([torch.arange(lo, hi), torch.arange(pairs + lo, pairs + hi)])
+    part = {k: v[rows] if v.dim() and v.shape[0] == 2 * pairs else v for k, v in batch.items()}
+    part["pairs"] = torch.tensor(hi - lo)
+    if "rows" in batch:
+        part["rows"] = batch["rows"][lo:hi]
+    if empty:
+        part["labels"] = torch.full_like(part.get("labels", part["input_ids"]), IGNORE_INDEX)
+    return part

@@ -179,13 +179,6 @@ class Recipe:
                 "data.packing",
                 "must be false for a preference objective (a pair's sequences are scored whole)",
             ),
-            (
-                not self.objective.reference or self.method.type == "lora",
-                "objective.type",
-                "dpo needs a reference model; tiertune runs it as the base with the adapters off (in the same "
-                "layer visit as the policy), so it needs method.type: lora for now; a full or GaLore fine-tune's "
-                "reference (the initial weights' log-probabilities, computed before training) is not built yet",
-            ),
         ]
         for name, value in flatten(self.to_dict()):
             if isinstance(value, float) and not math.isfinite(value):

@@ -60,6 +60,7 @@ from tiertune.finetune.data import batches, load_data
 from tiertune.finetune.export import write_hf
 from tiertune.finetune.ranks import decided_by_main, join, launch_notes, rows_of, sweep_other_ranks
 from tiertune.finetune.recipe import Recipe, load_recipe
+from tiertune.finetune.reference import reference_logps, with_reference
 from tiertune.finetune.reporting import Reporters
 from tiertune.finetune.rundir import LAUNCH_FILE, LOG_NAME, Decision, RunDirectory, launch_record
 from tiertune.finetune.signals import StopOnSignals, stop_on_signals
@@ -366,6 +367,9 @@ def _run(
     stop.check()
     trainer = StreamedTrainer(recipe.model.path, store_cfg, engine_cfg, safe_point=stop.check, world=world)
     try:
+        if recipe.objective.reference and trainer.adapters is None:  # the initial weights' figures, first
+            reference = reference_logps(trainer, data, recipe, loaded.pad_id, write=world.is_main)
+            stream = with_reference(stream, reference)
         if decision.resume is not None:
             state = load_checkpoint(trainer, decision.resume)
             # the steps up to the checkpoint's (one written by an older tiertune may hold later ones)

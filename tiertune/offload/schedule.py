@@ -69,6 +69,12 @@ class Scheduler:
         self._recording = []
         self.cursor = 0
 
+    def forget(self) -> None:
+        """The accesses since the last step boundary were not a step's (a pass before training): dropped; the
+        trace, if there is one, replays from its head again."""
+        self._recording = []
+        self.cursor = 0
+
     def _diverge(self, access: Access | None) -> None:
         assert self.trace is not None
         self.divergences += 1

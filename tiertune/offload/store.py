@@ -711,6 +711,18 @@ class ChunkStore:
             self.scheduler.mark_step()
             self._prefetch()
 
+    def forget_pass(self) -> None:
+        """What ran since the last step boundary was not a training step (a pass over the data before it): its
+        chunk accesses leave the scheduler's recording, every cached copy goes (each chunk only at home, as
+        before the pass) and the tiers' peaks start again: the steps that follow run as they would have
+        without it. The bytes it moved stay counted."""
+        with self._cond:
+            self._land()
+            self.scheduler.forget()
+        for chunk in self._chunks:
+            self.evict(chunk)
+        self.reset_peaks()
+
     def flush(self) -> None:
         """Write every chunk's newest bytes back to its home tier and wait (e.g. before a checkpoint)."""
         with self._cond:
