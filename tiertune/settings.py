@@ -44,20 +44,23 @@ class GaloreSettings:
     svd: str = field(default="exact", metadata=choices(*SVD_METHODS))
 
 
-OBJECTIVES = ("sft", "dpo")
+OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
 @dataclass
 class ObjectiveSettings:
-    """``objective`` (names as TRL's ``DPOConfig``): ``type`` ``sft`` (the default: the mean cross-entropy of the
-    target tokens) or ``dpo`` with ``beta`` and ``loss_type`` (``engine.objective`` has the formulas);
-    ``disable_dropout`` (TRL's default) sets every dropout of the model and its adapters to 0 for a preference
-    objective."""
+    """``objective`` (names as TRL's configs): ``type`` ``sft`` (the default: the mean cross-entropy of the target
+    tokens), ``dpo`` (``DPOConfig``: ``beta``, ``loss_type``), ``simpo`` (``CPOConfig`` with ``loss_type:
+    simpo``: ``beta``, ``simpo_gamma``, ``cpo_alpha``) or ``orpo`` (``ORPOConfig``: ``beta`` is the paper's
+    lambda); ``engine.objective`` has the formulas. ``disable_dropout`` (TRL's default) sets every dropout of
+    the model and its adapters to 0 for a preference objective."""
 
     type: str = field(default="sft", metadata=choices(*OBJECTIVES))
     beta: float = 0.1
     loss_type: str = field(default="sigmoid", metadata=choices(*DPO_LOSS_TYPES))
+    simpo_gamma: float = 0.5  # SimPO's target reward margin
+    cpo_alpha: float = 1.0  # SimPO (TRL's CPOTrainer): the weight of the chosen completions' cross-entropy
     disable_dropout: bool = True
 
     @property
@@ -69,3 +72,9 @@ class ObjectiveSettings:
     def reference(self) -> bool:
         """Whether the objective compares the policy with a reference model."""
         return self.type == "dpo"
+
+    @property
+    def whole_sequences(self) -> bool:
+        """Whether the objective needs every token's loss of the chosen sequences, the prompt's too (ORPO's
+        cross-entropy term), not only the completions'."""
+        return self.type == "orpo"

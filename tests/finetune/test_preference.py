@@ -143,6 +143,55 @@ def test_full_dpo_follows_trl_with_params_and_states_on_disk(model_dir, tmp_path
     assert [json.loads(line)["loss"] for line in again.log_path.read_text().splitlines()] == [r["loss"] for r in ours]
 
 
+def _trl_reference_free(model_dir, tmp_path, objective, steps):
+    """TRL's CPOTrainer (``loss_type: simpo``) or ORPOTrainer, a full fine-tune on the same data in file order."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    config, trainer = (CPOConfig, CPOTrainer) if objective == "simpo" else (ORPOConfig, ORPOTrainer)
+    extra = {"loss_type": "simpo", "simpo_gamma": 0.5, "cpo_alpha": 1.0} if objective == "simpo" else {}
+
+    class InOrder(trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    args = config(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                  learning_rate=1e-4, max_steps=steps, beta=0.1, max_length=32, logging_steps=1, report_to="none",
+                  bf16=False, gradient_checkpointing=False, use_cpu=True, lr_scheduler_type="linear",
+                  warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0, optim="adamw_torch", seed=0,
+                  save_strategy="no", **extra)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    run = InOrder(model=model, args=args, train_dataset=Dataset.from_list(PAIRS),
+                  processing_class=_tokenizer(model_dir))  # fmt: skip
+    run.train()
+    return [h for h in run.state.log_history if "loss" in h and "rewards/margins" in h]
+
+
+@pytest.mark.parametrize("objective", ["simpo", "orpo"])
+def test_simpo_and_orpo_follow_trl_with_params_and_states_on_disk(model_dir, tmp_path, write_recipe, objective):
+    """SimPO (TRL's CPOTrainer, loss_type simpo, its cross-entropy term on) and ORPO (its cross-entropy on the
+    whole chosen sequence, prompt included): no reference. Each step's loss, reward margin and cross-entropy
+    term equal TRL's (relative 1e-4) with the weights and Adam states on disk under small budgets."""
+    steps = 4
+    path = write_recipe(tmp_path, model_dir, data={"path": str(_rows(tmp_path)), "format": "preference",
+                                                   "shuffle": False},
+                        objective={"type": objective, "beta": 0.1},
+                        training={"max_steps": steps, "per_device_train_batch_size": 2,
+                                  "gradient_accumulation_steps": 2, "learning_rate": 1e-4},
+                        offload={"params": "disk", "optimizer_states": "disk", "device_budget": "1MiB",
+                                 "host_budget": "1MiB"})  # fmt: skip
+    ours = [json.loads(line) for line in train(load_recipe(path), progress=False).log_path.read_text().splitlines()]
+    theirs = _trl_reference_free(model_dir, tmp_path, objective, steps)
+    assert len(ours) == len(theirs) == steps
+    keys = ["loss", "rewards/margins", "rewards/chosen", "logps/chosen", "logps/rejected", "nll_loss"]
+    keys += ["log_odds_ratio", "log_odds_chosen"] if objective == "orpo" else []
+    for mine, ref in zip(ours, theirs):
+        for key in keys:
+            assert mine[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (key, mine["step"], mine, ref)
+
+
 def test_a_batch_of_pairs_is_its_chosen_rows_then_its_rejected(model_dir, tmp_path):
     data = load_data(_rows(tmp_path), _tokenizer(model_dir), "preference", 32)
     batch = next(batches(data, 3, 0, shuffle=False, seed=0))
@@ -249,10 +298,13 @@ def test_a_dpo_steps_peaks_and_bytes_are_the_estimates_and_its_weights_cross_onc
         assert log[-1]["peak_bytes"] == {tier: predicted.tiers[tier].peak for tier in log[-1]["peak_bytes"]}
         before, after = log[-2]["bytes_moved"], log[-1]["bytes_moved"]
         moved[objective] = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
-        assert moved[objective] == {k: v for k, v in predicted.moved_per_step.items() if v}
+        replayed = {k: v for k, v in predicted.moved_per_step.items() if v}
+        assert moved[objective].keys() == replayed.keys()
+        for link, measured in moved[objective].items():  # a full fine-tune's optimizer thread times some (2%)
+            assert abs(replayed[link] - measured) <= (0 if method == "lora" else 0.02 * measured), (link, moved)
     if activations == "device":  # the weights, read once a step by both (a full fine-tune's reference came first)
         assert moved["dpo"].keys() == moved["sft"].keys() and moved["dpo"]["host->device"] > 0
-        for link, sft in moved["sft"].items():  # a full fine-tune's pairs take more device room: a few KiB
-            assert sft <= moved["dpo"][link] <= (sft if method == "lora" else 1.01 * sft), (link, moved)
+        for link, sft in moved["sft"].items():  # a full fine-tune's: within the optimizer thread's few KiB
+            assert abs(moved["dpo"][link] - sft) <= (0 if method == "lora" else 0.01 * sft), (link, moved)
     else:  # a pair's boundaries are two rows': twice the traffic, and under this host budget twice the waves
         assert moved["dpo"]["device->host"] == 2 * moved["sft"]["device->host"] > 0

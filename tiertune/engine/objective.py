@@ -1,13 +1,15 @@
 """Preference objectives: the loss of a micro-batch of pairs (its chosen sequences, then its rejected ones) from
-each sequence's log-probability of its completion, with TRL's names and formulas (``DPOTrainer`` 1.16).
+its tokens' losses, with TRL's names and formulas (1.16: ``DPOTrainer``; ``CPOTrainer`` with ``loss_type:
+simpo``; ``ORPOTrainer``).
 
-A sequence's log-probability is the sum of its completion tokens' log-probabilities under the policy (the
-model being trained) and, for DPO, under the reference (the base with its adapters off, run in the same layer
-visit as the policy: ``engine.schedule``). The objective is a function of those sums, so its gradient reaches
-the head as a weighted cross-entropy: each token's weight is the derivative of the micro-batch's loss by its
-sequence's log-probability (negated). The head runs twice, both times fused and tiled
-(``kernels.ops.linear_ce``): once without autograd for the sums, once with the weights for the gradients; the
-[tokens x vocabulary] logits never exist.
+A sequence's log-probability is the sum of its completion tokens' log-probabilities (SimPO and ORPO: their
+mean) under the policy (the model being trained) and, for DPO, under the reference (the base with its adapters
+off, run in the same layer visit as the policy: ``engine.schedule``; a full fine-tune's initial weights,
+computed before training: ``finetune.reference``). The objective is a function of the tokens' losses, so its
+gradient reaches the head as a weighted cross-entropy: each token's weight is the derivative of the
+micro-batch's loss by that token's loss. The head runs twice, both times fused and tiled
+(``kernels.ops.linear_ce``): once without autograd for the tokens' losses, once with the weights for the
+gradients; the [tokens x vocabulary] logits never exist.
 """
 
 from __future__ import annotations
@@ -24,33 +26,66 @@ LOSS_TYPES = DPO_LOSS_TYPES
 completion's tokens (TRL's length normalization)."""
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")  # fmt: skip
-"""What a preference step logs (TRL's names), each a mean over the step's pairs."""
+"""What every preference step logs (TRL's names), each a mean over the step's pairs; SimPO adds ``nll_loss``,
+ORPO ``nll_loss``, ``log_odds_ratio`` and ``log_odds_chosen`` (means over the step's micro-batches)."""
 
 
-def pair_losses(settings: ObjectiveSettings, logps: torch.Tensor, ref_logps: torch.Tensor | None,
-                tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
-    """Each pair's loss and the micro-batch's metric sums (``METRICS``, summed over its pairs) from its
-    sequences' log-probabilities ``logps`` ([2 x pairs]: chosen, then rejected; autograd flows through them),
-    the reference's (``ref_logps``, None when the objective has no reference) and each sequence's completion
-    tokens (``tokens``). A pair without a target in either sequence (a rank's padding: ``finetune.ranks``)
-    has no loss and no metrics (``counted``)."""
-    valid = counted(tokens).float()
-    logps = logps.float()
+def pair_losses(settings: ObjectiveSettings, token_losses: torch.Tensor, completion: torch.Tensor,
+                ref_logps: torch.Tensor | None, targets: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+    """Each pair's loss and the micro-batch's metric sums (``METRICS`` and the objective's own, summed over its
+    pairs) from its sequences' per-token losses (``token_losses``, [2 x pairs, length - 1]: chosen rows, then
+    rejected; autograd flows through them; 0 where a token has no target), which of those tokens are the
+    completions' (``completion``), which are targets at all (``targets``: ORPO's, the prompts' too) and the
+    reference's sequence log-probabilities (``ref_logps``, None without a reference). A pair without a target in either sequence (a rank's padding: ``finetune.ranks``) has no loss
+    and no metrics. A term that TRL takes as a mean over the micro-batch (SimPO's and ORPO's cross-entropy) is
+    split evenly over its pairs, so the step's mean over pairs is TRL's mean over micro-batches."""
+    completion = completion.to(token_losses.dtype)
+    tokens = completion.sum(1)
+    valid = counted(tokens).to(token_losses.dtype)
+    pairs = valid.sum().clamp(min=1.0)
+    logps = -(token_losses.float() * completion).sum(1)
+    kind, beta = settings.type, settings.beta
+    extra: dict[str, torch.Tensor] = {}
+    if kind in ("simpo", "orpo"):  # the completions' mean log-probabilities
+        logps = logps / tokens.clamp(min=1.0)
     chosen, rejected = logps.chunk(2)
-    ref_chosen, ref_rejected = (torch.zeros_like(chosen),) * 2 if ref_logps is None else ref_logps.float().chunk(2)
-    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
-    delta = chosen_ratio - rejected_ratio
-    beta = settings.beta
-    if settings.loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * delta)
-    elif settings.loss_type == "hinge":
-        losses = torch.relu(1 - beta * delta)
-    elif settings.loss_type == "ipo":
-        chosen_tokens, rejected_tokens = tokens.float().clamp(min=1.0).chunk(2)
-        losses = (chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens - 1 / (2 * beta)) ** 2
+    if kind == "dpo":
+        zero = torch.zeros_like(chosen)
+        ref_chosen, ref_rejected = (zero, zero) if ref_logps is None else ref_logps.float().chunk(2)
+        chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+        delta = chosen_ratio - rejected_ratio
+        if settings.loss_type == "sigmoid":
+            losses = -F.logsigmoid(beta * delta)
+        elif settings.loss_type == "hinge":
+            losses = torch.relu(1 - beta * delta)
+        elif settings.loss_type == "ipo":
+            chosen_tokens, rejected_tokens = tokens.clamp(min=1.0).chunk(2)
+            losses = (chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens - 1 / (2 * beta)) ** 2
+        else:
+            raise ValueError(f"no DPO loss {settings.loss_type!r} (the recipe checks objective.loss_type)")
+        chosen_rewards, rejected_rewards = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+    elif kind == "simpo":  # TRL's CPOTrainer, loss_type simpo (no label smoothing)
+        losses = -F.logsigmoid(beta * (chosen - rejected) - settings.simpo_gamma)
+        if settings.cpo_alpha:  # the chosen completions' mean cross-entropy over the micro-batch
+            chosen_completion = completion.chunk(2)[0] * valid.unsqueeze(1)
+            nll = (token_losses.chunk(2)[0] * chosen_completion).sum() / chosen_completion.sum().clamp(min=1.0)
+            losses = losses + settings.cpo_alpha * nll
+            extra["nll_loss"] = nll.detach() * pairs
+        chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
+    elif kind == "orpo":  # the chosen sequences' mean cross-entropy, every token (the prompt's too)
+        if targets is None:
+            raise ValueError("ORPO's cross-entropy needs every target of the chosen sequences (targets)")
+        chosen_all = targets.chunk(2)[0].to(token_losses.dtype) * valid.unsqueeze(1)
+        nll = (token_losses.chunk(2)[0] * chosen_all).sum() / chosen_all.sum().clamp(min=1.0)
+        log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+        ratio = F.logsigmoid(log_odds)
+        losses = nll - beta * ratio
+        extra = {"nll_loss": nll.detach() * pairs, "log_odds_ratio": (ratio.detach() * valid).sum(),
+                 "log_odds_chosen": (log_odds.detach() * valid).sum()}  # fmt: skip
+        chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
     else:
-        raise ValueError(f"no DPO loss {settings.loss_type!r} (the recipe checks objective.loss_type)")
-    chosen_rewards, rejected_rewards = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+        raise ValueError(f"no preference objective {kind!r} (the recipe checks objective.type)")
     metrics = {
         "rewards/chosen": float((chosen_rewards * valid).sum()),
         "rewards/rejected": float((rejected_rewards * valid).sum()),
@@ -59,7 +94,13 @@ def pair_losses(settings: ObjectiveSettings, logps: torch.Tensor, ref_logps: tor
         "logps/chosen": float((chosen.detach() * valid).sum()),
         "logps/rejected": float((rejected.detach() * valid).sum()),
     }
+    metrics.update({k: float(v) for k, v in extra.items()})
     return losses * valid, metrics
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for ``x < 0``, stable on both sides of ``-ln 2``."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
 def counted(tokens: torch.Tensor) -> torch.Tensor:

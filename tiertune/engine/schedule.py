@@ -338,13 +338,13 @@ class LayerMajor:
             engine.visit = Suffix(last - 1, leaf)
             if aux is not None:
                 aux_total += aux.finish(j, mb.extra.get("attention_mask"), 1.0 / micro_batches)
-            logps = (-engine.loss.token_losses(mb.ids, mb.extra, mb.target).sum(1)).requires_grad_()
-            tokens = (mb.target != IGNORE_INDEX).sum(1)
-            losses, metrics = pair_losses(engine.objective, logps, ref_logps, tokens)
+            target = _whole_target(mb) if engine.objective.whole_sequences else mb.target
+            token_losses = engine.loss.token_losses(mb.ids, mb.extra, target).requires_grad_()
+            losses, metrics = pair_losses(engine.objective, token_losses, mb.target != IGNORE_INDEX, ref_logps,
+                                          target != IGNORE_INDEX)  # fmt: skip
             loss_sum = losses.sum()
-            (slope,) = torch.autograd.grad(loss_sum, logps)  # d loss / d each sequence's log-probability
-            weight = (-slope / n_pairs).unsqueeze(1).expand(mb.target.shape).reshape(-1)
-            engine.loss(mb.ids, mb.extra, mb.target, token_weight=weight).backward()
+            (slope,) = torch.autograd.grad(loss_sum, token_losses)  # d loss / d each token's loss
+            engine.loss(mb.ids, mb.extra, target, token_weight=(slope / n_pairs).reshape(-1)).backward()
             total += float(loss_sum.detach())
             for name, value in metrics.items():
                 self.metrics[name] = self.metrics.get(name, 0.0) + value
@@ -465,6 +465,13 @@ class LayerMajor:
                 torch.autograd.backward(visit.first, mb.grad)
                 _harvest(bound, summed)
             mb.grad = None
+
+
+def _whole_target(mb: _Micro) -> torch.Tensor:
+    """Every next token of ``mb``'s rows as a target (the prompts' too), padding aside: ORPO's cross-entropy."""
+    target = mb.ids[:, 1:]
+    mask = mb.extra.get("attention_mask")
+    return target if mask is None else target.masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
 
 
 class Handoff(torch.autograd.Function):

@@ -290,7 +290,7 @@ class StreamedTrainer(TrainerViews):
             raise DataError(
                 "a training step has no target tokens (every label is -100); check the data and max_seq_len"
             )
-        self.schedule.metrics = dict.fromkeys(METRICS, 0.0) if self.objective.paired else {}
+        self.schedule.metrics = dict.fromkeys(METRICS, 0.0) if self.objective.paired else {}  # and the objective's own
         cfg = self.config
         clipping = cfg.clips
         # speculate unless the last step was clipped: then this one likely is too, and waiting for the norm

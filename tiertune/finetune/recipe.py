@@ -172,7 +172,7 @@ class Recipe:
                 "objective.type",
                 f"{self.objective.type} trains on "
                 + ("pairs: set data.format: preference (rows of prompt, chosen, rejected)" if self.objective.paired
-                   else "single sequences; data.format: preference needs objective.type: dpo"),
+                   else "single sequences; data.format: preference needs objective.type: dpo, simpo or orpo"),
             ),
             (
                 not (self.objective.paired and self.data.packing),
