@@ -308,3 +308,56 @@ def test_a_dpo_steps_peaks_and_bytes_are_the_estimates_and_its_weights_cross_onc
             assert abs(moved["dpo"][link] - sft) <= (0 if method == "lora" else 0.01 * sft), (link, moved)
     else:  # a pair's boundaries are two rows': twice the traffic, and under this host budget twice the waves
         assert moved["dpo"]["device->host"] == 2 * moved["sft"]["device->host"] > 0
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_an_interrupted_dpo_run_resumes_exactly(model_dir, tmp_path, write_recipe, interrupted_after, method):
+    """Interrupted after step 3 (checkpoints every 2 steps, shuffled pairs), resumed: the later steps' losses and
+    margins are the uninterrupted run's. A full fine-tune's reference is computed again when its cache is gone:
+    from the model's own files, before the checkpoint is restored, so the figures are the initial weights'."""
+    from tiertune.finetune.reference import CACHE_DIR
+
+    def recipe(name):
+        return load_recipe(write_recipe(
+            tmp_path / name, model_dir, data={"path": str(_rows(tmp_path)), "format": "preference", "shuffle": True},
+            method=LORA if method == "lora" else {"type": "full"}, objective={"type": "dpo"},
+            training={"max_steps": 6, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                      "learning_rate": 1e-3 if method == "lora" else 1e-4, "save_steps": 2},
+            offload={"params": "disk", "optimizer_states": "disk", "device_budget": "2MiB", "host_budget": "2MiB"}))  # fmt: skip
+
+    for name in ("whole", "cut"):
+        (tmp_path / name).mkdir()
+    whole = [json.loads(line) for line in train(recipe("whole"), progress=False).log_path.read_text().splitlines()]
+    cut = recipe("cut")
+    with interrupted_after(3), pytest.raises(KeyboardInterrupt):
+        train(cut, progress=False)
+    if method == "full":
+        cache = tmp_path / "cut" / "nvme" / CACHE_DIR
+        assert len(list(cache.glob("*.safetensors"))) == 1
+        for path in cache.iterdir():
+            path.unlink()
+    resumed = train(load_recipe(tmp_path / "cut" / "recipe.yaml", ["training.resume_from_checkpoint=auto"]),
+                    progress=False)  # fmt: skip
+    assert resumed.first_step == 3
+    again = [json.loads(line) for line in resumed.log_path.read_text().splitlines()]
+    assert [r["step"] for r in again] == list(range(1, 7))
+    for mine, ref in zip(again[2:], whole[2:]):
+        for key in ("loss", "rewards/margins", "logps/chosen"):
+            assert mine[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-9), (key, mine["step"])
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ([*PAIRS[:2], {"prompt": "the red cat", "chosen": " sat"}], "row 3: expected a string field 'rejected'"),
+    ([{**p, "rejected": p["chosen"]} for p in PAIRS], "a chosen completion equal to the rejected one"),
+])  # fmt: skip
+def test_bad_preference_data_exits_2_with_one_line(model_dir, tmp_path, write_recipe, rows, message):
+    from typer.testing import CliRunner
+
+    from tiertune.cli.app import app
+
+    path = write_recipe(tmp_path, model_dir, data={"path": str(_rows(tmp_path, rows)), "format": "preference"},
+                        method=LORA, objective={"type": "dpo"})  # fmt: skip
+    result = CliRunner().invoke(app, ["train", str(path)], env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
