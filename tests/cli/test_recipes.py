@@ -20,6 +20,8 @@ GPU_RECIPES = {
     "llama2-7b-galore": "meta-llama/Llama-2-7b-hf",
     "command-r-plus-104b-qlora": "CohereForAI/c4ai-command-r-plus",
     "mixtral-8x22b-qlora-24gb": "mistralai/Mixtral-8x22B-v0.1",
+    "llama3-70b-qlora-dpo-24gb": "meta-llama/Meta-Llama-3-70B",
+    "llama3-8b-full-dpo": "meta-llama/Meta-Llama-3-8B",
 }
 
 
@@ -83,9 +85,11 @@ def on_4090_flops(recipe) -> float:
 
     with torch.device("meta"):
         model = build_skeleton(recipe.model.path)
-    t = recipe.training
-    return step_flops(model, list(split_model(model).layers), t.per_device_train_batch_size * recipe.data.max_seq_len,
-                      t.gradient_accumulation_steps, recipe.data.max_seq_len, recipe.method.type != "lora").total
+    t, objective = recipe.training, recipe.objective
+    micro = t.per_device_train_batch_size * recipe.data.max_seq_len * (1 + objective.paired)  # a pair: two rows
+    return step_flops(model, list(split_model(model).layers), micro, t.gradient_accumulation_steps,
+                      recipe.data.max_seq_len, recipe.method.type != "lora", objective.reference,
+                      objective.paired).total
 
 
 @pytest.mark.parametrize("command", ["env", "train", "estimate", "recipes", "export", "merge", "demo"])

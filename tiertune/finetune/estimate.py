@@ -334,6 +334,12 @@ def estimate(
         in_use = memory.needed(tier) - home if tier is not Tier.DISK else 0
         largest = max((c.capacity for c in staged), default=0)
         tiers[tier.value] = TierEstimate(budgets[tier], home, passes, peak, largest, in_use)
+    if recipe.objective.reference and recipe.method.type != "lora":
+        notes.append(
+            f"{recipe.objective.type}'s reference is the initial weights: before the first step one pass over the data "
+            "(no autograd, each layer read once per wave) computes its log-probabilities, cached in "
+            "reference-logps/ under disk_path (else the output directory) for later runs of the same model and data"
+        )
     if IN_PLACE in kinds:
         notes.append(
             f"{format_size(kinds[IN_PLACE][1])} of frozen weights are read in place from the model's own files "
