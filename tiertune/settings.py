@@ -44,7 +44,7 @@ class GaloreSettings:
     svd: str = field(default="exact", metadata=choices(*SVD_METHODS))
 
 
-OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
+OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
@@ -52,8 +52,9 @@ DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 class ObjectiveSettings:
     """``objective`` (names as TRL's configs): ``type`` ``sft`` (the default: the mean cross-entropy of the target
     tokens), ``dpo`` (``DPOConfig``: ``beta``, ``loss_type``), ``simpo`` (``CPOConfig`` with ``loss_type:
-    simpo``: ``beta``, ``simpo_gamma``, ``cpo_alpha``) or ``orpo`` (``ORPOConfig``: ``beta`` is the paper's
-    lambda); ``engine.objective`` has the formulas. ``disable_dropout`` (TRL's default) sets every dropout of
+    simpo``: ``beta``, ``simpo_gamma``, ``cpo_alpha``), ``orpo`` (``ORPOConfig``: ``beta`` is the paper's
+    lambda) or ``kto`` (``KTOConfig``: ``beta``, ``desirable_weight``, ``undesirable_weight``; unpaired rows);
+    ``engine.objective`` has the formulas. ``disable_dropout`` (TRL's default) sets every dropout of
     the model and its adapters to 0 for a preference objective."""
 
     type: str = field(default="sft", metadata=choices(*OBJECTIVES))
@@ -61,17 +62,26 @@ class ObjectiveSettings:
     loss_type: str = field(default="sigmoid", metadata=choices(*DPO_LOSS_TYPES))
     simpo_gamma: float = 0.5  # SimPO's target reward margin
     cpo_alpha: float = 1.0  # SimPO (TRL's CPOTrainer): the weight of the chosen completions' cross-entropy
+    desirable_weight: float = 1.0  # KTO: the weight of a desirable completion's loss
+    undesirable_weight: float = 1.0  # KTO: the weight of an undesirable completion's loss
     disable_dropout: bool = True
 
     @property
     def paired(self) -> bool:
-        """Whether the objective trains on pairs of completions (``data.format: preference``)."""
+        """Whether the objective's micro-batches are pairs of sequences (``data.format: preference``: chosen and
+        rejected; ``unpaired_preference``, KTO's: a row's completion and, for its KL term, another row's
+        completion after the same prompt)."""
         return self.type != "sft"
+
+    @property
+    def data_format(self) -> tuple[str, ...]:
+        """The ``data.format`` the objective trains on."""
+        return {"sft": ("text", "alpaca", "chat"), "kto": ("unpaired_preference",)}.get(self.type, ("preference",))
 
     @property
     def reference(self) -> bool:
         """Whether the objective compares the policy with a reference model."""
-        return self.type == "dpo"
+        return self.type in ("dpo", "kto")
 
     @property
     def whole_sequences(self) -> bool:

@@ -232,6 +232,10 @@ def test_bad_preference_rows_are_named_skipped_or_dropped(model_dir, tmp_path):
      "objective.loss_type must be one of sigmoid, ipo, hinge"),
     ({"objective": {"type": "dpo"}, "data": {"format": "preference", "packing": True}, "method": LORA},
      "data.packing must be false for a preference objective"),
+    ({"objective": {"type": "kto"}, "data": {"format": "preference"}}, "set data.format: unpaired_preference"),
+    ({"data": {"format": "unpaired_preference"}}, "data.format: unpaired_preference needs objective.type: kto"),
+    ({"objective": {"type": "kto"}, "data": {"format": "unpaired_preference"},
+      "training": {"per_device_train_batch_size": 1}}, "must be >= 2 for kto"),
 ])  # fmt: skip
 def test_a_preference_recipe_that_cannot_run_says_what_to_change(model_dir, tmp_path, write_recipe, sections,
                                                                   message):  # fmt: skip
@@ -361,3 +365,62 @@ def test_bad_preference_data_exits_2_with_one_line(model_dir, tmp_path, write_re
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+UNPAIRED = [{"prompt": p["prompt"], "completion": p[k], "label": k == "chosen"}
+            for p in PAIRS for k in ("chosen", "rejected")]  # fmt: skip
+
+
+def _trl_kto(model_dir, tmp_path, steps, lora_seed=None, learning_rate=1e-4):
+    """TRL's KTOTrainer (sequential sampling, as its KL term requires), full or (``lora_seed``) with peft LoRA
+    initialized as tiertune's."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM
+    from trl import KTOConfig, KTOTrainer
+
+    args = KTOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                     learning_rate=learning_rate, max_steps=steps, beta=0.1, max_length=32, logging_steps=1,
+                     report_to="none", bf16=False, gradient_checkpointing=False, use_cpu=True,
+                     lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
+                     optim="adamw_torch", seed=0, save_strategy="no", train_sampling_strategy="sequential")  # fmt: skip
+    peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = KTOTrainer(model=model, args=args, train_dataset=Dataset.from_list(UNPAIRED),
+                         processing_class=_tokenizer(model_dir), peft_config=None if lora_seed is None else peft)  # fmt: skip
+    if lora_seed is not None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(lora_seed)
+            for module in trainer.model.modules():
+                if isinstance(module, LoraLayer):
+                    for adapter in module.active_adapters:
+                        module.reset_lora_parameters(adapter, init_lora_weights=True)
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h and "kl" in h]
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_kto_follows_trl(model_dir, tmp_path, write_recipe, method):
+    """KTO on unpaired rows (prompt, completion, label): each row's KL sequence is its prompt and its block
+    mate's completion (TRL's rotation); the reference runs in the same layer visits (LoRA) or before training
+    (full, params and states on disk). Each step's loss, KL estimate, rewards and log-probabilities equal TRL's
+    KTOTrainer's (relative 1e-4)."""
+    steps = 4
+    data = tmp_path / "unpaired.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in UNPAIRED))
+    lr = 1e-3 if method == "lora" else 1e-4
+    path = write_recipe(tmp_path, model_dir, data={"path": str(data), "format": "unpaired_preference", "shuffle": False},
+                        method=LORA if method == "lora" else {"type": "full"}, objective={"type": "kto", "beta": 0.1},
+                        training={"max_steps": steps, "per_device_train_batch_size": 2,
+                                  "gradient_accumulation_steps": 2, "learning_rate": lr},
+                        offload={"params": "disk", "optimizer_states": "disk", "device_budget": "2MiB",
+                                 "host_budget": "2MiB"})  # fmt: skip
+    ours = [json.loads(line) for line in train(load_recipe(path), progress=False).log_path.read_text().splitlines()]
+    theirs = _trl_kto(model_dir, tmp_path, steps, LORA["lora"]["seed"] if method == "lora" else None, lr)
+    assert len(ours) == len(theirs) == steps
+    for mine, ref in zip(ours, theirs):
+        for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+                    "logps/rejected"):  # fmt: skip
+            assert mine[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (key, mine["step"], mine, ref)
+    assert ours[-1]["rewards/margins"] > 0

@@ -26,18 +26,29 @@ LOSS_TYPES = DPO_LOSS_TYPES
 completion's tokens (TRL's length normalization)."""
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")  # fmt: skip
-"""What every preference step logs (TRL's names), each a mean over the step's pairs; SimPO adds ``nll_loss``,
-ORPO ``nll_loss``, ``log_odds_ratio`` and ``log_odds_chosen`` (means over the step's micro-batches)."""
+"""What every preference step logs (TRL's names): a mean over the step's pairs (KTO's: over its micro-batches, of
+each micro-batch's means over its desirable and its undesirable rows, as TRL logs them)."""
+EXTRA_METRICS = {"simpo": ("nll_loss",), "orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen"), "kto": ("kl",)}
+"""What an objective logs beside ``METRICS``, each a mean over the step's micro-batches (TRL's)."""
+
+
+def metric_names(settings: ObjectiveSettings) -> tuple[str, ...]:
+    """The metrics a step of the objective logs (every rank sums the same ones, in this order)."""
+    if not settings.paired:
+        return ()
+    names = METRICS if settings.type != "kto" else tuple(m for m in METRICS if m != "rewards/accuracies")
+    return names + EXTRA_METRICS.get(settings.type, ())
 
 
 def pair_losses(settings: ObjectiveSettings, token_losses: torch.Tensor, completion: torch.Tensor,
-                ref_logps: torch.Tensor | None, targets: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
-    """Each pair's loss and the micro-batch's metric sums (``METRICS`` and the objective's own, summed over its
-    pairs) from its sequences' per-token losses (``token_losses``, [2 x pairs, length - 1]: chosen rows, then
+                ref_logps: torch.Tensor | None, targets: torch.Tensor | None = None,
+                desirable: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:  # fmt: skip
+    """Each pair's loss and the micro-batch's metrics (``metric_names``: each a sum and what it counts) from its
+    sequences' per-token losses (``token_losses``, [2 x pairs, length - 1]: chosen rows, then
     rejected; autograd flows through them; 0 where a token has no target), which of those tokens are the
     completions' (``completion``), which are targets at all (``targets``: ORPO's, the prompts' too) and the
-    reference's sequence log-probabilities (``ref_logps``, None without a reference). A pair without a target in either sequence (a rank's padding: ``finetune.ranks``) has no loss
+    reference's sequence log-probabilities (``ref_logps``, None without a reference). KTO's "pairs" are a row
+    and its KL sequence (``data``: its prompt, another row's completion), ``desirable`` its rows' labels. A pair without a target in either sequence (a rank's padding: ``finetune.ranks``) has no loss
     and no metrics. A term that TRL takes as a mean over the micro-batch (SimPO's and ORPO's cross-entropy) is
     split evenly over its pairs, so the step's mean over pairs is TRL's mean over micro-batches."""
     completion = completion.to(token_losses.dtype)
@@ -50,6 +61,8 @@ def pair_losses(settings: ObjectiveSettings, token_losses: torch.Tensor, complet
     if kind in ("simpo", "orpo"):  # the completions' mean log-probabilities
         logps = logps / tokens.clamp(min=1.0)
     chosen, rejected = logps.chunk(2)
+    if kind == "kto":
+        return _kto(settings, chosen, rejected, ref_logps, valid, desirable)
     if kind == "dpo":
         zero = torch.zeros_like(chosen)
         ref_chosen, ref_rejected = (zero, zero) if ref_logps is None else ref_logps.float().chunk(2)
@@ -71,7 +84,7 @@ def pair_losses(settings: ObjectiveSettings, token_losses: torch.Tensor, complet
             chosen_completion = completion.chunk(2)[0] * valid.unsqueeze(1)
             nll = (token_losses.chunk(2)[0] * chosen_completion).sum() / chosen_completion.sum().clamp(min=1.0)
             losses = losses + settings.cpo_alpha * nll
-            extra["nll_loss"] = nll.detach() * pairs
+            extra["nll_loss"] = nll.detach()
         chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
     elif kind == "orpo":  # the chosen sequences' mean cross-entropy, every token (the prompt's too)
         if targets is None:
@@ -81,20 +94,50 @@ def pair_losses(settings: ObjectiveSettings, token_losses: torch.Tensor, complet
         log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
         ratio = F.logsigmoid(log_odds)
         losses = nll - beta * ratio
-        extra = {"nll_loss": nll.detach() * pairs, "log_odds_ratio": (ratio.detach() * valid).sum(),
-                 "log_odds_chosen": (log_odds.detach() * valid).sum()}  # fmt: skip
+        extra = {"nll_loss": nll.detach(), "log_odds_ratio": (ratio.detach() * valid).sum() / pairs,
+                 "log_odds_chosen": (log_odds.detach() * valid).sum() / pairs}  # fmt: skip
         chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
     else:
         raise ValueError(f"no preference objective {kind!r} (the recipe checks objective.type)")
+    n = float(valid.sum())
     metrics = {
-        "rewards/chosen": float((chosen_rewards * valid).sum()),
-        "rewards/rejected": float((rejected_rewards * valid).sum()),
-        "rewards/accuracies": float(((chosen_rewards > rejected_rewards).float() * valid).sum()),
-        "rewards/margins": float(((chosen_rewards - rejected_rewards) * valid).sum()),
-        "logps/chosen": float((chosen.detach() * valid).sum()),
-        "logps/rejected": float((rejected.detach() * valid).sum()),
+        "rewards/chosen": (float((chosen_rewards * valid).sum()), n),
+        "rewards/rejected": (float((rejected_rewards * valid).sum()), n),
+        "rewards/accuracies": (float(((chosen_rewards > rejected_rewards).float() * valid).sum()), n),
+        "rewards/margins": (float(((chosen_rewards - rejected_rewards) * valid).sum()), n),
+        "logps/chosen": (float((chosen.detach() * valid).sum()), n),
+        "logps/rejected": (float((rejected.detach() * valid).sum()), n),
     }
-    metrics.update({k: float(v) for k, v in extra.items()})
+    metrics.update({k: (float(v), float(n > 0)) for k, v in extra.items()})  # a micro-batch's mean, counted once
+    return losses * valid, metrics
+
+
+def _kto(settings: ObjectiveSettings, logps: torch.Tensor, kl_logps: torch.Tensor, ref_logps: torch.Tensor | None,
+         valid: torch.Tensor, desirable: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:  # fmt: skip
+    """KTO (TRL's ``KTOTrainer``, loss_type kto): each row's loss against the micro-batch's KL estimate (its KL
+    sequences' mean log-ratio, no gradient, at least 0); the metrics as TRL logs them, each micro-batch's mean
+    over its desirable rows and over its undesirable ones."""
+    if ref_logps is None or desirable is None:
+        raise ValueError("KTO needs the reference's log-probabilities and each row's label")
+    ref, ref_kl = ref_logps.float().chunk(2)
+    ratio = logps - ref
+    rows = valid.sum().clamp(min=1.0)
+    kl = (((kl_logps.detach() - ref_kl) * valid).sum() / rows).clamp(min=0)
+    beta = settings.beta
+    good = desirable.bool() & valid.bool()
+    bad = ~desirable.bool() & valid.bool()
+    losses = torch.where(good, settings.desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
+                         settings.undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))  # fmt: skip
+    rewards = beta * ratio.detach()
+    metrics: dict[str, tuple[float, float]] = {"kl": (float(kl), float(valid.sum() > 0))}
+    means = {}
+    for name, rows_of in (("chosen", good), ("rejected", bad)):
+        if rows_of.any():
+            means[name] = float(rewards[rows_of].mean())
+            metrics[f"rewards/{name}"] = (means[name], 1.0)
+            metrics[f"logps/{name}"] = (float(logps.detach()[rows_of].mean()), 1.0)
+    if len(means) == 2:
+        metrics["rewards/margins"] = (means["chosen"] - means["rejected"], 1.0)
     return losses * valid, metrics
 
 
@@ -125,4 +168,4 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-__all__ = ["LOSS_TYPES", "METRICS", "counted", "disable_dropout", "pair_losses"]
+__all__ = ["EXTRA_METRICS", "LOSS_TYPES", "METRICS", "counted", "disable_dropout", "metric_names", "pair_losses"]

@@ -112,6 +112,7 @@ class _Micro:
     pairs: int = 0  # a preference objective's pairs: the first ``pairs`` rows chosen, the next rejected
     ref: torch.Tensor | None = None  # the reference's hidden states at the boundary the wave has reached
     ref_logps: torch.Tensor | None = None  # or its sequences' log-probabilities, computed before the step
+    desirable: torch.Tensor | None = None  # KTO: whether each row's completion is desirable
 
 
 class LayerMajor:
@@ -121,9 +122,9 @@ class LayerMajor:
         self.engine, self.stash = engine, stash
         self.layers = [layer.layer for layer in engine.parts.layers]  # the model's own (streamed) layers
         self._random = [draws_random(layer) for layer in self.layers]
-        # a preference objective's metric sums over the step so far (``engine.objective.METRICS``; the engine
-        # resets them at each step's start)
-        self.metrics: dict[str, float] = {}
+        # a preference objective's metrics over the step so far, each a sum and what it counts (pairs, or
+        # micro-batches: ``engine.objective.pair_losses``); the engine resets them at each step's start
+        self.metrics: dict[str, tuple[float, float]] = {}
         # whether the layers' forward visits run the reference too (the base, adapters off) beside the policy;
         # a full fine-tune's reference is its initial weights, whose log-probabilities the run computes before
         # training (``sequence_logps``) and hands each step with its micro-batches (``ref_logps``)
@@ -174,7 +175,8 @@ class LayerMajor:
                 _Micro(b["input_ids"].to(device),
                        {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
                        lab[:, 1:].to(device), rng, rng, pairs=int(b.get("pairs", 0)),
-                       ref_logps=b["ref_logps"].to(device) if "ref_logps" in b else None)
+                       ref_logps=b["ref_logps"].to(device) if "ref_logps" in b else None,
+                       desirable=b["label"].to(device) if "label" in b else None)
                 for b, lab, rng in zip(batches, labels, streams(len(batches), device), strict=True)
             ]  # fmt: skip
             prefix_trained, first = self._prefix(micro)
@@ -341,13 +343,14 @@ class LayerMajor:
             target = _whole_target(mb) if engine.objective.whole_sequences else mb.target
             token_losses = engine.loss.token_losses(mb.ids, mb.extra, target).requires_grad_()
             losses, metrics = pair_losses(engine.objective, token_losses, mb.target != IGNORE_INDEX, ref_logps,
-                                          target != IGNORE_INDEX)  # fmt: skip
+                                          target != IGNORE_INDEX, mb.desirable)  # fmt: skip
             loss_sum = losses.sum()
             (slope,) = torch.autograd.grad(loss_sum, token_losses)  # d loss / d each token's loss
             engine.loss(mb.ids, mb.extra, target, token_weight=(slope / n_pairs).reshape(-1)).backward()
             total += float(loss_sum.detach())
-            for name, value in metrics.items():
-                self.metrics[name] = self.metrics.get(name, 0.0) + value
+            for name, (value, count) in metrics.items():
+                total_value, total_count = self.metrics.get(name, (0.0, 0.0))
+                self.metrics[name] = (total_value + value, total_count + count)
             if leaf.grad is None:
                 raise StateError("the loss does not depend on the last decoder layer's output")
             mb.grad = leaf.grad

@@ -31,7 +31,7 @@ from tiertune.engine.layout import (
 )
 from tiertune.engine.loaded import load_model
 from tiertune.engine.loss import CausalLMLoss
-from tiertune.engine.objective import METRICS, counted, disable_dropout
+from tiertune.engine.objective import counted, disable_dropout, metric_names
 from tiertune.engine.router_aux import RouterAux
 from tiertune.engine.schedule import LayerMajor
 from tiertune.engine.stash import ChunkStash, DeviceStash, Stash, stash_slots
@@ -290,7 +290,7 @@ class StreamedTrainer(TrainerViews):
             raise DataError(
                 "a training step has no target tokens (every label is -100); check the data and max_seq_len"
             )
-        self.schedule.metrics = dict.fromkeys(METRICS, 0.0) if self.objective.paired else {}  # and the objective's own
+        self.schedule.metrics = {}
         cfg = self.config
         clipping = cfg.clips
         # speculate unless the last step was clipped: then this one likely is too, and waiting for the norm
@@ -313,7 +313,12 @@ class StreamedTrainer(TrainerViews):
             aux_total += aux_sum
         total = float(self.sharding.total(total))
         loss = total / n_tokens
-        self.last_metrics = {k: float(self.sharding.total(v)) / n_tokens for k, v in self.schedule.metrics.items()}
+        self.last_metrics = {}  # each metric's sum over the ranks over what it counts there (engine.objective)
+        for name in metric_names(self.objective):  # the same on every rank: each sum is a collective
+            value, count = self.schedule.metrics.get(name, (0.0, 0.0))
+            count = float(self.sharding.total(count))
+            if count:
+                self.last_metrics[name] = float(self.sharding.total(value)) / count
         if self.router_aux is not None:
             self.last_router_aux_loss = self.router_aux.coef * aux_total / len(micro_batches)
             loss += self.last_router_aux_loss

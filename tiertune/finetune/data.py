@@ -15,6 +15,11 @@ Files: ``.jsonl``/``.json`` (JSON lines, or a JSON list of objects), ``.parquet`
   diverge, each sequence cut to ``max_seq_len`` from its start. A row whose prompt fills ``max_seq_len`` or
   whose two completions are the same is dropped and counted; an empty completion is a bad row. The loss is on
   the completions; a batch is its rows' chosen sequences, then their rejected ones.
+- ``unpaired_preference``: ``prompt``, ``completion`` and a boolean ``label`` (desirable or not; TRL's unpaired
+  preference form, KTO's), tokenized as TRL's ``KTOTrainer`` does (as ``preference`` tokenizes one completion).
+  Each row also gets a KL sequence: its prompt followed by the completion of the row before it in its block of
+  ``kl_block`` rows (the first row takes the block's last; TRL's rotation within a batch), cut to
+  ``max_seq_len``; it stands where a pair's rejected sequence stands, and its row's ``label`` goes with it.
 
 Sequences are cut to ``max_seq_len``; a row left without a token to predict is dropped and counted. A row
 without the fields of its format raises ``DataError`` naming the file, the row and the field, or is
@@ -45,8 +50,8 @@ from tiertune.errors import ConfigError, DataError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-FORMATS = ("text", "alpaca", "chat", "preference")
-PAIRED = ("preference",)
+FORMATS = ("text", "alpaca", "chat", "preference", "unpaired_preference")
+PAIRED = ("preference", "unpaired_preference")
 """The formats whose rows are pairs of completions (a preference objective's, ``engine.objective``)."""
 
 ALPACA_PROMPT = (
@@ -210,8 +215,10 @@ def load_data(
     add_eos: bool = True,
     skip_bad_rows: bool = False,
     cache_dir: str | None = None,
+    kl_block: int = 2,
 ) -> TokenizedData:
-    """Read, render and tokenize a data file (the tokenization is cached by ``datasets``)."""
+    """Read, render and tokenize a data file (the tokenization is cached by ``datasets``). ``kl_block``: the rows
+    of ``unpaired_preference`` data whose completions rotate into their KL sequences (a micro-batch's rows)."""
     if fmt not in FORMATS:
         raise ValueError(f"the data formats are {', '.join(FORMATS)} (a recipe's data.format), got {fmt!r}")
     if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
@@ -254,6 +261,9 @@ def load_data(
     kept = encoded.filter(lambda bad, useful: useful and not bad, input_columns=["bad", "useful"])
     dropped = len(encoded) - skipped - len(kept)
     kept = kept.remove_columns(["bad", "useful", "lossy"])
+    if fmt == "unpaired_preference" and len(kept):
+        kept = kept.map(_kl_sequences, batched=True, batch_size=kl_block, remove_columns=["completion_ids", "prompt_len"],
+                        fn_kwargs={"max_seq_len": max_seq_len, "code": settings["code"]}, desc="KL sequences")  # fmt: skip
     if len(kept) == 0:
         raise DataError(
             f"{path} has no usable rows ({skipped} skipped as bad, {dropped} with nothing to predict within "
@@ -283,17 +293,25 @@ text to the tokenizer (unknown words, or a tokenizer class that does not match i
 def _encode(batch: dict, indices: list[int], **settings: Any) -> dict[str, list]:
     """``datasets.map`` function: a batch of rows to ``input_ids`` and ``labels`` (module level, so that
     datasets can fingerprint it and cache its result)."""
-    paired = settings["fmt"] in PAIRED
+    paired = settings["fmt"] == "preference"
+    unpaired = settings["fmt"] == "unpaired_preference"
     out: dict[str, list] = {"input_ids": [], "labels": [], "bad": [], "useful": [], "lossy": []}
     if paired:
         out.update(rejected_ids=[], rejected_labels=[])
+    if unpaired:
+        out.update(completion_ids=[], prompt_len=[], label=[])
     tokenizer = settings["tokenizer"]
     for k, index in enumerate(indices):
         row = {key: values[k] for key, values in batch.items()}
         lossy = False
         rejected: tuple[list[int], list[int]] = ([], [])
+        unpaired_row: tuple[list[int], int, bool] = ([], 0, False)
         try:
-            if paired:
+            if unpaired:
+                ids, labels, unpaired_row, parts = _render_unpaired(
+                    row, tokenizer, settings["max_seq_len"], settings["add_eos"]
+                )
+            elif paired:
                 ids, labels, rejected, parts = _render_pair(
                     row, tokenizer, settings["max_seq_len"], settings["add_eos"]
                 )
@@ -330,6 +348,10 @@ def _encode(batch: dict, indices: list[int], **settings: Any) -> dict[str, list]
             out["rejected_labels"].append(rejected[1])
             # and a pair two different completions, each with a target
             useful = useful and any(lab != IGNORE_INDEX for lab in rejected[1][1:]) and rejected[0] != ids
+        if unpaired:
+            out["completion_ids"].append(unpaired_row[0])
+            out["prompt_len"].append(unpaired_row[1])
+            out["label"].append(unpaired_row[2])
         out["useful"].append(useful)
     return out
 
@@ -418,6 +440,54 @@ def _render_pair(row: dict, tokenizer: Any, max_seq_len: int, add_eos: bool
     (ids, labels), second = ((ids[:max_seq_len], ([IGNORE_INDEX] * start + ids[start:])[:max_seq_len])
                              for ids in pair_ids)  # fmt: skip
     return ids, labels, second, parts
+
+
+def _render_unpaired(row: dict, tokenizer: Any, max_seq_len: int, add_eos: bool
+                     ) -> tuple[list[int], list[int], tuple[list[int], int, bool], list[tuple[list[int], str]]]:  # fmt: skip
+    """An unpaired preference row's sequence and labels (as ``_render_pair`` renders one completion), its whole
+    completion's tokens, its prompt's length and its label, and its texts."""
+    label = row.get("label")
+    if not isinstance(label, bool):
+        found = "no such field" if label is None else _a(type(label).__name__)
+        raise _BadRow("a boolean 'label' (true: a desirable completion)", f"{found} (the row has {_keys(row)})")
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if isinstance(completion, list):
+        prompt, completion = _messages(row, "prompt"), _messages(row, "completion")
+        if not completion:
+            raise _BadRow("a turn in 'completion'", "an empty completion")
+        texts = [m["content"] for m in (*prompt, *completion)]
+        prompt_ids = _chat_ids(tokenizer, prompt, add_generation_prompt=True)
+        whole = _chat_ids(tokenizer, prompt + completion)
+    else:
+        prompt, completion = _string(row, "prompt"), _string(row, "completion")
+        if not completion.strip():
+            raise _BadRow("a non-empty string 'completion'", "an empty completion")
+        texts = [prompt, completion]
+        eos = tokenizer.eos_token if add_eos else None
+        if eos and not completion.endswith(eos):
+            completion += eos
+        prompt_ids = list(tokenizer(prompt)["input_ids"])
+        whole = list(tokenizer(prompt + completion)["input_ids"])
+    start = _common_prefix(prompt_ids, whole)
+    ids = whole[:max_seq_len]
+    labels = ([IGNORE_INDEX] * start + whole[start:])[:max_seq_len]
+    return ids, labels, (whole[start:], start, label), [(_content_ids(tokenizer, t), t) for t in texts]
+
+
+def _kl_sequences(batch: dict, **settings: Any) -> dict[str, list]:
+    """``datasets.map`` function over a block of rows: each row's KL sequence, its prompt followed by the block's
+    previous row's completion (the first row the last's), cut to ``max_seq_len``, as ``rejected_ids`` and
+    ``rejected_labels``."""
+    limit = settings["max_seq_len"]
+    completions = batch["completion_ids"]
+    rotated = completions[-1:] + completions[:-1]
+    out = dict(batch)
+    out["rejected_ids"], out["rejected_labels"] = [], []
+    for ids, start, completion in zip(batch["input_ids"], batch["prompt_len"], rotated, strict=True):
+        prompt = list(ids[:start])
+        out["rejected_ids"].append((prompt + list(completion))[:limit])
+        out["rejected_labels"].append(([IGNORE_INDEX] * len(prompt) + list(completion))[:limit])
+    return out
 
 
 def _messages(row: dict, field: str) -> list[dict]:
@@ -568,6 +638,8 @@ def _paired(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     batch = _padded([*rows, *rejected], pad_id)
     batch["pairs"] = torch.tensor(len(rows))
     batch["rows"] = torch.tensor([r["row"] for r in rows])
+    if "label" in rows[0]:  # KTO's: whether each row's completion is desirable
+        batch["label"] = torch.tensor([bool(r["label"]) for r in rows])
     return batch
 
 

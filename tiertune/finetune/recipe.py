@@ -47,7 +47,7 @@ class MethodSection:
 @dataclass
 class DataSection:
     path: str = ""
-    format: str = field(default="text", metadata=choices("text", "alpaca", "chat", "preference"))
+    format: str = field(default="text", metadata=choices("text", "alpaca", "chat", "preference", "unpaired_preference"))
     max_seq_len: int = 1024
     packing: bool = False
     shuffle: bool = True
@@ -168,11 +168,21 @@ class Recipe:
             (self.method.galore.scale > 0, "method.galore.scale", "must be > 0"),
             (self.objective.beta > 0, "objective.beta", f"must be > 0, got {self.objective.beta}"),
             (
-                self.objective.paired == (self.data.format == "preference"),
+                self.data.format in self.objective.data_format,
                 "objective.type",
-                f"{self.objective.type} trains on "
-                + ("pairs: set data.format: preference (rows of prompt, chosen, rejected)" if self.objective.paired
-                   else "single sequences; data.format: preference needs objective.type: dpo, simpo or orpo"),
+                f"{self.objective.type} trains on " + {
+                    "preference": "pairs: set data.format: preference (rows of prompt, chosen, rejected)",
+                    "unpaired_preference": "unpaired rows: set data.format: unpaired_preference (rows of prompt, "
+                                           "completion, label)",
+                }.get(self.objective.data_format[0], f"single sequences; data.format: {self.data.format} needs "
+                      + ("objective.type: kto" if self.data.format == "unpaired_preference"
+                         else "objective.type: dpo, simpo or orpo")),
+            ),
+            (
+                self.objective.type != "kto" or self.training.per_device_train_batch_size >= 2,
+                "training.per_device_train_batch_size",
+                "must be >= 2 for kto: its KL term pairs each row's prompt with another row's completion of the "
+                "same micro-batch (TRL's rule)",
             ),
             (
                 not (self.objective.paired and self.data.packing),

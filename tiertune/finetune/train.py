@@ -316,7 +316,8 @@ def _load(recipe: Recipe) -> _Loaded:
     t, d = recipe.training, recipe.data
     torch.manual_seed(t.seed)
     tokenizer = _tokenizer(recipe.model.path)
-    data = load_data(d.path, tokenizer, d.format, d.max_seq_len, d.add_eos, d.skip_bad_rows)
+    data = load_data(d.path, tokenizer, d.format, d.max_seq_len, d.add_eos, d.skip_bad_rows,
+                     kl_block=t.per_device_train_batch_size)
     _check_vocabulary(data, recipe.model.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     rows = math.ceil(data.tokens / d.max_seq_len) if d.packing else len(data)  # packing: about full rows
