@@ -42,10 +42,21 @@ from tiertune.units import parse_size
 
 
 def _batches(vocab: int, args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
-    """A step's ``--micro-batches`` micro-batches of ``--batch`` x ``--seq`` random tokens (the same each step)."""
+    """A step's ``--micro-batches`` micro-batches of ``--batch`` x ``--seq`` random tokens (the same each step);
+    with ``--objective dpo``, ``--batch`` pairs: each a chosen and a rejected row of ``--seq`` tokens, their
+    first half the prompt (no targets)."""
     gen = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(0, vocab, (args.batch, args.seq), generator=gen)}
-            for _ in range(args.micro_batches)]  # fmt: skip
+    if args.objective == "sft":
+        return [{"input_ids": torch.randint(0, vocab, (args.batch, args.seq), generator=gen)}
+                for _ in range(args.micro_batches)]  # fmt: skip
+    out = []
+    for _ in range(args.micro_batches):
+        ids = torch.randint(0, vocab, (2 * args.batch, args.seq), generator=gen)
+        ids[args.batch :, : args.seq // 2] = ids[: args.batch, : args.seq // 2]  # a pair shares its prompt
+        labels = ids.clone()
+        labels[:, : args.seq // 2] = -100
+        out.append({"input_ids": ids, "labels": labels, "pairs": torch.tensor(args.batch)})
+    return out
 
 
 def _setup_device(args: argparse.Namespace) -> torch.dtype:
@@ -64,10 +75,15 @@ def _step_figures(load_s: float, times: list[float], losses: list[float], args: 
     return {
         "load_and_quantize_s": load_s,
         "step_s": step_s,
-        "tokens_per_second": args.batch * args.seq * args.micro_batches / step_s,
+        "tokens_per_second": _rows(args) * args.seq * args.micro_batches / step_s,
         "first_step_s": times[0],
         "losses": losses,
     }
+
+
+def _rows(args: argparse.Namespace) -> int:
+    """Rows of a micro-batch: ``--batch``, or two per pair (``--objective dpo``)."""
+    return args.batch * (2 if args.objective == "dpo" else 1)
 
 
 def _gpu_peak(args: argparse.Namespace) -> int | None:
@@ -78,6 +94,7 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
     from tiertune.engine import EngineConfig, StreamedTrainer
     from tiertune.methods.lora import LoraSettings
     from tiertune.offload.store import StoreConfig
+    from tiertune.settings import ObjectiveSettings
 
     dtype = _setup_device(args)
     store = StoreConfig.resolve(device=args.device, device_budget=args.device_budget, host_budget=args.host_budget,
@@ -86,8 +103,8 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
                           lora=LoraSettings(r=16, alpha=32, dropout=0.0), learning_rate=1e-4,
                           max_steps=args.steps, quant_cache=args.quant_cache,
                           gradient_accumulation_steps=args.micro_batches, wave_size=args.wave_size,
-                          activations=args.activations, activation_tokens=args.batch * args.seq,
-                          sequence_tile=args.sequence_tile)  # fmt: skip
+                          activations=args.activations, activation_tokens=_rows(args) * args.seq,
+                          sequence_tile=args.sequence_tile, objective=ObjectiveSettings(type=args.objective))  # fmt: skip
     began = time.perf_counter()
     trainer = StreamedTrainer(model_dir, store, engine)
     load_s = time.perf_counter() - began
@@ -222,6 +239,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-budget", default="8GiB")
     p.add_argument("--device-budget", default="2GiB")
     p.add_argument("--modes", default="tiertune,peft")
+    p.add_argument("--objective", choices=("sft", "dpo"), default="sft",
+                   help="dpo: --batch pairs a micro-batch, the reference (adapters off) in the same layer visits")
     p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
     )
@@ -272,7 +291,7 @@ def main() -> None:
         result["parameters"] = write_checkpoint(model_dir, args.layers, args.hidden, args.intermediate, args.heads,
                                                 args.kv_heads, args.vocab)  # fmt: skip
         result["checkpoint_write_s"] = time.perf_counter() - began
-        result["tokens_per_step"] = args.batch * args.seq
+        result["tokens_per_step"] = _rows(args) * args.seq
         result["settings"] = {"host_budget": args.host_budget, "device_budget": args.device_budget,
                               "device": args.device, "gpu_memory_cap": args.gpu_memory_cap}  # fmt: skip
         for mode in args.modes.split(","):

@@ -36,6 +36,12 @@ Phases and what each result says:
   ``CPUOffloadPolicy`` (one process, world size 1), activation checkpointing and torch AdamW on the same
   model and batch; ``full/deepspeed``: skipped (why is in the result). TFLOPS, MFU and HFU by the formula
   each result states, against a bf16 matrix product measured in the same run and against the datasheet.
+- ``longseq``: ``longseq/tiertune``: QLoRA of 4 layers of the Llama-3-8B shape on one row of 64K, 128K and
+  256K tokens a step under the cap: tokens/s and peak GPU memory of each length.
+- ``dpo``: ``dpo/tiertune``: QLoRA DPO of 16 of the 70B shape's layers streamed from disk under the cap, 8
+  micro-batches of one pair of 2048-token rows a step (the reference, the base with the adapters off, in the
+  same layer visits; the boundaries on the device), against SFT of as many rows: bytes moved per step (their
+  ratio), tokens/s, peak GPU memory and whether it stayed under the cap.
 
 Random weights throughout, and the base never exists in bf16. The 70B base's checkpoint lists every tensor
 but its decoder layers are a hole in a sparse file (header only, no disk blocks: ``ls -l`` ~137 GB, ``du``
@@ -86,7 +92,7 @@ from tiertune.units import format_size, parse_size
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-PHASES = ("tests", "kernels", "qlora", "accumulation", "full", "longseq")
+PHASES = ("tests", "kernels", "qlora", "accumulation", "full", "longseq", "dpo")
 COMMON_KEYS = ("phase", "result", "machine", "gpu_memory_cap_bytes", "command", "dry_run")
 _TRAINING = ("batch", "seq", "tokens_per_step", "steps", "load_s", "step_s", "first_step_s",
              "tokens_per_second", "losses", "peak_gpu_bytes", "peak_rss_bytes")  # fmt: skip
@@ -116,6 +122,8 @@ KEYS: dict[str, tuple[str, ...]] = {
     "full/deepspeed": ("reference", "skipped"),
     "longseq/tiertune": ("system", "base", "batch", "host_budget_bytes", "device_budget_bytes", "sequence_tile",
                          "runs", "longest_trained"),
+    "dpo/tiertune": ("system", "base", "seq", "micro_batches", "host_budget_bytes", "device_budget_bytes", "runs",
+                     "dpo_over_sft_bytes", "dpo_over_sft_seconds", "peak_gpu_bytes", "under_cap"),
 }  # fmt: skip
 # the results each phase prints (kernels: one per op)
 PHASE_RESULTS = {
@@ -125,12 +133,14 @@ PHASE_RESULTS = {
     "accumulation": ("accumulation/tiertune",),
     "full": ("full/tiertune", "full/fsdp2", "full/deepspeed"),
     "longseq": ("longseq/tiertune",),
+    "dpo": ("dpo/tiertune",),
 }
 # what only a GPU has or measures: null in a dry run
 GPU_ONLY = frozenset(
     {
         "gpu_memory_cap_bytes",
         "peak_gpu_bytes",
+        "under_cap",
         "host_to_device_gbps",
         "peak_tflops_datasheet",
         "mfu_datasheet",
@@ -1179,6 +1189,56 @@ def phase_longseq(ctx: Context) -> None:
     emit(ctx, "longseq", "longseq/tiertune", values, began)
 
 
+DPO_RUNS = (("sft, 2 rows a micro-batch", "sft", 2), ("dpo, 1 pair a micro-batch", "dpo", 1))
+"""The dpo phase's runs: (label, objective, --batch: rows for SFT, pairs for DPO): as many sequences each."""
+
+
+def phase_dpo(ctx: Context) -> None:
+    """QLoRA DPO of the 70B shape (cut to ``accum_layers`` layers, streamed from disk through the accumulation
+    phase's budgets) under the GPU cap, 8 micro-batches of one pair a step (their boundaries on the device), the
+    reference (the base, adapters off) in the same layer visits, against SFT of as many sequences: tokens/s, bytes moved per step, peak GPU
+    memory of each; the DPO step's bytes over the SFT step's (the reference shares the visit: 1.0)."""
+    s = ctx.settings
+    dtype = getattr(torch, s.dtype)
+    began = time.perf_counter()
+    shape = s.qlora_shape.with_layers(s.accum_layers)
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(dir=ctx.dir, prefix="dpo-") as name:
+        tmp = Path(name)
+        model = tmp / "base"
+        write_checkpoint(model, shape, "sparse", dtype)
+        for label, objective, batch in DPO_RUNS:
+            argv = [*shape.args(), "--steps", "2", "--batch", str(batch), "--seq", str(s.qlora_seq),
+                    "--micro-batches", "8", "--objective", objective, "--activations", "device",
+                    "--host-budget", f"{s.accum_host_budget}B", "--device-budget", f"{s.accum_device_budget}B",
+                    "--device", s.device, "--gpu-memory-cap", f"{s.gpu_cap}B", "--quant-cache", "generated"]  # fmt: skip
+            left = ctx.budget.left() - 10
+            if left < 30:
+                runs[label] = {"skipped": f"{left:.0f} s of the budget left"}
+                continue
+            out = run_child("qlora-tiertune", {"argv": argv, "model": str(model), "disk": str(tmp / "disk")}, left)
+            runs[label] = {key: out.get(key) for key in ("error", "step_s", "tokens_per_second", "losses",
+                                                         "peak_gpu_bytes", "bytes_moved_per_step")}  # fmt: skip
+            log(f"dpo, {label}: {json.dumps(runs[label])}")
+            shutil.rmtree(tmp / "disk", ignore_errors=True)
+    sft, dpo = (runs.get(label, {}) for label, _, _ in DPO_RUNS)
+
+    def total(run: dict) -> float | None:
+        moved = run.get("bytes_moved_per_step")
+        return sum(moved.values()) if moved else None
+
+    peak = dpo.get("peak_gpu_bytes")
+    values = {
+        "system": "tiertune", "base": {**shape.describe(), "of": s.qlora_shape.name}, "seq": s.qlora_seq,
+        "micro_batches": 8, "host_budget_bytes": s.accum_host_budget, "device_budget_bytes": s.accum_device_budget,
+        "runs": runs,
+        "dpo_over_sft_bytes": total(dpo) / total(sft) if total(dpo) and total(sft) else None,
+        "dpo_over_sft_seconds": dpo["step_s"] / sft["step_s"] if dpo.get("step_s") and sft.get("step_s") else None,
+        "peak_gpu_bytes": peak, "under_cap": None if peak is None else peak <= s.gpu_cap,
+    }  # fmt: skip
+    emit(ctx, "dpo", "dpo/tiertune", values, began)
+
+
 def _qlora_depth(ctx: Context, free: int, gbps: float, dtype: torch.dtype) -> tuple[Shape, str | None, int]:
     """The layers of the 70B shape that run, and the steps: all of them unless the disk cannot hold their disk
     tier next to the checkpoint's embedding, or streaming them (a step reads the base about twice: forward,
@@ -1379,6 +1439,7 @@ PHASE_FUNCS: dict[str, Callable[[Context], None]] = {
     "accumulation": phase_accumulation,
     "full": phase_full,
     "longseq": phase_longseq,
+    "dpo": phase_dpo,
 }
 
 
