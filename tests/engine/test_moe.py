@@ -322,3 +322,39 @@ def test_merge_adds_the_adapter_to_the_4bit_experts(tiny_model_dir, disk_dir, tm
     with torch.no_grad():
         logits = merged(input_ids=batches[0]["input_ids"], attention_mask=batches[0]["attention_mask"]).logits
     torch.testing.assert_close(logits, trainer.saved_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_dpo_on_an_moe_adds_the_policys_router_loss_only(tiny_model_dir, disk_dir, tmp_path):
+    """LoRA DPO on an MoE whose config asks for the router's auxiliary loss: the reference's forward (the base,
+    adapters off, in the same layer visits) adds no router logits; step 1's loss is ln 2 plus the coefficient x
+    transformers' load balancing loss of the policy on the pairs (the policy is the base then)."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from tiertune.settings import ObjectiveSettings
+
+    path = _with_router_aux(tiny_model_dir("mixtral")[0], tmp_path, coef=0.5)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 200, (4, 12), generator=gen)
+    ids[2:, :6] = ids[:2, :6]  # two pairs, each sharing its prompt
+    labels = ids.clone()
+    labels[:, :6] = -100
+    batch = {"input_ids": ids, "labels": labels, "pairs": torch.tensor(2)}
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    expected_aux = 0.5 * float(base(input_ids=ids, output_router_logits=True).aux_loss)
+    store = StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
+    cfg = _config("none", kernels="none", lora=LoraSettings(r=4, alpha=8, dropout=0.0),
+                  objective=ObjectiveSettings(type="dpo"))  # fmt: skip
+    trainer = StreamedTrainer(str(path), store, cfg)
+    try:
+        loss = trainer.step([batch])
+        aux = trainer.last_router_aux_loss
+        assert trainer.last_metrics["rewards/margins"] == 0.0
+        trainer.step([batch])  # the warm-up's first step had a learning rate of 0
+        trainer.step([batch])
+        assert trainer.last_metrics["rewards/margins"] != 0.0  # the adapters, experts' included, moved it
+    finally:
+        trainer.close()
+    assert aux == pytest.approx(expected_aux, rel=1e-5) and aux > 0.1
+    assert loss - aux == pytest.approx(math.log(2), rel=1e-6)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -85,6 +86,16 @@ class RouterAux:
             self._live[layer].append(logits)
         elif self._collecting:  # the wave's forward
             self._seen[(self.micro, layer)].append(logits.detach())
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No router logits collected in the block (a preference objective's reference forward: its routers
+        are the base's, and the auxiliary loss is the policy's alone, as TRL adds it)."""
+        collecting, self._collecting = self._collecting, False
+        try:
+            yield
+        finally:
+            self._collecting = collecting
 
     def start(self) -> None:
         """Collect the router logits of the wave's forward that follows."""

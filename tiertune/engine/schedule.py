@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -203,6 +203,8 @@ class LayerMajor:
         with ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=devices))
             stack.enter_context(torch.no_grad())
+            if engine.router_aux is not None:  # the pass is no step's: its router logits are no loss's
+                stack.enter_context(engine.router_aux.paused())
             for state in others:
                 stack.enter_context(engine.bound_group(state, requires_grad=False))
             stack.callback(setattr, engine, "visit", None)
@@ -313,7 +315,8 @@ class LayerMajor:
         engine = self.engine
         x, call = self._stacked(i, micro, group, [mb.ref for mb in micro])  # type: ignore[misc]
         devices = [engine.device] if engine.device.type == "cuda" else []
-        with engine.reference(), torch.random.fork_rng(devices=devices):
+        paused = engine.router_aux.paused() if engine.router_aux is not None else nullcontext()
+        with engine.reference(), torch.random.fork_rng(devices=devices), paused:
             out = run_layer(self.layers[i], x, call)
         del x
         for j, part in zip(group, out.split([micro[j].shape[0] for j in group]), strict=True):
