@@ -31,19 +31,18 @@ order; ``engine.replay`` makes the same store calls, so ``tiertune estimate`` co
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext, suppress
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack, suppress
 from typing import TYPE_CHECKING
 
 import torch
 
-from tiertune.engine.objective import pair_losses
+from tiertune.engine.micro import Micro, Rng, add, harvest, streams
+from tiertune.engine.pairs import PairedPasses
 from tiertune.engine.stacking import draws_random, stack_calls
 from tiertune.engine.stash import Stash, stash_slots
 from tiertune.engine.streaming import Call, Capture, Stop, Suffix, run_layer
 from tiertune.errors import StateError
-from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from tiertune.engine.config import EngineConfig
@@ -58,64 +57,7 @@ def waves(cfg: EngineConfig, micro_batches: int) -> list[range]:
     return [range(lo, min(lo + m, micro_batches)) for lo in range(0, micro_batches, m)]
 
 
-@dataclass
-class Rng:
-    """A random stream's state: the CPU generator's and, computing on CUDA, the device's."""
-
-    cpu: torch.Tensor
-    cuda: torch.Tensor | None
-
-    @classmethod
-    def now(cls, device: torch.device) -> Rng:
-        return cls(torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-    def set(self, device: torch.device) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda, device)
-
-    @contextmanager
-    def running(self, device: torch.device) -> Iterator[None]:
-        """The block draws from this stream; the global generators are put back after it."""
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            self.set(device)
-            yield
-
-
-def streams(count: int, device: torch.device) -> list[Rng]:
-    """``count`` random streams, each seeded by a draw from the global generator (which advances by as many
-    draws; its state is what a checkpoint keeps, so a resumed run draws the same streams)."""
-    seeds = torch.randint(0, 2**62, (count,)).tolist()
-    devices = [device] if device.type == "cuda" else []
-    out = []
-    with torch.random.fork_rng(devices=devices):
-        for seed in seeds:
-            torch.manual_seed(seed)
-            out.append(Rng.now(device))
-    return out
-
-
-@dataclass
-class _Micro:
-    """One micro-batch of a wave: its inputs on the device, the calls of its layers, its random stream (at the
-    start of its forward, and before each layer), its hidden states' shape and their gradient being carried."""
-
-    ids: torch.Tensor
-    extra: dict[str, torch.Tensor]
-    target: torch.Tensor
-    start: Rng
-    rng: Rng
-    calls: list[Call] = field(default_factory=list)
-    before: list[Rng] = field(default_factory=list)
-    shape: torch.Size = field(default_factory=torch.Size)
-    grad: torch.Tensor | None = None
-    pairs: int = 0  # a preference objective's pairs: the first ``pairs`` rows chosen, the next rejected
-    ref: torch.Tensor | None = None  # the reference's hidden states at the boundary the wave has reached
-    ref_logps: torch.Tensor | None = None  # or its sequences' log-probabilities, computed before the step
-    desirable: torch.Tensor | None = None  # KTO: whether each row's completion is desirable
-
-
-class LayerMajor:
+class LayerMajor(PairedPasses):
     """The layer-major step of ``engine`` (the module docstring), its boundaries in ``stash``."""
 
     def __init__(self, engine: StreamedTrainer, stash: Stash) -> None:
@@ -130,7 +72,7 @@ class LayerMajor:
         # training (``sequence_logps``) and hands each step with its micro-batches (``ref_logps``)
         self.reference = engine.objective.reference and engine.adapters is not None
 
-    def stacks(self, i: int, micro: Sequence[_Micro]) -> list[list[int]]:
+    def stacks(self, i: int, micro: Sequence[Micro]) -> list[list[int]]:
         """The micro-batches of a wave (indices) that layer ``i``'s visit runs together: each joins the first
         stack whose calls its own stacks with (``stack_calls``: a micro-batch with padding, whose layers get a
         mask, and one without do not) while the stack holds at most ``stack_limit`` tokens, when the layer
@@ -144,7 +86,7 @@ class LayerMajor:
             and stack_calls([head.calls[i], mb.calls[i]], [head.shape[0], mb.shape[0]]) is not None,
         )  # fmt: skip
 
-    def _stacked(self, i: int, micro: Sequence[_Micro], group: list[int], xs: Sequence[torch.Tensor]
+    def _stacked(self, i: int, micro: Sequence[Micro], group: list[int], xs: Sequence[torch.Tensor]
                  ) -> tuple[torch.Tensor, Call]:  # fmt: skip
         """The inputs and call of ``group``'s micro-batches at layer ``i`` as one batch."""
         if len(group) == 1:
@@ -172,7 +114,7 @@ class LayerMajor:
             stack.callback(setattr, engine, "visit", None)
             stack.callback(self.stash.abandon)  # nothing is open when the wave ends as it should
             micro = [
-                _Micro(b["input_ids"].to(device),
+                Micro(b["input_ids"].to(device),
                        {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
                        lab[:, 1:].to(device), rng, rng, pairs=int(b.get("pairs", 0)),
                        ref_logps=b["ref_logps"].to(device) if "ref_logps" in b else None,
@@ -191,56 +133,13 @@ class LayerMajor:
                 engine.add_grads(state, {n: summed[id(state)].get(n) for n in bound[id(state)]})
         return total, aux_total
 
-    def sequence_logps(self, batches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Each batch's rows' log-probabilities of their targets (summed over each row's ``labels``, shifted),
-        by the model as it is now, without autograd: each layer visited once for all ``batches`` (their
-        boundaries held on the device), the head fused (``CausalLMLoss.token_losses``). The global random
-        generators are left as they were: a run draws the same streams with or without this pass."""
-        engine = self.engine
-        device = engine.device
-        others = [s for s in engine.states if s.group.kind != "layer"]
-        devices = [device] if device.type == "cuda" else []
-        with ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=devices))
-            stack.enter_context(torch.no_grad())
-            if engine.router_aux is not None:  # the pass is no step's: its router logits are no loss's
-                stack.enter_context(engine.router_aux.paused())
-            for state in others:
-                stack.enter_context(engine.bound_group(state, requires_grad=False))
-            stack.callback(setattr, engine, "visit", None)
-            micro = []
-            xs: list[torch.Tensor] = []
-            for b in batches:
-                labels = b.get("labels", b["input_ids"])
-                mb = _Micro(b["input_ids"].to(device),
-                            {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
-                            labels[:, 1:].to(device), None, None)  # type: ignore[arg-type]  # fmt: skip
-                visit = engine.visit = Capture(len(self.layers))
-                self._decoder(mb)
-                if visit.first is None or any(c is None for c in visit.calls):
-                    raise StateError("the model's decoder did not call each of its layers once")
-                mb.calls = visit.calls  # type: ignore[assignment]
-                micro.append(mb)
-                xs.append(visit.first)
-            for i, layer in enumerate(self.layers):
-                if engine.safe_point is not None:
-                    engine.safe_point()
-                with engine.layer_weights(i, requires_grad=False):
-                    for j, mb in enumerate(micro):
-                        xs[j] = run_layer(layer, xs[j], mb.calls[i])
-            out = []
-            for j, mb in enumerate(micro):
-                engine.visit = Suffix(len(self.layers) - 1, xs[j])
-                out.append(-engine.loss.token_losses(mb.ids, mb.extra, mb.target).sum(1))
-        return out
-
     # ------------------------------------------------------------------ the passes
 
-    def _decoder(self, mb: _Micro) -> None:
+    def _decoder(self, mb: Micro) -> None:
         engine = self.engine
         engine.model.get_decoder()(input_ids=mb.ids, **mb.extra, **engine.loss.model_kwargs)
 
-    def _prefix(self, micro: list[_Micro]) -> tuple[bool, list[torch.Tensor]]:
+    def _prefix(self, micro: list[Micro]) -> tuple[bool, list[torch.Tensor]]:
         """Each micro-batch's embeddings into boundary 0 (returned, held) and its layers' calls; and whether
         the embeddings' output carries a gradient (a trained embedding, or adapters in it)."""
         engine = self.engine
@@ -266,16 +165,7 @@ class LayerMajor:
             x.copy_(out)
         return trained, first
 
-    def _reference_embeddings(self, mb: _Micro) -> torch.Tensor:
-        """``mb``'s embeddings by the reference (the base, adapters off), its random streams untouched."""
-        engine = self.engine
-        visit = engine.visit = Capture(len(self.layers), first_only=True)
-        with engine.reference(), mb.start.running(engine.device), suppress(Stop):
-            self._decoder(mb)
-        assert visit.first is not None  # the policy's capture of the same call found it
-        return visit.first
-
-    def _forward(self, micro: list[_Micro], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _forward(self, micro: list[Micro], xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Layers 0..L-1, each visited once for every micro-batch of the wave, from boundary 0 (``xs``, held);
         returns boundary L, held."""
         engine = self.engine
@@ -309,60 +199,7 @@ class LayerMajor:
             xs = ys
         return xs
 
-    def _reference_layer(self, i: int, micro: Sequence[_Micro], group: list[int]) -> None:
-        """Layer ``i`` (its weights bound) on the reference's hidden states of ``group``'s micro-batches: the
-        base's output, adapters off, without autograd and without drawing from any random stream."""
-        engine = self.engine
-        x, call = self._stacked(i, micro, group, [mb.ref for mb in micro])  # type: ignore[misc]
-        devices = [engine.device] if engine.device.type == "cuda" else []
-        paused = engine.router_aux.paused() if engine.router_aux is not None else nullcontext()
-        with engine.reference(), torch.random.fork_rng(devices=devices), paused:
-            out = run_layer(self.layers[i], x, call)
-        del x
-        for j, part in zip(group, out.split([micro[j].shape[0] for j in group]), strict=True):
-            micro[j].ref = part
-
-    def _paired_suffix(self, micro: list[_Micro], outs: list[torch.Tensor], n_pairs: int, micro_batches: int,
-                       bound: dict, summed: dict) -> tuple[float, float]:  # fmt: skip
-        """Per micro-batch of pairs: the preference objective (``engine.objective``) from its sequences'
-        log-probabilities (the reference's from its own hidden states, computed first), back-propagated to the
-        last layer's output through the head as a weighted cross-entropy; its loss divided by the step's
-        ``n_pairs``. Returns the wave's summed loss and router auxiliary losses."""
-        engine = self.engine
-        last = len(self.layers)
-        aux = engine.router_aux
-        total = aux_total = 0.0
-        for j, mb in enumerate(micro):
-            ref_logps = mb.ref_logps
-            if mb.ref is not None:
-                engine.visit = Suffix(last - 1, mb.ref)
-                with engine.reference():
-                    ref_logps = -engine.loss.token_losses(mb.ids, mb.extra, mb.target).sum(1)
-                mb.ref = None
-            leaf = outs[j].detach().requires_grad_()
-            engine.visit = Suffix(last - 1, leaf)
-            if aux is not None:
-                aux_total += aux.finish(j, mb.extra.get("attention_mask"), 1.0 / micro_batches)
-            target = _whole_target(mb) if engine.objective.whole_sequences else mb.target
-            token_losses = engine.loss.token_losses(mb.ids, mb.extra, target).requires_grad_()
-            losses, metrics = pair_losses(engine.objective, token_losses, mb.target != IGNORE_INDEX, ref_logps,
-                                          target != IGNORE_INDEX, mb.desirable)  # fmt: skip
-            loss_sum = losses.sum()
-            (slope,) = torch.autograd.grad(loss_sum, token_losses)  # d loss / d each token's loss
-            engine.loss(mb.ids, mb.extra, target, token_weight=(slope / n_pairs).reshape(-1)).backward()
-            total += float(loss_sum.detach())
-            for name, (value, count) in metrics.items():
-                total_value, total_count = self.metrics.get(name, (0.0, 0.0))
-                self.metrics[name] = (total_value + value, total_count + count)
-            if leaf.grad is None:
-                raise StateError("the loss does not depend on the last decoder layer's output")
-            mb.grad = leaf.grad
-            _harvest(bound, summed)
-        engine.visit = None
-        self.stash.close(last, keep=False)
-        return total, aux_total
-
-    def _suffix(self, micro: list[_Micro], outs: list[torch.Tensor], n_tokens: int, micro_batches: int,
+    def _suffix(self, micro: list[Micro], outs: list[torch.Tensor], n_tokens: int, micro_batches: int,
                 bound: dict, summed: dict) -> tuple[float, float]:  # fmt: skip
         """Per micro-batch: the final norm, head and loss on the last layer's output (``outs``, boundary L,
         held), back-propagated to it."""
@@ -389,12 +226,12 @@ class LayerMajor:
                 raise StateError("the loss does not depend on the last decoder layer's output")
             for mb, grad in zip(parts, leaf.grad.split([mb.shape[0] for mb in parts]), strict=True):
                 mb.grad = grad
-            _harvest(bound, summed)
+            harvest(bound, summed)
         engine.visit = None
         self.stash.close(last, keep=False)
         return total, aux_total
 
-    def _suffix_stacks(self, micro: Sequence[_Micro]) -> list[list[int]]:
+    def _suffix_stacks(self, micro: Sequence[Micro]) -> list[list[int]]:
         """The micro-batches the final norm, head and loss run on together: as ``stacks`` (at most
         ``stack_limit`` tokens, no router loss per micro-batch), those of one sequence length with the same
         inputs beside the ids (an attention mask in all or in none)."""
@@ -406,7 +243,7 @@ class LayerMajor:
             lambda head, mb: (mb.shape[1:], sorted(mb.extra)) == (head.shape[1:], sorted(head.extra)),
         )  # fmt: skip
 
-    def _backward(self, micro: list[_Micro], prefix_trained: bool) -> None:
+    def _backward(self, micro: list[Micro], prefix_trained: bool) -> None:
         """Layers L-1..0, each visited once: recomputed and back-propagated for every micro-batch."""
         engine = self.engine
         shapes = [mb.shape for mb in micro]
@@ -450,7 +287,7 @@ class LayerMajor:
                     for j, part in zip(group, parts, strict=True):
                         micro[j].grad = part
                     for name, g in zip(trained, grads[: len(trained)], strict=True):
-                        _add(summed, name, g)
+                        add(summed, name, g)
                     for p, g in zip(adapters, grads[len(trained) :], strict=True):
                         if g is not None:  # as autograd accumulates a leaf's gradient
                             p.grad = g if p.grad is None else p.grad.add_(g)
@@ -459,7 +296,7 @@ class LayerMajor:
             if trainable:
                 engine.layer_grads(i, {n: summed.get(n) for n in trained})
 
-    def _prefix_backward(self, micro: list[_Micro], bound: dict, summed: dict) -> None:
+    def _prefix_backward(self, micro: list[Micro], bound: dict, summed: dict) -> None:
         """The embeddings of each micro-batch recomputed and back-propagated from boundary 0's gradient."""
         engine = self.engine
         for mb in micro:
@@ -469,15 +306,8 @@ class LayerMajor:
             engine.visit = None
             if visit.first is not None and visit.first.requires_grad and mb.grad is not None:
                 torch.autograd.backward(visit.first, mb.grad)
-                _harvest(bound, summed)
+                harvest(bound, summed)
             mb.grad = None
-
-
-def _whole_target(mb: _Micro) -> torch.Tensor:
-    """Every next token of ``mb``'s rows as a target (the prompts' too), padding aside: ORPO's cross-entropy."""
-    target = mb.ids[:, 1:]
-    mask = mb.extra.get("attention_mask")
-    return target if mask is None else target.masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
 
 
 class Handoff(torch.autograd.Function):
@@ -495,7 +325,7 @@ class Handoff(torch.autograd.Function):
         return ctx.holder.pop(), None
 
 
-def _first_fit(micro: Sequence[_Micro], limit: int, joins: Callable[[_Micro, _Micro], bool]) -> list[list[int]]:
+def _first_fit(micro: Sequence[Micro], limit: int, joins: Callable[[Micro, Micro], bool]) -> list[list[int]]:
     """``micro`` (indices) in stacks of at most ``limit`` tokens: each micro-batch joins the first stack whose
     first micro-batch it ``joins`` and that has room for it, else starts one."""
     groups: list[list[int]] = []
@@ -511,25 +341,6 @@ def _first_fit(micro: Sequence[_Micro], limit: int, joins: Callable[[_Micro, _Mi
             groups.append([j])
             tokens.append(n)
     return groups
-
-
-def _add(summed: dict[str, torch.Tensor], name: str, g: torch.Tensor | None) -> None:
-    """Add a micro-batch's gradient ``g`` into ``summed[name]`` in fp32 (the first one kept as it is, in fp32)."""
-    if g is None:
-        return
-    if name in summed:
-        summed[name].add_(g)
-    else:
-        summed[name] = g.float()
-
-
-def _harvest(bound: dict[int, dict[str, torch.Tensor]], summed: dict[int, dict[str, torch.Tensor]]) -> None:
-    """Move the gradients autograd left on the bound groups' tensors into the wave's fp32 sums."""
-    for key, params in bound.items():
-        for name, p in params.items():
-            if p.grad is not None:
-                _add(summed[key], name, p.grad)
-                p.grad = None
 
 
 __all__ = ["Handoff", "LayerMajor", "streams", "waves"]

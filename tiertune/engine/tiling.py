@@ -20,7 +20,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from tiertune.engine.schedule import Rng
+from tiertune.engine.micro import Rng
 from tiertune.engine.stacking import draws_random
 from tiertune.kernels.architectures import mlp_fold
 

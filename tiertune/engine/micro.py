@@ -1,0 +1,91 @@
+"""A wave's micro-batches as the layer-major step (``engine.schedule``) carries them: their random streams, their
+inputs and layer calls, and the fp32 sums of the gradients the bound groups receive."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from tiertune.engine.streaming import Call
+
+
+@dataclass
+class Rng:
+    """A random stream's state: the CPU generator's and, computing on CUDA, the device's."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None
+
+    @classmethod
+    def now(cls, device: torch.device) -> Rng:
+        return cls(torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+    def set(self, device: torch.device) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, device)
+
+    @contextmanager
+    def running(self, device: torch.device) -> Iterator[None]:
+        """The block draws from this stream; the global generators are put back after it."""
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            self.set(device)
+            yield
+
+
+def streams(count: int, device: torch.device) -> list[Rng]:
+    """``count`` random streams, each seeded by a draw from the global generator (which advances by as many
+    draws; its state is what a checkpoint keeps, so a resumed run draws the same streams)."""
+    seeds = torch.randint(0, 2**62, (count,)).tolist()
+    devices = [device] if device.type == "cuda" else []
+    out = []
+    with torch.random.fork_rng(devices=devices):
+        for seed in seeds:
+            torch.manual_seed(seed)
+            out.append(Rng.now(device))
+    return out
+
+
+@dataclass
+class Micro:
+    """One micro-batch of a wave: its inputs on the device, the calls of its layers, its random stream (at the
+    start of its forward, and before each layer), its hidden states' shape and their gradient being carried."""
+
+    ids: torch.Tensor
+    extra: dict[str, torch.Tensor]
+    target: torch.Tensor
+    start: Rng
+    rng: Rng
+    calls: list[Call] = field(default_factory=list)
+    before: list[Rng] = field(default_factory=list)
+    shape: torch.Size = field(default_factory=torch.Size)
+    grad: torch.Tensor | None = None
+    pairs: int = 0  # a preference objective's pairs: the first ``pairs`` rows chosen, the next rejected
+    ref: torch.Tensor | None = None  # the reference's hidden states at the boundary the wave has reached
+    ref_logps: torch.Tensor | None = None  # or its sequences' log-probabilities, computed before the step
+    desirable: torch.Tensor | None = None  # KTO: whether each row's completion is desirable
+
+
+def add(summed: dict[str, torch.Tensor], name: str, g: torch.Tensor | None) -> None:
+    """Add a micro-batch's gradient ``g`` into ``summed[name]`` in fp32 (the first one kept as it is, in fp32)."""
+    if g is None:
+        return
+    if name in summed:
+        summed[name].add_(g)
+    else:
+        summed[name] = g.float()
+
+
+def harvest(bound: dict[int, dict[str, torch.Tensor]], summed: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Move the gradients autograd left on the bound groups' tensors into the wave's fp32 sums."""
+    for key, params in bound.items():
+        for name, p in params.items():
+            if p.grad is not None:
+                add(summed[key], name, p.grad)
+                p.grad = None
+
+
+__all__ = ["Micro", "Rng", "add", "harvest", "streams"]

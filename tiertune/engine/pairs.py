@@ -1,0 +1,148 @@
+"""The passes a preference objective adds to the layer-major step (``engine.schedule``; ``engine.objective``
+has the formulas): the reference beside the policy in each forward visit (the base, adapters off: LoRA), the
+paired suffix (the tokens' losses without autograd, the objective, its derivative as the head's per-token
+weights), and the pass before training that computes a full fine-tune's reference log-probabilities."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import ExitStack, nullcontext, suppress
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiertune.engine.micro import Micro, harvest
+from tiertune.engine.objective import pair_losses
+from tiertune.engine.streaming import Capture, Stop, Suffix, run_layer
+from tiertune.errors import StateError
+from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from tiertune.engine.stash import Stash
+    from tiertune.engine.trainer import StreamedTrainer
+
+
+class PairedPasses:
+    """``LayerMajor``'s preference passes (it inherits them): they use its layers, stash, ``metrics``,
+    ``_stacked`` (a group's inputs and call as one batch) and ``_decoder`` (the model's decoder on a
+    micro-batch, inside a visit)."""
+
+    engine: StreamedTrainer
+    stash: Stash
+    layers: list[torch.nn.Module]
+    metrics: dict[str, tuple[float, float]]
+
+    def sequence_logps(self, batches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each batch's rows' log-probabilities of their targets (summed over each row's ``labels``, shifted),
+        by the model as it is now, without autograd: each layer visited once for all ``batches`` (their
+        boundaries held on the device), the head fused (``CausalLMLoss.token_losses``). The global random
+        generators are left as they were: a run draws the same streams with or without this pass."""
+        engine = self.engine
+        device = engine.device
+        others = [s for s in engine.states if s.group.kind != "layer"]
+        devices = [device] if device.type == "cuda" else []
+        with ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=devices))
+            stack.enter_context(torch.no_grad())
+            if engine.router_aux is not None:  # the pass is no step's: its router logits are no loss's
+                stack.enter_context(engine.router_aux.paused())
+            for state in others:
+                stack.enter_context(engine.bound_group(state, requires_grad=False))
+            stack.callback(setattr, engine, "visit", None)
+            micro = []
+            xs: list[torch.Tensor] = []
+            for b in batches:
+                labels = b.get("labels", b["input_ids"])
+                mb = Micro(b["input_ids"].to(device),
+                            {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
+                            labels[:, 1:].to(device), None, None)  # type: ignore[arg-type]  # fmt: skip
+                visit = engine.visit = Capture(len(self.layers))
+                self._decoder(mb)
+                if visit.first is None or any(c is None for c in visit.calls):
+                    raise StateError("the model's decoder did not call each of its layers once")
+                mb.calls = visit.calls  # type: ignore[assignment]
+                micro.append(mb)
+                xs.append(visit.first)
+            for i, layer in enumerate(self.layers):
+                if engine.safe_point is not None:
+                    engine.safe_point()
+                with engine.layer_weights(i, requires_grad=False):
+                    for j, mb in enumerate(micro):
+                        xs[j] = run_layer(layer, xs[j], mb.calls[i])
+            out = []
+            for j, mb in enumerate(micro):
+                engine.visit = Suffix(len(self.layers) - 1, xs[j])
+                out.append(-engine.loss.token_losses(mb.ids, mb.extra, mb.target).sum(1))
+        return out
+
+    def _reference_embeddings(self, mb: Micro) -> torch.Tensor:
+        """``mb``'s embeddings by the reference (the base, adapters off), its random streams untouched."""
+        engine = self.engine
+        visit = engine.visit = Capture(len(self.layers), first_only=True)
+        with engine.reference(), mb.start.running(engine.device), suppress(Stop):
+            self._decoder(mb)
+        assert visit.first is not None  # the policy's capture of the same call found it
+        return visit.first
+
+    def _reference_layer(self, i: int, micro: Sequence[Micro], group: list[int]) -> None:
+        """Layer ``i`` (its weights bound) on the reference's hidden states of ``group``'s micro-batches: the
+        base's output, adapters off, without autograd and without drawing from any random stream."""
+        engine = self.engine
+        x, call = self._stacked(i, micro, group, [mb.ref for mb in micro])  # type: ignore[misc]
+        devices = [engine.device] if engine.device.type == "cuda" else []
+        paused = engine.router_aux.paused() if engine.router_aux is not None else nullcontext()
+        with engine.reference(), torch.random.fork_rng(devices=devices), paused:
+            out = run_layer(self.layers[i], x, call)
+        del x
+        for j, part in zip(group, out.split([micro[j].shape[0] for j in group]), strict=True):
+            micro[j].ref = part
+
+    def _paired_suffix(self, micro: list[Micro], outs: list[torch.Tensor], n_pairs: int, micro_batches: int,
+                       bound: dict, summed: dict) -> tuple[float, float]:  # fmt: skip
+        """Per micro-batch of pairs: the preference objective (``engine.objective``) from its sequences'
+        log-probabilities (the reference's from its own hidden states, computed first), back-propagated to the
+        last layer's output through the head as a weighted cross-entropy; its loss divided by the step's
+        ``n_pairs``. Returns the wave's summed loss and router auxiliary losses."""
+        engine = self.engine
+        last = len(self.layers)
+        aux = engine.router_aux
+        total = aux_total = 0.0
+        for j, mb in enumerate(micro):
+            ref_logps = mb.ref_logps
+            if mb.ref is not None:
+                engine.visit = Suffix(last - 1, mb.ref)
+                with engine.reference():
+                    ref_logps = -engine.loss.token_losses(mb.ids, mb.extra, mb.target).sum(1)
+                mb.ref = None
+            leaf = outs[j].detach().requires_grad_()
+            engine.visit = Suffix(last - 1, leaf)
+            if aux is not None:
+                aux_total += aux.finish(j, mb.extra.get("attention_mask"), 1.0 / micro_batches)
+            target = _whole_target(mb) if engine.objective.whole_sequences else mb.target
+            token_losses = engine.loss.token_losses(mb.ids, mb.extra, target).requires_grad_()
+            losses, metrics = pair_losses(engine.objective, token_losses, mb.target != IGNORE_INDEX, ref_logps,
+                                          target != IGNORE_INDEX, mb.desirable)  # fmt: skip
+            loss_sum = losses.sum()
+            (slope,) = torch.autograd.grad(loss_sum, token_losses)  # d loss / d each token's loss
+            engine.loss(mb.ids, mb.extra, target, token_weight=(slope / n_pairs).reshape(-1)).backward()
+            total += float(loss_sum.detach())
+            for name, (value, count) in metrics.items():
+                total_value, total_count = self.metrics.get(name, (0.0, 0.0))
+                self.metrics[name] = (total_value + value, total_count + count)
+            if leaf.grad is None:
+                raise StateError("the loss does not depend on the last decoder layer's output")
+            mb.grad = leaf.grad
+            harvest(bound, summed)
+        engine.visit = None
+        self.stash.close(last, keep=False)
+        return total, aux_total
+
+
+def _whole_target(mb: Micro) -> torch.Tensor:
+    """Every next token of ``mb``'s rows as a target (the prompts' too), padding aside: ORPO's cross-entropy."""
+    target = mb.ids[:, 1:]
+    mask = mb.extra.get("attention_mask")
+    return target if mask is None else target.masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
+
+
+__all__ = ["PairedPasses"]
