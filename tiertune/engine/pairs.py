@@ -54,8 +54,8 @@ class PairedPasses:
             for b in batches:
                 labels = b.get("labels", b["input_ids"])
                 mb = Micro(b["input_ids"].to(device),
-                            {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
-                            labels[:, 1:].to(device), None, None)  # type: ignore[arg-type]  # fmt: skip
+                           {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
+                           labels[:, 1:].to(device), None, None)  # type: ignore[arg-type]  # fmt: skip
                 visit = engine.visit = Capture(len(self.layers))
                 self._decoder(mb)
                 if visit.first is None or any(c is None for c in visit.calls):

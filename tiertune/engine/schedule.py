@@ -115,10 +115,10 @@ class LayerMajor(PairedPasses):
             stack.callback(self.stash.abandon)  # nothing is open when the wave ends as it should
             micro = [
                 Micro(b["input_ids"].to(device),
-                       {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
-                       lab[:, 1:].to(device), rng, rng, pairs=int(b.get("pairs", 0)),
-                       ref_logps=b["ref_logps"].to(device) if "ref_logps" in b else None,
-                       desirable=b["label"].to(device) if "label" in b else None)
+                      {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
+                      lab[:, 1:].to(device), rng, rng, pairs=int(b.get("pairs", 0)),
+                      ref_logps=b["ref_logps"].to(device) if "ref_logps" in b else None,
+                      desirable=b["label"].to(device) if "label" in b else None)
                 for b, lab, rng in zip(batches, labels, streams(len(batches), device), strict=True)
             ]  # fmt: skip
             prefix_trained, first = self._prefix(micro)
