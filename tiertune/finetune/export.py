@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -297,16 +298,15 @@ def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: st
     dequantized first, so the adapter is added to the weights it was trained against. ``out`` as for
     ``export`` (never the base nor the adapter; replaced whole only with ``overwrite``); an adapter that is a
     checkpoint is verified first. Returns the output and a sentence saying what was merged into what, and in
-    which dtype it was written."""
-    from peft import PeftConfig, PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tiertune.methods.lora import peft_wrapping
-
+    which dtype it was written. The merge streams tensor by tensor (``merging``), the base never whole in
+    memory, except for adapters it does not cover (the sentence says so), which peft merges in memory."""
     adapter, out = Path(adapter), Path(out)
     if not (adapter / "adapter_config.json").is_file():
         raise ConfigError(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
-    base = base or PeftConfig.from_pretrained(adapter).base_model_name_or_path
+    try:
+        base = base or json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except ValueError as exc:
+        raise ConfigError(f"{adapter / 'adapter_config.json'} is not valid JSON ({exc})") from None
     if not base or not (Path(base) / "config.json").is_file():
         raise ConfigError(f"the adapter's base model {base!r} is not a local model directory; pass --base")
     protected = [(Path(base), "the base model"), (adapter, "the adapter")]
@@ -315,9 +315,10 @@ def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: st
     check_out(out, overwrite, protected)
     if _is_checkpoint(adapter) and (adapter / STATE_FILE).is_file():
         verify(adapter)
-    quantize = "none"
+    recipe = None
     with contextlib.suppress(ConfigError):  # an adapter from elsewhere: no recipe, an unquantized base
-        quantize = _recipe_of(adapter).model.quantize
+        recipe = _recipe_of(adapter)
+    quantize = recipe.model.quantize if recipe is not None else "none"
     if dtype is None:
         dtype, source = base_dtype(base)
         written = f"written in {dtype}, the base model's dtype ({source}; --dtype to change)"
@@ -326,8 +327,54 @@ def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: st
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ConfigError(f"--dtype must be a torch dtype such as bfloat16 or float32, got {dtype!r}")
-    from transformers import AutoConfig
+    from tiertune.finetune.merging import plan_merge
 
+    # a quantized base is quantized from the dtype the run loaded it in (what the adapter saw)
+    loaded = getattr(torch, recipe.model.dtype, torch_dtype) if recipe is not None else torch_dtype
+    plan = plan_merge(adapter, Path(base), quantize, loaded)
+    if isinstance(plan, str):
+        quantize = _merge_in_memory(adapter, out, base, torch_dtype, quantize)
+        written += f"; merged by peft in memory, the whole model at once (not streamed: {plan})"
+    else:
+        quantize = plan.quant.settings()["quantize"] if plan.quant is not None else "none"
+        _merge_streamed(plan, adapter, out, Path(base), torch_dtype)
+    what = (
+        f"the adapter was added to the dequantized {quantize} weights of {base} (what it was trained against)"
+        if quantize != "none"
+        else f"the adapter was added to the weights of {base}"
+    )
+    return out, f"{what}; {written}"
+
+
+def _merge_streamed(plan: Any, adapter: Path, out: Path, base: Path, dtype: torch.dtype) -> None:
+    """Write the merge of ``plan`` (``merging.plan_merge``) to ``out``, one tensor at a time, with the base's
+    config (unquantized, in ``dtype``), generation config and the adapter's tokenizer (else the base's)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tiertune.finetune.merging import write_merged
+
+    needed = sum(math.prod(shape) * dtype.itemsize for shape in plan.shapes.values()) + (1 << 20)
+    with _writing(out, needed) as tmp:
+        write_merged(plan, base, adapter, dtype, tmp)
+        config = AutoConfig.from_pretrained(base)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = dtype
+        config.save_pretrained(tmp)
+        if (base / "generation_config.json").is_file():
+            shutil.copy2(base / "generation_config.json", tmp / "generation_config.json")
+        AutoTokenizer.from_pretrained(
+            adapter if (adapter / "tokenizer_config.json").is_file() else base
+        ).save_pretrained(tmp)
+
+
+def _merge_in_memory(adapter: Path, out: Path, base: str, torch_dtype: torch.dtype, quantize: str) -> str:
+    """peft's ``merge_and_unload`` on the whole base in memory (what the streamed merge does not cover);
+    returns the base's quantization."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from tiertune.methods.lora import peft_wrapping
     from tiertune.quant import make_quantizer, saved_quantization
     from tiertune.quant.experts import round_trip
 
@@ -354,11 +401,6 @@ def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: st
     with _writing(out, needed) as tmp:
         merged.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(
-            adapter if (adapter / "tokenizer_config.json").is_file() else base
+            adapter if (adapter / "tokenizer_config.json").is_file() else Path(base)
         ).save_pretrained(tmp)
-    what = (
-        f"the adapter was added to the dequantized {quantize} weights of {base} (what it was trained against)"
-        if quantize != "none"
-        else f"the adapter was added to the weights of {base}"
-    )
-    return out, f"{what}; {written}"
+    return quantize

@@ -55,22 +55,25 @@ class TensorEntry:
 
 
 class Checkpoint:
-    """The tensors of a Hugging Face safetensors checkpoint directory (single file or sharded with an index)."""
+    """The tensors of a Hugging Face safetensors checkpoint directory (single file or sharded with an index),
+    or of the safetensors ``files`` named in it (e.g. a PEFT adapter's ``adapter_model.safetensors``)."""
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(self, directory: str | os.PathLike[str], files: list[str] | None = None) -> None:
         self.directory = Path(directory)
         self.entries: dict[str, TensorEntry] = {}
         self._scratch: torch.Tensor | None = None  # conversion buffer, allocated on the first conversion
         index = self.directory / INDEX
-        if index.is_file():
+        weight_map: dict[str, str] = {}
+        if files is not None:
+            pass
+        elif index.is_file():
             try:
-                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+                weight_map = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError) as exc:
                 raise ModelError(f"{index} is not a valid safetensors index (no weight_map): {exc}") from exc
             files = sorted(set(weight_map.values()))
         elif (self.directory / SINGLE).is_file():
             files = [SINGLE]
-            weight_map = {}
         else:
             raise ModelError(
                 f"no safetensors weights in {self.directory}: expected {SINGLE} or {INDEX} "
@@ -93,14 +96,25 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.entries
 
-    def read_into(self, name: str, out: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
-        """Read tensor ``name`` into ``out`` (a contiguous CPU tensor of the same shape, any dtype).
+    def read_into(
+        self, name: str, out: torch.Tensor, scratch: torch.Tensor | None = None, row: int | None = None
+    ) -> None:
+        """Read tensor ``name`` into ``out`` (a contiguous CPU tensor of the same shape, any dtype); with
+        ``row``, only its rows (along dimension 0) from ``row`` on, as many as ``out`` has.
 
         Reads straight into ``out`` when the dtypes match; otherwise slice by slice through ``scratch`` (a
         uint8 CPU buffer; by default one of 64 MiB that this checkpoint allocates once and reuses),
         converting each slice: memory stays bounded whatever the tensor's size.
         """
         entry = self._entry(name)
+        shape = entry.shape
+        if row is not None:
+            if not shape or not 0 <= row <= row + len(out) <= shape[0]:
+                raise ModelError(f"tensor {name!r} in {entry.file} of shape {shape} has no rows {row}-{row + len(out)}")
+            item = entry.nbytes // max(1, math.prod(shape))
+            begin = row * item * math.prod(shape[1:])
+            entry = TensorEntry(entry.name, entry.file, entry.dtype, (len(out), *shape[1:]), entry.start + begin,
+                                len(out) * item * math.prod(shape[1:]))  # fmt: skip
         if tuple(out.shape) != entry.shape:
             raise ModelError(
                 f"tensor {name!r} in {entry.file} has shape {entry.shape}, the model expects {tuple(out.shape)}"

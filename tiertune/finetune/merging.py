@@ -1,0 +1,302 @@
+"""A LoRA adapter folded into its base as a stream: one tensor, or one block of a tensor's rows, at a time.
+
+``PeftModel.merge_and_unload`` needs the whole base in memory (a 70B model is 140 GB in bf16). Here the base's
+safetensors are read tensor by tensor (``Checkpoint``, no memory maps), each weight the adapter changes gets
+the same arithmetic peft's merge applies to it, and each output file is written as it is read: the header
+first (every tensor's shape and dtype is known up front), then the tensors in order. Peak memory is a block of
+rows, or one whole weight where a quantized base must be dequantized whole (its scales span the tensor);
+the output is sharded as the base is: the same files, the same tensors in each.
+
+The arithmetic, per weight ``W`` in the output dtype (peft's, so the result equals ``merge_and_unload``'s):
+``W + (B @ A) * scale`` computed in fp32 and rounded once (an embedding's ``(B @ A)^T``); DoRA's
+``m / ||W + (B @ A) * scale||_row * (W + (B @ A) * scale)``; ``lora_B``'s bias added to the base's bias;
+``modules_to_save`` copies replacing the base's tensors. A base trained quantized (``model.quantize``, or
+saved by bitsandbytes) contributes its dequantized weights: what the adapter was trained against.
+
+What this does not stream (a peft type other than LoRA, adapted parameters such as fused MoE experts,
+``fan_in_fan_out`` layers, layer replication) is reported by ``plan_merge`` as a reason, and merged by
+peft in memory instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiertune.loading.weights import Checkpoint
+from tiertune.offload.aio import buffer_of
+
+SLICE_BYTES = 32 << 20  # rows of a weight merged at once, in fp32
+ADAPTER_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+_TORCH_TO_SAFETENSORS = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What an adapter adds to one base weight: ``a`` and ``b`` name its factors in the adapter file
+    (``lora_A`` (r, in) and ``lora_B`` (out, r); an embedding's ``lora_embedding_A`` (r, rows) and
+    ``lora_embedding_B`` (dim, r)), ``magnitude`` DoRA's per-row magnitudes."""
+
+    a: str
+    b: str
+    scale: float
+    embedding: bool = False
+    magnitude: str | None = None
+
+
+@dataclass
+class MergePlan:
+    """How each base tensor becomes a merged one. ``keys`` are the base checkpoint's tensors written out (its
+    model's parameters; quantization statistics are not), by file in the order they are stored."""
+
+    keys: dict[Path, list[str]]
+    shapes: dict[str, tuple[int, ...]]
+    deltas: dict[str, Delta] = field(default_factory=dict)
+    replaced: dict[str, str] = field(default_factory=dict)  # base key -> the adapter's trained copy
+    biases: dict[str, tuple[str, float]] = field(default_factory=dict)  # base bias key -> (lora_B bias, scale)
+    quantized: dict[str, Any] = field(default_factory=dict)  # base key -> the parameter name it quantizes as
+    saved: dict[str, Any] = field(default_factory=dict)  # base key -> its bitsandbytes bytes (SavedWeight)
+    quant: Any = None  # the Quantizer the run trained with, or None
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """peft's ``rank_pattern``/``alpha_pattern`` lookup: the pattern that matches the module's name at a dot
+    boundary (a regex matched against the name's end)."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return default
+
+
+def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtype) -> MergePlan | str:
+    """The streamed merge of the PEFT ``adapter`` into the ``base`` model directory, or why it cannot be
+    streamed (a sentence). ``quantize`` and ``train_dtype``: how the run held its base (``model.quantize`` and
+    ``model.dtype``)."""
+    from tiertune.loading.model import build_skeleton, checkpoint_names
+    from tiertune.quant import is_quantized, make_quantizer, saved_quantization
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    unsupported = [
+        (config.get("peft_type", "LORA") != "LORA", f"a {config.get('peft_type')} adapter (not LoRA)"),
+        (bool(config.get("target_parameters")), "adapted parameters (target_parameters: fused MoE experts)"),
+        (bool(config.get("fan_in_fan_out")), "fan_in_fan_out layers (GPT-2's Conv1D)"),
+        (bool(config.get("layer_replication")), "layer replication"),
+        (not (adapter / ADAPTER_FILE).is_file(), f"no {ADAPTER_FILE} (a .bin adapter)"),
+    ]
+    for bad, why in unsupported:
+        if bad:
+            return why
+    checkpoint = Checkpoint(base)
+    with torch.device("meta"):
+        model = build_skeleton(base, train_dtype)
+        saved_config = saved_quantization(model.config, str(base))
+        quant = make_quantizer(saved_config["kind"] if saved_config else quantize, train_dtype, saved_config)
+        if quant is not None:
+            from tiertune.loading.model import find_decoder_layers
+            from tiertune.quant.experts import convert_experts
+
+            for layer in find_decoder_layers(model)[1]:
+                quant.convert(layer)
+                if convert_experts(layer, quant):
+                    return "4-bit MoE experts (stored one tensor per expert)"
+    sources = checkpoint_names(model, checkpoint)
+    params = dict(model.named_parameters())
+    key_of: dict[str, str] = {}
+    for name in params:
+        source = sources.get(name)
+        if source is None:
+            return f"the base checkpoint has no tensor for {name}"
+        if len(source.pieces) != 1 or source.pieces[0][1]:
+            return f"{name} is built from several checkpoint tensors (fused MoE experts)"
+        key_of[name] = source.pieces[0][0]
+    by_file: dict[Path, list[str]] = {}
+    for key in sorted(key_of.values(), key=lambda k: (checkpoint.entries[k].file, checkpoint.entries[k].start)):
+        by_file.setdefault(checkpoint.entries[key].file, []).append(key)
+    plan = MergePlan(by_file, {key_of[n]: tuple(p.shape) for n, p in params.items()}, quant=quant)
+    for name, param in params.items():
+        if quant is not None and is_quantized(param):
+            key = key_of[name]
+            plan.quantized[key] = name
+            found = quant.saved(name, key, tuple(param.shape), checkpoint)
+            if found is not None:
+                plan.saved[key] = found
+    why = _adapter_plan(adapter, config, plan, key_of)
+    return why if why is not None else plan
+
+
+def _adapter_plan(adapter: Path, config: dict, plan: MergePlan, key_of: dict[str, str]) -> str | None:
+    """Fill ``plan`` with what the adapter's tensors do to the base's; or why they cannot be streamed."""
+    tensors = Checkpoint(adapter, files=[ADAPTER_FILE]).entries
+    suffixes = {".lora_A.weight": "linear", ".lora_embedding_A": "embedding"}
+    used: set[str] = set()
+    for key in tensors:
+        module = key.removeprefix(PEFT_PREFIX)
+        kind = next((k for s, k in suffixes.items() if module.endswith(s)), None)
+        if kind is None:
+            continue
+        module = module[: module.rindex(".lora_")]
+        b = key.replace(".lora_A.weight", ".lora_B.weight").replace("lora_embedding_A", "lora_embedding_B")
+        magnitude = next((m for m in (f"{PEFT_PREFIX}{module}.lora_magnitude_vector",
+                                      f"{PEFT_PREFIX}{module}.lora_magnitude_vector.weight") if m in tensors), None)  # fmt: skip
+        weight = key_of.get(f"{module}.weight")
+        if b not in tensors or weight is None:
+            return f"adapter tensor {key} has no lora_B or no base weight {module}.weight"
+        if magnitude is not None and kind == "embedding":
+            return f"DoRA on an embedding ({module})"
+        r = tensors[key].shape[0]
+        alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8))
+        scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        plan.deltas[weight] = Delta(key, b, scale, kind == "embedding", magnitude)
+        used |= {key, b} | ({magnitude} if magnitude else set())
+        bias = key.replace(".lora_A.weight", ".lora_B.bias")
+        if kind == "linear" and bias in tensors:
+            base_bias = key_of.get(f"{module}.bias")
+            if base_bias is None:
+                return f"{module} has a lora_B bias but its base layer has no bias"
+            plan.biases[base_bias] = (bias, scale)
+            used.add(bias)
+    for key in tensors:
+        if key in used:
+            continue
+        # a module saved whole: modules_to_save's copy, or an adapted embedding's base (save_embedding_layers)
+        name = re.sub(r"\.(modules_to_save(\.[^.]+)?|base_layer)\.", ".", key.removeprefix(PEFT_PREFIX))
+        if name not in key_of:
+            return f"adapter tensor {key} matches no parameter of the base"
+        if key_of[name] in plan.quantized:
+            return f"adapter tensor {key} replaces a quantized weight"
+        plan.replaced[key_of[name]] = key
+    return None
+
+
+class _Merger:
+    """The tensors of the merged model, computed from the base and the adapter as ``plan`` says."""
+
+    def __init__(self, plan: MergePlan, base: Path, adapter: Path, dtype: torch.dtype) -> None:
+        self.plan, self.dtype = plan, dtype
+        self.base = Checkpoint(base)
+        self.adapter = Checkpoint(adapter, files=[ADAPTER_FILE])
+        self._factors: dict[str, torch.Tensor] = {}
+
+    def out_dtype(self, key: str) -> torch.dtype:
+        """The merged tensor's dtype: the merge's for floating-point tensors (every quantized weight is)."""
+        stored = self.base.entries[key].dtype
+        return self.dtype if stored.is_floating_point or key in self.plan.quantized else stored
+
+    def blocks(self, key: str) -> Any:
+        """The merged tensor ``key`` as blocks of rows (each one of ``out_dtype``), in order."""
+        shape = self.plan.shapes[key]
+        if key in self.plan.quantized:  # the scales span the tensor: dequantized whole
+            yield self._merged(key, self._dequantized(key), 0)
+            return
+        # a base tensor the adapter saved whole (modules_to_save, or a resized embedding) is read from it
+        source, name = (self.adapter, self.plan.replaced[key]) if key in self.plan.replaced else (self.base, key)
+        row = 4 * max(1, math.prod(shape[1:]))
+        step = max(1, SLICE_BYTES // row) if shape else 1
+        for start in range(0, shape[0] if shape else 1, step):
+            rows = min(step, shape[0] - start) if shape else 0
+            block = torch.empty((rows, *shape[1:]) if shape else (), dtype=self.out_dtype(key))
+            source.read_into(name, block, row=start if shape else None)
+            yield self._merged(key, block, start)
+
+    def _merged(self, key: str, block: torch.Tensor, start: int) -> torch.Tensor:
+        """``block`` (rows ``start``... of base tensor ``key``, in the output dtype) with the adapter's change."""
+        delta = self.plan.deltas.get(key)
+        if delta is not None:
+            a, b = self._factor(delta.a), self._factor(delta.b)
+            rows = slice(start, start + len(block))
+            change = (b @ a[:, rows]).T * delta.scale if delta.embedding else (b[rows] @ a) * delta.scale
+            if delta.magnitude is None:
+                return (block.float() + change).to(block.dtype)
+            summed = block + change  # fp32, as DoRA's norm and product are computed
+            norm = torch.linalg.norm(summed, dim=1).to(summed.dtype)
+            factor = self._factor(delta.magnitude).reshape(-1)[rows] / norm
+            return (factor.view(-1, 1) * summed).to(block.dtype)
+        bias = self.plan.biases.get(key)
+        if bias is not None:
+            return (block.float() + self._factor(bias[0]) * bias[1]).to(block.dtype)
+        return block
+
+    def _factor(self, key: str) -> torch.Tensor:
+        """An adapter tensor in fp32 (peft upcasts a 16-bit adapter on load, and merges in fp32 on a CPU); the
+        factors of the weight being merged are kept while its blocks go by."""
+        if key not in self._factors:
+            if len(self._factors) >= 3:
+                self._factors.clear()
+            self._factors[key] = self._read_adapter(key).float()
+        return self._factors[key]
+
+    def _read_adapter(self, key: str) -> torch.Tensor:
+        entry = self.adapter.entries[key]
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        self.adapter.read_into(key, out)
+        return out
+
+    def _dequantized(self, key: str) -> torch.Tensor:
+        """A weight the run held quantized, as its quantized storage gives it back, in the output dtype."""
+        import bitsandbytes.functional as bnb_f
+
+        from tiertune.quant import NF4
+
+        quant, name, shape = self.plan.quant, self.plan.quantized[key], self.plan.shapes[key]
+        views = {n: torch.empty(s, dtype=dt) for n, s, dt in quant.entries(name, shape)}
+        if key in self.plan.saved:
+            self.plan.saved[key].read_into(self.base, views)
+        else:  # quantized from the dtype the run loaded it in, as it was
+            weight = torch.empty(shape, dtype=quant.compute_dtype)
+            self.base.read_into(key, weight)
+            quant.quantize_into(name, weight, views)
+            del weight
+        param = quant.parameter(name, torch.Size(shape), views)
+        if isinstance(quant, NF4):
+            weight = bnb_f.dequantize_4bit(views[name], param.quant_state)
+        else:
+            weight = bnb_f.int8_vectorwise_dequant(views[name], views[f"{name}.SCB"])
+        return weight.to(self.dtype)
+
+
+def write_merged(plan: MergePlan, base: Path, adapter: Path, dtype: torch.dtype, out: Path) -> list[str]:
+    """Write the merged weights into directory ``out``: one safetensors file per base file, of the same name,
+    with the same tensors, and the base's index (its sizes recomputed) when it has one. Returns the files."""
+    merger = _Merger(plan, base, adapter, dtype)
+    written = []
+    weight_map: dict[str, str] = {}
+    total = 0
+    for file, keys in plan.keys.items():
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for key in keys:
+            shape = plan.shapes[key]
+            nbytes = math.prod(shape) * merger.out_dtype(key).itemsize
+            header[key] = {"dtype": _TORCH_TO_SAFETENSORS[merger.out_dtype(key)], "shape": list(shape),
+                           "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        with open(out / file.name, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for key in keys:
+                for block in merger.blocks(key):
+                    f.write(buffer_of(block.contiguous()))
+            if f.tell() != 8 + len(raw) + offset:
+                raise RuntimeError(f"{file.name}: wrote {f.tell()} bytes, the header says {8 + len(raw) + offset}")
+            f.flush()
+            os.fsync(f.fileno())
+        written.append(file.name)
+        weight_map.update(dict.fromkeys(keys, file.name))
+        total += offset
+    if (base / "model.safetensors.index.json").is_file():
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return written
