@@ -34,7 +34,7 @@ import torch
 from tiertune.loading.weights import Checkpoint
 from tiertune.offload.aio import buffer_of
 
-SLICE_BYTES = 32 << 20  # rows of a weight merged at once, in fp32
+SLICE_BYTES = 16 << 20  # rows of a weight merged at once, in fp32
 ADAPTER_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 _TORCH_TO_SAFETENSORS = {
