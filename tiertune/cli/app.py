@@ -301,22 +301,36 @@ def export(
         Path, typer.Argument(help="A run directory (training.output_dir) or a checkpoint-<step> in it.")
     ],
     out: Annotated[Path, typer.Option("--out", help="The directory to write.")],
-    fmt: Annotated[str, typer.Option("--format", help="hf (a model), peft (an adapter) or auto.")] = "auto",
+    fmt: Annotated[
+        str,
+        typer.Option("--format", help="hf (a model; a LoRA run's merged into its base), peft (a LoRA run's "
+                     "adapter), gguf (llama.cpp / Ollama) or auto (peft for a LoRA run, else hf)."),
+    ] = "auto",
+    gguf_type: Annotated[
+        str, typer.Option("--gguf-type", help="The GGUF weights' type: f32, f16, bf16 or q8_0.")
+    ] = "f16",
     overwrite: _Overwrite = False,
 ) -> None:
-    """Write a run or checkpoint as a Hugging Face model directory (full, GaLore) or a PEFT adapter (LoRA).
+    """Write a run or checkpoint for serving: a Hugging Face model (vLLM, SGLang, transformers), a PEFT adapter
+    (vLLM --enable-lora), or a GGUF file with an Ollama Modelfile (llama.cpp, Ollama).
 
-    A checkpoint is verified against its checksums first. --out must be new or empty (or hold a model or a
-    run that --overwrite replaces); it is never the run itself nor the model it trained. The export is
-    written beside --out and renamed into place, so it is never left partial.
+    A LoRA run's hf or gguf export is its adapter merged into the base, streamed tensor by tensor (a
+    quantized base dequantized first: what the adapter was trained against). A checkpoint is verified
+    against its checksums first. --out must be new or empty (or hold a model or a run that --overwrite
+    replaces); it is never the run itself nor the model it trained. The export is written beside --out and
+    renamed into place, so it is never left partial.
 
-    Example: tiertune export runs/demo/out/checkpoint-40 --out exported/
+    Example: tiertune export runs/demo/out --format gguf --out exported/   (then: ollama create demo -f
+    exported/Modelfile)
     """
     from tiertune.finetune.export import export as run
 
     with _user_errors():
-        path, what = run(source, out, fmt, overwrite)
-    typer.echo(f"wrote {what} to {path}")
+        path, what = run(source, out, fmt, overwrite, gguf_type)
+    first, *notes = what.split("\n")
+    typer.echo(f"wrote {first} to {path}")
+    for note in notes:
+        typer.echo(note)
 
 
 @app.command()

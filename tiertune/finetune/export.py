@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -191,15 +190,22 @@ def _no_room(out: Path, needed: int, free: int) -> DiskFullError:
     )
 
 
+FORMATS = ("auto", "hf", "peft", "gguf")
+
+
 def export(
-    source: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str = "auto", overwrite: bool = False
-) -> tuple[Path, str]:
-    """Export a run directory or one of its checkpoints: ``hf`` (a model directory, from a full or GaLore run)
-    or ``peft`` (the adapter, from a LoRA run); ``auto`` picks what the run trained. A checkpoint is verified
-    against its checksums first (IntegrityError naming a damaged file). ``out`` must be new or empty, or hold a
-    model or a run that ``overwrite`` replaces whole; it is never the run itself nor its model. The export is
-    written beside ``out`` and renamed into place: never partial. Returns the output and what was written."""
-    from transformers import AutoConfig, AutoTokenizer
+    source: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str = "auto", overwrite: bool = False,
+    gguf_type: str = "f16",
+) -> tuple[Path, str]:  # fmt: skip
+    """Export a run directory or one of its checkpoints: ``hf`` (a Hugging Face model directory: a full or
+    GaLore run's model, or a LoRA run's adapter merged into its base, streamed), ``peft`` (a LoRA run's
+    adapter, with what vLLM needs to serve it said) or ``gguf`` (one GGUF file for llama.cpp, weights in
+    ``gguf_type``, and an Ollama Modelfile beside it); ``auto`` picks ``peft`` for a LoRA run, else ``hf``. A
+    checkpoint is verified against its checksums first (IntegrityError naming a damaged file). ``out`` must
+    be new or empty, or hold a model or a run that ``overwrite`` replaces whole; it is never the run itself nor
+    its model. The export is written beside ``out`` and renamed into place: never partial. Returns the output
+    and what was written."""
+    from tiertune.finetune.gguf_export import GGUF_TYPES
 
     source, out = Path(source), Path(out)
     if not source.is_dir():
@@ -215,13 +221,16 @@ def export(
         raise
     lora = recipe.method.type == "lora"
     fmt = ("peft" if lora else "hf") if fmt == "auto" else fmt
-    if fmt not in ("hf", "peft"):
-        raise ConfigError(f"--format must be hf, peft or auto, got {fmt!r}")
-    if (fmt == "peft") != lora:
-        raise ConfigError(
-            f"{source} is a {recipe.method.type} run: export it as {'peft' if lora else 'hf'}"
-            + ("; `tiertune merge` folds the adapter into its base" if lora else "")
-        )
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt == "peft" and not lora:
+        raise ConfigError(f"{source} is a {recipe.method.type} run, which has no adapter: export it as hf or gguf")
+    if gguf_type not in GGUF_TYPES:
+        raise ConfigError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type!r}")
+    if fmt == "gguf":
+        from tiertune.finetune.gguf_export import check
+
+        check(recipe.model.path)  # what llama.cpp cannot run is said before anything else
     run_dir = source.parent if checkpoint else source
     check_out(out, overwrite, [(Path(recipe.model.path), "the model the run trained (model.path)"),
                                (run_dir, "the run being exported")])  # fmt: skip
@@ -233,35 +242,79 @@ def export(
             f"{source} is a run that has not finished: export one of its checkpoints"
             + (f", e.g. {newest}" if newest else " (it has none yet)")
         )
+    if fmt == "peft":
+        return out, _export_adapter(source, recipe, out)
+    if fmt == "gguf":
+        from tiertune.finetune.gguf_export import write_gguf
+        from tiertune.finetune.serving import modelfile
+
+    base = Path(recipe.model.path)
+    dtype = getattr(torch, base_dtype(base)[0]) if lora else None
+    needed = (_model_bytes(base, dtype) if lora else _run_model_bytes(source, checkpoint)) * (1 + (fmt == "gguf"))
+    with _writing(out, needed + (1 << 20)) as tmp:
+        hf_dir = tmp if fmt == "hf" else tmp / ".hf"
+        hf_dir.mkdir(exist_ok=True)
+        if lora:
+            what = _merge_into(source, base, dtype, recipe, hf_dir)
+        else:
+            what = _model_into(source, recipe, checkpoint, hf_dir)
+        if fmt == "gguf":
+            file = tmp / f"model-{gguf_type}.gguf"
+            info = write_gguf(hf_dir, file, gguf_type, name=run_dir.name)
+            shutil.rmtree(hf_dir)
+            (tmp / "Modelfile").write_text(modelfile(file.name, info))
+            return out, f"GGUF ({gguf_type}, llama.cpp's {info['architecture']}) of the {what}, and an Ollama Modelfile"
+    return out, f"Hugging Face model: {what}"
+
+
+def _export_adapter(source: Path, recipe: Any, out: Path) -> str:
+    """Copy a LoRA run's adapter (with its base's tokenizer) to ``out``; says what vLLM needs to serve it."""
+    from transformers import AutoTokenizer
+
+    from tiertune.finetune.serving import vllm_notes
+
+    files = ("adapter_model.safetensors", "adapter_config.json")
+    with _writing(out, sum(os.path.getsize(source / f) for f in files)) as tmp:
+        for name in files:
+            shutil.copy2(source / name, tmp / name)
+        AutoTokenizer.from_pretrained(recipe.model.path).save_pretrained(tmp)
+    notes = vllm_notes(json.loads((source / "adapter_config.json").read_text()), recipe.model.path, out)
+    return f"PEFT adapter of {recipe.model.path}" + "".join(f"\n{n}" for n in notes)
+
+
+def _run_model_bytes(source: Path, checkpoint: bool) -> int:
+    """The bytes of a full or GaLore run's model as it is exported."""
+    if not checkpoint:
+        return sum(f.stat().st_size for f in source.glob("*.safetensors"))
+    from tiertune.finetune.state_index import StateReader
+
+    with StateReader(source, read_state(source / STATE_FILE)) as reader:
+        return sum(reader.nbytes(f"weights/{name}") for name in reader.keys("weights"))
+
+
+def _model_into(source: Path, recipe: Any, checkpoint: bool, tmp: Path) -> str:
+    """Write a full or GaLore run's model (its final export, or a checkpoint's weights) into ``tmp``."""
+    from transformers import AutoConfig, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.path)
-    if lora:
-        files = ("adapter_model.safetensors", "adapter_config.json")
-        with _writing(out, sum(os.path.getsize(source / f) for f in files)) as tmp:
-            for name in files:
-                shutil.copy2(source / name, tmp / name)
-            tokenizer.save_pretrained(tmp)
-        return out, f"PEFT adapter of {recipe.model.path}"
     if not checkpoint:  # the run's final model: its files as they are
         from tiertune.finetune.rundir import model_files
 
         files = model_files(source)
         if not any(f.endswith(".safetensors") for f in files):
             raise ConfigError(f"{source} is a finished run without its model files; export its newest checkpoint")
-        with _writing(out, sum(os.path.getsize(source / f) for f in files)) as tmp:
-            for name in files:
-                shutil.copy2(source / name, tmp / name)
-            tokenizer.save_pretrained(tmp)
-        return out, "Hugging Face model (the run's final export)"
+        for name in files:
+            shutil.copy2(source / name, tmp / name)
+        tokenizer.save_pretrained(tmp)
+        return "the run's final model"
     from tiertune.finetune.state_index import StateReader
 
     trainer_state = read_state(source / STATE_FILE)
     config = AutoConfig.from_pretrained(recipe.model.path)
     with StateReader(source, trainer_state) as reader:  # whole tensors, whatever the ranks that wrote them
         names = reader.keys("weights")
-        needed = sum(reader.nbytes(f"weights/{name}") for name in names) + (1 << 20)
-        with _writing(out, needed) as tmp:
-            write_hf(({name: reader.whole(f"weights/{name}")} for name in names), config, tokenizer, tmp)
-    return out, f"Hugging Face model at step {trainer_state['global_step']}"
+        write_hf(({name: reader.whole(f"weights/{name}")} for name in names), config, tokenizer, tmp)
+    return f"model at step {trainer_state['global_step']}"
 
 
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -294,12 +347,12 @@ def base_dtype(model_dir: str | os.PathLike[str]) -> tuple[str, str]:
 def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: str | None = None,
           dtype: str | None = None, overwrite: bool = False) -> tuple[Path, str]:  # fmt: skip
     """Fold a LoRA adapter into its base and write the merged model, in ``dtype`` (default: the base model's
-    own, see ``base_dtype``). For an adapter trained on a quantized base, the base is loaded quantized and
-    dequantized first, so the adapter is added to the weights it was trained against. ``out`` as for
-    ``export`` (never the base nor the adapter; replaced whole only with ``overwrite``); an adapter that is a
-    checkpoint is verified first. Returns the output and a sentence saying what was merged into what, and in
-    which dtype it was written. The merge streams tensor by tensor (``merging``), the base never whole in
-    memory, except for adapters it does not cover (the sentence says so), which peft merges in memory."""
+    own, see ``base_dtype``). For an adapter trained on a quantized base, the adapter is added to the base's
+    dequantized weights, the weights it was trained against. ``out`` as for ``export`` (never the base nor
+    the adapter; replaced whole only with ``overwrite``); an adapter that is a checkpoint is verified first.
+    The merge streams tensor by tensor (``merging``), the base never whole in memory, except for adapters it
+    does not cover, which peft merges in memory. Returns the output and a sentence saying what was merged into
+    what, how, and in which dtype it was written."""
     adapter, out = Path(adapter), Path(out)
     if not (adapter / "adapter_config.json").is_file():
         raise ConfigError(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
@@ -318,7 +371,6 @@ def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: st
     recipe = None
     with contextlib.suppress(ConfigError):  # an adapter from elsewhere: no recipe, an unquantized base
         recipe = _recipe_of(adapter)
-    quantize = recipe.model.quantize if recipe is not None else "none"
     if dtype is None:
         dtype, source = base_dtype(base)
         written = f"written in {dtype}, the base model's dtype ({source}; --dtype to change)"
@@ -327,50 +379,63 @@ def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: st
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ConfigError(f"--dtype must be a torch dtype such as bfloat16 or float32, got {dtype!r}")
-    from tiertune.finetune.merging import plan_merge
-
-    # a quantized base is quantized from the dtype the run loaded it in (what the adapter saw)
-    loaded = getattr(torch, recipe.model.dtype, torch_dtype) if recipe is not None else torch_dtype
-    plan = plan_merge(adapter, Path(base), quantize, loaded)
-    if isinstance(plan, str):
-        quantize = _merge_in_memory(adapter, out, base, torch_dtype, quantize)
-        written += f"; merged by peft in memory, the whole model at once (not streamed: {plan})"
-    else:
-        quantize = plan.quant.settings()["quantize"] if plan.quant is not None else "none"
-        _merge_streamed(plan, adapter, out, Path(base), torch_dtype)
-    what = (
-        f"the adapter was added to the dequantized {quantize} weights of {base} (what it was trained against)"
-        if quantize != "none"
-        else f"the adapter was added to the weights of {base}"
-    )
+    with _writing(out, _model_bytes(Path(base), torch_dtype) + (1 << 20)) as tmp:
+        what = _merge_into(adapter, Path(base), torch_dtype, recipe, tmp)
     return out, f"{what}; {written}"
 
 
-def _merge_streamed(plan: Any, adapter: Path, out: Path, base: Path, dtype: torch.dtype) -> None:
-    """Write the merge of ``plan`` (``merging.plan_merge``) to ``out``, one tensor at a time, with the base's
+def _model_bytes(model_dir: Path, dtype: torch.dtype) -> int:
+    """The bytes of ``model_dir``'s weights written in ``dtype`` (its quantized ones unpacked)."""
+    from tiertune.loading.weights import Checkpoint
+
+    entries = Checkpoint(model_dir).entries.values()  # uint8: bitsandbytes' 4-bit codes, two a byte
+    return sum(e.nbytes // e.dtype.itemsize * (1 + (e.dtype == torch.uint8)) * dtype.itemsize for e in entries)
+
+
+def _merge_into(adapter: Path, base: Path, dtype: torch.dtype, recipe: Any, tmp: Path) -> str:
+    """Write the merge of ``adapter`` into ``base`` into directory ``tmp``, in ``dtype``: streamed, or by peft
+    in memory for what the stream does not cover. Returns what was merged into what, and how."""
+    from tiertune.finetune.merging import plan_merge
+
+    quantize = recipe.model.quantize if recipe is not None else "none"
+    # a quantized base is quantized from the dtype the run loaded it in (what the adapter saw)
+    loaded = getattr(torch, recipe.model.dtype, dtype) if recipe is not None else dtype
+    plan = plan_merge(adapter, base, quantize, loaded)
+    how = ""
+    if isinstance(plan, str):
+        quantize = _merge_in_memory(adapter, tmp, str(base), dtype, quantize)
+        how = f"; merged by peft in memory, the whole model at once (not streamed: {plan})"
+    else:
+        quantize = plan.quant.settings()["quantize"] if plan.quant is not None else "none"
+        _merge_streamed(plan, adapter, tmp, base, dtype)
+    if quantize != "none":
+        return f"the adapter added to the dequantized {quantize} weights of {base} (what it was trained against){how}"
+    return f"the adapter added to the weights of {base}{how}"
+
+
+def _merge_streamed(plan: Any, adapter: Path, tmp: Path, base: Path, dtype: torch.dtype) -> None:
+    """Write the merge of ``plan`` (``merging.plan_merge``) into ``tmp``, one tensor at a time, with the base's
     config (unquantized, in ``dtype``), generation config and the adapter's tokenizer (else the base's)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from tiertune.finetune.merging import write_merged
 
-    needed = sum(math.prod(shape) * dtype.itemsize for shape in plan.shapes.values()) + (1 << 20)
-    with _writing(out, needed) as tmp:
-        write_merged(plan, base, adapter, dtype, tmp)
-        config = AutoConfig.from_pretrained(base)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.dtype = dtype
-        config.save_pretrained(tmp)
-        if (base / "generation_config.json").is_file():
-            shutil.copy2(base / "generation_config.json", tmp / "generation_config.json")
-        AutoTokenizer.from_pretrained(
-            adapter if (adapter / "tokenizer_config.json").is_file() else base
-        ).save_pretrained(tmp)
+    write_merged(plan, base, adapter, dtype, tmp)
+    config = AutoConfig.from_pretrained(base)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = dtype
+    config.save_pretrained(tmp)
+    if (base / "generation_config.json").is_file():
+        shutil.copy2(base / "generation_config.json", tmp / "generation_config.json")
+    AutoTokenizer.from_pretrained(adapter if (adapter / "tokenizer_config.json").is_file() else base).save_pretrained(
+        tmp
+    )
 
 
-def _merge_in_memory(adapter: Path, out: Path, base: str, torch_dtype: torch.dtype, quantize: str) -> str:
-    """peft's ``merge_and_unload`` on the whole base in memory (what the streamed merge does not cover);
-    returns the base's quantization."""
+def _merge_in_memory(adapter: Path, tmp: Path, base: str, torch_dtype: torch.dtype, quantize: str) -> str:
+    """peft's ``merge_and_unload`` on the whole base in memory (what the streamed merge does not cover), written
+    into ``tmp``; returns the base's quantization."""
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -397,10 +462,8 @@ def _merge_in_memory(adapter: Path, out: Path, base: str, torch_dtype: torch.dty
     if hasattr(merged, "hf_quantizer"):
         merged.hf_quantizer = None
         merged.is_quantized = False
-    needed = sum(p.numel() * p.element_size() for p in merged.state_dict().values()) + (1 << 20)
-    with _writing(out, needed) as tmp:
-        merged.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(
-            adapter if (adapter / "tokenizer_config.json").is_file() else Path(base)
-        ).save_pretrained(tmp)
+    merged.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(
+        adapter if (adapter / "tokenizer_config.json").is_file() else Path(base)
+    ).save_pretrained(tmp)
     return quantize

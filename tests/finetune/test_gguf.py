@@ -1,0 +1,186 @@
+"""GGUF export checked by llama.cpp itself (llama-cpp-python): its tokenizer against the Hugging Face one, its
+logits against transformers', for each architecture the export supports and for a fine-tuned LoRA run."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import CAT_TEXTS
+
+from tiertune.errors import ConfigError
+from tiertune.finetune.export import export
+from tiertune.finetune.gguf_export import write_gguf
+
+TEXTS = CAT_TEXTS + [
+    "Hello, world! 12345 don't  stop\n\nnew line\ttab",
+    "ünïcödé текст 中文 emoji 🙂 and I'M here, you'll see",
+    "   leading spaces, trailing ones   ",
+]
+
+
+def _llama(path: Path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    return llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=2)
+
+
+def _gguf_logits(path: Path, ids: list[int]) -> np.ndarray:
+    llm = _llama(path)
+    try:
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)])
+    finally:
+        llm.close()
+
+
+def _hf_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.fixture(scope="module")
+def bpe_model(tmp_path_factory):
+    from tiertune.finetune.demo import make_model
+
+    return make_model(tmp_path_factory.mktemp("bpe-model"), TEXTS, layers=2, hidden=64, tokenizer="bpe")
+
+
+def test_llama_cpp_tokenizes_as_the_hugging_face_tokenizer(tmp_path, bpe_model):
+    from transformers import AutoTokenizer
+
+    file = tmp_path / "model.gguf"
+    write_gguf(bpe_model, file, "f32")
+    tokenizer = AutoTokenizer.from_pretrained(bpe_model)
+    llm = _llama(file)
+    try:
+        for text in TEXTS + ["<|begin_of_text|>the cat<|end_of_text|>", "unseen wörds 987654321"]:
+            ids = tokenizer(text)["input_ids"]
+            assert llm.tokenize(text.encode(), add_bos=True, special=True) == ids, text
+            assert llm.detokenize(ids[1:], special=True).decode() == tokenizer.decode(ids[1:]), text
+    finally:
+        llm.close()
+
+
+def _model_of(family: str, like: Path, directory: Path) -> Path:
+    """A small random model of ``family`` with the BPE tokenizer of ``like`` (as the family's tokenizer class
+    loads it: Qwen2's adds its <|endoftext|>) and a few unused embedding rows past it, as models have."""
+    import shutil
+
+    from tiny import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GraniteConfig
+
+    if family == "granite":
+        config = GraniteConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, embedding_multiplier=2.0, residual_multiplier=0.5,
+                               attention_multiplier=0.2, logits_scaling=4.0)  # fmt: skip
+    else:
+        config = tiny_config(family, layers=2)
+    if family.startswith("gemma"):  # llama.cpp scales Gemma's attention by 1/sqrt(head_dim), as these models do
+        config.query_pre_attn_scalar = config.head_dim
+    directory.mkdir()
+    config.save_pretrained(directory)
+    for f in like.glob("tokenizer*"):
+        shutil.copy2(f, directory / f.name)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    config.vocab_size = len(tokenizer) + 5
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms away from 1 (and Gemma's from 0): their handling shows in the logits
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(directory)
+    return directory
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "granite"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_architectures_gguf_computes_the_logits_of_transformers(tmp_path, bpe_model, family):
+    model_dir = _model_of(family, bpe_model, tmp_path / family)
+    file = tmp_path / "model.gguf"
+    write_gguf(model_dir, file, "f32", name="tiny")  # (llama.cpp sets token attributes by a phi3 name)
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(TEXTS[-2])["input_ids"]
+    got, expected = _gguf_logits(file, ids), _hf_logits(model_dir, ids)
+    scale = np.abs(expected).max()
+    assert np.abs(got - expected).max() <= 2e-3 * max(scale, 1), (family, np.abs(got - expected).max(), scale)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, bpe_model):
+    from conftest import _write_recipe
+
+    from tiertune.finetune.train import train
+
+    tmp = tmp_path_factory.mktemp("gguf-run")
+    path = _write_recipe(
+        tmp, bpe_model, texts=TEXTS,
+        training={"max_steps": 12, "learning_rate": "2e-2", "report_to": "none"},
+        method={"type": "lora", "lora": {"r": 4, "dropout": 0.0}},
+    )  # fmt: skip
+    return train(path, progress=False)
+
+
+@pytest.mark.parametrize("gguf_type", ["f16", "bf16", "q8_0"])
+def test_a_lora_runs_gguf_carries_the_fine_tune(tmp_path, bpe_model, lora_run, gguf_type):
+    from transformers import AutoTokenizer
+
+    out, what = export(lora_run.output_dir, tmp_path / "gguf", "gguf", gguf_type=gguf_type)
+    assert f"GGUF ({gguf_type}, llama.cpp's llama)" in what and "merged" not in what.split(";")[0]
+    file = out / f"model-{gguf_type}.gguf"
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", file.name]  # the merged HF copy is gone
+    modelfile = (out / "Modelfile").read_text()
+    assert modelfile.startswith(f"FROM ./{file.name}\n") and 'PARAMETER stop "<|end_of_text|>"' in modelfile
+    merged, _ = export(lora_run.output_dir, tmp_path / "merged", "hf")
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    ids = tokenizer(" ".join(CAT_TEXTS[:4]))["input_ids"]
+    got, fine_tuned, base = _gguf_logits(file, ids), _hf_logits(merged, ids), _hf_logits(bpe_model, ids)
+    error = np.abs(got - fine_tuned).max()
+    assert error <= 0.15, error  # llama.cpp's own converter: 0.06 in f16 on a 135M model
+    assert (got.argmax(-1) == fine_tuned.argmax(-1)).mean() >= 0.95
+    # the fine-tune moved the logits far beyond the export's error, and the GGUF has moved with them
+    assert np.abs(fine_tuned - base).max() > 10 * error
+    assert np.abs(got - fine_tuned).mean() < 0.1 * np.abs(got - base).mean()
+
+
+def test_a_full_runs_checkpoint_exports_to_gguf(tmp_path, bpe_model):
+    from conftest import _write_recipe
+
+    from tiertune.finetune.train import train
+
+    path = _write_recipe(tmp_path, bpe_model, texts=TEXTS,
+                         training={"max_steps": 2, "save_steps": 2, "learning_rate": "1e-2", "report_to": "none"})  # fmt: skip
+    result = train(path, progress=False)
+    out, what = export(result.output_dir / "checkpoint-2", tmp_path / "gguf", "gguf", gguf_type="f32")
+    assert "model at step 2" in what
+    hf, _ = export(result.output_dir / "checkpoint-2", tmp_path / "hf", "hf")
+    ids = [0, 5, 9, 13, 40, 41]
+    assert np.abs(_gguf_logits(out / "model-f32.gguf", ids) - _hf_logits(hf, ids)).max() < 1e-3
+
+
+def test_what_llama_cpp_cannot_read_is_refused_before_anything_is_written(tmp_path, cat_model, bpe_model):
+    from typer.testing import CliRunner
+
+    from tiertune.cli.app import app
+
+    with pytest.raises(ConfigError, match="llama.cpp tokenizes with byte-level BPE.*WordLevel"):
+        write_gguf(cat_model(2), tmp_path / "x.gguf")
+    neox = _model_of("gpt_neox", bpe_model, tmp_path / "neox")
+    with pytest.raises(ConfigError, match="supports gemma, gemma2, granite, llama.*'gpt_neox'"):
+        write_gguf(neox, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text(json.dumps({"model": {"path": str(cat_model(2))}}))
+    result = CliRunner().invoke(app, ["export", str(run), "--format", "gguf", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "WordLevel" in result.output and not (tmp_path / "o").exists()
