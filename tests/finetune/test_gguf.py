@@ -184,3 +184,38 @@ def test_what_llama_cpp_cannot_read_is_refused_before_anything_is_written(tmp_pa
     (run / "recipe.yaml").write_text(json.dumps({"model": {"path": str(cat_model(2))}}))
     result = CliRunner().invoke(app, ["export", str(run), "--format", "gguf", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "WordLevel" in result.output and not (tmp_path / "o").exists()
+
+
+def test_a_gguf_lora_over_the_bases_gguf_computes_the_merged_model(tmp_path, bpe_model, lora_run):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from transformers import AutoTokenizer
+
+    out, what = export(lora_run.output_dir, tmp_path / "lora", "gguf-lora", gguf_type="f32")
+    assert "GGUF LoRA adapter (f32)" in what and "--lora" in what
+    base = tmp_path / "base.gguf"
+    write_gguf(bpe_model, base, "f32")
+    merged, _ = export(lora_run.output_dir, tmp_path / "merged", "hf")
+    ids = AutoTokenizer.from_pretrained(merged)(" ".join(CAT_TEXTS[:4]))["input_ids"]
+    llm = llama_cpp.Llama(model_path=str(base), lora_path=str(out / "adapter-f32.gguf"), n_ctx=128,
+                          logits_all=True, verbose=False, n_threads=2)  # fmt: skip
+    try:
+        llm.eval(ids)
+        got = np.array(llm.scores[: len(ids)])
+    finally:
+        llm.close()
+    fine_tuned, original = _hf_logits(merged, ids), _hf_logits(bpe_model, ids)
+    error = np.abs(got - fine_tuned).max()
+    assert error < 2e-3 * max(1, np.abs(fine_tuned).max()) and np.abs(fine_tuned - original).max() > 50 * error
+
+
+def test_gguf_lora_refuses_what_llama_cpp_does_not_apply(tmp_path, bpe_model):
+    from test_merge_stream import _adapter
+
+    from tiertune.finetune.gguf_export import write_gguf_lora
+
+    adapter = _adapter(bpe_model, tmp_path / "dora", use_dora=True)
+    with pytest.raises(ConfigError, match="DoRA.*--format gguf"):
+        write_gguf_lora(adapter, bpe_model, tmp_path / "a.gguf")
+    rslora = _adapter(bpe_model, tmp_path / "rs", use_rslora=True, r=4)
+    info = write_gguf_lora(rslora, bpe_model, tmp_path / "rs.gguf", "f32")
+    assert info["alpha"] == pytest.approx(8 * 2)  # alpha * sqrt(4): llama.cpp's alpha / r is then rsLoRA's scale

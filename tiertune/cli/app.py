@@ -462,7 +462,7 @@ def demo(
                 typer.echo(
                     f"making the demo model in {workdir / 'model'} (random weights, tokenizer fitted to the data)"
                 )
-            make_model(workdir / "model", read_rows(data)["text"], layers=8, hidden=256)
+            make_model(workdir / "model", read_rows(data)["text"], layers=8, hidden=256, tokenizer="bpe")
         result = run(recipe, progress=not quiet)
     _report(result)
 

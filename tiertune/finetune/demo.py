@@ -24,7 +24,7 @@ def make_tokenizer(texts: list[str], directory: str | Path) -> object:
     return tok
 
 
-def make_bpe_tokenizer(texts: list[str], directory: str | Path, vocab_size: int = 400) -> object:
+def make_bpe_tokenizer(texts: list[str], directory: str | Path, vocab_size: int = 1000) -> object:
     """A byte-level BPE tokenizer trained on ``texts`` as Llama 3's is built (its split pattern, every byte in
     the alphabet, BOS added, <|begin_of_text|>, <|end_of_text|> and <|pad|> special), saved in ``directory``:
     one that llama.cpp reads, for tests and demos of a GGUF export."""

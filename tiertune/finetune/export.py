@@ -190,7 +190,7 @@ def _no_room(out: Path, needed: int, free: int) -> DiskFullError:
     )
 
 
-FORMATS = ("auto", "hf", "peft", "gguf")
+FORMATS = ("auto", "hf", "peft", "gguf", "gguf-lora")
 
 
 def export(
@@ -199,8 +199,9 @@ def export(
 ) -> tuple[Path, str]:  # fmt: skip
     """Export a run directory or one of its checkpoints: ``hf`` (a Hugging Face model directory: a full or
     GaLore run's model, or a LoRA run's adapter merged into its base, streamed), ``peft`` (a LoRA run's
-    adapter, with what vLLM needs to serve it said) or ``gguf`` (one GGUF file for llama.cpp, weights in
-    ``gguf_type``, and an Ollama Modelfile beside it); ``auto`` picks ``peft`` for a LoRA run, else ``hf``. A
+    adapter, with what vLLM needs to serve it said), ``gguf`` (one GGUF file for llama.cpp, weights in
+    ``gguf_type``, and an Ollama Modelfile beside it) or ``gguf-lora`` (a LoRA run's adapter as a GGUF LoRA,
+    for llama.cpp's ``--lora`` over a GGUF of the base); ``auto`` picks ``peft`` for a LoRA run, else ``hf``. A
     checkpoint is verified against its checksums first (IntegrityError naming a damaged file). ``out`` must
     be new or empty, or hold a model or a run that ``overwrite`` replaces whole; it is never the run itself nor
     its model. The export is written beside ``out`` and renamed into place: never partial. Returns the output
@@ -223,11 +224,11 @@ def export(
     fmt = ("peft" if lora else "hf") if fmt == "auto" else fmt
     if fmt not in FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if fmt == "peft" and not lora:
+    if fmt in ("peft", "gguf-lora") and not lora:
         raise ConfigError(f"{source} is a {recipe.method.type} run, which has no adapter: export it as hf or gguf")
     if gguf_type not in GGUF_TYPES:
         raise ConfigError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type!r}")
-    if fmt == "gguf":
+    if fmt.startswith("gguf"):
         from tiertune.finetune.gguf_export import check
 
         check(recipe.model.path)  # what llama.cpp cannot run is said before anything else
@@ -244,6 +245,14 @@ def export(
         )
     if fmt == "peft":
         return out, _export_adapter(source, recipe, out)
+    if fmt == "gguf-lora":
+        from tiertune.finetune.gguf_export import write_gguf_lora
+
+        with _writing(out, 2 * os.path.getsize(source / "adapter_model.safetensors") + (1 << 20)) as tmp:
+            file = tmp / f"adapter-{gguf_type}.gguf"
+            write_gguf_lora(source, Path(recipe.model.path), file, gguf_type)
+        return out, (f"GGUF LoRA adapter ({gguf_type}) of {recipe.model.path}; apply it over a GGUF of that base: "
+                     f"llama-cli -m BASE.gguf --lora {out / file.name} (Ollama: ADAPTER in a Modelfile)")  # fmt: skip
     if fmt == "gguf":
         from tiertune.finetune.gguf_export import write_gguf
         from tiertune.finetune.serving import modelfile
@@ -263,7 +272,7 @@ def export(
             info = write_gguf(hf_dir, file, gguf_type, name=run_dir.name)
             shutil.rmtree(hf_dir)
             (tmp / "Modelfile").write_text(modelfile(file.name, info))
-            return out, f"GGUF ({gguf_type}, llama.cpp's {info['architecture']}) of the {what}, and an Ollama Modelfile"
+            return out, f"GGUF ({gguf_type}, llama.cpp's {info['architecture']}) of {what}, and an Ollama Modelfile"
     return out, f"Hugging Face model: {what}"
 
 
@@ -314,7 +323,7 @@ def _model_into(source: Path, recipe: Any, checkpoint: bool, tmp: Path) -> str:
     with StateReader(source, trainer_state) as reader:  # whole tensors, whatever the ranks that wrote them
         names = reader.keys("weights")
         write_hf(({name: reader.whole(f"weights/{name}")} for name in names), config, tokenizer, tmp)
-    return f"model at step {trainer_state['global_step']}"
+    return f"the model at step {trainer_state['global_step']}"
 
 
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}

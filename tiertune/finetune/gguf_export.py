@@ -364,3 +364,83 @@ def write_gguf(model_dir: Path, out_file: Path, out_type: str = "f16", name: str
         writer.write_tensor_data(gguf.quants.quantize(tensor.values_from(checkpoint).numpy(), kind))
     writer.close()
     return {"architecture": gguf.MODEL_ARCH_NAMES[model_arch], "tensors": len(plan), **vocabulary}
+
+
+def write_gguf_lora(adapter: Path, base: Path, out_file: Path, out_type: str = "f16") -> dict[str, Any]:
+    """Write the PEFT LoRA ``adapter`` of the model in ``base`` as a GGUF LoRA adapter (llama.cpp's ``--lora``,
+    Ollama's ``ADAPTER``), to apply over a GGUF of the base: ``lora_a`` and ``lora_b`` of each adapted weight
+    under its GGUF name (``lora_b``'s rows reordered as the weight's are), the alpha llama.cpp scales by
+    (``alpha / rank``; an rsLoRA adapter's alpha times sqrt(rank), so the scale is the same). ConfigError for
+    what llama.cpp cannot apply as a LoRA: DoRA, modules_to_save, lora_B biases, per-module alphas."""
+    import gguf
+    from transformers import AutoConfig
+
+    from tiertune.finetune.merging import ADAPTER_FILE, PEFT_PREFIX
+
+    settings = json.loads((adapter / "adapter_config.json").read_text())
+    refused = [what for what, bad in (
+        ("DoRA (use_dora)", settings.get("use_dora")), ("modules_to_save", settings.get("modules_to_save")),
+        ("lora_B biases (lora_bias)", settings.get("lora_bias")), ("per-module alphas (alpha_pattern)",
+        settings.get("alpha_pattern")), ("adapted parameters (target_parameters)", settings.get("target_parameters")),
+    ) if bad]  # fmt: skip
+    if refused:
+        raise ConfigError(f"--format gguf-lora: llama.cpp applies plain LoRA only; this adapter has {', '.join(refused)}: "
+                          "export the merged model (--format gguf) instead")  # fmt: skip
+    config = AutoConfig.from_pretrained(base)
+    arch = _arch(config)
+    model_arch = getattr(gguf.MODEL_ARCH, arch.name)
+    names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
+    tensors = Checkpoint(adapter, files=[ADAPTER_FILE])
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    plan: list[tuple[str, str, bool, int]] = []  # (gguf name, adapter key, transposed, heads to reorder by)
+    ranks = set()
+    for key in tensors.entries:
+        module = key.removeprefix(PEFT_PREFIX)
+        embedding = module.endswith(".lora_embedding_A")
+        if not (module.endswith(".lora_A.weight") or embedding):
+            if module.endswith((".lora_B.weight", ".lora_embedding_B")):
+                continue
+            raise ConfigError(f"--format gguf-lora: adapter tensor {key} is not a LoRA factor llama.cpp applies")
+        module = module[: module.rindex(".lora_")]
+        mapped = names.get_name(module)
+        if mapped is None or (arch.no_output and module == "lm_head"):
+            raise ConfigError(f"--format gguf-lora: llama.cpp's {arch.name.lower()} has no weight for {module}")
+        b = key.replace(".lora_A.weight", ".lora_B.weight").replace("lora_embedding_A", "lora_embedding_B")
+        rows = 0
+        if arch.permute and module.endswith(("q_proj", "k_proj")):
+            rows = heads if module.endswith("q_proj") else kv_heads
+        plan.append((f"{mapped}.weight.lora_a", key, embedding, 0))
+        plan.append((f"{mapped}.weight.lora_b", b, False, rows))
+        ranks.add(tensors.entries[key].shape[0])
+    alpha = float(settings.get("lora_alpha", 8))
+    if settings.get("use_rslora"):
+        if len(ranks) > 1:
+            raise ConfigError("--format gguf-lora: an rsLoRA adapter with several ranks has no one alpha llama.cpp "
+                              "can scale by: export the merged model (--format gguf) instead")  # fmt: skip
+        alpha *= math.sqrt(ranks.pop())
+
+    def values(key: str, transposed: bool, rows: int) -> torch.Tensor:
+        out = torch.empty(tensors.entries[key].shape, dtype=torch.float32)
+        tensors.read_into(key, out)
+        out = out.T.contiguous() if transposed else out
+        return _permute(out, rows) if rows else out
+
+    writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[model_arch])
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    writer.add_name(adapter.name)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    shapes = [tuple(reversed(tensors.entries[k].shape)) if t else tensors.entries[k].shape for _, k, t, _ in plan]
+    kinds = [_ggml_type(n.replace(".lora_a", ".weight").replace(".lora_b", ".weight"), s, out_type)
+             for (n, _, _, _), s in zip(plan, shapes, strict=True)]  # fmt: skip
+    for (name, _, _, _), shape, kind in zip(plan, shapes, kinds, strict=True):
+        writer.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, kind), raw_dtype=kind)
+    writer.write_header_to_file(path=out_file)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for (_, key, transposed, rows), kind in zip(plan, kinds, strict=True):
+        writer.write_tensor_data(gguf.quants.quantize(values(key, transposed, rows).numpy(), kind))
+    writer.close()
+    return {"architecture": gguf.MODEL_ARCH_NAMES[model_arch], "tensors": len(plan), "alpha": alpha}
