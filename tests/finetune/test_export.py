@@ -315,3 +315,35 @@ def test_merge_never_writes_over_its_base_or_another_model(tmp_path, model_dir, 
     assert _cli("merge", result.output_dir, "--out", tmp_path / "adapter", "--overwrite").exit_code == 0
     assert (tmp_path / "adapter" / "model.safetensors").is_file()
     assert not (tmp_path / "adapter" / "adapter_config.json").exists()  # replaced whole
+
+
+# ---------------------------------------------------------------- serving (issue 32)
+
+
+def test_a_peft_export_says_how_vllm_serves_it_or_why_it_will_not(tmp_path, run):
+    from tiertune.finetune.serving import vllm_notes
+
+    result = run("method.type=lora", "method.lora.r=32")
+    printed = _cli("export", result.output_dir, "--format", "peft", "--out", tmp_path / "adapter")
+    assert printed.exit_code == 0, printed.output
+    assert "vLLM: rank 32 is above its default --max-lora-rank (16)" in printed.output
+    assert f"--lora-modules adapter={tmp_path / 'adapter'} --max-lora-rank 32" in printed.output
+    base = "base"
+    assert vllm_notes({"r": 16}, base, Path("a")) == ["vLLM: vllm serve base --enable-lora --lora-modules adapter=a"]
+    assert "--max-lora-rank 64" in vllm_notes({"r": 16, "rank_pattern": {"q_proj": 48}}, base, Path("a"))[0]
+    for config, what in (({"r": 8, "use_dora": True}, "DoRA"), ({"r": 8, "modules_to_save": ["lm_head"]},
+                                                                   "modules_to_save (lm_head)")):  # fmt: skip
+        (note,) = vllm_notes(config, base, Path("a"))
+        assert f"vLLM does not load adapters with {what}" in note and "--format hf" in note
+    assert "up to 512" in vllm_notes({"r": 1024}, base, Path("a"))[0]
+
+
+def test_a_lora_runs_hf_export_is_the_streamed_merge(tmp_path, run):
+    result = run("method.type=lora")
+    out, what = export(result.output_dir, tmp_path / "hf", "hf")
+    assert what.startswith("Hugging Face model: the adapter added to the weights of") and "in memory" not in what
+    merged, _ = merge(result.output_dir, tmp_path / "merged")
+    from safetensors.torch import load_file
+
+    exported, reference = load_file(out / "model.safetensors"), load_file(merged / "model.safetensors")
+    assert exported.keys() == reference.keys() and all(torch.equal(exported[k], reference[k]) for k in reference)

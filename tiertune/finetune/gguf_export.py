@@ -360,7 +360,10 @@ def write_gguf(model_dir: Path, out_file: Path, out_type: str = "f16", name: str
     writer.write_header_to_file(path=out_file)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for tensor, kind in zip(plan, kinds, strict=True):
+    from tqdm.auto import tqdm
+
+    for tensor, kind in tqdm(list(zip(plan, kinds, strict=True)), desc="gguf", unit="tensor", disable=None,
+                             leave=False):  # fmt: skip
         writer.write_tensor_data(gguf.quants.quantize(tensor.values_from(checkpoint).numpy(), kind))
     writer.close()
     return {"architecture": gguf.MODEL_ARCH_NAMES[model_arch], "tensors": len(plan), **vocabulary}

@@ -269,7 +269,13 @@ class _Merger:
 def write_merged(plan: MergePlan, base: Path, adapter: Path, dtype: torch.dtype, out: Path) -> list[str]:
     """Write the merged weights into directory ``out``: one safetensors file per base file, of the same name,
     with the same tensors, and the base's index (its sizes recomputed) when it has one. Returns the files."""
+    from tqdm.auto import tqdm
+
     merger = _Merger(plan, base, adapter, dtype)
+    total_bytes = sum(math.prod(plan.shapes[k]) * merger.out_dtype(k).itemsize for keys in plan.keys.values()
+                      for k in keys)  # fmt: skip
+    # a bar in a terminal, nothing in a log file (tqdm's disable=None)
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="merge", disable=None, leave=False)
     written = []
     weight_map: dict[str, str] = {}
     total = 0
@@ -289,6 +295,7 @@ def write_merged(plan: MergePlan, base: Path, adapter: Path, dtype: torch.dtype,
             for key in keys:
                 for block in merger.blocks(key):
                     f.write(buffer_of(block.contiguous()))
+                    bar.update(block.numel() * block.element_size())
             if f.tell() != 8 + len(raw) + offset:
                 raise RuntimeError(f"{file.name}: wrote {f.tell()} bytes, the header says {8 + len(raw) + offset}")
             f.flush()
@@ -296,6 +303,7 @@ def write_merged(plan: MergePlan, base: Path, adapter: Path, dtype: torch.dtype,
         written.append(file.name)
         weight_map.update(dict.fromkeys(keys, file.name))
         total += offset
+    bar.close()
     if (base / "model.safetensors.index.json").is_file():
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
