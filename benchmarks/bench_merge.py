@@ -87,7 +87,7 @@ def compare(a: Path, b: Path) -> dict:
         found = {}
         for f in sorted(d.glob("*.safetensors")):
             with safe_open(f, "pt") as s:
-                found.update(dict.fromkeys(s.keys(), f))  # noqa: SIM118
+                found.update(dict.fromkeys(s.keys(), f))
         return found
 
     ia, ib = index(a), index(b)

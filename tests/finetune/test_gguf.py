@@ -13,7 +13,8 @@ from tiertune.errors import ConfigError
 from tiertune.finetune.export import export
 from tiertune.finetune.gguf_export import write_gguf
 
-TEXTS = CAT_TEXTS + [
+TEXTS = [
+    *CAT_TEXTS,
     "Hello, world! 12345 don't  stop\n\nnew line\ttab",
     "ünïcödé текст 中文 emoji 🙂 and I'M here, you'll see",
     "   leading spaces, trailing ones   ",
@@ -57,7 +58,7 @@ def test_llama_cpp_tokenizes_as_the_hugging_face_tokenizer(tmp_path, bpe_model):
     tokenizer = AutoTokenizer.from_pretrained(bpe_model)
     llm = _llama(file)
     try:
-        for text in TEXTS + ["<|begin_of_text|>the cat<|end_of_text|>", "unseen wörds 987654321"]:
+        for text in [*TEXTS, "<|begin_of_text|>the cat<|end_of_text|>", "unseen wörds 987654321"]:
             ids = tokenizer(text)["input_ids"]
             assert llm.tokenize(text.encode(), add_bos=True, special=True) == ids, text
             assert llm.detokenize(ids[1:], special=True).decode() == tokenizer.decode(ids[1:]), text
@@ -173,7 +174,7 @@ def test_what_llama_cpp_cannot_read_is_refused_before_anything_is_written(tmp_pa
 
     from tiertune.cli.app import app
 
-    with pytest.raises(ConfigError, match="llama.cpp tokenizes with byte-level BPE.*WordLevel"):
+    with pytest.raises(ConfigError, match="llama.cpp tokenizes with SentencePiece.*byte-level BPE.*WordLevel"):
         write_gguf(cat_model(2), tmp_path / "x.gguf")
     neox = _model_of("gpt_neox", bpe_model, tmp_path / "neox")
     with pytest.raises(ConfigError, match="supports gemma, gemma2, granite, llama.*'gpt_neox'"):
@@ -219,3 +220,60 @@ def test_gguf_lora_refuses_what_llama_cpp_does_not_apply(tmp_path, bpe_model):
     rslora = _adapter(bpe_model, tmp_path / "rs", use_rslora=True, r=4)
     info = write_gguf_lora(rslora, bpe_model, tmp_path / "rs.gguf", "f32")
     assert info["alpha"] == pytest.approx(8 * 2)  # alpha * sqrt(4): llama.cpp's alpha / r is then rsLoRA's scale
+
+
+def _spm_model(directory: Path) -> Path:
+    """A small random Llama with a SentencePiece BPE tokenizer (byte fallback, digits split) trained on
+    ``TEXTS``, loaded by transformers as Llama's tokenizer is: the kind of Llama 2, Mistral and Gemma."""
+    import sentencepiece
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    directory.mkdir()
+    corpus = directory.parent / "corpus.txt"
+    corpus.write_text("\n".join(TEXTS * 20))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(directory / "sp"), vocab_size=400, model_type="bpe", byte_fallback=True,
+        character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, split_digits=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2,
+        user_defined_symbols=["<|turn|>"],  # a chat token among the pieces, as Gemma's <start_of_turn>
+    )  # fmt: skip
+    (directory / "sp.model").rename(directory / "tokenizer.model")
+    (directory / "sp.vocab").unlink()
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "extra_special_tokens": ["<|turn|>"],
+        "legacy": True,  # Llama 2's: a space after a special token, as llama.cpp's SentencePiece puts one
+    }))  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+def test_a_sentencepiece_tokenizer_is_written_as_llama_cpp_reads_it(tmp_path):
+    pytest.importorskip("sentencepiece")
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    model_dir = _spm_model(tmp_path / "spm")
+    file = tmp_path / "model.gguf"
+    write_gguf(model_dir, file, "f32")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    reference = sentencepiece.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
+    llm = _llama(file)
+    try:
+        turn = tokenizer.convert_tokens_to_ids("<|turn|>")
+        ids = llm.tokenize(b"<|turn|>the cat", add_bos=True, special=True)
+        assert ids[:2] == [1, turn] and ids == tokenizer("<|turn|>the cat")["input_ids"]
+        for text in [*TEXTS, "unseen wörds 987654321", "ç"]:
+            ids = llm.tokenize(text.encode(), add_bos=True, special=True)
+            assert ids == [1, *reference.encode(text)], text  # the model's own tokenizer, always
+            # transformers' Llama tokenizer drops one of several leading spaces that sentencepiece keeps
+            if not text.startswith("  "):
+                assert ids == tokenizer(text)["input_ids"], text
+    finally:
+        llm.close()
+    ids = tokenizer(TEXTS[0])["input_ids"]
+    assert np.abs(_gguf_logits(file, ids) - _hf_logits(model_dir, ids)).max() < 2e-3

@@ -44,7 +44,7 @@ def _adapter(base: Path, out: Path, seed: int = 0, **config) -> Path:
     peft_model = get_peft_model(model, LoraConfig(**settings))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in peft_model.named_parameters():
+        for p in peft_model.parameters():
             if p.requires_grad:  # factors, magnitudes, biases, saved modules: all changed from their init
                 p.add_(torch.randn(p.shape, generator=generator) * 0.05)
     peft_model.save_pretrained(out)

@@ -269,7 +269,7 @@ def export(
             what = _model_into(source, recipe, checkpoint, hf_dir)
         if fmt == "gguf":
             file = tmp / f"model-{gguf_type}.gguf"
-            info = write_gguf(hf_dir, file, gguf_type, name=run_dir.name)
+            info = write_gguf(hf_dir, file, gguf_type, name=run_dir.name, tokenizer_dir=base)
             shutil.rmtree(hf_dir)
             (tmp / "Modelfile").write_text(modelfile(file.name, info))
             return out, f"GGUF ({gguf_type}, llama.cpp's {info['architecture']}) of {what}, and an Ollama Modelfile"

@@ -228,9 +228,11 @@ def _looks_special(token: str) -> bool:
     )
 
 
-def _tokenizer_pre(model_dir: Path) -> str:
-    """llama.cpp's pre-tokenizer for the tokenizer of ``model_dir``; ConfigError when llama.cpp cannot
-    tokenize as it does."""
+def _tokenizer_kind(model_dir: Path) -> str:
+    """How llama.cpp reads the tokenizer of ``model_dir``: ``spm`` (its SentencePiece model, tokenizer.model)
+    or the name of its byte-level BPE pre-tokenizer; ConfigError when llama.cpp cannot tokenize as it does."""
+    if (model_dir / "tokenizer.model").is_file():
+        return "spm"
     spec_file = model_dir / "tokenizer.json"
     spec = json.loads(spec_file.read_text()) if spec_file.is_file() else {}
     model = (spec.get("model") or {}).get("type")
@@ -238,8 +240,8 @@ def _tokenizer_pre(model_dir: Path) -> str:
     if pre is None:
         what = f"a {model} tokenizer" if model else "no tokenizer.json"
         raise ConfigError(
-            f"--format gguf: llama.cpp tokenizes with byte-level BPE (GPT-2, Llama 3, Qwen2 and SmolLM pre-"
-            f"tokenizers); {model_dir} has {what}"
+            f"--format gguf: llama.cpp tokenizes with SentencePiece (tokenizer.model) or byte-level BPE (GPT-2, "
+            f"Llama 3, Qwen2 and SmolLM pre-tokenizers); {model_dir} has {what}"
             + (f" whose pre-tokenizer llama.cpp does not know ({json.dumps(spec.get('pre_tokenizer'))[:120]})"
                if model == "BPE" else "")
             + ": export it as hf and convert it with llama.cpp's convert_hf_to_gguf.py"
@@ -253,45 +255,101 @@ def check(model_dir: str | Path) -> None:
     from transformers import AutoConfig
 
     _arch(AutoConfig.from_pretrained(model_dir))
-    _tokenizer_pre(Path(model_dir))
+    _tokenizer_kind(Path(model_dir))
 
 
-def _vocabulary(writer: Any, model_dir: Path, vocab_size: int) -> dict[str, Any]:
-    """The tokenizer as llama.cpp's BPE reads it (GPT-2's byte-level tokens, merges and pre-tokenizer).
-    Returns its chat template and the texts of its end-of-sequence tokens (the generation config's too)."""
-    from gguf import SpecialVocab, TokenType
-    from transformers import AutoTokenizer
+def _bpe_tokens(tokenizer: Any, vocab_size: int) -> tuple[list[str], list[float] | None, list[int]]:
+    """A byte-level BPE's tokens (as its vocabulary spells them) and their types, padded to the embedding."""
+    from gguf import TokenType
 
-    pre = _tokenizer_pre(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
     added, decoder = tokenizer.get_added_vocab(), tokenizer.added_tokens_decoder
-    if max(by_id) >= vocab_size:
-        raise ConfigError(
-            f"--format gguf: the tokenizer of {model_dir} has token ids up to {max(by_id)}, the model's embedding "
-            f"only {vocab_size} rows (config.json's vocab_size): resize the embeddings to the tokenizer first"
-        )
     tokens, types = [], []
     for i in range(vocab_size):
         token = by_id.get(i)
         if token is None:
             tokens.append(f"[PAD{i}]")
             types.append(TokenType.UNUSED)
-        elif token in added:
-            if decoder[i].special or _looks_special(token):
-                types.append(TokenType.CONTROL)
-            else:
-                types.append(TokenType.USER_DEFINED)
-            tokens.append(token)
-        else:
-            tokens.append(token)
+            continue
+        tokens.append(token)
+        if token not in added:
             types.append(TokenType.NORMAL)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
+        elif decoder[i].special or _looks_special(token):
+            types.append(TokenType.CONTROL)
+        else:
+            types.append(TokenType.USER_DEFINED)
+    return tokens, None, types
+
+
+def _spm_tokens(tokenizer: Any, model_dir: Path, vocab_size: int) -> tuple[list[bytes], list[float], list[int]]:
+    """A SentencePiece model's pieces, scores and types (``gguf``'s reading of tokenizer.model), then the
+    Hugging Face tokenizer's added tokens past them, padded to the embedding."""
+    from gguf import SentencePieceVocab, TokenType
+
+    try:
+        pieces = list(SentencePieceVocab(model_dir).sentencepiece_tokens())
+    except RuntimeError as exc:  # gguf's "sentencepiece is not installed"
+        raise ConfigError(f"--format gguf of a SentencePiece tokenizer: {exc} (pip install sentencepiece)") from None
+    tokens = [t for t, _, _ in pieces]
+    scores = [s for _, s, _ in pieces]
+    types = [int(k) for _, _, k in pieces]
+    for i, added in tokenizer.added_tokens_decoder.items():  # the chat tokens among the pieces (Gemma's)
+        if i < len(tokens) and types[i] == TokenType.NORMAL:
+            tokens[i] = added.content.encode()
+            special = added.special or _looks_special(added.content)
+            types[i] = TokenType.CONTROL if special else TokenType.USER_DEFINED
+    for i in range(len(tokens), vocab_size):
+        added = tokenizer.added_tokens_decoder.get(i)
+        if added is None:
+            tokens.append(f"[PAD{i}]".encode())
+            scores.append(-10000.0)
+            types.append(TokenType.UNUSED)
+        else:
+            tokens.append(added.content.encode())
+            scores.append(-1000.0)
+            types.append(TokenType.CONTROL if added.special or _looks_special(added.content) else TokenType.USER_DEFINED)
+    return tokens, scores, types
+
+
+def _add_dummy_prefix(model_dir: Path) -> bool:
+    """Whether the SentencePiece model prepends a space to the text (its normalizer's add_dummy_prefix)."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((model_dir / "tokenizer.model").read_bytes())
+    return proto.normalizer_spec.add_dummy_prefix
+
+
+def _vocabulary(writer: Any, model_dir: Path, vocab_size: int) -> dict[str, Any]:
+    """The tokenizer as llama.cpp reads it: a SentencePiece model's pieces and scores, or a byte-level BPE's
+    tokens, merges and pre-tokenizer; its special tokens, whether BOS/EOS are added, its chat template.
+    Returns the chat template and the texts of its end-of-sequence tokens (the generation config's too)."""
+    from gguf import SpecialVocab
+    from transformers import AutoTokenizer
+
+    kind = _tokenizer_kind(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    largest = max(tokenizer.get_vocab().values())
+    if largest >= vocab_size:
+        raise ConfigError(
+            f"--format gguf: the tokenizer of {model_dir} has token ids up to {largest}, the model's embedding "
+            f"only {vocab_size} rows (config.json's vocab_size): resize the embeddings to the tokenizer first"
+        )
+    if kind == "spm":
+        tokens, scores, types = _spm_tokens(tokenizer, model_dir, vocab_size)
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_add_space_prefix(_add_dummy_prefix(model_dir))
+    else:
+        tokens, scores, types = _bpe_tokens(tokenizer, vocab_size)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(kind)
     writer.add_token_list(tokens)
+    if scores is not None:
+        writer.add_token_scores(scores)
     writer.add_token_types(types)
-    special = SpecialVocab(model_dir, load_merges=True, n_vocab=len(tokens))
-    # whether BOS/EOS are added, as the Hugging Face tokenizer does it (llama.cpp's defaults differ by pre-tokenizer)
+    special = SpecialVocab(model_dir, load_merges=kind != "spm", n_vocab=len(tokens))
+    # whether BOS/EOS are added, as the Hugging Face tokenizer does it (llama.cpp's defaults differ by tokenizer)
     ids = tokenizer("a")["input_ids"]
     special.add_special_token["bos"] = tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id]
     special.add_special_token["eos"] = tokenizer.eos_token_id is not None and ids[-1:] == [tokenizer.eos_token_id]
@@ -307,10 +365,13 @@ def _vocabulary(writer: Any, model_dir: Path, vocab_size: int) -> dict[str, Any]
     return {"chat_template": special.chat_template, "stop": [t for t in texts if t]}
 
 
-def write_gguf(model_dir: Path, out_file: Path, out_type: str = "f16", name: str | None = None) -> dict[str, Any]:
+def write_gguf(model_dir: Path, out_file: Path, out_type: str = "f16", name: str | None = None,
+               tokenizer_dir: Path | None = None) -> dict[str, Any]:  # fmt: skip
     """Write the Hugging Face model directory ``model_dir`` (safetensors weights, config, tokenizer) as the GGUF
-    file ``out_file``, its weights in ``out_type`` (``GGUF_TYPES``), tensor by tensor. Returns what llama.cpp
-    and Ollama need to know of it: the architecture, the tokenizer's stop tokens and chat template."""
+    file ``out_file``, its weights in ``out_type`` (``GGUF_TYPES``), tensor by tensor; the tokenizer from
+    ``tokenizer_dir`` when given (a base model's, with its SentencePiece tokenizer.model, which transformers
+    5 does not save again). Returns what llama.cpp and Ollama need to know of it: the architecture, the
+    tokenizer's stop tokens and chat template."""
     import gguf
     from transformers import AutoConfig
 
@@ -352,7 +413,7 @@ def write_gguf(model_dir: Path, out_file: Path, out_type: str = "f16", name: str
     writer.add_name(name or model_dir.name)
     _hyperparameters(writer, config, arch, out_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    vocabulary = _vocabulary(writer, model_dir, config.vocab_size)
+    vocabulary = _vocabulary(writer, Path(tokenizer_dir or model_dir), config.vocab_size)
     kinds = [_ggml_type(t.name, t.shape, out_type) for t in plan]
     for tensor, kind in zip(plan, kinds, strict=True):
         writer.add_tensor_info(tensor.name, tensor.shape, np.dtype(np.float32), _nbytes(tensor.shape, kind),
