@@ -185,6 +185,10 @@ def test_what_llama_cpp_cannot_read_is_refused_before_anything_is_written(tmp_pa
     (run / "recipe.yaml").write_text(json.dumps({"model": {"path": str(cat_model(2))}}))
     result = CliRunner().invoke(app, ["export", str(run), "--format", "gguf", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "WordLevel" in result.output and not (tmp_path / "o").exists()
+    for args, said in ((["--format", "onnx"], "--format takes auto, hf, peft, gguf, gguf-lora; got 'onnx'"),
+                       (["--format", "gguf", "--gguf-type", "q4_k"], "--gguf-type takes f32, f16, bf16, q8_0")):  # fmt: skip
+        result = CliRunner().invoke(app, ["export", str(run), *args, "--out", str(tmp_path / "o")])
+        assert result.exit_code == 2 and said in result.output and "Traceback" not in result.output, result.output
 
 
 def test_a_gguf_lora_over_the_bases_gguf_computes_the_merged_model(tmp_path, bpe_model, lora_run):

@@ -223,11 +223,11 @@ def export(
     lora = recipe.method.type == "lora"
     fmt = ("peft" if lora else "hf") if fmt == "auto" else fmt
     if fmt not in FORMATS:
-        raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise ConfigError(f"--format takes {', '.join(FORMATS)}; got {fmt!r}")
     if fmt in ("peft", "gguf-lora") and not lora:
         raise ConfigError(f"{source} is a {recipe.method.type} run, which has no adapter: export it as hf or gguf")
     if gguf_type not in GGUF_TYPES:
-        raise ConfigError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type!r}")
+        raise ConfigError(f"--gguf-type takes {', '.join(GGUF_TYPES)}; got {gguf_type!r}")
     if fmt.startswith("gguf"):
         from tiertune.finetune.gguf_export import check
 

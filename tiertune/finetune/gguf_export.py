@@ -376,7 +376,7 @@ def write_gguf(model_dir: Path, out_file: Path, out_type: str = "f16", name: str
     from transformers import AutoConfig
 
     if out_type not in GGUF_TYPES:
-        raise ConfigError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {out_type!r}")
+        raise ConfigError(f"--gguf-type takes {', '.join(GGUF_TYPES)}; got {out_type!r}")
     config = AutoConfig.from_pretrained(model_dir)
     arch = _arch(config)
     model_arch = getattr(gguf.MODEL_ARCH, arch.name)
