@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CAT_TEXTS
 
+from tests.conftest import CAT_TEXTS
 from tiertune.errors import ConfigError
 from tiertune.finetune.export import export
 from tiertune.finetune.gguf_export import write_gguf
@@ -119,8 +119,7 @@ def test_each_architectures_gguf_computes_the_logits_of_transformers(tmp_path, b
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, bpe_model):
-    from conftest import _write_recipe
-
+    from tests.conftest import _write_recipe
     from tiertune.finetune.train import train
 
     tmp = tmp_path_factory.mktemp("gguf-run")
@@ -155,8 +154,7 @@ def test_a_lora_runs_gguf_carries_the_fine_tune(tmp_path, bpe_model, lora_run, g
 
 
 def test_a_full_runs_checkpoint_exports_to_gguf(tmp_path, bpe_model):
-    from conftest import _write_recipe
-
+    from tests.conftest import _write_recipe
     from tiertune.finetune.train import train
 
     path = _write_recipe(tmp_path, bpe_model, texts=TEXTS,
@@ -214,8 +212,7 @@ def test_a_gguf_lora_over_the_bases_gguf_computes_the_merged_model(tmp_path, bpe
 
 
 def test_gguf_lora_refuses_what_llama_cpp_does_not_apply(tmp_path, bpe_model):
-    from test_merge_stream import _adapter
-
+    from tests.finetune.test_merge_stream import _adapter
     from tiertune.finetune.gguf_export import write_gguf_lora
 
     adapter = _adapter(bpe_model, tmp_path / "dora", use_dora=True)
