@@ -78,6 +78,14 @@ def _model_of(family: str, like: Path, directory: Path) -> Path:
         config = GraniteConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, embedding_multiplier=2.0, residual_multiplier=0.5,
                                attention_multiplier=0.2, logits_scaling=4.0)  # fmt: skip
+    elif family == "llama3.1":  # frequency-dependent rope scaling: llama.cpp's rope_freqs tensor
+        config = tiny_config("llama", layers=2)
+        config.rope_parameters = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    elif family == "qwen2-yarn":
+        config = tiny_config("qwen2", layers=2)
+        config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 32}  # fmt: skip
     else:
         config = tiny_config(family, layers=2)
     if family.startswith("gemma"):  # llama.cpp scales Gemma's attention by 1/sqrt(head_dim), as these models do
@@ -97,11 +105,14 @@ def _model_of(family: str, like: Path, directory: Path) -> Path:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
+            if any(k in name for k in ("q_proj", "k_proj", "qkv_proj")):  # sharp attention: the rotary
+                p.mul_(6)  # embedding's layout and scaling show in the logits too
     model.save_pretrained(directory)
     return directory
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "granite"]
+FAMILIES = ["llama", "llama3.1", "mistral", "qwen2", "qwen2-yarn", "qwen3", "gemma", "gemma2", "phi3", "olmo2",
+            "granite"]  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -111,7 +122,7 @@ def test_each_architectures_gguf_computes_the_logits_of_transformers(tmp_path, b
     write_gguf(model_dir, file, "f32", name="tiny")  # (llama.cpp sets token attributes by a phi3 name)
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(model_dir)(TEXTS[-2])["input_ids"]
+    ids = AutoTokenizer.from_pretrained(model_dir)(" ".join(TEXTS[:8]))["input_ids"]
     got, expected = _gguf_logits(file, ids), _hf_logits(model_dir, ids)
     scale = np.abs(expected).max()
     assert np.abs(got - expected).max() <= 2e-3 * max(scale, 1), (family, np.abs(got - expected).max(), scale)
