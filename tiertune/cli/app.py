@@ -304,7 +304,8 @@ def export(
     fmt: Annotated[
         str,
         typer.Option("--format", help="hf (a model; a LoRA run's merged into its base), peft (a LoRA run's "
-                     "adapter), gguf (llama.cpp / Ollama) or auto (peft for a LoRA run, else hf)."),
+                     "adapter), gguf (llama.cpp / Ollama), gguf-lora (a LoRA run's adapter for llama.cpp's --lora) "
+                     "or auto (peft for a LoRA run, else hf)."),
     ] = "auto",
     gguf_type: Annotated[
         str, typer.Option("--gguf-type", help="The GGUF weights' type: f32, f16, bf16 or q8_0.")
@@ -312,7 +313,7 @@ def export(
     overwrite: _Overwrite = False,
 ) -> None:
     """Write a run or checkpoint for serving: a Hugging Face model (vLLM, SGLang, transformers), a PEFT adapter
-    (vLLM --enable-lora), or a GGUF file with an Ollama Modelfile (llama.cpp, Ollama).
+    (vLLM --enable-lora), a GGUF file with an Ollama Modelfile (llama.cpp, Ollama), or a GGUF LoRA adapter.
 
     A LoRA run's hf or gguf export is its adapter merged into the base, streamed tensor by tensor (a
     quantized base dequantized first: what the adapter was trained against). A checkpoint is verified
