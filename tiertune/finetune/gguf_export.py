@@ -74,9 +74,9 @@ def _arch(config: Any) -> Arch:
 
 @dataclass(frozen=True)
 class _Tensor:
-    """One tensor of the GGUF file: its name and shape, and where its values come from: checkpoint tensor
-    ``key`` (its rows reordered for ``heads`` rotary heads when that is set, 1 added for a Gemma norm), or
-    ``values`` computed here."""
+    """One tensor of the GGUF file: its name and shape (as written), and where its values come from: checkpoint
+    tensor ``key`` (transposed when ``transposed``, its rows reordered for ``heads`` rotary heads when that is
+    set, 1 added for a Gemma norm), or ``values`` computed here."""
 
     name: str
     shape: tuple[int, ...]
@@ -84,23 +84,26 @@ class _Tensor:
     heads: int = 0
     plus_one: bool = False
     values: torch.Tensor | None = None
+    transposed: bool = False
 
     def values_from(self, checkpoint: Checkpoint) -> torch.Tensor:
         if self.values is not None:
             return self.values
         out = torch.empty(checkpoint.entries[self.key].shape, dtype=torch.float32)
         checkpoint.read_into(self.key, out)
+        if self.transposed:
+            out = out.T.contiguous()
         if self.heads:
             out = _permute(out, self.heads)
         return out + 1 if self.plus_one else out
 
 
 def _ggml_type(name: str, shape: tuple[int, ...], out_type: str) -> Any:
-    """The GGML type a tensor is stored in: F32 for norms, biases and 1-D tensors; else ``out_type`` (Q8_0
-    only where rows are a multiple of its 32-element blocks, else F16)."""
+    """The GGML type a tensor is stored in: F32 for norms, biases and 1-D tensors; else (a weight, or a LoRA
+    factor of one) ``out_type`` (Q8_0 only where rows are a multiple of its 32-element blocks, else F16)."""
     from gguf import GGMLQuantizationType as T
 
-    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith((".weight", ".lora_a", ".lora_b")):
         return T.F32
     if out_type == "q8_0" and shape[-1] % 32:
         return T.F16
@@ -365,6 +368,25 @@ def _vocabulary(writer: Any, model_dir: Path, vocab_size: int) -> dict[str, Any]
     return {"chat_template": special.chat_template, "stop": [t for t in texts if t]}
 
 
+def _write_file(writer: Any, out_file: Path, plan: list[_Tensor], checkpoint: Checkpoint, out_type: str) -> None:
+    """Write the GGUF file: ``writer``'s metadata, the table of ``plan``'s tensors in their GGML types (from the
+    shapes alone), then each tensor read, transformed and converted, one at a time."""
+    import gguf
+    from tqdm.auto import tqdm
+
+    kinds = [_ggml_type(t.name, t.shape, out_type) for t in plan]
+    for tensor, kind in zip(plan, kinds, strict=True):
+        writer.add_tensor_info(tensor.name, tensor.shape, np.dtype(np.float32), _nbytes(tensor.shape, kind),
+                               raw_dtype=kind)  # fmt: skip
+    writer.write_header_to_file(path=out_file)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor, kind in tqdm(list(zip(plan, kinds, strict=True)), desc="gguf", unit="tensor", disable=None,
+                             leave=False):  # fmt: skip
+        writer.write_tensor_data(gguf.quants.quantize(tensor.values_from(checkpoint).numpy(), kind))
+    writer.close()
+
+
 def write_gguf(model_dir: Path, out_file: Path, out_type: str = "f16", name: str | None = None,
                tokenizer_dir: Path | None = None) -> dict[str, Any]:  # fmt: skip
     """Write the Hugging Face model directory ``model_dir`` (safetensors weights, config, tokenizer) as the GGUF
@@ -414,19 +436,7 @@ def write_gguf(model_dir: Path, out_file: Path, out_type: str = "f16", name: str
     _hyperparameters(writer, config, arch, out_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocabulary = _vocabulary(writer, Path(tokenizer_dir or model_dir), config.vocab_size)
-    kinds = [_ggml_type(t.name, t.shape, out_type) for t in plan]
-    for tensor, kind in zip(plan, kinds, strict=True):
-        writer.add_tensor_info(tensor.name, tensor.shape, np.dtype(np.float32), _nbytes(tensor.shape, kind),
-                               raw_dtype=kind)  # fmt: skip
-    writer.write_header_to_file(path=out_file)
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    from tqdm.auto import tqdm
-
-    for tensor, kind in tqdm(list(zip(plan, kinds, strict=True)), desc="gguf", unit="tensor", disable=None,
-                             leave=False):  # fmt: skip
-        writer.write_tensor_data(gguf.quants.quantize(tensor.values_from(checkpoint).numpy(), kind))
-    writer.close()
+    _write_file(writer, out_file, plan, checkpoint, out_type)
     return {"architecture": gguf.MODEL_ARCH_NAMES[model_arch], "tensors": len(plan), **vocabulary}
 
 
@@ -457,7 +467,7 @@ def write_gguf_lora(adapter: Path, base: Path, out_file: Path, out_type: str = "
     tensors = Checkpoint(adapter, files=[ADAPTER_FILE])
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    plan: list[tuple[str, str, bool, int]] = []  # (gguf name, adapter key, transposed, heads to reorder by)
+    plan: list[_Tensor] = []
     ranks = set()
     for key in tensors.entries:
         module = key.removeprefix(PEFT_PREFIX)
@@ -474,8 +484,10 @@ def write_gguf_lora(adapter: Path, base: Path, out_file: Path, out_type: str = "
         rows = 0
         if arch.permute and module.endswith(("q_proj", "k_proj")):
             rows = heads if module.endswith("q_proj") else kv_heads
-        plan.append((f"{mapped}.weight.lora_a", key, embedding, 0))
-        plan.append((f"{mapped}.weight.lora_b", b, False, rows))
+        a_shape = tensors.entries[key].shape
+        plan.append(_Tensor(f"{mapped}.weight.lora_a", a_shape[::-1] if embedding else a_shape, key,
+                            transposed=embedding))  # fmt: skip
+        plan.append(_Tensor(f"{mapped}.weight.lora_b", tensors.entries[b].shape, b, heads=rows))
         ranks.add(tensors.entries[key].shape[0])
     alpha = float(settings.get("lora_alpha", 8))
     if settings.get("use_rslora"):
@@ -484,27 +496,11 @@ def write_gguf_lora(adapter: Path, base: Path, out_file: Path, out_type: str = "
                               "can scale by: export the merged model (--format gguf) instead")  # fmt: skip
         alpha *= math.sqrt(ranks.pop())
 
-    def values(key: str, transposed: bool, rows: int) -> torch.Tensor:
-        out = torch.empty(tensors.entries[key].shape, dtype=torch.float32)
-        tensors.read_into(key, out)
-        out = out.T.contiguous() if transposed else out
-        return _permute(out, rows) if rows else out
-
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[model_arch])
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
     writer.add_name(adapter.name)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    shapes = [tuple(reversed(tensors.entries[k].shape)) if t else tensors.entries[k].shape for _, k, t, _ in plan]
-    kinds = [_ggml_type(n.replace(".lora_a", ".weight").replace(".lora_b", ".weight"), s, out_type)
-             for (n, _, _, _), s in zip(plan, shapes, strict=True)]  # fmt: skip
-    for (name, _, _, _), shape, kind in zip(plan, shapes, kinds, strict=True):
-        writer.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, kind), raw_dtype=kind)
-    writer.write_header_to_file(path=out_file)
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for (_, key, transposed, rows), kind in zip(plan, kinds, strict=True):
-        writer.write_tensor_data(gguf.quants.quantize(values(key, transposed, rows).numpy(), kind))
-    writer.close()
+    _write_file(writer, out_file, plan, tensors, out_type)
     return {"architecture": gguf.MODEL_ARCH_NAMES[model_arch], "tensors": len(plan), "alpha": alpha}
