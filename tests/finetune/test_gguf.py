@@ -176,6 +176,11 @@ def test_a_full_runs_checkpoint_exports_to_gguf(tmp_path, bpe_model):
     hf, _ = export(result.output_dir / "checkpoint-2", tmp_path / "hf", "hf")
     ids = [0, 5, 9, 13, 40, 41]
     assert np.abs(_gguf_logits(out / "model-f32.gguf", ids) - _hf_logits(hf, ids)).max() < 1e-3
+    # the finished run's model (the README's export), converted from the run directory as it is
+    final, what = export(result.output_dir, tmp_path / "final", "gguf", gguf_type="f32")
+    assert "of the run's final model" in what and sorted(p.name for p in final.iterdir()) == ["Modelfile", "model-f32.gguf"]
+    got = _gguf_logits(final / "model-f32.gguf", ids)
+    assert np.abs(got - _hf_logits(result.output_dir, ids)).max() < 1e-3
 
 
 def test_what_llama_cpp_cannot_read_is_refused_before_anything_is_written(tmp_path, cat_model, bpe_model):

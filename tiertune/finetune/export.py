@@ -253,24 +253,30 @@ def export(
             write_gguf_lora(source, Path(recipe.model.path), file, gguf_type)
         return out, (f"GGUF LoRA adapter ({gguf_type}) of {recipe.model.path}; apply it over a GGUF of that base: "
                      f"llama-cli -m BASE.gguf --lora {out / file.name} (Ollama: ADAPTER in a Modelfile)")  # fmt: skip
-    if fmt == "gguf":
-        from tiertune.finetune.gguf_export import write_gguf
-        from tiertune.finetune.serving import modelfile
-
     base = Path(recipe.model.path)
     dtype = getattr(torch, base_dtype(base)[0]) if lora else None
-    needed = (_model_bytes(base, dtype) if lora else _run_model_bytes(source, checkpoint)) * (1 + (fmt == "gguf"))
+    # a finished full run's model is a Hugging Face directory already: a GGUF is converted from it in place
+    in_place = fmt == "gguf" and not lora and not checkpoint and bool(_final_model_files(source))
+    copies = (fmt == "gguf") + (not in_place)
+    needed = (_model_bytes(base, dtype) if lora else _run_model_bytes(source, checkpoint)) * copies
     with _writing(out, needed + (1 << 20)) as tmp:
-        hf_dir = tmp if fmt == "hf" else tmp / ".hf"
-        hf_dir.mkdir(exist_ok=True)
-        if lora:
+        hf_dir = source if in_place else tmp if fmt == "hf" else tmp / ".hf"
+        if in_place:
+            what = "the run's final model"
+        elif lora:
+            hf_dir.mkdir(exist_ok=True)
             what = _merge_into(source, base, dtype, recipe, hf_dir)
         else:
+            hf_dir.mkdir(exist_ok=True)
             what = _model_into(source, recipe, checkpoint, hf_dir)
         if fmt == "gguf":
+            from tiertune.finetune.gguf_export import write_gguf
+            from tiertune.finetune.serving import modelfile
+
             file = tmp / f"model-{gguf_type}.gguf"
             info = write_gguf(hf_dir, file, gguf_type, name=run_dir.name, tokenizer_dir=base)
-            shutil.rmtree(hf_dir)
+            if not in_place:
+                shutil.rmtree(hf_dir)
             (tmp / "Modelfile").write_text(modelfile(file.name, info))
             return out, f"GGUF ({gguf_type}, llama.cpp's {info['architecture']}) of {what}, and an Ollama Modelfile"
     return out, f"Hugging Face model: {what}"
@@ -301,16 +307,22 @@ def _run_model_bytes(source: Path, checkpoint: bool) -> int:
         return sum(reader.nbytes(f"weights/{name}") for name in reader.keys("weights"))
 
 
+def _final_model_files(source: Path) -> list[str]:
+    """The files of a finished full or GaLore run's model in its directory; none without its weights."""
+    from tiertune.finetune.rundir import model_files
+
+    files = model_files(source)
+    return files if any(f.endswith(".safetensors") for f in files) else []
+
+
 def _model_into(source: Path, recipe: Any, checkpoint: bool, tmp: Path) -> str:
     """Write a full or GaLore run's model (its final export, or a checkpoint's weights) into ``tmp``."""
     from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.path)
     if not checkpoint:  # the run's final model: its files as they are
-        from tiertune.finetune.rundir import model_files
-
-        files = model_files(source)
-        if not any(f.endswith(".safetensors") for f in files):
+        files = _final_model_files(source)
+        if not files:
             raise ConfigError(f"{source} is a finished run without its model files; export its newest checkpoint")
         for name in files:
             shutil.copy2(source / name, tmp / name)
