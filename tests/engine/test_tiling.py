@@ -92,8 +92,9 @@ def test_an_moe_block_keeps_its_own_forward():
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_tiled_equals_untiled_equals_a_plain_loop_at_2k_tokens(tiny_model_dir, disk_dir, family):
     """Full fine-tuning, 2 steps of 2 micro-batches of 2 x 1024 tokens (padded rows: segment attention), the
-    MLPs tiled by 256 tokens and untiled: losses and gradient norms equal the plain loop's to 1e-6, weights
-    to 1e-5; the tiled run tiles every layer's MLP in each micro-batch's recompute and backward."""
+    MLPs and the attention's input projections tiled by 256 tokens and untiled: losses and gradient norms equal
+    the plain loop's to 1e-6, weights to 1e-5; the tiled run tiles every layer's MLP and q/k/v projections in
+    each micro-batch's recompute and backward."""
     from transformers import AutoModelForCausalLM
 
     path, _ = tiny_model_dir(family)
@@ -136,8 +137,9 @@ def test_tiled_equals_untiled_equals_a_plain_loop_at_2k_tokens(tiny_model_dir, d
             tiling._Tiled.apply = apply
             trainer.close()
     layers = reference.config.num_hidden_layers
-    # the recompute of each micro-batch in backward (forward runs without autograd: tiles, nothing kept)
-    assert runs[256][3] == 2 * STEPS * layers and runs[0][3] == 0
+    # the recompute of each micro-batch in backward (forward runs without autograd: tiles, nothing kept): four
+    # tiled blocks a layer, the MLP and the q, k and v projections with the attention's input norm
+    assert runs[256][3] == 2 * STEPS * layers * 4 and runs[0][3] == 0
     for tile, (losses, norms, weights, _, kept) in runs.items():
         assert kept is None, kept  # segment attention in both
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-6, atol=0, msg=str(tile))
@@ -202,3 +204,84 @@ def test_the_mlps_norm_and_residual_join_the_tiled_block(family):
             assert _relative(gp2[name], gp1[name]) <= 1e-6, name
     saved = 0.75 * (2 if residual else 1) * tokens * 64 * 4
     assert peaks[2] <= peaks[1] - saved, [p / (tokens * 64 * 4) for p in peaks]
+
+
+def _layer(family: str):
+    """A small decoder layer of ``family`` (its config, the layer, its rotary embedding) with weights away from
+    their initial values."""
+    if family == "llama":
+        from transformers import LlamaConfig as Config
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer as Layer
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rotary
+    elif family == "qwen3":
+        from transformers import Qwen3Config as Config
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer as Layer
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding as Rotary
+    else:
+        from transformers import Phi3Config as Config
+        from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer as Layer
+        from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding as Rotary
+    config = Config(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    attn_implementation="sdpa", sliding_window=None)  # fmt: skip
+    torch.manual_seed(0)
+    layer = Layer(config, 0).train()
+    for p in layer.parameters():
+        p.data.add_(torch.randn_like(p) * 0.1)
+    return config, layer, Rotary(config)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
+def test_the_attentions_input_norm_joins_its_projections_tiled(family, method):
+    """The attention's input norm folded into its q/k/v projections (Phi-3: the one qkv projection), each a
+    tiled block over the layer's input: the layer's output and every gradient (the input's, the weights' or the
+    adapters') equal the untiled layer's (fp32, 1e-6); backward holds at least 3/4 of a hidden state's bytes
+    less at its peak than with the MLP tiled alone (no whole-length normed sequence); a pass without autograd,
+    and a sequence of at most one tile, norm once, as without the fold."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from tiertune.finetune.activations import LiveBytes
+
+    config, layer, rotary = _layer(family)
+    if method == "lora":
+        targets = ["qkv_proj", "o_proj"] if family == "phi3" else ["q_proj", "k_proj", "v_proj", "o_proj"]
+        inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False), layer)
+    tokens = 1000
+    x = torch.randn(1, tokens, 64)
+    g = torch.randn(1, tokens, 64)
+    embeddings = rotary(x, torch.arange(tokens)[None])
+    results, peaks = [], []
+    for fold in (None, tiling.tile_mlp, tiling.tile_layer):
+        block = copy.deepcopy(layer)
+        if fold is not None:
+            fold(block, 96, config.model_type)
+        xi = x.clone().requires_grad_(True)
+        with LiveBytes() as live:
+            out = block(xi, attention_mask=None, position_embeddings=embeddings)
+            out = out[0] if isinstance(out, tuple) else out
+            out.backward(g)
+        peaks.append(live.peak)
+        trained = {n: p.grad for n, p in block.named_parameters() if p.requires_grad}
+        assert all(grad is not None for grad in trained.values()), family
+        results.append((out.detach(), xi.grad, trained))
+    (o1, gx1, gp1) = results[0]
+    for o2, gx2, gp2 in results[1:]:
+        assert _relative(o2, o1) <= 1e-6 and _relative(gx2, gx1) <= 1e-6
+        assert gp2.keys() == gp1.keys()
+        for name in gp1:
+            assert _relative(gp2[name], gp1[name]) <= 1e-6, name
+    assert peaks[2] <= peaks[1] - 0.75 * tokens * 64 * 4, [p / (tokens * 64 * 4) for p in peaks]
+    # the folded layer's norm, without autograd and on a short sequence: the normed input
+    norm = block.input_layernorm
+    probe = torch.randn(1, tokens, 64)
+    with torch.no_grad():
+        assert not torch.equal(norm(probe), probe)
+    assert not torch.equal(norm(probe[:, :96]), probe[:, :96]) and norm(probe) is probe
+
+
+def test_no_fold_where_the_table_names_no_attention_norm():
+    """An architecture the table does not list (a parallel block's shared norm, say): its attention keeps its
+    input norm."""
+    _, layer, _ = _layer("llama")
+    assert not tiling.tile_projections(layer, 96, "cohere") and not tiling.tile_projections(layer, 96, None)
+    assert tiling.tile_projections(layer, 96, "llama") and not tiling.tile_projections(layer, 0, "llama")

@@ -56,7 +56,7 @@ def _real_peak(model, cfg, tokens: int) -> int:
     from peft import LoraConfig, inject_adapter_in_model
 
     from tiertune.engine.schedule import Handoff
-    from tiertune.engine.tiling import tile_mlp
+    from tiertune.engine.tiling import tile_layer
     from tiertune.kernels.ops.attention import use_segment_attention
     from tiertune.kernels.patch import patch_model
     from tiertune.loading.model import split_model
@@ -68,7 +68,7 @@ def _real_peak(model, cfg, tokens: int) -> int:
     patch_model(model, "torch")
     assert use_segment_attention(model) is None
     layer = split_model(model).layers[0]
-    tile_mlp(layer, cfg.sequence_tile, model.config.model_type)
+    tile_layer(layer, cfg.sequence_tile, model.config.model_type)
     trained = [p for n, p in layer.named_parameters() if cfg.method == "lora" and "lora_" in n]
     hidden = torch.randn(1, tokens, model.config.hidden_size, requires_grad=True)
     positions = torch.arange(tokens)[None]

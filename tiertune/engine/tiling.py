@@ -10,10 +10,13 @@ random state is kept from forward.
 
 Applies to a decoder layer's ``mlp`` when it is position-wise and dense (no ``experts``: an MoE block's router
 is per token too, but its logits feed the auxiliary loss outside the block), with the norm before it where the
-architecture's table names one (``kernels.architectures``: ``mlp_norm``)."""
+architecture's table names one (``kernels.architectures``: ``mlp_norm``); and to the attention's input
+projections (q, k, v) with the norm before them (``attention_norm``), each projection a block of its own over
+the layer's input, so that the normed sequence they all read is not kept whole either."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -22,7 +25,7 @@ from torch import nn
 
 from tiertune.engine.micro import Rng
 from tiertune.engine.stacking import draws_random
-from tiertune.kernels.architectures import mlp_fold
+from tiertune.kernels.architectures import attention_fold, mlp_fold
 
 
 def _in_tiles(forward: Callable, x: torch.Tensor, tile: int, rngs: list[Rng] | None = None) -> torch.Tensor:
@@ -116,11 +119,79 @@ def tile_mlp(layer: nn.Module, tile: int, model_type: str | None = None) -> bool
             return block(x, *args, **kwargs)
         if not torch.is_grad_enabled():  # a pass without backward: tiles too, nothing to keep
             return _adds_in_place(_in_tiles(block, x, tile), residual)
-        params = [p for m in modules for p in m.parameters() if p.requires_grad]
-        return _Tiled.apply(block, tile, mlp.training and random, residual, x, *params)
+        return _tiled(block, modules, tile, mlp.training and random, residual, x)
 
     mlp.forward = forward
     return True
+
+
+PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("qkv_proj",))
+"""The attention's input projections, by name: separate, or fused in one (Phi-3)."""
+
+
+def tile_projections(layer: nn.Module, tile: int, model_type: str | None = None) -> bool:
+    """Fold ``layer``'s attention input norm (``kernels.architectures``: ``attention_norm``) into its q/k/v
+    projections: with autograd on and more than ``tile`` tokens, the norm passes the layer's input through and
+    each projection computes ``proj(norm(x))`` as a tiled block over it, so that no whole-length normed sequence
+    is kept for backward (each projection's backward recomputes it per tile from the layer's input, which the
+    layer holds anyway: its residual). Shorter inputs and passes without autograd take the norm once, as
+    without the fold. True if it folded, False where the table names no such norm or the attention has none of
+    ``PROJECTIONS``."""
+    name = attention_fold(model_type) if model_type else None
+    norm = getattr(layer, name, None) if name else None
+    attention = getattr(layer, "self_attn", None)
+    if tile <= 0 or not isinstance(norm, nn.Module) or not isinstance(attention, nn.Module):
+        return False
+    names = next((ns for ns in PROJECTIONS if all(isinstance(getattr(attention, n, None), nn.Module) for n in ns)), None)
+    if names is None:
+        return False
+    applied = norm.forward
+    passed: list[weakref.ref | None] = [None]  # the input the norm last passed through, for the projections
+
+    def norm_forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        passed[0] = None
+        if args or kwargs or not torch.is_grad_enabled() or x.numel() // x.shape[-1] <= tile:
+            return applied(x, *args, **kwargs)
+        passed[0] = weakref.ref(x)
+        return x
+
+    norm.forward = norm_forward
+    for n in names:
+        _fold_into(getattr(attention, n), norm, applied, passed, tile)
+    return True
+
+
+def _fold_into(proj: nn.Module, norm: nn.Module, normed: Callable, passed: list, tile: int) -> None:
+    """``proj``'s forward computes ``proj(normed(x))`` tiled over an input the norm passed through."""
+    inner = proj.forward
+    modules = [proj, norm]
+    random = any(draws_random(m) for m in modules)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return inner(normed(x))
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        ref = passed[0]
+        if args or kwargs or ref is None or ref() is not x:
+            return inner(x, *args, **kwargs)
+        return _tiled(block, modules, tile, proj.training and random, False, x)
+
+    proj.forward = forward
+
+
+def tile_layer(layer: nn.Module, tile: int, model_type: str | None = None) -> None:
+    """Both of a decoder layer's sequence tilings: its MLP (``tile_mlp``) and its attention's input
+    projections (``tile_projections``)."""
+    tile_mlp(layer, tile, model_type)
+    tile_projections(layer, tile, model_type)
+
+
+def _tiled(block: Callable, modules: list[nn.Module], tile: int, random: bool, residual: bool,
+           x: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``block`` over ``x`` in tiles of ``tile`` tokens, keeping only ``x`` (and ``modules``' trained
+    parameters) for backward."""
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    return _Tiled.apply(block, tile, random, residual, x, *params)
 
 
 class _Residual(torch.Tensor):

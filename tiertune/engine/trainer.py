@@ -36,7 +36,7 @@ from tiertune.engine.router_aux import RouterAux
 from tiertune.engine.schedule import LayerMajor
 from tiertune.engine.stash import ChunkStash, DeviceStash, Stash, stash_slots
 from tiertune.engine.streaming import StreamedLayer, Visit
-from tiertune.engine.tiling import tile_mlp
+from tiertune.engine.tiling import tile_layer
 from tiertune.engine.update import AdapterUpdate, LRSchedule, StepContext, Updater
 from tiertune.engine.views import TrainerViews
 from tiertune.errors import ConfigError, DataError
@@ -137,7 +137,7 @@ class StreamedTrainer(TrainerViews):
         # MoE: the router's auxiliary loss, where transformers computes one and the config asks for it
         self.router_aux = RouterAux.of(self.model, self.parts.layers)
         for i, layer in enumerate(self.parts.layers):
-            tile_mlp(layer, config.sequence_tile, self.model.config.model_type)
+            tile_layer(layer, config.sequence_tile, self.model.config.model_type)
             self.parts.layers[i] = StreamedLayer(self, i, layer)
         self.visit: Visit | None = None  # the decoder's pass in progress inside a step (``engine.streaming``)
         self.schedule = LayerMajor(self, self.stash)

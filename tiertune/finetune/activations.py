@@ -124,7 +124,7 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int, gpu: bool = False) -> i
     trace raises (an architecture whose ops have no meta kernels). A full fine-tune's weight gradients aside:
     the plan counts them as their own item."""
     from tiertune.engine.schedule import Handoff
-    from tiertune.engine.tiling import tile_mlp
+    from tiertune.engine.tiling import tile_layer
     from tiertune.kernels.ops.attention import use_segment_attention
     from tiertune.kernels.patch import patch_model
     from tiertune.loading.model import split_model
@@ -149,7 +149,7 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int, gpu: bool = False) -> i
         use_segment_attention(model)
     parts = split_model(model)
     layer = parts.layers[0]
-    tile_mlp(layer, cfg.sequence_tile, model.config.model_type)
+    tile_layer(layer, cfg.sequence_tile, model.config.model_type)
     # the adapters' gradients are a layer's temporaries too; a full fine-tune's weight gradients are the plan's
     # own item (``a layer's gradient, summed over a wave``)
     trained = [p for n, p in layer.named_parameters() if cfg.method == "lora" and "lora_" in n]

@@ -11,6 +11,9 @@
   takes it into the tiled block (``engine.tiling``). None where no norm feeds the MLP alone, or unchecked.
 - ``mlp_residual``: the layer adds the MLP's output to its residual at once (``residual + mlp(...)``) and reads
   it no more: the sum may go into the MLP's output in place.
+- ``attention_norm``: the layer's norm whose output only its attention's input projections read (q/k/v, or
+  Phi-3's one qkv); the sequence tiling folds it into each of them. None where another module reads it too (a
+  parallel block's shared norm) or where it is unchecked.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ class Architecture:
     norm_offset: float = 0.0  # Gemma scales by 1 + weight, in fp32
     mlp_norm: str | None = None  # the layer's norm feeding only its MLP: ``h = mlp(mlp_norm(h))``
     mlp_residual: bool = False  # ``h = residual + mlp(...)``, the MLP's output read by nothing else
+    attention_norm: str | None = None  # the layer's norm feeding only the attention's q/k/v projections
 
 
 def _patched(prefix: str, mlp_norm: str = "post_attention_layernorm", mlp_residual: bool = True,
              **kwargs: float) -> Architecture:  # fmt: skip
     return Architecture(True, f"{prefix}RMSNorm", f"{prefix}MLP", f"{prefix}Attention", mlp_norm=mlp_norm,
-                        mlp_residual=mlp_residual, **kwargs)  # fmt: skip
+                        mlp_residual=mlp_residual, attention_norm="input_layernorm", **kwargs)  # fmt: skip
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -65,3 +69,8 @@ def mlp_fold(model_type: str) -> tuple[str | None, bool]:
     """``model_type``'s ``mlp_norm`` and ``mlp_residual`` (None and False where it is not in the table)."""
     arch = ARCHITECTURES.get(model_type, Architecture())
     return arch.mlp_norm, arch.mlp_residual
+
+
+def attention_fold(model_type: str) -> str | None:
+    """``model_type``'s ``attention_norm`` (None where it is not in the table)."""
+    return ARCHITECTURES.get(model_type, Architecture()).attention_norm
