@@ -217,12 +217,16 @@ def _layer(family: str):
         from transformers import Qwen3Config as Config
         from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer as Layer
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding as Rotary
+    elif family == "gemma2":
+        from transformers import Gemma2Config as Config
+        from transformers.models.gemma2.modeling_gemma2 import Gemma2DecoderLayer as Layer
+        from transformers.models.gemma2.modeling_gemma2 import Gemma2RotaryEmbedding as Rotary
     else:
         from transformers import Phi3Config as Config
         from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer as Layer
         from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding as Rotary
     config = Config(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    attn_implementation="sdpa", sliding_window=None)  # fmt: skip
+                    attn_implementation="sdpa", sliding_window=None, attn_logit_softcapping=None)  # fmt: skip
     torch.manual_seed(0)
     layer = Layer(config, 0).train()
     for p in layer.parameters():
@@ -231,7 +235,7 @@ def _layer(family: str):
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "phi3"])
 def test_the_attentions_input_norm_joins_its_projections_tiled(family, method):
     """The attention's input norm folded into its q/k/v projections (Phi-3: the one qkv projection), each a
     tiled block over the layer's input: the layer's output and every gradient (the input's, the weights' or the
@@ -285,3 +289,14 @@ def test_no_fold_where_the_table_names_no_attention_norm():
     _, layer, _ = _layer("llama")
     assert not tiling.tile_projections(layer, 96, "cohere") and not tiling.tile_projections(layer, 96, None)
     assert tiling.tile_projections(layer, 96, "llama") and not tiling.tile_projections(layer, 0, "llama")
+
+
+def test_a_projection_given_another_input_than_the_norm_passed_through_is_an_error():
+    """A layer that does not feed its attention the norm's output unchanged (not what the table says of it) is
+    stopped with a message, never computed on the un-normed input."""
+    _, layer, _ = _layer("llama")
+    assert tiling.tile_projections(layer, 96, "llama")
+    x = torch.randn(1, 200, 64, requires_grad=True)
+    assert layer.input_layernorm(x) is x
+    with pytest.raises(RuntimeError, match="sequence_tile: 0"):
+        layer.self_attn.q_proj(x * 1.0)

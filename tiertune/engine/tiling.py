@@ -171,9 +171,15 @@ def _fold_into(proj: nn.Module, norm: nn.Module, normed: Callable, passed: list,
         return inner(normed(x))
 
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        ref = passed[0]
-        if args or kwargs or ref is None or ref() is not x:
+        held = passed[0]() if passed[0] is not None else None
+        if held is None:
             return inner(x, *args, **kwargs)
+        if held is not x or args or kwargs:  # the norm's output went elsewhere first: not the table's layer
+            raise RuntimeError(
+                f"{type(proj).__name__} got another input than its attention's input norm passed through; this "
+                "architecture's layer does not read its attention's input as kernels.architectures says (set "
+                "offload.sequence_tile: 0 to run it untiled, and report it)"
+            )
         return _tiled(block, modules, tile, proj.training and random, False, x)
 
     proj.forward = forward
