@@ -7,10 +7,11 @@ import os
 # Under pytest-xdist (the README's ``-n auto``) each worker computes with its share of the cores: torch's default,
 # a thread per core in every process, oversubscribes them (2 workers on 2 cores ran 2.9x slower than with a
 # thread each). Set before torch is imported, so that the processes the tests start inherit it too.
+_CORES = len(os.sched_getaffinity(0))
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(_var, str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+        os.environ.setdefault(_var, str(max(1, _CORES // _WORKERS)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -25,7 +26,7 @@ if not torch.cuda.is_available():
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: a worker per core, at most 4 (each starts its own processes: ranks, CLI runs); one where CUDA
     is (the GPU tests share one device)."""
-    return 1 if torch.cuda.is_available() else max(1, min(4, len(os.sched_getaffinity(0))))
+    return 1 if torch.cuda.is_available() else max(1, min(4, _CORES))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -115,7 +115,7 @@ def tile_mlp(layer: nn.Module, tile: int, model_type: str | None = None) -> bool
     residual = adds and isinstance(normed, nn.Module)
 
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if args or kwargs or x.numel() // x.shape[-1] <= tile:
+        if args or kwargs or _tokens(x) <= tile:
             return block(x, *args, **kwargs)
         if not torch.is_grad_enabled():  # a pass without backward: tiles too, nothing to keep
             return _adds_in_place(_in_tiles(block, x, tile), residual)
@@ -150,7 +150,7 @@ def tile_projections(layer: nn.Module, tile: int, model_type: str | None = None)
 
     def norm_forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         passed[0] = None
-        if args or kwargs or not torch.is_grad_enabled() or x.numel() // x.shape[-1] <= tile:
+        if args or kwargs or not torch.is_grad_enabled() or _tokens(x) <= tile:
             return applied(x, *args, **kwargs)
         passed[0] = weakref.ref(x)
         return x
@@ -190,6 +190,11 @@ def tile_layer(layer: nn.Module, tile: int, model_type: str | None = None) -> No
     projections (``tile_projections``)."""
     tile_mlp(layer, tile, model_type)
     tile_projections(layer, tile, model_type)
+
+
+def _tokens(x: torch.Tensor) -> int:
+    """The tokens of a block's input (batch and sequence together): what is compared with the tile."""
+    return x.numel() // x.shape[-1]
 
 
 def _tiled(block: Callable, modules: list[nn.Module], tile: int, random: bool, residual: bool,
