@@ -75,11 +75,19 @@ class IOHandle:
                 return
             callbacks, self._callbacks = self._callbacks, []
             self._event.set()
+        interrupted: BaseException | None = None
         for fn in callbacks:
             try:
                 fn(self)
-            except BaseException:  # a callback's failure must not vanish inside an executor thread
+            except Exception:  # a callback's failure must not vanish inside an executor thread
                 log.exception("completion callback of %s failed", self.label)
+            except BaseException as exc:
+                # a signal raised as ``KeyboardInterrupt`` where the callbacks run on the main thread (a
+                # ledger's transfers, or a handle done before its callback was added): the other callbacks
+                # still run, so no chunk waits for a completion that was dropped, then it goes on up
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "in flight"

@@ -279,8 +279,10 @@ class ChunkStore:
         self._moved_by: dict[int, dict[str, int]] = {}  # chunk id -> link -> bytes
         self._fatal: BaseException | None = None
         self._landing: list[IOHandle] = []  # a ledger's transfers, done at its next call (``_land``)
+        self._transfers: dict[int, IOHandle] = {}  # chunk id -> its newest transfer (``close`` waits for these)
         self._cond = threading.Condition(threading.RLock())
         self._closed = False
+        self._closing = False
 
     # ------------------------------------------------------------------ registration
 
@@ -807,12 +809,19 @@ class ChunkStore:
         return tuple(self._chunks)
 
     def close(self) -> None:
-        """Wait for transfers in flight, stop the I/O threads and remove the disk tier's file."""
+        """Wait for transfers in flight, stop the I/O threads and remove the disk tier's file.
+
+        It waits only for transfers an I/O thread is still running (they always end), never for a chunk's
+        state: a completion whose callback was cut short (a signal raised on the main thread as a ledger's
+        transfer landed) leaves its chunk in flight with nothing left to finish it. A ledger moves no bytes:
+        nothing of it is waited for."""
         with self._cond:
             if self._closed:
                 return
-            while self._fatal is None and any(c.state in IN_FLIGHT for c in self._chunks):
-                self._cond.wait()
+            self._closing = True  # no prefetch starts from here (``_prefetch``)
+            self._landing.clear()
+            while self._fatal is None and not self.ledger and any(not h.done() for h in self._transfers.values()):
+                self._cond.wait(0.1)  # woken by ``_done``; the timeout only bounds a lost notification
             self._closed = True
         self.aio.close()
         self.files.close()
@@ -1193,7 +1202,9 @@ class ChunkStore:
         if self.ledger:
             handle = self._in_flight(label)
         else:
-            handle = self.aio.copy(alloc.tensor, chunk.copies[src].tensor, label, chunk.device_event)
+            handle = self._transfers[chunk.id] = self.aio.copy(
+                alloc.tensor, chunk.copies[src].tensor, label, chunk.device_event
+            )
         ok, fail = (S.ON_DEVICE, S.ON_HOST) if dst is Tier.DEVICE else (S.ON_HOST, S.ON_DEVICE)
         handle.add_done_callback(
             lambda h: self._done(chunk, h, src, dst, ok, fail, drop=src if then_drop else None)
@@ -1217,6 +1228,8 @@ class ChunkStore:
             else:
                 assert self.disk is not None and chunk.disk_checksums is not None
                 handle = self.disk.read(chunk, slot, alloc.tensor, chunk.disk_checksums)
+            if not self.ledger:
+                self._transfers[chunk.id] = handle
         except BaseException:
             chunk.transition(S.ON_DISK)
             self._invalidate(chunk, Tier.HOST)
@@ -1244,6 +1257,7 @@ class ChunkStore:
             handle = self._in_flight(f"write {chunk.name}")
         else:
             handle, sums = self.disk.write(chunk, slot, chunk.copies[Tier.HOST].tensor)
+            self._transfers[chunk.id] = handle
 
         def done(h: IOHandle) -> None:
             if h.error is None:
@@ -1299,7 +1313,7 @@ class ChunkStore:
         Runs on the compute thread after each acquire and on I/O threads after each completed transfer.
         """
         sched = self.scheduler
-        if not sched.replaying or self._closed:
+        if not sched.replaying or self._closing:
             return
         for cid in sched.upcoming(self.config.prefetch_depth, Tier.DEVICE):
             chunk = self._chunks[cid]
