@@ -542,7 +542,7 @@ def _user_errors() -> Iterator[None]:
 
         if not World.from_env().is_main:  # every rank got the signal: rank 0 says where the run stopped
             raise typer.Exit(128 + exc.signal) from None
-        typer.echo(f"tiertune: {exc}", err=True)
+        resume = ""
         if exc.recipe is not None and Path(exc.recipe).is_file():
             world = World.from_env()
             command = f"train {exc.recipe} training.resume_from_checkpoint=auto"
@@ -552,7 +552,8 @@ def _user_errors() -> Iterator[None]:
                 launcher = f"tiertune launch --standalone --nproc_per_node {world.size}"
             else:
                 launcher = f"(your launch of {world.size} processes) -m tiertune.cli"
-            typer.echo(f"resume with: {launcher} {command}", err=True)
+            resume = f"; resume with: {launcher} {command}"
+        typer.echo(f"tiertune: {exc}{resume}", err=True)
         raise typer.Exit(128 + exc.signal) from None
     except KeyboardInterrupt as exc:  # outside a run (loading, checking, exporting): nothing to resume
         signum = exc.signum if isinstance(exc, Signalled) else signal.SIGINT
@@ -576,8 +577,21 @@ def _report(result: Any) -> None:
     )
 
 
+def _stop_at_once(signum: int, frame: object) -> None:
+    """SIGINT or SIGTERM outside a command's work (parsing the command line, printing its result): nothing to
+    clean up, so one line and exit 128 + the signal (not Python's KeyboardInterrupt traceback, nor click's
+    "Aborted!" with exit 1)."""
+    import sys
+
+    print(f"tiertune: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. Each command's work runs in ``_user_errors``, whose handling of the signals
+    (through the command's clean-up) replaces ``_stop_at_once`` for that time."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _stop_at_once)
     app()
 
 

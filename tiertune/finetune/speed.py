@@ -97,8 +97,10 @@ def step_flops(model: torch.nn.Module, layers: list[torch.nn.Module], micro_toke
                 weights += p.numel() * top_k // n_experts
             elif p.dim() >= 2:
                 weights += p.numel()
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    # a layer's attention scores and weighted sum; none in a model without attention heads (Mamba's, RWKV's
+    # layers are all matrices and scans)
+    heads = getattr(config, "num_attention_heads", None) or 0
+    head_dim = (getattr(config, "head_dim", None) or config.hidden_size // heads) if heads else 0
     attention = 4 * (seq_len / 2) * heads * head_dim * len(layers)
     head = config.vocab_size * config.hidden_size
     layer_factor, head_factor = (4, 3) if trained else (3, 2)
@@ -166,10 +168,10 @@ def measure_compute(model_dir: str, cfg, micro_batch: int, seq_len: int, device:
 
     from tiertune.engine.loss import CausalLMLoss
     from tiertune.kernels.patch import patch_model, resolve_backend
-    from tiertune.loading.model import load_config
+    from tiertune.loading.model import decoder_config
     from tiertune.methods.lora import Adapters
 
-    config = load_config(model_dir)
+    config = decoder_config(model_dir)
     dtype = cfg.layer_dtype(device)
     per_layer = 12 * config.hidden_size**2  # attention + MLP, roughly, to decide whether to build them
     per_layer = max(per_layer, 3 * config.hidden_size * (getattr(config, "intermediate_size", 0) or 0))
@@ -398,7 +400,7 @@ def probe_disk(path: str | os.PathLike[str], nbytes: int = 256 << 20) -> tuple[f
             ]:
                 handle.wait()
             read = n * chunk_size / (time.perf_counter() - began)
-        finally:
-            disk.close()
+        finally:  # the I/O threads finish first: the slot file is not closed under a write in flight
             aio.close()
+            disk.close()
     return read, write
