@@ -457,9 +457,9 @@ def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU
 
 def recipe_layers(model_dir: str) -> int:
     """The decoder layers of the model at ``model_dir`` (its config)."""
-    from tiertune.loading.model import load_config
+    from tiertune.loading.model import decoder_config
 
-    return int(load_config(model_dir).num_hidden_layers)
+    return int(decoder_config(model_dir).num_hidden_layers)
 
 
 def format_seconds(seconds: float) -> str:

@@ -214,9 +214,9 @@ def _activations(recipe: Recipe, device: str, dtype: torch.dtype, device_budget:
     """``offload.activations``; auto keeps the hidden states at the layer boundaries of a step's micro-batches
     (``engine.schedule``: every micro-batch of the step runs through a layer while it is loaded) on the device
     unless, on a GPU, they would take more than an eighth of the device budget."""
-    from tiertune.loading.model import load_config
+    from tiertune.loading.model import decoder_config
 
-    config = load_config(recipe.model.path)  # ModelError for a config.json it cannot use, before all else
+    config = decoder_config(recipe.model.path)  # ModelError for a config.json it cannot use, before all else
     choice = recipe.offload.activations
     if choice != "auto":
         return choice
@@ -593,9 +593,9 @@ def _tokenizer(model_path: str) -> Any:
 
 def _check_vocabulary(data: Any, model_path: str) -> None:
     """Token ids the model has no embedding for would fail deep in the first step: say so before loading."""
-    from tiertune.loading.model import load_config
+    from tiertune.loading.model import decoder_config
 
-    vocab = getattr(load_config(model_path).get_text_config(), "vocab_size", None)
+    vocab = getattr(decoder_config(model_path), "vocab_size", None)
     if vocab is None or len(data) == 0:
         return
     top = data.max_token_id

@@ -10,6 +10,7 @@ chunks, converting dtype on the way: peak host memory is the store's host budget
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -69,7 +70,6 @@ def load_config(directory: str | os.PathLike[str]) -> Any:
     train: a decoder-only causal LM. Raises ModelError naming the file and what is wrong with it."""
     import transformers
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     path = Path(directory)
     file = path / "config.json"
@@ -102,16 +102,71 @@ def load_config(directory: str | os.PathLike[str]) -> Any:
             f"{model_type!r} from it ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); upgrade "
             f"transformers if the model is newer than it, or {restore}"
         ) from exc
-    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
-    if encoder_decoder or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    why = not_trainable(config)
+    if why:
         architectures = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
-        kind = "an encoder-decoder model" if encoder_decoder else "not a causal LM"
         raise ModelError(
             f"tiertune fine-tunes decoder-only causal LMs (AutoModelForCausalLM); {path} is a {config.model_type} "
-            f"({architectures}), {kind}; set model.path to a decoder-only model such as Llama, Qwen, Mistral or "
-            "Gemma"
+            f"({architectures}), {why}"
         )
     return config
+
+
+def decoder_config(directory: str | os.PathLike[str]) -> Any:
+    """The config of the decoder ``AutoModelForCausalLM`` builds from ``directory`` (``load_config``'s checks
+    first): the config itself, or the text decoder's of a config that also describes other parts (Llama 4's
+    and Qwen3.5's hold a vision encoder's too; their causal LM is the text decoder alone). Its dimensions
+    (``hidden_size``, ``num_hidden_layers``, ``vocab_size``) are the model's."""
+    return load_config(directory).get_text_config(decoder=True)
+
+
+DECODERS = "set model.path to a decoder-only model such as Llama, Qwen, Mistral or Gemma"
+
+MULTIMODAL_INPUTS = ("pixel_values", "pixel_values_videos", "input_features", "input_values", "audio_values",
+                     "image_embeds", "image_patches")  # fmt: skip
+"""Arguments of a model's forward that only a model of images, video or sound takes."""
+
+
+def not_trainable(config: Any) -> str:
+    """Why tiertune cannot fine-tune the model ``config`` describes, and what to do instead ("" when it can):
+    it must be a decoder-only causal LM of text (what ``AutoModelForCausalLM`` builds from it, and that model
+    taking text alone). Encoder-decoder models, encoder-only ones (BERT: its causal-LM head is bidirectional
+    attention unless ``is_decoder``), and multimodal classes are refused; for a multimodal model whose text
+    decoder is a model type of its own, the message names it."""
+    import transformers
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    model_type = config.model_type
+    if getattr(config, "is_encoder_decoder", False):
+        return f"an encoder-decoder model; {DECODERS}"
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return f"not a causal LM; {DECODERS}"
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        return (
+            "an encoder-only model (pretrained with bidirectional attention: a masked LM, not a decoder); "
+            f"{DECODERS}"
+        )
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    cls = getattr(transformers, name, None)
+    takes = set(inspect.signature(cls.forward).parameters) if cls is not None else set()
+    inputs = sorted(takes & set(MULTIMODAL_INPUTS))
+    if inputs:
+        text = config.get_text_config(decoder=True)
+        alone = (
+            f"its text decoder alone is model_type {text.model_type!r} "
+            f"({MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[text.model_type]}), which tiertune trains"
+            if text is not config and text.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            and not not_trainable(text)
+            else DECODERS
+        )  # fmt: skip
+        return (
+            f"a multimodal model ({name} takes {', '.join(inputs)}): tiertune does not train multimodal classes "
+            f"yet; {alone}"
+        )
+    return ""
 
 
 def build_skeleton(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -144,7 +199,8 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
         found = ", ".join(f"{n}: {type(m).__name__}" for n, m in model.named_children()) or "nothing"
         raise ModelError(
             f"{type(model).__name__} has no recognizable stack of decoder layers (a list of identical blocks "
-            f"holding parameters); its top-level modules are {found}"
+            f"holding parameters, which tiertune streams one at a time); its top-level modules are {found}; "
+            f"{DECODERS}"
         )
     return best[1], best[2]
 
