@@ -368,10 +368,16 @@ def test_a_prequantized_moe_is_estimated_with_its_experts_in_the_quantized_cache
 
 
 def test_estimate_for_several_processes_says_what_each_rank_and_node_holds_and_sends(
-    make_recipe, tmp_path, model_dir, write_recipe
+    make_recipe, tmp_path, model_dir, write_recipe, monkeypatch
 ):
+    import shutil
+
     from tiertune.errors import ConfigError
 
+    # the disk tier's budget is the disk's free space, which every other program writing to it changes between
+    # two estimates: a fixed reading, so that the two tables compare whole
+    free = 500 << 30
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2 * free, free, free))
     recipe = make_recipe(("offload.params=disk", "offload.optimizer_states=disk"))
     one = estimate(recipe, measure=False)
     four = estimate(recipe, measure=False, processes=4, per_node=2)

@@ -56,14 +56,19 @@ def test_aligned_empty():
         assert t.numel() == n and t.data_ptr() % ALIGN == 0
 
 
-def test_auto_budgets_follow_what_the_machine_has():
+def test_auto_budgets_follow_what_the_machine_has(monkeypatch):
     import psutil
 
     from tiertune.offload.store import StoreConfig
+    from tiertune.offload.tiers import AUTO_DEVICE_FRACTION_CPU, AUTO_HOST_FRACTION
 
+    # what RAM is available changes with every other program: a fixed reading (the real one, taken once)
+    reading = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: reading)
+    available = reading.available
     cfg = StoreConfig.resolve(device_budget="auto", host_budget="auto", disk_budget="auto")
-    available = psutil.virtual_memory().available
-    assert 0 < cfg.device_budget < available and 0 < cfg.host_budget < available
+    assert cfg.device_budget == int(available * AUTO_DEVICE_FRACTION_CPU)
+    assert cfg.host_budget == int(available * AUTO_HOST_FRACTION)
     assert cfg.device_budget + cfg.host_budget < available  # room left for the process and the OS
     assert cfg.disk_budget is None  # resolved to the free space when the disk tier opens
 
