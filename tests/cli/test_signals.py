@@ -4,10 +4,14 @@ the newest checkpoint and how to resume, with exit code 128 + the signal."""
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from tiertune.cli.app import app
@@ -83,3 +87,162 @@ def test_a_lost_rank_while_this_one_was_stopping_for_sigterm_is_the_signal_s_sto
     stop.raised = signal.SIGINT  # a stop by Ctrl-C, then SIGTERM during its clean-up: said
     stop._note(signal.SIGTERM, None)
     assert "SIGTERM received again" in capsys.readouterr().err
+
+
+# --- every command, stopped wherever it is -----------------------------------------------------------------------
+
+SIGNALLING = Path(__file__).resolve().parents[1] / "signalling.py"
+STOP_SECONDS = 5.0  # from the signal to the process's exit, its interpreter's shutdown included
+
+
+def _stop(tmp_path: Path, at: str, signum: int, args: list[str], reach: float = 300) -> tuple[str, str]:
+    """Run ``tiertune ARGS`` (``tests/signalling.py``) sending itself ``signum`` at ``at``; assert it exits with
+    128 + signum within ``STOP_SECONDS`` of the signal, saying so in one line and nothing else on stderr, and
+    leaves no process behind (its session is empty). Returns its stdout and stderr."""
+    stamp = tmp_path / f"signal-{signum}-{at.replace(':', '-')}"
+    name = signal.Signals(signum).name.removeprefix("SIG")
+    command = [sys.executable, str(SIGNALLING), "--at", at, "--signal", name, "--stamp", str(stamp), "--", *args]
+    out, err = tmp_path / "stop.out", tmp_path / "stop.err"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(command, stdout=o, stderr=e, cwd=tmp_path, start_new_session=True)
+    deadline = time.monotonic() + reach
+    try:
+        while proc.poll() is None and not stamp.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stamp.exists(), f"never reached {at}: {err.read_text()[-3000:]}"
+        sent = float(stamp.read_text())
+        while proc.poll() is None and time.time() - sent < 60:
+            time.sleep(0.02)
+        ended = time.time()
+        assert proc.poll() is not None, f"still running 60 s after {name} at {at}: {err.read_text()[-3000:]}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stdout, stderr = out.read_text(), err.read_text()
+    assert proc.returncode == 128 + signum, (at, proc.returncode, stderr[-3000:])
+    assert "Traceback" not in stdout + stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"tiertune: stopped by SIG{name}"), stderr[-3000:]
+    assert ended - sent <= STOP_SECONDS, f"{ended - sent:.1f} s from {name} at {at} to the exit"
+    gone = time.monotonic() + 5
+    while True:  # nothing it started is left: its session (process group) has no member
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < gone, f"processes of the stopped command are left: {proc.pid}"
+        time.sleep(0.05)
+    return stdout, stderr
+
+
+@pytest.fixture(scope="module")
+def stop_recipe(tmp_path_factory, cat_model):
+    """A small full fine-tune with its weights and states on disk (so the estimate's replay and a run move
+    chunks), checkpoints every 2 steps."""
+    from tests.conftest import _write_recipe
+
+    where = tmp_path_factory.mktemp("stop")
+    return _write_recipe(
+        where, cat_model(2),
+        training={"max_steps": 6, "save_steps": 2},
+        offload={"params": "disk", "optimizer_states": "disk", "device_budget": "4MiB", "host_budget": "1MiB"},
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A finished LoRA run of the cat model (for export and merge)."""
+    from tests.conftest import CAT_TEXTS, _write_recipe
+    from tiertune.finetune.demo import make_model
+    from tiertune.finetune.train import train
+
+    where = tmp_path_factory.mktemp("stop-lora")
+    model = make_model(where / "model", CAT_TEXTS, layers=2, tokenizer="bpe")  # one llama.cpp reads
+    recipe = _write_recipe(where, model, training={"max_steps": 2},
+                           method={"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}})  # fmt: skip
+    train(recipe, progress=False)
+    return where / "run"
+
+
+ESTIMATE_POINTS = [
+    ("building the model on meta", "tiertune.loading.model:build_skeleton:1", signal.SIGINT),
+    ("the replay, as a ledger transfer lands", "tiertune.offload.aio:IOHandle.part_done:5", signal.SIGTERM),
+    ("the replay, in a transfer's completion", "tiertune.offload.store:ChunkStore._done:9", signal.SIGTERM),
+    ("the disk probe, reading", "tiertune.offload.disk:DiskTier.read:1", signal.SIGTERM),
+    ("the compute probe", "tiertune.finetune.speed:measure_compute:1", signal.SIGINT),
+]
+
+
+@pytest.mark.parametrize("where,at,signum", ESTIMATE_POINTS, ids=[p[0] for p in ESTIMATE_POINTS])
+def test_estimate_stops_on_a_signal_wherever_it_is(tmp_path, stop_recipe, where, at, signum):
+    """`tiertune estimate` stopped while it builds the model, replays a step on the ledger (the signal raised
+    inside a transfer's completion: the store's close must not wait for a transfer nothing will finish) and
+    probes the machine: exit 128 + the signal within seconds, one line, nothing left in the disk's directory."""
+    disk = Path(yaml.safe_load(stop_recipe.read_text())["offload"]["disk_path"])
+    _stop(tmp_path, at, signum, ["estimate", str(stop_recipe), "--gpu", "cpu"])
+    assert not disk.exists() or not list(disk.iterdir())
+    assert not list(disk.parent.glob(".probe-*"))
+
+
+TRAIN_POINTS = [
+    ("loading", "tiertune.loading.model:load_into_store:1", signal.SIGTERM),
+    ("mid-step", "tiertune.engine.trainer:StreamedTrainer.layer_weights:10", signal.SIGINT),
+    ("writing a checkpoint", "tiertune.finetune.checkpoint:CheckpointWriter._write:2", signal.SIGTERM),
+    ("saving the model", "tiertune.finetune.export:write_hf:1", signal.SIGTERM),
+]
+
+
+@pytest.mark.parametrize("where,at,signum", TRAIN_POINTS, ids=[p[0] for p in TRAIN_POINTS])
+def test_train_stops_on_a_signal_wherever_it_is(tmp_path, stop_recipe, where, at, signum):
+    """`tiertune train` stopped while loading, mid-step, while a checkpoint is written and while the model is
+    saved: exit 128 + the signal within seconds, one line (where it stopped, how to resume), the offload files
+    and partial directories gone, every checkpoint left intact."""
+    run = tmp_path / "run"
+    _, stderr = _stop(tmp_path, at, signum, ["train", str(stop_recipe), f"training.output_dir={run}",
+                                             f"offload.disk_path={tmp_path / 'nvme'}", "-q"])  # fmt: skip
+    assert "resume with: tiertune train" in stderr or "no checkpoint was written yet" in stderr, stderr
+    assert not (tmp_path / "nvme").exists() or not list((tmp_path / "nvme").iterdir())
+    assert not list(run.glob(".checkpoint-*")) and not list(run.glob(".export-*"))
+    for done in checkpoints(run):
+        verify(done)
+
+
+def test_export_and_merge_stop_on_a_signal_mid_way(tmp_path, lora_run):
+    """`tiertune export` (GGUF; the merged HF model) and `tiertune merge` stopped mid-way: exit 128 + the
+    signal within seconds, one line, and neither the output nor its temporary directory beside it is left."""
+    cases = [
+        ("tiertune.finetune.gguf_export:_Tensor.values_from:3", signal.SIGTERM,
+         ["export", str(lora_run), "--format", "gguf", "--out", str(tmp_path / "gguf")]),
+        ("tiertune.finetune.merging:_Merger._merged:2", signal.SIGINT,
+         ["export", str(lora_run), "--format", "hf", "--out", str(tmp_path / "hf")]),
+        ("tiertune.finetune.merging:_Merger._merged:3", signal.SIGTERM,
+         ["merge", str(lora_run), "--out", str(tmp_path / "merged")]),
+    ]  # fmt: skip
+    for at, signum, args in cases:
+        _stop(tmp_path, at, signum, args)
+        assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(("stop.", "signal-"))) == [], at
+
+
+def test_env_probe_and_parsing_stop_on_a_signal(tmp_path):
+    """`tiertune env --probe` stopped while it writes to the disk (its probe directory removed), and any
+    command stopped while its command line is parsed (before its own handling: one line, not Python's
+    KeyboardInterrupt traceback nor click's "Aborted!")."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    _stop(tmp_path, "tiertune.offload.disk:DiskTier.write:2", signal.SIGINT,
+          ["env", "--disk-path", str(disk), "--probe"])  # fmt: skip
+    assert not list(disk.iterdir())
+    _stop(tmp_path, "typer.main:get_command:1", signal.SIGINT, ["recipes"])
+    _stop(tmp_path, "typer.main:get_command:1", signal.SIGTERM, ["estimate", "--help"])
+
+
+def test_demo_stops_on_a_signal_mid_step(tmp_path):
+    """`tiertune demo` (the README's first command) stopped mid-step: as `train`, exit 130 within seconds and
+    one line saying where it stopped and how to resume; its offload files removed."""
+    _, stderr = _stop(tmp_path, "tiertune.engine.trainer:StreamedTrainer.layer_weights:30", signal.SIGINT,
+                      ["demo", "-q"])  # fmt: skip
+    assert "stopped by SIGINT" in stderr
+    demo = yaml.safe_load((tmp_path / "runs" / "demo" / "out" / "recipe.yaml").read_text())
+    disk = Path(demo["offload"]["disk_path"])
+    assert not disk.exists() or not list(disk.glob("tiertune-store-*"))

@@ -135,9 +135,21 @@ def test_tiertune_launch_says_how_a_stop_ended(tmp_path, cat_model, write_recipe
     tool = str(Path(sys.executable).with_name("tiertune"))
     recipe = _long_recipe(tmp_path, cat_model, write_recipe)
     command = [tool, "launch", "--standalone", "--nproc_per_node", "2", "train", str(recipe), "-q"]
-    proc, _ = _training(tmp_path, recipe, command)
+    proc, ranks = _training(tmp_path, recipe, command)
+    sent = time.monotonic()
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=120) == 143
+    # every rank stopped through its clean-up, and the launch with them, within seconds; none is left
+    assert time.monotonic() - sent <= 5, f"{time.monotonic() - sent:.1f} s from SIGTERM to the launch's exit"
+    assert not any(psutil.pid_exists(r) and psutil.Process(r).status() != psutil.STATUS_ZOMBIE for r in ranks)
+    gone = time.monotonic() + 5
+    while True:  # its session (every process it started) is empty
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < gone, [p.cmdline() for p in psutil.process_iter() if os.getpgid(p.pid) == proc.pid]
+        time.sleep(0.05)
     log = (tmp_path / "launch.log").read_text()
     assert "Traceback" not in log, log[-3000:]
     assert "tiertune: stopped by SIGTERM after step" in log
