@@ -1,0 +1,208 @@
+"""Every model type transformers knows, through `tiertune estimate`: estimated, or refused with one line.
+
+For each model type of transformers' ``CONFIG_MAPPING`` with a default config, a config-only directory
+(``config.json`` alone, as a user hands `estimate` one) is written with its layers cut to ``--layers``
+(``--full`` keeps the default's size), and `tiertune estimate RECIPE model.path=DIR` runs as a command of its
+own: a process forked from a server that imported tiertune once (so 800 types take minutes, not an hour),
+its stdout and stderr in files, its exit code the command's. Each type is then
+
+- ``estimated``: exit 0 or 1 with the estimate printed (1: it does not fit the recipe's budgets);
+- ``refused``: exit 2 and one line on stderr, ``error: ...``;
+- ``traceback`` (anything else: a traceback, another exit code, more lines, no exit within ``--timeout``).
+
+Prints one JSON object per type and a summary; with ``--markdown FILE`` also the table (model type ->
+estimated / refused and why), as BENCHMARKS.md gives it. Exits 1 when any type ended otherwise than estimated
+or refused.
+
+    python benchmarks/model_types.py --dir /tmp/mt --markdown /tmp/mt/table.md
+    python benchmarks/model_types.py --dir /tmp/mt --types llama,bert,t5,gemma3,mixtral --full
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+RECIPE = "llama3-8b-qlora-24gb"  # QLoRA on one 24 GB GPU: the quantizer and LoRA see every layer
+LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "decoder_layers",
+              "encoder_layers", "num_encoder_layers", "text_layers")  # fmt: skip
+
+
+def cut(config: object, layers: int) -> None:
+    """Cut ``config`` (and its sub-configs) to at most ``layers`` layers; lists with an entry per layer (layer
+    types, per-layer window sizes...) are cut with them."""
+    from transformers import PretrainedConfig
+
+    for key in LAYER_KEYS:
+        old = getattr(config, key, None)
+        if not isinstance(old, int) or isinstance(old, bool) or old <= layers:
+            continue
+        try:
+            setattr(config, key, layers)
+        except (AttributeError, ValueError, TypeError):
+            continue
+        for name, value in list(vars(config).items()):
+            if isinstance(value, list) and len(value) == old:
+                try:
+                    setattr(config, name, value[:layers])
+                except (AttributeError, ValueError, TypeError):
+                    continue
+    for value in list(vars(config).values()):
+        if isinstance(value, PretrainedConfig):
+            cut(value, layers)
+
+
+def write_config(model_type: str, directory: Path, layers: int | None) -> str | None:
+    """``model_type``'s default config as ``directory/config.json`` (cut to ``layers``); why not, if it has
+    none."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        config = CONFIG_MAPPING[model_type]()
+        if layers is not None:
+            cut(config, layers)
+        directory.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(directory)
+    except Exception as exc:  # some types need arguments (sub-configs, a backbone) to make a config at all
+        return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+    return None
+
+
+def _command(argv: list[str], out: str, err: str) -> None:
+    """The console script's entry point, in this (forked) process, its stdout and stderr in files."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 (the process ends with the command)
+    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    sys.argv = ["tiertune", *argv]
+    from tiertune.cli.app import main
+
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # what the interpreter would print for an uncaught exception
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def classify(code: int | None, out: str, err: str) -> tuple[str, str]:
+    """``(result, why)`` of one estimate's exit code and output."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    if code is None:
+        return "traceback", "no exit within the timeout"
+    if "Traceback (most recent call last)" in out + err:
+        last = next((line for line in reversed(lines) if line and not line.startswith(" ")), "")
+        return "traceback", last[:200]
+    if code in (0, 1) and "parameters" in out:
+        fits = "fits" if code == 0 else "does not fit the recipe's budgets"
+        first = out.splitlines()[0] if out else ""
+        return "estimated", f"{fits}; {first[:160]}"
+    if code == 2 and len(lines) == 1 and lines[0].startswith("error: "):
+        return "refused", lines[0][len("error: "):]
+    return "traceback", f"exit {code}, {len(lines)} lines on stderr: {' | '.join(lines)[:200]}"
+
+
+def walk(types: list[str], directory: Path, layers: int | None, recipe: str, extra: list[str],
+         timeout: float, jobs: int) -> list[dict]:  # fmt: skip
+    """Each of ``types`` through `tiertune estimate` (``jobs`` at a time); one dict per type."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tiertune.cli.app", "tiertune.finetune.estimate", "transformers"])
+    results: list[dict] = []
+    pending = list(types)
+    running: dict[str, tuple[multiprocessing.process.BaseProcess, float, Path]] = {}
+    while pending or running:
+        while pending and len(running) < jobs:
+            model_type = pending.pop(0)
+            place = directory / model_type
+            why = write_config(model_type, place, layers)
+            if why is not None:
+                results.append({"model_type": model_type, "result": "no default config", "why": why})
+                continue
+            argv = ["estimate", recipe, f"model.path={place}", *extra]
+            proc = ctx.Process(target=_command, args=(argv, str(place / "out.txt"), str(place / "err.txt")))
+            proc.start()
+            running[model_type] = (proc, time.monotonic(), place)
+        time.sleep(0.05)
+        for model_type, (proc, began, place) in list(running.items()):
+            late = time.monotonic() - began > timeout
+            if proc.is_alive() and not late:
+                continue
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+            del running[model_type]
+            code = None if late else proc.exitcode
+            out, err = ((place / f).read_text(errors="replace") for f in ("out.txt", "err.txt"))
+            result, why = classify(code, out, err)
+            row = {"model_type": model_type, "result": result, "why": why, "exit": code,
+                   "seconds": round(time.monotonic() - began, 1)}  # fmt: skip
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    return sorted(results, key=lambda r: r["model_type"])
+
+
+def markdown(results: list[dict]) -> str:
+    """The table BENCHMARKS.md gives: model type -> estimated / refused and why."""
+    rows = ["| model type | result | why |", "|---|---|---|"]
+    for r in results:
+        why = r["why"].replace("|", "\\|")
+        rows.append(f"| `{r['model_type']}` | {r['result']} | {why} |")
+    return "\n".join(rows) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", required=True, help="where the config-only directories go")
+    parser.add_argument("--types", help="comma-separated model types (default: every type transformers knows)")
+    parser.add_argument("--layers", type=int, default=4, help="layers each config is cut to")
+    parser.add_argument("--full", action="store_true", help="the default configs at their full size")
+    parser.add_argument("--recipe", default=RECIPE, help="the recipe whose model.path each type replaces")
+    parser.add_argument("--set", action="append", default=["method.lora.dropout=0"],
+                        help="more overrides of the recipe (default: method.lora.dropout=0, which MoE experts need)")
+    parser.add_argument("--probe", action="store_true", help="measure the machine too (default: --no-probe)")
+    parser.add_argument("--gpu", default="rtx4090", help="estimate's --gpu")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one estimate may take")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--markdown", help="also write the table to this file")
+    args = parser.parse_args()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    types = args.types.split(",") if args.types else sorted(CONFIG_MAPPING_NAMES)
+    extra = [*args.set, "--gpu", args.gpu, *([] if args.probe else ["--no-probe"])]
+    began = time.monotonic()
+    results = walk(types, Path(args.dir), None if args.full else args.layers, args.recipe, extra, args.timeout,
+                   args.jobs)  # fmt: skip
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r["result"]] = counts.get(r["result"], 0) + 1
+    import transformers
+
+    print(json.dumps({"bench": "model_types", "types": len(results), "counts": counts,
+                      "transformers": transformers.__version__, "recipe": args.recipe, "layers": None if args.full
+                      else args.layers, "seconds": round(time.monotonic() - began, 1),
+                      "tracebacks": [r["model_type"] for r in results if r["result"] == "traceback"]}))  # fmt: skip
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(results))
+    return 1 if counts.get("traceback") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
