@@ -21,6 +21,7 @@ or refused.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -48,10 +49,13 @@ def cut(config: object, layers: int) -> None:
             continue
         for name, value in list(vars(config).items()):
             if isinstance(value, list) and len(value) == old:
-                try:
-                    setattr(config, name, value[:layers])
+                try:  # the first layers and the last (which patterns such as Gemma's require to be global)
+                    setattr(config, name, value[: layers - 1] + value[-1:])
                 except (AttributeError, ValueError, TypeError):
                     continue
+            elif isinstance(value, dict) and value and all(isinstance(k, int) for k in value):
+                with contextlib.suppress(AttributeError, ValueError, TypeError):  # settings by layer index
+                    setattr(config, name, {k: v for k, v in value.items() if k < layers})
     for value in list(vars(config).values()):
         if isinstance(value, PretrainedConfig):
             cut(value, layers)
@@ -123,6 +127,9 @@ def classify(code: int | None, out: str, err: str) -> tuple[str, str]:
 def walk(types: list[str], directory: Path, layers: int | None, recipe: str, extra: list[str],
          timeout: float, jobs: int) -> list[dict]:  # fmt: skip
     """Each of ``types`` through `tiertune estimate` (``jobs`` at a time); one dict per type."""
+    # the server imports transformers once for all; tiertune's entry point sets this before transformers is
+    # imported in a process of its own (``cli.app.main``), so the server does it first too
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["tiertune.cli.app", "tiertune.finetune.estimate", "transformers"])
     results: list[dict] = []
@@ -134,7 +141,9 @@ def walk(types: list[str], directory: Path, layers: int | None, recipe: str, ext
             place = directory / model_type
             why = write_config(model_type, place, layers)
             if why is not None:
-                results.append({"model_type": model_type, "result": "no default config", "why": why})
+                row = {"model_type": model_type, "result": "no default config", "why": why}
+                results.append(row)
+                print(json.dumps(row), flush=True)
                 continue
             argv = ["estimate", recipe, f"model.path={place}", *extra]
             proc = ctx.Process(target=_command, args=(argv, str(place / "out.txt"), str(place / "err.txt")))

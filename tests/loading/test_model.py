@@ -166,6 +166,37 @@ def test_an_encoder_decoder_model_is_named_as_not_a_causal_lm(tiny_model_dir, tm
         build_skeleton(copy)
 
 
+def test_what_tiertune_cannot_train_is_refused_in_one_line_saying_what_to_do(tiny_model_dir, tmp_path):
+    """An encoder-only model (BERT: transformers gives it a causal-LM head, bidirectional unless is_decoder), a
+    multimodal class (Gemma 3: its forward takes pixel_values; its text decoder is a type of its own, named),
+    and a config transformers' model code fails on are each a ModelError in one line, never a traceback nor an
+    estimate of something else; a multimodal config whose causal LM is the text decoder alone (Llama 4) is not
+    refused, and its dimensions are the decoder's."""
+    from transformers import BertConfig, Gemma3Config, Llama4Config
+
+    from tiertune.loading.model import decoder_config
+
+    bert = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    copy = _with_config(tiny_model_dir, tmp_path / "bert", bert.to_json_string())
+    with pytest.raises(ModelError, match=r"is a bert \(no architectures listed\), an encoder-only model \(pretrained "
+                                         r"with bidirectional attention.*set model.path to a decoder-only model"):  # fmt: skip
+        build_skeleton(copy)
+    gemma3 = Gemma3Config()
+    gemma3.architectures = ["Gemma3ForConditionalGeneration"]
+    copy = _with_config(tiny_model_dir, tmp_path / "gemma3", gemma3.to_json_string())
+    with pytest.raises(ModelError, match=r"a multimodal model \(Gemma3ForConditionalGeneration takes pixel_values\)"
+                                         r".*its text decoder alone is model_type 'gemma3_text' \(Gemma3ForCausalLM\)"):  # fmt: skip
+        load_config(copy)
+    llama4 = Llama4Config(text_config={"hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 100})
+    copy = _with_config(tiny_model_dir, tmp_path / "llama4", llama4.to_json_string())
+    decoder = decoder_config(copy)
+    assert (decoder.hidden_size, decoder.num_hidden_layers, decoder.vocab_size) == (64, 1, 100)
+    cfg = json.loads((tiny_model_dir("llama")[0] / "config.json").read_text())
+    copy = _with_config(tiny_model_dir, tmp_path / "odd", json.dumps({**cfg, "hidden_act": "no_such_activation"}))
+    with pytest.raises(ModelError, match=r"transformers .* cannot build LlamaForCausalLM from .*config.json \("):
+        build_skeleton(copy)
+
+
 def test_moe_experts_stream_into_the_fused_tensors_and_a_missing_one_is_named(tiny_model_dir, tmp_path, disk_dir):
     """A Mixtral checkpoint as transformers 5 saves it (w1, w2, w3 per expert) fills the model's fused
     ``gate_up_proj`` (w1 rows, then w3 rows, per expert) and ``down_proj`` exactly as ``from_pretrained``

@@ -592,6 +592,9 @@ def main() -> None:
     (through the command's clean-up) replaces ``_stop_at_once`` for that time."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _stop_at_once)
+    # transformers' own warnings (a default token id outside the vocabulary, a setting it fixed up) are not the
+    # user's to act on: tiertune says what matters in its own lines; TRANSFORMERS_VERBOSITY=warning shows them
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     app()
 
 

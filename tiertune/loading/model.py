@@ -120,6 +120,10 @@ def decoder_config(directory: str | os.PathLike[str]) -> Any:
     return load_config(directory).get_text_config(decoder=True)
 
 
+DIMENSIONS = ("hidden_size", "num_hidden_layers", "vocab_size")
+"""What tiertune reads of a decoder's config: the width of its hidden states, its layers, its vocabulary."""
+
+
 DECODERS = "set model.path to a decoder-only model such as Llama, Qwen, Mistral or Gemma"
 
 MULTIMODAL_INPUTS = ("pixel_values", "pixel_values_videos", "input_features", "input_values", "audio_values",
@@ -149,12 +153,18 @@ def not_trainable(config: Any) -> str:
             "an encoder-only model (pretrained with bidirectional attention: a masked LM, not a decoder); "
             f"{DECODERS}"
         )
+    text = config.get_text_config(decoder=True)
+    missing = [key for key in DIMENSIONS if not isinstance(getattr(text, key, None), int)]
+    if missing:
+        return (
+            f"a model whose config names no {' or '.join(missing)} (not one stack of decoder layers over a hidden "
+            f"size, which tiertune streams a layer at a time); {DECODERS}"
+        )
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     cls = getattr(transformers, name, None)
     takes = set(inspect.signature(cls.forward).parameters) if cls is not None else set()
     inputs = sorted(takes & set(MULTIMODAL_INPUTS))
     if inputs:
-        text = config.get_text_config(decoder=True)
         alone = (
             f"its text decoder alone is model_type {text.model_type!r} "
             f"({MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[text.model_type]}), which tiertune trains"
@@ -175,8 +185,20 @@ def build_skeleton(directory: str | os.PathLike[str], dtype: torch.dtype = torch
     from transformers import AutoModelForCausalLM
 
     config = load_config(directory)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except Exception as exc:  # transformers' model code on a config it cannot use (missing or odd settings)
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "its causal LM")
+        why = (str(exc).splitlines() or [""])[0][:200]
+        raise ModelError(
+            f"transformers {transformers.__version__} cannot build {name} from {Path(directory) / 'config.json'} "
+            f"({type(exc).__name__}: {why}); the config lacks or mis-sets a setting that model needs: use the "
+            "config.json saved with the model (save_pretrained writes one), or a newer transformers"
+        ) from exc
     # init_empty_weights re-creates each registered parameter on meta, which undoes the tying that
     # from_config did: tie again so a tied head is the embedding's own parameter
     model.tie_weights()
