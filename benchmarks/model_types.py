@@ -10,12 +10,17 @@ its stdout and stderr in files, its exit code the command's. Each type is then
 - ``refused``: exit 2 and one line on stderr, ``error: ...``;
 - ``traceback`` (anything else: a traceback, another exit code, more lines, no exit within ``--timeout``).
 
+``--train`` runs `tiertune train RECIPE model.path=DIR` (one step, a line of chat data) instead: with no
+weights in the directory no type trains, and each must end as ``refused`` (which gate stopped it: the config,
+the budgets, the tokenizer, the weights), never in a traceback.
+
 Prints one JSON object per type and a summary; with ``--markdown FILE`` also the table (model type ->
 estimated / refused and why), as BENCHMARKS.md gives it. Exits 1 when any type ended otherwise than estimated
 or refused.
 
     python benchmarks/model_types.py --dir /tmp/mt --markdown /tmp/mt/table.md
     python benchmarks/model_types.py --dir /tmp/mt --types llama,bert,t5,gemma3,mixtral --full
+    python benchmarks/model_types.py --dir /tmp/mt --train
 """
 
 from __future__ import annotations
@@ -115,6 +120,8 @@ def classify(code: int | None, out: str, err: str) -> tuple[str, str]:
     if "Traceback (most recent call last)" in out + err:
         last = next((line for line in reversed(lines) if line and not line.startswith(" ")), "")
         return "traceback", last[:200]
+    if code == 0 and out.startswith("done:"):
+        return "trained", out.splitlines()[0][:160]
     if code in (0, 1) and "parameters" in out:
         fits = "fits" if code == 0 else "does not fit the recipe's budgets"
         first = out.splitlines()[0] if out else ""
@@ -125,8 +132,8 @@ def classify(code: int | None, out: str, err: str) -> tuple[str, str]:
 
 
 def walk(types: list[str], directory: Path, layers: int | None, recipe: str, extra: list[str],
-         timeout: float, jobs: int) -> list[dict]:  # fmt: skip
-    """Each of ``types`` through `tiertune estimate` (``jobs`` at a time); one dict per type."""
+         timeout: float, jobs: int, command: str = "estimate") -> list[dict]:  # fmt: skip
+    """Each of ``types`` through `tiertune estimate` (or ``train``), ``jobs`` at a time; one dict per type."""
     # the server imports transformers once for all; tiertune's entry point sets this before transformers is
     # imported in a process of its own (``cli.app.main``), so the server does it first too
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -145,7 +152,14 @@ def walk(types: list[str], directory: Path, layers: int | None, recipe: str, ext
                 results.append(row)
                 print(json.dumps(row), flush=True)
                 continue
-            argv = ["estimate", recipe, f"model.path={place}", *extra]
+            if command == "train":  # a step of the recipe on a config-only directory: as far as it gets
+                data = directory / "data.jsonl"
+                chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+                data.write_text(json.dumps(chat) + "\n")
+                argv = ["train", recipe, f"model.path={place}", f"data.path={data}", f"offload.disk_path={place / 'nvme'}",
+                        f"training.output_dir={place / 'run'}", "training.max_steps=1", *extra, "-q"]  # fmt: skip
+            else:
+                argv = ["estimate", recipe, f"model.path={place}", *extra]
             proc = ctx.Process(target=_command, args=(argv, str(place / "out.txt"), str(place / "err.txt")))
             proc.start()
             running[model_type] = (proc, time.monotonic(), place)
@@ -187,6 +201,8 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=["method.lora.dropout=0"],
                         help="more overrides of the recipe (default: method.lora.dropout=0, which MoE experts need)")
     parser.add_argument("--probe", action="store_true", help="measure the machine too (default: --no-probe)")
+    parser.add_argument("--train", action="store_true",
+                        help="`tiertune train` instead (one step; the directory has no weights: how far it gets)")
     parser.add_argument("--gpu", default="rtx4090", help="estimate's --gpu")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one estimate may take")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
@@ -195,16 +211,17 @@ def main() -> int:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     types = args.types.split(",") if args.types else sorted(CONFIG_MAPPING_NAMES)
-    extra = [*args.set, "--gpu", args.gpu, *([] if args.probe else ["--no-probe"])]
+    extra = args.set if args.train else [*args.set, "--gpu", args.gpu, *([] if args.probe else ["--no-probe"])]
     began = time.monotonic()
     results = walk(types, Path(args.dir), None if args.full else args.layers, args.recipe, extra, args.timeout,
-                   args.jobs)  # fmt: skip
+                   args.jobs, "train" if args.train else "estimate")  # fmt: skip
     counts: dict[str, int] = {}
     for r in results:
         counts[r["result"]] = counts.get(r["result"], 0) + 1
     import transformers
 
-    print(json.dumps({"bench": "model_types", "types": len(results), "counts": counts,
+    print(json.dumps({"bench": "model_types", "command": "train" if args.train else "estimate",
+                      "types": len(results), "counts": counts,
                       "transformers": transformers.__version__, "recipe": args.recipe, "layers": None if args.full
                       else args.layers, "seconds": round(time.monotonic() - began, 1),
                       "tracebacks": [r["model_type"] for r in results if r["result"] == "traceback"]}))  # fmt: skip

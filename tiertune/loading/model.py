@@ -96,7 +96,7 @@ def load_config(directory: str | os.PathLike[str]) -> Any:
         )
     try:
         config = AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError, OSError, TypeError) as exc:
+    except Exception as exc:  # transformers and huggingface_hub validate configs with errors of their own
         raise ModelError(
             f"{file}: transformers {transformers.__version__} cannot build a config of model_type "
             f"{model_type!r} from it ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); upgrade "
