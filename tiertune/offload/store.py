@@ -1202,13 +1202,10 @@ class ChunkStore:
         if self.ledger:
             handle = self._in_flight(label)
         else:
-            handle = self._transfers[chunk.id] = self.aio.copy(
-                alloc.tensor, chunk.copies[src].tensor, label, chunk.device_event
-            )
+            handle = self.aio.copy(alloc.tensor, chunk.copies[src].tensor, label, chunk.device_event)
         ok, fail = (S.ON_DEVICE, S.ON_HOST) if dst is Tier.DEVICE else (S.ON_HOST, S.ON_DEVICE)
-        handle.add_done_callback(
-            lambda h: self._done(chunk, h, src, dst, ok, fail, drop=src if then_drop else None)
-        )
+        drop = src if then_drop else None
+        self._then(chunk, handle, lambda h: self._done(chunk, h, src, dst, ok, fail, drop=drop))
         return True
 
     def _start_load(self, chunk: Chunk, blocking: bool, before: float = math.inf) -> bool:
@@ -1228,8 +1225,6 @@ class ChunkStore:
             else:
                 assert self.disk is not None and chunk.disk_checksums is not None
                 handle = self.disk.read(chunk, slot, alloc.tensor, chunk.disk_checksums)
-            if not self.ledger:
-                self._transfers[chunk.id] = handle
         except BaseException:
             chunk.transition(S.ON_DISK)
             self._invalidate(chunk, Tier.HOST)
@@ -1240,7 +1235,7 @@ class ChunkStore:
                 chunk.disk_checksums = tuple(sums)
             self._done(chunk, h, Tier.DISK, Tier.HOST, S.ON_HOST, S.ON_DISK)
 
-        handle.add_done_callback(done)
+        self._then(chunk, handle, done)
         return True
 
     def _start_write(self, chunk: Chunk, drop_host: bool) -> None:
@@ -1257,7 +1252,6 @@ class ChunkStore:
             handle = self._in_flight(f"write {chunk.name}")
         else:
             handle, sums = self.disk.write(chunk, slot, chunk.copies[Tier.HOST].tensor)
-            self._transfers[chunk.id] = handle
 
         def done(h: IOHandle) -> None:
             if h.error is None:
@@ -1266,6 +1260,13 @@ class ChunkStore:
                 chunk, h, Tier.HOST, Tier.DISK, S.ON_HOST, S.ON_HOST, drop=Tier.HOST if drop_host else None
             )
 
+        self._then(chunk, handle, done)
+
+    def _then(self, chunk: Chunk, handle: IOHandle, done: Callable[[IOHandle], None]) -> None:
+        """``done`` when ``chunk``'s transfer ``handle`` completes; an I/O thread's transfer is also what
+        ``close`` waits for (a ledger's is finished by the store's next call, ``_land``)."""
+        if not self.ledger:
+            self._transfers[chunk.id] = handle
         handle.add_done_callback(done)
 
     def _done(
