@@ -49,6 +49,7 @@ def test_a_family_of_each_kind_is_estimated_or_refused_in_one_line(tmp_path):
 @pytest.mark.timeout(900)
 def test_full_size_default_configs_are_estimated(tmp_path):
     """A config-only directory is what users hand `estimate`: the default configs at their full size (a 7B
-    dense decoder, a 30B mixture of experts) are estimated as well as cut ones."""
-    results = _walk(tmp_path, ["mistral", "qwen3_moe"], "--full")
+    dense decoder, a 30B mixture of experts, one whose layers differ in their heads: a heterogeneous config,
+    whose per-layer settings read from the whole config are an error) are estimated as well as cut ones."""
+    results = _walk(tmp_path, ["mistral", "qwen3_moe", "dots3_note_text"], "--full")
     assert all(r["result"] == "estimated" for r in results.values()), results

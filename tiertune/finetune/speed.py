@@ -26,7 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -97,18 +97,29 @@ def step_flops(model: torch.nn.Module, layers: list[torch.nn.Module], micro_toke
                 weights += p.numel() * top_k // n_experts
             elif p.dim() >= 2:
                 weights += p.numel()
-    # a layer's attention scores and weighted sum; none in a model without attention heads (Mamba's, RWKV's
-    # layers are all matrices and scans)
-    heads = getattr(config, "num_attention_heads", None) or 0
-    head_dim = (getattr(config, "head_dim", None) or config.hidden_size // heads) if heads else 0
-    attention = 4 * (seq_len / 2) * heads * head_dim * len(layers)
+    # each layer's attention scores and weighted sum, by its own config where layers differ (a heterogeneous
+    # config: heads per layer); none in a layer without attention heads (Mamba's, RWKV's: matrices and scans)
+    attention = 0.0
+    for each in _layer_configs(config, len(layers)):
+        heads = getattr(each, "num_attention_heads", None) or 0
+        head_dim = (getattr(each, "head_dim", None) or config.hidden_size // heads) if heads else 0
+        attention += 4 * (seq_len / 2) * heads * head_dim
     head = config.vocab_size * config.hidden_size
     layer_factor, head_factor = (4, 3) if trained else (3, 2)
     layer_factor, head_factor = layer_factor + reference, head_factor + reference + paired
     total = layer_factor * (2 * weights + attention) * tokens + head_factor * 2 * head * tokens
-    inner = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    inner = getattr(_layer_configs(config, 1)[0], "intermediate_size", None) or 4 * config.hidden_size
     shape = (micro_tokens, config.hidden_size, inner)
     return StepFlops(tokens, weights, attention, head, layer_factor, head_factor, total, shape)
+
+
+def _layer_configs(config: Any, layers: int) -> list[Any]:
+    """The config of each of the first ``layers`` decoder layers: transformers' per-layer configs where the
+    layers differ (``is_heterogeneous``: reading such a setting from the whole config is an error), else the
+    config itself for each."""
+    if getattr(config, "is_heterogeneous", False):
+        return [config.per_layer_config[i] for i in range(layers)]
+    return [config] * layers
 
 
 def measure_matmul(device: torch.device, dtype: torch.dtype, m: int, k: int, n: int) -> float:
