@@ -129,7 +129,7 @@ class StreamedTrainer(TrainerViews):
         # a chunk per boundary with a slot per micro-batch of a wave
         self.stash: Stash = DeviceStash(self.device, config.dtype)
         if config.activations == "host":
-            slot = config.activation_tokens * self.model.config.hidden_size
+            slot = config.activation_tokens * self.model.config.get_text_config(decoder=True).hidden_size
             self.stash = ChunkStash.add(self.store, len(self.parts.layers), slot, stash_slots(config), config.dtype,
                                         self.times)  # fmt: skip
         # after the stash: the twins take what room is left (as estimate lays them out)

@@ -155,12 +155,13 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int, gpu: bool = False) -> i
     trained = [p for n, p in layer.named_parameters() if cfg.method == "lora" and "lora_" in n]
     rotary = next((m for n, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")
                    and ".layers." not in f".{n}."), None)  # fmt: skip
-    hidden = torch.zeros(1, tokens, model.config.hidden_size, device="meta", dtype=cfg.dtype, requires_grad=True)
+    width = model.config.get_text_config(decoder=True).hidden_size
+    hidden = torch.zeros(1, tokens, width, device="meta", dtype=cfg.dtype, requires_grad=True)
     positions = torch.arange(tokens, device="meta")[None]
     kwargs = {"attention_mask": None}  # one document: segment attention needs no positions to cut it
     if rotary is not None:
         kwargs["position_embeddings"] = rotary(hidden, positions)
-    grad = torch.zeros(1, tokens, model.config.hidden_size, device="meta", dtype=cfg.dtype)
+    grad = torch.zeros(1, tokens, width, device="meta", dtype=cfg.dtype)
     layer.train()
     sdpa = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = functools.partial(_sdpa, gpu=gpu)

@@ -155,7 +155,7 @@ def run_layout(
         for w in weights:  # each weight chunk followed by its states (``layout.add_states``)
             chunks.append(w)
             units.append(_states(chunks, cfg, galore, device, gi))
-    hidden = model.config.hidden_size
+    hidden = model.config.get_text_config(decoder=True).hidden_size
     act = cfg.activation_tokens * hidden * itemsize(cfg.dtype)
     outside: dict[str, int] = {}
     k = t.gradient_accumulation_steps
@@ -206,7 +206,7 @@ def run_layout(
         fits = not make_plan(chunks, on_cpu=not on_gpu).short(budgets) and slot_bytes_of(chunks, store_cfg) <= disk_free
         if cfg.overlap_optimizer != "on" and not fits:
             del chunks[before:]
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config(decoder=True).vocab_size
     from tiertune.kernels.architectures import FUSED_LOSS
     from tiertune.kernels.ops.linear_ce import working_bytes
 

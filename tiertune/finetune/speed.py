@@ -85,7 +85,7 @@ def step_flops(model: torch.nn.Module, layers: list[torch.nn.Module], micro_toke
     before quantization: every matrix in a decoder layer, 3-D fused experts scaled by top-k / experts. A
     preference objective (``paired``) runs the head once more without autograd (the sequences' log-probabilities
     before their weighted gradient); its ``reference`` one more forward of every layer and of the head."""
-    config = model.config
+    config = model.config.get_text_config(decoder=True)  # the decoder's dimensions (``decoder_config``)
     tokens = micro_tokens * steps_micro
     experts = (getattr(config, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
     n_experts = next((e for e in experts if e), None)

@@ -97,10 +97,16 @@ class NF4:
         )
 
     def convert(self, module: nn.Module) -> None:
-        """Replace the ``nn.Linear`` modules inside ``module`` (a decoder layer) by ``Linear4bit`` (meta)."""
+        """Replace the ``nn.Linear`` modules inside ``module`` (a decoder layer) by ``Linear4bit`` (meta). A
+        weight of fewer elements than whole blocks (Gemma 3n's 4 x 4 AltUp coefficients) stays as it is: its
+        bytes are nothing beside the layer's, and a packed weight is whole blocks."""
+        import re
+
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
 
-        replace_with_bnb_linear(module, list(self.skip) or None, quantization_config=self.config())
+        partial = [re.escape(name) for name, sub in module.named_modules()
+                   if isinstance(sub, nn.Linear) and sub.weight.numel() % self.blocksize]  # fmt: skip
+        replace_with_bnb_linear(module, [*self.skip, *partial] or None, quantization_config=self.config())
         for sub in module.modules():  # transformers sets the storage dtype; the block size is ours
             weight = getattr(sub, "weight", None)
             if weight is not None and hasattr(weight, "quant_state"):
