@@ -30,6 +30,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -176,19 +177,49 @@ def walk(types: list[str], directory: Path, layers: int | None, recipe: str, ext
             out, err = ((place / f).read_text(errors="replace") for f in ("out.txt", "err.txt"))
             result, why = classify(code, out, err)
             row = {"model_type": model_type, "result": result, "why": why, "exit": code,
-                   "seconds": round(time.monotonic() - began, 1)}  # fmt: skip
+                   "seconds": round(time.monotonic() - began, 1), "dir": str(place)}  # fmt: skip
             results.append(row)
             print(json.dumps(row), flush=True)
     return sorted(results, key=lambda r: r["model_type"])
 
 
+PREFIX = r"^tiertune fine-tunes decoder-only causal LMs \(AutoModelForCausalLM\); \S+ is a \S+ \([^)]*\), "
+"""What every refusal of a config begins with (the model's directory, type and architectures)."""
+
+REASONS = (  # a refusal's kind, by what its line says
+    ("not a causal LM", "not a causal LM"),
+    ("an encoder-decoder model", "encoder-decoder"),
+    ("an encoder-only model", "encoder-only"),
+    ("a multimodal model", "multimodal class"),
+    ("no recognizable stack of decoder layers", "no stack of identical decoder layers"),
+    ("cannot build a config", "transformers cannot read the config"),
+    (" cannot build ", "transformers cannot build the model from the config"),
+    ("whose config names no", "no hidden size / layers / vocabulary"),
+    ("method.lora", "the recipe's LoRA targets"),
+)
+
+
+def kind(row: dict) -> str:
+    """A row's result in a few words: estimated, or which kind of refusal."""
+    if row["result"] != "refused":
+        return row["result"]
+    return next((name for text, name in REASONS if text in row["why"]), "refused")
+
+
 def markdown(results: list[dict]) -> str:
-    """The table BENCHMARKS.md gives: model type -> estimated / refused and why."""
-    rows = ["| model type | result | why |", "|---|---|---|"]
+    """The table BENCHMARKS.md gives: each model type that transformers has a causal LM for -> estimated, or
+    refused and why (the line, shortened); then the types refused as no causal LM at all, by name."""
+    rows = ["| model type | result | why (the refusal's line, from its reason on) |", "|---|---|---|"]
+    others = []
     for r in results:
-        why = r["why"].replace("|", "\\|")
-        rows.append(f"| `{r['model_type']}` | {r['result']} | {why} |")
-    return "\n".join(rows) + "\n"
+        if kind(r) == "not a causal LM":
+            others.append(r["model_type"])
+            continue
+        why = "" if r["result"] == "estimated" else re.sub(PREFIX, "", r["why"]).replace(r.get("dir", "\0"), "DIR")
+        why = (why[:200] + ("..." if len(why) > 200 else "")).replace("|", "\\|")
+        rows.append(f"| `{r['model_type']}` | {kind(r)} | {why} |")
+    tail = f"\nRefused as not a causal LM ({len(others)}): " + ", ".join(f"`{t}`" for t in others) + ".\n"
+    return "\n".join(rows) + "\n" + (tail if others else "")
 
 
 def main() -> int:

@@ -124,6 +124,7 @@ def _stop(tmp_path: Path, at: str, signum: int, args: list[str], reach: float = 
     assert "Traceback" not in stdout + stderr, stderr[-3000:]
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"tiertune: stopped by SIG{name}"), stderr[-3000:]
+    print(f"stop: {name} at {at}: {ended - sent:.2f} s to the exit")  # shown by pytest -s (the figures reported)
     assert ended - sent <= STOP_SECONDS, f"{ended - sent:.1f} s from {name} at {at} to the exit"
     gone = time.monotonic() + 5
     while True:  # nothing it started is left: its session (process group) has no member
