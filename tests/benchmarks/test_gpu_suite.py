@@ -13,15 +13,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import gpu_suite
 from bench_kernels import OPS
 
-pytestmark = pytest.mark.timeout(400)
+# A hang guard, not a speed test: the dry run takes ~200 s on a quiet 2-core machine and over 360 s on one that
+# other programs load (a disk writer and a CPU burner beside the suite's two workers: benchmarks/under_load.py)
+pytestmark = pytest.mark.timeout(1600)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """The JSON lines of one dry run (about 100 s on 2 cores), by result name."""
+    """The JSON lines of one dry run, by result name."""
     out = subprocess.run(
         [sys.executable, gpu_suite.__file__, "--dry-run", "--dir", str(tmp_path_factory.mktemp("suite"))],
-        capture_output=True, text=True, timeout=360,
+        capture_output=True, text=True, timeout=1500,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-5000:]
     lines = [json.loads(line) for line in out.stdout.splitlines()]
