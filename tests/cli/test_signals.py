@@ -1,5 +1,5 @@
 """SIGTERM (what schedulers send) and SIGINT (Ctrl-C) stop a run cleanly: the checkpoint being written is
-completed, the offload files and partial directories are removed, and the command says where it stopped,
+completed within seconds or dropped (the newest complete one stays), the offload files and partial directories are removed, and the command says where it stopped,
 the newest checkpoint and how to resume, with exit code 128 + the signal."""
 
 import os
@@ -47,8 +47,8 @@ def test_a_signal_stops_the_run_cleanly_and_says_how_to_resume(tmp_path, model_d
     assert "Traceback" not in result.output
     name = signal.Signals(signum).name
     newest = checkpoints(run_dir)[-1]
-    # the checkpoint being written when the signal came was completed, or dropped whole if its writer had not
-    # started: either way the newest one is intact
+    # the checkpoint being written when the signal came was completed (within STOP_GRACE_S), or dropped whole:
+    # either way the newest one is intact
     assert newest.name in ("checkpoint-2", "checkpoint-4")
     verify(newest)
     assert f"stopped by {name} after step" in result.output

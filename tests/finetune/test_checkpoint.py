@@ -263,3 +263,40 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_the_step_bo
     for name, tensors in boundary.items():
         saved = load_file(path / "state" / f"{name}.safetensors")
         assert all(torch.equal(saved[k], v) for k, v in tensors.items()), name
+
+
+def test_a_cancelled_checkpoint_stops_at_its_next_file_and_leaves_the_one_before(tmp_path, model_dir, disk_dir):
+    """A run stopping for a signal drops the checkpoint being written (``cancel``): the writer writes no chunk
+    after it, removes the partial directory, and the checkpoint before it stays the newest, intact."""
+    from tiertune.engine import EngineConfig
+    from tiertune.finetune import checkpoint
+    from tiertune.offload.store import StoreConfig
+
+    store = StoreConfig.resolve(device_budget="4MiB", host_budget="2MiB", disk_path=str(disk_dir))
+    trainer = StreamedTrainer(str(model_dir), store, EngineConfig(params="disk", optimizer_states="disk"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    writer = checkpoint.CheckpointWriter(trainer, run_dir, None)
+    written: list[str] = []
+    write = writer._write
+
+    def counted(chunk) -> None:
+        written.append(chunk.name)
+        if len(written) == len(chunks) + 1:  # the second checkpoint's first chunk
+            writer.cancel()
+        write(chunk)
+
+    writer._write = counted
+    try:
+        chunks = trainer.state_chunks()
+        assert len(chunks) >= 3
+        first = writer.save({"global_step": 1, "log_history": [], "tiertune": {"micro_batches": 1}})
+        assert writer.wait() == first and len(written) == len(chunks)
+        second = writer.save({"global_step": 2, "log_history": [], "tiertune": {"micro_batches": 2}})
+        assert writer.wait() == first  # the newest written is still the first
+    finally:
+        trainer.close()
+    assert len(written) == len(chunks) + 1  # nothing after the cancel
+    assert not second.exists() and not list(run_dir.glob(".checkpoint-*"))
+    assert checkpoints(run_dir) == [first]
+    checkpoint.verify(first)

@@ -61,6 +61,9 @@ PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
 CHECKSUMS = "checksums.json"  # {relative path: {"bytes": n, "xxh3_64": hex}} of every other file, written last
 RECIPE_FILE = "recipe.yaml"  # the resolved recipe of the run, in the run directory and in each checkpoint
+STOP_GRACE_S = 2.0
+"""Seconds a run stopping for a signal gives the checkpoint being written to complete before it drops it (the
+whole stop is to take a few seconds; a small checkpoint completes, a large one on a busy disk is dropped)."""
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 
 
@@ -128,13 +131,17 @@ def checksum(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "xxh3_64": file_digest(path)}
 
 
-def write_checksums(directory: Path, known: dict[str, dict] | None = None) -> None:
+def write_checksums(
+    directory: Path, known: dict[str, dict] | None = None, going: Callable[[], None] = lambda: None
+) -> None:
     """Record the size and xxh3-64 of every file under ``directory`` in its ``checksums.json``; those of
-    ``known`` (relative path -> entry: the other ranks' files, hashed by them) are taken as they are."""
+    ``known`` (relative path -> entry: the other ranks' files, hashed by them) are taken as they are.
+    ``going`` is called before each file (it raises to stop the work)."""
     known = known or {}
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS)
     table = {}
     for p in files:
+        going()
         name = str(p.relative_to(directory))
         table[name] = known.get(name) or checksum(p)
     (directory / CHECKSUMS).write_text(json.dumps(table, indent=1))
@@ -214,6 +221,11 @@ class CheckpointWriter:
     The writer threads exchange only files, never collectives; a rank that stops (killed, or failed) leaves
     the checkpoint uncommitted: rank 0 gives up once no rank has written a byte for the collective timeout,
     and the partial directory is removed.
+
+    ``cancel`` drops the checkpoint being written: the writer stops at its next file (a chunk, a checksum, an
+    fsync), its partial directory is removed, and the newest complete checkpoint stays the newest. A run
+    stopping for a signal gives it ``STOP_GRACE_S`` to complete (``wait(within=...)``), then drops it:
+    completing a large one on a busy disk could take minutes, and a stop must take seconds.
     """
 
     def __init__(self, trainer: StreamedTrainer, run_dir: str | os.PathLike[str], limit: int | None) -> None:
@@ -228,6 +240,7 @@ class CheckpointWriter:
         self._failed: BaseException | None = None  # the first failed chunk write of the current save
         self._files: dict[int, Path] = {}  # chunk id -> its file in the checkpoint being written
         self._abandoned = threading.Event()  # rank 0 stops waiting for the other ranks' parts
+        self._cancelled = threading.Event()  # the checkpoint being written is dropped (``cancel``)
         self.blocked_s = 0.0  # time the training threads waited for chunks to be written first
         self.last: Path | None = None
 
@@ -299,15 +312,27 @@ class CheckpointWriter:
                 self._write(chunk)
         self.blocked_s += time.perf_counter() - began
 
-    def wait(self) -> Path | None:
-        """Block until the checkpoint being written is complete; returns it (re-raises a write error)."""
+    def wait(self, within: float | None = None) -> Path | None:
+        """Block until the checkpoint being written is complete (or dropped, after ``cancel``); returns the
+        newest one written (re-raises a write error). ``within``: seconds it may take to complete; past them
+        it is dropped (``cancel``) and the wait ends as soon as its writer has cleaned up."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(within)
+            if self._thread.is_alive():
+                self.cancel()
+                self._thread.join()
             self._thread = None
         error, self._error = self._error, None
-        if error is not None:
+        if error is not None and not isinstance(error, _Cancelled):
             raise error
         return self.last
+
+    def cancel(self) -> None:
+        """Drop the checkpoint being written, if one is (a run stopping for a signal): nothing more is written
+        for it, and ``wait`` returns once its writer has removed the partial directory. Not committed: the
+        checkpoints before it stay as they are."""
+        self._cancelled.set()
+        self._abandoned.set()
 
     def abandon(self) -> None:
         """Stop waiting for the other ranks' parts of the checkpoint being written (a rank was lost: they will
@@ -333,7 +358,7 @@ class CheckpointWriter:
         with self._cond:
             while self._state.get(chunk.id) == "writing":
                 self._cond.wait()
-            if self._state.get(chunk.id) != "pending" or self._failed is not None:
+            if self._state.get(chunk.id) != "pending" or self._failed is not None or self._cancelled.is_set():
                 return False
             if chunk.id not in self._files:
                 self._state[chunk.id] = "done"
@@ -358,14 +383,16 @@ class CheckpointWriter:
 
     def _run(self, chunks: list, pieces: dict[str, dict], tmp: Path, final: Path, state: dict) -> None:
         world = self._world
+        going = self._going
         try:
             for chunk in chunks:
                 if self._claim(chunk):
                     self._write(chunk)
+            going()
             if self._failed is not None:
                 raise self._failed
             if world.size > 1:
-                _hand_in(tmp, world.rank, world.size, pieces)
+                _hand_in(tmp, world.rank, world.size, pieces, going)
                 if not world.is_main:
                     return  # rank 0 commits
                 parts = _collect(tmp, world.size, state["global_step"], self._abandoned)
@@ -377,13 +404,15 @@ class CheckpointWriter:
                 index, known = merge([pieces], 1), {}
             (tmp / "state" / INDEX_FILE).write_text(json.dumps(index, indent=1))
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
-            write_checksums(tmp, known)
-            _commit(tmp, final, self._run_dir)
+            write_checksums(tmp, known, going)
+            _commit(tmp, final, self._run_dir, going)
             for stale in prune(self._run_dir, self._limit):
                 log.debug("removed %s (save_total_limit %d)", stale, self._limit)
             self.last = final
             log.info("saved %s", final)
-        except BaseException as exc:  # re-raised by wait() on the training thread
+        except BaseException as caught:  # re-raised by wait() on the training thread
+            # dropped: whatever the writer stopped on (a rank's part that will not come, say)
+            exc = _Cancelled() if self._cancelled.is_set() else caught
             if world.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)  # never a partial left behind by a failed write
             if is_disk_full(exc):
@@ -393,6 +422,15 @@ class CheckpointWriter:
         finally:
             self._trainer.before_update = None
 
+    def _going(self) -> None:
+        """Raise ``_Cancelled`` once the checkpoint being written has been dropped (between its files)."""
+        if self._cancelled.is_set():
+            raise _Cancelled
+
+
+class _Cancelled(Exception):
+    """The writer stopped because ``CheckpointWriter.cancel`` dropped the checkpoint it was writing."""
+
 
 def rng_file(rank: int, world_size: int) -> str:
     """A process's random states in a checkpoint: ``rng_state.pth`` for one, ``rng_state_<rank>.pth`` of
@@ -400,13 +438,16 @@ def rng_file(rank: int, world_size: int) -> str:
     return "rng_state.pth" if world_size == 1 else f"rng_state_{rank}.pth"
 
 
-def _hand_in(tmp: Path, rank: int, world_size: int, pieces: dict[str, dict]) -> None:
+def _hand_in(
+    tmp: Path, rank: int, world_size: int, pieces: dict[str, dict], going: Callable[[], None] = lambda: None
+) -> None:
     """A rank's part done: its files fsynced, then ``state/rank-<r>.json`` (its index entries and its files'
     checksums) written under a temporary name and renamed, which tells rank 0 it is complete."""
     own = tmp / "state" / f"rank-{rank}"
     files = [*sorted(p for p in own.iterdir() if p.is_file()), tmp / rng_file(rank, world_size)]
     checksums = {}
     for path in files:
+        going()
         fsync_file(path)
         checksums[str(path.relative_to(tmp))] = checksum(path)
     fsync_dir(own)
@@ -448,12 +489,15 @@ def _size_of(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
 
-def _commit(tmp: Path, final: Path, run_dir: Path) -> None:
+def _commit(tmp: Path, final: Path, run_dir: Path, going: Callable[[], None] = lambda: None) -> None:
     """fsync every file of ``tmp`` (the trainer state last), then rename it to ``final`` and fsync the run
-    directory. An existing ``final`` (the same step saved again by a resumed run) is replaced whole."""
+    directory. An existing ``final`` (the same step saved again by a resumed run) is replaced whole.
+    ``going`` is called before each fsync (it raises to stop before the rename; after it, nothing stops)."""
     for path in sorted(tmp.rglob("*"), key=lambda p: p.name == STATE_FILE):
         if path.is_file():
+            going()
             fsync_file(path)
+    going()
     fsync_dir(tmp / "state")
     fsync_dir(tmp)
     if final.exists():

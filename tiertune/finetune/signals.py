@@ -1,8 +1,9 @@
 """Stopping a run on SIGINT (Ctrl-C) and SIGTERM (what schedulers send) through its clean-up.
 
 While a command runs (``stop_on_signals``), both signals become ``Signalled`` on the main thread, so the run
-unwinds as from Ctrl-C: the checkpoint being written is completed, the offload files are removed, and the
-user is told where it stopped and how to resume (SIGTERM's default would kill the process where it stands).
+unwinds as from Ctrl-C: the checkpoint being written is completed within seconds or dropped (the newest
+complete one stays), the offload files are removed, and the user is told where it stopped and how to resume
+(SIGTERM's default would kill the process where it stands).
 
 Where they are raised:
 
@@ -106,8 +107,9 @@ class StopOnSignals:
             self.requested = signum
             return
         print(
-            f"tiertune: {signal.Signals(signum).name} received again; finishing the checkpoint being written "
-            "and removing the offload files (kill -9 stops at once; the next run cleans up)",
+            f"tiertune: {signal.Signals(signum).name} received again; completing (within seconds) or dropping "
+            "the checkpoint being written and removing the offload files (kill -9 stops at once; the next run "
+            "cleans up)",
             file=sys.stderr,
             flush=True,
         )

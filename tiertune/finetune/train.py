@@ -47,6 +47,7 @@ from tiertune.files import write_text_atomically
 from tiertune.finetune.checkpoint import (
     RECIPE_FILE,
     STATE_FILE,
+    STOP_GRACE_S,
     CheckpointWriter,
     checkpoint_bytes,
     checkpoint_step,
@@ -241,7 +242,8 @@ def train(
     Raises ConfigError, DataError, ModelError, BudgetError, IntegrityError or DiskFullError with a message that
     says what to change; NonFiniteError when a step's loss or gradient norm is not finite (nothing is saved or
     exported after the last good step); ``Interrupted`` (a KeyboardInterrupt) after SIGINT or SIGTERM, once
-    the checkpoint being written is complete and the offload files are removed.
+    the checkpoint being written is completed within ``STOP_GRACE_S`` or dropped (the newest complete one
+    stays) and the offload files are removed.
     """
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
@@ -482,7 +484,9 @@ def _run(
             try:
                 if isinstance(failure, RankError):  # the lost rank's part of a checkpoint will not come
                     writer.abandon()
-                writer.wait()  # an interrupted run still completes the checkpoint it was writing
+                # a stop takes seconds: the checkpoint being written is completed if it can be within
+                # STOP_GRACE_S, else dropped; another failure still completes it
+                writer.wait(STOP_GRACE_S if isinstance(failure, KeyboardInterrupt) else None)
             except BaseException as exc:
                 if failure is None:
                     raise
