@@ -140,7 +140,9 @@ def test_tiertune_launch_says_how_a_stop_ended(tmp_path, cat_model, write_recipe
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=120) == 143
     # every rank stopped through its clean-up, and the launch with them, within seconds; none is left
-    assert time.monotonic() - sent <= 5, f"{time.monotonic() - sent:.1f} s from SIGTERM to the launch's exit"
+    took = time.monotonic() - sent
+    print(f"stop: TERM to tiertune launch (2 ranks training): {took:.2f} s to the exit")  # shown by pytest -s
+    assert took <= 5, f"{took:.1f} s from SIGTERM to the launch's exit"
     assert not any(psutil.pid_exists(r) and psutil.Process(r).status() != psutil.STATUS_ZOMBIE for r in ranks)
     gone = time.monotonic() + 5
     while True:  # its session (every process it started) is empty
