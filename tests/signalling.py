@@ -33,8 +33,9 @@ def arm(where: str, signum: int, stamp: str) -> None:
     def wrapper(*args, **kwargs):
         calls[0] += 1
         if calls[0] == int(nth):
-            with open(stamp, "w") as f:
+            with open(f"{stamp}.tmp", "w") as f:  # renamed into place whole: a reader never sees it empty
                 f.write(repr(time.time()))
+            os.replace(f"{stamp}.tmp", stamp)
             os.kill(os.getpid(), signum)
         return original(*args, **kwargs)
 
