@@ -330,7 +330,8 @@ class CheckpointWriter:
     def cancel(self) -> None:
         """Drop the checkpoint being written, if one is (a run stopping for a signal): nothing more is written
         for it, and ``wait`` returns once its writer has removed the partial directory. Not committed: the
-        checkpoints before it stay as they are."""
+        checkpoints before it stay as they are. It lasts: a ``save`` after it writes nothing (it is for a run
+        that stops)."""
         self._cancelled.set()
         self._abandoned.set()
 

@@ -46,8 +46,8 @@ def join(world: World) -> None:
 def stop_with_launcher() -> None:
     """Ask the kernel to send this rank SIGTERM when the launcher that started it (torchrun, ``accelerate
     launch``) dies, even by ``kill -9``: the rank then stops through its clean-up (the checkpoint being written
-    completed within seconds or dropped, the offload files removed) instead of training on unsupervised. Linux only (elsewhere a
-    launcher's death leaves its ranks to the collective timeout)."""
+    completed within seconds or dropped, the offload files removed) instead of training on unsupervised. Linux
+    only (elsewhere a launcher's death leaves its ranks to the collective timeout)."""
     import ctypes
 
     if not sys.platform.startswith("linux"):
