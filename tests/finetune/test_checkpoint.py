@@ -267,7 +267,8 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_the_step_bo
 
 def test_a_cancelled_checkpoint_stops_at_its_next_file_and_leaves_the_one_before(tmp_path, model_dir, disk_dir):
     """A run stopping for a signal drops the checkpoint being written (``cancel``): the writer writes no chunk
-    after it, removes the partial directory, and the checkpoint before it stays the newest, intact."""
+    after it, removes the partial directory, the checkpoint before it stays the newest, intact, and a later save
+    writes its checkpoint as usual."""
     from tiertune.engine import EngineConfig
     from tiertune.finetune import checkpoint
     from tiertune.offload.store import StoreConfig
@@ -294,9 +295,14 @@ def test_a_cancelled_checkpoint_stops_at_its_next_file_and_leaves_the_one_before
         assert writer.wait() == first and len(written) == len(chunks)
         second = writer.save({"global_step": 2, "log_history": [], "tiertune": {"micro_batches": 2}})
         assert writer.wait() == first  # the newest written is still the first
+        assert len(written) == len(chunks) + 1  # nothing after the cancel
+        assert not second.exists() and not list(run_dir.glob(".checkpoint-*"))
+        assert checkpoints(run_dir) == [first]
+        checkpoint.verify(first)
+        third = writer.save({"global_step": 3, "log_history": [], "tiertune": {"micro_batches": 3}})
+        assert writer.wait() == third  # the cancel dropped one checkpoint, not the ones after it
     finally:
         trainer.close()
-    assert len(written) == len(chunks) + 1  # nothing after the cancel
-    assert not second.exists() and not list(run_dir.glob(".checkpoint-*"))
-    assert checkpoints(run_dir) == [first]
-    checkpoint.verify(first)
+    assert len(written) == 2 * len(chunks) + 1
+    assert checkpoints(run_dir) == [first, third]
+    checkpoint.verify(third)

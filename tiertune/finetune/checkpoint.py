@@ -248,6 +248,8 @@ class CheckpointWriter:
         """Start writing ``checkpoint-<global_step>`` (with the run's ``recipe.yaml``, when given); returns the
         path it will have once complete. Of several ranks, every rank calls it at the same step."""
         self.wait()
+        self._cancelled.clear()  # a cancel or an abandon drops one checkpoint, not the ones after it
+        self._abandoned.clear()
         trainer, world = self._trainer, self._world
         step = int(trainer_state["global_step"])
         final = self._run_dir / f"{PREFIX}{step}"
@@ -330,8 +332,7 @@ class CheckpointWriter:
     def cancel(self) -> None:
         """Drop the checkpoint being written, if one is (a run stopping for a signal): nothing more is written
         for it, and ``wait`` returns once its writer has removed the partial directory. Not committed: the
-        checkpoints before it stay as they are. It lasts: a ``save`` after it writes nothing (it is for a run
-        that stops)."""
+        checkpoints before it stay as they are. A later ``save`` writes its checkpoint as usual."""
         self._cancelled.set()
         self._abandoned.set()
 
