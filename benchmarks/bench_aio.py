@@ -66,10 +66,19 @@ def fio_pass(directory: Path, rw: str, size: int, block: int, depth: int, direct
     if shutil.which("fio") is None:
         return None
     cmd = [
-        "fio", "--name=tiertune-bench", f"--filename={directory / 'fio-bench.tmp'}", f"--rw={rw}",
-        f"--bs={block}", f"--iodepth={depth}", "--ioengine=libaio", f"--direct={int(direct)}",
-        f"--size={size}", "--numjobs=1", "--output-format=json", "--end_fsync=1",
-    ]  # fmt: skip
+        "fio",
+        "--name=tiertune-bench",
+        f"--filename={directory / 'fio-bench.tmp'}",
+        f"--rw={rw}",
+        f"--bs={block}",
+        f"--iodepth={depth}",
+        "--ioengine=libaio",
+        f"--direct={int(direct)}",
+        f"--size={size}",
+        "--numjobs=1",
+        "--output-format=json",
+        "--end_fsync=1",
+    ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     job = json.loads(out[out.index("{") :])["jobs"][0]
     return job[rw]["bw_bytes"] / 1e9
@@ -90,8 +99,10 @@ def bench_engine(args: argparse.Namespace, directory: Path) -> dict:
     chunks = [Chunk(i, f"bench{i}", layout, Tier.DISK) for i in range(n_chunks)]
     slots = [disk.reserve(c, block) for c in chunks]
     moved = n_chunks * chunk_size
-    say(f"engine: {n_chunks} chunks of {format_size(chunk_size)} = {format_size(moved)}, "
-        f"block {format_size(block)}, queue depth {args.queue_depth}, O_DIRECT={disk.direct}")  # fmt: skip
+    say(
+        f"engine: {n_chunks} chunks of {format_size(chunk_size)} = {format_size(moved)}, "
+        f"block {format_size(block)}, queue depth {args.queue_depth}, O_DIRECT={disk.direct}"
+    )
     rounds: dict[str, list[float]] = {"write": [], "read": [], "fio_write": [], "fio_read": []}
     try:
         for r in range(args.rounds):
@@ -200,11 +211,19 @@ def bench_overlap(args: argparse.Namespace, directory: Path) -> dict:
             bound = n * max(compute, io)
             strict = n * max(compute, io_stream)
             out["overlap"].append(
-                {"compute_over_io": factor, "wall_s": wall, "bound_s": bound, "ratio": wall / bound,
-                 "stream_bound_s": strict, "stream_ratio": wall / strict}
-            )  # fmt: skip
-            say(f"overlap C={factor}I: wall {wall:.3f}s vs sum max(C,I) {bound:.3f}s -> {wall / bound:.3f} "
-                f"(vs streaming I: {wall / strict:.3f})")  # fmt: skip
+                {
+                    "compute_over_io": factor,
+                    "wall_s": wall,
+                    "bound_s": bound,
+                    "ratio": wall / bound,
+                    "stream_bound_s": strict,
+                    "stream_ratio": wall / strict,
+                }
+            )
+            say(
+                f"overlap C={factor}I: wall {wall:.3f}s vs sum max(C,I) {bound:.3f}s -> {wall / bound:.3f} "
+                f"(vs streaming I: {wall / strict:.3f})"
+            )
         at_one = next(o for o in out["overlap"] if o["compute_over_io"] == 1.0)
         out["overlap_ratio"] = at_one["ratio"]
         out["overlap_ratio_streaming"] = at_one["stream_ratio"]

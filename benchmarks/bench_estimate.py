@@ -42,8 +42,13 @@ def demo_recipe(work: Path, steps: int) -> Path:
         make_model(model, read_rows(data)["text"], layers=8, hidden=256)
     recipe["model"]["path"] = str(model)
     recipe["data"]["path"] = str(data)
-    recipe["training"].update(output_dir=str(work / "demo-out"), max_steps=steps, logging_steps=1, save_steps=0,
-                              overwrite_output_dir=True)
+    recipe["training"].update(
+        output_dir=str(work / "demo-out"),
+        max_steps=steps,
+        logging_steps=1,
+        save_steps=0,
+        overwrite_output_dir=True,
+    )
     recipe["offload"]["disk_path"] = str(work / "demo-offload")
     path = work / "demo.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -63,22 +68,39 @@ def one_b_recipe(work: Path, steps: int) -> Path:
     if not (model / "config.json").exists():
         tok = make_tokenizer(read_rows(data)["text"], model)
         config = LlamaConfig(
-            vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-            num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-        )  # fmt: skip
+            vocab_size=32000,
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=22,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            max_position_embeddings=2048,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=None,
+        )
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(model)
     recipe = {
         "model": {"path": str(model), "dtype": "bfloat16"},
         "method": {"type": "lora", "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"}},
         "data": {"path": str(data), "max_seq_len": 128, "packing": True},
-        "training": {"output_dir": str(work / "1b-out"), "max_steps": steps, "per_device_train_batch_size": 2,
-                     "gradient_accumulation_steps": 1, "logging_steps": 1, "save_steps": 0,
-                     "overwrite_output_dir": True},
-        "offload": {"params": "host", "device_budget": "1GiB", "host_budget": "4GiB",
-                    "disk_path": str(work / "1b-offload")},
-    }  # fmt: skip
+        "training": {
+            "output_dir": str(work / "1b-out"),
+            "max_steps": steps,
+            "per_device_train_batch_size": 2,
+            "gradient_accumulation_steps": 1,
+            "logging_steps": 1,
+            "save_steps": 0,
+            "overwrite_output_dir": True,
+        },
+        "offload": {
+            "params": "host",
+            "device_budget": "1GiB",
+            "host_budget": "4GiB",
+            "disk_path": str(work / "1b-offload"),
+        },
+    }
     path = work / "1b.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path

@@ -43,9 +43,12 @@ def layer_gradients(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     config = LlamaConfig(
-        hidden_size=args.hidden, intermediate_size=args.intermediate, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, num_hidden_layers=1,
-    )  # fmt: skip
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        num_hidden_layers=1,
+    )
     torch.manual_seed(0)
     layer = LlamaDecoderLayer(config, layer_idx=0).to(args.device)
     rotary = LlamaRotaryEmbedding(config).to(args.device)
@@ -109,8 +112,13 @@ def main() -> None:
     grads = layer_gradients(args)
     runs = {method: time_svds(grads, method, args) for method in SVD_METHODS}
     exact = runs["exact"]["projections"]
-    result: dict = {"benchmark": "galore_svd", "machine": machine(), "device": args.device,
-                    "threads": torch.get_num_threads(), "settings": vars(args)}  # fmt: skip
+    result: dict = {
+        "benchmark": "galore_svd",
+        "machine": machine(),
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "settings": vars(args),
+    }
     for method, run in runs.items():
         per_layer = sum(run["seconds"].values())
         ratios = {n: captured(g, run["projections"][n]) / captured(g, exact[n]) for n, g in grads.items()}

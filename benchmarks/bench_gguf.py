@@ -47,10 +47,15 @@ def main() -> None:
             "model": {"path": str(base), "dtype": "float32"},
             "data": {"path": str(DATA), "max_seq_len": 64},
             "method": {"type": "lora", "lora": {"r": 16, "alpha": 32, "dropout": 0.0}},
-            "training": {"output_dir": str(root / "run"), "max_steps": args.steps, "learning_rate": 3e-3,
-                         "per_device_train_batch_size": 16, "report_to": "none"},
+            "training": {
+                "output_dir": str(root / "run"),
+                "max_steps": args.steps,
+                "learning_rate": 3e-3,
+                "per_device_train_batch_size": 16,
+                "report_to": "none",
+            },
             "offload": {"disk_path": str(root / "offload"), "params": "disk"},
-        }  # fmt: skip
+        }
         (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
         run = train(root / "recipe.yaml", progress=False)
         merged, _ = export(run.output_dir, root / "merged", "hf")
@@ -72,7 +77,8 @@ def main() -> None:
             try:
                 if kind == "f32":
                     result["tokenizer_same_ids_rows"] = sum(
-                        llm.tokenize(t.encode(), add_bos=True, special=True) == tokenizer(t)["input_ids"] for t in texts
+                        llm.tokenize(t.encode(), add_bos=True, special=True) == tokenizer(t)["input_ids"]
+                        for t in texts
                     )
                     result["rows"] = len(texts)
                 got = []
@@ -83,11 +89,15 @@ def main() -> None:
             finally:
                 llm.close()
             diff = max(float(np.abs(g - t).max()) for g, t in zip(got, tuned, strict=True))
-            top1 = np.mean(np.concatenate([g.argmax(-1) == t.argmax(-1) for g, t in zip(got, tuned, strict=True)]))
+            top1 = np.mean(
+                np.concatenate([g.argmax(-1) == t.argmax(-1) for g, t in zip(got, tuned, strict=True)])
+            )
             result["types"][kind] = {
                 "max_abs_logit_difference": diff,
                 "same_top1": float(top1),
-                "fine_tune_max_abs_change": max(float(np.abs(t - o).max()) for t, o in zip(tuned, original, strict=True)),
+                "fine_tune_max_abs_change": max(
+                    float(np.abs(t - o).max()) for t, o in zip(tuned, original, strict=True)
+                ),
                 "file_bytes": file.stat().st_size,
             }
     print(json.dumps(result))

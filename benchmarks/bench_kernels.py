@@ -65,10 +65,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument(
-        "--in-process", action="store_true",
+        "--in-process",
+        action="store_true",
         help="measure every op in this process, not each in a fresh one: quick (a check of the script), but "
         "the peak-memory figures then carry what earlier ops left",
-    )  # fmt: skip
+    )
     p.add_argument("--child", nargs=2, metavar=("OP", "IMPL"), help=argparse.SUPPRESS)
     args = p.parse_args()
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))

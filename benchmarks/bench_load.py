@@ -37,9 +37,15 @@ def write_checkpoint(
     from transformers import LlamaConfig
 
     config = LlamaConfig(
-        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, vocab_size=vocab, tie_word_embeddings=True, dtype="bfloat16",
-    )  # fmt: skip
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+    )
     config.save_pretrained(path)
     head_dim = hidden // heads
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
@@ -87,7 +93,9 @@ def load(model_dir: str, disk_dir: str, host_budget: int, dtype: str) -> dict:
     torch_dtype = getattr(torch, dtype)
     start = time.perf_counter()
     parts = split_model(build_skeleton(model_dir, torch_dtype))
-    cfg = StoreConfig.resolve(device_budget="1GiB", host_budget=host_budget, disk_path=disk_dir, chunk_size="256MiB")
+    cfg = StoreConfig.resolve(
+        device_budget="1GiB", host_budget=host_budget, disk_path=disk_dir, chunk_size="256MiB"
+    )
     with ChunkStore(cfg) as store:
         load_into_store(parts, Checkpoint(model_dir), store, "disk", torch_dtype)
         store.flush()

@@ -51,10 +51,17 @@ def make_model(directory: Path) -> Path:
     texts = [row["text"] for row in read_rows(ROOT / "tiertune/recipes/data/demo.jsonl")]
     tok = make_tokenizer(texts, directory)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=1 << 20,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=len(tok),
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        max_position_embeddings=1 << 20,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(directory)
     return directory
@@ -79,15 +86,30 @@ def recipe(work: Path, model: Path, seq: int, tile: int | None, steps: int, pack
     if tile is not None:
         offload["sequence_tile"] = tile
     path = work / f"recipe-{seq}.yaml"
-    path.write_text(yaml.safe_dump({
-        "model": {"path": str(model), "dtype": "float32"},
-        "method": {"type": "lora", "lora": {"r": 8, "alpha": 16, "target_modules": "all-linear"}},
-        "data": {"path": str(make_data(work / f"data-{seq}.jsonl", seq, packed)), "format": "text", "max_seq_len": seq,
-                 "packing": packed},
-        "training": {"output_dir": str(work / "runs" / str(seq)), "max_steps": steps, "per_device_train_batch_size": 1,
-                     "logging_steps": 1, "save_steps": 0, "overwrite_output_dir": True, "learning_rate": 1e-4},
-        "offload": offload,
-    }))  # fmt: skip
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"path": str(model), "dtype": "float32"},
+                "method": {"type": "lora", "lora": {"r": 8, "alpha": 16, "target_modules": "all-linear"}},
+                "data": {
+                    "path": str(make_data(work / f"data-{seq}.jsonl", seq, packed)),
+                    "format": "text",
+                    "max_seq_len": seq,
+                    "packing": packed,
+                },
+                "training": {
+                    "output_dir": str(work / "runs" / str(seq)),
+                    "max_steps": steps,
+                    "per_device_train_batch_size": 1,
+                    "logging_steps": 1,
+                    "save_steps": 0,
+                    "overwrite_output_dir": True,
+                    "learning_rate": 1e-4,
+                },
+                "offload": offload,
+            }
+        )
+    )
     return path
 
 
@@ -131,12 +153,22 @@ def main() -> None:
     p.add_argument("--dir", type=Path)
     p.add_argument("--lengths", default="8192,16384,32768")
     p.add_argument("--slope-between", default="8192,32768")
-    p.add_argument("--sequence-tile", type=int, default=None, help="offload.sequence_tile (default: the plan's)")
+    p.add_argument(
+        "--sequence-tile", type=int, default=None, help="offload.sequence_tile (default: the plan's)"
+    )
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--data", choices=("packed", "document"), default="packed",
-                   help="the demo rows packed into each row (documents of ~13 tokens), or one long document")
-    p.add_argument("--repeats", type=int, default=3, help="runs per length; the slope takes each length's median")
-    p.add_argument("--bisect", default=None, help="a peak RSS budget (e.g. 4GiB): the longest length within it")
+    p.add_argument(
+        "--data",
+        choices=("packed", "document"),
+        default="packed",
+        help="the demo rows packed into each row (documents of ~13 tokens), or one long document",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="runs per length; the slope takes each length's median"
+    )
+    p.add_argument(
+        "--bisect", default=None, help="a peak RSS budget (e.g. 4GiB): the longest length within it"
+    )
     p.add_argument("--bisect-low", type=int, default=1024)
     p.add_argument("--bisect-high", type=int, default=1 << 20)
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
@@ -152,17 +184,29 @@ def main() -> None:
     model = make_model(args.dir / "model")
     results = {}
     for seq in (int(x) for x in args.lengths.split(",")):
-        runs = [run_length(args.dir, model, seq, args.sequence_tile, args.steps, args.data == "packed") for _ in range(args.repeats)]
+        runs = [
+            run_length(args.dir, model, seq, args.sequence_tile, args.steps, args.data == "packed")
+            for _ in range(args.repeats)
+        ]
         for r in runs:
             print(json.dumps(r), flush=True)
         good = [r for r in runs if "error" not in r]
         if good:  # the median run by peak RSS (the allocator's high-water mark drifts between runs)
             good.sort(key=lambda r: r["peak_rss_bytes"])
-            results[seq] = {**good[len(good) // 2], "peak_rss_bytes_runs": [r["peak_rss_bytes"] for r in good]}
+            results[seq] = {
+                **good[len(good) // 2],
+                "peak_rss_bytes_runs": [r["peak_rss_bytes"] for r in good],
+            }
         else:
             results[seq] = runs[0]
-    summary: dict = {"machine": machine(), "hidden": HIDDEN, "intermediate": INTERMEDIATE, "layers": LAYERS,
-                     "sequence_tile": args.sequence_tile, "data": args.data}  # fmt: skip
+    summary: dict = {
+        "machine": machine(),
+        "hidden": HIDDEN,
+        "intermediate": INTERMEDIATE,
+        "layers": LAYERS,
+        "sequence_tile": args.sequence_tile,
+        "data": args.data,
+    }
     lo, hi = (int(x) for x in args.slope_between.split(","))
     if lo in results and hi in results and "error" not in results[lo] and "error" not in results[hi]:
         state = HIDDEN * 4  # fp32
@@ -183,8 +227,9 @@ def main() -> None:
             mid = (low + high) // 2 // 1024 * 1024
             r = run_length(args.dir, model, mid, args.sequence_tile, 1, args.data == "packed")
             fits = "error" not in r and r["peak_rss_bytes"] <= budget
-            trials.append({"seq": mid, "fits": fits, "peak_rss_bytes": r.get("peak_rss_bytes"),
-                           "error": r.get("error")})  # fmt: skip
+            trials.append(
+                {"seq": mid, "fits": fits, "peak_rss_bytes": r.get("peak_rss_bytes"), "error": r.get("error")}
+            )
             print(json.dumps(trials[-1]), flush=True)
             low, high = (mid, high) if fits else (low, mid)
         summary["longest"] = {"budget_bytes": budget, "longest_tokens": low, "trials": trials}

@@ -48,14 +48,21 @@ merged.save_pretrained({out!r})
 """
 
 
-def write_adapter(base: Path, out: Path, rank: int, layers: int, hidden: int, intermediate: int, kv: int) -> int:
+def write_adapter(
+    base: Path, out: Path, rank: int, layers: int, hidden: int, intermediate: int, kv: int
+) -> int:
     """A random LoRA adapter (lora_A and lora_B both non-zero) on every linear layer, in peft's format."""
     from safetensors.torch import save_file
 
-    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
-              "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
-              "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
-              "mlp.down_proj": (hidden, intermediate)}  # fmt: skip
+    shapes = {
+        "self_attn.q_proj": (hidden, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, hidden),
+        "mlp.gate_proj": (intermediate, hidden),
+        "mlp.up_proj": (intermediate, hidden),
+        "mlp.down_proj": (hidden, intermediate),
+    }
     gen = torch.Generator().manual_seed(1)
     tensors = {}
     for i in range(layers):
@@ -65,17 +72,27 @@ def write_adapter(base: Path, out: Path, rank: int, layers: int, hidden: int, in
             tensors[f"{key}.lora_B.weight"] = torch.randn((rows, rank), generator=gen) * 0.02
     out.mkdir(parents=True)
     save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-              "target_modules": sorted({m.split(".")[1] for m in shapes}), "base_model_name_or_path": str(base),
-              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False}  # fmt: skip
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": sorted({m.split(".")[1] for m in shapes}),
+        "base_model_name_or_path": str(base),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+    }
     (out / "adapter_config.json").write_text(json.dumps(config))
     return sum(t.numel() for t in tensors.values())
 
 
 def run_child(body: str) -> dict:
     here = str(Path(__file__).resolve().parent)
-    done = subprocess.run([sys.executable, "-c", CHILD.format(here=here, body=body)], check=True,
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD.format(here=here, body=body)], check=True, capture_output=True, text=True
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -98,8 +115,12 @@ def compare(a: Path, b: Path) -> dict:
         worst = max(worst, (x - y).abs().max().item())
         same += int((x == y).sum())
         total += x.numel()
-    return {"same_names": sorted(ia) == sorted(ib), "max_abs_difference": worst,
-            "identical_share": same / max(total, 1), "files": sorted(p.name for p in set(ia.values()))}  # fmt: skip
+    return {
+        "same_names": sorted(ia) == sorted(ib),
+        "max_abs_difference": worst,
+        "identical_share": same / max(total, 1),
+        "files": sorted(p.name for p in set(ia.values())),
+    }
 
 
 def main() -> None:
@@ -117,13 +138,16 @@ def main() -> None:
         root = Path(tmp)
         base = root / "base"
         base.mkdir()
-        params = write_checkpoint(base, args.layers, args.hidden, args.intermediate, heads, kv_heads, args.vocab)
+        params = write_checkpoint(
+            base, args.layers, args.hidden, args.intermediate, heads, kv_heads, args.vocab
+        )
         from tiertune.finetune.demo import make_tokenizer
 
         make_tokenizer(["the cat sat on the mat ."], base)
         size = sum(f.stat().st_size for f in base.glob("*.safetensors"))
-        adapter_params = write_adapter(base, root / "adapter", args.rank, args.layers, args.hidden,
-                                       args.intermediate, kv_heads * 64)  # fmt: skip
+        adapter_params = write_adapter(
+            base, root / "adapter", args.rank, args.layers, args.hidden, args.intermediate, kv_heads * 64
+        )
         streamed = run_child(STREAMED.format(adapter=str(root / "adapter"), out=str(root / "streamed")))
         result = {
             "parameters": params,
@@ -134,7 +158,9 @@ def main() -> None:
             "benchmark_process_rss_bytes": peak_rss(),
         }
         if not args.no_reference:
-            reference = run_child(PEFT.format(base=str(base), adapter=str(root / "adapter"), out=str(root / "peft")))
+            reference = run_child(
+                PEFT.format(base=str(base), adapter=str(root / "adapter"), out=str(root / "peft"))
+            )
             result["peft_merge_and_unload"] = reference
             result["peft_rss_over_model"] = reference["peak_rss_bytes"] / size
             start = time.perf_counter()

@@ -42,10 +42,19 @@ def make_model(directory: Path, layers: int) -> Path:
     texts = [row["text"] for row in read_rows(ROOT / "tiertune/recipes/data/demo.jsonl")]
     tok = make_tokenizer(texts, directory)
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
-        num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=2048,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        max_position_embeddings=2048,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     from transformers.utils import logging as hf_logging
 
@@ -56,14 +65,29 @@ def make_model(directory: Path, layers: int) -> Path:
 
 def recipe(work: Path, model: Path, name: str, device: str, host: str, steps: int) -> Path:
     path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({
-        "model": {"path": str(model), "dtype": "float32"},
-        "data": {"path": str(ROOT / "tiertune/recipes/data/demo.jsonl"), "max_seq_len": 64},
-        "training": {"output_dir": str(work / "runs" / name), "max_steps": steps, "per_device_train_batch_size": 4,
-                     "logging_steps": 1, "save_steps": 0, "overwrite_output_dir": True},
-        "offload": {"disk_path": str(work / "nvme"), "params": "disk", "optimizer_states": "disk",
-                    "device_budget": device, "host_budget": host},
-    }))  # fmt: skip
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"path": str(model), "dtype": "float32"},
+                "data": {"path": str(ROOT / "tiertune/recipes/data/demo.jsonl"), "max_seq_len": 64},
+                "training": {
+                    "output_dir": str(work / "runs" / name),
+                    "max_steps": steps,
+                    "per_device_train_batch_size": 4,
+                    "logging_steps": 1,
+                    "save_steps": 0,
+                    "overwrite_output_dir": True,
+                },
+                "offload": {
+                    "disk_path": str(work / "nvme"),
+                    "params": "disk",
+                    "optimizer_states": "disk",
+                    "device_budget": device,
+                    "host_budget": host,
+                },
+            }
+        )
+    )
     return path
 
 
@@ -93,27 +117,43 @@ def trial(path: Path) -> dict:
         est = estimate(loaded, measure=False)
         out: dict = {
             "budgets": {"device": loaded.offload.device_budget, "host": loaded.offload.host_budget},
-            "estimate": {"fits": est.fits, "needed": {t.value: est.plan.needed(t) for t in (Tier.DEVICE, Tier.HOST)},
-                         "slots": {t.value: est.plan.describe(t) for t in (Tier.DEVICE, Tier.HOST)}},
-        }  # fmt: skip
+            "estimate": {
+                "fits": est.fits,
+                "needed": {t.value: est.plan.needed(t) for t in (Tier.DEVICE, Tier.HOST)},
+                "slots": {t.value: est.plan.describe(t) for t in (Tier.DEVICE, Tier.HOST)},
+            },
+        }
         began = time.perf_counter()
         try:
             result = train_module.train(loaded, progress=False)
         except BudgetError as exc:
-            smallest = re.search(r"offload\.device_budget: (\d+MiB), offload\.host_budget: (\d+MiB)", str(exc))
-            out.update(outcome="refused", refused_before_loading=not seen["loaded"], seconds=time.perf_counter() - began,
-                       smallest={"device": smallest.group(1), "host": smallest.group(2)} if smallest else None,
-                       message=str(exc))  # fmt: skip
+            smallest = re.search(
+                r"offload\.device_budget: (\d+MiB), offload\.host_budget: (\d+MiB)", str(exc)
+            )
+            out.update(
+                outcome="refused",
+                refused_before_loading=not seen["loaded"],
+                seconds=time.perf_counter() - began,
+                smallest={"device": smallest.group(1), "host": smallest.group(2)} if smallest else None,
+                message=str(exc),
+            )
             return out
         records = [json.loads(line) for line in result.log_path.read_text().splitlines()]
         store = seen["stores"][-1]
         within = all(
             n <= (store["reserve"] or {}).get(tier, {}).get(size, 0)
-            for tier, classes in store["in_use_peaks"].items() for size, n in classes.items()
-        )  # fmt: skip
-        out.update(outcome="trained", last_step=records[-1]["step"], seconds=time.perf_counter() - began,
-                   step_seconds_median=statistics.median(r["step_seconds"] for r in records[1:] or records),
-                   peak_bytes=records[-1]["peak_bytes"], in_use_within_reserve=within, **store)  # fmt: skip
+            for tier, classes in store["in_use_peaks"].items()
+            for size, n in classes.items()
+        )
+        out.update(
+            outcome="trained",
+            last_step=records[-1]["step"],
+            seconds=time.perf_counter() - began,
+            step_seconds_median=statistics.median(r["step_seconds"] for r in records[1:] or records),
+            peak_bytes=records[-1]["peak_bytes"],
+            in_use_within_reserve=within,
+            **store,
+        )
         return out
     finally:
         train_module.StreamedTrainer, store_module.ChunkStore.close = built, close
@@ -130,7 +170,10 @@ def main() -> None:
     results = []
     smallest = None
     for i, (device, host) in enumerate(TRIED):
-        res = {"trial": f"tried {device} / {host}", **trial(recipe(args.dir, model, f"t{i}", device, host, args.steps))}
+        res = {
+            "trial": f"tried {device} / {host}",
+            **trial(recipe(args.dir, model, f"t{i}", device, host, args.steps)),
+        }
         results.append(res)
         print(json.dumps(res), flush=True)
         smallest = smallest or res.get("smallest")
@@ -141,12 +184,27 @@ def main() -> None:
         print(json.dumps(res), flush=True)
     ok = all(
         (r["outcome"] == "refused" and r["refused_before_loading"] and not r["estimate"]["fits"])
-        or (r["outcome"] == "trained" and r["last_step"] == args.steps and r["in_use_within_reserve"] and r["estimate"]["fits"])
+        or (
+            r["outcome"] == "trained"
+            and r["last_step"] == args.steps
+            and r["in_use_within_reserve"]
+            and r["estimate"]["fits"]
+        )
         for r in results
-    )  # fmt: skip
-    print(json.dumps({"summary": {"machine": machine(), "layers": args.layers, "steps": args.steps,
-                                  "every_run_trained_or_was_refused_before_loading": ok,
-                                  "outcomes": [r["outcome"] for r in results]}}))  # fmt: skip
+    )
+    print(
+        json.dumps(
+            {
+                "summary": {
+                    "machine": machine(),
+                    "layers": args.layers,
+                    "steps": args.steps,
+                    "every_run_trained_or_was_refused_before_loading": ok,
+                    "outcomes": [r["outcome"] for r in results],
+                }
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

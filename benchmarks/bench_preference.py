@@ -48,40 +48,76 @@ def make_inputs(directory: Path, hidden: int, layers: int) -> tuple[Path, Path, 
     texts = list(read_rows(ROOT / "tiertune" / "recipes" / "data" / "demo.jsonl")["text"])
     if not (model / "config.json").is_file():
         tok = make_tokenizer(texts, model)
-        config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden,
-                             num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-                             num_key_value_heads=max(1, hidden // 128), max_position_embeddings=256,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)  # fmt: skip
+        config = LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=max(1, hidden // 64),
+            num_key_value_heads=max(1, hidden // 128),
+            max_position_embeddings=256,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=None,
+        )
         torch.manual_seed(0)
         LlamaForCausalLM(config).save_pretrained(model)
     pairs, rows = directory / "pairs.jsonl", directory / "rows.jsonl"
     made = []
     for good, other in zip(texts[::2], texts[1::2], strict=False):
         words, others = good.split(), other.split()
-        made.append({"prompt": " ".join(words[:3]), "chosen": " " + " ".join(words[3:]),
-                     "rejected": " " + " ".join(others[3:])})  # fmt: skip
+        made.append(
+            {
+                "prompt": " ".join(words[:3]),
+                "chosen": " " + " ".join(words[3:]),
+                "rejected": " " + " ".join(others[3:]),
+            }
+        )
     pairs.write_text("".join(json.dumps(r) + "\n" for r in made))
-    rows.write_text("".join(json.dumps({"text": r["prompt"] + r[k]}) + "\n" for r in made for k in ("chosen", "rejected")))
+    rows.write_text(
+        "".join(json.dumps({"text": r["prompt"] + r[k]}) + "\n" for r in made for k in ("chosen", "rejected"))
+    )
     return model, rows, pairs
 
 
-def one_run(args: argparse.Namespace, name: str, method: str, activations: str, model: Path, data: Path) -> dict:
+def one_run(
+    args: argparse.Namespace, name: str, method: str, activations: str, model: Path, data: Path
+) -> dict:
     """One run in a fresh process: its last step's bytes per link and its steps' median seconds."""
     work = Path(args.dir) / f"{method}-{activations}-{name}"
     dpo = name == "dpo"
     rows = args.pairs * (2 if name == "sft_same_rows" else 1)
     recipe = {
-        "model": {"path": str(model), "dtype": "float32", **({"quantize": "nf4"} if method == "qlora" else {})},
+        "model": {
+            "path": str(model),
+            "dtype": "float32",
+            **({"quantize": "nf4"} if method == "qlora" else {}),
+        },
         "method": {"type": "lora", "lora": {"r": 8, "alpha": 16, "dropout": 0.0}},
-        "data": {"path": str(data), "format": "preference" if dpo else "text", "max_seq_len": 64, "shuffle": False,
-                 **({} if dpo else {"add_eos": True})},
-        "training": {"output_dir": str(work / "run"), "max_steps": args.steps, "per_device_train_batch_size": rows,
-                     "gradient_accumulation_steps": args.accumulation, "learning_rate": 1e-4, "logging_steps": 1},
-        "offload": {"disk_path": str(work / "nvme"), "params": "disk", "activations": activations,
-                    "device_budget": args.qlora_device_budget if method == "qlora" else args.device_budget,
-                    "host_budget": args.qlora_host_budget if method == "qlora" else args.host_budget},
+        "data": {
+            "path": str(data),
+            "format": "preference" if dpo else "text",
+            "max_seq_len": 64,
+            "shuffle": False,
+            **({} if dpo else {"add_eos": True}),
+        },
+        "training": {
+            "output_dir": str(work / "run"),
+            "max_steps": args.steps,
+            "per_device_train_batch_size": rows,
+            "gradient_accumulation_steps": args.accumulation,
+            "learning_rate": 1e-4,
+            "logging_steps": 1,
+        },
+        "offload": {
+            "disk_path": str(work / "nvme"),
+            "params": "disk",
+            "activations": activations,
+            "device_budget": args.qlora_device_budget if method == "qlora" else args.device_budget,
+            "host_budget": args.qlora_host_budget if method == "qlora" else args.host_budget,
+        },
         **({"objective": {"type": "dpo"}} if dpo else {}),
-    }  # fmt: skip
+    }
     shutil.rmtree(work, ignore_errors=True)  # a fresh run each time
     work.mkdir(parents=True)
     path = work / "recipe.yaml"
@@ -96,10 +132,17 @@ def one_run(args: argparse.Namespace, name: str, method: str, activations: str, 
     log = [json.loads(line) for line in Path(done.stdout.strip().splitlines()[-1]).read_text().splitlines()]
     before, after = log[-2]["bytes_moved"], log[-1]["bytes_moved"]
     moved = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
-    return {"run": name, "method": method, "activations": activations, "sequences_per_micro_batch": rows * (2 if dpo else 1),
-            "moved_per_step": moved, "moved_total": sum(moved.values()),
-            "step_seconds": statistics.median(r["step_seconds"] for r in log[1:]),
-            "loss": log[-1]["loss"], **({"rewards/margins": log[-1]["rewards/margins"]} if dpo else {})}  # fmt: skip
+    return {
+        "run": name,
+        "method": method,
+        "activations": activations,
+        "sequences_per_micro_batch": rows * (2 if dpo else 1),
+        "moved_per_step": moved,
+        "moved_total": sum(moved.values()),
+        "step_seconds": statistics.median(r["step_seconds"] for r in log[1:]),
+        "loss": log[-1]["loss"],
+        **({"rewards/margins": log[-1]["rewards/margins"]} if dpo else {}),
+    }
 
 
 def main() -> None:
@@ -110,7 +153,9 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=4, help="pairs per micro-batch")
     p.add_argument("--accumulation", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--device-budget", default="40MiB", help="below the base (LoRA's fp32 layers are 15 MiB each)")
+    p.add_argument(
+        "--device-budget", default="40MiB", help="below the base (LoRA's fp32 layers are 15 MiB each)"
+    )
     p.add_argument("--host-budget", default="64MiB", help="below the base, above a step's boundaries")
     p.add_argument("--qlora-device-budget", default="6MiB", help="below the NF4 base (2 MiB a layer)")
     p.add_argument("--qlora-host-budget", default="40MiB")
@@ -127,26 +172,49 @@ def main() -> None:
     summary = []
     for method in methods:
         for activations in args.placements.split(","):
-            runs = {name: one_run(args, name, method, activations, model, pairs if name == "dpo" else rows)
-                    for name in ("dpo", "sft_same_rows", "sft_same_batch")}  # fmt: skip
+            runs = {
+                name: one_run(args, name, method, activations, model, pairs if name == "dpo" else rows)
+                for name in ("dpo", "sft_same_rows", "sft_same_batch")
+            }
             for result in runs.values():
                 print(json.dumps(result), flush=True)
             if not all(r["moved_total"] for r in runs.values()):
-                raise SystemExit(f"{method}, {activations}: a run moved nothing in its last step (the weights fit "
-                                 "the budgets): lower --device-budget / --qlora-device-budget")
+                raise SystemExit(
+                    f"{method}, {activations}: a run moved nothing in its last step (the weights fit "
+                    "the budgets): lower --device-budget / --qlora-device-budget"
+                )
             dpo = runs["dpo"]["moved_total"]
             ratios = {name: dpo / runs[name]["moved_total"] for name in ("sft_same_rows", "sft_same_batch")}
-            seconds = {name: runs["dpo"]["step_seconds"] / runs[name]["step_seconds"]
-                       for name in ("sft_same_rows", "sft_same_batch")}  # fmt: skip
-            summary.append({"method": method, "activations": activations,
-                            "dpo_over_sft_same_rows": round(ratios["sft_same_rows"], 4),
-                            "dpo_over_sft_same_batch": round(ratios["sft_same_batch"], 4),
-                            "seconds_dpo_over_sft_same_rows": round(seconds["sft_same_rows"], 3),
-                            "seconds_dpo_over_sft_same_batch": round(seconds["sft_same_batch"], 3),
-                            "ok": ratios["sft_same_rows"] <= 1.3})  # fmt: skip
-    print(json.dumps({"summary": summary, "machine": machine(), "model": {"hidden": args.hidden, "layers": args.layers},
-                      "budgets": {"device": args.device_budget, "host": args.host_budget,
-                                  "qlora_device": args.qlora_device_budget, "qlora_host": args.qlora_host_budget}}))  # fmt: skip
+            seconds = {
+                name: runs["dpo"]["step_seconds"] / runs[name]["step_seconds"]
+                for name in ("sft_same_rows", "sft_same_batch")
+            }
+            summary.append(
+                {
+                    "method": method,
+                    "activations": activations,
+                    "dpo_over_sft_same_rows": round(ratios["sft_same_rows"], 4),
+                    "dpo_over_sft_same_batch": round(ratios["sft_same_batch"], 4),
+                    "seconds_dpo_over_sft_same_rows": round(seconds["sft_same_rows"], 3),
+                    "seconds_dpo_over_sft_same_batch": round(seconds["sft_same_batch"], 3),
+                    "ok": ratios["sft_same_rows"] <= 1.3,
+                }
+            )
+    print(
+        json.dumps(
+            {
+                "summary": summary,
+                "machine": machine(),
+                "model": {"hidden": args.hidden, "layers": args.layers},
+                "budgets": {
+                    "device": args.device_budget,
+                    "host": args.host_budget,
+                    "qlora_device": args.qlora_device_budget,
+                    "qlora_host": args.qlora_host_budget,
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,10 @@ def _batches(vocab: int, args: argparse.Namespace) -> list[dict[str, torch.Tenso
     first half the prompt (no targets)."""
     gen = torch.Generator().manual_seed(0)
     if args.objective == "sft":
-        return [{"input_ids": torch.randint(0, vocab, (args.batch, args.seq), generator=gen)}
-                for _ in range(args.micro_batches)]  # fmt: skip
+        return [
+            {"input_ids": torch.randint(0, vocab, (args.batch, args.seq), generator=gen)}
+            for _ in range(args.micro_batches)
+        ]
     out = []
     for _ in range(args.micro_batches):
         ids = torch.randint(0, vocab, (2 * args.batch, args.seq), generator=gen)
@@ -97,14 +99,30 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
     from tiertune.settings import ObjectiveSettings
 
     dtype = _setup_device(args)
-    store = StoreConfig.resolve(device=args.device, device_budget=args.device_budget, host_budget=args.host_budget,
-                        disk_path=disk_dir, chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
-    engine = EngineConfig(dtype=dtype, method="lora", quantize="nf4", params="disk",
-                          lora=LoraSettings(r=16, alpha=32, dropout=0.0), learning_rate=1e-4,
-                          max_steps=args.steps, quant_cache=args.quant_cache,
-                          gradient_accumulation_steps=args.micro_batches, wave_size=args.wave_size,
-                          activations=args.activations, activation_tokens=_rows(args) * args.seq,
-                          sequence_tile=args.sequence_tile, objective=ObjectiveSettings(type=args.objective))  # fmt: skip
+    store = StoreConfig.resolve(
+        device=args.device,
+        device_budget=args.device_budget,
+        host_budget=args.host_budget,
+        disk_path=disk_dir,
+        chunk_size=1 << 40,
+        prefetch_depth=2,
+    )
+    engine = EngineConfig(
+        dtype=dtype,
+        method="lora",
+        quantize="nf4",
+        params="disk",
+        lora=LoraSettings(r=16, alpha=32, dropout=0.0),
+        learning_rate=1e-4,
+        max_steps=args.steps,
+        quant_cache=args.quant_cache,
+        gradient_accumulation_steps=args.micro_batches,
+        wave_size=args.wave_size,
+        activations=args.activations,
+        activation_tokens=_rows(args) * args.seq,
+        sequence_tile=args.sequence_tile,
+        objective=ObjectiveSettings(type=args.objective),
+    )
     began = time.perf_counter()
     trainer = StreamedTrainer(model_dir, store, engine)
     load_s = time.perf_counter() - began
@@ -163,8 +181,15 @@ def disk_read_gbps(directory: Path, size: int = 2 << 30) -> tuple[float, str]:
         return fio, "fio"
     from bench_aio import bench_engine
 
-    settings = argparse.Namespace(size=size, chunk_size=64 << 20, block_size=1 << 20, queue_depth=16,
-                                  host_bytes=1 << 30, rounds=1, no_fio=True)  # fmt: skip
+    settings = argparse.Namespace(
+        size=size,
+        chunk_size=64 << 20,
+        block_size=1 << 20,
+        queue_depth=16,
+        host_bytes=1 << 30,
+        rounds=1,
+        no_fio=True,
+    )
     return bench_engine(settings, directory)["read_gbps"], "tiertune"
 
 
@@ -184,13 +209,23 @@ def _run_peft(model_dir: str, args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     dtype = _setup_device(args)
-    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                            bnb_4bit_compute_dtype=dtype)  # fmt: skip
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+    )
     began = time.perf_counter()
-    base = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=qc, dtype=dtype,
-                                                device_map="cuda:0" if args.device == "cuda" else "cpu")  # fmt: skip
-    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
-                                            task_type="CAUSAL_LM"))  # fmt: skip
+    base = AutoModelForCausalLM.from_pretrained(
+        model_dir,
+        quantization_config=qc,
+        dtype=dtype,
+        device_map="cuda:0" if args.device == "cuda" else "cpu",
+    )
+    model = get_peft_model(
+        base,
+        LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
     model.train()
     base.gradient_checkpointing_enable()  # the memory-saving setting a QLoRA run uses
     base.enable_input_require_grads()
@@ -230,17 +265,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--micro-batches", type=int, default=1, help="per step (gradient accumulation)")
-    p.add_argument("--wave-size", type=int, default=0,
-                   help="micro-batches through a layer while it is loaded (0: the step's; 1: one at a time, the "
-                        "schedule before the layer-major step)")  # fmt: skip
-    p.add_argument("--activations", choices=("device", "host"), default="device",
-                   help="where the hidden states at the layer boundaries wait (offload.activations)")
+    p.add_argument(
+        "--wave-size",
+        type=int,
+        default=0,
+        help="micro-batches through a layer while it is loaded (0: the step's; 1: one at a time, the "
+        "schedule before the layer-major step)",
+    )
+    p.add_argument(
+        "--activations",
+        choices=("device", "host"),
+        default="device",
+        help="where the hidden states at the layer boundaries wait (offload.activations)",
+    )
     p.add_argument("--sequence-tile", type=int, default=2048, help="a layer's MLP this many tokens at a time")
     p.add_argument("--host-budget", default="8GiB")
     p.add_argument("--device-budget", default="2GiB")
     p.add_argument("--modes", default="tiertune,peft")
-    p.add_argument("--objective", choices=("sft", "dpo"), default="sft",
-                   help="dpo: --batch pairs a micro-batch, the reference (adapters off) in the same layer visits")
+    p.add_argument(
+        "--objective",
+        choices=("sft", "dpo"),
+        default="sft",
+        help="dpo: --batch pairs a micro-batch, the reference (adapters off) in the same layer visits",
+    )
     p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
     )
@@ -248,9 +295,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--gpu-memory-cap", default="0", help="e.g. 24GiB: what each process may allocate on the GPU"
     )
     p.add_argument(
-        "--quant-cache", default=None,
+        "--quant-cache",
+        default=None,
         help="directory of quantized layers kept across runs (the recipe's model.quant_cache); none by default",
-    )  # fmt: skip
+    )
     args = p.parse_args(argv)
     for name in ("device_budget", "host_budget", "gpu_memory_cap"):
         setattr(args, name, parse_size(getattr(args, name), f"--{name.replace('_', '-')}"))
@@ -288,12 +336,17 @@ def main() -> None:
         model_dir = Path(tmp) / "model"
         model_dir.mkdir()
         began = time.perf_counter()
-        result["parameters"] = write_checkpoint(model_dir, args.layers, args.hidden, args.intermediate, args.heads,
-                                                args.kv_heads, args.vocab)  # fmt: skip
+        result["parameters"] = write_checkpoint(
+            model_dir, args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab
+        )
         result["checkpoint_write_s"] = time.perf_counter() - began
         result["tokens_per_step"] = _rows(args) * args.seq
-        result["settings"] = {"host_budget": args.host_budget, "device_budget": args.device_budget,
-                              "device": args.device, "gpu_memory_cap": args.gpu_memory_cap}  # fmt: skip
+        result["settings"] = {
+            "host_budget": args.host_budget,
+            "device_budget": args.device_budget,
+            "device": args.device,
+            "gpu_memory_cap": args.gpu_memory_cap,
+        }
         for mode in args.modes.split(","):
             result[mode] = run_child(__file__, model_dir, Path(tmp) / "disk", mode)
         gbps, tool = disk_read_gbps(Path(tmp))

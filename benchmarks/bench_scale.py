@@ -38,7 +38,9 @@ from bench_load import peak_rss
 from common import machine
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = ROOT / "tiertune" / "recipes" / "models" / "CohereForAI" / "c4ai-command-r-plus" / "config.json"
+DEFAULT_CONFIG = (
+    ROOT / "tiertune" / "recipes" / "models" / "CohereForAI" / "c4ai-command-r-plus" / "config.json"
+)
 SHARD_BYTES = 4 << 30
 _ST = {torch.float32: "F32", torch.bfloat16: "BF16", torch.uint8: "U8"}
 _POOL_BYTES = 256 << 20
@@ -111,10 +113,20 @@ def write_nf4_checkpoint(
 
     start = time.perf_counter()
     directory.mkdir(parents=True, exist_ok=True)
-    config = {**config, "dtype": "bfloat16", "quantization_config": {
-        "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
-        "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16",
-        "bnb_4bit_quant_storage": "uint8", "llm_int8_skip_modules": None}}  # fmt: skip
+    config = {
+        **config,
+        "dtype": "bfloat16",
+        "quantization_config": {
+            "quant_method": "bitsandbytes",
+            "load_in_4bit": True,
+            "load_in_8bit": False,
+            "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": "bfloat16",
+            "bnb_4bit_quant_storage": "uint8",
+            "llm_int8_skip_modules": None,
+        },
+    }
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     specs, params = _specs(directory)
     code, nested_code = NF4(torch.bfloat16).codes(torch.device("cpu"))
@@ -143,8 +155,15 @@ def write_nf4_checkpoint(
             return [(name, torch.bfloat16, shape, lambda s=shape: _normal_slices(math.prod(s), gen))]
         n = math.prod(shape)
         blocks = n // 64
-        state = {"quant_type": "nf4", "blocksize": 64, "dtype": "bfloat16", "shape": list(shape),
-                 "nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": 0.04}  # fmt: skip
+        state = {
+            "quant_type": "nf4",
+            "blocksize": 64,
+            "dtype": "bfloat16",
+            "shape": list(shape),
+            "nested_blocksize": 256,
+            "nested_dtype": "float32",
+            "nested_offset": 0.04,
+        }
         js = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
         nested = -(-blocks // 256)
         return [  # absmax = nested_code[u8] * 0.01 + 0.04: weights of std ~0.02, like an initialized model
@@ -196,10 +215,21 @@ def disk_read_rate(directory: Path) -> dict:
     when installed, else tiertune's own probe."""
     if shutil.which("fio"):
         out = subprocess.run(
-            ["fio", "--name=read", f"--directory={directory}", "--rw=read", "--bs=1M", "--size=2G",
-             "--direct=1", "--ioengine=libaio", "--iodepth=16", "--output-format=json"],
-            capture_output=True, text=True,
-        )  # fmt: skip
+            [
+                "fio",
+                "--name=read",
+                f"--directory={directory}",
+                "--rw=read",
+                "--bs=1M",
+                "--size=2G",
+                "--direct=1",
+                "--ioengine=libaio",
+                "--iodepth=16",
+                "--output-format=json",
+            ],
+            capture_output=True,
+            text=True,
+        )
         for f in directory.glob("read.*"):
             f.unlink()
         if out.returncode == 0:
@@ -220,11 +250,25 @@ def train(model_dir: Path, disk_dir: Path, args: argparse.Namespace, micro_batch
 
     torch.set_num_threads(args.threads)
     lora = LoraSettings(r=args.rank, alpha=2 * args.rank, dropout=0.0, seed=0, target_modules="all-linear")
-    cfg = EngineConfig(dtype=torch.bfloat16, method="lora", quantize="nf4", lora=lora, learning_rate=args.lr,
-                       params="disk", max_steps=args.steps, warmup_steps=0,
-                       gradient_accumulation_steps=micro_batches)  # fmt: skip
-    store = StoreConfig.resolve(device="cpu", device_budget=args.device_budget, host_budget=args.host_budget,
-                        disk_path=str(disk_dir), chunk_size="1GiB", prefetch_depth=1)  # fmt: skip
+    cfg = EngineConfig(
+        dtype=torch.bfloat16,
+        method="lora",
+        quantize="nf4",
+        lora=lora,
+        learning_rate=args.lr,
+        params="disk",
+        max_steps=args.steps,
+        warmup_steps=0,
+        gradient_accumulation_steps=micro_batches,
+    )
+    store = StoreConfig.resolve(
+        device="cpu",
+        device_budget=args.device_budget,
+        host_budget=args.host_budget,
+        disk_path=str(disk_dir),
+        chunk_size="1GiB",
+        prefetch_depth=1,
+    )
     began = time.perf_counter()
     trainer = StreamedTrainer(str(model_dir), store, cfg)
     load_s = time.perf_counter() - began
@@ -233,7 +277,9 @@ def train(model_dir: Path, disk_dir: Path, args: argparse.Namespace, micro_batch
     vocab = trainer.model.config.vocab_size
     # the same micro-batches, trained on at every step: a loss that falls says the adapters learn
     gen = torch.Generator().manual_seed(0)
-    batches = [{"input_ids": torch.randint(0, vocab, (1, args.seq_len), generator=gen)} for _ in range(micro_batches)]
+    batches = [
+        {"input_ids": torch.randint(0, vocab, (1, args.seq_len), generator=gen)} for _ in range(micro_batches)
+    ]
     steps = []
     try:
         for step in range(args.steps):
@@ -243,8 +289,12 @@ def train(model_dir: Path, disk_dir: Path, args: argparse.Namespace, micro_batch
             seconds = time.perf_counter() - t
             read = trainer.store_stats().bytes_moved.get("disk->host", 0) - before
             steps.append({"loss": loss, "s": seconds, "disk_bytes_read": read})
-            print(f"{micro_batches} micro-batches, step {step + 1}: loss {loss:.4f}, {seconds:.1f} s, "
-                  f"read {read / 2**30:.2f} GiB", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"{micro_batches} micro-batches, step {step + 1}: loss {loss:.4f}, {seconds:.1f} s, "
+                f"read {read / 2**30:.2f} GiB",
+                file=sys.stderr,
+                flush=True,
+            )
         stats = trainer.store_stats()
         trained = trainer.parameter_counts()["trained"]
     finally:
@@ -274,8 +324,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--micro-batches", default="1",
-                   help="micro-batches per step, comma-separated: one run each (e.g. 1,8: the second is compared)")
+    p.add_argument(
+        "--micro-batches",
+        default="1",
+        help="micro-batches per step, comma-separated: one run each (e.g. 1,8: the second is compared)",
+    )
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--host-budget", default="3GiB")
     p.add_argument("--device-budget", default="8GiB")
@@ -297,13 +350,18 @@ def main() -> None:
         (work / "disk").mkdir()
         rate = disk_read_rate(work / "disk")
         runs = []
-        for k in [int(x) for x in args.micro_batches.split(",")]:  # each in a fresh process, its own disk tier
+        for k in [
+            int(x) for x in args.micro_batches.split(",")
+        ]:  # each in a fresh process, its own disk tier
             disk = work / f"disk-{k}"
             disk.mkdir()
             cmd = [sys.executable, __file__, *sys.argv[1:], "--child", str(work / "model"), str(disk), str(k)]
             out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-            runs.append(json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {
-                "micro_batches": k, "error": f"exit {out.returncode} (its stderr is above)"})  # fmt: skip
+            runs.append(
+                json.loads(out.stdout.strip().splitlines()[-1])
+                if out.returncode == 0
+                else {"micro_batches": k, "error": f"exit {out.returncode} (its stderr is above)"}
+            )
             shutil.rmtree(disk, ignore_errors=True)
         rate_after = disk_read_rate(work / "disk")
     finally:
@@ -314,17 +372,27 @@ def main() -> None:
         if "steps" in run:
             read, per_step = run["disk_bytes_read_per_step"], run["s_per_step"]
             run.update(io_lower_bound_s=read / best, io_bound_share=read / best / per_step)
-    result = {"benchmark": "bench_scale", "model": config.get("model_type"), "config": args.config,
-              "layers": config["num_hidden_layers"], **written, "free_disk_before_bytes": free_before,
-              "disk_read": [rate, rate_after], "runs": runs, "machine": machine()}  # fmt: skip
+    result = {
+        "benchmark": "bench_scale",
+        "model": config.get("model_type"),
+        "config": args.config,
+        "layers": config["num_hidden_layers"],
+        **written,
+        "free_disk_before_bytes": free_before,
+        "disk_read": [rate, rate_after],
+        "runs": runs,
+        "machine": machine(),
+    }
     first, *rest = runs
     if rest and all("steps" in r for r in runs):  # each run against the first (one micro-batch a step)
         result["against_first"] = [
-            {"micro_batches": r["micro_batches"],
-             "disk_bytes_per_step": r["disk_bytes_read_per_step"] / first["disk_bytes_read_per_step"],
-             "s_per_step": r["s_per_step"] / first["s_per_step"]}
+            {
+                "micro_batches": r["micro_batches"],
+                "disk_bytes_per_step": r["disk_bytes_read_per_step"] / first["disk_bytes_read_per_step"],
+                "s_per_step": r["s_per_step"] / first["s_per_step"],
+            }
             for r in rest
-        ]  # fmt: skip
+        ]
     print(json.dumps(result))
 
 

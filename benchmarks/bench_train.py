@@ -63,20 +63,41 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_cap / total))
     if mode.startswith("disk"):
-        store = StoreConfig.resolve(device=args.device, device_budget=args.device_budget, host_budget=args.host_budget,
-                            disk_path=disk_dir, chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
-        engine = EngineConfig(params="disk", optimizer_states="disk", gradients="host", max_steps=args.steps,
-                              overlap_optimizer=mode != "disk-serial")  # fmt: skip
+        store = StoreConfig.resolve(
+            device=args.device,
+            device_budget=args.device_budget,
+            host_budget=args.host_budget,
+            disk_path=disk_dir,
+            chunk_size=1 << 40,
+            prefetch_depth=2,
+        )
+        engine = EngineConfig(
+            params="disk",
+            optimizer_states="disk",
+            gradients="host",
+            max_steps=args.steps,
+            overlap_optimizer=mode != "disk-serial",
+        )
         if mode == "disk-galore":
             engine.method = "galore"
             engine.galore = GaloreSettings(rank=args.galore_rank, svd=args.galore_svd)
     elif mode == "host":
-        store = StoreConfig.resolve(device=args.device, device_budget=args.device_budget, host_budget=args.host_budget,
-                            chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
+        store = StoreConfig.resolve(
+            device=args.device,
+            device_budget=args.device_budget,
+            host_budget=args.host_budget,
+            chunk_size=1 << 40,
+            prefetch_depth=2,
+        )
         engine = EngineConfig(params="host", optimizer_states="host", gradients="host", max_steps=args.steps)
     else:
-        store = StoreConfig.resolve(device=args.device, device_budget=args.memory_device_budget,
-                            host_budget=args.memory_host_budget, chunk_size=1 << 40, prefetch_depth=2)  # fmt: skip
+        store = StoreConfig.resolve(
+            device=args.device,
+            device_budget=args.memory_device_budget,
+            host_budget=args.memory_host_budget,
+            chunk_size=1 << 40,
+            prefetch_depth=2,
+        )
         engine = EngineConfig(
             params="device", optimizer_states="host", gradients="host", max_steps=args.steps
         )
@@ -195,8 +216,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=base) as tmp:
         model_dir = Path(tmp) / "model"
         model_dir.mkdir()
-        result["parameters"] = write_checkpoint(model_dir, args.layers, args.hidden, args.intermediate, args.heads,
-                                                args.kv_heads, args.vocab)  # fmt: skip
+        result["parameters"] = write_checkpoint(
+            model_dir, args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab
+        )
         result["tokens_per_step"] = args.batch * args.seq * args.accum
         for mode in args.modes.split(","):
             result[mode] = run_child(__file__, model_dir, Path(tmp) / "disk", mode)
@@ -211,8 +233,11 @@ def main() -> None:
     if galore and "state_bytes" in disk:
         adamw = disk["state_bytes"]
         result["galore_state_ratio"] = (galore["moments"] + galore["projections"]) / adamw["moments"]
-    result["settings"] = {"threads": args.threads, "max_grad_norm": args.max_grad_norm,
-                          "galore_rank": args.galore_rank}  # fmt: skip
+    result["settings"] = {
+        "threads": args.threads,
+        "max_grad_norm": args.max_grad_norm,
+        "galore_rank": args.galore_rank,
+    }
     print(json.dumps(result))
 
 

@@ -42,10 +42,14 @@ def make_model(path: Path, hidden: int, layers: int) -> None:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64, num_hidden_layers=layers,
-        num_attention_heads=max(hidden // 64, 1), num_key_value_heads=max(hidden // 128, 1), vocab_size=4096,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3 // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 64, 1),
+        num_key_value_heads=max(hidden // 128, 1),
+        vocab_size=4096,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     LlamaForCausalLM(config).save_pretrained(path)
 
 
@@ -62,13 +66,24 @@ def worker(args: argparse.Namespace) -> None:
         init_process_group(world, dist.FileStore(str(args.dir / "rendezvous"), world.size))
     torch.set_num_threads(world.threads())
     store_cfg = StoreConfig.resolve(
-        device="cpu", device_budget=args.budget // world.size, host_budget=args.budget // world.size,
-        disk_path=str(world.disk_dir(args.dir / f"nvme-{world.size}")), chunk_size=1 << 40, num_shards=world.size,
-    )  # fmt: skip
+        device="cpu",
+        device_budget=args.budget // world.size,
+        host_budget=args.budget // world.size,
+        disk_path=str(world.disk_dir(args.dir / f"nvme-{world.size}")),
+        chunk_size=1 << 40,
+        num_shards=world.size,
+    )
     cfg = EngineConfig(
-        dtype=torch.float32, learning_rate=1e-4, max_grad_norm=1.0, max_steps=args.steps, kernels="none",
-        params="disk", optimizer_states="disk", gradients="disk", gradient_accumulation_steps=args.accum,
-    )  # fmt: skip
+        dtype=torch.float32,
+        learning_rate=1e-4,
+        max_grad_norm=1.0,
+        max_steps=args.steps,
+        kernels="none",
+        params="disk",
+        optimizer_states="disk",
+        gradients="disk",
+        gradient_accumulation_steps=args.accum,
+    )
     trainer = StreamedTrainer(str(args.dir / "model"), store_cfg, cfg, world=world)
     g = torch.Generator().manual_seed(0)
     vocab = trainer.model.config.vocab_size
@@ -112,9 +127,23 @@ def launch(args: argparse.Namespace, size: int) -> list[dict]:
         env = dict(os.environ, OMP_NUM_THREADS="1", TIERTUNE_COLLECTIVE_TIMEOUT="300")
         if size > 1:
             env.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size))
-        command = [sys.executable, __file__, "--worker", "--dir", str(args.dir), "--steps", str(args.steps),
-                   "--rows", str(args.rows), "--seq", str(args.seq), "--budget", str(args.budget),
-                   "--accum", str(args.accum)]  # fmt: skip
+        command = [
+            sys.executable,
+            __file__,
+            "--worker",
+            "--dir",
+            str(args.dir),
+            "--steps",
+            str(args.steps),
+            "--rows",
+            str(args.rows),
+            "--seq",
+            str(args.seq),
+            "--budget",
+            str(args.budget),
+            "--accum",
+            str(args.accum),
+        ]
         procs.append(subprocess.Popen(command, env=env))
     codes = [p.wait() for p in procs]
     if any(codes):
@@ -139,11 +168,16 @@ def _run(args: argparse.Namespace, accum: int) -> dict:
         "wire_bytes_per_step_rank0": measured,
         "zero3_formula_bytes_per_step": formula,
         "wire_over_formula": {k: measured.get(k, 0) / v for k, v in formula.items()},
-        "host_peak": {"one_process": one["host_peak"], "ranks": [r["host_peak"] for r in ranks],
-                      "node_over_one_process": node_host / one["host_peak"]},
+        "host_peak": {
+            "one_process": one["host_peak"],
+            "ranks": [r["host_peak"] for r in ranks],
+            "node_over_one_process": node_host / one["host_peak"],
+        },
         "offload_bytes": {"one_process": one["disk_used"], "ranks": [r["disk_used"] for r in ranks]},
         "losses": {"one_process": one["losses"], "ranks": ranks[0]["losses"]},
-        "loss_rel_gap": max(abs(a - b) / abs(b) for a, b in zip(ranks[0]["losses"], one["losses"], strict=True)),
+        "loss_rel_gap": max(
+            abs(a - b) / abs(b) for a, b in zip(ranks[0]["losses"], one["losses"], strict=True)
+        ),
         "step_seconds_median": {
             "one_process": sorted(one["step_seconds"])[len(one["step_seconds"]) // 2],
             "ranks": sorted(ranks[0]["step_seconds"])[len(ranks[0]["step_seconds"]) // 2],
@@ -160,8 +194,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=4, help="rows of each global micro-batch")
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--budget", type=int, default=512 << 20, help="host (and device) budget of the node, bytes")
-    parser.add_argument("--micro-batches", default="1,4", help="micro-batches per step, comma-separated: a run each")
+    parser.add_argument(
+        "--budget", type=int, default=512 << 20, help="host (and device) budget of the node, bytes"
+    )
+    parser.add_argument(
+        "--micro-batches", default="1,4", help="micro-batches per step, comma-separated: a run each"
+    )
     parser.add_argument("--accum", type=int, default=1, help=argparse.SUPPRESS)  # a worker's micro-batches
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -177,14 +215,20 @@ def main() -> None:
     for accum in [int(x) for x in args.micro_batches.split(",")]:
         args.accum = accum
         report["runs"].append(_run(args, accum))
-    report["model"] = {"hidden": args.hidden, "layers": args.layers, "params": report["runs"][0]["params"],
-                       "dtype": "float32"}  # fmt: skip
+    report["model"] = {
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "params": report["runs"][0]["params"],
+        "dtype": "float32",
+    }
     first = report["runs"][0]["wire_bytes_per_step_rank0"]
     report["wire_over_first_run"] = [  # each run's bytes on the wire per step over the first's
-        {"micro_batches": r["global_batch"]["micro_batches"],
-         **{k: v / first[k] for k, v in r["wire_bytes_per_step_rank0"].items() if first.get(k)}}
+        {
+            "micro_batches": r["global_batch"]["micro_batches"],
+            **{k: v / first[k] for k, v in r["wire_bytes_per_step_rank0"].items() if first.get(k)},
+        }
         for r in report["runs"]
-    ]  # fmt: skip
+    ]
     print(json.dumps(report, indent=2))
 
 

@@ -43,7 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import machine
 
-TEXTS = [f"the {a} cat sat on the {b} mat ." for a in ("red", "big", "old", "fat") for b in ("blue", "flat", "wet")]
+TEXTS = [
+    f"the {a} cat sat on the {b} mat ." for a in ("red", "big", "old", "fat") for b in ("blue", "flat", "wet")
+]
 
 
 def setup(work: Path, steps: int) -> Path:
@@ -61,13 +63,28 @@ def setup(work: Path, steps: int) -> Path:
     recipe = {
         "model": {"path": str(model), "dtype": "float32"},
         "data": {"path": str(data), "max_seq_len": 32},
-        "training": {"output_dir": str(work / "runs" / "reference"), "max_steps": steps,
-                     "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "learning_rate": "3e-3",
-                     "lr_scheduler_type": "cosine", "warmup_steps": 2, "weight_decay": 0.01, "logging_steps": 1,
-                     "save_steps": 2, "save_total_limit": 3, "report_to": "none"},
-        "offload": {"disk_path": str(work / "nvme"), "params": "disk", "optimizer_states": "disk",
-                    "device_budget": "4MiB", "host_budget": "1MiB"},
-    }  # fmt: skip
+        "training": {
+            "output_dir": str(work / "runs" / "reference"),
+            "max_steps": steps,
+            "per_device_train_batch_size": 4,
+            "gradient_accumulation_steps": 2,
+            "learning_rate": "3e-3",
+            "lr_scheduler_type": "cosine",
+            "warmup_steps": 2,
+            "weight_decay": 0.01,
+            "logging_steps": 1,
+            "save_steps": 2,
+            "save_total_limit": 3,
+            "report_to": "none",
+        },
+        "offload": {
+            "disk_path": str(work / "nvme"),
+            "params": "disk",
+            "optimizer_states": "disk",
+            "device_budget": "4MiB",
+            "host_budget": "1MiB",
+        },
+    }
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
@@ -287,7 +304,10 @@ class Trials:
         recipe.yaml in it to resume)."""
         if (run_dir / "recipe.yaml").is_file():
             return []
-        args = [f"training.output_dir={run_dir}", f"offload.disk_path={self.work / 'nvme-runs' / run_dir.name}"]
+        args = [
+            f"training.output_dir={run_dir}",
+            f"offload.disk_path={self.work / 'nvme-runs' / run_dir.name}",
+        ]
         code = self.launcher.run(["train", str(self.recipe), "-q", *args], log.with_suffix(".again.log"))
         return [f"fresh start exit {code}"] if code else []
 
@@ -298,8 +318,16 @@ class Trials:
         defects += self._start_again(run_dir, log)
         more, resumes = self._finish(run_dir, f"kill{i}", judge)
         outcome = "finished before the kill" if code == 0 else "resumed" if checkpoints else "started over"
-        return {"trial": "kill", "i": i, "at": at, "exit": code, "checkpoints_at_kill": checkpoints,
-                "outcome": outcome, "resumes": resumes, "defects": defects + more}  # fmt: skip
+        return {
+            "trial": "kill",
+            "i": i,
+            "at": at,
+            "exit": code,
+            "checkpoints_at_kill": checkpoints,
+            "outcome": outcome,
+            "resumes": resumes,
+            "defects": defects + more,
+        }
 
     def sigterm(self, i: int, judge: Judge) -> dict:
         run_dir, disk, log, at, code = self._stopped(f"term{i}", signal.SIGTERM)
@@ -320,12 +348,21 @@ class Trials:
         elif code == -signal.SIGTERM and not run_dir.exists():
             outcome = "ended by the signal in interpreter start-up, before tiertune ran"
         else:
-            defects.append(f"exit {code} (143 expected){' (hung: stacks in ' + str(log) + ')' if code == -1 else ''}")
+            defects.append(
+                f"exit {code} (143 expected){' (hung: stacks in ' + str(log) + ')' if code == -1 else ''}"
+            )
             outcome = "hung" if code == -1 else "unclean"
         defects += self._start_again(run_dir, log)
         more, resumes = self._finish(run_dir, f"term{i}", judge)
-        return {"trial": "sigterm", "i": i, "at": at, "exit": code, "outcome": outcome,
-                "resumes": resumes, "defects": defects + more}  # fmt: skip
+        return {
+            "trial": "sigterm",
+            "i": i,
+            "at": at,
+            "exit": code,
+            "outcome": outcome,
+            "resumes": resumes,
+            "defects": defects + more,
+        }
 
     def damage(self, i: int, judge: Judge, stopped: Path) -> dict:
         run_dir, disk, _args = self._dirs(f"damage{i}")
@@ -351,18 +388,29 @@ class Trials:
         recipe_args = [f"offload.disk_path={disk}", f"training.output_dir={run_dir}"]
         defects = []
         log = self.work / "logs" / f"damage{i}-explicit.log"
-        code = self.launcher.run(["train", str(run_dir / "recipe.yaml"), "-q", *recipe_args,
-                                  f"training.resume_from_checkpoint={newest}"], log)  # fmt: skip
+        code = self.launcher.run(
+            [
+                "train",
+                str(run_dir / "recipe.yaml"),
+                "-q",
+                *recipe_args,
+                f"training.resume_from_checkpoint={newest}",
+            ],
+            log,
+        )
         text = log.read_text(errors="replace")
         if _traceback(log):
             defects.append(f"traceback ({log})")
         if code != 2 or "damaged" not in text:
             defects.append(f"explicit resume of the damaged checkpoint: exit {code} ({log})")
-        elif target.name not in text and target.name != "checksums.json":  # a damaged table names a file it lists
+        elif (
+            target.name not in text and target.name != "checksums.json"
+        ):  # a damaged table names a file it lists
             defects.append(f"the error does not name {target.name} ({log})")
         log = self.work / "logs" / f"damage{i}-auto.log"
-        code = self.launcher.run(["train", str(run_dir / "recipe.yaml"), *recipe_args,
-                                  "training.resume_from_checkpoint=auto"], log)  # fmt: skip
+        code = self.launcher.run(
+            ["train", str(run_dir / "recipe.yaml"), *recipe_args, "training.resume_from_checkpoint=auto"], log
+        )
         text = log.read_text(errors="replace")
         if _traceback(log):
             defects.append(f"traceback ({log})")
@@ -373,8 +421,14 @@ class Trials:
             defects.append(f"auto resumed without saying {newest.name} is damaged ({log})")
         else:
             defects += judge.differences(run_dir)
-        return {"trial": "damage", "i": i, "kind": kind, "file": str(target.relative_to(run_dir)),
-                "outcome": "fell back" if fell_back and code == 0 else "defect", "defects": defects}  # fmt: skip
+        return {
+            "trial": "damage",
+            "i": i,
+            "kind": kind,
+            "file": str(target.relative_to(run_dir)),
+            "outcome": "fell back" if fell_back and code == 0 else "defect",
+            "defects": defects,
+        }
 
     def disk_full(self, i: int, judge: Judge) -> dict:
         """The run directory on a small tmpfs that fills up at a random moment (another process's file): the
@@ -383,8 +437,9 @@ class Trials:
         mount = self.work / f"full{i}"
         mount.mkdir()
         size = 32 << 20
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
-                          capture_output=True).returncode:  # fmt: skip
+        if subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True
+        ).returncode:
             return {"trial": "disk_full", "i": i, "outcome": "skipped (cannot mount a tmpfs)", "defects": []}
         try:
             run_dir, disk = mount / "run", self.work / "nvme-runs" / f"full{i}"
@@ -418,9 +473,16 @@ class Trials:
                 defects.append(f"exit {code} without a disk-full error ({log})")
             filler.unlink()
             more, resumes = self._finish(run_dir, f"full{i}", judge)
-            return {"trial": "disk_full", "i": i, "at": f"step {k}, {left} bytes left", "exit": code,
-                    "checkpoints": not i % 2,
-                    "outcome": outcome, "resumes": resumes, "defects": defects + more}  # fmt: skip
+            return {
+                "trial": "disk_full",
+                "i": i,
+                "at": f"step {k}, {left} bytes left",
+                "exit": code,
+                "checkpoints": not i % 2,
+                "outcome": outcome,
+                "resumes": resumes,
+                "defects": defects + more,
+            }
         finally:
             subprocess.run(["umount", str(mount)], capture_output=True)
 
@@ -439,7 +501,6 @@ class Trials:
         if (run_dir / "trainer_state.json").is_file():
             raise SystemExit("the run to damage finished before it was stopped; use more --steps")
         return run_dir
-
 
 
 # ---------------------------------------------------------------- bad input
@@ -476,8 +537,14 @@ def bad_inputs(work: Path, recipe: Path) -> list[tuple[str, list[str], str]]:
 
         tok = make_tokenizer(TEXTS, qwen)
         shutil.copy(model / "model.safetensors", qwen)
-        Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                    num_attention_heads=4, num_key_value_heads=2).save_pretrained(qwen)  # fmt: skip
+        Qwen2Config(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ).save_pretrained(qwen)
     ints = model_copy("int32-weight")
     if not (ints / "marker").exists():
         import torch
@@ -505,63 +572,158 @@ def bad_inputs(work: Path, recipe: Path) -> list[tuple[str, list[str], str]]:
         ("bad size", [*train, "offload.host_budget=lots"], "cannot read 'lots' as a size"),
         ("budget without a unit", [*train, "offload.host_budget=64"], "has no unit"),
         ("budget beyond the machine", [*train, "offload.host_budget=100TiB"], "but this machine has"),
-        ("budget too small", [*train, "offload.host_budget=16KiB"], "checked before loading the model: the host tier needs"),
+        (
+            "budget too small",
+            [*train, "offload.host_budget=16KiB"],
+            "checked before loading the model: the host tier needs",
+        ),
         ("unknown choice", [*train, "model.quantize=nf5"], "must be one of none, nf4, fp4, int8"),
-        ("missing model directory", [*train, "model.path=/nonexistent/model"], "not a Hugging Face model directory"),
+        (
+            "missing model directory",
+            [*train, "model.path=/nonexistent/model"],
+            "not a Hugging Face model directory",
+        ),
         ("quantized full fine-tuning", [*train, "model.quantize=nf4"], "use method.type: lora"),
         ("lora rank 0", [*train, "method.lora.r=0"], "method.lora.r must be >= 1"),
-        ("galore rank 0", [*train, "method.type=galore", "method.galore.rank=0"], "method.galore.rank must be >= 1"),
+        (
+            "galore rank 0",
+            [*train, "method.type=galore", "method.galore.rank=0"],
+            "method.galore.rank must be >= 1",
+        ),
         ("sequence too short", [*train, "data.max_seq_len=1"], "data.max_seq_len must be >= 2"),
         ("unknown optimizer", [*train, "training.optim=sgd"], "training.optim must be one of"),
-        ("disk without a path", [*train, "offload.disk_path=null", "offload.params=disk"], "disk_path is not set"),
+        (
+            "disk without a path",
+            [*train, "offload.disk_path=null", "offload.params=disk"],
+            "disk_path is not set",
+        ),
         ("unwritable disk path", [*train, "offload.disk_path=/proc/tiertune"], "/proc/tiertune"),
-        ("resume a missing checkpoint", [*train, "training.resume_from_checkpoint=/nonexistent/checkpoint-5"],
-         "does not exist; use auto"),
+        (
+            "resume a missing checkpoint",
+            [*train, "training.resume_from_checkpoint=/nonexistent/checkpoint-5"],
+            "does not exist; use auto",
+        ),
         ("override that is not YAML", [*train, "training.learning_rate=[1e-4"], "is not valid YAML"),
-        ("seed beyond 64 bits", [*train, "training.seed=100000000000000000000000"], "training.seed must be in"),
+        (
+            "seed beyond 64 bits",
+            [*train, "training.seed=100000000000000000000000"],
+            "training.seed must be in",
+        ),
         ("negative weight decay", [*train, "training.weight_decay=-0.1"], "weight_decay must be >= 0"),
         ("negative adam epsilon", [*train, "training.adam_epsilon=-1e-8"], "adam_epsilon must be >= 0"),
         ("negative max_grad_norm", [*train, "training.max_grad_norm=-1"], "max_grad_norm must be >= 0"),
-        ("negative save_total_limit", [*train, "training.save_total_limit=-2"], "save_total_limit must be >= 0"),
-        ("a mapping where a list belongs", [*train, "method.type=lora", "method.lora.target_modules={q_proj: 1}"],
-         "must be a string or a list of names"),
+        (
+            "negative save_total_limit",
+            [*train, "training.save_total_limit=-2"],
+            "save_total_limit must be >= 0",
+        ),
+        (
+            "a mapping where a list belongs",
+            [*train, "method.type=lora", "method.lora.target_modules={q_proj: 1}"],
+            "must be a string or a list of names",
+        ),
         ("a section that is a list", [*train, "training=[1]"], "section training must be a mapping"),
         ("output_dir that is a file", [*train, f"training.output_dir={taken}"], "is a file, not a directory"),
         ("data file missing", [*train, "data.path=/nonexistent.jsonl"], "does not exist"),
-        ("data file of an unknown type", [*train, f"data.path={file('d.xml', '<x/>')}"], "must end in .jsonl"),
-        ("row without its field", [*train, f"data.path={file('field.jsonl', rows({'txt': 'a'}))}"],
-         "row 1: expected a string field 'text', found no such field"),
+        (
+            "data file of an unknown type",
+            [*train, f"data.path={file('d.xml', '<x/>')}"],
+            "must end in .jsonl",
+        ),
+        (
+            "row without its field",
+            [*train, f"data.path={file('field.jsonl', rows({'txt': 'a'}))}"],
+            "row 1: expected a string field 'text', found no such field",
+        ),
         ("empty dataset", [*train, f"data.path={file('empty.jsonl', '')}"], "holds no rows"),
-        ("line that is not JSON", [*train, f"data.path={file('oops.jsonl', '{oops' + chr(10))}"], "not valid JSON"),
-        ("a JSON line that is an array", [*train, f"data.path={file('array.jsonl', rows({'text': TEXTS[0]}, [1, 2]))}"],
-         "line 2: an array, not a JSON object"),
-        ("data not UTF-8", [*train, f"data.path={latin1}"],
-         "is not UTF-8 text: byte 0xe9"),
+        (
+            "line that is not JSON",
+            [*train, f"data.path={file('oops.jsonl', '{oops' + chr(10))}"],
+            "not valid JSON",
+        ),
+        (
+            "a JSON line that is an array",
+            [*train, f"data.path={file('array.jsonl', rows({'text': TEXTS[0]}, [1, 2]))}"],
+            "line 2: an array, not a JSON object",
+        ),
+        ("data not UTF-8", [*train, f"data.path={latin1}"], "is not UTF-8 text: byte 0xe9"),
         ("data path a directory", [*train, f"data.path={root / 'a-directory'}"], "is a directory"),
         ("chat without a template", [*train, "data.format=chat"], "this tokenizer has none"),
-        ("rows the tokenizer cannot represent", [*train, f"data.path={file('unknown.jsonl', rows({'text': 'zebras juggle lanterns'}))}"],
-         "keeps 0 of the row's 20 characters"),
-        ("a tokenizer that is not the data's", [*train, f"model.path={qwen}"],
-         "picked for this model (Qwen2Tokenizer)"),
-        ("same, rows skipped", [*train, f"model.path={qwen}", "data.skip_bad_rows=true"],
-         "loses most of the text of 12 of 12 rows"),
-        ("model without a tokenizer", [*train, f"model.path={bare}"], "no tokenizer.json or tokenizer_config.json"),
-        ("an integer tensor for a float weight", [*train, f"model.path={ints}"], "is int32, but it is a floating"),
-        ("recipe not UTF-8", ["train", file("latin1.yaml", b"model:\n  path: caf" + bytes([0xE9]) + b"\n")],
-         "is not UTF-8 text: byte 0xe9"),
-        ("recipe with a key given twice", ["train", file("twice.yaml", dup)], "given twice in one section (lines 2 and 4)"),
-        ("recipe that is a directory", ["train", str(root / "a-directory")], "is a directory; give a YAML recipe"),
+        (
+            "rows the tokenizer cannot represent",
+            [*train, f"data.path={file('unknown.jsonl', rows({'text': 'zebras juggle lanterns'}))}"],
+            "keeps 0 of the row's 20 characters",
+        ),
+        (
+            "a tokenizer that is not the data's",
+            [*train, f"model.path={qwen}"],
+            "picked for this model (Qwen2Tokenizer)",
+        ),
+        (
+            "same, rows skipped",
+            [*train, f"model.path={qwen}", "data.skip_bad_rows=true"],
+            "loses most of the text of 12 of 12 rows",
+        ),
+        (
+            "model without a tokenizer",
+            [*train, f"model.path={bare}"],
+            "no tokenizer.json or tokenizer_config.json",
+        ),
+        (
+            "an integer tensor for a float weight",
+            [*train, f"model.path={ints}"],
+            "is int32, but it is a floating",
+        ),
+        (
+            "recipe not UTF-8",
+            ["train", file("latin1.yaml", b"model:\n  path: caf" + bytes([0xE9]) + b"\n")],
+            "is not UTF-8 text: byte 0xe9",
+        ),
+        (
+            "recipe with a key given twice",
+            ["train", file("twice.yaml", dup)],
+            "given twice in one section (lines 2 and 4)",
+        ),
+        (
+            "recipe that is a directory",
+            ["train", str(root / "a-directory")],
+            "is a directory; give a YAML recipe",
+        ),
         ("recipe missing", ["train", str(root / "nope.yaml")], "does not exist"),
-        ("recipe not YAML", ["train", file("bad.yaml", "model:\n  path: [unclosed\n")], "not valid YAML at line"),
+        (
+            "recipe not YAML",
+            ["train", file("bad.yaml", "model:\n  path: [unclosed\n")],
+            "not valid YAML at line",
+        ),
         ("recipe a list", ["train", file("list.yaml", "- 1\n- 2\n")], "must be a mapping of sections"),
-        ("estimate with a bad override", ["estimate", str(recipe), "--no-probe", "training.max_steps=abc"], "must be int"),
-        ("demo of 0 steps", ["demo", "--steps", "0", "--workdir", str(root / "demo")], "--steps must be >= 1"),
-        ("recipes --to an unwritable path", ["recipes", "demo", "--to", "/proc/no/such/demo.yaml"], "cannot write"),
+        (
+            "estimate with a bad override",
+            ["estimate", str(recipe), "--no-probe", "training.max_steps=abc"],
+            "must be int",
+        ),
+        (
+            "demo of 0 steps",
+            ["demo", "--steps", "0", "--workdir", str(root / "demo")],
+            "--steps must be >= 1",
+        ),
+        (
+            "recipes --to an unwritable path",
+            ["recipes", "demo", "--to", "/proc/no/such/demo.yaml"],
+            "cannot write",
+        ),
         ("recipes of an unknown name", ["recipes", "nope"], "no built-in recipe 'nope'"),
         ("export of nothing", ["export", str(root / "no-run"), "--out", str(root / "out")], "does not exist"),
-        ("export of a model that is not a run", ["export", str(model), "--out", str(root / "out")], "has no recipe.yaml"),
-        ("merge of what is not an adapter", ["merge", str(model), "--out", str(root / "out")], "is not a PEFT adapter"),
-    ]  # fmt: skip
+        (
+            "export of a model that is not a run",
+            ["export", str(model), "--out", str(root / "out")],
+            "has no recipe.yaml",
+        ),
+        (
+            "merge of what is not an adapter",
+            ["merge", str(model), "--out", str(root / "out")],
+            "is not a PEFT adapter",
+        ),
+    ]
     return cases
 
 
@@ -595,8 +757,14 @@ class InputTrials:
         made = [p for p in (out, self.work / "inputs" / "out", self.work / "inputs" / "demo") if p.exists()]
         if made:
             defects.append(f"made {[str(p) for p in made]}")
-        return {"trial": "bad_input", "i": i, "input": name, "exit": code,
-                "outcome": "refused" if not defects else "defect", "defects": defects}  # fmt: skip
+        return {
+            "trial": "bad_input",
+            "i": i,
+            "input": name,
+            "exit": code,
+            "outcome": "refused" if not defects else "defect",
+            "defects": defects,
+        }
 
 
 # ---------------------------------------------------------------- export
@@ -661,13 +829,21 @@ class ExportTrials:
         defects = [f"traceback ({log})"] if _traceback(log) else []
         if code != 2 or "damaged" not in text:
             defects.append(f"exit {code}, not 2 naming the damage ({log})")
-        elif named and named not in text and named != "checksums.json":  # a damaged table names a file it lists
+        elif (
+            named and named not in text and named != "checksums.json"
+        ):  # a damaged table names a file it lists
             defects.append(f"the error does not name {named} ({log})")
         if out.exists() or list(out.parent.glob(f".{out.name}.*")):
             defects.append("something was written")
-        return {"trial": "export_damage", "i": i, "kind": kind, "file": str(target.relative_to(run_dir)),
-                "ranks": len(list((newest / "state").glob("rank-*/"))) or 1,
-                "outcome": "refused" if not defects else "defect", "defects": defects}  # fmt: skip
+        return {
+            "trial": "export_damage",
+            "i": i,
+            "kind": kind,
+            "file": str(target.relative_to(run_dir)),
+            "ranks": len(list((newest / "state").glob("rank-*/"))) or 1,
+            "outcome": "refused" if not defects else "defect",
+            "defects": defects,
+        }
 
     def full_disk(self, i: int, sources: list[Path]) -> dict:
         """Export into a small tmpfs that another process fills while the export writes (from the moment its
@@ -678,9 +854,15 @@ class ExportTrials:
         source = sources[i % len(sources)]
         size = sum(p.stat().st_size for p in source.rglob("*.safetensors") if "exp_avg" not in p.name)
         size = int(size * self.rng.uniform(1.2, 2.5)) + (1 << 20)
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
-                          capture_output=True).returncode:  # fmt: skip
-            return {"trial": "export_full", "i": i, "outcome": "skipped (cannot mount a tmpfs)", "defects": []}
+        if subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True
+        ).returncode:
+            return {
+                "trial": "export_full",
+                "i": i,
+                "outcome": "skipped (cannot mount a tmpfs)",
+                "defects": [],
+            }
         try:
             out = mount / "model"
             log = self.work / "logs" / f"export-full{i}.log"
@@ -713,8 +895,15 @@ class ExportTrials:
             else:
                 outcome = "unclean"
                 defects.append(f"exit {code} without a disk-full error ({log})")
-            return {"trial": "export_full", "i": i, "source": source.name, "when": "before" if early else "during",
-                    "exit": code, "outcome": outcome, "defects": defects}  # fmt: skip
+            return {
+                "trial": "export_full",
+                "i": i,
+                "source": source.name,
+                "when": "before" if early else "during",
+                "exit": code,
+                "outcome": outcome,
+                "defects": defects,
+            }
         finally:
             subprocess.run(["umount", str(mount)], capture_output=True)
 
@@ -751,14 +940,19 @@ class RankTrials:
     def _start(self, ranks: int, args: list[str], log: Path, launch: bool = False) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS="1", TIERTUNE_COLLECTIVE_TIMEOUT="60", PYTHONUNBUFFERED="1")
         with open(log, "wb") as f:
-            return subprocess.Popen(self._command(ranks, args, launch), stdout=f, stderr=subprocess.STDOUT, env=env)
+            return subprocess.Popen(
+                self._command(ranks, args, launch), stdout=f, stderr=subprocess.STDOUT, env=env
+            )
 
     def _ranks_of(self, proc: subprocess.Popen) -> list[int]:
         import psutil
 
         with contextlib.suppress(psutil.Error):
-            return [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
-                    if "tiertune.cli" in " ".join(p.cmdline())]  # fmt: skip
+            return [
+                p.pid
+                for p in psutil.Process(proc.pid).children(recursive=True)
+                if "tiertune.cli" in " ".join(p.cmdline())
+            ]
         return []
 
     def _gone(self, pids: list[int], timeout: float) -> bool:
@@ -797,8 +991,15 @@ class RankTrials:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     code = -1
-            if "Traceback" in "\n".join(line for line in log.read_text(errors="replace").splitlines()
-                                        if not line.startswith("[rank")) and ranks == 1:  # fmt: skip
+            if (
+                "Traceback"
+                in "\n".join(
+                    line
+                    for line in log.read_text(errors="replace").splitlines()
+                    if not line.startswith("[rank")
+                )
+                and ranks == 1
+            ):
                 defects.append(f"traceback on resume ({log})")
             if code != 0:
                 return [*defects, f"resume on {ranks} exit {code} ({log})"], sizes
@@ -852,8 +1053,15 @@ class RankTrials:
             except Exception as exc:
                 defects.append(f"{path.name} does not verify: {exc}")
         more, sizes = self._finish(run_dir, disk, f"rank-kill{i}")
-        return {"trial": "rank_kill", "i": i, "at": at, "exit": code, "resumed_on": sizes,
-                "outcome": "finished before the kill" if code == 0 else "resumed", "defects": defects + more}  # fmt: skip
+        return {
+            "trial": "rank_kill",
+            "i": i,
+            "at": at,
+            "exit": code,
+            "resumed_on": sizes,
+            "outcome": "finished before the kill" if code == 0 else "resumed",
+            "defects": defects + more,
+        }
 
     def orphan(self, i: int) -> dict:
         """kill -9 of torchrun after a random step: its ranks must stop (SIGTERM from the kernel, through their
@@ -874,8 +1082,15 @@ class RankTrials:
         if left and not defects:
             defects.append(f"the stopped ranks left slot files: {left}")
         more, sizes = self._finish(run_dir, disk, f"orphan{i}")
-        return {"trial": "orphan", "i": i, "at": f"after step {k}", "ranks": len(ranks), "resumed_on": sizes,
-                "outcome": "ranks stopped" if not defects else "defect", "defects": defects + more}  # fmt: skip
+        return {
+            "trial": "orphan",
+            "i": i,
+            "at": f"after step {k}",
+            "ranks": len(ranks),
+            "resumed_on": sizes,
+            "outcome": "ranks stopped" if not defects else "defect",
+            "defects": defects + more,
+        }
 
     def launch_term(self, i: int) -> dict:
         """SIGTERM to ``tiertune launch`` at a random moment: exit 143 and its last line saying every rank stopped
@@ -907,9 +1122,19 @@ class RankTrials:
         if left:
             defects.append(f"left behind: {left}")
         more, sizes = self._finish(run_dir, disk, f"launch-term{i}")
-        return {"trial": "launch_term", "i": i, "at": f"step {k}", "exit": code, "resumed_on": sizes,
-                "outcome": "stopped cleanly" if code == 143 else "finished before the signal" if code == 0 else "defect",
-                "defects": defects + more}  # fmt: skip
+        return {
+            "trial": "launch_term",
+            "i": i,
+            "at": f"step {k}",
+            "exit": code,
+            "resumed_on": sizes,
+            "outcome": "stopped cleanly"
+            if code == 143
+            else "finished before the signal"
+            if code == 0
+            else "defect",
+            "defects": defects + more,
+        }
 
     def elastic_early(self, i: int) -> dict:
         """A 2-process run stopped (kill -9 of a rank, or of the launcher) before its first checkpoint, restarted
@@ -933,8 +1158,16 @@ class RankTrials:
 
         early = not checkpoints(run_dir)
         log2 = self.work / "logs" / f"elastic-early{i}-one.log"
-        code = self.t.launcher.run(["train", str(run_dir / "recipe.yaml"), "training.resume_from_checkpoint=auto",
-                                    "training.per_device_train_batch_size=4", "-q"], log2)  # fmt: skip
+        code = self.t.launcher.run(
+            [
+                "train",
+                str(run_dir / "recipe.yaml"),
+                "training.resume_from_checkpoint=auto",
+                "training.per_device_train_batch_size=4",
+                "-q",
+            ],
+            log2,
+        )
         if code != 0 or _traceback(log2):
             defects.append(f"restart on one process: exit {code} ({log2})")
         else:
@@ -942,8 +1175,14 @@ class RankTrials:
             left = [p.name for p in disk.rglob("*.slots")] if disk.is_dir() else []
             if left:
                 defects.append(f"slot files left in the disk path: {left}")
-        return {"trial": "elastic_early", "i": i, "killed": how, "before_first_checkpoint": early,
-                "outcome": "restarted on one process" if not defects else "defect", "defects": defects}  # fmt: skip
+        return {
+            "trial": "elastic_early",
+            "i": i,
+            "killed": how,
+            "before_first_checkpoint": early,
+            "outcome": "restarted on one process" if not defects else "defect",
+            "defects": defects,
+        }
 
     def stopped(self) -> Path:
         """A 2-process run killed once its third checkpoint is complete (per-rank shards), for export trials."""
@@ -961,8 +1200,19 @@ class RankTrials:
         return run_dir
 
 
-KINDS = ("kill", "sigterm", "disk_full", "damage", "bad_input", "export_damage", "export_full", "rank_kill",
-         "orphan", "launch_term", "elastic_early")  # fmt: skip
+KINDS = (
+    "kill",
+    "sigterm",
+    "disk_full",
+    "damage",
+    "bad_input",
+    "export_damage",
+    "export_full",
+    "rank_kill",
+    "orphan",
+    "launch_term",
+    "elastic_early",
+)
 
 
 def table(results: list[dict]) -> str:
@@ -980,8 +1230,10 @@ def table(results: list[dict]) -> str:
     skipped = sum(1 for r in results if str(r["outcome"]).startswith("skipped"))
     rows.append((str(total), "all", str(total - bad - skipped), str(bad), str(skipped)))
     widths = [max(len(r[k]) for r in rows) for k in range(5)]
-    return "\n".join("  ".join(c.rjust(w) if k != 1 else c.ljust(w) for k, (c, w) in enumerate(zip(r, widths)))
-                     for r in rows)  # fmt: skip
+    return "\n".join(
+        "  ".join(c.rjust(w) if k != 1 else c.ljust(w) for k, (c, w) in enumerate(zip(r, widths)))
+        for r in rows
+    )
 
 
 def main() -> None:
@@ -992,11 +1244,17 @@ def main() -> None:
     p.add_argument("--damage", type=int, default=10)
     p.add_argument("--disk-full", type=int, default=3, help="runs whose output_dir fills up (tmpfs; root)")
     p.add_argument("--inputs", type=int, default=-1, help="bad inputs tried (-1: every one in bad_inputs)")
-    p.add_argument("--export-damage", type=int, default=0, help="exports of damaged checkpoints (half per-rank)")
+    p.add_argument(
+        "--export-damage", type=int, default=0, help="exports of damaged checkpoints (half per-rank)"
+    )
     p.add_argument("--export-full", type=int, default=0, help="exports into a filling tmpfs (root)")
-    p.add_argument("--rank-kills", type=int, default=0, help="2-process runs, a rank killed writing a checkpoint")
+    p.add_argument(
+        "--rank-kills", type=int, default=0, help="2-process runs, a rank killed writing a checkpoint"
+    )
     p.add_argument("--orphans", type=int, default=0, help="2-process runs whose torchrun is killed")
-    p.add_argument("--launch-terms", type=int, default=0, help="2-process `tiertune launch` runs sent SIGTERM")
+    p.add_argument(
+        "--launch-terms", type=int, default=0, help="2-process `tiertune launch` runs sent SIGTERM"
+    )
     p.add_argument("--elastic-early", type=int, default=0, help="2-process runs stopped before a checkpoint")
     p.add_argument("--steps", type=int, default=12, help="steps of the recipe (checkpoints every 2)")
     p.add_argument("--seed", type=int, default=0)
@@ -1011,9 +1269,19 @@ def main() -> None:
     trials = Trials(work, recipe, Launcher(args.spawn), args.steps, rng)
     began = time.monotonic()
     judge, seconds = trials.reference()
-    print(json.dumps({"reference": {"steps": args.steps, "seconds": round(seconds, 2),
-                                    "startup_s": round(trials.startup_s, 2), "step_s": round(trials.step_s, 3)}}),
-          flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "reference": {
+                    "steps": args.steps,
+                    "seconds": round(seconds, 2),
+                    "startup_s": round(trials.startup_s, 2),
+                    "step_s": round(trials.step_s, 3),
+                }
+            }
+        ),
+        flush=True,
+    )
     results = []
 
     def record(result: dict) -> None:
@@ -1052,15 +1320,22 @@ def main() -> None:
         record(ranks.launch_term(i))
     for i in range(args.elastic_early):
         record(ranks.elastic_early(i))
-    summary: dict = {"machine": machine(), "launch": "spawn" if args.spawn else "fork", "seed": args.seed,
-                     "seconds": round(time.monotonic() - began, 1)}  # fmt: skip
+    summary: dict = {
+        "machine": machine(),
+        "launch": "spawn" if args.spawn else "fork",
+        "seed": args.seed,
+        "seconds": round(time.monotonic() - began, 1),
+    }
     for kind in KINDS:
         mine = [r for r in results if r["trial"] == kind]
         outcomes: dict[str, int] = {}
         for r in mine:
             outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
-        summary[kind] = {"trials": len(mine), "outcomes": outcomes,
-                         "defects": sum(1 for r in mine if r["defects"])}  # fmt: skip
+        summary[kind] = {
+            "trials": len(mine),
+            "outcomes": outcomes,
+            "defects": sum(1 for r in mine if r["defects"]),
+        }
     all_defects = [d for r in results for d in r["defects"]]
     summary["silent_wrong_results"] = sum(
         1 for d in all_defects if "differ" in d or "each step once" in d or "without saying" in d

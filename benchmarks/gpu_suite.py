@@ -94,37 +94,148 @@ ROOT = HERE.parent
 
 PHASES = ("tests", "kernels", "qlora", "accumulation", "full", "longseq", "dpo")
 COMMON_KEYS = ("phase", "result", "machine", "gpu_memory_cap_bytes", "command", "dry_run")
-_TRAINING = ("batch", "seq", "tokens_per_step", "steps", "load_s", "step_s", "first_step_s",
-             "tokens_per_second", "losses", "peak_gpu_bytes", "peak_rss_bytes")  # fmt: skip
-_FLOPS = ("flops_formula", "tflops", "hardware_tflops", "peak_tflops_measured", "peak_tflops_datasheet",
-          "mfu", "mfu_datasheet", "hfu")  # fmt: skip
+_TRAINING = (
+    "batch",
+    "seq",
+    "tokens_per_step",
+    "steps",
+    "load_s",
+    "step_s",
+    "first_step_s",
+    "tokens_per_second",
+    "losses",
+    "peak_gpu_bytes",
+    "peak_rss_bytes",
+)
+_FLOPS = (
+    "flops_formula",
+    "tflops",
+    "hardware_tflops",
+    "peak_tflops_measured",
+    "peak_tflops_datasheet",
+    "mfu",
+    "mfu_datasheet",
+    "hfu",
+)
 # every key of every result, besides COMMON_KEYS and "wall_s" (a result that failed or was skipped carries
 # "error" or "skipped" and nulls for what it could not measure)
 KEYS: dict[str, tuple[str, ...]] = {
     "tests": ("pytest_command", "exit_code", "timed_out", "counts", "failing"),
-    "kernels": ("op", "dtype", "tokens", "shapes", "isolation", "eager", "tiertune", "liger",
-                "speedup_vs_eager", "forward_speedup_vs_eager", "peak_vs_eager"),
-    "galore": ("shapes", "rank", "tokens", "exact_s_per_layer", "randomized_s_per_layer", "randomized_speedup",
-               "worst_energy_ratio", "gradient_bytes_per_layer"),
-    "qlora/tiertune": ("system", "base", *_TRAINING, "host_budget_bytes", "device_budget_bytes",
-                       "tokens_per_second_at_full_depth", "peak_tier_bytes", "bytes_moved_per_step",
-                       "disk_read_gbps", "disk_read_measured_by", "host_to_device_gbps", "io_lower_bound_s",
-                       "io_lower_bound_by_link_s", "step_over_io_lower_bound", "disk_usage"),
-    "qlora/peft": ("system", "base", "layers_chosen_by", "attempts", *_TRAINING, "parameters_vs_tiertune_base"),
-    "accumulation/tiertune": ("system", "base", "batch", "seq", "micro_batches", "host_budget_bytes",
-                              "device_budget_bytes", "disk_read_gbps", "runs", "layer_major_speedup",
-                              "k8_over_k1_tokens_per_second", "k8_over_k1_disk_bytes"),
-    "full/tiertune": ("system", "model", "plan", "placement", *_TRAINING, "max_grad_norm", *_FLOPS,
-                      "optimizer", "optimizer_hidden_share", "optimizer_busy_s", "optimizer_not_hidden_s",
-                      "io_wait_s", "peak_tier_bytes"),
-    "full/fsdp2": ("system", "model", "placement", *_TRAINING, "max_grad_norm", *_FLOPS, "optimizer",
-                   "optimizer_s", "mixed_precision", "backend", "pinned_memory_rounding"),
+    "kernels": (
+        "op",
+        "dtype",
+        "tokens",
+        "shapes",
+        "isolation",
+        "eager",
+        "tiertune",
+        "liger",
+        "speedup_vs_eager",
+        "forward_speedup_vs_eager",
+        "peak_vs_eager",
+    ),
+    "galore": (
+        "shapes",
+        "rank",
+        "tokens",
+        "exact_s_per_layer",
+        "randomized_s_per_layer",
+        "randomized_speedup",
+        "worst_energy_ratio",
+        "gradient_bytes_per_layer",
+    ),
+    "qlora/tiertune": (
+        "system",
+        "base",
+        *_TRAINING,
+        "host_budget_bytes",
+        "device_budget_bytes",
+        "tokens_per_second_at_full_depth",
+        "peak_tier_bytes",
+        "bytes_moved_per_step",
+        "disk_read_gbps",
+        "disk_read_measured_by",
+        "host_to_device_gbps",
+        "io_lower_bound_s",
+        "io_lower_bound_by_link_s",
+        "step_over_io_lower_bound",
+        "disk_usage",
+    ),
+    "qlora/peft": (
+        "system",
+        "base",
+        "layers_chosen_by",
+        "attempts",
+        *_TRAINING,
+        "parameters_vs_tiertune_base",
+    ),
+    "accumulation/tiertune": (
+        "system",
+        "base",
+        "batch",
+        "seq",
+        "micro_batches",
+        "host_budget_bytes",
+        "device_budget_bytes",
+        "disk_read_gbps",
+        "runs",
+        "layer_major_speedup",
+        "k8_over_k1_tokens_per_second",
+        "k8_over_k1_disk_bytes",
+    ),
+    "full/tiertune": (
+        "system",
+        "model",
+        "plan",
+        "placement",
+        *_TRAINING,
+        "max_grad_norm",
+        *_FLOPS,
+        "optimizer",
+        "optimizer_hidden_share",
+        "optimizer_busy_s",
+        "optimizer_not_hidden_s",
+        "io_wait_s",
+        "peak_tier_bytes",
+    ),
+    "full/fsdp2": (
+        "system",
+        "model",
+        "placement",
+        *_TRAINING,
+        "max_grad_norm",
+        *_FLOPS,
+        "optimizer",
+        "optimizer_s",
+        "mixed_precision",
+        "backend",
+        "pinned_memory_rounding",
+    ),
     "full/deepspeed": ("reference", "skipped"),
-    "longseq/tiertune": ("system", "base", "batch", "host_budget_bytes", "device_budget_bytes", "sequence_tile",
-                         "runs", "longest_trained"),
-    "dpo/tiertune": ("system", "base", "seq", "micro_batches", "host_budget_bytes", "device_budget_bytes", "runs",
-                     "dpo_over_sft_bytes", "dpo_over_sft_seconds", "peak_gpu_bytes", "under_cap"),
-}  # fmt: skip
+    "longseq/tiertune": (
+        "system",
+        "base",
+        "batch",
+        "host_budget_bytes",
+        "device_budget_bytes",
+        "sequence_tile",
+        "runs",
+        "longest_trained",
+    ),
+    "dpo/tiertune": (
+        "system",
+        "base",
+        "seq",
+        "micro_batches",
+        "host_budget_bytes",
+        "device_budget_bytes",
+        "runs",
+        "dpo_over_sft_bytes",
+        "dpo_over_sft_seconds",
+        "peak_gpu_bytes",
+        "under_cap",
+    ),
+}
 # the results each phase prints (kernels: one per op)
 PHASE_RESULTS = {
     "tests": ("tests",),
@@ -169,8 +280,15 @@ class Shape:
     def linears(self) -> dict[str, tuple[int, int]]:
         """Each decoder layer's linear weights: (out, in)."""
         h, i, kv = self.hidden, self.intermediate, self.kv_width
-        return {"q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h),
-                "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}  # fmt: skip
+        return {
+            "q_proj": (h, h),
+            "k_proj": (kv, h),
+            "v_proj": (kv, h),
+            "o_proj": (h, h),
+            "gate_proj": (i, h),
+            "up_proj": (i, h),
+            "down_proj": (h, i),
+        }
 
     def layer_linear_params(self) -> int:
         return sum(o * i for o, i in self.linears().values())
@@ -186,14 +304,33 @@ class Shape:
 
     def args(self) -> list[str]:
         """The model arguments of the bench_* scripts."""
-        return ["--layers", str(self.layers), "--hidden", str(self.hidden), "--intermediate",
-                str(self.intermediate), "--heads", str(self.heads), "--kv-heads", str(self.kv_heads),
-                "--vocab", str(self.vocab)]  # fmt: skip
+        return [
+            "--layers",
+            str(self.layers),
+            "--hidden",
+            str(self.hidden),
+            "--intermediate",
+            str(self.intermediate),
+            "--heads",
+            str(self.heads),
+            "--kv-heads",
+            str(self.kv_heads),
+            "--vocab",
+            str(self.vocab),
+        ]
 
     def describe(self) -> dict:
-        return {"shape": self.name, "layers": self.layers, "hidden": self.hidden, "intermediate": self.intermediate,
-                "heads": self.heads, "kv_heads": self.kv_heads, "vocab": self.vocab,
-                "tied_embeddings": True, "parameters": self.parameters()}  # fmt: skip
+        return {
+            "shape": self.name,
+            "layers": self.layers,
+            "hidden": self.hidden,
+            "intermediate": self.intermediate,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "vocab": self.vocab,
+            "tied_embeddings": True,
+            "parameters": self.parameters(),
+        }
 
 
 LLAMA3_70B = Shape("Llama-3-70B", 80, 8192, 28672, 64, 8, 128256)
@@ -240,43 +377,152 @@ class Settings:
     def for_run(cls, dry_run: bool, gpu_cap: int) -> Settings:
         if not dry_run:
             return cls(
-                dry_run=False, device="cuda", dtype="bfloat16", gpu_cap=gpu_cap,
+                dry_run=False,
+                device="cuda",
+                dtype="bfloat16",
+                gpu_cap=gpu_cap,
                 # bench_kernels at Llama-3-8B's shapes (its defaults, named so that the results say them)
                 # one process per op (each implementation in it, peak GPU memory reset before each), which costs a
-            # third of a process per op and implementation: the tests share this command's 9 minutes
-            kernel_args=("--tokens", "8192", "--hidden", "4096", "--intermediate", "14336", "--heads", "32",
-                         "--kv-heads", "8", "--head-dim", "128", "--vocab", "128256", "--rank", "16", "--in-process"),
-                galore_args=("--hidden", "4096", "--intermediate", "14336", "--heads", "32", "--kv-heads", "8",
-                             "--rank", "128", "--tokens", "4096", "--layers", "32", "--reps", "3", "--threads", "0"),
-                qlora_shape=LLAMA3_70B, qlora_batch=1, qlora_seq=2048, qlora_steps=3,
-                qlora_host_budget=12 << 30, qlora_device_budget=10 << 30, peft_reserve_s=170.0,
+                # third of a process per op and implementation: the tests share this command's 9 minutes
+                kernel_args=(
+                    "--tokens",
+                    "8192",
+                    "--hidden",
+                    "4096",
+                    "--intermediate",
+                    "14336",
+                    "--heads",
+                    "32",
+                    "--kv-heads",
+                    "8",
+                    "--head-dim",
+                    "128",
+                    "--vocab",
+                    "128256",
+                    "--rank",
+                    "16",
+                    "--in-process",
+                ),
+                galore_args=(
+                    "--hidden",
+                    "4096",
+                    "--intermediate",
+                    "14336",
+                    "--heads",
+                    "32",
+                    "--kv-heads",
+                    "8",
+                    "--rank",
+                    "128",
+                    "--tokens",
+                    "4096",
+                    "--layers",
+                    "32",
+                    "--reps",
+                    "3",
+                    "--threads",
+                    "0",
+                ),
+                qlora_shape=LLAMA3_70B,
+                qlora_batch=1,
+                qlora_seq=2048,
+                qlora_steps=3,
+                qlora_host_budget=12 << 30,
+                qlora_device_budget=10 << 30,
+                peft_reserve_s=170.0,
                 # 16 of the 70B shape's layers (~7.5 GB of NF4) through 3 GiB of host and 5 GiB of device budget
                 # (the 2.1 GB bf16 embedding stays on the device): every wave streams them from disk
-                accum_layers=16, accum_host_budget=3 << 30, accum_device_budget=5 << 30,
-                full_shape=LLAMA2_7B, full_batch=8, full_seq=2048, full_steps=4, full_device_budget=6 << 30,
+                accum_layers=16,
+                accum_host_budget=3 << 30,
+                accum_device_budget=5 << 30,
+                full_shape=LLAMA2_7B,
+                full_batch=8,
+                full_seq=2048,
+                full_steps=4,
+                full_device_budget=6 << 30,
                 # a layer's memory at a length is the same at any depth: 4 layers keep 256K tokens within minutes;
                 # the device holds up to three boundaries at once (2 GiB each at 256K: 4 GiB refused it) + weights
-                longseq_layers=4, longseq_seqs=(65536, 131072, 262144), longseq_host_budget=24 << 30,
+                longseq_layers=4,
+                longseq_seqs=(65536, 131072, 262144),
+                longseq_host_budget=24 << 30,
                 longseq_device_budget=8 << 30,
-                disk_probe_bytes=2 << 30, ram_reserve=20 << 30, disk_margin=3 << 30,
-            )  # fmt: skip
+                disk_probe_bytes=2 << 30,
+                ram_reserve=20 << 30,
+                disk_margin=3 << 30,
+            )
         return cls(
-            dry_run=True, device="cpu", dtype="float32", gpu_cap=gpu_cap,
-            kernel_args=("--tokens", "64", "--hidden", "64", "--intermediate", "96", "--heads", "4", "--kv-heads",
-                         "2", "--head-dim", "16", "--vocab", "300", "--rank", "4", "--reps", "1", "--warmup", "1",
-                         "--in-process"),
-            galore_args=("--hidden", "128", "--intermediate", "256", "--heads", "4", "--kv-heads", "2", "--rank",
-                         "8", "--tokens", "32", "--layers", "2", "--reps", "1", "--threads", "0"),
+            dry_run=True,
+            device="cpu",
+            dtype="float32",
+            gpu_cap=gpu_cap,
+            kernel_args=(
+                "--tokens",
+                "64",
+                "--hidden",
+                "64",
+                "--intermediate",
+                "96",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--head-dim",
+                "16",
+                "--vocab",
+                "300",
+                "--rank",
+                "4",
+                "--reps",
+                "1",
+                "--warmup",
+                "1",
+                "--in-process",
+            ),
+            galore_args=(
+                "--hidden",
+                "128",
+                "--intermediate",
+                "256",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--rank",
+                "8",
+                "--tokens",
+                "32",
+                "--layers",
+                "2",
+                "--reps",
+                "1",
+                "--threads",
+                "0",
+            ),
             # the toy base (8 layers of 80 KiB, a 128 KiB embedding) outgrows its host and device budgets: it
             # streams from the disk tier as the real one does
-            qlora_shape=Shape("toy Llama (dry run)", 8, 128, 256, 4, 2, 256), qlora_batch=1, qlora_seq=32,
-            qlora_steps=2, qlora_host_budget=256 << 10, qlora_device_budget=256 << 10, peft_reserve_s=20.0,
-            accum_layers=8, accum_host_budget=256 << 10, accum_device_budget=256 << 10,
-            full_shape=Shape("toy Llama (dry run)", 2, 128, 256, 4, 4, 512), full_batch=2, full_seq=32,
-            full_steps=3, full_device_budget=2 << 20, longseq_layers=2, longseq_seqs=(256, 512),
-            longseq_host_budget=64 << 20, longseq_device_budget=16 << 20, disk_probe_bytes=16 << 20, ram_reserve=1 << 30,
+            qlora_shape=Shape("toy Llama (dry run)", 8, 128, 256, 4, 2, 256),
+            qlora_batch=1,
+            qlora_seq=32,
+            qlora_steps=2,
+            qlora_host_budget=256 << 10,
+            qlora_device_budget=256 << 10,
+            peft_reserve_s=20.0,
+            accum_layers=8,
+            accum_host_budget=256 << 10,
+            accum_device_budget=256 << 10,
+            full_shape=Shape("toy Llama (dry run)", 2, 128, 256, 4, 4, 512),
+            full_batch=2,
+            full_seq=32,
+            full_steps=3,
+            full_device_budget=2 << 20,
+            longseq_layers=2,
+            longseq_seqs=(256, 512),
+            longseq_host_budget=64 << 20,
+            longseq_device_budget=16 << 20,
+            disk_probe_bytes=16 << 20,
+            ram_reserve=1 << 30,
             disk_margin=64 << 20,
-        )  # fmt: skip
+        )
 
 
 class Budget:
@@ -316,9 +562,17 @@ def emit(ctx: Context, phase: str, result: str, values: dict, began: float) -> d
     # the processes of qlora and full run under the cap; the tests and the kernels have the whole GPU
     capped = phase in ("qlora", "accumulation", "full") and not ctx.settings.dry_run
     cap = ctx.settings.gpu_cap if capped else None
-    out = {"phase": phase, "result": result, **dict.fromkeys(missing), **values, "machine": ctx.machine,
-           "gpu_memory_cap_bytes": cap, "command": ctx.command, "dry_run": ctx.settings.dry_run,
-           "wall_s": round(time.perf_counter() - began, 3)}  # fmt: skip
+    out = {
+        "phase": phase,
+        "result": result,
+        **dict.fromkeys(missing),
+        **values,
+        "machine": ctx.machine,
+        "gpu_memory_cap_bytes": cap,
+        "command": ctx.command,
+        "dry_run": ctx.settings.dry_run,
+        "wall_s": round(time.perf_counter() - began, 3),
+    }
     print(json.dumps(out), flush=True)
     ctx.printed.append(result)
     return out
@@ -328,8 +582,10 @@ def describe_machine(directory: Path) -> dict:
     """``common.machine()`` and the GPU, host memory and the disk under ``directory``."""
     import psutil
 
-    info = base_machine() | {"ram_bytes": psutil.virtual_memory().total,
-                             "disk_free_bytes": shutil.disk_usage(directory).free}  # fmt: skip
+    info = base_machine() | {
+        "ram_bytes": psutil.virtual_memory().total,
+        "disk_free_bytes": shutil.disk_usage(directory).free,
+    }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info |= {"gpu": props.name, "gpu_memory_bytes": props.total_memory, "cuda": torch.version.cuda}
@@ -386,8 +642,12 @@ class RandomNF4Cache:
     def load(self, chunk: object, views: dict[str, torch.Tensor]) -> bool:
         for key, view in views.items():
             if f"{key}.absmax" in views:  # a quantized weight: two 4-bit codes per byte
-                weight = torch.randn(view.numel() * 2, generator=self.generator, device=self.device,
-                                     dtype=self.quant.compute_dtype).mul_(0.02)  # fmt: skip
+                weight = torch.randn(
+                    view.numel() * 2,
+                    generator=self.generator,
+                    device=self.device,
+                    dtype=self.quant.compute_dtype,
+                ).mul_(0.02)
                 self.quant.quantize_into(key, weight, views)
             elif not key.endswith((".absmax", ".absmax2", ".offset")):  # the layer's norms
                 view.fill_(1.0)
@@ -440,8 +700,11 @@ def child_peak(p: dict) -> dict:
         a @ b
     sync()
     seconds = time.perf_counter() - began
-    return {"tflops": 2 * n**3 * reps / seconds / 1e12, "matmul": f"{n}x{n}x{n} {str(dtype).removeprefix('torch.')}",
-            "device": torch.cuda.get_device_name() if cuda else "cpu"}  # fmt: skip
+    return {
+        "tflops": 2 * n**3 * reps / seconds / 1e12,
+        "matmul": f"{n}x{n}x{n} {str(dtype).removeprefix('torch.')}",
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+    }
 
 
 def child_fsdp2(p: dict) -> dict:
@@ -576,10 +839,16 @@ def _llama_config(shape: Shape, quantization: dict | None = None) -> object:
     from transformers import LlamaConfig
 
     config = LlamaConfig(
-        hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
-        tie_word_embeddings=True, dtype="bfloat16", max_position_embeddings=8192,
-    )  # fmt: skip
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        vocab_size=shape.vocab,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+        max_position_embeddings=8192,
+    )
     if quantization is not None:
         config.quantization_config = quantization
     return config
@@ -620,9 +889,12 @@ def write_checkpoint(path: Path, shape: Shape, layers_as: str, compute_dtype: to
     if layers_as == "nf4":
         from transformers import BitsAndBytesConfig
 
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                          bnb_4bit_use_double_quant=True,
-                                          bnb_4bit_compute_dtype=compute_dtype).to_dict()  # fmt: skip
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype,
+        ).to_dict()
     _llama_config(shape, quantization).save_pretrained(path)
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(shape.layers + 1)]
     for name, tshape in _model_tensors(shape):
@@ -676,8 +948,15 @@ def _nf4_serialized(prefix: str, weight: torch.Tensor, compute_dtype: torch.dtyp
     import bitsandbytes as bnb
 
     out_features, in_features = weight.shape
-    linear = bnb.nn.Linear4bit(in_features, out_features, bias=False, compute_dtype=compute_dtype,
-                               quant_type="nf4", compress_statistics=True, device="meta")  # fmt: skip
+    linear = bnb.nn.Linear4bit(
+        in_features,
+        out_features,
+        bias=False,
+        compute_dtype=compute_dtype,
+        quant_type="nf4",
+        compress_statistics=True,
+        device="meta",
+    )
     linear.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=True)
     linear = linear.to(weight.device)  # quantizes
     return {k: v.detach().contiguous().cpu() for k, v in linear.state_dict(prefix=prefix).items()}
@@ -690,8 +969,11 @@ def subset_checkpoint(source: Path, target: Path, layers: int) -> None:
     config["num_hidden_layers"] = layers
     (target / "config.json").write_text(json.dumps(config))
     index = json.loads((source / "model.safetensors.index.json").read_text())
-    keep = {k: f for k, f in index["weight_map"].items() if not k.startswith("model.layers.")
-            or int(k.split(".")[2]) < layers}  # fmt: skip
+    keep = {
+        k: f
+        for k, f in index["weight_map"].items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
+    }
     (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": keep}))
     for file in set(keep.values()):
         (target / file).symlink_to(source / file)
@@ -725,8 +1007,13 @@ def peft_layers_that_fit(shape: Shape, tokens: int, cap: int) -> int:
     lora = LORA_RANK * sum(o + i for o, i in shape.linears().values()) * 16
     per_layer = nf4 + lora + tokens * shape.hidden * 2
     recompute = tokens * (4 * shape.intermediate + 6 * shape.hidden) * 2 * 2
-    fixed = (shape.vocab * shape.hidden * 2 + tokens * shape.vocab * 12 + recompute
-             + shape.hidden * shape.intermediate * 2 * 2 + (1 << 30))  # fmt: skip
+    fixed = (
+        shape.vocab * shape.hidden * 2
+        + tokens * shape.vocab * 12
+        + recompute
+        + shape.hidden * shape.intermediate * 2 * 2
+        + (1 << 30)
+    )
     return max(0, int((cap - fixed) // per_layer))
 
 
@@ -832,8 +1119,10 @@ def pinned_rounding_off(s: Settings) -> dict[str, str]:
     if s.dry_run:
         return {}
     env = {"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:64"}
-    probe = ("import torch; torch.zeros(1, device='cuda'); t = torch.empty((96 << 20) + 1).pin_memory(); "
-             "print(getattr(torch.cuda, 'host_memory_stats', dict)().get('allocated_bytes.current', -1))")  # fmt: skip
+    probe = (
+        "import torch; torch.zeros(1, device='cuda'); t = torch.empty((96 << 20) + 1).pin_memory(); "
+        "print(getattr(torch.cuda, 'host_memory_stats', dict)().get('allocated_bytes.current', -1))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], env=_env(env), capture_output=True, text=True)
     lines = out.stdout.split()
     return env if out.returncode == 0 and lines and int(lines[-1]) < (128 << 20) else {}
@@ -857,11 +1146,27 @@ def phase_tests(ctx: Context) -> None:
     limit = ctx.budget.left() * share - 10
     with tempfile.TemporaryDirectory(dir=ctx.dir) as tmp:
         report = Path(tmp) / "junit.xml"
-        pytest = ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                  "-o", "junit_family=xunit1"]  # fmt: skip
+        pytest = [
+            "-m",
+            "pytest",
+            "-m",
+            "gpu",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={report}",
+            "-o",
+            "junit_family=xunit1",
+        ]
         log(f"tests: python {shlex.join(pytest)} (at most {limit:.0f} s)")
-        proc = subprocess.Popen([sys.executable, *pytest], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, *pytest],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         timed_out = False
         try:
             output, _ = proc.communicate(timeout=max(limit, 1))
@@ -928,8 +1233,13 @@ def phase_kernels(ctx: Context) -> None:
         left = ctx.budget.left() - 5
         if per_group is not None and left < 1.3 * per_group:
             for op in ops:
-                emit(ctx, "kernels", "kernels", {"op": op, "skipped": f"time budget: {left:.0f} s left, an op "
-                     f"took {per_group:.0f} s"}, began)  # fmt: skip
+                emit(
+                    ctx,
+                    "kernels",
+                    "kernels",
+                    {"op": op, "skipped": f"time budget: {left:.0f} s left, an op took {per_group:.0f} s"},
+                    began,
+                )
             continue
         cmd = [sys.executable, str(HERE / "bench_kernels.py"), "--ops", ",".join(ops), *s.kernel_args]
         log(f"kernels: {' '.join(ops)}")
@@ -973,16 +1283,22 @@ def phase_galore(ctx: Context) -> None:
         emit(ctx, "kernels", "galore", {"error": "bench_galore failed or ran out of time"}, began)
         return
     settings = report["settings"]
-    emit(ctx, "kernels", "galore", {
-        "shapes": {k: settings[k] for k in ("hidden", "intermediate", "heads", "kv_heads")},
-        "rank": settings["rank"],
-        "tokens": settings["tokens"],
-        "exact_s_per_layer": report["exact"]["seconds_per_layer"],
-        "randomized_s_per_layer": report["randomized"]["seconds_per_layer"],
-        "randomized_speedup": report["randomized_speedup"],
-        "worst_energy_ratio": report["randomized"]["worst_energy_ratio"],
-        "gradient_bytes_per_layer": report["gradient_bytes_per_layer"],
-    }, began)  # fmt: skip
+    emit(
+        ctx,
+        "kernels",
+        "galore",
+        {
+            "shapes": {k: settings[k] for k in ("hidden", "intermediate", "heads", "kv_heads")},
+            "rank": settings["rank"],
+            "tokens": settings["tokens"],
+            "exact_s_per_layer": report["exact"]["seconds_per_layer"],
+            "randomized_s_per_layer": report["randomized"]["seconds_per_layer"],
+            "randomized_speedup": report["randomized_speedup"],
+            "worst_energy_ratio": report["randomized"]["worst_energy_ratio"],
+            "gradient_bytes_per_layer": report["gradient_bytes_per_layer"],
+        },
+        began,
+    )
 
 
 def _kernel_shapes(kernel_args: tuple[str, ...]) -> dict[str, int]:
@@ -1047,51 +1363,91 @@ def phase_qlora(ctx: Context) -> None:
         shape, why, steps = _qlora_depth(ctx, free, gbps, dtype)
         model = tmp / "base"
         checkpoint = write_checkpoint(model, shape, "sparse", dtype)
-        log(f"qlora: sparse checkpoint of {shape.layers} layers: {format_size(checkpoint['apparent_bytes'])} "
-            f"apparent, {format_size(checkpoint['allocated_bytes'])} on disk")  # fmt: skip
-        argv = [*shape.args(), "--steps", str(steps), "--batch", str(s.qlora_batch), "--seq", str(s.qlora_seq),
-                "--host-budget", f"{s.qlora_host_budget}B", "--device-budget", f"{s.qlora_device_budget}B",
-                "--device", s.device, "--gpu-memory-cap", f"{s.gpu_cap}B", "--quant-cache", "generated"]  # fmt: skip
+        log(
+            f"qlora: sparse checkpoint of {shape.layers} layers: {format_size(checkpoint['apparent_bytes'])} "
+            f"apparent, {format_size(checkpoint['allocated_bytes'])} on disk"
+        )
+        argv = [
+            *shape.args(),
+            "--steps",
+            str(steps),
+            "--batch",
+            str(s.qlora_batch),
+            "--seq",
+            str(s.qlora_seq),
+            "--host-budget",
+            f"{s.qlora_host_budget}B",
+            "--device-budget",
+            f"{s.qlora_device_budget}B",
+            "--device",
+            s.device,
+            "--gpu-memory-cap",
+            f"{s.gpu_cap}B",
+            "--quant-cache",
+            "generated",
+        ]
         limit = ctx.budget.left() - s.peft_reserve_s
         ours = run_child(
             "qlora-tiertune", {"argv": argv, "model": str(model), "disk": str(tmp / "disk")}, limit
         )
         full = s.qlora_shape
-        base = {**full.describe(), "layers_run": shape.layers, "parameters_run": shape.parameters(),
-                "why_fewer_layers": why, "nf4_layer_bytes": nf4_layer_bytes(full, dtype), "how": QLORA_HOW,
-                "generated_on": checkpoint["generated_on"]}  # fmt: skip
+        base = {
+            **full.describe(),
+            "layers_run": shape.layers,
+            "parameters_run": shape.parameters(),
+            "why_fewer_layers": why,
+            "nf4_layer_bytes": nf4_layer_bytes(full, dtype),
+            "how": QLORA_HOW,
+            "generated_on": checkpoint["generated_on"],
+        }
         tokens = s.qlora_batch * s.qlora_seq
         values: dict = {
-            "system": "tiertune", "base": base, "batch": s.qlora_batch, "seq": s.qlora_seq,
-            "tokens_per_step": tokens, "steps": steps, "host_budget_bytes": s.qlora_host_budget,
-            "device_budget_bytes": s.qlora_device_budget, "disk_read_gbps": gbps,
+            "system": "tiertune",
+            "base": base,
+            "batch": s.qlora_batch,
+            "seq": s.qlora_seq,
+            "tokens_per_step": tokens,
+            "steps": steps,
+            "host_budget_bytes": s.qlora_host_budget,
+            "device_budget_bytes": s.qlora_device_budget,
+            "disk_read_gbps": gbps,
             "disk_read_measured_by": measured_by,
-            "disk_usage": {"free_before_bytes": free, "o_direct": supports_o_direct(tmp),
-                           "checkpoint_apparent_bytes": checkpoint["apparent_bytes"],
-                           "checkpoint_allocated_bytes": checkpoint["allocated_bytes"],
-                           "disk_tier_peak_bytes": ours.get("peak_bytes", {}).get("disk")},
-        }  # fmt: skip
+            "disk_usage": {
+                "free_before_bytes": free,
+                "o_direct": supports_o_direct(tmp),
+                "checkpoint_apparent_bytes": checkpoint["apparent_bytes"],
+                "checkpoint_allocated_bytes": checkpoint["allocated_bytes"],
+                "disk_tier_peak_bytes": ours.get("peak_bytes", {}).get("disk"),
+            },
+        }
         if "error" in ours:
             values["error"] = ours["error"]
         else:
             values |= {
-                "load_s": ours["load_and_quantize_s"], "step_s": ours["step_s"],
-                "first_step_s": ours["first_step_s"], "tokens_per_second": ours["tokens_per_second"],
+                "load_s": ours["load_and_quantize_s"],
+                "step_s": ours["step_s"],
+                "first_step_s": ours["first_step_s"],
+                "tokens_per_second": ours["tokens_per_second"],
                 "tokens_per_second_at_full_depth": ours["tokens_per_second"] * shape.layers / full.layers,
-                "losses": ours["losses"], "peak_gpu_bytes": ours["peak_gpu_bytes"],
-                "peak_rss_bytes": ours["peak_rss_bytes"], "peak_tier_bytes": ours["peak_bytes"],
+                "losses": ours["losses"],
+                "peak_gpu_bytes": ours["peak_gpu_bytes"],
+                "peak_rss_bytes": ours["peak_rss_bytes"],
+                "peak_tier_bytes": ours["peak_bytes"],
                 "bytes_moved_per_step": ours["bytes_moved_per_step"],
                 "host_to_device_gbps": ours["host_to_device_gbps"],
                 **bench_qlora.io_lower_bound(ours, gbps),
-            }  # fmt: skip
+            }
         emit(ctx, "qlora", "qlora/tiertune", values, began)
         shutil.rmtree(model)  # room for the reference's checkpoint
         shutil.rmtree(tmp / "disk", ignore_errors=True)
         _peft_reference(ctx, tmp, dtype)
 
 
-ACCUMULATION_RUNS = (("1 micro-batch", 1, 0), ("8 micro-batches, layer-major", 8, 0),
-                     ("8 micro-batches, one at a time", 8, 1))
+ACCUMULATION_RUNS = (
+    ("1 micro-batch", 1, 0),
+    ("8 micro-batches, layer-major", 8, 0),
+    ("8 micro-batches, one at a time", 8, 1),
+)
 """The accumulation phase's runs: (label, micro-batches per step, wave size: 0 the step's, 1 the schedule
 before the layer-major step, each micro-batch's forward and backward streaming every layer)."""
 
@@ -1113,19 +1469,55 @@ def phase_accumulation(ctx: Context) -> None:
         write_checkpoint(model, shape, "sparse", dtype)
         runs: dict[str, dict] = {}
         for label, k, wave in ACCUMULATION_RUNS:
-            argv = [*shape.args(), "--steps", "2", "--batch", str(s.qlora_batch), "--seq", str(s.qlora_seq),
-                    "--micro-batches", str(k), "--wave-size", str(wave),
-                    "--host-budget", f"{s.accum_host_budget}B", "--device-budget", f"{s.accum_device_budget}B",
-                    "--device", s.device, "--gpu-memory-cap", f"{s.gpu_cap}B", "--quant-cache", "generated"]  # fmt: skip
+            argv = [
+                *shape.args(),
+                "--steps",
+                "2",
+                "--batch",
+                str(s.qlora_batch),
+                "--seq",
+                str(s.qlora_seq),
+                "--micro-batches",
+                str(k),
+                "--wave-size",
+                str(wave),
+                "--host-budget",
+                f"{s.accum_host_budget}B",
+                "--device-budget",
+                f"{s.accum_device_budget}B",
+                "--device",
+                s.device,
+                "--gpu-memory-cap",
+                f"{s.gpu_cap}B",
+                "--quant-cache",
+                "generated",
+            ]
             left = ctx.budget.left() - 10
             if left < 30:
                 runs[label] = {"skipped": f"{left:.0f} s of the budget left"}
                 continue
-            out = run_child("qlora-tiertune", {"argv": argv, "model": str(model), "disk": str(tmp / f"disk-{k}-{wave}")},
-                            left)  # fmt: skip
-            runs[label] = {"micro_batches": k, "wave_size": wave, **{key: out.get(key) for key in (
-                "error", "step_s", "first_step_s", "tokens_per_second", "losses", "peak_gpu_bytes",
-                "bytes_moved_per_step", "peak_bytes")}}  # fmt: skip
+            out = run_child(
+                "qlora-tiertune",
+                {"argv": argv, "model": str(model), "disk": str(tmp / f"disk-{k}-{wave}")},
+                left,
+            )
+            runs[label] = {
+                "micro_batches": k,
+                "wave_size": wave,
+                **{
+                    key: out.get(key)
+                    for key in (
+                        "error",
+                        "step_s",
+                        "first_step_s",
+                        "tokens_per_second",
+                        "losses",
+                        "peak_gpu_bytes",
+                        "bytes_moved_per_step",
+                        "peak_bytes",
+                    )
+                },
+            }
             shutil.rmtree(tmp / f"disk-{k}-{wave}", ignore_errors=True)
     one, layer_major, at_a_time = (runs[label] for label, _, _ in ACCUMULATION_RUNS)
 
@@ -1135,16 +1527,23 @@ def phase_accumulation(ctx: Context) -> None:
         return x / y if x and y else None
 
     values = {
-        "system": "tiertune", "base": {**shape.describe(), "of": s.qlora_shape.name}, "batch": s.qlora_batch,
-        "seq": s.qlora_seq, "micro_batches": [k for _, k, _ in ACCUMULATION_RUNS],
-        "host_budget_bytes": s.accum_host_budget, "device_budget_bytes": s.accum_device_budget,
-        "disk_read_gbps": gbps, "runs": runs,
+        "system": "tiertune",
+        "base": {**shape.describe(), "of": s.qlora_shape.name},
+        "batch": s.qlora_batch,
+        "seq": s.qlora_seq,
+        "micro_batches": [k for _, k, _ in ACCUMULATION_RUNS],
+        "host_budget_bytes": s.accum_host_budget,
+        "device_budget_bytes": s.accum_device_budget,
+        "disk_read_gbps": gbps,
+        "runs": runs,
         "layer_major_speedup": ratio(layer_major, at_a_time, "tokens_per_second"),
         "k8_over_k1_tokens_per_second": ratio(layer_major, one, "tokens_per_second"),
         "k8_over_k1_disk_bytes": ratio(layer_major, one, "bytes_moved_per_step", "disk->host"),
-    }  # fmt: skip
-    log(f"accumulation: disk reads {gbps:.2f} GB/s ({measured_by}); layer-major speedup at 8 micro-batches: "
-        f"{values['layer_major_speedup']}")  # fmt: skip
+    }
+    log(
+        f"accumulation: disk reads {gbps:.2f} GB/s ({measured_by}); layer-major speedup at 8 micro-batches: "
+        f"{values['layer_major_speedup']}"
+    )
     emit(ctx, "accumulation", "accumulation/tiertune", values, began)
 
 
@@ -1164,28 +1563,63 @@ def phase_longseq(ctx: Context) -> None:
         model = tmp / "base"
         write_checkpoint(model, shape, "sparse", dtype)
         for seq in s.longseq_seqs:
-            argv = [*shape.args(), "--steps", "2", "--batch", "1", "--seq", str(seq), "--activations", "host",
-                    "--sequence-tile", str(tile), "--host-budget", f"{s.longseq_host_budget}B",
-                    "--device-budget", f"{s.longseq_device_budget}B", "--device", s.device,
-                    "--gpu-memory-cap", f"{s.gpu_cap}B", "--quant-cache", "generated"]  # fmt: skip
+            argv = [
+                *shape.args(),
+                "--steps",
+                "2",
+                "--batch",
+                "1",
+                "--seq",
+                str(seq),
+                "--activations",
+                "host",
+                "--sequence-tile",
+                str(tile),
+                "--host-budget",
+                f"{s.longseq_host_budget}B",
+                "--device-budget",
+                f"{s.longseq_device_budget}B",
+                "--device",
+                s.device,
+                "--gpu-memory-cap",
+                f"{s.gpu_cap}B",
+                "--quant-cache",
+                "generated",
+            ]
             left = ctx.budget.left() - 10
             if left < 30:
                 runs[str(seq)] = {"skipped": f"{left:.0f} s of the budget left"}
                 break
-            out = run_child("qlora-tiertune", {"argv": argv, "model": str(model), "disk": str(tmp / f"disk-{seq}")},
-                            left)  # fmt: skip
-            runs[str(seq)] = {key: out.get(key) for key in ("error", "step_s", "first_step_s", "tokens_per_second",
-                                                             "losses", "peak_gpu_bytes", "peak_rss_bytes")}  # fmt: skip
+            out = run_child(
+                "qlora-tiertune", {"argv": argv, "model": str(model), "disk": str(tmp / f"disk-{seq}")}, left
+            )
+            runs[str(seq)] = {
+                key: out.get(key)
+                for key in (
+                    "error",
+                    "step_s",
+                    "first_step_s",
+                    "tokens_per_second",
+                    "losses",
+                    "peak_gpu_bytes",
+                    "peak_rss_bytes",
+                )
+            }
             log(f"longseq {seq} tokens: {json.dumps(runs[str(seq)])}")
             shutil.rmtree(tmp / f"disk-{seq}", ignore_errors=True)
             if out.get("error"):
                 break
     trained = [int(k) for k, r in runs.items() if r.get("step_s") is not None]
     values = {
-        "system": "tiertune", "base": {**shape.describe(), "of": LLAMA3_8B.name}, "batch": 1,
-        "host_budget_bytes": s.longseq_host_budget, "device_budget_bytes": s.longseq_device_budget,
-        "sequence_tile": tile, "runs": runs, "longest_trained": max(trained, default=None),
-    }  # fmt: skip
+        "system": "tiertune",
+        "base": {**shape.describe(), "of": LLAMA3_8B.name},
+        "batch": 1,
+        "host_budget_bytes": s.longseq_host_budget,
+        "device_budget_bytes": s.longseq_device_budget,
+        "sequence_tile": tile,
+        "runs": runs,
+        "longest_trained": max(trained, default=None),
+    }
     emit(ctx, "longseq", "longseq/tiertune", values, began)
 
 
@@ -1208,17 +1642,49 @@ def phase_dpo(ctx: Context) -> None:
         model = tmp / "base"
         write_checkpoint(model, shape, "sparse", dtype)
         for label, objective, batch in DPO_RUNS:
-            argv = [*shape.args(), "--steps", "2", "--batch", str(batch), "--seq", str(s.qlora_seq),
-                    "--micro-batches", "8", "--objective", objective, "--activations", "device",
-                    "--host-budget", f"{s.accum_host_budget}B", "--device-budget", f"{s.accum_device_budget}B",
-                    "--device", s.device, "--gpu-memory-cap", f"{s.gpu_cap}B", "--quant-cache", "generated"]  # fmt: skip
+            argv = [
+                *shape.args(),
+                "--steps",
+                "2",
+                "--batch",
+                str(batch),
+                "--seq",
+                str(s.qlora_seq),
+                "--micro-batches",
+                "8",
+                "--objective",
+                objective,
+                "--activations",
+                "device",
+                "--host-budget",
+                f"{s.accum_host_budget}B",
+                "--device-budget",
+                f"{s.accum_device_budget}B",
+                "--device",
+                s.device,
+                "--gpu-memory-cap",
+                f"{s.gpu_cap}B",
+                "--quant-cache",
+                "generated",
+            ]
             left = ctx.budget.left() - 10
             if left < 30:
                 runs[label] = {"skipped": f"{left:.0f} s of the budget left"}
                 continue
-            out = run_child("qlora-tiertune", {"argv": argv, "model": str(model), "disk": str(tmp / "disk")}, left)
-            runs[label] = {key: out.get(key) for key in ("error", "step_s", "tokens_per_second", "losses",
-                                                         "peak_gpu_bytes", "bytes_moved_per_step")}  # fmt: skip
+            out = run_child(
+                "qlora-tiertune", {"argv": argv, "model": str(model), "disk": str(tmp / "disk")}, left
+            )
+            runs[label] = {
+                key: out.get(key)
+                for key in (
+                    "error",
+                    "step_s",
+                    "tokens_per_second",
+                    "losses",
+                    "peak_gpu_bytes",
+                    "bytes_moved_per_step",
+                )
+            }
             log(f"dpo, {label}: {json.dumps(runs[label])}")
             shutil.rmtree(tmp / "disk", ignore_errors=True)
     sft, dpo = (runs.get(label, {}) for label, _, _ in DPO_RUNS)
@@ -1229,13 +1695,20 @@ def phase_dpo(ctx: Context) -> None:
 
     peak = dpo.get("peak_gpu_bytes")
     values = {
-        "system": "tiertune", "base": {**shape.describe(), "of": s.qlora_shape.name}, "seq": s.qlora_seq,
-        "micro_batches": 8, "host_budget_bytes": s.accum_host_budget, "device_budget_bytes": s.accum_device_budget,
+        "system": "tiertune",
+        "base": {**shape.describe(), "of": s.qlora_shape.name},
+        "seq": s.qlora_seq,
+        "micro_batches": 8,
+        "host_budget_bytes": s.accum_host_budget,
+        "device_budget_bytes": s.accum_device_budget,
         "runs": runs,
         "dpo_over_sft_bytes": total(dpo) / total(sft) if total(dpo) and total(sft) else None,
-        "dpo_over_sft_seconds": dpo["step_s"] / sft["step_s"] if dpo.get("step_s") and sft.get("step_s") else None,
-        "peak_gpu_bytes": peak, "under_cap": None if peak is None else peak <= s.gpu_cap,
-    }  # fmt: skip
+        "dpo_over_sft_seconds": dpo["step_s"] / sft["step_s"]
+        if dpo.get("step_s") and sft.get("step_s")
+        else None,
+        "peak_gpu_bytes": peak,
+        "under_cap": None if peak is None else peak <= s.gpu_cap,
+    }
     emit(ctx, "dpo", "dpo/tiertune", values, began)
 
 
@@ -1256,16 +1729,20 @@ def _qlora_depth(ctx: Context, free: int, gbps: float, dtype: torch.dtype) -> tu
     while layers > 1 and layers * layer + embed + s.disk_margin > free:
         layers -= 1
     if layers < full.layers:
-        why = (f"the disk tier of {full.layers} layers ({format_size(full.layers * layer)}) does not fit the "
-               f"{format_size(free)} free next to the embedding")  # fmt: skip
+        why = (
+            f"the disk tier of {full.layers} layers ({format_size(full.layers * layer)}) does not fit the "
+            f"{format_size(free)} free next to the embedding"
+        )
     steps = s.qlora_steps
     left = ctx.budget.left() - s.peft_reserve_s
     if seconds(layers, steps) > left:
         steps = 2  # the first step records the trace: one steady step at least
     while layers > 1 and seconds(layers, steps) > left:
         layers = max(1, int(layers * 0.9))
-        why = (f"time: at {gbps:.2f} GB/s from disk, {full.layers} layers would not load and stream "
-               f"{steps} steps in the {left:.0f} s left")  # fmt: skip
+        why = (
+            f"time: at {gbps:.2f} GB/s from disk, {full.layers} layers would not load and stream "
+            f"{steps} steps in the {left:.0f} s left"
+        )
     return full.with_layers(layers), why, steps
 
 
@@ -1282,11 +1759,19 @@ def _peft_reference(ctx: Context, tmp: Path, dtype: torch.dtype) -> None:
         chosen = "dry run: every layer of the toy shape (no GPU, so no cap to fit)"
     else:
         layers = min(full.layers, peft_layers_that_fit(full, tokens, s.gpu_cap))
-        chosen = (f"peft_layers_that_fit estimated {layers} layers within {format_size(s.gpu_cap)} at {tokens} "
-                  "tokens (NF4 weights, LoRA states, checkpointed layer inputs, logits, workspace); then 15% fewer "
-                  "after an out-of-memory, 15% more (once) after a fit, while the budget lasted")  # fmt: skip
-    values: dict = {"system": "peft+bitsandbytes", "layers_chosen_by": chosen, "batch": s.qlora_batch,
-                    "seq": s.qlora_seq, "tokens_per_step": tokens, "steps": s.qlora_steps}  # fmt: skip
+        chosen = (
+            f"peft_layers_that_fit estimated {layers} layers within {format_size(s.gpu_cap)} at {tokens} "
+            "tokens (NF4 weights, LoRA states, checkpointed layer inputs, logits, workspace); then 15% fewer "
+            "after an out-of-memory, 15% more (once) after a fit, while the budget lasted"
+        )
+    values: dict = {
+        "system": "peft+bitsandbytes",
+        "layers_chosen_by": chosen,
+        "batch": s.qlora_batch,
+        "seq": s.qlora_seq,
+        "tokens_per_step": tokens,
+        "steps": s.qlora_steps,
+    }
     if layers < 1:
         emit(ctx, "qlora", "qlora/peft", values | {"error": "not even one layer fits the cap"}, began)
         return
@@ -1300,11 +1785,28 @@ def _peft_reference(ctx: Context, tmp: Path, dtype: torch.dtype) -> None:
         shape = full.with_layers(layers)
         model = tmp / f"peft-{layers}"
         subset_checkpoint(source, model, layers)
-        argv = [*shape.args(), "--steps", str(s.qlora_steps), "--batch", str(s.qlora_batch), "--seq",
-                str(s.qlora_seq), "--device", s.device, "--gpu-memory-cap", f"{s.gpu_cap}B"]  # fmt: skip
+        argv = [
+            *shape.args(),
+            "--steps",
+            str(s.qlora_steps),
+            "--batch",
+            str(s.qlora_batch),
+            "--seq",
+            str(s.qlora_seq),
+            "--device",
+            s.device,
+            "--gpu-memory-cap",
+            f"{s.gpu_cap}B",
+        ]
         result = run_child("peft", {"argv": argv, "model": str(model)}, ctx.budget.left() - 5)
-        attempts.append({"layers": layers, "parameters": shape.parameters(), "outcome": result.get("error", "fit"),
-                         "peak_gpu_bytes": result.get("peak_gpu_bytes")})  # fmt: skip
+        attempts.append(
+            {
+                "layers": layers,
+                "parameters": shape.parameters(),
+                "outcome": result.get("error", "fit"),
+                "peak_gpu_bytes": result.get("peak_gpu_bytes"),
+            }
+        )
         if "error" not in result:
             best = {"layers": layers, "result": result}
             grown = all(a["outcome"] == "fit" for a in attempts)  # nothing deeper failed yet: try deeper once
@@ -1317,19 +1819,28 @@ def _peft_reference(ctx: Context, tmp: Path, dtype: torch.dtype) -> None:
         result = best["result"]
     shape = full.with_layers(best["layers"] if best else attempts[-1]["layers"])
     values |= {
-        "base": {**shape.describe(), "how": "random N(0, 0.02) weights quantized by bitsandbytes' Linear4bit and "
-                 "saved pre-quantized (its own serialization); loaded by from_pretrained with the same "
-                 "BitsAndBytesConfig (NF4, double quantization)", "checkpoint_written": checkpoint | {"layers": deepest}},
+        "base": {
+            **shape.describe(),
+            "how": "random N(0, 0.02) weights quantized by bitsandbytes' Linear4bit and "
+            "saved pre-quantized (its own serialization); loaded by from_pretrained with the same "
+            "BitsAndBytesConfig (NF4, double quantization)",
+            "checkpoint_written": checkpoint | {"layers": deepest},
+        },
         "attempts": attempts,
         "parameters_vs_tiertune_base": shape.parameters() / full.parameters(),
-    }  # fmt: skip
+    }
     if best is None:
         values["error"] = result.get("error", "no attempt ran")
     else:
-        values |= {"load_s": result["load_and_quantize_s"], "step_s": result["step_s"],
-                   "first_step_s": result["first_step_s"], "tokens_per_second": result["tokens_per_second"],
-                   "losses": result["losses"], "peak_gpu_bytes": result["peak_gpu_bytes"],
-                   "peak_rss_bytes": result["peak_rss_bytes"]}  # fmt: skip
+        values |= {
+            "load_s": result["load_and_quantize_s"],
+            "step_s": result["step_s"],
+            "first_step_s": result["first_step_s"],
+            "tokens_per_second": result["tokens_per_second"],
+            "losses": result["losses"],
+            "peak_gpu_bytes": result["peak_gpu_bytes"],
+            "peak_rss_bytes": result["peak_rss_bytes"],
+        }
     emit(ctx, "qlora", "qlora/peft", values, began)
 
 
@@ -1351,8 +1862,12 @@ def phase_full(ctx: Context) -> None:
     with tempfile.TemporaryDirectory(dir=ctx.dir, prefix="full-") as name:
         tmp = Path(name)
         env = pinned_rounding_off(s)
-        plan = plan_full(s, psutil.virtual_memory().total, shutil.disk_usage(tmp).free,
-                         pinned_rounds=not s.dry_run and not env)  # fmt: skip
+        plan = plan_full(
+            s,
+            psutil.virtual_memory().total,
+            shutil.disk_usage(tmp).free,
+            pinned_rounds=not s.dry_run and not env,
+        )
         shape = s.full_shape.with_layers(plan["layers"])
         log(
             f"full: {shape.layers} layers, {shape.parameters() / 1e9:.2f} B parameters; plan {json.dumps(plan)}"
@@ -1362,46 +1877,91 @@ def phase_full(ctx: Context) -> None:
         datasheet = datasheet_tflops(ctx.machine.get("gpu"))
         model = tmp / "model"
         checkpoint = write_checkpoint(model, shape, "random", torch.bfloat16)
-        info = {**shape.describe(), "why_fewer_layers": plan["why_fewer_layers"], "checkpoint": checkpoint,
-                "peak_matmul": peak}  # fmt: skip
+        info = {
+            **shape.describe(),
+            "why_fewer_layers": plan["why_fewer_layers"],
+            "checkpoint": checkpoint,
+            "peak_matmul": peak,
+        }
         tokens = s.full_batch * s.full_seq
-        common = {"model": info, "batch": s.full_batch, "seq": s.full_seq, "tokens_per_step": tokens,
-                  "steps": s.full_steps, "max_grad_norm": 0.0}  # fmt: skip
-        argv = [*shape.args(), "--steps", str(s.full_steps), "--batch", str(s.full_batch), "--seq", str(s.full_seq),
-                "--device-budget", f"{s.full_device_budget}B", "--host-budget",
-                f"{plan['tiertune_host_budget_bytes']}B", "--max-grad-norm", "0", "--threads",
-                "1" if s.dry_run else "0", "--device", s.device, "--dtype", s.dtype,
-                "--gpu-memory-cap", f"{s.gpu_cap}B"]  # fmt: skip
+        common = {
+            "model": info,
+            "batch": s.full_batch,
+            "seq": s.full_seq,
+            "tokens_per_step": tokens,
+            "steps": s.full_steps,
+            "max_grad_norm": 0.0,
+        }
+        argv = [
+            *shape.args(),
+            "--steps",
+            str(s.full_steps),
+            "--batch",
+            str(s.full_batch),
+            "--seq",
+            str(s.full_seq),
+            "--device-budget",
+            f"{s.full_device_budget}B",
+            "--host-budget",
+            f"{plan['tiertune_host_budget_bytes']}B",
+            "--max-grad-norm",
+            "0",
+            "--threads",
+            "1" if s.dry_run else "0",
+            "--device",
+            s.device,
+            "--dtype",
+            s.dtype,
+            "--gpu-memory-cap",
+            f"{s.gpu_cap}B",
+        ]
         limit = (ctx.budget.left() - 20) * 0.5  # the rest is FSDP2's
         ours = run_child(
             "train", {"argv": argv, "model": str(model), "disk": str(tmp / "disk")}, limit, env=env
         )
         values = common | {
-            "system": "tiertune", "plan": plan,
-            "placement": {"weights": f"host (bf16), streamed through a {format_size(s.full_device_budget)} device "
-                          "tier", "optimizer_states": "host (fp32 master weights and Adam moments)",
-                          "gradients": "host (fp32, one chunk per layer homed for the run; each consumed by its layer's update in backward)",
-                          "activations": "device (each layer's input; layers recomputed in backward)"},
+            "system": "tiertune",
+            "plan": plan,
+            "placement": {
+                "weights": f"host (bf16), streamed through a {format_size(s.full_device_budget)} device tier",
+                "optimizer_states": "host (fp32 master weights and Adam moments)",
+                "gradients": "host (fp32, one chunk per layer homed for the run; each consumed by its layer's update in backward)",
+                "activations": "device (each layer's input; layers recomputed in backward)",
+            },
             "optimizer": "tiertune CPU AdamW (torch's fused CPU kernel) overlapped with backward, in place "
             "(no clipping)",
-        }  # fmt: skip
+        }
         values |= _training_figures(ours, shape, tokens, peak_tflops, datasheet)
         if "error" not in ours:
             values |= {k: ours[k] for k in ("optimizer_hidden_share", "optimizer_busy_s", "io_wait_s")}
-            values |= {"optimizer_not_hidden_s": ours["optimizer_not_hidden_s"], "peak_tier_bytes": ours["peak_bytes"],
-                       "load_s": ours["load_s"]}  # fmt: skip
+            values |= {
+                "optimizer_not_hidden_s": ours["optimizer_not_hidden_s"],
+                "peak_tier_bytes": ours["peak_bytes"],
+                "load_s": ours["load_s"],
+            }
         emit(ctx, "full", "full/tiertune", values, began)
         began = time.perf_counter()
-        params = {"model": str(model), "device": s.device, "gpu_cap": s.gpu_cap, "batch": s.full_batch,
-                  "seq": s.full_seq, "steps": s.full_steps, "threads": 1 if s.dry_run else 0,
-                  "rendezvous": str(tmp / "rendezvous")}  # fmt: skip
+        params = {
+            "model": str(model),
+            "device": s.device,
+            "gpu_cap": s.gpu_cap,
+            "batch": s.full_batch,
+            "seq": s.full_seq,
+            "steps": s.full_steps,
+            "threads": 1 if s.dry_run else 0,
+            "rendezvous": str(tmp / "rendezvous"),
+        }
         theirs = run_child("fsdp2", params, ctx.budget.left() - 5, env=env)
         values = common | {
-            "system": "fsdp2", "pinned_memory_rounding": _rounding(env, s.dry_run),
-            "placement": {"parameters": "host (fp32 shards; bf16 copies on the device, one layer at a time)",
-                          "gradients": "host (fp32)", "optimizer_states": "host (torch AdamW moments)",
-                          "activations": "device (transformers' activation checkpointing per layer)"},
-        }  # fmt: skip
+            "system": "fsdp2",
+            "pinned_memory_rounding": _rounding(env, s.dry_run),
+            "placement": {
+                "parameters": "host (fp32 shards; bf16 copies on the device, one layer at a time)",
+                "gradients": "host (fp32)",
+                "optimizer_states": "host (torch AdamW moments)",
+                "activations": "device (transformers' activation checkpointing per layer)",
+            },
+        }
         values |= _training_figures(theirs, shape, tokens, peak_tflops, datasheet)
         if "error" not in theirs:
             values |= {
@@ -1447,8 +2007,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
     p.add_argument("--dry-run", action="store_true", help="every phase on the CPU at toy sizes")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="wall-clock seconds this command may take (default 530; 600 with --dry-run)")  # fmt: skip
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall-clock seconds this command may take (default 530; 600 with --dry-run)",
+    )
     p.add_argument(
         "--dir", default=str(ROOT / ".tiertune-bench"), help="scratch space on the disk to measure"
     )
@@ -1474,8 +2038,15 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(
         ["python", os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]
     )
-    ctx = Context(settings, budget, phases, describe_machine(directory), command, directory,
-                  pytest_log=Path(args.pytest_log) if args.pytest_log else None)  # fmt: skip
+    ctx = Context(
+        settings,
+        budget,
+        phases,
+        describe_machine(directory),
+        command,
+        directory,
+        pytest_log=Path(args.pytest_log) if args.pytest_log else None,
+    )
     crashed = False
     for phase in phases:
         log(f"phase {phase}: {budget.left():.0f} s of the budget left")

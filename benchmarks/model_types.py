@@ -36,8 +36,17 @@ import time
 from pathlib import Path
 
 RECIPE = "llama3-8b-qlora-24gb"  # QLoRA on one 24 GB GPU: the quantizer and LoRA see every layer
-LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "decoder_layers",
-              "encoder_layers", "num_encoder_layers", "text_layers")  # fmt: skip
+LAYER_KEYS = (
+    "num_hidden_layers",
+    "num_layers",
+    "n_layer",
+    "n_layers",
+    "num_decoder_layers",
+    "decoder_layers",
+    "encoder_layers",
+    "num_encoder_layers",
+    "text_layers",
+)
 
 
 def cut(config: object, layers: int) -> None:
@@ -128,12 +137,20 @@ def classify(code: int | None, out: str, err: str) -> tuple[str, str]:
         first = out.splitlines()[0] if out else ""
         return "estimated", f"{fits}; {first[:160]}"
     if code == 2 and len(lines) == 1 and lines[0].startswith("error: "):
-        return "refused", lines[0][len("error: "):]
+        return "refused", lines[0][len("error: ") :]
     return "traceback", f"exit {code}, {len(lines)} lines on stderr: {' | '.join(lines)[:200]}"
 
 
-def walk(types: list[str], directory: Path, layers: int | None, recipe: str, extra: list[str],
-         timeout: float, jobs: int, command: str = "estimate") -> list[dict]:  # fmt: skip
+def walk(
+    types: list[str],
+    directory: Path,
+    layers: int | None,
+    recipe: str,
+    extra: list[str],
+    timeout: float,
+    jobs: int,
+    command: str = "estimate",
+) -> list[dict]:
     """Each of ``types`` through `tiertune estimate` (or ``train``), ``jobs`` at a time; one dict per type."""
     # the server imports transformers once for all; tiertune's entry point sets this before transformers is
     # imported in a process of its own (``cli.app.main``), so the server does it first too
@@ -155,10 +172,21 @@ def walk(types: list[str], directory: Path, layers: int | None, recipe: str, ext
                 continue
             if command == "train":  # a step of the recipe on a config-only directory: as far as it gets
                 data = directory / "data.jsonl"
-                chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+                chat = {
+                    "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+                }
                 data.write_text(json.dumps(chat) + "\n")
-                argv = ["train", recipe, f"model.path={place}", f"data.path={data}", f"offload.disk_path={place / 'nvme'}",
-                        f"training.output_dir={place / 'run'}", "training.max_steps=1", *extra, "-q"]  # fmt: skip
+                argv = [
+                    "train",
+                    recipe,
+                    f"model.path={place}",
+                    f"data.path={data}",
+                    f"offload.disk_path={place / 'nvme'}",
+                    f"training.output_dir={place / 'run'}",
+                    "training.max_steps=1",
+                    *extra,
+                    "-q",
+                ]
             else:
                 argv = ["estimate", recipe, f"model.path={place}", *extra]
             proc = ctx.Process(target=_command, args=(argv, str(place / "out.txt"), str(place / "err.txt")))
@@ -176,8 +204,14 @@ def walk(types: list[str], directory: Path, layers: int | None, recipe: str, ext
             code = None if late else proc.exitcode
             out, err = ((place / f).read_text(errors="replace") for f in ("out.txt", "err.txt"))
             result, why = classify(code, out, err)
-            row = {"model_type": model_type, "result": result, "why": why, "exit": code,
-                   "seconds": round(time.monotonic() - began, 1), "dir": str(place)}  # fmt: skip
+            row = {
+                "model_type": model_type,
+                "result": result,
+                "why": why,
+                "exit": code,
+                "seconds": round(time.monotonic() - began, 1),
+                "dir": str(place),
+            }
             results.append(row)
             print(json.dumps(row), flush=True)
     return sorted(results, key=lambda r: r["model_type"])
@@ -215,7 +249,11 @@ def markdown(results: list[dict]) -> str:
         if kind(r) == "not a causal LM":
             others.append(r["model_type"])
             continue
-        why = "" if r["result"] == "estimated" else re.sub(PREFIX, "", r["why"]).replace(r.get("dir", "\0"), "DIR")
+        why = (
+            ""
+            if r["result"] == "estimated"
+            else re.sub(PREFIX, "", r["why"]).replace(r.get("dir", "\0"), "DIR")
+        )
         why = (why[:200] + ("..." if len(why) > 200 else "")).replace("|", "\\|")
         rows.append(f"| `{r['model_type']}` | {kind(r)} | {why} |")
     tail = f"\nRefused as not a causal LM ({len(others)}): " + ", ".join(f"`{t}`" for t in others) + ".\n"
@@ -225,15 +263,24 @@ def markdown(results: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", required=True, help="where the config-only directories go")
-    parser.add_argument("--types", help="comma-separated model types (default: every type transformers knows)")
+    parser.add_argument(
+        "--types", help="comma-separated model types (default: every type transformers knows)"
+    )
     parser.add_argument("--layers", type=int, default=4, help="layers each config is cut to")
     parser.add_argument("--full", action="store_true", help="the default configs at their full size")
     parser.add_argument("--recipe", default=RECIPE, help="the recipe whose model.path each type replaces")
-    parser.add_argument("--set", action="append", default=["method.lora.dropout=0"],
-                        help="more overrides of the recipe (default: method.lora.dropout=0, which MoE experts need)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=["method.lora.dropout=0"],
+        help="more overrides of the recipe (default: method.lora.dropout=0, which MoE experts need)",
+    )
     parser.add_argument("--probe", action="store_true", help="measure the machine too (default: --no-probe)")
-    parser.add_argument("--train", action="store_true",
-                        help="`tiertune train` instead (one step; the directory has no weights: how far it gets)")
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="`tiertune train` instead (one step; the directory has no weights: how far it gets)",
+    )
     parser.add_argument("--gpu", default="rtx4090", help="estimate's --gpu")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one estimate may take")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
@@ -242,20 +289,40 @@ def main() -> int:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     types = args.types.split(",") if args.types else sorted(CONFIG_MAPPING_NAMES)
-    extra = args.set if args.train else [*args.set, "--gpu", args.gpu, *([] if args.probe else ["--no-probe"])]
+    extra = (
+        args.set if args.train else [*args.set, "--gpu", args.gpu, *([] if args.probe else ["--no-probe"])]
+    )
     began = time.monotonic()
-    results = walk(types, Path(args.dir), None if args.full else args.layers, args.recipe, extra, args.timeout,
-                   args.jobs, "train" if args.train else "estimate")  # fmt: skip
+    results = walk(
+        types,
+        Path(args.dir),
+        None if args.full else args.layers,
+        args.recipe,
+        extra,
+        args.timeout,
+        args.jobs,
+        "train" if args.train else "estimate",
+    )
     counts: dict[str, int] = {}
     for r in results:
         counts[r["result"]] = counts.get(r["result"], 0) + 1
     import transformers
 
-    print(json.dumps({"bench": "model_types", "command": "train" if args.train else "estimate",
-                      "types": len(results), "counts": counts,
-                      "transformers": transformers.__version__, "recipe": args.recipe, "layers": None if args.full
-                      else args.layers, "seconds": round(time.monotonic() - began, 1),
-                      "tracebacks": [r["model_type"] for r in results if r["result"] == "traceback"]}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "model_types",
+                "command": "train" if args.train else "estimate",
+                "types": len(results),
+                "counts": counts,
+                "transformers": transformers.__version__,
+                "recipe": args.recipe,
+                "layers": None if args.full else args.layers,
+                "seconds": round(time.monotonic() - began, 1),
+                "tracebacks": [r["model_type"] for r in results if r["result"] == "traceback"],
+            }
+        )
+    )
     if args.markdown:
         Path(args.markdown).write_text(markdown(results))
     return 1 if counts.get("traceback") else 0

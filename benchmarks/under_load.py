@@ -53,17 +53,23 @@ def burn() -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the writer writes (the tested disk)")
+    parser.add_argument(
+        "--dir", default=tempfile.gettempdir(), help="where the writer writes (the tested disk)"
+    )
     parser.add_argument("--file-size", default="2GiB", help="the writer's file, written then deleted")
     parser.add_argument("--burners", type=int, default=1, help="processes that each keep a core busy")
-    parser.add_argument("--repeat", type=int, default=1, help="run the command this many times; stop at a failure")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run the command this many times; stop at a failure"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to run after --")
     units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    size = next((int(float(args.file_size[: -3]) * u) for s, u in units.items() if args.file_size.endswith(s)), None)
+    size = next(
+        (int(float(args.file_size[:-3]) * u) for s, u in units.items() if args.file_size.endswith(s)), None
+    )
     size = size if size is not None else int(args.file_size)
 
     written = multiprocessing.Value("q", 0)
@@ -87,11 +93,21 @@ def main() -> int:
             p.join()
         for leftover in Path(args.dir).glob("under-load-*"):
             leftover.unlink(missing_ok=True)
-    print(json.dumps({
-        "bench": "under_load", "command": command, "runs": runs, "passed": sum(r["rc"] == 0 for r in runs),
-        "writer_dir": args.dir, "writer_file_bytes": size, "writer_bytes_written": written.value,
-        "burners": args.burners, "cpus": os.cpu_count(),
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "under_load",
+                "command": command,
+                "runs": runs,
+                "passed": sum(r["rc"] == 0 for r in runs),
+                "writer_dir": args.dir,
+                "writer_file_bytes": size,
+                "writer_bytes_written": written.value,
+                "burners": args.burners,
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
     return rc
 
 

@@ -120,10 +120,14 @@ def _write_recipe(tmp_path, model_dir, name: str = "recipe", texts=CAT_TEXTS, **
     recipe = {
         "model": {"path": str(model_dir), "dtype": "float32"},
         "data": {"path": str(data), "max_seq_len": 32},
-        "training": {"output_dir": str(tmp_path / "run"), "max_steps": 3, "per_device_train_batch_size": 4,
-                     "logging_steps": 1},
+        "training": {
+            "output_dir": str(tmp_path / "run"),
+            "max_steps": 3,
+            "per_device_train_batch_size": 4,
+            "logging_steps": 1,
+        },
         "offload": {"disk_path": str(tmp_path / "nvme"), "device_budget": "8MiB", "host_budget": "8MiB"},
-    }  # fmt: skip
+    }
     for section, values in sections.items():
         recipe.setdefault(section, {}).update(values)
     path = tmp_path / f"{name}.yaml"

@@ -67,7 +67,9 @@ def plain_training(model, opt, clipped, cfg, batches, steps=STEPS, accum=ACCUM, 
             (loss / n).backward()
             total += float(loss.detach())
         if cfg.max_grad_norm > 0 or norms is not None:
-            norm = torch.nn.utils.clip_grad_norm_(clipped, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+            norm = torch.nn.utils.clip_grad_norm_(
+                clipped, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+            )
             if norms is not None:
                 norms.append(float(norm))
         opt.step()

@@ -39,7 +39,9 @@ def arm(where: str, signum: int, stamp: str) -> None:
             os.kill(os.getpid(), signum)
         return original(*args, **kwargs)
 
-    setattr(owner, name, staticmethod(wrapper) if isinstance(vars(owner).get(name), staticmethod) else wrapper)
+    setattr(
+        owner, name, staticmethod(wrapper) if isinstance(vars(owner).get(name), staticmethod) else wrapper
+    )
 
 
 def main() -> None:

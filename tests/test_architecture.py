@@ -65,8 +65,17 @@ def test_the_engine_is_in_parts_of_a_few_hundred_lines():
     assert len(sizes) >= 8 and max(sizes.values()) <= 450, sizes
 
 
-LAYERS = {"cli": 0, "finetune": 1, "engine": 2, "loading": 3, "methods": 3, "quant": 4, "kernels": 4, "offload": 5,
-          "distributed": 4}
+LAYERS = {
+    "cli": 0,
+    "finetune": 1,
+    "engine": 2,
+    "loading": 3,
+    "methods": 3,
+    "quant": 4,
+    "kernels": 4,
+    "offload": 5,
+    "distributed": 4,
+}
 LEAVES = {"errors", "units", "settings", "files"}  # tiertune/*.py that any layer may use
 
 
@@ -127,7 +136,11 @@ def _mode_checks(files: list[Path], root: Path = ROOT) -> list[str]:
                 if any(getattr(n, "id", getattr(n, "attr", None)) == "zero" for n in names):
                     found.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
             asks = isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
-            if asks and len(node.args) == 2 and any(n in ast.unparse(node.args[1]) for n in ("Zero", "Local")):
+            if (
+                asks
+                and len(node.args) == 2
+                and any(n in ast.unparse(node.args[1]) for n in ("Zero", "Local"))
+            ):
                 found.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
     return found
 
@@ -139,8 +152,13 @@ def test_one_process_and_one_rank_of_several_run_the_same_code():
 
 
 def test_the_mode_check_finds_a_branch_on_the_sharding(tmp_path):
-    (tmp_path / "a.py").write_text("def f(t):\n    if t.zero is None:\n        return 1\n    return isinstance(t, Zero)\n")
-    assert _mode_checks([tmp_path / "a.py"], tmp_path) == ["a.py:2 t.zero is None", "a.py:4 isinstance(t, Zero)"]
+    (tmp_path / "a.py").write_text(
+        "def f(t):\n    if t.zero is None:\n        return 1\n    return isinstance(t, Zero)\n"
+    )
+    assert _mode_checks([tmp_path / "a.py"], tmp_path) == [
+        "a.py:2 t.zero is None",
+        "a.py:4 isinstance(t, Zero)",
+    ]
 
 
 def _trainer_reads(files: list[Path], root: Path = ROOT) -> list[str]:
@@ -164,4 +182,7 @@ def test_nothing_outside_the_engine_reads_the_trainers_store_sharding_or_states(
 
 def test_the_trainer_check_finds_a_read_of_its_store(tmp_path):
     (tmp_path / "a.py").write_text("def f(self):\n    return self._trainer.store.stats(), trainer.states\n")
-    assert _trainer_reads([tmp_path / "a.py"], tmp_path) == ["a.py:2 self._trainer.store", "a.py:2 trainer.states"]
+    assert _trainer_reads([tmp_path / "a.py"], tmp_path) == [
+        "a.py:2 self._trainer.store",
+        "a.py:2 trainer.states",
+    ]

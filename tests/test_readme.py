@@ -12,7 +12,9 @@ def test_the_multi_process_block_gives_each_launch_its_own_run_directory():
     block = text.split("## Several GPUs", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     lines = [line for line in block.splitlines() if line.strip()]
     assert [line.split()[0] for line in lines] == [
-        ".venv/bin/tiertune", ".venv/bin/torchrun", ".venv/bin/accelerate"
+        ".venv/bin/tiertune",
+        ".venv/bin/torchrun",
+        ".venv/bin/accelerate",
     ]
     dirs = [re.search(r"training\.output_dir=(\S+)", line).group(1) for line in lines]
     assert len(set(dirs)) == len(lines), dirs

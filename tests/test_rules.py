@@ -15,26 +15,60 @@ PACKAGE = Path(__file__).parents[1] / "tiertune"
 # rule: (the module it lives in, a phrase of its message, overrides that break it, what the error names)
 RULES = {
     "a setting with a fixed set of values holds one of them": (
-        "finetune/recipe.py", "must be one of", ("method.type=qlora",), "method.type"),
+        "finetune/recipe.py",
+        "must be one of",
+        ("method.type=qlora",),
+        "method.type",
+    ),
     "the learning rate is not negative": (
-        "finetune/recipe.py", '"training.learning_rate", f"must be >= 0', ("training.learning_rate=-1",),
-        "training.learning_rate"),
+        "finetune/recipe.py",
+        '"training.learning_rate", f"must be >= 0',
+        ("training.learning_rate=-1",),
+        "training.learning_rate",
+    ),
     "a budget has a unit": (
-        "offload/store.py", "has no unit", ("offload.host_budget=512",), "offload.host_budget"),
+        "offload/store.py",
+        "has no unit",
+        ("offload.host_budget=512",),
+        "offload.host_budget",
+    ),
     "the prefetch depth is not negative": (
-        "offload/store.py", "prefetch_depth must be >= 0", ("offload.prefetch_depth=-1",), "offload.prefetch_depth"),
+        "offload/store.py",
+        "prefetch_depth must be >= 0",
+        ("offload.prefetch_depth=-1",),
+        "offload.prefetch_depth",
+    ),
     "a quantized base trains adapters": (
-        "finetune/train.py", "freezes the base", ("model.quantize=nf4", "method.type=full"), "method.type"),
+        "finetune/train.py",
+        "freezes the base",
+        ("model.quantize=nf4", "method.type=full"),
+        "method.type",
+    ),
     "state on disk needs a disk path": (
-        "finetune/train.py", "is disk but offload.disk_path is not set", ("offload.disk_path=null",
-                                                                           "offload.params=disk"), "offload.disk_path"),
+        "finetune/train.py",
+        "is disk but offload.disk_path is not set",
+        ("offload.disk_path=null", "offload.params=disk"),
+        "offload.disk_path",
+    ),
     "the run does not write over its model": (
-        "finetune/train.py", "the run would write over it", ("training.output_dir={model}",), "training.output_dir"),
+        "finetune/train.py",
+        "the run would write over it",
+        ("training.output_dir={model}",),
+        "training.output_dir",
+    ),
     "GaLore runs in one process": (
-        "finetune/train.py", "does not run sharded yet", ("method.type=galore",), "method.type: galore"),
+        "finetune/train.py",
+        "does not run sharded yet",
+        ("method.type=galore",),
+        "method.type: galore",
+    ),
     "the budgets hold the run's memory plan": (
-        "engine/plan.py", "The smallest budgets that work", ("offload.device_budget=64KiB",), "offload.device_budget"),
-}  # fmt: skip
+        "engine/plan.py",
+        "The smallest budgets that work",
+        ("offload.device_budget=64KiB",),
+        "offload.device_budget",
+    ),
+}
 
 
 @pytest.mark.parametrize("rule", list(RULES))
@@ -45,8 +79,9 @@ def test_each_rule_lives_in_one_place(rule):
 
 
 @pytest.mark.parametrize("rule", list(RULES))
-def test_each_rule_refuses_a_recipe_that_breaks_it_naming_the_setting(rule, tmp_path, cat_model, write_recipe,
-                                                                      monkeypatch):  # fmt: skip
+def test_each_rule_refuses_a_recipe_that_breaks_it_naming_the_setting(
+    rule, tmp_path, cat_model, write_recipe, monkeypatch
+):
     from tiertune.finetune.recipe import load_recipe
     from tiertune.finetune.train import admit, plan
 

@@ -47,15 +47,31 @@ def tiny_config(family: str, layers: int = 4):
         "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
         "qwen3_moe": (
             "Qwen3MoeConfig",
-            dict(num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+            dict(
+                num_key_value_heads=2,
+                head_dim=16,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+            ),
         ),
         # shared experts, multi-head latent attention, a dense first layer
         "deepseek_v3": (
             "DeepseekV3Config",
             dict(
-                num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32,
-                kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                num_key_value_heads=4,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                n_group=1,
+                topk_group=1,
+                q_lora_rank=32,
+                kv_lora_rank=16,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=16,
             ),
         ),
     }

@@ -38,7 +38,9 @@ class GaloreSettings:
     rank: int = 128
     update_proj_gap: int = 200
     scale: float = 0.25
-    target_modules: str | list[str] = "all-linear"  # linear layers of the decoder layers whose weights are projected
+    target_modules: str | list[str] = (
+        "all-linear"  # linear layers of the decoder layers whose weights are projected
+    )
     # exact: torch.linalg.svd, as galore-torch; randomized: a randomized range finder of rank r + oversampling
     # (Halko, Martinsson and Tropp), then an exact SVD of that small sketch
     svd: str = field(default="exact", metadata=choices(*SVD_METHODS))
@@ -76,7 +78,9 @@ class ObjectiveSettings:
     @property
     def data_format(self) -> tuple[str, ...]:
         """The ``data.format`` the objective trains on."""
-        return {"sft": ("text", "alpaca", "chat"), "kto": ("unpaired_preference",)}.get(self.type, ("preference",))
+        return {"sft": ("text", "alpaca", "chat"), "kto": ("unpaired_preference",)}.get(
+            self.type, ("preference",)
+        )
 
     @property
     def reference(self) -> bool:

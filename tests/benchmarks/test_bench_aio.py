@@ -7,8 +7,24 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_aio.py"
-SMALL = ["--size", "16MiB", "--chunk-size", "4MiB", "--block-size", "256KiB", "--host-bytes", "8MiB", "--rounds", "1",
-         "--overlap-chunks", "6", "--overlap-chunk-size", "1MiB", "--overlap-steps", "1"]  # fmt: skip
+SMALL = [
+    "--size",
+    "16MiB",
+    "--chunk-size",
+    "4MiB",
+    "--block-size",
+    "256KiB",
+    "--host-bytes",
+    "8MiB",
+    "--rounds",
+    "1",
+    "--overlap-chunks",
+    "6",
+    "--overlap-chunk-size",
+    "1MiB",
+    "--overlap-steps",
+    "1",
+]
 
 
 def _run(args):

@@ -12,10 +12,31 @@ def test_the_svd_benchmark_times_both_methods_and_counts_the_bytes_saved():
     case for a sketch), and the gradient bytes the optimizer receives m/r = 256/16 times fewer for each
     weight whose smaller side is 256."""
     out = subprocess.run(
-        [sys.executable, str(BENCH), "--layers", "4", "--hidden", "256", "--intermediate", "688",
-         "--heads", "4", "--kv-heads", "4", "--rank", "16", "--tokens", "64", "--device", "cpu"],
-        check=True, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCH),
+            "--layers",
+            "4",
+            "--hidden",
+            "256",
+            "--intermediate",
+            "688",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "4",
+            "--rank",
+            "16",
+            "--tokens",
+            "64",
+            "--device",
+            "cpu",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     for method in ("exact", "randomized"):
         timed = result[method]["seconds_by_weight"]

@@ -14,12 +14,15 @@ def test_merging_into_a_1_2_gb_base_stays_under_700_mib_and_equals_peft(tmp_path
     """A 1.2 GB bf16 Llama-shaped base and a rank-16 adapter on every linear layer: `tiertune merge` peaks
     below 700 MiB (imports included) where peft's merge_and_unload holds the model, and writes the same
     tensors in the same files."""
-    out = subprocess.run([sys.executable, str(BENCH), "--dir", str(tmp_path)], check=True, capture_output=True,
-                         text=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--dir", str(tmp_path)], check=True, capture_output=True, text=True
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["checkpoint_bytes"] >= 1.2e9
     assert result["tiertune_merge"]["peak_rss_bytes"] < 700 * 2**20, result
-    assert result["peft_merge_and_unload"]["peak_rss_bytes"] > result["checkpoint_bytes"]  # it holds the model
+    assert (
+        result["peft_merge_and_unload"]["peak_rss_bytes"] > result["checkpoint_bytes"]
+    )  # it holds the model
     outputs = result["outputs"]
     assert outputs["same_names"] and outputs["files"] == result["base_files"]
     assert outputs["identical_share"] >= 0.99 and outputs["max_abs_difference"] <= 2**-7 * 0.2, outputs

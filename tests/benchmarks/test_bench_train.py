@@ -12,10 +12,36 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_train.py"
 @pytest.mark.timeout(600)
 def test_bench_train_modes_agree_and_stay_within_budgets_plus_a_fixed_overhead(tmp_path):
     """A 30M-parameter model: states on disk (optimizer overlapped and serial, and GaLore) and in memory."""
-    args = ["--layers", "6", "--hidden", "512", "--intermediate", "1376", "--heads", "8", "--kv-heads", "8",
-            "--vocab", "4000", "--seq", "128", "--steps", "3", "--device-budget", "48MiB",
-            "--host-budget", "160MiB", "--memory-device-budget", "256MiB", "--memory-host-budget", "1GiB",
-            "--modes", "disk,disk-serial,memory,disk-galore", "--galore-rank", "64"]  # fmt: skip
+    args = [
+        "--layers",
+        "6",
+        "--hidden",
+        "512",
+        "--intermediate",
+        "1376",
+        "--heads",
+        "8",
+        "--kv-heads",
+        "8",
+        "--vocab",
+        "4000",
+        "--seq",
+        "128",
+        "--steps",
+        "3",
+        "--device-budget",
+        "48MiB",
+        "--host-budget",
+        "160MiB",
+        "--memory-device-budget",
+        "256MiB",
+        "--memory-host-budget",
+        "1GiB",
+        "--modes",
+        "disk,disk-serial,memory,disk-galore",
+        "--galore-rank",
+        "64",
+    ]
     out = subprocess.run(
         [sys.executable, str(BENCH), "--dir", str(tmp_path), *args],
         check=True,

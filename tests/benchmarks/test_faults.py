@@ -17,20 +17,56 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "faults.py"
 @pytest.mark.timeout(1500)
 def test_faults_finds_no_defect_in_a_small_run(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--kills", "1", "--sigterms", "1", "--damage", "3", "--disk-full", "1",
-         "--inputs", "10", "--export-damage", "2", "--export-full", "1", "--rank-kills", "1", "--elastic-early", "1",
-         "--steps", "8", "--seed", "3", "--dir", str(tmp_path / "faults")],
-        capture_output=True, text=True, timeout=1480,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--kills",
+            "1",
+            "--sigterms",
+            "1",
+            "--damage",
+            "3",
+            "--disk-full",
+            "1",
+            "--inputs",
+            "10",
+            "--export-damage",
+            "2",
+            "--export-full",
+            "1",
+            "--rank-kills",
+            "1",
+            "--elastic-early",
+            "1",
+            "--steps",
+            "8",
+            "--seed",
+            "3",
+            "--dir",
+            str(tmp_path / "faults"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1480,
+    )
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     summary = lines[-1]["summary"]
     trials = [r for r in lines if "trial" in r]
     assert [r for r in trials if r["defects"]] == [], out.stdout[-3000:]
     assert out.returncode == 0, out.stderr[-3000:]
-    counts = {kind: summary[kind]["trials"] for kind in ("kill", "sigterm", "damage", "bad_input", "export_damage",
-                                                         "rank_kill", "elastic_early")}  # fmt: skip
-    assert counts == {"kill": 1, "sigterm": 1, "damage": 3, "bad_input": 10, "export_damage": 2, "rank_kill": 1,
-                      "elastic_early": 1}  # fmt: skip
+    counts = {
+        kind: summary[kind]["trials"]
+        for kind in ("kill", "sigterm", "damage", "bad_input", "export_damage", "rank_kill", "elastic_early")
+    }
+    assert counts == {
+        "kill": 1,
+        "sigterm": 1,
+        "damage": 3,
+        "bad_input": 10,
+        "export_damage": 2,
+        "rank_kill": 1,
+        "elastic_early": 1,
+    }
     assert summary["disk_full"]["trials"] == summary["export_full"]["trials"] == 1  # skipped where not root
     assert summary["silent_wrong_results"] == 0 and summary["tracebacks"] == 0
     # the damage trials always hit a checkpoint that was there: each fell back to an intact one

@@ -23,8 +23,10 @@ def results(tmp_path_factory):
     """The JSON lines of one dry run, by result name."""
     out = subprocess.run(
         [sys.executable, gpu_suite.__file__, "--dry-run", "--dir", str(tmp_path_factory.mktemp("suite"))],
-        capture_output=True, text=True, timeout=1500,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert out.returncode == 0, out.stderr[-5000:]
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(lines) == len(out.stdout.splitlines())  # stdout is JSON lines only; progress goes to stderr

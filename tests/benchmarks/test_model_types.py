@@ -26,8 +26,12 @@ EXPECTED = {
 
 
 def _walk(tmp_path: Path, types: list[str], *flags: str) -> dict[str, dict]:
-    out = subprocess.run([sys.executable, str(BENCH), "--dir", str(tmp_path), "--types", ",".join(types), *flags],
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--dir", str(tmp_path), "--types", ",".join(types), *flags],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     summary = rows[-1]
     assert summary["bench"] == "model_types" and summary["types"] == len(types), out.stdout[-3000:]
@@ -43,7 +47,9 @@ def test_a_family_of_each_kind_is_estimated_or_refused_in_one_line(tmp_path):
         assert row["result"] == result and why in row["why"], row
         if result == "refused":  # what to do instead is said too
             assert "set model.path to" in row["why"] or "which tiertune trains" in row["why"], row
-    assert "its text decoder alone is model_type 'gemma3_text' (Gemma3ForCausalLM)" in results["gemma3"]["why"]
+    assert (
+        "its text decoder alone is model_type 'gemma3_text' (Gemma3ForCausalLM)" in results["gemma3"]["why"]
+    )
 
 
 @pytest.mark.timeout(900)

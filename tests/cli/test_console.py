@@ -16,10 +16,13 @@ def model_dir(cat_model):
 
 @pytest.fixture
 def recipe(tmp_path, model_dir, write_recipe):
-    path = write_recipe(tmp_path, model_dir, training={"max_steps": 3, "save_steps": 0},
-                        data={"skip_bad_rows": True})  # fmt: skip
+    path = write_recipe(
+        tmp_path, model_dir, training={"max_steps": 3, "save_steps": 0}, data={"skip_bad_rows": True}
+    )
     data = tmp_path / "data.jsonl"
-    data.write_text(data.read_text() + json.dumps({"txt": "no text field"}) + "\n" + json.dumps({"text": 3}) + "\n")
+    data.write_text(
+        data.read_text() + json.dumps({"txt": "no text field"}) + "\n" + json.dumps({"text": 3}) + "\n"
+    )
     return path
 
 
@@ -59,7 +62,9 @@ def test_a_run_piped_to_a_file_prints_plain_step_lines_not_bar_frames(recipe):
     from pathlib import Path
 
     tool = shutil.which("tiertune") or str(Path(sys.executable).parent / "tiertune")
-    done = subprocess.run([tool, "train", str(recipe)], capture_output=True, text=True, timeout=300)  # not a tty
+    done = subprocess.run(
+        [tool, "train", str(recipe)], capture_output=True, text=True, timeout=300
+    )  # not a tty
     assert done.returncode == 0, done.stderr
     out = done.stdout + done.stderr
     assert "\r" not in out and "step/s" not in out  # no progress bar frames in a log
@@ -99,10 +104,16 @@ def test_a_dependency_s_unactionable_warning_is_not_printed(tmp_path, recipe):
     (tmp_path / "shim").mkdir()
     (tmp_path / "shim" / "sitecustomize.py").write_text(AVX512_BF16)
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path / "shim")}
-    probe = subprocess.run([sys.executable, "-c", "import bitsandbytes"], env=env, capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import bitsandbytes"], env=env, capture_output=True, text=True
+    )
     assert "kernels-community" in probe.stderr  # what bitsandbytes alone prints there
     tool = str(Path(sys.executable).with_name("tiertune"))
-    done = subprocess.run([tool, "train", str(recipe), "-q"], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [tool, "train", str(recipe), "-q"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert "kernels-community" not in done.stdout + done.stderr
-    assert done.stderr == "" and done.stdout.startswith("done: 3 steps") and len(done.stdout.splitlines()) == 1
+    assert (
+        done.stderr == "" and done.stdout.startswith("done: 3 steps") and len(done.stdout.splitlines()) == 1
+    )

@@ -61,7 +61,10 @@ def test_the_estimate_written_in_each_gpu_recipe_is_what_estimate_says(name, mon
     on_4090 = estimate(recipe, measure=False, gpu="rtx4090")
     flops = on_4090_flops(recipe)
     assert f"compute >= {flops / GPUS['rtx4090'].peak_flops:.1f} s a step ({flops:.3g} FLOPs" in comments
-    assert on_4090.moved_per_step["host->device"] == 0 or format_size(on_4090.moved_per_step["host->device"]) in comments
+    assert (
+        on_4090.moved_per_step["host->device"] == 0
+        or format_size(on_4090.moved_per_step["host->device"]) in comments
+    )
 
 
 def on_target_disk(monkeypatch, text: str) -> None:
@@ -86,10 +89,19 @@ def on_4090_flops(recipe) -> float:
     with torch.device("meta"):
         model = build_skeleton(recipe.model.path)
     t, objective = recipe.training, recipe.objective
-    micro = t.per_device_train_batch_size * recipe.data.max_seq_len * (1 + objective.paired)  # a pair: two rows
-    return step_flops(model, list(split_model(model).layers), micro, t.gradient_accumulation_steps,
-                      recipe.data.max_seq_len, recipe.method.type != "lora", objective.reference,
-                      objective.paired).total
+    micro = (
+        t.per_device_train_batch_size * recipe.data.max_seq_len * (1 + objective.paired)
+    )  # a pair: two rows
+    return step_flops(
+        model,
+        list(split_model(model).layers),
+        micro,
+        t.gradient_accumulation_steps,
+        recipe.data.max_seq_len,
+        recipe.method.type != "lora",
+        objective.reference,
+        objective.paired,
+    ).total
 
 
 @pytest.mark.parametrize("command", ["env", "train", "estimate", "recipes", "export", "merge", "demo"])
@@ -112,7 +124,10 @@ def test_a_recipe_header_reads_as_a_description_and_its_entries():
     assert description == (
         "Llama-3-8B QLoRA on one 24 GB GPU: the NF4 base stays on the GPU, LoRA r 16 on every linear layer."
     )
-    assert entries[0] == "Hardware: one 24 GB GPU (RTX 3090/4090), 32 GB RAM. Set data.path (and offload.disk_path) first."
+    assert (
+        entries[0]
+        == "Hardware: one 24 GB GPU (RTX 3090/4090), 32 GB RAM. Set data.path (and offload.disk_path) first."
+    )
     peaks = next(e for e in entries if e.startswith("peaks:"))
     assert peaks.endswith("disk_path needs 0 B free.")  # its continuation line joined
 

@@ -26,10 +26,16 @@ def model_dir(cat_model):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_the_run_cleanly_and_says_how_to_resume(tmp_path, model_dir, write_recipe, signum):
     recipe = write_recipe(
-        tmp_path, model_dir,
+        tmp_path,
+        model_dir,
         training={"max_steps": 1000, "save_steps": 2, "save_total_limit": 2},
-        offload={"params": "disk", "optimizer_states": "disk", "device_budget": "4MiB", "host_budget": "1MiB"},
-    )  # fmt: skip
+        offload={
+            "params": "disk",
+            "optimizer_states": "disk",
+            "device_budget": "4MiB",
+            "host_budget": "1MiB",
+        },
+    )
     run_dir, disk = tmp_path / "run", tmp_path / "nvme"
 
     def send() -> None:  # once the second checkpoint is being written or done
@@ -61,9 +67,13 @@ def test_a_signal_stops_the_run_cleanly_and_says_how_to_resume(tmp_path, model_d
     step = int(newest.name.split("-")[1])
     again = CliRunner().invoke(
         app,
-        ["train", str(run_dir / "recipe.yaml"), "training.resume_from_checkpoint=auto",
-         f"training.max_steps={step + 2}"],
-    )  # fmt: skip
+        [
+            "train",
+            str(run_dir / "recipe.yaml"),
+            "training.resume_from_checkpoint=auto",
+            f"training.max_steps={step + 2}",
+        ],
+    )
     assert again.exit_code == 0, again.output
     assert f"steps {step + 1}-{step + 2}" in again.output and (run_dir / "model.safetensors").exists()
 
@@ -101,7 +111,18 @@ def _stop(tmp_path: Path, at: str, signum: int, args: list[str], reach: float = 
     leaves no process behind (its session is empty). Returns its stdout and stderr."""
     stamp = tmp_path / f"signal-{signum}-{at.replace(':', '-')}"
     name = signal.Signals(signum).name.removeprefix("SIG")
-    command = [sys.executable, str(SIGNALLING), "--at", at, "--signal", name, "--stamp", str(stamp), "--", *args]
+    command = [
+        sys.executable,
+        str(SIGNALLING),
+        "--at",
+        at,
+        "--signal",
+        name,
+        "--stamp",
+        str(stamp),
+        "--",
+        *args,
+    ]
     out, err = tmp_path / "stop.out", tmp_path / "stop.err"
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen(command, stdout=o, stderr=e, cwd=tmp_path, start_new_session=True)
@@ -124,7 +145,9 @@ def _stop(tmp_path: Path, at: str, signum: int, args: list[str], reach: float = 
     assert "Traceback" not in stdout + stderr, stderr[-3000:]
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"tiertune: stopped by SIG{name}"), stderr[-3000:]
-    print(f"stop: {name} at {at}: {ended - sent:.2f} s to the exit")  # shown by pytest -s (the figures reported)
+    print(
+        f"stop: {name} at {at}: {ended - sent:.2f} s to the exit"
+    )  # shown by pytest -s (the figures reported)
     assert ended - sent <= STOP_SECONDS, f"{ended - sent:.1f} s from {name} at {at} to the exit"
     gone = time.monotonic() + 5
     while True:  # nothing it started is left: its session (process group) has no member
@@ -145,10 +168,16 @@ def stop_recipe(tmp_path_factory, cat_model):
 
     where = tmp_path_factory.mktemp("stop")
     return _write_recipe(
-        where, cat_model(2),
+        where,
+        cat_model(2),
         training={"max_steps": 6, "save_steps": 2},
-        offload={"params": "disk", "optimizer_states": "disk", "device_budget": "4MiB", "host_budget": "1MiB"},
-    )  # fmt: skip
+        offload={
+            "params": "disk",
+            "optimizer_states": "disk",
+            "device_budget": "4MiB",
+            "host_budget": "1MiB",
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +189,12 @@ def lora_run(tmp_path_factory):
 
     where = tmp_path_factory.mktemp("stop-lora")
     model = make_model(where / "model", CAT_TEXTS, layers=2, tokenizer="bpe")  # one llama.cpp reads
-    recipe = _write_recipe(where, model, training={"max_steps": 2},
-                           method={"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}})  # fmt: skip
+    recipe = _write_recipe(
+        where,
+        model,
+        training={"max_steps": 2},
+        method={"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
+    )
     train(recipe, progress=False)
     return where / "run"
 
@@ -200,8 +233,18 @@ def test_train_stops_on_a_signal_wherever_it_is(tmp_path, stop_recipe, where, at
     saved: exit 128 + the signal within seconds, one line (where it stopped, how to resume), the offload files
     and partial directories gone, every checkpoint left intact."""
     run = tmp_path / "run"
-    _, stderr = _stop(tmp_path, at, signum, ["train", str(stop_recipe), f"training.output_dir={run}",
-                                             f"offload.disk_path={tmp_path / 'nvme'}", "-q"])  # fmt: skip
+    _, stderr = _stop(
+        tmp_path,
+        at,
+        signum,
+        [
+            "train",
+            str(stop_recipe),
+            f"training.output_dir={run}",
+            f"offload.disk_path={tmp_path / 'nvme'}",
+            "-q",
+        ],
+    )
     assert "resume with: tiertune train" in stderr or "no checkpoint was written yet" in stderr, stderr
     assert not (tmp_path / "nvme").exists() or not list((tmp_path / "nvme").iterdir())
     assert not list(run.glob(".checkpoint-*")) and not list(run.glob(".export-*"))
@@ -213,16 +256,27 @@ def test_export_and_merge_stop_on_a_signal_mid_way(tmp_path, lora_run):
     """`tiertune export` (GGUF; the merged HF model) and `tiertune merge` stopped mid-way: exit 128 + the
     signal within seconds, one line, and neither the output nor its temporary directory beside it is left."""
     cases = [
-        ("tiertune.finetune.gguf_export:_Tensor.values_from:3", signal.SIGTERM,
-         ["export", str(lora_run), "--format", "gguf", "--out", str(tmp_path / "gguf")]),
-        ("tiertune.finetune.merging:_Merger._merged:2", signal.SIGINT,
-         ["export", str(lora_run), "--format", "hf", "--out", str(tmp_path / "hf")]),
-        ("tiertune.finetune.merging:_Merger._merged:3", signal.SIGTERM,
-         ["merge", str(lora_run), "--out", str(tmp_path / "merged")]),
-    ]  # fmt: skip
+        (
+            "tiertune.finetune.gguf_export:_Tensor.values_from:3",
+            signal.SIGTERM,
+            ["export", str(lora_run), "--format", "gguf", "--out", str(tmp_path / "gguf")],
+        ),
+        (
+            "tiertune.finetune.merging:_Merger._merged:2",
+            signal.SIGINT,
+            ["export", str(lora_run), "--format", "hf", "--out", str(tmp_path / "hf")],
+        ),
+        (
+            "tiertune.finetune.merging:_Merger._merged:3",
+            signal.SIGTERM,
+            ["merge", str(lora_run), "--out", str(tmp_path / "merged")],
+        ),
+    ]
     for at, signum, args in cases:
         _stop(tmp_path, at, signum, args)
-        assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(("stop.", "signal-"))) == [], at
+        assert (
+            sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(("stop.", "signal-"))) == []
+        ), at
 
 
 def test_env_probe_and_parsing_stop_on_a_signal(tmp_path):
@@ -231,8 +285,12 @@ def test_env_probe_and_parsing_stop_on_a_signal(tmp_path):
     KeyboardInterrupt traceback nor click's "Aborted!")."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    _stop(tmp_path, "tiertune.offload.disk:DiskTier.write:2", signal.SIGINT,
-          ["env", "--disk-path", str(disk), "--probe"])  # fmt: skip
+    _stop(
+        tmp_path,
+        "tiertune.offload.disk:DiskTier.write:2",
+        signal.SIGINT,
+        ["env", "--disk-path", str(disk), "--probe"],
+    )
     assert not list(disk.iterdir())
     _stop(tmp_path, "typer.main:get_command:1", signal.SIGINT, ["recipes"])
     _stop(tmp_path, "typer.main:get_command:1", signal.SIGTERM, ["estimate", "--help"])
@@ -241,8 +299,9 @@ def test_env_probe_and_parsing_stop_on_a_signal(tmp_path):
 def test_demo_stops_on_a_signal_mid_step(tmp_path):
     """`tiertune demo` (the README's first command) stopped mid-step: as `train`, exit 130 within seconds and
     one line saying where it stopped and how to resume; its offload files removed."""
-    _, stderr = _stop(tmp_path, "tiertune.engine.trainer:StreamedTrainer.layer_weights:30", signal.SIGINT,
-                      ["demo", "-q"])  # fmt: skip
+    _, stderr = _stop(
+        tmp_path, "tiertune.engine.trainer:StreamedTrainer.layer_weights:30", signal.SIGINT, ["demo", "-q"]
+    )
     assert "stopped by SIGINT" in stderr
     demo = yaml.safe_load((tmp_path / "runs" / "demo" / "out" / "recipe.yaml").read_text())
     disk = Path(demo["offload"]["disk_path"])

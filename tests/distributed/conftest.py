@@ -17,8 +17,13 @@ def launch():
 
     def run(recipe: Path, *overrides: str, ranks: int = 1, command: list[str] | None = None):
         head = command or ([sys.executable] if ranks == 1 else torchrun(ranks))
-        done = subprocess.run([*head, "-m", "tiertune.cli", "train", str(recipe), *overrides],
-                              env=launch_env(), capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+        done = subprocess.run(
+            [*head, "-m", "tiertune.cli", "train", str(recipe), *overrides],
+            env=launch_env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
         return done
 

@@ -43,9 +43,15 @@ def global_batches(vocab: int) -> list[dict[str, torch.Tensor]]:
 
 def engine_config(case: str) -> EngineConfig:
     common = dict(
-        dtype=torch.float32, learning_rate=3e-3, weight_decay=0.1, max_grad_norm=0.5, warmup_steps=1,
-        max_steps=STEPS, kernels="none", gradient_accumulation_steps=ACCUM,
-    )  # fmt: skip
+        dtype=torch.float32,
+        learning_rate=3e-3,
+        weight_decay=0.1,
+        max_grad_norm=0.5,
+        warmup_steps=1,
+        max_steps=STEPS,
+        kernels="none",
+        gradient_accumulation_steps=ACCUM,
+    )
     if case == "full":
         return EngineConfig(**common, params="disk", optimizer_states="disk", gradients="disk")
     if case == "adam8":
@@ -55,7 +61,9 @@ def engine_config(case: str) -> EngineConfig:
         lora = LoraSettings(r=4, alpha=8, dropout=0.0, seed=0)
         # the node's quantized cache, as a run keeps it: beside the ranks' offload directories
         cache = str(Path(os.environ["TT_DISK"]) / "quantized")
-        return EngineConfig(**common, params="disk", method="lora", quantize="nf4", lora=lora, quant_cache=cache)
+        return EngineConfig(
+            **common, params="disk", method="lora", quantize="nf4", lora=lora, quant_cache=cache
+        )
     raise ValueError(case)
 
 
@@ -67,9 +75,13 @@ def main() -> None:
     case = os.environ["TT_CASE"]
     disk = world.disk_dir(os.environ["TT_DISK"])
     store_cfg = StoreConfig.resolve(
-        device="cpu", device_budget="64MiB", host_budget="64MiB", disk_path=str(disk), chunk_size=1 << 40,
+        device="cpu",
+        device_budget="64MiB",
+        host_budget="64MiB",
+        disk_path=str(disk),
+        chunk_size=1 << 40,
         num_shards=world.size,
-    )  # fmt: skip
+    )
     trainer = StreamedTrainer(os.environ["TT_MODEL"], store_cfg, engine_config(case), world=world)
     rows = GLOBAL_ROWS // world.size
     losses, norms = [], []

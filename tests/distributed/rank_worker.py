@@ -32,7 +32,7 @@ def chunks_case(world: World) -> dict:
     grad = torch.arange(n, dtype=torch.float32) * (world.rank + 1)
     shard = torch.empty(n // world.size)
     reduce_scatter(grad, shard, wire)
-    expected = (torch.arange(n, dtype=torch.float32) * sum(r + 1 for r in range(world.size)))
+    expected = torch.arange(n, dtype=torch.float32) * sum(r + 1 for r in range(world.size))
     s = n // world.size
     norm = torch.tensor([float(world.rank + 1)])
     all_reduce(norm, wire)

@@ -15,16 +15,29 @@ from tiertune.errors import ConfigError
 WORKER = Path(__file__).with_name("rank_worker.py")
 
 
-def launch(tmp_path: Path, size: int, case: str, timeout: float = 90.0, collective_s: str = "60") -> list[dict]:
+def launch(
+    tmp_path: Path, size: int, case: str, timeout: float = 90.0, collective_s: str = "60"
+) -> list[dict]:
     """Start ``size`` ranks as torchrun would (its variables), wait for all; their JSON results by rank."""
     out = tmp_path / "out"
     out.mkdir()
     procs = []
     for rank in range(size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(size), TT_STORE=str(tmp_path / "store"), TT_CASE=case, TT_OUT=str(out),
-                   TIERTUNE_COLLECTIVE_TIMEOUT=collective_s, OMP_NUM_THREADS="1")  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, str(WORKER)], env=env, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(size),
+            TT_STORE=str(tmp_path / "store"),
+            TT_CASE=case,
+            TT_OUT=str(out),
+            TIERTUNE_COLLECTIVE_TIMEOUT=collective_s,
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen([sys.executable, str(WORKER)], env=env, stderr=subprocess.PIPE, text=True)
+        )
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
     finally:
@@ -34,7 +47,9 @@ def launch(tmp_path: Path, size: int, case: str, timeout: float = 90.0, collecti
     results = []
     for rank in range(size):
         path = out / f"rank-{rank}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else {"exit": codes[rank], "stderr": errors[rank]})
+        results.append(
+            json.loads(path.read_text()) if path.exists() else {"exit": codes[rank], "stderr": errors[rank]}
+        )
     return results
 
 

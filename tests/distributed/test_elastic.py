@@ -28,11 +28,23 @@ def _recipe(tmp_path, cat_model, write_recipe, name: str, batch: int, **training
     # a global micro-batch of 6 rows: 6 x 1 process, 3 x 2 ranks, 2 x 3 ranks; a constant learning rate, so
     # that a resumed run may stop at another max_steps and still continue the same steps
     sections = {
-        "training": {"output_dir": str(tmp_path / name), "per_device_train_batch_size": batch, "max_steps": 6,
-                     "save_steps": 2, "learning_rate": 3e-3, "lr_scheduler_type": "constant", **training},
-        "offload": {"disk_path": str(tmp_path / f"{name}-nvme"), "params": "disk", "optimizer_states": "disk",
-                    "device_budget": "16MiB", "host_budget": "16MiB"},
-    }  # fmt: skip
+        "training": {
+            "output_dir": str(tmp_path / name),
+            "per_device_train_batch_size": batch,
+            "max_steps": 6,
+            "save_steps": 2,
+            "learning_rate": 3e-3,
+            "lr_scheduler_type": "constant",
+            **training,
+        },
+        "offload": {
+            "disk_path": str(tmp_path / f"{name}-nvme"),
+            "params": "disk",
+            "optimizer_states": "disk",
+            "device_budget": "16MiB",
+            "host_budget": "16MiB",
+        },
+    }
     return write_recipe(tmp_path, cat_model(2), name=name, **sections)
 
 
@@ -104,9 +116,21 @@ def test_a_run_resumes_on_another_number_of_processes(
         _weights_close(tmp_path / run, tmp_path / "one", eight_bit)
     # a sharded checkpoint exports one Hugging Face model, as the one process's does
     for run in ("one", "two"):
-        done = subprocess.run([sys.executable, "-m", "tiertune.cli", "export", str(tmp_path / run / "checkpoint-4"),
-                               "--out", str(tmp_path / f"{run}-export")], env=launch_env(), capture_output=True,
-                              text=True, timeout=TIMEOUT)  # fmt: skip
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tiertune.cli",
+                "export",
+                str(tmp_path / run / "checkpoint-4"),
+                "--out",
+                str(tmp_path / f"{run}-export"),
+            ],
+            env=launch_env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
     _weights_close(tmp_path / "one-export", tmp_path / "two-export", eight_bit)
 
@@ -132,8 +156,12 @@ def test_killing_a_rank_mid_step_leaves_the_last_checkpoint_intact_and_stops_eve
     run = tmp_path / "run"
     env = dict(launch_env(), TIERTUNE_COLLECTIVE_TIMEOUT="20")
     with open(tmp_path / "out.txt", "w") as out:
-        proc = subprocess.Popen([*torchrun(2), "-m", "tiertune.cli", "train", str(recipe)], env=env, stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [*torchrun(2), "-m", "tiertune.cli", "train", str(recipe)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + TIMEOUT
         while len(checkpoints(run)) < 3 and time.monotonic() < deadline and proc.poll() is None:
@@ -160,13 +188,20 @@ def test_killing_a_rank_mid_step_leaves_the_last_checkpoint_intact_and_stops_eve
     verify(newest)  # every file of the newest complete checkpoint, against its checksums
     step = int(newest.name.split("-")[1])
     # it resumes (here on one process, with the same global micro-batch) and trains on
-    launch(recipe, "training.resume_from_checkpoint=auto", f"training.max_steps={step + 1}",
-           "training.per_device_train_batch_size=6", "--quiet")  # fmt: skip
+    launch(
+        recipe,
+        "training.resume_from_checkpoint=auto",
+        f"training.max_steps={step + 1}",
+        "training.per_device_train_batch_size=6",
+        "--quiet",
+    )
     assert list(losses(run))[-1] == step + 1
     assert torch.isfinite(torch.tensor(list(losses(run).values()))).all()
 
 
-def test_a_qlora_run_checkpointed_by_2_ranks_resumes_on_one(tmp_path, cat_model, write_recipe, launch, losses):
+def test_a_qlora_run_checkpointed_by_2_ranks_resumes_on_one(
+    tmp_path, cat_model, write_recipe, launch, losses
+):
     """The adapters are replicated: rank 0 writes them (PEFT format, with their optimizer) and every rank its
     random states; the NF4 base is the input model's. One process continues the 2 ranks' run."""
     pytest.importorskip("bitsandbytes")

@@ -23,28 +23,42 @@ RANKS = 2
 
 def _launch(recipe: Path, out: Path) -> list[dict]:
     out.mkdir()
-    done = subprocess.run([*torchrun(RANKS), str(WORKER), str(recipe)], env=dict(launch_env(), TT_OUT=str(out)),
-                          capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    done = subprocess.run(
+        [*torchrun(RANKS), str(WORKER), str(recipe)],
+        env=dict(launch_env(), TT_OUT=str(out)),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(RANKS)]
 
 
 CASES = [
     # full fine-tuning, weights and states on disk, clipping (the speculative step's twins when they fit)
-    {"method": {"type": "full"}, "offload": {"params": "disk", "optimizer_states": "disk"},
-     "training": {"max_grad_norm": 1.0}},
+    {
+        "method": {"type": "full"},
+        "offload": {"params": "disk", "optimizer_states": "disk"},
+        "training": {"max_grad_norm": 1.0},
+    },
     # LoRA on a bf16 base homed on the host, layer inputs in chunks on the host
-    {"method": {"type": "lora"}, "model": {"dtype": "bfloat16"},
-     "offload": {"params": "host", "activations": "host"}},
+    {
+        "method": {"type": "lora"},
+        "model": {"dtype": "bfloat16"},
+        "offload": {"params": "host", "activations": "host"},
+    },
     # full fine-tuning of a bf16 model (fp32 master weights), weights on the device, states on the host,
     # two micro-batches, no clipping (the optimizer overlapped with backward, no twins)
-    {"method": {"type": "full"}, "model": {"dtype": "bfloat16"},
-     "offload": {"params": "device", "optimizer_states": "host"},
-     "training": {"gradient_accumulation_steps": 2, "max_grad_norm": 0}},
+    {
+        "method": {"type": "full"},
+        "model": {"dtype": "bfloat16"},
+        "offload": {"params": "device", "optimizer_states": "host"},
+        "training": {"gradient_accumulation_steps": 2, "max_grad_norm": 0},
+    },
     # QLoRA, the NF4 base homed on disk: each rank reads its shards in place (the node's quantized cache, the
     # checkpoint's files) and gathers whole chunks
     {"method": {"type": "lora"}, "model": {"quantize": "nf4"}, "offload": {"params": "disk"}},
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=["full-disk", "lora-host", "full-bf16-device", "qlora-disk"])
@@ -54,8 +68,9 @@ def test_launched_ranks_train_or_are_all_refused_before_loading(tmp_path, cat_mo
     def recipe(name: str, device: str, host: str) -> Path:
         sections = {k: dict(v) for k, v in case.items()}
         sections.setdefault("offload", {}).update(device_budget=device, host_budget=host)
-        sections.setdefault("training", {}).update(output_dir=str(tmp_path / name), max_steps=2, save_steps=0,
-                                                   per_device_train_batch_size=2)  # fmt: skip
+        sections.setdefault("training", {}).update(
+            output_dir=str(tmp_path / name), max_steps=2, save_steps=0, per_device_train_batch_size=2
+        )
         return write_recipe(tmp_path, model, name=name, **sections)
 
     def scale_out(path: Path):
@@ -80,7 +95,10 @@ def test_launched_ranks_train_or_are_all_refused_before_loading(tmp_path, cat_mo
     named = re.search(r"offload\.device_budget: (\d+)MiB, offload\.host_budget: (\d+)MiB", message)
     assert named, message
     device, host = (int(n) for n in named.groups())
-    for tier, n in ((Tier.DEVICE, device), (Tier.HOST, host)):  # the node's: each rank's need, times its ranks
+    for tier, n in (
+        (Tier.DEVICE, device),
+        (Tier.HOST, host),
+    ):  # the node's: each rank's need, times its ranks
         assert n == -(-plan.needed(tier) // MiB) * RANKS
     # the smallest budgets the refusal names: every rank trains to the end within its plan's slots
     fits = recipe("fits", f"{device}MiB", f"{host}MiB")

@@ -7,9 +7,17 @@ import pytest
 
 PAIRS = [
     {"prompt": f"the {a} cat", "chosen": f" sat on the {b} mat .", "rejected": f" sat on the {c}"}
-    for a, b, c in [("red", "blue", "wet"), ("big", "flat", "blue"), ("old", "wet", "flat"), ("fat", "blue", "red"),
-                    ("red", "flat", "old"), ("big", "wet", "fat"), ("old", "blue", "big"), ("fat", "flat", "wet")]
-]  # fmt: skip
+    for a, b, c in [
+        ("red", "blue", "wet"),
+        ("big", "flat", "blue"),
+        ("old", "wet", "flat"),
+        ("fat", "blue", "red"),
+        ("red", "flat", "old"),
+        ("big", "wet", "fat"),
+        ("old", "blue", "big"),
+        ("fat", "flat", "wet"),
+    ]
+]
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
@@ -18,15 +26,29 @@ def test_two_ranks_train_dpo_as_one_process(tmp_path, cat_model, write_recipe, l
     data.write_text("".join(json.dumps(r) + "\n" for r in PAIRS))
 
     def recipe(name, batch):
-        return write_recipe(tmp_path, cat_model(2), name=name,
-                            data={"path": str(data), "format": "preference", "shuffle": False},
-                            method={"type": method, "lora": {"r": 4, "dropout": 0.0}},
-                            objective={"type": "dpo"},
-                            training={"output_dir": str(tmp_path / name), "per_device_train_batch_size": batch,
-                                      "gradient_accumulation_steps": 2, "max_steps": 3, "save_steps": 0,
-                                      "learning_rate": 1e-3 if method == "lora" else 1e-4},
-                            offload={"disk_path": str(tmp_path / f"{name}-nvme"), "params": "disk",
-                                     "optimizer_states": "disk", "device_budget": "16MiB", "host_budget": "16MiB"})  # fmt: skip
+        return write_recipe(
+            tmp_path,
+            cat_model(2),
+            name=name,
+            data={"path": str(data), "format": "preference", "shuffle": False},
+            method={"type": method, "lora": {"r": 4, "dropout": 0.0}},
+            objective={"type": "dpo"},
+            training={
+                "output_dir": str(tmp_path / name),
+                "per_device_train_batch_size": batch,
+                "gradient_accumulation_steps": 2,
+                "max_steps": 3,
+                "save_steps": 0,
+                "learning_rate": 1e-3 if method == "lora" else 1e-4,
+            },
+            offload={
+                "disk_path": str(tmp_path / f"{name}-nvme"),
+                "params": "disk",
+                "optimizer_states": "disk",
+                "device_budget": "16MiB",
+                "host_budget": "16MiB",
+            },
+        )
 
     launch(recipe("one", 2), "--quiet")
     launch(recipe("two", 1), ranks=2)

@@ -22,7 +22,6 @@ def runs(tmp_path_factory):
     from tiny import tiny_config
     from transformers import AutoModelForCausalLM
 
-
     done: dict = {}
     models: dict = {}
 
@@ -36,12 +35,25 @@ def runs(tmp_path_factory):
             root = tmp_path_factory.mktemp(f"{family}-{case}-{size}")
             procs = []
             for rank in range(size):
-                env = dict(os.environ, TT_MODEL=str(models[family]), TT_CASE=case, TT_STORE=str(root / "store"),
-                           TT_DISK=str(root / "disk"), TT_OUT=str(root), OMP_NUM_THREADS="1",
-                           TIERTUNE_COLLECTIVE_TIMEOUT="60")  # fmt: skip
+                env = dict(
+                    os.environ,
+                    TT_MODEL=str(models[family]),
+                    TT_CASE=case,
+                    TT_STORE=str(root / "store"),
+                    TT_DISK=str(root / "disk"),
+                    TT_OUT=str(root),
+                    OMP_NUM_THREADS="1",
+                    TIERTUNE_COLLECTIVE_TIMEOUT="60",
+                )
                 if size > 1:
-                    env.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size))
-                procs.append(subprocess.Popen([sys.executable, str(WORKER)], env=env, stderr=subprocess.PIPE, text=True))
+                    env.update(
+                        RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size)
+                    )
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(WORKER)], env=env, stderr=subprocess.PIPE, text=True
+                    )
+                )
             try:
                 codes = [p.wait(timeout=240) for p in procs]
             finally:

@@ -142,7 +142,9 @@ def test_24_layers_train_with_a_device_budget_of_about_two_layers(tiny_model_dir
 def test_bf16_weights_follow_fp32_master_weights(tiny_model_dir, disk_dir):
     path, _ = tiny_model_dir("qwen2")
     cfg = _config(dtype=torch.bfloat16, params="disk", optimizer_states="disk", max_steps=4, warmup_steps=0)
-    store = StoreConfig.resolve(device_budget="8MiB", host_budget="2MiB", disk_path=str(disk_dir), chunk_size=1 << 40)
+    store = StoreConfig.resolve(
+        device_budget="8MiB", host_budget="2MiB", disk_path=str(disk_dir), chunk_size=1 << 40
+    )
     trainer = StreamedTrainer(str(path), store, cfg)
     try:
         batch = _batches(211)[:ACCUM]
@@ -164,8 +166,15 @@ def test_layer_inputs_on_the_host_keep_parity_and_travel_through_the_store(
     tiny_model_dir, disk_dir, placement
 ):
     path, initial = tiny_model_dir("llama")
-    trainer = _check_parity(path, initial, disk_dir, placement, activations="host", activation_tokens=24,
-                            gradient_accumulation_steps=ACCUM)  # fmt: skip
+    trainer = _check_parity(
+        path,
+        initial,
+        disk_dir,
+        placement,
+        activations="host",
+        activation_tokens=24,
+        gradient_accumulation_steps=ACCUM,
+    )
     boundaries = trainer.stash.chunks  # each layer's input, and the last layer's output
     assert len(boundaries) == 5 and all(c.home.value == "host" for c in boundaries)
     assert all(c.capacity == ACCUM * 24 * 64 * 4 for c in boundaries)  # a slot per micro-batch of the step
@@ -220,7 +229,9 @@ def test_gemma_2_and_3_train_with_the_kernels_and_the_soft_capped_fused_loss(
 
 
 @pytest.mark.parametrize("family", ["cohere", "mixtral", "deepseek_v3"])
-def test_the_fused_loss_of_scaled_logits_and_moe_models_is_transformers_loss(tiny_model_dir, disk_dir, family):
+def test_the_fused_loss_of_scaled_logits_and_moe_models_is_transformers_loss(
+    tiny_model_dir, disk_dir, family
+):
     """Cohere's logits are scaled (logit_scale 0.5 here: a fused loss without it is far off), and MoE models'
     causal-LM heads are plain linears: the loss fused with the head gives the losses of ``kernels: none``
     (transformers' own logits) for 3 steps."""
@@ -266,8 +277,14 @@ def test_8bit_adam_states_match_bitsandbytes_adamw8bit(tiny_model_dir, disk_dir,
     from transformers import AutoModelForCausalLM
 
     path, _ = tiny_model_dir("qwen2")
-    cfg = _config(params=placement, optimizer_states=placement, gradients="host", optim="adamw_bnb_8bit",
-                  overlap_optimizer=overlap, max_grad_norm=2.9)  # fmt: skip
+    cfg = _config(
+        params=placement,
+        optimizer_states=placement,
+        gradients="host",
+        optim="adamw_bnb_8bit",
+        overlap_optimizer=overlap,
+        max_grad_norm=2.9,
+    )
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     reference.config.use_cache = False
     reference.train()
@@ -276,12 +293,18 @@ def test_8bit_adam_states_match_bitsandbytes_adamw8bit(tiny_model_dir, disk_dir,
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    opt = bnb.optim.AdamW8bit(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                              eps=cfg.adam_epsilon)  # fmt: skip
+    opt = bnb.optim.AdamW8bit(
+        groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon
+    )
     batches = _batches(reference.config.vocab_size)
     expected = plain_training(reference, opt, params, cfg, batches)
-    store = StoreConfig.resolve(device_budget="8MiB", host_budget="2MiB" if placement == "disk" else "8MiB",
-                        disk_path=str(disk_dir), chunk_size="1MiB", prefetch_depth=1)  # fmt: skip
+    store = StoreConfig.resolve(
+        device_budget="8MiB",
+        host_budget="2MiB" if placement == "disk" else "8MiB",
+        disk_path=str(disk_dir),
+        chunk_size="1MiB",
+        prefetch_depth=1,
+    )
     trainer = StreamedTrainer(str(path), store, cfg)
     try:
         losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
@@ -308,7 +331,9 @@ def test_the_fused_loss_trains_like_the_model_own_loss(tiny_model_dir, disk_dir,
     batches = _batches(211)
     runs = {}
     for kernels in ("none", "torch"):
-        store = StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir / kernels))
+        store = StoreConfig.resolve(
+            device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir / kernels)
+        )
         trainer = StreamedTrainer(str(path), store, _config(kernels=kernels))
         try:
             assert trainer.fused_loss == (kernels == "torch")

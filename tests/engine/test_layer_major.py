@@ -16,8 +16,9 @@ STEPS = 3
 
 
 def _store(disk_dir, host="2MiB"):
-    return StoreConfig.resolve(device_budget="8MiB", host_budget=host, disk_path=str(disk_dir), chunk_size="1MiB",
-                               prefetch_depth=1)  # fmt: skip
+    return StoreConfig.resolve(
+        device_budget="8MiB", host_budget=host, disk_path=str(disk_dir), chunk_size="1MiB", prefetch_depth=1
+    )
 
 
 def _visits(trainer):
@@ -58,8 +59,16 @@ def test_eight_micro_batches_match_a_plain_loop(tiny_model_dir, disk_dir, activa
     from transformers import AutoModelForCausalLM
 
     path, _ = tiny_model_dir("llama")
-    cfg = _config(params="disk", optimizer_states="disk", gradients="disk", max_steps=STEPS, activations=activations,
-                  activation_tokens=24, gradient_accumulation_steps=K, wave_size=wave)  # fmt: skip
+    cfg = _config(
+        params="disk",
+        optimizer_states="disk",
+        gradients="disk",
+        max_steps=STEPS,
+        activations=activations,
+        activation_tokens=24,
+        gradient_accumulation_steps=K,
+        wave_size=wave,
+    )
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     reference.config.use_cache = False
     reference.train()
@@ -68,8 +77,9 @@ def test_eight_micro_batches_match_a_plain_loop(tiny_model_dir, disk_dir, activa
         {"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
     ]
-    opt = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                            eps=cfg.adam_epsilon, fused=True)  # fmt: skip
+    opt = torch.optim.AdamW(
+        groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True
+    )
     batches = _batches(reference.config.vocab_size, count=STEPS * K)
     norms_expected: list[float] = []
     expected = plain_training(reference, opt, list(params.values()), cfg, batches, STEPS, K, norms_expected)
@@ -93,7 +103,9 @@ def test_dropout_is_each_micro_batch_s_however_the_step_is_cut(tiny_model_dir, d
     batches = _batches(211, count=STEPS * K)
     runs = []
     for wave in (0, 3, 1):
-        cfg = lora_config(lora=lora, params="disk", max_steps=STEPS, gradient_accumulation_steps=K, wave_size=wave)
+        cfg = lora_config(
+            lora=lora, params="disk", max_steps=STEPS, gradient_accumulation_steps=K, wave_size=wave
+        )
         torch.manual_seed(7)
         losses, norms, _, visits, waves = _train(path, disk_dir, batches, cfg)
         assert visits == [2 * len(waves) * STEPS] * len(visits)
@@ -107,16 +119,30 @@ def test_dropout_is_each_micro_batch_s_however_the_step_is_cut(tiny_model_dir, d
 
 CASES = {
     # full fine-tuning: weights, gradients and states on disk, the host budget below the model's states
-    "full, params and states on disk": (4, 128, ["offload.params=disk", "offload.optimizer_states=disk",
-                                                 "offload.host_budget=3MiB"]),
+    "full, params and states on disk": (
+        4,
+        128,
+        ["offload.params=disk", "offload.optimizer_states=disk", "offload.host_budget=3MiB"],
+    ),
     # QLoRA: the NF4 base (~1.9 MB) on disk, host and device budgets of 1 MiB
-    "qlora, base on disk": (6, 256, ["model.quantize=nf4", "method.type=lora", "offload.params=disk",
-                                     "offload.host_budget=1MiB", "offload.device_budget=1MiB"]),
-}  # fmt: skip
+    "qlora, base on disk": (
+        6,
+        256,
+        [
+            "model.quantize=nf4",
+            "method.type=lora",
+            "offload.params=disk",
+            "offload.host_budget=1MiB",
+            "offload.device_budget=1MiB",
+        ],
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_step_of_eight_micro_batches_moves_what_a_step_of_one_moves(tmp_path, cat_model, write_recipe, case):
+def test_a_step_of_eight_micro_batches_moves_what_a_step_of_one_moves(
+    tmp_path, cat_model, write_recipe, case
+):
     """The store's counters over a run's last step, at 1 and at 8 micro-batches per step (the same
     micro-batch size): at most 1.25x the bytes in all (the weights cross disk and PCIe once per step, the
     gradients go to the host once), and on each link, give or take one layer's chunk: where the host budget
@@ -130,14 +156,21 @@ def test_a_step_of_eight_micro_batches_moves_what_a_step_of_one_moves(tmp_path, 
     for k in (1, K):
         run = tmp_path / f"k{k}"
         run.mkdir()
-        path = write_recipe(run, cat_model(layers, hidden=hidden),
-                            training={"gradient_accumulation_steps": k, "max_steps": 3},
-                            offload={"device_budget": "64MiB", "host_budget": "64MiB"})  # fmt: skip
-        log = [json.loads(line) for line in train(load_recipe(path, overrides), progress=False).log_path.open()]
+        path = write_recipe(
+            run,
+            cat_model(layers, hidden=hidden),
+            training={"gradient_accumulation_steps": k, "max_steps": 3},
+            offload={"device_budget": "64MiB", "host_budget": "64MiB"},
+        )
+        log = [
+            json.loads(line) for line in train(load_recipe(path, overrides), progress=False).log_path.open()
+        ]
         before, after = log[-2]["bytes_moved"], log[-1]["bytes_moved"]
         moved[k] = {link: n - before.get(link, 0) for link, n in after.items()}
     assert sum(moved[1].values()) > 1 << 20  # the weights do stream: budgets are below the model
     assert sum(moved[K].values()) <= 1.25 * sum(moved[1].values()), moved
-    layer = 4 * 12 * hidden * hidden  # a layer's fp32 weights, about (its chunk's size, as the store lays it out)
+    layer = (
+        4 * 12 * hidden * hidden
+    )  # a layer's fp32 weights, about (its chunk's size, as the store lays it out)
     for link in set(moved[1]) | set(moved[K]):
         assert moved[K].get(link, 0) <= 1.25 * moved[1].get(link, 0) + layer, (link, moved)

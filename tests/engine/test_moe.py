@@ -19,8 +19,9 @@ LORA = LoraSettings(r=4, alpha=8, dropout=0.0, seed=0)  # peft adapts expert wei
 
 def _config(quantize, **kw):
     """test_lora's settings, on disk, with this module's adapters and steps."""
-    return lora_config(**{"quantize": quantize, "lora": LORA, "warmup_steps": 1, "max_steps": STEPS,
-                          "params": "disk", **kw})  # fmt: skip
+    return lora_config(
+        **{"quantize": quantize, "lora": LORA, "warmup_steps": 1, "max_steps": STEPS, "params": "disk", **kw}
+    )
 
 
 def _nf4_round_trip(weight):
@@ -30,8 +31,9 @@ def _nf4_round_trip(weight):
 
     values, codes = torch.empty_like(weight), []
     for e in range(weight.shape[0]):
-        packed, state = F.quantize_4bit(weight[e].contiguous(), blocksize=64, compress_statistics=True,
-                                        quant_type="nf4")  # fmt: skip
+        packed, state = F.quantize_4bit(
+            weight[e].contiguous(), blocksize=64, compress_statistics=True, quant_type="nf4"
+        )
         values[e] = F.dequantize_4bit(packed, state)
         codes.append((packed, state.absmax, state.state2.absmax, state.offset))
     return values, codes
@@ -73,8 +75,13 @@ def _reference(path, quantize):
     from peft import LoraConfig, get_peft_model
 
     base, codes = _base(path, quantize)
-    config = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout, target_modules="all-linear",
-                        task_type="CAUSAL_LM")  # fmt: skip
+    config = LoraConfig(
+        r=LORA.r,
+        lora_alpha=LORA.alpha,
+        lora_dropout=LORA.dropout,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(base, config), codes
 
 
@@ -86,12 +93,16 @@ def _plain_loop(model, cfg, batches, with_labels=False):
 
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
-    opt = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                            eps=cfg.adam_epsilon, fused=True)  # fmt: skip
-    sched = get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps,
-                          num_training_steps=cfg.max_steps)  # fmt: skip
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(
+        groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True
+    )
+    sched = get_scheduler(
+        cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps
+    )
     per_step = 1 if with_labels else ACCUM
     losses = []
     for step in range(STEPS):
@@ -127,7 +138,9 @@ def _plain_loop(model, cfg, batches, with_labels=False):
 def _train(path, disk_dir, cfg, save_to=None):
     """STEPS steps of the engine with the frozen base on disk and a host budget of a few layers; returns the
     initial and trained adapters, the batches, the losses and the trainer (closed)."""
-    store = StoreConfig.resolve(device_budget="4MiB", host_budget="1MiB", disk_path=str(disk_dir), prefetch_depth=1)
+    store = StoreConfig.resolve(
+        device_budget="4MiB", host_budget="1MiB", disk_path=str(disk_dir), prefetch_depth=1
+    )
     trainer = StreamedTrainer(str(path), store, cfg)
     try:
         initial = trainer.adapter_state_dict()
@@ -135,9 +148,13 @@ def _train(path, disk_dir, cfg, save_to=None):
         losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
         trained = trainer.adapter_state_dict()
         trainer.expert_bytes = {
-            n: v for c in trainer.states if c.group.kind == "layer" for w in c.weights
-            for n, v in trainer.store.read(w).items() if ".experts." in n
-        }  # fmt: skip
+            n: v
+            for c in trainer.states
+            if c.group.kind == "layer"
+            for w in c.weights
+            for n, v in trainer.store.read(w).items()
+            if ".experts." in n
+        }
         if save_to is not None:
             trainer.save_adapter(save_to)
             ids, mask = batches[0]["input_ids"], batches[0]["attention_mask"]
@@ -161,8 +178,10 @@ def _compare(reference, initial, trained, losses, batches, cfg):
     for name, value in theirs.items():  # Adam's near-zero gradient entries: see parity
         assert_adam_trained_close(trained[name], value, name)
     weight_diff = max(float((trained[n] - v).abs().max() / v.abs().max()) for n, v in theirs.items())
-    print(f"max relative loss difference {loss_diff:.2e}, adapters' largest difference / largest entry "
-          f"{weight_diff:.2e}")  # fmt: skip
+    print(
+        f"max relative loss difference {loss_diff:.2e}, adapters' largest difference / largest entry "
+        f"{weight_diff:.2e}"
+    )
     return loss_diff
 
 
@@ -258,7 +277,9 @@ def test_the_router_aux_loss_is_transformers_loss(tiny_model_dir, disk_dir, tmp_
     reference.config.use_cache = False
     batches = _batches(reference.config.vocab_size)
     expected = _plain_loop(reference, cfg, batches, with_labels=True)
-    store = StoreConfig.resolve(device_budget="8MiB", host_budget="2MiB", disk_path=str(disk_dir), chunk_size="1MiB")
+    store = StoreConfig.resolve(
+        device_budget="8MiB", host_budget="2MiB", disk_path=str(disk_dir), chunk_size="1MiB"
+    )
     states = dict(params="disk", optimizer_states="disk", gradients="disk")
     trainer = StreamedTrainer(
         str(path),
@@ -344,8 +365,12 @@ def test_dpo_on_an_moe_adds_the_policys_router_loss_only(tiny_model_dir, disk_di
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     expected_aux = 0.5 * float(base(input_ids=ids, output_router_logits=True).aux_loss)
     store = StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
-    cfg = _config("none", kernels="none", lora=LoraSettings(r=4, alpha=8, dropout=0.0),
-                  objective=ObjectiveSettings(type="dpo"))  # fmt: skip
+    cfg = _config(
+        "none",
+        kernels="none",
+        lora=LoraSettings(r=4, alpha=8, dropout=0.0),
+        objective=ObjectiveSettings(type="dpo"),
+    )
     trainer = StreamedTrainer(str(path), store, cfg)
     try:
         loss = trainer.step([batch])

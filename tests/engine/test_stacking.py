@@ -14,8 +14,22 @@ from tiertune.engine.stacking import draws_random, stack_calls
 from tiertune.engine.streaming import run_layer
 from tiertune.offload.store import StoreConfig
 
-FAMILIES = ["llama", "qwen2", "gpt_neox", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
-            "stablelm", "cohere", "mixtral", "deepseek_v3"]  # fmt: skip
+FAMILIES = [
+    "llama",
+    "qwen2",
+    "gpt_neox",
+    "mistral",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "stablelm",
+    "cohere",
+    "mixtral",
+    "deepseek_v3",
+]
 
 
 def _captured(model, ids, mask):
@@ -100,7 +114,9 @@ K, STEPS = 4, 3
 
 
 @pytest.mark.parametrize("activations", ["device", "host"])
-def test_a_quantized_layer_is_called_once_per_visit_for_the_wave(tiny_model_dir, disk_dir, monkeypatch, activations):
+def test_a_quantized_layer_is_called_once_per_visit_for_the_wave(
+    tiny_model_dir, disk_dir, monkeypatch, activations
+):
     """QLoRA (NF4 base on disk, no dropout), 4 micro-batches of 2 x 12 tokens a step: stacked (the default for a
     quantized base), each layer is called once in forward and once in backward a step, one at a time 4 times
     each; the losses and gradient norms agree to 1e-5 (the sums inside one matmul are in another order)."""
@@ -110,8 +126,15 @@ def test_a_quantized_layer_is_called_once_per_visit_for_the_wave(tiny_model_dir,
     runs = {}
     real = schedule_module.run_layer
     for stack in (None, 0):
-        cfg = lora_config(lora=lora, params="disk", max_steps=STEPS, gradient_accumulation_steps=K,
-                          activations=activations, activation_tokens=24, stack_tokens=stack)  # fmt: skip
+        cfg = lora_config(
+            lora=lora,
+            params="disk",
+            max_steps=STEPS,
+            gradient_accumulation_steps=K,
+            activations=activations,
+            activation_tokens=24,
+            stack_tokens=stack,
+        )
         calls: list[int] = []
 
         def counted(layer, hidden, call, calls=calls):
@@ -119,8 +142,13 @@ def test_a_quantized_layer_is_called_once_per_visit_for_the_wave(tiny_model_dir,
             return real(layer, hidden, call)
 
         monkeypatch.setattr(schedule_module, "run_layer", counted)
-        store = StoreConfig.resolve(device_budget="8MiB", host_budget="2MiB", disk_path=str(disk_dir / str(stack)),
-                                    chunk_size="1MiB", prefetch_depth=1)  # fmt: skip
+        store = StoreConfig.resolve(
+            device_budget="8MiB",
+            host_budget="2MiB",
+            disk_path=str(disk_dir / str(stack)),
+            chunk_size="1MiB",
+            prefetch_depth=1,
+        )
         trainer = StreamedTrainer(str(path), store, cfg)
         try:
             losses, norms = [], []

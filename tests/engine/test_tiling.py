@@ -102,15 +102,23 @@ def test_tiled_equals_untiled_equals_a_plain_loop_at_2k_tokens(tiny_model_dir, d
     reference.config.use_cache = False
     reference.train()
     params = dict(reference.named_parameters())
-    base = dict(params="host", optimizer_states="host", gradients="host", max_steps=STEPS,
-                gradient_accumulation_steps=2, activation_tokens=2 * SEQ, activations="host")  # fmt: skip
+    base = dict(
+        params="host",
+        optimizer_states="host",
+        gradients="host",
+        max_steps=STEPS,
+        gradient_accumulation_steps=2,
+        activation_tokens=2 * SEQ,
+        activations="host",
+    )
     cfg = _config(**base)
     groups = [
         {"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
     ]
-    opt = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                            eps=cfg.adam_epsilon, fused=True)  # fmt: skip
+    opt = torch.optim.AdamW(
+        groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True
+    )
     batches = _batches(reference.config.vocab_size, STEPS * 2)
     norms_expected: list[float] = []
     expected = plain_training(reference, opt, list(params.values()), cfg, batches, STEPS, 2, norms_expected)
@@ -125,7 +133,9 @@ def test_tiled_equals_untiled_equals_a_plain_loop_at_2k_tokens(tiny_model_dir, d
             return apply(*args)
 
         tiling._Tiled.apply = counted
-        store = StoreConfig.resolve(device_budget="64MiB", host_budget="256MiB", chunk_size="1MiB", prefetch_depth=1)
+        store = StoreConfig.resolve(
+            device_budget="64MiB", host_budget="256MiB", chunk_size="1MiB", prefetch_depth=1
+        )
         trainer = StreamedTrainer(str(path), store, _config(**base, sequence_tile=tile, kernels="torch"))
         try:
             losses, norms = [], []
@@ -142,7 +152,9 @@ def test_tiled_equals_untiled_equals_a_plain_loop_at_2k_tokens(tiny_model_dir, d
     assert runs[256][3] == 2 * STEPS * layers * 4 and runs[0][3] == 0
     for tile, (losses, norms, weights, _, kept) in runs.items():
         assert kept is None, kept  # segment attention in both
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-6, atol=0, msg=str(tile))
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(expected), rtol=1e-6, atol=0, msg=str(tile)
+        )
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(norms_expected), rtol=1e-6, atol=0)
         for name, p in params.items():
             worst = float((weights[name] - p.detach()).abs().max() / p.detach().abs().max().clamp_min(1e-12))
@@ -168,8 +180,16 @@ def test_the_mlps_norm_and_residual_join_the_tiled_block(family):
         from transformers import Gemma2Config as Config
         from transformers.models.gemma2.modeling_gemma2 import Gemma2DecoderLayer as Layer
         from transformers.models.gemma2.modeling_gemma2 import Gemma2RotaryEmbedding as Rotary
-    config = Config(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    attn_implementation="sdpa", sliding_window=None, attn_logit_softcapping=None)  # fmt: skip
+    config = Config(
+        hidden_size=64,
+        intermediate_size=176,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attn_implementation="sdpa",
+        sliding_window=None,
+        attn_logit_softcapping=None,
+    )
     norm, residual = mlp_fold(config.model_type)
     assert (norm, residual) == (
         ("post_attention_layernorm", True) if family == "llama" else ("pre_feedforward_layernorm", False)
@@ -225,8 +245,16 @@ def _layer(family: str):
         from transformers import Phi3Config as Config
         from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer as Layer
         from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding as Rotary
-    config = Config(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    attn_implementation="sdpa", sliding_window=None, attn_logit_softcapping=None)  # fmt: skip
+    config = Config(
+        hidden_size=64,
+        intermediate_size=176,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attn_implementation="sdpa",
+        sliding_window=None,
+        attn_logit_softcapping=None,
+    )
     torch.manual_seed(0)
     layer = Layer(config, 0).train()
     for p in layer.parameters():
@@ -249,7 +277,9 @@ def test_the_attentions_input_norm_joins_its_projections_tiled(family, method):
     config, layer, rotary = _layer(family)
     if method == "lora":
         targets = ["qkv_proj", "o_proj"] if family == "phi3" else ["q_proj", "k_proj", "v_proj", "o_proj"]
-        inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False), layer)
+        inject_adapter_in_model(
+            LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False), layer
+        )
     tokens = 1000
     x = torch.randn(1, tokens, 64)
     g = torch.randn(1, tokens, 64)

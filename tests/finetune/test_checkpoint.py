@@ -34,13 +34,27 @@ def _recipe(tmp_path, model_dir, name, **overrides):
     recipe = {
         "model": {"path": str(model_dir), "dtype": "float32"},
         "data": {"path": str(data), "max_seq_len": 32, "shuffle": True},
-        "training": {"output_dir": str(tmp_path / name), "max_steps": STEPS, "per_device_train_batch_size": 4,
-                     "gradient_accumulation_steps": 2, "learning_rate": "3e-3", "logging_steps": 1,
-                     "lr_scheduler_type": "cosine", "warmup_steps": 2, "save_steps": 2, "weight_decay": 0.01},
-        "offload": {"disk_path": str(tmp_path / f"{name}-nvme"), "params": "disk", "optimizer_states": "disk",
-                    "device_budget": "4MiB", "host_budget": "1MiB"},
+        "training": {
+            "output_dir": str(tmp_path / name),
+            "max_steps": STEPS,
+            "per_device_train_batch_size": 4,
+            "gradient_accumulation_steps": 2,
+            "learning_rate": "3e-3",
+            "logging_steps": 1,
+            "lr_scheduler_type": "cosine",
+            "warmup_steps": 2,
+            "save_steps": 2,
+            "weight_decay": 0.01,
+        },
+        "offload": {
+            "disk_path": str(tmp_path / f"{name}-nvme"),
+            "params": "disk",
+            "optimizer_states": "disk",
+            "device_budget": "4MiB",
+            "host_budget": "1MiB",
+        },
         "method": {"lora": {"r": 4, "dropout": 0.1}, "galore": {"rank": 4, "update_proj_gap": 3}},
-    }  # fmt: skip
+    }
     for key, value in overrides.items():
         section, field = key.split("__")
         recipe[section][field] = value
@@ -179,8 +193,11 @@ train(sys.argv[1], progress=False)
 
 
 def _run(code, recipe):
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(recipe)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), str(recipe)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 @pytest.mark.slow
@@ -265,7 +282,9 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_the_step_bo
         assert all(torch.equal(saved[k], v) for k, v in tensors.items()), name
 
 
-def test_a_cancelled_checkpoint_stops_at_its_next_file_and_leaves_the_one_before(tmp_path, model_dir, disk_dir):
+def test_a_cancelled_checkpoint_stops_at_its_next_file_and_leaves_the_one_before(
+    tmp_path, model_dir, disk_dir
+):
     """A run stopping for a signal drops the checkpoint being written (``cancel``): the writer writes no chunk
     after it, removes the partial directory, the checkpoint before it stays the newest, intact, and a later save
     writes its checkpoint as usual."""

@@ -14,11 +14,17 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
 WORDS = [
-    "the red cat sat on the mat", "a dog ran far away", "name a color", "blue is a color",
-    "say hi", "hi there", "Below is an instruction that describes a task paired with an input that provides",
-    "further context Write a response that appropriately completes the request", "### Instruction Input Response :",
+    "the red cat sat on the mat",
+    "a dog ran far away",
+    "name a color",
+    "blue is a color",
+    "say hi",
+    "hi there",
+    "Below is an instruction that describes a task paired with an input that provides",
+    "further context Write a response that appropriately completes the request",
+    "### Instruction Input Response :",
     "<|user|> <|assistant|> <|system|> be brief",
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +50,13 @@ def test_every_file_type_gives_the_same_rows(tmp_path, tokenizer):
     import pandas as pd
 
     rows = [{"text": "the red cat sat"}, {"text": "a dog ran far away"}]
-    files = [_write(tmp_path / "d.jsonl", rows), tmp_path / "d.json", tmp_path / "d.parquet", tmp_path / "d.csv",
-             tmp_path / "d.txt"]  # fmt: skip
+    files = [
+        _write(tmp_path / "d.jsonl", rows),
+        tmp_path / "d.json",
+        tmp_path / "d.parquet",
+        tmp_path / "d.csv",
+        tmp_path / "d.txt",
+    ]
     files[1].write_text(json.dumps(rows))
     pd.DataFrame(rows).to_parquet(files[2])
     pd.DataFrame(rows).to_csv(files[3], index=False)
@@ -59,10 +70,13 @@ def test_every_file_type_gives_the_same_rows(tmp_path, tokenizer):
 
 
 def test_alpaca_trains_on_the_response_only(tmp_path, tokenizer):
-    path = _write(tmp_path / "a.jsonl", [
-        {"instruction": "name a color", "input": "", "output": "blue"},
-        {"instruction": "say hi", "input": "be brief", "output": "hi there"},
-    ])  # fmt: skip
+    path = _write(
+        tmp_path / "a.jsonl",
+        [
+            {"instruction": "name a color", "input": "", "output": "blue"},
+            {"instruction": "say hi", "input": "be brief", "output": "hi there"},
+        ],
+    )
     data = load_data(path, tokenizer, "alpaca", 256, cache_dir=str(tmp_path / "cache"))
     first, second = data.rows[0], data.rows[1]
     assert _targets(tokenizer, first["input_ids"], first["labels"]) == "blue </s>"
@@ -103,15 +117,26 @@ def test_chat_needs_a_template(tmp_path, tokenizer):
 @pytest.mark.parametrize(
     ("fmt", "rows", "message"),
     [
-        ("text", [{"text": "the red cat"}, {"prompt": "x"}],
-         r"rows.jsonl, row 2: expected a string field 'text', found no such field \(the row has keys \['prompt'\]\)"),
-        ("alpaca", [{"instruction": "say hi", "output": "hi"}, {"instruction": "say hi", "output": 3}],
-         r"row 2: expected a string field 'output', found an int"),
-        ("chat", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}]},
-                  {"messages": "hi"}],
-         r"row 2: expected a list 'messages' of \{'role', 'content'\} objects"),
+        (
+            "text",
+            [{"text": "the red cat"}, {"prompt": "x"}],
+            r"rows.jsonl, row 2: expected a string field 'text', found no such field \(the row has keys \['prompt'\]\)",
+        ),
+        (
+            "alpaca",
+            [{"instruction": "say hi", "output": "hi"}, {"instruction": "say hi", "output": 3}],
+            r"row 2: expected a string field 'output', found an int",
+        ),
+        (
+            "chat",
+            [
+                {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}]},
+                {"messages": "hi"},
+            ],
+            r"row 2: expected a list 'messages' of \{'role', 'content'\} objects",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_row_is_named_or_skipped_and_counted(tmp_path, tokenizer, fmt, rows, message):
     path = _write(tmp_path / "rows.jsonl", rows)
     with pytest.raises(DataError, match=message):
@@ -176,8 +201,14 @@ def _mismatched_model(tmp_path):
     from tiertune.finetune.demo import make_tokenizer
 
     tok = make_tokenizer(WORDS, tmp_path)
-    Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)  # fmt: skip
+    Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ).save_pretrained(tmp_path)
     return AutoTokenizer.from_pretrained(tmp_path)
 
 
@@ -188,14 +219,26 @@ def test_a_tokenizer_that_loses_the_text_is_refused(tmp_path, tokenizer):
     qwen = _mismatched_model(tmp_path / "model")
     rows = [{"text": "the red cat sat on the mat"}, {"text": "a dog ran far away"}, {"text": "hi there"}]
     path = _write(tmp_path / "d.jsonl", rows)
-    with pytest.raises(DataError, match=rf"d.jsonl, row 1: the tokenizer .* \({type(qwen).__name__}\) keeps \d+ of "
-                                        r"the row's 20 characters"):  # fmt: skip
+    with pytest.raises(
+        DataError,
+        match=rf"d.jsonl, row 1: the tokenizer .* \({type(qwen).__name__}\) keeps \d+ of "
+        r"the row's 20 characters",
+    ):
         load_data(path, qwen, "text", 64)
     with pytest.raises(DataError, match=r"loses most of the text of 3 of 3 rows \(row 1 first\)"):
         load_data(path, qwen, "text", 64, skip_bad_rows=True)
-    for fmt, row in [("alpaca", {"instruction": "name a color", "output": "blue is a color"}),
-                     ("chat", {"messages": [{"role": "user", "content": "say hi"},
-                                            {"role": "assistant", "content": "hi there"}]})]:  # fmt: skip
+    for fmt, row in [
+        ("alpaca", {"instruction": "name a color", "output": "blue is a color"}),
+        (
+            "chat",
+            {
+                "messages": [
+                    {"role": "user", "content": "say hi"},
+                    {"role": "assistant", "content": "hi there"},
+                ]
+            },
+        ),
+    ]:
         qwen.chat_template = CHAT_TEMPLATE
         with pytest.raises(DataError, match="row 1: the tokenizer"):
             load_data(_write(tmp_path / f"{fmt}.jsonl", [row]), qwen, fmt, 64)
@@ -237,8 +280,14 @@ def test_packing_restarts_positions_and_never_attends_across_rows(tmp_path, toke
     starts = [0, 8, 12]
     assert all(batch["labels"][0, s] == IGNORE_INDEX for s in starts)
     assert (batch["labels"][1, 3:] == IGNORE_INDEX).all()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     model.config.use_cache = False  # as in training: transformers detects packed rows only without a cache
@@ -259,8 +308,15 @@ def test_the_engine_trains_packed_rows_like_the_plain_model(tmp_path, tokenizer,
     rows = [{"text": t} for t in ("the red cat sat on the mat", "a dog ran", "name a color", "hi there")]
     data = load_data(_write(tmp_path / "d.jsonl", rows), tokenizer, "text", 16, cache_dir=str(tmp_path / "c"))
     batch = next(batches(data, 2, tokenizer.pad_token_id, False, 0, packing=True, max_seq_len=16))
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(tmp_path / "model")
@@ -300,14 +356,20 @@ def test_a_directory_as_data_path_is_named_with_the_files_in_it(tmp_path, tokeni
     (tmp_path / "train.jsonl").write_text('{"text": "the red cat"}\n')
     (tmp_path / "eval.csv").write_text("text\nthe red cat\n")
     (tmp_path / "notes.md").write_text("not data")
-    with pytest.raises(DataError, match=rf"data.path {tmp_path} is a directory; point data.path at a .jsonl, "
-                                        r".json, .parquet, .csv, .txt file in it; files there: eval.csv, "
-                                        r"train.jsonl$"):  # fmt: skip
+    with pytest.raises(
+        DataError,
+        match=rf"data.path {tmp_path} is a directory; point data.path at a .jsonl, "
+        r".json, .parquet, .csv, .txt file in it; files there: eval.csv, "
+        r"train.jsonl$",
+    ):
         load_data(tmp_path, tokenizer, "text", 64)
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(DataError, match=rf"data.path {empty} is a directory; point data.path at a .jsonl, .json, "
-                                        r".parquet, .csv, .txt file in it$"):  # fmt: skip
+    with pytest.raises(
+        DataError,
+        match=rf"data.path {empty} is a directory; point data.path at a .jsonl, .json, "
+        r".parquet, .csv, .txt file in it$",
+    ):
         load_data(empty, tokenizer, "text", 64)
 
 

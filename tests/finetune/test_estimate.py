@@ -30,62 +30,127 @@ def model_dir(cat_model):
 
 @pytest.fixture
 def make_recipe(tmp_path, model_dir, write_recipe):
-    path = write_recipe(tmp_path, model_dir, training={"gradient_accumulation_steps": 2},
-                        offload={"device_budget": "64MiB", "host_budget": "64MiB"})  # fmt: skip
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        training={"gradient_accumulation_steps": 2},
+        offload={"device_budget": "64MiB", "host_budget": "64MiB"},
+    )
     return lambda overrides: load_recipe(path, overrides)
 
 
 CASES = {
-    "full, states on disk, host budget short": ("offload.params=disk", "offload.optimizer_states=disk",
-                                                "offload.host_budget=3MiB"),
+    "full, states on disk, host budget short": (
+        "offload.params=disk",
+        "offload.optimizer_states=disk",
+        "offload.host_budget=3MiB",
+    ),
     "full, states on disk, everything cached": ("offload.params=disk", "offload.optimizer_states=disk"),
-    "full, on the host, no disk": ("offload.disk_path=null", "offload.params=host", "offload.optimizer_states=host"),
-    "full, overlap off, 8-bit": ("offload.params=disk", "offload.optimizer_states=disk",
-                                 "offload.overlap_optimizer=false", "training.optim=adamw_bnb_8bit"),
-    "full, layerwise (no clipping, one micro-batch)": ("offload.params=disk", "offload.optimizer_states=disk",
-                                                        "training.max_grad_norm=0",
-                                                        "training.gradient_accumulation_steps=1"),
-    "galore, activations on the host": ("method.type=galore", "method.galore.rank=8", "offload.params=disk",
-                                        "offload.optimizer_states=disk", "offload.activations=host"),
-    "qlora, base on disk": ("model.quantize=nf4", "method.type=lora", "offload.params=disk",
-                            "offload.host_budget=1MiB"),
+    "full, on the host, no disk": (
+        "offload.disk_path=null",
+        "offload.params=host",
+        "offload.optimizer_states=host",
+    ),
+    "full, overlap off, 8-bit": (
+        "offload.params=disk",
+        "offload.optimizer_states=disk",
+        "offload.overlap_optimizer=false",
+        "training.optim=adamw_bnb_8bit",
+    ),
+    "full, layerwise (no clipping, one micro-batch)": (
+        "offload.params=disk",
+        "offload.optimizer_states=disk",
+        "training.max_grad_norm=0",
+        "training.gradient_accumulation_steps=1",
+    ),
+    "galore, activations on the host": (
+        "method.type=galore",
+        "method.galore.rank=8",
+        "offload.params=disk",
+        "offload.optimizer_states=disk",
+        "offload.activations=host",
+    ),
+    "qlora, base on disk": (
+        "model.quantize=nf4",
+        "method.type=lora",
+        "offload.params=disk",
+        "offload.host_budget=1MiB",
+    ),
     "lora on an fp32 base, base on disk": ("method.type=lora", "offload.params=disk"),
-    "lora on an fp32 base, on the host": ("method.type=lora", "offload.params=host", "offload.disk_path=null"),
-    "full, 8-bit, overlapped, activations on the host": ("offload.params=disk", "offload.optimizer_states=disk",
-                                                         "training.optim=adamw_bnb_8bit",
-                                                         "offload.activations=host"),
-    "galore, 8-bit, one micro-batch": ("method.type=galore", "method.galore.rank=8", "offload.params=disk",
-                                       "offload.optimizer_states=host", "training.optim=adamw_bnb_8bit",
-                                       "training.gradient_accumulation_steps=1"),
+    "lora on an fp32 base, on the host": (
+        "method.type=lora",
+        "offload.params=host",
+        "offload.disk_path=null",
+    ),
+    "full, 8-bit, overlapped, activations on the host": (
+        "offload.params=disk",
+        "offload.optimizer_states=disk",
+        "training.optim=adamw_bnb_8bit",
+        "offload.activations=host",
+    ),
+    "galore, 8-bit, one micro-batch": (
+        "method.type=galore",
+        "method.galore.rank=8",
+        "offload.params=disk",
+        "offload.optimizer_states=host",
+        "training.optim=adamw_bnb_8bit",
+        "training.gradient_accumulation_steps=1",
+    ),
     "int8 base, lora": ("model.quantize=int8", "method.type=lora", "offload.params=disk"),
-}  # fmt: skip
+}
 
 
 GEMMA_CASES = {
     "gemma, lora on an fp32 base, 2 MiB host budget, base on disk": (
-        "method.type=lora", "offload.params=disk", "offload.host_budget=2MiB"),
+        "method.type=lora",
+        "offload.params=disk",
+        "offload.host_budget=2MiB",
+    ),
     "gemma, lora on an fp32 base, 2 MiB host and device budgets": (
-        "method.type=lora", "offload.params=disk", "offload.host_budget=2MiB", "offload.device_budget=2MiB"),
+        "method.type=lora",
+        "offload.params=disk",
+        "offload.host_budget=2MiB",
+        "offload.device_budget=2MiB",
+    ),
     "gemma, qlora, 1 MiB host and device budgets": (
-        "model.quantize=nf4", "method.type=lora", "offload.params=disk", "offload.host_budget=1MiB",
-        "offload.device_budget=1MiB"),
+        "model.quantize=nf4",
+        "method.type=lora",
+        "offload.params=disk",
+        "offload.host_budget=1MiB",
+        "offload.device_budget=1MiB",
+    ),
     "gemma, full, 8-bit, activations on the host, 4 MiB host budget": (
-        "offload.params=disk", "offload.optimizer_states=disk", "training.optim=adamw_bnb_8bit",
-        "offload.activations=host", "offload.host_budget=4MiB"),
-}  # fmt: skip
+        "offload.params=disk",
+        "offload.optimizer_states=disk",
+        "training.optim=adamw_bnb_8bit",
+        "offload.activations=host",
+        "offload.host_budget=4MiB",
+    ),
+}
 # the host budget binds while the CPU optimizer's thread and the I/O threads work: which copies the host keeps
 # depends on when each transfer lands, and a run's own bytes per step vary from run to run (at 8 micro-batches,
 # five runs each: the first case read 20.8 to 23.2 MB from disk and wrote 19.6 to 21.4 MB; the Gemma case
 # read 21.7 to 22.3 MB, and one more run of it read 12.0 MB). The replay lands each transfer by the store's
 # next call: the peaks are still exact, the bytes moved are checked within the runs' spread
-TIMED = {"full, states on disk, host budget short", "gemma, full, 8-bit, activations on the host, 4 MiB host budget"}
+TIMED = {
+    "full, states on disk, host budget short",
+    "gemma, full, 8-bit, activations on the host, 4 MiB host budget",
+}
 # micro-batches per step: 1 and 8, but for the cases that are about one micro-batch; 4 and 16 for a few (under
 # a 4 MiB host budget the layer boundaries of 8 and 16 micro-batches do not fit: the step runs in waves)
-RUNS = [(case, n) for case in [*CASES, *GEMMA_CASES] for n in (1, 8)
-        if n == 1 or "one micro-batch" not in case]  # fmt: skip
-RUNS += [(case, n) for case in ("full, states on disk, everything cached", "qlora, base on disk",
-                                "full, 8-bit, overlapped, activations on the host",
-                                "gemma, full, 8-bit, activations on the host, 4 MiB host budget") for n in (4, 16)]  # fmt: skip
+RUNS = [
+    (case, n) for case in [*CASES, *GEMMA_CASES] for n in (1, 8) if n == 1 or "one micro-batch" not in case
+]
+RUNS += [
+    (case, n)
+    for case in (
+        "full, states on disk, everything cached",
+        "qlora, base on disk",
+        "full, 8-bit, overlapped, activations on the host",
+        "gemma, full, 8-bit, activations on the host, 4 MiB host budget",
+    )
+    for n in (4, 16)
+]
 
 
 @pytest.fixture(scope="module")
@@ -98,24 +163,39 @@ def gemma_dir(tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("gemma")
     tok = make_tokenizer(CAT_TEXTS, directory)
-    config = GemmaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, bos_token_id=None)  # fmt: skip
+    config = GemmaConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
 
 
 @pytest.mark.parametrize(("case", "micro_batches"), RUNS)
-def test_the_peaks_and_the_bytes_a_step_moves_are_a_runs(tmp_path, model_dir, gemma_dir, write_recipe, monkeypatch,
-                                                          case, micro_batches):  # fmt: skip
+def test_the_peaks_and_the_bytes_a_step_moves_are_a_runs(
+    tmp_path, model_dir, gemma_dir, write_recipe, monkeypatch, case, micro_batches
+):
     """The estimate's peak of every tier is the run's, to the byte (the replay runs each way the update can go:
     a clipped first step, redone, then after backward, then speculated and confirmed); the bytes its last step
     moves on each link, replayed with the steps the run clipped, are the run's last step's within 2%."""
-    overrides = [o for o in {**CASES, **GEMMA_CASES}[case] if not o.startswith("training.gradient_accumulation")]
-    path = write_recipe(tmp_path, gemma_dir if case in GEMMA_CASES else model_dir,
-                        training={"gradient_accumulation_steps": micro_batches, "max_steps": 4},
-                        offload={"device_budget": "64MiB", "host_budget": "64MiB"})  # fmt: skip
+    overrides = [
+        o for o in {**CASES, **GEMMA_CASES}[case] if not o.startswith("training.gradient_accumulation")
+    ]
+    path = write_recipe(
+        tmp_path,
+        gemma_dir if case in GEMMA_CASES else model_dir,
+        training={"gradient_accumulation_steps": micro_batches, "max_steps": 4},
+        offload={"device_budget": "64MiB", "host_budget": "64MiB"},
+    )
     recipe = load_recipe(path, overrides)
     predicted = estimate(recipe, measure=False)
     assert predicted.fits
@@ -129,7 +209,10 @@ def test_the_peaks_and_the_bytes_a_step_moves_are_a_runs(tmp_path, model_dir, ge
             # beside two busy processes: 34 exact, three 8 to 36 KiB below; never above (and never above budget)
             expected = predicted.tiers[tier]
             assert expected.peak - expected.largest_staged <= peak <= expected.peak <= expected.budget, (
-                tier, peak, predicted.tiers)
+                tier,
+                peak,
+                predicted.tiers,
+            )
             continue
         assert peak == predicted.tiers[tier].peak, (tier, peak, predicted.tiers)
     clipped = tuple(record["grad_norm"] > recipe.training.max_grad_norm for record in log)
@@ -140,11 +223,16 @@ def test_the_peaks_and_the_bytes_a_step_moves_are_a_runs(tmp_path, model_dir, ge
     assert measured.get("host->device", 0) > 0 or case.startswith("gemma, lora") or "lora" in case
     if case in TIMED:  # every link within the spread of the run's own figures
         for link in set(measured) | set(moved):
-            assert abs(moved.get(link, 0) - measured.get(link, 0)) <= 0.5 * measured.get(link, 0) + (1 << 20), (
-                link, moved, measured)
+            assert abs(moved.get(link, 0) - measured.get(link, 0)) <= 0.5 * measured.get(link, 0) + (
+                1 << 20
+            ), (link, moved, measured)
         return
     for link in set(measured) | set(moved):
-        assert abs(moved.get(link, 0) - measured.get(link, 0)) <= 0.02 * measured.get(link, 0), (link, moved, measured)
+        assert abs(moved.get(link, 0) - measured.get(link, 0)) <= 0.02 * measured.get(link, 0), (
+            link,
+            moved,
+            measured,
+        )
 
 
 def test_estimate_command_prints_the_table_and_flags_a_budget_that_cannot_hold(tmp_path, make_recipe):
@@ -164,9 +252,15 @@ def test_estimate_command_prints_the_table_and_flags_a_budget_that_cannot_hold(t
 
     with pytest.raises(BudgetError) as refused:
         train(load_recipe(path, ("offload.host_budget=64KiB",)), progress=False)
-    named = re.search(r"The smallest budgets that work: (offload.device_budget: \d+MiB, offload.host_budget: \d+MiB)",
-                      str(refused.value))  # fmt: skip
-    assert named and f"the smallest budgets that work (what train checks before loading): {named.group(1)}" in short.output
+    named = re.search(
+        r"The smallest budgets that work: (offload.device_budget: \d+MiB, offload.host_budget: \d+MiB)",
+        str(refused.value),
+    )
+    assert (
+        named
+        and f"the smallest budgets that work (what train checks before loading): {named.group(1)}"
+        in short.output
+    )
 
 
 def test_estimate_creates_nothing_where_disk_path_does_not_exist_yet(tmp_path, make_recipe):
@@ -176,9 +270,10 @@ def test_estimate_creates_nothing_where_disk_path_does_not_exist_yet(tmp_path, m
     before = sorted(tmp_path.rglob("*"))
     disk_path = tmp_path / "new" / "nvme"
     result = CliRunner().invoke(
-        app, ["estimate", str(path), f"offload.disk_path={disk_path}", "offload.params=disk"],
+        app,
+        ["estimate", str(path), f"offload.disk_path={disk_path}", "offload.params=disk"],
         env={"COLUMNS": "200"},
-    )  # fmt: skip
+    )
     assert result.exit_code == 0, result.output
     assert "  disk         read" in result.output  # the disk was probed...
     assert f"{disk_path} does not exist yet" in result.output and f"probed in {tmp_path}," in result.output
@@ -186,18 +281,31 @@ def test_estimate_creates_nothing_where_disk_path_does_not_exist_yet(tmp_path, m
 
 
 CONFIGS = SHIPPED  # the real models' config.json, by model id, as tiertune ships them (no weights)
-PUBLISHED = {"mistralai/Mixtral-8x22B-v0.1": 141e9, "Qwen/Qwen3-235B-A22B": 235e9, "deepseek-ai/DeepSeek-V3": 671e9}  # model cards' totals
+PUBLISHED = {
+    "mistralai/Mixtral-8x22B-v0.1": 141e9,
+    "Qwen/Qwen3-235B-A22B": 235e9,
+    "deepseek-ai/DeepSeek-V3": 671e9,
+}  # model cards' totals
 
 
 def _qlora(tmp_path, model_dir, **lora):
     path = tmp_path / "qlora.yaml"
-    path.write_text(yaml.safe_dump({
-        "model": {"path": str(model_dir), "dtype": "bfloat16", "quantize": "nf4"},
-        "method": {"type": "lora", "lora": {"r": 8, "alpha": 16, "dropout": 0.0, **lora}},
-        "data": {"path": str(tmp_path / "train.jsonl"), "max_seq_len": 2048},
-        "offload": {"params": "disk", "device_budget": "12GiB", "host_budget": "40GiB",
-                    "disk_path": str(tmp_path / "nvme"), "activations": "host"},
-    }))  # fmt: skip
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"path": str(model_dir), "dtype": "bfloat16", "quantize": "nf4"},
+                "method": {"type": "lora", "lora": {"r": 8, "alpha": 16, "dropout": 0.0, **lora}},
+                "data": {"path": str(tmp_path / "train.jsonl"), "max_seq_len": 2048},
+                "offload": {
+                    "params": "disk",
+                    "device_budget": "12GiB",
+                    "host_budget": "40GiB",
+                    "disk_path": str(tmp_path / "nvme"),
+                    "activations": "host",
+                },
+            }
+        )
+    )
     return load_recipe(path, ())
 
 
@@ -225,7 +333,11 @@ def test_the_100b_class_moe_configs_are_estimated_with_every_expert_in_nf4(tmp_p
 def test_attention_only_lora_counts_the_attention_adapters(tmp_path):
     config = json.loads((CONFIGS / "mistralai/Mixtral-8x22B-v0.1" / "config.json").read_text())
     predicted = estimate(
-        _qlora(tmp_path, CONFIGS / "mistralai/Mixtral-8x22B-v0.1", target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        _qlora(
+            tmp_path,
+            CONFIGS / "mistralai/Mixtral-8x22B-v0.1",
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        ),
         measure=False,
     )
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
@@ -249,10 +361,25 @@ def test_deepseek_v3_builds_as_transformers_own_class_and_its_fp8_weights_are_na
 def _deepseek_v3_fp8(vocab):
     """DeepSeek-V3's published config (fp8 weights: its quantization_config), at a tiny size."""
     config = json.loads((CONFIGS / "deepseek-ai/DeepSeek-V3" / "config.json").read_text())
-    config.update(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-                  first_k_dense_replace=1, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
-                  num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=16,
-                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=vocab)  # fmt: skip
+    config.update(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        vocab_size=vocab,
+    )
     return config
 
 
@@ -260,10 +387,21 @@ def _gpt_oss_mxfp4(vocab):
     """A tiny gpt-oss as published: MXFP4 experts (quant_method mxfp4)."""
     from transformers import GptOssConfig
 
-    config = GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_local_experts=4,
-                          num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                          vocab_size=vocab).to_dict()  # fmt: skip
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    config = GptOssConfig(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=vocab,
+    ).to_dict()
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn"],
+    }
     return config
 
 
@@ -279,8 +417,12 @@ def test_training_from_a_checkpoint_in_a_format_tiertune_does_not_read_stops_nam
         shutil.copy(Path(model_dir) / file, tiny / file)
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     (tiny / "config.json").write_text(json.dumps(make(vocab)))
-    recipe = write_recipe(tmp_path, tiny, model={"quantize": "nf4", "dtype": "bfloat16"},
-                          method={"type": "lora", "lora": {"dropout": 0.0}})  # fmt: skip
+    recipe = write_recipe(
+        tmp_path,
+        tiny,
+        model={"quantize": "nf4", "dtype": "bfloat16"},
+        method={"type": "lora", "lora": {"dropout": 0.0}},
+    )
     assert any(f"'{method}'" in note for note in estimate(load_recipe(recipe, ()), measure=False).notes)
     result = CliRunner().invoke(app, ["train", str(recipe)], env={"COLUMNS": "200"})
     assert result.exit_code == 2, result.output
@@ -298,7 +440,10 @@ def test_a_built_in_recipes_model_id_is_estimated_offline_from_its_shipped_confi
     by_id = estimate(_qlora(tmp_path, "mistralai/Mixtral-8x22B-v0.1"), measure=False)
     local = estimate(_qlora(tmp_path, CONFIGS / "mistralai/Mixtral-8x22B-v0.1"), measure=False)
     assert by_id.parameters == local.parameters and by_id.kinds == local.kinds
-    assert abs(by_id.parameters - PUBLISHED["mistralai/Mixtral-8x22B-v0.1"]) <= 0.01 * PUBLISHED["mistralai/Mixtral-8x22B-v0.1"]
+    assert (
+        abs(by_id.parameters - PUBLISHED["mistralai/Mixtral-8x22B-v0.1"])
+        <= 0.01 * PUBLISHED["mistralai/Mixtral-8x22B-v0.1"]
+    )
 
 
 def test_another_model_id_is_estimated_from_its_config_alone(tmp_path, monkeypatch):
@@ -343,11 +488,17 @@ def test_a_model_id_offline_is_a_clear_error_at_once(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "https://127.0.0.1:9")  # nothing listens there
     began = time.perf_counter()
-    result = CliRunner().invoke(app, ["estimate", str(tmp_path / "qlora.yaml"), "--no-probe"], env={"COLUMNS": "200"})
+    result = CliRunner().invoke(
+        app, ["estimate", str(tmp_path / "qlora.yaml"), "--no-probe"], env={"COLUMNS": "200"}
+    )
     assert time.perf_counter() - began < 30
     assert result.exit_code == 2, result.output
     assert "cannot be reached" in result.output and "`hf download someone/not-shipped`" in result.output
-    assert "HF_HUB_OFFLINE=1" in result.output and "Retrying" not in result.output and "Traceback" not in result.output
+    assert (
+        "HF_HUB_OFFLINE=1" in result.output
+        and "Retrying" not in result.output
+        and "Traceback" not in result.output
+    )
 
 
 def test_a_prequantized_moe_is_estimated_with_its_experts_in_the_quantized_cache(tmp_path):
@@ -357,8 +508,12 @@ def test_a_prequantized_moe_is_estimated_with_its_experts_in_the_quantized_cache
     model = tmp_path / "mixtral-bnb-4bit"
     model.mkdir()
     config = json.loads((CONFIGS / "mistralai/Mixtral-8x22B-v0.1" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True,
-                                     "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}  # fmt: skip
+    config["quantization_config"] = {
+        "quant_method": "bitsandbytes",
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+    }
     (model / "config.json").write_text(json.dumps(config))
     predicted = estimate(_qlora(tmp_path, model), measure=False)
     cached = predicted.kinds[QUANT_CACHE][1]
@@ -394,10 +549,19 @@ def test_estimate_for_several_processes_says_what_each_rank_and_node_holds_and_s
     weights = one.kinds["weights"][1]
     assert one.waves.count == 1
     assert 3 / 4 * weights < so.wire["all_gather"] < 2 * 3 / 4 * weights + 4096 * 64
-    assert 3 / 4 * one.trained_parameters * 4 <= so.wire["reduce_scatter"] < 3 / 4 * one.trained_parameters * 4 + 4096 * 64
+    assert (
+        3 / 4 * one.trained_parameters * 4
+        <= so.wire["reduce_scatter"]
+        < 3 / 4 * one.trained_parameters * 4 + 4096 * 64
+    )
     path = write_recipe(tmp_path, model_dir, name="cli")
-    data = json.loads(CliRunner().invoke(app, ["estimate", str(path), "--no-probe", "--json", "--processes", "2"]).output)
-    assert data["scale_out"]["processes"] == 2 and data["scale_out"]["wire_bytes_per_step_per_rank"]["all_gather"] > 0
+    data = json.loads(
+        CliRunner().invoke(app, ["estimate", str(path), "--no-probe", "--json", "--processes", "2"]).output
+    )
+    assert (
+        data["scale_out"]["processes"] == 2
+        and data["scale_out"]["wire_bytes_per_step_per_rank"]["all_gather"] > 0
+    )
     # a rank's memory plan: the whole chunks it gathers take device slots, and it is what fits is decided by
     plan = data["scale_out"]["plan_per_rank"]
     assert plan["device"]["needed"] >= data["scale_out"]["gathered_on_device"], plan
@@ -424,7 +588,11 @@ def test_what_computes_must_hold_the_tiers_and_what_is_outside_the_store(tmp_pat
     assert est.outside_store and est.fits, format_estimate(est, "t")
     est.tiers["device"].budget = est.needed("device")  # the device budget no larger than the GPU
     est.machine["gpu_memory"] = held
-    assert est.fits and f"the GPU ({format_size(held)}) holds {format_size(held)}" in format_estimate(est, "t")
+    assert est.fits and f"the GPU ({format_size(held)}) holds {format_size(held)}" in format_estimate(
+        est, "t"
+    )
     est.machine["gpu_memory"] = held - 1
     assert not est.fits and not est.short_of_machine() and est.needed("device") <= est.tiers["device"].budget
-    assert "outside the store  NO" in format_estimate(est, "t") and est.as_json()["computes_on"]["held"] == held
+    assert (
+        "outside the store  NO" in format_estimate(est, "t") and est.as_json()["computes_on"]["held"] == held
+    )

@@ -37,7 +37,10 @@ def test_the_flops_of_a_step_follow_the_formula(model_dir):
     full = step_flops(model, layers, micro_tokens=4 * 32, steps_micro=2, seq_len=32, trained=True)
     assert full.layer_weights == per_layer * len(layers) and full.tokens == 256
     attention = 4 * 16 * c.hidden_size * len(layers)  # causal: 32 / 2 positions, all heads
-    assert full.total == 4 * (2 * per_layer * len(layers) + attention) * 256 + 3 * 2 * c.vocab_size * c.hidden_size * 256
+    assert (
+        full.total
+        == 4 * (2 * per_layer * len(layers) + attention) * 256 + 3 * 2 * c.vocab_size * c.hidden_size * 256
+    )
     lora = step_flops(model, layers, 4 * 32, 2, 32, trained=False)
     assert (lora.layer_factor, lora.head_factor) == (3, 2) and lora.total < full.total
 
@@ -51,12 +54,16 @@ def test_an_moe_counts_top_k_of_its_experts():
     experts = 3 * c.hidden_size * c.intermediate_size * c.num_experts_per_tok  # w1, w2, w3 of top-k experts
     assert flops.layer_weights > experts * len(layers)  # attention and router besides
     assert flops.layer_weights < 1.1 * experts * len(layers) + 4 * c.hidden_size**2 * len(layers)
-    assert 35e9 < flops.layer_weights < 40e9  # Mixtral 8x22B: ~39 B active parameters a token, ~1 B of them embeddings
+    assert (
+        35e9 < flops.layer_weights < 40e9
+    )  # Mixtral 8x22B: ~39 B active parameters a token, ~1 B of them embeddings
 
 
 def test_a_named_gpu_is_taken_at_its_stated_peak_and_the_step_is_its_longest_part(tmp_path):
     path = RECIPES / "llama3-70b-qlora-nvme.yaml"
-    recipe = load_recipe(path, (f"model.path={CONFIGS / 'meta-llama/Meta-Llama-3-70B'}", f"offload.disk_path={tmp_path}"))
+    recipe = load_recipe(
+        path, (f"model.path={CONFIGS / 'meta-llama/Meta-Llama-3-70B'}", f"offload.disk_path={tmp_path}")
+    )
     est = estimate(recipe, gpu="rtx4090")
     sp = est.speed
     assert est.target == GPUS["rtx4090"].name and est.machine["gpu_memory"] == 24 << 30
@@ -83,8 +90,9 @@ def test_a_budget_the_machine_cannot_give_is_a_no(recipe_path):
     too_big = runner.invoke(app, ["estimate", str(recipe_path), "offload.host_budget=64TiB", "--no-probe"])
     assert too_big.exit_code == 1, too_big.output
     assert "of RAM" in too_big.output and "DOES NOT FIT" in too_big.output
-    gpu = runner.invoke(app, ["estimate", str(recipe_path), "offload.device_budget=40GiB", "--gpu", "rtx4090",
-                              "--no-probe"])  # fmt: skip
+    gpu = runner.invoke(
+        app, ["estimate", str(recipe_path), "offload.device_budget=40GiB", "--gpu", "rtx4090", "--no-probe"]
+    )
     assert gpu.exit_code == 1 and "NO: the GPU has 24.00 GiB" in gpu.output
     unknown = runner.invoke(app, ["estimate", str(recipe_path), "--gpu", "tpu"])
     assert unknown.exit_code == 2 and "rtx4090" in unknown.output
@@ -115,19 +123,34 @@ def test_on_a_machine_with_a_gpu_auto_measures_it(recipe_path):
     est = estimate(recipe, gpu="auto")
     sp = est.speed
     assert est.target == torch.cuda.get_device_name() and est.machine["gpu_memory"] > 0
-    assert sp.overlapped and "measured on" in sp.compute_rate_source and torch.cuda.get_device_name() in sp.compute_rate_source
+    assert (
+        sp.overlapped
+        and "measured on" in sp.compute_rate_source
+        and torch.cuda.get_device_name() in sp.compute_rate_source
+    )
     assert est.bandwidth["host_to_device"] > 1e9  # measured, pinned
     assert sp.seconds == max(sp.parts.values())
 
 
 @pytest.mark.parametrize(
     "family, method",
-    [("llama", "full"), ("qwen2", "lora"), ("gemma2", "full"), ("gemma3_text", "lora"), ("phi3", "full"),
-     ("cohere", "lora"), ("gpt_neox", "full"), ("mixtral", "full"), ("qwen3_moe", "lora"),
-     ("deepseek_v3", "lora"), ("llama", "qlora")],
-)  # fmt: skip
-def test_the_step_time_is_measured_for_every_family_the_engine_trains(tmp_path, tiny_model_dir, write_recipe,
-                                                                      family, method):  # fmt: skip
+    [
+        ("llama", "full"),
+        ("qwen2", "lora"),
+        ("gemma2", "full"),
+        ("gemma3_text", "lora"),
+        ("phi3", "full"),
+        ("cohere", "lora"),
+        ("gpt_neox", "full"),
+        ("mixtral", "full"),
+        ("qwen3_moe", "lora"),
+        ("deepseek_v3", "lora"),
+        ("llama", "qlora"),
+    ],
+)
+def test_the_step_time_is_measured_for_every_family_the_engine_trains(
+    tmp_path, tiny_model_dir, write_recipe, family, method
+):
     path, _ = tiny_model_dir(family)
     method_section = {"type": "full" if method == "full" else "lora", "lora": {"dropout": 0.0}}
     model = {"path": str(path), "dtype": "float32", "quantize": "nf4" if method == "qlora" else "none"}
@@ -138,7 +161,9 @@ def test_the_step_time_is_measured_for_every_family_the_engine_trains(tmp_path, 
     assert sp.flops.layer_weights > 0 and sp.seconds >= sp.parts["compute"]
 
 
-def test_the_compute_measurement_takes_the_fastest_repeat_and_says_when_the_cpu_was_busy(recipe_path, monkeypatch):
+def test_the_compute_measurement_takes_the_fastest_repeat_and_says_when_the_cpu_was_busy(
+    recipe_path, monkeypatch
+):
     # a busy CPU slows some repeats several times over (2 threads on 2 cores beside another program: 1.05 s a
     # layer against 0.13 s): the fastest repeat counts, and the estimate says the machine was busy
     from tiertune.finetune import speed
@@ -149,8 +174,9 @@ def test_the_compute_measurement_takes_the_fastest_repeat_and_says_when_the_cpu_
 
     calls: list[int] = []
     monkeypatch.setattr(speed, "_time_step", slow_sometimes)
-    measured = speed.measure_compute(str(load_recipe(recipe_path).model.path), _engine_config(recipe_path),
-                                     4, 32, torch.device("cpu"))  # fmt: skip
+    measured = speed.measure_compute(
+        str(load_recipe(recipe_path).model.path), _engine_config(recipe_path), 4, 32, torch.device("cpu")
+    )
     assert calls.count(1) == calls.count(3) == 6  # a warm-up and 5 repeats of each model
     assert measured.layer == pytest.approx(1.0) and measured.rest == pytest.approx(0.5)  # the fastest repeats
     assert measured.spread > speed.NOISY

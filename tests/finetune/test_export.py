@@ -20,11 +20,12 @@ def model_dir(cat_model):
 def run(tmp_path, model_dir, write_recipe):
     """Train the tiny model 4 steps (checkpoints at 2) with ``overrides``; returns the TrainResult."""
     path = write_recipe(
-        tmp_path, model_dir,
+        tmp_path,
+        model_dir,
         training={"max_steps": 4, "learning_rate": "3e-3", "save_steps": 2, "report_to": "none"},
         offload={"params": "disk"},
         method={"lora": {"r": 4, "dropout": 0.0}},
-    )  # fmt: skip
+    )
     return lambda *overrides: train(path, overrides, progress=False)
 
 
@@ -134,8 +135,12 @@ def test_a_lora_run_and_its_merge_emit_no_future_warning(tmp_path, run):
 
 
 def _full_run(tmp_path, model_dir, write_recipe):
-    path = write_recipe(tmp_path, model_dir, name="full",
-                        training={"max_steps": 4, "learning_rate": "3e-3", "save_steps": 2, "report_to": "none"})  # fmt: skip
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        name="full",
+        training={"max_steps": 4, "learning_rate": "3e-3", "save_steps": 2, "report_to": "none"},
+    )
     return train(path, progress=False)
 
 
@@ -203,14 +208,23 @@ def test_an_edited_index_that_passes_its_checksums_is_refused(tmp_path, model_di
     index_file = checkpoint / "state" / "index.json"
     original = index_file.read_text()
     edits = {
-        "moment read from the other moment's file": lambda key, p: p.__setitem__(0, p[0].replace(".exp_avg.", ".exp_avg_sq."))
-        if key.startswith("exp_avg/") else None,
-        "weight read from a moment's file": lambda key, p: p.__setitem__(0, p[0].replace(".safetensors", ".exp_avg.safetensors"))
-        if key.startswith("weights/") else None,
-        "a file outside the state directory": lambda key, p: p.__setitem__(0, "../" + p[0]) if key.startswith("weights/") else None,
-        "a piece naming another tensor": lambda key, p: p.__setitem__(1, "lm_head.weight")
-        if key == "weights/model.embed_tokens.weight" else None,
-    }  # fmt: skip
+        "moment read from the other moment's file": lambda key, p: (
+            p.__setitem__(0, p[0].replace(".exp_avg.", ".exp_avg_sq."))
+            if key.startswith("exp_avg/")
+            else None
+        ),
+        "weight read from a moment's file": lambda key, p: (
+            p.__setitem__(0, p[0].replace(".safetensors", ".exp_avg.safetensors"))
+            if key.startswith("weights/")
+            else None
+        ),
+        "a file outside the state directory": lambda key, p: (
+            p.__setitem__(0, "../" + p[0]) if key.startswith("weights/") else None
+        ),
+        "a piece naming another tensor": lambda key, p: (
+            p.__setitem__(1, "lm_head.weight") if key == "weights/model.embed_tokens.weight" else None
+        ),
+    }
     for name, edit in edits.items():
         index = json.loads(original)
         for key, entry in index["tensors"].items():
@@ -223,8 +237,13 @@ def test_an_edited_index_that_passes_its_checksums_is_refused(tmp_path, model_di
             StateReader(checkpoint, {})
         done = _cli("export", checkpoint, "--out", tmp_path / "out")
         assert done.exit_code == 2 and "index.json" in done.output, (name, done.output)
-        resumed = _cli("train", result.output_dir / "recipe.yaml", f"training.resume_from_checkpoint={checkpoint}",
-                       "training.max_steps=6", "-q")  # fmt: skip
+        resumed = _cli(
+            "train",
+            result.output_dir / "recipe.yaml",
+            f"training.resume_from_checkpoint={checkpoint}",
+            "training.max_steps=6",
+            "-q",
+        )
         assert resumed.exit_code == 2 and "index.json" in resumed.output, (name, resumed.output)
     # a piece whose stored tensor is not what the index says (dtype or size) is found when it is read
     index = json.loads(original)
@@ -243,13 +262,23 @@ def test_export_never_writes_over_a_model_or_a_run(tmp_path, model_dir, write_re
     import hashlib
 
     def digest(directory):
-        return {p.relative_to(directory): hashlib.sha256(p.read_bytes()).hexdigest()
-                for p in sorted(directory.rglob("*")) if p.is_file()}  # fmt: skip
+        return {
+            p.relative_to(directory): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*"))
+            if p.is_file()
+        }
 
     result = _full_run(tmp_path, model_dir, write_recipe)
     run_dir, checkpoint = result.output_dir, result.output_dir / "checkpoint-2"
-    other = train(write_recipe(tmp_path, model_dir, name="other", training={"max_steps": 1, "output_dir": str(tmp_path / "other")}),
-                  progress=False).output_dir  # fmt: skip
+    other = train(
+        write_recipe(
+            tmp_path,
+            model_dir,
+            name="other",
+            training={"max_steps": 1, "output_dir": str(tmp_path / "other")},
+        ),
+        progress=False,
+    ).output_dir
     assert _cli("export", checkpoint, "--out", tmp_path / "first").exit_code == 0
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
@@ -272,8 +301,12 @@ def test_export_never_writes_over_a_model_or_a_run(tmp_path, model_dir, write_re
     for out in (tmp_path / "first", other):  # replaced whole, by the model of step 2
         done = _cli("export", checkpoint, "--out", out, "--overwrite")
         assert done.exit_code == 0, done.output
-        assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
-                                                         "tokenizer_config.json"]  # fmt: skip
+        assert sorted(p.name for p in out.iterdir()) == [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
     assert digest(tmp_path / "first")[Path("model.safetensors")] == digest(other)[Path("model.safetensors")]
 
 
@@ -308,8 +341,11 @@ def test_export_to_a_full_disk_leaves_nothing(tmp_path, model_dir, write_recipe,
 def test_merge_never_writes_over_its_base_or_another_model(tmp_path, model_dir, run):
     result = run("method.type=lora")
     assert _cli("export", result.output_dir, "--out", tmp_path / "adapter").exit_code == 0
-    for out, message in [(model_dir, "is the base model"), (result.output_dir, "is the adapter"),
-                         (tmp_path / "adapter", "holds a model")]:  # fmt: skip
+    for out, message in [
+        (model_dir, "is the base model"),
+        (result.output_dir, "is the adapter"),
+        (tmp_path / "adapter", "holds a model"),
+    ]:
         done = _cli("merge", result.output_dir, "--out", out)
         assert done.exit_code == 2 and message in done.output, done.output
     assert _cli("merge", result.output_dir, "--out", tmp_path / "adapter", "--overwrite").exit_code == 0
@@ -329,10 +365,14 @@ def test_a_peft_export_says_how_vllm_serves_it_or_why_it_will_not(tmp_path, run)
     assert "vLLM: rank 32 is above its default --max-lora-rank (16)" in printed.output
     assert f"--lora-modules adapter={tmp_path / 'adapter'} --max-lora-rank 32" in printed.output
     base = "base"
-    assert vllm_notes({"r": 16}, base, Path("a")) == ["vLLM: vllm serve base --enable-lora --lora-modules adapter=a"]
+    assert vllm_notes({"r": 16}, base, Path("a")) == [
+        "vLLM: vllm serve base --enable-lora --lora-modules adapter=a"
+    ]
     assert "--max-lora-rank 64" in vllm_notes({"r": 16, "rank_pattern": {"q_proj": 48}}, base, Path("a"))[0]
-    for config, what in (({"r": 8, "use_dora": True}, "DoRA"), ({"r": 8, "modules_to_save": ["lm_head"]},
-                                                                   "modules_to_save (lm_head)")):  # fmt: skip
+    for config, what in (
+        ({"r": 8, "use_dora": True}, "DoRA"),
+        ({"r": 8, "modules_to_save": ["lm_head"]}, "modules_to_save (lm_head)"),
+    ):
         (note,) = vllm_notes(config, base, Path("a"))
         assert f"vLLM does not load adapters with {what}" in note and "--format hf" in note
     assert "up to 512" in vllm_notes({"r": 1024}, base, Path("a"))[0]
@@ -341,9 +381,13 @@ def test_a_peft_export_says_how_vllm_serves_it_or_why_it_will_not(tmp_path, run)
 def test_a_lora_runs_hf_export_is_the_streamed_merge(tmp_path, run):
     result = run("method.type=lora")
     out, what = export(result.output_dir, tmp_path / "hf", "hf")
-    assert what.startswith("Hugging Face model: the adapter added to the weights of") and "in memory" not in what
+    assert (
+        what.startswith("Hugging Face model: the adapter added to the weights of") and "in memory" not in what
+    )
     merged, _ = merge(result.output_dir, tmp_path / "merged")
     from safetensors.torch import load_file
 
     exported, reference = load_file(out / "model.safetensors"), load_file(merged / "model.safetensors")
-    assert exported.keys() == reference.keys() and all(torch.equal(exported[k], reference[k]) for k in reference)
+    assert exported.keys() == reference.keys() and all(
+        torch.equal(exported[k], reference[k]) for k in reference
+    )

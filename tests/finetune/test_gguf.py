@@ -75,20 +75,40 @@ def _model_of(family: str, like: Path, directory: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GraniteConfig
 
     if family == "granite":
-        config = GraniteConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, embedding_multiplier=2.0, residual_multiplier=0.5,
-                               attention_multiplier=0.2, logits_scaling=4.0)  # fmt: skip
+        config = GraniteConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=4.0,
+        )
     elif family == "llama3.1":  # frequency-dependent rope scaling: llama.cpp's rope_freqs tensor
         config = tiny_config("llama", layers=2)
-        config.rope_parameters = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+        config.rope_parameters = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
     elif family == "qwen2-yarn":
         config = tiny_config("qwen2", layers=2)
-        config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                  "original_max_position_embeddings": 32}  # fmt: skip
+        config.rope_parameters = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
     else:
         config = tiny_config(family, layers=2)
-    if family.startswith("gemma"):  # llama.cpp scales Gemma's attention by 1/sqrt(head_dim), as these models do
+    if family.startswith(
+        "gemma"
+    ):  # llama.cpp scales Gemma's attention by 1/sqrt(head_dim), as these models do
         config.query_pre_attn_scalar = config.head_dim
     directory.mkdir()
     config.save_pretrained(directory)
@@ -97,7 +117,9 @@ def _model_of(family: str, like: Path, directory: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(directory)
     config.vocab_size = len(tokenizer) + 5
     config.bos_token_id, config.eos_token_id, config.pad_token_id = (
-        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -111,8 +133,19 @@ def _model_of(family: str, like: Path, directory: Path) -> Path:
     return directory
 
 
-FAMILIES = ["llama", "llama3.1", "mistral", "qwen2", "qwen2-yarn", "qwen3", "gemma", "gemma2", "phi3", "olmo2",
-            "granite"]  # fmt: skip
+FAMILIES = [
+    "llama",
+    "llama3.1",
+    "mistral",
+    "qwen2",
+    "qwen2-yarn",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "phi3",
+    "olmo2",
+    "granite",
+]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -135,10 +168,12 @@ def lora_run(tmp_path_factory, bpe_model):
 
     tmp = tmp_path_factory.mktemp("gguf-run")
     path = _write_recipe(
-        tmp, bpe_model, texts=TEXTS,
+        tmp,
+        bpe_model,
+        texts=TEXTS,
         training={"max_steps": 12, "learning_rate": "2e-2", "report_to": "none"},
         method={"type": "lora", "lora": {"r": 4, "dropout": 0.0}},
-    )  # fmt: skip
+    )
     return train(path, progress=False)
 
 
@@ -168,8 +203,12 @@ def test_a_full_runs_checkpoint_exports_to_gguf(tmp_path, bpe_model):
     from tests.conftest import _write_recipe
     from tiertune.finetune.train import train
 
-    path = _write_recipe(tmp_path, bpe_model, texts=TEXTS,
-                         training={"max_steps": 2, "save_steps": 2, "learning_rate": "1e-2", "report_to": "none"})  # fmt: skip
+    path = _write_recipe(
+        tmp_path,
+        bpe_model,
+        texts=TEXTS,
+        training={"max_steps": 2, "save_steps": 2, "learning_rate": "1e-2", "report_to": "none"},
+    )
     result = train(path, progress=False)
     out, what = export(result.output_dir / "checkpoint-2", tmp_path / "gguf", "gguf", gguf_type="f32")
     assert "model at step 2" in what
@@ -178,7 +217,10 @@ def test_a_full_runs_checkpoint_exports_to_gguf(tmp_path, bpe_model):
     assert np.abs(_gguf_logits(out / "model-f32.gguf", ids) - _hf_logits(hf, ids)).max() < 1e-3
     # the finished run's model (the README's export), converted from the run directory as it is
     final, what = export(result.output_dir, tmp_path / "final", "gguf", gguf_type="f32")
-    assert "of the run's final model" in what and sorted(p.name for p in final.iterdir()) == ["Modelfile", "model-f32.gguf"]
+    assert "of the run's final model" in what and sorted(p.name for p in final.iterdir()) == [
+        "Modelfile",
+        "model-f32.gguf",
+    ]
     got = _gguf_logits(final / "model-f32.gguf", ids)
     assert np.abs(got - _hf_logits(result.output_dir, ids)).max() < 1e-3
 
@@ -188,7 +230,9 @@ def test_what_llama_cpp_cannot_read_is_refused_before_anything_is_written(tmp_pa
 
     from tiertune.cli.app import app
 
-    with pytest.raises(ConfigError, match="llama.cpp tokenizes with SentencePiece.*byte-level BPE.*WordLevel"):
+    with pytest.raises(
+        ConfigError, match="llama.cpp tokenizes with SentencePiece.*byte-level BPE.*WordLevel"
+    ):
         write_gguf(cat_model(2), tmp_path / "x.gguf")
     neox = _model_of("gpt_neox", bpe_model, tmp_path / "neox")
     with pytest.raises(ConfigError, match="supports gemma, gemma2, granite, llama.*'gpt_neox'"):
@@ -199,10 +243,14 @@ def test_what_llama_cpp_cannot_read_is_refused_before_anything_is_written(tmp_pa
     (run / "recipe.yaml").write_text(json.dumps({"model": {"path": str(cat_model(2))}}))
     result = CliRunner().invoke(app, ["export", str(run), "--format", "gguf", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "WordLevel" in result.output and not (tmp_path / "o").exists()
-    for args, said in ((["--format", "onnx"], "--format takes auto, hf, peft, gguf, gguf-lora; got 'onnx'"),
-                       (["--format", "gguf", "--gguf-type", "q4_k"], "--gguf-type takes f32, f16, bf16, q8_0")):  # fmt: skip
+    for args, said in (
+        (["--format", "onnx"], "--format takes auto, hf, peft, gguf, gguf-lora; got 'onnx'"),
+        (["--format", "gguf", "--gguf-type", "q4_k"], "--gguf-type takes f32, f16, bf16, q8_0"),
+    ):
         result = CliRunner().invoke(app, ["export", str(run), *args, "--out", str(tmp_path / "o")])
-        assert result.exit_code == 2 and said in result.output and "Traceback" not in result.output, result.output
+        assert result.exit_code == 2 and said in result.output and "Traceback" not in result.output, (
+            result.output
+        )
 
 
 def test_a_gguf_lora_over_the_bases_gguf_computes_the_merged_model(tmp_path, bpe_model, lora_run):
@@ -215,8 +263,14 @@ def test_a_gguf_lora_over_the_bases_gguf_computes_the_merged_model(tmp_path, bpe
     write_gguf(bpe_model, base, "f32")
     merged, _ = export(lora_run.output_dir, tmp_path / "merged", "hf")
     ids = AutoTokenizer.from_pretrained(merged)(" ".join(CAT_TEXTS[:4]))["input_ids"]
-    llm = llama_cpp.Llama(model_path=str(base), lora_path=str(out / "adapter-f32.gguf"), n_ctx=128,
-                          logits_all=True, verbose=False, n_threads=2)  # fmt: skip
+    llm = llama_cpp.Llama(
+        model_path=str(base),
+        lora_path=str(out / "adapter-f32.gguf"),
+        n_ctx=128,
+        logits_all=True,
+        verbose=False,
+        n_threads=2,
+    )
     try:
         llm.eval(ids)
         got = np.array(llm.scores[: len(ids)])
@@ -224,7 +278,9 @@ def test_a_gguf_lora_over_the_bases_gguf_computes_the_merged_model(tmp_path, bpe
         llm.close()
     fine_tuned, original = _hf_logits(merged, ids), _hf_logits(bpe_model, ids)
     error = np.abs(got - fine_tuned).max()
-    assert error < 2e-3 * max(1, np.abs(fine_tuned).max()) and np.abs(fine_tuned - original).max() > 50 * error
+    assert (
+        error < 2e-3 * max(1, np.abs(fine_tuned).max()) and np.abs(fine_tuned - original).max() > 50 * error
+    )
 
 
 def test_gguf_lora_refuses_what_llama_cpp_does_not_apply(tmp_path, bpe_model):
@@ -236,7 +292,9 @@ def test_gguf_lora_refuses_what_llama_cpp_does_not_apply(tmp_path, bpe_model):
         write_gguf_lora(adapter, bpe_model, tmp_path / "a.gguf")
     rslora = _adapter(bpe_model, tmp_path / "rs", use_rslora=True, r=4)
     info = write_gguf_lora(rslora, bpe_model, tmp_path / "rs.gguf", "f32")
-    assert info["alpha"] == pytest.approx(8 * 2)  # alpha * sqrt(4): llama.cpp's alpha / r is then rsLoRA's scale
+    assert info["alpha"] == pytest.approx(
+        8 * 2
+    )  # alpha * sqrt(4): llama.cpp's alpha / r is then rsLoRA's scale
 
 
 def _spm_model(directory: Path) -> Path:
@@ -249,21 +307,48 @@ def _spm_model(directory: Path) -> Path:
     corpus = directory.parent / "corpus.txt"
     corpus.write_text("\n".join(TEXTS * 20))
     sentencepiece.SentencePieceTrainer.train(
-        input=str(corpus), model_prefix=str(directory / "sp"), vocab_size=400, model_type="bpe", byte_fallback=True,
-        character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, split_digits=True,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2,
+        input=str(corpus),
+        model_prefix=str(directory / "sp"),
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        split_digits=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        minloglevel=2,
         user_defined_symbols=["<|turn|>"],  # a chat token among the pieces, as Gemma's <start_of_turn>
-    )  # fmt: skip
+    )
     (directory / "sp.model").rename(directory / "tokenizer.model")
     (directory / "sp.vocab").unlink()
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "add_bos_token": True, "extra_special_tokens": ["<|turn|>"],
-        "legacy": True,  # Llama 2's: a space after a special token, as llama.cpp's SentencePiece puts one
-    }))  # fmt: skip
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "add_bos_token": True,
+                "extra_special_tokens": ["<|turn|>"],
+                "legacy": True,  # Llama 2's: a space after a special token, as llama.cpp's SentencePiece puts one
+            }
+        )
+    )
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory

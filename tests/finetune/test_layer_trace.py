@@ -63,8 +63,15 @@ def _real_peak(model, cfg, tokens: int) -> int:
 
     model = copy.deepcopy(model)
     if cfg.method == "lora":
-        inject_adapter_in_model(LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
-                                           target_modules=cfg.lora.target_modules), model)  # fmt: skip
+        inject_adapter_in_model(
+            LoraConfig(
+                r=cfg.lora.r,
+                lora_alpha=cfg.lora.alpha,
+                lora_dropout=0.0,
+                target_modules=cfg.lora.target_modules,
+            ),
+            model,
+        )
     patch_model(model, "torch")
     assert use_segment_attention(model) is None
     layer = split_model(model).layers[0]
@@ -89,8 +96,14 @@ def test_the_meta_trace_counts_what_a_real_layer_holds(method):
     tokens as the real one does."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     real = LlamaForCausalLM(config)

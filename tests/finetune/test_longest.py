@@ -18,11 +18,12 @@ from tiertune.finetune.train import train
 def recipe_path(tmp_path, cat_model, write_recipe):
     """LoRA on a 2-layer Llama (hidden 64), the layer boundaries of 2 micro-batches on a 4 MiB host budget."""
     return write_recipe(
-        tmp_path, cat_model(2, hidden=64),
+        tmp_path,
+        cat_model(2, hidden=64),
         method={"type": "lora", "lora": {"r": 4, "alpha": 8}},
         training={"gradient_accumulation_steps": 2, "per_device_train_batch_size": 1, "max_steps": 1},
         offload={"activations": "host", "host_budget": "4MiB", "device_budget": "16MiB", "disk_path": None},
-    )  # fmt: skip
+    )
 
 
 def test_the_longest_length_fits_and_train_admits_it_but_not_one_step_longer(recipe_path):
@@ -44,7 +45,9 @@ def test_the_longest_length_fits_and_train_admits_it_but_not_one_step_longer(rec
 
 
 def test_the_estimate_command_reports_it(recipe_path):
-    out = CliRunner().invoke(app, ["estimate", str(recipe_path), "--no-probe", "--gpu", "cpu", "--longest", "--json"])
+    out = CliRunner().invoke(
+        app, ["estimate", str(recipe_path), "--no-probe", "--gpu", "cpu", "--longest", "--json"]
+    )
     assert out.exit_code == 0, out.output
     found = json.loads(out.output)["longest_sequence"]
     expected = longest_sequence(load_recipe(recipe_path), gpu="cpu")

@@ -62,8 +62,15 @@ def _qwen(directory: Path, like: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     tokenizer = AutoTokenizer.from_pretrained(like)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     for f in like.glob("tokenizer*"):
@@ -75,7 +82,9 @@ CASES = {
     "plain": {},
     "rslora+patterns": dict(use_rslora=True, rank_pattern={"q_proj": 8}, alpha_pattern={"down_proj": 3}),
     "dora": dict(use_dora=True),
-    "saved-head+embedding": dict(target_modules=["q_proj", "v_proj", "embed_tokens"], modules_to_save=["lm_head"]),
+    "saved-head+embedding": dict(
+        target_modules=["q_proj", "v_proj", "embed_tokens"], modules_to_save=["lm_head"]
+    ),
     "lora-bias": dict(target_modules=["q_proj", "v_proj"], lora_bias=True),
 }
 
@@ -132,10 +141,16 @@ def test_a_base_saved_by_bitsandbytes_is_dequantized_as_saved(tmp_path, cat_mode
     base = cat_model(2)
     saved = tmp_path / "bnb-4bit"
     quantized = AutoModelForCausalLM.from_pretrained(
-        base, dtype=torch.float32, device_map="cpu",
-        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32),
-    )  # fmt: skip
+        base,
+        dtype=torch.float32,
+        device_map="cpu",
+        quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32,
+        ),
+    )
     quantized.save_pretrained(saved)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (saved / f).write_bytes((base / f).read_bytes())

@@ -21,8 +21,15 @@ from tiertune.offload.tiers import Tier, slot_class
 
 MiB = 1 << 20
 # SmolLM2-135M-Instruct's shapes (its tied 49152 x 576 embedding is 108 MiB in fp32), two decoder layers
-SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-            num_key_value_heads=3, tie_word_embeddings=True, num_hidden_layers=2)  # fmt: skip
+SMOL = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    tie_word_embeddings=True,
+    num_hidden_layers=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +39,15 @@ def smol_dir(tmp_path_factory):
     from tiertune.finetune.demo import make_tokenizer
 
     directory = tmp_path_factory.mktemp("smol-shaped")
-    texts = [f"the {a} cat sat on the {b} mat ." for a in ("red", "big", "old", "fat") for b in ("blue", "flat", "wet")]
+    texts = [
+        f"the {a} cat sat on the {b} mat ."
+        for a in ("red", "big", "old", "fat")
+        for b in ("blue", "flat", "wet")
+    ]
     tok = make_tokenizer(texts, directory)  # the texts write_recipe's data holds
-    config = LlamaConfig(**SMOL, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    config = LlamaConfig(
+        **SMOL, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
     return directory
@@ -47,16 +60,21 @@ def watch(monkeypatch):
 
 
 def _smallest(message: str) -> dict[str, str]:
-    named = re.search(r"smallest budgets that work: offload\.device_budget: (\d+MiB), offload\.host_budget: (\d+MiB)",
-                      message)  # fmt: skip
+    named = re.search(
+        r"smallest budgets that work: offload\.device_budget: (\d+MiB), offload\.host_budget: (\d+MiB)",
+        message,
+    )
     assert named, message
     return {"device": named.group(1), "host": named.group(2)}
 
 
 def smol_recipe(tmp_path, smol_dir, write_recipe, device: str, host: str):
-    path = write_recipe(tmp_path, smol_dir, training={"max_steps": 2, "per_device_train_batch_size": 2},
-                        offload={"params": "disk", "optimizer_states": "disk", "device_budget": device,
-                                 "host_budget": host})  # fmt: skip
+    path = write_recipe(
+        tmp_path,
+        smol_dir,
+        training={"max_steps": 2, "per_device_train_batch_size": 2},
+        offload={"params": "disk", "optimizer_states": "disk", "device_budget": device, "host_budget": host},
+    )
     return load_recipe(path)
 
 
@@ -116,13 +134,21 @@ def test_random_layouts_either_finish_or_are_refused_up_front(tmp_path, cat_mode
         ]
         (tmp_path / str(trial)).mkdir()
         path = write_recipe(tmp_path / str(trial), model, training={"max_steps": 2})
-        roomy = estimate(load_recipe(path, [*overrides, "offload.device_budget=1GiB",
-                                            "offload.host_budget=1GiB"]), measure=False)  # fmt: skip
+        roomy = estimate(
+            load_recipe(path, [*overrides, "offload.device_budget=1GiB", "offload.host_budget=1GiB"]),
+            measure=False,
+        )
         budgets = {
             t: int(roomy.plan.needed(t) * rng.choice([0.8, 1.0, 1.0, 1.5])) for t in (Tier.DEVICE, Tier.HOST)
         }
-        recipe = load_recipe(path, [*overrides, f"offload.device_budget={budgets[Tier.DEVICE]}B",
-                                    f"offload.host_budget={budgets[Tier.HOST]}B"])  # fmt: skip
+        recipe = load_recipe(
+            path,
+            [
+                *overrides,
+                f"offload.device_budget={budgets[Tier.DEVICE]}B",
+                f"offload.host_budget={budgets[Tier.HOST]}B",
+            ],
+        )
         est = estimate(recipe, measure=False)
         watch["loaded"] = False
         try:

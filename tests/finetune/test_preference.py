@@ -14,10 +14,21 @@ from tiertune.finetune.train import train
 
 PAIRS = [
     {"prompt": f"the {a} cat", "chosen": f" sat on the {b} mat .", "rejected": f" sat on the {c}"}
-    for a, b, c in [("red", "blue", "wet"), ("big", "flat", "blue"), ("old", "wet", "flat"), ("fat", "blue", "red"),
-                    ("red", "flat", "old"), ("big", "wet", "fat"), ("old", "blue", "big"), ("fat", "flat", "wet")]
-]  # fmt: skip
-LORA = {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear", "seed": 3}}
+    for a, b, c in [
+        ("red", "blue", "wet"),
+        ("big", "flat", "blue"),
+        ("old", "wet", "flat"),
+        ("fat", "blue", "red"),
+        ("red", "flat", "old"),
+        ("big", "wet", "fat"),
+        ("old", "blue", "big"),
+        ("fat", "flat", "wet"),
+    ]
+]
+LORA = {
+    "type": "lora",
+    "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear", "seed": 3},
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +63,36 @@ def _trl(model_dir, tmp_path, loss_type, steps, lora_seed=None, learning_rate=1e
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                     learning_rate=learning_rate, max_steps=steps, beta=0.1, loss_type=[loss_type], max_length=32,
-                     logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False, use_cpu=True,
-                     lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
-                     optim="adamw_torch", seed=0, save_strategy="no")  # fmt: skip
+    args = DPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=learning_rate,
+        max_steps=steps,
+        beta=0.1,
+        loss_type=[loss_type],
+        max_length=32,
+        logging_steps=1,
+        report_to="none",
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        optim="adamw_torch",
+        seed=0,
+        save_strategy="no",
+    )
     peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(PAIRS),
-                      processing_class=_tokenizer(model_dir), peft_config=None if lora_seed is None else peft)  # fmt: skip
+    trainer = InOrder(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(PAIRS),
+        processing_class=_tokenizer(model_dir),
+        peft_config=None if lora_seed is None else peft,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(lora_seed or 0)
         for module in trainer.model.modules() if lora_seed is not None else ():
@@ -89,12 +122,20 @@ def test_lora_dpo_follows_trl_and_peft_with_the_base_on_disk(model_dir, tmp_path
     the adapters off, run in the same layer visits as the policy: step 1's policy is the reference (LoRA's B
     starts at zero), so its sigmoid loss is ln 2 and its margins 0."""
     steps = 4
-    path = write_recipe(tmp_path, model_dir, data={"path": str(_rows(tmp_path)), "format": "preference",
-                                                   "shuffle": False},
-                        method=LORA, objective={"type": "dpo", "beta": 0.1, "loss_type": loss_type},
-                        training={"max_steps": steps, "per_device_train_batch_size": 2,
-                                  "gradient_accumulation_steps": 2, "learning_rate": 1e-3},
-                        offload={"params": "disk", "device_budget": "2MiB", "host_budget": "1MiB"})  # fmt: skip
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        data={"path": str(_rows(tmp_path)), "format": "preference", "shuffle": False},
+        method=LORA,
+        objective={"type": "dpo", "beta": 0.1, "loss_type": loss_type},
+        training={
+            "max_steps": steps,
+            "per_device_train_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "learning_rate": 1e-3,
+        },
+        offload={"params": "disk", "device_budget": "2MiB", "host_budget": "1MiB"},
+    )
     result = train(load_recipe(path), progress=False)
     ours = [json.loads(line) for line in result.log_path.read_text().splitlines()]
     _, theirs = _trl(model_dir, tmp_path, loss_type, steps, LORA["lora"]["seed"])
@@ -115,13 +156,24 @@ def test_full_dpo_follows_trl_with_params_and_states_on_disk(model_dir, tmp_path
     reward margin equal TRL's (relative 1e-4) with the weights and Adam states on disk under small budgets; a
     second run reads the cached figures instead of computing them again."""
     steps = 4
-    path = write_recipe(tmp_path, model_dir, data={"path": str(_rows(tmp_path)), "format": "preference",
-                                                   "shuffle": False},
-                        objective={"type": "dpo", "beta": 0.1, "loss_type": loss_type},
-                        training={"max_steps": steps, "per_device_train_batch_size": 2,
-                                  "gradient_accumulation_steps": 2, "learning_rate": 1e-4},
-                        offload={"params": "disk", "optimizer_states": "disk", "device_budget": "1MiB",
-                                 "host_budget": "1MiB"})  # fmt: skip
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        data={"path": str(_rows(tmp_path)), "format": "preference", "shuffle": False},
+        objective={"type": "dpo", "beta": 0.1, "loss_type": loss_type},
+        training={
+            "max_steps": steps,
+            "per_device_train_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "learning_rate": 1e-4,
+        },
+        offload={
+            "params": "disk",
+            "optimizer_states": "disk",
+            "device_budget": "1MiB",
+            "host_budget": "1MiB",
+        },
+    )
     recipe = load_recipe(path)
     result = train(recipe, progress=False)
     ours = [json.loads(line) for line in result.log_path.read_text().splitlines()]
@@ -140,7 +192,9 @@ def test_full_dpo_follows_trl_with_params_and_states_on_disk(model_dir, tmp_path
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(StreamedTrainer, "sequence_logps", refuse)
         again = train(load_recipe(path, ["training.output_dir=" + str(tmp_path / "again")]), progress=False)
-    assert [json.loads(line)["loss"] for line in again.log_path.read_text().splitlines()] == [r["loss"] for r in ours]
+    assert [json.loads(line)["loss"] for line in again.log_path.read_text().splitlines()] == [
+        r["loss"] for r in ours
+    ]
 
 
 def _trl_reference_free(model_dir, tmp_path, objective, steps):
@@ -157,32 +211,66 @@ def _trl_reference_free(model_dir, tmp_path, objective, steps):
         def _get_train_sampler(self, *args, **kwargs):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    args = config(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                  learning_rate=1e-4, max_steps=steps, beta=0.1, max_length=32, logging_steps=1, report_to="none",
-                  bf16=False, gradient_checkpointing=False, use_cpu=True, lr_scheduler_type="linear",
-                  warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0, optim="adamw_torch", seed=0,
-                  save_strategy="no", **extra)  # fmt: skip
+    args = config(
+        output_dir=str(tmp_path / "trl"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-4,
+        max_steps=steps,
+        beta=0.1,
+        max_length=32,
+        logging_steps=1,
+        report_to="none",
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        optim="adamw_torch",
+        seed=0,
+        save_strategy="no",
+        **extra,
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    run = InOrder(model=model, args=args, train_dataset=Dataset.from_list(PAIRS),
-                  processing_class=_tokenizer(model_dir))  # fmt: skip
+    run = InOrder(
+        model=model, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=_tokenizer(model_dir)
+    )
     run.train()
     return [h for h in run.state.log_history if "loss" in h and "rewards/margins" in h]
 
 
 @pytest.mark.parametrize("objective", ["simpo", "orpo"])
-def test_simpo_and_orpo_follow_trl_with_params_and_states_on_disk(model_dir, tmp_path, write_recipe, objective):
+def test_simpo_and_orpo_follow_trl_with_params_and_states_on_disk(
+    model_dir, tmp_path, write_recipe, objective
+):
     """SimPO (TRL's CPOTrainer, loss_type simpo, its cross-entropy term on) and ORPO (its cross-entropy on the
     whole chosen sequence, prompt included): no reference. Each step's loss, reward margin and cross-entropy
     term equal TRL's (relative 1e-4) with the weights and Adam states on disk under small budgets."""
     steps = 4
-    path = write_recipe(tmp_path, model_dir, data={"path": str(_rows(tmp_path)), "format": "preference",
-                                                   "shuffle": False},
-                        objective={"type": objective, "beta": 0.1},
-                        training={"max_steps": steps, "per_device_train_batch_size": 2,
-                                  "gradient_accumulation_steps": 2, "learning_rate": 1e-4},
-                        offload={"params": "disk", "optimizer_states": "disk", "device_budget": "1MiB",
-                                 "host_budget": "1MiB"})  # fmt: skip
-    ours = [json.loads(line) for line in train(load_recipe(path), progress=False).log_path.read_text().splitlines()]
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        data={"path": str(_rows(tmp_path)), "format": "preference", "shuffle": False},
+        objective={"type": objective, "beta": 0.1},
+        training={
+            "max_steps": steps,
+            "per_device_train_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "learning_rate": 1e-4,
+        },
+        offload={
+            "params": "disk",
+            "optimizer_states": "disk",
+            "device_budget": "1MiB",
+            "host_budget": "1MiB",
+        },
+    )
+    ours = [
+        json.loads(line)
+        for line in train(load_recipe(path), progress=False).log_path.read_text().splitlines()
+    ]
     theirs = _trl_reference_free(model_dir, tmp_path, objective, steps)
     assert len(ours) == len(theirs) == steps
     keys = ["loss", "rewards/margins", "rewards/chosen", "logps/chosen", "logps/rejected", "nll_loss"]
@@ -216,29 +304,57 @@ def test_bad_preference_rows_are_named_skipped_or_dropped(model_dir, tmp_path):
     same = [{**p, "rejected": p["chosen"]} for p in PAIRS]
     with pytest.raises(DataError, match="a chosen completion equal to the rejected one"):
         load_data(_rows(tmp_path, same), tok, "preference", 32)
-    long_prompt = [{"prompt": "the red cat", "chosen": " sat", "rejected": " mat"},
-                   {"prompt": "the old cat", "chosen": " mat", "rejected": " sat"},
-                   {"prompt": "the red cat sat on the mat", "chosen": " sat", "rejected": " mat"}]  # fmt: skip
+    long_prompt = [
+        {"prompt": "the red cat", "chosen": " sat", "rejected": " mat"},
+        {"prompt": "the old cat", "chosen": " mat", "rejected": " sat"},
+        {"prompt": "the red cat sat on the mat", "chosen": " sat", "rejected": " mat"},
+    ]
     data = load_data(_rows(tmp_path, long_prompt), tok, "preference", 5)  # the last prompt fills max_seq_len
     assert (len(data), data.dropped) == (2, 1)
 
 
-@pytest.mark.parametrize(("sections", "message"), [
-    ({"objective": {"type": "dpo"}}, "dpo trains on pairs: set data.format: preference"),
-    ({"data": {"format": "preference"}}, "data.format: preference needs objective.type: dpo"),
-    ({"objective": {"type": "dpo", "beta": 0}, "data": {"format": "preference"}, "method": LORA},
-     "objective.beta must be > 0"),
-    ({"objective": {"type": "dpo", "loss_type": "sigmod"}, "data": {"format": "preference"}, "method": LORA},
-     "objective.loss_type must be one of sigmoid, ipo, hinge"),
-    ({"objective": {"type": "dpo"}, "data": {"format": "preference", "packing": True}, "method": LORA},
-     "data.packing must be false for a preference objective"),
-    ({"objective": {"type": "kto"}, "data": {"format": "preference"}}, "set data.format: unpaired_preference"),
-    ({"data": {"format": "unpaired_preference"}}, "data.format: unpaired_preference needs objective.type: kto"),
-    ({"objective": {"type": "kto"}, "data": {"format": "unpaired_preference"},
-      "training": {"per_device_train_batch_size": 1}}, "must be >= 2 for kto"),
-])  # fmt: skip
-def test_a_preference_recipe_that_cannot_run_says_what_to_change(model_dir, tmp_path, write_recipe, sections,
-                                                                  message):  # fmt: skip
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"objective": {"type": "dpo"}}, "dpo trains on pairs: set data.format: preference"),
+        ({"data": {"format": "preference"}}, "data.format: preference needs objective.type: dpo"),
+        (
+            {"objective": {"type": "dpo", "beta": 0}, "data": {"format": "preference"}, "method": LORA},
+            "objective.beta must be > 0",
+        ),
+        (
+            {
+                "objective": {"type": "dpo", "loss_type": "sigmod"},
+                "data": {"format": "preference"},
+                "method": LORA,
+            },
+            "objective.loss_type must be one of sigmoid, ipo, hinge",
+        ),
+        (
+            {"objective": {"type": "dpo"}, "data": {"format": "preference", "packing": True}, "method": LORA},
+            "data.packing must be false for a preference objective",
+        ),
+        (
+            {"objective": {"type": "kto"}, "data": {"format": "preference"}},
+            "set data.format: unpaired_preference",
+        ),
+        (
+            {"data": {"format": "unpaired_preference"}},
+            "data.format: unpaired_preference needs objective.type: kto",
+        ),
+        (
+            {
+                "objective": {"type": "kto"},
+                "data": {"format": "unpaired_preference"},
+                "training": {"per_device_train_batch_size": 1},
+            },
+            "must be >= 2 for kto",
+        ),
+    ],
+)
+def test_a_preference_recipe_that_cannot_run_says_what_to_change(
+    model_dir, tmp_path, write_recipe, sections, message
+):
     with pytest.raises(ConfigError, match=message):
         load_recipe(write_recipe(tmp_path, model_dir, **sections))
 
@@ -255,11 +371,16 @@ def test_conversational_pairs_are_tokenized_with_trls_own_functions(tmp_path):
     tok.chat_template = CHAT_TEMPLATE
     user = [{"role": "user", "content": "name a color"}]
     rows = [
-        {"prompt": user, "chosen": [{"role": "assistant", "content": "blue is a color"}],
-         "rejected": [{"role": "assistant", "content": "hi there"}]},
-        {"chosen": [*user, {"role": "assistant", "content": "blue"}],
-         "rejected": [*user, {"role": "assistant", "content": "a dog ran far away"}]},
-    ]  # fmt: skip
+        {
+            "prompt": user,
+            "chosen": [{"role": "assistant", "content": "blue is a color"}],
+            "rejected": [{"role": "assistant", "content": "hi there"}],
+        },
+        {
+            "chosen": [*user, {"role": "assistant", "content": "blue"}],
+            "rejected": [*user, {"role": "assistant", "content": "a dog ran far away"}],
+        },
+    ]
     ours = load_data(_rows(tmp_path, rows), tok, "preference", 64).rows
     for row, given in zip(ours, rows):
         given = given if "prompt" in given else extract_prompt(given)
@@ -272,9 +393,12 @@ def test_conversational_pairs_are_tokenized_with_trls_own_functions(tmp_path):
         assert start > 0 and start < len(pair[0])
 
 
-@pytest.mark.parametrize(("method", "activations"), [("lora", "device"), ("lora", "host"), ("full", "device")])
-def test_a_dpo_steps_peaks_and_bytes_are_the_estimates_and_its_weights_cross_once(cat_model, tmp_path, write_recipe,
-                                                                                   method, activations):  # fmt: skip
+@pytest.mark.parametrize(
+    ("method", "activations"), [("lora", "device"), ("lora", "host"), ("full", "device")]
+)
+def test_a_dpo_steps_peaks_and_bytes_are_the_estimates_and_its_weights_cross_once(
+    cat_model, tmp_path, write_recipe, method, activations
+):
     """A DPO run whose weights stream every step (a 1 MiB device budget; LoRA's base from disk under a 1 MiB host
     budget, a full fine-tune's from the host, its states on disk, under 64 MiB): every tier's peak is the
     estimate's to the byte and its last step moves the bytes the estimate replays. The reference shares the
@@ -290,12 +414,20 @@ def test_a_dpo_steps_peaks_and_bytes_are_the_estimates_and_its_weights_cross_onc
         run.mkdir()
         data = {"path": str(_rows(run)), "format": "preference"} if objective == "dpo" else {}
         placement = {"params": "disk"} if method == "lora" else {"params": "disk", "optimizer_states": "disk"}
-        path = write_recipe(run, model, data=data, method=LORA if method == "lora" else {"type": "full"},
-                            objective={"type": objective},
-                            training={"max_steps": 3, "per_device_train_batch_size": 2,
-                                      "gradient_accumulation_steps": 4},
-                            offload={**placement, "activations": activations, "device_budget": "1MiB",
-                                     "host_budget": "1MiB" if method == "lora" else "64MiB"})  # fmt: skip
+        path = write_recipe(
+            run,
+            model,
+            data=data,
+            method=LORA if method == "lora" else {"type": "full"},
+            objective={"type": objective},
+            training={"max_steps": 3, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4},
+            offload={
+                **placement,
+                "activations": activations,
+                "device_budget": "1MiB",
+                "host_budget": "1MiB" if method == "lora" else "64MiB",
+            },
+        )
         recipe = load_recipe(path)
         predicted = estimate(recipe, measure=False)
         log = [json.loads(line) for line in train(recipe, progress=False).log_path.read_text().splitlines()]
@@ -305,8 +437,13 @@ def test_a_dpo_steps_peaks_and_bytes_are_the_estimates_and_its_weights_cross_onc
         replayed = {k: v for k, v in predicted.moved_per_step.items() if v}
         assert moved[objective].keys() == replayed.keys()
         for link, measured in moved[objective].items():  # a full fine-tune's optimizer thread times some (2%)
-            assert abs(replayed[link] - measured) <= (0 if method == "lora" else 0.02 * measured), (link, moved)
-    if activations == "device":  # the weights, read once a step by both (a full fine-tune's reference came first)
+            assert abs(replayed[link] - measured) <= (0 if method == "lora" else 0.02 * measured), (
+                link,
+                moved,
+            )
+    if (
+        activations == "device"
+    ):  # the weights, read once a step by both (a full fine-tune's reference came first)
         assert moved["dpo"].keys() == moved["sft"].keys() and moved["dpo"]["host->device"] > 0
         for link, sft in moved["sft"].items():  # a full fine-tune's: within the optimizer thread's few KiB
             assert abs(moved["dpo"][link] - sft) <= (0 if method == "lora" else 0.01 * sft), (link, moved)
@@ -322,16 +459,34 @@ def test_an_interrupted_dpo_run_resumes_exactly(model_dir, tmp_path, write_recip
     from tiertune.finetune.reference import CACHE_DIR
 
     def recipe(name):
-        return load_recipe(write_recipe(
-            tmp_path / name, model_dir, data={"path": str(_rows(tmp_path)), "format": "preference", "shuffle": True},
-            method=LORA if method == "lora" else {"type": "full"}, objective={"type": "dpo"},
-            training={"max_steps": 6, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
-                      "learning_rate": 1e-3 if method == "lora" else 1e-4, "save_steps": 2},
-            offload={"params": "disk", "optimizer_states": "disk", "device_budget": "2MiB", "host_budget": "2MiB"}))  # fmt: skip
+        return load_recipe(
+            write_recipe(
+                tmp_path / name,
+                model_dir,
+                data={"path": str(_rows(tmp_path)), "format": "preference", "shuffle": True},
+                method=LORA if method == "lora" else {"type": "full"},
+                objective={"type": "dpo"},
+                training={
+                    "max_steps": 6,
+                    "per_device_train_batch_size": 2,
+                    "gradient_accumulation_steps": 2,
+                    "learning_rate": 1e-3 if method == "lora" else 1e-4,
+                    "save_steps": 2,
+                },
+                offload={
+                    "params": "disk",
+                    "optimizer_states": "disk",
+                    "device_budget": "2MiB",
+                    "host_budget": "2MiB",
+                },
+            )
+        )
 
     for name in ("whole", "cut"):
         (tmp_path / name).mkdir()
-    whole = [json.loads(line) for line in train(recipe("whole"), progress=False).log_path.read_text().splitlines()]
+    whole = [
+        json.loads(line) for line in train(recipe("whole"), progress=False).log_path.read_text().splitlines()
+    ]
     cut = recipe("cut")
     with interrupted_after(3), pytest.raises(KeyboardInterrupt):
         train(cut, progress=False)
@@ -340,8 +495,10 @@ def test_an_interrupted_dpo_run_resumes_exactly(model_dir, tmp_path, write_recip
         assert len(list(cache.glob("*.safetensors"))) == 1
         for path in cache.iterdir():
             path.unlink()
-    resumed = train(load_recipe(tmp_path / "cut" / "recipe.yaml", ["training.resume_from_checkpoint=auto"]),
-                    progress=False)  # fmt: skip
+    resumed = train(
+        load_recipe(tmp_path / "cut" / "recipe.yaml", ["training.resume_from_checkpoint=auto"]),
+        progress=False,
+    )
     assert resumed.first_step == 3
     again = [json.loads(line) for line in resumed.log_path.read_text().splitlines()]
     assert [r["step"] for r in again] == list(range(1, 7))
@@ -350,25 +507,39 @@ def test_an_interrupted_dpo_run_resumes_exactly(model_dir, tmp_path, write_recip
             assert mine[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-9), (key, mine["step"])
 
 
-@pytest.mark.parametrize(("rows", "message"), [
-    ([*PAIRS[:2], {"prompt": "the red cat", "chosen": " sat"}], "row 3: expected a string field 'rejected'"),
-    ([{**p, "rejected": p["chosen"]} for p in PAIRS], "a chosen completion equal to the rejected one"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (
+            [*PAIRS[:2], {"prompt": "the red cat", "chosen": " sat"}],
+            "row 3: expected a string field 'rejected'",
+        ),
+        ([{**p, "rejected": p["chosen"]} for p in PAIRS], "a chosen completion equal to the rejected one"),
+    ],
+)
 def test_bad_preference_data_exits_2_with_one_line(model_dir, tmp_path, write_recipe, rows, message):
     from typer.testing import CliRunner
 
     from tiertune.cli.app import app
 
-    path = write_recipe(tmp_path, model_dir, data={"path": str(_rows(tmp_path, rows)), "format": "preference"},
-                        method=LORA, objective={"type": "dpo"})  # fmt: skip
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        data={"path": str(_rows(tmp_path, rows)), "format": "preference"},
+        method=LORA,
+        objective={"type": "dpo"},
+    )
     result = CliRunner().invoke(app, ["train", str(path)], env={"COLUMNS": "300"})
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
 
 
-UNPAIRED = [{"prompt": p["prompt"], "completion": p[k], "label": k == "chosen"}
-            for p in PAIRS for k in ("chosen", "rejected")]  # fmt: skip
+UNPAIRED = [
+    {"prompt": p["prompt"], "completion": p[k], "label": k == "chosen"}
+    for p in PAIRS
+    for k in ("chosen", "rejected")
+]
 
 
 def _trl_kto(model_dir, tmp_path, steps, lora_seed=None, learning_rate=1e-4):
@@ -380,15 +551,37 @@ def _trl_kto(model_dir, tmp_path, steps, lora_seed=None, learning_rate=1e-4):
     from transformers import AutoModelForCausalLM
     from trl import KTOConfig, KTOTrainer
 
-    args = KTOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                     learning_rate=learning_rate, max_steps=steps, beta=0.1, max_length=32, logging_steps=1,
-                     report_to="none", bf16=False, gradient_checkpointing=False, use_cpu=True,
-                     lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
-                     optim="adamw_torch", seed=0, save_strategy="no", train_sampling_strategy="sequential")  # fmt: skip
+    args = KTOConfig(
+        output_dir=str(tmp_path / "trl"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=learning_rate,
+        max_steps=steps,
+        beta=0.1,
+        max_length=32,
+        logging_steps=1,
+        report_to="none",
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        optim="adamw_torch",
+        seed=0,
+        save_strategy="no",
+        train_sampling_strategy="sequential",
+    )
     peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    trainer = KTOTrainer(model=model, args=args, train_dataset=Dataset.from_list(UNPAIRED),
-                         processing_class=_tokenizer(model_dir), peft_config=None if lora_seed is None else peft)  # fmt: skip
+    trainer = KTOTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(UNPAIRED),
+        processing_class=_tokenizer(model_dir),
+        peft_config=None if lora_seed is None else peft,
+    )
     if lora_seed is not None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(lora_seed)
@@ -410,17 +603,40 @@ def test_kto_follows_trl(model_dir, tmp_path, write_recipe, method):
     data = tmp_path / "unpaired.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in UNPAIRED))
     lr = 1e-3 if method == "lora" else 1e-4
-    path = write_recipe(tmp_path, model_dir, data={"path": str(data), "format": "unpaired_preference", "shuffle": False},
-                        method=LORA if method == "lora" else {"type": "full"}, objective={"type": "kto", "beta": 0.1},
-                        training={"max_steps": steps, "per_device_train_batch_size": 2,
-                                  "gradient_accumulation_steps": 2, "learning_rate": lr},
-                        offload={"params": "disk", "optimizer_states": "disk", "device_budget": "2MiB",
-                                 "host_budget": "2MiB"})  # fmt: skip
-    ours = [json.loads(line) for line in train(load_recipe(path), progress=False).log_path.read_text().splitlines()]
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        data={"path": str(data), "format": "unpaired_preference", "shuffle": False},
+        method=LORA if method == "lora" else {"type": "full"},
+        objective={"type": "kto", "beta": 0.1},
+        training={
+            "max_steps": steps,
+            "per_device_train_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "learning_rate": lr,
+        },
+        offload={
+            "params": "disk",
+            "optimizer_states": "disk",
+            "device_budget": "2MiB",
+            "host_budget": "2MiB",
+        },
+    )
+    ours = [
+        json.loads(line)
+        for line in train(load_recipe(path), progress=False).log_path.read_text().splitlines()
+    ]
     theirs = _trl_kto(model_dir, tmp_path, steps, LORA["lora"]["seed"] if method == "lora" else None, lr)
     assert len(ours) == len(theirs) == steps
     for mine, ref in zip(ours, theirs):
-        for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
-                    "logps/rejected"):  # fmt: skip
+        for key in (
+            "loss",
+            "kl",
+            "rewards/chosen",
+            "rewards/rejected",
+            "rewards/margins",
+            "logps/chosen",
+            "logps/rejected",
+        ):
             assert mine[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (key, mine["step"], mine, ref)
     assert ours[-1]["rewards/margins"] > 0

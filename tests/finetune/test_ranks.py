@@ -27,8 +27,9 @@ def test_a_run_on_fewer_processes_removes_the_slot_files_of_the_ranks_gone(tmp_p
     fd = os.open(live, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     try:
-        recipe = write_recipe(tmp_path, cat_model(2), training={"max_steps": 1, "save_steps": 0},
-                              offload={"params": "disk"})  # fmt: skip
+        recipe = write_recipe(
+            tmp_path, cat_model(2), training={"max_steps": 1, "save_steps": 0}, offload={"params": "disk"}
+        )
         train(recipe, progress=False)
         assert not any(p.exists() for p in dead)
         assert live.exists()

@@ -28,11 +28,17 @@ def model_dir(cat_model):
 @pytest.fixture
 def recipe(tmp_path, model_dir, write_recipe):
     return write_recipe(
-        tmp_path, model_dir,
+        tmp_path,
+        model_dir,
         data={"shuffle": False},
         training={"max_steps": 6, "save_steps": 2, "learning_rate": "3e-3", "lr_scheduler_type": "cosine"},
-        offload={"params": "disk", "optimizer_states": "disk", "device_budget": "4MiB", "host_budget": "1MiB"},
-    )  # fmt: skip
+        offload={
+            "params": "disk",
+            "optimizer_states": "disk",
+            "device_budget": "4MiB",
+            "host_budget": "1MiB",
+        },
+    )
 
 
 def _log_steps(run_dir):
@@ -69,8 +75,11 @@ def test_an_output_dir_holding_another_run_is_refused_unless_overwritten(recipe,
     cli = _cli("train", recipe, "training.learning_rate=1e-2", "-q")
     assert cli.exit_code == 2 and "training.overwrite_output_dir=true" in cli.output
     assert _snapshot(run_dir) == before
-    again = train(recipe, ("training.learning_rate=1e-2", "training.max_steps=3",
-                           "training.overwrite_output_dir=true"), progress=False)  # fmt: skip
+    again = train(
+        recipe,
+        ("training.learning_rate=1e-2", "training.max_steps=3", "training.overwrite_output_dir=true"),
+        progress=False,
+    )
     assert _log_steps(run_dir) == [1, 2, 3]
     assert [p.name for p in checkpoints(run_dir)] == ["checkpoint-2", "checkpoint-3"]
     assert again.losses[0] == pytest.approx(first.losses[0])
@@ -94,8 +103,10 @@ def test_an_output_dir_that_is_a_file_is_refused(recipe, tmp_path):
 
 def test_the_model_directory_is_never_the_output_dir(recipe, model_dir):
     before = _snapshot(model_dir)
-    for overrides in ((f"training.output_dir={model_dir}",),
-                      (f"training.output_dir={model_dir}", "training.overwrite_output_dir=true")):  # fmt: skip
+    for overrides in (
+        (f"training.output_dir={model_dir}",),
+        (f"training.output_dir={model_dir}", "training.overwrite_output_dir=true"),
+    ):
         with pytest.raises(ConfigError, match="training.output_dir is model.path"):
             train(recipe, overrides, progress=False)
     assert _snapshot(model_dir) == before
@@ -104,19 +115,38 @@ def test_the_model_directory_is_never_the_output_dir(recipe, model_dir):
 def test_resume_refuses_another_run_and_names_what_differs(recipe):
     first = train(recipe, ("training.max_steps=4",), progress=False)
     with pytest.raises(ConfigError) as info:
-        train(recipe, ("training.max_steps=6", "training.resume_from_checkpoint=auto",
-                       "training.per_device_train_batch_size=2", "training.learning_rate=1e-2"), progress=False)  # fmt: skip
+        train(
+            recipe,
+            (
+                "training.max_steps=6",
+                "training.resume_from_checkpoint=auto",
+                "training.per_device_train_batch_size=2",
+                "training.learning_rate=1e-2",
+            ),
+            progress=False,
+        )
     message = str(info.value)
     assert "training.per_device_train_batch_size: 4 -> 2" in message
     assert "training.learning_rate: 0.003 -> 0.01" in message and "allow_recipe_changes" in message
     assert _log_steps(first.output_dir) == [1, 2, 3, 4]
     # what a resumed run may change: how far it goes, where its states live
-    resumed = train(recipe, ("training.max_steps=6", "training.resume_from_checkpoint=auto",
-                             "offload.host_budget=2MiB"), progress=False)  # fmt: skip
+    resumed = train(
+        recipe,
+        ("training.max_steps=6", "training.resume_from_checkpoint=auto", "offload.host_budget=2MiB"),
+        progress=False,
+    )
     assert resumed.first_step == 5 and _log_steps(first.output_dir) == [1, 2, 3, 4, 5, 6]
     # and with allow_recipe_changes, anything the saved state still fits
-    forced = train(recipe, ("training.max_steps=7", "training.resume_from_checkpoint=auto",
-                            "training.learning_rate=1e-2", "training.allow_recipe_changes=true"), progress=False)  # fmt: skip
+    forced = train(
+        recipe,
+        (
+            "training.max_steps=7",
+            "training.resume_from_checkpoint=auto",
+            "training.learning_rate=1e-2",
+            "training.allow_recipe_changes=true",
+        ),
+        progress=False,
+    )
     assert forced.first_step == 7
 
 
@@ -140,10 +170,17 @@ def test_resuming_past_max_steps_is_an_error_and_overwrites_nothing(recipe):
     before = _snapshot(first.output_dir)
     for steps in (4, 6):
         with pytest.raises(ConfigError, match="already finished at step 6"):
-            train(recipe, ("training.resume_from_checkpoint=auto", f"training.max_steps={steps}"), progress=False)
+            train(
+                recipe,
+                ("training.resume_from_checkpoint=auto", f"training.max_steps={steps}"),
+                progress=False,
+            )
     with pytest.raises(ConfigError, match="checkpoint-4 is at step 4, past training.max_steps 3"):
-        train(recipe, (f"training.resume_from_checkpoint={first.output_dir}/checkpoint-4",
-                       "training.max_steps=3"), progress=False)  # fmt: skip
+        train(
+            recipe,
+            (f"training.resume_from_checkpoint={first.output_dir}/checkpoint-4", "training.max_steps=3"),
+            progress=False,
+        )
     assert _snapshot(first.output_dir) == before
     more = train(recipe, ("training.resume_from_checkpoint=auto", "training.max_steps=8"), progress=False)
     assert more.first_step == 7 and len(more.losses) == 2
@@ -195,7 +232,9 @@ def test_a_damaged_checkpoint_is_never_resumed(recipe, damage, capsys, interrupt
     resumed = train(recipe, ("training.resume_from_checkpoint=auto",), progress=True)
     assert "checkpoint-4 is damaged" in capsys.readouterr().out
     assert resumed.first_step == 3
-    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(whole.losses[2:]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(resumed.losses), torch.tensor(whole.losses[2:]), rtol=1e-6, atol=0
+    )
     assert _log_steps(run_dir) == [1, 2, 3, 4, 5, 6]
 
 
@@ -229,11 +268,14 @@ def test_non_finite_settings_are_refused():
         Recipe(training=TrainingSection(max_grad_norm=float("inf")))
 
 
-@pytest.mark.parametrize("variant", [
-    {},  # speculative optimizer under clipping: the bad step is never applied
-    {"training.max_grad_norm": "0"},  # in place during backward, no clipping
-    {"method.type": "lora", "model.quantize": "nf4"},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},  # speculative optimizer under clipping: the bad step is never applied
+        {"training.max_grad_norm": "0"},  # in place during backward, no clipping
+        {"method.type": "lora", "model.quantize": "nf4"},
+    ],
+)
 def test_a_non_finite_step_stops_the_run_and_saves_nothing_after_the_last_good_step(
     recipe, monkeypatch, variant
 ):
@@ -250,16 +292,23 @@ def test_a_non_finite_step_stops_the_run_and_saves_nothing_after_the_last_good_s
 
     monkeypatch.setattr(CausalLMLoss, "__call__", poisoned)
     overrides = tuple(f"{k}={v}" for k, v in variant.items())
-    with pytest.raises(NonFiniteError, match=r"step 5 of 6: the loss is nan.*checkpoint-4.*holds the last good"):
+    with pytest.raises(
+        NonFiniteError, match=r"step 5 of 6: the loss is nan.*checkpoint-4.*holds the last good"
+    ):
         train(recipe, overrides, progress=False)
     run_dir = recipe.parent / "run"
-    assert not (run_dir / "model.safetensors").exists() and not (run_dir / "adapter_model.safetensors").exists()
+    assert (
+        not (run_dir / "model.safetensors").exists() and not (run_dir / "adapter_model.safetensors").exists()
+    )
     assert not (run_dir / "trainer_state.json").exists()
     assert [p.name for p in checkpoints(run_dir)] == ["checkpoint-2", "checkpoint-4"]
     assert _log_steps(run_dir) == [1, 2, 3, 4]
     from safetensors.torch import load_file
 
-    for file in [*(run_dir / "checkpoint-4").glob("*.safetensors"), *(run_dir / "checkpoint-4").glob("state/*.safetensors")]:
+    for file in [
+        *(run_dir / "checkpoint-4").glob("*.safetensors"),
+        *(run_dir / "checkpoint-4").glob("state/*.safetensors"),
+    ]:
         assert all(torch.isfinite(t).all() for t in load_file(file).values()), file
     calls.clear()
     monkeypatch.setattr(CausalLMLoss, "__call__", poisoned)  # NaN again at the 5th call: CLI exit 3
@@ -304,14 +353,22 @@ def test_a_run_stopped_before_its_first_checkpoint_restarts_on_another_number_of
 
     stopped_on_two_ranks()
     before = _snapshot(run_dir)
-    with pytest.raises(ConfigError, match=r"processes\): '3 x 2' -> '4 x 1'.*per_device_train_batch_size=6\)"):
-        train(recipe, ("training.per_device_train_batch_size=4", "training.resume_from_checkpoint=auto"),
-              progress=False)  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"processes\): '3 x 2' -> '4 x 1'.*per_device_train_batch_size=6\)"
+    ):
+        train(
+            recipe,
+            ("training.per_device_train_batch_size=4", "training.resume_from_checkpoint=auto"),
+            progress=False,
+        )
     assert _snapshot(run_dir) == before
     for setting in ("training.resume_from_checkpoint=auto", "training.resume_from_checkpoint=null"):
         stopped_on_two_ranks()
-        done = train(recipe, ("training.per_device_train_batch_size=6", "training.max_steps=2", setting),
-                     progress=False)  # fmt: skip
+        done = train(
+            recipe,
+            ("training.per_device_train_batch_size=6", "training.max_steps=2", setting),
+            progress=False,
+        )
         assert done.first_step == 1 and _log_steps(run_dir) == [1, 2]
         assert json.loads((run_dir / LAUNCH_FILE).read_text()) == {"world_size": 1, "rows_per_micro_batch": 6}
 
@@ -320,6 +377,7 @@ def test_a_run_that_failed_before_its_first_step_does_not_block_its_directory(re
     """A run that loaded its model and then failed before any step (its recipe written, no step logged) leaves
     nothing anyone could lose: the next run there starts, whatever its recipe (before: "holds another run's
     outputs" until the user found overwrite_output_dir). A run that made a step still keeps its directory."""
+
     def fail(self, micro_batches):
         raise ConfigError("a setting to fix, found at the first step")
 
@@ -397,7 +455,9 @@ def test_a_full_disk_is_said_before_training(recipe, monkeypatch):
         return usage(path)._replace(free=4096) if str(path).endswith("/run") else usage(path)
 
     monkeypatch.setattr(shutil, "disk_usage", full)
-    with pytest.raises(DiskFullError, match=r"has 4.00 KiB free, and the run will write .* save no checkpoints"):
+    with pytest.raises(
+        DiskFullError, match=r"has 4.00 KiB free, and the run will write .* save no checkpoints"
+    ):
         train(recipe, progress=False)
     assert not (recipe.parent / "run" / "trainer_log.jsonl").read_text()
 
@@ -425,7 +485,9 @@ def test_no_space_while_writing_a_checkpoint_stops_the_run_at_that_step(recipe, 
         train(recipe, progress=False)
     run_dir = recipe.parent / "run"
     assert len(seen) == 5  # stopped at the step after the failed save began, not at the next save
-    assert not list(run_dir.glob(".checkpoint-*")) and [p.name for p in checkpoints(run_dir)] == ["checkpoint-2"]
+    assert not list(run_dir.glob(".checkpoint-*")) and [p.name for p in checkpoints(run_dir)] == [
+        "checkpoint-2"
+    ]
 
 
 # ----------------------------------------------------------------------------- inputs checked up front
@@ -439,8 +501,10 @@ def test_token_ids_beyond_the_vocabulary_are_a_data_error(recipe, tmp_path, mode
     mixed = tmp_path / "mixed"
     shutil.copytree(model_dir, mixed)
     words = [f"word{i} another{i} token{i}" for i in range(200)]
-    make_tokenizer(words + [json.loads(line)["text"] for line in (tmp_path / "data.jsonl").read_text().splitlines()],
-                   mixed)  # fmt: skip
+    make_tokenizer(
+        words + [json.loads(line)["text"] for line in (tmp_path / "data.jsonl").read_text().splitlines()],
+        mixed,
+    )
     data = tmp_path / "words.jsonl"
     data.write_text("".join(json.dumps({"text": w}) + "\n" for w in words))
     with pytest.raises(DataError, match=r"token ids up to \d+, but the model's vocabulary has \d+ entries"):
@@ -475,8 +539,11 @@ def test_relative_paths_are_relative_to_the_working_directory_and_stored_absolut
     import yaml
 
     monkeypatch.chdir(tmp_path)
-    result = train(recipe, ("training.output_dir=rel/run", "training.max_steps=1", "data.path=data.jsonl"),
-                   progress=False)  # fmt: skip
+    result = train(
+        recipe,
+        ("training.output_dir=rel/run", "training.max_steps=1", "data.path=data.jsonl"),
+        progress=False,
+    )
     assert result.output_dir == tmp_path / "rel" / "run"
     saved = yaml.safe_load((result.output_dir / "recipe.yaml").read_text())
     assert saved["data"]["path"] == str(tmp_path / "data.jsonl")

@@ -19,12 +19,23 @@ def model_dir(cat_model):
 @pytest.fixture
 def recipe_file(tmp_path, model_dir, write_recipe):
     return write_recipe(
-        tmp_path, model_dir,
+        tmp_path,
+        model_dir,
         data={"shuffle": False},
-        training={"max_steps": 6, "gradient_accumulation_steps": 2, "learning_rate": "3e-3",
-                  "lr_scheduler_type": "cosine", "warmup_steps": 1},
-        offload={"params": "disk", "optimizer_states": "disk", "device_budget": "4MiB", "host_budget": "1MiB"},
-    )  # fmt: skip
+        training={
+            "max_steps": 6,
+            "gradient_accumulation_steps": 2,
+            "learning_rate": "3e-3",
+            "lr_scheduler_type": "cosine",
+            "warmup_steps": 1,
+        },
+        offload={
+            "params": "disk",
+            "optimizer_states": "disk",
+            "device_budget": "4MiB",
+            "host_budget": "1MiB",
+        },
+    )
 
 
 def test_train_writes_the_log_and_a_model_transformers_loads(recipe_file, tmp_path):
@@ -252,8 +263,11 @@ def test_steps_are_reported_to_tensorboard_and_wandb(recipe_file, tmp_path, monk
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "wandb-run"
-    train(recipe_file, ("training.max_steps=2", "training.report_to=wandb", f"training.output_dir={out}"),
-          progress=False)  # fmt: skip
+    train(
+        recipe_file,
+        ("training.max_steps=2", "training.report_to=wandb", f"training.output_dir={out}"),
+        progress=False,
+    )
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
@@ -275,10 +289,17 @@ def test_the_kernels_train_with_the_loss_sequence_of_the_torch_references(
         pytest.skip("triton is not installed")  # on a CPU it runs in its interpreter (tests/conftest.py)
     caplog.set_level(logging.DEBUG, logger="tiertune")
     # two steps of one micro-batch: a step after an update, at a third of the interpreter's time of 3 x 2
-    common = (*overrides, "training.max_steps=2", "training.gradient_accumulation_steps=1",
-              "offload.overlap_optimizer=false")  # fmt: skip
-    ref = train(recipe_file, (*common, "kernels=torch", "training.output_dir=" + str(recipe_file.parent / "ref")),
-                progress=False)  # fmt: skip
+    common = (
+        *overrides,
+        "training.max_steps=2",
+        "training.gradient_accumulation_steps=1",
+        "offload.overlap_optimizer=false",
+    )
+    ref = train(
+        recipe_file,
+        (*common, "kernels=torch", "training.output_dir=" + str(recipe_file.parent / "ref")),
+        progress=False,
+    )
     caplog.clear()
     ours = train(recipe_file, (*common, f"kernels={kernels}"), progress=False)
     backend = "torch" if kernels == "auto" else "triton"

@@ -15,9 +15,16 @@ def tiny(model_type: str, **overrides) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kw = dict(
-        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, head_dim=16, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        head_dim=16,
+        pad_token_id=0,
+    )
     kw.update(overrides)
     config = AutoConfig.for_model(model_type, **kw)
     config._attn_implementation = "sdpa"
@@ -134,8 +141,9 @@ def test_backward_recomputes_each_call_with_the_forwards_dropout():
     rows = segments(positions, mask, 2, 40)
     expected = q.new_zeros(2, 40, 4, 8)
     for q_at, kv_at, n, causal in _jobs(rows, 40, q.device):
-        o = F.scaled_dot_product_attention(_gather(q, q_at, n), _gather(k, kv_at, n), _gather(v, kv_at, n),
-                                           dropout_p=0.3, is_causal=causal)  # fmt: skip
+        o = F.scaled_dot_product_attention(
+            _gather(q, q_at, n), _gather(k, kv_at, n), _gather(v, kv_at, n), dropout_p=0.3, is_causal=causal
+        )
         expected = expected.index_put((q_at[0], q_at[1]), o.transpose(1, 2).reshape(-1, 4, 8))
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     for a, b in zip(ours, torch.autograd.grad(expected, (q, k, v), grad), strict=True):
@@ -183,11 +191,12 @@ def test_long_rows_run_a_kv_head_at_a_time_and_equal_sdpa(monkeypatch, heads, kv
     out, _ = attention.segment_attention(None, *inputs, None)
     assert type(out.grad_fn).__name__ == "_HeadGroupsBackward" and out.grad_fn.in_place == held
     ours = torch.autograd.grad(out, leaves, grad)
-    expected = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=kv_heads != heads).transpose(1, 2)
+    expected = F.scaled_dot_product_attention(
+        *leaves, is_causal=True, enable_gqa=kv_heads != heads
+    ).transpose(1, 2)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     for a, b in zip(ours, torch.autograd.grad(expected, leaves, grad), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-
 
     class Refused:
         @staticmethod
@@ -215,8 +224,17 @@ def test_long_rows_recompute_each_call_with_the_forwards_dropout(monkeypatch):
     out, _ = attention.segment_attention(None, q, k, v, None, dropout=0.4)
     ours = torch.autograd.grad(out, (q, k, v), grad)
     torch.manual_seed(11)
-    parts = [F.scaled_dot_product_attention(q[:, 2 * j : 2 * j + 2], k[:, j : j + 1], v[:, j : j + 1], dropout_p=0.4,
-                                            is_causal=True, enable_gqa=True) for j in range(2)]  # fmt: skip
+    parts = [
+        F.scaled_dot_product_attention(
+            q[:, 2 * j : 2 * j + 2],
+            k[:, j : j + 1],
+            v[:, j : j + 1],
+            dropout_p=0.4,
+            is_causal=True,
+            enable_gqa=True,
+        )
+        for j in range(2)
+    ]
     expected = torch.cat(parts, dim=1).transpose(1, 2)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     for a, b in zip(ours, torch.autograd.grad(expected, (q, k, v), grad), strict=True):

@@ -125,8 +125,9 @@ def test_the_torch_fallback_peaks_at_under_a_quarter_of_the_unfused_loss():
     x and the weight, which both variants produce."""
     peaks = {}
     for kind in ("fused", "unfused"):
-        out = subprocess.run([sys.executable, "-c", textwrap.dedent(PEAK), kind], capture_output=True, text=True,
-                             check=True)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(PEAK), kind], capture_output=True, text=True, check=True
+        )
         peaks[kind] = json.loads(out.stdout.strip().splitlines()[-1])["peak_kib"]
     print(peaks)
     assert peaks["fused"] <= peaks["unfused"] / 4, peaks
@@ -212,7 +213,12 @@ def test_a_bf16_head_is_upcast_a_slice_at_a_time(monkeypatch, with_bias):
             out = func(*args, **(kwargs or {}))
             source = args[0] if func is torch.ops.aten._to_copy.default else None
             # an fp32 copy of rows of the head (x has only `tokens` rows)
-            if source is not None and source.dim() == 2 and source.shape[0] > tokens and out.dtype == torch.float32:
+            if (
+                source is not None
+                and source.dim() == 2
+                and source.shape[0] > tokens
+                and out.dtype == torch.float32
+            ):
                 Upcasts.largest = max(Upcasts.largest, out.numel())
             return out
 

@@ -23,9 +23,16 @@ def tiny(model_type: str, **overrides) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kw = dict(
-        vocab_size=101, hidden_size=64, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, head_dim=16, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=72,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        head_dim=16,
+        pad_token_id=0,
+    )
     if model_type == "phi3":
         kw.update(partial_rotary_factor=0.5)
     if model_type in ("gemma2", "gemma3_text"):  # a sliding layer whose window is shorter than the sequences

@@ -46,7 +46,9 @@ def test_split_finds_layers_embeddings_head_and_groups_every_parameter_once(
 def test_streamed_load_puts_every_weight_in_its_chunk(tiny_model_dir, disk_dir, family, home):
     path, model = tiny_model_dir(family)
     parts = split_model(build_skeleton(path))
-    cfg = StoreConfig.resolve(device_budget="4MiB", host_budget="1MiB", disk_path=str(disk_dir), chunk_size="64KiB")
+    cfg = StoreConfig.resolve(
+        device_budget="4MiB", host_budget="1MiB", disk_path=str(disk_dir), chunk_size="64KiB"
+    )
     with ChunkStore(cfg) as store:
         load_into_store(parts, Checkpoint(path), store, home, torch.float32)
         expected = model.state_dict()
@@ -61,7 +63,9 @@ def test_streamed_load_puts_every_weight_in_its_chunk(tiny_model_dir, disk_dir, 
 def test_load_converts_dtype(tiny_model_dir, disk_dir):
     path, model = tiny_model_dir("qwen2")
     parts = split_model(build_skeleton(path))
-    with ChunkStore(StoreConfig.resolve(device_budget="4MiB", host_budget="4MiB", disk_path=str(disk_dir))) as store:
+    with ChunkStore(
+        StoreConfig.resolve(device_budget="4MiB", host_budget="4MiB", disk_path=str(disk_dir))
+    ) as store:
         load_into_store(
             parts,
             Checkpoint(path),
@@ -108,7 +112,9 @@ def test_missing_model_dir_and_missing_tensor(tiny_model_dir, tmp_path, disk_dir
     parts = split_model(build_skeleton(path))
     parts.groups[1].params["model.layers.0.extra.weight"] = nn.Parameter(torch.empty(2, device="meta"))
     with (
-        ChunkStore(StoreConfig.resolve(device_budget="1MiB", host_budget="1MiB", disk_path=str(disk_dir))) as store,
+        ChunkStore(
+            StoreConfig.resolve(device_budget="1MiB", host_budget="1MiB", disk_path=str(disk_dir))
+        ) as store,
         pytest.raises(ModelError, match="no tensor 'model.layers.0.extra.weight'"),
     ):
         load_into_store(parts, Checkpoint(path), store, "disk", torch.float32)
@@ -160,9 +166,12 @@ def test_an_encoder_decoder_model_is_named_as_not_a_causal_lm(tiny_model_dir, tm
     t5 = T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=100)
     t5.architectures = ["T5ForConditionalGeneration"]
     copy = _with_config(tiny_model_dir, tmp_path, t5.to_json_string())
-    with pytest.raises(ModelError, match=rf"^tiertune fine-tunes decoder-only causal LMs \(AutoModelForCausalLM\); "
-                                         rf"{copy} is a t5 \(T5ForConditionalGeneration\), an encoder-decoder "
-                                         r"model; set model.path to a decoder-only model"):  # fmt: skip
+    with pytest.raises(
+        ModelError,
+        match=rf"^tiertune fine-tunes decoder-only causal LMs \(AutoModelForCausalLM\); "
+        rf"{copy} is a t5 \(T5ForConditionalGeneration\), an encoder-decoder "
+        r"model; set model.path to a decoder-only model",
+    ):
         build_skeleton(copy)
 
 
@@ -178,26 +187,38 @@ def test_what_tiertune_cannot_train_is_refused_in_one_line_saying_what_to_do(tin
 
     bert = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
     copy = _with_config(tiny_model_dir, tmp_path / "bert", bert.to_json_string())
-    with pytest.raises(ModelError, match=r"is a bert \(no architectures listed\), an encoder-only model \(pretrained "
-                                         r"with bidirectional attention.*set model.path to a decoder-only model"):  # fmt: skip
+    with pytest.raises(
+        ModelError,
+        match=r"is a bert \(no architectures listed\), an encoder-only model \(pretrained "
+        r"with bidirectional attention.*set model.path to a decoder-only model",
+    ):
         build_skeleton(copy)
     gemma3 = Gemma3Config()
     gemma3.architectures = ["Gemma3ForConditionalGeneration"]
     copy = _with_config(tiny_model_dir, tmp_path / "gemma3", gemma3.to_json_string())
-    with pytest.raises(ModelError, match=r"a multimodal model \(Gemma3ForConditionalGeneration takes pixel_values\)"
-                                         r".*its text decoder alone is model_type 'gemma3_text' \(Gemma3ForCausalLM\)"):  # fmt: skip
+    with pytest.raises(
+        ModelError,
+        match=r"a multimodal model \(Gemma3ForConditionalGeneration takes pixel_values\)"
+        r".*its text decoder alone is model_type 'gemma3_text' \(Gemma3ForCausalLM\)",
+    ):
         load_config(copy)
     llama4 = Llama4Config(text_config={"hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 100})
     copy = _with_config(tiny_model_dir, tmp_path / "llama4", llama4.to_json_string())
     decoder = decoder_config(copy)
     assert (decoder.hidden_size, decoder.num_hidden_layers, decoder.vocab_size) == (64, 1, 100)
     cfg = json.loads((tiny_model_dir("llama")[0] / "config.json").read_text())
-    copy = _with_config(tiny_model_dir, tmp_path / "odd", json.dumps({**cfg, "hidden_act": "no_such_activation"}))
-    with pytest.raises(ModelError, match=r"transformers .* cannot build LlamaForCausalLM from .*config.json \("):
+    copy = _with_config(
+        tiny_model_dir, tmp_path / "odd", json.dumps({**cfg, "hidden_act": "no_such_activation"})
+    )
+    with pytest.raises(
+        ModelError, match=r"transformers .* cannot build LlamaForCausalLM from .*config.json \("
+    ):
         build_skeleton(copy)
 
 
-def test_moe_experts_stream_into_the_fused_tensors_and_a_missing_one_is_named(tiny_model_dir, tmp_path, disk_dir):
+def test_moe_experts_stream_into_the_fused_tensors_and_a_missing_one_is_named(
+    tiny_model_dir, tmp_path, disk_dir
+):
     """A Mixtral checkpoint as transformers 5 saves it (w1, w2, w3 per expert) fills the model's fused
     ``gate_up_proj`` (w1 rows, then w3 rows, per expert) and ``down_proj`` exactly as ``from_pretrained``
     does; a checkpoint without one expert's tensor is a ModelError that names it."""
@@ -210,7 +231,9 @@ def test_moe_experts_stream_into_the_fused_tensors_and_a_missing_one_is_named(ti
     path, _ = tiny_model_dir("mixtral", layers=2, shard="10MB")
     expected = dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
     parts = split_model(build_skeleton(path))
-    with ChunkStore(StoreConfig.resolve(device_budget="4MiB", host_budget="4MiB", disk_path=str(disk_dir))) as store:
+    with ChunkStore(
+        StoreConfig.resolve(device_budget="4MiB", host_budget="4MiB", disk_path=str(disk_dir))
+    ) as store:
         load_into_store(parts, Checkpoint(path), store, "host", torch.float32)
         for group in parts.groups:
             for chunk in group.chunks:
@@ -229,7 +252,12 @@ def test_moe_experts_stream_into_the_fused_tensors_and_a_missing_one_is_named(ti
         index.write_text(_json.dumps(data))
     parts = split_model(build_skeleton(copy))
     with (
-        ChunkStore(StoreConfig.resolve(device_budget="4MiB", host_budget="4MiB", disk_path=str(disk_dir / "b"))) as store,
-        pytest.raises(ModelError, match=r"lacks expert 2's '\.experts\.\*\.w3\.weight' for .*layers\.1\.mlp\.experts\.gate_up_proj"),
+        ChunkStore(
+            StoreConfig.resolve(device_budget="4MiB", host_budget="4MiB", disk_path=str(disk_dir / "b"))
+        ) as store,
+        pytest.raises(
+            ModelError,
+            match=r"lacks expert 2's '\.experts\.\*\.w3\.weight' for .*layers\.1\.mlp\.experts\.gate_up_proj",
+        ),
     ):
         load_into_store(parts, Checkpoint(copy), store, "host", torch.float32)

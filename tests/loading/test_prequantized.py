@@ -40,10 +40,19 @@ def saved_quantized(tmp_path_factory):
 
 
 def _run(path, disk_dir, quantize, placement):
-    cfg = EngineConfig(dtype=torch.float32, method="lora", quantize=quantize, lora=LORA, learning_rate=1e-2,
-                       max_steps=STEPS, params=placement)  # fmt: skip
+    cfg = EngineConfig(
+        dtype=torch.float32,
+        method="lora",
+        quantize=quantize,
+        lora=LORA,
+        learning_rate=1e-2,
+        max_steps=STEPS,
+        params=placement,
+    )
     device, host = ("160KiB", "96KiB") if placement == "disk" else ("8MiB", "8MiB")
-    store = StoreConfig.resolve(device_budget=device, host_budget=host, disk_path=str(disk_dir), prefetch_depth=1)
+    store = StoreConfig.resolve(
+        device_budget=device, host_budget=host, disk_path=str(disk_dir), prefetch_depth=1
+    )
     trainer = StreamedTrainer(str(path), store, cfg)
     try:
         batches = _batches(trainer.model.config.vocab_size)
@@ -98,8 +107,15 @@ def test_a_prequantized_base_without_double_quantization_matches_peft_on_it(
 
     src, _ = tiny_model_dir("llama")
     saved = saved_quantized(src, "nf4", bnb_4bit_use_double_quant=False)
-    cfg = EngineConfig(dtype=torch.float32, method="lora", quantize="nf4", lora=LORA, learning_rate=1e-2,
-                       max_steps=STEPS, params="disk")  # fmt: skip
+    cfg = EngineConfig(
+        dtype=torch.float32,
+        method="lora",
+        quantize="nf4",
+        lora=LORA,
+        learning_rate=1e-2,
+        max_steps=STEPS,
+        params="disk",
+    )
     store = StoreConfig.resolve(
         device_budget="160KiB", host_budget="96KiB", disk_path=str(disk_dir), prefetch_depth=1
     )
@@ -112,8 +128,16 @@ def test_a_prequantized_base_without_double_quantization_matches_peft_on_it(
         trainer.close()
     model = AutoModelForCausalLM.from_pretrained(saved, device_map="cpu", dtype=torch.float32)
     model.config.use_cache = False
-    model = get_peft_model(model, LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=0.0,
-                                             target_modules="all-linear", task_type="CAUSAL_LM"))  # fmt: skip
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=LORA.r,
+            lora_alpha=LORA.alpha,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        ),
+    )
     model.train()
     set_peft_model_state_dict(model, initial)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -194,13 +218,25 @@ def test_loading_a_prequantized_base_stays_within_the_host_budget(tmp_path, disk
     sys.path.insert(0, str(bench))
     from bench_scale import write_nf4_checkpoint
 
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
-              "intermediate_size": 4096, "num_hidden_layers": 12, "num_attention_heads": 8,
-              "num_key_value_heads": 8, "vocab_size": 1000, "tie_word_embeddings": True}  # fmt: skip
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "vocab_size": 1000,
+        "tie_word_embeddings": True,
+    }
     written = write_nf4_checkpoint(config, tmp_path / "model", shard_bytes=40 << 20)
     assert written["bytes_on_disk"] > 100e6
-    out = subprocess.run([sys.executable, "-c", _LOAD, str(tmp_path / "model"), str(disk_dir), placement,
-                          str(bench)], check=True, capture_output=True, text=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD, str(tmp_path / "model"), str(disk_dir), placement, str(bench)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     rss = json.loads(out.stdout.strip().splitlines()[-1])
     mib = 1 << 20
     assert rss["loaded"] - rss["baseline"] <= rss["host"] + 64 * mib, rss
@@ -210,9 +246,19 @@ def test_loading_a_prequantized_base_stays_within_the_host_budget(tmp_path, disk
 
 
 def _moe_run(path, cache, disk):
-    cfg = EngineConfig(dtype=torch.float32, method="lora", quantize="nf4", lora=LORA, learning_rate=1e-2,
-                       max_steps=STEPS, params="disk", quant_cache=str(cache))  # fmt: skip
-    store = StoreConfig.resolve(device_budget="400KiB", host_budget="200KiB", disk_path=str(disk), prefetch_depth=1)
+    cfg = EngineConfig(
+        dtype=torch.float32,
+        method="lora",
+        quantize="nf4",
+        lora=LORA,
+        learning_rate=1e-2,
+        max_steps=STEPS,
+        params="disk",
+        quant_cache=str(cache),
+    )
+    store = StoreConfig.resolve(
+        device_budget="400KiB", host_budget="200KiB", disk_path=str(disk), prefetch_depth=1
+    )
     trainer = StreamedTrainer(str(path), store, cfg)
     try:
         batches = _batches(trainer.model.config.vocab_size)

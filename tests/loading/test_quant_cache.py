@@ -11,10 +11,16 @@ from tiertune.quant.bnb4 import NF4
 
 
 def _trainer(path, cache, params="host", disk=None):
-    cfg = EngineConfig(method="lora", quantize="nf4", lora=LoraSettings(r=4, alpha=8, dropout=0.0, seed=0),
-                       quant_cache=str(cache), params=params)  # fmt: skip
-    store = StoreConfig.resolve(device_budget="8MiB", host_budget="1MiB" if disk else "8MiB", disk_path=disk,
-                        block_size="64KiB")  # fmt: skip
+    cfg = EngineConfig(
+        method="lora",
+        quantize="nf4",
+        lora=LoraSettings(r=4, alpha=8, dropout=0.0, seed=0),
+        quant_cache=str(cache),
+        params=params,
+    )
+    store = StoreConfig.resolve(
+        device_budget="8MiB", host_budget="1MiB" if disk else "8MiB", disk_path=disk, block_size="64KiB"
+    )
     return StreamedTrainer(str(path), store, cfg)
 
 

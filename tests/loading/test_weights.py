@@ -92,8 +92,12 @@ def test_an_integer_tensor_for_a_floating_weight_is_refused(tiny_model_dir, tmp_
     shape = tuple(tensors["model.norm.weight"].shape)
     tensors["model.norm.weight"] = torch.arange(shape[0], dtype=torch.int32)
     save_file(tensors, shard, metadata={"format": "pt"})
-    with pytest.raises(ModelError, match=rf"'model.norm.weight' in .*{shard.name} is int32, but it is a floating"):
+    with pytest.raises(
+        ModelError, match=rf"'model.norm.weight' in .*{shard.name} is int32, but it is a floating"
+    ):
         Checkpoint(copy).read_into("model.norm.weight", torch.empty(shape))
-    out = torch.empty(shape, dtype=torch.int32)  # read as what it is: allowed (quantized bases store integers)
+    out = torch.empty(
+        shape, dtype=torch.int32
+    )  # read as what it is: allowed (quantized bases store integers)
     Checkpoint(copy).read_into("model.norm.weight", out)
     assert out.tolist() == list(range(shape[0]))

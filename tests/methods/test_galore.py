@@ -139,9 +139,14 @@ def _llama_7b_like(path, layers):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(
-        hidden_size=256, intermediate_size=688, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=512, tie_word_embeddings=True,
-    )  # fmt: skip
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    )
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path)
     return model
@@ -164,9 +169,14 @@ def wider_llama(tmp_path_factory):
         if tied not in made:
             torch.manual_seed(0)
             config = LlamaConfig(
-                hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=211, tie_word_embeddings=tied,
-            )  # fmt: skip
+                hidden_size=256,
+                intermediate_size=384,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=211,
+                tie_word_embeddings=tied,
+            )
             path = tmp_path_factory.mktemp("llama-wide")
             AutoModelForCausalLM.from_config(config).save_pretrained(path, max_shard_size="400KB")
             made[tied] = path
@@ -404,7 +414,9 @@ def test_randomized_svd_finds_the_gradients_subspace():
     kept_exact = torch.linalg.matrix_norm(grad @ exact.t())
     kept_fast = torch.linalg.matrix_norm(grad @ fast.t())
     assert kept_fast >= 0.99 * kept_exact, (kept_fast, kept_exact)
-    left = engine_optim.orthogonal_basis(grad.t(), (n, rank), False, "randomized", seed=7)  # m < n: left vectors
+    left = engine_optim.orthogonal_basis(
+        grad.t(), (n, rank), False, "randomized", seed=7
+    )  # m < n: left vectors
     assert left.shape == (n, rank)
     assert torch.linalg.matrix_norm(left.t() @ grad.t()) >= 0.99 * kept_exact
 
@@ -430,9 +442,12 @@ def test_galore_projects_on_the_gpu(tmp_path, disk_dir, svd):
     losses, sent = {}, {}
     for device in ("cpu", "cuda"):
         store = StoreConfig.resolve(
-            device=device, device_budget="64MiB", host_budget="128MiB", disk_path=str(disk_dir / device),
+            device=device,
+            device_budget="64MiB",
+            host_budget="128MiB",
+            disk_path=str(disk_dir / device),
             chunk_size="1GiB",
-        )  # fmt: skip
+        )
         cfg = _config(method="galore", galore=GaloreSettings(rank=16, update_proj_gap=100, svd=svd))
         trainer = StreamedTrainer(str(tmp_path / "model"), store, cfg)
         try:

@@ -20,8 +20,14 @@ def _peft_model(path, cfg):
     kwargs = {} if quant is None else {"quantization_config": quant.config()}
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map="cpu", **kwargs)
     base.config.use_cache = False
-    lora = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout, target_modules="all-linear",
-                      task_type="CAUSAL_LM", use_dora=cfg.lora.use_dora)  # fmt: skip
+    lora = LoraConfig(
+        r=LORA.r,
+        lora_alpha=LORA.alpha,
+        lora_dropout=LORA.dropout,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+        use_dora=cfg.lora.use_dora,
+    )
     return get_peft_model(base, lora)
 
 
@@ -34,8 +40,10 @@ def _reference(path, cfg, initial_adapter, batches):
     set_peft_model_state_dict(model, initial_adapter)  # the same initial adapter as tiertune's
     params = [p for p in model.parameters() if p.requires_grad]
     # weight decay on the adapter matrices, not on DoRA's magnitude vectors (pulling a row's norm to zero)
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     opt = torch.optim.AdamW(
         groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True
     )
@@ -46,7 +54,9 @@ def _train(path, disk_dir, cfg, placement, save_to=None):
     """STEPS steps of the engine; returns the initial and trained adapters, batches, losses and store stats
     (on disk, budgets of a few layers: the base streams from disk every step)."""
     device, host = ("160KiB", "96KiB") if placement == "disk" else ("8MiB", "8MiB")
-    store = StoreConfig.resolve(device_budget=device, host_budget=host, disk_path=str(disk_dir), prefetch_depth=1)
+    store = StoreConfig.resolve(
+        device_budget=device, host_budget=host, disk_path=str(disk_dir), prefetch_depth=1
+    )
     trainer = StreamedTrainer(str(path), store, cfg)
     try:
         initial = trainer.adapter_state_dict()
@@ -144,8 +154,15 @@ def test_an_nf4_layer_moves_at_most_0_3_of_its_bf16_bytes(disk_dir, tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=211, tie_word_embeddings=True)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=211,
+        tie_word_embeddings=True,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
     moved = {}
     for quantize in ("nf4", "none"):
@@ -221,7 +238,9 @@ def test_a_cpu_without_native_bf16_computes_the_4bit_layers_in_fp32(tiny_model_d
     for native in (True, False):
         monkeypatch.setattr(backend, "native_matmul", lambda dtype, native=native: native)
         cfg = _config(dtype=torch.bfloat16, quantize="nf4", max_steps=2)
-        trainer = StreamedTrainer(str(path), StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB"), cfg)
+        trainer = StreamedTrainer(
+            str(path), StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB"), cfg
+        )
         try:
             compute = torch.bfloat16 if native else torch.float32
             assert trainer.quant.compute_dtype == compute

@@ -260,8 +260,11 @@ def test_probes_leave_no_files_behind_even_when_o_direct_is_refused(disk_dir, mo
 def test_a_special_directory_is_a_storage_error(path):
     if not os.path.isdir(path):
         pytest.skip(f"no {path} here")
-    with pytest.raises(StorageError, match=f"cannot create a file in {path} .*point offload.disk_path at a "
-                                           "writable directory on a local disk"):  # fmt: skip
+    with pytest.raises(
+        StorageError,
+        match=f"cannot create a file in {path} .*point offload.disk_path at a "
+        "writable directory on a local disk",
+    ):
         _disk_store(path)
 
 
@@ -300,9 +303,12 @@ def test_space_used_up_since_the_store_started_says_what_helps(disk_dir, monkeyp
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=300 << 10))
     with _disk_store(disk_dir) as store:
         store.add([("a", (50_000,), torch.float32)], home="disk")
-        with pytest.raises(DiskFullError, match="needs 200.00 KiB but only 100.00 KiB is left of the 300.00 KiB that was "
-                                                "free on the filesystem at .*; free space on the filesystem of "
-                                                "offload.disk_path"):  # fmt: skip
+        with pytest.raises(
+            DiskFullError,
+            match="needs 200.00 KiB but only 100.00 KiB is left of the 300.00 KiB that was "
+            "free on the filesystem at .*; free space on the filesystem of "
+            "offload.disk_path",
+        ):
             store.add([("b", (50_000,), torch.float32)], home="disk")
 
 

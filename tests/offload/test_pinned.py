@@ -123,9 +123,12 @@ def test_pinned_memory_dropped_without_close_is_unregistered_before_it_is_unmapp
 
 def test_pinning_refused_is_a_config_error_that_says_what_to_change(fake_cuda, caplog):
     fake_cuda.register_error = 2  # cudaErrorMemoryAllocation
-    with pytest.raises(ConfigError, match=r"offload.host_budget is 12.00 KiB but CUDA could not page-lock that "
-                                          r"much host memory \(.*2.*\); lower offload.host_budget, raise the limit "
-                                          r"on locked memory \(ulimit -l"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"offload.host_budget is 12.00 KiB but CUDA could not page-lock that "
+        r"much host memory \(.*2.*\); lower offload.host_budget, raise the limit "
+        r"on locked memory \(ulimit -l",
+    ):
         MemoryTier(Tier.HOST, 3 * ALIGN, torch.device("cpu"), pin=torch.device("cuda", 0)).allocate()
     assert [c[0] for c in fake_cuda.calls] == ["register"]  # nothing to unregister
 
@@ -179,9 +182,12 @@ def test_auto_device_budget_respects_the_process_memory_fraction(monkeypatch):
 def test_a_device_budget_over_the_memory_fraction_cap_fails_up_front(monkeypatch):
     _fake_gpu(monkeypatch, free=79 * GiB, total=80 * GiB, fraction=0.3, reserved=0)
     cfg = StoreConfig.resolve(device="cuda:0", device_budget="30GiB", host_budget="1MiB")
-    with pytest.raises(ConfigError, match=r"offload.device_budget is 30.00 GiB but this process may use at most "
-                                          r"24.00 GiB of cuda:0 \(torch.cuda.set_per_process_memory_fraction\); "
-                                          r"lower offload.device_budget or set it to auto"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"offload.device_budget is 30.00 GiB but this process may use at most "
+        r"24.00 GiB of cuda:0 \(torch.cuda.set_per_process_memory_fraction\); "
+        r"lower offload.device_budget or set it to auto",
+    ):
         ChunkStore(cfg)
 
 

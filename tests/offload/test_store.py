@@ -114,7 +114,9 @@ def test_evictions_keep_data_when_budgets_are_tight(disk_dir):
 
 def test_budget_errors_name_the_tier_the_bytes_and_the_setting(disk_dir):
     with ChunkStore(
-        StoreConfig.resolve(device_budget="16KiB", host_budget="16KiB", disk_path=str(disk_dir), chunk_size="1MiB")
+        StoreConfig.resolve(
+            device_budget="16KiB", host_budget="16KiB", disk_path=str(disk_dir), chunk_size="1MiB"
+        )
     ) as store:
         with pytest.raises(
             BudgetError, match=r"host tier: needs 24.00 KiB but only 16.00 KiB .* `offload.host_budget`"
@@ -132,7 +134,9 @@ def test_budget_errors_name_the_tier_the_bytes_and_the_setting(disk_dir):
 
 
 def test_budget_error_when_everything_resident_is_in_use():
-    with ChunkStore(StoreConfig.resolve(device_budget="8KiB", host_budget="64KiB", chunk_size="4KiB")) as store:
+    with ChunkStore(
+        StoreConfig.resolve(device_budget="8KiB", host_budget="64KiB", chunk_size="4KiB")
+    ) as store:
         a, b, c = (store.add([(n, (1024,), torch.float32)], home="host")[0] for n in "abc")
         store.acquire(a)
         store.acquire(b)
@@ -143,7 +147,9 @@ def test_budget_error_when_everything_resident_is_in_use():
 
 
 def test_misuse_raises_state_errors(disk_dir):
-    store = ChunkStore(StoreConfig.resolve(device_budget="64KiB", host_budget="64KiB", disk_path=str(disk_dir)))
+    store = ChunkStore(
+        StoreConfig.resolve(device_budget="64KiB", host_budget="64KiB", disk_path=str(disk_dir))
+    )
     (chunk,) = store.add({"w": torch.ones(3)}, home="disk")
     with pytest.raises(StateError, match="not acquired"):
         store.release(chunk)
@@ -181,8 +187,13 @@ def test_pins_nest_and_dirty_from_any_holder_counts():
 
 
 def _cfg(disk_dir, **kw):
-    base = dict(device_budget="1MiB", host_budget="1MiB", disk_path=str(disk_dir), chunk_size="64KiB",
-                block_size="16KiB")  # fmt: skip
+    base = dict(
+        device_budget="1MiB",
+        host_budget="1MiB",
+        disk_path=str(disk_dir),
+        chunk_size="64KiB",
+        block_size="16KiB",
+    )
     base.update(kw)
     return StoreConfig.resolve(**base)
 
@@ -334,8 +345,13 @@ def test_chunks_in_use_cannot_fragment_a_planned_tier_into_a_failure(tmp_path, r
     # then fits nowhere though 6 pages are free. A plan reserves a slot of its class, and it goes there
     page = 4096
     slots = {5 * page: 1} if reserve else None
-    config = StoreConfig.resolve(device="cpu", device_budget=8 * page, host_budget=12 * page + (5 * page if reserve else 0),
-                         disk_path=str(tmp_path), reserve={"host": slots} if slots else None)  # fmt: skip
+    config = StoreConfig.resolve(
+        device="cpu",
+        device_budget=8 * page,
+        host_budget=12 * page + (5 * page if reserve else 0),
+        disk_path=str(tmp_path),
+        reserve={"host": slots} if slots else None,
+    )
     with ChunkStore(config) as store:
         small = [store.add([("x", (3 * page,), torch.uint8)], home="disk", name=f"s{i}")[0] for i in range(4)]
         [big] = store.add([("x", (5 * page,), torch.uint8)], home="disk", name="big")
@@ -380,8 +396,9 @@ def test_a_ledger_places_evicts_and_moves_as_the_store_does_without_a_byte(disk_
         store.release(chunks[0])
         return {t: s.peak for t, s in stats.tiers.items()}, stats.bytes_moved, where
 
-    common = dict(device_budget="512KiB", host_budget="512KiB", chunk_size="1MiB", block_size="64KiB",
-                  prefetch_depth=0)  # fmt: skip
+    common = dict(
+        device_budget="512KiB", host_budget="512KiB", chunk_size="1MiB", block_size="64KiB", prefetch_depth=0
+    )
     with ChunkStore(StoreConfig.resolve(disk_path=str(disk_dir), **common)) as store:
         real = run(store)
     nowhere = tmp_path / "not-created"

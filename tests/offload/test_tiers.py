@@ -105,8 +105,11 @@ def test_budgets_beyond_the_machines_memory_fail_up_front(monkeypatch):
     from tiertune.offload.store import ChunkStore, StoreConfig
 
     total = psutil.virtual_memory().total
-    with pytest.raises(ConfigError, match=r"offload.host_budget is 100.00 TiB but this machine has .* of memory in "
-                                          r"all; lower offload.host_budget .* or set it to auto"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"offload.host_budget is 100.00 TiB but this machine has .* of memory in "
+        r"all; lower offload.host_budget .* or set it to auto",
+    ):
         ChunkStore(StoreConfig.resolve(host_budget="100TiB", device_budget="1MiB"))
     with pytest.raises(ConfigError, match="offload.device_budget is .* but this machine has"):
         ChunkStore(StoreConfig.resolve(device="cpu", device_budget=total + (1 << 30), host_budget="1MiB"))
@@ -124,14 +127,19 @@ def test_a_cuda_device_without_cuda_is_a_config_error():
     from tiertune.errors import ConfigError
     from tiertune.offload.store import StoreConfig
 
-    assert StoreConfig.resolve(device="auto").device == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert StoreConfig.resolve(device="auto").device == torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu"
+    )
     with pytest.raises(ConfigError, match="use device='cpu', 'cuda', 'cuda:N' or 'auto'"):
         StoreConfig.resolve(device="gpu")
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     for device in ("cuda", "cuda:0"):  # as in the README's example, on a machine without a GPU
-        with pytest.raises(ConfigError, match=rf"device '{device}' requested but torch.cuda.is_available\(\) is "
-                                              r"False .*; use device='cpu' or device='auto'"):  # fmt: skip
+        with pytest.raises(
+            ConfigError,
+            match=rf"device '{device}' requested but torch.cuda.is_available\(\) is "
+            r"False .*; use device='cpu' or device='auto'",
+        ):
             StoreConfig.resolve(device=device, device_budget="4GiB", host_budget="16GiB")
 
 
@@ -145,9 +153,17 @@ def test_homes_go_lowest_and_cached_copies_best_fit_from_the_top():
 
 
 def test_reserved_slots_serve_only_their_size_class():
-    tier = MemoryTier(Tier.HOST, 4 * ALIGN + 3 * ALIGN + 5 * ALIGN, torch.device("cpu"),
-                      reserve={3 * ALIGN: 1, 5 * ALIGN: 1})  # fmt: skip
-    assert tier.arena.capacity == 4 * ALIGN and tier.reserved == 8 * ALIGN and tier.slot_sizes == [3 * ALIGN, 5 * ALIGN]
+    tier = MemoryTier(
+        Tier.HOST,
+        4 * ALIGN + 3 * ALIGN + 5 * ALIGN,
+        torch.device("cpu"),
+        reserve={3 * ALIGN: 1, 5 * ALIGN: 1},
+    )
+    assert (
+        tier.arena.capacity == 4 * ALIGN
+        and tier.reserved == 8 * ALIGN
+        and tier.slot_sizes == [3 * ALIGN, 5 * ALIGN]
+    )
     small = tier.alloc_reserved(2 * ALIGN)  # the smallest slot that holds it
     assert small is not None and tier.slot_size(small) == 3 * ALIGN
     assert tier.alloc_reserved(ALIGN) is None  # its class's slot is taken; the larger class's is not its

@@ -159,7 +159,9 @@ _Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Also print tier
 
 @app.command()
 def train(
-    recipe: Annotated[Path, typer.Argument(help="A YAML recipe, or a built-in one by name (`tiertune recipes`).")],
+    recipe: Annotated[
+        Path, typer.Argument(help="A YAML recipe, or a built-in one by name (`tiertune recipes`).")
+    ],
     overrides: Annotated[
         list[str] | None, typer.Argument(help="Dotted overrides, e.g. training.learning_rate=1e-4.")
     ] = None,
@@ -190,10 +192,12 @@ def train(
             typer.echo(resolved.to_yaml())
             resolved.model.path = config_directory(resolved.model.path)  # nothing downloaded but a config
             store, engine = plan(resolved)
-            typer.echo(f"plan: device={store.device} params={engine.params} optimizer_states={engine.optimizer_states} "
-                       f"gradients={engine.gradients} dtype={str(engine.dtype).removeprefix('torch.')} "
-                       f"device_budget={format_size(store.device_budget)} host_budget={format_size(store.host_budget)} "
-                       f"disk_path={store.disk_path}")  # fmt: skip
+            typer.echo(
+                f"plan: device={store.device} params={engine.params} optimizer_states={engine.optimizer_states} "
+                f"gradients={engine.gradients} dtype={str(engine.dtype).removeprefix('torch.')} "
+                f"device_budget={format_size(store.device_budget)} host_budget={format_size(store.host_budget)} "
+                f"disk_path={store.disk_path}"
+            )
             return
         result = run(resolved, progress=not quiet)
     from tiertune.distributed.world import World
@@ -216,7 +220,9 @@ def launch(ctx: typer.Context) -> None:
 
     args = list(ctx.args)
     if "train" not in args:
-        _usage_error("give torchrun's options, then the command: tiertune launch --nproc_per_node 2 train RECIPE")
+        _usage_error(
+            "give torchrun's options, then the command: tiertune launch --nproc_per_node 2 train RECIPE"
+        )
     at = args.index("train")
     code, said = run(args[:at], args[at:])
     if said:
@@ -226,7 +232,9 @@ def launch(ctx: typer.Context) -> None:
 
 @app.command()
 def estimate(
-    recipe: Annotated[Path, typer.Argument(help="A YAML recipe, or a built-in one by name (`tiertune recipes`).")],
+    recipe: Annotated[
+        Path, typer.Argument(help="A YAML recipe, or a built-in one by name (`tiertune recipes`).")
+    ],
     overrides: Annotated[
         list[str] | None, typer.Argument(help="Dotted overrides, e.g. offload.host_budget=32GiB.")
     ] = None,
@@ -243,7 +251,10 @@ def estimate(
     ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as one JSON object.")] = False,
     processes: Annotated[
-        int, typer.Option("--processes", help="Launched as N ranks (torchrun / accelerate): per rank, per node, wire.")
+        int,
+        typer.Option(
+            "--processes", help="Launched as N ranks (torchrun / accelerate): per rank, per node, wire."
+        ),
     ] = 1,
     per_node: Annotated[
         int | None, typer.Option("--per-node", help="Ranks on each node (default: all of --processes).")
@@ -278,7 +289,11 @@ def estimate(
 
             found = longest_sequence(resolved, gpu=gpu)
     if as_json:
-        typer.echo(json.dumps({**est.as_json(), **({"longest_sequence": found.as_json()} if found else {})}, indent=1))
+        typer.echo(
+            json.dumps(
+                {**est.as_json(), **({"longest_sequence": found.as_json()} if found else {})}, indent=1
+            )
+        )
     else:
         typer.echo(format_estimate(est, f"tiertune estimate {recipe}"))
         if found is not None:
@@ -291,7 +306,8 @@ def estimate(
 
 
 _Overwrite = Annotated[
-    bool, typer.Option("--overwrite", help="Replace --out when it holds a model or a run (the whole directory).")
+    bool,
+    typer.Option("--overwrite", help="Replace --out when it holds a model or a run (the whole directory)."),
 ]
 
 
@@ -303,9 +319,12 @@ def export(
     out: Annotated[Path, typer.Option("--out", help="The directory to write.")],
     fmt: Annotated[
         str,
-        typer.Option("--format", help="hf (a model; a LoRA run's merged into its base), peft (a LoRA run's "
-                     "adapter), gguf (llama.cpp / Ollama), gguf-lora (a LoRA run's adapter for llama.cpp's --lora) "
-                     "or auto (peft for a LoRA run, else hf)."),
+        typer.Option(
+            "--format",
+            help="hf (a model; a LoRA run's merged into its base), peft (a LoRA run's "
+            "adapter), gguf (llama.cpp / Ollama), gguf-lora (a LoRA run's adapter for llama.cpp's --lora) "
+            "or auto (peft for a LoRA run, else hf).",
+        ),
     ] = "auto",
     gguf_type: Annotated[
         str, typer.Option("--gguf-type", help="The GGUF weights' type: f32, f16, bf16 or q8_0.")
@@ -364,8 +383,6 @@ def merge(
     typer.echo(f"merged: {what}; wrote {path}")
 
 
-
-
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"  # shipped with the package
 
 
@@ -390,8 +407,16 @@ def recipes(
         columns = max(40, shutil.get_terminal_size().columns - 1)
 
         def show(text: str) -> None:
-            typer.echo(textwrap.fill(text, columns, initial_indent="  ", subsequent_indent="    ",
-                                     break_long_words=False, break_on_hyphens=False))  # fmt: skip
+            typer.echo(
+                textwrap.fill(
+                    text,
+                    columns,
+                    initial_indent="  ",
+                    subsequent_indent="    ",
+                    break_long_words=False,
+                    break_on_hyphens=False,
+                )
+            )
 
         from tiertune.finetune.recipe import recipe_notes
 
@@ -406,8 +431,13 @@ def recipes(
                 elif entry.startswith("how fast") and (bound := re.search(r"a step takes >= .*", entry)):
                     show(entry.split(":", 1)[0] + ": " + bound.group(0))
             typer.echo("")
-        typer.echo(textwrap.fill("`tiertune recipes NAME` prints one (with the whole estimate); --to FILE copies it.",
-                                 columns, break_on_hyphens=False))  # fmt: skip
+        typer.echo(
+            textwrap.fill(
+                "`tiertune recipes NAME` prints one (with the whole estimate); --to FILE copies it.",
+                columns,
+                break_on_hyphens=False,
+            )
+        )
         return
     if name not in found:
         _usage_error(f"no built-in recipe {name!r}; `tiertune recipes` lists: {', '.join(found)}")
@@ -447,8 +477,13 @@ def demo(
     _console_log(quiet, verbose)
     recipes = RECIPES
     data = recipes / "data" / "demo.jsonl"
-    overrides = [f"model.path={workdir / 'model'}", f"data.path={data}", f"training.output_dir={workdir / 'out'}",
-                 f"offload.disk_path={workdir / 'offload'}", "training.overwrite_output_dir=true"]  # fmt: skip
+    overrides = [
+        f"model.path={workdir / 'model'}",
+        f"data.path={data}",
+        f"training.output_dir={workdir / 'out'}",
+        f"offload.disk_path={workdir / 'offload'}",
+        "training.overwrite_output_dir=true",
+    ]
     if steps is not None:
         overrides.append(f"training.max_steps={steps}")
     with _user_errors():
@@ -494,7 +529,9 @@ def _console_log(quiet: bool, verbose: bool) -> None:
         _CONSOLE.append(AboveBar())
         logging.getLogger("tiertune").addHandler(_CONSOLE[0])
     handler = _CONSOLE[0]
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s" if verbose else "%(message)s"))
+    handler.setFormatter(
+        logging.Formatter("%(levelname)s %(name)s: %(message)s" if verbose else "%(message)s")
+    )
     level = logging.ERROR if quiet else logging.DEBUG if verbose else logging.INFO
     handler.setLevel(level)
     logging.getLogger("tiertune").setLevel(level)
@@ -533,7 +570,9 @@ def _user_errors() -> Iterator[None]:
         raise typer.Exit(3) from None
     except TiertuneError as exc:
         if _said_by_rank_zero():  # wait for rank 0 to say it: the launcher stops every rank once one exits
-            time.sleep(RANK_ZERO_GRACE_S)  # (SIGTERM's default again here: the launcher ends the wait cleanly)
+            time.sleep(
+                RANK_ZERO_GRACE_S
+            )  # (SIGTERM's default again here: the launcher ends the wait cleanly)
             raise typer.Exit(2) from None
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -41,11 +41,15 @@ def owned_slices(layout: ChunkLayout, world_size: int) -> list[list[Slice]]:
     for t in layout.tensors:
         size = itemsize(t.dtype)
         if t.offset % size:
-            raise StateError(f"tensor {t.name!r} starts at byte {t.offset}, not a multiple of its {size}-byte elements")
+            raise StateError(
+                f"tensor {t.name!r} starts at byte {t.offset}, not a multiple of its {size}-byte elements"
+            )
         for rank, (a, b) in enumerate(shards):
             lo, hi = max(a, t.offset), min(b, t.offset + t.nbytes)
             if lo < hi:
-                owned[rank].append(Slice(t.name, (lo - t.offset) // size, (hi - t.offset) // size, len(t.shape)))
+                owned[rank].append(
+                    Slice(t.name, (lo - t.offset) // size, (hi - t.offset) // size, len(t.shape))
+                )
     return owned
 
 
@@ -55,9 +59,11 @@ def run_length(owned: list[list[Slice]]) -> int:
 
 
 def pack_by_owner(
-    values: dict[str, torch.Tensor], owned: list[list[Slice]], out: torch.Tensor | None = None,
+    values: dict[str, torch.Tensor],
+    owned: list[list[Slice]],
+    out: torch.Tensor | None = None,
     device: torch.device | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """One flat fp32 buffer of ``len(owned) * run_length(owned)`` elements (``out``, or a new one on ``device``,
     by default the values'): rank r's run is its owned elements of ``values`` (full tensors by name; a missing
     one counts as zeros) in chunk order, then zeros."""

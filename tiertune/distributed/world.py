@@ -48,7 +48,9 @@ class World:
         if size < 1 or not 0 <= rank < size:
             raise ConfigError(f"RANK={rank} is not a rank of WORLD_SIZE={size}")
         if not 0 <= local_rank < local_size <= size:
-            raise ConfigError(f"LOCAL_RANK={local_rank} is not a rank of LOCAL_WORLD_SIZE={local_size} (<= {size})")
+            raise ConfigError(
+                f"LOCAL_RANK={local_rank} is not a rank of LOCAL_WORLD_SIZE={local_size} (<= {size})"
+            )
         return cls(rank, size, local_rank, local_size)
 
     @property

@@ -31,10 +31,17 @@ class GradientSink:
     (registered on first use), ``shapes`` each parameter's shape."""
 
     def __init__(
-        self, store: ChunkStore, ctx: StepContext, times: dict[str, float], updater: Updater | AdapterUpdate,
-        galore: GaLore | None, device: torch.device, shapes: dict[str, torch.Size],
-        add_accumulator: Callable[[GroupState, int], Chunk | None], sharding: Sharding,
-    ) -> None:  # fmt: skip
+        self,
+        store: ChunkStore,
+        ctx: StepContext,
+        times: dict[str, float],
+        updater: Updater | AdapterUpdate,
+        galore: GaLore | None,
+        device: torch.device,
+        shapes: dict[str, torch.Size],
+        add_accumulator: Callable[[GroupState, int], Chunk | None],
+        sharding: Sharding,
+    ) -> None:
         self.store, self.ctx, self.times, self.updater = store, ctx, times, updater
         self.sharding = sharding  # ZeRO-3: each chunk's gradients reduce-scattered first, this rank's kept
         self.galore, self.device, self.shapes, self.add_accumulator = galore, device, shapes, add_accumulator

@@ -93,7 +93,11 @@ def home_tier_used(home: str | Tier, device: torch.device) -> Tier:
 
 
 def state_layout(
-    fp32: list, cfg: EngineConfig, galore: GaLore | None, device: torch.device, whole: dict[str, int] | None = None
+    fp32: list,
+    cfg: EngineConfig,
+    galore: GaLore | None,
+    device: torch.device,
+    whole: dict[str, int] | None = None,
 ) -> list[StateChunk]:
     """The state chunks of one weight chunk whose tensors are ``fp32`` entries, in the order the engine
     registers them: gradients; GaLore's full-gradient accumulators when a step has several micro-batches;
@@ -182,9 +186,12 @@ class GroupState:
 
 
 def laid_states(
-    weights: ChunkLayout, cfg: EngineConfig, galore: GaLore | None, device: torch.device,
+    weights: ChunkLayout,
+    cfg: EngineConfig,
+    galore: GaLore | None,
+    device: torch.device,
     whole: ChunkLayout | None = None,
-) -> list[tuple[StateChunk, ChunkLayout]]:  # fmt: skip
+) -> list[tuple[StateChunk, ChunkLayout]]:
     """The state chunks of weight chunk ``weights`` (``state_layout``), each laid out as ``add_like`` lays it
     out. For a rank's shard of the chunk ``whole`` (ZeRO-3) each is as large as the largest rank's: ranks own
     different elements, and with equal capacities on every rank one memory plan (``engine.plan``) holds for
@@ -194,7 +201,10 @@ def laid_states(
 
     def laid(chunk: ChunkLayout) -> list[tuple[StateChunk, ChunkLayout]]:
         fp32 = [(t.name, t.shape, torch.float32) for t in chunk.tensors]
-        return [(spec, _one_chunk(spec.entries, shards)) for spec in state_layout(fp32, cfg, galore, device, numel)]
+        return [
+            (spec, _one_chunk(spec.entries, shards))
+            for spec in state_layout(fp32, cfg, galore, device, numel)
+        ]
 
     mine = laid(weights)
     if whole is None:
@@ -281,11 +291,14 @@ def add_twins(store: ChunkStore, states: list[GroupState], cfg: EngineConfig, de
             _register_twins(store, states)
         return cfg.twins
     units = [
-        ((s.grads[j].home, s.grads[j].capacity), [(c.home, c.capacity) for c in s.sources(j)],
-         [(c.home, c.capacity) for c in s.reads(j)[len(s.sources(j)):]])
+        (
+            (s.grads[j].home, s.grads[j].capacity),
+            [(c.home, c.capacity) for c in s.sources(j)],
+            [(c.home, c.capacity) for c in s.reads(j)[len(s.sources(j)) :]],
+        )
         for s in states
         for j in range(len(s.weights))
-    ]  # fmt: skip
+    ]
     short = twins_short(units, store.room, device)
     if short and mode == "on":
         tier, needed = next(iter(short.items()))

@@ -49,9 +49,13 @@ class LoadedModel:
 
 
 def load_model(
-    model_dir: str, store: ChunkStore, config: EngineConfig, world: World, times: dict[str, float],
+    model_dir: str,
+    store: ChunkStore,
+    config: EngineConfig,
+    world: World,
+    times: dict[str, float],
     safe_point: Callable[[], None] | None = None,
-) -> LoadedModel:  # fmt: skip
+) -> LoadedModel:
     """Build the model of ``model_dir`` for training and stream its weights into ``store`` (homed on
     ``config.params``); ``safe_point`` is called after each group (see ``loading.model.load_into_store``)."""
     model = build_skeleton(model_dir, config.dtype)
@@ -62,8 +66,11 @@ def load_model(
     # 4-bit weights dequantize to the dtype products run fast in here (fp32 on a CPU without native bf16)
     compute = config.layer_dtype(store.device)
     if compute != config.dtype:
-        log.info("this CPU has no native %s matrix products: quantized layers compute in %s",
-                 str(config.dtype).removeprefix("torch."), str(compute).removeprefix("torch."))  # fmt: skip
+        log.info(
+            "this CPU has no native %s matrix products: quantized layers compute in %s",
+            str(config.dtype).removeprefix("torch."),
+            str(compute).removeprefix("torch."),
+        )
     quant = make_quantizer(config.quantize, compute, saved, model_dir)
     if quant is not None:  # Linear4bit/8bitLt in every decoder layer, as a plain quantized load has
         # and, beyond it, MoE layers' fused expert weights 4-bit too (one matrix per expert)
@@ -85,14 +92,30 @@ def load_model(
         cache = QuantCache(config.quant_cache, checkpoint, quant.settings())
     if world.size > 1:  # this rank's shard of every chunk; a frozen base's read in place, as one process's
         source, full = load_shards(
-            parts, checkpoint, store, homes, config.dtype, world.rank, world.size, quant, safe_point=safe_point,
-            in_place=config.method == "lora", cache=cache,
-        )  # fmt: skip
+            parts,
+            checkpoint,
+            store,
+            homes,
+            config.dtype,
+            world.rank,
+            world.size,
+            quant,
+            safe_point=safe_point,
+            in_place=config.method == "lora",
+            cache=cache,
+        )
         return LoadedModel(model, parts, quant, checkpoint, source, Zero(store, world, full, times), cache)
     source = load_into_store(
-        parts, checkpoint, store, homes, config.dtype, quant, cache=cache, safe_point=safe_point,
+        parts,
+        checkpoint,
+        store,
+        homes,
+        config.dtype,
+        quant,
+        cache=cache,
+        safe_point=safe_point,
         in_place=config.method == "lora",
-    )  # fmt: skip
+    )
     if cache is not None:
         log.info("quantized layers: %d read from %s, %d quantized", cache.hits, cache.directory, cache.misses)
     return LoadedModel(model, parts, quant, checkpoint, source, Local(store, times), cache)

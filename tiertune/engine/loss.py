@@ -38,8 +38,9 @@ class CausalLMLoss:
         log.debug("kernels: fused linear + cross-entropy (%s, chunked) for %s", self.backend, model_type)
         return True
 
-    def __call__(self, ids: torch.Tensor, extra: dict, target: torch.Tensor,
-                 token_weight: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def __call__(
+        self, ids: torch.Tensor, extra: dict, target: torch.Tensor, token_weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The summed cross-entropy of ``target``'s tokens (``token_weight``: each token's weight in the sum)."""
         if self.fused:
             h = self._hidden(ids, extra)
@@ -55,8 +56,9 @@ class CausalLMLoss:
                 softcap=self._softcap,
                 token_weight=token_weight,
             )
-        losses = F.cross_entropy(self._logits(ids, extra), target.reshape(-1), ignore_index=IGNORE_INDEX,
-                                 reduction="none")  # fmt: skip
+        losses = F.cross_entropy(
+            self._logits(ids, extra), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+        )
         return (losses if token_weight is None else losses * token_weight).sum()
 
     @torch.no_grad()
@@ -65,11 +67,18 @@ class CausalLMLoss:
         autograd and, fused, without the whole logits."""
         if self.fused:
             head = self.model.get_output_embeddings()
-            out = token_cross_entropy(self._hidden(ids, extra), head.weight, target.reshape(-1), head.bias,
-                                      IGNORE_INDEX, softcap=self._softcap)  # fmt: skip
+            out = token_cross_entropy(
+                self._hidden(ids, extra),
+                head.weight,
+                target.reshape(-1),
+                head.bias,
+                IGNORE_INDEX,
+                softcap=self._softcap,
+            )
         else:
-            out = F.cross_entropy(self._logits(ids, extra), target.reshape(-1), ignore_index=IGNORE_INDEX,
-                                  reduction="none")  # fmt: skip
+            out = F.cross_entropy(
+                self._logits(ids, extra), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+            )
         return out.view(target.shape)
 
     @property

@@ -24,11 +24,21 @@ LOSS_TYPES = DPO_LOSS_TYPES
 (policy over reference) minus the rejected one's: ``sigmoid``: ``-log sigmoid(beta * delta)``; ``hinge``:
 ``relu(1 - beta * delta)``; ``ipo``: ``(delta' - 1 / (2 beta))^2`` with each log-ratio divided by its
 completion's tokens (TRL's length normalization)."""
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected")  # fmt: skip
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 """What every preference step logs (TRL's names): a mean over the step's pairs (KTO's: over its micro-batches, of
 each micro-batch's means over its desirable and its undesirable rows, as TRL logs them)."""
-EXTRA_METRICS = {"simpo": ("nll_loss",), "orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen"), "kto": ("kl",)}
+EXTRA_METRICS = {
+    "simpo": ("nll_loss",),
+    "orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen"),
+    "kto": ("kl",),
+}
 """What an objective logs beside ``METRICS``, each a mean over the step's micro-batches (TRL's)."""
 
 
@@ -40,9 +50,14 @@ def metric_names(settings: ObjectiveSettings) -> tuple[str, ...]:
     return names + EXTRA_METRICS.get(settings.type, ())
 
 
-def pair_losses(settings: ObjectiveSettings, token_losses: torch.Tensor, completion: torch.Tensor,
-                ref_logps: torch.Tensor | None, targets: torch.Tensor | None = None,
-                desirable: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:  # fmt: skip
+def pair_losses(
+    settings: ObjectiveSettings,
+    token_losses: torch.Tensor,
+    completion: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+    targets: torch.Tensor | None = None,
+    desirable: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
     """Each pair's loss and the micro-batch's metrics (``metric_names``: each a sum and what it counts) from its
     sequences' per-token losses (``token_losses``, [2 x pairs, length - 1]: chosen rows, then
     rejected; autograd flows through them; 0 where a token has no target), which of those tokens are the
@@ -82,7 +97,9 @@ def pair_losses(settings: ObjectiveSettings, token_losses: torch.Tensor, complet
         losses = -F.logsigmoid(beta * (chosen - rejected) - settings.simpo_gamma)
         if settings.cpo_alpha:  # the chosen completions' mean cross-entropy over the micro-batch
             chosen_completion = completion.chunk(2)[0] * valid.unsqueeze(1)
-            nll = (token_losses.chunk(2)[0] * chosen_completion).sum() / chosen_completion.sum().clamp(min=1.0)
+            nll = (token_losses.chunk(2)[0] * chosen_completion).sum() / chosen_completion.sum().clamp(
+                min=1.0
+            )
             losses = losses + settings.cpo_alpha * nll
             extra["nll_loss"] = nll.detach()
         chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
@@ -94,8 +111,11 @@ def pair_losses(settings: ObjectiveSettings, token_losses: torch.Tensor, complet
         log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
         ratio = F.logsigmoid(log_odds)
         losses = nll - beta * ratio
-        extra = {"nll_loss": nll.detach(), "log_odds_ratio": (ratio.detach() * valid).sum() / pairs,
-                 "log_odds_chosen": (log_odds.detach() * valid).sum() / pairs}  # fmt: skip
+        extra = {
+            "nll_loss": nll.detach(),
+            "log_odds_ratio": (ratio.detach() * valid).sum() / pairs,
+            "log_odds_chosen": (log_odds.detach() * valid).sum() / pairs,
+        }
         chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
     else:
         raise ValueError(f"no preference objective {kind!r} (the recipe checks objective.type)")
@@ -108,12 +128,20 @@ def pair_losses(settings: ObjectiveSettings, token_losses: torch.Tensor, complet
         "logps/chosen": (float((chosen.detach() * valid).sum()), n),
         "logps/rejected": (float((rejected.detach() * valid).sum()), n),
     }
-    metrics.update({k: (float(v), float(n > 0)) for k, v in extra.items()})  # a micro-batch's mean, counted once
+    metrics.update(
+        {k: (float(v), float(n > 0)) for k, v in extra.items()}
+    )  # a micro-batch's mean, counted once
     return losses * valid, metrics
 
 
-def _kto(settings: ObjectiveSettings, logps: torch.Tensor, kl_logps: torch.Tensor, ref_logps: torch.Tensor | None,
-         valid: torch.Tensor, desirable: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:  # fmt: skip
+def _kto(
+    settings: ObjectiveSettings,
+    logps: torch.Tensor,
+    kl_logps: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+    valid: torch.Tensor,
+    desirable: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
     """KTO (TRL's ``KTOTrainer``, loss_type kto): each row's loss against the micro-batch's KL estimate (its KL
     sequences' mean log-ratio, no gradient, at least 0); the metrics as TRL logs them, each micro-batch's mean
     over its desirable rows and over its undesirable ones."""
@@ -126,8 +154,11 @@ def _kto(settings: ObjectiveSettings, logps: torch.Tensor, kl_logps: torch.Tenso
     beta = settings.beta
     good = desirable.bool() & valid.bool()
     bad = ~desirable.bool() & valid.bool()
-    losses = torch.where(good, settings.desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
-                         settings.undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))  # fmt: skip
+    losses = torch.where(
+        good,
+        settings.desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
+        settings.undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))),
+    )
     rewards = beta * ratio.detach()
     metrics: dict[str, tuple[float, float]] = {"kl": (float(kl), float(valid.sum() > 0))}
     means = {}
@@ -168,4 +199,12 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-__all__ = ["EXTRA_METRICS", "LOSS_TYPES", "METRICS", "counted", "disable_dropout", "metric_names", "pair_losses"]
+__all__ = [
+    "EXTRA_METRICS",
+    "LOSS_TYPES",
+    "METRICS",
+    "counted",
+    "disable_dropout",
+    "metric_names",
+    "pair_losses",
+]

@@ -53,9 +53,13 @@ class PairedPasses:
             xs: list[torch.Tensor] = []
             for b in batches:
                 labels = b.get("labels", b["input_ids"])
-                mb = Micro(b["input_ids"].to(device),
-                           {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
-                           labels[:, 1:].to(device), None, None)  # type: ignore[arg-type]  # fmt: skip
+                mb = Micro(
+                    b["input_ids"].to(device),
+                    {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
+                    labels[:, 1:].to(device),
+                    None,
+                    None,
+                )  # type: ignore[arg-type]
                 visit = engine.visit = Capture(len(self.layers))
                 self._decoder(mb)
                 if visit.first is None or any(c is None for c in visit.calls):
@@ -97,8 +101,15 @@ class PairedPasses:
         for j, part in zip(group, out.split([micro[j].shape[0] for j in group]), strict=True):
             micro[j].ref = part
 
-    def _paired_suffix(self, micro: list[Micro], outs: list[torch.Tensor], n_pairs: int, micro_batches: int,
-                       bound: dict, summed: dict) -> tuple[float, float]:  # fmt: skip
+    def _paired_suffix(
+        self,
+        micro: list[Micro],
+        outs: list[torch.Tensor],
+        n_pairs: int,
+        micro_batches: int,
+        bound: dict,
+        summed: dict,
+    ) -> tuple[float, float]:
         """Per micro-batch of pairs: the preference objective (``engine.objective``) from its sequences'
         log-probabilities (the reference's from its own hidden states, computed first), back-propagated to the
         last layer's output through the head as a weighted cross-entropy; its loss divided by the step's
@@ -120,8 +131,14 @@ class PairedPasses:
                 aux_total += aux.finish(j, mb.extra.get("attention_mask"), 1.0 / micro_batches)
             target = _whole_target(mb) if engine.objective.whole_sequences else mb.target
             token_losses = engine.loss.token_losses(mb.ids, mb.extra, target).requires_grad_()
-            losses, metrics = pair_losses(engine.objective, token_losses, mb.target != IGNORE_INDEX, ref_logps,
-                                          target != IGNORE_INDEX, mb.desirable)  # fmt: skip
+            losses, metrics = pair_losses(
+                engine.objective,
+                token_losses,
+                mb.target != IGNORE_INDEX,
+                ref_logps,
+                target != IGNORE_INDEX,
+                mb.desirable,
+            )
             loss_sum = losses.sum()
             (slope,) = torch.autograd.grad(loss_sum, token_losses)  # d loss / d each token's loss
             engine.loss(mb.ids, mb.extra, target, token_weight=(slope / n_pairs).reshape(-1)).backward()

@@ -124,10 +124,13 @@ class Plan:
     def as_json(self) -> dict:
         """Per memory tier: the bytes it needs, its homes, and its reserved slots ({size: count})."""
         return {
-            t.value: {"needed": self.needed(t), "home": self.home[t],
-                      "reserved_slots": {str(size): n for size, n in sorted(self.reserve[t].items())}}
+            t.value: {
+                "needed": self.needed(t),
+                "home": self.home[t],
+                "reserved_slots": {str(size): n for size, n in sorted(self.reserve[t].items())},
+            }
             for t in MEMORY
-        }  # fmt: skip
+        }
 
     def describe(self, tier: Tier) -> str:
         """The reserved slots of ``tier`` in words."""
@@ -208,7 +211,9 @@ def _in_use(chunks: list[PlannedChunk], on_cpu: bool) -> list[list[Moment]]:
     for c in chunks:  # a chunk homed on disk passes through the host to the device
         if c.home is Tier.DISK and c.used_on is Tier.DEVICE:
             host.append([(Tier.HOST, c.capacity)])
-    optimizer = [m for g in groups.values() for j in range(len(g.get("grads", []))) for m in _unit(g, j, on_cpu)]
+    optimizer = [
+        m for g in groups.values() for j in range(len(g.get("grads", []))) for m in _unit(g, j, on_cpu)
+    ]
     # the compute thread's device moments (layers bound) and host moments (a chunk staged for them, gradients
     # added) coincide: counted as two threads, each on its own tier
     return [device, host, optimizer]

@@ -77,9 +77,13 @@ steps are not clipped."""
 
 
 def replay(
-    chunks: Sequence[PlannedChunk], store_cfg: StoreConfig, cfg: EngineConfig, micro_batches: int,
-    clipped: Sequence[bool] = CLIPPED, device: torch.device | None = None,
-) -> Replayed:  # fmt: skip
+    chunks: Sequence[PlannedChunk],
+    store_cfg: StoreConfig,
+    cfg: EngineConfig,
+    micro_batches: int,
+    clipped: Sequence[bool] = CLIPPED,
+    device: torch.device | None = None,
+) -> Replayed:
     """Replay ``len(clipped)`` training steps of ``micro_batches`` micro-batches over ``chunks`` on a ledger
     store configured as ``store_cfg`` (its budgets and the plan's reserve). ``clipped[k]``: whether step k's
     gradient norm is above ``max_grad_norm`` (the engine speculates on a step unless the one before was
@@ -165,15 +169,21 @@ class _Step:
     """The store calls of one training step, in the engine's order."""
 
     def __init__(
-        self, store: ChunkStore, cfg: EngineConfig, device: torch.device, groups: list[_Group], stash: list[Chunk]
+        self,
+        store: ChunkStore,
+        cfg: EngineConfig,
+        device: torch.device,
+        groups: list[_Group],
+        stash: list[Chunk],
     ) -> None:
         self.store, self.cfg, self.device = store, cfg, device
         # the layer boundaries: the engine's stash over the ledger (``stash.ChunkStash``), else tensors of
         # no bytes (activations on the device, outside the store)
         self.boundaries: Stash = (
-            ChunkStash(store, stash, stash_slots(cfg), defaultdict(float)) if stash
+            ChunkStash(store, stash, stash_slots(cfg), defaultdict(float))
+            if stash
             else DeviceStash(torch.device("meta"), cfg.dtype)
-        )  # fmt: skip
+        )
         self.layers = [g for g in groups if g.layer]
         self.others = [g for g in groups if not g.layer]
         # the optimizer's units in the order backward finishes them (``StreamedTrainer.units``)

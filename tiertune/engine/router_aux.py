@@ -41,8 +41,15 @@ class RouterAux:
     Trainer instead sums them, scaling the coefficient with gradient_accumulation_steps).
     """
 
-    def __init__(self, loss: Callable, coef: float, experts: int, top_k: int, routers: list[list[nn.Module]],
-                 index: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        loss: Callable,
+        coef: float,
+        experts: int,
+        top_k: int,
+        routers: list[list[nn.Module]],
+        index: int,
+    ) -> None:
         self.loss, self.coef, self.experts, self.top_k = loss, coef, experts, top_k
         self._index = index  # the router output that holds the logits
         self._collecting = False
@@ -66,17 +73,23 @@ class RouterAux:
         computes = loss is not None and recorder is not None and hasattr(model, "router_aux_loss_coef")
         if not getattr(config, "output_router_logits", False):
             if computes:
-                log.info("the loss has no router auxiliary loss: %s's config has output_router_logits false",
-                         name)  # fmt: skip
+                log.info(
+                    "the loss has no router auxiliary loss: %s's config has output_router_logits false", name
+                )
             return None
         if not computes:
-            log.info("the loss has no router auxiliary loss: transformers' %s computes none "
-                     "(output_router_logits only returns the router logits)", name)  # fmt: skip
+            log.info(
+                "the loss has no router auxiliary loss: transformers' %s computes none "
+                "(output_router_logits only returns the router logits)",
+                name,
+            )
             return None
         target = recorder.target_class
         routers = [[m for m in layer.modules() if isinstance(m, target)] for layer in layers]
-        log.info("the loss includes the router auxiliary loss: %s x transformers' load_balancing_loss_func",
-                 model.router_aux_loss_coef)  # fmt: skip
+        log.info(
+            "the loss includes the router auxiliary loss: %s x transformers' load_balancing_loss_func",
+            model.router_aux_loss_coef,
+        )
         coef, experts, top_k = model.router_aux_loss_coef, model.num_experts, model.num_experts_per_tok
         return cls(loss, float(coef), int(experts), int(top_k), routers, recorder.index)
 

@@ -81,13 +81,17 @@ class LayerMajor(PairedPasses):
         if limit <= 0 or self._random[i] or self.engine.router_aux is not None:
             return [[j] for j in range(len(micro))]
         return _first_fit(
-            micro, limit,
-            lambda head, mb: mb.shape[1:] == head.shape[1:]
-            and stack_calls([head.calls[i], mb.calls[i]], [head.shape[0], mb.shape[0]]) is not None,
-        )  # fmt: skip
+            micro,
+            limit,
+            lambda head, mb: (
+                mb.shape[1:] == head.shape[1:]
+                and stack_calls([head.calls[i], mb.calls[i]], [head.shape[0], mb.shape[0]]) is not None
+            ),
+        )
 
-    def _stacked(self, i: int, micro: Sequence[Micro], group: list[int], xs: Sequence[torch.Tensor]
-                 ) -> tuple[torch.Tensor, Call]:  # fmt: skip
+    def _stacked(
+        self, i: int, micro: Sequence[Micro], group: list[int], xs: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, Call]:
         """The inputs and call of ``group``'s micro-batches at layer ``i`` as one batch."""
         if len(group) == 1:
             return xs[group[0]], micro[group[0]].calls[i]
@@ -99,8 +103,13 @@ class LayerMajor(PairedPasses):
         """The waves of a step of ``micro_batches`` (``waves``)."""
         return waves(self.engine.config, micro_batches)
 
-    def run(self, batches: Sequence[dict[str, torch.Tensor]], labels: Sequence[torch.Tensor], n_tokens: int,
-            micro_batches: int) -> tuple[float, float]:  # fmt: skip
+    def run(
+        self,
+        batches: Sequence[dict[str, torch.Tensor]],
+        labels: Sequence[torch.Tensor],
+        n_tokens: int,
+        micro_batches: int,
+    ) -> tuple[float, float]:
         """One wave over ``batches`` (their ``labels``), its loss divided by the step's ``n_tokens`` target
         tokens; returns the wave's summed cross-entropy and its router auxiliary losses' sum (unweighted)."""
         engine = self.engine
@@ -114,13 +123,18 @@ class LayerMajor(PairedPasses):
             stack.callback(setattr, engine, "visit", None)
             stack.callback(self.stash.abandon)  # nothing is open when the wave ends as it should
             micro = [
-                Micro(b["input_ids"].to(device),
-                      {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
-                      lab[:, 1:].to(device), rng, rng, pairs=int(b.get("pairs", 0)),
-                      ref_logps=b["ref_logps"].to(device) if "ref_logps" in b else None,
-                      desirable=b["label"].to(device) if "label" in b else None)
+                Micro(
+                    b["input_ids"].to(device),
+                    {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
+                    lab[:, 1:].to(device),
+                    rng,
+                    rng,
+                    pairs=int(b.get("pairs", 0)),
+                    ref_logps=b["ref_logps"].to(device) if "ref_logps" in b else None,
+                    desirable=b["label"].to(device) if "label" in b else None,
+                )
                 for b, lab, rng in zip(batches, labels, streams(len(batches), device), strict=True)
-            ]  # fmt: skip
+            ]
             prefix_trained, first = self._prefix(micro)
             last = self._forward(micro, first)
             suffix = self._paired_suffix if engine.objective.paired else self._suffix
@@ -193,14 +207,23 @@ class LayerMajor(PairedPasses):
                     for j, part in zip(group, out.split([micro[j].shape[0] for j in group]), strict=True):
                         ys[j].copy_(part)
                     del out, x
-                    if self.reference:  # the same weights, read once: the reference's hidden states move on too
+                    if (
+                        self.reference
+                    ):  # the same weights, read once: the reference's hidden states move on too
                         self._reference_layer(i, micro, group)
             self.stash.close(i, keep=True)
             xs = ys
         return xs
 
-    def _suffix(self, micro: list[Micro], outs: list[torch.Tensor], n_tokens: int, micro_batches: int,
-                bound: dict, summed: dict) -> tuple[float, float]:  # fmt: skip
+    def _suffix(
+        self,
+        micro: list[Micro],
+        outs: list[torch.Tensor],
+        n_tokens: int,
+        micro_batches: int,
+        bound: dict,
+        summed: dict,
+    ) -> tuple[float, float]:
         """Per micro-batch: the final norm, head and loss on the last layer's output (``outs``, boundary L,
         held), back-propagated to it."""
         engine = self.engine
@@ -212,7 +235,9 @@ class LayerMajor(PairedPasses):
             one = len(group) == 1
             leaf = (outs[group[0]] if one else torch.cat([outs[j] for j in group])).detach().requires_grad_()
             engine.visit = Suffix(last - 1, leaf)
-            if aux is not None:  # its gradient joins each layer's backward (a stack of one: ``_suffix_stacks``)
+            if (
+                aux is not None
+            ):  # its gradient joins each layer's backward (a stack of one: ``_suffix_stacks``)
                 aux_total += aux.finish(group[0], parts[0].extra.get("attention_mask"), 1.0 / micro_batches)
             if one:
                 ids, extra, target = parts[0].ids, parts[0].extra, parts[0].target
@@ -239,9 +264,10 @@ class LayerMajor(PairedPasses):
         if limit <= 0 or self.engine.router_aux is not None:
             return [[j] for j in range(len(micro))]
         return _first_fit(
-            micro, limit,
+            micro,
+            limit,
             lambda head, mb: (mb.shape[1:], sorted(mb.extra)) == (head.shape[1:], sorted(head.extra)),
-        )  # fmt: skip
+        )
 
     def _backward(self, micro: list[Micro], prefix_trained: bool) -> None:
         """Layers L-1..0, each visited once: recomputed and back-propagated for every micro-batch."""
@@ -273,7 +299,9 @@ class LayerMajor(PairedPasses):
                         outputs: list = [Handoff.apply(out, [grad])]
                         grad_outputs: list = [None]
                         del out, grad
-                        if engine.router_aux is not None:  # the auxiliary loss's gradient at the router logits
+                        if (
+                            engine.router_aux is not None
+                        ):  # the auxiliary loss's gradient at the router logits
                             for logits, g in engine.router_aux.gradients(group[0], i):
                                 outputs.append(logits)
                                 grad_outputs.append(g)
@@ -283,7 +311,11 @@ class LayerMajor(PairedPasses):
                             else []
                         )
                     gx = grads.pop(0) if input_grad else None
-                    parts = gx.split([micro[j].shape[0] for j in group]) if gx is not None else [None] * len(group)
+                    parts = (
+                        gx.split([micro[j].shape[0] for j in group])
+                        if gx is not None
+                        else [None] * len(group)
+                    )
                     for j, part in zip(group, parts, strict=True):
                         micro[j].grad = part
                     for name, g in zip(trained, grads[: len(trained)], strict=True):

@@ -74,7 +74,9 @@ class Local:
     def all_reduce_grads(self, params: Sequence[torch.Tensor]) -> None:
         """Nothing to sum: the adapters' gradients are this process's."""
 
-    def read_part(self, name: str, read: Callable[[torch.Tensor], None], view: torch.Tensor, shape: tuple) -> None:
+    def read_part(
+        self, name: str, read: Callable[[torch.Tensor], None], view: torch.Tensor, shape: tuple
+    ) -> None:
         """Fill ``view`` with tensor ``name`` (of ``shape``) as ``read(tensor)`` reads it: the whole tensor."""
         read(view)
 
@@ -166,7 +168,9 @@ class Zero:
             p.grad.copy_(flat[at : at + n].view_as(p.grad))  # type: ignore[union-attr]
             at += n
 
-    def read_part(self, name: str, read: Callable[[torch.Tensor], None], view: torch.Tensor, shape: tuple) -> None:
+    def read_part(
+        self, name: str, read: Callable[[torch.Tensor], None], view: torch.Tensor, shape: tuple
+    ) -> None:
         """Fill ``view`` (this rank's flat part of tensor ``name`` in a shard) with its elements of the tensor
         of ``shape`` that ``read(tensor)`` reads whole."""
         whole = torch.empty(shape, dtype=view.dtype)

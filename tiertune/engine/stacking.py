@@ -29,9 +29,12 @@ def _same(a: object, b: object) -> bool:
     """Whether two leaves of a layer's call are the same value (tensors: shape and elements)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
-            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-            and a.dtype == b.dtype and torch.equal(a, b)
-        )  # fmt: skip
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and torch.equal(a, b)
+        )
     if a is b:
         return True
     if type(a) is not type(b):

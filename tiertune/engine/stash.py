@@ -81,12 +81,20 @@ class ChunkStash(Stash):
         self.store, self.chunks, self.slots, self.times = store, chunks, slots, times
         self._written: set[int] = set()
         self._open: set[int] = set()
-        self._done: int | None = None  # read in forward, still on the device: sent down when the next is opened
+        self._done: int | None = (
+            None  # read in forward, still on the device: sent down when the next is opened
+        )
         self._leaving: int | None = None  # being sent down: landed by ``settle``
 
     @classmethod
     def add(
-        cls, store: ChunkStore, layers: int, slot: int, slots: int, dtype: torch.dtype, times: dict[str, float]
+        cls,
+        store: ChunkStore,
+        layers: int,
+        slot: int,
+        slots: int,
+        dtype: torch.dtype,
+        times: dict[str, float],
     ) -> ChunkStash:
         """Register the ``layers + 1`` boundary chunks of ``slots`` slots of ``slot`` elements in ``store``."""
         chunks = [

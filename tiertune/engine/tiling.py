@@ -65,11 +65,15 @@ class _Tiled(torch.autograd.Function):
         trained = [i for i, p in enumerate(params) if ctx.needs_input_grad[5 + i]]
         flat = x.reshape(1, -1, x.shape[-1])
         grads = grad.reshape(1, -1, grad.shape[-1])
-        whole = torch.empty(x.shape, dtype=x.dtype, device=x.device) if wants_x else None  # no view: summed in place
+        whole = (
+            torch.empty(x.shape, dtype=x.dtype, device=x.device) if wants_x else None
+        )  # no view: summed in place
         gx = whole.view(1, -1, x.shape[-1]) if whole is not None else None
         sums: list[torch.Tensor | None] = [None] * len(params)
         start = 0
-        for t, (part, g) in enumerate(zip(flat.split(ctx.tile, dim=1), grads.split(ctx.tile, dim=1), strict=True)):
+        for t, (part, g) in enumerate(
+            zip(flat.split(ctx.tile, dim=1), grads.split(ctx.tile, dim=1), strict=True)
+        ):
             part = part.detach().requires_grad_(wants_x)
             with torch.enable_grad(), ctx.rngs[t].running(x.device) if ctx.rngs else nullcontext():
                 out = ctx.forward(part)
@@ -96,7 +100,11 @@ def tile_mlp(layer: nn.Module, tile: int, model_type: str | None = None) -> bool
     residual sum goes into the block's output in place (``_Residual``)."""
     norm, adds = mlp_fold(model_type) if model_type else (None, False)
     mlp = getattr(layer, "mlp", None)
-    if tile <= 0 or not isinstance(mlp, nn.Module) or any(n.endswith("experts") for n, _ in mlp.named_modules()):
+    if (
+        tile <= 0
+        or not isinstance(mlp, nn.Module)
+        or any(n.endswith("experts") for n, _ in mlp.named_modules())
+    ):
         return False
     inner = mlp.forward
     modules = [mlp]
@@ -142,7 +150,10 @@ def tile_projections(layer: nn.Module, tile: int, model_type: str | None = None)
     attention = getattr(layer, "self_attn", None)
     if tile <= 0 or not isinstance(norm, nn.Module) or not isinstance(attention, nn.Module):
         return False
-    names = next((ns for ns in PROJECTIONS if all(isinstance(getattr(attention, n, None), nn.Module) for n in ns)), None)
+    names = next(
+        (ns for ns in PROJECTIONS if all(isinstance(getattr(attention, n, None), nn.Module) for n in ns)),
+        None,
+    )
     if names is None:
         return False
     applied = norm.forward
@@ -197,8 +208,9 @@ def _tokens(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
-def _tiled(block: Callable, modules: list[nn.Module], tile: int, random: bool, residual: bool,
-           x: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def _tiled(
+    block: Callable, modules: list[nn.Module], tile: int, random: bool, residual: bool, x: torch.Tensor
+) -> torch.Tensor:
     """``block`` over ``x`` in tiles of ``tile`` tokens, keeping only ``x`` (and ``modules``' trained
     parameters) for backward."""
     params = [p for m in modules for p in m.parameters() if p.requires_grad]

@@ -124,14 +124,17 @@ class StreamedTrainer(TrainerViews):
             Counter() if config.kernels == "none" else patch_model(self.model, self.kernel_backend)
         )
         # packed and padded rows as causal segments, never a sequence x sequence mask (None: it does; else why not)
-        self.attention_kept = "kernels: none" if config.kernels == "none" else use_segment_attention(self.model)
+        self.attention_kept = (
+            "kernels: none" if config.kernels == "none" else use_segment_attention(self.model)
+        )
         # the hidden states at the layer boundaries of a wave of micro-batches: with activations on the host,
         # a chunk per boundary with a slot per micro-batch of a wave
         self.stash: Stash = DeviceStash(self.device, config.dtype)
         if config.activations == "host":
             slot = config.activation_tokens * self.model.config.get_text_config(decoder=True).hidden_size
-            self.stash = ChunkStash.add(self.store, len(self.parts.layers), slot, stash_slots(config), config.dtype,
-                                        self.times)  # fmt: skip
+            self.stash = ChunkStash.add(
+                self.store, len(self.parts.layers), slot, stash_slots(config), config.dtype, self.times
+            )
         # after the stash: the twins take what room is left (as estimate lays them out)
         self.overlap = add_twins(self.store, self.states, config, self.device) if trained else False
         # MoE: the router's auxiliary loss, where transformers computes one and the config asks for it
@@ -154,14 +157,34 @@ class StreamedTrainer(TrainerViews):
         units = [(s, j) for s in layers + others for j in range(len(s.weights))]
         # the update: the CPU optimizer of the trained groups' chunks, or the adapters' own (LoRA)
         self.updater: Updater | AdapterUpdate = (
-            Updater(self.store, config, self.states, units, self._param_order, self.step_ctx, self.times,
-                    self.device, self.galore, self.optimizer_counts, self.sharding)
+            Updater(
+                self.store,
+                config,
+                self.states,
+                units,
+                self._param_order,
+                self.step_ctx,
+                self.times,
+                self.device,
+                self.galore,
+                self.optimizer_counts,
+                self.sharding,
+            )
             if self.adapters is None
             else AdapterUpdate(self.adapters, config, self.step_ctx, self.optimizer_counts, self.sharding)
-        )  # fmt: skip
+        )
         shapes = {n: p.shape for n, p in self.binder.meta.items()}
-        self.gradients = GradientSink(self.store, self.step_ctx, self.times, self.updater, self.galore,
-                                      self.device, shapes, self._add_accumulator, self.sharding)  # fmt: skip
+        self.gradients = GradientSink(
+            self.store,
+            self.step_ctx,
+            self.times,
+            self.updater,
+            self.galore,
+            self.device,
+            shapes,
+            self._add_accumulator,
+            self.sharding,
+        )
         self.last_grad_norm = float("nan")
         self._lr = LRSchedule(
             config.learning_rate, config.lr_scheduler_type, config.warmup_steps, config.max_steps
@@ -276,7 +299,9 @@ class StreamedTrainer(TrainerViews):
         step_began = time.perf_counter()
         labels = [mb.get("labels", mb["input_ids"]) for mb in micro_batches]
         if self.objective.paired:
-            if not all("pairs" in mb and 2 * int(mb["pairs"]) == len(mb["input_ids"]) for mb in micro_batches):
+            if not all(
+                "pairs" in mb and 2 * int(mb["pairs"]) == len(mb["input_ids"]) for mb in micro_batches
+            ):
                 raise DataError(
                     f"objective.type {self.objective.type} trains on pairs: each micro-batch needs 'pairs' and twice "
                     "as many rows (chosen, then rejected; data.format: preference)"
@@ -285,7 +310,9 @@ class StreamedTrainer(TrainerViews):
             n_tokens = sum(int(counted((lab[:, 1:] != IGNORE_INDEX).sum(1)).sum()) for lab in labels)
         else:
             n_tokens = sum(int((lab[:, 1:] != IGNORE_INDEX).sum()) for lab in labels)
-        n_tokens = int(self.sharding.total(n_tokens, torch.int64))  # the global batch's: every rank divides by it
+        n_tokens = int(
+            self.sharding.total(n_tokens, torch.int64)
+        )  # the global batch's: every rank divides by it
         if n_tokens == 0:
             raise DataError(
                 "a training step has no target tokens (every label is -100); check the data and max_seq_len"
@@ -308,7 +335,9 @@ class StreamedTrainer(TrainerViews):
             self.step_ctx.first_wave = w == 0
             self.step_ctx.last_wave = w == len(waves) - 1
             batches = [micro_batches[k] for k in wave]
-            loss_sum, aux_sum = self.schedule.run(batches, [labels[k] for k in wave], n_tokens, len(micro_batches))
+            loss_sum, aux_sum = self.schedule.run(
+                batches, [labels[k] for k in wave], n_tokens, len(micro_batches)
+            )
             total += loss_sum
             aux_total += aux_sum
         total = float(self.sharding.total(total))

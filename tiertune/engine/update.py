@@ -38,7 +38,9 @@ class StepContext:
 
     lr: float = 0.0  # this step's learning rate
     speculating: bool = False  # the optimizer runs during backward, into twins, before the norm is known
-    first_wave: bool = False  # the wave of micro-batches being back-propagated is the step's first (overwrites)
+    first_wave: bool = (
+        False  # the wave of micro-batches being back-propagated is the step's first (overwrites)
+    )
     last_wave: bool = False  # ... its last (gradients final: norms taken, units handed to the optimizer)
     traced: bool = True  # weight accesses enter the scheduler's trace (not during inference or DoRA init)
     number: int = 1  # the step being made, counted from 1 (AdamW's bias correction, GaLore's refreshes)
@@ -68,9 +70,13 @@ class OptimizerWorker:
     """
 
     def __init__(
-        self, store: ChunkStore, run_unit: Callable[[Unit, torch.Tensor | None], None], times: dict[str, float],
-        lookahead: int = 2, max_pending: int = 2,
-    ) -> None:  # fmt: skip
+        self,
+        store: ChunkStore,
+        run_unit: Callable[[Unit, torch.Tensor | None], None],
+        times: dict[str, float],
+        lookahead: int = 2,
+        max_pending: int = 2,
+    ) -> None:
         """``run_unit((state, j), coef)`` updates weight chunk ``j`` of group state ``state``; the seconds it
         takes are added to ``times["optimizer_busy"]``."""
         self._store = store
@@ -172,12 +178,23 @@ class Updater:
     """
 
     def __init__(
-        self, store: ChunkStore, config: EngineConfig, states: list[GroupState], units: list[Unit],
-        param_order: list[str], ctx: StepContext, times: dict[str, float], device: torch.device,
-        galore: GaLore | None, counts: dict[str, int], sharding: Sharding,
-    ) -> None:  # fmt: skip
+        self,
+        store: ChunkStore,
+        config: EngineConfig,
+        states: list[GroupState],
+        units: list[Unit],
+        param_order: list[str],
+        ctx: StepContext,
+        times: dict[str, float],
+        device: torch.device,
+        galore: GaLore | None,
+        counts: dict[str, int],
+        sharding: Sharding,
+    ) -> None:
         self.store, self.config, self.states, self.units = store, config, states, units
-        self.sharding = sharding  # ZeRO-3: the norms are of this rank's elements, the clipping norm all-reduced
+        self.sharding = (
+            sharding  # ZeRO-3: the norms are of this rank's elements, the clipping norm all-reduced
+        )
         self.param_order, self.ctx, self.device, self.galore, self.counts = (
             param_order,
             ctx,
@@ -281,9 +298,13 @@ class Updater:
                 g = torch._foreach_mul(g, coef)  # out of place: a redo needs the gradients as they were
             by_name = dict(zip(names, g, strict=True))
             hp = AdamStep(
-                self.ctx.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay,
+                self.ctx.lr,
+                cfg.adam_beta1,
+                cfg.adam_beta2,
+                cfg.adam_epsilon,
+                cfg.weight_decay,
                 self.ctx.number,
-            )  # fmt: skip
+            )
             eight_bit = cfg.optim == "adamw_bnb_8bit"
             if self.galore is not None:
                 proj_chunk = state.proj[j]
@@ -314,9 +335,20 @@ class AdapterUpdate:
     change: ``units`` is empty and ``before_update`` is never called."""
 
     def __init__(
-        self, adapters: Adapters, config: EngineConfig, ctx: StepContext, counts: dict[str, int], sharding: Sharding
+        self,
+        adapters: Adapters,
+        config: EngineConfig,
+        ctx: StepContext,
+        counts: dict[str, int],
+        sharding: Sharding,
     ) -> None:
-        self.adapters, self.config, self.ctx, self.counts, self.sharding = adapters, config, ctx, counts, sharding
+        self.adapters, self.config, self.ctx, self.counts, self.sharding = (
+            adapters,
+            config,
+            ctx,
+            counts,
+            sharding,
+        )
         self.units: list[Unit] = []
         self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
 

@@ -54,8 +54,11 @@ class TrainerViews:
         for state in self.states:
             counts[state.group.kind] += state.group.numel
             counts["total"] += state.group.numel
-        counts["trained"] = (sum(p.numel() for p in self.adapters.params) if self.adapters is not None
-                             else sum(s.group.numel for s in self.states if s.trainable))  # fmt: skip
+        counts["trained"] = (
+            sum(p.numel() for p in self.adapters.params)
+            if self.adapters is not None
+            else sum(s.group.numel for s in self.states if s.trainable)
+        )
         return dict(counts)
 
     def chunk_sizes(self) -> dict[str, list[int]]:

@@ -50,7 +50,9 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
-                if storage not in self._seen and id(storage) not in inputs:  # not a view of an input (a weight)
+                if (
+                    storage not in self._seen and id(storage) not in inputs
+                ):  # not a view of an input (a weight)
                     counted = [storage.nbytes()]
                     self._seen[storage] = counted
                     self.live += counted[0]
@@ -61,8 +63,13 @@ class LiveBytes(TorchDispatchMode):
     def _in_place(self, old, new) -> None:
         """The engine's ``old + new`` as it would run it: into ``old`` or else ``new``, if one qualifies."""
         for t in (old, new):
-            if (isinstance(t, torch.Tensor) and not t._is_view() and t.is_contiguous()
-                    and t.shape == old.shape == new.shape and t.dtype == old.dtype == new.dtype):  # fmt: skip
+            if (
+                isinstance(t, torch.Tensor)
+                and not t._is_view()
+                and t.is_contiguous()
+                and t.shape == old.shape == new.shape
+                and t.dtype == old.dtype == new.dtype
+            ):
                 counted = self._seen.get(t.untyped_storage())
                 if counted is not None:  # its bytes pass to the sum
                     self._freed(counted)
@@ -80,7 +87,10 @@ def _summed_by_autograd() -> bool:
     while frame is not None:
         if frame.f_code.co_name == "_engine_run_backward":
             return True
-        if f"{os.sep}torch{os.sep}" not in frame.f_code.co_filename and frame.f_code.co_name != "__torch_dispatch__":
+        if (
+            f"{os.sep}torch{os.sep}" not in frame.f_code.co_filename
+            and frame.f_code.co_name != "__torch_dispatch__"
+        ):
             return False  # Python code of its own (an autograd Function's backward) called it
         frame = frame.f_back
     return False
@@ -97,8 +107,11 @@ class _FlashShaped(torch.autograd.Function):
         batch, heads, length, _ = q.shape
         # a GPU's kernels write (batch, length, heads, dim), which the layer's transpose back finds contiguous; a
         # CPU's flash kernel (batch, heads, length, dim), which it copies
-        out = (q.new_empty(batch, length, heads, v.shape[-1]).transpose(1, 2) if gpu
-               else q.new_empty(batch, heads, length, v.shape[-1]))  # fmt: skip
+        out = (
+            q.new_empty(batch, length, heads, v.shape[-1]).transpose(1, 2)
+            if gpu
+            else q.new_empty(batch, heads, length, v.shape[-1])
+        )
         ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
         return out
 
@@ -153,8 +166,14 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int, gpu: bool = False) -> i
     # the adapters' gradients are a layer's temporaries too; a full fine-tune's weight gradients are the plan's
     # own item (``a layer's gradient, summed over a wave``)
     trained = [p for n, p in layer.named_parameters() if cfg.method == "lora" and "lora_" in n]
-    rotary = next((m for n, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")
-                   and ".layers." not in f".{n}."), None)  # fmt: skip
+    rotary = next(
+        (
+            m
+            for n, m in model.named_modules()
+            if type(m).__name__.endswith("RotaryEmbedding") and ".layers." not in f".{n}."
+        ),
+        None,
+    )
     width = model.config.get_text_config(decoder=True).hidden_size
     hidden = torch.zeros(1, tokens, width, device="meta", dtype=cfg.dtype, requires_grad=True)
     positions = torch.arange(tokens, device="meta")[None]

@@ -59,7 +59,9 @@ log = logging.getLogger("tiertune.checkpoint")
 
 PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
-CHECKSUMS = "checksums.json"  # {relative path: {"bytes": n, "xxh3_64": hex}} of every other file, written last
+CHECKSUMS = (
+    "checksums.json"  # {relative path: {"bytes": n, "xxh3_64": hex}} of every other file, written last
+)
 RECIPE_FILE = "recipe.yaml"  # the resolved recipe of the run, in the run directory and in each checkpoint
 STOP_GRACE_S = 2.0
 """Seconds a run stopping for a signal gives the checkpoint being written to complete before it drops it (the
@@ -289,8 +291,11 @@ class CheckpointWriter:
         chunks = trainer.state_chunks(in_update_order=True)
         placed = placements(trainer)
         self._files = {c.id: own / f"{c.name}.safetensors" for c in chunks if placed[c.id]}
-        files = [(str(self._files[c.id].relative_to(tmp)), placed[c.id]) for c in trainer.state_chunks()
-                 if c.id in self._files]  # fmt: skip
+        files = [
+            (str(self._files[c.id].relative_to(tmp)), placed[c.id])
+            for c in trainer.state_chunks()
+            if c.id in self._files
+        ]
         state = dict(trainer_state, tiertune=dict(trainer_state.get("tiertune", {}), **trainer.counters()))
         state["tiertune"]["checksums"] = CHECKSUMS
         state["tiertune"]["world_size"] = world.size
@@ -300,9 +305,11 @@ class CheckpointWriter:
             self._failed = None
         trainer.before_update = self.capture
         self._thread = threading.Thread(
-            target=self._run, args=(chunks, rank_index(files), tmp, final, state), name="tiertune-checkpoint",
+            target=self._run,
+            args=(chunks, rank_index(files), tmp, final, state),
+            name="tiertune-checkpoint",
             daemon=True,
-        )  # fmt: skip
+        )
         self._thread.start()
         return final
 
@@ -478,7 +485,9 @@ def _collect(tmp: Path, world_size: int, step: int, abandoned: threading.Event) 
             seen, quiet_since = written, time.monotonic()
         elif abandoned.is_set() or time.monotonic() - quiet_since > patience:
             missing = [r for r in range(world_size) if r not in parts]
-            why = "stopped" if abandoned.is_set() else f"wrote nothing for {patience:.0f} s (stopped or failed)"
+            why = (
+                "stopped" if abandoned.is_set() else f"wrote nothing for {patience:.0f} s (stopped or failed)"
+            )
             raise StateError(
                 f"{PREFIX}{step} was not written: rank(s) {missing} {why}; the checkpoints before it are intact"
             )

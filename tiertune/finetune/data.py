@@ -89,7 +89,9 @@ class TokenizedData:
     @functools.cached_property
     def max_token_id(self) -> int:
         """The largest token id in the rows (-1 when there are none)."""
-        return max((max(ids) for column in self._id_columns for ids in self.rows[column] if len(ids)), default=-1)
+        return max(
+            (max(ids) for column in self._id_columns for ids in self.rows[column] if len(ids)), default=-1
+        )
 
 
 class _BadRow(Exception):
@@ -262,13 +264,23 @@ def load_data(
     dropped = len(encoded) - skipped - len(kept)
     kept = kept.remove_columns(["bad", "useful", "lossy"])
     if fmt == "unpaired_preference" and len(kept):
-        kept = kept.map(_kl_sequences, batched=True, batch_size=kl_block, remove_columns=["completion_ids", "prompt_len"],
-                        fn_kwargs={"max_seq_len": max_seq_len, "code": settings["code"]}, desc="KL sequences")  # fmt: skip
+        kept = kept.map(
+            _kl_sequences,
+            batched=True,
+            batch_size=kl_block,
+            remove_columns=["completion_ids", "prompt_len"],
+            fn_kwargs={"max_seq_len": max_seq_len, "code": settings["code"]},
+            desc="KL sequences",
+        )
     if len(kept) == 0:
         raise DataError(
             f"{path} has no usable rows ({skipped} skipped as bad, {dropped} with nothing to predict within "
             f"data.max_seq_len {max_seq_len}"
-            + (", a prompt that fills it, or a chosen completion equal to the rejected one)" if fmt in PAIRED else ")")
+            + (
+                ", a prompt that fills it, or a chosen completion equal to the rejected one)"
+                if fmt in PAIRED
+                else ")"
+            )
         )
     return TokenizedData(kept, skipped, dropped, Path(path))
 
@@ -403,8 +415,9 @@ def _render(
     return ids[:max_seq_len], labels[:max_seq_len], parts
 
 
-def _render_pair(row: dict, tokenizer: Any, max_seq_len: int, add_eos: bool
-                 ) -> tuple[list[int], list[int], tuple[list[int], list[int]], list[tuple[list[int], str]]]:  # fmt: skip
+def _render_pair(
+    row: dict, tokenizer: Any, max_seq_len: int, add_eos: bool
+) -> tuple[list[int], list[int], tuple[list[int], list[int]], list[tuple[list[int], str]]]:
     """A preference row's chosen sequence and labels, its rejected ones, and its texts, as TRL's DPOTrainer
     tokenizes them (the module's docstring)."""
     chosen, rejected = row.get("chosen"), row.get("rejected")
@@ -437,19 +450,23 @@ def _render_pair(row: dict, tokenizer: Any, max_seq_len: int, add_eos: bool
     start = min(_common_prefix(prompt_ids, ids) for ids in pair_ids)
     parts = [(_content_ids(tokenizer, t), t) for t in texts]
     # a prompt that fills max_seq_len leaves no target: the row is dropped (TRL's filter)
-    (ids, labels), second = ((ids[:max_seq_len], ([IGNORE_INDEX] * start + ids[start:])[:max_seq_len])
-                             for ids in pair_ids)  # fmt: skip
+    (ids, labels), second = (
+        (ids[:max_seq_len], ([IGNORE_INDEX] * start + ids[start:])[:max_seq_len]) for ids in pair_ids
+    )
     return ids, labels, second, parts
 
 
-def _render_unpaired(row: dict, tokenizer: Any, max_seq_len: int, add_eos: bool
-                     ) -> tuple[list[int], list[int], tuple[list[int], int, bool], list[tuple[list[int], str]]]:  # fmt: skip
+def _render_unpaired(
+    row: dict, tokenizer: Any, max_seq_len: int, add_eos: bool
+) -> tuple[list[int], list[int], tuple[list[int], int, bool], list[tuple[list[int], str]]]:
     """An unpaired preference row's sequence and labels (as ``_render_pair`` renders one completion), its whole
     completion's tokens, its prompt's length and its label, and its texts."""
     label = row.get("label")
     if not isinstance(label, bool):
         found = "no such field" if label is None else _a(type(label).__name__)
-        raise _BadRow("a boolean 'label' (true: a desirable completion)", f"{found} (the row has {_keys(row)})")
+        raise _BadRow(
+            "a boolean 'label' (true: a desirable completion)", f"{found} (the row has {_keys(row)})"
+        )
     prompt, completion = row.get("prompt"), row.get("completion")
     if isinstance(completion, list):
         prompt, completion = _messages(row, "prompt"), _messages(row, "completion")
@@ -496,7 +513,9 @@ def _messages(row: dict, field: str) -> list[dict]:
         isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in value
     ):
         found = "no such field" if value is None else "something else"
-        raise _BadRow(f"a list {field!r} of {{'role', 'content'}} objects", f"{found} (the row has {_keys(row)})")
+        raise _BadRow(
+            f"a list {field!r} of {{'role', 'content'}} objects", f"{found} (the row has {_keys(row)})"
+        )
     return value
 
 
@@ -507,8 +526,9 @@ def _chat_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool 
             "has none; use a model whose tokenizer has one, or rows whose prompt and completions are strings"
         )
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                        add_generation_prompt=add_generation_prompt)  # fmt: skip
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt
+    )
     return list(out["input_ids"])
 
 

@@ -35,28 +35,40 @@ def make_bpe_tokenizer(texts: list[str], directory: str | Path, vocab_size: int 
 
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
     core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     core.train_from_iterator(texts, trainer)
     core.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+        single="<|begin_of_text|> $A",
+        pair="<|begin_of_text|> $A $B",
         special_tokens=[("<|begin_of_text|>", core.token_to_id("<|begin_of_text|>"))],
-    )  # fmt: skip
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=specials[0], eos_token=specials[1],
-                                  pad_token=specials[2])  # fmt: skip
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token=specials[0], eos_token=specials[1], pad_token=specials[2]
+    )
     tok.save_pretrained(directory)
     return tok
 
 
 def make_model(
-    directory: str | Path, texts: list[str], layers: int = 4, hidden: int = 64, seed: int = 0,
+    directory: str | Path,
+    texts: list[str],
+    layers: int = 4,
+    hidden: int = 64,
+    seed: int = 0,
     tokenizer: str = "word",
-) -> Path:  # fmt: skip
+) -> Path:
     """Save a small random Llama with a tokenizer fitted to ``texts`` as a Hugging Face directory: a word-level
     one (``tokenizer="word"``), or a byte-level BPE (``"bpe"``, as Llama 3's: llama.cpp reads it)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -65,10 +77,18 @@ def make_model(
     directory.mkdir(parents=True, exist_ok=True)
     tok = (make_bpe_tokenizer if tokenizer == "bpe" else make_tokenizer)(texts, directory)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-    )  # fmt: skip
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
     torch.manual_seed(seed)
     from transformers.utils import logging as hf_logging
 

@@ -117,10 +117,17 @@ class ScaleOut:
         return {tier: n * self.per_node for tier, n in self.per_rank.items() if tier != "device"}
 
     def as_json(self) -> dict:
-        return {"processes": self.processes, "per_node": self.per_node, "per_rank_bytes": self.per_rank,
-                "per_node_bytes": self.per_node_bytes, "gathered_on_device": self.gathered,
-                "wire_bytes_per_step_per_rank": self.wire, "budgets_per_rank": self.budgets,
-                "plan_per_rank": self.plan.as_json() if self.plan else None, "fits": self.fits}  # fmt: skip
+        return {
+            "processes": self.processes,
+            "per_node": self.per_node,
+            "per_rank_bytes": self.per_rank,
+            "per_node_bytes": self.per_node_bytes,
+            "gathered_on_device": self.gathered,
+            "wire_bytes_per_step_per_rank": self.wire,
+            "budgets_per_rank": self.budgets,
+            "plan_per_rank": self.plan.as_json() if self.plan else None,
+            "fits": self.fits,
+        }
 
 
 def _scale_out(chunks: list[_Chunk], processes: int, per_node: int, waves: int, adapters: int) -> ScaleOut:
@@ -162,8 +169,13 @@ class Waves:
         return -(-self.micro_batches // self.wave)
 
     def as_json(self) -> dict:
-        return {"micro_batches": self.micro_batches, "wave": self.wave, "waves": self.count,
-                "stash_bytes": self.stash, "stash_tier": self.stash_tier}  # fmt: skip
+        return {
+            "micro_batches": self.micro_batches,
+            "wave": self.wave,
+            "waves": self.count,
+            "stash_bytes": self.stash,
+            "stash_tier": self.stash_tier,
+        }
 
 
 @dataclass
@@ -196,7 +208,9 @@ class Estimate:
             on_ram = host + (device if gpu is None else 0)  # computing on the CPU: the device tier is RAM too
             if on_ram > ram:
                 what = "host" if gpu is not None else "host + device"
-                out["host"] = f"{what} budgets {format_size(on_ram)} > this machine's {format_size(ram)} of RAM"
+                out["host"] = (
+                    f"{what} budgets {format_size(on_ram)} > this machine's {format_size(ram)} of RAM"
+                )
         return out
 
     @property
@@ -220,7 +234,11 @@ class Estimate:
         if "gpu_memory" in self.machine:
             return "the GPU", self.machine["gpu_memory"], self.needed("device") + outside
         if "ram" in self.machine:
-            return "this machine's RAM", self.machine["ram"], self.needed("host") + self.needed("device") + outside
+            return (
+                "this machine's RAM",
+                self.machine["ram"],
+                self.needed("host") + self.needed("device") + outside,
+            )
         return None
 
     @property
@@ -230,8 +248,12 @@ class Estimate:
         ranks = self.scale_out is None or self.scale_out.fits
         on = self.computes_on()
         room = on is None or on[2] <= on[1]
-        return (all(self.needed(n) <= t.budget for n, t in self.tiers.items()) and not self.short_of_machine()
-                and ranks and room)  # fmt: skip
+        return (
+            all(self.needed(n) <= t.budget for n, t in self.tiers.items())
+            and not self.short_of_machine()
+            and ranks
+            and room
+        )
 
     def as_json(self) -> dict:
         """The estimate as JSON: the same figures as ``format_estimate``."""
@@ -242,13 +264,20 @@ class Estimate:
             "state": {k: {"tier": t, "bytes": n} for k, (t, n) in self.kinds.items()},
             "outside_store": self.outside_store,
             "tiers": {
-                n: {"budget": t.budget, "home": t.home, "passes": t.passes, "peak": t.peak,
-                    "fits": self.needed(n) <= t.budget}
+                n: {
+                    "budget": t.budget,
+                    "home": t.home,
+                    "passes": t.passes,
+                    "peak": t.peak,
+                    "fits": self.needed(n) <= t.budget,
+                }
                 for n, t in self.tiers.items()
             },
             "machine": self.machine,
             "short_of_machine": self.short_of_machine(),
-            "computes_on": dict(zip(("what", "bytes", "held"), on, strict=True)) if (on := self.computes_on()) else None,
+            "computes_on": dict(zip(("what", "bytes", "held"), on, strict=True))
+            if (on := self.computes_on())
+            else None,
             "disk_needed": self.disk_needed,
             "moved_per_step": self.moved_per_step,
             "bandwidth": self.bandwidth,
@@ -264,12 +293,20 @@ class Estimate:
         if self.speed is not None:
             sp = self.speed
             out["step_time"] = {
-                "seconds": sp.seconds, "bound": sp.bound, "parts_s": sp.parts, "overlapped": sp.overlapped,
-                "flops": sp.flops.total, "flops_formula": sp.flops.formula, "tokens_per_step": sp.flops.tokens,
-                "compute_flops_per_s": sp.compute_rate, "compute_rate_source": sp.compute_rate_source,
-                "tokens_per_second": sp.tokens_per_second, "steps": sp.steps, "steps_source": sp.steps_source,
+                "seconds": sp.seconds,
+                "bound": sp.bound,
+                "parts_s": sp.parts,
+                "overlapped": sp.overlapped,
+                "flops": sp.flops.total,
+                "flops_formula": sp.flops.formula,
+                "tokens_per_step": sp.flops.tokens,
+                "compute_flops_per_s": sp.compute_rate,
+                "compute_rate_source": sp.compute_rate_source,
+                "tokens_per_second": sp.tokens_per_second,
+                "steps": sp.steps,
+                "steps_source": sp.steps_source,
                 "total_seconds": sp.total_seconds,
-            }  # fmt: skip
+            }
         return out
 
 
@@ -307,8 +344,9 @@ def estimate(
     store_cfg, cfg = planned(World())
     notes: list[str] = []
     disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
-    chunks, parameters, trained, outside, flops, wave = run_layout(recipe, store_cfg, cfg, notes, target is not None,
-                                                                   disk_room)  # fmt: skip
+    chunks, parameters, trained, outside, flops, wave = run_layout(
+        recipe, store_cfg, cfg, notes, target is not None, disk_room
+    )
     cfg = dataclasses.replace(cfg, wave_size=wave)  # as ``admit`` hands it to the engine
     memory = make_plan(chunks, on_cpu=target is None)
     kinds: dict[str, tuple[str, int]] = {}
@@ -317,8 +355,9 @@ def estimate(
         kinds[c.kind] = (tier, total + c.capacity)
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget, Tier.DISK: disk_room}
     device = torch.device("cuda" if target is not None else "cpu")  # what the run would compute on
-    replayed = _replay(chunks, store_cfg, cfg, memory, budgets, recipe.training.gradient_accumulation_steps, notes,
-                       device)  # fmt: skip
+    replayed = _replay(
+        chunks, store_cfg, cfg, memory, budgets, recipe.training.gradient_accumulation_steps, notes, device
+    )
     tiers = {}
     for tier in ORDER:
         above = ORDER.index(tier)
@@ -353,20 +392,29 @@ def estimate(
         )
     est = Estimate(parameters, trained, kinds, tiers, outside, notes=notes, plan=memory)
     acts = sum(c.capacity for c in chunks if c.role == "act")
-    est.waves = Waves(recipe.training.gradient_accumulation_steps, wave,
-                      acts or outside.get("hidden states at the layer boundaries", 0), "host" if acts else "device")
+    est.waves = Waves(
+        recipe.training.gradient_accumulation_steps,
+        wave,
+        acts or outside.get("hidden states at the layer boundaries", 0),
+        "host" if acts else "device",
+    )
     est.target = "cpu" if target is None else target.name
     est.machine["ram"] = psutil.virtual_memory().total
     if target is not None:
         est.machine["gpu_memory"] = target.memory
     est.moved_per_step = {link: replayed.moved.get(link, 0) for link in LINKS} if replayed is not None else {}
-    if processes > 1:  # the chunks each rank registers (its shards), under a rank's budgets, as train plans it
+    if (
+        processes > 1
+    ):  # the chunks each rank registers (its shards), under a rank's budgets, as train plans it
         local = per_node or processes
         sharded, _ = planned(World(rank=0, size=processes, local_rank=0, local_size=local))
-        laid, _, trained_n, _, _, rank_wave = run_layout(recipe, sharded, dataclasses.replace(cfg, wave_size=0), [],
-                                                         target is not None, disk_room)  # fmt: skip
+        laid, _, trained_n, _, _, rank_wave = run_layout(
+            recipe, sharded, dataclasses.replace(cfg, wave_size=0), [], target is not None, disk_room
+        )
         adapters = trained_n if cfg.method == "lora" else 0
-        waves = -(-recipe.training.gradient_accumulation_steps // rank_wave)  # as the rank's plan cuts its step
+        waves = -(
+            -recipe.training.gradient_accumulation_steps // rank_wave
+        )  # as the rank's plan cuts its step
         est.scale_out = _scale_out(laid, processes, local, waves, adapters)
         est.scale_out.budgets = {"device": sharded.device_budget, "host": sharded.host_budget}
         est.scale_out.plan = make_plan(laid, on_cpu=target is None)
@@ -379,24 +427,35 @@ def estimate(
 
 
 def _replay(
-    chunks: list[_Chunk], store_cfg: StoreConfig, cfg, memory: Plan, budgets: dict[Tier, int], micro_batches: int,
-    notes: list[str], device: torch.device,
-) -> Replayed | None:  # fmt: skip
+    chunks: list[_Chunk],
+    store_cfg: StoreConfig,
+    cfg,
+    memory: Plan,
+    budgets: dict[Tier, int],
+    micro_batches: int,
+    notes: list[str],
+    device: torch.device,
+) -> Replayed | None:
     """The run's steps replayed on a ledger (``engine.replay``): the store's own placement, eviction and prefetch
     over these chunks, the engine's calls in its order, every micro-batch; its peaks and the bytes a step
     moves. None (with a note) when the budgets cannot hold the plan: there is no step to replay."""
     if memory.short(budgets):
-        notes.append("no step replayed: the budgets cannot hold the run's memory plan (the peaks shown are what "
-                     "passes through each tier, up to its budget)")  # fmt: skip
+        notes.append(
+            "no step replayed: the budgets cannot hold the run's memory plan (the peaks shown are what "
+            "passes through each tier, up to its budget)"
+        )
         return None
     twins = any(c.role == "twin" for c in chunks)
     ledger = dataclasses.replace(store_cfg, reserve=memory.store_reserve(), disk_budget=None)
     try:
-        return replaying.replay(chunks, ledger, dataclasses.replace(cfg, twins=twins), micro_batches,
-                                replaying.CLIPPED, device)  # fmt: skip
+        return replaying.replay(
+            chunks, ledger, dataclasses.replace(cfg, twins=twins), micro_batches, replaying.CLIPPED, device
+        )
     except (BudgetError, StateError) as exc:  # the store's own refusal, as a run would meet it
-        notes.append(f"a step could not be replayed within these budgets ({exc}); the peaks shown are what passes "
-                     "through each tier, up to its budget")  # fmt: skip
+        notes.append(
+            f"a step could not be replayed within these budgets ({exc}); the peaks shown are what passes "
+            "through each tier, up to its budget"
+        )
         return None
 
 
@@ -416,14 +475,17 @@ def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU
         device = torch.device("cuda" if target is not None else "cpu")
         where = "this CPU" if target is None else target.name
         layers = recipe_layers(recipe.model.path)
-        measured = measure_compute(recipe.model.path, cfg, t.per_device_train_batch_size,
-                                   recipe.data.max_seq_len, device)  # fmt: skip
+        measured = measure_compute(
+            recipe.model.path, cfg, t.per_device_train_batch_size, recipe.data.max_seq_len, device
+        )
         if measured is not None:
             layer, rest = measured.layer, measured.rest
             compute = micro_batches * (layers * layer + rest)
-            source = (f"measured on {where}: the model's forward and backward with 1 and 3 layers, "
-                      f"{format_seconds(layer)} a layer + {format_seconds(rest)} the rest, per micro-batch, "
-                      f"the fastest of repeats with {torch.get_num_threads()} threads")  # fmt: skip
+            source = (
+                f"measured on {where}: the model's forward and backward with 1 and 3 layers, "
+                f"{format_seconds(layer)} a layer + {format_seconds(rest)} the rest, per micro-batch, "
+                f"the fastest of repeats with {torch.get_num_threads()} threads"
+            )
             if measured.spread > NOISY:
                 est.notes.append(
                     f"the compute measurement's repeats varied by {measured.spread:.0%}: the CPU was busy with other "
@@ -434,7 +496,9 @@ def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU
             dtype = cfg.layer_dtype(device)
             m, k, n = flops.shape
             compute = flops.total / measure_matmul(device, dtype, m, k, n)
-            source = f"a ({m} x {k}) @ ({k} x {n}) {str(dtype).removeprefix('torch.')} product measured on {where}"
+            source = (
+                f"a ({m} x {k}) @ ({k} x {n}) {str(dtype).removeprefix('torch.')} product measured on {where}"
+            )
     parts = {"compute": compute}
     bw = est.bandwidth
     moved = {link: est.moved_per_step.get(link, 0) for link in LINKS}
@@ -452,7 +516,9 @@ def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU
         how = "training.max_steps" if recipe.training.max_steps > 0 else "the epochs over the data"
     except (TiertuneError, OSError):
         steps, how = None, "unknown here: counting the epochs' steps needs the data and the model's tokenizer"
-    return StepTime(flops, flops.total / compute if compute else 0.0, source, parts, target is not None, steps, how)
+    return StepTime(
+        flops, flops.total / compute if compute else 0.0, source, parts, target is not None, steps, how
+    )
 
 
 def recipe_layers(model_dir: str) -> int:
@@ -473,7 +539,11 @@ def format_estimate(est: Estimate, title: str) -> str:
     """The estimate as a person reads it: what lives where, whether each budget holds (on the budget and on
     this machine), the disk it needs, and how fast a step goes, with its parts and formula."""
     width = max([34, *(len(k) + 2 for k in (*est.kinds, *est.outside_store))])
-    lines = [title, f"parameters: {est.parameters:,} ({est.trained_parameters:,} trained); computes on: {est.target}", ""]
+    lines = [
+        title,
+        f"parameters: {est.parameters:,} ({est.trained_parameters:,} trained); computes on: {est.target}",
+        "",
+    ]
     lines.append(f"{'state':<{width}}{'lives on':<10}{'bytes':>12}")
     for kind, (tier, nbytes) in est.kinds.items():
         lines.append(f"{kind:<{width}}{tier:<10}{format_size(nbytes):>12}")
@@ -487,49 +557,71 @@ def format_estimate(est: Estimate, title: str) -> str:
         ok = "yes" if needed <= t.budget else f"NO: needs {format_size(needed)}"
         if name in short:
             ok = f"NO: {short[name]}" if ok == "yes" else f"{ok}; {short[name]}"
-        lines.append(f"{name:<8}{budget:>12}{format_size(t.home):>12}{format_size(t.passes):>12}"
-                     f"{format_size(t.peak):>12}  {ok}")  # fmt: skip
+        lines.append(
+            f"{name:<8}{budget:>12}{format_size(t.home):>12}{format_size(t.passes):>12}"
+            f"{format_size(t.peak):>12}  {ok}"
+        )
     on = est.computes_on()
     if on is not None:
         what, has, held = on
         ok = "yes" if held <= has else "NO"
-        lines.append(f"{what} ({format_size(has)}) holds {format_size(held)}: the tiers it homes and what is "
-                     f"outside the store  {ok}")  # fmt: skip
+        lines.append(
+            f"{what} ({format_size(has)}) holds {format_size(held)}: the tiers it homes and what is "
+            f"outside the store  {ok}"
+        )
     moved = ", ".join(f"{k} {format_size(est.moved_per_step[k])}" for k in LINKS if k in est.moved_per_step)
     lines += ["", f"how much disk: disk_path needs {format_size(est.disk_needed)} free", ""]
     w = est.waves
     if w is not None:
-        lines.append(f"micro-batches: {w.micro_batches} per step in {w.count} wave{'s' if w.count > 1 else ''} of "
-                     f"{w.wave} (the weights stream once per wave); the hidden states at the layer boundaries of a "
-                     f"wave: {format_size(w.stash)} on the {w.stash_tier}")  # fmt: skip
+        lines.append(
+            f"micro-batches: {w.micro_batches} per step in {w.count} wave{'s' if w.count > 1 else ''} of "
+            f"{w.wave} (the weights stream once per wave); the hidden states at the layer boundaries of a "
+            f"wave: {format_size(w.stash)} on the {w.stash_tier}"
+        )
     lines.append(f"moved per step: {moved}")
     sp = est.speed
     if sp is not None:
         bw = est.bandwidth
         lines.append(f"how fast: FLOPs per step = {sp.flops.formula} = {sp.flops.total:.3g}")
-        lines.append(f"  compute      {sp.parts['compute']:.3g} s ({sp.compute_rate_source}), "
-                     f"{sp.compute_rate / 1e12:.3g} TFLOP/s")  # fmt: skip
+        lines.append(
+            f"  compute      {sp.parts['compute']:.3g} s ({sp.compute_rate_source}), "
+            f"{sp.compute_rate / 1e12:.3g} TFLOP/s"
+        )
         if "disk" in sp.parts:
             moved = est.moved_per_step
-            lines.append(f"  disk         read {format_size(moved.get('disk->host', 0))} / "
-                         f"{bw['disk_read'] / 1e9:.2f} GB/s + write {format_size(moved.get('host->disk', 0))} / "
-                         f"{bw['disk_write'] / 1e9:.2f} GB/s = {sp.parts['disk']:.3g} s")  # fmt: skip
+            lines.append(
+                f"  disk         read {format_size(moved.get('disk->host', 0))} / "
+                f"{bw['disk_read'] / 1e9:.2f} GB/s + write {format_size(moved.get('host->disk', 0))} / "
+                f"{bw['disk_write'] / 1e9:.2f} GB/s = {sp.parts['disk']:.3g} s"
+            )
         for link in ("host->device", "device->host"):
             if sp.parts.get(link):
                 rate = est.moved_per_step[link] / sp.parts[link]
-                lines.append(f"  {link} {format_size(est.moved_per_step[link])} / "
-                             f"{rate / 1e9:.1f} GB/s = {sp.parts[link]:.3g} s")  # fmt: skip
+                lines.append(
+                    f"  {link} {format_size(est.moved_per_step[link])} / "
+                    f"{rate / 1e9:.1f} GB/s = {sp.parts[link]:.3g} s"
+                )
         if "optimizer" in sp.parts:
-            lines.append(f"  optimizer    {est.trained_parameters:,} params / {bw['optimizer_params'] / 1e9:.2f} G params/s "
-                         f"(CPU AdamW) = {sp.parts['optimizer']:.3g} s")  # fmt: skip
-        how = "the longest part (they overlap)" if sp.overlapped else "the CPU's parts one after another, or the disk"
-        lines.append(f"  => {sp.seconds:.3g} s per step ({how}; bound by {sp.bound}), "
-                     f"{sp.tokens_per_second:,.0f} tokens/s over {sp.flops.tokens:,} tokens per step")  # fmt: skip
+            lines.append(
+                f"  optimizer    {est.trained_parameters:,} params / {bw['optimizer_params'] / 1e9:.2f} G params/s "
+                f"(CPU AdamW) = {sp.parts['optimizer']:.3g} s"
+            )
+        how = (
+            "the longest part (they overlap)"
+            if sp.overlapped
+            else "the CPU's parts one after another, or the disk"
+        )
+        lines.append(
+            f"  => {sp.seconds:.3g} s per step ({how}; bound by {sp.bound}), "
+            f"{sp.tokens_per_second:,.0f} tokens/s over {sp.flops.tokens:,} tokens per step"
+        )
         if sp.total_seconds is not None:
             lines.append(f"  => {sp.steps:,} steps ({sp.steps_source}): {_duration(sp.total_seconds)}")
         else:
-            lines.append(f"  => steps {sp.steps_source} (or set training.max_steps); 1,000 steps take "
-                         f"{_duration(1000 * sp.seconds)}")  # fmt: skip
+            lines.append(
+                f"  => steps {sp.steps_source} (or set training.max_steps); 1,000 steps take "
+                f"{_duration(1000 * sp.seconds)}"
+            )
     if est.scale_out is not None:
         lines += ["", *_format_scale_out(est.scale_out)]
     lines += [f"note: {note}" for note in est.notes]
@@ -537,18 +629,30 @@ def format_estimate(est: Estimate, title: str) -> str:
         slots = "; ".join(f"{t.value} {est.plan.describe(t)}" for t in est.plan.home if est.plan.reserve[t])
         lines.append(f"in use at once (slots reserved by size): {slots or 'none'}")
     if not est.fits:
-        lower = any(tier != "disk" for kind, (tier, _) in est.kinds.items() if kind in ("weights", "master", "moments"))
-        lines.append("DOES NOT FIT: raise the budgets marked NO (within what the machine has)"
-                     + (", or place more state on disk" if lower else ""))  # fmt: skip
+        lower = any(
+            tier != "disk"
+            for kind, (tier, _) in est.kinds.items()
+            if kind in ("weights", "master", "moments")
+        )
+        lines.append(
+            "DOES NOT FIT: raise the budgets marked NO (within what the machine has)"
+            + (", or place more state on disk" if lower else "")
+        )
         if est.plan is not None:
-            lines.append(f"the smallest budgets that work (what train checks before loading): {est.plan.smallest()}")
+            lines.append(
+                f"the smallest budgets that work (what train checks before loading): {est.plan.smallest()}"
+            )
     return "\n".join(lines).rstrip()
 
 
 def _format_scale_out(so: ScaleOut) -> list[str]:
     """``ScaleOut`` as a person reads it: a rank's bytes, plan and budgets, a node's, and the wire per step."""
     rank = ", ".join(f"{tier} {format_size(n)}" for tier, n in so.per_rank.items())
-    ok = "yes" if so.fits else "NO: raise offload.host_budget / device_budget (the node's, split between its ranks)"
+    ok = (
+        "yes"
+        if so.fits
+        else "NO: raise offload.host_budget / device_budget (the node's, split between its ranks)"
+    )
     budgets = ", ".join(f"{tier} {format_size(n)}" for tier, n in so.budgets.items())
     node = ", ".join(f"{tier} {format_size(n)}" for tier, n in so.per_node_bytes.items())
     wire = ", ".join(f"{k} {format_size(v)}" for k, v in so.wire.items())
@@ -558,7 +662,8 @@ def _format_scale_out(so: ScaleOut) -> list[str]:
     ]
     if so.plan is not None:
         needs = "; ".join(
-            f"{t.value} {format_size(so.plan.needed(t))} (slots: {so.plan.describe(t)})" for t in (Tier.DEVICE, Tier.HOST)
+            f"{t.value} {format_size(so.plan.needed(t))} (slots: {so.plan.describe(t)})"
+            for t in (Tier.DEVICE, Tier.HOST)
         )
         lines.append(f"  a rank's memory plan needs: {needs}")
     lines += [

@@ -74,8 +74,10 @@ def write_hf(parts: Iterable[dict[str, torch.Tensor]], config: Any, tokenizer: A
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if total > 1:
-            index = {"metadata": {"total_size": sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))},
-                     "weight_map": weight_map}  # fmt: skip
+            index = {
+                "metadata": {"total_size": sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))},
+                "weight_map": weight_map,
+            }
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         move_files_into(tmp, out, last="model.safetensors.index.json" if total > 1 else "config.json")
     finally:
@@ -125,7 +127,9 @@ def check_out(out: Path, overwrite: bool, protected: list[tuple[Path, str]]) -> 
         return
     holder = lock_holder(out / LOCK_FILE)
     if holder is not None:
-        raise ConfigError(f"--out {out} is the directory of a live run (pid {holder}); choose another directory")
+        raise ConfigError(
+            f"--out {out} is the directory of a live run (pid {holder}); choose another directory"
+        )
     run = RunDirectory(out).is_run()
     model = any(n in ("config.json", "adapter_config.json") or n.endswith(".safetensors") for n in entries)
     if not (run or model):
@@ -153,7 +157,9 @@ def _writing(out: Path, needed: int) -> Iterator[Path]:
         parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(parent).free
     except OSError as exc:
-        raise ConfigError(f"cannot write to {parent} ({exc.strerror or exc}); choose a writable --out") from None
+        raise ConfigError(
+            f"cannot write to {parent} ({exc.strerror or exc}); choose a writable --out"
+        ) from None
     if needed > free:
         raise _no_room(out, needed, free)
     try:
@@ -161,7 +167,9 @@ def _writing(out: Path, needed: int) -> Iterator[Path]:
     except OSError as exc:
         if is_disk_full(exc):
             raise _no_room(out, needed, shutil.disk_usage(parent).free) from None
-        raise ConfigError(f"cannot write to {parent} ({exc.strerror or exc}); choose a writable --out") from None
+        raise ConfigError(
+            f"cannot write to {parent} ({exc.strerror or exc}); choose a writable --out"
+        ) from None
     try:
         yield tmp
         for path in tmp.rglob("*"):
@@ -194,9 +202,12 @@ FORMATS = ("auto", "hf", "peft", "gguf", "gguf-lora")
 
 
 def export(
-    source: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str = "auto", overwrite: bool = False,
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    fmt: str = "auto",
+    overwrite: bool = False,
     gguf_type: str = "f16",
-) -> tuple[Path, str]:  # fmt: skip
+) -> tuple[Path, str]:
     """Export a run directory or one of its checkpoints: ``hf`` (a Hugging Face model directory: a full or
     GaLore run's model, or a LoRA run's adapter merged into its base, streamed), ``peft`` (a LoRA run's
     adapter, with what vLLM needs to serve it said), ``gguf`` (one GGUF file for llama.cpp, weights in
@@ -225,7 +236,9 @@ def export(
     if fmt not in FORMATS:
         raise ConfigError(f"--format takes {', '.join(FORMATS)}; got {fmt!r}")
     if fmt in ("peft", "gguf-lora") and not lora:
-        raise ConfigError(f"{source} is a {recipe.method.type} run, which has no adapter: export it as hf or gguf")
+        raise ConfigError(
+            f"{source} is a {recipe.method.type} run, which has no adapter: export it as hf or gguf"
+        )
     if gguf_type not in GGUF_TYPES:
         raise ConfigError(f"--gguf-type takes {', '.join(GGUF_TYPES)}; got {gguf_type!r}")
     if fmt.startswith("gguf"):
@@ -233,8 +246,14 @@ def export(
 
         check(recipe.model.path)  # what llama.cpp cannot run is said before anything else
     run_dir = source.parent if checkpoint else source
-    check_out(out, overwrite, [(Path(recipe.model.path), "the model the run trained (model.path)"),
-                               (run_dir, "the run being exported")])  # fmt: skip
+    check_out(
+        out,
+        overwrite,
+        [
+            (Path(recipe.model.path), "the model the run trained (model.path)"),
+            (run_dir, "the run being exported"),
+        ],
+    )
     if checkpoint:
         verify(source)  # a damaged checkpoint never exports as a model
     elif not (source / "adapter_config.json" if lora else source / STATE_FILE).is_file():
@@ -251,8 +270,10 @@ def export(
         with _writing(out, 2 * os.path.getsize(source / "adapter_model.safetensors") + (1 << 20)) as tmp:
             file = tmp / f"adapter-{gguf_type}.gguf"
             write_gguf_lora(source, Path(recipe.model.path), file, gguf_type)
-        return out, (f"GGUF LoRA adapter ({gguf_type}) of {recipe.model.path}; apply it over a GGUF of that base: "
-                     f"llama-cli -m BASE.gguf --lora {out / file.name} (Ollama: ADAPTER in a Modelfile)")  # fmt: skip
+        return out, (
+            f"GGUF LoRA adapter ({gguf_type}) of {recipe.model.path}; apply it over a GGUF of that base: "
+            f"llama-cli -m BASE.gguf --lora {out / file.name} (Ollama: ADAPTER in a Modelfile)"
+        )
     base = Path(recipe.model.path)
     dtype = getattr(torch, base_dtype(base)[0]) if lora else None
     # a finished full run's model is a Hugging Face directory already: a GGUF is converted from it in place
@@ -278,7 +299,10 @@ def export(
             if not in_place:
                 shutil.rmtree(hf_dir)
             (tmp / "Modelfile").write_text(modelfile(file.name, info))
-            return out, f"GGUF ({gguf_type}, llama.cpp's {info['architecture']}) of {what}, and an Ollama Modelfile"
+            return (
+                out,
+                f"GGUF ({gguf_type}, llama.cpp's {info['architecture']}) of {what}, and an Ollama Modelfile",
+            )
     return out, f"Hugging Face model: {what}"
 
 
@@ -323,7 +347,9 @@ def _model_into(source: Path, recipe: Any, checkpoint: bool, tmp: Path) -> str:
     if not checkpoint:  # the run's final model: its files as they are
         files = _final_model_files(source)
         if not files:
-            raise ConfigError(f"{source} is a finished run without its model files; export its newest checkpoint")
+            raise ConfigError(
+                f"{source} is a finished run without its model files; export its newest checkpoint"
+            )
         for name in files:
             shutil.copy2(source / name, tmp / name)
         tokenizer.save_pretrained(tmp)
@@ -365,8 +391,13 @@ def base_dtype(model_dir: str | os.PathLike[str]) -> tuple[str, str]:
     return "float32", "transformers' default: neither its config nor its weights name one"
 
 
-def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: str | None = None,
-          dtype: str | None = None, overwrite: bool = False) -> tuple[Path, str]:  # fmt: skip
+def merge(
+    adapter: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    base: str | None = None,
+    dtype: str | None = None,
+    overwrite: bool = False,
+) -> tuple[Path, str]:
     """Fold a LoRA adapter into its base and write the merged model, in ``dtype`` (default: the base model's
     own, see ``base_dtype``). For an adapter trained on a quantized base, the adapter is added to the base's
     dequantized weights, the weights it was trained against. ``out`` as for ``export`` (never the base nor
@@ -378,7 +409,9 @@ def merge(adapter: str | os.PathLike[str], out: str | os.PathLike[str], base: st
     if not (adapter / "adapter_config.json").is_file():
         raise ConfigError(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
     try:
-        base = base or json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        base = base or json.loads((adapter / "adapter_config.json").read_text()).get(
+            "base_model_name_or_path"
+        )
     except ValueError as exc:
         raise ConfigError(f"{adapter / 'adapter_config.json'} is not valid JSON ({exc})") from None
     if not base or not (Path(base) / "config.json").is_file():
@@ -410,7 +443,9 @@ def _model_bytes(model_dir: Path, dtype: torch.dtype) -> int:
     from tiertune.loading.weights import Checkpoint
 
     entries = Checkpoint(model_dir).entries.values()  # uint8: bitsandbytes' 4-bit codes, two a byte
-    return sum(e.nbytes // e.dtype.itemsize * (1 + (e.dtype == torch.uint8)) * dtype.itemsize for e in entries)
+    return sum(
+        e.nbytes // e.dtype.itemsize * (1 + (e.dtype == torch.uint8)) * dtype.itemsize for e in entries
+    )
 
 
 def _merge_into(adapter: Path, base: Path, dtype: torch.dtype, recipe: Any, tmp: Path) -> str:
@@ -449,9 +484,9 @@ def _merge_streamed(plan: Any, adapter: Path, tmp: Path, base: Path, dtype: torc
     config.save_pretrained(tmp)
     if (base / "generation_config.json").is_file():
         shutil.copy2(base / "generation_config.json", tmp / "generation_config.json")
-    AutoTokenizer.from_pretrained(adapter if (adapter / "tokenizer_config.json").is_file() else base).save_pretrained(
-        tmp
-    )
+    AutoTokenizer.from_pretrained(
+        adapter if (adapter / "tokenizer_config.json").is_file() else base
+    ).save_pretrained(tmp)
 
 
 def _merge_in_memory(adapter: Path, tmp: Path, base: str, torch_dtype: torch.dtype, quantize: str) -> str:

@@ -56,8 +56,10 @@ ARCHS = {
 
 # the pre-tokenizers llama.cpp knows, by the split pattern of a Hugging Face tokenizer.json: Llama 3's
 # (also OLMo-2's), Qwen2's (single digits); a bare ByteLevel is GPT-2's
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
-           r"\s+(?!\S)|\s+")  # fmt: skip
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
 _QWEN2 = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 PRE_TOKENIZERS = {LLAMA3_PATTERN: "llama-bpe", _QWEN2: "qwen2"}
 
@@ -103,7 +105,11 @@ def _ggml_type(name: str, shape: tuple[int, ...], out_type: str) -> Any:
     factor of one) ``out_type`` (Q8_0 only where rows are a multiple of its 32-element blocks, else F16)."""
     from gguf import GGMLQuantizationType as T
 
-    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith((".weight", ".lora_a", ".lora_b")):
+    if (
+        len(shape) <= 1
+        or name.endswith("_norm.weight")
+        or not name.endswith((".weight", ".lora_a", ".lora_b"))
+    ):
         return T.F32
     if out_type == "q8_0" and shape[-1] % 32:
         return T.F16
@@ -120,7 +126,11 @@ def _nbytes(shape: tuple[int, ...], ggml_type: Any) -> int:
 def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Rows of a q or k projection (or bias) reordered from Hugging Face's half-split rotary layout to the
     interleaved pairs llama.cpp's Llama computes with (each head's row j and j + d/2 side by side)."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def _rope_parameters(config: Any) -> dict:
@@ -135,7 +145,11 @@ def _llama3_rope_factors(config: Any, head_dim: int) -> torch.Tensor:
     """Llama 3.1's frequency-dependent rope scaling as llama.cpp takes it: a factor per frequency."""
     rope = _rope_parameters(config)
     base = rope.get("rope_theta", 10000.0)
-    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    factor, low, high = (
+        rope.get("factor", 8.0),
+        rope.get("low_freq_factor", 1.0),
+        rope.get("high_freq_factor", 4.0),
+    )
     original = rope.get("original_max_position_embeddings", 8192)
     freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     factors = []
@@ -173,14 +187,18 @@ def _hyperparameters(writer: Any, config: Any, arch: Arch, out_type: str) -> Non
             # config says what the model was trained with
             expected = config.hidden_size // heads if config.num_hidden_layers == 46 else head_dim
             if getattr(config, "query_pre_attn_scalar", expected) != expected:
-                raise ConfigError(f"--format gguf: this Gemma 2 scales attention by query_pre_attn_scalar "
-                                  f"{config.query_pre_attn_scalar}, llama.cpp by {expected}: export it as hf")  # fmt: skip
+                raise ConfigError(
+                    f"--format gguf: this Gemma 2 scales attention by query_pre_attn_scalar "
+                    f"{config.query_pre_attn_scalar}, llama.cpp by {expected}: export it as hf"
+                )
             writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
             writer.add_final_logit_softcapping(config.final_logit_softcapping)
             writer.add_sliding_window(config.sliding_window)
     else:
         writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
-        rotary = int(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) * head_dim)
+        rotary = int(
+            rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) * head_dim
+        )
         writer.add_rope_dimension_count(rotary)
     kind = rope["rope_type"]
     if kind == "linear":
@@ -191,22 +209,31 @@ def _hyperparameters(writer: Any, config: Any, arch: Arch, out_type: str) -> Non
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     elif kind not in ("default", "llama3"):
-        raise ConfigError(f"--format gguf: rope scaling {kind!r} of this {config.model_type} is not exported yet")
+        raise ConfigError(
+            f"--format gguf: rope scaling {kind!r} of this {config.model_type} is not exported yet"
+        )
     if arch.name == "PHI3":
-        writer.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings",
-                                                      config.max_position_embeddings))  # fmt: skip
+        writer.add_rope_scaling_orig_ctx_len(
+            rope.get("original_max_position_embeddings", config.max_position_embeddings)
+        )
         writer.add_sliding_window(getattr(config, "sliding_window", None) or 0)
     if arch.name == "GRANITE":
-        for key, add in (("attention_multiplier", writer.add_attention_scale),
-                         ("embedding_multiplier", writer.add_embedding_scale),
-                         ("residual_multiplier", writer.add_residual_scale),
-                         ("logits_scaling", writer.add_logit_scale)):  # fmt: skip
+        for key, add in (
+            ("attention_multiplier", writer.add_attention_scale),
+            ("embedding_multiplier", writer.add_embedding_scale),
+            ("residual_multiplier", writer.add_residual_scale),
+            ("logits_scaling", writer.add_logit_scale),
+        ):
             if getattr(config, key, None):
                 add(getattr(config, key))
     if arch.name in ("LLAMA", "GRANITE"):
         writer.add_vocab_size(config.vocab_size)
-    files = {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "bf16": LlamaFileType.MOSTLY_BF16,
-             "q8_0": LlamaFileType.MOSTLY_Q8_0}  # fmt: skip
+    files = {
+        "f32": LlamaFileType.ALL_F32,
+        "f16": LlamaFileType.MOSTLY_F16,
+        "bf16": LlamaFileType.MOSTLY_BF16,
+        "q8_0": LlamaFileType.MOSTLY_Q8_0,
+    }
     writer.add_file_type(files[out_type])
 
 
@@ -218,7 +245,11 @@ def _pre_tokenizer(spec: dict | None) -> str | None:
     kinds = [p.get("type") for p in parts]
     if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
         return "gpt-2"
-    if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and parts[1].get("use_regex", True):
+    if (
+        kinds == ["Digits", "ByteLevel"]
+        and parts[0].get("individual_digits")
+        and parts[1].get("use_regex", True)
+    ):
         return "smollm"
     if kinds == ["Split", "ByteLevel"] and not parts[1].get("use_regex", True):
         return PRE_TOKENIZERS.get((parts[0].get("pattern") or {}).get("Regex"))
@@ -226,8 +257,10 @@ def _pre_tokenizer(spec: dict | None) -> str | None:
 
 
 def _looks_special(token: str) -> bool:
-    return token in ("<pad>", "<mask>") or (token.startswith("<|") and token.endswith("|>")) or token.startswith(
-        "<unused"
+    return (
+        token in ("<pad>", "<mask>")
+        or (token.startswith("<|") and token.endswith("|>"))
+        or token.startswith("<unused")
     )
 
 
@@ -245,8 +278,11 @@ def _tokenizer_kind(model_dir: Path) -> str:
         raise ConfigError(
             f"--format gguf: llama.cpp tokenizes with SentencePiece (tokenizer.model) or byte-level BPE (GPT-2, "
             f"Llama 3, Qwen2 and SmolLM pre-tokenizers); {model_dir} has {what}"
-            + (f" whose pre-tokenizer llama.cpp does not know ({json.dumps(spec.get('pre_tokenizer'))[:120]})"
-               if model == "BPE" else "")
+            + (
+                f" whose pre-tokenizer llama.cpp does not know ({json.dumps(spec.get('pre_tokenizer'))[:120]})"
+                if model == "BPE"
+                else ""
+            )
             + ": export it as hf and convert it with llama.cpp's convert_hf_to_gguf.py"
         )
     return pre
@@ -284,7 +320,9 @@ def _bpe_tokens(tokenizer: Any, vocab_size: int) -> tuple[list[str], list[float]
     return tokens, None, types
 
 
-def _spm_tokens(tokenizer: Any, model_dir: Path, vocab_size: int) -> tuple[list[bytes], list[float], list[int]]:
+def _spm_tokens(
+    tokenizer: Any, model_dir: Path, vocab_size: int
+) -> tuple[list[bytes], list[float], list[int]]:
     """A SentencePiece model's pieces, scores and types (``gguf``'s reading of tokenizer.model), then the
     Hugging Face tokenizer's added tokens past them, padded to the embedding."""
     from gguf import SentencePieceVocab, TokenType
@@ -292,7 +330,9 @@ def _spm_tokens(tokenizer: Any, model_dir: Path, vocab_size: int) -> tuple[list[
     try:
         pieces = list(SentencePieceVocab(model_dir).sentencepiece_tokens())
     except RuntimeError as exc:  # gguf's "sentencepiece is not installed"
-        raise ConfigError(f"--format gguf of a SentencePiece tokenizer: {exc} (pip install sentencepiece)") from None
+        raise ConfigError(
+            f"--format gguf of a SentencePiece tokenizer: {exc} (pip install sentencepiece)"
+        ) from None
     tokens = [t for t, _, _ in pieces]
     scores = [s for _, s, _ in pieces]
     types = [int(k) for _, _, k in pieces]
@@ -310,7 +350,11 @@ def _spm_tokens(tokenizer: Any, model_dir: Path, vocab_size: int) -> tuple[list[
         else:
             tokens.append(added.content.encode())
             scores.append(-1000.0)
-            types.append(TokenType.CONTROL if added.special or _looks_special(added.content) else TokenType.USER_DEFINED)
+            types.append(
+                TokenType.CONTROL
+                if added.special or _looks_special(added.content)
+                else TokenType.USER_DEFINED
+            )
     return tokens, scores, types
 
 
@@ -354,8 +398,12 @@ def _vocabulary(writer: Any, model_dir: Path, vocab_size: int) -> dict[str, Any]
     special = SpecialVocab(model_dir, load_merges=kind != "spm", n_vocab=len(tokens))
     # whether BOS/EOS are added, as the Hugging Face tokenizer does it (llama.cpp's defaults differ by tokenizer)
     ids = tokenizer("a")["input_ids"]
-    special.add_special_token["bos"] = tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id]
-    special.add_special_token["eos"] = tokenizer.eos_token_id is not None and ids[-1:] == [tokenizer.eos_token_id]
+    special.add_special_token["bos"] = tokenizer.bos_token_id is not None and ids[:1] == [
+        tokenizer.bos_token_id
+    ]
+    special.add_special_token["eos"] = tokenizer.eos_token_id is not None and ids[-1:] == [
+        tokenizer.eos_token_id
+    ]
     template = getattr(tokenizer, "chat_template", None)
     if template and special.chat_template is None:
         special.chat_template = template
@@ -368,7 +416,9 @@ def _vocabulary(writer: Any, model_dir: Path, vocab_size: int) -> dict[str, Any]
     return {"chat_template": special.chat_template, "stop": [t for t in texts if t]}
 
 
-def _write_file(writer: Any, out_file: Path, plan: list[_Tensor], checkpoint: Checkpoint, out_type: str) -> None:
+def _write_file(
+    writer: Any, out_file: Path, plan: list[_Tensor], checkpoint: Checkpoint, out_type: str
+) -> None:
     """Write the GGUF file: ``writer``'s metadata, the table of ``plan``'s tensors in their GGML types (from the
     shapes alone), then each tensor read, transformed and converted, one at a time."""
     import gguf
@@ -376,19 +426,26 @@ def _write_file(writer: Any, out_file: Path, plan: list[_Tensor], checkpoint: Ch
 
     kinds = [_ggml_type(t.name, t.shape, out_type) for t in plan]
     for tensor, kind in zip(plan, kinds, strict=True):
-        writer.add_tensor_info(tensor.name, tensor.shape, np.dtype(np.float32), _nbytes(tensor.shape, kind),
-                               raw_dtype=kind)  # fmt: skip
+        writer.add_tensor_info(
+            tensor.name, tensor.shape, np.dtype(np.float32), _nbytes(tensor.shape, kind), raw_dtype=kind
+        )
     writer.write_header_to_file(path=out_file)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for tensor, kind in tqdm(list(zip(plan, kinds, strict=True)), desc="gguf", unit="tensor", disable=None,
-                             leave=False):  # fmt: skip
+    for tensor, kind in tqdm(
+        list(zip(plan, kinds, strict=True)), desc="gguf", unit="tensor", disable=None, leave=False
+    ):
         writer.write_tensor_data(gguf.quants.quantize(tensor.values_from(checkpoint).numpy(), kind))
     writer.close()
 
 
-def write_gguf(model_dir: Path, out_file: Path, out_type: str = "f16", name: str | None = None,
-               tokenizer_dir: Path | None = None) -> dict[str, Any]:  # fmt: skip
+def write_gguf(
+    model_dir: Path,
+    out_file: Path,
+    out_type: str = "f16",
+    name: str | None = None,
+    tokenizer_dir: Path | None = None,
+) -> dict[str, Any]:
     """Write the Hugging Face model directory ``model_dir`` (safetensors weights, config, tokenizer) as the GGUF
     file ``out_file``, its weights in ``out_type`` (``GGUF_TYPES``), tensor by tensor; the tokenizer from
     ``tokenizer_dir`` when given (a base model's, with its SentencePiece tokenizer.model, which transformers
@@ -452,14 +509,22 @@ def write_gguf_lora(adapter: Path, base: Path, out_file: Path, out_type: str = "
     from tiertune.finetune.merging import ADAPTER_FILE, PEFT_PREFIX
 
     settings = json.loads((adapter / "adapter_config.json").read_text())
-    refused = [what for what, bad in (
-        ("DoRA (use_dora)", settings.get("use_dora")), ("modules_to_save", settings.get("modules_to_save")),
-        ("lora_B biases (lora_bias)", settings.get("lora_bias")), ("per-module alphas (alpha_pattern)",
-        settings.get("alpha_pattern")), ("adapted parameters (target_parameters)", settings.get("target_parameters")),
-    ) if bad]  # fmt: skip
+    refused = [
+        what
+        for what, bad in (
+            ("DoRA (use_dora)", settings.get("use_dora")),
+            ("modules_to_save", settings.get("modules_to_save")),
+            ("lora_B biases (lora_bias)", settings.get("lora_bias")),
+            ("per-module alphas (alpha_pattern)", settings.get("alpha_pattern")),
+            ("adapted parameters (target_parameters)", settings.get("target_parameters")),
+        )
+        if bad
+    ]
     if refused:
-        raise ConfigError(f"--format gguf-lora: llama.cpp applies plain LoRA only; this adapter has {', '.join(refused)}: "
-                          "export the merged model (--format gguf) instead")  # fmt: skip
+        raise ConfigError(
+            f"--format gguf-lora: llama.cpp applies plain LoRA only; this adapter has {', '.join(refused)}: "
+            "export the merged model (--format gguf) instead"
+        )
     config = AutoConfig.from_pretrained(base)
     arch = _arch(config)
     model_arch = getattr(gguf.MODEL_ARCH, arch.name)
@@ -475,25 +540,34 @@ def write_gguf_lora(adapter: Path, base: Path, out_file: Path, out_type: str = "
         if not (module.endswith(".lora_A.weight") or embedding):
             if module.endswith((".lora_B.weight", ".lora_embedding_B")):
                 continue
-            raise ConfigError(f"--format gguf-lora: adapter tensor {key} is not a LoRA factor llama.cpp applies")
+            raise ConfigError(
+                f"--format gguf-lora: adapter tensor {key} is not a LoRA factor llama.cpp applies"
+            )
         module = module[: module.rindex(".lora_")]
         mapped = names.get_name(module)
         if mapped is None or (arch.no_output and module == "lm_head"):
-            raise ConfigError(f"--format gguf-lora: llama.cpp's {arch.name.lower()} has no weight for {module}")
+            raise ConfigError(
+                f"--format gguf-lora: llama.cpp's {arch.name.lower()} has no weight for {module}"
+            )
         b = key.replace(".lora_A.weight", ".lora_B.weight").replace("lora_embedding_A", "lora_embedding_B")
         rows = 0
         if arch.permute and module.endswith(("q_proj", "k_proj")):
             rows = heads if module.endswith("q_proj") else kv_heads
         a_shape = tensors.entries[key].shape
-        plan.append(_Tensor(f"{mapped}.weight.lora_a", a_shape[::-1] if embedding else a_shape, key,
-                            transposed=embedding))  # fmt: skip
+        plan.append(
+            _Tensor(
+                f"{mapped}.weight.lora_a", a_shape[::-1] if embedding else a_shape, key, transposed=embedding
+            )
+        )
         plan.append(_Tensor(f"{mapped}.weight.lora_b", tensors.entries[b].shape, b, heads=rows))
         ranks.add(tensors.entries[key].shape[0])
     alpha = float(settings.get("lora_alpha", 8))
     if settings.get("use_rslora"):
         if len(ranks) > 1:
-            raise ConfigError("--format gguf-lora: an rsLoRA adapter with several ranks has no one alpha llama.cpp "
-                              "can scale by: export the merged model (--format gguf) instead")  # fmt: skip
+            raise ConfigError(
+                "--format gguf-lora: an rsLoRA adapter with several ranks has no one alpha llama.cpp "
+                "can scale by: export the merged model (--format gguf) instead"
+            )
         alpha *= math.sqrt(ranks.pop())
 
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[model_arch])

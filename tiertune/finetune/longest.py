@@ -41,7 +41,9 @@ def why_not(est) -> str | None:
     return None
 
 
-def longest_sequence(recipe: Recipe, gpu: str = "auto", multiple: int = 1024, limit: int = 1 << 22) -> Longest:
+def longest_sequence(
+    recipe: Recipe, gpu: str = "auto", multiple: int = 1024, limit: int = 1 << 22
+) -> Longest:
     """The longest ``data.max_seq_len``, a multiple of ``multiple`` up to ``limit``, at which ``recipe`` fits
     (``why_not``), for ``gpu`` as ``estimate`` takes it. About 2 log2(limit / multiple) estimates at most."""
     from tiertune.finetune.estimate import estimate
@@ -52,7 +54,9 @@ def longest_sequence(recipe: Recipe, gpu: str = "auto", multiple: int = 1024, li
         trial = copy.deepcopy(recipe)
         trial.data.max_seq_len = tokens
         reason = why_not(estimate(trial, measure=False, gpu=gpu))
-        found.tried.append({"tokens": tokens, "fits": reason is None, **({"why_not": reason} if reason else {})})
+        found.tried.append(
+            {"tokens": tokens, "fits": reason is None, **({"why_not": reason} if reason else {})}
+        )
         return reason is None
 
     if not fits(multiple):

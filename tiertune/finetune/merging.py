@@ -38,9 +38,17 @@ SLICE_BYTES = 16 << 20  # rows of a weight merged at once, in fp32
 ADAPTER_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 _TORCH_TO_SAFETENSORS = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-}  # fmt: skip
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,9 @@ class MergePlan:
     shapes: dict[str, tuple[int, ...]]
     deltas: dict[str, Delta] = field(default_factory=dict)
     replaced: dict[str, str] = field(default_factory=dict)  # base key -> the adapter's trained copy
-    biases: dict[str, tuple[str, float]] = field(default_factory=dict)  # base bias key -> (lora_B bias, scale)
+    biases: dict[str, tuple[str, float]] = field(
+        default_factory=dict
+    )  # base bias key -> (lora_B bias, scale)
     quantized: dict[str, Any] = field(default_factory=dict)  # base key -> the parameter name it quantizes as
     saved: dict[str, Any] = field(default_factory=dict)  # base key -> its bitsandbytes bytes (SavedWeight)
     quant: Any = None  # the Quantizer the run trained with, or None
@@ -123,7 +133,9 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
             return f"{name} is built from several checkpoint tensors (fused MoE experts)"
         key_of[name] = source.pieces[0][0]
     by_file: dict[Path, list[str]] = {}
-    for key in sorted(key_of.values(), key=lambda k: (checkpoint.entries[k].file, checkpoint.entries[k].start)):
+    for key in sorted(
+        key_of.values(), key=lambda k: (checkpoint.entries[k].file, checkpoint.entries[k].start)
+    ):
         by_file.setdefault(checkpoint.entries[key].file, []).append(key)
     plan = MergePlan(by_file, {key_of[n]: tuple(p.shape) for n, p in params.items()}, quant=quant)
     for name, param in params.items():
@@ -149,8 +161,17 @@ def _adapter_plan(adapter: Path, config: dict, plan: MergePlan, key_of: dict[str
             continue
         module = module[: module.rindex(".lora_")]
         b = key.replace(".lora_A.weight", ".lora_B.weight").replace("lora_embedding_A", "lora_embedding_B")
-        magnitude = next((m for m in (f"{PEFT_PREFIX}{module}.lora_magnitude_vector",
-                                      f"{PEFT_PREFIX}{module}.lora_magnitude_vector.weight") if m in tensors), None)  # fmt: skip
+        magnitude = next(
+            (
+                m
+                for m in (
+                    f"{PEFT_PREFIX}{module}.lora_magnitude_vector",
+                    f"{PEFT_PREFIX}{module}.lora_magnitude_vector.weight",
+                )
+                if m in tensors
+            ),
+            None,
+        )
         weight = key_of.get(f"{module}.weight")
         if b not in tensors or weight is None:
             return f"adapter tensor {key} has no lora_B or no base weight {module}.weight"
@@ -202,7 +223,9 @@ class _Merger:
             yield self._merged(key, self._dequantized(key), 0)
             return
         # a base tensor the adapter saved whole (modules_to_save, or a resized embedding) is read from it
-        source, name = (self.adapter, self.plan.replaced[key]) if key in self.plan.replaced else (self.base, key)
+        source, name = (
+            (self.adapter, self.plan.replaced[key]) if key in self.plan.replaced else (self.base, key)
+        )
         row = 4 * max(1, math.prod(shape[1:]))
         step = max(1, SLICE_BYTES // row) if shape else 1
         for start in range(0, shape[0] if shape else 1, step):
@@ -260,7 +283,9 @@ class _Merger:
             quant.quantize_into(name, weight, views)
             del weight
         if isinstance(quant, NF4):
-            weight = bnb_f.dequantize_4bit(views[name], quant.parameter(name, torch.Size(shape), views).quant_state)
+            weight = bnb_f.dequantize_4bit(
+                views[name], quant.parameter(name, torch.Size(shape), views).quant_state
+            )
         else:
             weight = bnb_f.int8_vectorwise_dequant(views[name], views[f"{name}.SCB"])
         return weight.to(self.dtype)
@@ -272,8 +297,9 @@ def write_merged(plan: MergePlan, base: Path, adapter: Path, dtype: torch.dtype,
     from tqdm.auto import tqdm
 
     merger = _Merger(plan, base, adapter, dtype)
-    total_bytes = sum(math.prod(plan.shapes[k]) * merger.out_dtype(k).itemsize for keys in plan.keys.values()
-                      for k in keys)  # fmt: skip
+    total_bytes = sum(
+        math.prod(plan.shapes[k]) * merger.out_dtype(k).itemsize for keys in plan.keys.values() for k in keys
+    )
     # a bar in a terminal, nothing in a log file (tqdm's disable=None)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="merge", disable=None, leave=False)
     written = []
@@ -285,8 +311,11 @@ def write_merged(plan: MergePlan, base: Path, adapter: Path, dtype: torch.dtype,
         for key in keys:
             shape = plan.shapes[key]
             nbytes = math.prod(shape) * merger.out_dtype(key).itemsize
-            header[key] = {"dtype": _TORCH_TO_SAFETENSORS[merger.out_dtype(key)], "shape": list(shape),
-                           "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+            header[key] = {
+                "dtype": _TORCH_TO_SAFETENSORS[merger.out_dtype(key)],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
@@ -297,7 +326,9 @@ def write_merged(plan: MergePlan, base: Path, adapter: Path, dtype: torch.dtype,
                     f.write(buffer_of(block.contiguous()))
                     bar.update(block.numel() * block.element_size())
             if f.tell() != 8 + len(raw) + offset:
-                raise RuntimeError(f"{file.name}: wrote {f.tell()} bytes, the header says {8 + len(raw) + offset}")
+                raise RuntimeError(
+                    f"{file.name}: wrote {f.tell()} bytes, the header says {8 + len(raw) + offset}"
+                )
             f.flush()
             os.fsync(f.fileno())
         written.append(file.name)

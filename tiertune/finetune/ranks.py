@@ -202,8 +202,10 @@ def _pairs_of(world: World, batch: dict[str, torch.Tensor]) -> dict[str, torch.T
     if empty:
         lo, hi = 0, 1
     rows = torch.cat([torch.arange(lo, hi), torch.arange(pairs + lo, pairs + hi)])
-    part = {k: v[rows] if v.dim() and v.shape[0] == 2 * pairs else v[lo:hi] if v.dim() else v
-            for k, v in batch.items()}  # fmt: skip
+    part = {
+        k: v[rows] if v.dim() and v.shape[0] == 2 * pairs else v[lo:hi] if v.dim() else v
+        for k, v in batch.items()
+    }
     part["pairs"] = torch.tensor(hi - lo)
     if empty:
         part["labels"] = torch.full_like(part.get("labels", part["input_ids"]), IGNORE_INDEX)

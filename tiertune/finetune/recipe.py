@@ -47,7 +47,9 @@ class MethodSection:
 @dataclass
 class DataSection:
     path: str = ""
-    format: str = field(default="text", metadata=choices("text", "alpaca", "chat", "preference", "unpaired_preference"))
+    format: str = field(
+        default="text", metadata=choices("text", "alpaca", "chat", "preference", "unpaired_preference")
+    )
     max_seq_len: int = 1024
     packing: bool = False
     shuffle: bool = True
@@ -132,7 +134,11 @@ class Recipe:
                 "training.max_grad_norm",
                 f"must be >= 0 (0: no clipping), got {t.max_grad_norm}",
             ),
-            (t.save_steps >= 0, "training.save_steps", f"must be >= 0 (0: no checkpoints), got {t.save_steps}"),
+            (
+                t.save_steps >= 0,
+                "training.save_steps",
+                f"must be >= 0 (0: no checkpoints), got {t.save_steps}",
+            ),
             (
                 t.save_total_limit is None or t.save_total_limit >= 0,
                 "training.save_total_limit",
@@ -170,13 +176,20 @@ class Recipe:
             (
                 self.data.format in self.objective.data_format,
                 "objective.type",
-                f"{self.objective.type} trains on " + {
+                f"{self.objective.type} trains on "
+                + {
                     "preference": "pairs: set data.format: preference (rows of prompt, chosen, rejected)",
                     "unpaired_preference": "unpaired rows: set data.format: unpaired_preference (rows of prompt, "
-                                           "completion, label)",
-                }.get(self.objective.data_format[0], f"single sequences; data.format: {self.data.format} needs "
-                      + ("objective.type: kto" if self.data.format == "unpaired_preference"
-                         else "objective.type: dpo, simpo or orpo")),
+                    "completion, label)",
+                }.get(
+                    self.objective.data_format[0],
+                    f"single sequences; data.format: {self.data.format} needs "
+                    + (
+                        "objective.type: kto"
+                        if self.data.format == "unpaired_preference"
+                        else "objective.type: dpo, simpo or orpo"
+                    ),
+                ),
             ),
             (
                 self.objective.type != "kto" or self.training.per_device_train_batch_size >= 2,
@@ -337,8 +350,11 @@ def build(cls: type, data: Any, prefix: str) -> Any:
 def _check_choices(recipe: Recipe) -> None:
     """Every setting with a fixed set of values (a field's ``choices``) holds one of them: a recipe read from
     YAML and one built in Python alike."""
-    sections = [("", recipe)] + [(f"{f.name}.", getattr(recipe, f.name)) for f in dataclasses.fields(recipe)
-                                 if dataclasses.is_dataclass(getattr(recipe, f.name))]  # fmt: skip
+    sections = [("", recipe)] + [
+        (f"{f.name}.", getattr(recipe, f.name))
+        for f in dataclasses.fields(recipe)
+        if dataclasses.is_dataclass(getattr(recipe, f.name))
+    ]
     for prefix, section in sections:
         for f in dataclasses.fields(section):
             options = f.metadata.get("choices")

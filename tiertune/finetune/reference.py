@@ -37,7 +37,9 @@ def cache_key(recipe: Any, data: Any) -> str:
     """A hash of everything the reference's figures depend on (the module's docstring)."""
     h = hashlib.sha256()
     model = Path(recipe.model.path)
-    h.update((model / "config.json").read_bytes() if (model / "config.json").is_file() else str(model).encode())
+    h.update(
+        (model / "config.json").read_bytes() if (model / "config.json").is_file() else str(model).encode()
+    )
     for path in sorted(model.glob("*.safetensors")) + sorted(model.glob("*.bin")):
         stat = path.stat()
         h.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
@@ -70,7 +72,9 @@ def reference_logps(trainer: Any, data: Any, recipe: Any, pad_id: int, write: bo
         try:
             cached = load_file(path)["logps"]
         except Exception:  # a damaged file: computed again and replaced
-            log.warning("the cached reference log-probabilities at %s cannot be read; computing them again", path)
+            log.warning(
+                "the cached reference log-probabilities at %s cannot be read; computing them again", path
+            )
         else:
             if cached.shape == (len(data), 2):
                 log.info("reference log-probabilities read from %s", path)
@@ -102,8 +106,9 @@ def reference_logps(trainer: Any, data: Any, recipe: Any, pad_id: int, write: bo
     return out
 
 
-def with_reference(stream: Iterator[dict[str, torch.Tensor]], logps: torch.Tensor
-                   ) -> Iterator[dict[str, torch.Tensor]]:  # fmt: skip
+def with_reference(
+    stream: Iterator[dict[str, torch.Tensor]], logps: torch.Tensor
+) -> Iterator[dict[str, torch.Tensor]]:
     """``stream``'s batches of pairs, each with its rows' reference log-probabilities (``ref_logps``: the
     chosen sequences', then the rejected ones', as the batch orders its rows)."""
     for batch in stream:

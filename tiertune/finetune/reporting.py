@@ -21,7 +21,9 @@ class Reporters:
 
     def __init__(self, report_to: str, output_dir: Path, config: dict[str, Any], resumed_at: int = 0) -> None:
         if report_to not in CHOICES:
-            raise ValueError(f"Reporters take report_to in {', '.join(CHOICES)} (a recipe's training.report_to), got {report_to!r}")
+            raise ValueError(
+                f"Reporters take report_to in {', '.join(CHOICES)} (a recipe's training.report_to), got {report_to!r}"
+            )
         self._tensorboard = None
         self._wandb = None
         has_tb = importlib.util.find_spec("tensorboard") is not None

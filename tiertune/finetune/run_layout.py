@@ -84,9 +84,16 @@ def run_layout(
         objective = recipe.objective
         # a micro-batch of pairs is each pair's two sequences
         micro = t.per_device_train_batch_size * recipe.data.max_seq_len * (1 + objective.paired)
-        flops = step_flops(model, list(parts.layers), micro, t.gradient_accumulation_steps,
-                           recipe.data.max_seq_len, trained=cfg.method != "lora", reference=objective.reference,
-                           paired=objective.paired)  # fmt: skip
+        flops = step_flops(
+            model,
+            list(parts.layers),
+            micro,
+            t.gradient_accumulation_steps,
+            recipe.data.max_seq_len,
+            trained=cfg.method != "lora",
+            reference=objective.reference,
+            paired=objective.paired,
+        )
         saved = _saved_quantization(model, recipe, notes)
         layer_saved = _layer_saved(model, cfg, micro, t.gradient_accumulation_steps, notes, on_gpu)
         quant = make_quantizer(cfg.quantize, cfg.dtype, saved)
@@ -104,26 +111,67 @@ def run_layout(
 
     shards = store_cfg.num_shards
 
-    def add(entries: list, kind: str, home: str | Tier, used_on: Tier, changed: bool, in_place: bool = False,
-            layer: bool = False, group: int = -1, role: str = "weights") -> None:  # fmt: skip
+    def add(
+        entries: list,
+        kind: str,
+        home: str | Tier,
+        used_on: Tier,
+        changed: bool,
+        in_place: bool = False,
+        layer: bool = False,
+        group: int = -1,
+        role: str = "weights",
+    ) -> None:
         for layout in pack_tensors(entries, max(size, 1), shards):
-            chunks.append(_Chunk(kind, Tier(home), layout.capacity, used_on, changed, in_place, entries, layer,
-                                 layout, group, role))  # fmt: skip
+            chunks.append(
+                _Chunk(
+                    kind,
+                    Tier(home),
+                    layout.capacity,
+                    used_on,
+                    changed,
+                    in_place,
+                    entries,
+                    layer,
+                    layout,
+                    group,
+                    role,
+                )
+            )
 
     trained_flag = cfg.method != "lora"
     clipping = cfg.clips
     parameters = trained = 0
     units: list[dict[str, _Chunk]] = []  # per optimizer unit: its weights and state chunks, by role
     # a frozen base on disk: read in place where files hold it (each rank of several its shard of them)
-    split = _in_place_split(recipe.model.path, model, cfg, quant, saved) if not trained_flag and cfg.params == "disk" else None
+    split = (
+        _in_place_split(recipe.model.path, model, cfg, quant, saved)
+        if not trained_flag and cfg.params == "disk"
+        else None
+    )
 
-    def weight_chunk(kind: str, home: str | Tier, layout: ChunkLayout, in_place: bool, layer: bool, gi: int) -> None:
+    def weight_chunk(
+        kind: str, home: str | Tier, layout: ChunkLayout, in_place: bool, layer: bool, gi: int
+    ) -> None:
         """A weight chunk as the loader registers it: whole, or (ZeRO-3, ``load_shards``) a rank's shard of it,
         every rank's the same capacity."""
         mine = shard_layout(layout, 0, shards) if shards > 1 else layout
-        chunks.append(_Chunk(kind, Tier(home), mine.capacity, Tier.DEVICE, trained_flag and not in_place, in_place,
-                             [(t.name, t.shape, t.dtype) for t in mine.tensors], layer, mine, gi, "weights",
-                             layout if shards > 1 else None))  # fmt: skip
+        chunks.append(
+            _Chunk(
+                kind,
+                Tier(home),
+                mine.capacity,
+                Tier.DEVICE,
+                trained_flag and not in_place,
+                in_place,
+                [(t.name, t.shape, t.dtype) for t in mine.tensors],
+                layer,
+                mine,
+                gi,
+                "weights",
+                layout if shards > 1 else None,
+            )
+        )
 
     for gi, group in enumerate(parts.groups):
         parameters += group.numel
@@ -136,13 +184,17 @@ def run_layout(
             if mapped and isinstance(mapped[0], FileTensor):  # laid out over the files as the store lays them
                 for layout, _ in plan_in_place(mapped, max(size, 1)):
                     if shards > 1:  # padded for the shards (``load_shards``)
-                        layout = ChunkLayout(layout.tensors, round_up(layout.capacity, ALIGN * shards), shards)
+                        layout = ChunkLayout(
+                            layout.tensors, round_up(layout.capacity, ALIGN * shards), shards
+                        )
                     weight_chunk(IN_PLACE, Tier.DISK, layout, True, layer, gi)
             elif mapped:  # config.json alone: where each tensor starts in its file is not known
                 for layout in pack_tensors(mapped, max(size, 1), shards):
                     weight_chunk(IN_PLACE, Tier.DISK, layout, True, layer, gi)
             # as the loader homes it: a checkpoint saved quantized holds every quantized linear weight
-            prequantized = {n for n, p in group.params.items() if is_quantized(p)} if saved is not None else ()
+            prequantized = (
+                {n for n, p in group.params.items() if is_quantized(p)} if saved is not None else ()
+            )
             if quant is not None and quantized_on_load(group, prequantized) and cfg.quant_cache is not None:
                 kind = QUANT_CACHE
         before = len(chunks)
@@ -165,8 +217,14 @@ def run_layout(
         def boundaries(slots: int) -> list[_Chunk]:
             before = len(chunks)
             for _ in range(len(parts.layers) + 1):
-                add([("x", (slots * cfg.activation_tokens * hidden,), cfg.dtype)], "activations", Tier.HOST,
-                    Tier.DEVICE, True, role="act")  # fmt: skip
+                add(
+                    [("x", (slots * cfg.activation_tokens * hidden,), cfg.dtype)],
+                    "activations",
+                    Tier.HOST,
+                    Tier.DEVICE,
+                    True,
+                    role="act",
+                )
             laid, chunks[before:] = chunks[before:], []
             return laid
 
@@ -174,7 +232,9 @@ def run_layout(
             budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}
             while m > 1 and make_plan(chunks + boundaries(m), on_cpu=not on_gpu).short(budgets):
                 m -= 1
-            m = -(-k // -(-k // m))  # as many waves, of even sizes: the boundaries take no more than they need
+            m = -(
+                -k // -(-k // m)
+            )  # as many waves, of even sizes: the boundaries take no more than they need
             if m < k:
                 notes.append(
                     f"the hidden states at the layer boundaries of {k} micro-batches do not fit the budgets: a step "
@@ -185,25 +245,39 @@ def run_layout(
         outside["hidden states at the layer boundaries"] = act * m * (len(parts.layers) + 1)
     if layer_saved:
         outside["a layer's activations and temporaries (recompute and backward)"] = layer_saved
-    if recipe.objective.reference:  # ``schedule._reference_layer``: the reference's boundary per micro-batch of the
+    if (
+        recipe.objective.reference
+    ):  # ``schedule._reference_layer``: the reference's boundary per micro-batch of the
         # wave, and the one a layer's visit makes from it
         outside["the reference's hidden states (DPO)"] = act * (m + 1)
     # backward carries each micro-batch's gradient at a layer boundary; a trained layer's gradient is summed
     # over the wave in fp32
     outside["boundary gradients of a wave"] = act * m
     if trained_flag:
-        outside["a layer's gradient, summed over a wave (fp32)"] = max(
-            (sum(p.numel() for p in layer.parameters()) for layer in parts.layers), default=0
-        ) * 4
+        outside["a layer's gradient, summed over a wave (fp32)"] = (
+            max((sum(p.numel() for p in layer.parameters()) for layer in parts.layers), default=0) * 4
+        )
     if trained_flag and cfg.overlap_optimizer != "off" and clipping:
         # the speculative step's twins: when the run fits with them (the plan, and the disk's room), or asked for
         before = len(chunks)
         for u in units:  # each a chunk laid out as its source is (``layout.add_twins``)
             for source in _sources(u):
-                chunks.append(dataclasses.replace(source, kind="twins", used_on=home_tier_used(source.home, device),
-                                                  changed=True, layer=False, role="twin", whole=None))  # fmt: skip
+                chunks.append(
+                    dataclasses.replace(
+                        source,
+                        kind="twins",
+                        used_on=home_tier_used(source.home, device),
+                        changed=True,
+                        layer=False,
+                        role="twin",
+                        whole=None,
+                    )
+                )
         budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}
-        fits = not make_plan(chunks, on_cpu=not on_gpu).short(budgets) and slot_bytes_of(chunks, store_cfg) <= disk_free
+        fits = (
+            not make_plan(chunks, on_cpu=not on_gpu).short(budgets)
+            and slot_bytes_of(chunks, store_cfg) <= disk_free
+        )
         if cfg.overlap_optimizer != "on" and not fits:
             del chunks[before:]
     vocab = model.config.get_text_config(decoder=True).vocab_size
@@ -238,7 +312,9 @@ def _layer_saved(model: torch.nn.Module, cfg, micro: int, k: int, notes: list[st
     try:
         return layer_peak_bytes(model, cfg, max(micro, stack), gpu=on_gpu)
     except Exception as exc:  # an op without a meta kernel: the figure is left out, and said
-        notes.append(f"a layer's activations and temporaries are not counted (tracing it on the meta device failed: {exc})")
+        notes.append(
+            f"a layer's activations and temporaries are not counted (tracing it on the meta device failed: {exc})"
+        )
         return 0
 
 
@@ -316,8 +392,6 @@ def _adapter_parameters(model: torch.nn.Module, settings) -> int:
     return sum(p.numel() for p in adapters.params)
 
 
-
-
 def _states(chunks: list[_Chunk], cfg, galore, device: torch.device, group: int) -> dict[str, _Chunk]:
     """Append the state chunks the engine registers beside the weight chunk last in ``chunks``
     (``layout.laid_states``: a rank's shard of a whole chunk, its states as large as the largest rank's);
@@ -327,8 +401,19 @@ def _states(chunks: list[_Chunk], cfg, galore, device: torch.device, group: int)
     weights = chunks[-1]
     unit = {"weights": weights}
     for spec, layout in laid_states(weights.layout, cfg, galore, device, weights.whole):  # type: ignore[arg-type]
-        chunks.append(_Chunk(spec.kind, Tier(spec.home), layout.capacity, spec.used_on, True, entries=spec.entries,
-                             layout=layout, group=group, role=spec.role))  # fmt: skip
+        chunks.append(
+            _Chunk(
+                spec.kind,
+                Tier(spec.home),
+                layout.capacity,
+                spec.used_on,
+                True,
+                entries=spec.entries,
+                layout=layout,
+                group=group,
+                role=spec.role,
+            )
+        )
         unit[spec.role] = chunks[-1]
     return unit
 

@@ -51,7 +51,9 @@ log = logging.getLogger("tiertune.train")
 
 LOCK_FILE = ".tiertune.lock"
 LOG_NAME = "trainer_log.jsonl"
-LAUNCH_FILE = "launch.json"  # the processes a run was launched on and its global micro-batch, beside its recipe
+LAUNCH_FILE = (
+    "launch.json"  # the processes a run was launched on and its global micro-batch, beside its recipe
+)
 
 # what a run writes into its directory, besides its checkpoints: the log, the resolved recipe, the final
 # trainer state, TensorBoard/W&B event files, and the exported model or adapter
@@ -111,11 +113,16 @@ def _batch_split(
     if ranks == ranks_then:
         return changes, "", ""
     if rows == rows_then:
-        note = (f"resuming on {ranks} process(es) a run written by {ranks_then}: the global micro-batch stays "
-                f"{rows} rows ({per_device} per device x {ranks})")  # fmt: skip
+        note = (
+            f"resuming on {ranks} process(es) a run written by {ranks_then}: the global micro-batch stays "
+            f"{rows} rows ({per_device} per device x {ranks})"
+        )
         return others, note, ""
-    split = ("global micro-batch (per_device_train_batch_size x processes)",
-             f"{then_per_device} x {ranks_then}", f"{per_device} x {ranks}")  # fmt: skip
+    split = (
+        "global micro-batch (per_device_train_batch_size x processes)",
+        f"{then_per_device} x {ranks_then}",
+        f"{per_device} x {ranks}",
+    )
     keep = (
         f" (to keep its {rows_then} rows on {ranks} process(es): {key}={rows_then // ranks})"
         if rows_then % ranks == 0
@@ -299,7 +306,12 @@ class RunDirectory:
             return Decision(clear=self.holds_run(), notes=self._restart_note())
         if t.overwrite_output_dir:
             return Decision(clear=self.holds_run())
-        if self.holds_run() and not checkpoints(self.path) and self.finished_at() is None and not self.foreign():
+        if (
+            self.holds_run()
+            and not checkpoints(self.path)
+            and self.finished_at() is None
+            and not self.foreign()
+        ):
             # this run's own start, stopped before its first checkpoint: nothing to resume, start it over; a
             # start that failed before its first step (a budget, a data file to fix) is anyone's to start over
             if not self.before_first_step():
@@ -363,7 +375,12 @@ class RunDirectory:
     def before_first_step(self) -> bool:
         """Whether the directory holds only the start of a run that stopped before its first step: no
         checkpoint, model or final state, and no step in its log (nothing anyone could lose by starting over)."""
-        if checkpoints(self.path) or self._checkpoint_dirs() or self.finished_at() is not None or self.foreign():
+        if (
+            checkpoints(self.path)
+            or self._checkpoint_dirs()
+            or self.finished_at() is not None
+            or self.foreign()
+        ):
             return False
         if any((self.path / name).exists() for name in ("config.json", "adapter_config.json")):
             return False

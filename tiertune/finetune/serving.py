@@ -28,8 +28,10 @@ def vllm_notes(config: dict[str, Any], base: str, adapter: Path) -> list[str]:
     if rank > 16:
         needed = next((r for r in VLLM_RANKS if r >= rank), None)
         if needed is None:
-            return [f"vLLM serves LoRA ranks up to {VLLM_RANKS[-1]}; this adapter's is {rank}: export the merged "
-                    "model instead (--format hf)"]  # fmt: skip
+            return [
+                f"vLLM serves LoRA ranks up to {VLLM_RANKS[-1]}; this adapter's is {rank}: export the merged "
+                "model instead (--format hf)"
+            ]
         command += f" --max-lora-rank {needed}"
         return [f"vLLM: rank {rank} is above its default --max-lora-rank (16): {command}"]
     return [f"vLLM: {command}"]

@@ -42,7 +42,9 @@ class GPU:
     name: str
     peak_flops: float  # dense bf16 tensor-core FLOP/s with fp32 accumulation (what torch's bf16 matmul uses)
     memory: int  # bytes
-    host_to_device: float  # bytes/s of pinned host-to-device copies on its usual PCIe link (typical, not peak)
+    host_to_device: (
+        float  # bytes/s of pinned host-to-device copies on its usual PCIe link (typical, not peak)
+    )
 
 
 GPUS: dict[str, GPU] = {
@@ -79,8 +81,16 @@ class StepFlops:
         )
 
 
-def step_flops(model: torch.nn.Module, layers: list[torch.nn.Module], micro_tokens: int, steps_micro: int,
-               seq_len: int, trained: bool, reference: bool = False, paired: bool = False) -> StepFlops:  # fmt: skip
+def step_flops(
+    model: torch.nn.Module,
+    layers: list[torch.nn.Module],
+    micro_tokens: int,
+    steps_micro: int,
+    seq_len: int,
+    trained: bool,
+    reference: bool = False,
+    paired: bool = False,
+) -> StepFlops:
     """FLOPs of a step of ``steps_micro`` micro-batches of ``micro_tokens`` positions in rows of ``seq_len``, from the (meta) model's own weights
     before quantization: every matrix in a decoder layer, 3-D fused experts scaled by top-k / experts. A
     preference objective (``paired``) runs the head once more without autograd (the sequences' log-probabilities
@@ -158,8 +168,15 @@ NOISY = 0.25
 """A spread of repeats above this says the machine was busy while measuring (``Compute.spread``)."""
 
 
-def measure_compute(model_dir: str, cfg, micro_batch: int, seq_len: int, device: torch.device,
-                    repeats: int = 5, budget: float = 30.0) -> Compute | None:  # fmt: skip
+def measure_compute(
+    model_dir: str,
+    cfg,
+    micro_batch: int,
+    seq_len: int,
+    device: torch.device,
+    repeats: int = 5,
+    budget: float = 30.0,
+) -> Compute | None:
     """Seconds of one micro-batch's compute as the engine runs it, measured on ``device``: (per decoder
     layer, the rest: embeddings, head and loss). The model's own forward is run with one and with three
     decoder layers (random weights in the layers' dtype; LoRA adapters as the run wraps them; the loss fused
@@ -363,8 +380,21 @@ def _adamw_rate(numel: int = 1 << 23) -> float:
     step = [torch.tensor(1.0)]
 
     def run() -> None:
-        torch._fused_adamw_([tensors[0]], [tensors[1]], [tensors[2]], [tensors[3]], [], step, lr=1e-3,
-                            beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)  # fmt: skip
+        torch._fused_adamw_(
+            [tensors[0]],
+            [tensors[1]],
+            [tensors[2]],
+            [tensors[3]],
+            [],
+            step,
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            weight_decay=0.0,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
+        )
 
     run()
     began = time.perf_counter()

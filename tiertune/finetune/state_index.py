@@ -64,15 +64,21 @@ def placements(trainer: StreamedTrainer) -> dict[int, list[Placement]]:
     """For each chunk of ``trainer``'s training state (``state_chunks``), where its tensors lie in the run's
     state: whole tensors for one process, this rank's owned ranges for a rank of several."""
     return {
-        chunk.id: [_placement(role, t.name, tuple(t.shape), t.dtype, params, trainer.part) for t in chunk.tensors]
+        chunk.id: [
+            _placement(role, t.name, tuple(t.shape), t.dtype, params, trainer.part) for t in chunk.tensors
+        ]
         for role, chunk, params in trainer.state_parts()
     }
 
 
 def _placement(
-    role: str, name: str, local: tuple[int, ...], dtype: torch.dtype, params: dict,
+    role: str,
+    name: str,
+    local: tuple[int, ...],
+    dtype: torch.dtype,
+    params: dict,
     part_of: Callable[[str], tuple[int, int] | None],
-) -> Placement:  # fmt: skip
+) -> Placement:
     numel = math.prod(local)
     key = f"{role}/{name}"
     param = name.removesuffix(ABSMAX)
@@ -134,7 +140,9 @@ def _role_of_file(file: str) -> str | None:
     ``<weight chunk>.<role's suffix>`` or, for the weights, the weight chunk's own name); None for a path
     outside the state directory."""
     parts = file.split("/")
-    inside = len(parts) in (2, 3) and parts[0] == "state" and (len(parts) == 2 or parts[1].startswith("rank-"))
+    inside = (
+        len(parts) in (2, 3) and parts[0] == "state" and (len(parts) == 2 or parts[1].startswith("rank-"))
+    )
     if not inside or not parts[-1].endswith(".safetensors") or ".." in parts:
         return None
     stem = parts[-1].removesuffix(".safetensors")
@@ -194,9 +202,12 @@ class StateReader:
         extra = sorted(found.keys() - want.keys())
         differ = sorted(k for k in want.keys() & found.keys() if want[k] != found[k])
         what = (
-            f"it lacks {missing[0]}" if missing else f"it holds {extra[0]}, which this run has no use for"
-            if extra else f"{differ[0]} is {found[differ[0]]} there, {want[differ[0]]} here"
-        )  # fmt: skip
+            f"it lacks {missing[0]}"
+            if missing
+            else f"it holds {extra[0]}, which this run has no use for"
+            if extra
+            else f"{differ[0]} is {found[differ[0]]} there, {want[differ[0]]} here"
+        )
         raise ConfigError(
             f"checkpoint {self.path} was written by a run with other training state ({what}: model, method.type, "
             "optim or model.dtype differ); resume with the recipe that wrote it"
@@ -220,18 +231,27 @@ class StateReader:
         chunks (an index edited to read one role's tensor from another's file is refused)."""
         role, _, param = key.partition("/")
         if role not in STATE_ROLES or not param:
-            raise self._damaged(f"{key!r} is not a state tensor (<role>/<parameter>, role one of {STATE_ROLES})")
+            raise self._damaged(
+                f"{key!r} is not a state tensor (<role>/<parameter>, role one of {STATE_ROLES})"
+            )
         try:
             shape, dtype, pieces = list(entry["shape"]), entry["dtype"], list(entry["pieces"])
-            ok = all(type(n) is int and n >= 0 for n in shape) and isinstance(getattr(torch, dtype, None), torch.dtype)
+            ok = all(type(n) is int and n >= 0 for n in shape) and isinstance(
+                getattr(torch, dtype, None), torch.dtype
+            )
         except (KeyError, TypeError):
             ok = False
         if not ok:
             raise self._damaged(f"the entry of {key} is malformed")
         at = 0
         for piece in pieces:
-            if not (isinstance(piece, list) and len(piece) == 4 and isinstance(piece[0], str)
-                    and isinstance(piece[1], str) and all(type(n) is int for n in piece[2:])):  # fmt: skip
+            if not (
+                isinstance(piece, list)
+                and len(piece) == 4
+                and isinstance(piece[0], str)
+                and isinstance(piece[1], str)
+                and all(type(n) is int for n in piece[2:])
+            ):
                 raise self._damaged(f"a piece of {key} is malformed ({piece!r})")
             file, name, start, end = piece
             if start != at or end <= start:
@@ -338,6 +358,8 @@ class StateReader:
                         f"{self.path / file}: {name} has dtype {piece.get_dtype()}, not a state's"
                     )
                 tensors[f"{role}/{name}"] = {
-                    "shape": shape, "dtype": dtype_name(dtype), "pieces": [[file, name, 0, _numel(shape)]]
-                }  # fmt: skip
+                    "shape": shape,
+                    "dtype": dtype_name(dtype),
+                    "pieces": [[file, name, 0, _numel(shape)]],
+                }
         return tensors

@@ -94,7 +94,9 @@ class TrainResult:
         return self.output_dir / LOG_NAME
 
 
-def plan(recipe: Recipe, device: str | None = None, world: World | None = None) -> tuple[StoreConfig, EngineConfig]:
+def plan(
+    recipe: Recipe, device: str | None = None, world: World | None = None
+) -> tuple[StoreConfig, EngineConfig]:
     """The store and engine settings a recipe resolves to (``auto`` made concrete for this machine), with every
     rule between settings (``tests/test_rules.py``). ``device`` (``estimate``): plan the engine for ``cuda`` or
     ``cpu`` rather than for what this machine has; the store then computes on the CPU where the machine has
@@ -180,7 +182,9 @@ def plan(recipe: Recipe, device: str | None = None, world: World | None = None) 
         overlap_optimizer=off.overlap_optimizer,
         activations=_activations(recipe, device, dtype, store.device_budget),
         # a micro-batch of pairs holds each pair's two sequences
-        activation_tokens=t.per_device_train_batch_size * recipe.data.max_seq_len * (1 + recipe.objective.paired),
+        activation_tokens=t.per_device_train_batch_size
+        * recipe.data.max_seq_len
+        * (1 + recipe.objective.paired),
         sequence_tile=SEQUENCE_TILE if off.sequence_tile == "auto" else int(off.sequence_tile),
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         method=recipe.method.type,
@@ -264,7 +268,14 @@ def train(
                     recover(run_dir.path)
                 with stop.at_safe_points():  # from here the run holds chunks and locks
                     return _run(
-                        recipe, store_cfg, engine_cfg, run_dir, loaded, progress and world.is_main, stop, world
+                        recipe,
+                        store_cfg,
+                        engine_cfg,
+                        run_dir,
+                        loaded,
+                        progress and world.is_main,
+                        stop,
+                        world,
                     )
         except Signalled as exc:  # before the first step: what was set up has been unwound
             newest = latest_checkpoint(run_dir.path)
@@ -272,7 +283,9 @@ def train(
             raise Interrupted(exc.signum, step, newest, run_dir.path / RECIPE_FILE) from None
 
 
-def admit(recipe: Recipe, store_cfg: StoreConfig, engine_cfg: EngineConfig, world: World | None = None) -> None:
+def admit(
+    recipe: Recipe, store_cfg: StoreConfig, engine_cfg: EngineConfig, world: World | None = None
+) -> None:
     """Check the run's memory plan against its budgets before anything is loaded, and hand it to the store
     and the engine (``engine.plan``): the slots the store reserves for the chunks in use at once, and whether
     the speculative step's twins are made. Raises BudgetError naming the smallest budgets that work.
@@ -287,15 +300,21 @@ def admit(recipe: Recipe, store_cfg: StoreConfig, engine_cfg: EngineConfig, worl
     if store_cfg.disk_path is None:
         lower = "offload.disk_path, to place state on disk"
     else:
-        homes = (("offload.params", engine_cfg.params), ("offload.optimizer_states", engine_cfg.optimizer_states))
+        homes = (
+            ("offload.params", engine_cfg.params),
+            ("offload.optimizer_states", engine_cfg.optimizer_states),
+        )
         lower = " and ".join(f"{key}: disk" for key, home in homes if home != "disk")
     why = memory.refusal(budgets, lower, sharing)
     if why:
         tier, needed = next(iter(memory.short(budgets).items()))
         raise BudgetError(
-            tier.value, needed, budgets[tier], BUDGET_SETTING[tier],
+            tier.value,
+            needed,
+            budgets[tier],
+            BUDGET_SETTING[tier],
             message=f"the run does not fit its budgets, checked before loading the model: {why}",
-        )  # fmt: skip
+        )
     store_cfg.reserve = memory.store_reserve()
     engine_cfg.twins = twins
     engine_cfg.wave_size = wave
@@ -318,8 +337,15 @@ def _load(recipe: Recipe) -> _Loaded:
     t, d = recipe.training, recipe.data
     torch.manual_seed(t.seed)
     tokenizer = _tokenizer(recipe.model.path)
-    data = load_data(d.path, tokenizer, d.format, d.max_seq_len, d.add_eos, d.skip_bad_rows,
-                     kl_block=t.per_device_train_batch_size)
+    data = load_data(
+        d.path,
+        tokenizer,
+        d.format,
+        d.max_seq_len,
+        d.add_eos,
+        d.skip_bad_rows,
+        kl_block=t.per_device_train_batch_size,
+    )
     _check_vocabulary(data, recipe.model.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     rows = math.ceil(data.tokens / d.max_seq_len) if d.packing else len(data)  # packing: about full rows
@@ -590,7 +616,11 @@ def _tokenizer(model_path: str) -> Any:
         found = [p.name for p in Path(model_path).glob("tokenizer*")]
         raise ModelError(
             f"model.path {model_path} has no tokenizer that transformers can load ("
-            + (f"{', '.join(sorted(found))} there: {why}" if found else "no tokenizer.json or tokenizer_config.json")
+            + (
+                f"{', '.join(sorted(found))} there: {why}"
+                if found
+                else "no tokenizer.json or tokenizer_config.json"
+            )
             + "); save the model's tokenizer there (tokenizer.save_pretrained)"
         ) from None
 
@@ -626,8 +656,14 @@ def _banner(
         fused.append("fused loss")
     if trainer.attention_kept is None:
         fused.append("segment attention")
-    homes = {"weights": cfg.params, "gradients": cfg.gradients, "master": cfg.optimizer_states,
-             "moments": cfg.optimizer_states, "projections": cfg.optimizer_states, "twins": cfg.optimizer_states}  # fmt: skip
+    homes = {
+        "weights": cfg.params,
+        "gradients": cfg.gradients,
+        "master": cfg.optimizer_states,
+        "moments": cfg.optimizer_states,
+        "projections": cfg.optimizer_states,
+        "twins": cfg.optimizer_states,
+    }
     where = ", ".join(
         f"{kind} {format_size(n)} on {homes[kind]}" for kind, n in trainer.state_bytes().items() if n
     )
@@ -669,9 +705,13 @@ def _waves(trainer: StreamedTrainer, micro_batches: int) -> str:
     """How a step runs its micro-batches (``engine.schedule``), in words."""
     waves = trainer.schedule.waves(micro_batches)
     if len(waves) == 1:
-        return f"{micro_batches} a step, through each layer while it is loaded (the weights stream once a step)"
-    return (f"{micro_batches} a step in {len(waves)} waves of up to {len(waves[0])} (their layer boundaries do not "
-            "fit the budgets at once; the weights stream once a wave)")  # fmt: skip
+        return (
+            f"{micro_batches} a step, through each layer while it is loaded (the weights stream once a step)"
+        )
+    return (
+        f"{micro_batches} a step in {len(waves)} waves of up to {len(waves[0])} (their layer boundaries do not "
+        "fit the budgets at once; the weights stream once a wave)"
+    )
 
 
 def optimizer_description(recipe: Recipe, trainer: StreamedTrainer) -> str:
@@ -727,7 +767,10 @@ class _Progress:
             self._bar.update(1)
         elif step % self.every == 0 or step == self.total:
             peak = ", ".join(f"{k} {v}" for k, v in memory.items())
-            print(f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_second:,.0f} tokens/s  peak {peak}", flush=True)
+            print(
+                f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_second:,.0f} tokens/s  peak {peak}",
+                flush=True,
+            )
 
     def close(self) -> None:
         if self._bar is not None:

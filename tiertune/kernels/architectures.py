@@ -35,10 +35,19 @@ class Architecture:
     attention_norm: str | None = None  # the layer's norm feeding only the attention's q/k/v projections
 
 
-def _patched(prefix: str, mlp_norm: str = "post_attention_layernorm", mlp_residual: bool = True,
-             **kwargs: float) -> Architecture:  # fmt: skip
-    return Architecture(True, f"{prefix}RMSNorm", f"{prefix}MLP", f"{prefix}Attention", mlp_norm=mlp_norm,
-                        mlp_residual=mlp_residual, attention_norm="input_layernorm", **kwargs)  # fmt: skip
+def _patched(
+    prefix: str, mlp_norm: str = "post_attention_layernorm", mlp_residual: bool = True, **kwargs: float
+) -> Architecture:
+    return Architecture(
+        True,
+        f"{prefix}RMSNorm",
+        f"{prefix}MLP",
+        f"{prefix}Attention",
+        mlp_norm=mlp_norm,
+        mlp_residual=mlp_residual,
+        attention_norm="input_layernorm",
+        **kwargs,
+    )
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -54,9 +63,21 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gemma2": _patched("Gemma2", "pre_feedforward_layernorm", False, norm_offset=1.0),
     "gemma3_text": _patched("Gemma3", "pre_feedforward_layernorm", False, norm_offset=1.0),
     "phi3": _patched("Phi3", mlp_residual=False),  # a dropout between the MLP and the residual
-    **{name: Architecture() for name in ("olmo2", "stablelm", "gpt_neox", "cohere", "cohere2", "mixtral",
-                                         "qwen2_moe", "qwen3_moe", "deepseek_v3")},
-}  # fmt: skip
+    **{
+        name: Architecture()
+        for name in (
+            "olmo2",
+            "stablelm",
+            "gpt_neox",
+            "cohere",
+            "cohere2",
+            "mixtral",
+            "qwen2_moe",
+            "qwen3_moe",
+            "deepseek_v3",
+        )
+    },
+}
 
 PATCHED = tuple(sorted(name for name, a in ARCHITECTURES.items() if a.norm is not None))
 """The architectures whose modules ``kernels.patch`` gives tiertune's ops."""

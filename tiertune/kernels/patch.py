@@ -47,7 +47,9 @@ def resolve_backend(kernels: str, device: torch.device) -> str:
             why = "triton is not installed" if device.type == "cuda" else "there is no CUDA device"
             raise ConfigError(f"kernels: triton cannot run here ({why}); use kernels: auto or torch")
         return "triton"
-    raise ValueError(f"resolve_backend takes one of {', '.join(KERNEL_CHOICES)} (a recipe's kernels), got {kernels!r}")
+    raise ValueError(
+        f"resolve_backend takes one of {', '.join(KERNEL_CHOICES)} (a recipe's kernels), got {kernels!r}"
+    )
 
 
 def patch_model(model: nn.Module, backend: str, nf4: bool | None = None) -> Counter[str]:

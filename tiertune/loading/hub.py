@@ -86,7 +86,9 @@ def _download(model_id: str, patterns: list[str], what: str) -> str:
         "then run with HF_HUB_OFFLINE=1; or set model.path to a local directory saved with save_pretrained"
     )
     if constants.HF_HUB_OFFLINE:
-        raise ModelError(f"model.path {model_id!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; {advice}")
+        raise ModelError(
+            f"model.path {model_id!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; {advice}"
+        )
     host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
     try:
         socket.create_connection((host, 443), timeout=PROBE_SECONDS).close()

@@ -126,8 +126,15 @@ DIMENSIONS = ("hidden_size", "num_hidden_layers", "vocab_size")
 
 DECODERS = "set model.path to a decoder-only model such as Llama, Qwen, Mistral or Gemma"
 
-MULTIMODAL_INPUTS = ("pixel_values", "pixel_values_videos", "input_features", "input_values", "audio_values",
-                     "image_embeds", "image_patches")  # fmt: skip
+MULTIMODAL_INPUTS = (
+    "pixel_values",
+    "pixel_values_videos",
+    "input_features",
+    "input_values",
+    "audio_values",
+    "image_embeds",
+    "image_patches",
+)
 """Arguments of a model's forward that only a model of images, video or sound takes."""
 
 
@@ -168,10 +175,11 @@ def not_trainable(config: Any) -> str:
         alone = (
             f"its text decoder alone is model_type {text.model_type!r} "
             f"({MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[text.model_type]}), which tiertune trains"
-            if text is not config and text.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            if text is not config
+            and text.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
             and not not_trainable(text)
             else DECODERS
-        )  # fmt: skip
+        )
         return (
             f"a multimodal model ({name} takes {', '.join(inputs)}): tiertune does not train multimodal classes "
             f"yet; {alone}"
@@ -316,8 +324,10 @@ def _expert(pattern: str, name: str, key: str, model: nn.Module) -> int:
     """The expert index the ``*`` of a converter's source pattern matches in ``name``."""
     match = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), name)
     if match is None:
-        raise ModelError(f"checkpoint tensor {key!r}: no expert index where {pattern!r} expects one "
-                         f"({type(model).__name__})")  # fmt: skip
+        raise ModelError(
+            f"checkpoint tensor {key!r}: no expert index where {pattern!r} expects one "
+            f"({type(model).__name__})"
+        )
     return int(match.group(1))
 
 
@@ -356,8 +366,10 @@ def _fused_source(
             pieces.append((key, index))
             offset += size
         if concat is not None and offset != shape[concat]:
-            raise ModelError(f"{target}: its parts in the checkpoint add up to {offset} along dimension "
-                             f"{concat}, the model expects {shape[concat]}")  # fmt: skip
+            raise ModelError(
+                f"{target}: its parts in the checkpoint add up to {offset} along dimension "
+                f"{concat}, the model expects {shape[concat]}"
+            )
     return TensorSource(tuple(pieces))
 
 
@@ -487,8 +499,10 @@ def load_shards(
         group.chunks = []
         for layout, place in plan_in_place(mapped, size) if mapped else ():  # the checkpoint's own files
             whole = ChunkLayout(layout.tensors, round_up(layout.capacity, ALIGN * world_size), world_size)
-            [chunk] = store.add_placed([(shard_layout(whole, rank, world_size), place.part(*whole.shard_range(rank)))],
-                                       f"{group.name}.{len(group.chunks)}")  # fmt: skip
+            [chunk] = store.add_placed(
+                [(shard_layout(whole, rank, world_size), place.part(*whole.shard_range(rank)))],
+                f"{group.name}.{len(group.chunks)}",
+            )
             full[chunk.id] = whole
             group.chunks.append(chunk)
         layouts = pack_tensors(units, size, world_size) if units else []
@@ -497,12 +511,22 @@ def load_shards(
                 name = f"{group.name}.{len(group.chunks)}.of{world_size}"
                 weights = list(dict.fromkeys(first[t.name] for t in layout.tensors))
                 path, _ = cache.shared(
-                    name, layout, lambda views, g=group, w=weights, sv=saved: _fill(
-                        g, w, views, sv, source, checkpoint, dtype, quant),
+                    name,
+                    layout,
+                    lambda views, g=group, w=weights, sv=saved: _fill(
+                        g, w, views, sv, source, checkpoint, dtype, quant
+                    ),
                     store.aio.block_size,
-                )  # fmt: skip
-                [chunk] = store.add_placed([(shard_layout(layout, rank, world_size),
-                                             InPlace.image(path, *layout.shard_range(rank)))], name)  # fmt: skip
+                )
+                [chunk] = store.add_placed(
+                    [
+                        (
+                            shard_layout(layout, rank, world_size),
+                            InPlace.image(path, *layout.shard_range(rank)),
+                        )
+                    ],
+                    name,
+                )
                 full[chunk.id] = layout
                 group.chunks.append(chunk)
             continue
@@ -524,7 +548,9 @@ def load_shards(
                         continue  # no byte of it in this rank's shard
                     image = torch.zeros(hi - lo, dtype=torch.uint8)
                     moved = ChunkLayout(tuple(replace(t, offset=t.offset - lo) for t in specs), hi - lo)
-                    _fill(group, [weight], layout_views(moved, image), saved, source, checkpoint, dtype, quant)
+                    _fill(
+                        group, [weight], layout_views(moved, image), saved, source, checkpoint, dtype, quant
+                    )
                     a, b = max(lo, start), min(hi, end)
                     flat[a - start : b - start].copy_(image[a - lo : b - lo])
     return source, full
@@ -552,9 +578,15 @@ def quantized_on_load(group: ParamGroup, saved: Container[str]) -> bool:
 
 
 def _fill(
-    group: ParamGroup, names: Iterable[str], views: dict[str, torch.Tensor], saved: dict[str, SavedWeight],
-    source: dict[str, TensorSource], checkpoint: Checkpoint, dtype: torch.dtype, quant: Quantizer | None,
-) -> None:  # fmt: skip
+    group: ParamGroup,
+    names: Iterable[str],
+    views: dict[str, torch.Tensor],
+    saved: dict[str, SavedWeight],
+    source: dict[str, TensorSource],
+    checkpoint: Checkpoint,
+    dtype: torch.dtype,
+    quant: Quantizer | None,
+) -> None:
     """Fill a chunk's ``views`` with weights ``names`` of ``group`` from the checkpoint: pre-quantized bytes as
     they are, quantized on the way in, or read (converting the dtype)."""
     for name in names:
@@ -575,9 +607,12 @@ def _fill(
 
 
 def read_in_place(
-    group: ParamGroup, dtype: torch.dtype, quant: Quantizer | None, checkpoint: Checkpoint,
+    group: ParamGroup,
+    dtype: torch.dtype,
+    quant: Quantizer | None,
+    checkpoint: Checkpoint,
     source: dict[str, TensorSource],
-) -> tuple[list[FileTensor], list]:  # fmt: skip
+) -> tuple[list[FileTensor], list]:
     """How ``load_into_store`` lays out frozen group ``group`` homed on disk: the tensors it reads in place
     from the checkpoint's files, and the entries that get ordinary chunks (``source``: ``checkpoint_names``)."""
     units = _units(group, weight_entries(group, dtype, quant))

@@ -50,8 +50,13 @@ class QuantCache:
         import bitsandbytes
 
         h = xxhash.xxh3_128()
-        h.update(json.dumps({"format": FORMAT, "bitsandbytes": bitsandbytes.__version__, **settings},
-                            sort_keys=True, default=str).encode())  # fmt: skip
+        h.update(
+            json.dumps(
+                {"format": FORMAT, "bitsandbytes": bitsandbytes.__version__, **settings},
+                sort_keys=True,
+                default=str,
+            ).encode()
+        )
         files = sorted({e.file for e in checkpoint.entries.values()})
         for path in files:
             st = path.stat()
@@ -68,7 +73,10 @@ class QuantCache:
         if not path.is_file():
             return None
         manifest = json.loads(path.read_text())
-        if manifest.get("layout") != _layout(chunk.layout) or not (self.directory / f"{chunk.name}.chunk").is_file():
+        if (
+            manifest.get("layout") != _layout(chunk.layout)
+            or not (self.directory / f"{chunk.name}.chunk").is_file()
+        ):
             return None
         return manifest
 
@@ -160,11 +168,15 @@ def _layout(layout: ChunkLayout) -> dict:
     """A chunk layout as JSON (what an image must match to be read as the chunk)."""
     return {
         "capacity": layout.capacity,
-        "tensors": [[t.name, list(t.shape), str(t.dtype).removeprefix("torch."), t.offset] for t in layout.tensors],
+        "tensors": [
+            [t.name, list(t.shape), str(t.dtype).removeprefix("torch."), t.offset] for t in layout.tensors
+        ],
     }
 
 
-def _image_blocks(layout: ChunkLayout, views: dict[str, torch.Tensor], block_size: int) -> Iterator[bytearray]:
+def _image_blocks(
+    layout: ChunkLayout, views: dict[str, torch.Tensor], block_size: int
+) -> Iterator[bytearray]:
     """The chunk's image in blocks of ``block_size`` bytes: each tensor's bytes at its offset, zeros between."""
     tensors = sorted((t for t in layout.tensors if t.nbytes), key=lambda t: t.offset)
     raw = {t.name: buffer_of(views[t.name].reshape(-1).view(torch.uint8)) for t in tensors}

@@ -110,11 +110,19 @@ class Checkpoint:
         shape = entry.shape
         if row is not None:
             if not shape or not 0 <= row <= row + len(out) <= shape[0]:
-                raise ModelError(f"tensor {name!r} in {entry.file} of shape {shape} has no rows {row}-{row + len(out)}")
+                raise ModelError(
+                    f"tensor {name!r} in {entry.file} of shape {shape} has no rows {row}-{row + len(out)}"
+                )
             item = entry.nbytes // max(1, math.prod(shape))
             begin = row * item * math.prod(shape[1:])
-            entry = TensorEntry(entry.name, entry.file, entry.dtype, (len(out), *shape[1:]), entry.start + begin,
-                                len(out) * item * math.prod(shape[1:]))  # fmt: skip
+            entry = TensorEntry(
+                entry.name,
+                entry.file,
+                entry.dtype,
+                (len(out), *shape[1:]),
+                entry.start + begin,
+                len(out) * item * math.prod(shape[1:]),
+            )
         if tuple(out.shape) != entry.shape:
             raise ModelError(
                 f"tensor {name!r} in {entry.file} has shape {entry.shape}, the model expects {tuple(out.shape)}"

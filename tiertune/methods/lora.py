@@ -228,7 +228,12 @@ class Adapters:
         return [p for p in self.params if id(p) in inside]
 
     def step(
-        self, lr: float, weight_decay: float, betas: tuple[float, float], eps: float, max_grad_norm: float | None
+        self,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        max_grad_norm: float | None,
     ) -> float:
         """Clip to ``max_grad_norm`` (as ``clip_grad_norm_``; None: no clipping), update with AdamW and zero the
         gradients; returns the gradient norm."""

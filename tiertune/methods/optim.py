@@ -110,15 +110,46 @@ def _bnb_adam(
         _QMAPS.update(signed=BF.create_dynamic_map(signed=True), unsigned=BF.create_dynamic_map(signed=False))
     if m[name].dtype == torch.uint8:
         BF.optimizer_update_8bit_blockwise(
-            "adam", grad, param, m[name], v[name], hp.beta1, hp.beta2, 0.0, 0.0, hp.eps, hp.step, hp.lr,
-            _QMAPS["signed"], _QMAPS["unsigned"], m[f"{name}.absmax"], v[f"{name}.absmax"], decay,
-            gnorm_scale=1.0, skip_zeros=False,
-        )  # fmt: skip
+            "adam",
+            grad,
+            param,
+            m[name],
+            v[name],
+            hp.beta1,
+            hp.beta2,
+            0.0,
+            0.0,
+            hp.eps,
+            hp.step,
+            hp.lr,
+            _QMAPS["signed"],
+            _QMAPS["unsigned"],
+            m[f"{name}.absmax"],
+            v[f"{name}.absmax"],
+            decay,
+            gnorm_scale=1.0,
+            skip_zeros=False,
+        )
     else:
         BF.optimizer_update_32bit(
-            "adam", grad, param, m[name], hp.beta1, hp.eps, hp.step, hp.lr, v[name], hp.beta2, 0.0, 0.0,
-            decay, 1.0, None, max_unorm=0.0, skip_zeros=False,
-        )  # fmt: skip
+            "adam",
+            grad,
+            param,
+            m[name],
+            hp.beta1,
+            hp.eps,
+            hp.step,
+            hp.lr,
+            v[name],
+            hp.beta2,
+            0.0,
+            0.0,
+            decay,
+            1.0,
+            None,
+            max_unorm=0.0,
+            skip_zeros=False,
+        )
 
 
 def adamw_8bit(

@@ -221,7 +221,9 @@ class Chunk:
     layout: ChunkLayout
     home: Tier
     state: ChunkState = ChunkState.EMPTY
-    copies: dict[Tier, Allocation] = field(default_factory=dict)  # a memory tier's (the disk's: the store's slots)
+    copies: dict[Tier, Allocation] = field(
+        default_factory=dict
+    )  # a memory tier's (the disk's: the store's slots)
     valid: set[Tier] = field(default_factory=set)
     pins: int = 0
     use_tier: Tier | None = None

@@ -177,8 +177,9 @@ class FileReader:
                 self._fds[path] = (fd, direct)
             return self._fds[path]
 
-    def read(self, name: str, place: InPlace, dst: torch.Tensor, expected: tuple[int, ...] | None,
-             sums: list[int]) -> IOHandle:  # fmt: skip
+    def read(
+        self, name: str, place: InPlace, dst: torch.Tensor, expected: tuple[int, ...] | None, sums: list[int]
+    ) -> IOHandle:
         """Read chunk ``name``'s windows into ``dst`` (a uint8 host buffer of its capacity). With ``expected``
         (the checksums of its first read) every block is checked; without, ``sums`` receives them."""
         for path, size, mtime in place.stamps:
@@ -189,8 +190,11 @@ class FileReader:
                     "restart the run, and do not modify a model's files while it trains"
                 )
         view = buffer_of(dst)
-        blocks = [(w, a, min(a + self.aio.block_size, w.nbytes)) for w in place.windows
-                  for a in range(0, w.nbytes, self.aio.block_size)]  # fmt: skip
+        blocks = [
+            (w, a, min(a + self.aio.block_size, w.nbytes))
+            for w in place.windows
+            for a in range(0, w.nbytes, self.aio.block_size)
+        ]
         if expected is not None and len(expected) != len(blocks):
             raise IntegrityError(f"chunk {name!r}: {len(expected)} checksums for {len(blocks)} blocks")
         sums[:] = [0] * len(blocks)
@@ -203,12 +207,14 @@ class FileReader:
                 try:
                     n = os.preadv(fd, [part[done:]], w.file_start + a + done)
                 except OSError as exc:
-                    raise StorageError(f"read of {w.file} at byte {w.file_start + a + done} failed: "
-                                       f"{exc.strerror}") from exc  # fmt: skip
+                    raise StorageError(
+                        f"read of {w.file} at byte {w.file_start + a + done} failed: {exc.strerror}"
+                    ) from exc
                 if n <= 0:  # the file's end: the window's tail past it is padding
                     if w.file_start + a + done < os.fstat(fd).st_size:
-                        raise IntegrityError(f"chunk {name!r}: short read from {w.file} at byte "
-                                             f"{w.file_start + a + done}")  # fmt: skip
+                        raise IntegrityError(
+                            f"chunk {name!r}: short read from {w.file} at byte {w.file_start + a + done}"
+                        )
                     part[done:] = bytes(len(part) - done)
                     break
                 done += n

@@ -82,9 +82,13 @@ class StoreConfig:
         for name in ("device_budget", "host_budget", "chunk_size", "block_size", "disk_budget"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, int):
-                raise TypeError(f"StoreConfig.{name} is bytes (an int), got {value!r}: StoreConfig.resolve reads sizes")
+                raise TypeError(
+                    f"StoreConfig.{name} is bytes (an int), got {value!r}: StoreConfig.resolve reads sizes"
+                )
         if not isinstance(self.device, torch.device):
-            raise TypeError(f"StoreConfig.device is a torch.device, got {self.device!r}: StoreConfig.resolve reads names")
+            raise TypeError(
+                f"StoreConfig.device is a torch.device, got {self.device!r}: StoreConfig.resolve reads names"
+            )
         if self.prefetch_depth < 0 or self.host_prefetch_depth < 0:
             raise ConfigError(
                 f"offload.prefetch_depth must be >= 0, got {self.prefetch_depth} (host: {self.host_prefetch_depth})"
@@ -92,10 +96,17 @@ class StoreConfig:
 
     @classmethod
     def resolve(
-        cls, device: str | torch.device = "cpu", device_budget: int | str = "auto", host_budget: int | str = "auto",
-        disk_budget: int | str | None = None, chunk_size: int | str = 64 << 20, block_size: int | str = 1 << 20,
-        prefetch_depth: int = 2, host_prefetch_depth: int | None = None, **rest: Any,
-    ) -> StoreConfig:  # fmt: skip
+        cls,
+        device: str | torch.device = "cpu",
+        device_budget: int | str = "auto",
+        host_budget: int | str = "auto",
+        disk_budget: int | str | None = None,
+        chunk_size: int | str = 64 << 20,
+        block_size: int | str = 1 << 20,
+        prefetch_depth: int = 2,
+        host_prefetch_depth: int | None = None,
+        **rest: Any,
+    ) -> StoreConfig:
         """A config from what a recipe or a caller says: ``device`` cpu, cuda, cuda:N or auto (cuda when there is
         one); budgets as sizes (``'2GiB'``) or ``auto`` (``tiers.auto_budget``); ``disk_budget`` None or
         ``auto`` for the free space at ``disk_path``; ``host_prefetch_depth`` None for twice ``prefetch_depth``.
@@ -108,14 +119,18 @@ class StoreConfig:
             number = str(value).strip()
             if isinstance(value, str) and number.replace(".", "", 1).isdigit() and float(number) != 0:
                 # a bare number in a recipe: bytes, or a forgotten unit? (0 is 0 in any unit)
-                raise ConfigError(f"offload.{name}: {number} has no unit; write e.g. {number}GiB (or {number}B for bytes)")
+                raise ConfigError(
+                    f"offload.{name}: {number} has no unit; write e.g. {number}GiB (or {number}B for bytes)"
+                )
             return parse_size(value, f"offload.{name}")
 
         return cls(
             device=resolved,
             device_budget=budget(device_budget, Tier.DEVICE, "device_budget"),
             host_budget=budget(host_budget, Tier.HOST, "host_budget"),
-            disk_budget=None if disk_budget in (None, "auto") else parse_size(disk_budget, "StoreConfig.disk_budget"),
+            disk_budget=None
+            if disk_budget in (None, "auto")
+            else parse_size(disk_budget, "StoreConfig.disk_budget"),
             chunk_size=parse_size(chunk_size, "offload.chunk_size"),
             block_size=parse_size(block_size, "offload.block_size"),
             prefetch_depth=prefetch_depth,
@@ -238,13 +253,19 @@ class ChunkStore:
         self.config = config
         self.device = config.device
         self.ledger = config.ledger
-        pin = self.device if self.device.type == "cuda" and not self.ledger else False  # page-locked for the GPU
-        memory = {t: torch.device("meta") if self.ledger else d for t, d in
-                  ((Tier.DEVICE, self.device), (Tier.HOST, torch.device("cpu")))}  # fmt: skip
+        pin = (
+            self.device if self.device.type == "cuda" and not self.ledger else False
+        )  # page-locked for the GPU
+        memory = {
+            t: torch.device("meta") if self.ledger else d
+            for t, d in ((Tier.DEVICE, self.device), (Tier.HOST, torch.device("cpu")))
+        }
         reserve = config.reserve or {}
         self._planned = config.reserve is not None  # the run's plan covers staging and use (see _place)
         self._mem = {
-            Tier.DEVICE: MemoryTier(Tier.DEVICE, config.device_budget, memory[Tier.DEVICE], reserve=reserve.get("device")),
+            Tier.DEVICE: MemoryTier(
+                Tier.DEVICE, config.device_budget, memory[Tier.DEVICE], reserve=reserve.get("device")
+            ),
             Tier.HOST: MemoryTier(
                 Tier.HOST, config.host_budget, memory[Tier.HOST], pin=pin, reserve=reserve.get("host")
             ),
@@ -279,7 +300,9 @@ class ChunkStore:
         self._moved_by: dict[int, dict[str, int]] = {}  # chunk id -> link -> bytes
         self._fatal: BaseException | None = None
         self._landing: list[IOHandle] = []  # a ledger's transfers, done at its next call (``_land``)
-        self._transfers: dict[int, IOHandle] = {}  # chunk id -> its newest transfer (``close`` waits for these)
+        self._transfers: dict[
+            int, IOHandle
+        ] = {}  # chunk id -> its newest transfer (``close`` waits for these)
         self._cond = threading.Condition(threading.RLock())
         self._closed = False
         self._closing = False
@@ -305,7 +328,9 @@ class ChunkStore:
         """
         home = Tier(home)
         entries: list[Entry | Sequence[Entry]] = (
-            [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()] if isinstance(tensors, Mapping) else list(tensors)
+            [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
+            if isinstance(tensors, Mapping)
+            else list(tensors)
         )
         size = self.config.chunk_size if chunk_size is None else chunk_size
         layouts = pack_tensors(entries, size, self.config.num_shards)
@@ -432,7 +457,10 @@ class ChunkStore:
             # the plan reserved the room to stage and use chunks: homes have the rest
             mem = self._mem[home]
             raise BudgetError(
-                home.value, reserved[home] + mem.reserved, mem.budget, BUDGET_SETTING[home],
+                home.value,
+                reserved[home] + mem.reserved,
+                mem.budget,
+                BUDGET_SETTING[home],
                 f"placing chunk {chunk.name!r} there for the whole run, beside the "
                 f"{format_size(mem.reserved)} the run's plan reserves for chunks in use there",
             )
@@ -578,7 +606,9 @@ class ChunkStore:
         a full chunk, bytes copied as they are."""
         with self._cond:
             if chunk.state is not S.IN_USE:
-                raise StateError(f"the buffer of chunk {chunk.name!r} that is not acquired ({chunk.state.value})")
+                raise StateError(
+                    f"the buffer of chunk {chunk.name!r} that is not acquired ({chunk.state.value})"
+                )
             assert chunk.use_tier is not None
             return chunk.copies[chunk.use_tier].tensor
 
@@ -600,7 +630,9 @@ class ChunkStore:
         try:
             yield alloc.tensor[:nbytes]
         finally:
-            if self._mem[tier].device.type == "cuda":  # kernels queued on it finish before its memory is reused
+            if (
+                self._mem[tier].device.type == "cuda"
+            ):  # kernels queued on it finish before its memory is reused
                 torch.cuda.current_stream(self.device).synchronize()
             with self._cond:
                 self._count_in_use(standin, tier, -1, scratch=True)
@@ -776,7 +808,9 @@ class ChunkStore:
         """Budgets, current and peak accounted bytes per tier, and bytes moved per link."""
         with self._cond:
             self._land()
-            tiers = {t.value: TierStats(m.budget, m.used, m.peak, m.pinned_bytes) for t, m in self._mem.items()}
+            tiers = {
+                t.value: TierStats(m.budget, m.used, m.peak, m.pinned_bytes) for t, m in self._mem.items()
+            }
             if self.disk is not None:
                 a = self.disk.arena
                 tiers["disk"] = TierStats(a.capacity, a.used, a.peak)
@@ -820,7 +854,11 @@ class ChunkStore:
                 return
             self._closing = True  # no prefetch starts from here (``_prefetch``)
             self._landing.clear()
-            while self._fatal is None and not self.ledger and any(not h.done() for h in self._transfers.values()):
+            while (
+                self._fatal is None
+                and not self.ledger
+                and any(not h.done() for h in self._transfers.values())
+            ):
                 self._cond.wait(0.1)  # woken by ``_done``; the timeout only bounds a lost notification
             self._closed = True
         self.aio.close()
@@ -883,7 +921,10 @@ class ChunkStore:
         if chunk.home is tier and not scratch:
             return
         sizes = self._mem[tier].slot_sizes
-        key = (tier, (slot_class(sizes, chunk.capacity) if sizes else None) or round_up(chunk.capacity, ALIGN))
+        key = (
+            tier,
+            (slot_class(sizes, chunk.capacity) if sizes else None) or round_up(chunk.capacity, ALIGN),
+        )
         self._in_use[key] += change
         if change > 0 and self._in_use[key] > self._in_use_peak[key]:
             self._in_use_peak[key] = self._in_use[key]
@@ -1186,10 +1227,17 @@ class ChunkStore:
         then_drop: bool = False,
     ) -> bool:
         alloc = self._claim(
-            chunk, dst, blocking, before,
-            lambda: chunk.state not in IN_FLIGHT and chunk.state is not S.IN_USE
-            and src in chunk.valid and dst not in chunk.valid,
-        )  # fmt: skip
+            chunk,
+            dst,
+            blocking,
+            before,
+            lambda: (
+                chunk.state not in IN_FLIGHT
+                and chunk.state is not S.IN_USE
+                and src in chunk.valid
+                and dst not in chunk.valid
+            ),
+        )
         if alloc is None:
             return False
         chunk.copies[dst] = alloc
@@ -1242,7 +1290,9 @@ class ChunkStore:
         if self.in_place(chunk) is not None:
             raise StateError(self._read_only(chunk))
         if chunk.id not in self._slots:
-            raise StateError(f"chunk {chunk.name!r} has no disk copy yet: its file was to be given (home_in_file)")
+            raise StateError(
+                f"chunk {chunk.name!r} has no disk copy yet: its file was to be given (home_in_file)"
+            )
         assert self.disk is not None
         chunk.transition(S.WRITING)
         slot = self._slots[chunk.id]

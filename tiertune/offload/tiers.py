@@ -132,7 +132,11 @@ class Arena:
                 if lowest:
                     best = i
                     break
-                if best < 0 or free_size < self._free[best][1] or (self.top and free_size == self._free[best][1]):
+                if (
+                    best < 0
+                    or free_size < self._free[best][1]
+                    or (self.top and free_size == self._free[best][1])
+                ):
                     best = i
                     if free_size == size and not self.top:
                         break
@@ -226,9 +230,13 @@ class MemoryTier:
     """
 
     def __init__(
-        self, tier: Tier, budget: int, device: torch.device, pin: bool | torch.device = False,
+        self,
+        tier: Tier,
+        budget: int,
+        device: torch.device,
+        pin: bool | torch.device = False,
         reserve: Mapping[int, int] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.tier = tier
         self.device = device
         self.pin = pin

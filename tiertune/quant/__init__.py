@@ -49,20 +49,27 @@ def saved_quantization(config: Any, where: str = "the model") -> dict[str, Any] 
         )
     skip = tuple(raw.get("llm_int8_skip_modules") or ())
     if raw.get("load_in_8bit") or raw.get("_load_in_8bit"):
-        return {"kind": "int8", "double_quant": False, "skip": skip,
-                "threshold": float(raw.get("llm_int8_threshold", 6.0))}  # fmt: skip
+        return {
+            "kind": "int8",
+            "double_quant": False,
+            "skip": skip,
+            "threshold": float(raw.get("llm_int8_threshold", 6.0)),
+        }
     if raw.get("load_in_4bit") or raw.get("_load_in_4bit"):
         kind = raw.get("bnb_4bit_quant_type", "fp4")
         return {"kind": kind, "double_quant": bool(raw.get("bnb_4bit_use_double_quant", False)), "skip": skip}
     return None
 
 
-def make_quantizer(kind: str, compute_dtype: torch.dtype, saved: dict[str, Any] | None = None,
-                   where: str = "the model") -> Quantizer | None:  # fmt: skip
+def make_quantizer(
+    kind: str, compute_dtype: torch.dtype, saved: dict[str, Any] | None = None, where: str = "the model"
+) -> Quantizer | None:
     """The quantizer of ``model.quantize`` (``none`` gives None). ``saved`` (``saved_quantization``) is the
     checkpoint's own quantization: its weights are read as they are, so ``kind`` must name the same one."""
     if kind not in KINDS:
-        raise ValueError(f"the quantizations are {', '.join(KINDS)} (a recipe's model.quantize), got {kind!r}")
+        raise ValueError(
+            f"the quantizations are {', '.join(KINDS)} (a recipe's model.quantize), got {kind!r}"
+        )
     if saved is not None and kind != saved["kind"]:
         bits = "8-bit" if saved["kind"] == "int8" else f"4-bit {saved['kind'].upper()}"
         raise ConfigError(

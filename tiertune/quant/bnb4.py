@@ -78,8 +78,11 @@ class NF4:
     _codes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def settings(self) -> dict[str, object]:
-        settings: dict[str, object] = {"quantize": self.quant_type, "blocksize": self.blocksize,
-                                       "dtype": self.compute_dtype}  # fmt: skip
+        settings: dict[str, object] = {
+            "quantize": self.quant_type,
+            "blocksize": self.blocksize,
+            "dtype": self.compute_dtype,
+        }
         if not self.double_quant:  # the keys of the default settings stay as they were (cache keys)
             settings["double_quant"] = False
         return settings
@@ -104,8 +107,11 @@ class NF4:
 
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
 
-        partial = [re.escape(name) for name, sub in module.named_modules()
-                   if isinstance(sub, nn.Linear) and sub.weight.numel() % self.blocksize]  # fmt: skip
+        partial = [
+            re.escape(name)
+            for name, sub in module.named_modules()
+            if isinstance(sub, nn.Linear) and sub.weight.numel() % self.blocksize
+        ]
         replace_with_bnb_linear(module, [*self.skip, *partial] or None, quantization_config=self.config())
         for sub in module.modules():  # transformers sets the storage dtype; the block size is ours
             weight = getattr(sub, "weight", None)
@@ -151,24 +157,33 @@ class NF4:
         Raises ModelError when it is quantized differently (another type, block size or shape)."""
         import json
 
-        stored = [k for k in (f"{key}.quant_state.bitsandbytes__nf4", f"{key}.quant_state.bitsandbytes__fp4")
-                  if k in checkpoint]  # fmt: skip
+        stored = [
+            k
+            for k in (f"{key}.quant_state.bitsandbytes__nf4", f"{key}.quant_state.bitsandbytes__fp4")
+            if k in checkpoint
+        ]
         if not stored:
             return None
         raw = torch.empty(checkpoint.entries[stored[0]].shape, dtype=torch.uint8)
         checkpoint.read_into(stored[0], raw)
         state = json.loads(bytes(raw.tolist()).decode())
         where = f"{key!r} in {checkpoint.entries[key].file}"
-        found = (state.get("quant_type"), state.get("blocksize"), tuple(state.get("shape") or ()),
-                 "nested_absmax" in state or f"{key}.nested_absmax" in checkpoint)  # fmt: skip
+        found = (
+            state.get("quant_type"),
+            state.get("blocksize"),
+            tuple(state.get("shape") or ()),
+            "nested_absmax" in state or f"{key}.nested_absmax" in checkpoint,
+        )
         wanted = (self.quant_type, self.blocksize, tuple(shape), self.double_quant)
         if found != wanted:
             what = ("type", "block size", "shape", "double quantization")
             diff = "; ".join(
                 f"{w}: saved {f}, expected {e}" for w, f, e in zip(what, found, wanted, strict=True) if f != e
             )
-            raise ModelError(f"pre-quantized weight {where} is not the 4-bit layout the model's quantization_config "
-                             f"describes ({diff}); re-save the checkpoint, or load an unquantized one")  # fmt: skip
+            raise ModelError(
+                f"pre-quantized weight {where} is not the 4-bit layout the model's quantization_config "
+                f"describes ({diff}); re-save the checkpoint, or load an unquantized one"
+            )
         tensors = {name: key, f"{name}.absmax": f"{key}.absmax"}
         values = {}
         if self.double_quant:
@@ -179,8 +194,9 @@ class NF4:
             saved = checkpoint.entries.get(tensors[entry])
             if saved is None or saved.dtype != edtype or math.prod(saved.shape) != math.prod(eshape):
                 got = "missing" if saved is None else f"{saved.dtype} {saved.shape}"
-                raise ModelError(f"pre-quantized weight {where}: {tensors[entry]!r} is {got}, expected "
-                                 f"{edtype} {eshape}")  # fmt: skip
+                raise ModelError(
+                    f"pre-quantized weight {where}: {tensors[entry]!r} is {got}, expected {edtype} {eshape}"
+                )
             assert ename == entry
         return SavedWeight(tensors, values)
 
@@ -196,8 +212,10 @@ class NF4:
             saved = torch.empty(checkpoint.entries[map_key].shape, dtype=torch.float32)
             checkpoint.read_into(map_key, saved)
             if saved.shape != expected.shape or not torch.equal(saved, expected.cpu().float()):
-                raise ModelError(f"pre-quantized weight {key!r}: its lookup table {map_key!r} is not bitsandbytes' "
-                                 f"{self.quant_type} table; the checkpoint was not written by bitsandbytes")  # fmt: skip
+                raise ModelError(
+                    f"pre-quantized weight {key!r}: its lookup table {map_key!r} is not bitsandbytes' "
+                    f"{self.quant_type} table; the checkpoint was not written by bitsandbytes"
+                )
 
     def parameter(self, name: str, shape: torch.Size, views: dict[str, torch.Tensor]) -> nn.Parameter:
         """A ``Params4bit`` of logical ``shape`` over the chunk's memory, ready for ``Linear4bit``."""
@@ -240,7 +258,8 @@ class NF4:
             import bitsandbytes.functional as F
 
             probe = torch.zeros(self.blocksize * NESTED_BLOCKSIZE, device=device)
-            _, state = F.quantize_4bit(probe, blocksize=self.blocksize, compress_statistics=True,
-                                       quant_type=self.quant_type)  # fmt: skip
+            _, state = F.quantize_4bit(
+                probe, blocksize=self.blocksize, compress_statistics=True, quant_type=self.quant_type
+            )
             self._codes[device] = (state.code, state.state2.code)
         return self._codes[device]

@@ -81,8 +81,9 @@ class Int8:
         entry = checkpoint.entries[key]
         where = f"{key!r} in {entry.file}"
         if entry.dtype != torch.int8 or entry.shape != tuple(shape):
-            raise ModelError(f"pre-quantized weight {where} is {entry.dtype} {entry.shape}, expected int8 "
-                             f"{tuple(shape)}")  # fmt: skip
+            raise ModelError(
+                f"pre-quantized weight {where} is {entry.dtype} {entry.shape}, expected int8 {tuple(shape)}"
+            )
         if (
             checkpoint.entries[scales].shape != (shape[0],)
             or checkpoint.entries[scales].dtype != torch.float32
@@ -95,8 +96,10 @@ class Int8:
             value = torch.empty(checkpoint.entries[layout].shape, dtype=checkpoint.entries[layout].dtype)
             checkpoint.read_into(layout, value)
             if int(value.reshape(-1)[0]) != 0:  # bitsandbytes' "row": the only layout it saves today
-                raise ModelError(f"pre-quantized weight {where} is saved in a tiled layout ({layout!r} = "
-                                 f"{int(value.reshape(-1)[0])}); re-save it with bitsandbytes >= 0.45 (row layout)")  # fmt: skip
+                raise ModelError(
+                    f"pre-quantized weight {where} is saved in a tiled layout ({layout!r} = "
+                    f"{int(value.reshape(-1)[0])}); re-save it with bitsandbytes >= 0.45 (row layout)"
+                )
         return SavedWeight({name: key, f"{name}.SCB": scales})
 
     def parameter(self, name: str, shape: torch.Size, views: dict[str, torch.Tensor]) -> nn.Parameter:

@@ -18,15 +18,31 @@ def _tanh(y):
     a = tl.abs(y)
     e = tl.exp(-2.0 * a)
     a2 = a * a
-    series = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * (
-        -0.05396825396825397 + a2 * 0.021869488536155203))))  # fmt: skip
+    series = a * (
+        1.0
+        + a2
+        * (
+            -0.3333333333333333
+            + a2 * (0.13333333333333333 + a2 * (-0.05396825396825397 + a2 * 0.021869488536155203))
+        )
+    )
     t = tl.where(a < 0.25, series, (1.0 - e) / (1.0 + e))
     return tl.where(y < 0, -t, t)
 
 
 @triton.jit
-def _ce_rows(logits, stride, target, loss, n_cols, ignore_index, scale, softcap, BLOCK: tl.constexpr,
-             CAPPED: tl.constexpr):  # fmt: skip
+def _ce_rows(
+    logits,
+    stride,
+    target,
+    loss,
+    n_cols,
+    ignore_index,
+    scale,
+    softcap,
+    BLOCK: tl.constexpr,
+    CAPPED: tl.constexpr,
+):
     row = tl.program_id(0)
     base = logits + row * stride
     t = tl.load(target + row)
@@ -72,7 +88,15 @@ def ce_rows(
     block = min(4096, triton.next_power_of_2(vocab))
     cap = 1.0 if softcap is None else softcap
     _ce_rows[(rows,)](
-        logits, logits.stride(0), target, loss, vocab, ignore_index, scale, cap, BLOCK=block,
+        logits,
+        logits.stride(0),
+        target,
+        loss,
+        vocab,
+        ignore_index,
+        scale,
+        cap,
+        BLOCK=block,
         CAPPED=softcap is not None,
-    )  # fmt: skip
+    )
     return loss

@@ -18,8 +18,9 @@ MAX_PROGRAMS = 1024  # backward: enough to fill a GPU, few enough that the fp32 
 
 
 @triton.jit
-def _dropped(x, rows, cols, n_rows, n_in, stride_x, seed, p, keep_scale, DROPOUT: tl.constexpr,
-             dtype: tl.constexpr):  # fmt: skip
+def _dropped(
+    x, rows, cols, n_rows, n_in, stride_x, seed, p, keep_scale, DROPOUT: tl.constexpr, dtype: tl.constexpr
+):
     """The [rows x cols] tile of ``dropout(x)``, cast to ``dtype`` (A's) like peft casts x; zero outside."""
     inside = (rows[:, None] < n_rows) & (cols[None, :] < n_in)
     xt = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(dtype)
@@ -30,9 +31,25 @@ def _dropped(x, rows, cols, n_rows, n_in, stride_x, seed, p, keep_scale, DROPOUT
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _forward(x, a, h, seed, n_rows, n_in, rank, stride_x, stride_a, stride_h, p, keep_scale,
-             DROPOUT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-             R: tl.constexpr):  # fmt: skip
+def _forward(
+    x,
+    a,
+    h,
+    seed,
+    n_rows,
+    n_in,
+    rank,
+    stride_x,
+    stride_a,
+    stride_h,
+    p,
+    keep_scale,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    R: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     ranks = tl.arange(0, R)
     acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
@@ -50,10 +67,31 @@ def _forward(x, a, h, seed, n_rows, n_in, rank, stride_x, stride_a, stride_h, p,
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _backward(x, a, gh, gx, ga_partial, seed, n_rows, n_in, rank, stride_x, stride_a, stride_gh, stride_gx,
-              p, keep_scale, blocks_per, DROPOUT: tl.constexpr, WANT_X: tl.constexpr, WANT_A: tl.constexpr,
-              PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              R: tl.constexpr):  # fmt: skip
+def _backward(
+    x,
+    a,
+    gh,
+    gx,
+    ga_partial,
+    seed,
+    n_rows,
+    n_in,
+    rank,
+    stride_x,
+    stride_a,
+    stride_gh,
+    stride_gx,
+    p,
+    keep_scale,
+    blocks_per,
+    DROPOUT: tl.constexpr,
+    WANT_X: tl.constexpr,
+    WANT_A: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    R: tl.constexpr,
+):
     # program (group, column block): ``blocks_per`` row blocks of one column block of x, so x is read once
     # for both gradients; the group's share of grad_A goes to its own partial (summed by the launcher)
     group = tl.program_id(0)
@@ -121,15 +159,35 @@ def lora_a_forward(x: torch.Tensor, a: torch.Tensor, seed: int, p: float) -> tor
     a = a.contiguous()
     block_m = _rows_block(rows)
     _forward[(triton.cdiv(rows, block_m),)](
-        x, a, h, seed, rows, n_in, rank, x.stride(0), a.stride(0), h.stride(0), p, 1.0 / (1.0 - p),
-        DROPOUT=p > 0, PRECISION=_precision(a.dtype), BLOCK_M=block_m, BLOCK_K=_cols_block(n_in),
+        x,
+        a,
+        h,
+        seed,
+        rows,
+        n_in,
+        rank,
+        x.stride(0),
+        a.stride(0),
+        h.stride(0),
+        p,
+        1.0 / (1.0 - p),
+        DROPOUT=p > 0,
+        PRECISION=_precision(a.dtype),
+        BLOCK_M=block_m,
+        BLOCK_K=_cols_block(n_in),
         R=_rank_block(rank),
-    )  # fmt: skip
+    )
     return h
 
 
 def lora_a_backward(
-    x: torch.Tensor, a: torch.Tensor, grad_h: torch.Tensor, seed: int, p: float, want_x: bool, want_a: bool,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    grad_h: torch.Tensor,
+    seed: int,
+    p: float,
+    want_x: bool,
+    want_a: bool,
     shape: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``grad_x = mask * (grad_h @ A) / (1 - p)`` (x's dtype; made in ``shape``, the input's before it was
@@ -149,10 +207,30 @@ def lora_a_backward(
     groups = triton.cdiv(row_blocks, per)
     partial = torch.empty((groups, block_r, n_in), dtype=torch.float32, device=x.device) if want_a else x
     _backward[(groups, col_blocks)](
-        x, a, grad_h, gx if want_x else x, partial, seed, rows, n_in, rank, x.stride(0), a.stride(0),
-        grad_h.stride(0), n_in, p, 1.0 / (1.0 - p), per, DROPOUT=p > 0, WANT_X=want_x, WANT_A=want_a,
-        PRECISION=_precision(a.dtype), BLOCK_M=block_m, BLOCK_N=block_n, R=block_r,
-    )  # fmt: skip
+        x,
+        a,
+        grad_h,
+        gx if want_x else x,
+        partial,
+        seed,
+        rows,
+        n_in,
+        rank,
+        x.stride(0),
+        a.stride(0),
+        grad_h.stride(0),
+        n_in,
+        p,
+        1.0 / (1.0 - p),
+        per,
+        DROPOUT=p > 0,
+        WANT_X=want_x,
+        WANT_A=want_a,
+        PRECISION=_precision(a.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        R=block_r,
+    )
     ga = partial[:, :rank].sum(0).to(a.dtype) if want_a else None
     return whole, ga
 

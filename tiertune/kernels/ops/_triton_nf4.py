@@ -14,8 +14,20 @@ BLOCK = 1024
 
 
 @triton.jit
-def _dequantize(packed, code, absmax, code2, absmax2, offset, out, numel, blocksize, blocksize2,
-                NESTED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _dequantize(
+    packed,
+    code,
+    absmax,
+    code2,
+    absmax2,
+    offset,
+    out,
+    numel,
+    blocksize,
+    blocksize2,
+    NESTED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     # One program per BLOCK outputs: each reads its byte (neighbours share it through the cache) so that
     # the stores stay contiguous.
     start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -56,7 +68,15 @@ def dequantize(packed: torch.Tensor, state, dtype: torch.dtype) -> torch.Tensor:
     grid = (triton.cdiv(numel, BLOCK),)
     # No fused multiply-add: bitsandbytes rounds ``code2 * absmax2`` before adding the offset.
     _dequantize[grid](
-        packed, nf4_code(device), *stats, out, numel, state.blocksize, blocksize2,
-        NESTED=state.nested, BLOCK=BLOCK, enable_fp_fusion=False,
-    )  # fmt: skip
+        packed,
+        nf4_code(device),
+        *stats,
+        out,
+        numel,
+        state.blocksize,
+        blocksize2,
+        NESTED=state.nested,
+        BLOCK=BLOCK,
+        enable_fp_fusion=False,
+    )
     return out.view(state.shape)

@@ -22,8 +22,20 @@ def _forward(x, y, w, rstd, stride, n_cols, eps, offset, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _backward(dy, x, w, rstd, dx, dw_partial, stride, n_rows, n_cols, offset, ROWS_PER: tl.constexpr,
-              BLOCK: tl.constexpr):  # fmt: skip
+def _backward(
+    dy,
+    x,
+    w,
+    rstd,
+    dx,
+    dw_partial,
+    stride,
+    n_rows,
+    n_cols,
+    offset,
+    ROWS_PER: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < n_cols

@@ -8,9 +8,34 @@ import triton.language as tl
 
 
 @triton.jit
-def _rope(x, y, cos, sin, sxb, sxh, sxs, sxd, syb, syh, sys, syd, scb, scs, scd, ssb, sss, ssd, seq, heads,
-          half, dim, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-          BACKWARD: tl.constexpr):  # fmt: skip
+def _rope(
+    x,
+    y,
+    cos,
+    sin,
+    sxb,
+    sxh,
+    sxs,
+    sxd,
+    syb,
+    syh,
+    sys,
+    syd,
+    scb,
+    scs,
+    scd,
+    ssb,
+    sss,
+    ssd,
+    seq,
+    heads,
+    half,
+    dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     b = token // seq
     s = token % seq
@@ -70,8 +95,23 @@ def rope(
     sb = sin.stride(0) if sin.shape[0] > 1 else 0
     grid = (batch * seq, triton.cdiv(heads, block_h))
     _rope[grid](
-        x, y, cos, sin, *x.stride(), *y.stride(), cb, *cos.stride()[1:], sb, *sin.stride()[1:],
-        seq, heads, half, dim, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
+        x,
+        y,
+        cos,
+        sin,
+        *x.stride(),
+        *y.stride(),
+        cb,
+        *cos.stride()[1:],
+        sb,
+        *sin.stride()[1:],
+        seq,
+        heads,
+        half,
+        dim,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        BLOCK_PASS=block_pass,
         BACKWARD=backward,
-    )  # fmt: skip
+    )
     return y

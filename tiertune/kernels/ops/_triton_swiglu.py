@@ -44,8 +44,18 @@ def _tanh(z):
 
 
 @triton.jit
-def _forward(g_ptr, u_ptr, y_ptr, n, n_cols, stride_g, stride_u, ACT: tl.constexpr, CONTIGUOUS: tl.constexpr,
-             BLOCK: tl.constexpr):  # fmt: skip
+def _forward(
+    g_ptr,
+    u_ptr,
+    y_ptr,
+    n,
+    n_cols,
+    stride_g,
+    stride_u,
+    ACT: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     out, og, ou, _, inside = _offsets(
         tl.program_id(0), n, n_cols, stride_g, stride_u, 0, CONTIGUOUS=CONTIGUOUS, BLOCK=BLOCK
     )
@@ -59,8 +69,21 @@ def _forward(g_ptr, u_ptr, y_ptr, n, n_cols, stride_g, stride_u, ACT: tl.constex
 
 
 @triton.jit
-def _backward(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, n_cols, stride_dy, stride_g, stride_u,
-              ACT: tl.constexpr, CONTIGUOUS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _backward(
+    dy_ptr,
+    g_ptr,
+    u_ptr,
+    dg_ptr,
+    du_ptr,
+    n,
+    n_cols,
+    stride_dy,
+    stride_g,
+    stride_u,
+    ACT: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     out, og, ou, ody, inside = _offsets(
         tl.program_id(0), n, n_cols, stride_g, stride_u, stride_dy, CONTIGUOUS=CONTIGUOUS, BLOCK=BLOCK
     )
@@ -96,9 +119,17 @@ def glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
     if n == 0:
         return y
     _forward[(triton.cdiv(n, BLOCK),)](
-        gate, up, y, n, cols, gate.stride(0), up.stride(0),
-        ACT=ACTIVATION_IDS[activation], CONTIGUOUS=_contiguous(cols, gate, up), BLOCK=BLOCK,
-    )  # fmt: skip
+        gate,
+        up,
+        y,
+        n,
+        cols,
+        gate.stride(0),
+        up.stride(0),
+        ACT=ACTIVATION_IDS[activation],
+        CONTIGUOUS=_contiguous(cols, gate, up),
+        BLOCK=BLOCK,
+    )
     return y
 
 
@@ -113,7 +144,18 @@ def glu_backward(
     if n == 0:
         return dg, du
     _backward[(triton.cdiv(n, BLOCK),)](
-        dy, gate, up, dg, du, n, cols, dy.stride(0), gate.stride(0), up.stride(0),
-        ACT=ACTIVATION_IDS[activation], CONTIGUOUS=_contiguous(cols, dy, gate, up), BLOCK=BLOCK,
-    )  # fmt: skip
+        dy,
+        gate,
+        up,
+        dg,
+        du,
+        n,
+        cols,
+        dy.stride(0),
+        gate.stride(0),
+        up.stride(0),
+        ACT=ACTIVATION_IDS[activation],
+        CONTIGUOUS=_contiguous(cols, dy, gate, up),
+        BLOCK=BLOCK,
+    )
     return dg, du

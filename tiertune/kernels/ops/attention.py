@@ -88,13 +88,23 @@ def segment_attention(
     (batch, kv heads, length, dim); returns (batch, length, heads, dim) and no weights."""
     for unsupported in ("sliding_window", "softcap", "s_aux", "position_bias"):
         if kwargs.get(unsupported) is not None:
-            raise ValueError(f"{NAME} attention computes plain causal attention; this layer passes {unsupported}")
+            raise ValueError(
+                f"{NAME} attention computes plain causal attention; this layer passes {unsupported}"
+            )
     batch, heads, length, _ = query.shape
     gqa = key.shape[1] != heads
 
     def sdpa(q, k, v, mask=None, causal=True):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                              is_causal=causal and mask is None, enable_gqa=gqa)  # fmt: skip
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=dropout,
+            scale=scaling,
+            is_causal=causal and mask is None,
+            enable_gqa=gqa,
+        )
 
     kv = key.shape[2]
     rows = segments(kwargs.get("position_ids"), attention_mask, batch, length) if kv == length > 1 else None
@@ -169,7 +179,9 @@ class _Segments(torch.autograd.Function):
         batch, heads, length, _ = q.shape
         out = q.new_zeros(batch, length, heads, v.shape[-1])
         for q_at, kv_at, n, causal in jobs:
-            o = _call(_gather(q, q_at, n), _gather(k, kv_at, n), _gather(v, kv_at, n), dropout, scaling, causal)
+            o = _call(
+                _gather(q, q_at, n), _gather(k, kv_at, n), _gather(v, kv_at, n), dropout, scaling, causal
+            )
             out[q_at] = o.transpose(1, 2).reshape(-1, heads, v.shape[-1])
             del o  # one call's temporaries at a time
         return out
@@ -181,14 +193,23 @@ class _Segments(torch.autograd.Function):
         if ctx.in_place:  # (batch, length, heads, dim) views of the inputs themselves
             grads = [x.transpose(1, 2) for x in (q, k, v)]
         else:
-            grads = [torch.zeros(x.shape[0], x.shape[2], x.shape[1], x.shape[3], dtype=x.dtype, device=x.device)
-                     for x in (q, k, v)]  # fmt: skip
+            grads = [
+                torch.zeros(x.shape[0], x.shape[2], x.shape[1], x.shape[3], dtype=x.dtype, device=x.device)
+                for x in (q, k, v)
+            ]
         with _forwards_rng(q.device, ctx.rng):
             for q_at, kv_at, n, causal in ctx.jobs:
-                parts = [x[at[0], :, at[1]].detach().requires_grad_() for x, at in ((q, q_at), (k, kv_at), (v, kv_at))]
+                parts = [
+                    x[at[0], :, at[1]].detach().requires_grad_()
+                    for x, at in ((q, q_at), (k, kv_at), (v, kv_at))
+                ]
                 with torch.enable_grad():
-                    o = _call(*(x.view(n, -1, *x.shape[1:]).transpose(1, 2) for x in parts), ctx.dropout,
-                              ctx.scaling, causal)  # fmt: skip
+                    o = _call(
+                        *(x.view(n, -1, *x.shape[1:]).transpose(1, 2) for x in parts),
+                        ctx.dropout,
+                        ctx.scaling,
+                        causal,
+                    )
                 g = grad[q_at].view(n, -1, heads, grad.shape[-1]).transpose(1, 2)
                 got = torch.autograd.grad(o, parts, g)
                 del o, parts, g  # one call's temporaries at a time
@@ -202,7 +223,9 @@ class _Segments(torch.autograd.Function):
 def _own_intermediates(q, k, v) -> bool:
     """Whether the queries, keys and values are a layer's intermediates (not leaves a caller holds) in three
     storages of their own: a backward that has read them may write their gradients over them."""
-    storages = {x.untyped_storage()._cdata for x in (q, k, v)}  # the storage itself (a meta one has no address)
+    storages = {
+        x.untyped_storage()._cdata for x in (q, k, v)
+    }  # the storage itself (a meta one has no address)
     return all(x.grad_fn is not None for x in (q, k, v)) and len(storages) == 3
 
 
@@ -260,8 +283,9 @@ def _head_calls(q: torch.Tensor, k: torch.Tensor):
 
 
 def _call(q, k, v, dropout: float, scaling: float | None, causal: bool) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=causal,
-                                          enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
+    return F.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout, scale=scaling, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
+    )
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:
@@ -286,9 +310,15 @@ def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
 
 
 def segment_mask(
-    batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-    mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs,
-) -> torch.Tensor | None:  # fmt: skip
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
     """transformers' mask-function interface for ``NAME``: the 2-D padding mask (None when nothing is padded),
     as its flash-attention path has it; ``segment_attention`` finds the documents in ``position_ids``."""
     if attention_mask is not None:

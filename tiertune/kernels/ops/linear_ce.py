@@ -58,9 +58,11 @@ def mixed_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the op's products run in ``x``'s dtype with fp32 outputs: a CUDA device, bf16 or fp16 ``x`` and
     ``weight`` alike, and a torch whose ``mm`` takes ``out_dtype``."""
     return (
-        x.device.type == "cuda" and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+        x.device.type == "cuda"
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)
         and _mixed_supported(x.device.type)
-    )  # fmt: skip
+    )
 
 
 def default_chunk_tokens(vocab: int, mixed: bool) -> int:
@@ -215,8 +217,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_x, grad_w, None, grad_b, None, None, None, None, None, None, None
 
 
-def _chunk_logits(xs: torch.Tensor, x32: torch.Tensor, weight: torch.Tensor, b32: torch.Tensor | None,
-                  slices: list[tuple[slice, torch.Tensor]], mixed: bool) -> torch.Tensor:  # fmt: skip
+def _chunk_logits(
+    xs: torch.Tensor,
+    x32: torch.Tensor,
+    weight: torch.Tensor,
+    b32: torch.Tensor | None,
+    slices: list[tuple[slice, torch.Tensor]],
+    mixed: bool,
+) -> torch.Tensor:
     """The fp32 logits of a chunk of tokens ``xs`` (``x32``: in fp32 unless ``mixed``)."""
     if mixed:  # the tensor cores, in x's dtype, into fp32
         logits = torch.mm(xs, weight.t(), out_dtype=torch.float32)

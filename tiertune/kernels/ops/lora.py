@@ -75,7 +75,9 @@ def _keep(seed: int, x: torch.Tensor, p: float) -> torch.Tensor | None:
     return dropout_keep_mask(seed, x.shape, p, x.device, backend="torch") if p > 0 else None
 
 
-_ROWS = 2048  # tokens a tile of the B-side products runs at: their fp32 temporaries are a tile's, not the input's
+_ROWS = (
+    2048  # tokens a tile of the B-side products runs at: their fp32 temporaries are a tile's, not the input's
+)
 
 
 def _b_forward(h: torch.Tensor, b: torch.Tensor, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
@@ -124,8 +126,9 @@ class LoRABranchTorch(torch.autograd.Function):
         x, a, b, h = ctx.saved_tensors
         want_x, want_a, want_b = ctx.needs_input_grad[:3]
         x2 = x.reshape(-1, x.shape[-1])
-        gh, grad_b = _b_backward(grad_out.reshape(-1, grad_out.shape[-1]), h.reshape(-1, h.shape[-1]), b,
-                                 ctx.scale, want_b)  # fmt: skip
+        gh, grad_b = _b_backward(
+            grad_out.reshape(-1, grad_out.shape[-1]), h.reshape(-1, h.shape[-1]), b, ctx.scale, want_b
+        )
         keep = _keep(ctx.seed, x2, ctx.p)
         grad_a = torch.zeros_like(a) if want_a else None
         # x's shape, not a view of a flat tensor: autograd adds the base layer's gradient into it in place

@@ -53,7 +53,9 @@ class RMSNormTorch(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         n = x.shape[-1]
         x2, dy2, rstd2 = x.reshape(-1, n), dy.reshape(-1, n), rstd.reshape(-1, 1)
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # not a view: autograd may add into it in place
+        dx = torch.empty(
+            x.shape, dtype=x.dtype, device=x.device
+        )  # not a view: autograd may add into it in place
         dx2 = dx.view(-1, n)
         dw = torch.zeros(n, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
         for part in row_tiles(x2.shape[0], _ROWS):

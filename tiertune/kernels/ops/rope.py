@@ -99,7 +99,9 @@ class RoPETriton(torch.autograd.Function):
 _TOKENS = 2048  # positions a tile of ``RoPETorch`` rotates at once: its temporaries are a tile's
 
 
-def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, apply=_apply) -> torch.Tensor:
+def _rotated(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, apply=_apply
+) -> torch.Tensor:
     """``apply`` over ``x`` [batch, heads, seq, dim] a tile of positions at a time, into one new tensor."""
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     for part in row_tiles(x.shape[2], _TOKENS):
@@ -119,7 +121,9 @@ class RoPETorch(torch.autograd.Function):
         ctx.save_for_backward(cos, sin)
         ctx.dtypes = (q.dtype, k.dtype)
         outs = tuple(_rotated(x, cos, sin, torch.promote_types(x.dtype, cos.dtype)) for x in (q, k))
-        ctx.mark_non_differentiable(*(o for o, want in zip(outs, ctx.needs_input_grad[:2], strict=True) if not want))
+        ctx.mark_non_differentiable(
+            *(o for o, want in zip(outs, ctx.needs_input_grad[:2], strict=True) if not want)
+        )
         return outs
 
     @staticmethod
