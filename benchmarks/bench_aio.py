@@ -36,7 +36,8 @@ from tiertune.offload.chunk import Chunk, ChunkLayout, TensorSpec
 from tiertune.offload.disk import DiskTier, supports_o_direct
 from tiertune.offload.store import ChunkStore, StoreConfig
 from tiertune.offload.tiers import MemoryTier, Tier
-from tiertune.units import format_size, parse_size
+from tiertune.settings import parse_size
+from tiertune.units import format_size
 
 
 def say(msg: str) -> None:

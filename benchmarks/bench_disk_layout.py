@@ -20,7 +20,7 @@ import torch
 
 from tiertune.offload.aio import buffer_of
 from tiertune.offload.tiers import aligned_empty
-from tiertune.units import parse_size
+from tiertune.settings import parse_size
 
 
 def run(

@@ -32,8 +32,8 @@ from common import machine  # noqa: E402
 
 def demo_recipe(work: Path, steps: int) -> Path:
     """The demo recipe with its paths under ``work``, its model made as ``tiertune demo`` makes it."""
+    from tiertune.cli.demo import make_model
     from tiertune.finetune.data import read_rows
-    from tiertune.finetune.demo import make_model
 
     recipe = yaml.safe_load((ROOT / "tiertune/recipes/demo.yaml").read_text())
     data = ROOT / "tiertune/recipes/data/demo.jsonl"
@@ -60,8 +60,8 @@ def one_b_recipe(work: Path, steps: int) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from tiertune.cli.demo import make_tokenizer
     from tiertune.finetune.data import read_rows
-    from tiertune.finetune.demo import make_tokenizer
 
     data = ROOT / "tiertune/recipes/data/demo.jsonl"
     model = work / "llama-1b"
@@ -108,8 +108,8 @@ def one_b_recipe(work: Path, steps: int) -> Path:
 
 def measure(path: Path, skip: int) -> dict:
     """Estimate, then train; the predicted and the measured step time."""
-    from tiertune.finetune.estimate import estimate
-    from tiertune.finetune.recipe import load_recipe
+    from tiertune.config.recipe import load_recipe
+    from tiertune.estimate.report import estimate
     from tiertune.finetune.train import train
 
     recipe = load_recipe(path)

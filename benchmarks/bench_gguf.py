@@ -34,9 +34,9 @@ def main() -> None:
     import llama_cpp
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tiertune.cli.demo import make_model
+    from tiertune.export.commands import export
     from tiertune.finetune.data import read_rows
-    from tiertune.finetune.demo import make_model
-    from tiertune.finetune.export import export
     from tiertune.finetune.train import train
 
     texts = read_rows(DATA)["text"]

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from common import proc_status_bytes
 
-from tiertune.units import format_size, parse_size
+from tiertune.settings import parse_size
+from tiertune.units import format_size
 
 
 def write_checkpoint(

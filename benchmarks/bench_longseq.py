@@ -43,8 +43,8 @@ def make_model(directory: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tiertune.cli.demo import make_tokenizer
     from tiertune.finetune.data import read_rows
-    from tiertune.finetune.demo import make_tokenizer
 
     if (directory / "config.json").is_file():
         return directory
@@ -117,8 +117,8 @@ def child(path: Path) -> dict:
     """One length: the estimate, then the run; peak RSS (the kernel's high-water mark) of this process."""
     import torch
 
-    from tiertune.finetune.estimate import estimate
-    from tiertune.finetune.recipe import load_recipe
+    from tiertune.config.recipe import load_recipe
+    from tiertune.estimate.report import estimate
     from tiertune.finetune.train import train
 
     torch.set_num_threads(2)
@@ -176,7 +176,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child)), flush=True)
         return
-    from tiertune.units import parse_size
+    from tiertune.settings import parse_size
 
     if args.dir is None:
         p.error("--dir is required: where the model, the data and the runs go")

@@ -34,7 +34,7 @@ print(json.dumps({{"seconds": time.perf_counter() - start, "peak_rss_bytes": pea
 """
 
 STREAMED = """
-from tiertune.finetune.export import merge
+from tiertune.export.commands import merge
 merge({adapter!r}, {out!r})
 """
 
@@ -141,7 +141,7 @@ def main() -> None:
         params = write_checkpoint(
             base, args.layers, args.hidden, args.intermediate, heads, kv_heads, args.vocab
         )
-        from tiertune.finetune.demo import make_tokenizer
+        from tiertune.cli.demo import make_tokenizer
 
         make_tokenizer(["the cat sat on the mat ."], base)
         size = sum(f.stat().st_size for f in base.glob("*.safetensors"))

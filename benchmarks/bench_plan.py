@@ -34,8 +34,8 @@ def make_model(directory: Path, layers: int) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tiertune.cli.demo import make_tokenizer
     from tiertune.finetune.data import read_rows
-    from tiertune.finetune.demo import make_tokenizer
 
     if (directory / "config.json").is_file():
         return directory
@@ -92,10 +92,10 @@ def recipe(work: Path, model: Path, name: str, device: str, host: str, steps: in
 
 
 def trial(path: Path) -> dict:
+    from tiertune.config.recipe import load_recipe
     from tiertune.errors import BudgetError
+    from tiertune.estimate.report import estimate
     from tiertune.finetune import train as train_module
-    from tiertune.finetune.estimate import estimate
-    from tiertune.finetune.recipe import load_recipe
     from tiertune.offload import store as store_module
     from tiertune.offload.tiers import Tier
 

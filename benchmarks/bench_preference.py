@@ -41,8 +41,8 @@ def make_inputs(directory: Path, hidden: int, layers: int) -> tuple[Path, Path, 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tiertune.cli.demo import make_tokenizer
     from tiertune.finetune.data import read_rows
-    from tiertune.finetune.demo import make_tokenizer
 
     model = directory / f"model-{hidden}-{layers}"
     texts = list(read_rows(ROOT / "tiertune" / "recipes" / "data" / "demo.jsonl")["text"])
@@ -123,7 +123,7 @@ def one_run(
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     code = (
-        "import json, sys; from tiertune.finetune.recipe import load_recipe; from tiertune.finetune.train import train;"
+        "import json, sys; from tiertune.config.recipe import load_recipe; from tiertune.finetune.train import train;"
         f"r = train(load_recipe({str(path)!r}), progress=False); print(r.log_path)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

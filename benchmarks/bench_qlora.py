@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_load import peak_rss, write_checkpoint
 from common import add_model_args, machine, run_child
 
-from tiertune.units import parse_size
+from tiertune.settings import parse_size
 
 
 def _batches(vocab: int, args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:

@@ -53,7 +53,7 @@ def setup(work: Path, steps: int) -> Path:
     2 steps; returns the recipe's path."""
     import yaml
 
-    from tiertune.finetune.demo import make_model
+    from tiertune.cli.demo import make_model
 
     model = work / "model"
     if not (model / "config.json").is_file():
@@ -403,9 +403,8 @@ class Trials:
             defects.append(f"traceback ({log})")
         if code != 2 or "damaged" not in text:
             defects.append(f"explicit resume of the damaged checkpoint: exit {code} ({log})")
-        elif (
-            target.name not in text and target.name != "checksums.json"
-        ):  # a damaged table names a file it lists
+        elif target.name not in text and target.name != "checksums.json":
+            # a damaged table names a file it lists
             defects.append(f"the error does not name {target.name} ({log})")
         log = self.work / "logs" / f"damage{i}-auto.log"
         code = self.launcher.run(
@@ -510,7 +509,7 @@ def bad_inputs(work: Path, recipe: Path) -> list[tuple[str, list[str], str]]:
     """``(name, tiertune arguments, what the message must say)`` for every kind of bad input a user can give; the
     files they need are made under ``work/inputs``. Each must end with exit 2, one line, no traceback, and no
     output directory made."""
-    from tiertune.finetune.demo import make_tokenizer
+    from tiertune.cli.demo import make_tokenizer
 
     root = work / "inputs"
     root.mkdir(exist_ok=True)
@@ -829,9 +828,8 @@ class ExportTrials:
         defects = [f"traceback ({log})"] if _traceback(log) else []
         if code != 2 or "damaged" not in text:
             defects.append(f"exit {code}, not 2 naming the damage ({log})")
-        elif (
-            named and named not in text and named != "checksums.json"
-        ):  # a damaged table names a file it lists
+        elif named and named not in text and named != "checksums.json":
+            # a damaged table names a file it lists
             defects.append(f"the error does not name {named} ({log})")
         if out.exists() or list(out.parent.glob(f".{out.name}.*")):
             defects.append("something was written")

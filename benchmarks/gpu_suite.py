@@ -87,7 +87,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine as base_machine
 
-from tiertune.units import format_size, parse_size
+from tiertune.settings import parse_size
+from tiertune.units import format_size
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

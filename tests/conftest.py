@@ -90,7 +90,7 @@ CAT_TEXTS = [
 def cat_model(tmp_path_factory):
     """``cat_model(layers, hidden=64)``: a small random Llama with a tokenizer fitted to ``CAT_TEXTS``, saved
     once per shape for the session; returns its directory."""
-    from tiertune.finetune.demo import make_model
+    from tiertune.cli.demo import make_model
 
     made: dict = {}
 

@@ -1,7 +1,7 @@
 """Each rule on a run's settings is written once, where it belongs: a setting's own values in the recipe (a
 recipe read from YAML and one built in Python alike), the store's sizes where the store's config resolves them,
-the rules between settings in ``finetune.train.plan`` (which ``train`` and ``estimate`` both call), the budgets
-against the run's memory plan in ``engine.plan``. This lists them, where each lives (its message, found once
+the rules between settings in ``config.plan`` (which ``train`` and ``estimate`` both call), the budgets
+against the run's memory plan in ``engine.memory``. This lists them, where each lives (its message, found once
 in the package), and shows each one refusing a recipe that breaks it, naming the setting."""
 
 from pathlib import Path
@@ -15,13 +15,13 @@ PACKAGE = Path(__file__).parents[1] / "tiertune"
 # rule: (the module it lives in, a phrase of its message, overrides that break it, what the error names)
 RULES = {
     "a setting with a fixed set of values holds one of them": (
-        "finetune/recipe.py",
+        "config/recipe.py",
         "must be one of",
         ("method.type=qlora",),
         "method.type",
     ),
     "the learning rate is not negative": (
-        "finetune/recipe.py",
+        "config/recipe.py",
         '"training.learning_rate", f"must be >= 0',
         ("training.learning_rate=-1",),
         "training.learning_rate",
@@ -39,31 +39,31 @@ RULES = {
         "offload.prefetch_depth",
     ),
     "a quantized base trains adapters": (
-        "finetune/train.py",
+        "config/plan.py",
         "freezes the base",
         ("model.quantize=nf4", "method.type=full"),
         "method.type",
     ),
     "state on disk needs a disk path": (
-        "finetune/train.py",
+        "config/plan.py",
         "is disk but offload.disk_path is not set",
         ("offload.disk_path=null", "offload.params=disk"),
         "offload.disk_path",
     ),
     "the run does not write over its model": (
-        "finetune/train.py",
+        "config/plan.py",
         "the run would write over it",
         ("training.output_dir={model}",),
         "training.output_dir",
     ),
     "GaLore runs in one process": (
-        "finetune/train.py",
+        "config/plan.py",
         "does not run sharded yet",
         ("method.type=galore",),
         "method.type: galore",
     ),
     "the budgets hold the run's memory plan": (
-        "engine/plan.py",
+        "engine/memory.py",
         "The smallest budgets that work",
         ("offload.device_budget=64KiB",),
         "offload.device_budget",
@@ -82,7 +82,7 @@ def test_each_rule_lives_in_one_place(rule):
 def test_each_rule_refuses_a_recipe_that_breaks_it_naming_the_setting(
     rule, tmp_path, cat_model, write_recipe, monkeypatch
 ):
-    from tiertune.finetune.recipe import load_recipe
+    from tiertune.config.recipe import load_recipe
     from tiertune.finetune.train import admit, plan
 
     _, _, overrides, named = RULES[rule]

@@ -1,7 +1,8 @@
 import pytest
 
 from tiertune.errors import ConfigError
-from tiertune.units import format_size, parse_size, round_up
+from tiertune.settings import parse_size
+from tiertune.units import format_size, round_up
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,8 @@
     result = tiertune.train("recipes/demo.yaml", ["training.max_steps=20"])
 
 Importing tiertune does no CUDA work and loads neither torch nor transformers until they are used. The
-memory manager lives in ``tiertune.offload``, the training engine in ``tiertune.finetune``.
+memory manager lives in ``tiertune.offload``, the training engine in ``tiertune.engine``, the run around it in
+``tiertune.finetune``.
 """
 
 import logging
@@ -45,10 +46,10 @@ warnings.filterwarnings("ignore", message="IProgress not found")
 _LAZY = {
     "train": "tiertune.finetune.train",
     "TrainResult": "tiertune.finetune.train",
-    "load_recipe": "tiertune.finetune.recipe",
-    "Recipe": "tiertune.finetune.recipe",
-    "estimate": "tiertune.finetune.estimate",
-    "format_estimate": "tiertune.finetune.estimate",
+    "load_recipe": "tiertune.config.recipe",
+    "Recipe": "tiertune.config.recipe",
+    "estimate": "tiertune.estimate.report",
+    "format_estimate": "tiertune.estimate.report",
     "ChunkStore": "tiertune.offload.store",
     "StoreConfig": "tiertune.offload.store",
 }

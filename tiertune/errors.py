@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tiertune.units import format_size
+
 
 class TiertuneError(Exception):
     """Base class of every error tiertune raises on purpose."""
@@ -22,8 +24,6 @@ class BudgetError(TiertuneError, MemoryError):
         self, tier: str, needed: int, available: int, setting: str, detail: str = "", message: str = ""
     ) -> None:
         """``message``: the whole message, when the refusal is of several tiers at once (a run's plan)."""
-        from tiertune.units import format_size
-
         self.tier = tier
         self.needed = needed
         self.available = available

@@ -35,3 +35,11 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def nearest_existing(path: str | os.PathLike[str]) -> str:
+    """``path`` or, when it does not exist yet, its nearest existing parent (where it would be created)."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return str(p)

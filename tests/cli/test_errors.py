@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tiertune.cli.app import app
-from tiertune.finetune.demo import make_model
+from tiertune.cli.demo import make_model
 
 TEXTS = [f"the {a} cat sat on the {b} mat ." for a in ("red", "big", "old") for b in ("blue", "flat")]
 

@@ -184,7 +184,7 @@ def stop_recipe(tmp_path_factory, cat_model):
 def lora_run(tmp_path_factory):
     """A finished LoRA run of the cat model (for export and merge)."""
     from tests.conftest import CAT_TEXTS, _write_recipe
-    from tiertune.finetune.demo import make_model
+    from tiertune.cli.demo import make_model
     from tiertune.finetune.train import train
 
     where = tmp_path_factory.mktemp("stop-lora")
@@ -204,7 +204,7 @@ ESTIMATE_POINTS = [
     ("the replay, as a ledger transfer lands", "tiertune.offload.aio:IOHandle.part_done:5", signal.SIGTERM),
     ("the replay, in a transfer's completion", "tiertune.offload.store:ChunkStore._done:9", signal.SIGTERM),
     ("the disk probe, reading", "tiertune.offload.disk:DiskTier.read:1", signal.SIGTERM),
-    ("the compute probe", "tiertune.finetune.speed:measure_compute:1", signal.SIGINT),
+    ("the compute probe", "tiertune.estimate.speed:measure_compute:1", signal.SIGINT),
 ]
 
 
@@ -223,7 +223,7 @@ TRAIN_POINTS = [
     ("loading", "tiertune.loading.model:load_into_store:1", signal.SIGTERM),
     ("mid-step", "tiertune.engine.trainer:StreamedTrainer.layer_weights:10", signal.SIGINT),
     ("writing a checkpoint", "tiertune.finetune.checkpoint:CheckpointWriter._write:2", signal.SIGTERM),
-    ("saving the model", "tiertune.finetune.export:write_hf:1", signal.SIGTERM),
+    ("saving the model", "tiertune.finetune.hf_model:write_hf:1", signal.SIGTERM),
 ]
 
 
@@ -257,17 +257,17 @@ def test_export_and_merge_stop_on_a_signal_mid_way(tmp_path, lora_run):
     signal within seconds, one line, and neither the output nor its temporary directory beside it is left."""
     cases = [
         (
-            "tiertune.finetune.gguf_export:_Tensor.values_from:3",
+            "tiertune.export.gguf:_Tensor.values_from:3",
             signal.SIGTERM,
             ["export", str(lora_run), "--format", "gguf", "--out", str(tmp_path / "gguf")],
         ),
         (
-            "tiertune.finetune.merging:_Merger._merged:2",
+            "tiertune.export.merging:_Merger._merged:2",
             signal.SIGINT,
             ["export", str(lora_run), "--format", "hf", "--out", str(tmp_path / "hf")],
         ),
         (
-            "tiertune.finetune.merging:_Merger._merged:3",
+            "tiertune.export.merging:_Merger._merged:3",
             signal.SIGTERM,
             ["merge", str(lora_run), "--out", str(tmp_path / "merged")],
         ),

@@ -1,5 +1,5 @@
 """One rank of ``tiertune train`` launched by torchrun, watched: whether it loaded the model (built its
-trainer), what its store had in use at once by size class and what its plan reserved (``engine.plan``), and
+trainer), what its store had in use at once by size class and what its plan reserved (``engine.memory``), and
 the BudgetError it raised, if any. Writes ``rank-<r>.json`` into ``TT_OUT``; the recipe is ``argv[1]``."""
 
 import json

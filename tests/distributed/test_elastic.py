@@ -16,10 +16,10 @@ import torch
 from launching import TIMEOUT, launch_env, torchrun
 from safetensors.torch import load_file
 
+from tiertune.config.recipe import load_recipe
 from tiertune.errors import ConfigError
+from tiertune.estimate.report import estimate
 from tiertune.finetune.checkpoint import checkpoints, latest_checkpoint, verify
-from tiertune.finetune.estimate import estimate
-from tiertune.finetune.recipe import load_recipe
 
 pytestmark = pytest.mark.timeout(900)
 

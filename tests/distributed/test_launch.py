@@ -60,8 +60,8 @@ def test_torchrun_trains_as_one_process_with_the_global_batch(
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
     # the estimate for 2 processes predicts the bytes each rank sends per step, as the run logged them
-    from tiertune.finetune.estimate import estimate
-    from tiertune.finetune.recipe import load_recipe
+    from tiertune.config.recipe import load_recipe
+    from tiertune.estimate.report import estimate
 
     predicted = estimate(load_recipe(two), measure=False, processes=2).scale_out.wire
     records = [json.loads(line) for line in (tmp_path / "two" / "trainer_log.jsonl").read_text().splitlines()]
@@ -127,9 +127,9 @@ def test_accelerate_launch_starts_the_ranks(tmp_path, cat_model, write_recipe, l
 def test_a_sharded_run_plans_its_share_and_refuses_what_it_cannot_do_before_loading(
     tmp_path, cat_model, write_recipe, monkeypatch
 ):
+    from tiertune.config.plan import plan
+    from tiertune.config.recipe import load_recipe
     from tiertune.errors import ConfigError
-    from tiertune.finetune.recipe import load_recipe
-    from tiertune.finetune.train import plan
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
@@ -230,9 +230,8 @@ def test_tiertune_launch_says_how_a_stop_ended(tmp_path, cat_model, write_recipe
         cwd=tmp_path,
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
-    assert (
-        bad.stderr.count("training.learning_rate must be >= 0") == 1
-    )  # every rank fails alike: rank 0 says it
+    # every rank fails alike: rank 0 says it
+    assert bad.stderr.count("training.learning_rate must be >= 0") == 1
     assert re.match(r"tiertune launch: rank [01] exited with code 2", bad.stderr.strip().splitlines()[-1])
 
 

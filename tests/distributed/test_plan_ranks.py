@@ -1,4 +1,4 @@
-"""The memory plan of a launched run (``engine.plan`` over a rank's shards, ``finetune.train.admit`` on every
+"""The memory plan of a launched run (``engine.memory`` over a rank's shards, ``finetune.train.admit`` on every
 rank): each rank either trains to the end or every rank is refused before the model is loaded, naming the
 node's smallest budgets that work; ``estimate --processes`` gives the same plan; no rank's store ever has more
 chunks (or gathered whole chunks) of a size class in use on a tier than its plan reserved."""
@@ -12,8 +12,8 @@ import pytest
 from launching import TIMEOUT, launch_env, torchrun
 from watching import check_in_use
 
-from tiertune.finetune.estimate import estimate
-from tiertune.finetune.recipe import load_recipe
+from tiertune.config.recipe import load_recipe
+from tiertune.estimate.report import estimate
 from tiertune.offload.tiers import Tier
 
 WORKER = Path(__file__).with_name("plan_worker.py")

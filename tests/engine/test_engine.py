@@ -350,8 +350,8 @@ def test_the_fused_loss_trains_like_the_model_own_loss(tiny_model_dir, disk_dir,
 
 def test_an_unknown_kernels_value_names_every_choice_a_recipe_takes():
     """A recipe built in Python is checked as one read from YAML: the setting and its choices named."""
+    from tiertune.config.recipe import Recipe
     from tiertune.errors import ConfigError
-    from tiertune.finetune.recipe import Recipe
 
     with pytest.raises(ConfigError, match=r"kernels must be one of auto, torch, triton; got 'fast'"):
         Recipe(kernels="fast")

@@ -148,7 +148,7 @@ def test_a_step_of_eight_micro_batches_moves_what_a_step_of_one_moves(
     gradients go to the host once), and on each link, give or take one layer's chunk: where the host budget
     binds, which copies it keeps while the optimizer's and the I/O threads work varies from run to run (the
     full fine-tune's device->host bytes at one micro-batch were 1,187,840 in one run, 1,781,760 in another)."""
-    from tiertune.finetune.recipe import load_recipe
+    from tiertune.config.recipe import load_recipe
     from tiertune.finetune.train import train
 
     layers, hidden, overrides = CASES[case]

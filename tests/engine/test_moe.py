@@ -328,8 +328,8 @@ def test_merge_adds_the_adapter_to_the_4bit_experts(tiny_model_dir, disk_dir, tm
     engine computed."""
     from transformers import AutoModelForCausalLM
 
-    from tiertune.finetune.demo import make_tokenizer
-    from tiertune.finetune.export import merge
+    from tiertune.cli.demo import make_tokenizer
+    from tiertune.export.commands import merge
 
     path, _ = tiny_model_dir("qwen3_moe")
     adapter = tmp_path / "adapter"

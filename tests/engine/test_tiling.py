@@ -169,7 +169,7 @@ def test_the_mlps_norm_and_residual_join_the_tiled_block(family):
     the output is a plain tensor, and forward and backward hold less at their peak than with the MLP tiled alone
     (no whole-length normed sequence, and for Llama no block output beside the layer's: at least 3/4 of one,
     resp. two, hidden states' bytes less)."""
-    from tiertune.finetune.activations import LiveBytes
+    from tiertune.engine.activations import LiveBytes
     from tiertune.kernels.architectures import mlp_fold
 
     if family == "llama":
@@ -272,7 +272,7 @@ def test_the_attentions_input_norm_joins_its_projections_tiled(family, method):
     and a sequence of at most one tile, norm once, as without the fold."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    from tiertune.finetune.activations import LiveBytes
+    from tiertune.engine.activations import LiveBytes
 
     config, layer, rotary = _layer(family)
     if method == "lora":

@@ -29,7 +29,7 @@ WORDS = [
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from tiertune.finetune.demo import make_tokenizer
+    from tiertune.cli.demo import make_tokenizer
 
     tok = make_tokenizer(WORDS, tmp_path_factory.mktemp("tok"))
     tok.chat_template = CHAT_TEMPLATE
@@ -106,7 +106,7 @@ def test_chat_trains_on_the_assistant_turns_only(tmp_path, tokenizer):
 
 
 def test_chat_needs_a_template(tmp_path, tokenizer):
-    from tiertune.finetune.demo import make_tokenizer
+    from tiertune.cli.demo import make_tokenizer
 
     plain = make_tokenizer(WORDS, tmp_path / "plain")
     path = _write(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
@@ -198,7 +198,7 @@ def _mismatched_model(tmp_path):
     builds Qwen2's tokenizer class, which turns every row into a token or two."""
     from transformers import AutoTokenizer, Qwen2Config
 
-    from tiertune.finetune.demo import make_tokenizer
+    from tiertune.cli.demo import make_tokenizer
 
     tok = make_tokenizer(WORDS, tmp_path)
     Qwen2Config(

@@ -14,10 +14,10 @@ import yaml
 from typer.testing import CliRunner
 
 from tiertune.cli.app import app
+from tiertune.config.recipe import load_recipe
 from tiertune.engine import replay as replaying
 from tiertune.errors import ModelError
-from tiertune.finetune.estimate import QUANT_CACHE, estimate
-from tiertune.finetune.recipe import load_recipe
+from tiertune.estimate.report import QUANT_CACHE, estimate
 from tiertune.finetune.train import train
 from tiertune.loading.hub import SHIPPED
 from tiertune.offload.tiers import Tier
@@ -159,7 +159,7 @@ def gemma_dir(tmp_path_factory):
     from transformers import AutoModelForCausalLM, GemmaConfig
 
     from tests.conftest import CAT_TEXTS
-    from tiertune.finetune.demo import make_tokenizer
+    from tiertune.cli.demo import make_tokenizer
 
     directory = tmp_path_factory.mktemp("gemma")
     tok = make_tokenizer(CAT_TEXTS, directory)
@@ -578,7 +578,7 @@ def test_what_computes_must_hold_the_tiers_and_what_is_outside_the_store(tmp_pat
     """Budgets that hold are not enough: on a GPU its memory must hold the device tier's needs plus a layer's
     activations, the boundary gradients and the loss chunk (outside the store). A GPU of just that size fits;
     one byte less, and the estimate says NO on that line and does not fit."""
-    from tiertune.finetune.estimate import format_estimate
+    from tiertune.estimate.report import format_estimate
     from tiertune.units import format_size
 
     est = estimate(make_recipe(()), measure=False, gpu="rtx4090")

@@ -8,9 +8,9 @@ import torch
 from typer.testing import CliRunner
 
 from tiertune.cli.app import RECIPES, app
-from tiertune.finetune.estimate import estimate
-from tiertune.finetune.recipe import load_recipe
-from tiertune.finetune.speed import GPUS, step_flops
+from tiertune.config.recipe import load_recipe
+from tiertune.estimate.report import estimate
+from tiertune.estimate.speed import GPUS, step_flops
 from tiertune.loading.hub import SHIPPED
 from tiertune.loading.model import build_skeleton, split_model
 
@@ -54,9 +54,8 @@ def test_an_moe_counts_top_k_of_its_experts():
     experts = 3 * c.hidden_size * c.intermediate_size * c.num_experts_per_tok  # w1, w2, w3 of top-k experts
     assert flops.layer_weights > experts * len(layers)  # attention and router besides
     assert flops.layer_weights < 1.1 * experts * len(layers) + 4 * c.hidden_size**2 * len(layers)
-    assert (
-        35e9 < flops.layer_weights < 40e9
-    )  # Mixtral 8x22B: ~39 B active parameters a token, ~1 B of them embeddings
+    # Mixtral 8x22B: ~39 B active parameters a token, ~1 B of them embeddings
+    assert 35e9 < flops.layer_weights < 40e9
 
 
 def test_a_named_gpu_is_taken_at_its_stated_peak_and_the_step_is_its_longest_part(tmp_path):
@@ -166,7 +165,7 @@ def test_the_compute_measurement_takes_the_fastest_repeat_and_says_when_the_cpu_
 ):
     # a busy CPU slows some repeats several times over (2 threads on 2 cores beside another program: 1.05 s a
     # layer against 0.13 s): the fastest repeat counts, and the estimate says the machine was busy
-    from tiertune.finetune import speed
+    from tiertune.estimate import speed
 
     def slow_sometimes(loss, ids, device):
         calls.append(len(loss.model.model.layers))
@@ -186,6 +185,6 @@ def test_the_compute_measurement_takes_the_fastest_repeat_and_says_when_the_cpu_
 
 
 def _engine_config(path):
-    from tiertune.finetune.train import plan
+    from tiertune.config.plan import plan
 
     return plan(load_recipe(path), "cpu")[1]

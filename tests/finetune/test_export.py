@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tiertune.errors import ConfigError
-from tiertune.finetune.export import export, merge
+from tiertune.export.commands import export, merge
 from tiertune.finetune.train import train
 
 
@@ -108,7 +108,7 @@ def test_base_dtype_is_the_configs_else_the_weights(tmp_path, model_dir):
 
     from safetensors.torch import load_file, save_file
 
-    from tiertune.finetune.export import base_dtype
+    from tiertune.export.commands import base_dtype
 
     assert base_dtype(model_dir)[0] == "float32"
     copy = tmp_path / "base"
@@ -357,7 +357,7 @@ def test_merge_never_writes_over_its_base_or_another_model(tmp_path, model_dir, 
 
 
 def test_a_peft_export_says_how_vllm_serves_it_or_why_it_will_not(tmp_path, run):
-    from tiertune.finetune.serving import vllm_notes
+    from tiertune.export.serving import vllm_notes
 
     result = run("method.type=lora", "method.lora.r=32")
     printed = _cli("export", result.output_dir, "--format", "peft", "--out", tmp_path / "adapter")

@@ -10,8 +10,8 @@ import torch
 
 from tests.conftest import CAT_TEXTS
 from tiertune.errors import ConfigError
-from tiertune.finetune.export import export
-from tiertune.finetune.gguf_export import write_gguf
+from tiertune.export.commands import export
+from tiertune.export.gguf import write_gguf
 
 TEXTS = [
     *CAT_TEXTS,
@@ -45,7 +45,7 @@ def _hf_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def bpe_model(tmp_path_factory):
-    from tiertune.finetune.demo import make_model
+    from tiertune.cli.demo import make_model
 
     return make_model(tmp_path_factory.mktemp("bpe-model"), TEXTS, layers=2, hidden=64, tokenizer="bpe")
 
@@ -106,9 +106,8 @@ def _model_of(family: str, like: Path, directory: Path) -> Path:
         }
     else:
         config = tiny_config(family, layers=2)
-    if family.startswith(
-        "gemma"
-    ):  # llama.cpp scales Gemma's attention by 1/sqrt(head_dim), as these models do
+    # llama.cpp scales Gemma's attention by 1/sqrt(head_dim), as these models do
+    if family.startswith("gemma"):
         config.query_pre_attn_scalar = config.head_dim
     directory.mkdir()
     config.save_pretrained(directory)
@@ -285,7 +284,7 @@ def test_a_gguf_lora_over_the_bases_gguf_computes_the_merged_model(tmp_path, bpe
 
 def test_gguf_lora_refuses_what_llama_cpp_does_not_apply(tmp_path, bpe_model):
     from tests.finetune.test_merge_stream import _adapter
-    from tiertune.finetune.gguf_export import write_gguf_lora
+    from tiertune.export.gguf import write_gguf_lora
 
     adapter = _adapter(bpe_model, tmp_path / "dora", use_dora=True)
     with pytest.raises(ConfigError, match="DoRA.*--format gguf"):

@@ -1,4 +1,4 @@
-"""The estimate's figure for a layer's activations and temporaries (``finetune.activations``: forward and
+"""The estimate's figure for a layer's activations and temporaries (``engine.activations``: forward and
 backward traced on the meta device) against the same layer run for real on the CPU, its storages counted by
 the same ``LiveBytes``; and ``LiveBytes`` itself against what it must see."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tiertune.engine import EngineConfig
-from tiertune.finetune.activations import LiveBytes, layer_peak_bytes
+from tiertune.engine.activations import LiveBytes, layer_peak_bytes
 from tiertune.settings import LoraSettings
 
 

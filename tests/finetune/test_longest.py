@@ -7,10 +7,10 @@ import pytest
 from typer.testing import CliRunner
 
 from tiertune.cli.app import app
+from tiertune.config.recipe import load_recipe
 from tiertune.errors import BudgetError
-from tiertune.finetune.estimate import estimate
-from tiertune.finetune.longest import longest_sequence, why_not
-from tiertune.finetune.recipe import load_recipe
+from tiertune.estimate.longest import longest_sequence, why_not
+from tiertune.estimate.report import estimate
 from tiertune.finetune.train import train
 
 

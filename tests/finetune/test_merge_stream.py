@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiertune.finetune.export import _merge_in_memory, merge
-from tiertune.finetune.merging import plan_merge
+from tiertune.export.commands import _merge_in_memory, merge
+from tiertune.export.merging import plan_merge
 
 
 def _tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -122,7 +122,7 @@ def test_a_quantized_runs_merge_adds_the_adapter_to_the_dequantized_base(tmp_pat
     plan = plan_merge(adapter, base, quantize, torch.float32)
     assert not isinstance(plan, str) and len(plan.quantized) == 2 * 7  # every linear of the 2 layers
     out = tmp_path / "streamed"
-    from tiertune.finetune.merging import write_merged
+    from tiertune.export.merging import write_merged
 
     out.mkdir()
     write_merged(plan, base, adapter, torch.float32, out)
@@ -168,12 +168,12 @@ def test_a_base_saved_by_bitsandbytes_is_dequantized_as_saved(tmp_path, cat_mode
 
 
 def test_the_merge_is_sharded_as_the_base_and_reads_rows_in_blocks(tmp_path, tiny_model_dir, monkeypatch):
-    import tiertune.finetune.merging as merging
+    import tiertune.export.merging as merging
 
     base, _ = tiny_model_dir("qwen2", 2)
     files = sorted(p.name for p in base.glob("*.safetensors"))
     assert len(files) > 1
-    from tiertune.finetune.demo import make_tokenizer
+    from tiertune.cli.demo import make_tokenizer
 
     make_tokenizer(["a b c"], base)
     adapter = _adapter(base, tmp_path / "adapter", target_modules=["q_proj", "down_proj", "embed_tokens"])

@@ -1,4 +1,4 @@
-"""The run's memory plan (``engine.plan``): a run either trains to the end or is refused before the model is
+"""The run's memory plan (``engine.memory``): a run either trains to the end or is refused before the model is
 loaded, naming the smallest budgets that work; ``estimate`` gives the same answer; the store never has more
 chunks of a size class in use on a tier than the plan reserved slots for."""
 
@@ -13,9 +13,9 @@ import torch
 import watching
 from watching import check_in_use
 
+from tiertune.config.recipe import load_recipe
 from tiertune.errors import BudgetError
-from tiertune.finetune.estimate import estimate
-from tiertune.finetune.recipe import load_recipe
+from tiertune.estimate.report import estimate
 from tiertune.finetune.train import train
 from tiertune.offload.tiers import Tier, slot_class
 
@@ -36,7 +36,7 @@ SMOL = dict(
 def smol_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tiertune.finetune.demo import make_tokenizer
+    from tiertune.cli.demo import make_tokenizer
 
     directory = tmp_path_factory.mktemp("smol-shaped")
     texts = [
@@ -164,7 +164,7 @@ def test_random_layouts_either_finish_or_are_refused_up_front(tmp_path, cat_mode
 
 
 def test_size_classes_give_each_chunk_the_smallest_slot_that_holds_it():
-    from tiertune.engine.plan import size_classes
+    from tiertune.engine.memory import size_classes
 
     sizes = size_classes([4096, 4096 * 5, 4096 * 6, 4096 * 100, 4096 * 124])
     # 5 and 6 pages share a class (within 1.25x), as do 100 and 124 pages

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from tiertune.config.recipe import load_recipe
 from tiertune.errors import ConfigError, DataError
 from tiertune.finetune.data import batches, load_data
-from tiertune.finetune.recipe import load_recipe
 from tiertune.finetune.train import train
 
 PAIRS = [
@@ -365,7 +365,7 @@ def test_conversational_pairs_are_tokenized_with_trls_own_functions(tmp_path):
     from trl.data_utils import _tokenize, common_prefix_length, extract_prompt
 
     from tests.finetune.test_data import CHAT_TEMPLATE, WORDS
-    from tiertune.finetune.demo import make_tokenizer
+    from tiertune.cli.demo import make_tokenizer
 
     tok = make_tokenizer(WORDS, tmp_path)
     tok.chat_template = CHAT_TEMPLATE
@@ -405,7 +405,7 @@ def test_a_dpo_steps_peaks_and_bytes_are_the_estimates_and_its_weights_cross_onc
     policy's layer visits: with the boundaries on the device a step moves exactly what an SFT step of as many
     micro-batches moves (the base read once); on the host a pair's boundaries are two rows', and where the host
     budget holds fewer micro-batches' boundaries the step runs in more waves (each reading the base once)."""
-    from tiertune.finetune.estimate import estimate
+    from tiertune.estimate.report import estimate
 
     model = cat_model(4, hidden=128)
     moved = {}
@@ -441,9 +441,8 @@ def test_a_dpo_steps_peaks_and_bytes_are_the_estimates_and_its_weights_cross_onc
                 link,
                 moved,
             )
-    if (
-        activations == "device"
-    ):  # the weights, read once a step by both (a full fine-tune's reference came first)
+    # the weights, read once a step by both (a full fine-tune's reference came first)
+    if activations == "device":
         assert moved["dpo"].keys() == moved["sft"].keys() and moved["dpo"]["host->device"] > 0
         for link, sft in moved["sft"].items():  # a full fine-tune's: within the optimizer thread's few KiB
             assert abs(moved["dpo"][link] - sft) <= (0 if method == "lora" else 0.01 * sft), (link, moved)

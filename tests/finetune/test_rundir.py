@@ -259,7 +259,7 @@ def test_every_checkpoint_damaged_is_an_error_that_says_how_to_start_over(recipe
 
 
 def test_non_finite_settings_are_refused():
-    from tiertune.finetune.recipe import Recipe, TrainingSection
+    from tiertune.config.recipe import Recipe, TrainingSection
 
     for value in (float("inf"), float("nan")):
         with pytest.raises(ConfigError, match="training.learning_rate must be a finite number"):
@@ -338,7 +338,7 @@ def test_a_run_stopped_before_its_first_checkpoint_restarts_on_another_number_of
     per_device_train_batch_size 3, and the launch they ran as) is the same run for one process of 6 rows: it
     starts over there, with or without ``auto``; one process of another batch is refused, naming the setting that
     keeps it (before: "holds another run's outputs", whatever the batch)."""
-    from tiertune.finetune.recipe import load_recipe
+    from tiertune.config.recipe import load_recipe
     from tiertune.finetune.rundir import LAUNCH_FILE
 
     run_dir = recipe.parent / "run"
@@ -496,7 +496,7 @@ def test_no_space_while_writing_a_checkpoint_stops_the_run_at_that_step(recipe, 
 def test_token_ids_beyond_the_vocabulary_are_a_data_error(recipe, tmp_path, model_dir):
     """The model's directory holds another model's tokenizer (a larger vocabulary): said before loading,
     instead of an IndexError in the embedding during the first step."""
-    from tiertune.finetune.demo import make_tokenizer
+    from tiertune.cli.demo import make_tokenizer
 
     mixed = tmp_path / "mixed"
     shutil.copytree(model_dir, mixed)
@@ -514,9 +514,9 @@ def test_token_ids_beyond_the_vocabulary_are_a_data_error(recipe, tmp_path, mode
 def test_a_damaged_file_that_passes_its_checksum_is_still_a_typed_error(recipe, model_dir):
     """Loading names the file too (a checkpoint whose checksums were rewritten after the damage, or one
     written before checksums existed)."""
+    from tiertune.config.plan import plan
+    from tiertune.config.recipe import load_recipe
     from tiertune.finetune.checkpoint import load_checkpoint, write_checksums
-    from tiertune.finetune.recipe import load_recipe
-    from tiertune.finetune.train import plan
 
     train(recipe, ("training.max_steps=2",), progress=False)
     path = recipe.parent / "run" / "checkpoint-2"

@@ -6,8 +6,8 @@ import torch
 from typer.testing import CliRunner
 
 from tiertune.cli.app import app
+from tiertune.config.recipe import load_recipe
 from tiertune.errors import ConfigError, DataError
-from tiertune.finetune.recipe import load_recipe
 from tiertune.finetune.train import train
 
 
@@ -114,7 +114,7 @@ def test_cli_train_and_dry_run(recipe_file):
     ],
 )
 def test_malformed_recipes_give_a_clear_error_and_exit_2(recipe_file, override, message):
-    from tiertune.finetune.train import plan
+    from tiertune.config.plan import plan
 
     overrides = override if isinstance(override, tuple) else (override,)
     if message is None:
@@ -184,7 +184,7 @@ def test_export_is_exactly_the_trained_weights(tiny_model_dir, tmp_path, family,
 
 
 def test_multi_process_launch_plans_shards_or_says_what_it_cannot_do(recipe_file, monkeypatch):
-    from tiertune.finetune.train import plan
+    from tiertune.config.plan import plan
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     store, _ = plan(load_recipe(recipe_file, ("training.save_steps=2",)))  # sharded checkpoints are written

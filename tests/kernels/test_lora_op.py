@@ -228,7 +228,7 @@ def test_the_branch_returns_the_dtype_asked_for_and_back_propagates_in_tiles():
     to bf16 and its gradients; and what forward and backward hold at once stays under three inputs' worth (the
     input's gradient and the output, both bf16, and a tile's fp32 temporaries): casting the whole output's
     gradient to fp32 and multiplying it back would alone hold four."""
-    from tiertune.finetune.activations import LiveBytes
+    from tiertune.engine.activations import LiveBytes
 
     x, a, b, dy = _inputs((8192, 256), 256, 8, seed=3)
     x = x.detach().bfloat16().requires_grad_()

@@ -114,7 +114,7 @@ def env(
     with _user_errors():
         info = environment(disk_path)
         if probe:
-            from tiertune.finetune.speed import probe_disk
+            from tiertune.estimate.speed import probe_disk
 
             read, write = probe_disk(disk_path)  # type: ignore[arg-type]
             info["disk"]["read_bytes_per_second"], info["disk"]["write_bytes_per_second"] = read, write
@@ -181,8 +181,8 @@ def train(
     """
     _console_log(quiet, verbose)
     with _user_errors():
-        from tiertune.finetune.recipe import load_recipe
-        from tiertune.finetune.train import plan
+        from tiertune.config.plan import plan
+        from tiertune.config.recipe import load_recipe
         from tiertune.finetune.train import train as run
 
         resolved = load_recipe(recipe, tuple(overrides or ())).with_absolute_paths()
@@ -276,16 +276,16 @@ def estimate(
     """
     import json
 
-    from tiertune.finetune.estimate import estimate as predict
-    from tiertune.finetune.estimate import format_estimate
-    from tiertune.finetune.recipe import load_recipe
+    from tiertune.config.recipe import load_recipe
+    from tiertune.estimate.report import estimate as predict
+    from tiertune.estimate.report import format_estimate
 
     with _user_errors():
         resolved = load_recipe(recipe, tuple(overrides or ()))
         est = predict(resolved, measure=not no_probe, gpu=gpu, processes=processes, per_node=per_node)
         found = None
         if longest:
-            from tiertune.finetune.longest import longest_sequence
+            from tiertune.estimate.longest import longest_sequence
 
             found = longest_sequence(resolved, gpu=gpu)
     if as_json:
@@ -343,7 +343,7 @@ def export(
     Example: tiertune export runs/demo/out --format gguf --out exported/   (then: ollama create demo -f
     exported/Modelfile)
     """
-    from tiertune.finetune.export import export as run
+    from tiertune.export.commands import export as run
 
     with _user_errors():
         path, what = run(source, out, fmt, overwrite, gguf_type)
@@ -376,7 +376,7 @@ def merge(
 
     Example: tiertune merge runs/llama3-8b-qlora --out merged/
     """
-    from tiertune.finetune.export import merge as run
+    from tiertune.export.commands import merge as run
 
     with _user_errors():
         path, what = run(adapter, out, base, dtype, overwrite)
@@ -418,7 +418,7 @@ def recipes(
                 )
             )
 
-        from tiertune.finetune.recipe import recipe_notes
+        from tiertune.config.recipe import recipe_notes
 
         for stem, path in found.items():
             description, entries = recipe_notes(path)
@@ -487,9 +487,9 @@ def demo(
     if steps is not None:
         overrides.append(f"training.max_steps={steps}")
     with _user_errors():
+        from tiertune.cli.demo import make_model
+        from tiertune.config.recipe import load_recipe
         from tiertune.finetune.data import read_rows
-        from tiertune.finetune.demo import make_model
-        from tiertune.finetune.recipe import load_recipe
         from tiertune.finetune.train import train as run
 
         recipe = load_recipe(recipes / "demo.yaml", tuple(overrides))

@@ -35,7 +35,7 @@ class EngineConfig:
     # on: the optimizer runs during backward (speculatively, into twin states, when clipping is on);
     # off: after backward; auto: on when the twin states fit the budgets, else off
     overlap_optimizer: str | bool = "auto"
-    # the run's memory plan decided whether the speculative step's twins are made (``engine.plan``, checked
+    # the run's memory plan decided whether the speculative step's twins are made (``engine.memory``, checked
     # against the budgets before loading): None, the engine decides from the store's room
     twins: bool | None = None
     activations: str = "device"  # where the hidden states at the layer boundaries wait: device or host
@@ -91,6 +91,6 @@ class EngineConfig:
         return bool(self.max_grad_norm and self.max_grad_norm > 0)
 
     def __post_init__(self) -> None:
-        # resolved values: the recipe checks each setting, ``finetune.train.plan`` the rules between them
+        # resolved values: the recipe checks each setting, ``config.plan`` the rules between them
         if isinstance(self.overlap_optimizer, bool):
             self.overlap_optimizer = "on" if self.overlap_optimizer else "off"

@@ -75,9 +75,8 @@ class GradientSink:
                     self._project(state, j, low, grads)
             finally:
                 self.store.release(chunk, dirty=True)
-        if (
-            self.ctx.last_wave and self.ctx.speculating
-        ):  # waiting for the optimizer here is time it is not hidden
+        # waiting for the optimizer here is time it is not hidden
+        if self.ctx.last_wave and self.ctx.speculating:
             self.times["optimizer"] += self.updater.worker.submit(state, None)
 
     def _accumulate(self, acc: torch.Tensor, g: torch.Tensor | None) -> None:

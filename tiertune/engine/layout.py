@@ -2,7 +2,7 @@
 trained group (gradients, master weights, moments, GaLore's projections and accumulators, the speculative
 step's twins), and the group's ``GroupState`` that holds them. ``state_layout`` (what chunks, where) and
 ``twins_short`` (whether the twins fit) are pure functions of sizes: the engine registers what they say,
-``finetune.estimate`` sums it."""
+``estimate.report`` sums it."""
 
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ def laid_states(
 ) -> list[tuple[StateChunk, ChunkLayout]]:
     """The state chunks of weight chunk ``weights`` (``state_layout``), each laid out as ``add_like`` lays it
     out. For a rank's shard of the chunk ``whole`` (ZeRO-3) each is as large as the largest rank's: ranks own
-    different elements, and with equal capacities on every rank one memory plan (``engine.plan``) holds for
+    different elements, and with equal capacities on every rank one memory plan (``engine.memory``) holds for
     all of them."""
     shards = whole.num_shards if whole is not None else 1
     numel = {t.name: math.prod(t.shape) for t in whole.tensors} if whole is not None else None

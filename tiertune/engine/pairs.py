@@ -13,13 +13,12 @@ import torch
 
 from tiertune.engine.micro import Micro, harvest
 from tiertune.engine.objective import pair_losses
-from tiertune.engine.streaming import Capture, Stop, Suffix, run_layer
+from tiertune.engine.streaming import Capture, StepEngine, Stop, Suffix, run_layer
 from tiertune.errors import StateError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from tiertune.engine.stash import Stash
-    from tiertune.engine.trainer import StreamedTrainer
 
 
 class PairedPasses:
@@ -27,7 +26,7 @@ class PairedPasses:
     ``_stacked`` (a group's inputs and call as one batch) and ``_decoder`` (the model's decoder on a
     micro-batch, inside a visit)."""
 
-    engine: StreamedTrainer
+    engine: StepEngine
     stash: Stash
     layers: list[torch.nn.Module]
     metrics: dict[str, tuple[float, float]]

@@ -1,7 +1,7 @@
 """A run's training step replayed on a ledger: the bytes each tier holds and each link moves, counted by the
 store's own code.
 
-``replay`` registers the run's chunks (the ``PlannedChunk`` list ``finetune.estimate`` lays out, in the order
+``replay`` registers the run's chunks (the ``PlannedChunk`` list ``estimate.report`` lays out, in the order
 the trainer registers them) in a ``ChunkStore`` that is a ledger (``StoreConfig.ledger``: the same placement,
 eviction, prefetch and trace, over no bytes), and makes the calls a step makes, in the engine's order
 (``engine.trainer.step``, ``engine.schedule``, ``engine.gradients``, ``engine.update``): per wave of
@@ -26,7 +26,7 @@ import torch
 
 from tiertune.engine.config import EngineConfig
 from tiertune.engine.layout import home_tier_used
-from tiertune.engine.plan import IN_PLACE, QUANT_CACHE, PlannedChunk
+from tiertune.engine.memory import IN_PLACE, QUANT_CACHE, PlannedChunk
 from tiertune.engine.schedule import waves as schedule_waves
 from tiertune.engine.stash import ChunkStash, DeviceStash, Stash, stash_slots
 from tiertune.offload.chunk import Chunk

@@ -41,12 +41,11 @@ from tiertune.engine.micro import Micro, Rng, add, harvest, streams
 from tiertune.engine.pairs import PairedPasses
 from tiertune.engine.stacking import draws_random, stack_calls
 from tiertune.engine.stash import Stash, stash_slots
-from tiertune.engine.streaming import Call, Capture, Stop, Suffix, run_layer
+from tiertune.engine.streaming import Call, Capture, StepEngine, Stop, Suffix, run_layer
 from tiertune.errors import StateError
 
 if TYPE_CHECKING:
     from tiertune.engine.config import EngineConfig
-    from tiertune.engine.trainer import StreamedTrainer
 
 
 def waves(cfg: EngineConfig, micro_batches: int) -> list[range]:
@@ -60,7 +59,7 @@ def waves(cfg: EngineConfig, micro_batches: int) -> list[range]:
 class LayerMajor(PairedPasses):
     """The layer-major step of ``engine`` (the module docstring), its boundaries in ``stash``."""
 
-    def __init__(self, engine: StreamedTrainer, stash: Stash) -> None:
+    def __init__(self, engine: StepEngine, stash: Stash) -> None:
         self.engine, self.stash = engine, stash
         self.layers = [layer.layer for layer in engine.parts.layers]  # the model's own (streamed) layers
         self._random = [draws_random(layer) for layer in self.layers]
@@ -207,9 +206,8 @@ class LayerMajor(PairedPasses):
                     for j, part in zip(group, out.split([micro[j].shape[0] for j in group]), strict=True):
                         ys[j].copy_(part)
                     del out, x
-                    if (
-                        self.reference
-                    ):  # the same weights, read once: the reference's hidden states move on too
+                    # the same weights, read once: the reference's hidden states move on too
+                    if self.reference:
                         self._reference_layer(i, micro, group)
             self.stash.close(i, keep=True)
             xs = ys
@@ -235,9 +233,8 @@ class LayerMajor(PairedPasses):
             one = len(group) == 1
             leaf = (outs[group[0]] if one else torch.cat([outs[j] for j in group])).detach().requires_grad_()
             engine.visit = Suffix(last - 1, leaf)
-            if (
-                aux is not None
-            ):  # its gradient joins each layer's backward (a stack of one: ``_suffix_stacks``)
+            # its gradient joins each layer's backward (a stack of one: ``_suffix_stacks``)
+            if aux is not None:
                 aux_total += aux.finish(group[0], parts[0].extra.get("attention_mask"), 1.0 / micro_batches)
             if one:
                 ids, extra, target = parts[0].ids, parts[0].extra, parts[0].target
@@ -299,9 +296,8 @@ class LayerMajor(PairedPasses):
                         outputs: list = [Handoff.apply(out, [grad])]
                         grad_outputs: list = [None]
                         del out, grad
-                        if (
-                            engine.router_aux is not None
-                        ):  # the auxiliary loss's gradient at the router logits
+                        # the auxiliary loss's gradient at the router logits
+                        if engine.router_aux is not None:
                             for logits, g in engine.router_aux.gradients(group[0], i):
                                 outputs.append(logits)
                                 grad_outputs.append(g)

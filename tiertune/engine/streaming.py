@@ -18,7 +18,13 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from tiertune.engine.config import EngineConfig
+    from tiertune.engine.layout import GroupState
+    from tiertune.engine.loss import CausalLMLoss
     from tiertune.engine.router_aux import RouterAux
+    from tiertune.loading.model import ModelParts
+    from tiertune.methods.lora import Adapters
+    from tiertune.settings import ObjectiveSettings
 
 Call = tuple[tuple, dict]
 """What a decoder layer is called with besides its hidden states: positional and keyword arguments (the
@@ -56,6 +62,35 @@ class LayerEngine(Protocol):
 
     def layer_grads(self, index: int, grads: dict[str, torch.Tensor | None]) -> None:
         """Layer ``index``'s weight gradients of a wave of micro-batches, summed (its backward is done)."""
+        ...
+
+
+class StepEngine(LayerEngine, Protocol):
+    """What the step's schedule (``engine.schedule``, ``engine.pairs``) uses of the engine beside its layers:
+    the model and its parts, the groups outside the layers, the loss, the objective and the adapters.
+    ``StreamedTrainer`` is one; the schedule never imports it."""
+
+    device: torch.device
+    config: EngineConfig
+    objective: ObjectiveSettings
+    loss: CausalLMLoss
+    model: nn.Module
+    parts: ModelParts
+    states: list[GroupState]
+    adapters: Adapters | None
+
+    def bound_group(
+        self, state: GroupState, requires_grad: bool
+    ) -> AbstractContextManager[dict[str, torch.Tensor]]:
+        """A group's weights acquired on the device and bound for the block; yields them by name."""
+        ...
+
+    def add_grads(self, state: GroupState, grads: dict[str, torch.Tensor | None]) -> None:
+        """A wave's summed weight gradients of ``state``'s group (one outside the decoder layers)."""
+        ...
+
+    def reference(self) -> AbstractContextManager[None]:
+        """The model as a preference objective's reference for the block (the base, its adapters off)."""
         ...
 
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from tiertune.config.recipe import Recipe, flatten
 from tiertune.distributed.world import World
 from tiertune.errors import ConfigError, IntegrityError, StorageError
 from tiertune.finetune.checkpoint import (
@@ -45,7 +46,6 @@ from tiertune.finetune.checkpoint import (
     read_state,
     verify,
 )
-from tiertune.finetune.recipe import Recipe, flatten
 
 log = logging.getLogger("tiertune.train")
 

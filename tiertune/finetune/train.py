@@ -12,7 +12,6 @@ place only once complete; for LoRA, the adapter in PEFT format (``adapter_config
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import logging
@@ -29,12 +28,12 @@ from typing import Any
 
 import torch
 
+from tiertune.config.plan import plan
+from tiertune.config.recipe import Recipe, load_recipe
 from tiertune.distributed.world import World
 from tiertune.engine import EngineConfig, StreamedTrainer
-from tiertune.engine.config import SEQUENCE_TILE
 from tiertune.errors import (
     BudgetError,
-    ConfigError,
     DataError,
     DiskFullError,
     Interrupted,
@@ -58,16 +57,14 @@ from tiertune.finetune.checkpoint import (
     recover,
 )
 from tiertune.finetune.data import batches, load_data
-from tiertune.finetune.export import write_hf
+from tiertune.finetune.hf_model import write_hf
 from tiertune.finetune.ranks import decided_by_main, join, launch_notes, rows_of, sweep_other_ranks
-from tiertune.finetune.recipe import Recipe, load_recipe
 from tiertune.finetune.reference import reference_logps, with_reference
 from tiertune.finetune.reporting import Reporters
 from tiertune.finetune.rundir import LAUNCH_FILE, LOG_NAME, Decision, RunDirectory, launch_record
 from tiertune.finetune.signals import StopOnSignals, stop_on_signals
-from tiertune.kernels.patch import describe, resolve_backend
+from tiertune.kernels.patch import describe
 from tiertune.loading.hub import model_directory
-from tiertune.offload.chunk import itemsize
 from tiertune.offload.store import StoreConfig
 from tiertune.offload.tiers import BUDGET_SETTING, Tier
 from tiertune.units import format_size
@@ -94,143 +91,12 @@ class TrainResult:
         return self.output_dir / LOG_NAME
 
 
-def plan(
-    recipe: Recipe, device: str | None = None, world: World | None = None
-) -> tuple[StoreConfig, EngineConfig]:
-    """The store and engine settings a recipe resolves to (``auto`` made concrete for this machine), with every
-    rule between settings (``tests/test_rules.py``). ``device`` (``estimate``): plan the engine for ``cuda`` or
-    ``cpu`` rather than for what this machine has; the store then computes on the CPU where the machine has
-    no GPU (only its layout is used). ``world``: this process among a launch's (default: the environment's);
-    ``estimate --processes`` plans a rank of a launch that is not running."""
-    if recipe.model.quantize != "none" and recipe.method.type != "lora":
-        raise ConfigError(
-            f"model.quantize: {recipe.model.quantize} freezes the base; use method.type: lora with it, "
-            f"or model.quantize: none for method.type: {recipe.method.type}"
-        )
-    if not recipe.model.path:
-        raise ConfigError("model.path is required: a local Hugging Face model directory")
-    if not (Path(recipe.model.path) / "config.json").is_file():
-        raise ConfigError(
-            f"model.path {recipe.model.path} is not a Hugging Face model directory (no config.json there); "
-            "point it at a local directory saved with save_pretrained, or give a Hugging Face model id "
-            "(organization/name; for the demo recipe: run `tiertune demo`)"
-        )
-    out = Path(recipe.training.output_dir).absolute()
-    for key, other in (("model.path", recipe.model.path), ("offload.disk_path", recipe.offload.disk_path)):
-        if other and Path(other).absolute() == out:
-            raise ConfigError(
-                f"training.output_dir is {key} ({out}): the run would write over it; choose another directory"
-            )
-    world = world or World.from_env()
-    t = recipe.training
-    if world.size > 1 and recipe.method.type == "galore":
-        raise ConfigError(
-            f"launched as {world.size} processes, but method.type: galore does not run sharded yet (GaLore "
-            "projects each weight matrix's whole gradient, a rank holds a part of it); run one process, or "
-            "use method.type: full or lora"
-        )
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    resolve_backend(recipe.kernels, torch.device(device))  # kernels: triton where it cannot run is an error
-    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32}.get(
-        recipe.model.dtype
-    ) or getattr(torch, recipe.model.dtype)
-    off = recipe.offload
-
-    def place(value: str) -> str:
-        if value != "auto":
-            return value
-        return "disk" if off.disk_path else "host"
-
-    params, states = place(off.params), place(off.optimizer_states)
-    if "disk" in (params, states) and not off.disk_path:
-        raise ConfigError(
-            "offload.params or offload.optimizer_states is disk but offload.disk_path is not set"
-        )
-    lora_seed = recipe.method.lora.seed
-    store = StoreConfig.resolve(
-        device=device if torch.cuda.is_available() else "cpu",
-        device_budget=off.device_budget,
-        host_budget=off.host_budget,
-        disk_path=str(world.disk_dir(off.disk_path)) if off.disk_path else None,  # rank-r of several
-        chunk_size=1 << 40,  # one chunk per parameter group (a decoder layer): its states then mirror it
-        prefetch_depth=off.prefetch_depth,
-        num_shards=world.size,
-    )
-    if world.local_size > 1:  # the host budget is the node's, shared by its ranks (the device's too on a CPU)
-        store.host_budget //= world.local_size
-        if device == "cpu":
-            store.device_budget //= world.local_size
-    engine = EngineConfig(
-        dtype=dtype,
-        learning_rate=t.learning_rate,
-        weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2,
-        adam_epsilon=t.adam_epsilon,
-        max_grad_norm=t.max_grad_norm,
-        optim=t.optim,
-        kernels=recipe.kernels,
-        lr_scheduler_type=t.lr_scheduler_type,
-        warmup_steps=t.warmup_steps,
-        max_steps=1,  # set once the data is read
-        params=params,
-        optimizer_states=states,
-        # homed on disk when there is one: a layer's gradients then take host memory only from backward
-        # until its update (all of them only while accumulating micro-batches, or waiting for the clipping
-        # norm), and they are dropped once used, so nothing is written there unless the host runs short
-        gradients="disk" if off.disk_path else "host",
-        overlap_optimizer=off.overlap_optimizer,
-        activations=_activations(recipe, device, dtype, store.device_budget),
-        # a micro-batch of pairs holds each pair's two sequences
-        activation_tokens=t.per_device_train_batch_size
-        * recipe.data.max_seq_len
-        * (1 + recipe.objective.paired),
-        sequence_tile=SEQUENCE_TILE if off.sequence_tile == "auto" else int(off.sequence_tile),
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        method=recipe.method.type,
-        quantize=recipe.model.quantize,
-        quant_cache=_quant_cache(off.disk_path) if recipe.model.quantize != "none" else None,
-        # the method's settings as the recipe holds them (one definition: tiertune.settings); the adapters'
-        # init seed is training.seed unless method.lora.seed sets its own
-        lora=dataclasses.replace(recipe.method.lora, seed=t.seed if lora_seed is None else lora_seed),
-        galore=recipe.method.galore,
-        objective=recipe.objective,
-    )
-    return store, engine
-
-
 def steps_of(recipe: Recipe) -> int:
     """The optimizer steps ``recipe`` makes: ``training.max_steps``, or its epochs over the data as the run
     counts them (tokenized with the model's tokenizer; a DataError or ModelError when either is missing)."""
     if recipe.training.max_steps > 0:
         return recipe.training.max_steps
     return _load(recipe).steps
-
-
-def _quant_cache(disk_path: str | None) -> str:
-    """Where quantized layers are kept for the next run: beside the offload files, else the user's cache."""
-    if disk_path:
-        return str(Path(disk_path) / "quantized")
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return str(Path(root) / "tiertune" / "quantized")
-
-
-def _activations(recipe: Recipe, device: str, dtype: torch.dtype, device_budget: int) -> str:
-    """``offload.activations``; auto keeps the hidden states at the layer boundaries of a step's micro-batches
-    (``engine.schedule``: every micro-batch of the step runs through a layer while it is loaded) on the device
-    unless, on a GPU, they would take more than an eighth of the device budget."""
-    from tiertune.loading.model import decoder_config
-
-    config = decoder_config(recipe.model.path)  # ModelError for a config.json it cannot use, before all else
-    choice = recipe.offload.activations
-    if choice != "auto":
-        return choice
-    if device != "cuda":
-        return "device"
-    t = recipe.training
-    per_layer = t.per_device_train_batch_size * recipe.data.max_seq_len * config.hidden_size
-    total = per_layer * t.gradient_accumulation_steps * (config.num_hidden_layers + 1) * itemsize(dtype)
-    return "host" if total > device_budget // 8 else "device"
 
 
 def train(
@@ -287,13 +153,13 @@ def admit(
     recipe: Recipe, store_cfg: StoreConfig, engine_cfg: EngineConfig, world: World | None = None
 ) -> None:
     """Check the run's memory plan against its budgets before anything is loaded, and hand it to the store
-    and the engine (``engine.plan``): the slots the store reserves for the chunks in use at once, and whether
+    and the engine (``engine.memory``): the slots the store reserves for the chunks in use at once, and whether
     the speculative step's twins are made. Raises BudgetError naming the smallest budgets that work.
     ``tiertune estimate`` reports the same plan. One rank of several plans its own shards (``store_cfg``
     has ``num_shards`` and the rank's budgets); the plan is the same on every rank, so all refuse alike."""
-    from tiertune.finetune.run_layout import memory_plan
+    from tiertune.engine.run_layout import memory_plan
 
-    memory, twins, wave = memory_plan(recipe, store_cfg, engine_cfg)
+    memory, twins, wave = memory_plan(recipe.model.path, store_cfg, engine_cfg)
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}
     local = world.local_size if world is not None else 1
     sharing = {Tier.HOST: local, Tier.DEVICE: local if store_cfg.device.type == "cpu" else 1}

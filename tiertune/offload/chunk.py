@@ -20,17 +20,13 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from tiertune.errors import ConfigError, StateError
+from tiertune.offload.tiers import ALIGN, Allocation, Tier
 from tiertune.units import round_up
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from tiertune.offload.tiers import Allocation, Tier
-
 Entry = tuple[str, Sequence[int], torch.dtype]  # a tensor: its name, shape and dtype
-
-ALIGN = 4096
-"""Byte alignment of every chunk buffer, capacity and shard: what O_DIRECT needs on common filesystems."""
 
 TENSOR_ALIGN = 256
 """Byte alignment of each tensor inside a chunk, so that kernels can use wide vector loads."""

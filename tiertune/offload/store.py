@@ -45,7 +45,8 @@ from tiertune.offload.tiers import (
     cuda_cap,
     slot_class,
 )
-from tiertune.units import format_size, parse_size, round_up
+from tiertune.settings import parse_size
+from tiertune.units import format_size, round_up
 
 log = logging.getLogger("tiertune.offload")
 
@@ -70,7 +71,7 @@ class StoreConfig:
     block_size: int = 1 << 20
     num_shards: int = 1
     direct: bool | None = None  # None: O_DIRECT when the filesystem supports it
-    # the run's plan (engine.plan.Plan.reserve): per memory tier ("device", "host"), {slot size: count} of
+    # the run's plan (engine.memory.Plan.reserve): per memory tier ("device", "host"), {slot size: count} of
     # slots kept for chunks in use there (see MemoryTier); None: no slots, every chunk shares the arena
     reserve: dict[str, dict[int, int]] | None = None
     # a ledger: the same placement, eviction and prefetch, over no bytes (the tiers' arenas on the meta
@@ -630,9 +631,8 @@ class ChunkStore:
         try:
             yield alloc.tensor[:nbytes]
         finally:
-            if (
-                self._mem[tier].device.type == "cuda"
-            ):  # kernels queued on it finish before its memory is reused
+            # kernels queued on it finish before its memory is reused
+            if self._mem[tier].device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             with self._cond:
                 self._count_in_use(standin, tier, -1, scratch=True)

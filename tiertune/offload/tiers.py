@@ -23,8 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from tiertune.errors import ConfigError
-from tiertune.offload.chunk import ALIGN
 from tiertune.units import format_size, round_up
+
+ALIGN = 4096
+"""Byte alignment of every chunk buffer, capacity and shard: what O_DIRECT needs on common filesystems."""
 
 log = logging.getLogger("tiertune.offload")
 
@@ -221,7 +223,7 @@ class MemoryTier:
     ``torch.device``: for that one), so host<->device copies can run asynchronously.
 
     ``reserve`` ({slot size: count}) sets slots apart at the top of the budget: the run's plan reserves, per
-    size class, as many slots as chunks of that class can be in use there at once (``engine.plan``). The
+    size class, as many slots as chunks of that class can be in use there at once (``engine.memory``). The
     rest is the arena, shared by the chunks homed here and cached copies, where fragmentation can leave no
     range large enough; a chunk that must be placed now then takes a slot of its class (``alloc_reserved``),
     which only chunks of its class use. So the chunks in use can never fragment the tier into a failure:

@@ -8,8 +8,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tiertune.kernels.ops.nf4 import nf4_code
-
 BLOCK = 1024
 
 
@@ -46,8 +44,9 @@ def _dequantize(
     tl.store(out + idx, (value * scale).to(out.dtype.element_ty), mask=inside)
 
 
-def dequantize(packed: torch.Tensor, state, dtype: torch.dtype) -> torch.Tensor:
-    """``packed`` (flat uint8) dequantized to ``state.shape`` in ``dtype``."""
+def dequantize(packed: torch.Tensor, state, dtype: torch.dtype, code: torch.Tensor) -> torch.Tensor:
+    """``packed`` (flat uint8) dequantized to ``state.shape`` in ``dtype``; ``code``: the 16 NF4 values, fp32
+    on ``packed``'s device (``nf4.nf4_code``)."""
     device = packed.device
     numel = math.prod(state.shape)
     out = torch.empty(numel, dtype=dtype, device=device)
@@ -69,7 +68,7 @@ def dequantize(packed: torch.Tensor, state, dtype: torch.dtype) -> torch.Tensor:
     # No fused multiply-add: bitsandbytes rounds ``code2 * absmax2`` before adding the offset.
     _dequantize[grid](
         packed,
-        nf4_code(device),
+        code,
         *stats,
         out,
         numel,

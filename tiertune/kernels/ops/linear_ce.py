@@ -151,9 +151,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             keep = weights[start : start + chunk_tokens]
             x32 = xs if mixed else xs.float()
             logits = _chunk_logits(xs, x32, weight, b32, slices, mixed)
-            if (
-                backend == "triton" and wanted
-            ):  # one kernel: the rows' losses, and the logits become their gradient
+            # one kernel: the rows' losses, and the logits become their gradient
+            if backend == "triton" and wanted:
                 from tiertune.kernels.ops._triton_ce import ce_rows
 
                 total += (ce_rows(logits, ts, ignore_index, scale, softcap) * keep).sum()

@@ -106,7 +106,7 @@ def dequantize_nf4(
     if backend == "triton":
         from tiertune.kernels.ops._triton_nf4 import dequantize
 
-        return dequantize(packed_bytes(packed, state), state, dtype or state.dtype)
+        return dequantize(packed_bytes(packed, state), state, dtype or state.dtype, nf4_code(packed.device))
     return dequantize_nf4_reference(packed, state, dtype)
 
 

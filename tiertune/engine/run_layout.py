@@ -15,16 +15,16 @@ import dataclasses
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from tiertune.distributed.ownership import shard_layout
-from tiertune.engine.plan import IN_PLACE, QUANT_CACHE, Plan, PlannedChunk, make_plan
+from tiertune.engine.memory import IN_PLACE, QUANT_CACHE, Plan, PlannedChunk, make_plan
 from tiertune.engine.schedule import waves as schedule_waves
 from tiertune.engine.stash import stash_slots
 from tiertune.errors import ModelError
-from tiertune.finetune.speed import StepFlops, nearest_existing, step_flops
+from tiertune.files import nearest_existing
 from tiertune.offload.chunk import ALIGN, ChunkLayout, itemsize, pack_tensors
 from tiertune.offload.disk import slot_bytes
 from tiertune.offload.inplace import FileTensor, plan_in_place
@@ -33,40 +33,48 @@ from tiertune.offload.tiers import Tier
 from tiertune.units import round_up
 
 if TYPE_CHECKING:
-    from tiertune.finetune.recipe import Recipe
+    from tiertune.engine.config import EngineConfig
 
 _Chunk = PlannedChunk
 
 
-def memory_plan(recipe: Recipe, store_cfg: StoreConfig, cfg) -> tuple[Plan, bool, int]:
-    """The run's memory plan (``engine.plan``) for the store and engine settings ``plan`` resolved, from the
+def memory_plan(model_path: str, store_cfg: StoreConfig, cfg: EngineConfig) -> tuple[Plan, bool, int]:
+    """The run's memory plan (``engine.memory``) for the store and engine settings ``plan`` resolved, from the
     chunks it will register laid out on the meta device (nothing is loaded), whether those include the
     speculative step's twins (they do when the run fits with them), and the micro-batches a wave runs. What
     ``train`` checks before loading the model, and what ``estimate`` reports."""
     on_gpu = store_cfg.device.type == "cuda"
     disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
-    laid = run_layout(recipe, store_cfg, cfg, [], on_gpu, disk_room)
+    laid = run_layout(model_path, store_cfg, cfg, [], on_gpu, disk_room)
     return make_plan(laid.chunks, on_cpu=not on_gpu), any(c.role == "twin" for c in laid.chunks), laid.wave
 
 
 class RunLayout(NamedTuple):
     """What ``run_layout`` lays out: the chunks, the parameters (all, trained), the device bytes outside the
-    store by what holds them, a step's FLOPs, and the micro-batches a wave runs (``engine.schedule``)."""
+    store by what holds them, the micro-batches a wave runs (``engine.schedule``), and what ``measure`` made
+    of the model (None without one)."""
 
     chunks: list[_Chunk]
     parameters: int
     trained: int
     outside: dict[str, int]
-    flops: StepFlops
     wave: int
+    measured: Any = None
 
 
 def run_layout(
-    recipe, store_cfg: StoreConfig, cfg, notes: list[str], on_gpu: bool, disk_free: int
+    model_path: str,
+    store_cfg: StoreConfig,
+    cfg: EngineConfig,
+    notes: list[str],
+    on_gpu: bool,
+    disk_free: int,
+    measure: Callable[[torch.nn.Module, list[torch.nn.Module]], Any] | None = None,
 ) -> RunLayout:
-    """Every chunk the run would register, laid out as the store lays them out (what a reader should know
-    about the model is appended to ``notes``), and the FLOPs of a step (``on_gpu``: computed on a GPU;
-    ``disk_free``: the free bytes at ``disk_path``, room the overlap decision weighs). With activations on the
+    """Every chunk a run of the model at ``model_path`` would register, laid out as the store lays them out
+    (what a reader should know about the model is appended to ``notes``; ``on_gpu``: computed on a GPU;
+    ``disk_free``: the free bytes at ``disk_path``, room the overlap decision weighs). ``measure(model,
+    layers)``: called on the meta skeleton before it is converted (the estimate counts a step's FLOPs there). With activations on the
     host and ``cfg.wave_size`` 0, the wave is the most micro-batches of a step whose boundary chunks fit the
     budgets (decided before the twins, which take the room left)."""
     from tiertune.engine.layout import home_tier_used
@@ -78,24 +86,13 @@ def run_layout(
     # shapes only, so nothing is ever allocated, not even for a moment: a parameter created before it is
     # moved to meta would be (one fused expert weight of DeepSeek-V3 is 15 GB in bf16)
     with torch.device("meta"):
-        model = build_skeleton(recipe.model.path, cfg.dtype)
+        model = build_skeleton(model_path, cfg.dtype)
         parts = split_model(model)
-        t = recipe.training
-        objective = recipe.objective
-        # a micro-batch of pairs is each pair's two sequences
-        micro = t.per_device_train_batch_size * recipe.data.max_seq_len * (1 + objective.paired)
-        flops = step_flops(
-            model,
-            list(parts.layers),
-            micro,
-            t.gradient_accumulation_steps,
-            recipe.data.max_seq_len,
-            trained=cfg.method != "lora",
-            reference=objective.reference,
-            paired=objective.paired,
-        )
-        saved = _saved_quantization(model, recipe, notes)
-        layer_saved = _layer_saved(model, cfg, micro, t.gradient_accumulation_steps, notes, on_gpu)
+        micro = cfg.activation_tokens  # a micro-batch's tokens (of pairs: each pair's two sequences)
+        k = cfg.gradient_accumulation_steps
+        measured = measure(model, list(parts.layers)) if measure is not None else None
+        saved = _saved_quantization(model, model_path, cfg.quantize, notes)
+        layer_saved = _layer_saved(model, cfg, micro, k, notes, on_gpu)
         quant = make_quantizer(cfg.quantize, cfg.dtype, saved)
         # converted as the engine converts them: the linear layers, and MoE experts one 4-bit matrix each
         if quant is not None:
@@ -145,7 +142,7 @@ def run_layout(
     units: list[dict[str, _Chunk]] = []  # per optimizer unit: its weights and state chunks, by role
     # a frozen base on disk: read in place where files hold it (each rank of several its shard of them)
     split = (
-        _in_place_split(recipe.model.path, model, cfg, quant, saved)
+        _in_place_split(model_path, model, cfg, quant, saved)
         if not trained_flag and cfg.params == "disk"
         else None
     )
@@ -210,7 +207,6 @@ def run_layout(
     hidden = model.config.get_text_config(decoder=True).hidden_size
     act = cfg.activation_tokens * hidden * itemsize(cfg.dtype)
     outside: dict[str, int] = {}
-    k = t.gradient_accumulation_steps
     m = len(schedule_waves(cfg, k)[0])  # micro-batches per wave
     if cfg.activations == "host":  # ``stash.ChunkStash``: a chunk per layer boundary, a slot per micro-batch
 
@@ -245,9 +241,8 @@ def run_layout(
         outside["hidden states at the layer boundaries"] = act * m * (len(parts.layers) + 1)
     if layer_saved:
         outside["a layer's activations and temporaries (recompute and backward)"] = layer_saved
-    if (
-        recipe.objective.reference
-    ):  # ``schedule._reference_layer``: the reference's boundary per micro-batch of the
+    # ``schedule._reference_layer``: the reference's boundary per micro-batch of the
+    if cfg.objective.reference:
         # wave, and the one a layer's visit makes from it
         outside["the reference's hidden states (DPO)"] = act * (m + 1)
     # backward carries each micro-batch's gradient at a layer boundary; a trained layer's gradient is summed
@@ -299,14 +294,14 @@ def run_layout(
         params = _adapter_parameters(model, cfg.lora)
         outside["LoRA adapters + states"] = params * 16
         trained = params
-    return RunLayout(chunks, parameters, trained, outside, flops, m)
+    return RunLayout(chunks, parameters, trained, outside, m, measured)
 
 
 def _layer_saved(model: torch.nn.Module, cfg, micro: int, k: int, notes: list[str], on_gpu: bool) -> int:
     """The most one decoder layer's recompute and backward hold at once (``activations``), for the most
     tokens a layer's visit runs at once: a micro-batch, or a stack of them (``stack_limit``); 0 with a note
     when the layer cannot be traced on the meta device."""
-    from tiertune.finetune.activations import layer_peak_bytes
+    from tiertune.engine.activations import layer_peak_bytes
 
     stack = min(cfg.stack_limit, k * micro) if cfg.stack_limit > 0 else 0
     try:
@@ -360,18 +355,20 @@ def _in_place_split(model_dir: str, model: torch.nn.Module, cfg, quant, saved: d
     return as_saved
 
 
-def _saved_quantization(model: torch.nn.Module, recipe, notes: list[str]) -> dict | None:
+def _saved_quantization(
+    model: torch.nn.Module, model_path: str, quantize: str, notes: list[str]
+) -> dict | None:
     """The checkpoint's own quantization, as the run reads it (``saved_quantization``). One that tiertune
     cannot read (fp8, GPTQ, AWQ...) makes the run stop with a ModelError before it reads a weight; the
     estimate goes on with the model's shapes, as its unquantized release would be loaded, and says so."""
     from tiertune.quant import saved_quantization
 
     try:
-        return saved_quantization(model.config, recipe.model.path)
+        return saved_quantization(model.config, model_path)
     except ModelError as exc:
         notes.append(
             f"{exc}. The figures above are for the same model loaded from bf16 weights (model.quantize: "
-            f"{recipe.model.quantize}); `tiertune train` on this model.path stops with this error"
+            f"{quantize}); `tiertune train` on this model.path stops with this error"
         )
         return None
 

@@ -50,9 +50,8 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
-                if (
-                    storage not in self._seen and id(storage) not in inputs
-                ):  # not a view of an input (a weight)
+                # not a view of an input (a weight)
+                if storage not in self._seen and id(storage) not in inputs:
                     counted = [storage.nbytes()]
                     self._seen[storage] = counted
                     self.live += counted[0]

@@ -506,7 +506,7 @@ def write_gguf_lora(adapter: Path, base: Path, out_file: Path, out_type: str = "
     import gguf
     from transformers import AutoConfig
 
-    from tiertune.finetune.merging import ADAPTER_FILE, PEFT_PREFIX
+    from tiertune.export.merging import ADAPTER_FILE, PEFT_PREFIX
 
     settings = json.loads((adapter / "adapter_config.json").read_text())
     refused = [

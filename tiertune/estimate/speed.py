@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tiertune.errors import ConfigError
+from tiertune.files import nearest_existing
 from tiertune.offload.store import StoreConfig
 from tiertune.offload.tiers import Tier
 
@@ -318,14 +319,6 @@ class StepTime:
     @property
     def total_seconds(self) -> float | None:
         return None if self.steps is None else self.steps * self.seconds
-
-
-def nearest_existing(path: str | os.PathLike[str]) -> str:
-    """``path`` or, when it does not exist yet, its nearest existing parent (where it would be created)."""
-    p = Path(path)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return str(p)
 
 
 def measure_bandwidth(

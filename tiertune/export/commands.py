@@ -13,14 +13,14 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tiertune.errors import ConfigError, DiskFullError
-from tiertune.files import fsync_dir, fsync_file, move_files_into
+from tiertune.files import fsync_dir, fsync_file
 from tiertune.finetune.checkpoint import (
     CHECKSUMS,
     PREFIX,
@@ -31,62 +31,12 @@ from tiertune.finetune.checkpoint import (
     read_state,
     verify,
 )
+from tiertune.finetune.hf_model import write_hf
 from tiertune.units import format_size
-
-SHARD_BYTES = 5 * 10**9  # like save_pretrained's default max_shard_size
-
-
-def write_hf(parts: Iterable[dict[str, torch.Tensor]], config: Any, tokenizer: Any, out: Path) -> Path:
-    """Write the weights (an iterable of dicts by parameter name, e.g. one chunk at a time), ``config`` and
-    ``tokenizer`` as a Hugging Face model directory ``out``."""
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
-    try:
-        shard: dict[str, torch.Tensor] = {}
-        size = 0
-        written: list[tuple[str, list[str]]] = []
-
-        def flush() -> None:
-            nonlocal shard, size
-            if shard:
-                name = f"model-{len(written) + 1:05d}.safetensors"
-                save_file(shard, tmp / name, metadata={"format": "pt"})
-                written.append((name, list(shard)))
-                shard, size = {}, 0
-
-        for tensors in parts:
-            nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
-            if size and size + nbytes > SHARD_BYTES:
-                flush()
-            shard.update(tensors)
-            size += nbytes
-        flush()
-        total = len(written)
-        weight_map = {}
-        for i, (name, keys) in enumerate(written, 1):
-            final = "model.safetensors" if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors"
-            (tmp / name).rename(tmp / final)
-            weight_map.update(dict.fromkeys(keys, final))
-        config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if total > 1:
-            index = {
-                "metadata": {"total_size": sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))},
-                "weight_map": weight_map,
-            }
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        move_files_into(tmp, out, last="model.safetensors.index.json" if total > 1 else "config.json")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def _recipe_of(directory: Path) -> Any:
-    from tiertune.finetune.recipe import load_recipe
+    from tiertune.config.recipe import load_recipe
 
     candidates = [directory / RECIPE_FILE]
     if _is_checkpoint(directory):  # a checkpoint's own recipe, else its run's
@@ -217,7 +167,7 @@ def export(
     be new or empty, or hold a model or a run that ``overwrite`` replaces whole; it is never the run itself nor
     its model. The export is written beside ``out`` and renamed into place: never partial. Returns the output
     and what was written."""
-    from tiertune.finetune.gguf_export import GGUF_TYPES
+    from tiertune.export.gguf import GGUF_TYPES
 
     source, out = Path(source), Path(out)
     if not source.is_dir():
@@ -242,7 +192,7 @@ def export(
     if gguf_type not in GGUF_TYPES:
         raise ConfigError(f"--gguf-type takes {', '.join(GGUF_TYPES)}; got {gguf_type!r}")
     if fmt.startswith("gguf"):
-        from tiertune.finetune.gguf_export import check
+        from tiertune.export.gguf import check
 
         check(recipe.model.path)  # what llama.cpp cannot run is said before anything else
     run_dir = source.parent if checkpoint else source
@@ -265,7 +215,7 @@ def export(
     if fmt == "peft":
         return out, _export_adapter(source, recipe, out)
     if fmt == "gguf-lora":
-        from tiertune.finetune.gguf_export import write_gguf_lora
+        from tiertune.export.gguf import write_gguf_lora
 
         with _writing(out, 2 * os.path.getsize(source / "adapter_model.safetensors") + (1 << 20)) as tmp:
             file = tmp / f"adapter-{gguf_type}.gguf"
@@ -291,8 +241,8 @@ def export(
             hf_dir.mkdir(exist_ok=True)
             what = _model_into(source, recipe, checkpoint, hf_dir)
         if fmt == "gguf":
-            from tiertune.finetune.gguf_export import write_gguf
-            from tiertune.finetune.serving import modelfile
+            from tiertune.export.gguf import write_gguf
+            from tiertune.export.serving import modelfile
 
             file = tmp / f"model-{gguf_type}.gguf"
             info = write_gguf(hf_dir, file, gguf_type, name=run_dir.name, tokenizer_dir=base)
@@ -310,7 +260,7 @@ def _export_adapter(source: Path, recipe: Any, out: Path) -> str:
     """Copy a LoRA run's adapter (with its base's tokenizer) to ``out``; says what vLLM needs to serve it."""
     from transformers import AutoTokenizer
 
-    from tiertune.finetune.serving import vllm_notes
+    from tiertune.export.serving import vllm_notes
 
     files = ("adapter_model.safetensors", "adapter_config.json")
     with _writing(out, sum(os.path.getsize(source / f) for f in files)) as tmp:
@@ -451,7 +401,7 @@ def _model_bytes(model_dir: Path, dtype: torch.dtype) -> int:
 def _merge_into(adapter: Path, base: Path, dtype: torch.dtype, recipe: Any, tmp: Path) -> str:
     """Write the merge of ``adapter`` into ``base`` into directory ``tmp``, in ``dtype``: streamed, or by peft
     in memory for what the stream does not cover. Returns what was merged into what, and how."""
-    from tiertune.finetune.merging import plan_merge
+    from tiertune.export.merging import plan_merge
 
     quantize = recipe.model.quantize if recipe is not None else "none"
     # a quantized base is quantized from the dtype the run loaded it in (what the adapter saw)
@@ -474,7 +424,7 @@ def _merge_streamed(plan: Any, adapter: Path, tmp: Path, base: Path, dtype: torc
     config (unquantized, in ``dtype``), generation config and the adapter's tokenizer (else the base's)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from tiertune.finetune.merging import write_merged
+    from tiertune.export.merging import write_merged
 
     write_merged(plan, base, adapter, dtype, tmp)
     config = AutoConfig.from_pretrained(base)

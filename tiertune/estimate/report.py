@@ -14,7 +14,7 @@ unquantized release, with a note saying that training from it stops with an erro
   are the bytes a step moves on each link (``moved_per_step``, the replay's last step) where one thread's
   order decides them; where the host budget binds while the CPU optimizer works beside backward, its thread's
   timing moves a run's own figures from step to step (see ``tests/finetune/test_estimate.py``);
-- *fits*: the run's memory plan (``engine.plan``): the homes and the slots reserved for the chunks in use at
+- *fits*: the run's memory plan (``engine.memory``): the homes and the slots reserved for the chunks in use at
   once fit each memory tier's budget, as ``train`` checks before loading.
 
 How fast a step goes is ``speed``'s model: the step's FLOPs at a GPU's stated peak or measured on this
@@ -34,11 +34,11 @@ import torch
 
 from tiertune.distributed.world import World
 from tiertune.engine import replay as replaying
-from tiertune.engine.plan import IN_PLACE, QUANT_CACHE, Plan, PlannedChunk, make_plan
+from tiertune.engine.memory import IN_PLACE, QUANT_CACHE, Plan, PlannedChunk, make_plan
 from tiertune.engine.replay import Replayed
+from tiertune.engine.run_layout import run_layout, slot_bytes_of
 from tiertune.errors import BudgetError, ConfigError, StateError
-from tiertune.finetune.run_layout import run_layout, slot_bytes_of
-from tiertune.finetune.speed import (
+from tiertune.estimate.speed import (
     GPU,
     NOISY,
     StepFlops,
@@ -47,17 +47,18 @@ from tiertune.finetune.speed import (
     measure_compute,
     measure_copy,
     measure_matmul,
-    nearest_existing,
     resolve_gpu,
+    step_flops,
 )
+from tiertune.files import nearest_existing
 from tiertune.loading.hub import config_directory
 from tiertune.offload.store import StoreConfig
 from tiertune.offload.tiers import AUTO_DEVICE_FRACTION, Tier
 from tiertune.units import format_size
 
 if TYPE_CHECKING:
+    from tiertune.config.recipe import Recipe
     from tiertune.engine.config import EngineConfig
-    from tiertune.finetune.recipe import Recipe
 
 ORDER = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 LINKS = ("disk->host", "host->disk", "host->device", "device->host")  # what a step moves, link by link
@@ -194,7 +195,7 @@ class Estimate:
     target: str = "cpu"  # what computes: "cpu", or the GPU's name
     speed: StepTime | None = None  # the step-time estimate (None: not measured)
     scale_out: ScaleOut | None = None  # launched as several processes (``estimate(processes=N)``)
-    plan: Plan | None = None  # the run's memory plan (``engine.plan``): what train checks before loading
+    plan: Plan | None = None  # the run's memory plan (``engine.memory``): what train checks before loading
     waves: Waves | None = None  # the micro-batches a wave runs, and where its boundary hidden states wait
 
     def short_of_machine(self) -> dict[str, str]:
@@ -326,7 +327,7 @@ def estimate(
         )
     import psutil
 
-    from tiertune.finetune.train import plan
+    from tiertune.config.plan import plan
 
     directory = config_directory(recipe.model.path)
     if directory != recipe.model.path:
@@ -344,8 +345,22 @@ def estimate(
     store_cfg, cfg = planned(World())
     notes: list[str] = []
     disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
-    chunks, parameters, trained, outside, flops, wave = run_layout(
-        recipe, store_cfg, cfg, notes, target is not None, disk_room
+    t = recipe.training
+
+    def count_flops(model: torch.nn.Module, layers: list[torch.nn.Module]) -> StepFlops:
+        return step_flops(
+            model,
+            layers,
+            cfg.activation_tokens,
+            t.gradient_accumulation_steps,
+            recipe.data.max_seq_len,
+            trained=cfg.method != "lora",
+            reference=recipe.objective.reference,
+            paired=recipe.objective.paired,
+        )
+
+    chunks, parameters, trained, outside, wave, flops = run_layout(
+        recipe.model.path, store_cfg, cfg, notes, target is not None, disk_room, count_flops
     )
     cfg = dataclasses.replace(cfg, wave_size=wave)  # as ``admit`` hands it to the engine
     memory = make_plan(chunks, on_cpu=target is None)
@@ -403,13 +418,17 @@ def estimate(
     if target is not None:
         est.machine["gpu_memory"] = target.memory
     est.moved_per_step = {link: replayed.moved.get(link, 0) for link in LINKS} if replayed is not None else {}
-    if (
-        processes > 1
-    ):  # the chunks each rank registers (its shards), under a rank's budgets, as train plans it
+    # the chunks each rank registers (its shards), under a rank's budgets, as train plans it
+    if processes > 1:
         local = per_node or processes
         sharded, _ = planned(World(rank=0, size=processes, local_rank=0, local_size=local))
-        laid, _, trained_n, _, _, rank_wave = run_layout(
-            recipe, sharded, dataclasses.replace(cfg, wave_size=0), [], target is not None, disk_room
+        laid, _, trained_n, _, rank_wave, _ = run_layout(
+            recipe.model.path,
+            sharded,
+            dataclasses.replace(cfg, wave_size=0),
+            [],
+            target is not None,
+            disk_room,
         )
         adapters = trained_n if cfg.method == "lora" else 0
         waves = -(

@@ -1,0 +1,149 @@
+"""A recipe resolved: the store and engine settings it asks for on this machine (``plan``), every ``auto``
+made concrete and every rule between settings checked (``tests/test_rules.py``) before anything is loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from tiertune.config.recipe import Recipe
+from tiertune.distributed.world import World
+from tiertune.engine.config import SEQUENCE_TILE, EngineConfig
+from tiertune.errors import ConfigError
+from tiertune.kernels.patch import resolve_backend
+from tiertune.offload.chunk import itemsize
+from tiertune.offload.store import StoreConfig
+
+
+def plan(
+    recipe: Recipe, device: str | None = None, world: World | None = None
+) -> tuple[StoreConfig, EngineConfig]:
+    """The store and engine settings a recipe resolves to (``auto`` made concrete for this machine), with every
+    rule between settings (``tests/test_rules.py``). ``device`` (``estimate``): plan the engine for ``cuda`` or
+    ``cpu`` rather than for what this machine has; the store then computes on the CPU where the machine has
+    no GPU (only its layout is used). ``world``: this process among a launch's (default: the environment's);
+    ``estimate --processes`` plans a rank of a launch that is not running."""
+    if recipe.model.quantize != "none" and recipe.method.type != "lora":
+        raise ConfigError(
+            f"model.quantize: {recipe.model.quantize} freezes the base; use method.type: lora with it, "
+            f"or model.quantize: none for method.type: {recipe.method.type}"
+        )
+    if not recipe.model.path:
+        raise ConfigError("model.path is required: a local Hugging Face model directory")
+    if not (Path(recipe.model.path) / "config.json").is_file():
+        raise ConfigError(
+            f"model.path {recipe.model.path} is not a Hugging Face model directory (no config.json there); "
+            "point it at a local directory saved with save_pretrained, or give a Hugging Face model id "
+            "(organization/name; for the demo recipe: run `tiertune demo`)"
+        )
+    out = Path(recipe.training.output_dir).absolute()
+    for key, other in (("model.path", recipe.model.path), ("offload.disk_path", recipe.offload.disk_path)):
+        if other and Path(other).absolute() == out:
+            raise ConfigError(
+                f"training.output_dir is {key} ({out}): the run would write over it; choose another directory"
+            )
+    world = world or World.from_env()
+    t = recipe.training
+    if world.size > 1 and recipe.method.type == "galore":
+        raise ConfigError(
+            f"launched as {world.size} processes, but method.type: galore does not run sharded yet (GaLore "
+            "projects each weight matrix's whole gradient, a rank holds a part of it); run one process, or "
+            "use method.type: full or lora"
+        )
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    resolve_backend(recipe.kernels, torch.device(device))  # kernels: triton where it cannot run is an error
+    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32}.get(
+        recipe.model.dtype
+    ) or getattr(torch, recipe.model.dtype)
+    off = recipe.offload
+
+    def place(value: str) -> str:
+        if value != "auto":
+            return value
+        return "disk" if off.disk_path else "host"
+
+    params, states = place(off.params), place(off.optimizer_states)
+    if "disk" in (params, states) and not off.disk_path:
+        raise ConfigError(
+            "offload.params or offload.optimizer_states is disk but offload.disk_path is not set"
+        )
+    lora_seed = recipe.method.lora.seed
+    store = StoreConfig.resolve(
+        device=device if torch.cuda.is_available() else "cpu",
+        device_budget=off.device_budget,
+        host_budget=off.host_budget,
+        disk_path=str(world.disk_dir(off.disk_path)) if off.disk_path else None,  # rank-r of several
+        chunk_size=1 << 40,  # one chunk per parameter group (a decoder layer): its states then mirror it
+        prefetch_depth=off.prefetch_depth,
+        num_shards=world.size,
+    )
+    if world.local_size > 1:  # the host budget is the node's, shared by its ranks (the device's too on a CPU)
+        store.host_budget //= world.local_size
+        if device == "cpu":
+            store.device_budget //= world.local_size
+    engine = EngineConfig(
+        dtype=dtype,
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_epsilon=t.adam_epsilon,
+        max_grad_norm=t.max_grad_norm,
+        optim=t.optim,
+        kernels=recipe.kernels,
+        lr_scheduler_type=t.lr_scheduler_type,
+        warmup_steps=t.warmup_steps,
+        max_steps=1,  # set once the data is read
+        params=params,
+        optimizer_states=states,
+        # homed on disk when there is one: a layer's gradients then take host memory only from backward
+        # until its update (all of them only while accumulating micro-batches, or waiting for the clipping
+        # norm), and they are dropped once used, so nothing is written there unless the host runs short
+        gradients="disk" if off.disk_path else "host",
+        overlap_optimizer=off.overlap_optimizer,
+        activations=activations_place(recipe, device, dtype, store.device_budget),
+        # a micro-batch of pairs holds each pair's two sequences
+        activation_tokens=t.per_device_train_batch_size
+        * recipe.data.max_seq_len
+        * (1 + recipe.objective.paired),
+        sequence_tile=SEQUENCE_TILE if off.sequence_tile == "auto" else int(off.sequence_tile),
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        method=recipe.method.type,
+        quantize=recipe.model.quantize,
+        quant_cache=quant_cache_dir(off.disk_path) if recipe.model.quantize != "none" else None,
+        # the method's settings as the recipe holds them (one definition: tiertune.settings); the adapters'
+        # init seed is training.seed unless method.lora.seed sets its own
+        lora=dataclasses.replace(recipe.method.lora, seed=t.seed if lora_seed is None else lora_seed),
+        galore=recipe.method.galore,
+        objective=recipe.objective,
+    )
+    return store, engine
+
+
+def quant_cache_dir(disk_path: str | None) -> str:
+    """Where quantized layers are kept for the next run: beside the offload files, else the user's cache."""
+    if disk_path:
+        return str(Path(disk_path) / "quantized")
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(root) / "tiertune" / "quantized")
+
+
+def activations_place(recipe: Recipe, device: str, dtype: torch.dtype, device_budget: int) -> str:
+    """``offload.activations``; auto keeps the hidden states at the layer boundaries of a step's micro-batches
+    (``engine.schedule``: every micro-batch of the step runs through a layer while it is loaded) on the device
+    unless, on a GPU, they would take more than an eighth of the device budget."""
+    from tiertune.loading.model import decoder_config
+
+    config = decoder_config(recipe.model.path)  # ModelError for a config.json it cannot use, before all else
+    choice = recipe.offload.activations
+    if choice != "auto":
+        return choice
+    if device != "cuda":
+        return "device"
+    t = recipe.training
+    per_layer = t.per_device_train_batch_size * recipe.data.max_seq_len * config.hidden_size
+    total = per_layer * t.gradient_accumulation_steps * (config.num_hidden_layers + 1) * itemsize(dtype)
+    return "host" if total > device_budget // 8 else "device"
