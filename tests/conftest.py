@@ -158,12 +158,17 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture
 def interrupted_after():
     """``with interrupted_after(n): train(...)``: the runs in the block stop with KeyboardInterrupt (as after
-    Ctrl-C) when they start their step n + 1 (counted over all of them)."""
+    Ctrl-C) when they start their step n + 1 (counted over all of them). A checkpoint still being written then
+    completes however long the disk takes: a stop gives it only ``STOP_GRACE_S`` (on a busy disk the
+    checkpoint of step n was dropped), and the tests that use this are about what the next run finds, not
+    about how fast a stop is (``tests/cli/test_signals.py``)."""
     from tiertune.engine import StreamedTrainer
+    from tiertune.finetune import train as train_module
 
     @contextlib.contextmanager
     def after(steps: int):
         step = StreamedTrainer.step
+        grace = train_module.STOP_GRACE_S
         calls = []
 
         def interrupted(self, micro):
@@ -173,9 +178,11 @@ def interrupted_after():
             return step(self, micro)
 
         StreamedTrainer.step = interrupted
+        train_module.STOP_GRACE_S = 3600.0
         try:
             yield
         finally:
             StreamedTrainer.step = step
+            train_module.STOP_GRACE_S = grace
 
     return after
