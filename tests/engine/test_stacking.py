@@ -10,8 +10,8 @@ from tiny import tiny_config
 
 from tiertune.engine import StreamedTrainer
 from tiertune.engine import schedule as schedule_module
+from tiertune.engine.compute import run_layer
 from tiertune.engine.stacking import draws_random, stack_calls
-from tiertune.engine.streaming import run_layer
 from tiertune.offload.store import StoreConfig
 
 FAMILIES = [

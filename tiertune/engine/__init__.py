@@ -9,7 +9,9 @@
 - ``schedule``: the layer-major step (waves of micro-batches, each layer visited once per wave) and its stash;
 - ``gradients``: backward's gradient hand-off (accumulation, norms, GaLore's projection);
 - ``update``: the CPU optimizer with exact clipping, its worker thread, the step context, the LR schedule;
-- ``router_aux``: an MoE router's auxiliary loss across streamed layers.
+- ``router_aux``: an MoE router's auxiliary loss across streamed layers;
+- ``compute``: the one seam between what a step holds and what it computes: real, or a ledger (no
+  arithmetic) over which ``replay`` runs the same step for ``tiertune estimate``.
 
 How a step runs (all on the caller's thread unless said otherwise; ``schedule`` has the details):
 

@@ -18,6 +18,7 @@ from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
 
 if TYPE_CHECKING:
+    from tiertune.engine.compute import Compute
     from tiertune.engine.layout import GroupState
     from tiertune.engine.sharding import Sharding
     from tiertune.engine.update import AdapterUpdate, StepContext, Updater
@@ -41,10 +42,12 @@ class GradientSink:
         shapes: dict[str, torch.Size],
         add_accumulator: Callable[[GroupState, int], Chunk | None],
         sharding: Sharding,
+        compute: Compute,
     ) -> None:
         self.store, self.ctx, self.times, self.updater = store, ctx, times, updater
         self.sharding = sharding  # ZeRO-3: each chunk's gradients reduce-scattered first, this rank's kept
         self.galore, self.device, self.shapes, self.add_accumulator = galore, device, shapes, add_accumulator
+        self.compute = compute  # the substrate (``engine.compute``): the sums, norms and projections
         self.bytes = 0
 
     def add(self, state: GroupState, grads: dict[str, torch.Tensor | None]) -> None:
@@ -69,7 +72,7 @@ class GradientSink:
                         continue
                     self._accumulate(acc, mine.get(name))
                     if self.ctx.last_wave:
-                        self.updater.norms[name] = torch.linalg.vector_norm(acc)
+                        self.updater.norms[name] = self.compute.norm(acc, self.ctx.number)
                 low = {n: v for n, v in views.items() if n in projected}
                 if low:
                     self._project(state, j, low, grads)
@@ -84,12 +87,12 @@ class GradientSink:
         step's first wave overwrites."""
         if g is None:
             if self.ctx.first_wave:
-                acc.zero_()
+                self.compute.run(acc.zero_)
             return
         if self.ctx.first_wave:
-            acc.copy_(g.detach())
+            self.compute.run(acc.copy_, g.detach())
         else:
-            acc.add_(g.detach().to(device="cpu", dtype=torch.float32))
+            self.compute.run(lambda: acc.add_(g.detach().to(device="cpu", dtype=torch.float32)))
         self.bytes += acc.numel() * acc.element_size()
 
     def _project(
@@ -125,25 +128,11 @@ class GradientSink:
             views = self.store.acquire(proj_chunk, Tier.DEVICE, traced=self.ctx.traced)
             try:
                 for name, dst in low.items():  # one full gradient on the device at a time
-                    g = grads.get(name)
-                    if full is not None:
-                        g_full = full[name].to(self.device)
-                        if g is not None:
-                            g_full.add_(g.detach().float())
-                    else:
-                        shape = self.shapes[name]
-                        g_full = (
-                            g.detach().float() if g is not None else torch.zeros(shape, device=self.device)
-                        )
-                    self.updater.norms[name] = torch.linalg.vector_norm(g_full)  # clip_grad_norm_'s
-                    # a gradient that is not finite stops the step (NonFiniteError after backward): no SVD of it
-                    renew = refresh and bool(torch.isfinite(self.updater.norms[name]))
-                    seed = zlib.crc32(f"{name}:{step}".encode())
-                    began_svd = time.perf_counter()
-                    projected = galore.project(g_full, views[name], renew, seed)
-                    if renew:
-                        self.times["galore_svd"] += time.perf_counter() - began_svd
-                    dst.copy_(projected)
+                    norm = self.compute.run(
+                        self._project_one, name, dst, grads.get(name), full, views, refresh, step
+                    )
+                    # clip_grad_norm_'s norm of its full gradient (a ledger's: what its steps are given)
+                    self.updater.norms[name] = norm if norm is not None else self.compute.norm(dst, step)
                     self.bytes += dst.numel() * dst.element_size()
             finally:
                 self.store.release(proj_chunk, dirty=refresh)
@@ -153,3 +142,36 @@ class GradientSink:
                 self.store.release(accum, dirty=not self.ctx.last_wave)  # type: ignore[arg-type]
                 if self.ctx.last_wave:
                     self.store.discard(accum)  # type: ignore[arg-type]
+
+    def _project_one(
+        self,
+        name: str,
+        dst: torch.Tensor,
+        g: torch.Tensor | None,
+        full: dict[str, torch.Tensor] | None,
+        views: dict[str, torch.Tensor],
+        refresh: bool,
+        step: int,
+    ) -> torch.Tensor:
+        """One projected weight's full gradient (``g``, plus the earlier waves' in ``full``) on the compute
+        device: its projection refreshed when ``refresh``, the low-rank gradient into ``dst``; returns the
+        full gradient's norm."""
+        galore = self.galore
+        assert galore is not None
+        if full is not None:
+            g_full = full[name].to(self.device)
+            if g is not None:
+                g_full.add_(g.detach().float())
+        else:
+            shape = self.shapes[name]
+            g_full = g.detach().float() if g is not None else torch.zeros(shape, device=self.device)
+        norm = torch.linalg.vector_norm(g_full)
+        # a gradient that is not finite stops the step (NonFiniteError after backward): no SVD of it
+        renew = refresh and bool(torch.isfinite(norm))
+        seed = zlib.crc32(f"{name}:{step}".encode())
+        began_svd = time.perf_counter()
+        projected = galore.project(g_full, views[name], renew, seed)
+        if renew:
+            self.times["galore_svd"] += time.perf_counter() - began_svd
+        dst.copy_(projected)
+        return norm

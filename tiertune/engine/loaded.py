@@ -14,12 +14,14 @@ from torch import nn
 from tiertune.distributed.world import World
 from tiertune.engine.config import EngineConfig
 from tiertune.engine.sharding import Local, Sharding, Zero
+from tiertune.errors import ModelError
 from tiertune.loading.model import (
     ModelParts,
     TensorSource,
     build_skeleton,
     load_into_store,
     load_shards,
+    saved_checkpoint,
     split_model,
 )
 from tiertune.loading.weights import Checkpoint
@@ -28,7 +30,7 @@ from tiertune.quant import Quantizer, make_quantizer, saved_quantization
 from tiertune.quant import experts as quant_experts
 
 if TYPE_CHECKING:
-    from tiertune.loading.quant_cache import QuantCache
+    from tiertune.loading.quant_cache import LedgerCache, QuantCache
 
 log = logging.getLogger("tiertune.engine")
 
@@ -42,10 +44,11 @@ class LoadedModel:
     model: nn.Module
     parts: ModelParts
     quant: Quantizer | None
-    checkpoint: Checkpoint
+    checkpoint: Checkpoint  # on a ledger over a config.json alone: ``weights.AsSaved``
     source: dict[str, TensorSource]
     sharding: Sharding
-    quant_cache: QuantCache | None = None  # where quantized layers were read from or kept (one process)
+    # where quantized layers were read from or kept (one process; a ledger's stands in for a first run's)
+    quant_cache: QuantCache | LedgerCache | None = None
 
 
 def load_model(
@@ -62,7 +65,12 @@ def load_model(
     model.config.use_cache = False
     model.train()  # dropout as configured, and no inference-only kernels (as the HF Trainer does)
     parts = split_model(model)
-    saved = saved_quantization(model.config, model_dir)
+    try:
+        saved = saved_quantization(model.config, model_dir)
+    except ModelError:
+        if not store.ledger:
+            raise
+        saved = None  # estimated as its unquantized release would load (the estimate says so)
     # 4-bit weights dequantize to the dtype products run fast in here (fp32 on a CPU without native bf16)
     compute = config.layer_dtype(store.device)
     if compute != config.dtype:
@@ -83,13 +91,16 @@ def load_model(
             log.info("experts: %s stored 4-bit, one matrix per expert", ", ".join(sorted(set(marked))))
         parts = split_model(model)
     homes = dict.fromkeys(("embed", "layer", "rest", "head"), config.params)
-    checkpoint = Checkpoint(model_dir)
+    # a ledger reads no weight: a config.json alone will do (the checkpoint transformers would save)
+    checkpoint = saved_checkpoint(model_dir, model, quant, saved) if store.ledger else Checkpoint(model_dir)
     cache = None
     # a pre-quantized checkpoint too: an MoE's experts are saved unquantized (transformers leaves them so)
     if quant is not None and config.quant_cache is not None:
-        from tiertune.loading.quant_cache import QuantCache
+        from tiertune.loading.quant_cache import LedgerCache, QuantCache
 
-        cache = QuantCache(config.quant_cache, checkpoint, quant.settings())
+        cache = (
+            LedgerCache() if store.ledger else QuantCache(config.quant_cache, checkpoint, quant.settings())
+        )
     if world.size > 1:  # this rank's shard of every chunk; a frozen base's read in place, as one process's
         source, full = load_shards(
             parts,

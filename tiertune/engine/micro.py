@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiertune.engine.streaming import Call
+from tiertune.engine.compute import Call
 
 
 @dataclass

@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiertune.engine.micro import Micro, harvest
-from tiertune.engine.objective import pair_losses
-from tiertune.engine.streaming import Capture, StepEngine, Stop, Suffix, run_layer
+from tiertune.engine.streaming import Capture, StepEngine, Stop, Suffix
 from tiertune.errors import StateError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
@@ -71,11 +70,13 @@ class PairedPasses:
                     engine.safe_point()
                 with engine.layer_weights(i, requires_grad=False):
                     for j, mb in enumerate(micro):
-                        xs[j] = run_layer(layer, xs[j], mb.calls[i])
+                        xs[j] = engine.compute.layer(layer, xs[j], mb.calls[i])
             out = []
             for j, mb in enumerate(micro):
                 engine.visit = Suffix(len(self.layers) - 1, xs[j])
-                out.append(-engine.loss.token_losses(mb.ids, mb.extra, mb.target).sum(1))
+                out.append(
+                    -engine.compute.token_losses(engine.loss, xs[j], mb.ids, mb.extra, mb.target).sum(1)
+                )
         return out
 
     def _reference_embeddings(self, mb: Micro) -> torch.Tensor:
@@ -95,7 +96,7 @@ class PairedPasses:
         devices = [engine.device] if engine.device.type == "cuda" else []
         paused = engine.router_aux.paused() if engine.router_aux is not None else nullcontext()
         with engine.reference(), torch.random.fork_rng(devices=devices), paused:
-            out = run_layer(self.layers[i], x, call)
+            out = engine.compute.layer(self.layers[i], x, call)
         del x
         for j, part in zip(group, out.split([micro[j].shape[0] for j in group]), strict=True):
             micro[j].ref = part
@@ -122,15 +123,19 @@ class PairedPasses:
             if mb.ref is not None:
                 engine.visit = Suffix(last - 1, mb.ref)
                 with engine.reference():
-                    ref_logps = -engine.loss.token_losses(mb.ids, mb.extra, mb.target).sum(1)
+                    ref_logps = -engine.compute.token_losses(
+                        engine.loss, mb.ref, mb.ids, mb.extra, mb.target
+                    ).sum(1)
                 mb.ref = None
             leaf = outs[j].detach().requires_grad_()
             engine.visit = Suffix(last - 1, leaf)
             if aux is not None:
                 aux_total += aux.finish(j, mb.extra.get("attention_mask"), 1.0 / micro_batches)
             target = _whole_target(mb) if engine.objective.whole_sequences else mb.target
-            token_losses = engine.loss.token_losses(mb.ids, mb.extra, target).requires_grad_()
-            losses, metrics = pair_losses(
+            token_losses = engine.compute.token_losses(
+                engine.loss, leaf, mb.ids, mb.extra, target
+            ).requires_grad_()
+            losses, metrics = engine.compute.pair_losses(
                 engine.objective,
                 token_losses,
                 mb.target != IGNORE_INDEX,
@@ -140,8 +145,9 @@ class PairedPasses:
             )
             loss_sum = losses.sum()
             (slope,) = torch.autograd.grad(loss_sum, token_losses)  # d loss / d each token's loss
-            engine.loss(mb.ids, mb.extra, target, token_weight=(slope / n_pairs).reshape(-1)).backward()
-            total += float(loss_sum.detach())
+            weight = (slope / n_pairs).reshape(-1)
+            engine.compute.loss(engine.loss, leaf, mb.ids, mb.extra, target, weight).backward()
+            total += engine.compute.value(loss_sum.detach())
             for name, (value, count) in metrics.items():
                 total_value, total_count = self.metrics.get(name, (0.0, 0.0))
                 self.metrics[name] = (total_value + value, total_count + count)

@@ -37,11 +37,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tiertune.engine.compute import Call
 from tiertune.engine.micro import Micro, Rng, add, harvest, streams
 from tiertune.engine.pairs import PairedPasses
 from tiertune.engine.stacking import draws_random, stack_calls
 from tiertune.engine.stash import Stash, stash_slots
-from tiertune.engine.streaming import Call, Capture, StepEngine, Stop, Suffix, run_layer
+from tiertune.engine.streaming import Capture, StepEngine, Stop, Suffix
 from tiertune.errors import StateError
 
 if TYPE_CHECKING:
@@ -150,7 +151,7 @@ class LayerMajor(PairedPasses):
 
     def _decoder(self, mb: Micro) -> None:
         engine = self.engine
-        engine.model.get_decoder()(input_ids=mb.ids, **mb.extra, **engine.loss.model_kwargs)
+        engine.compute.decoder(engine.model, engine.parts.layers, mb.ids, mb.extra, engine.loss.model_kwargs)
 
     def _prefix(self, micro: list[Micro]) -> tuple[bool, list[torch.Tensor]]:
         """Each micro-batch's embeddings into boundary 0 (returned, held) and its layers' calls; and whether
@@ -200,7 +201,7 @@ class LayerMajor(PairedPasses):
                     with head.rng.running(engine.device):  # a stack draws nothing: one stream will do
                         for j in group:
                             micro[j].before.append(head.rng)
-                        out = run_layer(layer, x, call)
+                        out = engine.compute.layer(layer, x, call)
                         if len(group) == 1:
                             head.rng = Rng.now(engine.device)
                     for j, part in zip(group, out.split([micro[j].shape[0] for j in group]), strict=True):
@@ -241,9 +242,9 @@ class LayerMajor(PairedPasses):
             else:
                 ids, target = torch.cat([mb.ids for mb in parts]), torch.cat([mb.target for mb in parts])
                 extra = {k: torch.cat([mb.extra[k] for mb in parts]) for k in parts[0].extra}
-            loss_sum = engine.loss(ids, extra, target)
+            loss_sum = engine.compute.loss(engine.loss, leaf, ids, extra, target)
             (loss_sum / n_tokens).backward()
-            total += float(loss_sum.detach())
+            total += engine.compute.value(loss_sum.detach())
             if leaf.grad is None:
                 raise StateError("the loss does not depend on the last decoder layer's output")
             for mb, grad in zip(parts, leaf.grad.split([mb.shape[0] for mb in parts]), strict=True):
@@ -286,7 +287,7 @@ class LayerMajor(PairedPasses):
                     with head.before[i].running(engine.device), torch.enable_grad():
                         x, call = self._stacked(i, micro, group, xs)
                         x = x.detach().requires_grad_(input_grad)
-                        out = run_layer(self.layers[i], x, call)
+                        out = engine.compute.layer(self.layers[i], x, call)
                         inputs = ([x] if input_grad else []) + list(trained.values()) + adapters
                         grad = head.grad if len(group) == 1 else torch.cat([micro[j].grad for j in group])
                         for j in group:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tiertune.engine.streaming import Call
+from tiertune.engine.compute import Call
 
 
 def draws_random(layer: nn.Module) -> bool:

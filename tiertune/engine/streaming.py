@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
+from tiertune.engine.compute import Call, Compute, run_layer
+
 if TYPE_CHECKING:
     from tiertune.engine.config import EngineConfig
     from tiertune.engine.layout import GroupState
@@ -25,10 +27,6 @@ if TYPE_CHECKING:
     from tiertune.loading.model import ModelParts
     from tiertune.methods.lora import Adapters
     from tiertune.settings import ObjectiveSettings
-
-Call = tuple[tuple, dict]
-"""What a decoder layer is called with besides its hidden states: positional and keyword arguments (the
-attention mask, the rotary tables, position ids...), which the model computes before its first layer."""
 
 
 class Visit(Protocol):
@@ -71,6 +69,7 @@ class StepEngine(LayerEngine, Protocol):
     ``StreamedTrainer`` is one; the schedule never imports it."""
 
     device: torch.device
+    compute: Compute
     config: EngineConfig
     objective: ObjectiveSettings
     loss: CausalLMLoss
@@ -155,10 +154,3 @@ class StreamedLayer(nn.Module):
             engine.safe_point()
         with engine.layer_weights(self.index, requires_grad=False):  # streamed through, nothing kept
             return run_layer(self._layer[0], hidden, (rest, kwargs))
-
-
-def run_layer(layer: nn.Module, hidden: torch.Tensor, call: Call) -> torch.Tensor:
-    """``layer``'s output hidden states for ``hidden`` and ``call`` (the first of a tuple it returns)."""
-    args, kwargs = call
-    out = layer(hidden, *args, **kwargs)
-    return out[0] if isinstance(out, tuple) else out

@@ -20,6 +20,7 @@ import torch
 
 from tiertune.distributed.world import World
 from tiertune.engine.binding import Binder
+from tiertune.engine.compute import Compute, Ledger
 from tiertune.engine.config import EngineConfig
 from tiertune.engine.gradients import GradientSink
 from tiertune.engine.layout import (
@@ -67,9 +68,14 @@ class StreamedTrainer(TrainerViews):
         config: EngineConfig,
         safe_point: Callable[[], None] | None = None,
         world: World | None = None,
+        compute: Compute | None = None,
     ) -> None:
         """``world``: this process among several (ZeRO-3, ``engine.sharding``; the process group joined and
-        ``store_config.num_shards`` its size); each rank's ``step`` gets its own part of the global batch."""
+        ``store_config.num_shards`` its size); each rank's ``step`` gets its own part of the global batch.
+        ``compute``: the substrate (``engine.compute``): by default the real one, or over a ledger store
+        (``StoreConfig.ledger``) a ``Ledger`` whose steps are not clipped. On a ledger the trainer's tensors
+        are on the meta device and nothing is read from the model's files: its chunks are registered, its
+        steps make a run's store calls (``engine.replay``)."""
         self.config = config
         self.objective = config.objective  # what a step minimizes (engine.objective)
         self.world = world or World()
@@ -83,7 +89,11 @@ class StreamedTrainer(TrainerViews):
         # raise to stop the run (a signal, train's StopOnSignals.check)
         self.safe_point = safe_point
         self.store = ChunkStore(store_config)
-        self.device = self.store.device
+        ledger = self.store.ledger
+        self.compute = compute or (Ledger((), config.max_grad_norm) if ledger else Compute())
+        # where its tensors are; ``store.device`` is what the run computes on (on a ledger: the one estimated)
+        self.device = torch.device("meta") if ledger else self.store.device
+        target = self.store.device
         self.times: defaultdict[str, float] = defaultdict(float)  # seconds per step part, cumulative
         loaded = load_model(model_dir, self.store, config, self.world, self.times, safe_point)
         self.model, self.parts, self.quant = loaded.model, loaded.parts, loaded.quant
@@ -117,11 +127,10 @@ class StreamedTrainer(TrainerViews):
             self.adapters.in_module(layer) if self.adapters else [] for layer in self.parts.layers
         ]
         # the ops of kernels.ops in this instance's modules (none: transformers' and peft's own forwards)
-        self.kernel_backend = resolve_backend(
-            "torch" if config.kernels == "none" else config.kernels, self.device
-        )
+        self.kernel_backend = resolve_backend("torch" if config.kernels == "none" else config.kernels, target)
+        # (a ledger computes nothing: its model's modules stay transformers' own)
         self.kernel_counts = (
-            Counter() if config.kernels == "none" else patch_model(self.model, self.kernel_backend)
+            Counter() if config.kernels == "none" or ledger else patch_model(self.model, self.kernel_backend)
         )
         # packed and padded rows as causal segments, never a sequence x sequence mask (None: it does; else why not)
         self.attention_kept = (
@@ -136,9 +145,10 @@ class StreamedTrainer(TrainerViews):
                 self.store, len(self.parts.layers), slot, stash_slots(config), config.dtype, self.times
             )
         # after the stash: the twins take what room is left (as estimate lays them out)
-        self.overlap = add_twins(self.store, self.states, config, self.device) if trained else False
-        # MoE: the router's auxiliary loss, where transformers computes one and the config asks for it
-        self.router_aux = RouterAux.of(self.model, self.parts.layers)
+        self.overlap = add_twins(self.store, self.states, config, target) if trained else False
+        # MoE: the router's auxiliary loss, where transformers computes one and the config asks for it (a
+        # ledger's layers compute no router logits)
+        self.router_aux = None if ledger else RouterAux.of(self.model, self.parts.layers)
         for i, layer in enumerate(self.parts.layers):
             tile_layer(layer, config.sequence_tile, self.model.config.model_type)
             self.parts.layers[i] = StreamedLayer(self, i, layer)
@@ -165,13 +175,16 @@ class StreamedTrainer(TrainerViews):
                 self._param_order,
                 self.step_ctx,
                 self.times,
-                self.device,
+                target,
                 self.galore,
                 self.optimizer_counts,
                 self.sharding,
+                self.compute,
             )
             if self.adapters is None
-            else AdapterUpdate(self.adapters, config, self.step_ctx, self.optimizer_counts, self.sharding)
+            else AdapterUpdate(
+                self.adapters, config, self.step_ctx, self.optimizer_counts, self.sharding, self.compute
+            )
         )
         shapes = {n: p.shape for n, p in self.binder.meta.items()}
         self.gradients = GradientSink(
@@ -184,6 +197,7 @@ class StreamedTrainer(TrainerViews):
             shapes,
             self._add_accumulator,
             self.sharding,
+            self.compute,
         )
         self.last_grad_norm = float("nan")
         self._lr = LRSchedule(
@@ -206,16 +220,16 @@ class StreamedTrainer(TrainerViews):
         try:
             for i, layer in enumerate(self.parts.layers):
                 with self.bound_group(self.states[self._layer_index[i]], requires_grad=False):
-                    self.adapters.init_dora(layer)  # type: ignore[union-attr]
+                    self.compute.run(self.adapters.init_dora, layer)  # type: ignore[union-attr]
         finally:
             self.step_ctx.traced = True
-        self.adapters.collect()  # type: ignore[union-attr]
+        self.compute.run(self.adapters.collect)  # type: ignore[union-attr]
 
     def _read_master(self, checkpoint: Checkpoint, name: str, view: torch.Tensor) -> None:
         """Parameter ``name``'s fp32 master weights from the checkpoint (not from the rounded weights: an
         fp32 checkpoint keeps its precision); a rank of several reads its elements of them."""
         read = partial(self._source[name].read_into, checkpoint)
-        self.sharding.read_part(name, read, view, tuple(self.binder.meta[name].shape))
+        self.compute.run(self.sharding.read_part, name, read, view, tuple(self.binder.meta[name].shape))
 
     def _add_accumulator(self, state: GroupState, j: int) -> Chunk | None:
         """GaLore's full-gradient accumulator of weight chunk ``j`` (None when it projects no weight there)."""

@@ -24,6 +24,7 @@ from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
 
 if TYPE_CHECKING:
+    from tiertune.engine.compute import Compute
     from tiertune.engine.config import EngineConfig
     from tiertune.engine.layout import GroupState
     from tiertune.engine.sharding import Sharding
@@ -76,9 +77,12 @@ class OptimizerWorker:
         times: dict[str, float],
         lookahead: int = 2,
         max_pending: int = 2,
+        inline: bool = False,
     ) -> None:
         """``run_unit((state, j), coef)`` updates weight chunk ``j`` of group state ``state``; the seconds it
-        takes are added to ``times["optimizer_busy"]``."""
+        takes are added to ``times["optimizer_busy"]``. ``inline``: no thread, each unit runs as it is
+        submitted, on the caller's thread (over a ledger store, whose calls one thread makes in turn: the
+        worker keeping up with backward)."""
         self._store = store
         self._run_unit = run_unit
         self._times = times
@@ -89,16 +93,25 @@ class OptimizerWorker:
         self._pending = 0
         self._error: BaseException | None = None
         self._cond = threading.Condition()
+        self._inline = inline
+        self._position = 0  # in the plan: the unit running, or the last one run
         self._thread = threading.Thread(target=self._run, name="tiertune-optimizer", daemon=True)
-        self._thread.start()
+        if not inline:
+            self._thread.start()
 
     def start_step(self, plan: list[Unit]) -> None:
+        if self._inline:
+            self._plan, self._position = plan, 0
+            return
         self._queue.put(("plan", plan))
 
     def submit(self, state: GroupState, coef: torch.Tensor | None, j: int | None = None) -> float:
         """Queue the unit(s) of ``state`` (chunk ``j``, or all of its chunks); returns the seconds waited."""
         waited = 0.0
         for k in range(len(state.weights)) if j is None else (j,):
+            if self._inline:
+                self._unit(state, k, coef)
+                continue
             began = time.perf_counter()
             with self._cond:
                 self._wait_below(self._max_pending)
@@ -134,28 +147,33 @@ class OptimizerWorker:
             raise error
 
     def close(self) -> None:
+        if self._inline:
+            return
         self._queue.put(("stop", None))
         self._thread.join()
 
+    def _unit(self, state: GroupState, j: int, coef: torch.Tensor | None) -> None:
+        """Unit ``j`` of ``state``, after prefetching the states of the next units of the plan."""
+        began = time.perf_counter()
+        while self._position < len(self._plan) and self._plan[self._position] != (state, j):
+            self._position += 1
+        ahead = self._plan[self._position + 1 : self._position + 1 + self._lookahead]
+        self._store.prefetch([c for s, k in ahead for c in s.reads(k)])
+        self._run_unit((state, j), coef)
+        self._times["optimizer_busy"] += time.perf_counter() - began
+
     def _run(self) -> None:
-        position = 0
         while True:
             kind, item = self._queue.get()
             if kind == "stop":
                 return
             if kind == "plan":
-                self._plan, position = item, 0
+                self._plan, self._position = item, 0
                 continue
             state, j, coef = item
             try:
                 if self._error is None:
-                    began = time.perf_counter()
-                    while position < len(self._plan) and self._plan[position] != (state, j):
-                        position += 1
-                    ahead = self._plan[position + 1 : position + 1 + self._lookahead]
-                    self._store.prefetch([c for s, k in ahead for c in s.reads(k)])
-                    self._run_unit((state, j), coef)
-                    self._times["optimizer_busy"] += time.perf_counter() - began
+                    self._unit(state, j, coef)
             except BaseException as exc:  # reported by join/submit on the compute thread
                 with self._cond:
                     self._error = self._error or exc
@@ -190,8 +208,13 @@ class Updater:
         galore: GaLore | None,
         counts: dict[str, int],
         sharding: Sharding,
+        compute: Compute,
     ) -> None:
+        """``device``: what the run computes on (it decides the tier the optimizer reads a chunk on);
+        ``compute``: the substrate (``engine.compute``): on a ledger the worker runs each unit as it is
+        submitted, on the caller's thread."""
         self.store, self.config, self.states, self.units = store, config, states, units
+        self.compute = compute
         self.sharding = (
             sharding  # ZeRO-3: the norms are of this rank's elements, the clipping norm all-reduced
         )
@@ -204,7 +227,9 @@ class Updater:
         )
         self.norms: dict[str, torch.Tensor] = {}
         self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
-        self.worker = OptimizerWorker(store, lambda unit, coef: self.unit(*unit, coef), times)
+        self.worker = OptimizerWorker(
+            store, lambda unit, coef: self.unit(*unit, coef), times, inline=compute.ledger
+        )
 
     def start(self) -> None:
         """A step begins: no norms yet; the worker prefetches along the units' order."""
@@ -273,7 +298,6 @@ class Updater:
         compute-dtype weights from the new master weights. Accesses are outside the scheduler's trace: the
         worker's timing varies, the compute thread's order must not.
         """
-        cfg = self.config
         store = self.store
         held: list[tuple[Chunk, bool]] = []
         guard = self.before_update
@@ -291,41 +315,54 @@ class Updater:
                 views = [get(t, s) for t, s in zip(state.twins[j], state.sources(j), strict=True)]
             else:
                 views = [get(c) for c in state.sources(j)]
-            master, m, v = views[:3]
-            names = list(grads)  # none: a rank's shard with no element of the chunk's tensors (ZeRO-3)
-            g = [grads[n] for n in names]
-            if coef is not None and g:
-                g = torch._foreach_mul(g, coef)  # out of place: a redo needs the gradients as they were
-            by_name = dict(zip(names, g, strict=True))
-            hp = AdamStep(
-                self.ctx.lr,
-                cfg.adam_beta1,
-                cfg.adam_beta2,
-                cfg.adam_epsilon,
-                cfg.weight_decay,
-                self.ctx.number,
-            )
-            eight_bit = cfg.optim == "adamw_bnb_8bit"
-            if self.galore is not None:
-                proj_chunk = state.proj[j]
-                proj = get(proj_chunk, dirty=False) if proj_chunk is not None else {}
-                self.galore.update(names, master, by_name, m, v, proj, hp, eight_bit)
-            elif eight_bit:
-                adamw_8bit(names, master, by_name, m, v, hp, state.decayed)
-            else:
-                adamw(names, master, by_name, m, v, hp, state.decayed)
+            proj_chunk = state.proj[j] if self.galore is not None else None
+            proj = get(proj_chunk, dirty=False) if proj_chunk is not None else {}
+            self.compute.run(self._adamw, state, grads, views, proj, coef)
             if state.master:
                 with store.writing(state.weights[j]) as weights:
-                    for n in names:
-                        weights[n].copy_(master[n])
+                    self.compute.run(_copy, weights, views[0], list(grads))
         finally:
             for chunk, dirty in reversed(held):
                 store.release(chunk, dirty=dirty)
         if not state.twins:  # updated in place: no redo can need these gradients, free their memory
             store.discard(state.grads[j])
 
+    def _adamw(
+        self,
+        state: GroupState,
+        grads: dict[str, torch.Tensor],
+        views: list[dict[str, torch.Tensor]],
+        proj: dict[str, torch.Tensor],
+        coef: torch.Tensor | None,
+    ) -> None:
+        """The update of one unit into ``views`` (master weights, moments: in place or the twins), from its
+        ``grads`` times ``coef`` (GaLore's: mapped back through ``proj``)."""
+        cfg = self.config
+        master, m, v = views[:3]
+        names = list(grads)  # none: a rank's shard with no element of the chunk's tensors (ZeRO-3)
+        g = [grads[n] for n in names]
+        if coef is not None and g:
+            g = torch._foreach_mul(g, coef)  # out of place: a redo needs the gradients as they were
+        by_name = dict(zip(names, g, strict=True))
+        hp = AdamStep(
+            self.ctx.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay, self.ctx.number
+        )
+        eight_bit = cfg.optim == "adamw_bnb_8bit"
+        if self.galore is not None:
+            self.galore.update(names, master, by_name, m, v, proj, hp, eight_bit)
+        elif eight_bit:
+            adamw_8bit(names, master, by_name, m, v, hp, state.decayed)
+        else:
+            adamw(names, master, by_name, m, v, hp, state.decayed)
+
     def close(self) -> None:
         self.worker.close()
+
+
+def _copy(into: dict[str, torch.Tensor], source: dict[str, torch.Tensor], names: list[str]) -> None:
+    """Tensors ``names`` of ``source`` copied into ``into`` (the weights from the new master weights)."""
+    for name in names:
+        into[name].copy_(source[name])
 
 
 class AdapterUpdate:
@@ -341,6 +378,7 @@ class AdapterUpdate:
         ctx: StepContext,
         counts: dict[str, int],
         sharding: Sharding,
+        compute: Compute,
     ) -> None:
         self.adapters, self.config, self.ctx, self.counts, self.sharding = (
             adapters,
@@ -349,6 +387,7 @@ class AdapterUpdate:
             counts,
             sharding,
         )
+        self.compute = compute
         self.units: list[Unit] = []
         self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
 
@@ -364,10 +403,18 @@ class AdapterUpdate:
             raise NonFiniteError(f"the loss is {loss}")
         self.sharding.all_reduce_grads(self.adapters.params)
         clip = cfg.max_grad_norm if cfg.clips else None
-        norm = self.adapters.step(
-            self.ctx.lr, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon, clip
+        norm = self.compute.run(
+            self.adapters.step,
+            self.ctx.lr,
+            cfg.weight_decay,
+            (cfg.adam_beta1, cfg.adam_beta2),
+            cfg.adam_epsilon,
+            clip,
         )
         self.counts["after_backward"] += 1
+        if norm is None:  # a ledger's: its adapters, on the meta device, hold no values
+            self.adapters.zero_grad()
+            return float(self.compute.norm(torch.zeros(()), self.ctx.number))
         return norm
 
     def close(self) -> None:

@@ -370,8 +370,9 @@ def estimate(
         kinds[c.kind] = (tier, total + c.capacity)
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget, Tier.DISK: disk_room}
     device = torch.device("cuda" if target is not None else "cpu")  # what the run would compute on
+    twins = any(c.role == "twin" for c in chunks)
     replayed = _replay(
-        chunks, store_cfg, cfg, memory, budgets, recipe.training.gradient_accumulation_steps, notes, device
+        recipe, memory, store_cfg, dataclasses.replace(cfg, twins=twins), budgets, notes, device
     )
     tiers = {}
     for tier in ORDER:
@@ -446,29 +447,35 @@ def estimate(
 
 
 def _replay(
-    chunks: list[_Chunk],
-    store_cfg: StoreConfig,
-    cfg,
+    recipe: Recipe,
     memory: Plan,
+    store_cfg: StoreConfig,
+    cfg: EngineConfig,
     budgets: dict[Tier, int],
-    micro_batches: int,
     notes: list[str],
     device: torch.device,
 ) -> Replayed | None:
-    """The run's steps replayed on a ledger (``engine.replay``): the store's own placement, eviction and prefetch
-    over these chunks, the engine's calls in its order, every micro-batch; its peaks and the bytes a step
-    moves. None (with a note) when the budgets cannot hold the plan: there is no step to replay."""
+    """The run's steps replayed on a ledger (``engine.replay``: the engine's own step over the store's own
+    placement, eviction and prefetch, every micro-batch); its peaks and the bytes a step moves. None (with a
+    note) when the budgets cannot hold the plan: there is no step to replay."""
     if memory.short(budgets):
         notes.append(
             "no step replayed: the budgets cannot hold the run's memory plan (the peaks shown are what "
             "passes through each tier, up to its budget)"
         )
         return None
-    twins = any(c.role == "twin" for c in chunks)
     ledger = dataclasses.replace(store_cfg, reserve=memory.store_reserve(), disk_budget=None)
+    t = recipe.training
     try:
         return replaying.replay(
-            chunks, ledger, dataclasses.replace(cfg, twins=twins), micro_batches, replaying.CLIPPED, device
+            recipe.model.path,
+            ledger,
+            cfg,
+            t.per_device_train_batch_size,
+            recipe.data.max_seq_len,
+            t.gradient_accumulation_steps,
+            replaying.CLIPPED,
+            device,
         )
     except (BudgetError, StateError) as exc:  # the store's own refusal, as a run would meet it
         notes.append(

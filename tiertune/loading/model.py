@@ -25,7 +25,7 @@ from torch import nn
 
 from tiertune.distributed.ownership import shard_layout
 from tiertune.errors import ModelError, StateError
-from tiertune.loading.weights import Checkpoint
+from tiertune.loading.weights import AsSaved, Checkpoint
 from tiertune.offload.chunk import ALIGN, Chunk, ChunkLayout, TensorSpec, layout_views, pack_tensors
 from tiertune.offload.inplace import FileTensor, InPlace, can_map, plan_in_place
 from tiertune.offload.store import ChunkStore
@@ -373,6 +373,51 @@ def _fused_source(
     return TensorSource(tuple(pieces))
 
 
+def saved_checkpoint(
+    directory: str | os.PathLike[str], model: nn.Module, quant: Quantizer | None, saved: dict | None
+):
+    """The checkpoint of ``directory`` (its safetensors headers), or, where it has a config.json alone, the
+    one transformers would save for ``model`` (``weights.AsSaved``): its parameters in the config's dtype,
+    named and split as the checkpoint stores them (transformers' own ``revert_weight_conversion``: an MoE's
+    experts one tensor each), a weight the config says is saved quantized (``saved``) as bitsandbytes stores
+    it (``quant.saved_tensors``). ``model``: the skeleton, converted as the run converts it."""
+    import json
+
+    try:
+        return Checkpoint(directory)
+    except ModelError:
+        if not (Path(directory) / "config.json").is_file():
+            raise
+    from transformers.modeling_utils import revert_weight_conversion
+
+    raw = json.loads((Path(directory) / "config.json").read_text())
+    stored = getattr(
+        torch, str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch.")
+    )
+    plain: dict[str, torch.Tensor] = {}
+    packed: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        kept = saved is not None and quant is not None and is_quantized(p)
+        (packed if kept else plain)[name] = torch.empty(tuple(p.shape), device="meta")
+    # the modules transformers keeps in fp32 in a bf16/fp16 model (an MoE's router) are saved so
+    kept = [re.compile(rf"(^|\.){re.escape(k)}($|\.)") for k in model._get_dtype_plan(stored)]
+
+    def dtype_of(key: str) -> torch.dtype:
+        return torch.float32 if any(p.search(key) for p in kept) else stored
+
+    tensors = [
+        (k, tuple(t.shape), dtype_of(k), None) for k, t in revert_weight_conversion(model, plain).items()
+    ]
+    for prefix, module in model.named_modules():  # persistent buffers are saved too, in their own dtype
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                tensors.append((f"{prefix}.{name}" if prefix else name, tuple(buf.shape), buf.dtype, None))
+    names = {id(t): n for n, t in packed.items()}
+    for key, t in revert_weight_conversion(model, packed).items():  # renamed, never split: linear weights
+        tensors += quant.saved_tensors(key, tuple(packed[names[id(t)]].shape), stored)  # type: ignore[union-attr]
+    return AsSaved(directory, tensors)
+
+
 def weight_entries(group: ParamGroup, dtype: torch.dtype, quant: Quantizer | None = None) -> list:
     """The chunk entries (name, shape, dtype) of a group's weights: in ``dtype``, or quantized where ``quant``
     converted the module."""
@@ -446,8 +491,9 @@ def load_into_store(
             written = None
             with store.writing(chunk) as views:
                 if cached is None or not cached.load(chunk, views):
-                    fill = dict.fromkeys(owner[s.name] for s in chunk.tensors)
-                    _fill(group, fill, views, saved, source, checkpoint, dtype, quant)
+                    if not store.ledger:  # a ledger's chunks hold no bytes: nothing is read into them
+                        fill = dict.fromkeys(owner[s.name] for s in chunk.tensors)
+                        _fill(group, fill, views, saved, source, checkpoint, dtype, quant)
                     if cached is not None:
                         written = cached.save(chunk, views, block)
             if from_cache:  # never written to the disk tier: only the cache holds it

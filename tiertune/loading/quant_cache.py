@@ -197,3 +197,33 @@ def _image_blocks(
 def _digest(tensor: torch.Tensor) -> str:
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     return xxhash.xxh3_64_hexdigest(buffer_of(flat) if flat.numel() else b"")
+
+
+class LedgerCache:
+    """The quantized cache as a first run meets it, over a ledger store (``StoreConfig.ledger``): empty, each
+    chunk quantized on load into it and read in place from its image from then on; nothing is read or
+    written (the estimate creates nothing)."""
+
+    images = True
+    directory = Path("quantized cache")
+
+    def __init__(self) -> None:
+        self.hits = self.misses = 0
+
+    def load(self, chunk: Chunk, views: dict[str, torch.Tensor]) -> bool:
+        self.misses += 1
+        return False
+
+    def image(self, chunk: Chunk, block_size: int) -> tuple[Path, tuple[int, ...] | None] | None:
+        return None
+
+    def shared(
+        self, name: str, layout: ChunkLayout, fill: Callable[[dict[str, torch.Tensor]], None], block_size: int
+    ) -> tuple[Path, tuple[int, ...] | None]:
+        self.misses += 1
+        return self.directory / f"{name}.chunk", None
+
+    def save(
+        self, chunk: Chunk, views: dict[str, torch.Tensor], block_size: int
+    ) -> tuple[Path, tuple[int, ...] | None]:
+        return self.directory / f"{chunk.name}.chunk", None

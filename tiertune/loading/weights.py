@@ -162,6 +162,38 @@ class Checkpoint:
             raise ModelError(f"tensor {name!r} is not in the checkpoint at {self.directory}") from None
 
 
+class AsSaved(Checkpoint):
+    """The checkpoint a model directory would hold, laid out from the model alone (a config.json without
+    weights: a model estimated before it is downloaded): each tensor's name, dtype and shape as transformers'
+    ``save_pretrained`` writes them, one after another in one file that is never read. ``tensors``: ``(name,
+    shape, dtype, content)`` each, ``content`` the values of the few small tensors a loader reads to learn how
+    the weights are stored (a quantized weight's lookup tables and quant state), None for the rest: those have
+    no values, and reading one is a StateError (a ledger reads none)."""
+
+    def __init__(self, directory: str | os.PathLike[str], tensors: list[tuple]) -> None:
+        self.directory = Path(directory)
+        self.entries = {}
+        self._scratch = None
+        self._contents: dict[str, torch.Tensor] = {}
+        file = self.directory / "(weights not downloaded)"
+        offset = 0
+        for name, shape, dtype, content in tensors:
+            nbytes = math.prod(shape) * itemsize(dtype)
+            self.entries[name] = TensorEntry(name, file, dtype, tuple(shape), offset, nbytes)
+            offset += nbytes
+            if content is not None:
+                self._contents[name] = content
+
+    def read_into(
+        self, name: str, out: torch.Tensor, scratch: torch.Tensor | None = None, row: int | None = None
+    ) -> None:
+        from tiertune.errors import StateError
+
+        if name not in self._contents:
+            raise StateError(f"{self.directory} holds no weights: tensor {name!r} has no values to read")
+        out.copy_(self._contents[name].reshape(out.shape))
+
+
 def _pread(fd: int, entry: TensorEntry, dst: torch.Tensor, offset: int) -> None:
     """Read ``dst.numel()`` bytes of ``entry``, starting ``offset`` bytes into it, from ``fd``."""
     from tiertune.offload.aio import buffer_of, pread_full

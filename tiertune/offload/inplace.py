@@ -99,11 +99,12 @@ def can_map(tensor: FileTensor) -> bool:
 
 
 def plan_in_place(
-    tensors: Sequence[FileTensor], chunk_size: int, gap: int = GAP
+    tensors: Sequence[FileTensor], chunk_size: int, gap: int = GAP, stamped: bool = True
 ) -> list[tuple[ChunkLayout, InPlace]]:
     """Lay ``tensors`` out in chunks of about ``chunk_size`` bytes read in place: tensors in file order, runs
     of them less than ``gap`` apart (and an eighth of the run) in one window. A chunk holds whole windows (one larger than
-    ``chunk_size`` gets a chunk of its own)."""
+    ``chunk_size`` gets a chunk of its own). ``stamped``: each chunk records its files' size and modification
+    time, checked when it is read (a ledger's files, never read, may not exist)."""
     ordered = sorted(tensors, key=lambda t: (str(t.file), t.start))
     plans: list[tuple[ChunkLayout, InPlace]] = []
     specs: list[TensorSpec] = []
@@ -127,7 +128,7 @@ def plan_in_place(
         if windows:
             used = windows[-1].offset + windows[-1].nbytes
             stamps = []
-            for path in dict.fromkeys(w.file for w in windows):
+            for path in dict.fromkeys(w.file for w in windows) if stamped else ():
                 st = path.stat()
                 stamps.append((path, st.st_size, st.st_mtime_ns))
             plans.append(

@@ -373,7 +373,7 @@ class ChunkStore:
         or a cache's safetensors): chunks homed on disk, read in place, never written and taking nothing of
         the disk tier's budget. They start ON_DISK. Raises BudgetError if the host or device cannot stage them."""
         size = self.config.chunk_size if chunk_size is None else chunk_size
-        return self.add_placed(plan_in_place(tensors, size), name)
+        return self.add_placed(plan_in_place(tensors, size, stamped=not self.ledger), name)
 
     def add_placed(self, plans: Sequence[tuple[ChunkLayout, InPlace]], name: str) -> list[Chunk]:
         """Register frozen chunks read in place, each a layout and where its bytes are (``add_in_place`` plans
@@ -865,7 +865,7 @@ class ChunkStore:
         self.files.close()
         if self.disk is not None:
             self.disk.close()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not self.ledger:
             # kernels or copies the caller queued may still use the tiers' memory: unpinning host memory
             # under a copy in flight is undefined, and device memory must not be reused under a kernel
             torch.cuda.synchronize(self.device)

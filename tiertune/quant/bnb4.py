@@ -133,6 +133,37 @@ class NF4:
             (f"{name}.offset", (), torch.float32),
         ]
 
+    def saved_tensors(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple]:
+        """What transformers saves for weight ``key`` of ``shape`` quantized by these settings (bitsandbytes'
+        packed state): ``(key, shape, dtype, content)`` each, ``content`` the values of the small tensors that
+        ``saved`` reads (lookup tables, the quant state's JSON), None for the others. ``dtype``: the weight's
+        unquantized dtype, as the quant state records it."""
+        import json
+
+        numel = math.prod(shape)
+        blocks = numel // self.blocksize
+        code, nested = self.codes(torch.device("cpu"))
+        state: dict[str, object] = {  # bitsandbytes' keys, in its order (the offset is the weights')
+            "quant_type": self.quant_type,
+            "blocksize": self.blocksize,
+            "dtype": str(dtype).removeprefix("torch."),
+            "shape": list(shape),
+        }
+        out: list[tuple] = [
+            (key, (numel // 2, 1), torch.uint8, None),
+            (f"{key}.absmax", (blocks,), torch.uint8 if self.double_quant else torch.float32, None),
+            (f"{key}.quant_map", tuple(code.shape), torch.float32, code.float()),
+        ]
+        if self.double_quant:
+            state.update(nested_blocksize=NESTED_BLOCKSIZE, nested_dtype="float32", nested_offset=0.0)
+            out += [
+                (f"{key}.nested_absmax", (-(-blocks // NESTED_BLOCKSIZE),), torch.float32, None),
+                (f"{key}.nested_quant_map", tuple(nested.shape), torch.float32, nested.float()),
+            ]
+        raw = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
+        out.append((f"{key}.quant_state.bitsandbytes__{self.quant_type}", tuple(raw.shape), torch.uint8, raw))
+        return out
+
     def quantize_into(self, name: str, weight: torch.Tensor, views: dict[str, torch.Tensor]) -> None:
         """Quantize ``weight`` (in the dtype a plain load would quantize from) into its chunk entries."""
         import bitsandbytes.functional as F
@@ -254,6 +285,12 @@ class NF4:
 
     def codes(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The 4-bit code book and the double quantization's 8-bit code book (bitsandbytes' own), on ``device``."""
+        if (
+            device not in self._codes and device.type == "meta"
+        ):  # a ledger's: shapes of the CPU's (bitsandbytes
+            # caches the first device's map for every later call, so it never quantizes on meta)
+            code, nested = self.codes(torch.device("cpu"))
+            self._codes[device] = (code.to(device), nested.to(device))
         if device not in self._codes:
             import bitsandbytes.functional as F
 

@@ -62,6 +62,16 @@ class Int8:
         """The chunk entries that hold weight ``name`` of ``shape`` quantized."""
         return [(name, tuple(shape), torch.int8), (f"{name}.SCB", (shape[0],), torch.float32)]
 
+    def saved_tensors(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple]:
+        """What transformers saves for weight ``key`` of ``shape`` int8-quantized: ``(key, shape, dtype,
+        content)`` each (``NF4.saved_tensors``): the int8 rows, their fp32 scales and the layout's code (0: rows)."""
+        prefix = key.removesuffix("weight")
+        return [
+            (key, tuple(shape), torch.int8, None),
+            (prefix + "SCB", (shape[0],), torch.float32, None),
+            (prefix + "weight_format", (), torch.uint8, torch.tensor(0, dtype=torch.uint8)),
+        ]
+
     def quantize_into(self, name: str, weight: torch.Tensor, views: dict[str, torch.Tensor]) -> None:
         """Quantize ``weight`` exactly as ``Int8Params`` does when a plain load moves it to a device."""
         import bitsandbytes as bnb

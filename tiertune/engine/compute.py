@@ -1,0 +1,158 @@
+"""The step's one seam between what it holds and what it computes (``Compute``).
+
+The engine's parts (the schedule, the gradient hand-off, the optimizer, the loader) make the store's calls
+themselves: which chunk is acquired where, written, released, exchanged. What they compute on the tensors
+those calls give, and every value a decision reads back into Python (a loss, a gradient norm), goes
+through ``Compute``. There are two substrates:
+
+- ``Compute``: the real one. Autograd, the model's own modules, the optimizer's arithmetic.
+- ``Ledger``: no arithmetic. Over a ledger store (``StoreConfig.ledger``: chunks of no bytes, on the meta
+  device) the same parts make the same store calls in the same order; a layer's output is its input's
+  shape, the loss a scalar with a gradient to the last layer's output, the optimizer's update nothing, and
+  each value read is what the replayed step is given (``Ledger.clipped``: which steps are clipped). So
+  ``tiertune estimate`` runs the engine's own step, not a copy of it (``engine.replay``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from torch import nn
+
+from tiertune.engine.objective import pair_losses
+
+if TYPE_CHECKING:
+    from tiertune.engine.loss import CausalLMLoss
+    from tiertune.settings import ObjectiveSettings
+
+T = TypeVar("T")
+
+Call = tuple[tuple, dict]
+"""What a decoder layer is called with besides its hidden states: positional and keyword arguments (the
+attention mask, the rotary tables, position ids...), which the model computes before its first layer."""
+
+
+def run_layer(layer: nn.Module, hidden: torch.Tensor, call: Call) -> torch.Tensor:
+    """``layer``'s output hidden states for ``hidden`` and ``call`` (the first of a tuple it returns)."""
+    args, kwargs = call
+    out = layer(hidden, *args, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+class Compute:
+    """The real substrate: every call computes (see the module docstring)."""
+
+    ledger = False
+
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+        """``fn(*args, **kwargs)``: arithmetic whose result the store's calls do not depend on (an optimizer
+        update into chunks already acquired, weights read into a chunk being written)."""
+        return fn(*args, **kwargs)
+
+    def value(self, t: torch.Tensor) -> float:
+        """A scalar read into Python (a loss, a metric)."""
+        return float(t)
+
+    def norm(self, t: torch.Tensor, step: int) -> torch.Tensor:
+        """``t``'s L2 norm as ``clip_grad_norm_`` takes it (an fp32 scalar tensor); ``step``: the step it is
+        taken in, counted from 1."""
+        return torch.linalg.vector_norm(t)
+
+    def decoder(
+        self, model: nn.Module, layers: Sequence[nn.Module], ids: torch.Tensor, extra: dict, kwargs: dict
+    ) -> None:
+        """The model's decoder on a micro-batch's ``ids`` (and ``extra`` inputs: masks, positions) inside the
+        engine's visit (``Capture``: it records each of ``layers``' calls and the embeddings' output, and may
+        stop at the first layer)."""
+        model.get_decoder()(input_ids=ids, **extra, **kwargs)
+
+    def layer(self, layer: nn.Module, hidden: torch.Tensor, call: Call) -> torch.Tensor:
+        """A decoder layer's output for ``hidden`` and ``call`` (``streaming.run_layer``)."""
+        return run_layer(layer, hidden, call)
+
+    def loss(
+        self,
+        loss: CausalLMLoss,
+        last: torch.Tensor,
+        ids: torch.Tensor,
+        extra: dict,
+        target: torch.Tensor,
+        token_weight: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The summed cross-entropy of ``target`` through the model's suffix on ``last``, the last layer's
+        output (``CausalLMLoss``; the model reads ``last`` through the engine's ``Suffix`` visit)."""
+        return loss(ids, extra, target, token_weight)
+
+    def token_losses(
+        self, loss: CausalLMLoss, last: torch.Tensor, ids: torch.Tensor, extra: dict, target: torch.Tensor
+    ) -> torch.Tensor:
+        """Each target token's cross-entropy, without autograd (``CausalLMLoss.token_losses``)."""
+        return loss.token_losses(ids, extra, target)
+
+    def pair_losses(
+        self, settings: ObjectiveSettings, token_losses: torch.Tensor, *args: Any
+    ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
+        """A preference objective's losses and metrics (``objective.pair_losses``)."""
+        return pair_losses(settings, token_losses, *args)
+
+
+class Ledger(Compute):
+    """The ledger substrate: shapes, no arithmetic (see the module docstring). ``clipped[k]``: whether step
+    k + 1's gradient norm is above ``max_grad_norm`` (a step past the list is not clipped)."""
+
+    ledger = True
+
+    def __init__(self, clipped: Sequence[bool], max_grad_norm: float) -> None:
+        self.clipped = tuple(clipped)
+        self.max_grad_norm = max_grad_norm
+
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+        return None
+
+    def value(self, t: torch.Tensor) -> float:
+        return 0.0 if t.is_meta else float(t)
+
+    def norm(self, t: torch.Tensor, step: int) -> torch.Tensor:
+        # each tensor's norm above the clipping norm on a clipped step (so is the total), else zero
+        clipped = step <= len(self.clipped) and self.clipped[step - 1]
+        return torch.tensor(2.0 * self.max_grad_norm if clipped else 0.0)
+
+    def decoder(
+        self, model: nn.Module, layers: Sequence[nn.Module], ids: torch.Tensor, extra: dict, kwargs: dict
+    ) -> None:
+        # what the model's decoder hands its layers: the embeddings' output (through the bound embedding, so
+        # its gradient reaches it when it is trained), then each layer called in turn
+        hidden = model.get_input_embeddings()(ids)
+        for layer in layers:
+            hidden = layer(hidden)
+
+    def layer(self, layer: nn.Module, hidden: torch.Tensor, call: Call) -> torch.Tensor:
+        out = hidden * 1.0  # its input's shape, and a gradient path to it
+        # a layer whose input carries no gradient (a frozen base's first, LoRA's) still back-propagates
+        return out if out.requires_grad else out.requires_grad_()
+
+    def loss(
+        self,
+        loss: CausalLMLoss,
+        last: torch.Tensor,
+        ids: torch.Tensor,
+        extra: dict,
+        target: torch.Tensor,
+        token_weight: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return last.sum() * 0.0
+
+    def token_losses(
+        self, loss: CausalLMLoss, last: torch.Tensor, ids: torch.Tensor, extra: dict, target: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.zeros(target.shape, device=target.device)
+
+    def pair_losses(
+        self, settings: ObjectiveSettings, token_losses: torch.Tensor, *args: Any
+    ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
+        return token_losses.sum(1) * 0.0, {}
+
+
+__all__ = ["Compute", "Ledger"]
