@@ -9,7 +9,7 @@ from parity import LORA, _batches, lora_config
 from tiny import tiny_config
 
 from tiertune.engine import StreamedTrainer
-from tiertune.engine import schedule as schedule_module
+from tiertune.engine import compute as compute_module
 from tiertune.engine.compute import run_layer
 from tiertune.engine.stacking import draws_random, stack_calls
 from tiertune.offload.store import StoreConfig
@@ -124,7 +124,7 @@ def test_a_quantized_layer_is_called_once_per_visit_for_the_wave(
     lora = LORA.__class__(r=4, alpha=8, dropout=0.0, seed=0)
     batches = _batches(211, count=STEPS * K)
     runs = {}
-    real = schedule_module.run_layer
+    real = compute_module.run_layer
     for stack in (None, 0):
         cfg = lora_config(
             lora=lora,
@@ -141,7 +141,7 @@ def test_a_quantized_layer_is_called_once_per_visit_for_the_wave(
             calls.append(hidden.shape[0])
             return real(layer, hidden, call)
 
-        monkeypatch.setattr(schedule_module, "run_layer", counted)
+        monkeypatch.setattr(compute_module, "run_layer", counted)  # what the step computes a layer with
         store = StoreConfig.resolve(
             device_budget="8MiB",
             host_budget="2MiB",
