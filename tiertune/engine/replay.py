@@ -12,7 +12,9 @@ a change here, checked against runs by ``tests/finetune/test_estimate.py``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -59,13 +61,17 @@ def replay(
     before was clipped, and redoes a speculative step that is). The first step records the trace, as in a run;
     the bytes moved are the last step's. ``device``: what the run computes on (default: the store's)."""
     ledger = dataclasses.replace(store_cfg, ledger=True, device=device or store_cfg.device)
-    trainer = StreamedTrainer(model_dir, ledger, cfg, world=world, compute=Ledger(clipped, cfg.max_grad_norm))
+    with _quiet():
+        trainer = StreamedTrainer(
+            model_dir, ledger, cfg, world=world, compute=Ledger(clipped, cfg.max_grad_norm)
+        )
     try:
         batch = [_micro_batch(cfg, rows, tokens)] * micro_batches
         before: dict[str, int] = {}
         for _ in clipped:
             before = trainer.store_stats().bytes_moved
-            trainer.step(batch)
+            with _quiet():
+                trainer.step(batch)
         stats = trainer.store_stats()
         moved = {k: n - before.get(k, 0) for k, n in stats.bytes_moved.items() if n - before.get(k, 0)}
         return Replayed({t: s.peak for t, s in stats.tiers.items()}, moved, trainer.in_use_peaks())
@@ -86,3 +92,16 @@ def _micro_batch(cfg: EngineConfig, rows: int, tokens: int) -> dict[str, torch.T
     if objective.reference and cfg.method != "lora":
         batch["ref_logps"] = torch.zeros(2 * rows)
     return batch
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """tiertune's messages below warnings held back for the block: a replay is no run, and what the engine
+    says of the run it builds (what it quantized, which kernels it uses) is not the estimate's to print."""
+    logger = logging.getLogger("tiertune")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
