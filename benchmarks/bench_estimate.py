@@ -109,7 +109,7 @@ def one_b_recipe(work: Path, steps: int) -> Path:
 def measure(path: Path, skip: int) -> dict:
     """Estimate, then train; the predicted and the measured step time."""
     from tiertune.config.recipe import load_recipe
-    from tiertune.estimate.report import estimate
+    from tiertune.estimates.report import estimate
     from tiertune.finetune.train import train
 
     recipe = load_recipe(path)

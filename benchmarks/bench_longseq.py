@@ -118,7 +118,7 @@ def child(path: Path) -> dict:
     import torch
 
     from tiertune.config.recipe import load_recipe
-    from tiertune.estimate.report import estimate
+    from tiertune.estimates.report import estimate
     from tiertune.finetune.train import train
 
     torch.set_num_threads(2)

@@ -94,7 +94,7 @@ def recipe(work: Path, model: Path, name: str, device: str, host: str, steps: in
 def trial(path: Path) -> dict:
     from tiertune.config.recipe import load_recipe
     from tiertune.errors import BudgetError
-    from tiertune.estimate.report import estimate
+    from tiertune.estimates.report import estimate
     from tiertune.finetune import train as train_module
     from tiertune.offload import store as store_module
     from tiertune.offload.tiers import Tier

@@ -235,7 +235,7 @@ def disk_read_rate(directory: Path) -> dict:
         if out.returncode == 0:
             job = json.loads(out.stdout)["jobs"][0]["read"]
             return {"tool": "fio", "read_GBps": job["bw_bytes"] / 1e9}
-    from tiertune.estimate.speed import probe_disk
+    from tiertune.estimates.speed import probe_disk
 
     read, _ = probe_disk(directory)
     return {"tool": "tiertune probe_disk", "read_GBps": read / 1e9}

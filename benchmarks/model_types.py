@@ -156,7 +156,7 @@ def walk(
     # imported in a process of its own (``cli.app.main``), so the server does it first too
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["tiertune.cli.app", "tiertune.estimate.report", "transformers"])
+    ctx.set_forkserver_preload(["tiertune.cli.app", "tiertune.estimates.report", "transformers"])
     results: list[dict] = []
     pending = list(types)
     running: dict[str, tuple[multiprocessing.process.BaseProcess, float, Path]] = {}

@@ -68,7 +68,7 @@ def test_the_engine_is_in_parts_of_a_few_hundred_lines():
 LAYERS = {
     "cli": 0,
     "export": 1,
-    "estimate": 1,
+    "estimates": 1,
     "finetune": 2,
     "config": 3,
     "engine": 4,
@@ -268,3 +268,19 @@ def test_the_circle_check_finds_one_through_a_function_and_type_checking(tmp_pat
     (package / "sub" / "c.py").write_text("from pkg.sub.a import f\nfrom pkg import sub\n")
     (package / "d.py").write_text("from pkg.sub.a import f\n")
     assert _circles(package) == [["pkg.sub.a", "pkg.sub.b", "pkg.sub.c"]]
+
+
+def test_no_package_shadows_a_name_of_the_api():
+    # a subpackage named like an API function (``tiertune/estimate/`` beside ``tiertune.estimate()``) replaces
+    # the function on the package once anything imports it: every module imported first, then each name
+    import importlib
+    import pkgutil
+    import types
+
+    import tiertune
+
+    for info in pkgutil.walk_packages(tiertune.__path__, "tiertune."):
+        if "_triton" not in info.name and not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    for name in tiertune.__all__:
+        assert not isinstance(getattr(tiertune, name), types.ModuleType), name

@@ -48,8 +48,8 @@ _LAZY = {
     "TrainResult": "tiertune.finetune.train",
     "load_recipe": "tiertune.config.recipe",
     "Recipe": "tiertune.config.recipe",
-    "estimate": "tiertune.estimate.report",
-    "format_estimate": "tiertune.estimate.report",
+    "estimate": "tiertune.estimates.report",
+    "format_estimate": "tiertune.estimates.report",
     "ChunkStore": "tiertune.offload.store",
     "StoreConfig": "tiertune.offload.store",
 }

@@ -7,8 +7,8 @@ from typer.testing import CliRunner
 
 from tiertune.cli.app import RECIPES, app
 from tiertune.config.recipe import load_recipe, recipe_notes
-from tiertune.estimate.report import estimate
-from tiertune.estimate.speed import GPUS
+from tiertune.estimates.report import estimate
+from tiertune.estimates.speed import GPUS
 from tiertune.loading.hub import SHIPPED
 from tiertune.units import format_size
 
@@ -83,7 +83,7 @@ def on_4090_flops(recipe) -> float:
     """The FLOPs of a step of ``recipe`` on a GPU (``estimate``'s step_flops of the model's skeleton)."""
     import torch
 
-    from tiertune.estimate.speed import step_flops
+    from tiertune.estimates.speed import step_flops
     from tiertune.loading.model import build_skeleton, split_model
 
     with torch.device("meta"):

@@ -204,7 +204,7 @@ ESTIMATE_POINTS = [
     ("the replay, as a ledger transfer lands", "tiertune.offload.aio:IOHandle.part_done:5", signal.SIGTERM),
     ("the replay, in a transfer's completion", "tiertune.offload.store:ChunkStore._done:9", signal.SIGTERM),
     ("the disk probe, reading", "tiertune.offload.disk:DiskTier.read:1", signal.SIGTERM),
-    ("the compute probe", "tiertune.estimate.speed:measure_compute:1", signal.SIGINT),
+    ("the compute probe", "tiertune.estimates.speed:measure_compute:1", signal.SIGINT),
 ]
 
 

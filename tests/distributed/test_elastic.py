@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from tiertune.config.recipe import load_recipe
 from tiertune.errors import ConfigError
-from tiertune.estimate.report import estimate
+from tiertune.estimates.report import estimate
 from tiertune.finetune.checkpoint import checkpoints, latest_checkpoint, verify
 
 pytestmark = pytest.mark.timeout(900)

@@ -61,7 +61,7 @@ def test_torchrun_trains_as_one_process_with_the_global_batch(
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
     # the estimate for 2 processes predicts the bytes each rank sends per step, as the run logged them
     from tiertune.config.recipe import load_recipe
-    from tiertune.estimate.report import estimate
+    from tiertune.estimates.report import estimate
 
     predicted = estimate(load_recipe(two), measure=False, processes=2).scale_out.wire
     records = [json.loads(line) for line in (tmp_path / "two" / "trainer_log.jsonl").read_text().splitlines()]

@@ -13,7 +13,7 @@ from launching import TIMEOUT, launch_env, torchrun
 from watching import check_in_use
 
 from tiertune.config.recipe import load_recipe
-from tiertune.estimate.report import estimate
+from tiertune.estimates.report import estimate
 from tiertune.offload.tiers import Tier
 
 WORKER = Path(__file__).with_name("plan_worker.py")

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from tiertune.cli.app import RECIPES, app
 from tiertune.config.recipe import load_recipe
-from tiertune.estimate.report import estimate
-from tiertune.estimate.speed import GPUS, step_flops
+from tiertune.estimates.report import estimate
+from tiertune.estimates.speed import GPUS, step_flops
 from tiertune.loading.hub import SHIPPED
 from tiertune.loading.model import build_skeleton, split_model
 
@@ -165,7 +165,7 @@ def test_the_compute_measurement_takes_the_fastest_repeat_and_says_when_the_cpu_
 ):
     # a busy CPU slows some repeats several times over (2 threads on 2 cores beside another program: 1.05 s a
     # layer against 0.13 s): the fastest repeat counts, and the estimate says the machine was busy
-    from tiertune.estimate import speed
+    from tiertune.estimates import speed
 
     def slow_sometimes(loss, ids, device):
         calls.append(len(loss.model.model.layers))

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 from tiertune.cli.app import app
 from tiertune.config.recipe import load_recipe
 from tiertune.errors import BudgetError
-from tiertune.estimate.longest import longest_sequence, why_not
-from tiertune.estimate.report import estimate
+from tiertune.estimates.longest import longest_sequence, why_not
+from tiertune.estimates.report import estimate
 from tiertune.finetune.train import train
 
 

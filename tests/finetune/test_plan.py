@@ -15,7 +15,7 @@ from watching import check_in_use
 
 from tiertune.config.recipe import load_recipe
 from tiertune.errors import BudgetError
-from tiertune.estimate.report import estimate
+from tiertune.estimates.report import estimate
 from tiertune.finetune.train import train
 from tiertune.offload.tiers import Tier, slot_class
 

@@ -405,7 +405,7 @@ def test_a_dpo_steps_peaks_and_bytes_are_the_estimates_and_its_weights_cross_onc
     policy's layer visits: with the boundaries on the device a step moves exactly what an SFT step of as many
     micro-batches moves (the base read once); on the host a pair's boundaries are two rows', and where the host
     budget holds fewer micro-batches' boundaries the step runs in more waves (each reading the base once)."""
-    from tiertune.estimate.report import estimate
+    from tiertune.estimates.report import estimate
 
     model = cat_model(4, hidden=128)
     moved = {}

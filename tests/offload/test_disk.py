@@ -242,7 +242,7 @@ def _creates_then_refuses_o_direct(monkeypatch):
 
 
 def test_probes_leave_no_files_behind_even_when_o_direct_is_refused(disk_dir, monkeypatch):
-    from tiertune.estimate.speed import probe_disk
+    from tiertune.estimates.speed import probe_disk
 
     _creates_then_refuses_o_direct(monkeypatch)
     assert supports_o_direct(disk_dir) is False  # what `tiertune env --disk-path` asks

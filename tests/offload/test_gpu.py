@@ -195,7 +195,7 @@ def test_auto_device_budget_stays_under_the_process_memory_fraction():
 
 
 def test_bandwidth_probe_leaves_nothing_pinned():
-    from tiertune.estimate.speed import measure_bandwidth
+    from tiertune.estimates.speed import measure_bandwidth
 
     torch.empty(1, device="cuda")
     before = _host_allocator_bytes()

@@ -114,7 +114,7 @@ def env(
     with _user_errors():
         info = environment(disk_path)
         if probe:
-            from tiertune.estimate.speed import probe_disk
+            from tiertune.estimates.speed import probe_disk
 
             read, write = probe_disk(disk_path)  # type: ignore[arg-type]
             info["disk"]["read_bytes_per_second"], info["disk"]["write_bytes_per_second"] = read, write
@@ -277,15 +277,15 @@ def estimate(
     import json
 
     from tiertune.config.recipe import load_recipe
-    from tiertune.estimate.report import estimate as predict
-    from tiertune.estimate.report import format_estimate
+    from tiertune.estimates.report import estimate as predict
+    from tiertune.estimates.report import format_estimate
 
     with _user_errors():
         resolved = load_recipe(recipe, tuple(overrides or ()))
         est = predict(resolved, measure=not no_probe, gpu=gpu, processes=processes, per_node=per_node)
         found = None
         if longest:
-            from tiertune.estimate.longest import longest_sequence
+            from tiertune.estimates.longest import longest_sequence
 
             found = longest_sequence(resolved, gpu=gpu)
     if as_json:

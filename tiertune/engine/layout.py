@@ -2,7 +2,7 @@
 trained group (gradients, master weights, moments, GaLore's projections and accumulators, the speculative
 step's twins), and the group's ``GroupState`` that holds them. ``state_layout`` (what chunks, where) and
 ``twins_short`` (whether the twins fit) are pure functions of sizes: the engine registers what they say,
-``estimate.report`` sums it."""
+``estimates.report`` sums it."""
 
 from __future__ import annotations
 

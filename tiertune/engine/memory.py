@@ -23,7 +23,7 @@ Who holds chunks in use at once (the engine's step, ``engine.trainer`` and ``eng
 
 A thread's count per class is the most any one of its moments needs; the tier's is the sum over the threads.
 The checkpoint writer reads one chunk at a time and never waits while holding it: it takes what is free and
-needs no slot of its own. ``estimate.report`` lays out the chunks; ``finetune.train`` checks the plan
+needs no slot of its own. ``estimates.report`` lays out the chunks; ``finetune.train`` checks the plan
 against the budgets before the model is loaded and gives the store its ``reserve``.
 """
 

@@ -8,13 +8,11 @@ and wires them; ``step`` shows a step from the loop's side.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from functools import partial
-from pathlib import Path
 
 import torch
 
@@ -423,33 +421,6 @@ class StreamedTrainer(TrainerViews):
         self.step_count = int(counters["step_count"])
         self.last_grad_norm = float(counters["last_grad_norm"])
         self.optimizer_counts.update(counters["optimizer_counts"])
-
-    @contextmanager
-    def _unstreamed(self) -> Iterator[None]:
-        """The model's own decoder layers back in place for the block (peft finds its layers by walking
-        the module tree, which the streamed stand-ins hide)."""
-        streamed = list(self.parts.layers)
-        for i, layer in enumerate(streamed):
-            self.parts.layers[i] = layer.layer
-        try:
-            yield
-        finally:
-            for i, layer in enumerate(streamed):
-                self.parts.layers[i] = layer
-
-    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """The LoRA adapter weights as peft saves them (CPU tensors)."""
-        if self.adapters is None:
-            raise ConfigError("this run trains no adapter (method.type is full)")
-        with self._unstreamed():
-            return self.adapters.state_dict()
-
-    def save_adapter(self, directory: str | os.PathLike[str]) -> Path:
-        """Write the adapter in PEFT format (``PeftModel.from_pretrained(base, directory)`` loads it)."""
-        if self.adapters is None:
-            raise ConfigError("this run trains no adapter (method.type is full)")
-        with self._unstreamed():
-            return self.adapters.save(directory)
 
     def close(self) -> None:
         self.updater.close()

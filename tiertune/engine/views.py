@@ -5,20 +5,24 @@ state to checkpoint and fill back, its weights. They ask these, never its store,
 
 from __future__ import annotations
 
+import os
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from tiertune.engine.layout import ROLES, STATE_ROLES, state_bytes
+from tiertune.errors import ConfigError
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import StoreStats
 
 if TYPE_CHECKING:
     from tiertune.engine.layout import GroupState
     from tiertune.engine.sharding import Sharding
+    from tiertune.loading.model import ModelParts
     from tiertune.methods.lora import Adapters
     from tiertune.offload.store import ChunkStore
 
@@ -30,6 +34,7 @@ class TrainerViews:
     sharding: Sharding
     states: list[GroupState]
     adapters: Adapters | None
+    parts: ModelParts
 
     def wire_sent(self) -> dict[str, int]:
         """Bytes this process has sent to the other ranks so far, by collective (none for one process)."""
@@ -121,3 +126,30 @@ class TrainerViews:
         for part in self.weights():
             out.update(part)
         return out
+
+    @contextmanager
+    def _unstreamed(self) -> Iterator[None]:
+        """The model's own decoder layers back in place for the block (peft finds its layers by walking
+        the module tree, which the streamed stand-ins hide)."""
+        streamed = list(self.parts.layers)
+        for i, layer in enumerate(streamed):
+            self.parts.layers[i] = layer.layer
+        try:
+            yield
+        finally:
+            for i, layer in enumerate(streamed):
+                self.parts.layers[i] = layer
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter weights as peft saves them (CPU tensors)."""
+        if self.adapters is None:
+            raise ConfigError("this run trains no adapter (method.type is full)")
+        with self._unstreamed():
+            return self.adapters.state_dict()
+
+    def save_adapter(self, directory: str | os.PathLike[str]) -> Path:
+        """Write the adapter in PEFT format (``PeftModel.from_pretrained(base, directory)`` loads it)."""
+        if self.adapters is None:
+            raise ConfigError("this run trains no adapter (method.type is full)")
+        with self._unstreamed():
+            return self.adapters.save(directory)

@@ -38,7 +38,7 @@ from tiertune.engine.memory import IN_PLACE, QUANT_CACHE, Plan, PlannedChunk, ma
 from tiertune.engine.replay import Replayed
 from tiertune.engine.run_layout import run_layout, slot_bytes_of
 from tiertune.errors import BudgetError, ConfigError, StateError
-from tiertune.estimate.speed import (
+from tiertune.estimates.speed import (
     GPU,
     NOISY,
     StepFlops,

@@ -46,7 +46,7 @@ def longest_sequence(
 ) -> Longest:
     """The longest ``data.max_seq_len``, a multiple of ``multiple`` up to ``limit``, at which ``recipe`` fits
     (``why_not``), for ``gpu`` as ``estimate`` takes it. About 2 log2(limit / multiple) estimates at most."""
-    from tiertune.estimate.report import estimate
+    from tiertune.estimates.report import estimate
 
     found = Longest(0, recipe.training.per_device_train_batch_size, multiple)
 
