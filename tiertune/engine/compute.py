@@ -83,7 +83,9 @@ class Compute:
     ) -> torch.Tensor:
         """The summed cross-entropy of ``target`` through the model's suffix on ``last``, the last layer's
         output (``CausalLMLoss``; the model reads ``last`` through the engine's ``Suffix`` visit)."""
-        return loss(ids, extra, target, token_weight)
+        if token_weight is None:
+            return loss(ids, extra, target)
+        return loss(ids, extra, target, token_weight=token_weight)
 
     def token_losses(
         self, loss: CausalLMLoss, last: torch.Tensor, ids: torch.Tensor, extra: dict, target: torch.Tensor
