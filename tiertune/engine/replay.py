@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +22,7 @@ from tiertune.distributed.world import World
 from tiertune.engine.compute import Ledger
 from tiertune.engine.config import EngineConfig
 from tiertune.engine.trainer import StreamedTrainer
+from tiertune.logs import held_back
 from tiertune.offload.store import StoreConfig
 
 
@@ -61,7 +61,8 @@ def replay(
     before was clipped, and redoes a speculative step that is). The first step records the trace, as in a run;
     the bytes moved are the last step's. ``device``: what the run computes on (default: the store's)."""
     ledger = dataclasses.replace(store_cfg, ledger=True, device=device or store_cfg.device)
-    with _quiet():
+    # a replay is no run: what the engine says of the run it builds is not the estimate's to print
+    with held_back("tiertune", logging.WARNING):
         trainer = StreamedTrainer(
             model_dir, ledger, cfg, world=world, compute=Ledger(clipped, cfg.max_grad_norm)
         )
@@ -70,7 +71,7 @@ def replay(
         before: dict[str, int] = {}
         for _ in clipped:
             before = trainer.store_stats().bytes_moved
-            with _quiet():
+            with held_back("tiertune", logging.WARNING):
                 trainer.step(batch)
         stats = trainer.store_stats()
         moved = {k: n - before.get(k, 0) for k, n in stats.bytes_moved.items() if n - before.get(k, 0)}
@@ -92,16 +93,3 @@ def _micro_batch(cfg: EngineConfig, rows: int, tokens: int) -> dict[str, torch.T
     if objective.reference and cfg.method != "lora":
         batch["ref_logps"] = torch.zeros(2 * rows)
     return batch
-
-
-@contextmanager
-def _quiet() -> Iterator[None]:
-    """tiertune's messages below warnings held back for the block: a replay is no run, and what the engine
-    says of the run it builds (what it quantized, which kernels it uses) is not the estimate's to print."""
-    logger = logging.getLogger("tiertune")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)

@@ -12,11 +12,11 @@ import contextlib
 import logging
 import re
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
 from tiertune.errors import ModelError
+from tiertune.logs import held_back
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """A Hugging Face model id (``organization/name``)."""
@@ -108,13 +108,6 @@ def _download(model_id: str, patterns: list[str], what: str) -> str:
         ) from None
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def _quiet() -> contextlib.AbstractContextManager[None]:
     """Without the hub client's retry warnings (what went wrong is said once, in the error)."""
-    logger = logging.getLogger("huggingface_hub")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    return held_back("huggingface_hub", logging.ERROR)
