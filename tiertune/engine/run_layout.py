@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -27,7 +26,7 @@ from tiertune.errors import ModelError
 from tiertune.files import nearest_existing
 from tiertune.offload.chunk import ALIGN, ChunkLayout, itemsize, pack_tensors
 from tiertune.offload.disk import slot_bytes
-from tiertune.offload.inplace import FileTensor, plan_in_place
+from tiertune.offload.inplace import plan_in_place
 from tiertune.offload.store import StoreConfig
 from tiertune.offload.tiers import Tier
 from tiertune.units import round_up
@@ -178,16 +177,11 @@ def run_layout(
         kind = "weights"
         if split is not None:
             mapped, entries = split(group)
-            if mapped and isinstance(mapped[0], FileTensor):  # laid out over the files as the store lays them
-                for layout, _ in plan_in_place(mapped, max(size, 1)):
-                    if shards > 1:  # padded for the shards (``load_shards``)
-                        layout = ChunkLayout(
-                            layout.tensors, round_up(layout.capacity, ALIGN * shards), shards
-                        )
-                    weight_chunk(IN_PLACE, Tier.DISK, layout, True, layer, gi)
-            elif mapped:  # config.json alone: where each tensor starts in its file is not known
-                for layout in pack_tensors(mapped, max(size, 1), shards):
-                    weight_chunk(IN_PLACE, Tier.DISK, layout, True, layer, gi)
+            # laid out over the files as the store lays them (a ledger's files: stamped by no one)
+            for layout, _ in plan_in_place(mapped, max(size, 1), stamped=False) if mapped else ():
+                if shards > 1:  # padded for the shards (``load_shards``)
+                    layout = ChunkLayout(layout.tensors, round_up(layout.capacity, ALIGN * shards), shards)
+                weight_chunk(IN_PLACE, Tier.DISK, layout, True, layer, gi)
             # as the loader homes it: a checkpoint saved quantized holds every quantized linear weight
             prequantized = (
                 {n for n, p in group.params.items() if is_quantized(p)} if saved is not None else ()
@@ -315,44 +309,18 @@ def _layer_saved(model: torch.nn.Module, cfg, micro: int, k: int, notes: list[st
 
 def _in_place_split(model_dir: str, model: torch.nn.Module, cfg, quant, saved: dict | None) -> Callable:
     """``split(group)`` -> (entries read in place from the model's files, entries in ordinary chunks), for a
-    frozen base homed on disk. With the checkpoint's safetensors at hand, the loader's own decision
-    (``read_in_place``); for a directory with only config.json, what a checkpoint saved by transformers holds:
-    a pre-quantized weight as it trains (but its double-quantization offset, kept in JSON), an unquantized one
-    when it is stored in the run's dtype (config.json's dtype), unless transformers builds it from several
-    tensors (MoE experts, one tensor each in checkpoints) or tiertune quantizes it on load (fused experts).
-    ``saved``: the checkpoint's own bitsandbytes quantization (``saved_quantization``), None if it has none."""
-    import json
+    frozen base homed on disk: the loader's own decision (``read_in_place``) over the model's checkpoint, or,
+    for a directory with only config.json, over the one transformers would save (``saved_checkpoint``, as a
+    ledger trainer loads it). ``saved``: the checkpoint's own bitsandbytes quantization, None if it has none."""
+    from tiertune.loading.model import checkpoint_names, read_in_place, saved_checkpoint
 
-    from tiertune.loading.model import checkpoint_names, read_in_place, weight_entries
-    from tiertune.loading.weights import Checkpoint
-    from tiertune.quant import is_quantized
-    from tiertune.quant.experts import is_quantized_experts
+    checkpoint = saved_checkpoint(model_dir, model, quant, saved)
+    source = checkpoint_names(model, checkpoint)
 
-    try:
-        checkpoint = Checkpoint(model_dir)
-    except ModelError:  # config.json alone
-        checkpoint = None
-    if checkpoint is not None:
-        source = checkpoint_names(model, checkpoint)
+    def split(group) -> tuple[list, list]:
+        return read_in_place(group, cfg.dtype, quant, checkpoint, source)
 
-        def from_files(group) -> tuple[list, list]:
-            return read_in_place(group, cfg.dtype, quant, checkpoint, source)
-
-        return from_files
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
-    stored = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
-
-    def as_saved(group) -> tuple[list, list]:
-        entries = weight_entries(group, cfg.dtype, quant)
-        for p in group.params.values():
-            if is_quantized_experts(p) or (is_quantized(p) and saved is None):
-                return [], entries
-            if not is_quantized(p) and (p.dim() >= 3 or str(cfg.dtype).removeprefix("torch.") != stored):
-                return [], entries
-        in_json = {e[0] for e in entries if e[0].endswith(".offset")}
-        return [e for e in entries if e[0] not in in_json], [e for e in entries if e[0] in in_json]
-
-    return as_saved
+    return split
 
 
 def _saved_quantization(
