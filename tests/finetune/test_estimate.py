@@ -97,7 +97,74 @@ CASES = {
         "training.gradient_accumulation_steps=1",
     ),
     "int8 base, lora": ("model.quantize=int8", "method.type=lora", "offload.params=disk"),
+    "full, sequence tiled (8 tokens)": (
+        "offload.sequence_tile=8",
+        "offload.params=disk",
+        "offload.optimizer_states=disk",
+    ),
+    "full, 8-bit, waves of 1": (
+        "offload.params=disk",
+        "offload.optimizer_states=disk",
+        "training.optim=adamw_bnb_8bit",
+        "offload.activations=host",
+        "offload.host_budget=2600KiB",
+    ),
+    "full, 8-bit, waves of 3": (
+        "offload.params=disk",
+        "offload.optimizer_states=disk",
+        "training.optim=adamw_bnb_8bit",
+        "offload.activations=host",
+        "offload.host_budget=3MiB",
+    ),
+    "dpo, lora, base on disk": (
+        "objective.type=dpo",
+        "data.format=preference",
+        "method.type=lora",
+        "offload.params=disk",
+    ),
+    "dpo, full, states on disk": (
+        "objective.type=dpo",
+        "data.format=preference",
+        "offload.params=disk",
+        "offload.optimizer_states=disk",
+    ),
+    "kto, qlora, 1 MiB host budget": (
+        "objective.type=kto",
+        "data.format=unpaired_preference",
+        "model.quantize=nf4",
+        "method.type=lora",
+        "offload.params=disk",
+        "offload.host_budget=1MiB",
+    ),
+    "simpo, full, on the host, no disk": (
+        "objective.type=simpo",
+        "data.format=preference",
+        "offload.params=host",
+        "offload.optimizer_states=host",
+        "offload.disk_path=null",
+    ),
 }
+PAIRS = [
+    {"prompt": f"the {a} cat", "chosen": f" sat on the {b} mat .", "rejected": f" sat on the {c}"}
+    for a, b, c in [
+        ("red", "blue", "wet"),
+        ("big", "flat", "blue"),
+        ("old", "wet", "flat"),
+        ("fat", "blue", "red"),
+        ("red", "flat", "old"),
+        ("big", "wet", "fat"),
+        ("old", "blue", "big"),
+        ("fat", "flat", "wet"),
+    ]
+]
+# KTO's unpaired rows: each pair's chosen or rejected completion, labelled
+UNPAIRED = [
+    {"prompt": p["prompt"], "completion": p["chosen" if i % 2 else "rejected"], "label": bool(i % 2)}
+    for i, p in enumerate(PAIRS)
+]
+# the wave a case must run: the layer boundaries of 8 micro-batches do not fit a host budget of 2600 KiB but
+# one micro-batch's, nor of 3 MiB but three's (waves of 3, 3 and 2)
+WAVES = {"full, 8-bit, waves of 1": "8 waves of 1", "full, 8-bit, waves of 3": "3 waves of 3"}
 
 
 GEMMA_CASES = {
@@ -134,12 +201,17 @@ GEMMA_CASES = {
 # next call: the peaks are still exact, the bytes moved are checked within the runs' spread
 TIMED = {
     "full, states on disk, host budget short",
+    "full, 8-bit, waves of 1",
+    "full, 8-bit, waves of 3",
     "gemma, full, 8-bit, activations on the host, 4 MiB host budget",
 }
 # micro-batches per step: 1 and 8, but for the cases that are about one micro-batch; 4 and 16 for a few (under
 # a 4 MiB host budget the layer boundaries of 8 and 16 micro-batches do not fit: the step runs in waves)
 RUNS = [
-    (case, n) for case in [*CASES, *GEMMA_CASES] for n in (1, 8) if n == 1 or "one micro-batch" not in case
+    (case, n)
+    for case in [*CASES, *GEMMA_CASES]
+    for n in (1, 8)
+    if (n == 1 or "one micro-batch" not in case) and (n == 8 or case not in WAVES)
 ]
 RUNS += [
     (case, n)
@@ -196,9 +268,18 @@ def test_the_peaks_and_the_bytes_a_step_moves_are_a_runs(
         training={"gradient_accumulation_steps": micro_batches, "max_steps": 4},
         offload={"device_budget": "64MiB", "host_budget": "64MiB"},
     )
+    if "objective.type=kto" in overrides or "data.format=preference" in overrides:
+        rows = UNPAIRED if "objective.type=kto" in overrides else PAIRS
+        data = tmp_path / "pairs.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        overrides.append(f"data.path={data}")
     recipe = load_recipe(path, overrides)
     predicted = estimate(recipe, measure=False)
     assert predicted.fits
+    if case in WAVES:
+        assert any(f"runs as {WAVES[case]} micro-batches" in note for note in predicted.notes), (
+            predicted.notes
+        )
     result = train(recipe, progress=False)
     log = [json.loads(line) for line in result.log_path.read_text().splitlines()]
     for tier, peak in log[-1]["peak_bytes"].items():
