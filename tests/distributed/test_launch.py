@@ -59,18 +59,17 @@ def test_torchrun_trains_as_one_process_with_the_global_batch(
     )
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
-    # the estimate for 2 processes predicts the bytes each rank sends per step, as the run logged them
+    # the estimate for 2 processes predicts the bytes each rank sends per step, as the run logged them, to the
+    # byte: the engine's step on a ledger, its collectives counting (weights gathered, gradients reduced and
+    # scattered, the step's token count, loss and gradient norm all-reduced)
     from tiertune.config.recipe import load_recipe
     from tiertune.estimates.report import estimate
 
     predicted = estimate(load_recipe(two), measure=False, processes=2).scale_out.wire
+    assert set(predicted) == {"all_gather", "reduce_scatter", "all_reduce"}
     records = [json.loads(line) for line in (tmp_path / "two" / "trainer_log.jsonl").read_text().splitlines()]
     for sent in (r["wire_bytes"] for r in records):
-        assert (
-            sent["all_gather"] == predicted["all_gather"]
-            and sent["reduce_scatter"] == predicted["reduce_scatter"]
-        )
-        assert sent["all_reduce"] <= 64  # the step's token count, loss and gradient norm
+        assert sent == predicted
     # rank 0 writes the run's files and reports once; each rank offloaded into its own directory
     assert done.stdout.count("done: 4 steps") == 1
     assert "x 2 ranks" in done.stdout

@@ -3,7 +3,10 @@ rank's shard (``all_gather``), a gradient chunk summed across ranks into this ra
 (``reduce_scatter``), and a small tensor summed everywhere (``all_reduce``: norms, replicated adapters'
 gradients). Each counts what it puts on the wire in ``Wire``, as ring algorithms move it (NCCL's and gloo's):
 ``(N - 1) / N`` of the full buffer is sent by each rank for a gather or a scatter, twice that for an
-all-reduce; ``bench_zero`` compares the counts with the ZeRO-3 formula."""
+all-reduce; ``bench_zero`` compares the counts with the ZeRO-3 formula.
+
+``GROUP`` runs them over the process group; ``Counting(size)`` is what a ledger replays (``engine.replay``):
+the same calls over ``size`` ranks, counting what each would send, moving nothing, joining no group."""
 
 from __future__ import annotations
 
@@ -91,7 +94,7 @@ def _sharded(kind: str, shard: torch.Tensor, full: torch.Tensor, wire: Wire | No
         else:
             (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(shard, full)
     if wire is not None:  # ring algorithms: each rank sends N - 1 shards either way
-        wire.sent[kind] += (n - 1) * shard.numel() * shard.element_size()
+        wire.sent[kind] += _sent(kind, shard, n)
 
 
 def all_reduce(tensor: torch.Tensor, wire: Wire | None = None) -> None:
@@ -104,4 +107,43 @@ def all_reduce(tensor: torch.Tensor, wire: Wire | None = None) -> None:
     with guarded("all_reduce"):
         dist.all_reduce(tensor)
     if wire is not None:
-        wire.sent["all_reduce"] += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
+        wire.sent["all_reduce"] += _sent("all_reduce", tensor, n)
+
+
+def _sent(kind: str, tensor: torch.Tensor, n: int) -> int:
+    """Bytes one of ``n`` ranks sends in a ring collective: ``tensor`` is its shard (a gather or a scatter:
+    N - 1 shards) or the buffer all-reduced (twice (N - 1) / N of it)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return (n - 1) * nbytes if kind != "all_reduce" else 2 * (n - 1) * nbytes // n
+
+
+class Group:
+    """The collectives over the process group (``all_gather``, ``reduce_scatter``, ``all_reduce``)."""
+
+    all_gather = staticmethod(all_gather)
+    reduce_scatter = staticmethod(reduce_scatter)
+    all_reduce = staticmethod(all_reduce)
+
+
+GROUP = Group()
+
+
+class Counting(Group):
+    """The collectives over ``size`` ranks as a ledger runs them: each counts in ``Wire`` the bytes this rank
+    would send, and leaves its buffers as they are (no group is joined, nothing is moved)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def all_gather(self, shard: torch.Tensor, full: torch.Tensor, wire: Wire | None = None) -> None:  # type: ignore[override]
+        self._count("all_gather", shard, wire)
+
+    def reduce_scatter(self, full: torch.Tensor, shard: torch.Tensor, wire: Wire | None = None) -> None:  # type: ignore[override]
+        self._count("reduce_scatter", shard, wire)
+
+    def all_reduce(self, tensor: torch.Tensor, wire: Wire | None = None) -> None:  # type: ignore[override]
+        self._count("all_reduce", tensor, wire)
+
+    def _count(self, kind: str, tensor: torch.Tensor, wire: Wire | None) -> None:
+        if wire is not None and self.size > 1:
+            wire.sent[kind] += _sent(kind, tensor, self.size)

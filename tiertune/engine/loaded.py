@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from tiertune.distributed.collectives import GROUP, Counting
 from tiertune.distributed.world import World
 from tiertune.engine.config import EngineConfig
 from tiertune.engine.sharding import Local, Sharding, Zero
@@ -115,7 +116,10 @@ def load_model(
             in_place=config.method == "lora",
             cache=cache,
         )
-        return LoadedModel(model, parts, quant, checkpoint, source, Zero(store, world, full, times), cache)
+        # a ledger's collectives count the bytes each would send among world.size ranks, and join no group
+        collectives = Counting(world.size) if store.ledger else GROUP
+        zero = Zero(store, world, full, times, collectives)
+        return LoadedModel(model, parts, quant, checkpoint, source, zero, cache)
     source = load_into_store(
         parts,
         checkpoint,

@@ -29,11 +29,13 @@ from tiertune.offload.store import StoreConfig
 @dataclass
 class Replayed:
     """What the ledger counted: per tier its peak bytes over the replayed steps; per link (``disk->host``...)
-    the bytes the last step moved; per memory tier and size class the most chunks in use at once."""
+    the bytes the last step moved; per memory tier and size class the most chunks in use at once; per
+    collective the bytes this rank sent in the last step (of several ranks)."""
 
     peaks: dict[str, int]
     moved: dict[str, int]
     in_use: dict[str, dict[int, int]] = field(default_factory=dict)
+    wire: dict[str, int] = field(default_factory=dict)
 
 
 CLIPPED = (True, False, False, False)
@@ -69,15 +71,22 @@ def replay(
     try:
         batch = [_micro_batch(cfg, rows, tokens)] * micro_batches
         before: dict[str, int] = {}
+        sent: dict[str, int] = {}
         for _ in clipped:
-            before = trainer.store_stats().bytes_moved
+            before, sent = trainer.store_stats().bytes_moved, trainer.wire_sent()
             with held_back("tiertune", logging.WARNING):
                 trainer.step(batch)
         stats = trainer.store_stats()
-        moved = {k: n - before.get(k, 0) for k, n in stats.bytes_moved.items() if n - before.get(k, 0)}
-        return Replayed({t: s.peak for t, s in stats.tiers.items()}, moved, trainer.in_use_peaks())
+        moved = _since(before, stats.bytes_moved)
+        peaks = {t: s.peak for t, s in stats.tiers.items()}
+        return Replayed(peaks, moved, trainer.in_use_peaks(), _since(sent, trainer.wire_sent()))
     finally:
         trainer.close()
+
+
+def _since(before: dict[str, int], now: dict[str, int]) -> dict[str, int]:
+    """The counts that grew since ``before``, by how much."""
+    return {k: n - before.get(k, 0) for k, n in now.items() if n - before.get(k, 0)}
 
 
 def _micro_batch(cfg: EngineConfig, rows: int, tokens: int) -> dict[str, torch.Tensor]:

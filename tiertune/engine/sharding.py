@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from tiertune.distributed.collectives import Wire, all_gather, all_reduce, reduce_scatter
+from tiertune.distributed.collectives import GROUP, Group, Wire
 from tiertune.distributed.ownership import Slice, owned_slices, pack_by_owner, run_length, views_of_run
 from tiertune.distributed.world import World
 from tiertune.offload.chunk import Chunk, ChunkLayout, layout_views
@@ -88,12 +88,19 @@ class Local:
 class Zero:
     """This rank's side of ZeRO-3: ``full`` maps each shard chunk's id to the whole chunk's layout. ``wire``
     counts the bytes this rank sends; ``times`` (the engine's) gets ``gather`` and ``reduce_scatter``
-    seconds."""
+    seconds. ``collectives``: the process group's, or on a ledger ``Counting`` ones (bytes counted, none
+    moved)."""
 
     def __init__(
-        self, store: ChunkStore, world: World, full: dict[int, ChunkLayout], times: dict[str, float]
+        self,
+        store: ChunkStore,
+        world: World,
+        full: dict[int, ChunkLayout],
+        times: dict[str, float],
+        collectives: Group = GROUP,
     ) -> None:
         self.store, self.world, self.full, self.times = store, world, full, times
+        self.collectives = collectives
         self.owned = {cid: owned_slices(layout, world.size) for cid, layout in full.items()}
         # the part of each tensor this rank owns (a tensor is never split between two chunks)
         self.mine: dict[str, Slice] = {s.name: s for owned in self.owned.values() for s in owned[world.rank]}
@@ -112,7 +119,7 @@ class Zero:
             self.times["io_wait"] += time.perf_counter() - began
             with self.store.scratch(layout.capacity, f"{chunk.name}.gathered") as flat:
                 began = time.perf_counter()
-                all_gather(self.store.buffer(chunk), flat, self.wire)
+                self.collectives.all_gather(self.store.buffer(chunk), flat, self.wire)
                 self.times["gather"] += time.perf_counter() - began
                 self.store.release(chunk)
                 held = False
@@ -134,22 +141,23 @@ class Zero:
         owned = self.owned[chunk.id]
         began = time.perf_counter()
         present = {n: g for n, g in grads.items() if g is not None}
-        packed = pack_by_owner(present, owned, device=self.device)
-        run = torch.empty(run_length(owned), dtype=torch.float32, device=self.device)
-        reduce_scatter(packed, run, self.wire)
+        device = torch.device("meta") if self.store.ledger else self.device  # a ledger's hold no bytes
+        packed = pack_by_owner(present, owned, device=device)
+        run = torch.empty(run_length(owned), dtype=torch.float32, device=device)
+        self.collectives.reduce_scatter(packed, run, self.wire)
         self.times["reduce_scatter"] += time.perf_counter() - began
         return {s.name: view for s, view in views_of_run(run, owned[self.world.rank])}
 
     def global_norm(self, local: torch.Tensor) -> torch.Tensor:
         """The norm over all ranks' elements, from this rank's norm of its own (fp32, on the CPU)."""
         squared = (local.float() ** 2).reshape(1).to(self.device)
-        all_reduce(squared, self.wire)
+        self.collectives.all_reduce(squared, self.wire)
         return squared.sqrt().cpu().reshape(())
 
     def total(self, value: float | int, dtype: torch.dtype = torch.float64) -> float | int:
         """``value`` summed over the ranks (a step's loss or its token count)."""
         t = torch.tensor([value], dtype=dtype, device=self.device)
-        all_reduce(t, self.wire)
+        self.collectives.all_reduce(t, self.wire)
         return t.item()
 
     def all_reduce_grads(self, params: Sequence[torch.Tensor]) -> None:
@@ -161,7 +169,7 @@ class Zero:
         if not params:
             return
         flat = torch.cat([p.grad.reshape(-1).float() for p in params])  # type: ignore[union-attr]
-        all_reduce(flat, self.wire)
+        self.collectives.all_reduce(flat, self.wire)
         at = 0
         for p in params:
             n = p.numel()

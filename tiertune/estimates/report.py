@@ -91,10 +91,11 @@ class ScaleOut:
     """The run launched as ``processes`` ranks, ``per_node`` of them on each node (ZeRO-3 over chunks): what
     one rank keeps on each tier (its shard of every chunk, 1/N of it padded to whole 4 KiB pages; layer inputs
     whole), the whole chunks it gathers on its device while computing, what a node's ranks keep together,
-    and the bytes one rank sends per step (ring algorithms send (N - 1)/N of each buffer): ``all_gather``
-    (forward gathers every weight chunk, backward each layer's again, per micro-batch), ``reduce_scatter``
-    (the trained weights' fp32 gradients, per micro-batch) and ``all_reduce`` (replicated LoRA adapters'
-    gradients, per step)."""
+    and the bytes rank 0 sends in a step, by collective, as the engine's step on a ledger sends them
+    (``engine.replay``, its collectives counting what ring algorithms send): ``all_gather`` (the weights
+    gathered per wave, a layer's in forward and again in backward), ``reduce_scatter`` (the trained weights'
+    fp32 gradients), ``all_reduce`` (the step's loss and token count, the gradient norm, replicated LoRA
+    adapters' gradients)."""
 
     processes: int
     per_node: int
@@ -131,26 +132,15 @@ class ScaleOut:
         }
 
 
-def _scale_out(chunks: list[_Chunk], processes: int, per_node: int, waves: int, adapters: int) -> ScaleOut:
-    """``ScaleOut`` from the chunks one rank registers (``_chunks`` of a store of ``processes`` shards): the
-    gathers and reduce-scatters as ``engine.sharding.Zero`` runs them (a trained chunk's gradients packed by
-    owner, each rank's run padded to the longest), once per wave of micro-batches (``engine.schedule``): the
-    groups outside the layers gathered once, each layer twice (forward, backward), each gradient reduced once."""
-    from tiertune.distributed.ownership import owned_slices, run_length
-
-    n = processes
+def _scale_out(chunks: list[_Chunk], processes: int, per_node: int) -> ScaleOut:
+    """``ScaleOut`` from the chunks one rank registers (``_chunks`` of a store of ``processes`` shards): what it
+    homes per tier and the most whole chunks it gathers on its device at once (a layer's, and the groups outside
+    the layers). The bytes on the wire are the replay's (``engine.replay``, counting collectives)."""
     per_rank = {tier.value: sum(c.capacity for c in chunks if c.home is tier) for tier in ORDER}
     wholes = [c.whole for c in chunks if c.whole is not None]
-    changed = [c.whole for c in chunks if c.whole is not None and c.changed]
     layers = [c.whole.capacity for c in chunks if c.whole is not None and c.layer]
     gathered = max(layers, default=0) + sum(w.capacity for w in wholes) - sum(layers)
-    ring = (n - 1) / n
-    wire = {
-        "all_gather": round(waves * ring * (sum(w.capacity for w in wholes) + sum(layers))),
-        "reduce_scatter": waves * sum((n - 1) * run_length(owned_slices(w, n)) * 4 for w in changed),
-        "all_reduce": round(2 * ring * adapters * 4),
-    }
-    return ScaleOut(n, per_node, per_rank, gathered, {k: v for k, v in wire.items() if v})
+    return ScaleOut(processes, per_node, per_rank, gathered, {})
 
 
 @dataclass
@@ -423,7 +413,7 @@ def estimate(
     if processes > 1:
         local = per_node or processes
         sharded, _ = planned(World(rank=0, size=processes, local_rank=0, local_size=local))
-        laid, _, trained_n, _, rank_wave, _ = run_layout(
+        laid, _, _, _, rank_wave, _ = run_layout(
             recipe.model.path,
             sharded,
             dataclasses.replace(cfg, wave_size=0),
@@ -431,13 +421,22 @@ def estimate(
             target is not None,
             disk_room,
         )
-        adapters = trained_n if cfg.method == "lora" else 0
-        waves = -(
-            -recipe.training.gradient_accumulation_steps // rank_wave
-        )  # as the rank's plan cuts its step
-        est.scale_out = _scale_out(laid, processes, local, waves, adapters)
-        est.scale_out.budgets = {"device": sharded.device_budget, "host": sharded.host_budget}
+        est.scale_out = _scale_out(laid, processes, local)
         est.scale_out.plan = make_plan(laid, on_cpu=target is None)
+        rank_cfg = dataclasses.replace(cfg, wave_size=rank_wave, twins=any(c.role == "twin" for c in laid))
+        # rank 0's steps on a ledger, its collectives counting what it sends
+        rank = _replay(
+            recipe,
+            est.scale_out.plan,
+            sharded,
+            rank_cfg,
+            {Tier.DEVICE: sharded.device_budget, Tier.HOST: sharded.host_budget, Tier.DISK: disk_room},
+            [],
+            device,
+            World(rank=0, size=processes, local_rank=0, local_size=local),
+        )
+        est.scale_out.wire = rank.wire if rank is not None else {}
+        est.scale_out.budgets = {"device": sharded.device_budget, "host": sharded.host_budget}
     if measure:
         est.bandwidth = measure_bandwidth(store_cfg, notes=est.notes)
         if target is not None and target.host_to_device and "host_to_device" not in est.bandwidth:
@@ -454,6 +453,7 @@ def _replay(
     budgets: dict[Tier, int],
     notes: list[str],
     device: torch.device,
+    world: World | None = None,
 ) -> Replayed | None:
     """The run's steps replayed on a ledger (``engine.replay``: the engine's own step over the store's own
     placement, eviction and prefetch, every micro-batch); its peaks and the bytes a step moves. None (with a
@@ -476,6 +476,7 @@ def _replay(
             t.gradient_accumulation_steps,
             replaying.CLIPPED,
             device,
+            world,
         )
     except (BudgetError, StateError) as exc:  # the store's own refusal, as a run would meet it
         notes.append(

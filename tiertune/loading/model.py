@@ -568,7 +568,7 @@ def load_shards(
                     [
                         (
                             shard_layout(layout, rank, world_size),
-                            InPlace.image(path, *layout.shard_range(rank)),
+                            InPlace.image(path, *layout.shard_range(rank), stamped=not store.ledger),
                         )
                     ],
                     name,

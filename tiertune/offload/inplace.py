@@ -86,10 +86,14 @@ class InPlace:
         return InPlace(tuple(windows), tuple(s for s in self.stamps if s[0] in files))
 
     @classmethod
-    def image(cls, path: Path, start: int, end: int) -> InPlace:
-        """Bytes [start, end) of the file ``path``, an image of a chunk from its byte 0 (the quantized cache's)."""
+    def image(cls, path: Path, start: int, end: int, stamped: bool = True) -> InPlace:
+        """Bytes [start, end) of the file ``path``, an image of a chunk from its byte 0 (the quantized cache's);
+        stamped with the file's size and time unless ``stamped`` is false (a ledger's: no file is written)."""
+        window = (Window(path, start, 0, end - start),)
+        if not stamped:
+            return cls(window, ())
         st = path.stat()
-        return cls((Window(path, start, 0, end - start),), ((path, st.st_size, st.st_mtime_ns),))
+        return cls(window, ((path, st.st_size, st.st_mtime_ns),))
 
 
 def can_map(tensor: FileTensor) -> bool:
