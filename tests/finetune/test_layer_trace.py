@@ -55,7 +55,7 @@ def _real_peak(model, cfg, tokens: int) -> int:
 
     from peft import LoraConfig, inject_adapter_in_model
 
-    from tiertune.engine.schedule import Handoff
+    from tiertune.engine.compute import Handoff
     from tiertune.engine.tiling import tile_layer
     from tiertune.kernels.ops.attention import use_segment_attention
     from tiertune.kernels.patch import patch_model

@@ -135,27 +135,31 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int, gpu: bool = False) -> i
     CPU; its input and its output's gradient aside. Raises what the
     trace raises (an architecture whose ops have no meta kernels). A full fine-tune's weight gradients aside:
     the plan counts them as their own item."""
-    from tiertune.engine.schedule import Handoff
+    from tiertune.engine.compute import Handoff
     from tiertune.engine.tiling import tile_layer
     from tiertune.kernels.ops.attention import use_segment_attention
     from tiertune.kernels.patch import patch_model
     from tiertune.loading.model import split_model
 
     with torch.device("meta"):
-        model = copy.deepcopy(model)
+        model = _with_first_layer(model)
         if cfg.method == "lora":
             from peft import LoraConfig, inject_adapter_in_model
 
             # no dropout: tiertune's LoRA op draws its mask again from a seed in backward (it saves none), and a
             # meta tensor has no generator to draw it
             lora = cfg.lora
-            targets = lora.target_modules
+            config = LoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=0.0,
+                target_modules=lora.target_modules,
+                target_parameters=list(lora.target_parameters) if lora.target_parameters else None,
+                use_dora=lora.use_dora,
+            )
             with warnings.catch_warnings():  # peft's notes on patterns this one layer's modules do not match
                 warnings.simplefilter("ignore")
-                inject_adapter_in_model(
-                    LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=targets),
-                    model,
-                )
+                inject_adapter_in_model(config, model)
     if cfg.kernels != "none":
         patch_model(model, "torch")
         use_segment_attention(model)
@@ -192,6 +196,21 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int, gpu: bool = False) -> i
     finally:
         F.scaled_dot_product_attention = sdpa
     return live.peak
+
+
+def _with_first_layer(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` (a meta skeleton) whose decoder keeps its first layer alone: what the trace runs,
+    without copying (and adapting) every layer of a model of a hundred."""
+    from tiertune.loading.model import split_model
+
+    first = split_model(model).layers[0]
+    holder = next(m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and m[0] is first)
+    kept = holder._modules
+    holder._modules = {"0": first}
+    try:
+        return copy.deepcopy(model)
+    finally:
+        holder._modules = kept
 
 
 def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, gpu=False):

@@ -8,14 +8,16 @@ through ``Compute``. There are two substrates:
 - ``Compute``: the real one. Autograd, the model's own modules, the optimizer's arithmetic.
 - ``Ledger``: no arithmetic. Over a ledger store (``StoreConfig.ledger``: chunks of no bytes, on the meta
   device) the same parts make the same store calls in the same order; a layer's output is its input's
-  shape, the loss a scalar with a gradient to the last layer's output, the optimizer's update nothing, and
+  shape and its backward hands its output's gradient to its input (no autograd runs through it: the
+  weights' gradients are none, which the hand-off takes as zeros), the loss a scalar with a gradient to
+  the last layer's output, the optimizer's update nothing, and
   each value read is what the replayed step is given (``Ledger.clipped``: which steps are clipped). So
   ``tiertune estimate`` runs the engine's own step, not a copy of it (``engine.replay``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -71,6 +73,31 @@ class Compute:
     def layer(self, layer: nn.Module, hidden: torch.Tensor, call: Call) -> torch.Tensor:
         """A decoder layer's output for ``hidden`` and ``call`` (``streaming.run_layer``)."""
         return run_layer(layer, hidden, call)
+
+    def layer_backward(
+        self,
+        layer: nn.Module,
+        hidden: torch.Tensor,
+        call: Call,
+        holder: list[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        more: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]] | None = None,
+    ) -> list[torch.Tensor | None]:
+        """The layer recomputed on ``hidden`` and back-propagated with its output's gradient (taken from
+        ``holder``, so that nothing else keeps it while backward runs) and the (output, gradient) pairs that
+        ``more()`` gives after the recompute (the router's logits): the gradients of ``inputs``, None where
+        one is unused."""
+        out = self.layer(layer, hidden, call)
+        # neither the output nor its gradient stays referenced here while backward runs
+        outputs: list = [Handoff.apply(out, holder)]
+        grad_outputs: list = [None]
+        del out
+        for output, grad in more() if more is not None else ():
+            outputs.append(output)
+            grad_outputs.append(grad)
+        if not inputs:
+            return []
+        return list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
 
     def loss(
         self,
@@ -131,9 +158,24 @@ class Ledger(Compute):
             hidden = layer(hidden)
 
     def layer(self, layer: nn.Module, hidden: torch.Tensor, call: Call) -> torch.Tensor:
-        out = hidden * 1.0  # its input's shape, and a gradient path to it
-        # a layer whose input carries no gradient (a frozen base's first, LoRA's) still back-propagates
-        return out if out.requires_grad else out.requires_grad_()
+        # its input's shape (an empty tensor: arithmetic on the meta device runs torch's Python reference
+        # kernels, the replay's largest cost), and a gradient path to it when autograd records
+        if not torch.is_grad_enabled():
+            return torch.empty_like(hidden)
+        return _Through.apply(hidden) if hidden.requires_grad else torch.empty_like(hidden).requires_grad_()
+
+    def layer_backward(
+        self,
+        layer: nn.Module,
+        hidden: torch.Tensor,
+        call: Call,
+        holder: list[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        more: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]] | None = None,
+    ) -> list[torch.Tensor | None]:
+        # the layer is its input's shape: its input's gradient is its output's, the weights' none
+        grad = holder.pop()
+        return [grad if k == 0 and t is hidden else None for k, t in enumerate(inputs)]
 
     def loss(
         self,
@@ -157,4 +199,31 @@ class Ledger(Compute):
         return token_losses.sum(1) * 0.0, {}
 
 
-__all__ = ["Compute", "Ledger"]
+class Handoff(torch.autograd.Function):
+    """A scalar on ``out``'s graph whose backward hands ``out`` the gradient in ``holder`` (taken from it):
+    back-propagating from the scalar is back-propagating ``out`` with that gradient, but neither ``out`` (not
+    saved) nor the gradient (autograd's only reference once taken) outlives its use."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, holder: list[torch.Tensor]) -> torch.Tensor:
+        ctx.holder = holder
+        return out.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _: torch.Tensor):
+        return ctx.holder.pop(), None
+
+
+class _Through(torch.autograd.Function):
+    """A ledger's layer under autograd: an empty tensor of its input's shape whose gradient is its input's."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+__all__ = ["Compute", "Handoff", "Ledger"]

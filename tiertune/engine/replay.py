@@ -36,6 +36,7 @@ class Replayed:
     moved: dict[str, int]
     in_use: dict[str, dict[int, int]] = field(default_factory=dict)
     wire: dict[str, int] = field(default_factory=dict)
+    adapters: int = 0  # the LoRA parameters the engine trains (peft's wrapping)
 
 
 CLIPPED = (True, False, False, False)
@@ -61,7 +62,8 @@ def replay(
     alone) on a ledger store configured as ``store_cfg`` (its budgets and the plan's reserve). ``clipped[k]``:
     whether step k's gradient norm is above ``max_grad_norm`` (the engine speculates on a step unless the one
     before was clipped, and redoes a speculative step that is). The first step records the trace, as in a run;
-    the bytes moved are the last step's. ``device``: what the run computes on (default: the store's)."""
+    the bytes moved are the last step's (no step: the trainer only built). ``device``: what the run computes
+    on (default: the store's)."""
     ledger = dataclasses.replace(store_cfg, ledger=True, device=device or store_cfg.device)
     # a replay is no run: what the engine says of the run it builds is not the estimate's to print
     with held_back("tiertune", logging.WARNING):
@@ -79,7 +81,8 @@ def replay(
         stats = trainer.store_stats()
         moved = _since(before, stats.bytes_moved)
         peaks = {t: s.peak for t, s in stats.tiers.items()}
-        return Replayed(peaks, moved, trainer.in_use_peaks(), _since(sent, trainer.wire_sent()))
+        adapters = sum(p.numel() for p in trainer.adapters.params) if trainer.adapters else 0
+        return Replayed(peaks, moved, trainer.in_use_peaks(), _since(sent, trainer.wire_sent()), adapters)
     finally:
         trainer.close()
 

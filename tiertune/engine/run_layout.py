@@ -44,7 +44,7 @@ def memory_plan(model_path: str, store_cfg: StoreConfig, cfg: EngineConfig) -> t
     ``train`` checks before loading the model, and what ``estimate`` reports."""
     on_gpu = store_cfg.device.type == "cuda"
     disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
-    laid = run_layout(model_path, store_cfg, cfg, [], on_gpu, disk_room)
+    laid = run_layout(model_path, store_cfg, cfg, [], on_gpu, disk_room, outside=False)
     return make_plan(laid.chunks, on_cpu=not on_gpu), any(c.role == "twin" for c in laid.chunks), laid.wave
 
 
@@ -69,11 +69,14 @@ def run_layout(
     on_gpu: bool,
     disk_free: int,
     measure: Callable[[torch.nn.Module, list[torch.nn.Module]], Any] | None = None,
+    outside: bool = True,
 ) -> RunLayout:
     """Every chunk a run of the model at ``model_path`` would register, laid out as the store lays them out
     (what a reader should know about the model is appended to ``notes``; ``on_gpu``: computed on a GPU;
     ``disk_free``: the free bytes at ``disk_path``, room the overlap decision weighs). ``measure(model,
-    layers)``: called on the meta skeleton before it is converted (the estimate counts a step's FLOPs there). With activations on the
+    layers)``: called on the meta skeleton before it is converted (the estimate counts a step's FLOPs there).
+    ``outside``: whether to count the bytes outside the store (a layer's activations are traced for them); a
+    LoRA run's adapters are the engine's to count (``engine.replay``), not here. With activations on the
     host and ``cfg.wave_size`` 0, the wave is the most micro-batches of a step whose boundary chunks fit the
     budgets (decided before the twins, which take the room left)."""
     from tiertune.engine.layout import home_tier_used
@@ -91,7 +94,7 @@ def run_layout(
         k = cfg.gradient_accumulation_steps
         measured = measure(model, list(parts.layers)) if measure is not None else None
         saved = _saved_quantization(model, model_path, cfg.quantize, notes)
-        layer_saved = _layer_saved(model, cfg, micro, k, notes, on_gpu)
+        layer_saved = _layer_saved(model, cfg, micro, k, notes, on_gpu) if outside else 0
         quant = make_quantizer(cfg.quantize, cfg.dtype, saved)
         # converted as the engine converts them: the linear layers, and MoE experts one 4-bit matrix each
         if quant is not None:
@@ -200,7 +203,7 @@ def run_layout(
             units.append(_states(chunks, cfg, galore, device, gi))
     hidden = model.config.get_text_config(decoder=True).hidden_size
     act = cfg.activation_tokens * hidden * itemsize(cfg.dtype)
-    outside: dict[str, int] = {}
+    beside: dict[str, int] = {}
     m = len(schedule_waves(cfg, k)[0])  # micro-batches per wave
     if cfg.activations == "host":  # ``stash.ChunkStash``: a chunk per layer boundary, a slot per micro-batch
 
@@ -232,18 +235,18 @@ def run_layout(
                 )
         chunks.extend(boundaries(stash_slots(cfg) if cfg.wave_size else m))
     else:  # ``stash.DeviceStash``
-        outside["hidden states at the layer boundaries"] = act * m * (len(parts.layers) + 1)
+        beside["hidden states at the layer boundaries"] = act * m * (len(parts.layers) + 1)
     if layer_saved:
-        outside["a layer's activations and temporaries (recompute and backward)"] = layer_saved
+        beside["a layer's activations and temporaries (recompute and backward)"] = layer_saved
     # ``schedule._reference_layer``: the reference's boundary per micro-batch of the
     if cfg.objective.reference:
         # wave, and the one a layer's visit makes from it
-        outside["the reference's hidden states (DPO)"] = act * (m + 1)
+        beside["the reference's hidden states (DPO)"] = act * (m + 1)
     # backward carries each micro-batch's gradient at a layer boundary; a trained layer's gradient is summed
     # over the wave in fp32
-    outside["boundary gradients of a wave"] = act * m
+    beside["boundary gradients of a wave"] = act * m
     if trained_flag:
-        outside["a layer's gradient, summed over a wave (fp32)"] = (
+        beside["a layer's gradient, summed over a wave (fp32)"] = (
             max((sum(p.numel() for p in layer.parameters()) for layer in parts.layers), default=0) * 4
         )
     if trained_flag and cfg.overlap_optimizer != "off" and clipping:
@@ -281,14 +284,10 @@ def run_layout(
         mixed = on_gpu and cfg.dtype in (torch.bfloat16, torch.float16)
         capped = bool(getattr(model.config, "final_logit_softcapping", None))
         loss = working_bytes(cfg.activation_tokens, vocab, hidden, cfg.dtype, mixed, capped)
-        outside["loss chunk (fused with the head)"] = loss + head
+        beside["loss chunk (fused with the head)"] = loss + head
     else:  # the logits of a micro-batch, their fp32 copy for the loss and its gradient
-        outside["logits and their gradient"] = cfg.activation_tokens * vocab * (itemsize(cfg.dtype) + 8)
-    if cfg.method == "lora":
-        params = _adapter_parameters(model, cfg.lora)
-        outside["LoRA adapters + states"] = params * 16
-        trained = params
-    return RunLayout(chunks, parameters, trained, outside, m, measured)
+        beside["logits and their gradient"] = cfg.activation_tokens * vocab * (itemsize(cfg.dtype) + 8)
+    return RunLayout(chunks, parameters, trained, beside if outside else {}, m, measured)
 
 
 def _layer_saved(model: torch.nn.Module, cfg, micro: int, k: int, notes: list[str], on_gpu: bool) -> int:
@@ -339,22 +338,6 @@ def _saved_quantization(
             f"{quantize}); `tiertune train` on this model.path stops with this error"
         )
         return None
-
-
-def _adapter_parameters(model: torch.nn.Module, settings) -> int:
-    """The LoRA parameters a run trains on ``model`` (the meta skeleton, converted as the run converts it):
-    peft's own wrapping, as the engine makes it (``Adapters``, on the meta device), so MoE experts and routers
-    count where peft adapts them as parameters (``target_parameters``, or added by peft to ``all-linear``), and
-    a setting peft refuses fails here as it would fail the run."""
-    import warnings
-
-    from tiertune.methods.lora import Adapters
-
-    with torch.device("meta"), warnings.catch_warnings():
-        # peft's own rank pattern for fused gate_up experts (2r) takes effect but is reported unmatched
-        warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match")
-        adapters = Adapters(model, settings, torch.device("meta"))
-    return sum(p.numel() for p in adapters.params)
 
 
 def _states(chunks: list[_Chunk], cfg, galore, device: torch.device, group: int) -> dict[str, _Chunk]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, suppress
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -287,26 +288,19 @@ class LayerMajor(PairedPasses):
                     with head.before[i].running(engine.device), torch.enable_grad():
                         x, call = self._stacked(i, micro, group, xs)
                         x = x.detach().requires_grad_(input_grad)
-                        out = engine.compute.layer(self.layers[i], x, call)
                         inputs = ([x] if input_grad else []) + list(trained.values()) + adapters
-                        grad = head.grad if len(group) == 1 else torch.cat([micro[j].grad for j in group])
+                        # the auxiliary loss's gradient at the router logits (which the recompute records)
+                        aux = (
+                            partial(engine.router_aux.gradients, group[0], i)
+                            if engine.router_aux is not None
+                            else None
+                        )
+                        # the gradient handed over in a list (``Handoff``): once the layer's ops have used it,
+                        # nothing here references it while backward runs
+                        holder = [head.grad if len(group) == 1 else torch.cat([micro[j].grad for j in group])]
                         for j in group:
                             micro[j].grad = None
-                        # neither the output nor its gradient stays referenced here while backward runs: the output
-                        # goes now (nothing reads it), the gradient once the layer's ops have used it
-                        outputs: list = [Handoff.apply(out, [grad])]
-                        grad_outputs: list = [None]
-                        del out, grad
-                        # the auxiliary loss's gradient at the router logits
-                        if engine.router_aux is not None:
-                            for logits, g in engine.router_aux.gradients(group[0], i):
-                                outputs.append(logits)
-                                grad_outputs.append(g)
-                        grads = (
-                            list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
-                            if inputs
-                            else []
-                        )
+                        grads = engine.compute.layer_backward(self.layers[i], x, call, holder, inputs, aux)
                     gx = grads.pop(0) if input_grad else None
                     parts = (
                         gx.split([micro[j].shape[0] for j in group])
@@ -320,7 +314,7 @@ class LayerMajor(PairedPasses):
                     for p, g in zip(adapters, grads[len(trained) :], strict=True):
                         if g is not None:  # as autograd accumulates a leaf's gradient
                             p.grad = g if p.grad is None else p.grad.add_(g)
-                    del outputs, x, grads
+                    del x, grads
             self.stash.close(i, keep=False)
             if trainable:
                 engine.layer_grads(i, {n: summed.get(n) for n in trained})
@@ -337,21 +331,6 @@ class LayerMajor(PairedPasses):
                 torch.autograd.backward(visit.first, mb.grad)
                 harvest(bound, summed)
             mb.grad = None
-
-
-class Handoff(torch.autograd.Function):
-    """A scalar on ``out``'s graph whose backward hands ``out`` the gradient in ``holder`` (taken from it):
-    back-propagating from the scalar is back-propagating ``out`` with that gradient, but neither ``out`` (not
-    saved) nor the gradient (autograd's only reference once taken) outlives its use."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, holder: list[torch.Tensor]) -> torch.Tensor:
-        ctx.holder = holder
-        return out.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _: torch.Tensor):
-        return ctx.holder.pop(), None
 
 
 def _first_fit(micro: Sequence[Micro], limit: int, joins: Callable[[Micro, Micro], bool]) -> list[list[int]]:
@@ -372,4 +351,4 @@ def _first_fit(micro: Sequence[Micro], limit: int, joins: Callable[[Micro, Micro
     return groups
 
 
-__all__ = ["Handoff", "LayerMajor", "streams", "waves"]
+__all__ = ["LayerMajor", "streams", "waves"]

@@ -132,6 +132,10 @@ class ScaleOut:
         }
 
 
+UNBOUNDED = 1 << 62
+"""A budget no run reaches: the engine built on a ledger only to count what it builds."""
+
+
 def _scale_out(chunks: list[_Chunk], processes: int, per_node: int) -> ScaleOut:
     """``ScaleOut`` from the chunks one rank registers (``_chunks`` of a store of ``processes`` shards): what it
     homes per tier and the most whole chunks it gathers on its device at once (a layer's, and the groups outside
@@ -364,6 +368,19 @@ def estimate(
     replayed = _replay(
         recipe, memory, store_cfg, dataclasses.replace(cfg, twins=twins), budgets, notes, device
     )
+    if cfg.method == "lora":  # the adapters peft wraps the engine's model in (built alone when no step ran)
+        built = replayed or replaying.replay(
+            recipe.model.path,
+            dataclasses.replace(store_cfg, device_budget=UNBOUNDED, host_budget=UNBOUNDED, disk_budget=None),
+            cfg,
+            1,
+            1,
+            1,
+            clipped=(),
+            device=device,
+        )
+        trained = built.adapters
+        outside["LoRA adapters + states"] = trained * 16
     tiers = {}
     for tier in ORDER:
         above = ORDER.index(tier)
