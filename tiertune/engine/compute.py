@@ -158,11 +158,15 @@ class Ledger(Compute):
             hidden = layer(hidden)
 
     def layer(self, layer: nn.Module, hidden: torch.Tensor, call: Call) -> torch.Tensor:
-        # its input's shape (an empty tensor: arithmetic on the meta device runs torch's Python reference
-        # kernels, the replay's largest cost), and a gradient path to it when autograd records
+        # its input's shape (a new empty tensor: arithmetic on the meta device, and empty_like, run torch's
+        # Python reference kernels, which were the replay's largest cost), and a gradient path to it when autograd records
         if not torch.is_grad_enabled():
-            return torch.empty_like(hidden)
-        return _Through.apply(hidden) if hidden.requires_grad else torch.empty_like(hidden).requires_grad_()
+            return hidden.new_empty(hidden.shape)
+        return (
+            _Through.apply(hidden)
+            if hidden.requires_grad
+            else hidden.new_empty(hidden.shape).requires_grad_()
+        )
 
     def layer_backward(
         self,
@@ -219,7 +223,7 @@ class _Through(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(hidden)
+        return hidden.new_empty(hidden.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ chunks, converting dtype on the way: peak host memory is the store's host budget
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -194,7 +195,9 @@ def build_skeleton(directory: str | os.PathLike[str], dtype: torch.dtype = torch
 
     config = load_config(directory)
     try:
-        with init_empty_weights(include_buffers=False):
+        # no initializer runs: the parameters are on the meta device, their values never exist (on meta,
+        # torch runs each initializer through its Python reference kernels: seconds for a 70B skeleton)
+        with init_empty_weights(include_buffers=False), _no_init_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     except Exception as exc:  # transformers' model code on a config it cannot use (missing or odd settings)
         import transformers
@@ -211,6 +214,15 @@ def build_skeleton(directory: str | os.PathLike[str], dtype: torch.dtype = torch
     # from_config did: tie again so a tied head is the embedding's own parameter
     model.tie_weights()
     return model
+
+
+def _no_init_weights() -> contextlib.AbstractContextManager:
+    """transformers' own switch that turns torch's and its models' weight initializers off for a block."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # a transformers without it: the initializers run, on meta
+        return contextlib.nullcontext()
+    return no_init_weights()
 
 
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:

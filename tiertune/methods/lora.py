@@ -95,7 +95,9 @@ class Adapters:
             task_type="CAUSAL_LM",
         )
         try:
-            with peft_wrapping():
+            # on the meta device: peft would give each adapter memory and an init, then move it to the base
+            # weights' device (meta); ``_materialize`` gives them both, once
+            with peft_wrapping(), torch.device("meta"):
                 self.peft_model = get_peft_model(model, self.config)
         except ValueError as exc:  # peft: no module matched target_modules, and the like
             if "ParamWrapper" in str(exc) and "dropout" in str(exc):
@@ -206,7 +208,8 @@ class Adapters:
                     for part in (module.lora_A[adapter], module.lora_B[adapter]):
                         part.to_empty(device=device)
                         part.float()
-                    module.reset_lora_parameters(adapter, init_lora_weights=True)
+                    if device.type != "meta":  # (a ledger's: no values to initialize)
+                        module.reset_lora_parameters(adapter, init_lora_weights=True)
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:

@@ -134,7 +134,7 @@ def layout_views(layout: ChunkLayout, flat: torch.Tensor) -> dict[str, torch.Ten
 
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def pack_tensors(

@@ -1168,11 +1168,12 @@ class ChunkStore:
         candidates = [
             c
             for c in self._chunks
-            if c is not exclude
+            # (the cheap tests first: most chunks have no copy on the tier)
+            if tier in c.copies
+            and c.home is not tier
+            and c is not exclude
             and (c.id, tier) not in self._wanted
             and (tier is Tier.DEVICE or (c.id, Tier.DEVICE) not in self._wanted)
-            and c.home is not tier
-            and tier in c.copies
             # a chunk in use elsewhere can still give up its copy here: the copy in use holds its bytes
             and (c.state is not S.IN_USE or (c.use_tier is not tier and c.use_tier in c.valid))
             and c.state not in IN_FLIGHT
