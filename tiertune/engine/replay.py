@@ -1,12 +1,8 @@
-"""A run's training steps replayed on a ledger: the bytes each tier holds and each link moves, counted by the
-engine's own step over the store's own code.
-
-``replay`` builds the ``StreamedTrainer`` the run would build, over a ledger store (``StoreConfig.ledger``:
-the same placement, eviction, prefetch and trace, over no bytes) and the ledger substrate
-(``engine.compute.Ledger``: shapes, no arithmetic), and calls its ``step``. Every store call a step makes
-(weights acquired per wave and layer, the boundaries stashed, gradients handed to the host, the optimizer's
-units, the twins exchanged) is the engine's own; nothing here describes a step. A change to the schedule is
-a change here, checked against runs by ``tests/finetune/test_estimate.py``.
+"""A run's steps replayed on a ledger: ``replay`` builds the ``StreamedTrainer`` the run would build over a
+ledger store (``StoreConfig.ledger``: the store's own placement, eviction, prefetch and trace, over no bytes)
+and the ledger substrate (``engine.compute.Ledger``: shapes, no arithmetic; ZeRO's collectives counting), and
+calls its ``step``. Nothing here describes a step: a change to the schedule needs no change here, and
+``tests/finetune/test_estimate.py`` checks the replay's figures against runs.
 """
 
 from __future__ import annotations
@@ -40,10 +36,9 @@ class Replayed:
 
 
 CLIPPED = (True, False, False, False)
-"""Which replayed steps are clipped, by default: the first (speculated, then redone with the coefficient),
-so the second runs the optimizer after backward and the last two speculate and are confirmed. Every way a
-step's update runs is in the peaks; the bytes moved are the last step's, the steady state of a run whose
-steps are not clipped."""
+"""Which replayed steps are clipped, by default: the first (speculated, then redone), so the second runs the
+optimizer after backward and the last two speculate and are confirmed: every way an update runs is in the
+peaks; the bytes moved are the last step's, the steady state of a run whose steps are not clipped."""
 
 
 def replay(
@@ -61,9 +56,8 @@ def replay(
     objective's: ``rows`` pairs) of the model at ``model_dir`` (its safetensors headers, or its config.json
     alone) on a ledger store configured as ``store_cfg`` (its budgets and the plan's reserve). ``clipped[k]``:
     whether step k's gradient norm is above ``max_grad_norm`` (the engine speculates on a step unless the one
-    before was clipped, and redoes a speculative step that is). The first step records the trace, as in a run;
-    the bytes moved are the last step's (no step: the trainer only built). ``device``: what the run computes
-    on (default: the store's)."""
+    before was clipped, and redoes a speculative step that is). The first step records the trace, as a run's;
+    the bytes moved are the last step's (none: only built). ``device``: what the run computes on."""
     ledger = dataclasses.replace(store_cfg, ledger=True, device=device or store_cfg.device)
     # a replay is no run: what the engine says of the run it builds is not the estimate's to print
     with held_back("tiertune", logging.WARNING):
@@ -72,17 +66,15 @@ def replay(
         )
     try:
         batch = [_micro_batch(cfg, rows, tokens)] * micro_batches
-        before: dict[str, int] = {}
-        sent: dict[str, int] = {}
+        before, sent = {}, {}  # the counts before the last step
         for _ in clipped:
             before, sent = trainer.store_stats().bytes_moved, trainer.wire_sent()
             with held_back("tiertune", logging.WARNING):
                 trainer.step(batch)
-        stats = trainer.store_stats()
-        moved = _since(before, stats.bytes_moved)
-        peaks = {t: s.peak for t, s in stats.tiers.items()}
+        stats, wire = trainer.store_stats(), _since(sent, trainer.wire_sent())
         adapters = sum(p.numel() for p in trainer.adapters.params) if trainer.adapters else 0
-        return Replayed(peaks, moved, trainer.in_use_peaks(), _since(sent, trainer.wire_sent()), adapters)
+        peaks = {t: s.peak for t, s in stats.tiers.items()}
+        return Replayed(peaks, _since(before, stats.bytes_moved), trainer.in_use_peaks(), wire, adapters)
     finally:
         trainer.close()
 
