@@ -191,14 +191,12 @@ def measure_compute(
     than ``MEASURE_LIMIT`` bytes (the caller falls back to a matrix product's rate). A 4-bit base is measured
     unquantized (its dequantization is not in the figure)."""
     import copy
-    import warnings
 
     from transformers import AutoModelForCausalLM
 
     from tiertune.engine.loss import CausalLMLoss
-    from tiertune.kernels.patch import patch_model, resolve_backend
+    from tiertune.engine.prepare import prepare_model
     from tiertune.loading.model import decoder_config
-    from tiertune.methods.lora import Adapters
 
     config = decoder_config(model_dir)
     dtype = cfg.layer_dtype(device)
@@ -207,7 +205,6 @@ def measure_compute(
     embed = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
     if (3 * per_layer + embed) * torch.finfo(dtype).bits // 8 > MEASURE_LIMIT:
         return None
-    backend = resolve_backend("torch" if cfg.kernels == "none" else cfg.kernels, device)
     seconds = []
     spread = 0.0
     began = time.perf_counter()
@@ -218,16 +215,7 @@ def measure_compute(
             c.layer_types = c.layer_types[:n]
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(c, dtype=dtype)
-        model.config.use_cache = False
-        model.train()
-        if cfg.method == "lora":
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                Adapters(model, cfg.lora, device)
-        else:
-            model.requires_grad_(True)
-        if cfg.kernels != "none":  # tiertune's ops in the modules, as the engine patches them
-            patch_model(model, backend)
+        backend = prepare_model(model, cfg, device)  # as the run prepares it
         loss = CausalLMLoss(model, cfg.kernels != "none", backend)
         ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
         _time_step(loss, ids, device)  # warm-up

@@ -1,0 +1,35 @@
+"""A whole model made ready to compute as the engine computes, outside a run: what the speed model measures
+(``estimates.speed.measure_compute``) is the run's own preparation, not a copy of it."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from tiertune.engine.config import EngineConfig
+from tiertune.kernels.patch import patch_model, resolve_backend
+from tiertune.methods.lora import Adapters
+
+
+def prepare_model(model: nn.Module, cfg: EngineConfig, device: torch.device) -> str:
+    """``model`` (built on ``device`` with its weights) as a step of ``cfg`` computes: in training mode
+    without a KV cache (as the engine loads it); LoRA's adapters wrapped by peft as the engine wraps them, or
+    every parameter trained; tiertune's ops patched into its modules where the run patches them. Returns the
+    kernel backend its loss is computed with (``kernels.patch.resolve_backend``)."""
+    backend = resolve_backend("torch" if cfg.kernels == "none" else cfg.kernels, device)
+    model.config.use_cache = False
+    model.train()
+    if cfg.method == "lora":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            Adapters(model, cfg.lora, device)
+    else:
+        model.requires_grad_(True)
+    if cfg.kernels != "none":
+        patch_model(model, backend)
+    return backend
+
+
+__all__ = ["prepare_model"]
