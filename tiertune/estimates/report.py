@@ -371,7 +371,13 @@ def estimate(
     if cfg.method == "lora":  # the adapters peft wraps the engine's model in (built alone when no step ran)
         built = replayed or replaying.replay(
             recipe.model.path,
-            dataclasses.replace(store_cfg, device_budget=UNBOUNDED, host_budget=UNBOUNDED, disk_budget=None),
+            dataclasses.replace(
+                store_cfg,
+                device_budget=UNBOUNDED,
+                host_budget=UNBOUNDED,
+                disk_budget=None,
+                reserve=memory.store_reserve(),
+            ),
             cfg,
             1,
             1,
