@@ -84,6 +84,20 @@ def _datasets_cache(tmp_path_factory):
 CAT_TEXTS = [
     f"the {a} cat sat on the {b} mat ." for a in ("red", "big", "old", "fat") for b in ("blue", "flat", "wet")
 ]
+# preference pairs over the cat texts' words (``data.format: preference``)
+CAT_PAIRS = [
+    {"prompt": f"the {a} cat", "chosen": f" sat on the {b} mat .", "rejected": f" sat on the {c}"}
+    for a, b, c in [
+        ("red", "blue", "wet"),
+        ("big", "flat", "blue"),
+        ("old", "wet", "flat"),
+        ("fat", "blue", "red"),
+        ("red", "flat", "old"),
+        ("big", "wet", "fat"),
+        ("old", "blue", "big"),
+        ("fat", "flat", "wet"),
+    ]
+]
 
 
 @pytest.fixture(scope="session")

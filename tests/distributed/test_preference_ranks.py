@@ -5,19 +5,9 @@ import json
 
 import pytest
 
-PAIRS = [
-    {"prompt": f"the {a} cat", "chosen": f" sat on the {b} mat .", "rejected": f" sat on the {c}"}
-    for a, b, c in [
-        ("red", "blue", "wet"),
-        ("big", "flat", "blue"),
-        ("old", "wet", "flat"),
-        ("fat", "blue", "red"),
-        ("red", "flat", "old"),
-        ("big", "wet", "fat"),
-        ("old", "blue", "big"),
-        ("fat", "flat", "wet"),
-    ]
-]
+from tests.conftest import CAT_PAIRS
+
+PAIRS = CAT_PAIRS
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])

@@ -13,6 +13,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+from tests.conftest import CAT_PAIRS
 from tiertune.cli.app import app
 from tiertune.config.recipe import load_recipe
 from tiertune.engine import replay as replaying
@@ -144,19 +145,7 @@ CASES = {
         "offload.disk_path=null",
     ),
 }
-PAIRS = [
-    {"prompt": f"the {a} cat", "chosen": f" sat on the {b} mat .", "rejected": f" sat on the {c}"}
-    for a, b, c in [
-        ("red", "blue", "wet"),
-        ("big", "flat", "blue"),
-        ("old", "wet", "flat"),
-        ("fat", "blue", "red"),
-        ("red", "flat", "old"),
-        ("big", "wet", "fat"),
-        ("old", "blue", "big"),
-        ("fat", "flat", "wet"),
-    ]
-]
+PAIRS = CAT_PAIRS
 # KTO's unpaired rows: each pair's chosen or rejected completion, labelled
 UNPAIRED = [
     {"prompt": p["prompt"], "completion": p["chosen" if i % 2 else "rejected"], "label": bool(i % 2)}

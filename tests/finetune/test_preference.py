@@ -7,24 +7,13 @@ import math
 import pytest
 import torch
 
+from tests.conftest import CAT_PAIRS
 from tiertune.config.recipe import load_recipe
 from tiertune.errors import ConfigError, DataError
 from tiertune.finetune.data import batches, load_data
 from tiertune.finetune.train import train
 
-PAIRS = [
-    {"prompt": f"the {a} cat", "chosen": f" sat on the {b} mat .", "rejected": f" sat on the {c}"}
-    for a, b, c in [
-        ("red", "blue", "wet"),
-        ("big", "flat", "blue"),
-        ("old", "wet", "flat"),
-        ("fat", "blue", "red"),
-        ("red", "flat", "old"),
-        ("big", "wet", "fat"),
-        ("old", "blue", "big"),
-        ("fat", "flat", "wet"),
-    ]
-]
+PAIRS = CAT_PAIRS
 LORA = {
     "type": "lora",
     "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear", "seed": 3},
