@@ -161,14 +161,15 @@ def test_tiled_equals_untiled_equals_a_plain_loop_at_2k_tokens(tiny_model_dir, d
             assert worst <= 1e-5, (tile, name)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma", "gemma2"])
 def test_the_mlps_norm_and_residual_join_the_tiled_block(family):
-    """The norm before the MLP (``kernels.architectures``: Llama's post-attention norm, Gemma 2's pre-feedforward
-    one) runs inside the tiles, and Llama's residual sum goes into the block's output in place: the layer's
+    """The norm before the MLP (``kernels.architectures``: Llama's and Gemma 1's post-attention norm, Gemma 2's
+    pre-feedforward one) runs inside the tiles, and Llama's and Gemma 1's residual sum goes into the block's
+    output in place: the layer's
     output and every gradient equal the untiled layer's (fp32, 1e-6), the norm module passes its input through,
     the output is a plain tensor, and forward and backward hold less at their peak than with the MLP tiled alone
-    (no whole-length normed sequence, and for Llama no block output beside the layer's: at least 3/4 of one,
-    resp. two, hidden states' bytes less)."""
+    (no whole-length normed sequence, and with the residual in place no block output beside the layer's: at
+    least 3/4 of one, resp. two, hidden states' bytes less)."""
     from tiertune.engine.activations import LiveBytes
     from tiertune.kernels.architectures import mlp_fold
 
@@ -176,6 +177,10 @@ def test_the_mlps_norm_and_residual_join_the_tiled_block(family):
         from transformers import LlamaConfig as Config
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer as Layer
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rotary
+    elif family == "gemma":
+        from transformers import GemmaConfig as Config
+        from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer as Layer
+        from transformers.models.gemma.modeling_gemma import GemmaRotaryEmbedding as Rotary
     else:
         from transformers import Gemma2Config as Config
         from transformers.models.gemma2.modeling_gemma2 import Gemma2DecoderLayer as Layer
@@ -192,7 +197,7 @@ def test_the_mlps_norm_and_residual_join_the_tiled_block(family):
     )
     norm, residual = mlp_fold(config.model_type)
     assert (norm, residual) == (
-        ("post_attention_layernorm", True) if family == "llama" else ("pre_feedforward_layernorm", False)
+        ("pre_feedforward_layernorm", False) if family == "gemma2" else ("post_attention_layernorm", True)
     )
     torch.manual_seed(0)
     layer = Layer(config, 0).train()

@@ -55,9 +55,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mistral": _patched("Mistral"),
     "qwen2": _patched("Qwen2"),
     "qwen3": _patched("Qwen3"),
-    # no fold for Gemma 1 yet: with it, the estimate's exact host peak of a timed full fine-tune
-    # (tests/finetune/test_estimate.py, the Gemma case) missed the run's in 1 of 5 runs, without it in none of 8
-    "gemma": _patched("Gemma", None, False, norm_offset=1.0),
+    "gemma": _patched("Gemma", norm_offset=1.0),
     # sandwich norms: post_attention_layernorm norms the attention's output before its residual add, and
     # post_feedforward_layernorm the MLP's
     "gemma2": _patched("Gemma2", "pre_feedforward_layernorm", False, norm_offset=1.0),
