@@ -443,6 +443,7 @@ def estimate(
             [],
             target is not None,
             disk_room,
+            outside=False,  # a rank's bytes outside the store are not reported: no layer traced for them
         )
         est.scale_out = _scale_out(laid, processes, local)
         est.scale_out.plan = make_plan(laid, on_cpu=target is None)
