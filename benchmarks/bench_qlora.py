@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_load import peak_rss, write_checkpoint
-from common import add_model_args, machine, run_child
+from common import add_model_args, machine, moved_per_step, run_child
 
 from tiertune.settings import parse_size
 
@@ -128,23 +128,21 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
     load_s = time.perf_counter() - began
     batch = _batches(trainer.model.config.vocab_size, args)
     try:
-        losses, times = [], []
-        before: dict[str, int] = {}
+        losses, times, reports = [], [], []
         for _ in range(args.steps):
             began = time.perf_counter()
             losses.append(trainer.step(batch))
             times.append(time.perf_counter() - began)
+            reports.append(trainer.last_report)
             print(f"tiertune step {len(times)}: {times[-1]:.1f} s", file=sys.stderr, flush=True)
-            if len(times) == 1:  # the load and the first step (which records the trace) are not steady state
-                before = trainer.store_stats().bytes_moved
         stats = trainer.store_stats()
-        n = max(1, args.steps - 1)
         layer_bytes = trainer.chunk_sizes()["layer_weights"][0]
     finally:
         trainer.close()
     return {
         **_step_figures(load_s, times, losses, args),
-        "bytes_moved_per_step": {k: (v - before.get(k, 0)) / n for k, v in stats.bytes_moved.items()},
+        # the load and the first step (which records the trace) are not steady state
+        "bytes_moved_per_step": moved_per_step(reports[1:] or reports),
         "peak_bytes": {k: v.peak for k, v in stats.tiers.items()},
         "layer_chunk_bytes": layer_bytes,
         "peak_rss_bytes": peak_rss(),

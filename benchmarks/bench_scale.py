@@ -283,11 +283,10 @@ def train(model_dir: Path, disk_dir: Path, args: argparse.Namespace, micro_batch
     steps = []
     try:
         for step in range(args.steps):
-            before = trainer.store_stats().bytes_moved.get("disk->host", 0)
             t = time.perf_counter()
             loss = trainer.step(batches)
             seconds = time.perf_counter() - t
-            read = trainer.store_stats().bytes_moved.get("disk->host", 0) - before
+            read = trainer.last_report.moved.get("disk->host", 0)
             steps.append({"loss": loss, "s": seconds, "disk_bytes_read": read})
             print(
                 f"{micro_batches} micro-batches, step {step + 1}: loss {loss:.4f}, {seconds:.1f} s, "

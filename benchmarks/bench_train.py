@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_load import peak_rss, write_checkpoint
-from common import add_model_args, machine, run_child
+from common import add_model_args, machine, moved_per_step, run_child
 
 from tiertune.settings import parse_size
 
@@ -125,8 +125,10 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         first_svd_s = trainer.times.get("galore_svd", 0.0)
         first_gradient_bytes = trainer.gradient_bytes
         trainer.times.clear()
-        before = trainer.store_stats().bytes_moved  # the load and the first step are not steady state
-        losses = [trainer.step(batch) for _ in range(args.steps - 1)]
+        losses, reports = [], []  # the load and the first step are not steady state
+        for _ in range(args.steps - 1):
+            losses.append(trainer.step(batch))
+            reports.append(trainer.last_report)
         n = args.steps - 1
         times = {k: v / n for k, v in trainer.times.items()}
         stats = trainer.store_stats()
@@ -154,7 +156,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         "optimizer_hidden_share": max(0.0, 1.0 - waited / busy) if busy else 0.0,
         "losses": losses,
         "peak_bytes": {k: v.peak for k, v in stats.tiers.items()},
-        "bytes_moved_per_step": {k: (v - before.get(k, 0)) / n for k, v in stats.bytes_moved.items()},
+        "bytes_moved_per_step": moved_per_step(reports),
         "peak_rss_bytes": peak_rss(),
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         # what the process holds beyond its budgets (the device tier is host memory on a CPU machine):

@@ -94,12 +94,11 @@ def worker(args: argparse.Namespace) -> None:
         for _ in range(args.accum):
             ids = torch.randint(0, vocab, (args.rows, args.seq), generator=g)
             micro.append({"input_ids": ids[world.rank * rows : (world.rank + 1) * rows]})
-        before = trainer.wire_sent()
         began = time.perf_counter()
         losses.append(trainer.step(micro))
         seconds.append(time.perf_counter() - began)
         if world.size > 1:
-            wire_steps.append({k: v - before.get(k, 0) for k, v in trainer.wire_sent().items()})
+            wire_steps.append(trainer.last_report.wire)
     stats = trainer.store_stats()
     counts = trainer.parameter_counts()
     psi, psi_layers = counts["total"], counts.get("layer", 0)

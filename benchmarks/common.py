@@ -48,3 +48,9 @@ def run_child(script: str, model_dir: Path, disk_dir: Path, mode: str) -> dict:
         result = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"{mode}: {json.dumps(result)[:300]}", file=sys.stderr, flush=True)
     return result
+
+
+def moved_per_step(reports: list) -> dict[str, float]:
+    """Bytes moved per link, averaged over the steps whose ``StepReport``s are ``reports``."""
+    links = {k for r in reports for k in r.moved}
+    return {k: sum(r.moved.get(k, 0) for r in reports) / max(len(reports), 1) for k in sorted(links)}

@@ -22,7 +22,7 @@ def watch(patch: Callable[[object, str, object], None]) -> dict:
     close = store_module.ChunkStore.close
 
     def closing(self):
-        if not self._closed:
+        if not self._closed and not self.ledger:  # a run's store (not the admission's build on a ledger)
             seen["stores"].append({"peaks": self.in_use_peaks(), "reserve": self.config.reserve})
         close(self)
 

@@ -220,7 +220,8 @@ def test_estimate_stops_on_a_signal_wherever_it_is(tmp_path, stop_recipe, where,
 
 
 TRAIN_POINTS = [
-    ("loading", "tiertune.loading.model:load_into_store:1", signal.SIGTERM),
+    # (the first call is the admission's: the run's chunks read from the engine built on a ledger)
+    ("loading", "tiertune.loading.model:load_into_store:2", signal.SIGTERM),
     ("mid-step", "tiertune.engine.trainer:StreamedTrainer.layer_weights:10", signal.SIGINT),
     ("writing a checkpoint", "tiertune.finetune.checkpoint:CheckpointWriter._write:2", signal.SIGTERM),
     ("saving the model", "tiertune.finetune.hf_model:write_hf:1", signal.SIGTERM),

@@ -1,6 +1,7 @@
 """Parity: the streamed engine against a plain PyTorch loop (same data order and hyper-parameters)."""
 
 import importlib.util
+import itertools
 
 import pytest
 import torch
@@ -127,11 +128,25 @@ def test_24_layers_train_with_a_device_budget_of_about_two_layers(tiny_model_dir
     trainer = StreamedTrainer(str(path), store, cfg)
     try:
         batch = _batches(211)[:ACCUM]  # the same batch every step: the loss must fall
-        losses = [trainer.step(batch) for _ in range(3)]
+        losses, reports = [], []
+        for _ in range(3):
+            losses.append(trainer.step(batch))
+            reports.append(trainer.last_report)
         stats = trainer.store.stats()
     finally:
         trainer.close()
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    # each step's report: its own bytes per link (the totals' difference), the totals and peaks of the store
+    assert [r.loss for r in reports] == losses
+    # (the store's writes started in a step may land after it returns: the totals only grow)
+    assert all(n <= stats.bytes_moved[k] for k, n in reports[-1].bytes_moved.items())
+    assert all(n <= stats.tiers[t].peak for t, n in reports[-1].peak_bytes.items())
+    for before, after in itertools.pairwise(reports):
+        assert after.moved == {k: n - before.bytes_moved.get(k, 0) for k, n in after.bytes_moved.items()}
+    assert reports[-1].moved["disk->host"] > 0  # every step streams the layers from disk
+    record = reports[-1].record(3, 1.0, 10.0)
+    assert record["bytes_moved"] == reports[-1].bytes_moved and record["step_seconds"] == reports[-1].seconds
+    assert "wire_bytes" not in record  # one process sends nothing
     assert stats.tiers["device"].budget == budget
     assert stats.tiers["device"].peak == budget  # the second layer was prefetched into the last free bytes
     assert stats.tiers["device"].peak <= stats.tiers["device"].budget

@@ -215,3 +215,56 @@ def _with_first_layer(model: nn.Module) -> nn.Module:
 
 def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, gpu=False):
     return _FlashShaped.apply(q, k, v, gpu)
+
+
+def outside_bytes(
+    model: nn.Module, cfg, wave: int, on_gpu: bool, notes: list[str], stash_chunks: bool
+) -> dict[str, int]:
+    """The device bytes a step of ``cfg`` holds outside the store, by what holds them, for ``model`` (a meta
+    skeleton, not quantized) whose waves run ``wave`` micro-batches (``on_gpu``: computed on a GPU;
+    ``stash_chunks``: the layer boundaries are chunks of the store, else on the device): one layer's
+    activations and temporaries (traced), the boundaries on the device, the reference's, the boundary
+    gradients, a trained layer's gradient summed over a wave, and the logits (or the loss fused with the head).
+    What a reader should know is appended to ``notes``."""
+    from tiertune.kernels.architectures import FUSED_LOSS
+    from tiertune.kernels.ops.linear_ce import working_bytes
+    from tiertune.loading.model import split_model
+
+    layers = split_model(model).layers
+    text = model.config.get_text_config(decoder=True)
+    hidden, vocab, size = text.hidden_size, text.vocab_size, cfg.dtype.itemsize
+    micro, k = cfg.activation_tokens, cfg.gradient_accumulation_steps
+    trained = cfg.method != "lora"
+    act = micro * hidden * size
+    out: dict[str, int] = {}
+    if not stash_chunks:  # ``stash.DeviceStash``
+        out["hidden states at the layer boundaries"] = act * wave * (len(layers) + 1)
+    stack = min(cfg.stack_limit, k * micro) if cfg.stack_limit > 0 else 0
+    try:  # for the most tokens a layer's visit runs at once: a micro-batch, or a stack of them
+        saved = layer_peak_bytes(model, cfg, max(micro, stack), gpu=on_gpu)
+    except Exception as exc:  # an op without a meta kernel: the figure is left out, and said
+        notes.append(
+            f"a layer's activations and temporaries are not counted (tracing it on the meta device failed: {exc})"
+        )
+        saved = 0
+    if saved:
+        out["a layer's activations and temporaries (recompute and backward)"] = saved
+    if (
+        cfg.objective.reference
+    ):  # ``schedule``: the reference's boundary per micro-batch, and a layer's visit's
+        out["the reference's hidden states (DPO)"] = act * (wave + 1)
+    out["boundary gradients of a wave"] = act * wave  # backward carries each micro-batch's at a boundary
+    if trained:
+        largest = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
+        out["a layer's gradient, summed over a wave (fp32)"] = largest * 4
+    if cfg.kernels != "none" and model.config.model_type in FUSED_LOSS:
+        # the loss fused with the head: its chunk of fp32 logits and what goes with it (the op's own figure),
+        # and the head's fp32 gradient when the head is trained. On a GPU in bf16/fp16 the op's products run on
+        # the tensor cores (larger chunks); a torch without them takes less, so the figure is an upper bound.
+        mixed = on_gpu and cfg.dtype in (torch.bfloat16, torch.float16)
+        capped = bool(getattr(model.config, "final_logit_softcapping", None))
+        loss = working_bytes(micro, vocab, hidden, cfg.dtype, mixed, capped)
+        out["loss chunk (fused with the head)"] = loss + (vocab * hidden * 4 if trained else 0)
+    else:  # the logits of a micro-batch, their fp32 copy for the loss and its gradient
+        out["logits and their gradient"] = micro * vocab * (size + 8)
+    return out

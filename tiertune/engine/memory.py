@@ -23,20 +23,22 @@ Who holds chunks in use at once (the engine's step, ``engine.trainer`` and ``eng
 
 A thread's count per class is the most any one of its moments needs; the tier's is the sum over the threads.
 The checkpoint writer reads one chunk at a time and never waits while holding it: it takes what is free and
-needs no slot of its own. ``estimates.report`` lays out the chunks; ``finetune.train`` checks the plan
-against the budgets before the model is loaded and gives the store its ``reserve``.
+needs no slot of its own. ``engine.registered`` reads the chunks from the engine's own build on a ledger;
+``finetune.train`` checks the plan against the budgets before the model is loaded and gives the store its
+``reserve``; ``estimates.report`` reports it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from tiertune.engine.layout import home_tier_used
 from tiertune.offload.chunk import ALIGN, ChunkLayout
+from tiertune.offload.disk import slot_bytes
 from tiertune.offload.tiers import BUDGET_SETTING, Tier, slot_class
 from tiertune.units import format_size, round_up
 
@@ -58,7 +60,6 @@ class PlannedChunk:
     used_on: Tier  # the tier a step uses it on
     changed: bool = False  # written every step (written back home when it cannot stay cached)
     in_place: bool = False  # frozen weights read from files (the model's, or the quantized cache's images)
-    entries: list = field(default_factory=list, repr=False)  # its tensors (name, shape, dtype)
     layer: bool = False  # weights of a decoder layer (gathered again in backward, which recomputes it)
     layout: ChunkLayout | None = field(default=None, repr=False)  # as the store lays it out
     group: int = -1  # the parameter group it belongs to (-1: none, e.g. a saved layer input)
@@ -155,6 +156,41 @@ def make_plan(chunks: list[PlannedChunk], on_cpu: bool) -> Plan:
             counts += most
         reserve[tier] = {size: n for size, n in counts.items() if size is not None and n}  # type: ignore[misc]
     return Plan(home, reserve)
+
+
+def fit_wave(
+    chunks: list[PlannedChunk],
+    k: int,
+    boundaries: Callable[[int], list[PlannedChunk]],
+    budgets: Mapping[Tier, int],
+    on_cpu: bool,
+) -> tuple[list[PlannedChunk], int]:
+    """The micro-batches a wave of a ``k``-micro-batch step runs with the layer boundaries on the host: the
+    most whose boundary chunks (``boundaries(slots)``, in place of ``chunks``' own) fit the budgets beside
+    the other chunks but the twins (which take the room left); then as many waves, of even sizes, so the
+    boundaries take no more than they need. Returns ``chunks`` with those boundaries, and the wave."""
+    rest = [c for c in chunks if c.role not in ("act", "twin")]
+    m = k
+    while m > 1 and make_plan(rest + boundaries(m), on_cpu).short(budgets):
+        m -= 1
+    m = -(-k // -(-k // m))
+    return [c for c in chunks if c.role != "act"] + boundaries(m), m
+
+
+def fit_twins(
+    chunks: list[PlannedChunk], budgets: Mapping[Tier, int], on_cpu: bool, disk_free: int, block: int
+) -> list[PlannedChunk]:
+    """``chunks`` with the speculative step's twins when the plan fits the budgets with them and the disk's
+    ``disk_free`` bytes take their slots (blocks of ``block`` bytes); else without them."""
+    if not make_plan(chunks, on_cpu).short(budgets) and slot_bytes_of(chunks, block) <= disk_free:
+        return chunks
+    return [c for c in chunks if c.role != "twin"]
+
+
+def slot_bytes_of(chunks: Iterable[PlannedChunk], block: int) -> int:
+    """Bytes of the disk tier's slots for the disk-homed ``chunks`` (a header with a checksum per ``block``,
+    then the chunk); chunks read in place from files take none."""
+    return sum(slot_bytes(c.capacity, block) for c in chunks if c.home is Tier.DISK and not c.in_place)
 
 
 def size_classes(capacities: Iterable[int]) -> list[int]:

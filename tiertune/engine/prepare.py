@@ -1,5 +1,6 @@
 """A whole model made ready to compute as the engine computes, outside a run: what the speed model measures
-(``estimates.speed.measure_compute``) is the run's own preparation, not a copy of it."""
+(``estimates.speed.measure_compute``) is the run's own preparation, not a copy of it; the skeleton the
+estimate counts on."""
 
 from __future__ import annotations
 
@@ -32,4 +33,14 @@ def prepare_model(model: nn.Module, cfg: EngineConfig, device: torch.device) -> 
     return backend
 
 
-__all__ = ["prepare_model"]
+def meta_skeleton(model_dir: str, dtype: torch.dtype) -> nn.Module:
+    """The model of ``model_dir`` built on the meta device as the engine builds it, before any layer is
+    converted: shapes only, nothing allocated, not even for a moment (one fused expert weight of DeepSeek-V3
+    is 15 GB in bf16). What the estimate counts a step's FLOPs and traces a layer's activations on."""
+    from tiertune.loading.model import build_skeleton
+
+    with torch.device("meta"):
+        return build_skeleton(model_dir, dtype)
+
+
+__all__ = ["meta_skeleton", "prepare_model"]

@@ -66,22 +66,18 @@ def replay(
         )
     try:
         batch = [_micro_batch(cfg, rows, tokens)] * micro_batches
-        before, sent = {}, {}  # the counts before the last step
         for _ in clipped:
-            before, sent = trainer.store_stats().bytes_moved, trainer.wire_sent()
             with held_back("tiertune", logging.WARNING):
                 trainer.step(batch)
-        stats, wire = trainer.store_stats(), _since(sent, trainer.wire_sent())
-        adapters = sum(p.numel() for p in trainer.adapters.params) if trainer.adapters else 0
-        peaks = {t: s.peak for t, s in stats.tiers.items()}
-        return Replayed(peaks, _since(before, stats.bytes_moved), trainer.in_use_peaks(), wire, adapters)
+        last = trainer.last_report
+        moved, wire = (
+            ({k: n for k, n in d.items() if n} for d in (last.moved, last.wire)) if last else ({}, {})
+        )
+        peaks = {t: s.peak for t, s in trainer.store_stats().tiers.items()}
+        adapters = trainer.parameter_counts()["trained"] if trainer.adapters else 0
+        return Replayed(peaks, moved, trainer.in_use_peaks(), wire, adapters)
     finally:
         trainer.close()
-
-
-def _since(before: dict[str, int], now: dict[str, int]) -> dict[str, int]:
-    """The counts that grew since ``before``, by how much."""
-    return {k: n - before.get(k, 0) for k, n in now.items() if n - before.get(k, 0)}
 
 
 def _micro_batch(cfg: EngineConfig, rows: int, tokens: int) -> dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ from tiertune.engine.stash import ChunkStash, DeviceStash, Stash, stash_slots
 from tiertune.engine.streaming import StreamedLayer, Visit
 from tiertune.engine.tiling import tile_layer
 from tiertune.engine.update import AdapterUpdate, LRSchedule, StepContext, Updater
-from tiertune.engine.views import TrainerViews
+from tiertune.engine.views import StepReport, TrainerViews
 from tiertune.errors import ConfigError, DataError
 from tiertune.kernels.ops.attention import use_segment_attention
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
@@ -67,13 +67,15 @@ class StreamedTrainer(TrainerViews):
         safe_point: Callable[[], None] | None = None,
         world: World | None = None,
         compute: Compute | None = None,
+        layout_only: bool = False,
     ) -> None:
         """``world``: this process among several (ZeRO-3, ``engine.sharding``; the process group joined and
         ``store_config.num_shards`` its size); each rank's ``step`` gets its own part of the global batch.
         ``compute``: the substrate (``engine.compute``): by default the real one, or over a ledger store
         (``StoreConfig.ledger``) a ``Ledger`` whose steps are not clipped. On a ledger the trainer's tensors
         are on the meta device and nothing is read from the model's files: its chunks are registered, its
-        steps make a run's store calls (``engine.replay``)."""
+        steps make a run's store calls (``engine.replay``). ``layout_only``: build what registers chunks and
+        no more (no adapters, no step): what ``engine.registered`` reads a run's chunks from; it cannot step."""
         self.config = config
         self.objective = config.objective  # what a step minimizes (engine.objective)
         self.world = world or World()
@@ -112,7 +114,9 @@ class StreamedTrainer(TrainerViews):
         ]
         # LoRA: peft wraps the instance's linear modules (before the layers are replaced by streamed ones)
         self.adapters = (
-            Adapters(self.model, config.lora, self.device, config.optim) if config.method == "lora" else None
+            Adapters(self.model, config.lora, self.device, config.optim)
+            if config.method == "lora" and not layout_only
+            else None
         )
         if self.adapters is not None:  # bound as tensors of their own (Binder.parametrized)
             self.binder.parametrize(self.adapters.parametrized())
@@ -144,6 +148,8 @@ class StreamedTrainer(TrainerViews):
             )
         # after the stash: the twins take what room is left (as estimate lays them out)
         self.overlap = add_twins(self.store, self.states, config, target) if trained else False
+        if layout_only:  # every chunk is registered
+            return
         # MoE: the router's auxiliary loss, where transformers computes one and the config asks for it (a
         # ledger's layers compute no router logits)
         self.router_aux = None if ledger else RouterAux.of(self.model, self.parts.layers)
@@ -209,6 +215,7 @@ class StreamedTrainer(TrainerViews):
             disable_dropout(self.model)
         # the weighted auxiliary loss in the last step's loss (None when it has none: router_aux is None)
         self.last_router_aux_loss: float | None = None
+        self.last_report: StepReport | None = None  # the last step, as the loop and the benchmarks read it
 
     # ------------------------------------------------------------------ setup
 
@@ -309,6 +316,7 @@ class StreamedTrainer(TrainerViews):
         over its target tokens, or, for a preference objective, over its pairs (micro-batches with ``pairs``:
         their first ``pairs`` rows the chosen sequences, the next ``pairs`` the rejected ones)."""
         step_began = time.perf_counter()
+        moved, sent = self.store.stats().bytes_moved, self.wire_sent()  # before the step
         labels = [mb.get("labels", mb["input_ids"]) for mb in micro_batches]
         if self.objective.paired:
             if not all(
@@ -368,7 +376,9 @@ class StreamedTrainer(TrainerViews):
         self.times["optimizer"] += time.perf_counter() - began
         self.store.mark_step()
         self.step_count += 1
-        self.times["step"] += time.perf_counter() - step_began
+        seconds = time.perf_counter() - step_began
+        self.times["step"] += seconds
+        self.last_report = self.report(loss, seconds, moved, sent)
         return loss
 
     @property
@@ -423,5 +433,6 @@ class StreamedTrainer(TrainerViews):
         self.optimizer_counts.update(counters["optimizer_counts"])
 
     def close(self) -> None:
-        self.updater.close()
+        if hasattr(self, "updater"):  # a layout-only build has none
+            self.updater.close()
         self.store.close()

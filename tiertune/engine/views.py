@@ -9,6 +9,7 @@ import os
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,10 +22,47 @@ from tiertune.offload.store import StoreStats
 
 if TYPE_CHECKING:
     from tiertune.engine.layout import GroupState
+    from tiertune.engine.router_aux import RouterAux
     from tiertune.engine.sharding import Sharding
     from tiertune.loading.model import ModelParts
     from tiertune.methods.lora import Adapters
     from tiertune.offload.store import ChunkStore
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One optimizer step as the trainer ran it (``StreamedTrainer.last_report``): what the run's loop logs,
+    its progress line shows and the benchmarks read, none of them computing its own deltas."""
+
+    loss: float
+    learning_rate: float
+    grad_norm: float
+    seconds: float  # the step's wall-clock time
+    peak_bytes: dict[str, int]  # per tier, the most the store has held there since it started
+    bytes_moved: dict[str, int]  # per link (``disk->host``...), since the store started
+    moved: dict[str, int]  # per link, in this step
+    wire: dict[str, int]  # per collective, the bytes this rank sent in this step (of several ranks)
+    optimizer_steps: dict[str, int]  # how the updates ran since the run began (``optimizer_counts``)
+    metrics: dict[str, float]  # a preference objective's (TRL's names) and an MoE's ``router_aux_loss``
+
+    def record(self, step: int, epoch: float, tokens_per_second: float) -> dict:
+        """The trainer log's line for this step, the ``step``-th of the run."""
+        out = {
+            "step": step,
+            "loss": self.loss,
+            "learning_rate": self.learning_rate,
+            "grad_norm": self.grad_norm,
+            "tokens_per_second": tokens_per_second,
+            "step_seconds": self.seconds,
+            "epoch": epoch,
+            "peak_bytes": self.peak_bytes,
+            "bytes_moved": self.bytes_moved,
+            "optimizer_steps": self.optimizer_steps,
+            **self.metrics,
+        }
+        if self.wire:
+            out["wire_bytes"] = self.wire
+        return out
 
 
 class TrainerViews:
@@ -35,6 +73,30 @@ class TrainerViews:
     states: list[GroupState]
     adapters: Adapters | None
     parts: ModelParts
+    router_aux: RouterAux | None
+    last_router_aux_loss: float | None
+    last_lr: float
+    last_grad_norm: float
+    optimizer_counts: dict[str, int]
+    last_metrics: dict[str, float]
+
+    def report(self, loss: float, seconds: float, moved: dict[str, int], sent: dict[str, int]) -> StepReport:
+        """The step just run, whose loss was ``loss`` in ``seconds``: ``moved`` and ``sent`` are the store's
+        bytes moved and this rank's bytes sent before it."""
+        stats = self.store.stats()
+        aux = {} if self.router_aux is None else {"router_aux_loss": self.last_router_aux_loss}
+        return StepReport(
+            loss,
+            self.last_lr,
+            self.last_grad_norm,
+            seconds,
+            {name: tier.peak for name, tier in stats.tiers.items()},
+            stats.bytes_moved,
+            {k: n - moved.get(k, 0) for k, n in stats.bytes_moved.items()},
+            {k: n - sent.get(k, 0) for k, n in self.wire_sent().items()},
+            dict(self.optimizer_counts),
+            {**aux, **self.last_metrics},
+        )
 
     def wire_sent(self) -> dict[str, int]:
         """Bytes this process has sent to the other ranks so far, by collective (none for one process)."""

@@ -1,8 +1,8 @@
 """``tiertune estimate``: will a recipe fit, where will each kind of state live, and how fast can a step go.
 
-Nothing is loaded: every chunk the run would register is laid out by ``run_layout`` (the loader's and the
-engine's own layout functions over the model built on the meta device), so the byte counts are the run's, to
-the alignment. A checkpoint saved in a quantization tiertune does not read (fp8...) is estimated as its
+Nothing is loaded: every chunk the run would register is what the engine registers, built on a ledger
+(``engine.registered``: the run's own loader, layout, stash and sharding over no bytes), so the byte counts
+are the run's, to the alignment. A checkpoint saved in a quantization tiertune does not read (fp8...) is estimated as its
 unquantized release, with a note saying that training from it stops with an error. For each tier:
 
 - *home*: bytes of the chunks homed there (reserved for the whole run);
@@ -34,9 +34,11 @@ import torch
 
 from tiertune.distributed.world import World
 from tiertune.engine import replay as replaying
-from tiertune.engine.memory import IN_PLACE, QUANT_CACHE, Plan, PlannedChunk, make_plan
+from tiertune.engine.activations import outside_bytes
+from tiertune.engine.memory import IN_PLACE, QUANT_CACHE, Plan, PlannedChunk, make_plan, slot_bytes_of
+from tiertune.engine.prepare import meta_skeleton
+from tiertune.engine.registered import UNBOUNDED, lay_out
 from tiertune.engine.replay import Replayed
-from tiertune.engine.run_layout import run_layout, slot_bytes_of
 from tiertune.errors import BudgetError, ConfigError, StateError
 from tiertune.estimates.speed import (
     GPU,
@@ -52,6 +54,7 @@ from tiertune.estimates.speed import (
 )
 from tiertune.files import nearest_existing
 from tiertune.loading.hub import config_directory
+from tiertune.loading.model import split_model
 from tiertune.offload.store import StoreConfig
 from tiertune.offload.tiers import AUTO_DEVICE_FRACTION, Tier
 from tiertune.units import format_size
@@ -130,10 +133,6 @@ class ScaleOut:
             "plan_per_rank": self.plan.as_json() if self.plan else None,
             "fits": self.fits,
         }
-
-
-UNBOUNDED = 1 << 62
-"""A budget no run reaches: the engine built on a ledger only to count what it builds."""
 
 
 def _scale_out(chunks: list[_Chunk], processes: int, per_node: int) -> ScaleOut:
@@ -339,23 +338,20 @@ def estimate(
     store_cfg, cfg = planned(World())
     notes: list[str] = []
     disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
-    t = recipe.training
-
-    def count_flops(model: torch.nn.Module, layers: list[torch.nn.Module]) -> StepFlops:
-        return step_flops(
-            model,
-            layers,
-            cfg.activation_tokens,
-            t.gradient_accumulation_steps,
-            recipe.data.max_seq_len,
-            trained=cfg.method != "lora",
-            reference=recipe.objective.reference,
-            paired=recipe.objective.paired,
-        )
-
-    chunks, parameters, trained, outside, wave, flops = run_layout(
-        recipe.model.path, store_cfg, cfg, notes, target is not None, disk_room, count_flops
+    chunks, parameters, trained, wave = lay_out(recipe.model.path, store_cfg, cfg, notes, disk_room)
+    model = meta_skeleton(recipe.model.path, cfg.dtype)
+    flops = step_flops(
+        model,
+        list(split_model(model).layers),
+        cfg.activation_tokens,
+        recipe.training.gradient_accumulation_steps,
+        recipe.data.max_seq_len,
+        trained=cfg.method != "lora",
+        reference=recipe.objective.reference,
+        paired=recipe.objective.paired,
     )
+    acts = sum(c.capacity for c in chunks if c.role == "act")
+    outside = outside_bytes(model, cfg, wave, target is not None, notes, stash_chunks=bool(acts))
     cfg = dataclasses.replace(cfg, wave_size=wave)  # as ``admit`` hands it to the engine
     memory = make_plan(chunks, on_cpu=target is None)
     kinds: dict[str, tuple[str, int]] = {}
@@ -368,23 +364,11 @@ def estimate(
     replayed = _replay(
         recipe, memory, store_cfg, dataclasses.replace(cfg, twins=twins), budgets, notes, device
     )
-    if cfg.method == "lora":  # the adapters peft wraps the engine's model in (built alone when no step ran)
-        built = replayed or replaying.replay(
-            recipe.model.path,
-            dataclasses.replace(
-                store_cfg,
-                device_budget=UNBOUNDED,
-                host_budget=UNBOUNDED,
-                disk_budget=None,
-                reserve=memory.store_reserve(),
-            ),
-            cfg,
-            1,
-            1,
-            1,
-            clipped=(),
-            device=device,
+    if trained is None:  # LoRA: the adapters peft wraps the engine's model in (built alone when no step ran)
+        unbounded = dataclasses.replace(
+            store_cfg, device_budget=UNBOUNDED, host_budget=UNBOUNDED, disk_budget=None, reserve=None
         )
+        built = replayed or replaying.replay(recipe.model.path, unbounded, cfg, 1, 1, 1, (), device)
         trained = built.adapters
         outside["LoRA adapters + states"] = trained * 16
     tiers = {}
@@ -394,7 +378,7 @@ def estimate(
         staged = [c for c in chunks if ORDER.index(c.home) > above and ORDER.index(c.used_on) <= above]
         passes = home + sum(c.capacity for c in staged)
         if tier is Tier.DISK:  # slots: a header with a checksum per block, then the chunk; nothing above it
-            home = passes = slot_bytes_of(chunks, store_cfg)
+            home = passes = slot_bytes_of(chunks, int(store_cfg.block_size))
         if replayed is not None:
             peak = replayed.peaks.get(tier.value, 0)
         else:  # no step to replay: the tier fills up to what passes through it
@@ -420,7 +404,6 @@ def estimate(
             "of the same model and settings reuses them)"
         )
     est = Estimate(parameters, trained, kinds, tiers, outside, notes=notes, plan=memory)
-    acts = sum(c.capacity for c in chunks if c.role == "act")
     est.waves = Waves(
         recipe.training.gradient_accumulation_steps,
         wave,
@@ -436,14 +419,9 @@ def estimate(
     if processes > 1:
         local = per_node or processes
         sharded, _ = planned(World(rank=0, size=processes, local_rank=0, local_size=local))
-        laid, _, _, _, rank_wave, _ = run_layout(
-            recipe.model.path,
-            sharded,
-            dataclasses.replace(cfg, wave_size=0),
-            [],
-            target is not None,
-            disk_room,
-            outside=False,  # a rank's bytes outside the store are not reported: no layer traced for them
+        rank_world = World(rank=0, size=processes, local_rank=0, local_size=local)
+        laid, _, _, rank_wave = lay_out(
+            recipe.model.path, sharded, dataclasses.replace(cfg, wave_size=0), [], disk_room, rank_world
         )
         est.scale_out = _scale_out(laid, processes, local)
         est.scale_out.plan = make_plan(laid, on_cpu=target is None)
@@ -457,7 +435,7 @@ def estimate(
             {Tier.DEVICE: sharded.device_budget, Tier.HOST: sharded.host_budget, Tier.DISK: disk_room},
             [],
             device,
-            World(rank=0, size=processes, local_rank=0, local_size=local),
+            rank_world,
         )
         est.scale_out.wire = rank.wire if rank is not None else {}
         est.scale_out.budgets = {"device": sharded.device_budget, "host": sharded.host_budget}

@@ -157,9 +157,9 @@ def admit(
     the speculative step's twins are made. Raises BudgetError naming the smallest budgets that work.
     ``tiertune estimate`` reports the same plan. One rank of several plans its own shards (``store_cfg``
     has ``num_shards`` and the rank's budgets); the plan is the same on every rank, so all refuse alike."""
-    from tiertune.engine.run_layout import memory_plan
+    from tiertune.engine.registered import memory_plan
 
-    memory, twins, wave = memory_plan(recipe.model.path, store_cfg, engine_cfg)
+    memory, twins, wave = memory_plan(recipe.model.path, store_cfg, engine_cfg, world)
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}
     local = world.local_size if world is not None else 1
     sharing = {Tier.HOST: local, Tier.DEVICE: local if store_cfg.device.type == "cpu" else 1}
@@ -297,7 +297,6 @@ def _run(
     writer = CheckpointWriter(trainer, out, t.save_total_limit)
     reporters = None
     start = time.perf_counter()
-    wired = trainer.wire_sent()  # before step 1
     done = first
     failure: BaseException | None = None
     try:
@@ -308,32 +307,13 @@ def _run(
             for step in range(first, steps):
                 micro = [next(stream) for _ in range(t.gradient_accumulation_steps)]
                 tokens = sum(int(mb["num_tokens"]) for mb in micro)
-                began = time.perf_counter()
                 loss = trainer.step(micro)
-                seconds = time.perf_counter() - began
+                report = trainer.last_report
                 done = step + 1
                 result.losses.append(loss)
-                stats = trainer.store_stats()
-                peaks = {name: tier.peak for name, tier in stats.tiers.items()}
-                record = {
-                    "step": step + 1,
-                    "loss": loss,
-                    "learning_rate": trainer.last_lr,
-                    "grad_norm": trainer.last_grad_norm,
-                    "tokens_per_second": tokens / seconds,
-                    "step_seconds": seconds,
-                    "epoch": (step + 1) * t.gradient_accumulation_steps / per_epoch,
-                    "peak_bytes": peaks,
-                    "bytes_moved": stats.bytes_moved,
-                    "optimizer_steps": dict(trainer.optimizer_counts),
-                }
-                if trainer.router_aux is not None:  # MoE: the part of "loss" that is the router's aux loss
-                    record["router_aux_loss"] = trainer.last_router_aux_loss
-                record.update(trainer.last_metrics)  # a preference objective's rewards and log-probabilities
-                sent = trainer.wire_sent()
-                if sent:  # of several ranks: the bytes this rank sent in the step, by collective
-                    record["wire_bytes"] = {k: n - wired.get(k, 0) for k, n in sent.items()}
-                    wired = sent
+                record = report.record(
+                    step + 1, (step + 1) * t.gradient_accumulation_steps / per_epoch, tokens / report.seconds
+                )
                 if (step + 1) % t.logging_steps == 0 or step + 1 == steps:
                     log_file.write(json.dumps(record) + "\n")
                     log_file.flush()
@@ -356,7 +336,7 @@ def _run(
                     }
                     writer.save(trainer_state, recipe.to_yaml())  # written while the next steps run
                 if bar is not None:
-                    bar.update(step + 1, loss, tokens / seconds, peaks)
+                    bar.update(step + 1, loss, record["tokens_per_second"], report.peak_bytes)
         writer.wait()
         stop.check()
         _export(trainer, tokenizer, out, world.is_main)

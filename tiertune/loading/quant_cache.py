@@ -209,6 +209,7 @@ class LedgerCache:
 
     def __init__(self) -> None:
         self.hits = self.misses = 0
+        self.homed: set[str] = set()  # the chunks read in place from an image of the cache, by name
 
     def load(self, chunk: Chunk, views: dict[str, torch.Tensor]) -> bool:
         self.misses += 1
@@ -221,9 +222,11 @@ class LedgerCache:
         self, name: str, layout: ChunkLayout, fill: Callable[[dict[str, torch.Tensor]], None], block_size: int
     ) -> tuple[Path, tuple[int, ...] | None]:
         self.misses += 1
+        self.homed.add(name)
         return self.directory / f"{name}.chunk", None
 
     def save(
         self, chunk: Chunk, views: dict[str, torch.Tensor], block_size: int
     ) -> tuple[Path, tuple[int, ...] | None]:
+        self.homed.add(chunk.name)
         return self.directory / f"{chunk.name}.chunk", None
