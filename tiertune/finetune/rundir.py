@@ -95,7 +95,7 @@ class Decision:
 
 
 def _batch_split(
-    changes: list[tuple[str, Any, Any]], recipe: Recipe, counters: dict
+    changes: list[tuple[str, Any, Any]], recipe: Recipe, counters: dict, ranks: int
 ) -> tuple[list[tuple[str, Any, Any]], str, str]:
     """The changes of a resumed run, counting the global micro-batch (per-device batch x ranks) rather than
     its split: a run launched on another number of processes continues the same steps when the per-device
@@ -107,7 +107,6 @@ def _batch_split(
     then_per_device = next((a for k, a, _ in changes if k == key), per_device)
     ranks_then = int(counters.get("world_size", 1))
     rows_then = int(counters.get("rows_per_micro_batch", then_per_device * ranks_then))
-    ranks = World.from_env().size
     rows = per_device * ranks
     others = [c for c in changes if c[0] != key]
     if ranks == ranks_then:
@@ -158,8 +157,10 @@ class RunDirectory:
     """``training.output_dir`` for the life of one run: locked on ``open``, checked by ``decide``, made ready by
     ``prepare``, unlocked by ``close``."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], ranks: int = 1) -> None:
+        """``ranks``: the processes of the launch that runs in it (its global batch is theirs together)."""
         self.path = Path(path)
+        self.ranks = ranks
         self._fd: int | None = None
         self._made: list[Path] = []  # the directories ``open`` made (``__exit__`` removes them if unused)
 
@@ -339,7 +340,9 @@ class RunDirectory:
                 f"after its checkpoint; raise training.max_steps above {step}, resume an earlier checkpoint "
                 "with training.resume_from_checkpoint=PATH, or start over with training.overwrite_output_dir=true"
             )
-        changes, note, hint = _batch_split(self.changes(recipe, path), recipe, state.get("tiertune", {}))
+        changes, note, hint = _batch_split(
+            self.changes(recipe, path), recipe, state.get("tiertune", {}), self.ranks
+        )
         notes += (note,) if note else ()
         if changes and not recipe.training.allow_recipe_changes:
             listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)
@@ -363,7 +366,7 @@ class RunDirectory:
         changes = _differences(recipe, self.path / RECIPE_FILE)
         if changes is None:  # no readable recipe: another run's outputs, or not a run's
             raise ConfigError(self._taken_message("it has no checkpoint to resume"))
-        changes, _, hint = _batch_split(changes, recipe, _launch(self.path))
+        changes, _, hint = _batch_split(changes, recipe, _launch(self.path), self.ranks)
         if changes:
             listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)
             raise ConfigError(

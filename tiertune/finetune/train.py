@@ -96,7 +96,7 @@ def steps_of(recipe: Recipe) -> int:
     counts them (tokenized with the model's tokenizer; a DataError or ModelError when either is missing)."""
     if recipe.training.max_steps > 0:
         return recipe.training.max_steps
-    return _load(recipe).steps
+    return _load(recipe, World.from_env().size).steps
 
 
 def train(
@@ -120,13 +120,13 @@ def train(
     recipe = recipe.with_absolute_paths()
     recipe.model.path = model_directory(recipe.model.path)  # a model id: its snapshot in the hub's cache
     world = World.from_env()
-    store_cfg, engine_cfg = plan(recipe)
+    store_cfg, engine_cfg = plan(recipe, world=world)
     admit(recipe, store_cfg, engine_cfg, world)  # every rank: all refuse alike, before the process group
     join(world)  # several processes: the process group, this rank's GPU and threads
-    run_dir = RunDirectory(recipe.training.output_dir)
+    run_dir = RunDirectory(recipe.training.output_dir, world.size)
     with stop_on_signals() as stop:
         try:
-            loaded = _load(recipe)  # a data or tokenizer error before the run directory is made
+            loaded = _load(recipe, world.size)  # a data or tokenizer error before the run directory is made
             stop.check()  # a signal during loading that landed where it could not be raised
             # the run directory is rank 0's: it locks, checks and prepares it for all
             with run_dir if world.is_main else contextlib.nullcontext():
@@ -197,7 +197,7 @@ class _Loaded:
     steps: int
 
 
-def _load(recipe: Recipe) -> _Loaded:
+def _load(recipe: Recipe, ranks: int) -> _Loaded:
     """Tokenizer and data (no chunk store yet: a signal may stop this anywhere). Steps count global batches:
     per-device batch x the launch's ranks."""
     t, d = recipe.training, recipe.data
@@ -215,7 +215,7 @@ def _load(recipe: Recipe) -> _Loaded:
     _check_vocabulary(data, recipe.model.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     rows = math.ceil(data.tokens / d.max_seq_len) if d.packing else len(data)  # packing: about full rows
-    per_epoch = math.ceil(rows / (t.per_device_train_batch_size * World.from_env().size))
+    per_epoch = math.ceil(rows / (t.per_device_train_batch_size * ranks))
     steps = (
         t.max_steps
         if t.max_steps > 0
