@@ -17,6 +17,7 @@ from tests.conftest import CAT_PAIRS
 from tiertune.cli.app import app
 from tiertune.config.recipe import load_recipe
 from tiertune.engine import replay as replaying
+from tiertune.engine.schedule import LayerMajor
 from tiertune.errors import ModelError
 from tiertune.estimates.report import QUANT_CACHE, estimate
 from tiertune.finetune.train import train
@@ -667,3 +668,37 @@ def test_what_computes_must_hold_the_tiers_and_what_is_outside_the_store(tmp_pat
     assert (
         "outside the store  NO" in format_estimate(est, "t") and est.as_json()["computes_on"]["held"] == held
     )
+
+
+def test_a_schedule_change_is_estimated_by_construction(tmp_path, model_dir, write_recipe, monkeypatch):
+    """A change to the step's order made in ``engine/schedule.py`` alone (here ``LayerMajor.waves`` running each
+    micro-batch as a wave of its own: the micro-batch-major order that layer-major replaced) is what the estimate
+    replays, nothing else changed: the bytes its step moves are the changed run's, and the layers' weights go to
+    the device once per micro-batch instead of once per step."""
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        training={"gradient_accumulation_steps": 4, "max_steps": 3},
+        offload={"device_budget": "64MiB", "host_budget": "64MiB"},
+    )
+    overrides = list(CASES["full, states on disk, everything cached"])
+    smallest = estimate(load_recipe(path, overrides), measure=False).plan.needed(Tier.DEVICE)
+    # the device tier as small as the plan allows: the layers stream through it each wave
+    recipe = load_recipe(path, [*overrides, f"offload.device_budget={-(-smallest // (1 << 20))}MiB"])
+    layer_major = estimate(recipe, measure=False).moved_per_step
+    monkeypatch.setattr(LayerMajor, "waves", lambda self, n: [range(j, j + 1) for j in range(n)])
+    result = train(recipe, progress=False)
+    log = [json.loads(line) for line in result.log_path.read_text().splitlines()]
+    monkeypatch.setattr(
+        replaying, "CLIPPED", tuple(r["grad_norm"] > recipe.training.max_grad_norm for r in log)
+    )
+    moved = estimate(recipe, measure=False).moved_per_step
+    before, after = log[-2]["bytes_moved"], log[-1]["bytes_moved"]
+    measured = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
+    for link in set(measured) | set(moved):
+        assert abs(moved.get(link, 0) - measured.get(link, 0)) <= 0.02 * measured.get(link, 0), (
+            link,
+            moved,
+            measured,
+        )
+    assert moved["host->device"] >= 2 * layer_major["host->device"] > 0, (moved, layer_major)
