@@ -249,9 +249,8 @@ def outside_bytes(
         saved = 0
     if saved:
         out["a layer's activations and temporaries (recompute and backward)"] = saved
-    if (
-        cfg.objective.reference
-    ):  # ``schedule``: the reference's boundary per micro-batch, and a layer's visit's
+    # ``schedule``: the reference's boundary per micro-batch, and a layer's visit's
+    if cfg.objective.reference:
         out["the reference's hidden states (DPO)"] = act * (wave + 1)
     out["boundary gradients of a wave"] = act * wave  # backward carries each micro-batch's at a boundary
     if trained:

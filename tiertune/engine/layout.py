@@ -92,6 +92,12 @@ def home_tier_used(home: str | Tier, device: torch.device) -> Tier:
     return Tier.DEVICE if Tier(home) is Tier.DEVICE and device.type == "cpu" else Tier.HOST
 
 
+def state_used_on(role: str, home: str | Tier, device: torch.device) -> Tier:
+    """The tier a step uses a state chunk of ``role`` homed on ``home`` on: GaLore's projections on the compute
+    device, the others where the CPU optimizer works (``home_tier_used``)."""
+    return Tier.DEVICE if role == "proj" else home_tier_used(home, device)
+
+
 def state_layout(
     fp32: list,
     cfg: EngineConfig,
@@ -104,13 +110,14 @@ def state_layout(
     master weights (weights not fp32), the moments and GaLore's projections (read on the compute device).
     ``whole``: the whole tensors' elements where the entries are a rank's flat parts of them (ZeRO-3)."""
     grads = gradient_entries(fp32, galore)
-    out = [StateChunk("grads", grads["grads"], cfg.gradients, home_tier_used(cfg.gradients, device))]
+    out = [StateChunk("grads", grads["grads"], cfg.gradients, state_used_on("grads", cfg.gradients, device))]
     if grads.get("accum") and cfg.gradient_accumulation_steps > 1:
-        out.append(StateChunk("accum", grads["accum"], cfg.gradients, home_tier_used(cfg.gradients, device)))
+        out.append(
+            StateChunk("accum", grads["accum"], cfg.gradients, state_used_on("accum", cfg.gradients, device))
+        )
     home = cfg.optimizer_states
     for role, entries in state_entries(fp32, cfg, galore, whole).items():
-        used = Tier.DEVICE if role == "proj" else home_tier_used(home, device)
-        out.append(StateChunk(role, entries, home, used))
+        out.append(StateChunk(role, entries, home, state_used_on(role, home, device)))
     return out
 
 

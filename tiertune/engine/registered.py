@@ -14,7 +14,7 @@ import shutil
 from typing import TYPE_CHECKING, NamedTuple
 
 from tiertune.distributed.world import World
-from tiertune.engine.layout import ROLES, home_tier_used
+from tiertune.engine.layout import ROLES, home_tier_used, state_used_on
 from tiertune.engine.memory import (
     IN_PLACE,
     QUANT_CACHE,
@@ -25,6 +25,7 @@ from tiertune.engine.memory import (
     make_plan,
 )
 from tiertune.engine.schedule import waves
+from tiertune.engine.stash import ChunkStash
 from tiertune.files import nearest_existing
 from tiertune.logs import held_back
 from tiertune.offload.chunk import pack_tensors
@@ -75,32 +76,31 @@ def lay_out(
     )
     speculates = cfg.method != "lora" and cfg.overlap_optimizer != "off" and cfg.clips
     built = dataclasses.replace(cfg, twins=True if speculates else cfg.twins)
-    with held_back(
-        "tiertune", logging.WARNING
-    ):  # a build for its layout, no run: its notes are not for users
+    # a build for its layout, no run: its notes are not for users
+    with held_back("tiertune", logging.WARNING):
         trainer = StreamedTrainer(model_dir, ledger, built, world=world, layout_only=True)
     try:
         _unreadable_quantization(trainer.model.config, model_dir, cfg.quantize, notes)
         chunks = registered(trainer)
         counts = trainer.parameter_counts()
-        hidden = trainer.model.config.get_text_config(decoder=True).hidden_size
+        stash = trainer.stash
     finally:
         trainer.close()
     on_cpu = store_cfg.device.type != "cuda"
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}
     k = cfg.gradient_accumulation_steps
     wave = len(waves(cfg, k)[0])
-    if cfg.activations == "host" and not cfg.wave_size:
-        count = sum(c.role == "act" for c in chunks)
+    if isinstance(stash, ChunkStash) and not cfg.wave_size:
 
         def boundaries(slots: int) -> list[PlannedChunk]:
-            entries = [("x", (slots * cfg.activation_tokens * hidden,), cfg.dtype)]
+            """The stash's boundary chunks with ``slots`` slots each, as the store packs them."""
+            entries = ChunkStash.entries(stash.slot, slots, cfg.dtype)
             layouts = pack_tensors(entries, store_cfg.chunk_size, store_cfg.num_shards)
             return [
                 PlannedChunk(
                     "activations", Tier.HOST, lay.capacity, Tier.DEVICE, True, layout=lay, role="act"
                 )
-                for _ in range(count)
+                for _ in stash.chunks
                 for lay in layouts
             ]
 
@@ -146,10 +146,9 @@ def registered(trainer: StreamedTrainer) -> list[PlannedChunk]:
                 )
             )
         for role, (_, kind) in ROLES.items():
-            used = Tier.DEVICE if role == "proj" else None
             for c in getattr(state, role):
                 if c is not None:
-                    tier = used or home_tier_used(c.home, device)
+                    tier = state_used_on(role, c.home, device)
                     out.append(
                         PlannedChunk(
                             kind, c.home, c.capacity, tier, True, layout=c.layout, group=gi, role=role

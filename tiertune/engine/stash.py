@@ -98,14 +98,23 @@ class ChunkStash(Stash):
     ) -> ChunkStash:
         """Register the ``layers + 1`` boundary chunks of ``slots`` slots of ``slot`` elements in ``store``."""
         chunks = [
-            store.add([("x", (slot * slots,), dtype)], home=Tier.HOST, name=f"boundary.{i}")[0]
+            store.add(cls.entries(slot, slots, dtype), home=Tier.HOST, name=f"boundary.{i}")[0]
             for i in range(layers + 1)
         ]
         return cls(store, chunks, slots, times)
 
+    @staticmethod
+    def entries(slot: int, slots: int, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """A boundary chunk's tensor: ``slots`` slots of ``slot`` elements."""
+        return [("x", (slot * slots,), dtype)]
+
+    @property
+    def slot(self) -> int:
+        """Elements of a slot: the largest micro-batch's hidden states."""
+        return self.chunks[0].tensors[0].numel // self.slots
+
     def open(self, index: int, shapes: Sequence[torch.Size], write: bool) -> list[torch.Tensor]:
-        chunk = self.chunks[index]
-        slot = chunk.tensors[0].numel // self.slots
+        chunk, slot = self.chunks[index], self.slot
         for shape in shapes:
             if math.prod(shape) > slot:
                 raise ConfigError(

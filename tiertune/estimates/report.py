@@ -418,8 +418,8 @@ def estimate(
     # the chunks each rank registers (its shards), under a rank's budgets, as train plans it
     if processes > 1:
         local = per_node or processes
-        sharded, _ = planned(World(rank=0, size=processes, local_rank=0, local_size=local))
         rank_world = World(rank=0, size=processes, local_rank=0, local_size=local)
+        sharded, _ = planned(rank_world)
         laid, _, _, rank_wave = lay_out(
             recipe.model.path, sharded, dataclasses.replace(cfg, wave_size=0), [], disk_room, rank_world
         )
