@@ -253,6 +253,24 @@ def test_train_stops_on_a_signal_wherever_it_is(tmp_path, stop_recipe, where, at
         verify(done)
 
 
+def test_train_stops_on_a_signal_while_its_plan_is_checked(tmp_path, stop_recipe):
+    """`tiertune train` stopped while it builds the engine on a ledger to check its memory plan (before anything
+    of the run exists): exit 128 + the signal within seconds, one line, no run directory and no offload files."""
+    run = tmp_path / "run"
+    at = "tiertune.loading.model:load_into_store:1"  # the admission's layout-only build
+    args = [
+        "train",
+        str(stop_recipe),
+        f"training.output_dir={run}",
+        f"offload.disk_path={tmp_path / 'nvme'}",
+        "-q",
+    ]
+    _, stderr = _stop(tmp_path, at, signal.SIGTERM, args)
+    assert "stopped by SIGTERM" in stderr, stderr
+    assert not run.exists()
+    assert not (tmp_path / "nvme").exists() or not list((tmp_path / "nvme").iterdir())
+
+
 def test_export_and_merge_stop_on_a_signal_mid_way(tmp_path, lora_run):
     """`tiertune export` (GGUF; the merged HF model) and `tiertune merge` stopped mid-way: exit 128 + the
     signal within seconds, one line, and neither the output nor its temporary directory beside it is left."""
