@@ -25,20 +25,19 @@ from tiertune.offload.store import StoreConfig
 @dataclass
 class Replayed:
     """What the ledger counted: per tier its peak bytes over the replayed steps; per link (``disk->host``...)
-    the bytes the last step moved; per memory tier and size class the most chunks in use at once; per
-    collective the bytes this rank sent in the last step (of several ranks)."""
+    the bytes the last step moved; per collective the bytes this rank sent in the last step (of several
+    ranks)."""
 
     peaks: dict[str, int]
     moved: dict[str, int]
-    in_use: dict[str, dict[int, int]] = field(default_factory=dict)
     wire: dict[str, int] = field(default_factory=dict)
-    adapters: int = 0  # the LoRA parameters the engine trains (peft's wrapping)
 
 
 CLIPPED = (True, False, False, False)
 """Which replayed steps are clipped, by default: the first (speculated, then redone), so the second runs the
 optimizer after backward and the last two speculate and are confirmed: every way an update runs is in the
-peaks; the bytes moved are the last step's, the steady state of a run whose steps are not clipped."""
+peaks; the bytes moved are the last step's, the steady state of a run whose steps are not clipped. LoRA's
+adapters are updated on the device one way: its first two steps (the first records the trace) are enough."""
 
 
 def replay(
@@ -65,7 +64,7 @@ def replay(
             model_dir, ledger, cfg, world=world, compute=Ledger(clipped, cfg.max_grad_norm)
         )
     try:
-        batch = [_micro_batch(cfg, rows, tokens)] * micro_batches
+        batch = [micro_batch(cfg, rows, tokens)] * micro_batches
         for _ in clipped:
             with held_back("tiertune", logging.WARNING):
                 trainer.step(batch)
@@ -74,13 +73,12 @@ def replay(
             ({k: n for k, n in d.items() if n} for d in (last.moved, last.wire)) if last else ({}, {})
         )
         peaks = {t: s.peak for t, s in trainer.store_stats().tiers.items()}
-        adapters = trainer.parameter_counts()["trained"] if trainer.adapters else 0
-        return Replayed(peaks, moved, trainer.in_use_peaks(), wire, adapters)
+        return Replayed(peaks, moved, wire)
     finally:
         trainer.close()
 
 
-def _micro_batch(cfg: EngineConfig, rows: int, tokens: int) -> dict[str, torch.Tensor]:
+def micro_batch(cfg: EngineConfig, rows: int, tokens: int) -> dict[str, torch.Tensor]:
     """A micro-batch of the run's shape: ``rows`` sequences of ``tokens``, or for a preference objective
     ``rows`` pairs (their chosen, then rejected sequences; KTO's labels; a full fine-tune's reference
     log-probabilities, computed before training)."""

@@ -67,15 +67,13 @@ class StreamedTrainer(TrainerViews):
         safe_point: Callable[[], None] | None = None,
         world: World | None = None,
         compute: Compute | None = None,
-        layout_only: bool = False,
     ) -> None:
         """``world``: this process among several (ZeRO-3, ``engine.sharding``; the process group joined and
         ``store_config.num_shards`` its size); each rank's ``step`` gets its own part of the global batch.
         ``compute``: the substrate (``engine.compute``): by default the real one, or over a ledger store
         (``StoreConfig.ledger``) a ``Ledger`` whose steps are not clipped. On a ledger the trainer's tensors
         are on the meta device and nothing is read from the model's files: its chunks are registered, its
-        steps make a run's store calls (``engine.replay``). ``layout_only``: build what registers chunks and
-        no more (no adapters, no step): what ``engine.registered`` reads a run's chunks from; it cannot step."""
+        steps make a run's store calls (``engine.replay``, ``engine.registered``)."""
         self.config = config
         self.objective = config.objective  # what a step minimizes (engine.objective)
         self.world = world or World()
@@ -114,9 +112,7 @@ class StreamedTrainer(TrainerViews):
         ]
         # LoRA: peft wraps the instance's linear modules (before the layers are replaced by streamed ones)
         self.adapters = (
-            Adapters(self.model, config.lora, self.device, config.optim)
-            if config.method == "lora" and not layout_only
-            else None
+            Adapters(self.model, config.lora, self.device, config.optim) if config.method == "lora" else None
         )
         if self.adapters is not None:  # bound as tensors of their own (Binder.parametrized)
             self.binder.parametrize(self.adapters.parametrized())
@@ -148,8 +144,6 @@ class StreamedTrainer(TrainerViews):
             )
         # after the stash: the twins take what room is left (as estimate lays them out)
         self.overlap = add_twins(self.store, self.states, config, target) if trained else False
-        if layout_only:  # every chunk is registered
-            return
         # MoE: the router's auxiliary loss, where transformers computes one and the config asks for it (a
         # ledger's layers compute no router logits)
         self.router_aux = None if ledger else RouterAux.of(self.model, self.parts.layers)

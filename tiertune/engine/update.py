@@ -159,7 +159,8 @@ class OptimizerWorker:
             self._position += 1
         ahead = self._plan[self._position + 1 : self._position + 1 + self._lookahead]
         self._store.prefetch([c for s, k in ahead for c in s.reads(k)])
-        self._run_unit((state, j), coef)
+        with self._store.holding("optimizer"):  # its own moments on a ledger (``engine.memory``)
+            self._run_unit((state, j), coef)
         self._times["optimizer_busy"] += time.perf_counter() - began
 
     def _run(self) -> None:

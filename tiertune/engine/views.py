@@ -114,11 +114,6 @@ class TrainerViews:
         """Per tier its budget, bytes held now and at most; per link the bytes moved so far (``ChunkStore.stats``)."""
         return self.store.stats()
 
-    def in_use_peaks(self) -> dict[str, dict[int, int]]:
-        """Per memory tier and size class, the most chunks homed elsewhere in use there at once
-        (``ChunkStore.in_use_peaks``)."""
-        return self.store.in_use_peaks()
-
     def parameter_counts(self) -> dict[str, int]:
         """Parameters of the model: ``total``, ``trained`` (the adapters' for LoRA), and per group kind (embed,
         layer, rest, head)."""

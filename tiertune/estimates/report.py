@@ -35,9 +35,9 @@ import torch
 from tiertune.distributed.world import World
 from tiertune.engine import replay as replaying
 from tiertune.engine.activations import outside_bytes
-from tiertune.engine.memory import IN_PLACE, QUANT_CACHE, Plan, PlannedChunk, make_plan, slot_bytes_of
+from tiertune.engine.memory import IN_PLACE, QUANT_CACHE, Plan, PlannedChunk, slot_bytes_of
 from tiertune.engine.prepare import meta_skeleton
-from tiertune.engine.registered import UNBOUNDED, lay_out
+from tiertune.engine.registered import lay_out
 from tiertune.engine.replay import Replayed
 from tiertune.errors import BudgetError, ConfigError, StateError
 from tiertune.estimates.speed import (
@@ -338,7 +338,10 @@ def estimate(
     store_cfg, cfg = planned(World())
     notes: list[str] = []
     disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
-    chunks, parameters, trained, wave = lay_out(recipe.model.path, store_cfg, cfg, notes, disk_room)
+    t = recipe.training
+    shape = (t.per_device_train_batch_size, recipe.data.max_seq_len)
+    laid = lay_out(recipe.model.path, store_cfg, cfg, shape, notes, disk_room)
+    chunks, parameters, trained, wave = laid.chunks, laid.parameters, laid.trained, laid.wave
     model = meta_skeleton(recipe.model.path, cfg.dtype)
     flops = step_flops(
         model,
@@ -353,7 +356,7 @@ def estimate(
     acts = sum(c.capacity for c in chunks if c.role == "act")
     outside = outside_bytes(model, cfg, wave, target is not None, notes, stash_chunks=bool(acts))
     cfg = dataclasses.replace(cfg, wave_size=wave)  # as ``admit`` hands it to the engine
-    memory = make_plan(chunks, on_cpu=target is None)
+    memory = laid.plan()
     kinds: dict[str, tuple[str, int]] = {}
     for c in chunks:
         tier, total = kinds.get(c.kind, (c.home.value, 0))
@@ -364,12 +367,7 @@ def estimate(
     replayed = _replay(
         recipe, memory, store_cfg, dataclasses.replace(cfg, twins=twins), budgets, notes, device
     )
-    if trained is None:  # LoRA: the adapters peft wraps the engine's model in (built alone when no step ran)
-        unbounded = dataclasses.replace(
-            store_cfg, device_budget=UNBOUNDED, host_budget=UNBOUNDED, disk_budget=None, reserve=None
-        )
-        built = replayed or replaying.replay(recipe.model.path, unbounded, cfg, 1, 1, 1, (), device)
-        trained = built.adapters
+    if cfg.method == "lora":
         outside["LoRA adapters + states"] = trained * 16
     tiers = {}
     for tier in ORDER:
@@ -420,12 +418,20 @@ def estimate(
         local = per_node or processes
         rank_world = World(rank=0, size=processes, local_rank=0, local_size=local)
         sharded, _ = planned(rank_world)
-        laid, _, _, rank_wave = lay_out(
-            recipe.model.path, sharded, dataclasses.replace(cfg, wave_size=0), [], disk_room, rank_world
+        rank_laid = lay_out(
+            recipe.model.path,
+            sharded,
+            dataclasses.replace(cfg, wave_size=0),
+            shape,
+            [],
+            disk_room,
+            rank_world,
         )
-        est.scale_out = _scale_out(laid, processes, local)
-        est.scale_out.plan = make_plan(laid, on_cpu=target is None)
-        rank_cfg = dataclasses.replace(cfg, wave_size=rank_wave, twins=any(c.role == "twin" for c in laid))
+        est.scale_out = _scale_out(rank_laid.chunks, processes, local)
+        est.scale_out.plan = rank_laid.plan()
+        rank_cfg = dataclasses.replace(
+            cfg, wave_size=rank_laid.wave, twins=any(c.role == "twin" for c in rank_laid.chunks)
+        )
         # rank 0's steps on a ledger, its collectives counting what it sends
         rank = _replay(
             recipe,
@@ -476,7 +482,7 @@ def _replay(
             t.per_device_train_batch_size,
             recipe.data.max_seq_len,
             t.gradient_accumulation_steps,
-            replaying.CLIPPED,
+            replaying.CLIPPED[: 2 if cfg.method == "lora" else None],
             device,
             world,
         )

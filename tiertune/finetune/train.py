@@ -159,7 +159,9 @@ def admit(
     has ``num_shards`` and the rank's budgets); the plan is the same on every rank, so all refuse alike."""
     from tiertune.engine.registered import memory_plan
 
-    memory, twins, wave = memory_plan(recipe.model.path, store_cfg, engine_cfg, world)
+    shape = (recipe.training.per_device_train_batch_size, recipe.data.max_seq_len)
+    laid = memory_plan(recipe.model.path, store_cfg, engine_cfg, shape, world)
+    memory = laid.plan()
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}
     local = world.local_size if world is not None else 1
     sharing = {Tier.HOST: local, Tier.DEVICE: local if store_cfg.device.type == "cpu" else 1}
@@ -182,8 +184,8 @@ def admit(
             message=f"the run does not fit its budgets, checked before loading the model: {why}",
         )
     store_cfg.reserve = memory.store_reserve()
-    engine_cfg.twins = twins
-    engine_cfg.wave_size = wave
+    engine_cfg.twins = any(c.role == "twin" for c in laid.chunks)
+    engine_cfg.wave_size = laid.wave
 
 
 @dataclass

@@ -51,6 +51,8 @@ from tiertune.units import format_size, round_up
 log = logging.getLogger("tiertune.offload")
 
 S = ChunkState
+Held = tuple[Tier, str, int]
+"""A chunk in use on a memory tier it is not homed on (or scratch space there): (tier, name, capacity)."""
 _SETTLED = {Tier.DEVICE: S.ON_DEVICE, Tier.HOST: S.ON_HOST, Tier.DISK: S.ON_DISK}
 
 
@@ -297,6 +299,10 @@ class ChunkStore:
         self._waiting: dict[int, int] = defaultdict(int)  # thread id -> 1 while it waits on another thread
         self._in_use: dict[tuple[Tier, int], int] = defaultdict(int)  # (tier, class) -> chunks in use there
         self._in_use_peak: dict[tuple[Tier, int], int] = defaultdict(int)
+        # a ledger: per holder (``holding``), what it holds in use now, and every set it held at once
+        self._holding: dict[str, set[Held]] = defaultdict(set)
+        self._moments: dict[str, set[frozenset[Held]]] = defaultdict(set)
+        self._holder = threading.local()
         self._moved: dict[str, int] = {}
         self._moved_by: dict[int, dict[str, int]] = {}  # chunk id -> link -> bytes
         self._fatal: BaseException | None = None
@@ -827,6 +833,25 @@ class ChunkStore:
                     out.setdefault(tier.value, {})[size] = n
             return out
 
+    @contextlib.contextmanager
+    def holding(self, holder: str) -> Iterator[None]:
+        """This thread's acquires in the block are ``holder``'s (default: ``compute``): on a ledger, where the
+        optimizer's units run on the compute thread, its moments stay its own (``moments``)."""
+        before = getattr(self._holder, "name", "compute")
+        self._holder.name = holder
+        try:
+            yield
+        finally:
+            self._holder.name = before
+
+    def moments(self) -> dict[str, list[frozenset[Held]]]:
+        """A ledger's record, per holder (the compute thread, the optimizer): every set of chunks it held in use
+        at once on memory tiers they are not homed on (scratch space included), and each chunk homed on disk
+        staged through the host on its way to the device. What ``engine.memory``'s plan reserves slots for:
+        the engine's parts say what they hold by holding it."""
+        with self._cond:
+            return {holder: list(sets) for holder, sets in self._moments.items()}
+
     def moved(self, chunk: Chunk) -> dict[str, int]:
         """Bytes of ``chunk`` moved so far, per link ("host->device": bytes, ...)."""
         with self._cond:
@@ -928,6 +953,21 @@ class ChunkStore:
         self._in_use[key] += change
         if change > 0 and self._in_use[key] > self._in_use_peak[key]:
             self._in_use_peak[key] = self._in_use[key]
+        if self.ledger:
+            self._hold((tier, chunk.name, chunk.capacity), change > 0, chunk.home)
+
+    def _hold(self, held: Held, on: bool, home: Tier) -> None:
+        """A ledger's record of what each holder holds at once (``moments``)."""
+        if not on:
+            for mine in self._holding.values():
+                mine.discard(held)
+            return
+        holder = getattr(self._holder, "name", "compute")
+        mine = self._holding[holder]
+        mine.add(held)
+        self._moments[holder].add(frozenset(mine))
+        if held[0] is Tier.DEVICE and home is Tier.DISK:  # staged through the host on its way
+            self._moments[holder].add(frozenset({(Tier.HOST, *held[1:])}))
 
     def _in_flight(self, label: str) -> IOHandle:
         """A ledger's transfer (no byte moves): done at the store's next call, as a transfer started during one
