@@ -1,8 +1,8 @@
 """The layout of a run's training state: which chunks the engine registers beside the weights for each
 trained group (gradients, master weights, moments, GaLore's projections and accumulators, the speculative
-step's twins), and the group's ``GroupState`` that holds them. ``state_layout`` (what chunks, where) and
-``twins_short`` (whether the twins fit) are pure functions of sizes: the engine registers what they say,
-``estimates.report`` sums it."""
+step's twins), and the group's ``GroupState`` that holds them. ``state_layout`` (what chunks, where) is a
+pure function of sizes: the engine registers what it says; whether the twins are made is the run's plan's
+(``engine.memory``)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiertune.distributed.ownership import shard_layout
-from tiertune.errors import BudgetError
 from tiertune.loading.model import ParamGroup
 from tiertune.methods.optim import GaLore, decays, moment_entries
 from tiertune.offload.chunk import ALIGN, Chunk, ChunkLayout, pack_tensors, tensor_align
 from tiertune.offload.store import ChunkStore
-from tiertune.offload.tiers import BUDGET_SETTING, Tier
+from tiertune.offload.tiers import Tier
 from tiertune.units import format_size
 
 if TYPE_CHECKING:
@@ -79,11 +78,6 @@ class StateChunk:
     role: str  # a key of ROLES
     entries: list
     home: str  # device, host or disk
-    used_on: Tier  # the tier a step uses it on
-
-    @property
-    def kind(self) -> str:
-        return ROLES[self.role][1]
 
 
 def home_tier_used(home: str | Tier, device: torch.device) -> Tier:
@@ -99,58 +93,18 @@ def state_used_on(role: str, home: str | Tier, device: torch.device) -> Tier:
 
 
 def state_layout(
-    fp32: list,
-    cfg: EngineConfig,
-    galore: GaLore | None,
-    device: torch.device,
-    whole: dict[str, int] | None = None,
+    fp32: list, cfg: EngineConfig, galore: GaLore | None, whole: dict[str, int] | None = None
 ) -> list[StateChunk]:
     """The state chunks of one weight chunk whose tensors are ``fp32`` entries, in the order the engine
     registers them: gradients; GaLore's full-gradient accumulators when a step has several micro-batches;
     master weights (weights not fp32), the moments and GaLore's projections (read on the compute device).
     ``whole``: the whole tensors' elements where the entries are a rank's flat parts of them (ZeRO-3)."""
     grads = gradient_entries(fp32, galore)
-    out = [StateChunk("grads", grads["grads"], cfg.gradients, state_used_on("grads", cfg.gradients, device))]
+    out = [StateChunk("grads", grads["grads"], cfg.gradients)]
     if grads.get("accum") and cfg.gradient_accumulation_steps > 1:
-        out.append(
-            StateChunk("accum", grads["accum"], cfg.gradients, state_used_on("accum", cfg.gradients, device))
-        )
-    home = cfg.optimizer_states
-    for role, entries in state_entries(fp32, cfg, galore, whole).items():
-        out.append(StateChunk(role, entries, home, state_used_on(role, home, device)))
-    return out
-
-
-def twins_short(
-    units: list[tuple[tuple[Tier, int], list[tuple[Tier, int]], list[tuple[Tier, int]]]],
-    room: Callable[[Tier], int],
-    device: torch.device,
-) -> dict[Tier, int]:
-    """The ``overlap_optimizer: auto`` test, on sizes alone (the engine passes its registered chunks and
-    ``store.room``, ``estimate`` its laid-out chunks and the room its budgets leave): the tiers whose room
-    cannot take the twin states, with the bytes needed. ``units``: per optimizer unit, its gradients, the
-    sources it rewrites (master weights or fp32 weights, moments) and what else it reads (GaLore's
-    projection), each as (home tier, capacity). Besides the twins, the host must hold one unit's working set
-    (what it pins there, and a source while it is copied into its twin) while backward holds a chunk of
-    gradients there."""
-    need: dict[Tier, int] = defaultdict(int)
-    for _, sources, _ in units:
-        for home, capacity in sources:
-            need[home] += capacity
-    short = {t: n for t, n in need.items() if n > room(t)}
-    unit = max(unit_bytes(grads, sources + reads, device) for grads, sources, reads in units)
-    working = need.get(Tier.HOST, 0) + unit + max(grads[1] for grads, _, _ in units)
-    if working > room(Tier.HOST):
-        short[Tier.HOST] = working
-    return short
-
-
-def unit_bytes(grads: tuple[Tier, int], reads: list[tuple[Tier, int]], device: torch.device) -> int:
-    """Host bytes one optimizer unit holds with twins: what it pins on the host of its gradients and the
-    chunks it reads (those homed below the host), plus one source while it is copied into its twin."""
-    on_host = [(h, c) for h, c in (grads, *reads) if home_tier_used(h, device) is Tier.HOST]
-    pinned = sum(c for h, c in on_host if h is not Tier.HOST)
-    return pinned + max((c for _, c in on_host[1:]), default=0)
+        out.append(StateChunk("accum", grads["accum"], cfg.gradients))
+    states = state_entries(fp32, cfg, galore, whole)
+    return out + [StateChunk(role, entries, cfg.optimizer_states) for role, entries in states.items()]
 
 
 class GroupState:
@@ -196,7 +150,6 @@ def laid_states(
     weights: ChunkLayout,
     cfg: EngineConfig,
     galore: GaLore | None,
-    device: torch.device,
     whole: ChunkLayout | None = None,
 ) -> list[tuple[StateChunk, ChunkLayout]]:
     """The state chunks of weight chunk ``weights`` (``state_layout``), each laid out as ``add_like`` lays it
@@ -208,10 +161,7 @@ def laid_states(
 
     def laid(chunk: ChunkLayout) -> list[tuple[StateChunk, ChunkLayout]]:
         fp32 = [(t.name, t.shape, torch.float32) for t in chunk.tensors]
-        return [
-            (spec, _one_chunk(spec.entries, shards))
-            for spec in state_layout(fp32, cfg, galore, device, numel)
-        ]
+        return [(spec, _one_chunk(spec.entries, shards)) for spec in state_layout(fp32, cfg, galore, numel)]
 
     mine = laid(weights)
     if whole is None:
@@ -248,7 +198,7 @@ def add_states(
     state = GroupState(group)
     for j, chunk in enumerate(group.chunks):
         whole = (wholes or {}).get(chunk.id)
-        for spec, layout in laid_states(chunk.layout, cfg, galore, store.device, whole):
+        for spec, layout in laid_states(chunk.layout, cfg, galore, whole):
             [added] = store.add_layouts([layout], spec.home, f"{chunk.name}.{ROLES[spec.role][0]}")
             getattr(state, spec.role).append(added)
             if spec.role == "master":
@@ -279,56 +229,35 @@ def add_like(store: ChunkStore, entries: list, home: str | Tier, name: str) -> l
     return store.add_layouts([_one_chunk(entries, store.config.num_shards)], home, name)
 
 
-def add_twins(store: ChunkStore, states: list[GroupState], cfg: EngineConfig, device: torch.device) -> bool:
+def add_twins(store: ChunkStore, states: list[GroupState], cfg: EngineConfig) -> bool:
     """Decide whether the optimizer overlaps backward; add the twin states that needs. Returns the choice.
 
     Without clipping, updating in place during backward is exact. With clipping, the coefficient is
     known only after the last gradient, so the step runs speculatively with coefficient 1 into twins of
     the master weights and moments, and is confirmed (the twins exchanged in, no copy) or redone from
     the untouched originals with the real coefficient. The twins cost 12 bytes per parameter on the
-    optimizer states' tier (plus 4 on the weights' tier when the weights are fp32).
+    optimizer states' tier (plus 4 on the weights' tier when the weights are fp32). The run's plan decides
+    whether they are made (``cfg.twins``, ``engine.memory``); an engine built without one makes them, with
+    ``auto``, when their homes fit the room its store has left.
     """
     mode = cfg.overlap_optimizer
     if mode == "off":
         return False
     if not cfg.clips:
         return True
-    if cfg.twins is not None:  # the run's plan decided, on the same sizes and the budgets
-        if cfg.twins:
-            _register_twins(store, states)
-        return cfg.twins
-    units = [
-        (
-            (s.grads[j].home, s.grads[j].capacity),
-            [(c.home, c.capacity) for c in s.sources(j)],
-            [(c.home, c.capacity) for c in s.reads(j)[len(s.sources(j)) :]],
-        )
-        for s in states
-        for j in range(len(s.weights))
-    ]
-    short = twins_short(units, store.room, device)
-    if short and mode == "on":
-        tier, needed = next(iter(short.items()))
-        raise BudgetError(
-            tier.value,
-            needed,
-            store.room(tier),
-            BUDGET_SETTING[tier],
-            "for the optimizer overlapped with backward: twin optimizer states, and one chunk's optimizer "
-            "working set on the host; or set offload.overlap_optimizer: false",
-        )
-    if short:
-        detail = ", ".join(
-            f"{format_size(n)} on {t.value} ({format_size(store.room(t))} free)" for t, n in short.items()
-        )
-        log.info(
-            "optimizer after backward, not overlapped: its speculative twin states need %s; "
-            "raise the budgets (or offload.optimizer_states: disk) to overlap it",
-            detail,
-        )
-        return False
-    _register_twins(store, states)
-    return True
+    twins = cfg.twins
+    if twins is None:
+        need: dict[Tier, int] = defaultdict(int)
+        for state in states:
+            for c in (c for j in range(len(state.weights)) for c in state.sources(j)):
+                need[c.home] += c.capacity
+        twins = mode == "on" or all(n <= store.room(t) for t, n in need.items())
+        if not twins:
+            short = ", ".join(f"{format_size(n)} on {t.value}" for t, n in need.items())
+            log.info("optimizer after backward, not overlapped: its speculative twin states need %s", short)
+    if twins:
+        _register_twins(store, states)
+    return twins
 
 
 def _register_twins(store: ChunkStore, states: list[GroupState]) -> None:

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from tiertune.offload.chunk import ALIGN, Chunk, ChunkLayout
+from tiertune.offload.chunk import ALIGN, Chunk
 from tiertune.offload.disk import slot_bytes
 from tiertune.offload.store import Held
 from tiertune.offload.tiers import BUDGET_SETTING, Tier, slot_class
@@ -53,15 +53,12 @@ class PlannedChunk:
     home: Tier
     capacity: int
     used_on: Tier  # the tier a step uses it on
-    layout: ChunkLayout | None = field(default=None, repr=False)  # as the store lays it out
     in_place: bool = False  # frozen weights read from files (the model's, or the quantized cache's images)
-    layer: bool = False  # weights of a decoder layer (gathered again in backward, which recomputes it)
-    whole: ChunkLayout | None = field(default=None, repr=False)  # ZeRO-3: the chunk a rank's shard is part of
 
     @classmethod
     def of(cls, chunk: Chunk, kind: str, role: str, used_on: Tier, **more: Any) -> PlannedChunk:
         """``chunk`` of the store as the plan sees it."""
-        return cls(kind, role, chunk.name, chunk.home, chunk.capacity, used_on, chunk.layout, **more)
+        return cls(kind, role, chunk.name, chunk.home, chunk.capacity, used_on, **more)
 
 
 @dataclass

@@ -4,7 +4,7 @@ through the run's own loader, layout, stash and sharding, from a checkpoint or f
 safetensors headers alone, and its step holds what a run's step holds (``ChunkStore.moments``). ``lay_out``
 turns those into the plan's chunks and moments (``engine.memory``) and decides, over them, how many
 micro-batches a wave runs and whether the speculative step's twins are made; ``train`` checks the plan before
-loading (``memory_plan``), ``estimate`` reports it and replays steps under the run's budgets.
+loading, ``estimate`` reports it and replays steps under the run's budgets.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 from tiertune.distributed.world import World
 from tiertune.engine.layout import ROLES, home_tier_used, state_used_on
@@ -42,7 +44,8 @@ UNBOUNDED = 1 << 62
 """A ledger build's budgets: every chunk is registered, whatever the run's budgets are."""
 
 
-class Laid(NamedTuple):
+@dataclass
+class Laid:
     """What ``lay_out`` read from the ledger build and its step: the chunks (the wave's boundaries and the
     twins as decided), what the step's holders held at once (``ChunkStore.moments``), the parameters (all,
     and those trained) and the micro-batches a wave runs."""
@@ -53,9 +56,18 @@ class Laid(NamedTuple):
     trained: int
     wave: int
 
+    @cached_property
     def plan(self) -> Plan:
         """The memory plan (``engine.memory``) of these chunks and moments."""
         return make_plan(self.chunks, self.moments)
+
+    def applied(self, store_cfg: StoreConfig, cfg: EngineConfig) -> tuple[StoreConfig, EngineConfig]:
+        """``store_cfg`` and ``cfg`` as the run takes them: the plan's reserved slots, the twins and the wave."""
+        twins = any(c.role == "twin" for c in self.chunks)
+        return (
+            dataclasses.replace(store_cfg, reserve=self.plan.store_reserve()),
+            dataclasses.replace(cfg, twins=twins, wave_size=self.wave),
+        )
 
 
 def lay_out(
@@ -63,20 +75,29 @@ def lay_out(
     store_cfg: StoreConfig,
     cfg: EngineConfig,
     shape: tuple[int, int],
-    notes: list[str],
-    disk_free: int,
+    notes: list[str] | None = None,
     world: World | None = None,
+    disk_free: int | None = None,
 ) -> Laid:
-    """The chunks a run of the model at ``model_dir`` registers under ``store_cfg`` and ``cfg`` (one rank's of
-    ``world``), what a step of micro-batches of ``shape`` (rows, tokens) holds at once, and the wave and twins
-    its budgets allow: with activations on the host and ``cfg.wave_size`` 0, the most micro-batches of a step
-    whose boundary chunks fit the budgets (decided before the twins, which take the room left); the twins,
-    when asked for or when the run fits with them (``disk_free``: the room at ``disk_path``). What a reader
-    should know is appended to ``notes``."""
+    """The chunks a run of the model at ``model_dir`` registers under ``store_cfg`` and ``cfg``, what a step of
+    micro-batches of ``shape`` (rows, tokens) holds at once, and the wave and twins its budgets allow: with
+    activations on the host and ``cfg.wave_size`` 0, the most micro-batches of a step whose boundary chunks fit
+    the budgets (decided before the twins, which take the room left); the twins, when asked for or when the run
+    fits with them (``disk_free``, by default the room at ``disk_path``, takes their slots). Nothing is loaded:
+    what ``train`` checks before loading the model, what ``estimate`` reports. One rank of several (``world``)
+    plans rank 0's shards: every rank's chunks have the same capacities (``layout.laid_states``), so every rank
+    plans alike. What a reader should know is appended to ``notes``."""
     from tiertune.engine.compute import Ledger
     from tiertune.engine.replay import micro_batch
     from tiertune.engine.trainer import StreamedTrainer
 
+    notes = [] if notes is None else notes
+    if disk_free is None:
+        disk_free = (
+            shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
+        )
+    if world is not None and world.size > 1:
+        world = World(rank=0, size=world.size, local_rank=0, local_size=world.local_size)
     ledger = dataclasses.replace(
         store_cfg,
         ledger=True,
@@ -113,7 +134,7 @@ def lay_out(
             entries = ChunkStash.entries(stash.slot, slots, cfg.dtype)
             [lay] = pack_tensors(entries, store_cfg.chunk_size, store_cfg.num_shards)
             return [
-                PlannedChunk("activations", "act", c.name, Tier.HOST, lay.capacity, Tier.DEVICE, lay)
+                PlannedChunk("activations", "act", c.name, Tier.HOST, lay.capacity, Tier.DEVICE)
                 for c in stash.chunks
             ]
 
@@ -139,11 +160,7 @@ def registered(trainer: StreamedTrainer) -> list[PlannedChunk]:
         for c in state.weights:
             in_place = store.in_place(c) is not None
             kind = (QUANT_CACHE if c.name in cache else IN_PLACE) if in_place else "weights"
-            whole = trainer.sharding.full.get(c.id)  # ZeRO-3: the chunk this rank's shard is part of
-            layer = state.group.kind == "layer"
-            out.append(
-                PlannedChunk.of(c, kind, "weights", Tier.DEVICE, in_place=in_place, layer=layer, whole=whole)
-            )
+            out.append(PlannedChunk.of(c, kind, "weights", Tier.DEVICE, in_place=in_place))
         for role, (_, kind) in ROLES.items():
             used = (c for c in getattr(state, role) if c is not None)
             out += [PlannedChunk.of(c, kind, role, state_used_on(role, c.home, device)) for c in used]
@@ -152,23 +169,6 @@ def registered(trainer: StreamedTrainer) -> list[PlannedChunk]:
     return out + [
         PlannedChunk.of(c, "activations", "act", Tier.DEVICE) for c in getattr(trainer.stash, "chunks", ())
     ]
-
-
-def memory_plan(
-    model_path: str,
-    store_cfg: StoreConfig,
-    cfg: EngineConfig,
-    shape: tuple[int, int],
-    world: World | None = None,
-) -> Laid:
-    """The run's chunks and memory plan (``Laid.plan``) for the store and engine settings ``plan`` resolved and
-    micro-batches of ``shape`` (rows, tokens), with the twins and the wave decided (``lay_out``: nothing is
-    loaded). What ``train`` checks before loading the model. One rank of several (``world``) plans rank 0's
-    shards: every rank's chunks have the same capacities (``layout.laid_states``), so every rank plans alike."""
-    disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
-    if world is not None and world.size > 1:
-        world = World(rank=0, size=world.size, local_rank=0, local_size=world.local_size)
-    return lay_out(model_path, store_cfg, cfg, shape, [], disk_room, world)
 
 
 def _unreadable_quantization(config, model_dir: str, quantize: str, notes: list[str]) -> None:
@@ -187,4 +187,4 @@ def _unreadable_quantization(config, model_dir: str, quantize: str, notes: list[
         )
 
 
-__all__ = ["UNBOUNDED", "Laid", "lay_out", "memory_plan", "registered"]
+__all__ = ["UNBOUNDED", "Laid", "lay_out", "registered"]

@@ -34,6 +34,9 @@ from tiertune.offload.chunk import Chunk, ChunkLayout, layout_views
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
 
+GATHERED = ".gathered"
+"""What the scratch space a shard's whole chunk is gathered into is named after (``{chunk}.gathered``)."""
+
 
 class Local:
     """One process: every chunk whole in its own store. Binding acquires a chunk on the device, gradients are
@@ -117,7 +120,7 @@ class Zero:
         held = True
         try:
             self.times["io_wait"] += time.perf_counter() - began
-            with self.store.scratch(layout.capacity, f"{chunk.name}.gathered") as flat:
+            with self.store.scratch(layout.capacity, f"{chunk.name}{GATHERED}") as flat:
                 began = time.perf_counter()
                 self.collectives.all_gather(self.store.buffer(chunk), flat, self.wire)
                 self.times["gather"] += time.perf_counter() - began

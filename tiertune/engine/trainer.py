@@ -143,7 +143,7 @@ class StreamedTrainer(TrainerViews):
                 self.store, len(self.parts.layers), slot, stash_slots(config), config.dtype, self.times
             )
         # after the stash: the twins take what room is left (as estimate lays them out)
-        self.overlap = add_twins(self.store, self.states, config, target) if trained else False
+        self.overlap = add_twins(self.store, self.states, config) if trained else False
         # MoE: the router's auxiliary loss, where transformers computes one and the config asks for it (a
         # ledger's layers compute no router logits)
         self.router_aux = None if ledger else RouterAux.of(self.model, self.parts.layers)

@@ -35,10 +35,11 @@ import torch
 from tiertune.distributed.world import World
 from tiertune.engine import replay as replaying
 from tiertune.engine.activations import outside_bytes
-from tiertune.engine.memory import IN_PLACE, QUANT_CACHE, Plan, PlannedChunk, slot_bytes_of
+from tiertune.engine.memory import IN_PLACE, QUANT_CACHE, Plan, slot_bytes_of
 from tiertune.engine.prepare import meta_skeleton
-from tiertune.engine.registered import lay_out
+from tiertune.engine.registered import Laid, lay_out
 from tiertune.engine.replay import Replayed
+from tiertune.engine.sharding import GATHERED
 from tiertune.errors import BudgetError, ConfigError, StateError
 from tiertune.estimates.speed import (
     GPU,
@@ -65,9 +66,6 @@ if TYPE_CHECKING:
 
 ORDER = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 LINKS = ("disk->host", "host->disk", "host->device", "device->host")  # what a step moves, link by link
-
-
-_Chunk = PlannedChunk  # one chunk the run would register
 
 
 @dataclass
@@ -135,14 +133,13 @@ class ScaleOut:
         }
 
 
-def _scale_out(chunks: list[_Chunk], processes: int, per_node: int) -> ScaleOut:
-    """``ScaleOut`` from the chunks one rank registers (``_chunks`` of a store of ``processes`` shards): what it
-    homes per tier and the most whole chunks it gathers on its device at once (a layer's, and the groups outside
-    the layers). The bytes on the wire are the replay's (``engine.replay``, counting collectives)."""
-    per_rank = {tier.value: sum(c.capacity for c in chunks if c.home is tier) for tier in ORDER}
-    wholes = [c.whole for c in chunks if c.whole is not None]
-    layers = [c.whole.capacity for c in chunks if c.whole is not None and c.layer]
-    gathered = max(layers, default=0) + sum(w.capacity for w in wholes) - sum(layers)
+def _scale_out(laid: Laid, processes: int, per_node: int) -> ScaleOut:
+    """``ScaleOut`` from what one rank registers and holds (``lay_out`` of a store of ``processes`` shards): what
+    it homes per tier and the most whole chunks it held gathered on its device at once (its step's moments).
+    The bytes on the wire are the replay's (``engine.replay``, counting collectives)."""
+    per_rank = {tier.value: sum(c.capacity for c in laid.chunks if c.home is tier) for tier in ORDER}
+    held = (m for ms in laid.moments.values() for m in ms)
+    gathered = max((sum(n for t, name, n in m if name.endswith(GATHERED)) for m in held), default=0)
     return ScaleOut(processes, per_node, per_rank, gathered, {})
 
 
@@ -340,7 +337,7 @@ def estimate(
     disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
     t = recipe.training
     shape = (t.per_device_train_batch_size, recipe.data.max_seq_len)
-    laid = lay_out(recipe.model.path, store_cfg, cfg, shape, notes, disk_room)
+    laid = lay_out(recipe.model.path, store_cfg, cfg, shape, notes, disk_free=disk_room)
     chunks, parameters, trained, wave = laid.chunks, laid.parameters, laid.trained, laid.wave
     model = meta_skeleton(recipe.model.path, cfg.dtype)
     flops = step_flops(
@@ -355,18 +352,14 @@ def estimate(
     )
     acts = sum(c.capacity for c in chunks if c.role == "act")
     outside = outside_bytes(model, cfg, wave, target is not None, notes, stash_chunks=bool(acts))
-    cfg = dataclasses.replace(cfg, wave_size=wave)  # as ``admit`` hands it to the engine
-    memory = laid.plan()
+    memory = laid.plan
     kinds: dict[str, tuple[str, int]] = {}
     for c in chunks:
         tier, total = kinds.get(c.kind, (c.home.value, 0))
         kinds[c.kind] = (tier, total + c.capacity)
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget, Tier.DISK: disk_room}
     device = torch.device("cuda" if target is not None else "cpu")  # what the run would compute on
-    twins = any(c.role == "twin" for c in chunks)
-    replayed = _replay(
-        recipe, memory, store_cfg, dataclasses.replace(cfg, twins=twins), budgets, notes, device
-    )
+    replayed = _replay(recipe, laid, store_cfg, cfg, notes, device)
     if cfg.method == "lora":
         outside["LoRA adapters + states"] = trained * 16
     tiers = {}
@@ -418,61 +411,41 @@ def estimate(
         local = per_node or processes
         rank_world = World(rank=0, size=processes, local_rank=0, local_size=local)
         sharded, _ = planned(rank_world)
-        rank_laid = lay_out(
-            recipe.model.path,
-            sharded,
-            dataclasses.replace(cfg, wave_size=0),
-            shape,
-            [],
-            disk_room,
-            rank_world,
-        )
-        est.scale_out = _scale_out(rank_laid.chunks, processes, local)
-        est.scale_out.plan = rank_laid.plan()
-        rank_cfg = dataclasses.replace(
-            cfg, wave_size=rank_laid.wave, twins=any(c.role == "twin" for c in rank_laid.chunks)
-        )
-        # rank 0's steps on a ledger, its collectives counting what it sends
-        rank = _replay(
-            recipe,
-            est.scale_out.plan,
-            sharded,
-            rank_cfg,
-            {Tier.DEVICE: sharded.device_budget, Tier.HOST: sharded.host_budget, Tier.DISK: disk_room},
-            [],
-            device,
-            rank_world,
-        )
+        rank_laid = lay_out(recipe.model.path, sharded, cfg, shape, world=rank_world, disk_free=disk_room)
+        est.scale_out = _scale_out(rank_laid, processes, local)
+        est.scale_out.plan = rank_laid.plan
+        rank = _replay(recipe, rank_laid, sharded, cfg, [], device, rank_world)  # its collectives counting
         est.scale_out.wire = rank.wire if rank is not None else {}
         est.scale_out.budgets = {"device": sharded.device_budget, "host": sharded.host_budget}
     if measure:
         est.bandwidth = measure_bandwidth(store_cfg, notes=est.notes)
         if target is not None and target.host_to_device and "host_to_device" not in est.bandwidth:
             est.bandwidth["host_to_device"] = target.host_to_device  # stated: not this machine's GPU
-        est.speed = _step_time(est, recipe, cfg, flops, target)
+        run_cfg = laid.applied(store_cfg, cfg)[1]  # as ``admit`` hands it to the engine
+        est.speed = _step_time(est, recipe, run_cfg, flops, target)
     return est
 
 
 def _replay(
     recipe: Recipe,
-    memory: Plan,
+    laid: Laid,
     store_cfg: StoreConfig,
     cfg: EngineConfig,
-    budgets: dict[Tier, int],
     notes: list[str],
     device: torch.device,
     world: World | None = None,
 ) -> Replayed | None:
     """The run's steps replayed on a ledger (``engine.replay``: the engine's own step over the store's own
-    placement, eviction and prefetch, every micro-batch); its peaks and the bytes a step moves. None (with a
-    note) when the budgets cannot hold the plan: there is no step to replay."""
-    if memory.short(budgets):
+    placement, eviction and prefetch, every micro-batch) under the budgets of ``store_cfg`` and the plan
+    ``laid`` made; its peaks and the bytes a step moves. None (with a note) when the budgets cannot hold the
+    plan: there is no step to replay."""
+    if laid.plan.short({Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}):
         notes.append(
             "no step replayed: the budgets cannot hold the run's memory plan (the peaks shown are what "
             "passes through each tier, up to its budget)"
         )
         return None
-    ledger = dataclasses.replace(store_cfg, reserve=memory.store_reserve(), disk_budget=None)
+    ledger, cfg = laid.applied(dataclasses.replace(store_cfg, disk_budget=None), cfg)
     t = recipe.training
     try:
         return replaying.replay(

@@ -157,11 +157,11 @@ def admit(
     the speculative step's twins are made. Raises BudgetError naming the smallest budgets that work.
     ``tiertune estimate`` reports the same plan. One rank of several plans its own shards (``store_cfg``
     has ``num_shards`` and the rank's budgets); the plan is the same on every rank, so all refuse alike."""
-    from tiertune.engine.registered import memory_plan
+    from tiertune.engine.registered import lay_out
 
     shape = (recipe.training.per_device_train_batch_size, recipe.data.max_seq_len)
-    laid = memory_plan(recipe.model.path, store_cfg, engine_cfg, shape, world)
-    memory = laid.plan()
+    laid = lay_out(recipe.model.path, store_cfg, engine_cfg, shape, world=world)
+    memory = laid.plan
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}
     local = world.local_size if world is not None else 1
     sharing = {Tier.HOST: local, Tier.DEVICE: local if store_cfg.device.type == "cpu" else 1}
@@ -183,9 +183,8 @@ def admit(
             BUDGET_SETTING[tier],
             message=f"the run does not fit its budgets, checked before loading the model: {why}",
         )
-    store_cfg.reserve = memory.store_reserve()
-    engine_cfg.twins = any(c.role == "twin" for c in laid.chunks)
-    engine_cfg.wave_size = laid.wave
+    store, engine = laid.applied(store_cfg, engine_cfg)
+    store_cfg.reserve, engine_cfg.twins, engine_cfg.wave_size = store.reserve, engine.twins, engine.wave_size
 
 
 @dataclass
