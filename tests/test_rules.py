@@ -82,8 +82,10 @@ def test_each_rule_lives_in_one_place(rule):
 def test_each_rule_refuses_a_recipe_that_breaks_it_naming_the_setting(
     rule, tmp_path, cat_model, write_recipe, monkeypatch
 ):
+    from tiertune.config.plan import resolve
     from tiertune.config.recipe import load_recipe
-    from tiertune.finetune.train import admit, plan
+    from tiertune.distributed.world import World
+    from tiertune.finetune.train import admit
 
     _, _, overrides, named = RULES[rule]
     model = cat_model(2)
@@ -93,6 +95,5 @@ def test_each_rule_refuses_a_recipe_that_breaks_it_naming_the_setting(
     path = write_recipe(tmp_path, model)
     with pytest.raises((ConfigError, BudgetError)) as refused:
         recipe = load_recipe(path, [o.format(model=model) for o in overrides])
-        store_cfg, engine_cfg = plan(recipe)
-        admit(recipe, store_cfg, engine_cfg, None)
+        admit(resolve(recipe, World.from_env()))
     assert named in str(refused.value), (rule, str(refused.value))

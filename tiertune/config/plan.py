@@ -1,11 +1,15 @@
 """A recipe resolved: the store and engine settings it asks for on this machine (``plan``), every ``auto``
-made concrete and every rule between settings checked (``tests/test_rules.py``) before anything is loaded."""
+made concrete and every rule between settings checked (``tests/test_rules.py``) before anything is loaded;
+with the memory plan over the chunks the run registers, the ``RunPlan`` everything below the CLI reads
+(``resolve``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +20,54 @@ from tiertune.errors import ConfigError
 from tiertune.kernels.patch import resolve_backend
 from tiertune.offload.chunk import itemsize
 from tiertune.offload.store import StoreConfig
+from tiertune.offload.tiers import AUTO_DEVICE_FRACTION
+
+if TYPE_CHECKING:
+    from tiertune.engine.memory import Plan
+    from tiertune.engine.registered import Laid
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A recipe resolved for one process (``resolve``), what the run and the estimate read: the settings with
+    every ``auto`` concrete and the memory plan's decisions in (``store``: its reserved slots; ``engine``: the
+    twins, the micro-batches a wave runs), that plan over the chunks the run registers and what its step holds
+    (``laid``), and this process among the launch's (``world``, read once)."""
+
+    recipe: Recipe
+    store: StoreConfig
+    engine: EngineConfig
+    world: World
+    laid: Laid
+
+    @property
+    def memory(self) -> Plan:
+        """The run's memory plan (``engine.memory``)."""
+        return self.laid.plan
+
+
+def resolve(
+    recipe: Recipe,
+    world: World,
+    device: str | None = None,
+    device_memory: int | None = None,
+    notes: list[str] | None = None,
+    disk_free: int | None = None,
+) -> RunPlan:
+    """``recipe`` resolved for this process among ``world``'s (``plan``), and its memory plan over the chunks
+    the run registers (``engine.registered.lay_out``: nothing is loaded). ``device`` and ``device_memory``
+    (``estimate``): plan for ``cuda`` or ``cpu`` rather than for what this machine has, a GPU of that memory
+    sizing an ``auto`` device budget; ``disk_free``: the room the disk's slots take (default: at
+    ``disk_path``). What a reader should know is appended to ``notes``."""
+    from tiertune.engine.registered import lay_out
+
+    store, engine = plan(recipe, device, world)
+    if device_memory is not None and store.device.type == "cpu" and recipe.offload.device_budget == "auto":
+        store.device_budget = int(device_memory * AUTO_DEVICE_FRACTION)  # as a run on that GPU resolves it
+    shape = (recipe.training.per_device_train_batch_size, recipe.data.max_seq_len)
+    laid = lay_out(recipe.model.path, store, engine, shape, notes, world, disk_free)
+    store, engine = laid.applied(store, engine)
+    return RunPlan(recipe, store, engine, world, laid)
 
 
 def plan(

@@ -37,7 +37,7 @@ from tiertune.engine import replay as replaying
 from tiertune.engine.activations import outside_bytes
 from tiertune.engine.memory import IN_PLACE, QUANT_CACHE, Plan, slot_bytes_of
 from tiertune.engine.prepare import meta_skeleton
-from tiertune.engine.registered import Laid, lay_out
+from tiertune.engine.registered import Laid
 from tiertune.engine.replay import Replayed
 from tiertune.engine.sharding import GATHERED
 from tiertune.errors import BudgetError, ConfigError, StateError
@@ -56,13 +56,12 @@ from tiertune.estimates.speed import (
 from tiertune.files import nearest_existing
 from tiertune.loading.hub import config_directory
 from tiertune.loading.model import split_model
-from tiertune.offload.store import StoreConfig
-from tiertune.offload.tiers import AUTO_DEVICE_FRACTION, Tier
+from tiertune.offload.tiers import Tier
 from tiertune.units import format_size
 
 if TYPE_CHECKING:
+    from tiertune.config.plan import RunPlan
     from tiertune.config.recipe import Recipe
-    from tiertune.engine.config import EngineConfig
 
 ORDER = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 LINKS = ("disk->host", "host->disk", "host->device", "device->host")  # what a step moves, link by link
@@ -317,27 +316,18 @@ def estimate(
         )
     import psutil
 
-    from tiertune.config.plan import plan
+    from tiertune.config.plan import resolve
 
     directory = config_directory(recipe.model.path)
     if directory != recipe.model.path:
         recipe = copy.deepcopy(recipe)
         recipe.model.path = directory
     target = resolve_gpu(gpu)
-
-    def planned(world: World) -> tuple[StoreConfig, EngineConfig]:
-        """``plan`` for the target and ``world`` (one process, or a rank of a launch of ``processes``)."""
-        store_cfg, cfg = plan(recipe, "cuda" if target is not None else "cpu", world)
-        if target is not None and store_cfg.device.type == "cpu" and recipe.offload.device_budget == "auto":
-            store_cfg.device_budget = int(target.memory * AUTO_DEVICE_FRACTION)  # as a run on it resolves it
-        return store_cfg, cfg
-
-    store_cfg, cfg = planned(World())
+    device_type, memory_of = ("cuda", target.memory) if target is not None else ("cpu", None)
     notes: list[str] = []
+    run = resolve(recipe, World(), device_type, memory_of, notes)
+    store_cfg, cfg, laid = run.store, run.engine, run.laid
     disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
-    t = recipe.training
-    shape = (t.per_device_train_batch_size, recipe.data.max_seq_len)
-    laid = lay_out(recipe.model.path, store_cfg, cfg, shape, notes, disk_free=disk_room)
     chunks, parameters, trained, wave = laid.chunks, laid.parameters, laid.trained, laid.wave
     model = meta_skeleton(recipe.model.path, cfg.dtype)
     flops = step_flops(
@@ -359,7 +349,7 @@ def estimate(
         kinds[c.kind] = (tier, total + c.capacity)
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget, Tier.DISK: disk_room}
     device = torch.device("cuda" if target is not None else "cpu")  # what the run would compute on
-    replayed = _replay(recipe, laid, store_cfg, cfg, notes, device)
+    replayed = _replay(run, notes, device)
     if cfg.method == "lora":
         outside["LoRA adapters + states"] = trained * 16
     tiers = {}
@@ -410,42 +400,34 @@ def estimate(
     if processes > 1:
         local = per_node or processes
         rank_world = World(rank=0, size=processes, local_rank=0, local_size=local)
-        sharded, _ = planned(rank_world)
-        rank_laid = lay_out(recipe.model.path, sharded, cfg, shape, world=rank_world, disk_free=disk_room)
-        est.scale_out = _scale_out(rank_laid, processes, local)
-        est.scale_out.plan = rank_laid.plan
-        rank = _replay(recipe, rank_laid, sharded, cfg, [], device, rank_world)  # its collectives counting
+        rank_run = resolve(recipe, rank_world, device_type, memory_of, disk_free=disk_room)
+        sharded = rank_run.store
+        est.scale_out = _scale_out(rank_run.laid, processes, local)
+        est.scale_out.plan = rank_run.memory
+        rank = _replay(rank_run, [], device)  # its collectives counting what it sends
         est.scale_out.wire = rank.wire if rank is not None else {}
         est.scale_out.budgets = {"device": sharded.device_budget, "host": sharded.host_budget}
     if measure:
         est.bandwidth = measure_bandwidth(store_cfg, notes=est.notes)
         if target is not None and target.host_to_device and "host_to_device" not in est.bandwidth:
             est.bandwidth["host_to_device"] = target.host_to_device  # stated: not this machine's GPU
-        run_cfg = laid.applied(store_cfg, cfg)[1]  # as ``admit`` hands it to the engine
-        est.speed = _step_time(est, recipe, run_cfg, flops, target)
+        est.speed = _step_time(est, recipe, cfg, flops, target)
     return est
 
 
-def _replay(
-    recipe: Recipe,
-    laid: Laid,
-    store_cfg: StoreConfig,
-    cfg: EngineConfig,
-    notes: list[str],
-    device: torch.device,
-    world: World | None = None,
-) -> Replayed | None:
+def _replay(run: RunPlan, notes: list[str], device: torch.device) -> Replayed | None:
     """The run's steps replayed on a ledger (``engine.replay``: the engine's own step over the store's own
-    placement, eviction and prefetch, every micro-batch) under the budgets of ``store_cfg`` and the plan
-    ``laid`` made; its peaks and the bytes a step moves. None (with a note) when the budgets cannot hold the
-    plan: there is no step to replay."""
-    if laid.plan.short({Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}):
+    placement, eviction and prefetch, every micro-batch) under its budgets and memory plan; its peaks and the
+    bytes a step moves. None (with a note) when the budgets cannot hold the plan: there is no step to
+    replay."""
+    store_cfg, cfg, recipe = run.store, run.engine, run.recipe
+    if run.memory.short({Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}):
         notes.append(
             "no step replayed: the budgets cannot hold the run's memory plan (the peaks shown are what "
             "passes through each tier, up to its budget)"
         )
         return None
-    ledger, cfg = laid.applied(dataclasses.replace(store_cfg, disk_budget=None), cfg)
+    ledger = dataclasses.replace(store_cfg, disk_budget=None)
     t = recipe.training
     try:
         return replaying.replay(
@@ -457,7 +439,7 @@ def _replay(
             t.gradient_accumulation_steps,
             replaying.CLIPPED[: 2 if cfg.method == "lora" else None],
             device,
-            world,
+            run.world,
         )
     except (BudgetError, StateError) as exc:  # the store's own refusal, as a run would meet it
         notes.append(

@@ -12,6 +12,7 @@ place only once complete; for LoRA, the adapter in PEFT format (``adapter_config
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -28,10 +29,10 @@ from typing import Any
 
 import torch
 
-from tiertune.config.plan import plan
+from tiertune.config.plan import RunPlan, resolve
 from tiertune.config.recipe import Recipe, load_recipe
 from tiertune.distributed.world import World
-from tiertune.engine import EngineConfig, StreamedTrainer
+from tiertune.engine import StreamedTrainer
 from tiertune.errors import (
     BudgetError,
     DataError,
@@ -120,8 +121,8 @@ def train(
     recipe = recipe.with_absolute_paths()
     recipe.model.path = model_directory(recipe.model.path)  # a model id: its snapshot in the hub's cache
     world = World.from_env()
-    store_cfg, engine_cfg = plan(recipe, world=world)
-    admit(recipe, store_cfg, engine_cfg, world)  # every rank: all refuse alike, before the process group
+    run = resolve(recipe, world)
+    admit(run)  # every rank: all refuse alike, before the process group
     join(world)  # several processes: the process group, this rank's GPU and threads
     run_dir = RunDirectory(recipe.training.output_dir, world.size)
     with stop_on_signals() as stop:
@@ -133,45 +134,26 @@ def train(
                 if world.is_main:
                     recover(run_dir.path)
                 with stop.at_safe_points():  # from here the run holds chunks and locks
-                    return _run(
-                        recipe,
-                        store_cfg,
-                        engine_cfg,
-                        run_dir,
-                        loaded,
-                        progress and world.is_main,
-                        stop,
-                        world,
-                    )
+                    return _run(run, run_dir, loaded, progress and world.is_main, stop)
         except Signalled as exc:  # before the first step: what was set up has been unwound
             newest = latest_checkpoint(run_dir.path)
             step = checkpoint_step(newest) if newest else 0
             raise Interrupted(exc.signum, step, newest, run_dir.path / RECIPE_FILE) from None
 
 
-def admit(
-    recipe: Recipe, store_cfg: StoreConfig, engine_cfg: EngineConfig, world: World | None = None
-) -> None:
-    """Check the run's memory plan against its budgets before anything is loaded, and hand it to the store
-    and the engine (``engine.memory``): the slots the store reserves for the chunks in use at once, and whether
-    the speculative step's twins are made. Raises BudgetError naming the smallest budgets that work.
-    ``tiertune estimate`` reports the same plan. One rank of several plans its own shards (``store_cfg``
-    has ``num_shards`` and the rank's budgets); the plan is the same on every rank, so all refuse alike."""
-    from tiertune.engine.registered import lay_out
-
-    shape = (recipe.training.per_device_train_batch_size, recipe.data.max_seq_len)
-    laid = lay_out(recipe.model.path, store_cfg, engine_cfg, shape, world=world)
-    memory = laid.plan
-    budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget}
-    local = world.local_size if world is not None else 1
-    sharing = {Tier.HOST: local, Tier.DEVICE: local if store_cfg.device.type == "cpu" else 1}
-    if store_cfg.disk_path is None:
+def admit(run: RunPlan) -> None:
+    """Check the run's memory plan (``engine.memory``) against its budgets before anything is loaded: the
+    homes and the slots the store reserves for the chunks in use at once. Raises BudgetError naming the
+    smallest budgets that work. ``tiertune estimate`` reports the same plan. One rank of several plans its own
+    shards (the rank's budgets); the plan is the same on every rank, so all refuse alike."""
+    store, engine, memory = run.store, run.engine, run.memory
+    budgets = {Tier.DEVICE: store.device_budget, Tier.HOST: store.host_budget}
+    local = run.world.local_size
+    sharing = {Tier.HOST: local, Tier.DEVICE: local if store.device.type == "cpu" else 1}
+    if store.disk_path is None:
         lower = "offload.disk_path, to place state on disk"
     else:
-        homes = (
-            ("offload.params", engine_cfg.params),
-            ("offload.optimizer_states", engine_cfg.optimizer_states),
-        )
+        homes = (("offload.params", engine.params), ("offload.optimizer_states", engine.optimizer_states))
         lower = " and ".join(f"{key}: disk" for key, home in homes if home != "disk")
     why = memory.refusal(budgets, lower, sharing)
     if why:
@@ -183,8 +165,6 @@ def admit(
             BUDGET_SETTING[tier],
             message=f"the run does not fit its budgets, checked before loading the model: {why}",
         )
-    store, engine = laid.applied(store_cfg, engine_cfg)
-    store_cfg.reserve, engine_cfg.twins, engine_cfg.wave_size = store.reserve, engine.twins, engine.wave_size
 
 
 @dataclass
@@ -226,22 +206,15 @@ def _load(recipe: Recipe, ranks: int) -> _Loaded:
 
 
 def _run(
-    recipe: Recipe,
-    store_cfg: StoreConfig,
-    engine_cfg: EngineConfig,
-    run_dir: RunDirectory,
-    loaded: _Loaded,
-    progress: bool,
-    stop: StopOnSignals,
-    world: World,
+    run: RunPlan, run_dir: RunDirectory, loaded: _Loaded, progress: bool, stop: StopOnSignals
 ) -> TrainResult:
     """The run in its directory: decide, prepare, build the trainer, train, checkpoint, export. Called with
     signals stopping it at safe points only. Of several ranks, rank 0 decides, prepares, logs and writes the
     run's files; every rank trains and exports (each chunk gathered in turn)."""
+    recipe, world = run.recipe, run.world
     t, d = recipe.training, recipe.data
     out = run_dir.path
     data, tokenizer, steps, per_epoch = loaded.data, loaded.tokenizer, loaded.steps, loaded.per_epoch
-    engine_cfg.max_steps = steps
     recipe_path = out / RECIPE_FILE
 
     def settle() -> Decision:
@@ -261,7 +234,8 @@ def _run(
     history: list[dict] = []
     first = decision.step
     stop.check()
-    trainer = StreamedTrainer(recipe.model.path, store_cfg, engine_cfg, safe_point=stop.check, world=world)
+    engine = dataclasses.replace(run.engine, max_steps=steps)  # the learning rate's schedule runs over them
+    trainer = StreamedTrainer(recipe.model.path, run.store, engine, safe_point=stop.check, world=world)
     try:
         if recipe.objective.reference and trainer.adapters is None:  # the initial weights' figures, first
             reference = reference_logps(trainer, data, recipe, loaded.pad_id, write=world.is_main)
@@ -289,7 +263,7 @@ def _run(
     if decision.resume is not None:
         notes.append(f"resumed from {decision.resume} at step {first} of {steps}")
     result.first_step = first + 1
-    banner = _banner(recipe, trainer, store_cfg, steps, first, data)
+    banner = _banner(recipe, trainer, run.store, steps, first, data)
     for line in (banner, *notes):  # printed below; in the log for a run without a console
         log.debug("%s", line)
     if progress:
