@@ -2,6 +2,8 @@
 backward traced on the meta device) against the same layer run for real on the CPU, its storages counted by
 the same ``LiveBytes``; and ``LiveBytes`` itself against what it must see."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -53,25 +55,16 @@ def _real_peak(model, cfg, tokens: int) -> int:
     forward and backward on real tensors (with the default SDPA: on a CPU its flash kernel)."""
     import copy
 
-    from peft import LoraConfig, inject_adapter_in_model
-
     from tiertune.engine.compute import Handoff
     from tiertune.engine.tiling import tile_layer
     from tiertune.kernels.ops.attention import use_segment_attention
     from tiertune.kernels.patch import patch_model
     from tiertune.loading.model import split_model
+    from tiertune.methods.lora import Adapters
 
     model = copy.deepcopy(model)
-    if cfg.method == "lora":
-        inject_adapter_in_model(
-            LoraConfig(
-                r=cfg.lora.r,
-                lora_alpha=cfg.lora.alpha,
-                lora_dropout=0.0,
-                target_modules=cfg.lora.target_modules,
-            ),
-            model,
-        )
+    if cfg.method == "lora":  # as the run wraps it (dropout aside: the trace keeps none)
+        Adapters(model, dataclasses.replace(cfg.lora, dropout=0.0), torch.device("cpu"))
     patch_model(model, "torch")
     assert use_segment_attention(model) is None
     layer = split_model(model).layers[0]

@@ -11,10 +11,10 @@ the peak; the layer's input and its output's gradient are the engine's (the boun
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import os
 import sys
-import warnings
 import weakref
 
 import torch
@@ -136,32 +136,20 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int, gpu: bool = False) -> i
     trace raises (an architecture whose ops have no meta kernels). A full fine-tune's weight gradients aside:
     the plan counts them as their own item."""
     from tiertune.engine.compute import Handoff
+    from tiertune.engine.prepare import prepare_model
     from tiertune.engine.tiling import tile_layer
     from tiertune.kernels.ops.attention import use_segment_attention
-    from tiertune.kernels.patch import patch_model
     from tiertune.loading.model import split_model
 
     with torch.device("meta"):
         model = _with_first_layer(model)
-        if cfg.method == "lora":
-            from peft import LoraConfig, inject_adapter_in_model
-
-            # no dropout: tiertune's LoRA op draws its mask again from a seed in backward (it saves none), and a
-            # meta tensor has no generator to draw it
-            lora = cfg.lora
-            config = LoraConfig(
-                r=lora.r,
-                lora_alpha=lora.alpha,
-                lora_dropout=0.0,
-                target_modules=lora.target_modules,
-                target_parameters=list(lora.target_parameters) if lora.target_parameters else None,
-                use_dora=lora.use_dora,
-            )
-            with warnings.catch_warnings():  # peft's notes on patterns this one layer's modules do not match
-                warnings.simplefilter("ignore")
-                inject_adapter_in_model(config, model)
+    # as the run prepares it (``engine.prepare``): its adapters (peft's wrapping, DoRA, 4-bit experts, fp32) but
+    # without dropout (tiertune's LoRA op draws its mask again from a seed in backward, and a meta tensor has no
+    # generator to draw it), tiertune's ops as their torch references
+    kernels = "none" if cfg.kernels == "none" else "torch"
+    lora = dataclasses.replace(cfg.lora, dropout=0.0)
+    prepare_model(model, dataclasses.replace(cfg, lora=lora, kernels=kernels), torch.device("meta"))
     if cfg.kernels != "none":
-        patch_model(model, "torch")
         use_segment_attention(model)
     parts = split_model(model)
     layer = parts.layers[0]
