@@ -186,6 +186,8 @@ def interrupted_after():
         calls = []
 
         def interrupted(self, micro):
+            if self.compute.ledger:  # the plan's step on a ledger, before the run (``engine.registered``)
+                return step(self, micro)
             if len(calls) == steps:
                 raise KeyboardInterrupt
             calls.append(1)
