@@ -303,6 +303,9 @@ class ChunkStore:
         self._holding: dict[str, set[Held]] = defaultdict(set)
         self._moments: dict[str, set[frozenset[Held]]] = defaultdict(set)
         self._holder = threading.local()
+        # per memory tier, the chunks that may have a copy there that is not their home (a superset, kept as
+        # copies are made; ``_victims`` drops the others): eviction looks at these, not at every chunk
+        self._cached: dict[Tier, dict[int, Chunk]] = {Tier.DEVICE: {}, Tier.HOST: {}}
         self._moved: dict[str, int] = {}
         self._moved_by: dict[int, dict[str, int]] = {}  # chunk id -> link -> bytes
         self._fatal: BaseException | None = None
@@ -735,6 +738,9 @@ class ChunkStore:
                 setattr(b, attr, va)
             if a.id in self._slots:
                 self._slots[a.id], self._slots[b.id] = self._slots[b.id], self._slots[a.id]
+            for chunk in (a, b):
+                for tier in list(chunk.copies):
+                    self._note_copy(chunk, tier)
             self._cond.notify_all()
 
     def waiting(self, thread_id: int | None) -> bool:
@@ -1017,6 +1023,7 @@ class ChunkStore:
         )
         if movable:
             chunk.copies[tier] = src.copies.pop(tier)
+            self._note_copy(chunk, tier)
             src.valid.discard(tier)
             if tier is Tier.DEVICE:
                 chunk.device_event = src.device_event
@@ -1068,6 +1075,7 @@ class ChunkStore:
                 if zero:
                     alloc.tensor.zero_()
                 chunk.copies[tier] = alloc
+                self._note_copy(chunk, tier)
                 chunk.valid.add(tier)
                 return
             if tier is Tier.DISK:
@@ -1122,6 +1130,7 @@ class ChunkStore:
         # over for a chunk that can never fit there would keep another thread's chunk in flight forever)
         beyond = chunk.capacity > mem.arena.capacity - (0 if home else self._reserved[tier])
         slot = slot_class(mem.slot_sizes, chunk.capacity) if not home else None
+        victims: list[Chunk] | None = None
         while True:
             alloc = None if beyond else mem.alloc(chunk.capacity, lowest=home)
             if alloc is None and not home:
@@ -1130,11 +1139,14 @@ class ChunkStore:
                 return alloc
             if beyond and slot is None and not blocking:
                 return None
-            victims = self._victims(tier, exclude=chunk, before=before)
-            if beyond and slot is not None:  # only a copy in a slot of its class makes room for it
-                victims = [v for v in victims if mem.slot_size(v.copies[tier]) == slot]
+            if victims is None or blocking:
+                # a non-blocking call never waits, so evicting the best victim changes no other's standing:
+                # the next best is the list's next (one look over the tier's copies, not one per eviction)
+                victims = self._victims(tier, exclude=chunk, before=before)
+                if beyond and slot is not None:  # only a copy in a slot of its class makes room for it
+                    victims = [v for v in victims if mem.slot_size(v.copies[tier]) == slot]
             if victims:
-                victim = victims[0]
+                victim = victims.pop(0)
                 if self._evict(victim, tier, blocking):
                     continue
                 if blocking and victim.state not in IN_FLIGHT:
@@ -1203,15 +1215,20 @@ class ChunkStore:
                         return True
         return False
 
+    def _note_copy(self, chunk: Chunk, tier: Tier) -> None:
+        """``chunk`` got a copy on ``tier``: one ``_victims`` looks at, unless ``tier`` is its home."""
+        if tier is not chunk.home and tier is not Tier.DISK:
+            self._cached[tier][chunk.id] = chunk
+
     def _victims(self, tier: Tier, exclude: Chunk, before: float) -> list[Chunk]:
         look = tier if tier is Tier.DEVICE else None
+        cached = self._cached[tier]
+        for gone in [i for i, c in cached.items() if tier not in c.copies]:
+            del cached[gone]
         candidates = [
             c
-            for c in self._chunks
-            # (the cheap tests first: most chunks have no copy on the tier)
-            if tier in c.copies
-            and c.home is not tier
-            and c is not exclude
+            for _, c in sorted(cached.items())  # in the order the chunks were registered
+            if c is not exclude
             and (c.id, tier) not in self._wanted
             and (tier is Tier.DEVICE or (c.id, Tier.DEVICE) not in self._wanted)
             # a chunk in use elsewhere can still give up its copy here: the copy in use holds its bytes
@@ -1282,6 +1299,7 @@ class ChunkStore:
         if alloc is None:
             return False
         chunk.copies[dst] = alloc
+        self._note_copy(chunk, dst)
         chunk.transition(S.TO_DEVICE if dst is Tier.DEVICE else S.TO_HOST)
         # the copy stream waits for the compute stream's last use of the chunk's device memory both ways: a
         # copy out must not read it before the kernels writing it are done, and a copy in (into the home
@@ -1304,6 +1322,7 @@ class ChunkStore:
         if alloc is None:
             return False
         chunk.copies[Tier.HOST] = alloc
+        self._note_copy(chunk, Tier.HOST)
         chunk.transition(S.LOADING)
         sums: list[int] = []
         try:
