@@ -251,3 +251,45 @@ def test_a_cpu_without_native_bf16_computes_the_4bit_layers_in_fp32(tiny_model_d
         finally:
             trainer.close()
     torch.testing.assert_close(torch.tensor(losses[False]), torch.tensor(losses[True]), rtol=2e-2, atol=0)
+
+
+def test_wrapping_a_deepseek_v3_says_nothing_of_peft_s_own_expert_patterns():
+    """peft adds rank and alpha patterns for fused experts (``gate_up_proj``) itself and warns, at every
+    wrapping, that they matched nothing on an MoE whose experts are modules of their own: not the user's to
+    act on (``estimate`` printed it six times). Other warnings still reach the user."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from tiertune.methods.lora import Adapters
+    from tiertune.settings import LoraSettings
+
+    config = DeepseekV3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_group=1,
+        topk_group=1,
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        adapters = Adapters(model, LoraSettings(dropout=0.0), torch.device("meta"))
+        warnings.warn("a warning of the user's own", UserWarning, stacklevel=1)
+    said = [str(w.message) for w in seen]
+    assert not [m for m in said if "did not match any targeted module" in m], said
+    assert "a warning of the user's own" in said
+    assert adapters.tuner_layers  # the layers were wrapped

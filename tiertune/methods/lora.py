@@ -35,10 +35,17 @@ from tiertune.settings import LoraSettings
 def peft_wrapping() -> Iterator[None]:
     """Around peft wrapping a transformers model (``get_peft_model``, ``PeftModel.from_pretrained``): peft
     reads the model's ``is_gradient_checkpointing``, which transformers 5 deprecated with a FutureWarning on
-    every read. Only that warning is silenced, and only here."""
+    every read; and on an MoE whose experts are modules of their own (DeepSeek-V3) peft warns, at every
+    wrapping, that the rank and alpha patterns it added itself for fused experts (``gate_up_proj``) matched
+    nothing (tiertune sets no pattern). Only those warnings are silenced, and only here."""
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        warnings.filterwarnings(
+            "ignore",
+            message=r"The following (rank|alpha)_pattern keys did not match any targeted module",
+            category=RuntimeWarning,
         )
         yield
 
