@@ -253,8 +253,14 @@ def add_twins(store: ChunkStore, states: list[GroupState], cfg: EngineConfig) ->
                 need[c.home] += c.capacity
         twins = mode == "on" or all(n <= store.room(t) for t, n in need.items())
         if not twins:
-            short = ", ".join(f"{format_size(n)} on {t.value}" for t, n in need.items())
-            log.info("optimizer after backward, not overlapped: its speculative twin states need %s", short)
+            short = ", ".join(
+                f"{format_size(n)} on {t.value} ({format_size(store.room(t))} free)" for t, n in need.items()
+            )
+            log.info(
+                "optimizer after backward, not overlapped: its speculative twin states need %s; "
+                "raise the budgets (or offload.optimizer_states: disk) to overlap it",
+                short,
+            )
     if twins:
         _register_twins(store, states)
     return twins

@@ -48,13 +48,14 @@ UNBOUNDED = 1 << 62
 class Laid:
     """What ``lay_out`` read from the ledger build and its step: the chunks (the wave's boundaries and the
     twins as decided), what the step's holders held at once (``ChunkStore.moments``), the parameters (all,
-    and those trained) and the micro-batches a wave runs."""
+    and those trained), the micro-batches a wave runs and the disk's free bytes the twins were decided on."""
 
     chunks: list[PlannedChunk]
     moments: Moments
     parameters: int
     trained: int
     wave: int
+    disk_free: int
 
     @cached_property
     def plan(self) -> Plan:
@@ -146,7 +147,7 @@ def lay_out(
             )
     if speculates and cfg.overlap_optimizer != "on":  # auto: the twins when the run fits with them
         chunks, moments = fit_twins(chunks, moments, budgets, disk_free, int(store_cfg.block_size))
-    return Laid(chunks, moments, counts["total"], counts["trained"], wave)
+    return Laid(chunks, moments, counts["total"], counts["trained"], wave, disk_free)
 
 
 def registered(trainer: StreamedTrainer) -> list[PlannedChunk]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -53,7 +52,6 @@ from tiertune.estimates.speed import (
     resolve_gpu,
     step_flops,
 )
-from tiertune.files import nearest_existing
 from tiertune.loading.hub import config_directory
 from tiertune.loading.model import split_model
 from tiertune.offload.tiers import Tier
@@ -327,7 +325,7 @@ def estimate(
     notes: list[str] = []
     run = resolve(recipe, World(), device_type, memory_of, notes)
     store_cfg, cfg, laid = run.store, run.engine, run.laid
-    disk_room = shutil.disk_usage(nearest_existing(store_cfg.disk_path)).free if store_cfg.disk_path else 0
+    disk_room = laid.disk_free  # what the plan decided the twins on (read once: it changes as others write)
     chunks, parameters, trained, wave = laid.chunks, laid.parameters, laid.trained, laid.wave
     model = meta_skeleton(recipe.model.path, cfg.dtype)
     flops = step_flops(
