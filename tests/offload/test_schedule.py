@@ -73,7 +73,16 @@ def test_scheduler_next_use_wraps_into_the_next_step():
     # cursor 2: next uses are 2 -> 0 away, 0 -> 1 away, 1 -> wraps: position 1 of the next step, 3 away
     assert (s.next_use(2), s.next_use(0), s.next_use(1)) == (0, 1, 3)
     assert s.upcoming(3) == [2, 0, 1]
-    assert s.victims([(0, 5), (1, 6), (2, 7)], D) == [1, 0, 2]
+    assert sorted((0, 1, 2), key=lambda c: s.victim_key(c, 5 + c, D)) == [1, 0, 2]
+    # the key is the next use's position from the first replayed step's head: unchanged while others are used
+    before = {c: s.victim_key(c, 0, D) for c in (0, 1)}
+    s.on_access(2, D)
+    s.on_access(0, D)
+    assert s.victim_key(1, 0, D) == before[1] and s.victim_key(0, 0, D) != before[0]
+    s.mark_step()  # a step replayed whole: positions go on counting, no epoch change
+    epoch = s.epoch
+    s.on_access(0, D)
+    assert s.epoch == epoch and s.next_use(1) == 0 and s.victim_key(1, 0, D) == before[1]
 
 
 def test_divergence_logs_once_and_rerecords(caplog):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from tiertune.offload.tiers import Tier
@@ -38,6 +38,8 @@ class Scheduler:
         self.trace: tuple[Access, ...] | None = None
         self.cursor = 0  # index in the trace of the next expected access
         self.clock = 0  # accesses so far, for LRU
+        self.base = 0  # trace positions of the steps replayed whole before this one (``next_at``'s origin)
+        self.epoch = 0  # changes whenever ``next_at`` of a chunk not accessed since may have changed
         self.divergences = 0
         self._recording: list[Access] = []
         self._positions: dict[int, list[int]] = {}
@@ -66,6 +68,8 @@ class Scheduler:
         elif self.cursor != len(self.trace):
             self._diverge(None)
             self._freeze(self._recording)
+        else:
+            self.base += len(self.trace)
         self._recording = []
         self.cursor = 0
 
@@ -74,6 +78,7 @@ class Scheduler:
         trace, if there is one, replays from its head again."""
         self._recording = []
         self.cursor = 0
+        self.epoch += 1
 
     def _diverge(self, access: Access | None) -> None:
         assert self.trace is not None
@@ -91,22 +96,28 @@ class Scheduler:
         )
         self._recording = list(self.trace[: self.cursor])
         self.trace = None
+        self.epoch += 1
         self._positions.clear()
         self._tier_positions.clear()
 
     def _freeze(self, accesses: list[Access]) -> None:
         self.trace = tuple(accesses)
+        self.epoch += 1
         self._positions = {}
         self._tier_positions = {}
         for i, (chunk, tier, _) in enumerate(self.trace):
             self._positions.setdefault(chunk, []).append(i)
             self._tier_positions.setdefault((chunk, tier), []).append(i)
 
-    def next_use(self, chunk: int, tier: Tier | None = None) -> float:
-        """Accesses from now until ``chunk``'s next use (on ``tier`` if given); inf if never or no trace.
+    @property
+    def now(self) -> int:
+        """The position of the next expected access, counted from the first replayed step's head."""
+        return self.base + self.cursor
 
-        The trace repeats every step, so the distance wraps around into the next step.
-        """
+    def next_at(self, chunk: int, tier: Tier | None = None) -> float:
+        """The position (as ``now`` counts) of ``chunk``'s next use (on ``tier`` if given); inf if never or no
+        trace. It changes only when the chunk is accessed or ``epoch`` changes: an order of chunks by it
+        stays right while other chunks are used."""
         if self.trace is None:
             return math.inf
         positions = self._positions.get(chunk) if tier is None else self._tier_positions.get((chunk, tier))
@@ -114,8 +125,15 @@ class Scheduler:
             return math.inf
         i = bisect.bisect_left(positions, self.cursor)
         if i < len(positions):
-            return positions[i] - self.cursor
-        return positions[0] + len(self.trace) - self.cursor
+            return self.base + positions[i]
+        return self.base + len(self.trace) + positions[0]  # the trace repeats every step: wrapped
+
+    def next_use(self, chunk: int, tier: Tier | None = None) -> float:
+        """Accesses from now until ``chunk``'s next use (on ``tier`` if given); inf if never or no trace.
+
+        The trace repeats every step, so the distance wraps around into the next step.
+        """
+        return self.next_at(chunk, tier) - self.now
 
     def upcoming(self, count: int, tier: Tier | None = None) -> list[int]:
         """The next ``count`` distinct chunks the trace will read (on ``tier`` if given), soonest first;
@@ -136,13 +154,47 @@ class Scheduler:
                     break
         return out
 
-    def victims(self, candidates: Iterable[tuple[int, int]], tier: Tier) -> list[int]:
-        """Order candidate chunks ``(id, last_use)`` for eviction from ``tier``, best victim first.
+    def victim_key(self, chunk: int, last_use: int, tier: Tier) -> tuple[float, int, int]:
+        """The key that orders a copy of ``chunk`` on ``tier`` among eviction victims, best first (smallest).
 
-        Replaying: furthest next use first (Belady). Recording: least recently used first.
+        Replaying: furthest next use first (Belady). Recording: least recently used first. Ties (no next
+        use) go to the least recently used, then to the chunk registered first.
         """
-        pairs = list(candidates)
-        if self.trace is None:
-            return [chunk for chunk, _ in sorted(pairs, key=lambda p: p[1])]
         look = tier if tier is Tier.DEVICE else None  # a host copy serves any later use
-        return [chunk for chunk, _ in sorted(pairs, key=lambda p: (-self.next_use(p[0], look), p[1]))]
+        return (-self.next_at(chunk, look), last_use, chunk)
+
+
+class EvictionOrder:
+    """The chunks with a copy on one memory tier, kept sorted by the scheduler's ``victim_key``: the best
+    victims are read off the front, not found by sorting every copy at each allocation. A key is set
+    again when it may change: when its chunk is accessed, and for all when the scheduler's epoch changes."""
+
+    def __init__(self) -> None:
+        self._keys: dict[int, tuple[float, int, int]] = {}
+        self._sorted: list[tuple[float, int, int]] = []
+
+    def __iter__(self) -> Iterator[tuple[float, int, int]]:
+        return iter(self._sorted)
+
+    def __contains__(self, chunk: int) -> bool:
+        return chunk in self._keys
+
+    def put(self, key: tuple[float, int, int]) -> None:
+        """Add chunk ``key[2]`` with ``key``, or move it there."""
+        old = self._keys.get(key[2])
+        if old == key:
+            return
+        if old is not None:
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._keys[key[2]] = key
+        bisect.insort(self._sorted, key)
+
+    def drop(self, chunk: int) -> None:
+        """Remove ``chunk`` (it has no copy on the tier any more)."""
+        old = self._keys.pop(chunk, None)
+        if old is not None:
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+
+    def clear(self) -> None:
+        self._keys.clear()
+        self._sorted.clear()

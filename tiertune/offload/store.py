@@ -35,7 +35,7 @@ from tiertune.offload.aio import AsyncIO, IOHandle
 from tiertune.offload.chunk import ALIGN, IN_FLIGHT, Chunk, ChunkLayout, ChunkState, Entry, pack_tensors
 from tiertune.offload.disk import DiskSlot, DiskTier
 from tiertune.offload.inplace import FileReader, FileTensor, InPlace, Window, plan_in_place
-from tiertune.offload.schedule import Scheduler
+from tiertune.offload.schedule import EvictionOrder, Scheduler
 from tiertune.offload.tiers import (
     BUDGET_SETTING,
     Allocation,
@@ -306,6 +306,9 @@ class ChunkStore:
         # per memory tier, the chunks that may have a copy there that is not their home (a superset, kept as
         # copies are made; ``_victims`` drops the others): eviction looks at these, not at every chunk
         self._cached: dict[Tier, dict[int, Chunk]] = {Tier.DEVICE: {}, Tier.HOST: {}}
+        # the same chunks in the order the scheduler would evict them, as of its epoch ``_order_epoch``
+        self._order = {Tier.DEVICE: EvictionOrder(), Tier.HOST: EvictionOrder()}
+        self._order_epoch = self.scheduler.epoch
         self._moved: dict[str, int] = {}
         self._moved_by: dict[int, dict[str, int]] = {}  # chunk id -> link -> bytes
         self._fatal: BaseException | None = None
@@ -540,6 +543,7 @@ class ChunkStore:
             if traced:
                 self.scheduler.on_access(chunk.id, tier, overwrite or copy_from is not None)
                 chunk.last_use = self.scheduler.clock
+                self._rekey(chunk)
             if copy_from is not None:
                 copy = self._acquire_copy(chunk, tier, copy_from)
             else:
@@ -741,6 +745,7 @@ class ChunkStore:
             for chunk in (a, b):
                 for tier in list(chunk.copies):
                     self._note_copy(chunk, tier)
+                self._rekey(chunk)  # the last uses changed places
             self._cond.notify_all()
 
     def waiting(self, thread_id: int | None) -> bool:
@@ -1130,7 +1135,12 @@ class ChunkStore:
         # over for a chunk that can never fit there would keep another thread's chunk in flight forever)
         beyond = chunk.capacity > mem.arena.capacity - (0 if home else self._reserved[tier])
         slot = slot_class(mem.slot_sizes, chunk.capacity) if not home else None
-        victims: list[Chunk] | None = None
+
+        def in_class(
+            victim: Chunk,
+        ) -> bool:  # beyond the arena, only a copy in a slot of its class makes room
+            return mem.slot_size(victim.copies[tier]) == slot
+
         while True:
             alloc = None if beyond else mem.alloc(chunk.capacity, lowest=home)
             if alloc is None and not home:
@@ -1139,14 +1149,17 @@ class ChunkStore:
                 return alloc
             if beyond and slot is None and not blocking:
                 return None
-            if victims is None or blocking:
-                # a non-blocking call never waits, so evicting the best victim changes no other's standing:
-                # the next best is the list's next (one look over the tier's copies, not one per eviction)
-                victims = self._victims(tier, exclude=chunk, before=before)
-                if beyond and slot is not None:  # only a copy in a slot of its class makes room for it
-                    victims = [v for v in victims if mem.slot_size(v.copies[tier]) == slot]
+            # the best victim now: evicting one changes no other's place, and a blocking call may have
+            # waited (others' copies came and went), so each look reads the front of the tier's order again
+            victims = self._victims(
+                tier,
+                exclude=chunk,
+                before=before,
+                limit=1,
+                keep=in_class if beyond and slot is not None else None,
+            )
             if victims:
-                victim = victims.pop(0)
+                victim = victims[0]
                 if self._evict(victim, tier, blocking):
                     continue
                 if blocking and victim.state not in IN_FLIGHT:
@@ -1219,26 +1232,61 @@ class ChunkStore:
         """``chunk`` got a copy on ``tier``: one ``_victims`` looks at, unless ``tier`` is its home."""
         if tier is not chunk.home and tier is not Tier.DISK:
             self._cached[tier][chunk.id] = chunk
+            self._order[tier].put(self.scheduler.victim_key(chunk.id, chunk.last_use, tier))
 
-    def _victims(self, tier: Tier, exclude: Chunk, before: float) -> list[Chunk]:
-        look = tier if tier is Tier.DEVICE else None
-        cached = self._cached[tier]
-        for gone in [i for i, c in cached.items() if tier not in c.copies]:
-            del cached[gone]
-        candidates = [
-            c
-            for _, c in sorted(cached.items())  # in the order the chunks were registered
-            if c is not exclude
-            and (c.id, tier) not in self._wanted
-            and (tier is Tier.DEVICE or (c.id, Tier.DEVICE) not in self._wanted)
-            # a chunk in use elsewhere can still give up its copy here: the copy in use holds its bytes
-            and (c.state is not S.IN_USE or (c.use_tier is not tier and c.use_tier in c.valid))
-            and c.state not in IN_FLIGHT
-            and c.error is None
-            and (before == math.inf or self.scheduler.next_use(c.id, look) > before)
-        ]
-        by_id = {c.id: c for c in candidates}
-        return [by_id[i] for i in self.scheduler.victims(((c.id, c.last_use) for c in candidates), tier)]
+    def _rekey(self, chunk: Chunk) -> None:
+        """``chunk`` was accessed (its next use and last use moved): its place among each tier's victims."""
+        for tier, order in self._order.items():
+            if chunk.id in order:
+                order.put(self.scheduler.victim_key(chunk.id, chunk.last_use, tier))
+
+    def _victims(
+        self,
+        tier: Tier,
+        exclude: Chunk,
+        before: float,
+        limit: int | None = None,
+        keep: Callable[[Chunk], bool] | None = None,
+    ) -> list[Chunk]:
+        """The copies on ``tier`` that may be evicted now, best victim first (the scheduler's order), at most
+        ``limit`` of them: only those used later than ``before`` accesses from now, and that ``keep`` keeps.
+
+        The tier's copies are kept in that order (``_order``), so this reads the front of it: the copies
+        passed over are those that cannot go now (in use, in flight, waited for), not every copy."""
+        sched = self.scheduler
+        if self._order_epoch != sched.epoch:  # every chunk's next use may have moved: order them again
+            self._order_epoch = sched.epoch
+            for t, order in self._order.items():
+                order.clear()
+                for c in self._cached[t].values():
+                    order.put(sched.victim_key(c.id, c.last_use, t))
+        cached, now = self._cached[tier], sched.now
+        out: list[Chunk] = []
+        gone: list[int] = []
+        for key in self._order[tier]:
+            c = cached[key[2]]
+            if tier not in c.copies:
+                gone.append(c.id)
+                continue
+            if before != math.inf and -key[0] - now <= before:
+                break  # the rest are used sooner still
+            if (
+                c is not exclude
+                and (c.id, tier) not in self._wanted
+                and (tier is Tier.DEVICE or (c.id, Tier.DEVICE) not in self._wanted)
+                # a chunk in use elsewhere can still give up its copy here: the copy in use holds its bytes
+                and (c.state is not S.IN_USE or (c.use_tier is not tier and c.use_tier in c.valid))
+                and c.state not in IN_FLIGHT
+                and c.error is None
+                and (keep is None or keep(c))
+            ):
+                out.append(c)
+                if limit is not None and len(out) == limit:
+                    break
+        for cid in gone:
+            del cached[cid]
+            self._order[tier].drop(cid)
+        return out
 
     def _evict(self, victim: Chunk, tier: Tier, blocking: bool) -> bool:
         """Free ``victim``'s copy on ``tier``. True if freed now; False if a write-back was started
