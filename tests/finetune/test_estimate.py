@@ -17,6 +17,7 @@ from tests.conftest import CAT_PAIRS
 from tiertune.cli.app import app
 from tiertune.config.recipe import load_recipe
 from tiertune.engine import replay as replaying
+from tiertune.engine.memory import IN_PLACE
 from tiertune.engine.schedule import LayerMajor
 from tiertune.errors import ModelError
 from tiertune.estimates.report import QUANT_CACHE, estimate
@@ -356,16 +357,15 @@ CONFIGS = SHIPPED  # the real models' config.json, by model id, as tiertune ship
 PUBLISHED = {
     "mistralai/Mixtral-8x22B-v0.1": 141e9,
     "Qwen/Qwen3-235B-A22B": 235e9,
-    "deepseek-ai/DeepSeek-V3": 671e9,
-}  # model cards' totals
+}  # model cards' totals of the bf16 releases
 
 
-def _qlora(tmp_path, model_dir, **lora):
+def _qlora(tmp_path, model_dir, quantize="nf4", **lora):
     path = tmp_path / "qlora.yaml"
     path.write_text(
         yaml.safe_dump(
             {
-                "model": {"path": str(model_dir), "dtype": "bfloat16", "quantize": "nf4"},
+                "model": {"path": str(model_dir), "dtype": "bfloat16", "quantize": quantize},
                 "method": {"type": "lora", "lora": {"r": 8, "alpha": 16, "dropout": 0.0, **lora}},
                 "data": {"path": str(tmp_path / "train.jsonl"), "max_seq_len": 2048},
                 "offload": {
@@ -418,16 +418,33 @@ def test_attention_only_lora_counts_the_attention_adapters(tmp_path):
     assert predicted.trained_parameters == per_layer * config["num_hidden_layers"]
 
 
-def test_deepseek_v3_builds_as_transformers_own_class_and_its_fp8_weights_are_named(tmp_path):
+def test_deepseek_v3_builds_as_transformers_own_class_and_its_fp8_weights_are_read_in_place(tmp_path):
+    """DeepSeek-V3 ships FP8 (its quantization_config): estimated with its weights read as they ship, in place
+    from its files: about a byte a parameter (e4m3 codes, a 4-byte scale per 128 x 128 block, the bf16 embeddings
+    and head), no quantized cache, and nothing of the base in the disk tier but the fp32 routers (cast on load).
+    NF4 on it is refused in one line: the checkpoint is read as it ships."""
     import torch
 
+    from tiertune.errors import ConfigError
     from tiertune.loading.model import build_skeleton
 
     with torch.device("meta"):
         model = build_skeleton(CONFIGS / "deepseek-ai/DeepSeek-V3", torch.bfloat16)
     assert type(model).__module__ == "transformers.models.deepseek_v3.modeling_deepseek_v3"  # not auto_map's
-    predicted = estimate(_qlora(tmp_path, CONFIGS / "deepseek-ai/DeepSeek-V3"), measure=False)
-    assert any("'fp8'" in note and "tiertune train" in note for note in predicted.notes)
+    predicted = estimate(
+        _qlora(tmp_path, CONFIGS / "deepseek-ai/DeepSeek-V3", quantize="none"), measure=False
+    )
+    assert abs(predicted.parameters - 671e9) <= 0.01 * 671e9
+    in_place = predicted.kinds[IN_PLACE][1]
+    assert 1.0 < in_place / predicted.parameters < 1.02, in_place / predicted.parameters
+    assert QUANT_CACHE not in predicted.kinds
+    routers = (
+        58 * 256 * 7168 * 2
+    )  # the MoE layers' routers: the checkpoint's fp32 copies, cast to bf16 on load
+    assert predicted.tiers["disk"].home <= 2 * routers
+    assert not any("'fp8'" in note for note in predicted.notes)
+    with pytest.raises(ConfigError, match="ships its weights in FP8.*set model.quantize: none"):
+        estimate(_qlora(tmp_path, CONFIGS / "deepseek-ai/DeepSeek-V3"), measure=False)
 
 
 def _deepseek_v3_fp8(vocab):
@@ -477,12 +494,12 @@ def _gpt_oss_mxfp4(vocab):
     return config
 
 
-@pytest.mark.parametrize(("make", "method"), [(_deepseek_v3_fp8, "fp8"), (_gpt_oss_mxfp4, "mxfp4")])
+@pytest.mark.parametrize(("make", "method"), [(_gpt_oss_mxfp4, "mxfp4")])
 def test_training_from_a_checkpoint_in_a_format_tiertune_does_not_read_stops_naming_it(
     tmp_path, model_dir, write_recipe, make, method
 ):
-    """DeepSeek-V3 is published in fp8, gpt-oss with MXFP4 experts: tiertune reads neither. The estimate
-    says so; the run stops before reading a weight, naming the format, exit 2."""
+    """gpt-oss is published with MXFP4 experts, which tiertune does not read yet. The estimate says so; the run
+    stops before reading a weight, naming the format, exit 2."""
     tiny = tmp_path / "tiny"
     tiny.mkdir()
     for file in ("tokenizer.json", "tokenizer_config.json"):
@@ -499,6 +516,28 @@ def test_training_from_a_checkpoint_in_a_format_tiertune_does_not_read_stops_nam
     result = CliRunner().invoke(app, ["train", str(recipe)], env={"COLUMNS": "200"})
     assert result.exit_code == 2, result.output
     assert f"saved quantized with '{method}'" in result.output and "Traceback" not in result.output
+
+
+def test_nf4_on_an_fp8_release_stops_in_one_line_saying_what_to_set(tmp_path, model_dir, write_recipe):
+    """``model.quantize: nf4`` on a checkpoint that ships FP8 (DeepSeek-V3's config, tiny): estimate and train
+    stop before reading a weight with one line that says to set ``model.quantize: none``, exit 2."""
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(model_dir) / file, tiny / file)
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    (tiny / "config.json").write_text(json.dumps(_deepseek_v3_fp8(vocab)))
+    recipe = write_recipe(
+        tmp_path,
+        tiny,
+        model={"quantize": "nf4", "dtype": "bfloat16"},
+        method={"type": "lora", "lora": {"dropout": 0.0}},
+    )
+    for command in ("estimate", "train"):
+        result = CliRunner().invoke(app, [command, str(recipe)], env={"COLUMNS": "200"})
+        assert result.exit_code == 2, result.output
+        assert "ships its weights in FP8" in result.output and "set model.quantize: none" in result.output
+        assert "Traceback" not in result.output
 
 
 def test_a_built_in_recipes_model_id_is_estimated_offline_from_its_shipped_config(tmp_path, monkeypatch):

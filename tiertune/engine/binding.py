@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tiertune.quant import Quantizer, is_quantized
+from tiertune.quant import FP8, Quantizer, is_quantized, shipped
 from tiertune.quant import experts as quant_experts
 
 
@@ -24,7 +24,8 @@ class Slot:
 class Binder:
     """Binds chunk tensors, by parameter name, as ``model``'s parameters: a plain weight as an
     ``nn.Parameter`` over the chunk's memory, a quantized one as ``quant`` builds it (its statistics are bound
-    with it), a 4-bit MoE expert weight as ``quant.experts`` binds it."""
+    with it), an MoE expert weight stored one matrix per expert
+    as ``quant.experts`` (4-bit) or ``quant.shipped`` binds it."""
 
     def __init__(self, model: nn.Module, quant: Quantizer | None) -> None:
         self.quant = quant
@@ -58,7 +59,10 @@ class Binder:
                 param = self.quant.parameter(name, self.meta[name].shape, views)  # type: ignore[union-attr]
             elif name in self.quantized_experts:
                 shape = self.meta[name].shape
-                param = quant_experts.bind(self.quant, name, shape, views)  # type: ignore[arg-type]
+                if isinstance(self.quant, FP8):  # each expert's parts as shipped
+                    param = shipped.bind_experts(self.quant, name, shape, views)
+                else:
+                    param = quant_experts.bind(self.quant, name, shape, views)  # type: ignore[arg-type]
             elif name in self.parametrized:
                 param = nn.Parameter(alias(view), requires_grad=requires_grad)
             else:

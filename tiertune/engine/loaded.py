@@ -27,7 +27,7 @@ from tiertune.loading.model import (
 )
 from tiertune.loading.weights import Checkpoint
 from tiertune.offload.store import ChunkStore
-from tiertune.quant import Quantizer, make_quantizer, saved_quantization
+from tiertune.quant import FP8, Quantizer, make_quantizer, saved_quantization
 from tiertune.quant import experts as quant_experts
 
 if TYPE_CHECKING:
@@ -84,12 +84,16 @@ def load_model(
     if quant is not None:  # Linear4bit/8bitLt in every decoder layer, as a plain quantized load has
         # and, beyond it, MoE layers' fused expert weights 4-bit too (one matrix per expert)
         marked = []
-        for layer in parts.layers:
-            quant.convert(layer)
+        for i, layer in enumerate(parts.layers):
+            if isinstance(quant, FP8):  # its skip list names modules by their full names
+                quant.convert(layer, f"{parts.layers_name}.{i}")
+            else:
+                quant.convert(layer)
             marked += quant_experts.convert_experts(layer, quant)
         if marked:
             quant_experts.use_4bit_experts(model)
-            log.info("experts: %s stored 4-bit, one matrix per expert", ", ".join(sorted(set(marked))))
+            how = "as shipped" if isinstance(quant, FP8) else "4-bit"
+            log.info("experts: %s stored %s, one matrix per expert", ", ".join(sorted(set(marked))), how)
         parts = split_model(model)
     homes = dict.fromkeys(("embed", "layer", "rest", "head"), config.params)
     # a ledger reads no weight: a config.json alone will do (the checkpoint transformers would save)

@@ -31,7 +31,7 @@ from tiertune.offload.chunk import ALIGN, Chunk, ChunkLayout, TensorSpec, layout
 from tiertune.offload.inplace import FileTensor, InPlace, can_map, plan_in_place
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
-from tiertune.quant import NF4, Quantizer, SavedWeight, experts, is_quantized
+from tiertune.quant import FP8, NF4, Quantizer, SavedWeight, experts, is_quantized, shipped
 from tiertune.quant.experts import is_quantized_experts
 from tiertune.units import round_up
 
@@ -408,8 +408,14 @@ def saved_checkpoint(
     )
     plain: dict[str, torch.Tensor] = {}
     packed: dict[str, torch.Tensor] = {}
+    stored_experts: dict[
+        str, torch.Tensor
+    ] = {}  # a shipped format's experts: saved one tensor per expert, quantized
     for name, p in model.named_parameters():
         kept = saved is not None and quant is not None and is_quantized(p)
+        if isinstance(quant, FP8) and is_quantized_experts(p):
+            stored_experts[name] = torch.empty(tuple(p.shape), device="meta")
+            continue
         (packed if kept else plain)[name] = torch.empty(tuple(p.shape), device="meta")
     # the modules transformers keeps in fp32 in a bf16/fp16 model (an MoE's router) are saved so
     kept = [re.compile(rf"(^|\.){re.escape(k)}($|\.)") for k in model._get_dtype_plan(stored)]
@@ -427,6 +433,8 @@ def saved_checkpoint(
     names = {id(t): n for n, t in packed.items()}
     for key, t in revert_weight_conversion(model, packed).items():  # renamed, never split: linear weights
         tensors += quant.saved_tensors(key, tuple(packed[names[id(t)]].shape), stored)  # type: ignore[union-attr]
+    for key, t in revert_weight_conversion(model, stored_experts).items():  # split: one tensor per expert
+        tensors += quant.saved_tensors(key, tuple(t.shape), stored)  # type: ignore[union-attr]
     return AsSaved(directory, tensors)
 
 
@@ -439,6 +447,8 @@ def weight_entries(group: ParamGroup, dtype: torch.dtype, quant: Quantizer | Non
             entries += quant.entries(n, tuple(p.shape))
         elif isinstance(quant, NF4) and is_quantized_experts(p):  # one 4-bit matrix per expert
             entries += experts.entries(quant, n, tuple(p.shape))
+        elif isinstance(quant, FP8) and is_quantized_experts(p):  # each expert's parts as shipped
+            entries += shipped.experts_entries(quant, n, tuple(p.shape))
         else:
             entries.append((n, tuple(p.shape), dtype))
     return entries
@@ -704,14 +714,23 @@ def _saved_weights(
     if quant is None:
         return saved
     for name, param in group.params.items():
-        if not is_quantized(param):
-            continue
         pieces = source[name].pieces
-        if len(pieces) != 1 or pieces[0][1]:
-            continue  # built from several tensors (fused experts): quantized on load
-        found = quant.saved(name, pieces[0][0], tuple(param.shape), checkpoint)
+        if isinstance(quant, FP8) and is_quantized_experts(param):  # each expert's parts, as shipped
+            found = shipped.experts_saved(quant, name, tuple(param.shape), pieces, checkpoint)
+        elif not is_quantized(param) or len(pieces) != 1 or pieces[0][1]:
+            continue  # unquantized, or built from several tensors (fused experts): quantized on load
+        else:
+            found = quant.saved(name, pieces[0][0], tuple(param.shape), checkpoint)
         if found is not None:
             saved[name] = found
+        elif isinstance(quant, FP8):  # a shipped format is read, never made
+            key = pieces[0][0]
+            raise ModelError(
+                f"{name}: the checkpoint in {checkpoint.directory} stores {key!r} unquantized, although its "
+                "quantization_config says its layers are FP8 and does not list the module in "
+                "modules_to_not_convert; add the module's name there (config.json), or use a checkpoint whose "
+                "config matches its weights"
+            )
     return saved
 
 
@@ -723,8 +742,10 @@ def _split_in_place(
     checkpoint: Checkpoint,
 ) -> tuple[list[list], list[FileTensor]]:
     """Split a frozen group's entries into those read in place from the checkpoint (as ``FileTensor``s) and
-    the units that still need a chunk (statistics the checkpoint keeps in JSON). A group with a weight that is
-    converted on load (quantized, or cast to another dtype) is not split: it all gets ordinary chunks."""
+    the units that still need a chunk: statistics the checkpoint keeps in JSON, and unquantized weights it
+    stores in another dtype or builds from several tensors (cast or fused on load: an MoE's fp32 router, its
+    16-bit experts). A group with a weight quantized on load is not split: it all gets ordinary chunks (the
+    quantized cache's image is then its disk copy)."""
     rest: list[list] = []
     mapped: list[FileTensor] = []
     for unit in units:
@@ -745,10 +766,12 @@ def _split_in_place(
                 tensor = FileTensor(entry_name, tuple(shape), dtype, stored.file, stored.start)
             if tensor is not None and can_map(tensor):
                 mapped.append(tensor)
-            elif entry_name == name or name not in saved or entry_name not in saved[name].values:
-                return units, []  # converted on load: the whole group is loaded as before
+            elif name in saved and entry_name in saved[name].values:
+                left.append((entry_name, shape, dtype))  # a number in the checkpoint's JSON
+            elif name not in saved and not is_quantized(group.params[name]):
+                left.append((entry_name, shape, dtype))  # cast or fused on load
             else:
-                left.append((entry_name, shape, dtype))
+                return units, []  # quantized on load: the whole group is loaded as before
         if left:
             rest.append(left)
     return rest, mapped

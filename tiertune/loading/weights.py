@@ -36,6 +36,7 @@ SAFETENSORS_DTYPES = {  # a safetensors header's dtype -> torch's
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # 1-byte power-of-two scales (DeepSeek's ue8m0)
 }
 SCRATCH_BYTES = 64 << 20  # the largest slice converted at once
 INDEX = "model.safetensors.index.json"

@@ -1,9 +1,11 @@
-"""Quantized weights as chunk payloads, through bitsandbytes: 4-bit NF4/FP4 (``bnb4``) and INT8 (``bnb8``).
+"""Quantized weights as chunk payloads: through bitsandbytes, 4-bit NF4/FP4 (``bnb4``) and INT8 (``bnb8``); and
+the formats checkpoints ship in, read as they are and dequantized at use (``shipped``: FP8 with blockwise scales).
 
-A base is quantized on load (``model.quantize``), or read as it is from a checkpoint that transformers saved
-from a bitsandbytes-quantized model (its config.json has a ``quantization_config`` with ``quant_method:
-bitsandbytes``): ``make_quantizer`` then takes the checkpoint's settings, and refuses a ``model.quantize``
-that contradicts them.
+A base is quantized on load (``model.quantize``), or read as it is from a checkpoint saved quantized (its
+config.json has a ``quantization_config``): a bitsandbytes one (``quant_method: bitsandbytes``, saved by
+transformers from a bitsandbytes-quantized model) under the ``model.quantize`` it was saved with, a shipped
+format (``quant_method: fp8``) under ``model.quantize: none``. ``make_quantizer`` takes the checkpoint's settings,
+and refuses a ``model.quantize`` that contradicts them.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import torch
 from tiertune.errors import ConfigError, ModelError
 from tiertune.quant.bnb4 import NF4, SavedWeight
 from tiertune.quant.bnb8 import Int8
+from tiertune.quant.shipped import FP8, is_shipped
 
-Quantizer = NF4 | Int8
+Quantizer = NF4 | Int8 | FP8
+SHIPPED = ("fp8",)  # the formats read as checkpoints ship them (quantization_config's quant_method)
 KINDS = ("none", "nf4", "fp4", "int8")
 
 __all__ = [
+    "FP8",
     "KINDS",
     "NF4",
     "Int8",
@@ -32,20 +37,24 @@ __all__ = [
 
 
 def saved_quantization(config: Any, where: str = "the model") -> dict[str, Any] | None:
-    """The bitsandbytes settings a pre-quantized checkpoint was saved with (its config's
-    ``quantization_config``): ``{"kind": nf4|fp4|int8, "double_quant": bool, "skip": [...]}``, or None for an
-    unquantized checkpoint. Raises ModelError for a quantization tiertune cannot read (fp8, GPTQ, AWQ...)."""
+    """The quantization a pre-quantized checkpoint was saved with (its config's ``quantization_config``):
+    bitsandbytes' ``{"kind": nf4|fp4|int8, "double_quant": bool, "skip": [...]}``, a shipped format's
+    ``{"kind": "fp8", "block": (rows, cols), "scale_fmt": float|ue8m0, "skip": [...]}``, or None for an
+    unquantized checkpoint. Raises ModelError for a quantization tiertune cannot read, naming those it reads."""
     raw = getattr(config, "quantization_config", None)
     if raw is None:
         return None
     if not isinstance(raw, dict):
         raw = raw.to_dict() if hasattr(raw, "to_dict") else vars(raw)
     method = raw.get("quant_method", "bitsandbytes")
+    if method == "fp8":
+        return _fp8(raw, where)
     if method != "bitsandbytes":
         raise ModelError(
             f"{where} is saved quantized with {method!r} (quantization_config in its config.json); tiertune "
-            "reads unquantized checkpoints (bf16/fp16/fp32) and bitsandbytes 4-bit or 8-bit ones: point "
-            "model.path at the bf16 release of the model, or at a bitsandbytes (bnb-4bit) one"
+            "reads unquantized checkpoints (bf16/fp16/fp32), FP8 ones with blockwise scales (quant_method "
+            "fp8: DeepSeek-V3, Kimi-K2, Qwen3-FP8) and bitsandbytes 4-bit or 8-bit ones: point model.path at "
+            "one of those releases of the model"
         )
     skip = tuple(raw.get("llm_int8_skip_modules") or ())
     if raw.get("load_in_8bit") or raw.get("_load_in_8bit"):
@@ -61,6 +70,34 @@ def saved_quantization(config: Any, where: str = "the model") -> dict[str, Any] 
     return None
 
 
+def _fp8(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """The settings of an FP8 checkpoint's ``quantization_config`` (transformers' ``FineGrainedFP8Config``)."""
+    block = raw.get("weight_block_size")
+    fmt = raw.get("fmt", "e4m3")
+    scale_fmt = raw.get("scale_fmt") or "float"
+    expert_dtype = raw.get("expert_dtype", "fp8")
+    problem = ""
+    if not (
+        isinstance(block, list | tuple)
+        and len(block) == 2
+        and all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        problem = f"weight_block_size {block!r} (expected two positive integers, e.g. [128, 128])"
+    elif fmt != "e4m3":
+        problem = f"fmt {fmt!r} (tiertune reads e4m3 codes)"
+    elif scale_fmt not in ("float", "ue8m0"):
+        problem = f"scale_fmt {scale_fmt!r} (tiertune reads float or ue8m0 scales)"
+    elif expert_dtype != "fp8":
+        problem = f"expert_dtype {expert_dtype!r} (tiertune reads FP8 experts)"
+    if problem:
+        raise ModelError(
+            f"{where} is saved in FP8 with {problem} in the quantization_config of its config.json; tiertune "
+            "reads FP8 e4m3 weights with a float or ue8m0 scale per block (quant_method fp8, as DeepSeek-V3 ships)"
+        )
+    skip = tuple(raw.get("modules_to_not_convert") or ())
+    return {"kind": "fp8", "block": tuple(block), "scale_fmt": scale_fmt, "skip": skip}
+
+
 def make_quantizer(
     kind: str, compute_dtype: torch.dtype, saved: dict[str, Any] | None = None, where: str = "the model"
 ) -> Quantizer | None:
@@ -70,6 +107,13 @@ def make_quantizer(
         raise ValueError(
             f"the quantizations are {', '.join(KINDS)} (a recipe's model.quantize), got {kind!r}"
         )
+    if saved is not None and saved["kind"] in SHIPPED:
+        if kind != "none":
+            raise ConfigError(
+                f"{where} ships its weights in {saved['kind'].upper()} (the quantization_config of its config.json), "
+                f"which tiertune reads as they are: set model.quantize: none (it is {kind})"
+            )
+        return FP8(compute_dtype, saved["block"], saved["scale_fmt"], tuple(saved["skip"]))
     if saved is not None and kind != saved["kind"]:
         bits = "8-bit" if saved["kind"] == "int8" else f"4-bit {saved['kind'].upper()}"
         raise ConfigError(
@@ -88,9 +132,12 @@ def make_quantizer(
 
 
 def is_quantized(param: object) -> bool:
-    """Whether ``param`` is a bitsandbytes 4-bit or 8-bit weight (a converted module's weight)."""
+    """Whether ``param`` is a quantized linear weight: bitsandbytes 4-bit or 8-bit (a converted module's), or
+    kept in its shipped format (``shipped.ShippedWeight``)."""
     if param is None:
         return False
+    if is_shipped(param):
+        return True
     import bitsandbytes as bnb
 
     return isinstance(param, bnb.nn.Params4bit | bnb.nn.Int8Params)

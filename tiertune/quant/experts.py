@@ -53,23 +53,23 @@ IMPLEMENTATION = "tiertune_4bit"  # the name our experts forward is registered u
 LoraFactors = tuple[torch.Tensor, torch.Tensor, float]
 
 
-class Experts4bit(nn.Parameter):
-    """A fused expert weight (experts, out, in) stored as one 4-bit matrix per expert.
+class StoredExperts(nn.Parameter):
+    """A fused expert weight (experts, out, in) stored one matrix per expert in a form of its own (4-bit here,
+    FP8 as shipped in ``quant.shipped``), computed expert by expert (``matmul``) in ``experts_forward``.
 
     In the model's skeleton it is a meta placeholder of the logical shape and compute dtype that marks the
-    weight for quantization (peft reads its shape). Bound by the engine (``bind``), its data is the packed
-    4-bit codes (experts, out*in/2, 1) over the chunk's memory, and ``expert(e)`` gives expert ``e``'s codes
-    and ``QuantState``, built on first use.
+    weight (peft reads its shape). Bound by the engine, its data is the first expert's storage over the chunk's
+    memory, ``views`` the weight's chunk entries, and ``quant`` the quantizer that reads them.
     """
 
     def __new__(
         cls,
         data: torch.Tensor,
-        quant: NF4 | None = None,
+        quant: Any = None,
         name: str = "",
         shape: Sequence[int] | None = None,
         views: dict[str, torch.Tensor] | None = None,
-    ) -> Experts4bit:
+    ) -> StoredExperts:
         self = torch.Tensor._make_subclass(cls, data, False)
         self.quant = quant
         self.weight_name = name
@@ -77,6 +77,16 @@ class Experts4bit(nn.Parameter):
         self.views = views
         self.states: dict[int, Any] = {}
         return self
+
+    def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W_e.T`` for expert ``e``."""
+        raise NotImplementedError
+
+
+class Experts4bit(StoredExperts):
+    """A fused expert weight stored as one 4-bit matrix per expert: bound, its data is the packed 4-bit codes
+    (experts, out*in/2, 1), and ``expert(e)`` gives expert ``e``'s codes and ``QuantState``, built on first use.
+    """
 
     def expert(self, e: int) -> tuple[torch.Tensor, Any]:
         """Expert ``e``'s packed codes and ``QuantState`` (bound weights only)."""
@@ -99,8 +109,8 @@ class Experts4bit(nn.Parameter):
 
 
 def is_quantized_experts(param: object) -> bool:
-    """Whether ``param`` is a fused expert weight stored 4-bit (``Experts4bit``)."""
-    return isinstance(param, Experts4bit)
+    """Whether ``param`` is a fused expert weight stored one matrix per expert (4-bit, or as shipped)."""
+    return isinstance(param, StoredExperts)
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -116,14 +126,19 @@ def is_experts_module(module: nn.Module) -> bool:
 
 
 def convert_experts(layer: nn.Module, quant: object) -> list[str]:
-    """Mark the fused expert weights inside ``layer`` (a decoder layer on the meta device) to be stored 4-bit
-    when ``quant`` is a 4-bit quantizer, as ``NF4.convert`` does for its linear modules. Returns the names of
-    the weights marked, relative to ``layer``; transposed experts and modules in ``quant.skip`` are left."""
+    """Mark the fused expert weights inside ``layer`` (a decoder layer on the meta device) to be stored one
+    matrix per expert, as the base's linear modules are: 4-bit under a 4-bit quantizer, as the checkpoint ships
+    them under a shipped format (``quant.shipped``). Returns the names of the weights marked, relative to
+    ``layer``; transposed experts and modules in ``quant.skip`` are left."""
+    from tiertune.quant.shipped import FP8, mark_experts
+
+    if isinstance(quant, FP8):
+        return mark_experts(layer, quant)
     if not isinstance(quant, NF4):
         return []
     marked = []
-    for path, module, name, p in _fused_weights(layer, quant):
-        module.__dict__["_tiertune_4bit"] = True
+    for path, module, name, p in fused_weights(layer, quant.skip):
+        module.__dict__["_tiertune_stored"] = True
         if isinstance(p, Experts4bit):
             continue
         where = f"{path}." if path else ""
@@ -133,11 +148,11 @@ def convert_experts(layer: nn.Module, quant: object) -> list[str]:
     return marked
 
 
-def _fused_weights(root: nn.Module, quant: NF4) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
-    """The fused 3-D expert weights in ``root`` that are stored 4-bit: (module path, experts module, weight
-    name, weight), for the experts modules ``_quantizable`` admits."""
+def fused_weights(root: nn.Module, skip: Sequence[str]) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """The fused 3-D expert weights in ``root`` that are stored one matrix per expert: (module path, experts
+    module, weight name, weight), for the experts modules ``_storable`` admits."""
     for path, module in root.named_modules():
-        if not _quantizable(path, module, quant):
+        if not _storable(path, module, skip):
             continue
         for name in EXPERT_WEIGHTS:
             p = module._parameters.get(name)
@@ -145,11 +160,11 @@ def _fused_weights(root: nn.Module, quant: NF4) -> Iterator[tuple[str, nn.Module
                 yield path, module, name, p
 
 
-def _quantizable(path: str, module: nn.Module, quant: NF4) -> bool:
-    """Whether ``module`` (at ``path``) is an experts module whose fused weights are stored 4-bit."""
+def _storable(path: str, module: nn.Module, skip: Sequence[str]) -> bool:
+    """Whether ``module`` (at ``path``) is an experts module whose fused weights are stored one per expert."""
     if not is_experts_module(module):
         return False
-    if module.is_transposed or any(s and s in path for s in quant.skip):
+    if module.is_transposed or any(s and s in path for s in skip):
         why = "stored transposed" if module.is_transposed else "in the base's skip list"
         log.info("%s (%s) stays unquantized: %s", path, type(module).__name__, why)
         return False
@@ -166,7 +181,7 @@ def round_trip(model: nn.Module, quant: object) -> list[str]:
     if not isinstance(quant, NF4):
         return []
     done = []
-    for path, _, name, p in _fused_weights(model, quant):
+    for path, _, name, p in fused_weights(model, quant.skip):
         shape = tuple(p.shape[1:])
         with torch.no_grad():
             for e in range(p.shape[0]):
@@ -245,7 +260,7 @@ def add_lora(module: nn.Module, name: str, factors: Callable[[], list[LoraFactor
 def _expert_linear(module: nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
     """Expert ``e``'s projection ``name`` of ``x``: 4-bit or not, plus its bias and LoRA adapters."""
     weight = module._parameters[name]
-    if isinstance(weight, Experts4bit):
+    if isinstance(weight, StoredExperts):
         y = weight.matmul(e, x)
     else:
         y = x @ weight[e] if module.is_transposed else F.linear(x, weight[e])
@@ -263,7 +278,7 @@ def experts_forward(
     """transformers' experts forward (the per-expert loop of its ``eager`` implementation) with each routed
     expert's projections computed from its 4-bit weight. Experts modules that ``convert_experts`` left
     unquantized run transformers' own eager forward."""
-    if not self.__dict__.get("_tiertune_4bit", False):
+    if not self.__dict__.get("_tiertune_stored", False):
         return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
     final_hidden_states = torch.zeros_like(hidden_states)
     with torch.no_grad():

@@ -1,0 +1,229 @@
+"""FP8 bases read as they ship (``tiertune.quant.shipped``): checkpoints written here in the layout of the hub's FP8
+releases (e4m3 codes, an fp32 ``weight_scale_inv`` per block, each expert a module of its own), trained with
+``model.quantize: none`` and compared with peft over transformers' model of the file's dequantized values."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from parity import ACCUM, LORA, _batches, assert_adam_trained_close, plain_training
+from safetensors.torch import load_file, save_file
+
+from tiertune.engine import EngineConfig, StreamedTrainer
+from tiertune.errors import ConfigError, ModelError
+from tiertune.offload.store import StoreConfig
+from tiertune.quant.shipped import FP8
+
+STEPS = 4
+BLOCK = (
+    32,
+    48,
+)  # against 64- and 96-wide matrices: whole blocks, and edge blocks on both axes (and 24-row ones)
+LAYER_WEIGHT = re.compile(r"^model\.layers\.\d+\..+\.weight$")
+
+
+def _quantized(key: str, tensor: torch.Tensor) -> bool:
+    """What an FP8 release stores in FP8: the decoder layers' matrices but the router (DeepSeek-V3's
+    ``mlp.gate`` is a parameter of the router, shipped in bf16)."""
+    return bool(LAYER_WEIGHT.match(key)) and tensor.dim() == 2 and not key.endswith("mlp.gate.weight")
+
+
+def write_fp8(src, fp8_dir, values_dir, fmt: FP8, skip=()):
+    """``src`` (a saved model) written as an FP8 release to ``fp8_dir`` (every shard, the codes and scales in place
+    of each layer matrix, ``quantization_config`` in config.json) and as the model of its dequantized values to
+    ``values_dir`` (same keys, fp32). Returns the bytes of the FP8 checkpoint's tensors."""
+    for out in (fp8_dir, values_dir):
+        out.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if not f.name.endswith(".safetensors"):
+                shutil.copy(f, out / f.name)
+    index = {}
+    total = 0
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors = load_file(shard)
+        packed, values = {}, {}
+        for key, tensor in tensors.items():
+            if _quantized(key, tensor) and not any(s in key for s in skip):
+                codes, scale = fmt.quantize(tensor)
+                packed[key], packed[f"{key}_scale_inv"] = codes, scale
+                values[key] = fmt.dequantize(codes, scale, torch.float32)
+            else:
+                packed[key] = values[key] = tensor
+        save_file(packed, fp8_dir / shard.name, metadata={"format": "pt"})
+        save_file(values, values_dir / shard.name, metadata={"format": "pt"})
+        index.update(dict.fromkeys(packed, shard.name))
+        total += sum(t.numel() * t.element_size() for t in packed.values())
+    if (src / "model.safetensors.index.json").exists():
+        (fp8_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": index})
+        )
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(fmt.block),
+        **({"scale_fmt": fmt.scale_fmt} if fmt.scale_fmt != "float" else {}),
+        **({"modules_to_not_convert": list(skip)} if skip else {}),
+    }
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    return total
+
+
+@pytest.fixture(scope="module")
+def fp8_release(tiny_model_dir, tmp_path_factory):
+    """``fp8_release(family, scale_fmt="float")``: (FP8 dir, dequantized values' dir, its tensor bytes)."""
+    made = {}
+
+    def make(family, scale_fmt="float", skip=()):
+        key = (family, scale_fmt, skip)
+        if key not in made:
+            src, _ = tiny_model_dir(family)
+            root = tmp_path_factory.mktemp(f"{family}-fp8")
+            fmt = FP8(block=BLOCK, scale_fmt=scale_fmt)
+            total = write_fp8(src, root / "fp8", root / "values", fmt, skip)
+            made[key] = (root / "fp8", root / "values", total)
+        return made[key]
+
+    return make
+
+
+def _config(**kw):
+    base = dict(
+        dtype=torch.float32,
+        method="lora",
+        quantize="none",
+        lora=LORA,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        max_grad_norm=0.05,
+        lr_scheduler_type="cosine",
+        warmup_steps=1,
+        max_steps=STEPS,
+        params="disk",
+    )
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def _train(path, disk_dir, cfg):
+    store = StoreConfig.resolve(
+        device_budget="256KiB", host_budget="96KiB", disk_path=str(disk_dir), prefetch_depth=1
+    )
+    trainer = StreamedTrainer(str(path), store, cfg)
+    try:
+        initial = trainer.adapter_state_dict()
+        batches = _batches(trainer.model.config.vocab_size)
+        moved, losses = [], []
+        for s in range(STEPS):
+            before = trainer.store.stats().bytes_moved.get("disk->host", 0)
+            losses.append(trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]))
+            moved.append(trainer.store.stats().bytes_moved.get("disk->host", 0) - before)
+        trained = trainer.adapter_state_dict()
+        layers = [c for s in trainer.states if s.group.kind == "layer" for c in s.weights]
+        in_place = [trainer.store.in_place(c) is not None for c in layers]
+        arena = trainer.store.disk.arena if trainer.store.disk is not None else None
+        disk_tier = 0 if arena is None else arena.capacity - arena.free_bytes
+    finally:
+        trainer.close()
+    return initial, trained, batches, losses, moved, in_place, disk_tier
+
+
+def _peft_reference(values_dir, initial, cfg, batches):
+    """peft's LoRA (all linear layers, as tiertune's) over transformers' model of the dequantized values, trained
+    by the plain loop from tiertune's initial adapters. Returns the losses and the trained adapters."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(values_dir, dtype=torch.float32, device_map="cpu")
+    model.config.use_cache = False
+    config = LoraConfig(
+        r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
+    model = get_peft_model(model, config)
+    model.train()
+    set_peft_model_state_dict(model, initial)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
+    losses = plain_training(model, opt, params, cfg, batches, steps=STEPS)
+    return losses, get_peft_model_state_dict(model)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_lora_on_an_fp8_release_follows_peft_on_its_dequantized_values(fp8_release, disk_dir, family):
+    """A dense model (Qwen3) and DeepSeek-V3 (latent attention, a dense first layer, shared and routed experts,
+    each expert's projections FP8 modules of their own): the base read in place from the FP8 files, step 1's loss
+    that of the dequantized model (rel 1e-5), every step as peft's over it (rel 1e-4), the disk tier empty and
+    each step reading at most twice the checkpoint's bytes."""
+    fp8_dir, values_dir, total = fp8_release(family)
+    cfg = _config()
+    initial, trained, batches, losses, moved, in_place, disk_tier = _train(fp8_dir, disk_dir, cfg)
+    expected, theirs = _peft_reference(values_dir, initial, cfg, batches)
+    assert abs(losses[0] - expected[0]) <= 1e-5 * abs(expected[0])
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
+    assert set(trained) == set(theirs)
+    for name, value in theirs.items():
+        assert_adam_trained_close(trained[name], value, name)
+    assert all(in_place) and disk_tier == 0  # the base's home is the checkpoint's files
+    assert min(moved[1:]) > 0 and max(moved[1:]) <= 2 * total * 1.1  # streamed every step, at most 2 passes
+
+
+def test_the_dequantization_is_deepseeks_for_edge_blocks_too():
+    """Element (r, c) is ``codes[r, c] * scale[r // 128, c // 128]`` (DeepSeek's ``weight_dequant``), for a matrix
+    of 160 rows over 2 scale rows and DeepSeek's 576-row ``kv_a_proj_with_mqa`` over 5: where transformers' own
+    dequantizing loader derives the block from the grid, it gives other values or refuses."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    fmt = FP8()
+    g = torch.Generator().manual_seed(0)
+    for rows, cols in [(160, 256), (576, 7168 // 8), (256, 384)]:
+        weight = torch.randn(rows, cols, generator=g)
+        codes, scale = fmt.quantize(weight)
+        values = fmt.dequantize(codes, scale, torch.float32)
+        by_element = (
+            codes.float() * scale[torch.arange(rows)[:, None] // 128, torch.arange(cols)[None, :] // 128]
+        )
+        assert torch.equal(values, by_element)
+        assert (
+            float(((values - weight).abs() / weight.abs().clamp(min=1e-3)).median()) < 0.07
+        )  # e4m3's precision
+        if rows % scale.shape[0] == 0 and cols % scale.shape[1] == 0:
+            theirs = Fp8Dequantize(None)._dequantize_one(codes, scale, torch.float32)
+            if rows % 128 == 0 and cols % 128 == 0:
+                assert torch.equal(values, theirs)  # whole blocks: transformers agrees
+            else:
+                assert not torch.equal(values, theirs)  # 160 rows over 2 scale rows: its blocks are 80 rows
+    ue8m0 = FP8(scale_fmt="ue8m0")
+    codes, scale = ue8m0.quantize(torch.randn(160, 256, generator=g))
+    assert scale.dtype == torch.float8_e8m0fnu
+    exponents = torch.log2(scale.float())
+    assert torch.equal(exponents, exponents.round())  # powers of two
+
+
+def test_an_fp8_release_with_ue8m0_scales_trains_as_its_values(fp8_release, disk_dir):
+    """DeepSeek's newer releases store each block's scale as one byte, a power of two (``scale_fmt: ue8m0``)."""
+    fp8_dir, values_dir, _ = fp8_release("qwen3", "ue8m0")
+    cfg = _config(max_steps=1)
+    initial, _, batches, losses, *_ = _train(fp8_dir, disk_dir, cfg)
+    expected, _ = _peft_reference(values_dir, initial, cfg, batches)
+    assert abs(losses[0] - expected[0]) <= 1e-5 * abs(expected[0])
+
+
+def test_an_fp8_release_asks_for_quantize_none_and_names_what_it_reads(fp8_release, disk_dir, tmp_path):
+    fp8_dir, _, _ = fp8_release("qwen3")
+    store = StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB")
+    with pytest.raises(ConfigError, match="set model.quantize: none"):
+        StreamedTrainer(str(fp8_dir), store, _config(quantize="nf4", params="host"))
+    odd = tmp_path / "odd"
+    shutil.copytree(fp8_dir, odd)
+    config = json.loads((odd / "config.json").read_text())
+    config["quantization_config"]["fmt"] = "e5m2"
+    (odd / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match="fmt 'e5m2'.*tiertune reads FP8 e4m3"):
+        StreamedTrainer(str(odd), store, _config(params="host"))
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (odd / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match="'awq'.*FP8 ones with blockwise scales"):
+        StreamedTrainer(str(odd), store, _config(params="host"))

@@ -1,0 +1,366 @@
+"""Bases read as they ship: linear weights a checkpoint stores in a quantized format of its own (FP8 with
+blockwise scales, as DeepSeek-V3, Kimi-K2, MiniMax-M2 and Qwen3's FP8 releases ship), kept in their chunks as
+the file's own bytes and dequantized on the compute device at each use.
+
+Nothing is converted on load and nothing is written: a frozen base homed on disk is read in place from the
+checkpoint's safetensors (``loading.model``), so the disk tier holds no copy of it. A weight's chunk entries are
+its checkpoint tensors::
+
+    <name>          float8_e4m3fn (out, in)                   the weight's codes
+    <name>.scale    fp32 or float8_e8m0fnu (ceil(out / b0), ceil(in / b1))   ``weight_scale_inv``
+
+and element (r, c) is ``codes[r, c] * scale[r // b0, c // b1]``, as DeepSeek's own ``weight_dequant`` computes it:
+an edge block (a 576-row ``kv_a_proj_with_mqa`` over 128-row blocks) uses its scale's row like any other.
+(transformers' dequantizing loader derives the block from the scale grid instead, which is wrong there.)
+
+The model's ``nn.Linear`` modules inside the decoder layers become ``ShippedLinear`` on the instance (peft
+wraps them as any linear: it sees a placeholder weight of the compute dtype). Its forward is ``shipped_linear``:
+the weight dequantized in the compute dtype, the product, and a backward that dequantizes it again for the
+input's gradient (exact: the gradient through the dequantized weight); the base takes no gradient. Only one
+weight is dequantized at a time, and none is kept for backward.
+
+Mixture-of-experts layers: the checkpoint holds each expert's projections as modules of their own (their own
+codes and scales), which transformers 5 fuses into 3-D weights. ``ShippedExperts`` keeps them as shipped, one
+entry per expert and part (``gate`` and ``up`` of ``gate_up_proj``), and computes each routed expert from them
+in ``quant.experts.experts_forward``, as it does for 4-bit experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tiertune.errors import ModelError
+from tiertune.quant.bnb4 import SavedWeight
+from tiertune.quant.experts import StoredExperts
+
+if TYPE_CHECKING:
+    from tiertune.loading.weights import Checkpoint
+
+SCALE = "scale"  # the chunk entry of a weight's scales: ``<name>.scale``
+SCALE_KEY = "_scale_inv"  # its checkpoint tensor: ``<key>_scale_inv`` (DeepSeek's and transformers' name)
+SCALE_FORMATS = ("float", "ue8m0")
+
+
+def e8m0_dtype() -> torch.dtype:
+    """torch's dtype of 1-byte power-of-two scales (``ue8m0``)."""
+    return torch.float8_e8m0fnu
+
+
+@dataclass
+class FP8:
+    """Weights stored as FP8 e4m3 codes with one scale per ``block`` (rows, columns) of the matrix; the scales in
+    fp32 (``scale_fmt`` float) or as 1-byte powers of two (ue8m0). ``skip`` names modules the checkpoint keeps
+    unquantized (``modules_to_not_convert``). ``compute_dtype``: what weights dequantize to."""
+
+    compute_dtype: torch.dtype = torch.float32
+    block: tuple[int, int] = (128, 128)
+    scale_fmt: str = "float"
+    skip: tuple[str, ...] = ()
+    kind: str = field(default="fp8", init=False)
+
+    def __post_init__(self) -> None:
+        if self.scale_fmt not in SCALE_FORMATS:
+            raise ModelError(f"FP8 scales are {' or '.join(SCALE_FORMATS)}, got {self.scale_fmt!r}")
+        self.block = (int(self.block[0]), int(self.block[1]))
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return e8m0_dtype() if self.scale_fmt == "ue8m0" else torch.float32
+
+    def settings(self) -> dict[str, object]:
+        return {"quantize": "fp8", "block": list(self.block), "scale_fmt": self.scale_fmt}
+
+    def scale_shape(self, shape: Sequence[int]) -> tuple[int, int]:
+        """The scale grid of a weight of ``shape`` (out, in)."""
+        return (-(-shape[0] // self.block[0]), -(-shape[1] // self.block[1]))
+
+    # ------------------------------------------------------------------ the model
+    def convert(self, module: nn.Module, prefix: str = "") -> None:
+        """Replace the ``nn.Linear`` modules inside ``module`` (a decoder layer on the meta device, named
+        ``prefix`` in the model) by ``ShippedLinear``, except those ``skip`` names."""
+        for path, sub in list(module.named_modules()):
+            for name, child in list(sub.named_children()):
+                where = ".".join(p for p in (prefix, path, name) if p)
+                if type(child) is nn.Linear and not any(s and _names(where, s) for s in self.skip):
+                    sub._modules[name] = ShippedLinear.of(child, self)
+
+    def entries(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """The chunk entries of weight ``name`` of ``shape`` (out, in): its codes, then its scales."""
+        if len(shape) != 2:
+            raise ModelError(f"{name}: an FP8 weight is a matrix, got shape {tuple(shape)}")
+        return [
+            (name, tuple(shape), torch.float8_e4m3fn),
+            (f"{name}.{SCALE}", self.scale_shape(shape), self.scale_dtype),
+        ]
+
+    def saved_tensors(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple]:
+        """What the checkpoint stores for weight ``key`` of ``shape``: ``(key, shape, dtype, None)`` each (the
+        layout a ledger counts on when only a config.json is at hand)."""
+        return [
+            (key, tuple(shape), torch.float8_e4m3fn, None),
+            (f"{key}{SCALE_KEY}", self.scale_shape(shape), self.scale_dtype, None),
+        ]
+
+    def saved(
+        self, name: str, key: str, shape: tuple[int, ...], checkpoint: Checkpoint
+    ) -> SavedWeight | None:
+        """Where weight ``name`` (saved as checkpoint tensor ``key``) has its codes and scales; None when the
+        checkpoint stores it unquantized. Raises ModelError when its tensors are not this format's."""
+        scale_key = f"{key}{SCALE_KEY}"
+        stored = checkpoint.entries.get(key)
+        if stored is None or (stored.dtype != torch.float8_e4m3fn and scale_key not in checkpoint):
+            return None
+        for entry_key, (_, eshape, edtype) in zip((key, scale_key), self.entries(name, shape), strict=True):
+            found = checkpoint.entries.get(entry_key)
+            if found is None or found.dtype != edtype or tuple(found.shape) != tuple(eshape):
+                got = (
+                    "missing"
+                    if found is None
+                    else f"{str(found.dtype).removeprefix('torch.')} {tuple(found.shape)}"
+                )
+                raise ModelError(
+                    f"FP8 weight {key!r} in {stored.file}: {entry_key!r} is {got}, expected "
+                    f"{str(edtype).removeprefix('torch.')} {tuple(eshape)} (e4m3 codes with a scale per "
+                    f"{self.block[0]} x {self.block[1]} block, {self.scale_fmt} scales, as the model's "
+                    "quantization_config says)"
+                )
+        return SavedWeight({name: key, f"{name}.{SCALE}": scale_key})
+
+    def parameter(self, name: str, shape: torch.Size, views: dict[str, torch.Tensor]) -> nn.Parameter:
+        """The bound weight of ``name``: its codes over the chunk's memory, with its scales."""
+        return ShippedWeight(views[name], self, views[f"{name}.{SCALE}"])
+
+    # ------------------------------------------------------------------ values
+    def dequantize(
+        self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The weight's values: ``codes[r, c] * scale[r // b0, c // b1]`` in fp32, cast to ``dtype`` (the compute
+        dtype by default)."""
+        rows, cols = codes.shape
+        s = (
+            scale.float()
+            .repeat_interleave(self.block[0], 0)[:rows]
+            .repeat_interleave(self.block[1], 1)[:, :cols]
+        )
+        return (codes.float() * s).to(dtype or self.compute_dtype)
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``weight`` (out, in) as this format stores it: e4m3 codes and a scale per block, the block's largest
+        magnitude over e4m3's largest (a power of two at or above it for ue8m0). What a checkpoint's FP8 release
+        holds; the tests write their checkpoints with it."""
+        rows, cols = weight.shape
+        b0, b1 = self.block
+        grid = self.scale_shape(weight.shape)
+        padded = torch.zeros(grid[0] * b0, grid[1] * b1, dtype=torch.float32)
+        padded[:rows, :cols] = weight.float()
+        amax = padded.reshape(grid[0], b0, grid[1], b1).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+        scale = amax / torch.finfo(torch.float8_e4m3fn).max
+        if self.scale_fmt == "ue8m0":
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        full = scale.repeat_interleave(b0, 0).repeat_interleave(b1, 1)
+        codes = (padded / full)[:rows, :cols].to(torch.float8_e4m3fn)
+        return codes, scale.to(self.scale_dtype)
+
+
+def _names(path: str, skip: str) -> bool:
+    """Whether module ``path`` is (or is inside) the module ``skip`` names (a dotted suffix of its path)."""
+    return path == skip or path.endswith(f".{skip}") or f".{skip}." in f".{path}."
+
+
+class ShippedWeight(nn.Parameter):
+    """A frozen linear weight stored in a shipped format. In the model's skeleton (``placeholder``) a meta
+    tensor of the logical shape and compute dtype, which is what peft reads; bound by the engine, its data is the
+    weight's codes over the chunk's memory, and ``fmt`` and ``scale`` say how to read them."""
+
+    def __new__(
+        cls, data: torch.Tensor, fmt: FP8 | None = None, scale: torch.Tensor | None = None
+    ) -> ShippedWeight:
+        self = torch.Tensor._make_subclass(cls, data, False)
+        self.fmt = fmt
+        self.scale = scale
+        return self
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight's values (bound weights only)."""
+        if self.fmt is None or self.scale is None:
+            raise RuntimeError("a shipped weight's placeholder, not bound to a chunk, has no values")
+        return self.fmt.dequantize(self, self.scale, dtype)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # a plain tensor of its values (deep copies, pickles)
+        return torch.Tensor.__reduce_ex__(self.detach().as_subclass(torch.Tensor), protocol)
+
+
+def is_shipped(param: object) -> bool:
+    """Whether ``param`` is a weight kept in its shipped format (``ShippedWeight``)."""
+    return isinstance(param, ShippedWeight)
+
+
+class _ShippedLinear(torch.autograd.Function):
+    """``x @ W.T + b`` with ``W`` (anything with ``dequantize(dtype)``) dequantized in the forward and again in the
+    backward (nothing kept between)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.weight = weight  # the chunk's codes: not saved through autograd (their version counter is shared)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight.dequantize(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None]:
+        dx = grad @ ctx.weight.dequantize(grad.dtype) if ctx.needs_input_grad[0] else None
+        db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, None, db
+
+
+def shipped_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` over a shipped weight (``ShippedWeight``, or one expert's ``ExpertWeight``), computed in its
+    format's compute dtype (the result in ``x``'s)."""
+    compute = weight.fmt.compute_dtype
+    b = bias.to(compute) if bias is not None else None
+    return _ShippedLinear.apply(x.to(compute), weight, b).to(x.dtype)
+
+
+class ShippedLinear(nn.Linear):
+    """An ``nn.Linear`` whose weight is kept in a shipped format (``ShippedWeight``) and dequantized at use."""
+
+    fmt: FP8
+
+    @classmethod
+    def of(cls, linear: nn.Linear, fmt: FP8) -> ShippedLinear:
+        """``linear`` (on the meta device) made one: same shape and bias, the weight a placeholder."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.in_features, module.out_features = linear.in_features, linear.out_features
+        module.fmt = fmt
+        placeholder = torch.empty(tuple(linear.weight.shape), dtype=fmt.compute_dtype, device="meta")
+        module.weight = ShippedWeight(placeholder)
+        module.bias = linear.bias
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not is_shipped(self.weight) or self.weight.fmt is None:
+            raise RuntimeError(f"{type(self).__name__}: its weight is not bound to a chunk")
+        return shipped_linear(x, self.weight, self.bias)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- experts
+
+
+def expert_parts(name: str) -> int:
+    """How many checkpoint tensors make one expert's matrix of fused weight ``name``: ``gate_up_proj`` is each
+    expert's ``gate_proj`` and ``up_proj`` stacked by rows, the others are one tensor."""
+    return 2 if name.rsplit(".", 1)[-1] == "gate_up_proj" else 1
+
+
+def part_entry(name: str, e: int, k: int) -> str:
+    """The chunk entry of expert ``e``'s part ``k`` of fused weight ``name`` (the first is the weight's own name,
+    which the group's units start with)."""
+    return name if (e, k) == (0, 0) else f"{name}.{e}.{k}"
+
+
+def experts_entries(
+    fmt: FP8, name: str, shape: tuple[int, ...]
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The chunk entries of fused expert weight ``name`` of ``shape`` (experts, out, in) kept as shipped: each
+    expert's parts, their codes and scales."""
+    experts, rows, cols = shape
+    parts = expert_parts(name)
+    if rows % parts:
+        raise ModelError(f"{name}: {rows} rows do not split into {parts} parts of an expert")
+    out = []
+    for e in range(experts):
+        for k in range(parts):
+            entry = part_entry(name, e, k)
+            out += [
+                (entry, (rows // parts, cols), torch.float8_e4m3fn),
+                (f"{name}.{e}.{k}.{SCALE}", fmt.scale_shape((rows // parts, cols)), fmt.scale_dtype),
+            ]
+    return out
+
+
+def experts_saved(
+    fmt: FP8, name: str, shape: tuple[int, ...], pieces: Sequence[tuple[str, tuple]], checkpoint: Checkpoint
+) -> SavedWeight | None:
+    """Where fused expert weight ``name`` of ``shape`` has its parts in the checkpoint (``pieces``: one tensor
+    per expert and part, as ``loading.model.TensorSource`` lists them); None when they are stored unquantized."""
+    experts, rows, _ = shape
+    parts = expert_parts(name)
+    if not pieces or checkpoint.entries[pieces[0][0]].dtype != torch.float8_e4m3fn:
+        return None  # stored unquantized (a checkpoint whose experts are 16-bit)
+    if len(pieces) != experts * parts:
+        raise ModelError(
+            f"{name}: the checkpoint holds {len(pieces)} tensors for its {experts} experts, expected {parts} each "
+            "(an expert's gate_proj and up_proj, or its one projection)"
+        )
+    tensors = {}
+    for i, (key, index) in enumerate(pieces):
+        e, k = divmod(i, parts)
+        part = (rows // parts, shape[2])
+        if index[:1] != (e,) or (parts > 1 and index[1] != slice(k * part[0], (k + 1) * part[0])):
+            raise ModelError(f"{name}: checkpoint tensor {key!r} is not expert {e}'s part {k} where expected")
+        found = fmt.saved(part_entry(name, e, k), key, part, checkpoint)
+        if found is None:
+            raise ModelError(f"{name}: expert {e}'s {key!r} is stored unquantized among FP8 experts")
+        tensors[part_entry(name, e, k)] = key
+        tensors[f"{name}.{e}.{k}.{SCALE}"] = f"{key}{SCALE_KEY}"
+    return SavedWeight(tensors)
+
+
+@dataclass
+class ExpertWeight:
+    """One expert's matrix of a shipped fused weight: its parts' codes and scales, stacked by rows."""
+
+    fmt: FP8
+    parts: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        values = [self.fmt.dequantize(codes, scale, dtype) for codes, scale in self.parts]
+        return values[0] if len(values) == 1 else torch.cat(values, 0)
+
+
+class ShippedExperts(StoredExperts):
+    """A fused expert weight (experts, out, in) kept as the checkpoint ships it: one matrix (of one or two parts)
+    per expert, each with its scales. Bound (``bind``), ``matmul(e, x)`` computes expert ``e`` from them."""
+
+    def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W_e.T`` for expert ``e``, ``W_e`` dequantized (and again in backward for ``x``'s gradient)."""
+        fmt, views = self.quant, self.views
+        if fmt is None or views is None:
+            raise RuntimeError(
+                f"{self.weight_name or 'an expert weight'} is a placeholder, not bound to a chunk"
+            )
+        name = self.weight_name
+        parts = [
+            (views[part_entry(name, e, k)], views[f"{name}.{e}.{k}.{SCALE}"])
+            for k in range(expert_parts(name))
+        ]
+        return shipped_linear(x, ExpertWeight(fmt, parts))
+
+
+def bind_experts(fmt: FP8, name: str, shape: torch.Size, views: dict[str, torch.Tensor]) -> ShippedExperts:
+    """The bound ``ShippedExperts`` of fused expert weight ``name`` over the chunks' ``views``."""
+    own = {k: v for k, v in views.items() if k == name or k.startswith(f"{name}.")}
+    return ShippedExperts(views[name], fmt, name, shape, own)
+
+
+def mark_experts(layer: nn.Module, fmt: FP8) -> list[str]:
+    """Mark the fused expert weights inside ``layer`` (meta) to be kept as shipped (``ShippedExperts``
+    placeholders); returns their names relative to ``layer``. Experts stored transposed or skipped stay."""
+    from tiertune.quant.experts import fused_weights
+
+    marked = []
+    for path, module, name, p in fused_weights(layer, fmt.skip):
+        module.__dict__["_tiertune_stored"] = True
+        if isinstance(p, ShippedExperts):
+            continue
+        where = f"{path}." if path else ""
+        placeholder = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
+        module._parameters[name] = ShippedExperts(placeholder, name=f"{where}{name}")
+        marked.append(f"{where}{name}")
+    return marked
