@@ -227,3 +227,68 @@ def test_an_fp8_release_asks_for_quantize_none_and_names_what_it_reads(fp8_relea
     (odd / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelError, match="'awq'.*FP8 ones with blockwise scales"):
         StreamedTrainer(str(odd), store, _config(params="host"))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_full_fine_tuning_from_an_fp8_release_is_the_plain_loop_on_its_dequantized_values(
+    fp8_release, disk_dir, family
+):
+    """``method: full`` from an FP8 release: every weight is trained, its master copy starting from the file's
+    dequantized values (the experts fused from their per-expert FP8 modules), as the plain PyTorch loop does on
+    transformers' model of those values: the same losses (rel 1e-5) and weights (rel 1e-5)."""
+    from parity import _config as full_config
+    from transformers import AutoModelForCausalLM
+
+    fp8_dir, values_dir, _ = fp8_release(family)
+    reference = AutoModelForCausalLM.from_pretrained(values_dir, dtype=torch.float32, device_map="cpu")
+    reference.config.use_cache = False
+    reference.train()
+    cfg = full_config(
+        params="disk", optimizer_states="disk", gradients="disk", max_steps=STEPS, warmup_steps=1
+    )
+    params = dict(reference.named_parameters())
+    groups = [
+        {"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(
+        groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True
+    )
+    batches = _batches(reference.config.vocab_size)
+    expected = plain_training(reference, opt, list(params.values()), cfg, batches, steps=STEPS)
+    store = StoreConfig.resolve(
+        device_budget="8MiB", host_budget="2MiB", disk_path=str(disk_dir), chunk_size="1MiB", prefetch_depth=1
+    )
+    trainer = StreamedTrainer(str(fp8_dir), store, cfg)
+    try:
+        assert trainer.quant is None  # nothing frozen: the weights are the trained master copies
+        losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
+        weights = trainer.state_dict()
+    finally:
+        trainer.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+    assert set(weights) == set(params)
+    for name, p in params.items():
+        scale = float(p.detach().abs().max().clamp_min(1e-12))
+        assert float((weights[name] - p.detach()).abs().max()) <= 1e-5 * scale, name
+
+
+def test_fp8_codes_are_never_read_as_values_without_their_scales(fp8_release):
+    """Reading an FP8 weight into a wider dtype without its format would train on the bare codes: refused, naming
+    the tensor; with the format, the values are the codes times their blocks' scales."""
+    from tiertune.loading.weights import Checkpoint
+
+    fp8_dir, values_dir, _ = fp8_release("qwen3")
+    checkpoint, values = Checkpoint(fp8_dir), Checkpoint(values_dir)
+    key = "model.layers.0.mlp.up_proj.weight"
+    out = torch.empty(checkpoint.entries[key].shape)
+    with pytest.raises(ModelError, match="FP8 codes with scales per block"):
+        checkpoint.read_into(key, out)
+    checkpoint.dequantize = FP8(block=BLOCK)
+    checkpoint.read_into(key, out)
+    expected = torch.empty_like(out)
+    values.read_into(key, expected)
+    assert torch.equal(out, expected)
+    rows = torch.empty(5, out.shape[1])
+    checkpoint.read_into(key, rows, row=40)  # rows across a block's edge
+    assert torch.equal(rows, expected[40:45])

@@ -81,6 +81,11 @@ def load_model(
             str(compute).removeprefix("torch."),
         )
     quant = make_quantizer(config.quantize, compute, saved, model_dir)
+    shipped = (
+        None  # a full fine-tune of a base that ships FP8: every weight trained from its dequantized values
+    )
+    if isinstance(quant, FP8) and config.method != "lora":
+        shipped, quant = quant, None
     if quant is not None:  # Linear4bit/8bitLt in every decoder layer, as a plain quantized load has
         # and, beyond it, MoE layers' fused expert weights 4-bit too (one matrix per expert)
         marked = []
@@ -98,6 +103,7 @@ def load_model(
     homes = dict.fromkeys(("embed", "layer", "rest", "head"), config.params)
     # a ledger reads no weight: a config.json alone will do (the checkpoint transformers would save)
     checkpoint = saved_checkpoint(model_dir, model, quant, saved) if store.ledger else Checkpoint(model_dir)
+    checkpoint.dequantize = shipped
     cache = None
     # a pre-quantized checkpoint too: an MoE's experts are saved unquantized (transformers leaves them so)
     if quant is not None and config.quant_cache is not None:

@@ -17,6 +17,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,6 +63,9 @@ class Checkpoint:
     def __init__(self, directory: str | os.PathLike[str], files: list[str] | None = None) -> None:
         self.directory = Path(directory)
         self.entries: dict[str, TensorEntry] = {}
+        # a shipped FP8 format (``quant.shipped.FP8``) whose codes ``read_into`` dequantizes into a wider dtype
+        # (a full fine-tune from an FP8 release: the master weights start from the dequantized values)
+        self.dequantize: Any = None
         self._scratch: torch.Tensor | None = None  # conversion buffer, allocated on the first conversion
         index = self.directory / INDEX
         weight_map: dict[str, str] = {}
@@ -97,6 +101,9 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.entries
 
+    def _dequantize_into(self, name: str, out: torch.Tensor, row: int | None) -> None:
+        _dequantized(self, name, out, row)
+
     def read_into(
         self, name: str, out: torch.Tensor, scratch: torch.Tensor | None = None, row: int | None = None
     ) -> None:
@@ -109,6 +116,13 @@ class Checkpoint:
         """
         entry = self._entry(name)
         shape = entry.shape
+        if (
+            entry.dtype == torch.float8_e4m3fn
+            and out.dtype != entry.dtype
+            and f"{name}_scale_inv" in self.entries
+        ):
+            self._dequantize_into(name, out, row)
+            return
         if row is not None:
             if not shape or not 0 <= row <= row + len(out) <= shape[0]:
                 raise ModelError(
@@ -175,6 +189,7 @@ class AsSaved(Checkpoint):
         self.directory = Path(directory)
         self.entries = {}
         self._scratch = None
+        self.dequantize = None
         self._contents: dict[str, torch.Tensor] = {}
         file = self.directory / "(weights not downloaded)"
         offset = 0
@@ -193,6 +208,23 @@ class AsSaved(Checkpoint):
         if name not in self._contents:
             raise StateError(f"{self.directory} holds no weights: tensor {name!r} has no values to read")
         out.copy_(self._contents[name].reshape(out.shape))
+
+
+def _dequantized(checkpoint: Checkpoint, name: str, out: torch.Tensor, row: int | None) -> None:
+    """Fill ``out`` with the values of FP8 weight ``name`` (codes and ``_scale_inv``), rows from ``row`` on."""
+    if checkpoint.dequantize is None:
+        raise ModelError(
+            f"tensor {name!r} in {checkpoint.entries[name].file} holds FP8 codes with scales per block "
+            f"({name}_scale_inv): its values need its quantization_config (quant_method fp8) in config.json"
+        )
+    entry = checkpoint.entries[name]
+    codes = torch.empty(entry.shape, dtype=entry.dtype)
+    checkpoint.read_into(name, codes)
+    scale_entry = checkpoint.entries[f"{name}_scale_inv"]
+    scale = torch.empty(scale_entry.shape, dtype=scale_entry.dtype)
+    checkpoint.read_into(scale_entry.name, scale)
+    values = checkpoint.dequantize.dequantize(codes, scale, torch.float32)
+    out.copy_(values if row is None else values[row : row + len(out)])
 
 
 def _pread(fd: int, entry: TensorEntry, dst: torch.Tensor, offset: int) -> None:
