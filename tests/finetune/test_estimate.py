@@ -494,49 +494,34 @@ def _gpt_oss_mxfp4(vocab):
     return config
 
 
-@pytest.mark.parametrize(("make", "method"), [(_gpt_oss_mxfp4, "mxfp4")])
-def test_training_from_a_checkpoint_in_a_format_tiertune_does_not_read_stops_naming_it(
+@pytest.mark.parametrize(("make", "method"), [(_deepseek_v3_fp8, "FP8"), (_gpt_oss_mxfp4, "MXFP4")])
+def test_a_release_that_ships_quantized_is_estimated_as_it_ships_and_nf4_on_it_stops_in_one_line(
     tmp_path, model_dir, write_recipe, make, method
 ):
-    """gpt-oss is published with MXFP4 experts, which tiertune does not read yet. The estimate says so; the run
-    stops before reading a weight, naming the format, exit 2."""
+    """DeepSeek-V3's config (FP8) and gpt-oss's (MXFP4 experts), tiny: with ``model.quantize: none`` the estimate
+    reads the quantized weights in place (no note about an unreadable format); ``nf4`` on them stops estimate and
+    train before reading a weight, with one line that says to set ``model.quantize: none``, exit 2."""
     tiny = tmp_path / "tiny"
     tiny.mkdir()
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(model_dir) / file, tiny / file)
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     (tiny / "config.json").write_text(json.dumps(make(vocab)))
+    method_section = {"type": "lora", "lora": {"dropout": 0.0}}
     recipe = write_recipe(
-        tmp_path,
-        tiny,
-        model={"quantize": "nf4", "dtype": "bfloat16"},
-        method={"type": "lora", "lora": {"dropout": 0.0}},
+        tmp_path, tiny, model={"quantize": "none", "dtype": "bfloat16"}, method=method_section, name="none"
     )
-    assert any(f"'{method}'" in note for note in estimate(load_recipe(recipe, ()), measure=False).notes)
-    result = CliRunner().invoke(app, ["train", str(recipe)], env={"COLUMNS": "200"})
-    assert result.exit_code == 2, result.output
-    assert f"saved quantized with '{method}'" in result.output and "Traceback" not in result.output
-
-
-def test_nf4_on_an_fp8_release_stops_in_one_line_saying_what_to_set(tmp_path, model_dir, write_recipe):
-    """``model.quantize: nf4`` on a checkpoint that ships FP8 (DeepSeek-V3's config, tiny): estimate and train
-    stop before reading a weight with one line that says to set ``model.quantize: none``, exit 2."""
-    tiny = tmp_path / "tiny"
-    tiny.mkdir()
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(model_dir) / file, tiny / file)
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    (tiny / "config.json").write_text(json.dumps(_deepseek_v3_fp8(vocab)))
+    predicted = estimate(load_recipe(recipe, ()), measure=False)
+    assert predicted.kinds[IN_PLACE][1] > 0 and not any("saved quantized" in n for n in predicted.notes)
     recipe = write_recipe(
-        tmp_path,
-        tiny,
-        model={"quantize": "nf4", "dtype": "bfloat16"},
-        method={"type": "lora", "lora": {"dropout": 0.0}},
+        tmp_path, tiny, model={"quantize": "nf4", "dtype": "bfloat16"}, method=method_section
     )
     for command in ("estimate", "train"):
         result = CliRunner().invoke(app, [command, str(recipe)], env={"COLUMNS": "200"})
         assert result.exit_code == 2, result.output
-        assert "ships its weights in FP8" in result.output and "set model.quantize: none" in result.output
+        assert (
+            f"ships its weights in {method}" in result.output and "set model.quantize: none" in result.output
+        )
         assert "Traceback" not in result.output
 
 

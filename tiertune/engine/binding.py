@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tiertune.quant import FP8, Quantizer, is_quantized, shipped
+from tiertune.quant import Quantizer, is_quantized, shipped
 from tiertune.quant import experts as quant_experts
 
 
@@ -59,7 +59,7 @@ class Binder:
                 param = self.quant.parameter(name, self.meta[name].shape, views)  # type: ignore[union-attr]
             elif name in self.quantized_experts:
                 shape = self.meta[name].shape
-                if isinstance(self.quant, FP8):  # each expert's parts as shipped
+                if shipped.is_shipped_format(self.quant):  # each expert as shipped
                     param = shipped.bind_experts(self.quant, name, shape, views)
                 else:
                     param = quant_experts.bind(self.quant, name, shape, views)  # type: ignore[arg-type]

@@ -27,8 +27,9 @@ from tiertune.loading.model import (
 )
 from tiertune.loading.weights import Checkpoint
 from tiertune.offload.store import ChunkStore
-from tiertune.quant import FP8, Quantizer, make_quantizer, saved_quantization
+from tiertune.quant import Quantizer, make_quantizer, saved_quantization
 from tiertune.quant import experts as quant_experts
+from tiertune.quant.shipped import is_shipped_format
 
 if TYPE_CHECKING:
     from tiertune.loading.quant_cache import LedgerCache, QuantCache
@@ -84,20 +85,20 @@ def load_model(
     shipped = (
         None  # a full fine-tune of a base that ships FP8: every weight trained from its dequantized values
     )
-    if isinstance(quant, FP8) and config.method != "lora":
+    if is_shipped_format(quant) and config.method != "lora":
         shipped, quant = quant, None
     if quant is not None:  # Linear4bit/8bitLt in every decoder layer, as a plain quantized load has
         # and, beyond it, MoE layers' fused expert weights 4-bit too (one matrix per expert)
         marked = []
         for i, layer in enumerate(parts.layers):
-            if isinstance(quant, FP8):  # its skip list names modules by their full names
+            if is_shipped_format(quant):  # its skip list names modules by their full names
                 quant.convert(layer, f"{parts.layers_name}.{i}")
             else:
                 quant.convert(layer)
             marked += quant_experts.convert_experts(layer, quant)
         if marked:
             quant_experts.use_4bit_experts(model)
-            how = "as shipped" if isinstance(quant, FP8) else "4-bit"
+            how = "as shipped" if is_shipped_format(quant) else "4-bit"
             log.info("experts: %s stored %s, one matrix per expert", ", ".join(sorted(set(marked))), how)
         parts = split_model(model)
     homes = dict.fromkeys(("embed", "layer", "rest", "head"), config.params)

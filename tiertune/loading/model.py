@@ -31,7 +31,7 @@ from tiertune.offload.chunk import ALIGN, Chunk, ChunkLayout, TensorSpec, layout
 from tiertune.offload.inplace import FileTensor, InPlace, can_map, plan_in_place
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
-from tiertune.quant import FP8, NF4, Quantizer, SavedWeight, experts, is_quantized, shipped
+from tiertune.quant import NF4, Quantizer, SavedWeight, experts, is_quantized, shipped
 from tiertune.quant.experts import is_quantized_experts
 from tiertune.units import round_up
 
@@ -413,7 +413,7 @@ def saved_checkpoint(
     ] = {}  # a shipped format's experts: saved one tensor per expert, quantized
     for name, p in model.named_parameters():
         kept = saved is not None and quant is not None and is_quantized(p)
-        if isinstance(quant, FP8) and is_quantized_experts(p):
+        if shipped.is_shipped_format(quant) and is_quantized_experts(p):
             stored_experts[name] = torch.empty(tuple(p.shape), device="meta")
             continue
         (packed if kept else plain)[name] = torch.empty(tuple(p.shape), device="meta")
@@ -447,8 +447,8 @@ def weight_entries(group: ParamGroup, dtype: torch.dtype, quant: Quantizer | Non
             entries += quant.entries(n, tuple(p.shape))
         elif isinstance(quant, NF4) and is_quantized_experts(p):  # one 4-bit matrix per expert
             entries += experts.entries(quant, n, tuple(p.shape))
-        elif isinstance(quant, FP8) and is_quantized_experts(p):  # each expert's parts as shipped
-            entries += shipped.experts_entries(quant, n, tuple(p.shape))
+        elif shipped.is_shipped_format(quant) and is_quantized_experts(p):  # each expert as shipped
+            entries += quant.experts_entries(n, tuple(p.shape))  # type: ignore[union-attr]
         else:
             entries.append((n, tuple(p.shape), dtype))
     return entries
@@ -628,6 +628,9 @@ def _sources(parts: ModelParts, checkpoint: Checkpoint) -> dict[str, TensorSourc
     """``checkpoint_names``, with a ModelError naming the first parameter the checkpoint lacks."""
     source = checkpoint_names(parts.model, checkpoint)
     for group in parts.groups:
+        for name in group.params:  # gpt-oss's MXFP4 experts: the weight ships as its blocks (and scales)
+            if name not in source and f"{name}_blocks" in checkpoint:
+                source[name] = TensorSource(((f"{name}_blocks", ()),))
         missing = [n for n in group.params if n not in source]
         if missing:
             raise ModelError(
@@ -715,15 +718,15 @@ def _saved_weights(
         return saved
     for name, param in group.params.items():
         pieces = source[name].pieces
-        if isinstance(quant, FP8) and is_quantized_experts(param):  # each expert's parts, as shipped
-            found = shipped.experts_saved(quant, name, tuple(param.shape), pieces, checkpoint)
+        if shipped.is_shipped_format(quant) and is_quantized_experts(param):  # each expert, as shipped
+            found = quant.experts_saved(name, tuple(param.shape), pieces, checkpoint)  # type: ignore[union-attr]
         elif not is_quantized(param) or len(pieces) != 1 or pieces[0][1]:
             continue  # unquantized, or built from several tensors (fused experts): quantized on load
         else:
             found = quant.saved(name, pieces[0][0], tuple(param.shape), checkpoint)
         if found is not None:
             saved[name] = found
-        elif isinstance(quant, FP8):  # a shipped format is read, never made
+        elif shipped.is_shipped_format(quant):  # a shipped format is read, never made
             key = pieces[0][0]
             raise ModelError(
                 f"{name}: the checkpoint in {checkpoint.directory} stores {key!r} unquantized, although its "

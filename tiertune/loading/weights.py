@@ -116,10 +116,16 @@ class Checkpoint:
         """
         entry = self._entry(name)
         shape = entry.shape
+        scales = (
+            f"{name}_scale_inv"
+            if entry.dtype == torch.float8_e4m3fn
+            else name.removesuffix("_blocks") + "_scales"
+        )
         if (
-            entry.dtype == torch.float8_e4m3fn
-            and out.dtype != entry.dtype
-            and f"{name}_scale_inv" in self.entries
+            out.dtype != entry.dtype
+            and out.dtype.is_floating_point
+            and scales != name
+            and scales in self.entries
         ):
             self._dequantize_into(name, out, row)
             return
@@ -211,19 +217,28 @@ class AsSaved(Checkpoint):
 
 
 def _dequantized(checkpoint: Checkpoint, name: str, out: torch.Tensor, row: int | None) -> None:
-    """Fill ``out`` with the values of FP8 weight ``name`` (codes and ``_scale_inv``), rows from ``row`` on."""
+    """Fill ``out`` with the values of quantized weight ``name``: FP8 codes and their ``_scale_inv``, or MXFP4
+    experts' ``_blocks`` and ``_scales`` (the weight (experts, in, out) as gpt-oss's model holds it); rows from
+    ``row`` on."""
     if checkpoint.dequantize is None:
         raise ModelError(
-            f"tensor {name!r} in {checkpoint.entries[name].file} holds FP8 codes with scales per block "
-            f"({name}_scale_inv): its values need its quantization_config (quant_method fp8) in config.json"
+            f"tensor {name!r} in {checkpoint.entries[name].file} holds quantized codes with scales per block "
+            "(FP8 or MXFP4): its values need its quantization_config in config.json"
         )
     entry = checkpoint.entries[name]
     codes = torch.empty(entry.shape, dtype=entry.dtype)
     checkpoint.read_into(name, codes)
-    scale_entry = checkpoint.entries[f"{name}_scale_inv"]
+    blocks = name.endswith("_blocks") and entry.dtype == torch.uint8
+    scale_entry = checkpoint.entries[
+        name.removesuffix("_blocks") + "_scales" if blocks else f"{name}_scale_inv"
+    ]
     scale = torch.empty(scale_entry.shape, dtype=scale_entry.dtype)
     checkpoint.read_into(scale_entry.name, scale)
-    values = checkpoint.dequantize.dequantize(codes, scale, torch.float32)
+    fmt = checkpoint.dequantize
+    if blocks:
+        values = torch.stack([fmt.dequantize(codes[e], scale[e], torch.float32).T for e in range(len(codes))])
+    else:
+        values = fmt.dequantize(codes, scale, torch.float32)
     out.copy_(values if row is None else values[row : row + len(out)])
 
 

@@ -17,15 +17,16 @@ import torch
 from tiertune.errors import ConfigError, ModelError
 from tiertune.quant.bnb4 import NF4, SavedWeight
 from tiertune.quant.bnb8 import Int8
-from tiertune.quant.shipped import FP8, is_shipped
+from tiertune.quant.shipped import FP8, MXFP4, is_shipped
 
-Quantizer = NF4 | Int8 | FP8
-SHIPPED = ("fp8",)  # the formats read as checkpoints ship them (quantization_config's quant_method)
+Quantizer = NF4 | Int8 | FP8 | MXFP4
+SHIPPED = ("fp8", "mxfp4")  # the formats read as checkpoints ship them (quantization_config's quant_method)
 KINDS = ("none", "nf4", "fp4", "int8")
 
 __all__ = [
     "FP8",
     "KINDS",
+    "MXFP4",
     "NF4",
     "Int8",
     "Quantizer",
@@ -49,12 +50,14 @@ def saved_quantization(config: Any, where: str = "the model") -> dict[str, Any] 
     method = raw.get("quant_method", "bitsandbytes")
     if method == "fp8":
         return _fp8(raw, where)
+    if method == "mxfp4":  # gpt-oss: the experts alone
+        return {"kind": "mxfp4", "skip": tuple(raw.get("modules_to_not_convert") or ())}
     if method != "bitsandbytes":
         raise ModelError(
             f"{where} is saved quantized with {method!r} (quantization_config in its config.json); tiertune "
             "reads unquantized checkpoints (bf16/fp16/fp32), FP8 ones with blockwise scales (quant_method "
-            "fp8: DeepSeek-V3, Kimi-K2, Qwen3-FP8) and bitsandbytes 4-bit or 8-bit ones: point model.path at "
-            "one of those releases of the model"
+            "fp8: DeepSeek-V3, Kimi-K2, Qwen3-FP8), MXFP4 experts (quant_method mxfp4: gpt-oss) and "
+            "bitsandbytes 4-bit or 8-bit ones: point model.path at one of those releases of the model"
         )
     skip = tuple(raw.get("llm_int8_skip_modules") or ())
     if raw.get("load_in_8bit") or raw.get("_load_in_8bit"):
@@ -113,6 +116,8 @@ def make_quantizer(
                 f"{where} ships its weights in {saved['kind'].upper()} (the quantization_config of its config.json), "
                 f"which tiertune reads as they are: set model.quantize: none (it is {kind})"
             )
+        if saved["kind"] == "mxfp4":
+            return MXFP4(compute_dtype, tuple(saved["skip"]))
         return FP8(compute_dtype, saved["block"], saved["scale_fmt"], tuple(saved["skip"]))
     if saved is not None and kind != saved["kind"]:
         bits = "8-bit" if saved["kind"] == "int8" else f"4-bit {saved['kind'].upper()}"

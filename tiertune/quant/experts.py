@@ -130,9 +130,9 @@ def convert_experts(layer: nn.Module, quant: object) -> list[str]:
     matrix per expert, as the base's linear modules are: 4-bit under a 4-bit quantizer, as the checkpoint ships
     them under a shipped format (``quant.shipped``). Returns the names of the weights marked, relative to
     ``layer``; transposed experts and modules in ``quant.skip`` are left."""
-    from tiertune.quant.shipped import FP8, mark_experts
+    from tiertune.quant.shipped import is_shipped_format, mark_experts
 
-    if isinstance(quant, FP8):
+    if is_shipped_format(quant):
         return mark_experts(layer, quant)
     if not isinstance(quant, NF4):
         return []
@@ -148,11 +148,14 @@ def convert_experts(layer: nn.Module, quant: object) -> list[str]:
     return marked
 
 
-def fused_weights(root: nn.Module, skip: Sequence[str]) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+def fused_weights(
+    root: nn.Module, skip: Sequence[str], transposed: bool = False
+) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
     """The fused 3-D expert weights in ``root`` that are stored one matrix per expert: (module path, experts
-    module, weight name, weight), for the experts modules ``_storable`` admits."""
+    module, weight name, weight), for the experts modules ``_storable`` admits (``transposed``: experts stored
+    (experts, in, out) too)."""
     for path, module in root.named_modules():
-        if not _storable(path, module, skip):
+        if not _storable(path, module, skip, transposed):
             continue
         for name in EXPERT_WEIGHTS:
             p = module._parameters.get(name)
@@ -160,11 +163,11 @@ def fused_weights(root: nn.Module, skip: Sequence[str]) -> Iterator[tuple[str, n
                 yield path, module, name, p
 
 
-def _storable(path: str, module: nn.Module, skip: Sequence[str]) -> bool:
+def _storable(path: str, module: nn.Module, skip: Sequence[str], transposed: bool) -> bool:
     """Whether ``module`` (at ``path``) is an experts module whose fused weights are stored one per expert."""
     if not is_experts_module(module):
         return False
-    if module.is_transposed or any(s and s in path for s in skip):
+    if (module.is_transposed and not transposed) or any(s and s in path for s in skip):
         why = "stored transposed" if module.is_transposed else "in the base's skip list"
         log.info("%s (%s) stays unquantized: %s", path, type(module).__name__, why)
         return False

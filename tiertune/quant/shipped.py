@@ -136,6 +136,21 @@ class FP8:
         """The bound weight of ``name``: its codes over the chunk's memory, with its scales."""
         return ShippedWeight(views[name], self, views[f"{name}.{SCALE}"])
 
+    transposed_experts = False  # experts stored (experts, in, out) stay 16-bit (no FP8 release ships them)
+
+    def experts_entries(
+        self, name: str, shape: tuple[int, ...]
+    ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        return fp8_experts_entries(self, name, shape)
+
+    def experts_saved(
+        self, name: str, shape: tuple[int, ...], pieces: Sequence[tuple[str, tuple]], checkpoint: Checkpoint
+    ) -> SavedWeight | None:
+        return fp8_experts_saved(self, name, shape, pieces, checkpoint)
+
+    def expert(self, views: dict[str, torch.Tensor], name: str, e: int) -> ExpertWeight:
+        return fp8_expert(self, views, name, e)
+
     # ------------------------------------------------------------------ values
     def dequantize(
         self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None
@@ -253,8 +268,9 @@ class ShippedLinear(nn.Linear):
 
 
 def expert_parts(name: str) -> int:
-    """How many checkpoint tensors make one expert's matrix of fused weight ``name``: ``gate_up_proj`` is each
-    expert's ``gate_proj`` and ``up_proj`` stacked by rows, the others are one tensor."""
+    """How many checkpoint tensors make one expert's matrix of fused weight ``name`` in a checkpoint that keeps
+    each expert a module of its own: ``gate_up_proj`` is each expert's ``gate_proj`` and ``up_proj`` stacked by
+    rows, the others are one tensor."""
     return 2 if name.rsplit(".", 1)[-1] == "gate_up_proj" else 1
 
 
@@ -264,11 +280,23 @@ def part_entry(name: str, e: int, k: int) -> str:
     return name if (e, k) == (0, 0) else f"{name}.{e}.{k}"
 
 
-def experts_entries(
+@dataclass
+class ExpertWeight:
+    """One expert's matrix (out, in) of a shipped fused weight: its parts' codes and scales, stacked by rows."""
+
+    fmt: Any
+    parts: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        values = [self.fmt.dequantize(codes, scale, dtype) for codes, scale in self.parts]
+        return values[0] if len(values) == 1 else torch.cat(values, 0)
+
+
+def fp8_experts_entries(
     fmt: FP8, name: str, shape: tuple[int, ...]
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """The chunk entries of fused expert weight ``name`` of ``shape`` (experts, out, in) kept as shipped: each
-    expert's parts, their codes and scales."""
+    """The chunk entries of fused expert weight ``name`` of ``shape`` (experts, out, in) kept as an FP8 release
+    ships it, each expert a module of its own: each expert's parts, their codes and scales."""
     experts, rows, cols = shape
     parts = expert_parts(name)
     if rows % parts:
@@ -276,20 +304,19 @@ def experts_entries(
     out = []
     for e in range(experts):
         for k in range(parts):
-            entry = part_entry(name, e, k)
             out += [
-                (entry, (rows // parts, cols), torch.float8_e4m3fn),
+                (part_entry(name, e, k), (rows // parts, cols), torch.float8_e4m3fn),
                 (f"{name}.{e}.{k}.{SCALE}", fmt.scale_shape((rows // parts, cols)), fmt.scale_dtype),
             ]
     return out
 
 
-def experts_saved(
+def fp8_experts_saved(
     fmt: FP8, name: str, shape: tuple[int, ...], pieces: Sequence[tuple[str, tuple]], checkpoint: Checkpoint
 ) -> SavedWeight | None:
-    """Where fused expert weight ``name`` of ``shape`` has its parts in the checkpoint (``pieces``: one tensor
+    """Where fused expert weight ``name`` of ``shape`` has its parts in an FP8 checkpoint (``pieces``: one tensor
     per expert and part, as ``loading.model.TensorSource`` lists them); None when they are stored unquantized."""
-    experts, rows, _ = shape
+    experts, rows, cols = shape
     parts = expert_parts(name)
     if not pieces or checkpoint.entries[pieces[0][0]].dtype != torch.float8_e4m3fn:
         return None  # stored unquantized (a checkpoint whose experts are 16-bit)
@@ -299,9 +326,9 @@ def experts_saved(
             "(an expert's gate_proj and up_proj, or its one projection)"
         )
     tensors = {}
+    part = (rows // parts, cols)
     for i, (key, index) in enumerate(pieces):
         e, k = divmod(i, parts)
-        part = (rows // parts, shape[2])
         if index[:1] != (e,) or (parts > 1 and index[1] != slice(k * part[0], (k + 1) * part[0])):
             raise ModelError(f"{name}: checkpoint tensor {key!r} is not expert {e}'s part {k} where expected")
         found = fmt.saved(part_entry(name, e, k), key, part, checkpoint)
@@ -312,50 +339,44 @@ def experts_saved(
     return SavedWeight(tensors)
 
 
-@dataclass
-class ExpertWeight:
-    """One expert's matrix of a shipped fused weight: its parts' codes and scales, stacked by rows."""
-
-    fmt: FP8
-    parts: list[tuple[torch.Tensor, torch.Tensor]]
-
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        values = [self.fmt.dequantize(codes, scale, dtype) for codes, scale in self.parts]
-        return values[0] if len(values) == 1 else torch.cat(values, 0)
+def fp8_expert(fmt: FP8, views: dict[str, torch.Tensor], name: str, e: int) -> ExpertWeight:
+    """Expert ``e``'s matrix of FP8 fused weight ``name`` from its chunk entries."""
+    parts = [
+        (views[part_entry(name, e, k)], views[f"{name}.{e}.{k}.{SCALE}"]) for k in range(expert_parts(name))
+    ]
+    return ExpertWeight(fmt, parts)
 
 
 class ShippedExperts(StoredExperts):
-    """A fused expert weight (experts, out, in) kept as the checkpoint ships it: one matrix (of one or two parts)
-    per expert, each with its scales. Bound (``bind``), ``matmul(e, x)`` computes expert ``e`` from them."""
+    """A fused expert weight (experts, out, in) kept as the checkpoint ships it: one matrix per expert (of one or
+    two parts for FP8, a slice of the fused blocks for MXFP4), each with its scales. Bound (``bind_experts``),
+    ``matmul(e, x)`` computes expert ``e`` from them."""
 
     def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W_e.T`` for expert ``e``, ``W_e`` dequantized (and again in backward for ``x``'s gradient)."""
+        """``x @ W_e.T`` for expert ``e`` (W_e its (out, in) matrix), dequantized (and again in backward for
+        ``x``'s gradient)."""
         fmt, views = self.quant, self.views
         if fmt is None or views is None:
             raise RuntimeError(
                 f"{self.weight_name or 'an expert weight'} is a placeholder, not bound to a chunk"
             )
-        name = self.weight_name
-        parts = [
-            (views[part_entry(name, e, k)], views[f"{name}.{e}.{k}.{SCALE}"])
-            for k in range(expert_parts(name))
-        ]
-        return shipped_linear(x, ExpertWeight(fmt, parts))
+        return shipped_linear(x, fmt.expert(views, self.weight_name, e))
 
 
-def bind_experts(fmt: FP8, name: str, shape: torch.Size, views: dict[str, torch.Tensor]) -> ShippedExperts:
+def bind_experts(fmt: Any, name: str, shape: torch.Size, views: dict[str, torch.Tensor]) -> ShippedExperts:
     """The bound ``ShippedExperts`` of fused expert weight ``name`` over the chunks' ``views``."""
     own = {k: v for k, v in views.items() if k == name or k.startswith(f"{name}.")}
     return ShippedExperts(views[name], fmt, name, shape, own)
 
 
-def mark_experts(layer: nn.Module, fmt: FP8) -> list[str]:
+def mark_experts(layer: nn.Module, fmt: Any) -> list[str]:
     """Mark the fused expert weights inside ``layer`` (meta) to be kept as shipped (``ShippedExperts``
-    placeholders); returns their names relative to ``layer``. Experts stored transposed or skipped stay."""
+    placeholders); returns their names relative to ``layer``. Experts ``fmt.skip`` names stay; so do experts
+    stored transposed unless the format ships them so (MXFP4)."""
     from tiertune.quant.experts import fused_weights
 
     marked = []
-    for path, module, name, p in fused_weights(layer, fmt.skip):
+    for path, module, name, p in fused_weights(layer, fmt.skip, transposed=fmt.transposed_experts):
         module.__dict__["_tiertune_stored"] = True
         if isinstance(p, ShippedExperts):
             continue
@@ -364,3 +385,114 @@ def mark_experts(layer: nn.Module, fmt: FP8) -> list[str]:
         module._parameters[name] = ShippedExperts(placeholder, name=f"{where}{name}")
         marked.append(f"{where}{name}")
     return marked
+
+
+# ---------------------------------------------------------------------- MXFP4
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The 16 values of an e2m1 code (OCP's microscaling FP4), by code; two codes a byte, the low nibble first."""
+MX_GROUP = 32  # elements sharing one e8m0 scale
+
+
+@dataclass
+class MXFP4:
+    """gpt-oss's experts as they ship (``quant_method: mxfp4``): each expert's (out, in) matrix as e2m1 codes in
+    groups of 32 along ``in`` with one e8m0 scale (a power of two, biased by 127) per group, the layer's experts
+    fused in the file: ``<key>_blocks`` uint8 (experts, out, in / 32, 16) and ``<key>_scales`` uint8 (experts,
+    out, in / 32). Linear modules are not quantized (attention, router, embeddings stay 16-bit).
+
+    Chunk entries: ``<name>`` the blocks, ``<name>.scale`` the scales, read in place (one tensor each)."""
+
+    compute_dtype: torch.dtype = torch.float32
+    skip: tuple[str, ...] = ()
+    kind: str = field(default="mxfp4", init=False)
+    transposed_experts = True  # gpt-oss's experts are (experts, in, out): their matrices ship as (out, in)
+
+    def settings(self) -> dict[str, object]:
+        return {"quantize": "mxfp4"}
+
+    def convert(self, module: nn.Module, prefix: str = "") -> None:
+        """No linear module is MXFP4: only the experts are (``mark_experts``)."""
+
+    def entries(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        raise ModelError(f"{name}: an MXFP4 checkpoint quantizes only the MoE experts")
+
+    def experts_entries(
+        self, name: str, shape: tuple[int, ...]
+    ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        experts, rows, cols = _as_out_in(shape)
+        if cols % MX_GROUP:
+            raise ModelError(f"{name}: {cols} inputs do not split into groups of {MX_GROUP}")
+        groups = cols // MX_GROUP
+        return [
+            (name, (experts, rows, groups, 16), torch.uint8),
+            (f"{name}.{SCALE}", (experts, rows, groups), torch.uint8),
+        ]
+
+    def saved_tensors(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple]:
+        """gpt-oss's saved layout of fused expert weight ``key`` (experts, in, out)."""
+        return [(f"{key}_blocks", s, t, None) for (_, s, t) in self.experts_entries(key, shape)[:1]] + [
+            (f"{key}_scales", s, t, None) for (_, s, t) in self.experts_entries(key, shape)[1:]
+        ]
+
+    def experts_saved(
+        self, name: str, shape: tuple[int, ...], pieces: Sequence[tuple[str, tuple]], checkpoint: Checkpoint
+    ) -> SavedWeight | None:
+        key = pieces[0][0] if len(pieces) == 1 and not pieces[0][1] else None
+        if key is None or not key.endswith("_blocks"):
+            return None  # stored unquantized
+        base = key.removesuffix("_blocks")
+        tensors = {name: key, f"{name}.{SCALE}": f"{base}_scales"}
+        for (entry, eshape, edtype), ckey in zip(
+            self.experts_entries(name, shape), tensors.values(), strict=True
+        ):
+            found = checkpoint.entries.get(ckey)
+            if found is None or found.dtype != edtype or tuple(found.shape) != tuple(eshape):
+                got = (
+                    "missing"
+                    if found is None
+                    else f"{str(found.dtype).removeprefix('torch.')} {tuple(found.shape)}"
+                )
+                raise ModelError(
+                    f"MXFP4 experts {base!r}: {ckey!r} is {got}, expected uint8 {tuple(eshape)} ({entry})"
+                )
+        return SavedWeight(tensors)
+
+    def expert(self, views: dict[str, torch.Tensor], name: str, e: int) -> ExpertWeight:
+        return ExpertWeight(self, [(views[name][e], views[f"{name}.{SCALE}"][e])])
+
+    def dequantize(
+        self, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The (out, in) values of blocks (out, in / 32, 16) and scales (out, in / 32): code times 2^(scale - 127),
+        as transformers' gpt-oss loader dequantizes them (before it transposes)."""
+        lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+        codes = torch.stack(
+            [lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1
+        )  # (out, g, 16, 2)
+        values = torch.ldexp(codes.reshape(*blocks.shape[:-1], 32), (scales.to(torch.int32) - 127)[..., None])
+        return values.reshape(blocks.shape[0], -1).to(dtype or self.compute_dtype)
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``weight`` (out, in) as gpt-oss ships it: each group of 32 scaled by the power of two that brings its
+        largest magnitude within e2m1's 6, each value the nearest code. The tests write checkpoints with it."""
+        rows, cols = weight.shape
+        groups = weight.float().reshape(rows, cols // MX_GROUP, MX_GROUP)
+        amax = groups.abs().amax(-1).clamp(min=2.0**-126)
+        exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+        scaled = groups / torch.exp2(exponent)[..., None]
+        lut = torch.tensor(FP4_VALUES)
+        codes = (scaled[..., None] - lut).abs().argmin(-1).to(torch.uint8)  # (rows, g, 32)
+        blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        return blocks.contiguous(), (exponent + 127).to(torch.uint8)
+
+
+def _as_out_in(shape: Sequence[int]) -> tuple[int, int, int]:
+    """(experts, out, in) of a gpt-oss fused expert weight of ``shape`` (experts, in, out)."""
+    experts, cols, rows = shape
+    return experts, rows, cols
+
+
+def is_shipped_format(quant: object) -> bool:
+    """Whether ``quant`` is a format read as checkpoints ship it (``FP8``, ``MXFP4``), not one made on load."""
+    return isinstance(quant, FP8 | MXFP4)

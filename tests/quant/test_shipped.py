@@ -1,4 +1,4 @@
-"""FP8 bases read as they ship (``tiertune.quant.shipped``): checkpoints written here in the layout of the hub's FP8
+"""Bases read as they ship (``tiertune.quant.shipped``): checkpoints written here in the layout of the hub's FP8
 releases (e4m3 codes, an fp32 ``weight_scale_inv`` per block, each expert a module of its own), trained with
 ``model.quantize: none`` and compared with peft over transformers' model of the file's dequantized values."""
 
@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from tiertune.engine import EngineConfig, StreamedTrainer
 from tiertune.errors import ConfigError, ModelError
 from tiertune.offload.store import StoreConfig
-from tiertune.quant.shipped import FP8
+from tiertune.quant.shipped import FP8, MXFP4
 
 STEPS = 4
 BLOCK = (
@@ -236,10 +236,15 @@ def test_full_fine_tuning_from_an_fp8_release_is_the_plain_loop_on_its_dequantiz
     """``method: full`` from an FP8 release: every weight is trained, its master copy starting from the file's
     dequantized values (the experts fused from their per-expert FP8 modules), as the plain PyTorch loop does on
     transformers' model of those values: the same losses (rel 1e-5) and weights (rel 1e-5)."""
+    fp8_dir, values_dir, _ = fp8_release(family)
+    _full_parity(fp8_dir, values_dir, disk_dir)
+
+
+def _full_parity(shipped_dir, values_dir, disk_dir):
+    """Full fine-tuning of ``shipped_dir`` against the plain loop on ``values_dir``: losses and weights rel 1e-5."""
     from parity import _config as full_config
     from transformers import AutoModelForCausalLM
 
-    fp8_dir, values_dir, _ = fp8_release(family)
     reference = AutoModelForCausalLM.from_pretrained(values_dir, dtype=torch.float32, device_map="cpu")
     reference.config.use_cache = False
     reference.train()
@@ -259,7 +264,7 @@ def test_full_fine_tuning_from_an_fp8_release_is_the_plain_loop_on_its_dequantiz
     store = StoreConfig.resolve(
         device_budget="8MiB", host_budget="2MiB", disk_path=str(disk_dir), chunk_size="1MiB", prefetch_depth=1
     )
-    trainer = StreamedTrainer(str(fp8_dir), store, cfg)
+    trainer = StreamedTrainer(str(shipped_dir), store, cfg)
     try:
         assert trainer.quant is None  # nothing frozen: the weights are the trained master copies
         losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
@@ -282,7 +287,7 @@ def test_fp8_codes_are_never_read_as_values_without_their_scales(fp8_release):
     checkpoint, values = Checkpoint(fp8_dir), Checkpoint(values_dir)
     key = "model.layers.0.mlp.up_proj.weight"
     out = torch.empty(checkpoint.entries[key].shape)
-    with pytest.raises(ModelError, match="FP8 codes with scales per block"):
+    with pytest.raises(ModelError, match="quantized codes with scales per block"):
         checkpoint.read_into(key, out)
     checkpoint.dequantize = FP8(block=BLOCK)
     checkpoint.read_into(key, out)
@@ -292,3 +297,118 @@ def test_fp8_codes_are_never_read_as_values_without_their_scales(fp8_release):
     rows = torch.empty(5, out.shape[1])
     checkpoint.read_into(key, rows, row=40)  # rows across a block's edge
     assert torch.equal(rows, expected[40:45])
+
+
+# ---------------------------------------------------------------------- MXFP4 (gpt-oss)
+
+
+def write_mxfp4(src, mx_dir, values_dir):
+    """``src`` (a saved gpt-oss) written as gpt-oss ships: each layer's fused experts as ``_blocks`` and ``_scales``
+    (each expert's (out, in) matrix in groups of 32), the rest as it is; and as the model of the dequantized
+    values. Returns the MXFP4 checkpoint's tensor bytes."""
+    fmt = MXFP4()
+    for out in (mx_dir, values_dir):
+        out.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if not f.name.endswith(".safetensors"):
+                shutil.copy(f, out / f.name)
+    total = 0
+    for shard in sorted(src.glob("*.safetensors")):
+        packed, values = {}, {}
+        for key, tensor in load_file(shard).items():
+            if key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+                experts = [fmt.quantize(tensor[e].T) for e in range(tensor.shape[0])]  # (out, in) each
+                blocks = torch.stack([b for b, _ in experts])
+                scales = torch.stack([s for _, s in experts])
+                packed[f"{key}_blocks"], packed[f"{key}_scales"] = blocks, scales
+                values[key] = torch.stack([fmt.dequantize(b, s, torch.float32).T for b, s in experts])
+            else:
+                packed[key] = values[key] = tensor
+        save_file(packed, mx_dir / shard.name, metadata={"format": "pt"})
+        save_file(values, values_dir / shard.name, metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in packed.values())
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (mx_dir / "config.json").write_text(json.dumps(config))
+    return total
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_release(tmp_path_factory):
+    """A tiny gpt-oss (attention sinks, sliding and full attention, biased experts stored (experts, in, out)) as it
+    ships with MXFP4 experts: (MXFP4 dir, dequantized values' dir, tensor bytes)."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    torch.manual_seed(0)
+    config = GptOssConfig(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=211,
+        sliding_window=4,
+    )
+    root = tmp_path_factory.mktemp("gpt-oss")
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "src")
+    total = write_mxfp4(root / "src", root / "mxfp4", root / "values")
+    return root / "mxfp4", root / "values", total
+
+
+def test_mxfp4_dequantization_is_transformers_gpt_oss_loader(gpt_oss_release):
+    """Each expert's codes times 2^(scale - 127), in gpt-oss's (experts, in, out) layout: transformers' own
+    dequantizing of the shipped blocks gives the same values, bit for bit."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tiertune.loading.weights import Checkpoint
+
+    mx_dir, values_dir, _ = gpt_oss_release
+    checkpoint, values = Checkpoint(mx_dir), Checkpoint(values_dir)
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    blocks = torch.empty(checkpoint.entries[f"{key}_blocks"].shape, dtype=torch.uint8)
+    scales = torch.empty(checkpoint.entries[f"{key}_scales"].shape, dtype=torch.uint8)
+    checkpoint.read_into(f"{key}_blocks", blocks)
+    checkpoint.read_into(f"{key}_scales", scales)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    ours = torch.empty(values.entries[key].shape)
+    values.read_into(key, ours)
+    assert torch.equal(ours, theirs)
+    checkpoint.dequantize = MXFP4()  # the reader of a full fine-tune: the same values
+    read = torch.empty_like(ours)
+    checkpoint.read_into(f"{key}_blocks", read)
+    assert torch.equal(read, theirs)
+
+
+def test_lora_on_gpt_oss_with_mxfp4_experts_follows_peft_on_its_dequantized_values(gpt_oss_release, disk_dir):
+    """gpt-oss as it ships: its MXFP4 experts read in place and computed expert by expert
+    from their codes, attention and router 16-bit; LoRA follows peft over the dequantized model (rel 1e-4), the disk
+    tier empty and each step reading at most twice the checkpoint's bytes."""
+    mx_dir, values_dir, total = gpt_oss_release
+    cfg = _config()
+    initial, trained, batches, losses, moved, in_place, disk_tier = _train(mx_dir, disk_dir, cfg)
+    expected, theirs = _peft_reference(values_dir, initial, cfg, batches)
+    assert abs(losses[0] - expected[0]) <= 1e-5 * abs(expected[0])
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
+    assert set(trained) == set(theirs)
+    for name, value in theirs.items():
+        assert_adam_trained_close(trained[name], value, name)
+    assert all(in_place) and disk_tier == 0
+    assert min(moved[1:]) > 0 and max(moved[1:]) <= 2 * total * 1.1
+
+
+def test_full_fine_tuning_from_gpt_oss_mxfp4_is_the_plain_loop_on_its_dequantized_values(
+    gpt_oss_release, disk_dir
+):
+    mx_dir, values_dir, _ = gpt_oss_release
+    _full_parity(mx_dir, values_dir, disk_dir)
