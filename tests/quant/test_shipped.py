@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from tiertune.engine import EngineConfig, StreamedTrainer
 from tiertune.errors import ConfigError, ModelError
 from tiertune.offload.store import StoreConfig
-from tiertune.quant.shipped import FP8, MXFP4
+from tiertune.quant.shipped import FP8, MXFP4, Compressed
 
 STEPS = 4
 BLOCK = (
@@ -108,9 +108,10 @@ def _config(**kw):
     return EngineConfig(**base)
 
 
-def _train(path, disk_dir, cfg):
+def _train(path, disk_dir, cfg, host="96KiB", device="256KiB"):
+    """STEPS steps of the engine, the frozen base homed on disk (budgets of a layer or two: streamed)."""
     store = StoreConfig.resolve(
-        device_budget="256KiB", host_budget="96KiB", disk_path=str(disk_dir), prefetch_depth=1
+        device_budget=device, host_budget=host, disk_path=str(disk_dir), prefetch_depth=1
     )
     trainer = StreamedTrainer(str(path), store, cfg)
     try:
@@ -287,7 +288,7 @@ def test_fp8_codes_are_never_read_as_values_without_their_scales(fp8_release):
     checkpoint, values = Checkpoint(fp8_dir), Checkpoint(values_dir)
     key = "model.layers.0.mlp.up_proj.weight"
     out = torch.empty(checkpoint.entries[key].shape)
-    with pytest.raises(ModelError, match="quantized codes with scales per block"):
+    with pytest.raises(ModelError, match="quantized codes with scales"):
         checkpoint.read_into(key, out)
     checkpoint.dequantize = FP8(block=BLOCK)
     checkpoint.read_into(key, out)
@@ -412,3 +413,135 @@ def test_full_fine_tuning_from_gpt_oss_mxfp4_is_the_plain_loop_on_its_dequantize
 ):
     mx_dir, values_dir, _ = gpt_oss_release
     _full_parity(mx_dir, values_dir, disk_dir)
+
+
+# ---------------------------------------------------------------------- compressed-tensors (INT4, FP8 per channel)
+
+KIMI_IGNORE = (  # Kimi-K2-Thinking's: its INT4 is the routed experts alone
+    "lm_head",
+    r"re:.*self_attn.*",
+    r"re:.*shared_experts.*",
+    r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+)
+
+
+def write_compressed(src, out_dir, values_dir, fmt: Compressed):
+    """``src`` written as llm-compressor saves a compressed-tensors model: each quantized layer matrix as its
+    packed integers (``weight_packed``, ``weight_scale``, ``weight_shape``) or FP8 values and ``weight_scale``,
+    the modules ``fmt.skip`` ignores as they are; and as the model of the dequantized values. Returns the bytes."""
+    for out in (out_dir, values_dir):
+        out.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if not f.name.endswith(".safetensors"):
+                shutil.copy(f, out / f.name)
+    index, total = {}, 0
+    for shard in sorted(src.glob("*.safetensors")):
+        packed, values = {}, {}
+        for key, tensor in load_file(shard).items():
+            module = key.removesuffix(".weight")
+            if _quantized(key, tensor) and not fmt.ignored(module):
+                codes, scale = fmt.quantize(tensor)
+                if fmt.packed:
+                    packed[f"{key}_packed"], packed[f"{key}_shape"] = codes, torch.tensor(list(tensor.shape))
+                else:
+                    packed[key] = codes
+                packed[f"{key}_scale"] = scale
+                values[key] = fmt.dequantize(codes, scale, torch.float32)
+            else:
+                packed[key] = values[key] = tensor
+        save_file(packed, out_dir / shard.name, metadata={"format": "pt"})
+        save_file(values, values_dir / shard.name, metadata={"format": "pt"})
+        index.update(dict.fromkeys(packed, shard.name))
+        total += sum(t.numel() * t.element_size() for t in packed.values())
+    if (src / "model.safetensors.index.json").exists():
+        (out_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": index})
+        )
+    strategy = "group" if fmt.group > 0 else ("channel" if fmt.group == 0 else "tensor")
+    weights = {
+        "type": "int" if fmt.packed else "float",
+        "num_bits": fmt.bits,
+        "strategy": strategy,
+        "group_size": fmt.group if fmt.group > 0 else None,
+        "symmetric": True,
+        "dynamic": False,
+    }
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": fmt.format,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": list(fmt.skip),
+        "quantization_status": "compressed",
+    }
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return total
+
+
+COMPRESSED = {  # name: (family, scheme, host and device budgets of a layer or two, not the base)
+    "int4-qwen3": ("qwen3", dict(format="pack-quantized", bits=4, group=32), ("64KiB", "160KiB")),
+    "int4-kimi": (
+        "deepseek_v3",
+        dict(format="pack-quantized", bits=4, group=32, skip=KIMI_IGNORE),
+        ("160KiB",),
+    ),
+    "fp8-channel-qwen3": ("qwen3", dict(format="float-quantized", bits=8, group=0), ("96KiB",)),
+}
+
+
+@pytest.fixture(scope="module")
+def compressed_release(tiny_model_dir, tmp_path_factory):
+    made = {}
+
+    def make(name):
+        if name not in made:
+            family, scheme, _ = COMPRESSED[name]
+            src, _ = tiny_model_dir(family)
+            root = tmp_path_factory.mktemp(name)
+            fmt = Compressed(scale_dtype=torch.float32, **scheme)
+            total = write_compressed(src, root / "q", root / "values", fmt)
+            made[name] = (root / "q", root / "values", total)
+        return made[name]
+
+    return make
+
+
+def test_int4_unpacking_is_compressed_tensors_own():
+    """The packed INT4 integers, unpacked as compressed-tensors unpacks them (its ``unpack_from_int32``), times
+    their group's scale: tiertune's values, bit for bit."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    fmt = Compressed(format="pack-quantized", bits=4, group=32, scale_dtype=torch.float32)
+    weight = torch.randn(48, 256, generator=torch.Generator().manual_seed(0))
+    packed, scale = fmt.quantize(weight)
+    ints = unpack_from_int32(packed, 4, torch.Size(weight.shape))
+    theirs = ints.float() * scale.repeat_interleave(32, 1)
+    assert torch.equal(fmt.dequantize(packed, scale, torch.float32), theirs)
+    assert float((theirs - weight).abs().max()) <= float(scale.max()) / 2 + 1e-6  # half a step at most
+
+
+@pytest.mark.parametrize("name", list(COMPRESSED))
+def test_lora_on_a_compressed_tensors_release_follows_peft_on_its_dequantized_values(
+    compressed_release, disk_dir, name
+):
+    """compressed-tensors' INT4 (packed int32, a scale per group of 32: Kimi-K2-Thinking's experts-only scheme on a
+    DeepSeek-V3, and every linear layer of a Qwen3) and FP8 with a scale per channel: read in place, LoRA follows
+    peft over the dequantized model (rel 1e-4), the disk tier empty, each step at most twice the bytes."""
+    q_dir, values_dir, total = compressed_release(name)
+    cfg = _config()
+    initial, trained, batches, losses, moved, in_place, disk_tier = _train(
+        q_dir, disk_dir, cfg, *COMPRESSED[name][2]
+    )
+    expected, theirs = _peft_reference(values_dir, initial, cfg, batches)
+    assert abs(losses[0] - expected[0]) <= 1e-5 * abs(expected[0])
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
+    assert set(trained) == set(theirs)
+    for key, value in theirs.items():
+        assert_adam_trained_close(trained[key], value, key)
+    assert all(in_place) and disk_tier == 0
+    assert min(moved[1:]) > 0 and max(moved[1:]) <= 2 * total * 1.1
+
+
+def test_full_fine_tuning_from_int4_is_the_plain_loop_on_its_dequantized_values(compressed_release, disk_dir):
+    q_dir, values_dir, _ = compressed_release("int4-kimi")
+    _full_parity(q_dir, values_dir, disk_dir)

@@ -105,6 +105,10 @@ def load_model(
     # a ledger reads no weight: a config.json alone will do (the checkpoint transformers would save)
     checkpoint = saved_checkpoint(model_dir, model, quant, saved) if store.ledger else Checkpoint(model_dir)
     checkpoint.dequantize = shipped
+    if (
+        hasattr(quant or shipped, "adopt") and not store.ledger
+    ):  # what the config does not say (scales' dtype)
+        (quant or shipped).adopt(checkpoint)  # type: ignore[union-attr]
     cache = None
     # a pre-quantized checkpoint too: an MoE's experts are saved unquantized (transformers leaves them so)
     if quant is not None and config.quant_cache is not None:

@@ -305,7 +305,8 @@ def checkpoint_names(model: nn.Module, checkpoint: Checkpoint) -> dict[str, Tens
     fused: dict[str, list[tuple[int, int, str]]] = {}  # target -> (source pattern, expert, checkpoint key)
     converters: dict[str, object] = {}
     for key in checkpoint.entries:
-        target = key
+        # a compressed-tensors weight ships as its packed integers: named as the weight it is
+        target = key.removesuffix("_packed") if key.endswith(".weight_packed") else key
         for transform in transforms:
             renamed, matched = transform.rename_source_key(target)
             if matched is None:

@@ -101,9 +101,6 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.entries
 
-    def _dequantize_into(self, name: str, out: torch.Tensor, row: int | None) -> None:
-        _dequantized(self, name, out, row)
-
     def read_into(
         self, name: str, out: torch.Tensor, scratch: torch.Tensor | None = None, row: int | None = None
     ) -> None:
@@ -116,18 +113,8 @@ class Checkpoint:
         """
         entry = self._entry(name)
         shape = entry.shape
-        scales = (
-            f"{name}_scale_inv"
-            if entry.dtype == torch.float8_e4m3fn
-            else name.removesuffix("_blocks") + "_scales"
-        )
-        if (
-            out.dtype != entry.dtype
-            and out.dtype.is_floating_point
-            and scales != name
-            and scales in self.entries
-        ):
-            self._dequantize_into(name, out, row)
+        if out.dtype != entry.dtype and out.dtype.is_floating_point and scales_of(self, name) is not None:
+            _dequantized(self, name, out, row)
             return
         if row is not None:
             if not shape or not 0 <= row <= row + len(out) <= shape[0]:
@@ -216,26 +203,38 @@ class AsSaved(Checkpoint):
         out.copy_(self._contents[name].reshape(out.shape))
 
 
+def scales_of(checkpoint: Checkpoint, name: str) -> str | None:
+    """The scales of quantized weight tensor ``name`` as the releases name them (FP8's ``_scale_inv`` or
+    ``_scale``, MXFP4's ``_blocks`` -> ``_scales``, compressed-tensors' ``_packed`` -> ``_scale``); None when
+    ``name`` is not a quantized weight's codes."""
+    dtype = checkpoint.entries[name].dtype
+    if dtype == torch.float8_e4m3fn:
+        candidates = [f"{name}_scale_inv", f"{name}_scale"]
+    elif dtype == torch.uint8 and name.endswith("_blocks"):
+        candidates = [name.removesuffix("_blocks") + "_scales"]
+    elif dtype == torch.int32 and name.endswith("_packed"):
+        candidates = [name.removesuffix("_packed") + "_scale"]
+    else:
+        return None
+    return next((c for c in candidates if c in checkpoint.entries), None)
+
+
 def _dequantized(checkpoint: Checkpoint, name: str, out: torch.Tensor, row: int | None) -> None:
-    """Fill ``out`` with the values of quantized weight ``name``: FP8 codes and their ``_scale_inv``, or MXFP4
-    experts' ``_blocks`` and ``_scales`` (the weight (experts, in, out) as gpt-oss's model holds it); rows from
-    ``row`` on."""
+    """Fill ``out`` with the values of quantized weight ``name`` (its codes and scales, ``scales_of``; MXFP4
+    experts into the (experts, in, out) weight gpt-oss's model holds), rows from ``row`` on."""
     if checkpoint.dequantize is None:
         raise ModelError(
-            f"tensor {name!r} in {checkpoint.entries[name].file} holds quantized codes with scales per block "
-            "(FP8 or MXFP4): its values need its quantization_config in config.json"
+            f"tensor {name!r} in {checkpoint.entries[name].file} holds quantized codes with scales "
+            f"({scales_of(checkpoint, name)}): its values need its quantization_config in config.json"
         )
     entry = checkpoint.entries[name]
     codes = torch.empty(entry.shape, dtype=entry.dtype)
     checkpoint.read_into(name, codes)
-    blocks = name.endswith("_blocks") and entry.dtype == torch.uint8
-    scale_entry = checkpoint.entries[
-        name.removesuffix("_blocks") + "_scales" if blocks else f"{name}_scale_inv"
-    ]
+    scale_entry = checkpoint.entries[scales_of(checkpoint, name)]  # type: ignore[index]
     scale = torch.empty(scale_entry.shape, dtype=scale_entry.dtype)
     checkpoint.read_into(scale_entry.name, scale)
     fmt = checkpoint.dequantize
-    if blocks:
+    if name.endswith("_blocks"):
         values = torch.stack([fmt.dequantize(codes[e], scale[e], torch.float32).T for e in range(len(codes))])
     else:
         values = fmt.dequantize(codes, scale, torch.float32)

@@ -17,15 +17,17 @@ import torch
 from tiertune.errors import ConfigError, ModelError
 from tiertune.quant.bnb4 import NF4, SavedWeight
 from tiertune.quant.bnb8 import Int8
-from tiertune.quant.shipped import FP8, MXFP4, is_shipped
+from tiertune.quant.shipped import FP8, MXFP4, Compressed, compressed_settings, is_shipped
 
-Quantizer = NF4 | Int8 | FP8 | MXFP4
-SHIPPED = ("fp8", "mxfp4")  # the formats read as checkpoints ship them (quantization_config's quant_method)
+Quantizer = NF4 | Int8 | FP8 | MXFP4 | Compressed
+SHIPPED = ("fp8", "mxfp4", "compressed-tensors")  # read as checkpoints ship them (the config's quant_method)
+SHIPPED_NAMES = {"fp8": "FP8", "mxfp4": "MXFP4", "compressed-tensors": "compressed-tensors' format"}
 KINDS = ("none", "nf4", "fp4", "int8")
 
 __all__ = [
     "FP8",
     "KINDS",
+    "Compressed",
     "MXFP4",
     "NF4",
     "Int8",
@@ -52,12 +54,20 @@ def saved_quantization(config: Any, where: str = "the model") -> dict[str, Any] 
         return _fp8(raw, where)
     if method == "mxfp4":  # gpt-oss: the experts alone
         return {"kind": "mxfp4", "skip": tuple(raw.get("modules_to_not_convert") or ())}
+    if method == "compressed-tensors":
+        settings = compressed_settings(raw, where)
+        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.bfloat16
+        settings["scale_dtype"] = (
+            getattr(torch, stored.removeprefix("torch.")) if isinstance(stored, str) else stored
+        )
+        return settings
     if method != "bitsandbytes":
         raise ModelError(
             f"{where} is saved quantized with {method!r} (quantization_config in its config.json); tiertune "
             "reads unquantized checkpoints (bf16/fp16/fp32), FP8 ones with blockwise scales (quant_method "
-            "fp8: DeepSeek-V3, Kimi-K2, Qwen3-FP8), MXFP4 experts (quant_method mxfp4: gpt-oss) and "
-            "bitsandbytes 4-bit or 8-bit ones: point model.path at one of those releases of the model"
+            "fp8: DeepSeek-V3, Kimi-K2, Qwen3-FP8), MXFP4 experts (quant_method mxfp4: gpt-oss), "
+            "compressed-tensors INT4/INT8 and FP8 (Kimi-K2-Thinking, GLM's and Llama 4's FP8) and bitsandbytes "
+            "4-bit or 8-bit ones: point model.path at one of those releases of the model"
         )
     skip = tuple(raw.get("llm_int8_skip_modules") or ())
     if raw.get("load_in_8bit") or raw.get("_load_in_8bit"):
@@ -113,11 +123,15 @@ def make_quantizer(
     if saved is not None and saved["kind"] in SHIPPED:
         if kind != "none":
             raise ConfigError(
-                f"{where} ships its weights in {saved['kind'].upper()} (the quantization_config of its config.json), "
+                f"{where} ships its weights in {SHIPPED_NAMES[saved['kind']]} (the quantization_config of its "
+                "config.json), "
                 f"which tiertune reads as they are: set model.quantize: none (it is {kind})"
             )
         if saved["kind"] == "mxfp4":
             return MXFP4(compute_dtype, tuple(saved["skip"]))
+        if saved["kind"] == "compressed-tensors":
+            fields = ("format", "bits", "group", "scale_dtype")
+            return Compressed(compute_dtype, *(saved[k] for k in fields), skip=tuple(saved["skip"]))
         return FP8(compute_dtype, saved["block"], saved["scale_fmt"], tuple(saved["skip"]))
     if saved is not None and kind != saved["kind"]:
         bits = "8-bit" if saved["kind"] == "int8" else f"4-bit {saved['kind'].upper()}"

@@ -141,15 +141,15 @@ class FP8:
     def experts_entries(
         self, name: str, shape: tuple[int, ...]
     ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        return fp8_experts_entries(self, name, shape)
+        return module_experts_entries(self, name, shape)
 
     def experts_saved(
         self, name: str, shape: tuple[int, ...], pieces: Sequence[tuple[str, tuple]], checkpoint: Checkpoint
     ) -> SavedWeight | None:
-        return fp8_experts_saved(self, name, shape, pieces, checkpoint)
+        return module_experts_saved(self, name, shape, pieces, checkpoint)
 
     def expert(self, views: dict[str, torch.Tensor], name: str, e: int) -> ExpertWeight:
-        return fp8_expert(self, views, name, e)
+        return module_expert(self, views, name, e)
 
     # ------------------------------------------------------------------ values
     def dequantize(
@@ -244,10 +244,10 @@ def shipped_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = Non
 class ShippedLinear(nn.Linear):
     """An ``nn.Linear`` whose weight is kept in a shipped format (``ShippedWeight``) and dequantized at use."""
 
-    fmt: FP8
+    fmt: Any
 
     @classmethod
-    def of(cls, linear: nn.Linear, fmt: FP8) -> ShippedLinear:
+    def of(cls, linear: nn.Linear, fmt: Any) -> ShippedLinear:
         """``linear`` (on the meta device) made one: same shape and bias, the weight a placeholder."""
         module = cls.__new__(cls)
         nn.Module.__init__(module)
@@ -292,59 +292,56 @@ class ExpertWeight:
         return values[0] if len(values) == 1 else torch.cat(values, 0)
 
 
-def fp8_experts_entries(
-    fmt: FP8, name: str, shape: tuple[int, ...]
+def module_experts_entries(
+    fmt: Any, name: str, shape: tuple[int, ...]
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """The chunk entries of fused expert weight ``name`` of ``shape`` (experts, out, in) kept as an FP8 release
-    ships it, each expert a module of its own: each expert's parts, their codes and scales."""
+    """The chunk entries of fused expert weight ``name`` of ``shape`` (experts, out, in) kept as a release ships
+    it with each expert a module of its own: each expert's parts, each part's entries as ``fmt`` stores a
+    weight."""
     experts, rows, cols = shape
     parts = expert_parts(name)
     if rows % parts:
         raise ModelError(f"{name}: {rows} rows do not split into {parts} parts of an expert")
-    out = []
-    for e in range(experts):
-        for k in range(parts):
-            out += [
-                (part_entry(name, e, k), (rows // parts, cols), torch.float8_e4m3fn),
-                (f"{name}.{e}.{k}.{SCALE}", fmt.scale_shape((rows // parts, cols)), fmt.scale_dtype),
-            ]
-    return out
+    return [
+        entry
+        for e in range(experts)
+        for k in range(parts)
+        for entry in fmt.entries(part_entry(name, e, k), (rows // parts, cols))
+    ]
 
 
-def fp8_experts_saved(
-    fmt: FP8, name: str, shape: tuple[int, ...], pieces: Sequence[tuple[str, tuple]], checkpoint: Checkpoint
+def module_experts_saved(
+    fmt: Any, name: str, shape: tuple[int, ...], pieces: Sequence[tuple[str, tuple]], checkpoint: Checkpoint
 ) -> SavedWeight | None:
-    """Where fused expert weight ``name`` of ``shape`` has its parts in an FP8 checkpoint (``pieces``: one tensor
-    per expert and part, as ``loading.model.TensorSource`` lists them); None when they are stored unquantized."""
+    """Where fused expert weight ``name`` of ``shape`` has its parts in a checkpoint that keeps each expert a
+    module (``pieces``: one tensor per expert and part, as ``loading.model.TensorSource`` lists them); None when
+    they are stored unquantized."""
     experts, rows, cols = shape
     parts = expert_parts(name)
-    if not pieces or checkpoint.entries[pieces[0][0]].dtype != torch.float8_e4m3fn:
+    part = (rows // parts, cols)
+    if not pieces or fmt.saved(part_entry(name, 0, 0), pieces[0][0], part, checkpoint) is None:
         return None  # stored unquantized (a checkpoint whose experts are 16-bit)
     if len(pieces) != experts * parts:
         raise ModelError(
             f"{name}: the checkpoint holds {len(pieces)} tensors for its {experts} experts, expected {parts} each "
             "(an expert's gate_proj and up_proj, or its one projection)"
         )
-    tensors = {}
-    part = (rows // parts, cols)
+    tensors: dict[str, str] = {}
     for i, (key, index) in enumerate(pieces):
         e, k = divmod(i, parts)
         if index[:1] != (e,) or (parts > 1 and index[1] != slice(k * part[0], (k + 1) * part[0])):
             raise ModelError(f"{name}: checkpoint tensor {key!r} is not expert {e}'s part {k} where expected")
         found = fmt.saved(part_entry(name, e, k), key, part, checkpoint)
         if found is None:
-            raise ModelError(f"{name}: expert {e}'s {key!r} is stored unquantized among FP8 experts")
-        tensors[part_entry(name, e, k)] = key
-        tensors[f"{name}.{e}.{k}.{SCALE}"] = f"{key}{SCALE_KEY}"
+            raise ModelError(f"{name}: expert {e}'s {key!r} is stored unquantized among quantized experts")
+        tensors.update(found.tensors)
     return SavedWeight(tensors)
 
 
-def fp8_expert(fmt: FP8, views: dict[str, torch.Tensor], name: str, e: int) -> ExpertWeight:
-    """Expert ``e``'s matrix of FP8 fused weight ``name`` from its chunk entries."""
-    parts = [
-        (views[part_entry(name, e, k)], views[f"{name}.{e}.{k}.{SCALE}"]) for k in range(expert_parts(name))
-    ]
-    return ExpertWeight(fmt, parts)
+def module_expert(fmt: Any, views: dict[str, torch.Tensor], name: str, e: int) -> ExpertWeight:
+    """Expert ``e``'s matrix of fused weight ``name`` from its parts' chunk entries."""
+    entries = [part_entry(name, e, k) for k in range(expert_parts(name))]
+    return ExpertWeight(fmt, [(views[entry], views[f"{entry}.{SCALE}"]) for entry in entries])
 
 
 class ShippedExperts(StoredExperts):
@@ -493,6 +490,224 @@ def _as_out_in(shape: Sequence[int]) -> tuple[int, int, int]:
     return experts, rows, cols
 
 
+# ---------------------------------------------------------------------- compressed-tensors
+
+
+@dataclass
+class Compressed:
+    """Linear weights as compressed-tensors ships them (``quant_method: compressed-tensors``, made by
+    llm-compressor: Kimi-K2-Thinking's INT4, GLM's and Llama 4's FP8 releases), one scheme for the layers it
+    targets:
+
+    - ``pack-quantized``, symmetric integers of ``bits`` (4 or 8) with a scale per ``group`` of inputs (0: one per
+      output channel): ``<key>_packed`` int32 (out, in x bits / 32), the values offset by 2^(bits - 1) and packed
+      from the lowest bits up; ``<key>_scale`` (out, in / group); ``<key>_shape`` (the logical shape, not read);
+    - ``float-quantized``, FP8 e4m3 ``<key>`` (out, in) with ``<key>_scale`` per output channel (out, 1) or per
+      tensor (1,).
+
+    A weight's values are its integers (or FP8 values) times their scale. ``ignore`` names modules left 16-bit
+    (names, or ``re:`` regular expressions, as compressed-tensors matches them)."""
+
+    compute_dtype: torch.dtype = torch.float32
+    format: str = "pack-quantized"
+    bits: int = 4
+    group: int = 32  # inputs per scale; 0: one scale per output channel (strategy channel); -1: per tensor
+    scale_dtype: torch.dtype = torch.bfloat16
+    skip: tuple[str, ...] = ()
+    kind: str = field(default="compressed-tensors", init=False)
+    transposed_experts = False
+
+    @property
+    def packed(self) -> bool:
+        return self.format == "pack-quantized"
+
+    def settings(self) -> dict[str, object]:
+        return {"quantize": self.kind, "format": self.format, "bits": self.bits, "group": self.group}
+
+    def convert(self, module: nn.Module, prefix: str = "") -> None:
+        """As ``FP8.convert``, with compressed-tensors' ``ignore`` list (names and ``re:`` patterns)."""
+        for path, sub in list(module.named_modules()):
+            for name, child in list(sub.named_children()):
+                where = ".".join(p for p in (prefix, path, name) if p)
+                if type(child) is nn.Linear and not self.ignored(where):
+                    sub._modules[name] = ShippedLinear.of(child, self)  # type: ignore[arg-type]
+
+    def ignored(self, module: str) -> bool:
+        """Whether compressed-tensors' ``ignore`` list leaves ``module`` (its full name) unquantized."""
+        import re
+
+        for pattern in self.skip:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], module):
+                    return True
+            elif _names(module, pattern):
+                return True
+        return False
+
+    def adopt(self, checkpoint: Checkpoint) -> None:
+        """Take the scales' dtype from the checkpoint (llm-compressor saves them in the model's dtype or fp32; the
+        config does not say): the first ``..._scale`` of a quantized weight."""
+        for key, entry in checkpoint.entries.items():
+            if key.endswith("_scale") and self.keys(key.removesuffix("_scale"))[0] in checkpoint:
+                self.scale_dtype = entry.dtype
+                return
+
+    def codes_shape(self, shape: Sequence[int]) -> tuple[int, int]:
+        rows, cols = shape
+        return (rows, cols * self.bits // 32) if self.packed else (rows, cols)
+
+    def scale_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        rows, cols = shape
+        if self.group > 0:
+            return (rows, cols // self.group)
+        return (rows, 1) if self.group == 0 else (1,)
+
+    def entries(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        if len(shape) != 2:
+            raise ModelError(f"{name}: a compressed weight is a matrix, got shape {tuple(shape)}")
+        if (self.packed and shape[1] * self.bits % 32) or (self.group > 0 and shape[1] % self.group):
+            raise ModelError(
+                f"{name}: {shape[1]} inputs do not pack into whole 32-bit words of {self.bits}-bit values and "
+                f"groups of {self.group}"
+            )
+        codes = torch.int32 if self.packed else torch.float8_e4m3fn
+        return [
+            (name, self.codes_shape(shape), codes),
+            (f"{name}.{SCALE}", self.scale_shape(shape), self.scale_dtype),
+        ]
+
+    def keys(self, key: str) -> tuple[str, str]:
+        """The checkpoint tensors of the weight saved as ``key`` (``...weight``): its codes and its scales."""
+        return (f"{key}_packed" if self.packed else key), f"{key}_scale"
+
+    def saved_tensors(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple]:
+        codes, scale = self.keys(key)
+        (_, cshape, cdtype), (_, sshape, sdtype) = self.entries(key, shape)
+        out = [(codes, cshape, cdtype, None), (scale, sshape, sdtype, None)]
+        if self.packed:
+            out.append((f"{key}_shape", (2,), torch.int64, torch.tensor(list(shape))))
+        return out
+
+    def saved(
+        self, name: str, key: str, shape: tuple[int, ...], checkpoint: Checkpoint
+    ) -> SavedWeight | None:
+        """Where weight ``name`` (saved as ``key``: its codes, ``..._packed`` for packed integers) has its codes
+        and scales; None when the checkpoint stores it unquantized."""
+        base = key.removesuffix("_packed")
+        codes_key, scale_key = self.keys(base)
+        if codes_key not in checkpoint or scale_key not in checkpoint:
+            return None
+        for ckey, (entry, eshape, edtype) in zip(
+            (codes_key, scale_key), self.entries(name, shape), strict=True
+        ):
+            found = checkpoint.entries[ckey]
+            if found.dtype != edtype or tuple(found.shape) != tuple(eshape):
+                got = f"{str(found.dtype).removeprefix('torch.')} {tuple(found.shape)}"
+                raise ModelError(
+                    f"compressed weight {base!r} in {found.file}: {ckey!r} is {got}, expected "
+                    f"{str(edtype).removeprefix('torch.')} {tuple(eshape)} ({entry}; the {self.format} scheme of "
+                    "the model's quantization_config)"
+                )
+        return SavedWeight({name: codes_key, f"{name}.{SCALE}": scale_key})
+
+    def parameter(self, name: str, shape: torch.Size, views: dict[str, torch.Tensor]) -> nn.Parameter:
+        return ShippedWeight(views[name], self, views[f"{name}.{SCALE}"])  # type: ignore[arg-type]
+
+    def experts_entries(
+        self, name: str, shape: tuple[int, ...]
+    ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        return module_experts_entries(self, name, shape)
+
+    def experts_saved(
+        self, name: str, shape: tuple[int, ...], pieces: Sequence[tuple[str, tuple]], checkpoint: Checkpoint
+    ) -> SavedWeight | None:
+        return module_experts_saved(self, name, shape, pieces, checkpoint)
+
+    def expert(self, views: dict[str, torch.Tensor], name: str, e: int) -> ExpertWeight:
+        return module_expert(self, views, name, e)
+
+    def dequantize(
+        self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The weight's values: its integers (unpacked from the lowest bits of each word up, less the offset
+        2^(bits - 1)) or FP8 values, times the scale of their group, channel or tensor, in fp32, cast to ``dtype``."""
+        if self.packed:
+            rows = codes.shape[0]
+            raw = (
+                codes.contiguous().view(torch.uint8).reshape(rows, -1)
+            )  # little-endian words: lowest bits first
+            if self.bits == 4:
+                raw = torch.stack((raw & 0x0F, raw >> 4), dim=-1).reshape(rows, -1)
+            values = raw.float() - (1 << (self.bits - 1))
+        else:
+            values = codes.float()
+        s = scale.float()
+        if self.group > 0:
+            s = s.repeat_interleave(self.group, 1)
+        return (values * s).to(dtype or self.compute_dtype)
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``weight`` (out, in) as this scheme ships it (symmetric: each group's largest magnitude maps to the
+        largest integer, or to e4m3's largest). The tests write their checkpoints with it."""
+        rows, cols = weight.shape
+        w = weight.float()
+        if self.group > 0:
+            groups = w.reshape(rows, cols // self.group, self.group)
+        else:  # one scale per output channel, or one for the tensor
+            groups = w.reshape(rows, 1, cols) if self.group == 0 else w.reshape(1, 1, rows * cols)
+        top = float((1 << (self.bits - 1)) - 1) if self.packed else torch.finfo(torch.float8_e4m3fn).max
+        scale = (groups.abs().amax(-1) / top).clamp(min=1e-12).to(self.scale_dtype)
+        scaled = groups / scale.float()[..., None]
+        if not self.packed:
+            return scaled.reshape(rows, cols).to(torch.float8_e4m3fn), scale.reshape(
+                self.scale_shape((rows, cols))
+            )
+        ints = scaled.round().clamp(-(1 << (self.bits - 1)), top).reshape(rows, cols).to(torch.int32)
+        unsigned = (ints + (1 << (self.bits - 1))).to(torch.uint8)
+        if self.bits == 4:
+            unsigned = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+        return unsigned.contiguous().view(torch.int32), scale.reshape(self.scale_shape((rows, cols)))
+
+
+def compressed_settings(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """The one scheme of a compressed-tensors ``quantization_config`` that tiertune reads, as ``Compressed``'s
+    fields; ModelError naming what it cannot read."""
+    fmt = raw.get("format")
+    groups = list((raw.get("config_groups") or {}).values())
+    weights = (groups[0] or {}).get("weights") or {} if len(groups) == 1 else {}
+    kind, bits = weights.get("type"), weights.get("num_bits")
+    strategy, group = weights.get("strategy"), weights.get("group_size")
+    problem = ""
+    if len(groups) != 1:
+        problem = f"{len(groups)} config_groups (tiertune reads one scheme for all quantized layers)"
+    elif fmt == "pack-quantized" and not (
+        kind == "int" and bits in (4, 8) and weights.get("symmetric", True)
+    ):
+        problem = f"pack-quantized {kind} {bits}-bit weights (symmetric={weights.get('symmetric')})"
+    elif fmt in ("float-quantized", "naive-quantized") and not (kind == "float" and bits == 8):
+        problem = f"{fmt} {kind} {bits}-bit weights"
+    elif fmt not in ("pack-quantized", "float-quantized", "naive-quantized"):
+        problem = f"format {fmt!r}"
+    elif strategy not in ("group", "channel", "tensor") or (
+        strategy == "group" and not isinstance(group, int)
+    ):
+        problem = f"strategy {strategy!r} (group size {group!r})"
+    if problem:
+        raise ModelError(
+            f"{where} is saved with compressed-tensors, {problem}; tiertune reads symmetric INT4/INT8 "
+            "pack-quantized weights with a scale per group or channel, and FP8 float-quantized ones with a scale "
+            "per channel or tensor"
+        )
+    return {
+        "kind": "compressed-tensors",
+        "format": "pack-quantized" if fmt == "pack-quantized" else "float-quantized",
+        "bits": bits,
+        "group": group if strategy == "group" else (0 if strategy == "channel" else -1),
+        "skip": tuple(raw.get("ignore") or ()),
+    }
+
+
 def is_shipped_format(quant: object) -> bool:
-    """Whether ``quant`` is a format read as checkpoints ship it (``FP8``, ``MXFP4``), not one made on load."""
-    return isinstance(quant, FP8 | MXFP4)
+    """Whether ``quant`` is a format read as checkpoints ship it (``FP8``, ``MXFP4``, ``Compressed``), not one
+    made on load."""
+    return isinstance(quant, FP8 | MXFP4 | Compressed)
