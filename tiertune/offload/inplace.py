@@ -114,13 +114,14 @@ def plan_in_place(
     specs: list[TensorSpec] = []
     windows: list[Window] = []
     run: list[FileTensor] = []
+    run_end = 0  # the end of the run's last byte in its file (kept as tensors join: one look at each)
 
     def close_run() -> None:
         nonlocal run
         if not run:
             return
         start = run[0].start - run[0].start % ALIGN
-        end = round_up(max(t.start + t.nbytes for t in run), ALIGN)
+        end = round_up(run_end, ALIGN)
         offset = windows[-1].offset + windows[-1].nbytes if windows else 0
         windows.append(Window(run[0].file, start, offset, end - start))
         specs.extend(TensorSpec(t.name, t.shape, t.dtype, offset + t.start - start) for t in run)
@@ -143,16 +144,17 @@ def plan_in_place(
     for t in ordered:
         if not can_map(t):
             raise ValueError(f"{t.name}: byte {t.start} of {t.file} is not aligned for {t.dtype}")
-        if run:
-            end = max(r.start + r.nbytes for r in run)
-            # a gap is read only when small next to what the run reads (at most an eighth of it)
-            if t.file != run[0].file or t.start - end > min(gap, max(ALIGN, (end - run[0].start) // 8)):
-                close_run()
+        nbytes = t.nbytes
+        # a gap is read only when small next to what the run reads (at most an eighth of it)
+        reach = min(gap, max(ALIGN, (run_end - run[0].start) // 8)) if run else 0
+        if run and (t.file != run[0].file or t.start - run_end > reach):
+            close_run()
         base = windows[-1].offset + windows[-1].nbytes if windows else 0
         first = run[0].start if run else t.start
-        size = base + round_up(t.start + t.nbytes, ALIGN) - (first - first % ALIGN)
+        size = base + round_up(t.start + nbytes, ALIGN) - (first - first % ALIGN)
         if (windows or run) and size > chunk_size:
             close_chunk()
+        run_end = max(run_end, t.start + nbytes) if run else t.start + nbytes
         run.append(t)
     close_chunk()
     return plans
