@@ -726,3 +726,14 @@ def test_a_schedule_change_is_estimated_by_construction(tmp_path, model_dir, wri
             measured,
         )
     assert moved["host->device"] >= 2 * layer_major["host->device"] > 0, (moved, layer_major)
+
+
+def test_gpt_oss_120b_as_it_ships_is_read_at_under_0_6_bytes_a_parameter(tmp_path):
+    """gpt-oss-120b's published config (MXFP4 experts): its base, read in place from its files, is what the estimate
+    counts on disk, at most 0.6 bytes a parameter (attention and embeddings stay bf16; the experts are 17
+    bytes per 32 values). Converted to bf16 first, it was 1.97 bytes a parameter."""
+    predicted = estimate(_qlora(tmp_path, CONFIGS / "openai/gpt-oss-120b", quantize="none"), measure=False)
+    assert abs(predicted.parameters - 116.8e9) <= 0.01 * 116.8e9
+    base = predicted.kinds[IN_PLACE][1] + predicted.kinds.get(QUANT_CACHE, ("disk", 0))[1]
+    assert base / predicted.parameters <= 0.6, base / predicted.parameters
+    assert predicted.tiers["disk"].home == 0  # nothing of the base copied under disk_path

@@ -174,3 +174,20 @@ def test_reserved_slots_serve_only_their_size_class():
     assert tier.used == 4 * ALIGN and tier.largest_free() == 4 * ALIGN
     with pytest.raises(ConfigError, match="reserves 32.00 KiB"):
         MemoryTier(Tier.HOST, ALIGN, torch.device("cpu"), reserve={2 * ALIGN: 4})
+
+
+def test_an_arena_says_whether_freeing_some_ranges_makes_room():
+    """A prefetch may evict copies only if that makes room (``ChunkStore._room_can_be_made``): a freed range joins
+    the free ranges next to it, and two holes apart never make one. Without this check, a prefetch of a large chunk
+    evicted a small copy that sat apart from the largest hole, failed, and the next prefetch brought the small copy
+    back: a ledger ran in circles for ever (the estimate of GLM-4.6's 92 layers)."""
+    a = Arena(10 * ALIGN)
+    first, second, third = (a.alloc(ALIGN * n) for n in (3, 1, 3))  # [0,3) [3,4) [4,7), free [7,10)
+    assert a.largest_free() == 3 * ALIGN
+    assert a.fits_after(4 * ALIGN, [third]) and a.fits_after(6 * ALIGN, [third])  # [4,10)
+    assert not a.fits_after(4 * ALIGN, [first])  # [0,3) and [7,10) are apart
+    assert a.fits_after(7 * ALIGN, [second, third]) and not a.fits_after(8 * ALIGN, [second, third])
+    assert a.fits_after(10 * ALIGN, [first, second, third]) and not a.fits_after(
+        11 * ALIGN, [first, second, third]
+    )
+    assert a.largest_free() == 3 * ALIGN and a.used == 7 * ALIGN  # nothing was freed

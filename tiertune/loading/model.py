@@ -66,6 +66,11 @@ class ModelParts:
     groups: list[ParamGroup]
 
 
+SAME_ARCHITECTURE = {"kimi_k2": "deepseek_v3"}
+"""Model types of releases whose architecture transformers has under another type (Kimi-K2's config names
+``kimi_k2`` and remote code that is DeepSeek-V3's): built as that type's config and model, not remote code."""
+
+
 def load_config(directory: str | os.PathLike[str]) -> Any:
     """The transformers config of the model in ``directory`` (``model.path``), checked to be one tiertune can
     train: a decoder-only causal LM. Raises ModelError naming the file and what is wrong with it."""
@@ -96,7 +101,15 @@ def load_config(directory: str | os.PathLike[str]) -> Any:
             f'"model_type": "llama"); {restore}'
         )
     try:
-        config = AutoConfig.from_pretrained(path)
+        if (
+            model_type in SAME_ARCHITECTURE
+        ):  # a release that names its own type for a transformers architecture
+            from transformers import CONFIG_MAPPING
+
+            alias = SAME_ARCHITECTURE[model_type]
+            config = CONFIG_MAPPING[alias].from_dict({**raw, "model_type": alias})
+        else:
+            config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # transformers and huggingface_hub validate configs with errors of their own
         raise ModelError(
             f"{file}: transformers {transformers.__version__} cannot build a config of model_type "

@@ -1149,6 +1149,10 @@ class ChunkStore:
                 return alloc
             if beyond and slot is None and not blocking:
                 return None
+            if not blocking and not self._room_can_be_made(tier, chunk, before, beyond, slot):
+                # evicting what it may would still leave no room: a prefetch evicting those copies only to
+                # fail would lose them, and the next prefetch would bring them back and lose them again
+                return None
             # the best victim now: evicting one changes no other's place, and a blocking call may have
             # waited (others' copies came and went), so each look reads the front of the tier's order again
             victims = self._victims(
@@ -1191,6 +1195,22 @@ class ChunkStore:
                 f"for chunk {chunk.name!r}; everything else resident there is in use "
                 f"({self._in_use_summary(tier)}; {format_size(mem.free_bytes)} free in all)",
             )
+
+    def _room_can_be_made(
+        self, tier: Tier, chunk: Chunk, before: float, beyond: bool, slot: int | None
+    ) -> bool:
+        """Whether a prefetch evicting the copies it may evict (used later than ``before``) would make room for
+        ``chunk`` on ``tier``: a copy in a reserved slot of the chunk's class frees one; copies in the arena
+        free their ranges, which must join the free ones into a range the chunk fits."""
+        mem = self._mem[tier]
+        arena: list[int] = []
+        for victim in self._victims(tier, exclude=chunk, before=before):
+            where = mem.slot_size(victim.copies[tier])
+            if where is not None and where == slot:
+                return True
+            if where is None:
+                arena.append(victim.copies[tier].offset)
+        return not beyond and bool(arena) and mem.arena.fits_after(chunk.capacity, arena)
 
     def _claim(
         self, chunk: Chunk, tier: Tier, blocking: bool, before: float, still_wanted: Callable[[], bool]

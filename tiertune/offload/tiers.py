@@ -17,7 +17,7 @@ import mmap
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -177,6 +177,21 @@ class Arena:
         """Size of the largest free range: the largest allocation that would succeed now."""
         with self._lock:
             return max((s for _, s in self._free), default=0)
+
+    def fits_after(self, nbytes: int, freed: Iterable[int]) -> bool:
+        """Whether an allocation of ``nbytes`` would succeed once the ranges starting at offsets ``freed`` are
+        freed (they and the free ranges next to them join, as ``free`` joins them)."""
+        size = round_up(max(nbytes, 1), self.align)
+        with self._lock:
+            ranges = sorted([*self._free, *((o, self._used[o]) for o in freed if o in self._used)])
+        run_start, run_end = -1, -1
+        for start, length in ranges:
+            if start != run_end:
+                run_start = start
+            run_end = start + length
+            if run_end - run_start >= size:
+                return True
+        return False
 
     @property
     def free_bytes(self) -> int:
