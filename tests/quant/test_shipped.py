@@ -5,6 +5,7 @@ releases (e4m3 codes, an fp32 ``weight_scale_inv`` per block, each expert a modu
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -545,3 +546,45 @@ def test_lora_on_a_compressed_tensors_release_follows_peft_on_its_dequantized_va
 def test_full_fine_tuning_from_int4_is_the_plain_loop_on_its_dequantized_values(compressed_release, disk_dir):
     q_dir, values_dir, _ = compressed_release("int4-kimi")
     _full_parity(q_dir, values_dir, disk_dir)
+
+
+def test_a_streamed_merge_over_an_fp8_release_is_peft_merge_over_its_dequantized_values(
+    fp8_release, tmp_path, cat_model
+):
+    """``tiertune merge`` of a LoRA adapter trained on an FP8 release writes a 16-bit model, streamed: each FP8
+    weight dequantized (codes times block scales) plus the adapter, no scales left, no quantization_config; peft's
+    merge_and_unload over transformers' model of the dequantized values gives the same tensors."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tiertune.export.commands import _merge_in_memory, merge
+    from tiertune.export.merging import plan_merge
+
+    fp8_dir, values_dir, _ = fp8_release("qwen3")
+    model = AutoModelForCausalLM.from_pretrained(values_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in peft_model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    adapter = tmp_path / "adapter"
+    peft_model.save_pretrained(adapter)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(cat_model(1)) / f, adapter / f)  # a tokenizer for the merged model
+    plan = plan_merge(adapter, fp8_dir, "none", torch.float32)
+    assert not isinstance(plan, str) and plan.quantized and set(plan.saved) == set(plan.quantized)
+    out, what = merge(adapter, tmp_path / "merged", base=str(fp8_dir), dtype="float32")
+    assert "in memory" not in what
+    _merge_in_memory(adapter, tmp_path / "peft", str(values_dir), torch.float32, "none")
+
+    def tensors(directory):
+        return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    streamed, reference = tensors(out), tensors(tmp_path / "peft")
+    assert streamed.keys() == reference.keys()  # no scales left
+    for name, tensor in reference.items():
+        assert streamed[name].dtype == tensor.dtype, name
+        torch.testing.assert_close(streamed[name], tensor, rtol=1e-5, atol=1e-6)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())

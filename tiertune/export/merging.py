@@ -96,7 +96,7 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
     streamed (a sentence). ``quantize`` and ``train_dtype``: how the run held its base (``model.quantize`` and
     ``model.dtype``)."""
     from tiertune.loading.model import build_skeleton, checkpoint_names
-    from tiertune.quant import is_quantized, make_quantizer, saved_quantization
+    from tiertune.quant import SHIPPED, is_quantized, make_quantizer, saved_quantization
 
     config = json.loads((adapter / "adapter_config.json").read_text())
     unsupported = [
@@ -113,15 +113,23 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
     with torch.device("meta"):
         model = build_skeleton(base, train_dtype)
         saved_config = saved_quantization(model.config, str(base))
-        quant = make_quantizer(saved_config["kind"] if saved_config else quantize, train_dtype, saved_config)
+        shipped = saved_config is not None and saved_config["kind"] in SHIPPED  # read as it ships: FP8, MXFP4...
+        kind = "none" if shipped else saved_config["kind"] if saved_config else quantize
+        quant = make_quantizer(kind, train_dtype, saved_config)
+        if shipped and saved_config["kind"] != "fp8":  # type: ignore[index]
+            return f"a base shipped in {saved_config['kind']} (the stream writes FP8 bases dequantized)"  # type: ignore[index]
         if quant is not None:
             from tiertune.loading.model import find_decoder_layers
             from tiertune.quant.experts import convert_experts
 
-            for layer in find_decoder_layers(model)[1]:
-                quant.convert(layer)
+            layers_name, layers = find_decoder_layers(model)
+            for i, layer in enumerate(layers):
+                if shipped:  # its skip list names modules by their full names
+                    quant.convert(layer, f"{layers_name}.{i}")
+                else:
+                    quant.convert(layer)
                 if convert_experts(layer, quant):
-                    return "4-bit MoE experts (stored one tensor per expert)"
+                    return "MoE experts stored one matrix per expert (4-bit, or as the checkpoint ships them)"
     sources = checkpoint_names(model, checkpoint)
     params = dict(model.named_parameters())
     key_of: dict[str, str] = {}
@@ -269,12 +277,16 @@ class _Merger:
 
     def _dequantized(self, key: str) -> torch.Tensor:
         """A weight the run held quantized, as its quantized storage gives it back, in the output dtype."""
-        import bitsandbytes.functional as bnb_f
-
         from tiertune.quant import NF4
+        from tiertune.quant.shipped import SCALE, is_shipped_format
 
         quant, name, shape = self.plan.quant, self.plan.quantized[key], self.plan.shapes[key]
         views = {n: torch.empty(s, dtype=dt) for n, s, dt in quant.entries(name, shape)}
+        if is_shipped_format(quant):  # read as it ships: its codes times their scales
+            self.plan.saved[key].read_into(self.base, views)
+            return quant.dequantize(views[name], views[f"{name}.{SCALE}"], torch.float32).to(self.dtype)
+        import bitsandbytes.functional as bnb_f  # a base bitsandbytes quantized (not needed for a shipped one)
+
         if key in self.plan.saved:
             self.plan.saved[key].read_into(self.base, views)
         else:  # quantized from the dtype the run loaded it in, as it was
