@@ -113,7 +113,9 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
     with torch.device("meta"):
         model = build_skeleton(base, train_dtype)
         saved_config = saved_quantization(model.config, str(base))
-        shipped = saved_config is not None and saved_config["kind"] in SHIPPED  # read as it ships: FP8, MXFP4...
+        shipped = (
+            saved_config is not None and saved_config["kind"] in SHIPPED
+        )  # read as it ships: FP8, MXFP4...
         kind = "none" if shipped else saved_config["kind"] if saved_config else quantize
         quant = make_quantizer(kind, train_dtype, saved_config)
         if shipped and saved_config["kind"] != "fp8":  # type: ignore[index]
