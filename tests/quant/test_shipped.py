@@ -2,6 +2,7 @@
 releases (e4m3 codes, an fp32 ``weight_scale_inv`` per block, each expert a module of its own), trained with
 ``model.quantize: none`` and compared with peft over transformers' model of the file's dequantized values."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -225,6 +226,9 @@ def test_an_fp8_release_asks_for_quantize_none_and_names_what_it_reads(fp8_relea
     (odd / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelError, match="fmt 'e5m2'.*tiertune reads FP8 e4m3"):
         StreamedTrainer(str(odd), store, _config(params="host"))
+    dora = _config(params="host", lora=dataclasses.replace(LORA, use_dora=True))
+    with pytest.raises(ConfigError, match="use_dora.*read as they ship.*use_dora: false"):
+        StreamedTrainer(str(fp8_dir), store, dora)
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (odd / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelError, match="'awq'.*FP8 ones with blockwise scales"):

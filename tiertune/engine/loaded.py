@@ -15,7 +15,7 @@ from tiertune.distributed.collectives import GROUP, Counting
 from tiertune.distributed.world import World
 from tiertune.engine.config import EngineConfig
 from tiertune.engine.sharding import Local, Sharding, Zero
-from tiertune.errors import ModelError
+from tiertune.errors import ConfigError, ModelError
 from tiertune.loading.model import (
     ModelParts,
     TensorSource,
@@ -87,6 +87,12 @@ def load_model(
     )
     if is_shipped_format(quant) and config.method != "lora":
         shipped, quant = quant, None
+    if is_shipped_format(quant) and config.lora.use_dora:
+        raise ConfigError(
+            f"method.lora.use_dora on {model_dir}, whose weights are read as they ship "
+            f"({quant.kind}): peft's DoRA reads a base weight's values itself and cannot read these yet; set "  # type: ignore[union-attr]
+            "method.lora.use_dora: false (LoRA), or train DoRA on the model's 16-bit release"
+        )
     if quant is not None:  # Linear4bit/8bitLt in every decoder layer, as a plain quantized load has
         # and, beyond it, MoE layers' fused expert weights 4-bit too (one matrix per expert)
         marked = []
