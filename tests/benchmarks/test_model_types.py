@@ -15,7 +15,7 @@ EXPECTED = {
     "llama": ("estimated", ""),  # dense decoder
     "qwen3_moe": ("estimated", ""),  # mixture of experts
     "llama4": ("estimated", ""),  # its causal LM is the text decoder of a multimodal config
-    "gemma3": ("refused", "a multimodal model (Gemma3ForConditionalGeneration takes pixel_values)"),
+    "gemma3": ("estimated", ""),  # a multimodal class trained on text: its language model streams
     "mllama": ("refused", "no recognizable stack of decoder layers"),
     "bert": ("refused", "an encoder-only model"),
     "roberta": ("refused", "an encoder-only model"),

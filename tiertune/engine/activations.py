@@ -153,7 +153,7 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int, gpu: bool = False) -> i
         use_segment_attention(model)
     parts = split_model(model)
     layer = parts.layers[0]
-    tile_layer(layer, cfg.sequence_tile, model.config.model_type)
+    tile_layer(layer, cfg.sequence_tile, model.config.get_text_config(decoder=True).model_type)
     # the adapters' gradients are a layer's temporaries too; a full fine-tune's weight gradients are the plan's
     # own item (``a layer's gradient, summed over a wave``)
     trained = [p for n, p in layer.named_parameters() if cfg.method == "lora" and "lora_" in n]
@@ -244,12 +244,14 @@ def outside_bytes(
     if trained:
         largest = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
         out["a layer's gradient, summed over a wave (fp32)"] = largest * 4
-    if cfg.kernels != "none" and model.config.model_type in FUSED_LOSS:
+    if cfg.kernels != "none" and model.config.get_text_config(decoder=True).model_type in FUSED_LOSS:
         # the loss fused with the head: its chunk of fp32 logits and what goes with it (the op's own figure),
         # and the head's fp32 gradient when the head is trained. On a GPU in bf16/fp16 the op's products run on
         # the tensor cores (larger chunks); a torch without them takes less, so the figure is an upper bound.
         mixed = on_gpu and cfg.dtype in (torch.bfloat16, torch.float16)
-        capped = bool(getattr(model.config, "final_logit_softcapping", None))
+        capped = bool(
+            getattr(model.config, "final_logit_softcapping", None)
+        )  # the class's own (``CausalLMLoss``)
         loss = working_bytes(micro, vocab, hidden, cfg.dtype, mixed, capped)
         out["loss chunk (fused with the head)"] = loss + (vocab * hidden * 4 if trained else 0)
     else:  # the logits of a micro-batch, their fp32 copy for the loss and its gradient

@@ -22,12 +22,13 @@ from tiertune.loading.model import (
     build_skeleton,
     load_into_store,
     load_shards,
+    no_cache,
     saved_checkpoint,
     split_model,
 )
 from tiertune.loading.weights import Checkpoint
 from tiertune.offload.store import ChunkStore
-from tiertune.quant import Quantizer, make_quantizer, saved_quantization
+from tiertune.quant import Quantizer, make_quantizer, saved_quantization, store_experts
 from tiertune.quant import experts as quant_experts
 from tiertune.quant.shipped import is_shipped_format
 
@@ -64,7 +65,7 @@ def load_model(
     """Build the model of ``model_dir`` for training and stream its weights into ``store`` (homed on
     ``config.params``); ``safe_point`` is called after each group (see ``loading.model.load_into_store``)."""
     model = build_skeleton(model_dir, config.dtype)
-    model.config.use_cache = False
+    no_cache(model)
     model.train()  # dropout as configured, and no inference-only kernels (as the HF Trainer does)
     parts = split_model(model)
     try:
@@ -101,7 +102,7 @@ def load_model(
                 quant.convert(layer, f"{parts.layers_name}.{i}")
             else:
                 quant.convert(layer)
-            marked += quant_experts.convert_experts(layer, quant)
+            marked += store_experts(layer, quant)
         if marked:
             quant_experts.use_4bit_experts(model)
             how = "as shipped" if is_shipped_format(quant) else "4-bit"

@@ -28,7 +28,9 @@ class CausalLMLoss:
         self.fused = fuse and self._fusable()
 
     def _fusable(self) -> bool:
-        model_type = self.model.config.model_type
+        model_type = self.model.config.get_text_config(
+            decoder=True
+        ).model_type  # a multimodal class: its decoder's
         head = self.model.get_output_embeddings()
         if model_type not in FUSED_LOSS or not isinstance(head, nn.Linear):
             log.info(
@@ -83,6 +85,7 @@ class CausalLMLoss:
 
     @property
     def _softcap(self) -> float | None:
+        # the class's own: Gemma 3's ForConditionalGeneration caps no logits (its text config's cap is for its CausalLM)
         return getattr(self.model.config, "final_logit_softcapping", None)
 
     def _hidden(self, ids: torch.Tensor, extra: dict) -> torch.Tensor:

@@ -11,6 +11,7 @@ from torch import nn
 
 from tiertune.engine.config import EngineConfig
 from tiertune.kernels.patch import patch_model, resolve_backend
+from tiertune.loading.model import no_cache
 from tiertune.methods.lora import Adapters
 
 
@@ -20,7 +21,7 @@ def prepare_model(model: nn.Module, cfg: EngineConfig, device: torch.device) -> 
     every parameter trained; tiertune's ops patched into its modules where the run patches them. Returns the
     kernel backend its loss is computed with (``kernels.patch.resolve_backend``)."""
     backend = resolve_backend("torch" if cfg.kernels == "none" else cfg.kernels, device)
-    model.config.use_cache = False
+    no_cache(model)
     model.train()
     if cfg.method == "lora":
         with warnings.catch_warnings():

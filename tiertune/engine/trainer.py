@@ -148,7 +148,9 @@ class StreamedTrainer(TrainerViews):
         # ledger's layers compute no router logits)
         self.router_aux = None if ledger else RouterAux.of(self.model, self.parts.layers)
         for i, layer in enumerate(self.parts.layers):
-            tile_layer(layer, config.sequence_tile, self.model.config.model_type)
+            tile_layer(
+                layer, config.sequence_tile, self.model.config.get_text_config(decoder=True).model_type
+            )
             self.parts.layers[i] = StreamedLayer(self, i, layer)
         self.visit: Visit | None = None  # the decoder's pass in progress inside a step (``engine.streaming``)
         self.schedule = LayerMajor(self, self.stash)

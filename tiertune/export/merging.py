@@ -96,7 +96,7 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
     streamed (a sentence). ``quantize`` and ``train_dtype``: how the run held its base (``model.quantize`` and
     ``model.dtype``)."""
     from tiertune.loading.model import build_skeleton, checkpoint_names
-    from tiertune.quant import SHIPPED, is_quantized, make_quantizer, saved_quantization
+    from tiertune.quant import SHIPPED, is_quantized, make_quantizer, saved_quantization, store_experts
 
     config = json.loads((adapter / "adapter_config.json").read_text())
     unsupported = [
@@ -122,7 +122,6 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
             return f"a base shipped in {saved_config['kind']} (the stream writes FP8 bases dequantized)"  # type: ignore[index]
         if quant is not None:
             from tiertune.loading.model import find_decoder_layers
-            from tiertune.quant.experts import convert_experts
 
             layers_name, layers = find_decoder_layers(model)
             for i, layer in enumerate(layers):
@@ -130,7 +129,7 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
                     quant.convert(layer, f"{layers_name}.{i}")
                 else:
                     quant.convert(layer)
-                if convert_experts(layer, quant):
+                if store_experts(layer, quant):
                     return "MoE experts stored one matrix per expert (4-bit, or as the checkpoint ships them)"
     sources = checkpoint_names(model, checkpoint)
     params = dict(model.named_parameters())

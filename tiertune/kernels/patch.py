@@ -59,7 +59,8 @@ def patch_model(model: nn.Module, backend: str, nf4: bool | None = None) -> Coun
     kernel replaces bitsandbytes'; on a CPU bitsandbytes' own path is the reference). Returns how many
     modules of each kind were patched; an architecture not in ``ARCHITECTURES`` is logged once."""
     counts: Counter[str] = Counter()
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    config = getattr(model, "config", None)  # a multimodal class: its language model's architecture
+    model_type = config.get_text_config(decoder=True).model_type if config is not None else None
     arch = ARCHITECTURES.get(model_type)
     if arch is not None and arch.norm is None:  # known (the fused loss), but no module kernels
         arch = None

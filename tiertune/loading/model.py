@@ -154,10 +154,10 @@ MULTIMODAL_INPUTS = (
 
 def not_trainable(config: Any) -> str:
     """Why tiertune cannot fine-tune the model ``config`` describes, and what to do instead ("" when it can):
-    it must be a decoder-only causal LM of text (what ``AutoModelForCausalLM`` builds from it, and that model
-    taking text alone). Encoder-decoder models, encoder-only ones (BERT: its causal-LM head is bidirectional
-    attention unless ``is_decoder``), and multimodal classes are refused; for a multimodal model whose text
-    decoder is a model type of its own, the message names it."""
+    it must be a decoder-only causal LM (what ``AutoModelForCausalLM`` builds from it): of text, or a multimodal
+    class (Gemma 3's ``ForConditionalGeneration``) whose language model is a decoder tiertune trains, trained on
+    text (its tower is never read). Encoder-decoder models, encoder-only ones (BERT: its causal-LM head is
+    bidirectional attention unless ``is_decoder``), and other multimodal classes are refused."""
     import transformers
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -185,20 +185,22 @@ def not_trainable(config: Any) -> str:
     cls = getattr(transformers, name, None)
     takes = set(inspect.signature(cls.forward).parameters) if cls is not None else set()
     inputs = sorted(takes & set(MULTIMODAL_INPUTS))
+    decoder_of = text is not config and text.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if inputs and decoder_of and not not_trainable(text):
+        return ""  # a multimodal class trained on text: its language model streams, its tower is never read
     if inputs:
-        alone = (
-            f"its text decoder alone is model_type {text.model_type!r} "
-            f"({MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[text.model_type]}), which tiertune trains"
-            if text is not config
-            and text.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-            and not not_trainable(text)
-            else DECODERS
-        )
         return (
-            f"a multimodal model ({name} takes {', '.join(inputs)}): tiertune does not train multimodal classes "
-            f"yet; {alone}"
+            f"a multimodal model ({name} takes {', '.join(inputs)}) whose language model is not a decoder tiertune "
+            f"streams (tiertune trains multimodal classes on text through their decoder); {DECODERS}"
         )
     return ""
+
+
+def no_cache(model: nn.Module) -> None:
+    """No KV cache in a training pass: the model's config and its text decoder's (a multimodal class's language
+    model reads its own: with one, a layer recomputed in backward would attend to its forward's keys too)."""
+    model.config.use_cache = False
+    model.config.get_text_config(decoder=True).use_cache = False
 
 
 def build_skeleton(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -274,12 +276,25 @@ def split_model(model: nn.Module) -> ModelParts:
         )
     taken = {n for g in groups for n in g.params}
     head_params = {} if head is None or tied else {owner[id(p)]: p for p in head.parameters()}
+    # a multimodal class trained on text: its vision or audio tower is never read nor trained (no group)
+    taken |= set(tower_parameters(model))
     rest = {n: p for n, p in model.named_parameters() if n not in taken and n not in head_params}
     if rest:
         groups.append(ParamGroup("rest", "rest", rest))
     if head_params:
         groups.append(ParamGroup("head", "head", head_params))
     return ModelParts(model, layers_name, layers, embed, head, tied, groups)
+
+
+def tower_parameters(model: nn.Module) -> list[str]:
+    """The parameters of a multimodal class outside its language model and head (its vision or audio tower and
+    projector), which text does not reach: none for a model of text alone."""
+    if model.config.get_text_config(decoder=True) is model.config:
+        return []
+    decoder = model.get_decoder()
+    head = model.get_output_embeddings()
+    inside = {id(p) for p in decoder.parameters()} | ({id(p) for p in head.parameters()} if head else set())
+    return [n for n, p in model.named_parameters() if id(p) not in inside]
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,33 @@ def _expert_factors(wrapper: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor
     return out
 
 
+def language_targets(model: nn.Module, targets: str | list[str]) -> str | list[str]:
+    """``method.lora.target_modules`` as peft should take them for ``model``: as they are for a model of text;
+    for a multimodal class (trained on text), the full names of the language model's modules they name (``all-
+    linear``: its linear layers), so that names the vision or audio tower shares (``q_proj``) adapt the decoder
+    only. The adapter's keys are peft's names for those modules."""
+    if model.config.get_text_config(decoder=True) is model.config:  # a model of text alone
+        return targets
+    decoder = model.get_decoder()
+    prefix = next(n for n, m in model.named_modules() if m is decoder)
+    names = [targets] if isinstance(targets, str) else list(targets)
+    found = [
+        f"{prefix}.{path}"
+        for path, module in decoder.named_modules()
+        if path
+        and (
+            (names == ["all-linear"] and isinstance(module, nn.Linear))
+            or any(path == n or path.endswith(f".{n}") for n in names)
+        )
+    ]
+    if not found:
+        raise ConfigError(
+            f"method.lora.target_modules {targets!r} names no module of {type(model).__name__}'s language model "
+            f"({type(decoder).__name__}); name its layers' modules (e.g. q_proj, v_proj) or all-linear"
+        )
+    return found
+
+
 class Adapters:
     """The LoRA adapters of a model: peft's wrapping, their parameters in model order, their optimizer."""
 
@@ -97,7 +124,7 @@ class Adapters:
             r=settings.r,
             lora_alpha=settings.alpha,
             lora_dropout=settings.dropout,
-            target_modules=settings.target_modules,
+            target_modules=language_targets(model, settings.target_modules),
             target_parameters=list(settings.target_parameters) if settings.target_parameters else None,
             task_type="CAUSAL_LM",
         )

@@ -36,6 +36,7 @@ __all__ = [
     "is_quantized",
     "make_quantizer",
     "saved_quantization",
+    "store_experts",
 ]
 
 
@@ -148,6 +149,16 @@ def make_quantizer(
     return NF4(
         compute_dtype, quant_type=kind, double_quant=saved["double_quant"] if saved else True, skip=skip
     )
+
+
+def store_experts(layer: Any, quant: object) -> list[str]:
+    """Mark the fused MoE expert weights inside ``layer`` (meta) to be stored one matrix per expert as ``quant``
+    stores weights: as the checkpoint ships them (``shipped.mark_experts``) or 4-bit (``experts.convert_experts``).
+    Returns the names marked, relative to ``layer``."""
+    from tiertune.quant import experts
+    from tiertune.quant.shipped import is_shipped_format, mark_experts
+
+    return mark_experts(layer, quant) if is_shipped_format(quant) else experts.convert_experts(layer, quant)
 
 
 def is_quantized(param: object) -> bool:

@@ -126,14 +126,10 @@ def is_experts_module(module: nn.Module) -> bool:
 
 
 def convert_experts(layer: nn.Module, quant: object) -> list[str]:
-    """Mark the fused expert weights inside ``layer`` (a decoder layer on the meta device) to be stored one
-    matrix per expert, as the base's linear modules are: 4-bit under a 4-bit quantizer, as the checkpoint ships
-    them under a shipped format (``quant.shipped``). Returns the names of the weights marked, relative to
-    ``layer``; transposed experts and modules in ``quant.skip`` are left."""
-    from tiertune.quant.shipped import is_shipped_format, mark_experts
-
-    if is_shipped_format(quant):
-        return mark_experts(layer, quant)
+    """Mark the fused expert weights inside ``layer`` (a decoder layer on the meta device) to be stored 4-bit
+    when ``quant`` is a 4-bit quantizer, as ``NF4.convert`` does for its linear modules (a shipped format's are
+    marked by ``quant.shipped.mark_experts``; ``tiertune.quant.store_experts`` picks). Returns the names of the
+    weights marked, relative to ``layer``; transposed experts and modules in ``quant.skip`` are left."""
     if not isinstance(quant, NF4):
         return []
     marked = []

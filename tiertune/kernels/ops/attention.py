@@ -335,6 +335,9 @@ def use_segment_attention(model: torch.nn.Module) -> str | None:
     from transformers.masking_utils import AttentionMaskInterface
 
     config = getattr(model, "config", None)
+    # the decoder's own config: a multimodal class's language model reads its text config (the tower's attention,
+    # never run on text, keeps its own)
+    config = config.get_text_config(decoder=True) if config is not None else None
     why = "no config" if config is None else segment_attention_fits(config)
     if why is not None:
         return why
