@@ -4,7 +4,7 @@ as it was."""
 
 import pytest
 import torch
-from parity import ACCUM, LORA, _batches, assert_adam_trained_close, plain_training
+from parity import ACCUM, LORA, _batches, assert_adam_trained_close, lora_config, plain_training
 
 from tiertune.engine import EngineConfig, StreamedTrainer
 from tiertune.offload.store import StoreConfig
@@ -57,18 +57,7 @@ def test_text_lora_on_gemma3_follows_peft_and_never_reads_the_tower(gemma3, disk
     from tiertune.loading.model import tower_parameters
     from tiertune.methods.lora import language_targets
 
-    cfg = EngineConfig(
-        dtype=torch.float32,
-        method="lora",
-        lora=LORA,
-        learning_rate=1e-2,
-        weight_decay=0.1,
-        max_grad_norm=0.05,
-        lr_scheduler_type="cosine",
-        warmup_steps=1,
-        max_steps=STEPS,
-        params="disk",
-    )
+    cfg = lora_config(quantize="none", warmup_steps=1, max_steps=STEPS, params="disk")
     store = StoreConfig.resolve(
         device_budget="512KiB", host_budget="200KiB", disk_path=str(disk_dir), prefetch_depth=1
     )

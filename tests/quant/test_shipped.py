@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from parity import ACCUM, LORA, _batches, assert_adam_trained_close, plain_training
+from parity import ACCUM, LORA, _batches, assert_adam_trained_close, lora_config, plain_training
 from safetensors.torch import load_file, save_file
 
-from tiertune.engine import EngineConfig, StreamedTrainer
+from tiertune.engine import StreamedTrainer
 from tiertune.errors import ConfigError, ModelError
 from tiertune.offload.store import StoreConfig
 from tiertune.quant.shipped import FP8, MXFP4, Compressed
@@ -32,37 +32,51 @@ def _quantized(key: str, tensor: torch.Tensor) -> bool:
     return bool(LAYER_WEIGHT.match(key)) and tensor.dim() == 2 and not key.endswith("mlp.gate.weight")
 
 
-def write_fp8(src, fp8_dir, values_dir, fmt: FP8, skip=()):
-    """``src`` (a saved model) written as an FP8 release to ``fp8_dir`` (every shard, the codes and scales in place
-    of each layer matrix, ``quantization_config`` in config.json) and as the model of its dequantized values to
-    ``values_dir`` (same keys, fp32). Returns the bytes of the FP8 checkpoint's tensors."""
-    for out in (fp8_dir, values_dir):
+def rewrite(src, out_dir, values_dir, convert, quantization_config) -> int:
+    """``src`` (a saved model) written twice: to ``out_dir`` as a release that ships quantized (each tensor as
+    ``convert(key, tensor)`` gives it: the tensors to store and its values, or None to keep it as it is;
+    ``quantization_config`` in config.json) and to ``values_dir`` as the model of its values (same keys, same
+    shards). Returns the bytes of the quantized checkpoint's tensors."""
+    for out in (out_dir, values_dir):
         out.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():
             if not f.name.endswith(".safetensors"):
                 shutil.copy(f, out / f.name)
-    index = {}
-    total = 0
+    index, total = {}, 0
     for shard in sorted(src.glob("*.safetensors")):
-        tensors = load_file(shard)
         packed, values = {}, {}
-        for key, tensor in tensors.items():
-            if _quantized(key, tensor) and not any(s in key for s in skip):
-                codes, scale = fmt.quantize(tensor)
-                packed[key], packed[f"{key}_scale_inv"] = codes, scale
-                values[key] = fmt.dequantize(codes, scale, torch.float32)
-            else:
+        for key, tensor in load_file(shard).items():
+            made = convert(key, tensor)
+            if made is None:
                 packed[key] = values[key] = tensor
-        save_file(packed, fp8_dir / shard.name, metadata={"format": "pt"})
+            else:
+                packed.update(made[0])
+                values[key] = made[1]
+        save_file(packed, out_dir / shard.name, metadata={"format": "pt"})
         save_file(values, values_dir / shard.name, metadata={"format": "pt"})
         index.update(dict.fromkeys(packed, shard.name))
         total += sum(t.numel() * t.element_size() for t in packed.values())
     if (src / "model.safetensors.index.json").exists():
-        (fp8_dir / "model.safetensors.index.json").write_text(
+        (out_dir / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": index})
         )
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {
+    config["quantization_config"] = quantization_config
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return total
+
+
+def write_fp8(src, fp8_dir, values_dir, fmt: FP8, skip=()):
+    """``src`` written as an FP8 release to ``fp8_dir`` (the codes and scales in place of each layer matrix) and
+    as the model of its dequantized values to ``values_dir`` (``rewrite``). Returns the FP8 checkpoint's bytes."""
+
+    def convert(key, tensor):
+        if not _quantized(key, tensor) or any(s in key for s in skip):
+            return None
+        codes, scale = fmt.quantize(tensor)
+        return {key: codes, f"{key}_scale_inv": scale}, fmt.dequantize(codes, scale, torch.float32)
+
+    config = {
         "quant_method": "fp8",
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
@@ -70,8 +84,7 @@ def write_fp8(src, fp8_dir, values_dir, fmt: FP8, skip=()):
         **({"scale_fmt": fmt.scale_fmt} if fmt.scale_fmt != "float" else {}),
         **({"modules_to_not_convert": list(skip)} if skip else {}),
     }
-    (fp8_dir / "config.json").write_text(json.dumps(config))
-    return total
+    return rewrite(src, fp8_dir, values_dir, convert, config)
 
 
 @pytest.fixture(scope="module")
@@ -93,21 +106,8 @@ def fp8_release(tiny_model_dir, tmp_path_factory):
 
 
 def _config(**kw):
-    base = dict(
-        dtype=torch.float32,
-        method="lora",
-        quantize="none",
-        lora=LORA,
-        learning_rate=1e-2,
-        weight_decay=0.1,
-        max_grad_norm=0.05,
-        lr_scheduler_type="cosine",
-        warmup_steps=1,
-        max_steps=STEPS,
-        params="disk",
-    )
-    base.update(kw)
-    return EngineConfig(**base)
+    """parity's LoRA settings, the base read as it ships and homed on disk, this module's steps."""
+    return lora_config(**{"quantize": "none", "warmup_steps": 1, "max_steps": STEPS, "params": "disk", **kw})
 
 
 def _train(path, disk_dir, cfg, host="96KiB", device="256KiB"):
@@ -311,30 +311,19 @@ def test_fp8_codes_are_never_read_as_values_without_their_scales(fp8_release):
 def write_mxfp4(src, mx_dir, values_dir):
     """``src`` (a saved gpt-oss) written as gpt-oss ships: each layer's fused experts as ``_blocks`` and ``_scales``
     (each expert's (out, in) matrix in groups of 32), the rest as it is; and as the model of the dequantized
-    values. Returns the MXFP4 checkpoint's tensor bytes."""
+    values (``rewrite``). Returns the MXFP4 checkpoint's tensor bytes."""
     fmt = MXFP4()
-    for out in (mx_dir, values_dir):
-        out.mkdir(parents=True, exist_ok=True)
-        for f in src.iterdir():
-            if not f.name.endswith(".safetensors"):
-                shutil.copy(f, out / f.name)
-    total = 0
-    for shard in sorted(src.glob("*.safetensors")):
-        packed, values = {}, {}
-        for key, tensor in load_file(shard).items():
-            if key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-                experts = [fmt.quantize(tensor[e].T) for e in range(tensor.shape[0])]  # (out, in) each
-                blocks = torch.stack([b for b, _ in experts])
-                scales = torch.stack([s for _, s in experts])
-                packed[f"{key}_blocks"], packed[f"{key}_scales"] = blocks, scales
-                values[key] = torch.stack([fmt.dequantize(b, s, torch.float32).T for b, s in experts])
-            else:
-                packed[key] = values[key] = tensor
-        save_file(packed, mx_dir / shard.name, metadata={"format": "pt"})
-        save_file(values, values_dir / shard.name, metadata={"format": "pt"})
-        total += sum(t.numel() * t.element_size() for t in packed.values())
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {
+
+    def convert(key, tensor):
+        if not key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            return None
+        experts = [fmt.quantize(tensor[e].T) for e in range(tensor.shape[0])]  # (out, in) each
+        blocks = torch.stack([b for b, _ in experts])
+        scales = torch.stack([s for _, s in experts])
+        values = torch.stack([fmt.dequantize(b, s, torch.float32).T for b, s in experts])
+        return {f"{key}_blocks": blocks, f"{key}_scales": scales}, values
+
+    config = {
         "quant_method": "mxfp4",
         "modules_to_not_convert": [
             "model.layers.*.self_attn",
@@ -343,8 +332,7 @@ def write_mxfp4(src, mx_dir, values_dir):
             "lm_head",
         ],
     }
-    (mx_dir / "config.json").write_text(json.dumps(config))
-    return total
+    return rewrite(src, mx_dir, values_dir, convert, config)
 
 
 @pytest.fixture(scope="module")
@@ -433,35 +421,20 @@ KIMI_IGNORE = (  # Kimi-K2-Thinking's: its INT4 is the routed experts alone
 def write_compressed(src, out_dir, values_dir, fmt: Compressed):
     """``src`` written as llm-compressor saves a compressed-tensors model: each quantized layer matrix as its
     packed integers (``weight_packed``, ``weight_scale``, ``weight_shape``) or FP8 values and ``weight_scale``,
-    the modules ``fmt.skip`` ignores as they are; and as the model of the dequantized values. Returns the bytes."""
-    for out in (out_dir, values_dir):
-        out.mkdir(parents=True, exist_ok=True)
-        for f in src.iterdir():
-            if not f.name.endswith(".safetensors"):
-                shutil.copy(f, out / f.name)
-    index, total = {}, 0
-    for shard in sorted(src.glob("*.safetensors")):
-        packed, values = {}, {}
-        for key, tensor in load_file(shard).items():
-            module = key.removesuffix(".weight")
-            if _quantized(key, tensor) and not fmt.ignored(module):
-                codes, scale = fmt.quantize(tensor)
-                if fmt.packed:
-                    packed[f"{key}_packed"], packed[f"{key}_shape"] = codes, torch.tensor(list(tensor.shape))
-                else:
-                    packed[key] = codes
-                packed[f"{key}_scale"] = scale
-                values[key] = fmt.dequantize(codes, scale, torch.float32)
-            else:
-                packed[key] = values[key] = tensor
-        save_file(packed, out_dir / shard.name, metadata={"format": "pt"})
-        save_file(values, values_dir / shard.name, metadata={"format": "pt"})
-        index.update(dict.fromkeys(packed, shard.name))
-        total += sum(t.numel() * t.element_size() for t in packed.values())
-    if (src / "model.safetensors.index.json").exists():
-        (out_dir / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": index})
+    the modules ``fmt.skip`` ignores as they are; and as the model of the dequantized values (``rewrite``).
+    Returns the bytes."""
+
+    def convert(key, tensor):
+        if not _quantized(key, tensor) or fmt.ignored(key.removesuffix(".weight")):
+            return None
+        codes, scale = fmt.quantize(tensor)
+        stored = (
+            {f"{key}_packed": codes, f"{key}_shape": torch.tensor(list(tensor.shape))}
+            if fmt.packed
+            else {key: codes}
         )
+        return {**stored, f"{key}_scale": scale}, fmt.dequantize(codes, scale, torch.float32)
+
     strategy = "group" if fmt.group > 0 else ("channel" if fmt.group == 0 else "tensor")
     weights = {
         "type": "int" if fmt.packed else "float",
@@ -471,16 +444,14 @@ def write_compressed(src, out_dir, values_dir, fmt: Compressed):
         "symmetric": True,
         "dynamic": False,
     }
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {
+    config = {
         "quant_method": "compressed-tensors",
         "format": fmt.format,
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
         "ignore": list(fmt.skip),
         "quantization_status": "compressed",
     }
-    (out_dir / "config.json").write_text(json.dumps(config))
-    return total
+    return rewrite(src, out_dir, values_dir, convert, config)
 
 
 COMPRESSED = {  # name: (family, scheme, host and device budgets of a layer or two, not the base)

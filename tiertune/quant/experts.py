@@ -132,14 +132,23 @@ def convert_experts(layer: nn.Module, quant: object) -> list[str]:
     weights marked, relative to ``layer``; transposed experts and modules in ``quant.skip`` are left."""
     if not isinstance(quant, NF4):
         return []
+    return mark_fused(layer, quant.skip, Experts4bit)
+
+
+def mark_fused(
+    layer: nn.Module, skip: Sequence[str], kind: type[StoredExperts], transposed: bool = False
+) -> list[str]:
+    """Give the fused expert weights inside ``layer`` (meta) placeholders of ``kind`` (their logical shape and
+    dtype), which mark them stored one matrix per expert, and their modules the experts forward; returns the
+    names marked now, relative to ``layer`` (``fused_weights`` says which: ``skip``, ``transposed``)."""
     marked = []
-    for path, module, name, p in fused_weights(layer, quant.skip):
+    for path, module, name, p in fused_weights(layer, skip, transposed):
         module.__dict__["_tiertune_stored"] = True
-        if isinstance(p, Experts4bit):
+        if isinstance(p, kind):
             continue
         where = f"{path}." if path else ""
         placeholder = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
-        module._parameters[name] = Experts4bit(placeholder, name=f"{where}{name}")
+        module._parameters[name] = kind(placeholder, name=f"{where}{name}")
         marked.append(f"{where}{name}")
     return marked
 

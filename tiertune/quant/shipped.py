@@ -52,8 +52,56 @@ def e8m0_dtype() -> torch.dtype:
     return torch.float8_e8m0fnu
 
 
+class LinearFormat:
+    """What the formats that quantize linear weights one tensor each share (``FP8``, ``Compressed``): their layers'
+    ``nn.Linear`` modules become ``ShippedLinear``, a weight binds as its codes and ``<name>.scale``, and an MoE's
+    experts are each a module of their own in the checkpoint (``module_experts_*``)."""
+
+    skip: tuple[str, ...]
+    transposed_experts = False  # experts stored (experts, in, out) stay 16-bit (no such release ships them)
+
+    def convert(self, module: nn.Module, prefix: str = "") -> None:
+        """Replace the ``nn.Linear`` modules inside ``module`` (a decoder layer on the meta device, named
+        ``prefix`` in the model) by ``ShippedLinear``, except those ``ignored``."""
+        for path, sub in list(module.named_modules()):
+            for name, child in list(sub.named_children()):
+                where = ".".join(p for p in (prefix, path, name) if p)
+                if type(child) is nn.Linear and not self.ignored(where):
+                    sub._modules[name] = ShippedLinear.of(child, self)
+
+    def ignored(self, module: str) -> bool:
+        """Whether ``skip`` (the checkpoint's ``modules_to_not_convert`` or compressed-tensors' ``ignore``: names,
+        or ``re:`` regular expressions) leaves ``module`` (its full name) unquantized."""
+        import re
+
+        for pattern in self.skip:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], module):
+                    return True
+            elif pattern and _names(module, pattern):
+                return True
+        return False
+
+    def parameter(self, name: str, shape: torch.Size, views: dict[str, torch.Tensor]) -> nn.Parameter:
+        """The bound weight of ``name``: its codes over the chunk's memory, with its scales."""
+        return ShippedWeight(views[name], self, views[f"{name}.{SCALE}"])
+
+    def experts_entries(
+        self, name: str, shape: tuple[int, ...]
+    ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        return module_experts_entries(self, name, shape)
+
+    def experts_saved(
+        self, name: str, shape: tuple[int, ...], pieces: Sequence[tuple[str, tuple]], checkpoint: Checkpoint
+    ) -> SavedWeight | None:
+        return module_experts_saved(self, name, shape, pieces, checkpoint)
+
+    def expert(self, views: dict[str, torch.Tensor], name: str, e: int) -> ExpertWeight:
+        return module_expert(self, views, name, e)
+
+
 @dataclass
-class FP8:
+class FP8(LinearFormat):
     """Weights stored as FP8 e4m3 codes with one scale per ``block`` (rows, columns) of the matrix; the scales in
     fp32 (``scale_fmt`` float) or as 1-byte powers of two (ue8m0). ``skip`` names modules the checkpoint keeps
     unquantized (``modules_to_not_convert``). ``compute_dtype``: what weights dequantize to."""
@@ -79,16 +127,6 @@ class FP8:
     def scale_shape(self, shape: Sequence[int]) -> tuple[int, int]:
         """The scale grid of a weight of ``shape`` (out, in)."""
         return (-(-shape[0] // self.block[0]), -(-shape[1] // self.block[1]))
-
-    # ------------------------------------------------------------------ the model
-    def convert(self, module: nn.Module, prefix: str = "") -> None:
-        """Replace the ``nn.Linear`` modules inside ``module`` (a decoder layer on the meta device, named
-        ``prefix`` in the model) by ``ShippedLinear``, except those ``skip`` names."""
-        for path, sub in list(module.named_modules()):
-            for name, child in list(sub.named_children()):
-                where = ".".join(p for p in (prefix, path, name) if p)
-                if type(child) is nn.Linear and not any(s and _names(where, s) for s in self.skip):
-                    sub._modules[name] = ShippedLinear.of(child, self)
 
     def entries(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """The chunk entries of weight ``name`` of ``shape`` (out, in): its codes, then its scales."""
@@ -131,25 +169,6 @@ class FP8:
                     "quantization_config says)"
                 )
         return SavedWeight({name: key, f"{name}.{SCALE}": scale_key})
-
-    def parameter(self, name: str, shape: torch.Size, views: dict[str, torch.Tensor]) -> nn.Parameter:
-        """The bound weight of ``name``: its codes over the chunk's memory, with its scales."""
-        return ShippedWeight(views[name], self, views[f"{name}.{SCALE}"])
-
-    transposed_experts = False  # experts stored (experts, in, out) stay 16-bit (no FP8 release ships them)
-
-    def experts_entries(
-        self, name: str, shape: tuple[int, ...]
-    ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        return module_experts_entries(self, name, shape)
-
-    def experts_saved(
-        self, name: str, shape: tuple[int, ...], pieces: Sequence[tuple[str, tuple]], checkpoint: Checkpoint
-    ) -> SavedWeight | None:
-        return module_experts_saved(self, name, shape, pieces, checkpoint)
-
-    def expert(self, views: dict[str, torch.Tensor], name: str, e: int) -> ExpertWeight:
-        return module_expert(self, views, name, e)
 
     # ------------------------------------------------------------------ values
     def dequantize(
@@ -370,18 +389,9 @@ def mark_experts(layer: nn.Module, fmt: Any) -> list[str]:
     """Mark the fused expert weights inside ``layer`` (meta) to be kept as shipped (``ShippedExperts``
     placeholders); returns their names relative to ``layer``. Experts ``fmt.skip`` names stay; so do experts
     stored transposed unless the format ships them so (MXFP4)."""
-    from tiertune.quant.experts import fused_weights
+    from tiertune.quant.experts import mark_fused
 
-    marked = []
-    for path, module, name, p in fused_weights(layer, fmt.skip, transposed=fmt.transposed_experts):
-        module.__dict__["_tiertune_stored"] = True
-        if isinstance(p, ShippedExperts):
-            continue
-        where = f"{path}." if path else ""
-        placeholder = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
-        module._parameters[name] = ShippedExperts(placeholder, name=f"{where}{name}")
-        marked.append(f"{where}{name}")
-    return marked
+    return mark_fused(layer, fmt.skip, ShippedExperts, transposed=fmt.transposed_experts)
 
 
 # ---------------------------------------------------------------------- MXFP4
@@ -494,7 +504,7 @@ def _as_out_in(shape: Sequence[int]) -> tuple[int, int, int]:
 
 
 @dataclass
-class Compressed:
+class Compressed(LinearFormat):
     """Linear weights as compressed-tensors ships them (``quant_method: compressed-tensors``, made by
     llm-compressor: Kimi-K2-Thinking's INT4, GLM's and Llama 4's FP8 releases), one scheme for the layers it
     targets:
@@ -515,7 +525,6 @@ class Compressed:
     scale_dtype: torch.dtype = torch.bfloat16
     skip: tuple[str, ...] = ()
     kind: str = field(default="compressed-tensors", init=False)
-    transposed_experts = False
 
     @property
     def packed(self) -> bool:
@@ -523,26 +532,6 @@ class Compressed:
 
     def settings(self) -> dict[str, object]:
         return {"quantize": self.kind, "format": self.format, "bits": self.bits, "group": self.group}
-
-    def convert(self, module: nn.Module, prefix: str = "") -> None:
-        """As ``FP8.convert``, with compressed-tensors' ``ignore`` list (names and ``re:`` patterns)."""
-        for path, sub in list(module.named_modules()):
-            for name, child in list(sub.named_children()):
-                where = ".".join(p for p in (prefix, path, name) if p)
-                if type(child) is nn.Linear and not self.ignored(where):
-                    sub._modules[name] = ShippedLinear.of(child, self)  # type: ignore[arg-type]
-
-    def ignored(self, module: str) -> bool:
-        """Whether compressed-tensors' ``ignore`` list leaves ``module`` (its full name) unquantized."""
-        import re
-
-        for pattern in self.skip:
-            if pattern.startswith("re:"):
-                if re.match(pattern[3:], module):
-                    return True
-            elif _names(module, pattern):
-                return True
-        return False
 
     def adopt(self, checkpoint: Checkpoint) -> None:
         """Take the scales' dtype from the checkpoint (llm-compressor saves them in the model's dtype or fp32; the
@@ -609,22 +598,6 @@ class Compressed:
                     "the model's quantization_config)"
                 )
         return SavedWeight({name: codes_key, f"{name}.{SCALE}": scale_key})
-
-    def parameter(self, name: str, shape: torch.Size, views: dict[str, torch.Tensor]) -> nn.Parameter:
-        return ShippedWeight(views[name], self, views[f"{name}.{SCALE}"])  # type: ignore[arg-type]
-
-    def experts_entries(
-        self, name: str, shape: tuple[int, ...]
-    ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        return module_experts_entries(self, name, shape)
-
-    def experts_saved(
-        self, name: str, shape: tuple[int, ...], pieces: Sequence[tuple[str, tuple]], checkpoint: Checkpoint
-    ) -> SavedWeight | None:
-        return module_experts_saved(self, name, shape, pieces, checkpoint)
-
-    def expert(self, views: dict[str, torch.Tensor], name: str, e: int) -> ExpertWeight:
-        return module_expert(self, views, name, e)
 
     def dequantize(
         self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None
