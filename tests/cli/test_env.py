@@ -10,7 +10,7 @@ runner = CliRunner()
 def test_env_reports_versions_memory_and_disk(tmp_path):
     result = runner.invoke(app, ["env", "--disk-path", str(tmp_path), "--json"])
     assert result.exit_code == 0, result.output
-    info = json.loads(result.output)
+    info = json.loads(result.stdout)
     assert info["packages"]["torch"].startswith("2.")
     assert set(info["packages"]) >= {"torch", "bitsandbytes", "peft", "transformers", "accelerate"}
     assert info["ram_total_bytes"] > 0 and info["cpu_count"] >= 1
@@ -55,7 +55,7 @@ def test_env_probe_measures_the_disk(tmp_path):
 
     result = CliRunner().invoke(app, ["env", "--disk-path", str(tmp_path), "--probe", "--json"])
     assert result.exit_code == 0, result.output
-    disk = json.loads(result.output)["disk"]
+    disk = json.loads(result.stdout)["disk"]
     assert disk["read_bytes_per_second"] > 1e6 and disk["write_bytes_per_second"] > 1e6
     assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind
     assert CliRunner().invoke(app, ["env", "--probe"]).exit_code == 2

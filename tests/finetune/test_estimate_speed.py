@@ -100,7 +100,7 @@ def test_a_budget_the_machine_cannot_give_is_a_no(recipe_path):
 def test_json_has_the_step_time_and_the_time_to_finish(recipe_path):
     out = CliRunner().invoke(app, ["estimate", str(recipe_path), "--json", "--gpu", "cpu"])
     assert out.exit_code == 0, out.output
-    est = json.loads(out.output)
+    est = json.loads(out.stdout)
     st = est["step_time"]
     assert st["steps"] == 7 and st["steps_source"] == "training.max_steps"
     assert st["total_seconds"] == pytest.approx(7 * st["seconds"])
@@ -188,3 +188,24 @@ def _engine_config(path):
     from tiertune.config.plan import plan
 
     return plan(load_recipe(path), "cpu")[1]
+
+
+def test_the_console_log_follows_each_command_not_the_one_before(recipe_path):
+    """One process that ran ``train --verbose`` (a notebook, the test session) and then ``estimate --json``: the
+    estimate's console log is its own (info), so its stdout is the JSON alone and no debug line is printed;
+    ``--verbose`` prints them on stderr, never in the JSON."""
+    import logging
+
+    from tiertune.cli.app import _console_log
+
+    _console_log(quiet=False, verbose=True)  # what an earlier verbose command left
+    assert logging.getLogger("tiertune").getEffectiveLevel() == logging.DEBUG
+    out = CliRunner().invoke(app, ["estimate", str(recipe_path), "--json", "--no-probe", "--gpu", "cpu"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["fits"] is True and "DEBUG" not in out.output
+    loud = CliRunner().invoke(
+        app, ["estimate", str(recipe_path), "--json", "--no-probe", "--gpu", "cpu", "--verbose"]
+    )
+    assert loud.exit_code == 0, loud.output
+    assert "DEBUG tiertune" in loud.stderr and json.loads(loud.stdout)["fits"] is True
+    _console_log(quiet=False, verbose=False)

@@ -49,7 +49,7 @@ def test_the_estimate_command_reports_it(recipe_path):
         app, ["estimate", str(recipe_path), "--no-probe", "--gpu", "cpu", "--longest", "--json"]
     )
     assert out.exit_code == 0, out.output
-    found = json.loads(out.output)["longest_sequence"]
+    found = json.loads(out.stdout)["longest_sequence"]
     expected = longest_sequence(load_recipe(recipe_path), gpu="cpu")
     assert (found["tokens"], found["batch"], found["multiple"]) == (expected.tokens, 1, 1024)
     text = CliRunner().invoke(app, ["estimate", str(recipe_path), "--no-probe", "--gpu", "cpu", "--longest"])

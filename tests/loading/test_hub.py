@@ -57,7 +57,7 @@ def test_built_in_recipes_are_estimated_and_planned_by_name_offline(tmp_path, of
         app, ["estimate", "llama3-70b-qlora-nvme", "--no-probe", "--gpu", "rtx4090", "--json"]
     )
     assert est.exit_code in (0, 1), est.output  # 1: this machine is not the recipe's (its RAM)
-    figures = json.loads(est.output)
+    figures = json.loads(est.stdout)
     assert 70e9 < figures["parameters"] < 71e9 and figures["tiers"]["device"]["fits"]
     planned = CliRunner().invoke(app, ["train", "llama3-8b-qlora-24gb", "--dry-run"])
     assert planned.exit_code == 0, planned.output

@@ -268,6 +268,8 @@ def estimate(
             "a minute or so).",
         ),
     ] = False,
+    quiet: _Quiet = False,
+    verbose: _Verbose = False,
 ) -> None:
     """Will a recipe fit (each budget, and this machine), how much disk, how fast: bytes per tier and the step
     time with its parts, tokens/s and time to finish, without training or downloading the model.
@@ -281,6 +283,7 @@ def estimate(
     from tiertune.estimates.report import estimate as predict
     from tiertune.estimates.report import format_estimate
 
+    _console_log(quiet, verbose)
     with _user_errors():
         _imports_settled()
         resolved = load_recipe(recipe, tuple(overrides or ()))
@@ -332,6 +335,8 @@ def export(
         str, typer.Option("--gguf-type", help="The GGUF weights' type: f32, f16, bf16 or q8_0.")
     ] = "f16",
     overwrite: _Overwrite = False,
+    quiet: _Quiet = False,
+    verbose: _Verbose = False,
 ) -> None:
     """Write a run or checkpoint for serving: a Hugging Face model (vLLM, SGLang, transformers), a PEFT adapter
     (vLLM --enable-lora), a GGUF file with an Ollama Modelfile (llama.cpp, Ollama), or a GGUF LoRA adapter.
@@ -347,6 +352,7 @@ def export(
     """
     from tiertune.export.commands import export as run
 
+    _console_log(quiet, verbose)
     with _user_errors():
         path, what = run(source, out, fmt, overwrite, gguf_type)
     first, *notes = what.split("\n")
@@ -369,6 +375,8 @@ def merge(
         typer.Option(help="The merged weights' dtype, e.g. bfloat16 (default: the base model's own dtype)."),
     ] = None,
     overwrite: _Overwrite = False,
+    quiet: _Quiet = False,
+    verbose: _Verbose = False,
 ) -> None:
     """Fold a LoRA adapter into its base model and write the merged Hugging Face model.
 
@@ -380,6 +388,7 @@ def merge(
     """
     from tiertune.export.commands import merge as run
 
+    _console_log(quiet, verbose)
     with _user_errors():
         path, what = run(adapter, out, base, dtype, overwrite)
     typer.echo(f"merged: {what}; wrote {path}")
