@@ -82,6 +82,38 @@ def plain_training(model, opt, clipped, cfg, batches, steps=STEPS, accum=ACCUM, 
 LORA = LoraSettings(r=4, alpha=8, dropout=0.0, seed=0)
 
 
+def peft_lora(model, lora=LORA, experts=False):
+    """peft's ``LoraConfig`` adapting in ``model`` (transformers' own, in memory) what tiertune's ``all-linear``
+    adapts, written independently of tiertune: every linear layer of the decoder layers by its full name but the
+    routers; the MLPs' projections (a shared expert's, a dense layer's) as parameters, which peft adapts alike
+    (W + s B A, the same keys), because peft 0.21 takes module targets ending in gate_proj, up_proj or down_proj
+    for routed experts on the DeepSeek, GLM and Qwen3-MoE families (huggingface/peft#3711). ``experts``: the
+    routed experts' fused weights and the routers' too (``all-linear``, ``experts``, ``routers``)."""
+    from peft import LoraConfig
+
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    linear = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and ".layers." in n
+        and "experts" not in n.split(".")
+        and n.rsplit(".", 1)[-1] not in ("gate", "router")
+        and "vision" not in n
+    ]
+    parameters = [f"{n}.weight" for n in linear if n.rsplit(".", 1)[-1] in mlp]
+    if experts:
+        parameters += ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
+    return LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=[n for n in linear if n.rsplit(".", 1)[-1] not in mlp],
+        target_parameters=parameters or None,
+        task_type="CAUSAL_LM",
+    )
+
+
 def lora_config(**kw):
     base = dict(
         dtype=torch.float32,

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from parity import ACCUM, _batches, assert_adam_trained_close, lora_config
+from parity import ACCUM, _batches, assert_adam_trained_close, lora_config, peft_lora
 
 from tiertune.engine import StreamedTrainer
 from tiertune.methods.lora import LoraSettings
@@ -14,7 +14,9 @@ from tiertune.offload.store import StoreConfig
 
 FAMILIES = ["mixtral", "qwen3_moe", "deepseek_v3"]
 STEPS = 4
-LORA = LoraSettings(r=4, alpha=8, dropout=0.0, seed=0)  # peft adapts expert weights without dropout
+# all-linear (attention, shared experts, dense MLPs) with the routed experts and the routers, which peft adapts
+# as parameters (without dropout)
+LORA = LoraSettings(r=4, alpha=8, dropout=0.0, seed=0, target_modules=["all-linear", "experts", "routers"])
 
 
 def _config(quantize, **kw):
@@ -70,19 +72,12 @@ def _base(path, quantize):
 
 
 def _reference(path, quantize):
-    """peft in memory on ``_base``: LoRA on all linear layers, which peft 0.21 extends on transformers 5 to
-    the MoE experts and routers (as parameters, its ``target_parameters``). Returns it and the expert bytes."""
-    from peft import LoraConfig, get_peft_model
+    """peft in memory on ``_base``: parity's ``peft_lora`` with the routed experts and the routers (the fused
+    expert weights and the routers' as parameters, rank r each). Returns it and the expert bytes."""
+    from peft import get_peft_model
 
     base, codes = _base(path, quantize)
-    config = LoraConfig(
-        r=LORA.r,
-        lora_alpha=LORA.alpha,
-        lora_dropout=LORA.dropout,
-        target_modules="all-linear",
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(base, config), codes
+    return get_peft_model(base, peft_lora(base, LORA, experts=True)), codes
 
 
 def _plain_loop(model, cfg, batches, with_labels=False):
@@ -240,15 +235,56 @@ def test_lora_on_moe_matches_peft(tiny_model_dir, disk_dir, family):
     cfg = _config("none")
     initial, trained, batches, losses, _ = _train(path, disk_dir, cfg)
     assert _adapted(trained) >= {"attention", "experts", "router"}
+    if family == "deepseek_v3":  # its dense first layer and shared experts too
+        assert "dense mlp" in _adapted(trained)
     reference, _ = _reference(path, "none")
     _compare(reference, initial, trained, losses, batches, cfg)
+
+
+def test_all_linear_on_moe_adapts_attention_shared_experts_and_dense_mlps(tiny_model_dir, disk_dir, tmp_path):
+    """``all-linear``, the default, on DeepSeek-V3: its attention, its dense first layer's MLP and its shared
+    experts' projections, as modules; no routed expert, no router (peft's remapping would have adapted the routed
+    experts in place of the shared ones); with dropout, which only parameters' adapters lack. ``experts`` in the
+    list adds the routed experts' weights. The saved adapter loads in peft 0.21 over transformers' model, every
+    tensor in place."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from tiertune.loading.model import build_skeleton
+    from tiertune.methods.lora import lora_targets
+
+    path, _ = tiny_model_dir("deepseek_v3")
+    cfg = _config("none", lora=LoraSettings(r=4, alpha=8, dropout=0.05, seed=0))
+    store = StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
+    trainer = StreamedTrainer(str(path), store, cfg)
+    try:
+        adapter = trainer.adapter_state_dict()
+        trainer.save_adapter(tmp_path / "adapter")
+    finally:
+        trainer.close()
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), tmp_path / "adapter")
+    theirs = get_peft_model_state_dict(loaded)
+    assert set(theirs) == set(adapter) and all(torch.equal(theirs[k], adapter[k]) for k in adapter)
+    modules, parameters = lora_targets(
+        build_skeleton(path), LoraSettings(target_modules=["all-linear", "experts"])
+    )
+    assert _adapted(adapter) == {"attention", "dense mlp"}
+    assert any(".layers.0.mlp.gate_proj." in k for k in adapter)  # the dense first layer
+    assert any(".shared_experts.down_proj." in k for k in adapter)
+    assert not any(".experts." in k and ".shared_experts." not in k for k in adapter)
+    assert "mlp.shared_experts.gate_proj" in modules and parameters == [
+        "mlp.experts.gate_up_proj",
+        "mlp.experts.down_proj",
+    ]
 
 
 def test_experts_lora_needs_no_dropout(tiny_model_dir, disk_dir):
     from tiertune.errors import ConfigError
 
     path, _ = tiny_model_dir("mixtral")
-    cfg = _config("nf4", lora=LoraSettings(r=4, alpha=8, dropout=0.05))
+    cfg = _config(
+        "nf4", lora=LoraSettings(r=4, alpha=8, dropout=0.05, target_modules=["all-linear", "experts"])
+    )
     store = StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
     with pytest.raises(ConfigError, match="set method.lora.dropout: 0"):
         StreamedTrainer(str(path), store, cfg).close()

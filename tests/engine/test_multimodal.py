@@ -1,6 +1,6 @@
-"""Multimodal classes trained on text (Gemma 3's ``ForConditionalGeneration``): the language model streams as a
-decoder does, the vision tower is never read nor adapted, and the merged export is the same class with the tower
-as it was."""
+"""Multimodal classes trained on text (Gemma 3's and Llama 4's ``ForConditionalGeneration``): the language model
+streams as a decoder does, the vision tower is never read nor adapted, and the merged export is the same class with
+the tower as it was."""
 
 import pytest
 import torch
@@ -46,23 +46,100 @@ def gemma3(tmp_path_factory):
     return path
 
 
-def test_text_lora_on_gemma3_follows_peft_and_never_reads_the_tower(gemma3, disk_dir):
-    """Gemma3ForConditionalGeneration with text: LoRA on its language model (all-linear names none of the tower's
-    modules, although the tower has its own q_proj) trains as peft over transformers' model does (rel 1e-4), the
-    base homed on disk; no chunk holds a tower weight, and the adapter's keys are peft's names of the decoder's
-    modules."""
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory, cat_model):
+    """A tiny Llama 4 (its vision encoder and adapter, a projector, a language model with chunked attention and
+    a NoPE layer, dense and MoE layers: a routed expert's fused weights, a shared expert, a router) as
+    ``save_pretrained`` writes its ``ForConditionalGeneration`` (the class its releases name), with a tokenizer."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Llama4Config(
+        text_config=dict(
+            hidden_size=64,
+            intermediate_size=48,
+            intermediate_size_mlp=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=211,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=8,
+            no_rope_layers=[1, 1, 1, 0],
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+            vision_output_dim=32,
+            projector_input_dim=32,
+            projector_output_dim=32,
+        ),
+    )
+    path = tmp_path_factory.mktemp("llama4")
+    Llama4ForConditionalGeneration(config).save_pretrained(path, max_shard_size="60KB")
+    for f in cat_model(2).glob("*token*"):
+        (path / f.name).write_bytes(f.read_bytes())
+    return path
+
+
+FAMILIES = {
+    "gemma3": ("512KiB", "200KiB"),
+    "llama4": ("512KiB", "256KiB"),
+}  # device and host budgets: streamed
+
+
+def _checkpoint_class(path):
+    """The transformers class the checkpoint's config names (what a user loads it with)."""
+    import json
+
+    import transformers
+
+    return getattr(transformers, json.loads((path / "config.json").read_text())["architectures"][0])
+
+
+class _TextPath(torch.nn.Module):
+    """transformers' forward of a multimodal class for text: its language model's (the class's own forward hands
+    text to it unchanged; transformers 5.24's Llama 4 class fails after it, reading ``image_outputs`` from the
+    language model's output)."""
+
+    def __init__(self, peft_model):
+        super().__init__()
+        self.peft_model = peft_model
+        self.model = peft_model.base_model.model
+
+    def forward(self, input_ids, attention_mask):
+        if type(self.model).__name__ == "Llama4ForConditionalGeneration":
+            return self.model.language_model(input_ids=input_ids, attention_mask=attention_mask)
+        return self.model(input_ids=input_ids, attention_mask=attention_mask)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_text_lora_follows_peft_and_never_reads_the_tower(family, gemma3, llama4, disk_dir):
+    """A multimodal class trained on text: LoRA on its language model (all-linear names none of the tower's
+    modules, although the tower has its own q_proj; on Llama 4's MoE layers: attention and the shared expert,
+    not the router) trains as peft over transformers' model of the checkpoint's class does (rel 1e-4), the base
+    homed on disk and read at most twice a step; no chunk holds a tower weight, and the adapter's keys are peft's
+    names of the decoder's modules in that class."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
 
     from tiertune.loading.model import tower_parameters
-    from tiertune.methods.lora import language_targets
 
+    path = {"gemma3": gemma3, "llama4": llama4}[family]
+    device, host = FAMILIES[family]
     cfg = lora_config(quantize="none", warmup_steps=1, max_steps=STEPS, params="disk")
     store = StoreConfig.resolve(
-        device_budget="512KiB", host_budget="200KiB", disk_path=str(disk_dir), prefetch_depth=1
+        device_budget=device, host_budget=host, disk_path=str(disk_dir), prefetch_depth=1
     )
-    trainer = StreamedTrainer(str(gemma3), store, cfg)
+    trainer = StreamedTrainer(str(path), store, cfg)
     try:
+        assert type(trainer.model).__name__ == _checkpoint_class(path).__name__
         tower = set(tower_parameters(trainer.model))
         chunked = {s.name for c in trainer.store.chunks for s in c.tensors}
         initial = trainer.adapter_state_dict()
@@ -73,27 +150,35 @@ def test_text_lora_on_gemma3_follows_peft_and_never_reads_the_tower(gemma3, disk
             losses.append(trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]))
             moved.append(trainer.store.stats().bytes_moved.get("disk->host", 0) - before)
         trained = trainer.adapter_state_dict()
-        trainer.save_adapter(disk_dir / "adapter")
         base_bytes = sum(c.capacity for c in trainer.store.chunks if ".layers." in c.name)
     finally:
         trainer.close()
-    assert tower and any("vision_tower" in n for n in tower) and not tower & chunked  # the tower: no chunk
+    assert tower and any("vision" in n for n in tower) and not tower & chunked  # the tower: no chunk
     assert min(moved[1:]) > 0 and max(moved[1:]) <= 2 * base_bytes * 1.1
     assert (
         trained and all(".language_model." in k for k in trained) and not any("vision" in k for k in trained)
     )
+    if family == "llama4":
+        assert any(".shared_expert." in k for k in trained) and not any(".router." in k for k in trained)
 
-    model = AutoModelForCausalLM.from_pretrained(gemma3, dtype=torch.float32, device_map="cpu")
+    model = _checkpoint_class(path).from_pretrained(path, dtype=torch.float32, device_map="cpu")
     model.config.use_cache = False
     model.config.get_text_config(decoder=True).use_cache = False
-    targets = language_targets(model, "all-linear")
-    config = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=0.0, target_modules=targets)
+    decoder = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and ".language_model." in f".{n}"
+        and not n.endswith("router")
+        and "lm_head" not in n
+    ]
+    config = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=0.0, target_modules=decoder)
     reference = get_peft_model(model, config)
     reference.train()
     set_peft_model_state_dict(reference, initial)
     params = [p for p in reference.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
-    expected = plain_training(reference, opt, params, cfg, batches, steps=STEPS)
+    expected = plain_training(_TextPath(reference), opt, params, cfg, batches, steps=STEPS)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
     theirs = get_peft_model_state_dict(reference)
     assert set(trained) == set(theirs)
@@ -101,34 +186,35 @@ def test_text_lora_on_gemma3_follows_peft_and_never_reads_the_tower(gemma3, disk
         assert_adam_trained_close(trained[name], value, name)
 
 
-def test_the_merged_export_of_text_lora_on_gemma3_is_the_same_class_with_its_tower_unchanged(
-    gemma3, tmp_path
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_merged_export_of_text_lora_is_the_same_class_with_its_tower_unchanged(
+    family, gemma3, llama4, tmp_path
 ):
-    """``tiertune merge`` of an adapter trained on Gemma 3's language model: the merged model loads in transformers
-    as Gemma3ForConditionalGeneration, its vision tower and projector bit-identical to the base's, its adapted
-    weights changed."""
+    """``tiertune merge`` of an adapter trained on a multimodal class's language model: the merged model loads in
+    transformers as the checkpoint's class, its vision tower and projector bit-identical to the base's, its
+    adapted weights changed."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     from tiertune.export.commands import merge
 
+    path = {"gemma3": gemma3, "llama4": llama4}[family]
     cfg = EngineConfig(
         dtype=torch.float32, method="lora", lora=LORA, learning_rate=1e-2, max_steps=1, params="host"
     )
-    trainer = StreamedTrainer(str(gemma3), StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB"), cfg)
+    trainer = StreamedTrainer(str(path), StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB"), cfg)
     try:
         trainer.step(_batches(211)[:ACCUM])
         trainer.save_adapter(tmp_path / "adapter")
     finally:
         trainer.close()
     for f in ("tokenizer.json", "tokenizer_config.json"):  # the merged model's tokenizer
-        (tmp_path / "adapter" / f).write_bytes((gemma3 / f).read_bytes()) if (gemma3 / f).exists() else None
-    out, _ = merge(tmp_path / "adapter", tmp_path / "merged", base=str(gemma3), dtype="float32")
-    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    assert type(merged).__name__ == "Gemma3ForConditionalGeneration"
-    base = {k: v for f in sorted(gemma3.glob("*.safetensors")) for k, v in load_file(f).items()}
+        (tmp_path / "adapter" / f).write_bytes((path / f).read_bytes()) if (path / f).exists() else None
+    out, _ = merge(tmp_path / "adapter", tmp_path / "merged", base=str(path), dtype="float32")
+    merged = _checkpoint_class(out).from_pretrained(out, dtype=torch.float32)
+    assert type(merged) is _checkpoint_class(path)
+    base = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
     written = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
-    tower = [k for k in base if "vision_tower" in k or "multi_modal_projector" in k]
+    tower = [k for k in base if "vision" in k or "multi_modal_projector" in k]
     assert tower and all(torch.equal(written[k], base[k]) for k in tower)
     q = next(k for k in base if k.endswith("layers.0.self_attn.q_proj.weight") and "vision" not in k)
     assert not torch.equal(written[q], base[q])  # the adapter merged into the language model

@@ -394,12 +394,19 @@ def test_the_100b_class_moe_configs_are_estimated_with_every_expert_in_nf4(tmp_p
     cached = predicted.kinds[QUANT_CACHE][1]
     assert cached > 0.9 * weights and predicted.disk_needed >= predicted.tiers["disk"].home + cached
     assert predicted.moved_per_step["disk->host"] > 0
-    # all-linear on transformers 5: peft adapts the fused experts as parameters, so the trained parameters
-    # hold at least each MoE layer's down_proj B factors (hidden x r * experts), not only attention's
+    # all-linear on an MoE is attention (these two have no shared expert): the routed experts are left out, and
+    # the estimate says what adding them would train: r (in + out) for each expert's gate_up_proj and down_proj
     config = json.loads((CONFIGS / name / "config.json").read_text())
     experts = config.get("num_local_experts") or config.get("num_experts") or config["n_routed_experts"]
-    moe_layers = config["num_hidden_layers"] - config.get("first_k_dense_replace", 0)
-    assert predicted.trained_parameters > 8 * experts * config["hidden_size"] * moe_layers
+    hidden = config["hidden_size"]
+    inner = config.get("moe_intermediate_size") or config["intermediate_size"]
+    layers = config["num_hidden_layers"]
+    kv = config["num_key_value_heads"] * config.get("head_dim", hidden // config["num_attention_heads"])
+    q = config["num_attention_heads"] * config.get("head_dim", hidden // config["num_attention_heads"])
+    assert predicted.trained_parameters == 8 * layers * ((hidden + q) * 2 + (hidden + kv) * 2)
+    added = 8 * experts * ((2 * inner + hidden) + (hidden + inner)) * layers
+    (note,) = [n for n in predicted.notes if "routed experts" in n]
+    assert f"would train {added:,} more parameters" in note, note
 
 
 def test_attention_only_lora_counts_the_attention_adapters(tmp_path):

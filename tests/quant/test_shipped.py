@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from parity import ACCUM, LORA, _batches, assert_adam_trained_close, lora_config, plain_training
+from parity import ACCUM, LORA, _batches, assert_adam_trained_close, lora_config, peft_lora, plain_training
 from safetensors.torch import load_file, save_file
 
 from tiertune.engine import StreamedTrainer
@@ -135,17 +135,15 @@ def _train(path, disk_dir, cfg, host="96KiB", device="256KiB"):
 
 
 def _peft_reference(values_dir, initial, cfg, batches):
-    """peft's LoRA (all linear layers, as tiertune's) over transformers' model of the dequantized values, trained
-    by the plain loop from tiertune's initial adapters. Returns the losses and the trained adapters."""
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    """peft's LoRA (parity's ``peft_lora``: what tiertune's all-linear adapts) over transformers' model of the
+    dequantized values, trained by the plain loop from tiertune's initial adapters. Returns the losses and the
+    trained adapters."""
+    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(values_dir, dtype=torch.float32, device_map="cpu")
     model.config.use_cache = False
-    config = LoraConfig(
-        r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
-    )
-    model = get_peft_model(model, config)
+    model = get_peft_model(model, peft_lora(model))
     model.train()
     set_peft_model_state_dict(model, initial)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from tiertune.engine.objective import pair_losses
+from tiertune.loading.model import text_decoder
 
 if TYPE_CHECKING:
     from tiertune.engine.loss import CausalLMLoss
@@ -68,7 +69,7 @@ class Compute:
         """The model's decoder on a micro-batch's ``ids`` (and ``extra`` inputs: masks, positions) inside the
         engine's visit (``Capture``: it records each of ``layers``' calls and the embeddings' output, and may
         stop at the first layer)."""
-        model.get_decoder()(input_ids=ids, **extra, **kwargs)
+        text_decoder(model)(input_ids=ids, **extra, **kwargs)
 
     def layer(self, layer: nn.Module, hidden: torch.Tensor, call: Call) -> torch.Tensor:
         """A decoder layer's output for ``hidden`` and ``call`` (``streaming.run_layer``)."""

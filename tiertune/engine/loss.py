@@ -11,6 +11,7 @@ from torch import nn
 
 from tiertune.kernels.architectures import FUSED_LOSS
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX, linear_cross_entropy, token_cross_entropy
+from tiertune.loading.model import text_decoder
 
 log = logging.getLogger("tiertune.engine")
 
@@ -91,12 +92,20 @@ class CausalLMLoss:
     def _hidden(self, ids: torch.Tensor, extra: dict) -> torch.Tensor:
         """The decoder's last hidden states before each target ([rows x (length - 1), hidden]), times the
         logit scale (Cohere: (h W^T) * s computed as (s h) W^T)."""
-        hidden = self.model.get_decoder()(input_ids=ids, **extra, **self.model_kwargs).last_hidden_state
+        hidden = text_decoder(self.model)(input_ids=ids, **extra, **self.model_kwargs).last_hidden_state
         h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         scale = getattr(self.model.config, "logit_scale", None)
         return h * scale if scale is not None and scale != 1 else h
 
     def _logits(self, ids: torch.Tensor, extra: dict) -> torch.Tensor:
-        """The model's own logits before each target, in fp32 ([rows x (length - 1), vocabulary])."""
+        """The model's own logits before each target, in fp32 ([rows x (length - 1), vocabulary]). A multimodal
+        class's are its language model's, through its head (and its cap), as its forward computes them for text:
+        its forward also wires the tower's outputs, which transformers 5.24's Llama 4 class fails to do when no
+        image is given (``image_outputs`` of the language model's output)."""
+        if self.model.config.get_text_config(decoder=True) is not self.model.config:
+            head = self.model.get_output_embeddings()
+            logits = F.linear(self._hidden(ids, extra), head.weight, head.bias).float()
+            cap = self._softcap
+            return torch.tanh(logits / cap) * cap if cap else logits
         logits = self.model(input_ids=ids, **extra, **self.model_kwargs).logits
         return logits[:, :-1].float().reshape(-1, logits.shape[-1])

@@ -382,6 +382,12 @@ def estimate(
             "cache under disk_path, read in place from there (the disk tier holds no second copy; the next run "
             "of the same model and settings reuses them)"
         )
+    if recipe.method.type == "lora":
+        from tiertune.methods.lora import expert_adapter_note
+
+        said = expert_adapter_note(model, recipe.method.lora)
+        if said:
+            notes.append(said)
     est = Estimate(parameters, trained, kinds, tiers, outside, notes=notes, plan=memory)
     est.waves = Waves(
         recipe.training.gradient_accumulation_steps,

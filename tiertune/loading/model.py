@@ -203,22 +203,48 @@ def no_cache(model: nn.Module) -> None:
     model.config.get_text_config(decoder=True).use_cache = False
 
 
-def build_skeleton(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The model of a local Hugging Face directory with its parameters on the meta device (no memory)."""
-    from accelerate import init_empty_weights
+def model_class(config: Any) -> type:
+    """The transformers class tiertune builds for ``config``: the checkpoint's own class when the checkpoint
+    is a multimodal one (``Llama4ForConditionalGeneration``) whose text decoder tiertune streams, although
+    ``AutoModelForCausalLM`` would build the text decoder alone from it (Llama 4, Qwen3-VL); else
+    ``AutoModelForCausalLM``'s class. So the parameters are named as the checkpoint names them, an adapter's
+    keys are peft's names for the modules of the class the checkpoint is, and a merged export is that class
+    with its tower."""
+    import transformers
     from transformers import AutoModelForCausalLM
+
+    causal = AutoModelForCausalLM._model_mapping[type(config)]
+    named = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or []]
+    for cls in named:
+        if (
+            cls is not None
+            and cls is not causal
+            and cls.__name__.endswith("ForConditionalGeneration")
+            and getattr(cls, "config_class", None) is type(config)
+            and config.get_text_config(decoder=True) is not config
+        ):
+            return cls
+    return causal
+
+
+def build_skeleton(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of a local Hugging Face directory (``model_class``'s) with its parameters on the meta device
+    (no memory)."""
+    from accelerate import init_empty_weights
 
     config = load_config(directory)
     try:
         # no initializer runs: the parameters are on the meta device, their values never exist (on meta,
         # torch runs each initializer through its Python reference kernels: seconds for a 70B skeleton)
-        with init_empty_weights(include_buffers=False), _no_init_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with init_empty_weights(include_buffers=False), _no_init_weights(), _LargeOnMeta():
+            model = model_class(config)._from_config(config, dtype=dtype)
     except Exception as exc:  # transformers' model code on a config it cannot use (missing or odd settings)
         import transformers
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "its causal LM")
+        try:
+            name = model_class(config).__name__
+        except Exception:  # a config transformers maps to no class: the message names none
+            name = "its causal LM"
         why = (str(exc).splitlines() or [""])[0][:200]
         raise ModelError(
             f"transformers {transformers.__version__} cannot build {name} from {Path(directory) / 'config.json'} "
@@ -229,6 +255,28 @@ def build_skeleton(directory: str | os.PathLike[str], dtype: torch.dtype = torch
     # from_config did: tie again so a tied head is the embedding's own parameter
     model.tie_weights()
     return model
+
+
+class _LargeOnMeta(torch.overrides.TorchFunctionMode):
+    """Tensors of more than ``LARGE_AT_INIT`` bytes that a model's ``__init__`` makes with a factory and no
+    device (``torch.zeros``) are made on the meta device: they are parameters, which ``init_empty_weights``
+    moves to meta anyway, but only after they were made; zero-filled, they were memory written (transformers
+    5.24's Llama 4 experts: ``torch.zeros`` of 43 GB for Maverick's). Buffers, which stay real, are small."""
+
+    FACTORIES = frozenset({torch.zeros, torch.ones, torch.empty, torch.full, torch.rand, torch.randn})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func in self.FACTORIES and kwargs.get("device") is None and args:
+            first = args[0]
+            shape = first if isinstance(first, (tuple, list, torch.Size)) else args
+            if all(isinstance(n, int) for n in shape) and math.prod(shape) * 4 > LARGE_AT_INIT:
+                kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+LARGE_AT_INIT = 64 << 20
+"""Bytes (at 4 a value) above which a factory tensor made in a model's ``__init__`` is made on meta."""
 
 
 def _no_init_weights() -> contextlib.AbstractContextManager:
@@ -284,6 +332,16 @@ def split_model(model: nn.Module) -> ModelParts:
     if head_params:
         groups.append(ParamGroup("head", "head", head_params))
     return ModelParts(model, layers_name, layers, embed, head, tied, groups)
+
+
+def text_decoder(model: nn.Module) -> nn.Module:
+    """The module whose forward gives the text decoder's last hidden states: ``model.get_decoder()``, or, where
+    that is a causal LM of its own (the language model of Llama 4's multimodal class), its base model."""
+    decoder = model.get_decoder()
+    inner = getattr(decoder, "model", None)  # transformers' name of a causal LM's decoder
+    if decoder is not model and decoder.get_output_embeddings() is not None and isinstance(inner, nn.Module):
+        decoder = inner
+    return decoder
 
 
 def tower_parameters(model: nn.Module) -> list[str]:

@@ -14,6 +14,7 @@ they are initialized in one pass over the layers once the base is in the store (
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import shutil
 import tempfile
@@ -30,6 +31,8 @@ from tiertune.errors import ConfigError, NonFiniteError
 from tiertune.files import move_files_into
 from tiertune.settings import LoraSettings
 
+log = logging.getLogger(__name__)
+
 
 @contextlib.contextmanager
 def peft_wrapping() -> Iterator[None]:
@@ -37,7 +40,52 @@ def peft_wrapping() -> Iterator[None]:
     reads the model's ``is_gradient_checkpointing``, which transformers 5 deprecated with a FutureWarning on
     every read; and on an MoE whose experts are modules of their own (DeepSeek-V3) peft warns, at every
     wrapping, that the rank and alpha patterns it added itself for fused experts (``gate_up_proj``) matched
-    nothing (tiertune sets no pattern). Only those warnings are silenced, and only here."""
+    nothing (tiertune sets no pattern). Only those warnings are silenced, and only here.
+
+    Also here: peft 0.21 remaps, on the MoE families whose experts transformers 5 fused (DeepSeek, GLM, Qwen3-MoE),
+    every target ending in ``gate_proj``, ``up_proj`` or ``down_proj`` to the fused routed experts (what such a
+    name meant in an adapter of transformers 4), the shared experts' and dense MLPs' own modules included
+    (huggingface/peft#3711). Targets that name a module of the model by a dotted path (what ``lora_targets``
+    writes) are held out of that remapping, as peft's fix for that issue does; bare names are remapped as
+    peft does."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    original = conversion.convert_peft_config_for_transformers
+
+    def convert(peft_config: Any, model: nn.Module, conversions: Any) -> None:
+        targets = peft_config.target_modules
+        named = _dotted_module_targets(targets, model) if isinstance(targets, (list, set, tuple)) else set()
+        if not named:
+            original(peft_config, model, conversions)
+            return
+        peft_config.target_modules = set(targets) - named
+        original(peft_config, model, conversions)
+        peft_config.target_modules = set(peft_config.target_modules or ()) | named
+
+    conversion.convert_peft_config_for_transformers = convert
+    try:
+        with _quiet_wrapping():
+            yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
+
+
+def _dotted_module_targets(targets: Any, model: nn.Module) -> set[str]:
+    """The entries of a list of ``target_modules`` that name a module of ``model`` by a dotted path (its whole
+    name or the end of it)."""
+    dotted = {t for t in targets if isinstance(t, str) and "." in t}
+    if not dotted:
+        return set()
+    ends = set()
+    for name, _ in model.named_modules():
+        parts = name.split(".")
+        ends.update(".".join(parts[i:]) for i in range(len(parts) - 1))
+    return dotted & ends
+
+
+@contextlib.contextmanager
+def _quiet_wrapping() -> Iterator[None]:
+    """``peft_wrapping``'s silenced warnings."""
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
@@ -84,31 +132,171 @@ def _expert_factors(wrapper: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor
     return out
 
 
-def language_targets(model: nn.Module, targets: str | list[str]) -> str | list[str]:
-    """``method.lora.target_modules`` as peft should take them for ``model``: as they are for a model of text;
-    for a multimodal class (trained on text), the full names of the language model's modules they name (``all-
-    linear``: its linear layers), so that names the vision or audio tower shares (``q_proj``) adapt the decoder
-    only. The adapter's keys are peft's names for those modules."""
-    if model.config.get_text_config(decoder=True) is model.config:  # a model of text alone
-        return targets
-    decoder = model.get_decoder()
-    prefix = next(n for n, m in model.named_modules() if m is decoder)
-    names = [targets] if isinstance(targets, str) else list(targets)
-    found = [
-        f"{prefix}.{path}"
-        for path, module in decoder.named_modules()
-        if path
-        and (
-            (names == ["all-linear"] and isinstance(module, nn.Linear))
-            or any(path == n or path.endswith(f".{n}") for n in names)
-        )
-    ]
-    if not found:
+TARGET_KEYWORDS = ("all-linear", "experts", "routers")
+"""Words ``method.lora.target_modules`` may hold besides module names: ``all-linear`` (the decoder's linear
+layers; on a mixture of experts: attention, shared experts and dense MLPs), ``experts`` (the routed experts'
+weights) and ``routers`` (the routers' weights)."""
+
+ROUTERS = ("gate", "router", "shared_expert_gate")
+"""Names transformers gives the modules of an MoE block that route tokens (or gate a shared expert)."""
+
+
+def _under_experts(path: str) -> bool:
+    """Whether ``path`` (a module's name in a decoder layer) is a routed experts module or inside one."""
+    return "experts" in path.split(".")
+
+
+def _is_router(path: str, module: nn.Module) -> bool:
+    """Whether the module at ``path`` routes tokens: named as transformers names routers, or a Router class."""
+    return path.rsplit(".", 1)[-1] in ROUTERS or type(module).__name__.endswith("Router")
+
+
+def _moe(layers: nn.Module) -> bool:
+    """Whether the decoder ``layers`` hold routed experts (a mixture of experts)."""
+    return any(_under_experts(path) for path, _ in layers.named_modules())
+
+
+def lora_targets(model: nn.Module, settings: LoraSettings) -> tuple[str | list[str], list[str] | None]:
+    """``method.lora``'s targets as peft should take them for ``model``: ``(target_modules,
+    target_parameters)``.
+
+    - A dense model of text: as they are (peft resolves ``all-linear`` and names).
+    - A mixture of experts: ``all-linear`` means attention, shared experts and dense MLPs, never the routed
+      experts nor the routers; ``experts`` adds the routed experts' weights (``target_parameters``, one
+      low-rank term per expert) and ``routers`` the routers'. The modules are named by their path in a layer
+      (``mlp.shared_experts.gate_proj``), which peft's remapping of transformers 4 adapters leaves alone
+      (``peft_wrapping``).
+    - A multimodal class trained on text: the full names of its language model's modules, so that names its
+      tower shares (``q_proj``) adapt the decoder only.
+
+    The adapter's keys are peft's names for those modules of the checkpoint's class."""
+    names = (
+        [settings.target_modules]
+        if isinstance(settings.target_modules, str)
+        else list(settings.target_modules)
+    )
+    parameters = list(settings.target_parameters or [])
+    multimodal = model.config.get_text_config(decoder=True) is not model.config
+    decoder = model.get_decoder() if multimodal else model
+    prefix = next(n for n, m in model.named_modules() if m is decoder) if multimodal else ""
+    layers_name, layers = _decoder_layers(decoder)
+    moe = _moe(layers)
+    if not moe and not multimodal:
+        if {"experts", "routers"} & set(names):
+            raise ConfigError(
+                f"method.lora.target_modules {settings.target_modules!r} names experts or routers, but "
+                f"{type(model).__name__} is not a mixture of experts; use all-linear or module names"
+            )
+        return settings.target_modules, parameters or None
+
+    def full(relative: str) -> str:  # a name peft matches: in a multimodal class, the module's whole name
+        return ".".join(p for p in (prefix, layers_name, relative) if p) if multimodal else relative
+
+    found: dict[str, None] = {}
+    for i, layer in enumerate(layers):
+        for path, module in layer.named_modules():
+            if not path:
+                continue
+            where = f"{i}.{path}" if multimodal else path
+            linear = isinstance(module, nn.Linear)
+            router = _is_router(path, module)
+            if _under_experts(path):
+                if "experts" in names and linear:  # experts as modules of their own
+                    found[full(where)] = None
+                elif "experts" in names and path.split(".")[-1] == "experts":
+                    for pname, p in module.named_parameters(recurse=False):
+                        if p.dim() == 3:
+                            parameters.append(full(f"{where}.{pname}"))
+            elif router:
+                if "routers" in names and linear:
+                    found[full(where)] = None
+                elif "routers" in names and isinstance(getattr(module, "weight", None), torch.Tensor):
+                    parameters.append(full(f"{where}.weight"))
+            elif linear and (
+                "all-linear" in names or any(path == n or path.endswith(f".{n}") for n in names)
+            ):
+                found[full(where)] = None
+    if not multimodal:  # a text model: each kind of module once, by its path in a layer
+        found = dict.fromkeys(sorted(found))
+    parameters = list(dict.fromkeys(parameters))
+    if not found and not parameters:
         raise ConfigError(
-            f"method.lora.target_modules {targets!r} names no module of {type(model).__name__}'s language model "
-            f"({type(decoder).__name__}); name its layers' modules (e.g. q_proj, v_proj) or all-linear"
+            f"method.lora.target_modules {settings.target_modules!r} names no module of {type(model).__name__}'s "
+            f"decoder layers ({type(layers[0]).__name__}); name its layers' modules (e.g. q_proj, v_proj), "
+            "all-linear, and on a mixture of experts experts or routers"
         )
-    return found
+    return list(found), parameters or None
+
+
+def expert_adapter_note(model: nn.Module, settings: LoraSettings) -> str:
+    """What LoRA on an MoE's routed experts costs or gives, for ``estimate``: when ``settings`` leave the experts
+    out, the parameters, and the device bytes of adapters and states, that ``experts`` would add; when they name
+    them, what the experts' adapters are of the trained parameters. "" for a model without routed experts."""
+    from tiertune.loading.model import text_decoder
+    from tiertune.units import format_size
+
+    _, layers = _decoder_layers(text_decoder(model))
+    r = settings.r
+    added = sum(
+        r * p.shape[0] * (p.shape[1] + p.shape[2])
+        for layer in layers
+        for path, module in layer.named_modules()
+        if path.split(".")[-1] == "experts"
+        for p in module.parameters(recurse=False)
+        if p.dim() == 3
+    )
+    if not added:
+        return ""
+    names = [settings.target_modules] if isinstance(settings.target_modules, str) else settings.target_modules
+    if "experts" in names:
+        return f"LoRA on the routed experts (target_modules: experts): {added:,} of the trained parameters"
+    return (
+        f"LoRA leaves the routed experts out (all-linear on an MoE is attention, shared experts and dense MLPs); "
+        f"adding experts to method.lora.target_modules would train {added:,} more parameters "
+        f"({format_size(added * 16)} more of adapters and their states on the GPU) and needs dropout 0"
+    )
+
+
+def as_peft_loads(config: Any, model_type: str) -> Any:
+    """``config`` as ``adapter_config.json`` should say it for peft 0.21 to load the adapter as trained: on the
+    MoE families whose module targets ending in ``gate_proj``, ``up_proj`` or ``down_proj`` peft takes for the
+    routed experts (huggingface/peft#3711), those targets (a shared expert's, a dense MLP's) are written as their
+    weights, ``target_parameters``, which peft adapts alike (W + s B A, the same keys and factors), and
+    ``lora_dropout`` 0, as peft requires of those (dropout is a setting of training, not of the adapter's
+    function). Any other config is returned as it is."""
+    import copy
+
+    from peft.utils.transformers_weight_conversion import (
+        _MODEL_TO_CONVERSION_PATTERN,
+        _MOE_TARGET_MODULE_MAPPING,
+    )
+
+    remapped = _MOE_TARGET_MODULE_MAPPING.get(_MODEL_TO_CONVERSION_PATTERN.get(model_type, ""), {})
+    targets = config.target_modules
+    if not remapped or isinstance(targets, str):
+        return config
+    moved = sorted(t for t in targets if "." in t and t.rsplit(".", 1)[-1] in remapped)
+    if not moved:
+        return config
+    written = copy.deepcopy(config)
+    written.target_modules = sorted(set(targets) - set(moved))
+    written.target_parameters = sorted({*(config.target_parameters or ()), *(f"{t}.weight" for t in moved)})
+    if written.lora_dropout:
+        log.info(
+            "adapter_config.json names the shared experts' and dense MLPs' projections as target_parameters with "
+            "lora_dropout 0 (trained with %s): peft 0.21 would take their module names for the routed experts "
+            "(huggingface/peft#3711), and adapts parameters without dropout; the adapter is the same",
+            written.lora_dropout,
+        )
+        written.lora_dropout = 0.0
+    return written
+
+
+def _decoder_layers(decoder: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The decoder's stack of layers and its name in ``decoder``."""
+    from tiertune.loading.model import find_decoder_layers
+
+    return find_decoder_layers(decoder)
 
 
 class Adapters:
@@ -120,12 +308,14 @@ class Adapters:
         from peft import LoraConfig, get_peft_model
 
         self.settings = settings
+        self.model_type = model.config.model_type
+        modules, parameters = lora_targets(model, settings)
         self.config = LoraConfig(
             r=settings.r,
             lora_alpha=settings.alpha,
             lora_dropout=settings.dropout,
-            target_modules=language_targets(model, settings.target_modules),
-            target_parameters=list(settings.target_parameters) if settings.target_parameters else None,
+            target_modules=modules,
+            target_parameters=parameters,
             task_type="CAUSAL_LM",
         )
         try:
@@ -347,7 +537,8 @@ class Adapters:
         directory.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".adapter-", dir=directory))
         try:
-            self.config.save_pretrained(str(tmp))  # base_model_name_or_path absolute (see ``__init__``)
+            # base_model_name_or_path absolute (see ``__init__``)
+            as_peft_loads(self.config, self.model_type).save_pretrained(str(tmp))
             tensors = {k: v.contiguous() for k, v in self.state_dict().items()}
             save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
             move_files_into(tmp, directory, last="adapter_config.json")
