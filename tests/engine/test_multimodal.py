@@ -218,3 +218,37 @@ def test_the_merged_export_of_text_lora_is_the_same_class_with_its_tower_unchang
     assert tower and all(torch.equal(written[k], base[k]) for k in tower)
     q = next(k for k in base if k.endswith("layers.0.self_attn.q_proj.weight") and "vision" not in k)
     assert not torch.equal(written[q], base[q])  # the adapter merged into the language model
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_llama4_experts_run_on_their_routed_tokens_as_transformers_runs_them_on_all(top_k):
+    """Llama 4's MoE block with each expert on the tokens routed to it (``engine.routing``) is transformers'
+    block, which runs every expert on every token: the same output, router logits and gradients (fp32)."""
+    import copy
+
+    from transformers.models.llama4.configuration_llama4 import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    from tiertune.engine.routing import route_experts
+
+    torch.manual_seed(0)
+    config = Llama4TextConfig(
+        hidden_size=32, intermediate_size=24, num_local_experts=6, num_experts_per_tok=top_k
+    )
+    dense = Llama4TextMoe(config)
+    for p in dense.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    routed = copy.deepcopy(dense)
+    holder = torch.nn.ModuleList([routed])
+    assert route_experts(holder) == 1
+    x = torch.randn(3, 7, 32)
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    (out1, logits1), (out2, logits2) = dense(x1), routed(x2)
+    torch.testing.assert_close(out2, out1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits2, logits1)
+    grad = torch.randn_like(out1)
+    out1.backward(grad)
+    out2.backward(grad)
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-5, atol=1e-6)
+    for (name, p1), p2 in zip(dense.named_parameters(), routed.parameters(), strict=True):
+        torch.testing.assert_close(p2.grad, p1.grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -140,6 +140,7 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int, gpu: bool = False) -> i
     from tiertune.engine.tiling import tile_layer
     from tiertune.kernels.ops.attention import use_segment_attention
     from tiertune.loading.model import split_model
+    from tiertune.structure import text_decoder
 
     with torch.device("meta"):
         model = _with_first_layer(model)
@@ -157,10 +158,10 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int, gpu: bool = False) -> i
     # the adapters' gradients are a layer's temporaries too; a full fine-tune's weight gradients are the plan's
     # own item (``a layer's gradient, summed over a wave``)
     trained = [p for n, p in layer.named_parameters() if cfg.method == "lora" and "lora_" in n]
-    rotary = next(
+    rotary = next(  # the text decoder's (a multimodal class has its tower's too)
         (
             m
-            for n, m in model.named_modules()
+            for n, m in text_decoder(model).named_modules()
             if type(m).__name__.endswith("RotaryEmbedding") and ".layers." not in f".{n}."
         ),
         None,

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from tiertune.engine.objective import pair_losses
-from tiertune.loading.model import text_decoder
+from tiertune.structure import text_decoder
 
 if TYPE_CHECKING:
     from tiertune.engine.loss import CausalLMLoss

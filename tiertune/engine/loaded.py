@@ -14,6 +14,7 @@ from torch import nn
 from tiertune.distributed.collectives import GROUP, Counting
 from tiertune.distributed.world import World
 from tiertune.engine.config import EngineConfig
+from tiertune.engine.routing import route_experts
 from tiertune.engine.sharding import Local, Sharding, Zero
 from tiertune.errors import ConfigError, ModelError
 from tiertune.loading.model import (
@@ -65,6 +66,7 @@ def load_model(
     """Build the model of ``model_dir`` for training and stream its weights into ``store`` (homed on
     ``config.params``); ``safe_point`` is called after each group (see ``loading.model.load_into_store``)."""
     model = build_skeleton(model_dir, config.dtype)
+    route_experts(model)  # Llama 4's experts: each on its routed tokens (transformers runs all on all)
     no_cache(model)
     model.train()  # dropout as configured, and no inference-only kernels (as the HF Trainer does)
     parts = split_model(model)

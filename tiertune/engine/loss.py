@@ -11,7 +11,7 @@ from torch import nn
 
 from tiertune.kernels.architectures import FUSED_LOSS
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX, linear_cross_entropy, token_cross_entropy
-from tiertune.loading.model import text_decoder
+from tiertune.structure import text_decoder
 
 log = logging.getLogger("tiertune.engine")
 

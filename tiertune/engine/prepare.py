@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tiertune.engine.config import EngineConfig
+from tiertune.engine.routing import route_experts
 from tiertune.kernels.patch import patch_model, resolve_backend
 from tiertune.loading.model import no_cache
 from tiertune.methods.lora import Adapters
@@ -21,6 +22,7 @@ def prepare_model(model: nn.Module, cfg: EngineConfig, device: torch.device) -> 
     every parameter trained; tiertune's ops patched into its modules where the run patches them. Returns the
     kernel backend its loss is computed with (``kernels.patch.resolve_backend``)."""
     backend = resolve_backend("torch" if cfg.kernels == "none" else cfg.kernels, device)
+    route_experts(model)
     no_cache(model)
     model.train()
     if cfg.method == "lora":

@@ -73,6 +73,9 @@ ARCHITECTURES: dict[str, Architecture] = {
             "qwen2_moe",
             "qwen3_moe",
             "deepseek_v3",
+            "glm4_moe",
+            "gpt_oss",
+            "llama4_text",
         )
     },
 }

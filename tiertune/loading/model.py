@@ -33,6 +33,7 @@ from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
 from tiertune.quant import NF4, Quantizer, SavedWeight, experts, is_quantized, shipped
 from tiertune.quant.experts import is_quantized_experts
+from tiertune.structure import DECODERS, find_decoder_layers
 from tiertune.units import round_up
 
 if TYPE_CHECKING:
@@ -137,8 +138,6 @@ def decoder_config(directory: str | os.PathLike[str]) -> Any:
 DIMENSIONS = ("hidden_size", "num_hidden_layers", "vocab_size")
 """What tiertune reads of a decoder's config: the width of its hidden states, its layers, its vocabulary."""
 
-
-DECODERS = "set model.path to a decoder-only model such as Llama, Qwen, Mistral or Gemma"
 
 MULTIMODAL_INPUTS = (
     "pixel_values",
@@ -288,28 +287,6 @@ def _no_init_weights() -> contextlib.AbstractContextManager:
     return no_init_weights()
 
 
-def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The model's stack of decoder layers: among lists of modules all of one class, the one holding the
-    most parameters. Works for any architecture built as a list of blocks, without a table of names."""
-    best: tuple[int, str, nn.ModuleList] | None = None
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        if len({type(child) for child in module}) != 1:
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        if size and (best is None or size > best[0]):
-            best = (size, name, module)
-    if best is None:
-        found = ", ".join(f"{n}: {type(m).__name__}" for n, m in model.named_children()) or "nothing"
-        raise ModelError(
-            f"{type(model).__name__} has no recognizable stack of decoder layers (a list of identical blocks "
-            f"holding parameters, which tiertune streams one at a time); its top-level modules are {found}; "
-            f"{DECODERS}"
-        )
-    return best[1], best[2]
-
-
 def split_model(model: nn.Module) -> ModelParts:
     """Find the decoder layers, embeddings and head, and group every parameter exactly once."""
     layers_name, layers = find_decoder_layers(model)
@@ -332,16 +309,6 @@ def split_model(model: nn.Module) -> ModelParts:
     if head_params:
         groups.append(ParamGroup("head", "head", head_params))
     return ModelParts(model, layers_name, layers, embed, head, tied, groups)
-
-
-def text_decoder(model: nn.Module) -> nn.Module:
-    """The module whose forward gives the text decoder's last hidden states: ``model.get_decoder()``, or, where
-    that is a causal LM of its own (the language model of Llama 4's multimodal class), its base model."""
-    decoder = model.get_decoder()
-    inner = getattr(decoder, "model", None)  # transformers' name of a causal LM's decoder
-    if decoder is not model and decoder.get_output_embeddings() is not None and isinstance(inner, nn.Module):
-        decoder = inner
-    return decoder
 
 
 def tower_parameters(model: nn.Module) -> list[str]:

@@ -30,6 +30,7 @@ from torch import nn
 from tiertune.errors import ConfigError, NonFiniteError
 from tiertune.files import move_files_into
 from tiertune.settings import LoraSettings
+from tiertune.structure import find_decoder_layers, text_decoder
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ def lora_targets(model: nn.Module, settings: LoraSettings) -> tuple[str | list[s
     multimodal = model.config.get_text_config(decoder=True) is not model.config
     decoder = model.get_decoder() if multimodal else model
     prefix = next(n for n, m in model.named_modules() if m is decoder) if multimodal else ""
-    layers_name, layers = _decoder_layers(decoder)
+    layers_name, layers = find_decoder_layers(decoder)
     moe = _moe(layers)
     if not moe and not multimodal:
         if {"experts", "routers"} & set(names):
@@ -232,10 +233,9 @@ def expert_adapter_note(model: nn.Module, settings: LoraSettings) -> str:
     """What LoRA on an MoE's routed experts costs or gives, for ``estimate``: when ``settings`` leave the experts
     out, the parameters, and the device bytes of adapters and states, that ``experts`` would add; when they name
     them, what the experts' adapters are of the trained parameters. "" for a model without routed experts."""
-    from tiertune.loading.model import text_decoder
     from tiertune.units import format_size
 
-    _, layers = _decoder_layers(text_decoder(model))
+    _, layers = find_decoder_layers(text_decoder(model))
     r = settings.r
     added = sum(
         r * p.shape[0] * (p.shape[1] + p.shape[2])
@@ -290,13 +290,6 @@ def as_peft_loads(config: Any, model_type: str) -> Any:
         )
         written.lora_dropout = 0.0
     return written
-
-
-def _decoder_layers(decoder: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The decoder's stack of layers and its name in ``decoder``."""
-    from tiertune.loading.model import find_decoder_layers
-
-    return find_decoder_layers(decoder)
 
 
 class Adapters:
