@@ -409,6 +409,44 @@ def test_the_100b_class_moe_configs_are_estimated_with_every_expert_in_nf4(tmp_p
     assert f"would train {added:,} more parameters" in note, note
 
 
+@pytest.mark.parametrize(
+    "name, total",
+    [
+        ("meta-llama/Llama-4-Scout-17B-16E-Instruct", 109e9),
+        ("meta-llama/Llama-4-Maverick-17B-128E-Instruct", 400e9),
+    ],
+)
+def test_llama4_is_estimated_as_its_multimodal_class_without_reading_its_tower(tmp_path, name, total):
+    """Llama 4 as it ships (Llama4ForConditionalGeneration, bf16), LoRA on text: the model card's total within 1%,
+    of which the estimate counts the language model alone; its weights are read in place, 2 bytes a parameter of
+    the language model and none of the vision tower's; all-linear trains attention and the shared experts
+    (rank r each) and the estimate says what the routed experts would add."""
+    from tiertune.engine.prepare import meta_skeleton
+    from tiertune.loading.model import tower_parameters
+
+    skeleton = meta_skeleton(str(CONFIGS / name), torch.bfloat16)
+    assert type(skeleton).__name__ == "Llama4ForConditionalGeneration"
+    tower = sum(p.numel() for n, p in skeleton.named_parameters() if n in set(tower_parameters(skeleton)))
+    everything = sum(p.numel() for p in skeleton.parameters())
+    assert abs(everything - total) <= 0.01 * total and 0 < tower < 0.01 * everything
+    predicted = estimate(_qlora(tmp_path, CONFIGS / name, quantize="none"), measure=False)
+    assert predicted.parameters == everything - tower
+    read = predicted.kinds[IN_PLACE][1]
+    assert 2 * predicted.parameters <= read <= 2 * predicted.parameters * 1.001  # + the files' alignment
+    config = json.loads((CONFIGS / name / "config.json").read_text())["text_config"]
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    q, kv = (
+        config["num_attention_heads"] * config["head_dim"],
+        config["num_key_value_heads"] * config["head_dim"],
+    )
+    attention = 8 * ((hidden + q) * 2 + (hidden + kv) * 2)
+    moe = layers // config["interleave_moe_layer_step"]
+    shared = 8 * 3 * (hidden + config["intermediate_size"])  # a shared expert's gate, up and down
+    dense = 8 * 3 * (hidden + config["intermediate_size_mlp"])  # the MLP of a layer without experts
+    assert predicted.trained_parameters == attention * layers + shared * moe + dense * (layers - moe)
+    assert any("would train" in n and "routed experts" in n for n in predicted.notes)
+
+
 def test_attention_only_lora_counts_the_attention_adapters(tmp_path):
     config = json.loads((CONFIGS / "mistralai/Mixtral-8x22B-v0.1" / "config.json").read_text())
     predicted = estimate(

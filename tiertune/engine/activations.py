@@ -142,6 +142,9 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int, gpu: bool = False) -> i
     from tiertune.loading.model import split_model
     from tiertune.structure import text_decoder
 
+    layers_name = split_model(
+        model
+    ).layers_name  # found on the whole model: in the copy, a tower's may be larger
     with torch.device("meta"):
         model = _with_first_layer(model)
     # as the run prepares it (``engine.prepare``): its adapters (peft's wrapping, DoRA, 4-bit experts, fp32) but
@@ -152,8 +155,7 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int, gpu: bool = False) -> i
     prepare_model(model, dataclasses.replace(cfg, lora=lora, kernels=kernels), torch.device("meta"))
     if cfg.kernels != "none":
         use_segment_attention(model)
-    parts = split_model(model)
-    layer = parts.layers[0]
+    layer = model.get_submodule(layers_name)[0]
     tile_layer(layer, cfg.sequence_tile, model.config.get_text_config(decoder=True).model_type)
     # the adapters' gradients are a layer's temporaries too; a full fine-tune's weight gradients are the plan's
     # own item (``a layer's gradient, summed over a wave``)
