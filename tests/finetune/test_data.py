@@ -105,6 +105,31 @@ def test_chat_trains_on_the_assistant_turns_only(tmp_path, tokenizer):
     assert _targets(tokenizer, row["input_ids"], row["labels"]) == "blue </s> hi there </s>"
 
 
+def test_rows_with_images_train_on_their_text_and_say_so_once(tmp_path, tokenizer, caplog):
+    """TRL's vision rows (an ``images`` column, messages whose content is parts with an image part): the text parts
+    are the conversation, as a text-only row of the same words renders; the images are not read, and one log line
+    says how many rows held them."""
+    import logging
+
+    parts = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "name a color"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "blue"}]},
+    ]
+    plain = [{"role": "user", "content": "name a color"}, {"role": "assistant", "content": "blue"}]
+    path = _write(
+        tmp_path / "v.jsonl",
+        [{"messages": parts, "images": ["cat.png"]}, {"messages": parts, "images": ["dog.png"]}],
+    )
+    with caplog.at_level(logging.INFO, logger="tiertune.data"):
+        data = load_data(path, tokenizer, "chat", 256, cache_dir=str(tmp_path / "cache"))
+    text = _write(tmp_path / "t.jsonl", [{"messages": plain}])
+    expected = load_data(text, tokenizer, "chat", 256, cache_dir=str(tmp_path / "cache")).rows[0]
+    assert len(data) == 2 and all(row["input_ids"] == expected["input_ids"] for row in data.rows)
+    assert data.rows[0]["labels"] == expected["labels"]
+    said = [r.getMessage() for r in caplog.records if "images" in r.getMessage()]
+    assert len(said) == 1 and "2 of 2 rows" in said[0] and "text alone" in said[0]
+
+
 def test_chat_needs_a_template(tmp_path, tokenizer):
     from tiertune.cli.demo import make_tokenizer
 

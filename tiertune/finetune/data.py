@@ -7,7 +7,9 @@ Files: ``.jsonl``/``.json`` (JSON lines, or a JSON list of objects), ``.parquet`
 - ``alpaca``: ``instruction``, optional ``input`` and ``output``, rendered with the Stanford Alpaca prompt;
   the loss is on the response (``output`` and EOS) only.
 - ``chat``: ``messages``, a list of ``{"role", "content"}``, rendered by the tokenizer's chat template;
-  the loss is on the assistant turns only (found by rendering the conversation turn by turn).
+  the loss is on the assistant turns only (found by rendering the conversation turn by turn). A content given
+  as parts (TRL's vision rows: ``[{"type": "image"}, {"type": "text", "text": ...}]``) is its text parts; the
+  images (video, sound, an ``images`` column) are not read, and one log line counts the rows that hold them.
 - ``preference``: ``prompt``, ``chosen`` and ``rejected``, strings or conversations (TRL's standard and
   conversational preference forms; a conversational row without ``prompt`` shares its leading turns), tokenized
   as TRL's ``DPOTrainer`` does: EOS appended to a string completion that lacks it, the prompt tokenized alone
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,6 +66,8 @@ ALPACA_PROMPT_WITH_INPUT = (
     "Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n"
     "### Input:\n{input}\n\n### Response:\n"
 )
+
+log = logging.getLogger("tiertune.data")
 
 
 @dataclass
@@ -98,6 +103,34 @@ class _BadRow(Exception):
     def __init__(self, field: str, found: str) -> None:
         super().__init__(field, found)
         self.field, self.found = field, found
+
+
+MEDIA_PARTS = ("image", "image_url", "video", "audio", "input_audio")
+"""Kinds of a message's content parts that are not text (TRL's and transformers' multimodal chat forms)."""
+
+MEDIA_FIELDS = ("images", "image", "videos", "audios")
+"""Row fields that hold images, video or sound beside the text (TRL's vision datasets: ``images``)."""
+
+
+def _text_messages(messages: Any, field: str, row: dict) -> tuple[list[dict], bool]:
+    """A conversation's ``{"role", "content"}`` messages with string contents: a content given as parts
+    (``[{"type": "image"}, {"type": "text", "text": ...}]``) is its text parts, joined by newlines; and whether
+    the row holds images (or video or sound) there or in a field of its own, which are not read. Raises
+    ``_BadRow`` for anything else."""
+    out, media = [], any(row.get(k) for k in MEDIA_FIELDS)
+    for m in messages if isinstance(messages, list) else [None]:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and all(isinstance(p, dict) and "type" in p for p in content):
+            media = media or any(p["type"] in MEDIA_PARTS for p in content)
+            texts = [p.get("text") for p in content if p["type"] == "text"]
+            content = "\n".join(t for t in texts if isinstance(t, str))
+        if not (isinstance(content, str) and m.get("role")):  # type: ignore[union-attr]
+            found = "no such field" if messages is None else "something else"
+            raise _BadRow(
+                f"a list {field!r} of {{'role', 'content'}} objects", f"{found} (the row has {_keys(row)})"
+            )
+        out.append({"role": m["role"], "content": content})  # type: ignore[index]
+    return out, media
 
 
 def read_rows(path: str | Path, skip_bad_rows: bool = False, cache_dir: str | None = None) -> Any:
@@ -260,9 +293,18 @@ def load_data(
             f"the text of {lossy} of {len(encoded)} rows (row {first} first): it is not this data's tokenizer. "
             f"{_TOKENIZER_HINT}"
         )
+    media = sum(encoded["media"])
+    if media:
+        log.info(
+            "data: %d of %d rows of %s hold images, video or sound; tiertune trains on their text alone (those "
+            "are not read)",
+            media,
+            len(encoded),
+            path,
+        )
     kept = encoded.filter(lambda bad, useful: useful and not bad, input_columns=["bad", "useful"])
     dropped = len(encoded) - skipped - len(kept)
-    kept = kept.remove_columns(["bad", "useful", "lossy"])
+    kept = kept.remove_columns(["bad", "useful", "lossy", "media"])
     if fmt == "unpaired_preference" and len(kept):
         kept = kept.map(
             _kl_sequences,
@@ -307,7 +349,7 @@ def _encode(batch: dict, indices: list[int], **settings: Any) -> dict[str, list]
     datasets can fingerprint it and cache its result)."""
     paired = settings["fmt"] == "preference"
     unpaired = settings["fmt"] == "unpaired_preference"
-    out: dict[str, list] = {"input_ids": [], "labels": [], "bad": [], "useful": [], "lossy": []}
+    out: dict[str, list] = {"input_ids": [], "labels": [], "bad": [], "useful": [], "lossy": [], "media": []}
     if paired:
         out.update(rejected_ids=[], rejected_labels=[])
     if unpaired:
@@ -353,6 +395,7 @@ def _encode(batch: dict, indices: list[int], **settings: Any) -> dict[str, list]
         out["labels"].append(labels)
         out["bad"].append(not ids)
         out["lossy"].append(lossy)
+        out["media"].append(_holds_media(row))
         # the loss predicts token t+1 from token t: a row needs a target after its first token
         useful = any(lab != IGNORE_INDEX for lab in labels[1:])
         if paired:
@@ -508,15 +551,7 @@ def _kl_sequences(batch: dict, **settings: Any) -> dict[str, list]:
 
 
 def _messages(row: dict, field: str) -> list[dict]:
-    value = row.get(field)
-    if not isinstance(value, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in value
-    ):
-        found = "no such field" if value is None else "something else"
-        raise _BadRow(
-            f"a list {field!r} of {{'role', 'content'}} objects", f"{found} (the row has {_keys(row)})"
-        )
-    return value
+    return _text_messages(row.get(field), field, row)[0]
 
 
 def _chat_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
@@ -543,6 +578,20 @@ def _content_ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
+def _holds_media(row: dict) -> bool:
+    """Whether a row holds images, video or sound (in a field of its own, or as parts of its messages)."""
+    if any(row.get(k) for k in MEDIA_FIELDS):
+        return True
+    conversations = [v for v in row.values() if isinstance(v, list)]
+    return any(
+        isinstance(m, dict)
+        and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") in MEDIA_PARTS for p in m["content"])
+        for conversation in conversations
+        for m in conversation
+    )
+
+
 def _a(noun: str) -> str:
     """``noun`` with its indefinite article."""
     return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
@@ -563,19 +612,7 @@ def _keys(row: dict) -> str:
 
 def _chat(row: dict, tokenizer: Any) -> tuple[list[int], list[int], list[str]]:
     """A conversation through the chat template; labels only on the assistant turns' tokens."""
-    messages = row.get("messages")
-    if (
-        not isinstance(messages, list)
-        or not messages
-        or not all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in messages
-        )
-    ):
-        found = "no such field" if messages is None else "something else"
-        raise _BadRow(
-            "a list 'messages' of {'role', 'content'} objects", f"{found} (the row has {_keys(row)})"
-        )
-    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    messages, _ = _text_messages(row.get("messages") or None, "messages", row)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []  # character spans of the assistant turns, found by rendering the conversation turn by turn
     for i, message in enumerate(messages):
