@@ -16,6 +16,7 @@ EXPECTED = {
     "qwen3_moe": ("estimated", ""),  # mixture of experts
     "llama4": ("estimated", ""),  # its causal LM is the text decoder of a multimodal config
     "gemma3": ("estimated", ""),  # a multimodal class trained on text: its language model streams
+    "qwen3_vl": ("estimated", ""),  # a multimodal class with no causal LM of its own, trained on text
     "mllama": ("refused", "no recognizable stack of decoder layers"),
     "bert": ("refused", "an encoder-only model"),
     "roberta": ("refused", "an encoder-only model"),

@@ -153,19 +153,30 @@ MULTIMODAL_INPUTS = (
 
 def not_trainable(config: Any) -> str:
     """Why tiertune cannot fine-tune the model ``config`` describes, and what to do instead ("" when it can):
-    it must be a decoder-only causal LM (what ``AutoModelForCausalLM`` builds from it): of text, or a multimodal
-    class (Gemma 3's ``ForConditionalGeneration``) whose language model is a decoder tiertune trains, trained on
-    text (its tower is never read). Encoder-decoder models, encoder-only ones (BERT: its causal-LM head is
-    bidirectional attention unless ``is_decoder``), and other multimodal classes are refused."""
+    it must be a decoder-only causal LM (what ``AutoModelForCausalLM`` builds from it), or a multimodal class
+    whose language model is a decoder (Gemma 3's, Llama 4's, Qwen3-VL's ``ForConditionalGeneration``, the last
+    with no causal LM of its own), trained on text (its tower is never read). Encoder-decoder models,
+    encoder-only ones (BERT: its causal-LM head is bidirectional attention unless ``is_decoder``), and other
+    multimodal classes are refused."""
     import transformers
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
     model_type = config.model_type
     if getattr(config, "is_encoder_decoder", False):
         return f"an encoder-decoder model; {DECODERS}"
+    text = config.get_text_config(decoder=True)
+    if (
+        model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        and text is not config
+        and not getattr(text, "is_encoder_decoder", False)
+        and all(isinstance(getattr(text, key, None), int) for key in DIMENSIONS)
+    ):
+        return ""  # a multimodal class with no causal LM of its own (Qwen3-VL): trained on text, through its decoder
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return f"not a causal LM; {DECODERS}"
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
@@ -173,7 +184,6 @@ def not_trainable(config: Any) -> str:
             "an encoder-only model (pretrained with bidirectional attention: a masked LM, not a decoder); "
             f"{DECODERS}"
         )
-    text = config.get_text_config(decoder=True)
     missing = [key for key in DIMENSIONS if not isinstance(getattr(text, key, None), int)]
     if missing:
         return (
@@ -210,9 +220,12 @@ def model_class(config: Any) -> type:
     keys are peft's names for the modules of the class the checkpoint is, and a merged export is that class
     with its tower."""
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    causal = AutoModelForCausalLM._model_mapping[type(config)]
+    mapping = AutoModelForCausalLM._model_mapping
+    if type(config) not in mapping:  # a multimodal class with no causal LM of its own (Qwen3-VL)
+        mapping = AutoModelForImageTextToText._model_mapping
+    causal = mapping[type(config)]
     named = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or []]
     for cls in named:
         if (
