@@ -17,6 +17,7 @@ from tiertune.engine import StreamedTrainer
 from tiertune.errors import ConfigError, ModelError
 from tiertune.offload.store import StoreConfig
 from tiertune.quant.shipped import FP8, MXFP4, Compressed
+from tiertune.settings import LoraSettings
 
 STEPS = 4
 BLOCK = (
@@ -521,22 +522,26 @@ def test_full_fine_tuning_from_int4_is_the_plain_loop_on_its_dequantized_values(
     _full_parity(q_dir, values_dir, disk_dir)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
 def test_a_streamed_merge_over_an_fp8_release_is_peft_merge_over_its_dequantized_values(
-    fp8_release, tmp_path, cat_model
+    fp8_release, tmp_path, cat_model, family
 ):
     """``tiertune merge`` of a LoRA adapter trained on an FP8 release writes a 16-bit model, streamed: each FP8
     weight dequantized (codes times block scales) plus the adapter, no scales left, no quantization_config; peft's
-    merge_and_unload over transformers' model of the dequantized values gives the same tensors."""
-    from peft import LoraConfig, get_peft_model
+    merge_and_unload over transformers' model of the dequantized values gives the same tensors. DeepSeek-V3's
+    adapter is what all-linear adapts there (attention, the shared experts and the dense MLP, these named as
+    parameters: ``methods.lora.as_peft_loads``), and its routed experts, one FP8 matrix each, are written
+    dequantized one matrix at a time."""
+    from peft import get_peft_model
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from tiertune.export.commands import _merge_in_memory, merge
     from tiertune.export.merging import plan_merge
 
-    fp8_dir, values_dir, _ = fp8_release("qwen3")
+    fp8_dir, values_dir, _ = fp8_release(family)
     model = AutoModelForCausalLM.from_pretrained(values_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    peft_model = get_peft_model(model, peft_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0)))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in peft_model.parameters():
@@ -547,7 +552,9 @@ def test_a_streamed_merge_over_an_fp8_release_is_peft_merge_over_its_dequantized
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(cat_model(1)) / f, adapter / f)  # a tokenizer for the merged model
     plan = plan_merge(adapter, fp8_dir, "none", torch.float32)
-    assert not isinstance(plan, str) and plan.quantized and set(plan.saved) == set(plan.quantized)
+    assert not isinstance(plan, str) and plan.quantized and set(plan.saved) == set(plan.quantized), plan
+    if family == "deepseek_v3":
+        assert any(".mlp.experts.3." in k for k in plan.quantized)  # a routed expert's own matrix
     out, what = merge(adapter, tmp_path / "merged", base=str(fp8_dir), dtype="float32")
     assert "in memory" not in what
     _merge_in_memory(adapter, tmp_path / "peft", str(values_dir), torch.float32, "none")

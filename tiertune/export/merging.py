@@ -13,9 +13,12 @@ The arithmetic, per weight ``W`` in the output dtype (peft's, so the result equa
 ``modules_to_save`` copies replacing the base's tensors. A base trained quantized (``model.quantize``, or
 saved by bitsandbytes) contributes its dequantized weights: what the adapter was trained against.
 
-What this does not stream (a peft type other than LoRA, adapted parameters such as fused MoE experts,
-``fan_in_fan_out`` layers, layer replication) is reported by ``plan_merge`` as a reason, and merged by
-peft in memory instead.
+An FP8 release's routed experts (one FP8 matrix per expert in its files) are written one matrix at a time,
+dequantized, as the checkpoint names them; adapted parameters that are matrices (a shared expert's projection,
+which ``adapter_config.json`` names as a parameter on the DeepSeek family: ``methods.lora.as_peft_loads``) merge
+as linear layers do. What this does not stream (a peft type other than LoRA, adapted fused MoE experts, 4-bit
+experts, bases shipped in other formats, ``fan_in_fan_out`` layers, layer replication) is reported by
+``plan_merge`` as a reason, and merged by peft in memory instead.
 """
 
 from __future__ import annotations
@@ -101,7 +104,6 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
     config = json.loads((adapter / "adapter_config.json").read_text())
     unsupported = [
         (config.get("peft_type", "LORA") != "LORA", f"a {config.get('peft_type')} adapter (not LoRA)"),
-        (bool(config.get("target_parameters")), "adapted parameters (target_parameters: fused MoE experts)"),
         (bool(config.get("fan_in_fan_out")), "fan_in_fan_out layers (GPT-2's Conv1D)"),
         (bool(config.get("layer_replication")), "layer replication"),
         (not (adapter / ADAPTER_FILE).is_file(), f"no {ADAPTER_FILE} (a .bin adapter)"),
@@ -112,6 +114,17 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
     checkpoint = Checkpoint(base)
     with torch.device("meta"):
         model = build_skeleton(base, train_dtype)
+    # adapted parameters merge as linear layers do when each is a matrix (a shared expert's projection, which
+    # adapter_config.json names by its weight: ``methods.lora.as_peft_loads``); fused experts' are not streamed
+    matrices = {n for n, p in model.named_parameters() if p.dim() == 2}
+    fused = [
+        t
+        for t in config.get("target_parameters") or ()
+        if not any(n == t or n.endswith(f".{t}") for n in matrices)
+    ]
+    if fused:
+        return f"adapted parameters that are not matrices (target_parameters {fused[0]!r}: fused MoE experts)"
+    with torch.device("meta"):
         saved_config = saved_quantization(model.config, str(base))
         shipped = (
             saved_config is not None and saved_config["kind"] in SHIPPED
@@ -120,6 +133,7 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
         quant = make_quantizer(kind, train_dtype, saved_config)
         if shipped and saved_config["kind"] != "fp8":  # type: ignore[index]
             return f"a base shipped in {saved_config['kind']} (the stream writes FP8 bases dequantized)"  # type: ignore[index]
+        experts: set[str] = set()  # fused expert weights stored one matrix per expert
         if quant is not None:
             from tiertune.loading.model import find_decoder_layers
 
@@ -129,26 +143,43 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
                     quant.convert(layer, f"{layers_name}.{i}")
                 else:
                     quant.convert(layer)
-                if store_experts(layer, quant):
-                    return "MoE experts stored one matrix per expert (4-bit, or as the checkpoint ships them)"
+                marked = store_experts(layer, quant)
+                if marked and not shipped:
+                    return "MoE experts stored one matrix per expert, 4-bit"
+                experts |= {f"{layers_name}.{i}.{m}" for m in marked}
     sources = checkpoint_names(model, checkpoint)
     params = dict(model.named_parameters())
     key_of: dict[str, str] = {}
+    pieces: dict[str, str] = {}  # an FP8 expert's own checkpoint matrix -> the fused weight it fills
     for name in params:
         source = sources.get(name)
         if source is None:
             return f"the base checkpoint has no tensor for {name}"
+        if name in experts:  # each expert's matrix written dequantized, as the checkpoint names it
+            pieces.update(dict.fromkeys((key for key, _ in source.pieces), name))
+            continue
         if len(source.pieces) != 1 or source.pieces[0][1]:
             return f"{name} is built from several checkpoint tensors (fused MoE experts)"
         key_of[name] = source.pieces[0][0]
+    # persistent buffers the checkpoint holds (DeepSeek-V3's routers' e_score_correction_bias), written as they are
+    buffers = [n for n, _ in model.named_buffers() if n in checkpoint.entries and n not in key_of.values()]
     by_file: dict[Path, list[str]] = {}
     for key in sorted(
-        key_of.values(), key=lambda k: (checkpoint.entries[k].file, checkpoint.entries[k].start)
+        [*key_of.values(), *pieces, *buffers],
+        key=lambda k: (checkpoint.entries[k].file, checkpoint.entries[k].start),
     ):
         by_file.setdefault(checkpoint.entries[key].file, []).append(key)
-    plan = MergePlan(by_file, {key_of[n]: tuple(p.shape) for n, p in params.items()}, quant=quant)
+    shapes = {key_of[n]: tuple(p.shape) for n, p in params.items() if n in key_of}
+    shapes.update({key: tuple(checkpoint.entries[key].shape) for key in (*pieces, *buffers)})
+    plan = MergePlan(by_file, shapes, quant=quant)
+    for key in pieces:  # its codes and their scales, read as a linear FP8 weight's
+        plan.quantized[key] = key
+        found = quant.saved(key, key, shapes[key], checkpoint)  # type: ignore[union-attr]
+        if found is None:
+            return f"expert matrix {key} is not stored FP8 (its codes with their scales)"
+        plan.saved[key] = found
     for name, param in params.items():
-        if quant is not None and is_quantized(param):
+        if name in key_of and quant is not None and is_quantized(param):
             key = key_of[name]
             plan.quantized[key] = name
             found = quant.saved(name, key, tuple(param.shape), checkpoint)
