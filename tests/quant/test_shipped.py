@@ -568,3 +568,44 @@ def test_a_streamed_merge_over_an_fp8_release_is_peft_merge_over_its_dequantized
         assert streamed[name].dtype == tensor.dtype, name
         torch.testing.assert_close(streamed[name], tensor, rtol=1e-5, atol=1e-6)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+
+def test_an_fp8_linear_layer_patched_with_the_fused_kernel_computes_as_it_did():
+    """``kernels.patch`` gives an FP8 ``ShippedLinear`` (bound to its codes and block scales, as the engine binds
+    it, and wrapped by peft's LoRA) the fused dequantize-matmul kernel (``TRITON_INTERPRET=1`` on a CPU, fp32):
+    the same output and input gradient as its own forward, which dequantizes the weight and calls ``F.linear``."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from tiertune.kernels.patch import patch_model
+    from tiertune.quant.shipped import ShippedLinear, ShippedWeight
+
+    fmt = FP8(block=BLOCK)
+    g = torch.Generator().manual_seed(0)
+    codes, scale = fmt.quantize(torch.randn(96, 64, generator=g) * 0.1)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            with torch.device("meta"):
+                self.proj = ShippedLinear.of(torch.nn.Linear(64, 96), fmt)
+            self.proj._parameters["weight"] = ShippedWeight(codes, fmt, scale)
+            self.proj._parameters["bias"] = torch.nn.Parameter(
+                torch.randn(96, generator=g), requires_grad=False
+            )
+
+        def forward(self, x):
+            return self.proj(x)
+
+    model = get_peft_model(Block(), LoraConfig(r=4, lora_alpha=8, target_modules=["proj"]))
+    patched = copy.deepcopy(model)
+    assert patch_model(patched, "triton")["fp8"] == 1
+    x = torch.randn(2, 7, 64, generator=g)
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ours, theirs = patched(x2), model(x1)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    dy = torch.randn(ours.shape, generator=g)
+    ours.backward(dy)
+    theirs.backward(dy)
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-5, atol=1e-5)

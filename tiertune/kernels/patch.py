@@ -24,6 +24,7 @@ from tiertune.errors import ConfigError
 from tiertune.kernels import KERNEL_CHOICES
 from tiertune.kernels.architectures import ARCHITECTURES
 from tiertune.kernels.ops.backend import default_backend, triton_available
+from tiertune.kernels.ops.fp8 import fp8_linear
 from tiertune.kernels.ops.lora import lora_branch
 from tiertune.kernels.ops.nf4 import nf4_linear
 from tiertune.kernels.ops.rms_norm import rms_norm
@@ -80,6 +81,9 @@ def patch_model(model: nn.Module, backend: str, nf4: bool | None = None) -> Coun
         elif _is_nf4(module) and (backend == "triton" if nf4 is None else nf4):
             module.forward = functools.partial(_nf4_forward, module, backend)
             counts["nf4"] += 1
+        elif _is_fp8(module) and backend == "triton":
+            module.forward = functools.partial(_fp8_forward, module)
+            counts["fp8"] += 1
     log.debug("kernels (%s): %s", backend, describe(counts) or "none")
     return counts
 
@@ -254,6 +258,27 @@ def _is_nf4(module: nn.Module) -> bool:
 
     weight = getattr(module, "weight", None)
     return isinstance(module, bnb.nn.Linear4bit) and getattr(weight, "quant_type", None) == "nf4"
+
+
+def _is_fp8(module: nn.Module) -> bool:
+    """Whether ``module`` is a linear layer whose weight is read as an FP8 blockwise release ships it
+    (``quant.shipped.ShippedLinear``)."""
+    return (
+        type(module).__name__ == "ShippedLinear"
+        and getattr(getattr(module, "fmt", None), "kind", None) == "fp8"
+    )
+
+
+def _fp8_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``ShippedLinear.forward`` through the fused FP8 kernel: the codes and block scales bound to the weight,
+    multiplied in the format's compute dtype."""
+    weight = module.weight
+    fmt = weight.fmt  # type: ignore[union-attr]
+    if fmt is None:
+        raise RuntimeError(f"{type(module).__name__}: its weight is not bound to a chunk")
+    codes = weight.detach().as_subclass(torch.Tensor)
+    h = x.to(fmt.compute_dtype)
+    return fp8_linear(h, codes, weight.scale, fmt.block, module.bias, "triton").to(x.dtype)  # type: ignore[union-attr]
 
 
 def _nf4_forward(module: nn.Module, backend: str, x: torch.Tensor) -> torch.Tensor:

@@ -226,8 +226,16 @@ class ShippedWeight(nn.Parameter):
             raise RuntimeError("a shipped weight's placeholder, not bound to a chunk, has no values")
         return self.fmt.dequantize(self, self.scale, dtype)
 
-    def __reduce_ex__(self, protocol: Any) -> Any:  # a plain tensor of its values (deep copies, pickles)
+    def __reduce_ex__(self, protocol: Any) -> Any:  # a plain tensor of its values (pickles)
         return torch.Tensor.__reduce_ex__(self.detach().as_subclass(torch.Tensor), protocol)
+
+    def __deepcopy__(self, memo: dict) -> ShippedWeight:
+        """A copy bound as this one is (its codes copied, its format and scales with them): ``nn.Parameter``'s
+        own would pass ``requires_grad`` where this class takes its format."""
+        if id(self) not in memo:
+            scale = None if self.scale is None else self.scale.clone()
+            memo[id(self)] = ShippedWeight(self.detach().as_subclass(torch.Tensor).clone(), self.fmt, scale)
+        return memo[id(self)]
 
 
 def is_shipped(param: object) -> bool:
