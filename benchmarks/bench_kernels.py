@@ -11,7 +11,11 @@ Ops and what each implementation is:
 - ``nf4``: a frozen NF4 linear (bitsandbytes' ``Linear4bit``, double-quantized scales); ours ``nf4_linear``
   (no Liger counterpart);
 - ``lora``: a peft LoRA linear with dropout on a frozen base; ours, the same module through
-  ``kernels.patch`` (``lora_branch``; no Liger counterpart).
+  ``kernels.patch`` (``lora_branch``; no Liger counterpart);
+- ``fp8``: a frozen FP8 blockwise linear (e4m3 codes, a scale per 128 x 128 block: DeepSeek-V3's release;
+  hidden -> intermediate): eager dequantizes the weight (DeepSeek's ``weight_dequant``: codes times the repeated
+  scales, to the compute dtype) and calls ``F.linear``, forward and for the input's gradient; ours
+  ``fp8_linear`` (the fused kernel; no Liger counterpart).
 
 Each (op, implementation) runs in a fresh process: forward + backward ``--reps`` times after ``--warmup``;
 reported are the median seconds of the forward and of forward + backward; ``saved_bytes``, what autograd
@@ -45,7 +49,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, proc_status_bytes
 
-OPS = ("ce", "rms_norm", "rope", "swiglu", "nf4", "lora")
+OPS = ("ce", "rms_norm", "rope", "swiglu", "nf4", "lora", "fp8")
 IMPLS = ("eager", "tiertune", "liger")
 
 
@@ -161,6 +165,8 @@ def _case(op: str, impl: str, a: argparse.Namespace) -> tuple[Callable[[], torch
         return lambda: liger_swiglu(gate, up), [gate, up]
     if op in ("nf4", "lora"):
         return _linear_case(op, impl, a, rand)
+    if op == "fp8":
+        return _fp8_case(impl, a, rand)
     raise ValueError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
 
 
@@ -212,6 +218,35 @@ def _linear_case(op: str, impl: str, a: argparse.Namespace, rand: Callable) -> t
         assert patch_model(model, backend)["lora"] == 1
     adapters = [p for p in model.parameters() if p.requires_grad]
     return lambda: model(x), [x, *adapters]
+
+
+def _fp8_case(impl: str, a: argparse.Namespace, rand: Callable) -> tuple[Callable, list]:
+    """A frozen FP8 blockwise linear (hidden -> intermediate, 128 x 128 scale blocks) as the release stores it."""
+    if impl == "liger":
+        raise NotImplementedError("Liger-Kernel has no FP8 blockwise linear")
+    from tiertune.kernels.ops.fp8 import dequantize_fp8, fp8_linear
+    from tiertune.quant.shipped import FP8
+
+    block = (128, 128)
+    codes, scale = FP8(block=block).quantize(
+        rand(a.intermediate, a.hidden, scale=0.02, grad=False).float().cpu()
+    )
+    codes, scale = codes.to(a.device), scale.to(a.device)
+    x = rand(a.tokens, a.hidden)
+    if impl == "eager":
+
+        class Eager(torch.autograd.Function):  # dequantized again for the input's gradient, as ours is
+            @staticmethod
+            def forward(ctx, h):  # type: ignore[no-untyped-def]
+                return F.linear(h, dequantize_fp8(codes, scale, block, h.dtype))
+
+            @staticmethod
+            def backward(ctx, dy):  # type: ignore[no-untyped-def]
+                return dy @ dequantize_fp8(codes, scale, block, dy.dtype)
+
+        return lambda: Eager.apply(x), [x]
+    backend = "triton" if a.device == "cuda" else "torch"
+    return lambda: fp8_linear(x, codes, scale, block, backend=backend), [x]
 
 
 # ------------------------------------------------------------------ measuring one case

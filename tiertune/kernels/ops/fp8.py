@@ -33,27 +33,30 @@ def fused(block: tuple[int, int]) -> bool:
 
 
 class FP8Linear(torch.autograd.Function):
-    """``x @ W.T`` (x 2-D) over a frozen FP8 weight, by the kernel; only the codes and scales are kept."""
+    """``x @ W.T`` (x 2-D) over a frozen FP8 weight: by the fused kernel (``triton``), or with the weight
+    dequantized and ``F.linear`` (``torch``); either way only the codes and scales are kept for backward, which
+    computes the input's gradient from them again (the weight gets none)."""
 
     @staticmethod
-    def forward(ctx, x, codes, scale, block):  # type: ignore[no-untyped-def]
-        from tiertune.kernels.ops._triton_fp8 import matmul
-
+    def forward(ctx, x, codes, scale, block, backend):  # type: ignore[no-untyped-def]
         ctx.save_for_backward(codes, scale)
-        ctx.block = block
-        return matmul(x, codes, scale, block, transposed=False)
+        ctx.block, ctx.backend = block, backend
+        if backend == "triton":
+            from tiertune.kernels.ops._triton_fp8 import matmul
+
+            return matmul(x, codes, scale, block, transposed=False)
+        return F.linear(x, dequantize_fp8(codes, scale, block, x.dtype))
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[no-untyped-def]
-        from tiertune.kernels.ops._triton_fp8 import matmul
-
         codes, scale = ctx.saved_tensors
-        dx = (
-            matmul(dy.contiguous(), codes, scale, ctx.block, transposed=True)
-            if ctx.needs_input_grad[0]
-            else None
-        )
-        return dx, None, None, None
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        if ctx.backend == "triton":
+            from tiertune.kernels.ops._triton_fp8 import matmul
+
+            return matmul(dy.contiguous(), codes, scale, ctx.block, transposed=True), None, None, None, None
+        return dy @ dequantize_fp8(codes, scale, ctx.block, dy.dtype), None, None, None, None
 
 
 def fp8_linear(
@@ -65,13 +68,13 @@ def fp8_linear(
     backend: str = "auto",
 ) -> torch.Tensor:
     """``x @ W.T + bias`` for the FP8 weight ``(codes, scale)`` in ``x``'s dtype: the fused kernel (``triton``,
-    or ``auto`` on a GPU with Triton, for blocks ``fused`` takes), else the weight dequantized and ``F.linear``."""
-    if choose_backend(backend, x) != "triton" or not fused(block):
-        return F.linear(x, dequantize_fp8(codes, scale, block, x.dtype), bias)
+    or ``auto`` on a GPU with Triton, for blocks ``fused`` takes), else the weight dequantized and multiplied."""
+    backend = choose_backend(backend, x)
+    if backend == "triton" and not fused(block):
+        backend = "torch"
     flat = x.reshape(-1, x.shape[-1])
-    out = FP8Linear.apply(flat, codes, scale.float().contiguous(), block).reshape(
-        *x.shape[:-1], codes.shape[0]
-    )
+    out = FP8Linear.apply(flat, codes, scale.float().contiguous(), block, backend)
+    out = out.reshape(*x.shape[:-1], codes.shape[0])
     return out if bias is None else out + bias.to(out.dtype)
 
 
