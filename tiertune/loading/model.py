@@ -249,7 +249,7 @@ def build_skeleton(directory: str | os.PathLike[str], dtype: torch.dtype = torch
         # no initializer runs: the parameters are on the meta device, their values never exist (on meta,
         # torch runs each initializer through its Python reference kernels: seconds for a 70B skeleton)
         with init_empty_weights(include_buffers=False), _no_init_weights(), _LargeOnMeta():
-            model = model_class(config)._from_config(config, dtype=dtype)
+            model = _build(config, dtype)
     except Exception as exc:  # transformers' model code on a config it cannot use (missing or odd settings)
         import transformers
 
@@ -267,6 +267,19 @@ def build_skeleton(directory: str | os.PathLike[str], dtype: torch.dtype = torch
     # from_config did: tie again so a tied head is the embedding's own parameter
     model.tie_weights()
     return model
+
+
+def _build(config: Any, dtype: torch.dtype) -> nn.Module:
+    """``model_class(config)`` built from ``config``: through its auto class where it is the auto mapping's (which
+    hands a composite config's text part to a text-only class: Llama 4's config without architectures), else the
+    checkpoint's own class directly."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cls = model_class(config)
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        if type(config) in auto._model_mapping and auto._model_mapping[type(config)] is cls:
+            return auto.from_config(config, dtype=dtype)
+    return cls._from_config(config, dtype=dtype)
 
 
 class _LargeOnMeta(torch.overrides.TorchFunctionMode):
