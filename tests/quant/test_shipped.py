@@ -609,3 +609,48 @@ def test_an_fp8_linear_layer_patched_with_the_fused_kernel_computes_as_it_did():
     ours.backward(dy)
     theirs.backward(dy)
     torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_a_streamed_merge_over_gpt_oss_mxfp4_is_peft_merge_over_its_dequantized_values(
+    gpt_oss_release, tmp_path, cat_model
+):
+    """``tiertune merge`` of an adapter on gpt-oss's attention (what all-linear adapts there) over its MXFP4
+    release: streamed, each layer's experts written 16-bit one expert at a time under transformers' names and
+    layout ((experts, in, out), no blocks or scales left), equal to peft's merge_and_unload over transformers'
+    model of the dequantized values."""
+    from peft import get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tiertune.export.commands import _merge_in_memory, merge
+    from tiertune.export.merging import plan_merge
+
+    mx_dir, values_dir, _ = gpt_oss_release
+    model = AutoModelForCausalLM.from_pretrained(values_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, peft_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0)))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in peft_model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    adapter = tmp_path / "adapter"
+    peft_model.save_pretrained(adapter)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(cat_model(1)) / f, adapter / f)
+    plan = plan_merge(adapter, mx_dir, "none", torch.float32)
+    assert not isinstance(plan, str) and len(plan.mx) == 4, plan  # 2 layers x gate_up_proj, down_proj
+    out, what = merge(adapter, tmp_path / "merged", base=str(mx_dir), dtype="float32")
+    assert "in memory" not in what
+    _merge_in_memory(adapter, tmp_path / "peft", str(values_dir), torch.float32, "none")
+
+    def tensors(directory):
+        return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    streamed, reference = tensors(out), tensors(tmp_path / "peft")
+    assert streamed.keys() == reference.keys() and not any(
+        k.endswith(("_blocks", "_scales")) for k in streamed
+    )
+    for name, tensor in reference.items():
+        assert streamed[name].dtype == tensor.dtype and streamed[name].shape == tensor.shape, name
+        torch.testing.assert_close(streamed[name], tensor, rtol=1e-5, atol=1e-6)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())

@@ -14,7 +14,8 @@ The arithmetic, per weight ``W`` in the output dtype (peft's, so the result equa
 saved by bitsandbytes) contributes its dequantized weights: what the adapter was trained against.
 
 An FP8 release's routed experts (one FP8 matrix per expert in its files) are written one matrix at a time,
-dequantized, as the checkpoint names them; adapted parameters that are matrices (a shared expert's projection,
+dequantized, as the checkpoint names them; gpt-oss's MXFP4 experts (a layer's fused in its files) one expert at a
+time into the 16-bit tensor transformers saves for them, (experts, in, out); adapted parameters that are matrices (a shared expert's projection,
 which ``adapter_config.json`` names as a parameter on the DeepSeek family: ``methods.lora.as_peft_loads``) merge
 as linear layers do. What this does not stream (a peft type other than LoRA, adapted fused MoE experts, 4-bit
 experts, bases shipped in other formats, ``fan_in_fan_out`` layers, layer replication) is reported by
@@ -82,6 +83,8 @@ class MergePlan:
     quantized: dict[str, Any] = field(default_factory=dict)  # base key -> the parameter name it quantizes as
     saved: dict[str, Any] = field(default_factory=dict)  # base key -> its bitsandbytes bytes (SavedWeight)
     quant: Any = None  # the Quantizer the run trained with, or None
+    # a fused experts weight shipped MXFP4, written 16-bit under its own name -> its blocks' and scales' keys
+    mx: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
@@ -131,8 +134,8 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
         )  # read as it ships: FP8, MXFP4...
         kind = "none" if shipped else saved_config["kind"] if saved_config else quantize
         quant = make_quantizer(kind, train_dtype, saved_config)
-        if shipped and saved_config["kind"] != "fp8":  # type: ignore[index]
-            return f"a base shipped in {saved_config['kind']} (the stream writes FP8 bases dequantized)"  # type: ignore[index]
+        if shipped and saved_config["kind"] not in ("fp8", "mxfp4"):  # type: ignore[index]
+            return f"a base shipped in {saved_config['kind']} (the stream writes FP8 and MXFP4 bases dequantized)"  # type: ignore[index]
         experts: set[str] = set()  # fused expert weights stored one matrix per expert
         if quant is not None:
             from tiertune.loading.model import find_decoder_layers
@@ -151,10 +154,17 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
     params = dict(model.named_parameters())
     key_of: dict[str, str] = {}
     pieces: dict[str, str] = {}  # an FP8 expert's own checkpoint matrix -> the fused weight it fills
+    mx: dict[str, tuple[str, str, str]] = {}  # MXFP4 experts: written name -> blocks, scales, parameter
     for name in params:
         source = sources.get(name)
         if source is None:
             return f"the base checkpoint has no tensor for {name}"
+        if name in experts and quant.kind == "mxfp4":  # type: ignore[union-attr]
+            blocks = source.pieces[0][
+                0
+            ]  # gpt-oss: the layer's experts fused, written 16-bit as transformers saves them
+            mx[blocks.removesuffix("_blocks")] = (blocks, f"{blocks.removesuffix('_blocks')}_scales", name)
+            continue
         if name in experts:  # each expert's matrix written dequantized, as the checkpoint names it
             pieces.update(dict.fromkeys((key for key, _ in source.pieces), name))
             continue
@@ -164,14 +174,15 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
     # persistent buffers the checkpoint holds (DeepSeek-V3's routers' e_score_correction_bias), written as they are
     buffers = [n for n, _ in model.named_buffers() if n in checkpoint.entries and n not in key_of.values()]
     by_file: dict[Path, list[str]] = {}
+    stored = {k: k for k in (*key_of.values(), *pieces, *buffers)} | {out: b for out, (b, _, _) in mx.items()}
     for key in sorted(
-        [*key_of.values(), *pieces, *buffers],
-        key=lambda k: (checkpoint.entries[k].file, checkpoint.entries[k].start),
+        stored, key=lambda k: (checkpoint.entries[stored[k]].file, checkpoint.entries[stored[k]].start)
     ):
-        by_file.setdefault(checkpoint.entries[key].file, []).append(key)
+        by_file.setdefault(checkpoint.entries[stored[key]].file, []).append(key)
     shapes = {key_of[n]: tuple(p.shape) for n, p in params.items() if n in key_of}
     shapes.update({key: tuple(checkpoint.entries[key].shape) for key in (*pieces, *buffers)})
-    plan = MergePlan(by_file, shapes, quant=quant)
+    shapes.update({out: tuple(params[name].shape) for out, (_, _, name) in mx.items()})
+    plan = MergePlan(by_file, shapes, quant=quant, mx={out: (b, sc) for out, (b, sc, _) in mx.items()})
     for key in pieces:  # its codes and their scales, read as a linear FP8 weight's
         plan.quantized[key] = key
         found = quant.saved(key, key, shapes[key], checkpoint)  # type: ignore[union-attr]
@@ -253,12 +264,26 @@ class _Merger:
 
     def out_dtype(self, key: str) -> torch.dtype:
         """The merged tensor's dtype: the merge's for floating-point tensors (every quantized weight is)."""
+        if key in self.plan.mx:
+            return self.dtype
         stored = self.base.entries[key].dtype
         return self.dtype if stored.is_floating_point or key in self.plan.quantized else stored
 
     def blocks(self, key: str) -> Any:
         """The merged tensor ``key`` as blocks of rows (each one of ``out_dtype``), in order."""
         shape = self.plan.shapes[key]
+        if (
+            key in self.plan.mx
+        ):  # one expert at a time: its (out, in) values, stored (in, out) as transformers does
+            blocks, scales = self.plan.mx[key]
+            for e in range(shape[0]):
+                codes = torch.empty((1, *self.base.entries[blocks].shape[1:]), dtype=torch.uint8)
+                exponents = torch.empty((1, *self.base.entries[scales].shape[1:]), dtype=torch.uint8)
+                self.base.read_into(blocks, codes, row=e)
+                self.base.read_into(scales, exponents, row=e)
+                values = self.plan.quant.dequantize(codes[0], exponents[0], torch.float32)
+                yield values.T.contiguous().to(self.dtype)[None]
+            return
         if key in self.plan.quantized:  # the scales span the tensor: dequantized whole
             yield self._merged(key, self._dequantized(key), 0)
             return

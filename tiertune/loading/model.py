@@ -409,6 +409,9 @@ def checkpoint_names(model: nn.Module, checkpoint: Checkpoint) -> dict[str, Tens
             )
         if target in shapes:
             names[target] = _fused_source(target, shapes[target], parts, converters[target], checkpoint)
+    for name in shapes:  # gpt-oss's MXFP4 experts: the weight ships as its blocks (and scales)
+        if name not in names and f"{name}_blocks" in checkpoint:
+            names[name] = TensorSource(((f"{name}_blocks", ()),))
     return names
 
 
@@ -708,9 +711,6 @@ def _sources(parts: ModelParts, checkpoint: Checkpoint) -> dict[str, TensorSourc
     """``checkpoint_names``, with a ModelError naming the first parameter the checkpoint lacks."""
     source = checkpoint_names(parts.model, checkpoint)
     for group in parts.groups:
-        for name in group.params:  # gpt-oss's MXFP4 experts: the weight ships as its blocks (and scales)
-            if name not in source and f"{name}_blocks" in checkpoint:
-                source[name] = TensorSource(((f"{name}_blocks", ()),))
         missing = [n for n in group.params if n not in source]
         if missing:
             raise ModelError(
