@@ -654,3 +654,47 @@ def test_a_streamed_merge_over_gpt_oss_mxfp4_is_peft_merge_over_its_dequantized_
         assert streamed[name].dtype == tensor.dtype and streamed[name].shape == tensor.shape, name
         torch.testing.assert_close(streamed[name], tensor, rtol=1e-5, atol=1e-6)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["int4-qwen3", "int4-kimi", "fp8-channel-qwen3"])
+def test_a_streamed_merge_over_a_compressed_tensors_release_is_peft_merge_over_its_dequantized_values(
+    compressed_release, tmp_path, cat_model, name
+):
+    """``tiertune merge`` over a compressed-tensors release (INT4 packed in int32 words with group scales, Kimi-
+    style INT4 routed experts one module each, FP8 with a scale per channel): streamed, each weight written 16-bit
+    under its own name (``weight``, not ``weight_packed``; no scales or shapes left), equal to peft's
+    merge_and_unload over transformers' model of the dequantized values."""
+    from peft import get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tiertune.export.commands import _merge_in_memory, merge
+    from tiertune.export.merging import plan_merge
+
+    q_dir, values_dir, _ = compressed_release(name)
+    model = AutoModelForCausalLM.from_pretrained(values_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, peft_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0)))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in peft_model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    adapter = tmp_path / "adapter"
+    peft_model.save_pretrained(adapter)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(cat_model(1)) / f, adapter / f)
+    plan = plan_merge(adapter, q_dir, "none", torch.float32)
+    assert not isinstance(plan, str) and plan.quantized and set(plan.saved) == set(plan.quantized), plan
+    out, what = merge(adapter, tmp_path / "merged", base=str(q_dir), dtype="float32")
+    assert "in memory" not in what
+    _merge_in_memory(adapter, tmp_path / "peft", str(values_dir), torch.float32, "none")
+
+    def tensors(directory):
+        return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    streamed, reference = tensors(out), tensors(tmp_path / "peft")
+    assert streamed.keys() == reference.keys()
+    for key, tensor in reference.items():
+        assert streamed[key].dtype == tensor.dtype and streamed[key].shape == tensor.shape, key
+        torch.testing.assert_close(streamed[key], tensor, rtol=1e-5, atol=1e-6)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())

@@ -13,12 +13,13 @@ The arithmetic, per weight ``W`` in the output dtype (peft's, so the result equa
 ``modules_to_save`` copies replacing the base's tensors. A base trained quantized (``model.quantize``, or
 saved by bitsandbytes) contributes its dequantized weights: what the adapter was trained against.
 
-An FP8 release's routed experts (one FP8 matrix per expert in its files) are written one matrix at a time,
-dequantized, as the checkpoint names them; gpt-oss's MXFP4 experts (a layer's fused in its files) one expert at a
+A release read as it ships (FP8, compressed-tensors' INT4 and FP8, MXFP4) is written 16-bit, each weight under
+the name of its values (a packed weight's ``weight_packed`` as ``weight``, no scales left). Routed experts stored
+one matrix per expert in its files are written one matrix at a time, dequantized, as the checkpoint names them; gpt-oss's MXFP4 experts (a layer's fused in its files) one expert at a
 time into the 16-bit tensor transformers saves for them, (experts, in, out); adapted parameters that are matrices (a shared expert's projection,
 which ``adapter_config.json`` names as a parameter on the DeepSeek family: ``methods.lora.as_peft_loads``) merge
 as linear layers do. What this does not stream (a peft type other than LoRA, adapted fused MoE experts, 4-bit
-experts, bases shipped in other formats, ``fan_in_fan_out`` layers, layer replication) is reported by
+experts, ``fan_in_fan_out`` layers, layer replication) is reported by
 ``plan_merge`` as a reason, and merged by peft in memory instead.
 """
 
@@ -134,8 +135,6 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
         )  # read as it ships: FP8, MXFP4...
         kind = "none" if shipped else saved_config["kind"] if saved_config else quantize
         quant = make_quantizer(kind, train_dtype, saved_config)
-        if shipped and saved_config["kind"] not in ("fp8", "mxfp4"):  # type: ignore[index]
-            return f"a base shipped in {saved_config['kind']} (the stream writes FP8 and MXFP4 bases dequantized)"  # type: ignore[index]
         experts: set[str] = set()  # fused expert weights stored one matrix per expert
         if quant is not None:
             from tiertune.loading.model import find_decoder_layers
@@ -152,8 +151,13 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
                 experts |= {f"{layers_name}.{i}.{m}" for m in marked}
     sources = checkpoint_names(model, checkpoint)
     params = dict(model.named_parameters())
+    # each tensor written is named as the checkpoint names its values (a compressed-tensors weight's packed
+    # integers, ``..._packed``, are written as the weight ``...``); ``stored``: the checkpoint tensor it comes from
     key_of: dict[str, str] = {}
-    pieces: dict[str, str] = {}  # an FP8 expert's own checkpoint matrix -> the fused weight it fills
+    stored: dict[str, str] = {}
+    pieces: dict[
+        str, tuple[str, tuple[int, ...]]
+    ] = {}  # an expert's own matrix: its checkpoint key, its shape
     mx: dict[str, tuple[str, str, str]] = {}  # MXFP4 experts: written name -> blocks, scales, parameter
     for name in params:
         source = sources.get(name)
@@ -162,38 +166,46 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
         if name in experts and quant.kind == "mxfp4":  # type: ignore[union-attr]
             blocks = source.pieces[0][
                 0
-            ]  # gpt-oss: the layer's experts fused, written 16-bit as transformers saves them
+            ]  # gpt-oss: a layer's experts fused, written as transformers saves them
             mx[blocks.removesuffix("_blocks")] = (blocks, f"{blocks.removesuffix('_blocks')}_scales", name)
+            stored[blocks.removesuffix("_blocks")] = blocks
             continue
         if name in experts:  # each expert's matrix written dequantized, as the checkpoint names it
-            pieces.update(dict.fromkeys((key for key, _ in source.pieces), name))
+            for key, index in source.pieces:
+                out = key.removesuffix("_packed")
+                pieces[out] = (key, tuple(params[name][index].shape))
+                stored[out] = key
             continue
         if len(source.pieces) != 1 or source.pieces[0][1]:
             return f"{name} is built from several checkpoint tensors (fused MoE experts)"
-        key_of[name] = source.pieces[0][0]
+        key = source.pieces[0][0]
+        key_of[name] = key.removesuffix("_packed")
+        stored[key_of[name]] = key
     # persistent buffers the checkpoint holds (DeepSeek-V3's routers' e_score_correction_bias), written as they are
-    buffers = [n for n, _ in model.named_buffers() if n in checkpoint.entries and n not in key_of.values()]
+    for buffer, _ in model.named_buffers():
+        if buffer in checkpoint.entries and buffer not in stored:
+            stored[buffer] = buffer
     by_file: dict[Path, list[str]] = {}
-    stored = {k: k for k in (*key_of.values(), *pieces, *buffers)} | {out: b for out, (b, _, _) in mx.items()}
     for key in sorted(
         stored, key=lambda k: (checkpoint.entries[stored[k]].file, checkpoint.entries[stored[k]].start)
     ):
         by_file.setdefault(checkpoint.entries[stored[key]].file, []).append(key)
-    shapes = {key_of[n]: tuple(p.shape) for n, p in params.items() if n in key_of}
-    shapes.update({key: tuple(checkpoint.entries[key].shape) for key in (*pieces, *buffers)})
+    shapes = {k: tuple(checkpoint.entries[v].shape) for k, v in stored.items()}  # buffers: as stored
+    shapes.update({key_of[n]: tuple(p.shape) for n, p in params.items() if n in key_of})
+    shapes.update({out: shape for out, (_, shape) in pieces.items()})
     shapes.update({out: tuple(params[name].shape) for out, (_, _, name) in mx.items()})
     plan = MergePlan(by_file, shapes, quant=quant, mx={out: (b, sc) for out, (b, sc, _) in mx.items()})
-    for key in pieces:  # its codes and their scales, read as a linear FP8 weight's
-        plan.quantized[key] = key
-        found = quant.saved(key, key, shapes[key], checkpoint)  # type: ignore[union-attr]
+    for out, (key, shape) in pieces.items():  # its codes and their scales, read as a linear weight's
+        plan.quantized[out] = out
+        found = quant.saved(out, key, shape, checkpoint)  # type: ignore[union-attr]
         if found is None:
-            return f"expert matrix {key} is not stored FP8 (its codes with their scales)"
-        plan.saved[key] = found
+            return f"expert matrix {key} is not stored as its release's format says (codes with their scales)"
+        plan.saved[out] = found
     for name, param in params.items():
         if name in key_of and quant is not None and is_quantized(param):
             key = key_of[name]
             plan.quantized[key] = name
-            found = quant.saved(name, key, tuple(param.shape), checkpoint)
+            found = quant.saved(name, stored[key], tuple(param.shape), checkpoint)
             if found is not None:
                 plan.saved[key] = found
     why = _adapter_plan(adapter, config, plan, key_of)
@@ -264,7 +276,7 @@ class _Merger:
 
     def out_dtype(self, key: str) -> torch.dtype:
         """The merged tensor's dtype: the merge's for floating-point tensors (every quantized weight is)."""
-        if key in self.plan.mx:
+        if key in self.plan.mx or key in self.plan.quantized:
             return self.dtype
         stored = self.base.entries[key].dtype
         return self.dtype if stored.is_floating_point or key in self.plan.quantized else stored
