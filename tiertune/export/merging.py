@@ -15,10 +15,11 @@ saved by bitsandbytes) contributes its dequantized weights: what the adapter was
 
 A release read as it ships (FP8, compressed-tensors' INT4 and FP8, MXFP4) is written 16-bit, each weight under
 the name of its values (a packed weight's ``weight_packed`` as ``weight``, no scales left). Routed experts stored
-one matrix per expert in its files are written one matrix at a time, dequantized, as the checkpoint names them; gpt-oss's MXFP4 experts (a layer's fused in its files) one expert at a
-time into the 16-bit tensor transformers saves for them, (experts, in, out); adapted parameters that are matrices (a shared expert's projection,
-which ``adapter_config.json`` names as a parameter on the DeepSeek family: ``methods.lora.as_peft_loads``) merge
-as linear layers do. What this does not stream (a peft type other than LoRA, adapted fused MoE experts, 4-bit
+one matrix per expert in its files are written one matrix at a time, dequantized, as the checkpoint names them;
+gpt-oss's MXFP4 experts (a layer's fused in its files) one expert at a time into the 16-bit tensor transformers
+saves for them, (experts, in, out). Adapted parameters that are matrices (a shared expert's projection, which
+``adapter_config.json`` names as a parameter on the DeepSeek family: ``methods.lora.as_peft_loads``) merge as
+linear layers do. What this does not stream (a peft type other than LoRA, adapted fused MoE experts, 4-bit
 experts, ``fan_in_fan_out`` layers, layer replication) is reported by
 ``plan_merge`` as a reason, and merged by peft in memory instead.
 """
