@@ -28,7 +28,7 @@ GPU_RECIPES = {
     "glm-4.6-lora-24gb": "zai-org/GLM-4.6-FP8",
     "gpt-oss-120b-lora-24gb": "openai/gpt-oss-120b",
     # a multimodal class trained on text (its tower never read), its experts each on their routed tokens
-    "llama4-scout-lora-24gb": "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+    "llama4-scout-qlora-24gb": "meta-llama/Llama-4-Scout-17B-16E-Instruct",
 }
 
 

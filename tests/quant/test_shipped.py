@@ -698,3 +698,45 @@ def test_a_streamed_merge_over_a_compressed_tensors_release_is_peft_merge_over_i
         assert streamed[key].dtype == tensor.dtype and streamed[key].shape == tensor.shape, key
         torch.testing.assert_close(streamed[key], tensor, rtol=1e-5, atol=1e-6)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+
+def test_qlora_on_gpt_oss_16_bit_stores_its_transposed_biased_experts_4_bit(gpt_oss_release, disk_dir):
+    """``model.quantize: nf4`` on gpt-oss's 16-bit release (its fused, biased experts stored (experts, in, out)):
+    each expert's (out, in) matrix is NF4 as bitsandbytes quantizes a linear weight, and LoRA (attention, what
+    all-linear adapts there) trains as peft over transformers + bitsandbytes' model whose experts are those NF4
+    values (rel 1e-4)."""
+    import bitsandbytes.functional as bnb_f
+    from peft import get_peft_model, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from tiertune.quant import make_quantizer
+
+    _, values_dir, _ = gpt_oss_release
+    cfg = _config(quantize="nf4")
+    initial, trained, batches, losses, *_ = _train(values_dir, disk_dir, cfg)
+
+    quant = make_quantizer("nf4", torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        values_dir, dtype=torch.float32, device_map="cpu", quantization_config=quant.config()
+    )
+    model.config.use_cache = False
+    for module in model.modules():
+        if type(module).__name__ != "GptOssExperts":
+            continue
+        assert module.is_transposed
+        for attr in ("gate_up_proj", "down_proj"):
+            weight = getattr(module, attr)
+            with torch.no_grad():
+                for e in range(weight.shape[0]):  # (in, out): its (out, in) matrix quantized
+                    packed, state = bnb_f.quantize_4bit(
+                        weight[e].T.contiguous(), blocksize=64, compress_statistics=True, quant_type="nf4"
+                    )
+                    weight[e].copy_(bnb_f.dequantize_4bit(packed, state).T)
+    reference = get_peft_model(model, peft_lora(model))
+    reference.train()
+    set_peft_model_state_dict(reference, initial)
+    params = [p for p in reference.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
+    expected = plain_training(reference, opt, params, cfg, batches, steps=STEPS)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
+    assert trained.keys() == {k for k in trained if ".self_attn." in k}  # attention alone

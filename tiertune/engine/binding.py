@@ -62,7 +62,8 @@ class Binder:
                 if shipped.is_shipped_format(self.quant):  # each expert as shipped
                     param = shipped.bind_experts(self.quant, name, shape, views)
                 else:
-                    param = quant_experts.bind(self.quant, name, shape, views)  # type: ignore[arg-type]
+                    transposed = bool(getattr(self.meta[name], "transposed", False))
+                    param = quant_experts.bind(self.quant, name, shape, views, transposed)  # type: ignore[arg-type]
             elif name in self.parametrized:
                 param = nn.Parameter(alias(view), requires_grad=requires_grad)
             else:

@@ -16,6 +16,8 @@ import math
 import torch
 from torch import nn
 
+from tiertune.quant.experts import StoredExperts
+
 
 def route_experts(model: nn.Module) -> int:
     """Give each MoE block of ``model`` that transformers computes densely its routed forward; returns how many
@@ -25,6 +27,9 @@ def route_experts(model: nn.Module) -> int:
         forward = ROUTED.get(type(module).__name__)
         if forward is not None:
             module.forward = functools.partial(forward, module)
+            # its experts described as transformers describes its other experts modules (stored (experts, in,
+            # out), a gate, no bias), so that a 4-bit base stores them one NF4 matrix per expert
+            module.experts.__dict__.update(is_transposed=True, has_gate=True, has_bias=False)
             count += 1
     return count
 
@@ -47,9 +52,17 @@ def _llama4_moe(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Ten
         else:
             tokens = (chosen == e).any(dim=1).nonzero().squeeze(1)
         x = hidden_states[tokens] * scores[tokens, e, None]
-        gate, up = (x @ gate_up[e]).chunk(2, dim=-1)
-        out = out.index_add(0, tokens, ((up * experts.act_fn(gate)) @ down[e]).to(out.dtype))
+        gate, up = _expert(gate_up, e, x).chunk(2, dim=-1)
+        out = out.index_add(0, tokens, _expert(down, e, up * experts.act_fn(gate)).to(out.dtype))
     return out, logits
+
+
+def _expert(weight: torch.Tensor, e: int, x: torch.Tensor) -> torch.Tensor:
+    """``x`` times expert ``e``'s matrix of a fused weight stored (experts, in, out): 16-bit, or one 4-bit matrix
+    per expert (``quant.experts``)."""
+    if isinstance(weight, StoredExperts):
+        return weight.matmul(e, x)
+    return x @ weight[e]
 
 
 ROUTED = {"Llama4TextMoe": _llama4_moe}

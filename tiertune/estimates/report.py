@@ -385,7 +385,7 @@ def estimate(
     if recipe.method.type == "lora":
         from tiertune.methods.lora import expert_adapter_note
 
-        said = expert_adapter_note(model, recipe.method.lora)
+        said = expert_adapter_note(model, recipe.method.lora, recipe.model.quantize in ("nf4", "fp4"))
         if said:
             notes.append(said)
     est = Estimate(parameters, trained, kinds, tiers, outside, notes=notes, plan=memory)

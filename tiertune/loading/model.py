@@ -751,7 +751,16 @@ def _fill(
             quant.quantize_into(name, weight, views)
         elif isinstance(quant, NF4) and is_quantized_experts(param):  # one expert at a time
             shape = tuple(param.shape)
-            experts.quantize_into(quant, name, shape, dtype, source[name].pieces, checkpoint.read_into, views)
+            experts.quantize_into(
+                quant,
+                name,
+                shape,
+                dtype,
+                source[name].pieces,
+                checkpoint.read_into,
+                views,
+                bool(getattr(param, "transposed", False)),
+            )
         else:
             _refuse_quantized(name, source[name], checkpoint)
             source[name].read_into(checkpoint, views[name])

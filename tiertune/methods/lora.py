@@ -229,25 +229,38 @@ def lora_targets(model: nn.Module, settings: LoraSettings) -> tuple[str | list[s
     return list(found), parameters or None
 
 
-def expert_adapter_note(model: nn.Module, settings: LoraSettings) -> str:
+def expert_adapter_note(model: nn.Module, settings: LoraSettings, four_bit: bool = False) -> str:
     """What LoRA on an MoE's routed experts costs or gives, for ``estimate``: when ``settings`` leave the experts
     out, the parameters, and the device bytes of adapters and states, that ``experts`` would add; when they name
-    them, what the experts' adapters are of the trained parameters. "" for a model without routed experts."""
+    them, what the experts' adapters are of the trained parameters. "" for a model without routed experts.
+    ``four_bit``: the base is quantized 4-bit, where experts stored (experts, in, out) take no adapter."""
     from tiertune.units import format_size
 
     _, layers = find_decoder_layers(text_decoder(model))
     r = settings.r
-    added = sum(
-        r * p.shape[0] * (p.shape[1] + p.shape[2])
+    experts = [
+        module
         for layer in layers
         for path, module in layer.named_modules()
         if path.split(".")[-1] == "experts"
+    ]
+    added = sum(
+        r * p.shape[0] * (p.shape[1] + p.shape[2])
+        for module in experts
         for p in module.parameters(recurse=False)
         if p.dim() == 3
     )
     if not added:
         return ""
     names = [settings.target_modules] if isinstance(settings.target_modules, str) else settings.target_modules
+    transposed = any(
+        getattr(m, "is_transposed", False) or type(m).__name__ == "Llama4TextExperts" for m in experts
+    )
+    if four_bit and transposed:
+        return (
+            "LoRA leaves the routed experts out; they are stored (experts, in, out) and here 4-bit, where "
+            "tiertune adapts none yet (model.quantize: none adapts them)"
+        )
     if "experts" in names:
         return f"LoRA on the routed experts (target_modules: experts): {added:,} of the trained parameters"
     return (

@@ -28,8 +28,9 @@ LoRA on the experts: peft adapts a fused expert weight as a parameter (``target_
 ``add_lora`` hands its factors here: ``experts_forward`` adds ``scaling * B_e (A_e x)`` to each routed expert's
 output, which is peft's ``(W_e + scaling * B_e A_e) x`` with ``W_e`` the dequantized weight.
 
-Experts stored transposed (``is_transposed``: (experts, in, out), e.g. gpt-oss) stay unquantized, as do the
-experts under an 8-bit base (bitsandbytes' 8-bit matmul has no per-expert form).
+Experts stored transposed (``is_transposed``: (experts, in, out): gpt-oss's, Llama 4's) are stored as each
+expert's (out, in) matrix, quantized as a linear weight is; LoRA on them is refused. The experts under an 8-bit
+base stay unquantized (bitsandbytes' 8-bit matmul has no per-expert form).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class StoredExperts(nn.Parameter):
         name: str = "",
         shape: Sequence[int] | None = None,
         views: dict[str, torch.Tensor] | None = None,
+        transposed: bool = False,
     ) -> StoredExperts:
         self = torch.Tensor._make_subclass(cls, data, False)
         self.quant = quant
@@ -76,6 +78,9 @@ class StoredExperts(nn.Parameter):
         self.logical_shape = torch.Size(shape if shape is not None else data.shape)
         self.views = views
         self.states: dict[int, Any] = {}
+        self.transposed = (
+            transposed  # logically (experts, in, out): each expert stored as its (out, in) matrix
+        )
         return self
 
     def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +102,8 @@ class Experts4bit(StoredExperts):
         if e not in self.states:
             name = self.weight_name
             views = {k: v[e] for k, v in self.views.items()}
-            self.states[e] = self.quant.parameter(name, torch.Size(self.logical_shape[1:]), views).quant_state
+            shape = self.logical_shape[1:] if not self.transposed else self.logical_shape[1:][::-1]
+            self.states[e] = self.quant.parameter(name, torch.Size(shape), views).quant_state
         return self.views[self.weight_name][e], self.states[e]
 
     def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -132,7 +138,7 @@ def convert_experts(layer: nn.Module, quant: object) -> list[str]:
     weights marked, relative to ``layer``; transposed experts and modules in ``quant.skip`` are left."""
     if not isinstance(quant, NF4):
         return []
-    return mark_fused(layer, quant.skip, Experts4bit)
+    return mark_fused(layer, quant.skip, Experts4bit, transposed=True)
 
 
 def mark_fused(
@@ -148,7 +154,9 @@ def mark_fused(
             continue
         where = f"{path}." if path else ""
         placeholder = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
-        module._parameters[name] = kind(placeholder, name=f"{where}{name}")
+        module._parameters[name] = kind(
+            placeholder, name=f"{where}{name}", transposed=bool(module.is_transposed)
+        )
         marked.append(f"{where}{name}")
     return marked
 
@@ -189,14 +197,17 @@ def round_trip(model: nn.Module, quant: object) -> list[str]:
     if not isinstance(quant, NF4):
         return []
     done = []
-    for path, _, name, p in fused_weights(model, quant.skip):
-        shape = tuple(p.shape[1:])
+    for path, module, name, p in fused_weights(model, quant.skip, transposed=True):
+        flip = bool(module.is_transposed)  # (experts, in, out): each expert's (out, in) matrix quantized
+        shape = tuple(p.shape[1:])[::-1] if flip else tuple(p.shape[1:])
         with torch.no_grad():
             for e in range(p.shape[0]):
                 views = {n: torch.empty(s, dtype=dt) for n, s, dt in quant.entries(name, shape)}
-                quant.quantize_into(name, p[e].to(quant.compute_dtype), views)
+                matrix = p[e].T if flip else p[e]
+                quant.quantize_into(name, matrix.to(quant.compute_dtype).contiguous(), views)
                 state = quant.parameter(name, torch.Size(shape), views).quant_state
-                p[e].copy_(bnb_f.dequantize_4bit(views[name], state))
+                values = bnb_f.dequantize_4bit(views[name], state)
+                p[e].copy_(values.T if flip else values)
         done.append(f"{path}.{name}")
     return done
 
@@ -225,6 +236,7 @@ def quantize_into(
     pieces: Sequence[tuple[str, tuple]],
     read: Callable[[str, torch.Tensor], None],
     views: dict[str, torch.Tensor],
+    transposed: bool = False,
 ) -> None:
     """Quantize fused expert weight ``name`` one expert at a time into its chunk entries (``views``).
 
@@ -246,12 +258,16 @@ def quantize_into(
                 if index[0] == e:
                     read(key, weight[index[1:]])
         expert = fused[e] if fused is not None else weight
+        if transposed:  # stored (experts, in, out): its (out, in) matrix quantized, as a linear weight is
+            expert = expert.T.contiguous()
         quant.quantize_into(name, expert, {k: v[e] for k, v in own.items()})
 
 
-def bind(quant: NF4, name: str, shape: torch.Size, views: dict[str, torch.Tensor]) -> Experts4bit:
+def bind(
+    quant: NF4, name: str, shape: torch.Size, views: dict[str, torch.Tensor], transposed: bool = False
+) -> Experts4bit:
     """The bound ``Experts4bit`` of fused expert weight ``name`` (logical ``shape``) over its chunk entries."""
-    return Experts4bit(views[name], quant, name, shape, _own(name, views))
+    return Experts4bit(views[name], quant, name, shape, _own(name, views), transposed)
 
 
 def _own(name: str, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
