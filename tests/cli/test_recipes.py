@@ -29,6 +29,7 @@ GPU_RECIPES = {
     "gpt-oss-120b-lora-24gb": "openai/gpt-oss-120b",
     # a multimodal class trained on text (its tower never read), its experts each on their routed tokens
     "llama4-scout-qlora-24gb": "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+    "llama4-maverick-qlora-24gb": "meta-llama/Llama-4-Maverick-17B-128E-Instruct",
 }
 
 
