@@ -740,3 +740,34 @@ def test_qlora_on_gpt_oss_16_bit_stores_its_transposed_biased_experts_4_bit(gpt_
     expected = plain_training(reference, opt, params, cfg, batches, steps=STEPS)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
     assert trained.keys() == {k for k in trained if ".self_attn." in k}  # attention alone
+
+
+@pytest.mark.parametrize("release", ["gpt_oss", "deepseek_v3"])
+def test_experts_kept_as_shipped_run_the_fused_kernels_as_they_ran_before(
+    release, gpt_oss_release, fp8_release, disk_dir, caplog
+):
+    """With tiertune's Triton kernels (``TRITON_INTERPRET=1`` on a CPU, fp32), the routed experts of gpt-oss's MXFP4
+    release and of DeepSeek-V3's FP8 one compute each routed expert with the fused dequantize-matmul kernel
+    (``kernels.patch``: the log counts the experts modules), and a step's loss and adapters' gradient norm are
+    those of the dequantizing path (``kernels: torch``)."""
+    import logging
+
+    path = gpt_oss_release[0] if release == "gpt_oss" else fp8_release("deepseek_v3")[0]
+    results = []
+    for kernels in ("triton", "torch"):
+        store = StoreConfig.resolve(
+            device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir / kernels)
+        )
+        with caplog.at_level(logging.DEBUG, logger="tiertune.kernels"):
+            trainer = StreamedTrainer(str(path), store, _config(kernels=kernels, max_steps=1))
+        try:
+            batches = _batches(trainer.model.config.vocab_size)
+            results.append((trainer.step(batches[:ACCUM]), trainer.adapter_state_dict()))
+        finally:
+            trainer.close()
+    patched = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels (triton)")]
+    assert patched and "experts x" in patched[0], patched
+    (fused_loss, fused), (loss, eager) = results
+    assert fused_loss == pytest.approx(loss, rel=1e-5)
+    for name, value in eager.items():
+        torch.testing.assert_close(fused[name], value, rtol=1e-4, atol=1e-6, msg=name)

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from tiertune.quant.experts import StoredExperts
+from tiertune.quant.experts import StoredExperts, stored_matmul
 
 
 def route_experts(model: nn.Module) -> int:
@@ -52,16 +52,16 @@ def _llama4_moe(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Ten
         else:
             tokens = (chosen == e).any(dim=1).nonzero().squeeze(1)
         x = hidden_states[tokens] * scores[tokens, e, None]
-        gate, up = _expert(gate_up, e, x).chunk(2, dim=-1)
-        out = out.index_add(0, tokens, _expert(down, e, up * experts.act_fn(gate)).to(out.dtype))
+        gate, up = _expert(experts, gate_up, e, x).chunk(2, dim=-1)
+        out = out.index_add(0, tokens, _expert(experts, down, e, up * experts.act_fn(gate)).to(out.dtype))
     return out, logits
 
 
-def _expert(weight: torch.Tensor, e: int, x: torch.Tensor) -> torch.Tensor:
-    """``x`` times expert ``e``'s matrix of a fused weight stored (experts, in, out): 16-bit, or one 4-bit matrix
-    per expert (``quant.experts``)."""
+def _expert(module: nn.Module, weight: torch.Tensor, e: int, x: torch.Tensor) -> torch.Tensor:
+    """``x`` times expert ``e``'s matrix of a fused weight of ``module`` stored (experts, in, out): 16-bit, or one
+    4-bit matrix per expert (``quant.experts``)."""
     if isinstance(weight, StoredExperts):
-        return weight.matmul(e, x)
+        return stored_matmul(module, weight, e, x)
     return x @ weight[e]
 
 

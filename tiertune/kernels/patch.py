@@ -16,6 +16,7 @@ import logging
 import sys
 import types
 from collections import Counter
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,7 +26,9 @@ from tiertune.kernels import KERNEL_CHOICES
 from tiertune.kernels.architectures import ARCHITECTURES
 from tiertune.kernels.ops.backend import default_backend, triton_available
 from tiertune.kernels.ops.fp8 import fp8_linear
+from tiertune.kernels.ops.fp8 import fused as fp8_fused
 from tiertune.kernels.ops.lora import lora_branch
+from tiertune.kernels.ops.mxfp4 import mxfp4_linear
 from tiertune.kernels.ops.nf4 import nf4_linear
 from tiertune.kernels.ops.rms_norm import rms_norm
 from tiertune.kernels.ops.rope import apply_rope
@@ -84,6 +87,9 @@ def patch_model(model: nn.Module, backend: str, nf4: bool | None = None) -> Coun
         elif _is_fp8(module) and backend == "triton":
             module.forward = functools.partial(_fp8_forward, module)
             counts["fp8"] += 1
+        elif module.__dict__.get("_tiertune_stored") and backend == "triton":  # experts kept one matrix each
+            module.__dict__["_tiertune_expert_matmul"] = _shipped_expert  # quant.experts.FUSED_MATMUL
+            counts["experts"] += 1
     log.debug("kernels (%s): %s", backend, describe(counts) or "none")
     return counts
 
@@ -279,6 +285,23 @@ def _fp8_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     codes = weight.detach().as_subclass(torch.Tensor)
     h = x.to(fmt.compute_dtype)
     return fp8_linear(h, codes, weight.scale, fmt.block, module.bias, "triton").to(x.dtype)  # type: ignore[union-attr]
+
+
+def _shipped_expert(weight: Any, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``e``'s ``x @ W_e.T`` of a fused expert weight kept as a release ships it (``ShippedExperts``): by
+    the fused FP8 or MXFP4 kernel, its parts' products side by side; any other stored weight by its own
+    ``matmul``."""
+    fmt = weight.quant
+    kind = getattr(fmt, "kind", None)
+    if kind not in ("fp8", "mxfp4") or (kind == "fp8" and not fp8_fused(fmt.block)) or weight.views is None:
+        return weight.matmul(e, x)
+    h = x.to(fmt.compute_dtype)
+    parts = fmt.expert(weight.views, weight.weight_name, e).parts
+    if kind == "mxfp4":
+        ys = [mxfp4_linear(h, codes, scale, "triton") for codes, scale in parts]
+    else:
+        ys = [fp8_linear(h, codes, scale, fmt.block, None, "triton") for codes, scale in parts]
+    return (ys[0] if len(ys) == 1 else torch.cat(ys, -1)).to(x.dtype)
 
 
 def _nf4_forward(module: nn.Module, backend: str, x: torch.Tensor) -> torch.Tensor:

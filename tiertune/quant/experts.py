@@ -281,11 +281,22 @@ def add_lora(module: nn.Module, name: str, factors: Callable[[], list[LoraFactor
     module.__dict__.setdefault("_tiertune_lora", {}).setdefault(name, []).append(factors)
 
 
+def stored_matmul(module: nn.Module, weight: StoredExperts, e: int, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W_e.T`` for expert ``e`` of ``weight``, a stored fused weight of experts ``module``: by the op
+    ``kernels.patch`` gave the module (``FUSED_MATMUL``: a fused dequantize-matmul kernel), else its own."""
+    fused = module.__dict__.get(FUSED_MATMUL)
+    return fused(weight, e, x) if fused is not None else weight.matmul(e, x)
+
+
+FUSED_MATMUL = "_tiertune_expert_matmul"
+"""The experts module's attribute that holds the kernel ``stored_matmul`` computes with (set by ``kernels.patch``)."""
+
+
 def _expert_linear(module: nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
     """Expert ``e``'s projection ``name`` of ``x``: 4-bit or not, plus its bias and LoRA adapters."""
     weight = module._parameters[name]
     if isinstance(weight, StoredExperts):
-        y = weight.matmul(e, x)
+        y = stored_matmul(module, weight, e, x)
     else:
         y = x @ weight[e] if module.is_transposed else F.linear(x, weight[e])
     if module.has_bias:
