@@ -15,7 +15,10 @@ Ops and what each implementation is:
 - ``fp8``: a frozen FP8 blockwise linear (e4m3 codes, a scale per 128 x 128 block: DeepSeek-V3's release;
   hidden -> intermediate): eager dequantizes the weight (DeepSeek's ``weight_dequant``: codes times the repeated
   scales, to the compute dtype) and calls ``F.linear``, forward and for the input's gradient; ours
-  ``fp8_linear`` (the fused kernel; no Liger counterpart).
+  ``fp8_linear`` (the fused kernel; no Liger counterpart);
+- ``mxfp4``: one MXFP4 expert matrix (e2m1 codes with a power-of-two scale per 32: gpt-oss's; hidden ->
+  hidden): eager dequantizes it (transformers' gpt-oss loader's values) and calls ``F.linear``, forward and for
+  the input's gradient; ours ``mxfp4_linear`` (the fused kernel; no Liger counterpart).
 
 Each (op, implementation) runs in a fresh process: forward + backward ``--reps`` times after ``--warmup``;
 reported are the median seconds of the forward and of forward + backward; ``saved_bytes``, what autograd
@@ -49,7 +52,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, proc_status_bytes
 
-OPS = ("ce", "rms_norm", "rope", "swiglu", "nf4", "lora", "fp8")
+OPS = ("ce", "rms_norm", "rope", "swiglu", "nf4", "lora", "fp8", "mxfp4")
 IMPLS = ("eager", "tiertune", "liger")
 
 
@@ -167,6 +170,8 @@ def _case(op: str, impl: str, a: argparse.Namespace) -> tuple[Callable[[], torch
         return _linear_case(op, impl, a, rand)
     if op == "fp8":
         return _fp8_case(impl, a, rand)
+    if op == "mxfp4":
+        return _mxfp4_case(impl, a, rand)
     raise ValueError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
 
 
@@ -247,6 +252,32 @@ def _fp8_case(impl: str, a: argparse.Namespace, rand: Callable) -> tuple[Callabl
         return lambda: Eager.apply(x), [x]
     backend = "triton" if a.device == "cuda" else "torch"
     return lambda: fp8_linear(x, codes, scale, block, backend=backend), [x]
+
+
+def _mxfp4_case(impl: str, a: argparse.Namespace, rand: Callable) -> tuple[Callable, list]:
+    """One MXFP4 expert matrix (hidden -> hidden) as gpt-oss ships its experts."""
+    if impl == "liger":
+        raise NotImplementedError("Liger-Kernel has no MXFP4 linear")
+    from tiertune.kernels.ops.mxfp4 import dequantize_mxfp4, mxfp4_linear
+    from tiertune.quant.shipped import MXFP4
+
+    blocks, scales = MXFP4().quantize(rand(a.hidden, a.hidden, scale=0.02, grad=False).float().cpu())
+    blocks, scales = blocks.to(a.device), scales.to(a.device)
+    x = rand(a.tokens, a.hidden)
+    if impl == "eager":
+
+        class Eager(torch.autograd.Function):  # dequantized again for the input's gradient, as ours is
+            @staticmethod
+            def forward(ctx, h):  # type: ignore[no-untyped-def]
+                return F.linear(h, dequantize_mxfp4(blocks, scales, h.dtype))
+
+            @staticmethod
+            def backward(ctx, dy):  # type: ignore[no-untyped-def]
+                return dy @ dequantize_mxfp4(blocks, scales, dy.dtype)
+
+        return lambda: Eager.apply(x), [x]
+    backend = "triton" if a.device == "cuda" else "torch"
+    return lambda: mxfp4_linear(x, blocks, scales, backend=backend), [x]
 
 
 # ------------------------------------------------------------------ measuring one case
