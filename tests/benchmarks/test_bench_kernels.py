@@ -37,7 +37,7 @@ def test_every_op_is_measured_against_eager_and_the_lora_branch_keeps_less(tmp_p
     ]  # peak memory is not checked here: one process is enough
     out = subprocess.run([sys.executable, str(BENCH), *shape], check=True, capture_output=True, text=True)
     report = json.loads(out.stdout)
-    assert set(report["ops"]) == {"ce", "rms_norm", "rope", "swiglu", "nf4", "lora"}
+    assert set(report["ops"]) == {"ce", "rms_norm", "rope", "swiglu", "nf4", "lora", "fp8", "mxfp4"}
     for op, results in report["ops"].items():
         for impl in ("eager", "tiertune"):
             assert results[impl]["forward_backward_s"] > 0, (op, impl, results)
