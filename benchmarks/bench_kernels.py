@@ -225,6 +225,20 @@ def _linear_case(op: str, impl: str, a: argparse.Namespace, rand: Callable) -> t
     return lambda: model(x), [x, *adapters]
 
 
+class _Dequantizing(torch.autograd.Function):
+    """Eager code's product with a frozen quantized matrix: ``weight_of(dtype)`` dequantizes it whole, then
+    ``F.linear``; dequantized again for the input's gradient, as the fused ops do (no 16-bit copy kept)."""
+
+    @staticmethod
+    def forward(ctx, h, weight_of):  # type: ignore[no-untyped-def]
+        ctx.weight_of = weight_of
+        return F.linear(h, weight_of(h.dtype))
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[no-untyped-def]
+        return dy @ ctx.weight_of(dy.dtype), None
+
+
 def _fp8_case(impl: str, a: argparse.Namespace, rand: Callable) -> tuple[Callable, list]:
     """A frozen FP8 blockwise linear (hidden -> intermediate, 128 x 128 scale blocks) as the release stores it."""
     if impl == "liger":
@@ -239,17 +253,7 @@ def _fp8_case(impl: str, a: argparse.Namespace, rand: Callable) -> tuple[Callabl
     codes, scale = codes.to(a.device), scale.to(a.device)
     x = rand(a.tokens, a.hidden)
     if impl == "eager":
-
-        class Eager(torch.autograd.Function):  # dequantized again for the input's gradient, as ours is
-            @staticmethod
-            def forward(ctx, h):  # type: ignore[no-untyped-def]
-                return F.linear(h, dequantize_fp8(codes, scale, block, h.dtype))
-
-            @staticmethod
-            def backward(ctx, dy):  # type: ignore[no-untyped-def]
-                return dy @ dequantize_fp8(codes, scale, block, dy.dtype)
-
-        return lambda: Eager.apply(x), [x]
+        return lambda: _Dequantizing.apply(x, lambda dtype: dequantize_fp8(codes, scale, block, dtype)), [x]
     backend = "triton" if a.device == "cuda" else "torch"
     return lambda: fp8_linear(x, codes, scale, block, backend=backend), [x]
 
@@ -265,17 +269,7 @@ def _mxfp4_case(impl: str, a: argparse.Namespace, rand: Callable) -> tuple[Calla
     blocks, scales = blocks.to(a.device), scales.to(a.device)
     x = rand(a.tokens, a.hidden)
     if impl == "eager":
-
-        class Eager(torch.autograd.Function):  # dequantized again for the input's gradient, as ours is
-            @staticmethod
-            def forward(ctx, h):  # type: ignore[no-untyped-def]
-                return F.linear(h, dequantize_mxfp4(blocks, scales, h.dtype))
-
-            @staticmethod
-            def backward(ctx, dy):  # type: ignore[no-untyped-def]
-                return dy @ dequantize_mxfp4(blocks, scales, dy.dtype)
-
-        return lambda: Eager.apply(x), [x]
+        return lambda: _Dequantizing.apply(x, lambda dtype: dequantize_mxfp4(blocks, scales, dtype)), [x]
     backend = "triton" if a.device == "cuda" else "torch"
     return lambda: mxfp4_linear(x, blocks, scales, backend=backend), [x]
 

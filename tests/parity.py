@@ -82,6 +82,20 @@ def plain_training(model, opt, clipped, cfg, batches, steps=STEPS, accum=ACCUM, 
 LORA = LoraSettings(r=4, alpha=8, dropout=0.0, seed=0)
 
 
+def assert_frozen_linear(op, weight, rows, seed=1):
+    """``op(x)``, a product with a frozen (quantized) matrix, against ``F.linear(x, weight)`` with ``weight`` its
+    values in fp32: the output and the input's gradient of ``rows`` random inputs (rel and abs 1e-5)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, weight.shape[1], generator=g)
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    expected, got = nn.functional.linear(x1, weight), op(x2)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    dy = torch.randn(rows, weight.shape[0], generator=g)
+    expected.backward(dy)
+    got.backward(dy)
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-5, atol=1e-5)
+
+
 def peft_lora(model, lora=LORA, experts=False):
     """peft's ``LoraConfig`` adapting in ``model`` (transformers' own, in memory) what tiertune's ``all-linear``
     adapts, written independently of tiertune: every linear layer of the decoder layers by its full name but the

@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
+from parity import assert_frozen_linear
 
 from tiertune.kernels.ops.fp8 import dequantize_fp8, fp8_linear, fused
 from tiertune.quant.shipped import FP8
@@ -32,17 +33,8 @@ def _weight(out, inp, block, seed=0):
 @pytest.mark.parametrize("rows", [5, 70])
 def test_the_kernel_is_the_dequantized_weights_product_forward_and_backward(out, inp, block, rows):
     codes, scale = _weight(out, inp, block)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(rows, inp, generator=g)
-    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     weight = dequantize_fp8(codes, scale, block, torch.float32)
-    expected = F.linear(x1, weight)
-    got = fp8_linear(x2, codes, scale, block, backend="triton")
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    dy = torch.randn(rows, out, generator=g)
-    expected.backward(dy)
-    got.backward(dy)
-    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-5, atol=1e-5)
+    assert_frozen_linear(lambda x: fp8_linear(x, codes, scale, block, backend="triton"), weight, rows)
 
 
 @needs_triton

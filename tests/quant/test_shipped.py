@@ -522,16 +522,11 @@ def test_full_fine_tuning_from_int4_is_the_plain_loop_on_its_dequantized_values(
     _full_parity(q_dir, values_dir, disk_dir)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
-def test_a_streamed_merge_over_an_fp8_release_is_peft_merge_over_its_dequantized_values(
-    fp8_release, tmp_path, cat_model, family
-):
-    """``tiertune merge`` of a LoRA adapter trained on an FP8 release writes a 16-bit model, streamed: each FP8
-    weight dequantized (codes times block scales) plus the adapter, no scales left, no quantization_config; peft's
-    merge_and_unload over transformers' model of the dequantized values gives the same tensors. DeepSeek-V3's
-    adapter is what all-linear adapts there (attention, the shared experts and the dense MLP, these named as
-    parameters: ``methods.lora.as_peft_loads``), and its routed experts, one FP8 matrix each, are written
-    dequantized one matrix at a time."""
+def _streamed_against_peft(base_dir, values_dir, tmp_path, cat_model):
+    """A random LoRA adapter (parity's ``peft_lora`` over transformers' model of ``values_dir``, the release's
+    dequantized values) merged by ``tiertune merge`` streamed over the release in ``base_dir``, and by peft's
+    merge_and_unload in memory over the values. Asserts the merge streamed, the same tensors (names, dtypes,
+    shapes; values to rel 1e-5) and no quantization_config left; returns the plan and the streamed tensors."""
     from peft import get_peft_model
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -539,7 +534,6 @@ def test_a_streamed_merge_over_an_fp8_release_is_peft_merge_over_its_dequantized
     from tiertune.export.commands import _merge_in_memory, merge
     from tiertune.export.merging import plan_merge
 
-    fp8_dir, values_dir, _ = fp8_release(family)
     model = AutoModelForCausalLM.from_pretrained(values_dir, dtype=torch.float32)
     peft_model = get_peft_model(model, peft_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0)))
     generator = torch.Generator().manual_seed(0)
@@ -551,11 +545,9 @@ def test_a_streamed_merge_over_an_fp8_release_is_peft_merge_over_its_dequantized
     peft_model.save_pretrained(adapter)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(cat_model(1)) / f, adapter / f)  # a tokenizer for the merged model
-    plan = plan_merge(adapter, fp8_dir, "none", torch.float32)
-    assert not isinstance(plan, str) and plan.quantized and set(plan.saved) == set(plan.quantized), plan
-    if family == "deepseek_v3":
-        assert any(".mlp.experts.3." in k for k in plan.quantized)  # a routed expert's own matrix
-    out, what = merge(adapter, tmp_path / "merged", base=str(fp8_dir), dtype="float32")
+    plan = plan_merge(adapter, base_dir, "none", torch.float32)
+    assert not isinstance(plan, str), plan
+    out, what = merge(adapter, tmp_path / "merged", base=str(base_dir), dtype="float32")
     assert "in memory" not in what
     _merge_in_memory(adapter, tmp_path / "peft", str(values_dir), torch.float32, "none")
 
@@ -563,11 +555,29 @@ def test_a_streamed_merge_over_an_fp8_release_is_peft_merge_over_its_dequantized
         return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
 
     streamed, reference = tensors(out), tensors(tmp_path / "peft")
-    assert streamed.keys() == reference.keys()  # no scales left
-    for name, tensor in reference.items():
-        assert streamed[name].dtype == tensor.dtype, name
-        torch.testing.assert_close(streamed[name], tensor, rtol=1e-5, atol=1e-6)
+    assert streamed.keys() == reference.keys()  # no scales, blocks or packed names left
+    for key, tensor in reference.items():
+        assert streamed[key].dtype == tensor.dtype and streamed[key].shape == tensor.shape, key
+        torch.testing.assert_close(streamed[key], tensor, rtol=1e-5, atol=1e-6)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    return plan, streamed
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_a_streamed_merge_over_an_fp8_release_is_peft_merge_over_its_dequantized_values(
+    fp8_release, tmp_path, cat_model, family
+):
+    """``tiertune merge`` of a LoRA adapter trained on an FP8 release writes a 16-bit model, streamed: each FP8
+    weight dequantized (codes times block scales) plus the adapter, no scales left, no quantization_config; peft's
+    merge_and_unload over transformers' model of the dequantized values gives the same tensors. DeepSeek-V3's
+    adapter is what all-linear adapts there (attention, the shared experts and the dense MLP, these named as
+    parameters: ``methods.lora.as_peft_loads``), and its routed experts, one FP8 matrix each, are written
+    dequantized one matrix at a time."""
+    fp8_dir, values_dir, _ = fp8_release(family)
+    plan, _ = _streamed_against_peft(fp8_dir, values_dir, tmp_path, cat_model)
+    assert plan.quantized and set(plan.saved) == set(plan.quantized), plan
+    if family == "deepseek_v3":
+        assert any(".mlp.experts.3." in k for k in plan.quantized)  # a routed expert's own matrix
 
 
 def test_an_fp8_linear_layer_patched_with_the_fused_kernel_computes_as_it_did():
@@ -618,42 +628,10 @@ def test_a_streamed_merge_over_gpt_oss_mxfp4_is_peft_merge_over_its_dequantized_
     release: streamed, each layer's experts written 16-bit one expert at a time under transformers' names and
     layout ((experts, in, out), no blocks or scales left), equal to peft's merge_and_unload over transformers'
     model of the dequantized values."""
-    from peft import get_peft_model
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    from tiertune.export.commands import _merge_in_memory, merge
-    from tiertune.export.merging import plan_merge
-
     mx_dir, values_dir, _ = gpt_oss_release
-    model = AutoModelForCausalLM.from_pretrained(values_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, peft_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0)))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in peft_model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=generator) * 0.05)
-    adapter = tmp_path / "adapter"
-    peft_model.save_pretrained(adapter)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(cat_model(1)) / f, adapter / f)
-    plan = plan_merge(adapter, mx_dir, "none", torch.float32)
-    assert not isinstance(plan, str) and len(plan.mx) == 4, plan  # 2 layers x gate_up_proj, down_proj
-    out, what = merge(adapter, tmp_path / "merged", base=str(mx_dir), dtype="float32")
-    assert "in memory" not in what
-    _merge_in_memory(adapter, tmp_path / "peft", str(values_dir), torch.float32, "none")
-
-    def tensors(directory):
-        return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
-
-    streamed, reference = tensors(out), tensors(tmp_path / "peft")
-    assert streamed.keys() == reference.keys() and not any(
-        k.endswith(("_blocks", "_scales")) for k in streamed
-    )
-    for name, tensor in reference.items():
-        assert streamed[name].dtype == tensor.dtype and streamed[name].shape == tensor.shape, name
-        torch.testing.assert_close(streamed[name], tensor, rtol=1e-5, atol=1e-6)
-    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    plan, streamed = _streamed_against_peft(mx_dir, values_dir, tmp_path, cat_model)
+    assert len(plan.mx) == 4, plan  # 2 layers x gate_up_proj, down_proj
+    assert not any(k.endswith(("_blocks", "_scales")) for k in streamed)
 
 
 @pytest.mark.parametrize("name", ["int4-qwen3", "int4-kimi", "fp8-channel-qwen3"])
@@ -664,40 +642,10 @@ def test_a_streamed_merge_over_a_compressed_tensors_release_is_peft_merge_over_i
     style INT4 routed experts one module each, FP8 with a scale per channel): streamed, each weight written 16-bit
     under its own name (``weight``, not ``weight_packed``; no scales or shapes left), equal to peft's
     merge_and_unload over transformers' model of the dequantized values."""
-    from peft import get_peft_model
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    from tiertune.export.commands import _merge_in_memory, merge
-    from tiertune.export.merging import plan_merge
-
     q_dir, values_dir, _ = compressed_release(name)
-    model = AutoModelForCausalLM.from_pretrained(values_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, peft_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0)))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in peft_model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=generator) * 0.05)
-    adapter = tmp_path / "adapter"
-    peft_model.save_pretrained(adapter)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(cat_model(1)) / f, adapter / f)
-    plan = plan_merge(adapter, q_dir, "none", torch.float32)
-    assert not isinstance(plan, str) and plan.quantized and set(plan.saved) == set(plan.quantized), plan
-    out, what = merge(adapter, tmp_path / "merged", base=str(q_dir), dtype="float32")
-    assert "in memory" not in what
-    _merge_in_memory(adapter, tmp_path / "peft", str(values_dir), torch.float32, "none")
-
-    def tensors(directory):
-        return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
-
-    streamed, reference = tensors(out), tensors(tmp_path / "peft")
-    assert streamed.keys() == reference.keys()
-    for key, tensor in reference.items():
-        assert streamed[key].dtype == tensor.dtype and streamed[key].shape == tensor.shape, key
-        torch.testing.assert_close(streamed[key], tensor, rtol=1e-5, atol=1e-6)
-    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    plan, streamed = _streamed_against_peft(q_dir, values_dir, tmp_path, cat_model)
+    assert plan.quantized and set(plan.saved) == set(plan.quantized), plan
+    assert not any(k.endswith(("_packed", "_scale", "_shape")) for k in streamed)
 
 
 def test_qlora_on_gpt_oss_16_bit_stores_its_transposed_biased_experts_4_bit(gpt_oss_release, disk_dir):

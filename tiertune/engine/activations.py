@@ -139,14 +139,12 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int, gpu: bool = False) -> i
     from tiertune.engine.prepare import prepare_model
     from tiertune.engine.tiling import tile_layer
     from tiertune.kernels.ops.attention import use_segment_attention
-    from tiertune.loading.model import split_model
-    from tiertune.structure import text_decoder
+    from tiertune.structure import find_decoder_layers, text_decoder
 
-    layers_name = split_model(
-        model
-    ).layers_name  # found on the whole model: in the copy, a tower's may be larger
+    # the decoder's layers, found on the whole model: in the one-layer copy a tower's list may be larger
+    layers_name, layers = find_decoder_layers(model)
     with torch.device("meta"):
-        model = _with_first_layer(model)
+        model = _with_first_layer(model, layers)
     # as the run prepares it (``engine.prepare``): its adapters (peft's wrapping, DoRA, 4-bit experts, fp32) but
     # without dropout (tiertune's LoRA op draws its mask again from a seed in backward, and a meta tensor has no
     # generator to draw it), tiertune's ops as their torch references
@@ -189,19 +187,15 @@ def layer_peak_bytes(model: nn.Module, cfg, tokens: int, gpu: bool = False) -> i
     return live.peak
 
 
-def _with_first_layer(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` (a meta skeleton) whose decoder keeps its first layer alone: what the trace runs,
+def _with_first_layer(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
+    """A copy of ``model`` (a meta skeleton) whose decoder ``layers`` keep their first alone: what the trace runs,
     without copying (and adapting) every layer of a model of a hundred."""
-    from tiertune.loading.model import split_model
-
-    first = split_model(model).layers[0]
-    holder = next(m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and m[0] is first)
-    kept = holder._modules
-    holder._modules = {"0": first}
+    kept = layers._modules
+    layers._modules = {"0": layers[0]}
     try:
         return copy.deepcopy(model)
     finally:
-        holder._modules = kept
+        layers._modules = kept
 
 
 def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, gpu=False):

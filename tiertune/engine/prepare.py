@@ -43,7 +43,9 @@ def meta_skeleton(model_dir: str, dtype: torch.dtype) -> nn.Module:
     from tiertune.loading.model import build_skeleton
 
     with torch.device("meta"):
-        return build_skeleton(model_dir, dtype)
+        model = build_skeleton(model_dir, dtype)
+    route_experts(model)  # as the engine computes it (Llama 4's experts described as transformers' others)
+    return model
 
 
 __all__ = ["meta_skeleton", "prepare_model"]

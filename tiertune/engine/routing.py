@@ -44,13 +44,12 @@ def _llama4_moe(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Ten
     gate_up, down = experts.gate_up_proj, experts.down_proj  # (E, hidden, 2 I), (E, I, hidden): read once
     with torch.no_grad():
         _, chosen = torch.topk(logits, self.top_k, dim=1)
-    meta = hidden_states.device.type == "meta"  # traced for its memory: each expert with its share of tokens
-    share = math.ceil(hidden_states.shape[0] * self.top_k / self.num_experts)
-    for e in range(self.num_experts) if meta else torch.unique(chosen).tolist():
-        if meta:
-            tokens = torch.arange(share, device=hidden_states.device)
-        else:
-            tokens = (chosen == e).any(dim=1).nonzero().squeeze(1)
+    if hidden_states.device.type == "meta":  # traced for its memory: each expert with its share of the tokens
+        share = torch.arange(math.ceil(len(hidden_states) * self.top_k / self.num_experts), device="meta")
+        routed = [(e, share) for e in range(self.num_experts)]
+    else:
+        routed = [(e, (chosen == e).any(dim=1).nonzero().squeeze(1)) for e in torch.unique(chosen).tolist()]
+    for e, tokens in routed:
         x = hidden_states[tokens] * scores[tokens, e, None]
         gate, up = _expert(experts, gate_up, e, x).chunk(2, dim=-1)
         out = out.index_add(0, tokens, _expert(experts, down, e, up * experts.act_fn(gate)).to(out.dtype))

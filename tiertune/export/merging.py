@@ -156,18 +156,16 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
     # integers, ``..._packed``, are written as the weight ``...``); ``stored``: the checkpoint tensor it comes from
     key_of: dict[str, str] = {}
     stored: dict[str, str] = {}
-    pieces: dict[
-        str, tuple[str, tuple[int, ...]]
-    ] = {}  # an expert's own matrix: its checkpoint key, its shape
+    # an expert's own matrix (experts one module each in the files): its checkpoint key, its shape
+    pieces: dict[str, tuple[str, tuple[int, ...]]] = {}
     mx: dict[str, tuple[str, str, str]] = {}  # MXFP4 experts: written name -> blocks, scales, parameter
     for name in params:
         source = sources.get(name)
         if source is None:
             return f"the base checkpoint has no tensor for {name}"
         if name in experts and quant.kind == "mxfp4":  # type: ignore[union-attr]
-            blocks = source.pieces[0][
-                0
-            ]  # gpt-oss: a layer's experts fused, written as transformers saves them
+            # gpt-oss: a layer's experts fused, written as transformers saves them
+            blocks = source.pieces[0][0]
             mx[blocks.removesuffix("_blocks")] = (blocks, f"{blocks.removesuffix('_blocks')}_scales", name)
             stored[blocks.removesuffix("_blocks")] = blocks
             continue

@@ -112,16 +112,15 @@ MEDIA_FIELDS = ("images", "image", "videos", "audios")
 """Row fields that hold images, video or sound beside the text (TRL's vision datasets: ``images``)."""
 
 
-def _text_messages(messages: Any, field: str, row: dict) -> tuple[list[dict], bool]:
+def _text_messages(messages: Any, field: str, row: dict) -> list[dict]:
     """A conversation's ``{"role", "content"}`` messages with string contents: a content given as parts
-    (``[{"type": "image"}, {"type": "text", "text": ...}]``) is its text parts, joined by newlines; and whether
-    the row holds images (or video or sound) there or in a field of its own, which are not read. Raises
-    ``_BadRow`` for anything else."""
-    out, media = [], any(row.get(k) for k in MEDIA_FIELDS)
+    (``[{"type": "image"}, {"type": "text", "text": ...}]``) is its text parts, joined by newlines (images, video
+    and sound are not read: ``_holds_media`` counts the rows that hold them). Raises ``_BadRow`` for anything
+    else."""
+    out = []
     for m in messages if isinstance(messages, list) else [None]:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list) and all(isinstance(p, dict) and "type" in p for p in content):
-            media = media or any(p["type"] in MEDIA_PARTS for p in content)
             texts = [p.get("text") for p in content if p["type"] == "text"]
             content = "\n".join(t for t in texts if isinstance(t, str))
         if not (isinstance(content, str) and m.get("role")):  # type: ignore[union-attr]
@@ -130,7 +129,7 @@ def _text_messages(messages: Any, field: str, row: dict) -> tuple[list[dict], bo
                 f"a list {field!r} of {{'role', 'content'}} objects", f"{found} (the row has {_keys(row)})"
             )
         out.append({"role": m["role"], "content": content})  # type: ignore[index]
-    return out, media
+    return out
 
 
 def read_rows(path: str | Path, skip_bad_rows: bool = False, cache_dir: str | None = None) -> Any:
@@ -551,7 +550,7 @@ def _kl_sequences(batch: dict, **settings: Any) -> dict[str, list]:
 
 
 def _messages(row: dict, field: str) -> list[dict]:
-    return _text_messages(row.get(field), field, row)[0]
+    return _text_messages(row.get(field), field, row)
 
 
 def _chat_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
@@ -612,7 +611,7 @@ def _keys(row: dict) -> str:
 
 def _chat(row: dict, tokenizer: Any) -> tuple[list[int], list[int], list[str]]:
     """A conversation through the chat template; labels only on the assistant turns' tokens."""
-    messages, _ = _text_messages(row.get("messages") or None, "messages", row)
+    messages = _text_messages(row.get("messages") or None, "messages", row)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []  # character spans of the assistant turns, found by rendering the conversation turn by turn
     for i, message in enumerate(messages):

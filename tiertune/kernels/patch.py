@@ -26,7 +26,6 @@ from tiertune.kernels import KERNEL_CHOICES
 from tiertune.kernels.architectures import ARCHITECTURES
 from tiertune.kernels.ops.backend import default_backend, triton_available
 from tiertune.kernels.ops.fp8 import fp8_linear
-from tiertune.kernels.ops.fp8 import fused as fp8_fused
 from tiertune.kernels.ops.lora import lora_branch
 from tiertune.kernels.ops.mxfp4 import mxfp4_linear
 from tiertune.kernels.ops.nf4 import nf4_linear
@@ -293,7 +292,9 @@ def _shipped_expert(weight: Any, e: int, x: torch.Tensor) -> torch.Tensor:
     ``matmul``."""
     fmt = weight.quant
     kind = getattr(fmt, "kind", None)
-    if kind not in ("fp8", "mxfp4") or (kind == "fp8" and not fp8_fused(fmt.block)) or weight.views is None:
+    if (
+        kind not in ("fp8", "mxfp4") or weight.views is None
+    ):  # fp8_linear takes blocks its kernel cannot itself
         return weight.matmul(e, x)
     h = x.to(fmt.compute_dtype)
     parts = fmt.expert(weight.views, weight.weight_name, e).parts

@@ -133,11 +133,6 @@ def _expert_factors(wrapper: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor
     return out
 
 
-TARGET_KEYWORDS = ("all-linear", "experts", "routers")
-"""Words ``method.lora.target_modules`` may hold besides module names: ``all-linear`` (the decoder's linear
-layers; on a mixture of experts: attention, shared experts and dense MLPs), ``experts`` (the routed experts'
-weights) and ``routers`` (the routers' weights)."""
-
 ROUTERS = ("gate", "router", "shared_expert_gate")
 """Names transformers gives the modules of an MoE block that route tokens (or gate a shared expert)."""
 
@@ -145,6 +140,11 @@ ROUTERS = ("gate", "router", "shared_expert_gate")
 def _under_experts(path: str) -> bool:
     """Whether ``path`` (a module's name in a decoder layer) is a routed experts module or inside one."""
     return "experts" in path.split(".")
+
+
+def _is_experts(path: str) -> bool:
+    """Whether ``path`` (a module's name in a decoder layer) is a routed experts module (transformers' name)."""
+    return path.rsplit(".", 1)[-1] == "experts"
 
 
 def _is_router(path: str, module: nn.Module) -> bool:
@@ -204,7 +204,7 @@ def lora_targets(model: nn.Module, settings: LoraSettings) -> tuple[str | list[s
             if _under_experts(path):
                 if "experts" in names and linear:  # experts as modules of their own
                     found[full(where)] = None
-                elif "experts" in names and path.split(".")[-1] == "experts":
+                elif "experts" in names and _is_experts(path):
                     for pname, p in module.named_parameters(recurse=False):
                         if p.dim() == 3:
                             parameters.append(full(f"{where}.{pname}"))
@@ -238,12 +238,7 @@ def expert_adapter_note(model: nn.Module, settings: LoraSettings, four_bit: bool
 
     _, layers = find_decoder_layers(text_decoder(model))
     r = settings.r
-    experts = [
-        module
-        for layer in layers
-        for path, module in layer.named_modules()
-        if path.split(".")[-1] == "experts"
-    ]
+    experts = [module for layer in layers for path, module in layer.named_modules() if _is_experts(path)]
     added = sum(
         r * p.shape[0] * (p.shape[1] + p.shape[2])
         for module in experts
@@ -253,10 +248,7 @@ def expert_adapter_note(model: nn.Module, settings: LoraSettings, four_bit: bool
     if not added:
         return ""
     names = [settings.target_modules] if isinstance(settings.target_modules, str) else settings.target_modules
-    transposed = any(
-        getattr(m, "is_transposed", False) or type(m).__name__ == "Llama4TextExperts" for m in experts
-    )
-    if four_bit and transposed:
+    if four_bit and any(getattr(m, "is_transposed", False) for m in experts):
         return (
             "LoRA leaves the routed experts out; they are stored (experts, in, out) and here 4-bit, where "
             "tiertune adapts none yet (model.quantize: none adapts them)"

@@ -78,9 +78,8 @@ class StoredExperts(nn.Parameter):
         self.logical_shape = torch.Size(shape if shape is not None else data.shape)
         self.views = views
         self.states: dict[int, Any] = {}
-        self.transposed = (
-            transposed  # logically (experts, in, out): each expert stored as its (out, in) matrix
-        )
+        # logically (experts, in, out): each expert stored as its (out, in) matrix
+        self.transposed = transposed
         return self
 
     def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:

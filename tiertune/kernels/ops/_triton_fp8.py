@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tiertune.kernels.ops._triton_tiles import load_rows, store_rows
+
 
 @triton.jit
 def _e4m3(bits):
@@ -49,11 +51,7 @@ def _matmul(
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
-        x = tl.load(
-            a + rm[:, None] * stride_am + rr[None, :] * stride_ar,
-            mask=(rm[:, None] < M) & (rr[None, :] < R),
-            other=0.0,
-        )
+        x = load_rows(a, rm, rr, M, R, stride_am, stride_ar)
         bits = tl.load(
             codes + rr[:, None] * stride_cr + rp[None, :] * stride_cp,
             mask=(rr[:, None] < R) & (rp[None, :] < P),
@@ -64,11 +62,7 @@ def _matmul(
             tl.float32
         )
         acc += tl.dot(x, w) * s
-    tl.store(
-        out + rm[:, None] * stride_om + rp[None, :] * stride_op,
-        acc.to(out.dtype.element_ty),
-        mask=(rm[:, None] < M) & (rp[None, :] < P),
-    )
+    store_rows(out, acc, rm, rp, M, P, stride_om, stride_op)
 
 
 def _tile(block: int, limit: int) -> int:
@@ -84,29 +78,11 @@ def matmul(
 ) -> torch.Tensor:
     """``a @ W.T`` (``transposed`` False: a (M, in) input) or ``a @ W`` (True: a (M, out) gradient) for the FP8
     weight ``W`` of ``codes`` (out, in; e4m3fn) and ``scale`` (one a ``block``), in ``a``'s dtype."""
+    # W (out, in) or its transpose as (P, R): the product's columns by the reduction, and their scale blocks
     bits = codes.view(torch.uint8)
-    out_features, in_features = codes.shape
-    b0, b1 = block
-    if not transposed:  # out[m, o] = sum_i a[m, i] W[o, i]
-        P, R = out_features, in_features
-        stride_cp, stride_cr, stride_sp, stride_sr, scale_p, scale_r = (
-            bits.stride(0),
-            bits.stride(1),
-            scale.stride(0),
-            scale.stride(1),
-            b0,
-            b1,
-        )
-    else:  # out[m, i] = sum_o a[m, o] W[o, i]
-        P, R = in_features, out_features
-        stride_cp, stride_cr, stride_sp, stride_sr, scale_p, scale_r = (
-            bits.stride(1),
-            bits.stride(0),
-            scale.stride(1),
-            scale.stride(0),
-            b1,
-            b0,
-        )
+    bits, scale = (bits.t(), scale.t()) if transposed else (bits, scale)
+    scale_p, scale_r = block[::-1] if transposed else block
+    P, R = bits.shape
     M = a.shape[0]
     out = torch.empty((M, P), dtype=a.dtype, device=a.device)
     if M == 0:
@@ -124,10 +100,10 @@ def matmul(
         R,
         a.stride(0),
         a.stride(1),
-        stride_cp,
-        stride_cr,
-        stride_sp,
-        stride_sr,
+        bits.stride(0),
+        bits.stride(1),
+        scale.stride(0),
+        scale.stride(1),
         out.stride(0),
         out.stride(1),
         SCALE_P=scale_p,

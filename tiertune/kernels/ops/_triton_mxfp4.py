@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tiertune.kernels.ops._triton_tiles import load_rows, store_rows
+
 
 @triton.jit
 def _e2m1(code):
@@ -46,11 +48,7 @@ def _matmul(
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
-        x = tl.load(
-            a + rm[:, None] * stride_am + rr[None, :] * stride_ar,
-            mask=(rm[:, None] < M) & (rr[None, :] < R),
-            other=0.0,
-        )
+        x = load_rows(a, rm, rr, M, R, stride_am, stride_ar)
         if TRANSPOSED:
             o = rr[:, None]
             i = rp[None, :]
@@ -63,11 +61,7 @@ def _matmul(
         exponent = tl.load(scales + o * stride_so + i // 32, mask=inside, other=127).to(tl.int32)
         w = _e2m1(code) * tl.exp2((exponent - 127).to(tl.float32))  # (BLOCK_R, BLOCK_P)
         acc += tl.dot(x, w.to(x.dtype))
-    tl.store(
-        out + rm[:, None] * stride_om + rp[None, :] * stride_op,
-        acc.to(out.dtype.element_ty),
-        mask=(rm[:, None] < M) & (rp[None, :] < P),
-    )
+    store_rows(out, acc, rm, rp, M, P, stride_om, stride_op)
 
 
 def matmul(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, transposed: bool) -> torch.Tensor:
