@@ -77,3 +77,44 @@ def tiny_config(family: str, layers: int = 4):
     }
     name, extra = more[family]
     return getattr(transformers, name)(**common, **extra)
+
+
+def save_llama4(path):
+    """A tiny Llama 4 (its vision encoder and adapter, a projector, a language model with chunked attention and
+    a NoPE layer, dense and MoE layers: a routed expert's fused weights, a shared expert, a router) saved in
+    ``path`` as ``save_pretrained`` writes its ``ForConditionalGeneration`` (the class its releases name), in
+    shards; returns ``path``."""
+    import torch
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Llama4Config(
+        text_config=dict(
+            hidden_size=64,
+            intermediate_size=48,
+            intermediate_size_mlp=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=211,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=8,
+            no_rope_layers=[1, 1, 1, 0],
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+            vision_output_dim=32,
+            projector_input_dim=32,
+            projector_output_dim=32,
+        ),
+    )
+    Llama4ForConditionalGeneration(config).save_pretrained(path, max_shard_size="60KB")
+    return path

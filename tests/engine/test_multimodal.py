@@ -5,6 +5,8 @@ the tower as it was."""
 import pytest
 import torch
 from parity import ACCUM, LORA, _batches, assert_adam_trained_close, lora_config, plain_training
+from releases import write_rowwise_fp8
+from tiny import save_llama4
 
 from tiertune.engine import EngineConfig, StreamedTrainer
 from tiertune.offload.store import StoreConfig
@@ -48,45 +50,22 @@ def gemma3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama4(tmp_path_factory, cat_model):
-    """A tiny Llama 4 (its vision encoder and adapter, a projector, a language model with chunked attention and
-    a NoPE layer, dense and MoE layers: a routed expert's fused weights, a shared expert, a router) as
-    ``save_pretrained`` writes its ``ForConditionalGeneration`` (the class its releases name), with a tokenizer."""
-    from transformers import Llama4Config, Llama4ForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = Llama4Config(
-        text_config=dict(
-            hidden_size=64,
-            intermediate_size=48,
-            intermediate_size_mlp=96,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=211,
-            num_local_experts=4,
-            num_experts_per_tok=1,
-            interleave_moe_layer_step=2,
-            attention_chunk_size=8,
-            no_rope_layers=[1, 1, 1, 0],
-        ),
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=32,
-            patch_size=8,
-            vision_output_dim=32,
-            projector_input_dim=32,
-            projector_output_dim=32,
-        ),
-    )
-    path = tmp_path_factory.mktemp("llama4")
-    Llama4ForConditionalGeneration(config).save_pretrained(path, max_shard_size="60KB")
+    """tiny.py's Llama 4 ``ForConditionalGeneration`` checkpoint, with a tokenizer."""
+    path = save_llama4(tmp_path_factory.mktemp("llama4"))
     for f in cat_model(2).glob("*token*"):
         (path / f.name).write_bytes(f.read_bytes())
     return path
+
+
+@pytest.fixture(scope="module")
+def llama4_fp8(llama4, tmp_path_factory):
+    """The tiny Llama 4 as Meta's FP8 release of Maverick ships (quant_method fbgemm_fp8: the feed-forward
+    layers' linears and fused experts e4m3 with a scale per output channel, the attention kept 16-bit by its
+    checkpoint names): (release dir, dir of the model of its dequantized values)."""
+    root = tmp_path_factory.mktemp("llama4-fp8")
+    skip = [f"language_model.model.layers.{i}.self_attn" for i in range(4)] + ["vision_model", "lm_head"]
+    write_rowwise_fp8(llama4, root / "fp8", root / "values", skip)
+    return root / "fp8", root / "values"
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +106,16 @@ def qwen3_vl(tmp_path_factory, cat_model):
 FAMILIES = {  # device and host budgets: streamed
     "gemma3": ("512KiB", "200KiB"),
     "llama4": ("512KiB", "256KiB"),
+    "llama4_fp8": ("256KiB", "160KiB"),
     "qwen3_vl": ("256KiB", "160KiB"),
 }
+
+
+def _paths(family, *made):
+    """The checkpoint of ``family`` to train (a fixture's of ``made``, in FAMILIES' order) and the model of its
+    values (itself, or the dequantized values of a quantized release)."""
+    found = dict(zip(sorted(FAMILIES), made, strict=True))[family]
+    return found if isinstance(found, tuple) else (found, found)
 
 
 def _checkpoint_class(path):
@@ -157,17 +144,21 @@ class _TextPath(torch.nn.Module):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_text_lora_follows_peft_and_never_reads_the_tower(family, gemma3, llama4, qwen3_vl, disk_dir):
+def test_text_lora_follows_peft_and_never_reads_the_tower(
+    family, gemma3, llama4, llama4_fp8, qwen3_vl, disk_dir
+):
     """A multimodal class trained on text: LoRA on its language model (all-linear names none of the tower's
     modules, although the tower has its own q_proj; on Llama 4's MoE layers: attention and the shared expert,
     not the router) trains as peft over transformers' model of the checkpoint's class does (rel 1e-4), the base
     homed on disk and read at most twice a step; no chunk holds a tower weight, and the adapter's keys are peft's
-    names of the decoder's modules in that class."""
+    names of the decoder's modules in that class. Llama 4's FP8 release is read as it ships (its feed-forward
+    codes and scales in place) and follows peft over the model of its dequantized values."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
     from tiertune.loading.model import tower_parameters
+    from tiertune.quant.shipped import ShippedExperts, ShippedLinear
 
-    path = {"gemma3": gemma3, "llama4": llama4, "qwen3_vl": qwen3_vl}[family]
+    path, values = _paths(family, gemma3, llama4, llama4_fp8, qwen3_vl)
     device, host = FAMILIES[family]
     cfg = lora_config(quantize="none", warmup_steps=1, max_steps=STEPS, params="disk")
     store = StoreConfig.resolve(
@@ -187,6 +178,13 @@ def test_text_lora_follows_peft_and_never_reads_the_tower(family, gemma3, llama4
             moved.append(trainer.store.stats().bytes_moved.get("disk->host", 0) - before)
         trained = trainer.adapter_state_dict()
         base_bytes = sum(c.capacity for c in trainer.store.chunks if ".layers." in c.name)
+        layers = [streamed.layer for streamed in trainer.parts.layers]
+        shipped = {
+            "linear": [n for lay in layers for n, m in lay.named_modules() if isinstance(m, ShippedLinear)],
+            "experts": [
+                n for lay in layers for n, p in lay.named_parameters() if isinstance(p, ShippedExperts)
+            ],
+        }
     finally:
         trainer.close()
     assert tower and not any(".language_model." in f".{n}" for n in tower) and not tower & chunked  # no chunk
@@ -196,10 +194,14 @@ def test_text_lora_follows_peft_and_never_reads_the_tower(family, gemma3, llama4
         and all(".language_model." in k for k in trained)
         and not any("vision" in k or "visual" in k for k in trained)
     )
-    if family == "llama4":
+    if family.startswith("llama4"):
         assert any(".shared_expert." in k for k in trained) and not any(".router." in k for k in trained)
+    if family == "llama4_fp8":  # read as shipped: the feed-forward layers' codes and the experts', in place
+        assert (
+            shipped["linear"] and shipped["experts"] and not any("self_attn" in n for n in shipped["linear"])
+        )
 
-    model = _checkpoint_class(path).from_pretrained(path, dtype=torch.float32, device_map="cpu")
+    model = _checkpoint_class(values).from_pretrained(values, dtype=torch.float32, device_map="cpu")
     model.config.use_cache = False
     model.config.get_text_config(decoder=True).use_cache = False
     decoder = [
@@ -226,16 +228,17 @@ def test_text_lora_follows_peft_and_never_reads_the_tower(family, gemma3, llama4
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_merged_export_of_text_lora_is_the_same_class_with_its_tower_unchanged(
-    family, gemma3, llama4, qwen3_vl, tmp_path
+    family, gemma3, llama4, llama4_fp8, qwen3_vl, tmp_path
 ):
     """``tiertune merge`` of an adapter trained on a multimodal class's language model: the merged model loads in
     transformers as the checkpoint's class, its vision tower and projector bit-identical to the base's, its
-    adapted weights changed."""
+    adapted weights changed. Over Llama 4's FP8 release the merge writes the model of its values: the same
+    tensors (no scales left), the experts' the dequantized values exactly."""
     from safetensors.torch import load_file
 
     from tiertune.export.commands import merge
 
-    path = {"gemma3": gemma3, "llama4": llama4, "qwen3_vl": qwen3_vl}[family]
+    path, values = _paths(family, gemma3, llama4, llama4_fp8, qwen3_vl)
     cfg = EngineConfig(
         dtype=torch.float32, method="lora", lora=LORA, learning_rate=1e-2, max_steps=1, params="host"
     )
@@ -247,15 +250,19 @@ def test_the_merged_export_of_text_lora_is_the_same_class_with_its_tower_unchang
         trainer.close()
     for f in ("tokenizer.json", "tokenizer_config.json"):  # the merged model's tokenizer
         (tmp_path / "adapter" / f).write_bytes((path / f).read_bytes()) if (path / f).exists() else None
-    out, _ = merge(tmp_path / "adapter", tmp_path / "merged", base=str(path), dtype="float32")
+    out, what = merge(tmp_path / "adapter", tmp_path / "merged", base=str(path), dtype="float32")
+    assert "in memory" not in what
     merged = _checkpoint_class(out).from_pretrained(out, dtype=torch.float32)
     assert type(merged) is _checkpoint_class(path)
-    base = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+    base = {k: v for f in sorted(values.glob("*.safetensors")) for k, v in load_file(f).items()}
     written = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert written.keys() == base.keys()
     tower = [k for k in base if "language_model" not in k and "lm_head" not in k]
     assert tower and all(torch.equal(written[k], base[k]) for k in tower)
     q = next(k for k in base if k.endswith("layers.0.self_attn.q_proj.weight") and "language_model" in k)
     assert not torch.equal(written[q], base[q])  # the adapter merged into the language model
+    experts = [k for k in base if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert all(torch.equal(written[k], base[k]) for k in experts)  # not adapted: the values as they were
 
 
 @pytest.mark.parametrize("top_k", [1, 2])

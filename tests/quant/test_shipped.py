@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from parity import ACCUM, LORA, _batches, assert_adam_trained_close, lora_config, peft_lora, plain_training
-from safetensors.torch import load_file, save_file
+from releases import rewrite, write_rowwise_fp8
 
 from tiertune.engine import StreamedTrainer
 from tiertune.errors import ConfigError, ModelError
@@ -31,40 +31,6 @@ def _quantized(key: str, tensor: torch.Tensor) -> bool:
     """What an FP8 release stores in FP8: the decoder layers' matrices but the router (DeepSeek-V3's
     ``mlp.gate`` is a parameter of the router, shipped in bf16)."""
     return bool(LAYER_WEIGHT.match(key)) and tensor.dim() == 2 and not key.endswith("mlp.gate.weight")
-
-
-def rewrite(src, out_dir, values_dir, convert, quantization_config) -> int:
-    """``src`` (a saved model) written twice: to ``out_dir`` as a release that ships quantized (each tensor as
-    ``convert(key, tensor)`` gives it: the tensors to store and its values, or None to keep it as it is;
-    ``quantization_config`` in config.json) and to ``values_dir`` as the model of its values (same keys, same
-    shards). Returns the bytes of the quantized checkpoint's tensors."""
-    for out in (out_dir, values_dir):
-        out.mkdir(parents=True, exist_ok=True)
-        for f in src.iterdir():
-            if not f.name.endswith(".safetensors"):
-                shutil.copy(f, out / f.name)
-    index, total = {}, 0
-    for shard in sorted(src.glob("*.safetensors")):
-        packed, values = {}, {}
-        for key, tensor in load_file(shard).items():
-            made = convert(key, tensor)
-            if made is None:
-                packed[key] = values[key] = tensor
-            else:
-                packed.update(made[0])
-                values[key] = made[1]
-        save_file(packed, out_dir / shard.name, metadata={"format": "pt"})
-        save_file(values, values_dir / shard.name, metadata={"format": "pt"})
-        index.update(dict.fromkeys(packed, shard.name))
-        total += sum(t.numel() * t.element_size() for t in packed.values())
-    if (src / "model.safetensors.index.json").exists():
-        (out_dir / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": index})
-        )
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config
-    (out_dir / "config.json").write_text(json.dumps(config))
-    return total
 
 
 def write_fp8(src, fp8_dir, values_dir, fmt: FP8, skip=()):
@@ -719,3 +685,71 @@ def test_experts_kept_as_shipped_run_the_fused_kernels_as_they_ran_before(
     assert fused_loss == pytest.approx(loss, rel=1e-5)
     for name, value in eager.items():
         torch.testing.assert_close(fused[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------- FP8 per channel (fbgemm_fp8: Meta's)
+
+
+@pytest.fixture(scope="module")
+def rowwise_release(tiny_model_dir, tmp_path_factory):
+    """A tiny Llama as Meta's FP8 releases ship (Llama 3.1 405B's layout: a scale per output channel, the
+    attention and the last layer's MLP kept 16-bit by name): (release dir, dequantized values' dir, bytes)."""
+    src, _ = tiny_model_dir("llama")
+    root = tmp_path_factory.mktemp("llama-fbgemm")
+    skip = [f"model.layers.{i}.self_attn" for i in range(4)] + ["model.layers.3.mlp"]
+    total = write_rowwise_fp8(src, root / "fp8", root / "values", skip)
+    return root / "fp8", root / "values", total
+
+
+def test_lora_on_a_per_channel_fp8_release_follows_peft_on_its_dequantized_values(rowwise_release, disk_dir):
+    """quant_method fbgemm_fp8: the MLPs read in place as e4m3 codes with a scale per channel, the modules
+    modules_to_not_convert names 16-bit; step 1's loss that of the dequantized model (rel 1e-5), every step as
+    peft's over it (rel 1e-4), nothing of the base in the disk tier, a step reading at most twice the release."""
+    fp8_dir, values_dir, total = rowwise_release
+    cfg = _config()
+    initial, trained, batches, losses, moved, in_place, disk_tier = _train(
+        fp8_dir, disk_dir, cfg, host="160KiB"
+    )
+    expected, theirs = _peft_reference(values_dir, initial, cfg, batches)
+    assert abs(losses[0] - expected[0]) <= 1e-5 * abs(expected[0])
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
+    assert set(trained) == set(theirs)
+    for name, value in theirs.items():
+        assert_adam_trained_close(trained[name], value, name)
+    assert all(in_place) and disk_tier == 0
+    assert min(moved[1:]) > 0 and max(moved[1:]) <= 2 * total * 1.1
+
+
+def test_a_per_channel_fp8_release_keeps_what_it_names_16_bit_and_converts_the_rest(rowwise_release):
+    """The modules modules_to_not_convert names stay nn.Linear; the other decoder linears are read as shipped."""
+    from tiertune.loading.model import build_skeleton
+    from tiertune.quant import make_quantizer, saved_quantization
+    from tiertune.quant.shipped import RowwiseFP8, ShippedLinear
+
+    fp8_dir, _, _ = rowwise_release
+    with torch.device("meta"):
+        model = build_skeleton(fp8_dir, torch.float32)
+        quant = make_quantizer("none", torch.float32, saved_quantization(model.config))
+    assert isinstance(quant, RowwiseFP8)
+    for i, layer in enumerate(model.model.layers):
+        quant.convert(layer, f"model.layers.{i}")
+    kinds = {n: type(m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds["model.layers.0.self_attn.q_proj"] is torch.nn.Linear
+    assert kinds["model.layers.3.mlp.up_proj"] is torch.nn.Linear
+    assert kinds["model.layers.2.mlp.down_proj"] is ShippedLinear
+
+
+def test_full_fine_tuning_from_a_per_channel_fp8_release_is_the_plain_loop_on_its_dequantized_values(
+    rowwise_release, disk_dir
+):
+    fp8_dir, values_dir, _ = rowwise_release
+    _full_parity(fp8_dir, values_dir, disk_dir)
+
+
+def test_a_streamed_merge_over_a_per_channel_fp8_release_is_peft_merge_over_its_dequantized_values(
+    rowwise_release, tmp_path, cat_model
+):
+    fp8_dir, values_dir, _ = rowwise_release
+    plan, streamed = _streamed_against_peft(fp8_dir, values_dir, tmp_path, cat_model)
+    assert plan.quantized and set(plan.saved) == set(plan.quantized), plan
+    assert not any(k.endswith("_scale") for k in streamed)

@@ -85,7 +85,8 @@ class MergePlan:
     quantized: dict[str, Any] = field(default_factory=dict)  # base key -> the parameter name it quantizes as
     saved: dict[str, Any] = field(default_factory=dict)  # base key -> its bitsandbytes bytes (SavedWeight)
     quant: Any = None  # the Quantizer the run trained with, or None
-    # a fused experts weight shipped MXFP4, written 16-bit under its own name -> its blocks' and scales' keys
+    # fused experts shipped as one tensor (gpt-oss's MXFP4, Llama 4's FP8), written 16-bit under their own name ->
+    # the keys of their codes and scales
     mx: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
@@ -103,8 +104,10 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
     """The streamed merge of the PEFT ``adapter`` into the ``base`` model directory, or why it cannot be
     streamed (a sentence). ``quantize`` and ``train_dtype``: how the run held its base (``model.quantize`` and
     ``model.dtype``)."""
+    from tiertune.engine.routing import route_experts
     from tiertune.loading.model import build_skeleton, checkpoint_names
     from tiertune.quant import SHIPPED, is_quantized, make_quantizer, saved_quantization, store_experts
+    from tiertune.quant.shipped import SCALE
 
     config = json.loads((adapter / "adapter_config.json").read_text())
     unsupported = [
@@ -119,6 +122,7 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
     checkpoint = Checkpoint(base)
     with torch.device("meta"):
         model = build_skeleton(base, train_dtype)
+    route_experts(model)  # the experts described as the run described them (Llama 4's: stored transposed)
     # adapted parameters merge as linear layers do when each is a matrix (a shared expert's projection, which
     # adapter_config.json names by its weight: ``methods.lora.as_peft_loads``); fused experts' are not streamed
     matrices = {n for n, p in model.named_parameters() if p.dim() == 2}
@@ -158,16 +162,21 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
     stored: dict[str, str] = {}
     # an expert's own matrix (experts one module each in the files): its checkpoint key, its shape
     pieces: dict[str, tuple[str, tuple[int, ...]]] = {}
-    mx: dict[str, tuple[str, str, str]] = {}  # MXFP4 experts: written name -> blocks, scales, parameter
+    mx: dict[
+        str, tuple[str, str, str]
+    ] = {}  # experts fused in the file: written name -> codes, scales, parameter
     for name in params:
         source = sources.get(name)
         if source is None:
             return f"the base checkpoint has no tensor for {name}"
-        if name in experts and quant.kind == "mxfp4":  # type: ignore[union-attr]
-            # gpt-oss: a layer's experts fused, written as transformers saves them
-            blocks = source.pieces[0][0]
-            mx[blocks.removesuffix("_blocks")] = (blocks, f"{blocks.removesuffix('_blocks')}_scales", name)
-            stored[blocks.removesuffix("_blocks")] = blocks
+        if name in experts and quant.transposed_experts:  # type: ignore[union-attr]
+            # gpt-oss's MXFP4, Llama 4's FP8: a layer's experts one tensor, written as transformers saves them
+            found = quant.experts_saved(name, tuple(params[name].shape), source.pieces, checkpoint)  # type: ignore[union-attr]
+            if found is None:
+                return f"the experts {name} are not stored as their release's format says (codes with scales)"
+            codes, scales = found.tensors[name], found.tensors[f"{name}.{SCALE}"]
+            mx[codes.removesuffix("_blocks")] = (codes, scales, name)
+            stored[codes.removesuffix("_blocks")] = codes
             continue
         if name in experts:  # each expert's matrix written dequantized, as the checkpoint names it
             for key, index in source.pieces:
@@ -286,13 +295,16 @@ class _Merger:
         if (
             key in self.plan.mx
         ):  # one expert at a time: its (out, in) values, stored (in, out) as transformers does
-            blocks, scales = self.plan.mx[key]
+            from tiertune.quant.shipped import SCALE
+
+            codes_key, scales_key = self.plan.mx[key]
             for e in range(shape[0]):
-                codes = torch.empty((1, *self.base.entries[blocks].shape[1:]), dtype=torch.uint8)
-                exponents = torch.empty((1, *self.base.entries[scales].shape[1:]), dtype=torch.uint8)
-                self.base.read_into(blocks, codes, row=e)
-                self.base.read_into(scales, exponents, row=e)
-                values = self.plan.quant.dequantize(codes[0], exponents[0], torch.float32)
+                views = {}
+                for entry, source in ((key, codes_key), (f"{key}.{SCALE}", scales_key)):
+                    stored = self.base.entries[source]
+                    views[entry] = torch.empty((1, *stored.shape[1:]), dtype=stored.dtype)
+                    self.base.read_into(source, views[entry], row=e)
+                values = self.plan.quant.expert(views, key, 0).dequantize(torch.float32)
                 yield values.T.contiguous().to(self.dtype)[None]
             return
         if key in self.plan.quantized:  # the scales span the tensor: dequantized whole

@@ -1,10 +1,11 @@
 """Quantized weights as chunk payloads: through bitsandbytes, 4-bit NF4/FP4 (``bnb4``) and INT8 (``bnb8``); and
-the formats checkpoints ship in, read as they are and dequantized at use (``shipped``: FP8 with blockwise scales).
+the formats checkpoints ship in, read as they are and dequantized at use (``shipped``: FP8 with blockwise or
+per-channel scales, MXFP4, compressed-tensors' INT4/INT8/FP8).
 
 A base is quantized on load (``model.quantize``), or read as it is from a checkpoint saved quantized (its
 config.json has a ``quantization_config``): a bitsandbytes one (``quant_method: bitsandbytes``, saved by
 transformers from a bitsandbytes-quantized model) under the ``model.quantize`` it was saved with, a shipped
-format (``quant_method: fp8``) under ``model.quantize: none``. ``make_quantizer`` takes the checkpoint's settings,
+format (``quant_method: fp8``, ``mxfp4``, ``fbgemm_fp8``, ``compressed-tensors``) under ``model.quantize: none``. ``make_quantizer`` takes the checkpoint's settings,
 and refuses a ``model.quantize`` that contradicts them.
 """
 
@@ -17,11 +18,16 @@ import torch
 from tiertune.errors import ConfigError, ModelError
 from tiertune.quant.bnb4 import NF4, SavedWeight
 from tiertune.quant.bnb8 import Int8
-from tiertune.quant.shipped import FP8, MXFP4, Compressed, compressed_settings, is_shipped
+from tiertune.quant.shipped import FP8, MXFP4, Compressed, RowwiseFP8, compressed_settings, is_shipped
 
-Quantizer = NF4 | Int8 | FP8 | MXFP4 | Compressed
-SHIPPED = ("fp8", "mxfp4", "compressed-tensors")  # read as checkpoints ship them (the config's quant_method)
-SHIPPED_NAMES = {"fp8": "FP8", "mxfp4": "MXFP4", "compressed-tensors": "compressed-tensors' format"}
+Quantizer = NF4 | Int8 | FP8 | MXFP4 | RowwiseFP8 | Compressed
+SHIPPED = ("fp8", "mxfp4", "fbgemm_fp8", "compressed-tensors")  # read as checkpoints ship them (quant_method)
+SHIPPED_NAMES = {
+    "fp8": "FP8",
+    "mxfp4": "MXFP4",
+    "fbgemm_fp8": "FP8 with a scale per channel (fbgemm_fp8)",
+    "compressed-tensors": "compressed-tensors' format",
+}
 KINDS = ("none", "nf4", "fp4", "int8")
 
 __all__ = [
@@ -32,6 +38,7 @@ __all__ = [
     "NF4",
     "Int8",
     "Quantizer",
+    "RowwiseFP8",
     "SavedWeight",
     "is_quantized",
     "make_quantizer",
@@ -55,6 +62,8 @@ def saved_quantization(config: Any, where: str = "the model") -> dict[str, Any] 
         return _fp8(raw, where)
     if method == "mxfp4":  # gpt-oss: the experts alone
         return {"kind": "mxfp4", "skip": tuple(raw.get("modules_to_not_convert") or ())}
+    if method == "fbgemm_fp8":  # Meta's FP8 releases (Llama 4 Maverick, Llama 3.1 405B): a scale per channel
+        return {"kind": "fbgemm_fp8", "skip": tuple(raw.get("modules_to_not_convert") or ())}
     if method == "compressed-tensors":
         settings = compressed_settings(raw, where)
         stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.bfloat16
@@ -66,7 +75,8 @@ def saved_quantization(config: Any, where: str = "the model") -> dict[str, Any] 
         raise ModelError(
             f"{where} is saved quantized with {method!r} (quantization_config in its config.json); tiertune "
             "reads unquantized checkpoints (bf16/fp16/fp32), FP8 ones with blockwise scales (quant_method "
-            "fp8: DeepSeek-V3, Kimi-K2, Qwen3-FP8), MXFP4 experts (quant_method mxfp4: gpt-oss), "
+            "fp8: DeepSeek-V3, Kimi-K2, Qwen3-FP8), FP8 with a scale per channel (quant_method fbgemm_fp8: "
+            "Llama 4 Maverick, Llama 3.1 405B), MXFP4 experts (quant_method mxfp4: gpt-oss), "
             "compressed-tensors INT4/INT8 and FP8 (Kimi-K2-Thinking, GLM's and Llama 4's FP8) and bitsandbytes "
             "4-bit or 8-bit ones: point model.path at one of those releases of the model"
         )
@@ -130,6 +140,8 @@ def make_quantizer(
             )
         if saved["kind"] == "mxfp4":
             return MXFP4(compute_dtype, tuple(saved["skip"]))
+        if saved["kind"] == "fbgemm_fp8":
+            return RowwiseFP8(compute_dtype, tuple(saved["skip"]))
         if saved["kind"] == "compressed-tensors":
             fields = ("format", "bits", "group", "scale_dtype")
             return Compressed(compute_dtype, *(saved[k] for k in fields), skip=tuple(saved["skip"]))

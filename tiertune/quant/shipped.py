@@ -71,15 +71,17 @@ class LinearFormat:
 
     def ignored(self, module: str) -> bool:
         """Whether ``skip`` (the checkpoint's ``modules_to_not_convert`` or compressed-tensors' ``ignore``: names,
-        or ``re:`` regular expressions) leaves ``module`` (its full name) unquantized."""
+        or ``re:`` regular expressions) leaves ``module`` (its full name in the model, or as the checkpoint names
+        it: ``saved_names``) unquantized."""
         import re
 
-        for pattern in self.skip:
-            if pattern.startswith("re:"):
-                if re.match(pattern[3:], module):
+        for name in saved_names(module):
+            for pattern in self.skip:
+                if pattern.startswith("re:"):
+                    if re.match(pattern[3:], name):
+                        return True
+                elif pattern and _names(name, pattern):
                     return True
-            elif pattern and _names(module, pattern):
-                return True
         return False
 
     def parameter(self, name: str, shape: torch.Size, views: dict[str, torch.Tensor]) -> nn.Parameter:
@@ -200,6 +202,24 @@ class FP8(LinearFormat):
         full = scale.repeat_interleave(b0, 0).repeat_interleave(b1, 1)
         codes = (padded / full)[:rows, :cols].to(torch.float8_e4m3fn)
         return codes, scale.to(self.scale_dtype)
+
+
+SAVED_PREFIXES = (  # transformers 5's module names of a multimodal model -> those of its checkpoints on the hub
+    ("model.language_model.", "language_model.model."),
+    ("model.vision_model.", "vision_model."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+
+
+def saved_names(module: str) -> list[str]:
+    """``module`` (a name in transformers 5's model) and the names the checkpoint's own files give it: a
+    multimodal release (Llama 4's) names its text decoder ``language_model.model...``, and its skip list uses
+    those names."""
+    names = [module]
+    for ours, theirs in SAVED_PREFIXES:
+        if module.startswith(ours):
+            names.append(theirs + module.removeprefix(ours))
+    return names
 
 
 def _names(path: str, skip: str) -> bool:
@@ -508,6 +528,114 @@ def _as_out_in(shape: Sequence[int]) -> tuple[int, int, int]:
     return experts, rows, cols
 
 
+# ---------------------------------------------------------------------- FP8 per output channel (fbgemm)
+
+
+@dataclass
+class RowwiseFP8(LinearFormat):
+    """FP8 with one fp32 scale per output channel, as Meta's FP8 releases ship (``quant_method: fbgemm_fp8``:
+    Llama 4 Maverick's, Llama 3.1 405B's), made for fbgemm's rowwise kernels:
+
+    - a linear weight: ``<key>`` float8_e4m3fn (out, in) and ``<key>_scale`` fp32 (out, 1);
+    - Llama 4's fused experts, stored (experts, in, out) as the model holds them: ``gate_up_proj`` with
+      ``gate_up_proj_scale`` (experts, 1, 2 x intermediate) and ``down_proj`` with ``down_proj_scale`` (experts,
+      hidden, 1), one scale per output column either way.
+
+    A value is its code times its channel's scale. fbgemm's kernels also quantize the activations per row at
+    serving time (``activation_scale_ub``); training computes with them in the compute dtype. ``skip``: the
+    checkpoint's ``modules_to_not_convert`` (Meta's list the attention and the layers kept 16-bit by name).
+
+    Chunk entries: a weight's codes and ``<name>.scale``, read in place; a layer's fused experts as one tensor
+    each (codes, scales), each expert's (out, in) matrix the transpose of its slice."""
+
+    compute_dtype: torch.dtype = torch.float32
+    skip: tuple[str, ...] = ()
+    kind: str = field(default="fbgemm_fp8", init=False)
+    transposed_experts = True  # Llama 4's experts are (experts, in, out) in the model and in the file
+
+    def settings(self) -> dict[str, object]:
+        return {"quantize": "fbgemm_fp8"}
+
+    def entries(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """The chunk entries of weight ``name`` of ``shape`` (out, in): its codes, then its scales."""
+        if len(shape) != 2:
+            raise ModelError(f"{name}: an FP8 weight is a matrix, got shape {tuple(shape)}")
+        return [(name, tuple(shape), torch.float8_e4m3fn), (f"{name}.{SCALE}", (shape[0], 1), torch.float32)]
+
+    def experts_entries(
+        self, name: str, shape: tuple[int, ...]
+    ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """The chunk entries of fused expert weight ``name`` of ``shape`` (experts, in, out): its codes and its
+        scales, shaped as transformers' fbgemm experts module holds them."""
+        experts, _, cols = shape
+        scale = (experts, 1, cols) if name.rsplit(".", 1)[-1] == "gate_up_proj" else (experts, cols, 1)
+        return [(name, tuple(shape), torch.float8_e4m3fn), (f"{name}.{SCALE}", scale, torch.float32)]
+
+    def saved_tensors(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple]:
+        """What the checkpoint stores for weight ``key`` (a matrix, or fused experts) of ``shape``."""
+        made = self.entries(key, shape) if len(shape) == 2 else self.experts_entries(key, shape)
+        return [(key, made[0][1], made[0][2], None), (f"{key}_scale", made[1][1], made[1][2], None)]
+
+    def _found(
+        self, entries: list[tuple[str, tuple[int, ...], torch.dtype]], key: str, checkpoint: Checkpoint
+    ) -> SavedWeight | None:
+        stored = checkpoint.entries.get(key)
+        if stored is None or stored.dtype != torch.float8_e4m3fn:
+            return None  # stored unquantized
+        keys = (key, f"{key}_scale")
+        for ckey, (_, eshape, edtype) in zip(keys, entries, strict=True):
+            found = checkpoint.entries.get(ckey)
+            if found is None or found.dtype != edtype or tuple(found.shape) != tuple(eshape):
+                got = (
+                    "missing"
+                    if found is None
+                    else f"{str(found.dtype).removeprefix('torch.')} {tuple(found.shape)}"
+                )
+                raise ModelError(
+                    f"FP8 weight {key!r} in {stored.file}: {ckey!r} is {got}, expected "
+                    f"{str(edtype).removeprefix('torch.')} {tuple(eshape)} (e4m3 codes with an fp32 scale per "
+                    "output channel, as quant_method fbgemm_fp8 says)"
+                )
+        return SavedWeight({entries[0][0]: keys[0], entries[1][0]: keys[1]})
+
+    def saved(
+        self, name: str, key: str, shape: tuple[int, ...], checkpoint: Checkpoint
+    ) -> SavedWeight | None:
+        """Where weight ``name`` (saved as ``key``) has its codes and scales; None when stored unquantized."""
+        return self._found(self.entries(name, shape), key, checkpoint)
+
+    def experts_saved(
+        self, name: str, shape: tuple[int, ...], pieces: Sequence[tuple[str, tuple]], checkpoint: Checkpoint
+    ) -> SavedWeight | None:
+        """Where fused expert weight ``name`` has its codes and scales (one tensor each, as the model holds
+        them); None when stored unquantized."""
+        if len(pieces) != 1 or pieces[0][1]:
+            return None  # one tensor per expert: a layout this format does not ship
+        return self._found(self.experts_entries(name, shape), pieces[0][0], checkpoint)
+
+    def expert(self, views: dict[str, torch.Tensor], name: str, e: int) -> ExpertWeight:
+        """Expert ``e``'s (out, in) matrix: the transpose of its slice of the fused codes, with its scales."""
+        return ExpertWeight(self, [(views[name][e].t(), views[f"{name}.{SCALE}"][e])])
+
+    def dequantize(
+        self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The values of a matrix (out, in) whose scales are one per row, or of fused experts (experts, in, out)
+        whose scales are one per expert and column: codes times scales, in fp32, cast to ``dtype``."""
+        if codes.dim() == 3:
+            s = scale.float().reshape(codes.shape[0], 1, codes.shape[2])
+        else:
+            s = scale.float().reshape(codes.shape[0], 1)
+        return (codes.float() * s).to(dtype or self.compute_dtype)
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``weight`` (out, in) as fbgemm's rowwise quantizer stores it: each row's largest magnitude over e4m3's
+        largest as its scale (out, 1). The tests write their checkpoints with it."""
+        top = torch.finfo(torch.float8_e4m3fn).max
+        scale = (weight.float().abs().amax(1, keepdim=True) / top).clamp(min=1e-12)
+        return (weight.float() / scale).to(torch.float8_e4m3fn), scale
+
+
 # ---------------------------------------------------------------------- compressed-tensors
 
 
@@ -689,6 +817,7 @@ def compressed_settings(raw: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def is_shipped_format(quant: object) -> bool:
-    """Whether ``quant`` is a format read as checkpoints ship it (``FP8``, ``MXFP4``, ``Compressed``), not one
+    """Whether ``quant`` is a format read as checkpoints ship it (``FP8``, ``MXFP4``, ``RowwiseFP8``,
+    ``Compressed``), not one
     made on load."""
-    return isinstance(quant, FP8 | MXFP4 | Compressed)
+    return isinstance(quant, FP8 | MXFP4 | RowwiseFP8 | Compressed)
