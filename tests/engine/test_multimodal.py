@@ -2,6 +2,8 @@
 streams as a decoder does, the vision tower is never read nor adapted, and the merged export is the same class with
 the tower as it was."""
 
+import re
+
 import pytest
 import torch
 from parity import ACCUM, LORA, _batches, assert_adam_trained_close, lora_config, plain_training
@@ -58,6 +60,55 @@ def llama4(tmp_path_factory, cat_model):
 
 
 @pytest.fixture(scope="module")
+def kimi_k25(tmp_path_factory, cat_model):
+    """A tiny Kimi K2.5 (MoonViT tower with its fused qkv, a projector, DeepSeek-V3's language model: latent
+    attention, a dense first layer, shared and routed experts) as ``save_pretrained`` writes it, with a
+    tokenizer."""
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Kimi_K25Config(
+        text_config=dict(
+            model_type="deepseek_v3",
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            vocab_size=211,
+        ),
+        vision_config=dict(
+            patch_size=8,
+            pos_emb_height=4,
+            pos_emb_width=4,
+            pos_emb_time=2,
+            num_attention_heads=2,
+            num_hidden_layers=1,
+            hidden_size=32,
+            intermediate_size=64,
+        ),
+        projection_hidden_size=32,
+    )
+    path = tmp_path_factory.mktemp("kimi_k25")
+    Kimi_K25ForConditionalGeneration(config).save_pretrained(path, max_shard_size="60KB")
+    for f in cat_model(2).glob("*token*"):
+        (path / f.name).write_bytes(f.read_bytes())
+    return path
+
+
+@pytest.fixture(scope="module")
 def llama4_fp8(llama4, tmp_path_factory):
     """The tiny Llama 4 as Meta's FP8 release of Maverick ships (quant_method fbgemm_fp8: the feed-forward
     layers' linears and fused experts e4m3 with a scale per output channel, the attention kept 16-bit by its
@@ -105,6 +156,7 @@ def qwen3_vl(tmp_path_factory, cat_model):
 
 FAMILIES = {  # device and host budgets: streamed
     "gemma3": ("512KiB", "200KiB"),
+    "kimi_k25": ("384KiB", "160KiB"),
     "llama4": ("512KiB", "256KiB"),
     "llama4_fp8": ("256KiB", "160KiB"),
     "qwen3_vl": ("256KiB", "160KiB"),
@@ -145,7 +197,7 @@ class _TextPath(torch.nn.Module):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_text_lora_follows_peft_and_never_reads_the_tower(
-    family, gemma3, llama4, llama4_fp8, qwen3_vl, disk_dir
+    family, gemma3, kimi_k25, llama4, llama4_fp8, qwen3_vl, disk_dir
 ):
     """A multimodal class trained on text: LoRA on its language model (all-linear names none of the tower's
     modules, although the tower has its own q_proj; on Llama 4's MoE layers: attention and the shared expert,
@@ -158,7 +210,7 @@ def test_text_lora_follows_peft_and_never_reads_the_tower(
     from tiertune.loading.model import tower_parameters
     from tiertune.quant.shipped import ShippedExperts, ShippedLinear
 
-    path, values = _paths(family, gemma3, llama4, llama4_fp8, qwen3_vl)
+    path, values = _paths(family, gemma3, kimi_k25, llama4, llama4_fp8, qwen3_vl)
     device, host = FAMILIES[family]
     cfg = lora_config(quantize="none", warmup_steps=1, max_steps=STEPS, params="disk")
     store = StoreConfig.resolve(
@@ -228,7 +280,7 @@ def test_text_lora_follows_peft_and_never_reads_the_tower(
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_merged_export_of_text_lora_is_the_same_class_with_its_tower_unchanged(
-    family, gemma3, llama4, llama4_fp8, qwen3_vl, tmp_path
+    family, gemma3, kimi_k25, llama4, llama4_fp8, qwen3_vl, tmp_path
 ):
     """``tiertune merge`` of an adapter trained on a multimodal class's language model: the merged model loads in
     transformers as the checkpoint's class, its vision tower and projector bit-identical to the base's, its
@@ -238,7 +290,7 @@ def test_the_merged_export_of_text_lora_is_the_same_class_with_its_tower_unchang
 
     from tiertune.export.commands import merge
 
-    path, values = _paths(family, gemma3, llama4, llama4_fp8, qwen3_vl)
+    path, values = _paths(family, gemma3, kimi_k25, llama4, llama4_fp8, qwen3_vl)
     cfg = EngineConfig(
         dtype=torch.float32, method="lora", lora=LORA, learning_rate=1e-2, max_steps=1, params="host"
     )
@@ -251,7 +303,7 @@ def test_the_merged_export_of_text_lora_is_the_same_class_with_its_tower_unchang
     for f in ("tokenizer.json", "tokenizer_config.json"):  # the merged model's tokenizer
         (tmp_path / "adapter" / f).write_bytes((path / f).read_bytes()) if (path / f).exists() else None
     out, what = merge(tmp_path / "adapter", tmp_path / "merged", base=str(path), dtype="float32")
-    assert "in memory" not in what
+    assert "in memory" not in what, what
     merged = _checkpoint_class(out).from_pretrained(out, dtype=torch.float32)
     assert type(merged) is _checkpoint_class(path)
     base = {k: v for f in sorted(values.glob("*.safetensors")) for k, v in load_file(f).items()}
@@ -259,7 +311,10 @@ def test_the_merged_export_of_text_lora_is_the_same_class_with_its_tower_unchang
     assert written.keys() == base.keys()
     tower = [k for k in base if "language_model" not in k and "lm_head" not in k]
     assert tower and all(torch.equal(written[k], base[k]) for k in tower)
-    q = next(k for k in base if k.endswith("layers.0.self_attn.q_proj.weight") and "language_model" in k)
+    query = re.compile(
+        r"language_model\.(.*\.)?(layers|blocks)\.0\.self_attn\.q_(b_)?proj\.weight$"
+    )  # MLA: q_b_proj
+    q = next(k for k in base if query.search(k))
     assert not torch.equal(written[q], base[q])  # the adapter merged into the language model
     experts = [k for k in base if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
     assert all(torch.equal(written[k], base[k]) for k in experts)  # not adapted: the values as they were

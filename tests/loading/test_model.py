@@ -8,6 +8,7 @@ from tiertune.errors import ModelError
 from tiertune.loading.model import (
     build_skeleton,
     find_decoder_layers,
+    load_buffers,
     load_config,
     load_into_store,
     split_model,
@@ -258,3 +259,50 @@ def test_moe_experts_stream_into_the_fused_tensors_and_a_missing_one_is_named(
         ),
     ):
         load_into_store(parts, Checkpoint(copy), store, "host", torch.float32)
+
+
+def test_a_routers_trained_bias_is_read_from_the_checkpoint_and_routes_as_transformers_does(
+    tiny_model_dir, tmp_path, disk_dir
+):
+    """DeepSeek-V3's routers keep a trained ``e_score_correction_bias`` buffer that picks each token's experts:
+    tiertune reads it from the checkpoint (it is built as zeros), so step 1's loss is transformers' own on the
+    model it loads from the same files (rel 1e-5)."""
+    from parity import ACCUM, _batches, lora_config
+    from transformers import AutoModelForCausalLM
+
+    from tiertune.engine import StreamedTrainer
+    from tiertune.offload.store import StoreConfig
+
+    src, _ = tiny_model_dir("deepseek_v3")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    biases = {}
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.copy_(torch.randn(buf.shape, generator=g) * 4)  # large enough to change the chosen experts
+            biases[name] = buf.clone()
+    assert biases
+    model.save_pretrained(tmp_path / "biased")
+    read = load_buffers(build_skeleton(tmp_path / "biased"), Checkpoint(tmp_path / "biased"), {})
+    assert read == []  # nothing named: nothing read
+    batches = _batches(model.config.vocab_size)[:ACCUM]
+    n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in batches)
+    with torch.no_grad():
+        expected = 0.0
+        for mb in batches:
+            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+            expected += float(
+                torch.nn.functional.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.shape[-1]),
+                    mb["labels"][:, 1:].reshape(-1),
+                    ignore_index=-100,
+                    reduction="sum",
+                )
+            )
+    store = StoreConfig.resolve(device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir))
+    trainer = StreamedTrainer(str(tmp_path / "biased"), store, lora_config(quantize="none", max_steps=1))
+    try:
+        loss = trainer.step(batches)
+    finally:
+        trainer.close()
+    assert abs(loss - expected / n) <= 1e-5 * abs(expected / n)

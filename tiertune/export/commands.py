@@ -443,8 +443,9 @@ def _merge_in_memory(adapter: Path, tmp: Path, base: str, torch_dtype: torch.dty
     """peft's ``merge_and_unload`` on the whole base in memory (what the streamed merge does not cover), written
     into ``tmp``; returns the base's quantization."""
     from peft import PeftModel
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
+    from tiertune.loading.model import model_class
     from tiertune.methods.lora import peft_wrapping
     from tiertune.quant import make_quantizer, saved_quantization
     from tiertune.quant.experts import round_trip
@@ -455,7 +456,8 @@ def _merge_in_memory(adapter: Path, tmp: Path, base: str, torch_dtype: torch.dty
         quantize = saved["kind"]
     elif quantize != "none":
         kwargs["quantization_config"] = make_quantizer(quantize, torch_dtype).config()  # type: ignore[union-attr]
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype, device_map="cpu", **kwargs)
+    cls = model_class(AutoConfig.from_pretrained(base))  # the class the run trained (a multimodal one's own)
+    model = cls.from_pretrained(base, dtype=torch_dtype, device_map="cpu", **kwargs)
     if quantize != "none":
         model = model.dequantize()
         model.to(torch_dtype)

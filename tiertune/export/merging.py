@@ -105,7 +105,7 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
     streamed (a sentence). ``quantize`` and ``train_dtype``: how the run held its base (``model.quantize`` and
     ``model.dtype``)."""
     from tiertune.engine.routing import route_experts
-    from tiertune.loading.model import build_skeleton, checkpoint_names
+    from tiertune.loading.model import build_skeleton, checkpoint_names, tower_parameters
     from tiertune.quant import SHIPPED, is_quantized, make_quantizer, saved_quantization, store_experts
     from tiertune.quant.shipped import SCALE
 
@@ -154,8 +154,10 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
                 if marked and not shipped:
                     return "MoE experts stored one matrix per expert, 4-bit"
                 experts |= {f"{layers_name}.{i}.{m}" for m in marked}
-    sources = checkpoint_names(model, checkpoint)
+    split: list[str] = []  # tensors transformers splits on load (a tower's fused qkv): written as they are
+    sources = checkpoint_names(model, checkpoint, split)
     params = dict(model.named_parameters())
+    tower = set(tower_parameters(model))  # never adapted: what the split tensors load into
     # each tensor written is named as the checkpoint names its values (a compressed-tensors weight's packed
     # integers, ``..._packed``, are written as the weight ``...``); ``stored``: the checkpoint tensor it comes from
     key_of: dict[str, str] = {}
@@ -167,6 +169,8 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
     ] = {}  # experts fused in the file: written name -> codes, scales, parameter
     for name in params:
         source = sources.get(name)
+        if source is None and name in tower and split:
+            continue  # read from a split tensor, copied whole below
         if source is None:
             return f"the base checkpoint has no tensor for {name}"
         if name in experts and quant.transposed_experts:  # type: ignore[union-attr]
@@ -184,15 +188,23 @@ def plan_merge(adapter: Path, base: Path, quantize: str, train_dtype: torch.dtyp
                 pieces[out] = (key, tuple(params[name][index].shape))
                 stored[out] = key
             continue
-        if len(source.pieces) != 1 or source.pieces[0][1]:
-            return f"{name} is built from several checkpoint tensors (fused MoE experts)"
+        if len(source.pieces) != 1 or source.pieces[0][1]:  # 16-bit experts one module each in the files:
+            for key, _ in source.pieces:  # never adapted (refused above), so written as the files hold them
+                stored[key] = key
+            continue
         key = source.pieces[0][0]
         key_of[name] = key.removesuffix("_packed")
         stored[key_of[name]] = key
+    for key in split:
+        stored[key] = key
     # persistent buffers the checkpoint holds (DeepSeek-V3's routers' e_score_correction_bias), written as they are
-    for buffer, _ in model.named_buffers():
-        if buffer in checkpoint.entries and buffer not in stored:
-            stored[buffer] = buffer
+    for (
+        buffer,
+        _,
+    ) in model.named_buffers():  # under the checkpoint's own names (Kimi K2.5's language_model.model)
+        found = sources.get(buffer)
+        if found is not None and len(found.pieces) == 1 and found.pieces[0][0] not in stored:
+            stored[found.pieces[0][0]] = found.pieces[0][0]
     by_file: dict[Path, list[str]] = {}
     for key in sorted(
         stored, key=lambda k: (checkpoint.entries[stored[k]].file, checkpoint.entries[stored[k]].start)

@@ -362,7 +362,9 @@ class TensorSource:
             checkpoint.read_into(key, out[index] if index else out)
 
 
-def checkpoint_names(model: nn.Module, checkpoint: Checkpoint) -> dict[str, TensorSource]:
+def checkpoint_names(
+    model: nn.Module, checkpoint: Checkpoint, split: list[str] | None = None
+) -> dict[str, TensorSource]:
     """Map the model's parameter names to where their values are in the checkpoint.
 
     Checkpoints may use older names than the model's modules (GPT-NeoX saves ``embed_out.weight`` for
@@ -372,7 +374,8 @@ def checkpoint_names(model: nn.Module, checkpoint: Checkpoint) -> dict[str, Tens
     as ``from_pretrained`` applies them, but as a plan of reads into each fused tensor's parts, so the
     streaming loader never holds more than the tensor it fills. Conversions other than renaming, stacking
     experts (``MergeModulelist``) and joining along a later dimension (``Concatenate``) raise ModelError
-    rather than loading wrong weights.
+    rather than loading wrong weights. A tensor transformers splits into several parameters (Kimi K2.5's tower
+    keeps its attention's ``wqkv`` as one) is the source of none; ``split`` collects their keys.
     """
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -391,11 +394,16 @@ def checkpoint_names(model: nn.Module, checkpoint: Checkpoint) -> dict[str, Tens
             if matched is None:
                 continue
             if not isinstance(transform, WeightRenaming):
+                if "*" not in matched:  # one tensor split into several (a vision tower's fused qkv): not
+                    target = None  # experts; no parameter of the decoder is read from it
+                    if split is not None:
+                        split.append(key)
+                    break
                 k = transform.source_patterns.index(matched)
                 fused.setdefault(renamed, []).append((k, _expert(matched, target, key, model), key))
                 converters[renamed] = transform
             target = renamed
-        if target not in fused:
+        if target is not None and target not in fused:
             names[target] = TensorSource(((key, ()),))
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     for target, parts in fused.items():
@@ -708,7 +716,8 @@ def load_shards(
 
 
 def _sources(parts: ModelParts, checkpoint: Checkpoint) -> dict[str, TensorSource]:
-    """``checkpoint_names``, with a ModelError naming the first parameter the checkpoint lacks."""
+    """``checkpoint_names``, with a ModelError naming the first parameter the checkpoint lacks; the model's
+    persistent buffers read from the checkpoint on the way (``load_buffers``)."""
     source = checkpoint_names(parts.model, checkpoint)
     for group in parts.groups:
         missing = [n for n in group.params if n not in source]
@@ -716,7 +725,36 @@ def _sources(parts: ModelParts, checkpoint: Checkpoint) -> dict[str, TensorSourc
             raise ModelError(
                 f"the checkpoint in {checkpoint.directory} has no tensor {missing[0]!r} ({group.name})"
             )
+    load_buffers(parts.model, checkpoint, source)
     return source
+
+
+def load_buffers(model: nn.Module, checkpoint: Checkpoint, source: dict[str, TensorSource]) -> list[str]:
+    """Read the persistent buffers ``checkpoint`` holds into ``model``'s (built with their initial values:
+    DeepSeek-V3's, Kimi-K2's and GLM-4.5's routers' ``e_score_correction_bias`` are zeros until read, and
+    the trained ones choose each token's experts); returns their names. A checkpoint laid out from a config
+    alone (``AsSaved``) has no values: nothing is read."""
+    from tiertune.loading.weights import AsSaved
+
+    if isinstance(checkpoint, AsSaved):
+        return []
+    read = []
+    for prefix, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            full = f"{prefix}.{name}" if prefix else name
+            found = source.get(full)
+            if buf is None or buf.is_meta or name in module._non_persistent_buffers_set or found is None:
+                continue
+            entry = checkpoint.entries[found.pieces[0][0]]
+            if len(found.pieces) != 1 or found.pieces[0][1] or math.prod(entry.shape) != buf.numel():
+                raise ModelError(
+                    f"buffer {full} of shape {tuple(buf.shape)}: the checkpoint's {entry.name!r} in "
+                    f"{entry.file} is {tuple(entry.shape)}"
+                )
+            with torch.no_grad():
+                found.read_into(checkpoint, buf)
+            read.append(full)
+    return read
 
 
 def quantized_on_load(group: ParamGroup, saved: Container[str]) -> bool:
