@@ -110,7 +110,7 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
     engine = EngineConfig(
         dtype=dtype,
         method="lora",
-        quantize="nf4",
+        quantize=args.quantize,
         params="disk",
         lora=LoraSettings(r=16, alpha=32, dropout=0.0),
         learning_rate=1e-4,
@@ -291,6 +291,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--gpu-memory-cap", default="0", help="e.g. 24GiB: what each process may allocate on the GPU"
+    )
+    p.add_argument(
+        "--quantize",
+        choices=("nf4", "none"),
+        default="nf4",
+        help="none: a base that ships quantized (FP8, MXFP4, INT4), read as it ships",
     )
     p.add_argument(
         "--quant-cache",

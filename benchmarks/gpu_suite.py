@@ -43,6 +43,12 @@ Phases and what each result says:
   same layer visits; the boundaries on the device), against SFT of as many rows: bytes moved per step (their
   ratio), tokens/s, peak GPU memory and whether it stayed under the cap.
 
+- ``shipped``: ``shipped/tiertune``: LoRA of DeepSeek-V3.1 as it ships (FP8 with block scales, each routed expert
+  a module of its own), cut to 5 layers (3 dense, 2 MoE: ~28 GB), read in place from its own files and streamed
+  through a 14 GiB host and a 16 GiB device budget under the cap, 2 micro-batches of 2048 tokens a step:
+  tokens/s, disk passes a step (bytes read over the release's layer bytes), the step over its disk bound, peak
+  GPU memory and whether it stayed under the cap.
+
 Random weights throughout, and the base never exists in bf16. The 70B base's checkpoint lists every tensor
 but its decoder layers are a hole in a sparse file (header only, no disk blocks: ``ls -l`` ~137 GB, ``du``
 ~2 GB for the real embedding); its NF4 layers are generated at load time (N(0, 0.02) in the compute dtype,
@@ -93,7 +99,7 @@ from tiertune.units import format_size
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-PHASES = ("tests", "kernels", "qlora", "accumulation", "full", "longseq", "dpo")
+PHASES = ("tests", "kernels", "qlora", "accumulation", "full", "longseq", "dpo", "shipped")
 COMMON_KEYS = ("phase", "result", "machine", "gpu_memory_cap_bytes", "command", "dry_run")
 _TRAINING = (
     "batch",
@@ -236,6 +242,20 @@ KEYS: dict[str, tuple[str, ...]] = {
         "peak_gpu_bytes",
         "under_cap",
     ),
+    "shipped/tiertune": (
+        "system",
+        "base",
+        "micro_batches",
+        *_TRAINING,
+        "host_budget_bytes",
+        "device_budget_bytes",
+        "disk_read_gbps",
+        "disk_read_measured_by",
+        "bytes_moved_per_step",
+        "disk_passes_per_step",
+        "step_over_disk_bound",
+        "under_cap",
+    ),
 }
 # the results each phase prints (kernels: one per op)
 PHASE_RESULTS = {
@@ -246,6 +266,7 @@ PHASE_RESULTS = {
     "full": ("full/tiertune", "full/fsdp2", "full/deepspeed"),
     "longseq": ("longseq/tiertune",),
     "dpo": ("dpo/tiertune",),
+    "shipped": ("shipped/tiertune",),
 }
 # what only a GPU has or measures: null in a dry run
 GPU_ONLY = frozenset(
@@ -370,6 +391,14 @@ class Settings:
     longseq_seqs: tuple[int, ...]
     longseq_host_budget: int
     longseq_device_budget: int
+    # the shipped phase: DeepSeek-V3.1 as it ships (FP8) cut to this many layers, its settings changed by
+    # ``shipped_overrides`` (the dry run's toy sizes), streamed from disk through budgets below it
+    shipped_layers: int
+    shipped_overrides: dict
+    shipped_seq: int
+    shipped_micro_batches: int
+    shipped_host_budget: int
+    shipped_device_budget: int
     disk_probe_bytes: int
     ram_reserve: int  # host memory left to the OS, the CUDA runtime, the interpreter and the page cache
     disk_margin: int
@@ -447,6 +476,15 @@ class Settings:
                 longseq_seqs=(65536, 131072, 262144),
                 longseq_host_budget=24 << 30,
                 longseq_device_budget=8 << 30,
+                # 3 dense layers and 2 MoE ones (256 routed experts of FP8 each: 10.7 GiB a layer), ~28 GB with
+                # the bf16 embedding and head; the host budget holds one MoE layer, not the base: every pass
+                # reads the layers from disk, in place from the release's own files
+                shipped_layers=5,
+                shipped_overrides={},
+                shipped_seq=2048,
+                shipped_micro_batches=2,
+                shipped_host_budget=14 << 30,
+                shipped_device_budget=16 << 30,
                 disk_probe_bytes=2 << 30,
                 ram_reserve=20 << 30,
                 disk_margin=3 << 30,
@@ -520,6 +558,29 @@ class Settings:
             longseq_seqs=(256, 512),
             longseq_host_budget=64 << 20,
             longseq_device_budget=16 << 20,
+            shipped_layers=3,
+            shipped_overrides=dict(
+                hidden_size=256,
+                intermediate_size=512,
+                moe_intermediate_size=128,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                q_lora_rank=128,
+                kv_lora_rank=64,
+                qk_nope_head_dim=32,
+                qk_rope_head_dim=16,
+                v_head_dim=32,
+                vocab_size=1024,
+                n_group=1,
+                topk_group=1,
+                first_k_dense_replace=1,
+            ),
+            shipped_seq=32,
+            shipped_micro_batches=2,
+            shipped_host_budget=1 << 20,
+            shipped_device_budget=3 << 20,
             disk_probe_bytes=16 << 20,
             ram_reserve=1 << 30,
             disk_margin=64 << 20,
@@ -1993,6 +2054,95 @@ def _training_figures(
     return out | flops(shape, tokens, result["step_s"], peak, datasheet)
 
 
+SHIPPED_CONFIG = ROOT / "tiertune" / "recipes" / "models" / "deepseek-ai" / "DeepSeek-V3.1" / "config.json"
+
+
+def phase_shipped(ctx: Context) -> None:
+    """LoRA of DeepSeek-V3.1 as it ships (FP8 e4m3 with an fp32 scale per 128 x 128 block, each routed expert a
+    module of its own; ``shipped_release.py`` writes it with random values), cut to ``shipped_layers`` layers,
+    read in place from its own files (no copy in the disk tier) and streamed through budgets below it under the
+    GPU cap: tokens/s, bytes read from disk a step against the release's layer bytes, peak GPU memory."""
+    import bench_qlora
+    import shipped_release
+
+    s = ctx.settings
+    began = time.perf_counter()
+    tokens = s.shipped_seq * s.shipped_micro_batches
+    with tempfile.TemporaryDirectory(dir=ctx.dir, prefix="shipped-") as name:
+        tmp = Path(name)
+        gbps, measured_by = bench_qlora.disk_read_gbps(tmp, s.disk_probe_bytes)
+        release = shipped_release.write_release(
+            SHIPPED_CONFIG, tmp / "base", s.shipped_layers, s.shipped_overrides
+        )
+        log(
+            f"shipped: {release['ships_as']} release of {s.shipped_layers} layers written, "
+            f"{format_size(release['tensor_bytes'])} ({time.perf_counter() - began:.0f} s)"
+        )
+        argv = [
+            "--steps",
+            "3",
+            "--batch",
+            "1",
+            "--seq",
+            str(s.shipped_seq),
+            "--micro-batches",
+            str(s.shipped_micro_batches),
+            "--host-budget",
+            f"{s.shipped_host_budget}B",
+            "--device-budget",
+            f"{s.shipped_device_budget}B",
+            "--device",
+            s.device,
+            "--gpu-memory-cap",
+            f"{s.gpu_cap}B",
+            "--quantize",
+            "none",
+        ]
+        ours = run_child(
+            "qlora-tiertune",
+            {"argv": argv, "model": str(tmp / "base"), "disk": str(tmp / "disk")},
+            ctx.budget.left() - 10,
+        )
+    values: dict = {
+        "system": "tiertune",
+        "base": {
+            "config": "deepseek-ai/DeepSeek-V3.1",
+            "layers_run": s.shipped_layers,
+            "overrides": s.shipped_overrides,
+            **release,
+        },
+        "micro_batches": s.shipped_micro_batches,
+        "batch": 1,
+        "seq": s.shipped_seq,
+        "tokens_per_step": tokens,
+        "steps": 3,
+        "host_budget_bytes": s.shipped_host_budget,
+        "device_budget_bytes": s.shipped_device_budget,
+        "disk_read_gbps": gbps,
+        "disk_read_measured_by": measured_by,
+    }
+    if "error" in ours:
+        values["error"] = ours["error"]
+    else:
+        disk = ours["bytes_moved_per_step"].get("disk->host", 0)
+        values |= {
+            "load_s": ours["load_and_quantize_s"],
+            "step_s": ours["step_s"],
+            "first_step_s": ours["first_step_s"],
+            "tokens_per_second": ours["tokens_per_second"],
+            "losses": ours["losses"],
+            "peak_gpu_bytes": ours["peak_gpu_bytes"],
+            "peak_rss_bytes": ours["peak_rss_bytes"],
+            "bytes_moved_per_step": ours["bytes_moved_per_step"],
+            "disk_passes_per_step": disk / release["layer_bytes"],
+            "step_over_disk_bound": ours["step_s"] / (disk / (gbps * 1e9)) if disk else None,
+            "under_cap": (
+                ours["peak_gpu_bytes"] <= s.gpu_cap if ours["peak_gpu_bytes"] is not None else None
+            ),
+        }
+    emit(ctx, "shipped", "shipped/tiertune", values, began)
+
+
 PHASE_FUNCS: dict[str, Callable[[Context], None]] = {
     "tests": phase_tests,
     "kernels": phase_kernels,
@@ -2001,6 +2151,7 @@ PHASE_FUNCS: dict[str, Callable[[Context], None]] = {
     "full": phase_full,
     "longseq": phase_longseq,
     "dpo": phase_dpo,
+    "shipped": phase_shipped,
 }
 
 

@@ -101,3 +101,11 @@ def test_the_dry_run_measures_what_a_cpu_can(results):
     # the dry run's rows (256 and 512 tokens) are tiled by 256 tokens, the longer in two tiles
     assert long["sequence_tile"] == 256 and long["longest_trained"] == 512
     assert all(r["tokens_per_second"] > 0 and _finite(r["losses"]) for r in long["runs"].values())
+    (shipped,) = results["shipped/tiertune"]
+    assert (
+        shipped["base"]["ships_as"] == "fp8"
+        and shipped["tokens_per_second"] > 0
+        and _finite(shipped["losses"])
+    )
+    # read in place from the release's own files: at most a forward and a backward pass a step
+    assert 0 < shipped["disk_passes_per_step"] <= 2 * 1.1
