@@ -36,7 +36,7 @@ def _check_parity(path, initial, disk_dir, placement, host_budget="2MiB", **kw):
         params=placement,
         optimizer_states=placement,
         gradients="host" if placement == "device" else placement,
-        **kw,
+        **{"redo": "gradients", **kw},  # bit for bit torch's clip-then-step (the twins' redo: its own test)
     )
     batches = _batches(reference.config.vocab_size)
     expected = _reference(reference, batches, cfg)
@@ -102,6 +102,79 @@ def test_optimizer_overlap_modes_are_exact(
     assert trainer.optimizer_counts == expected
     twins = any(s.twins for s in trainer.states)
     assert twins == (overlap == "on" and max_grad_norm > 0)
+
+
+@pytest.mark.parametrize("coef", [0.3, 0.97])
+def test_a_redo_from_the_twins_is_clip_then_step_without_the_gradients(coef):
+    """``adamw_redo``: from the speculation's twins (made with coefficient 1) and the untouched sources, the
+    step with coefficient c equals torch's fused AdamW on c x the gradient, to fp32 rounding, for decayed
+    and undecayed tensors, at a step whose bias corrections matter."""
+    from tiertune.methods.optim import AdamStep, adamw, adamw_redo
+
+    g = torch.Generator().manual_seed(0)
+    shapes = {"w": (64, 48), "b": (48,)}
+    p = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    m = {n: torch.randn(s, generator=g) * 0.1 for n, s in shapes.items()}
+    v = {n: torch.rand(s, generator=g) * 0.01 for n, s in shapes.items()}
+    grad = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    hp = AdamStep(1e-2, 0.9, 0.999, 1e-8, 0.1, 3)
+    names, c = list(shapes), torch.tensor(coef)
+
+    def copy(d):
+        return {k: t.clone() for k, t in d.items()}
+
+    expected = copy(p), copy(m), copy(v)
+    adamw(names, expected[0], {n: grad[n] * c for n in names}, expected[1], expected[2], hp, {"w"})
+    twins = copy(p), copy(m), copy(v)
+    adamw(names, twins[0], grad, twins[1], twins[2], hp, {"w"})  # the speculation: coefficient 1
+    adamw_redo(names, (p, m, v), twins, c, hp, {"w"})
+    for got, want in zip(twins, expected, strict=True):
+        for n in names:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7)
+
+
+def test_a_redo_from_the_twins_lets_each_gradient_go_once_its_update_read_it(tiny_model_dir, disk_dir):
+    """Every step clips (max_grad_norm 0.5): with the twins' redo each step speculates and is redone, the
+    weights follow the plain loop (rel 1e-5; Llama has no parameter whose gradient is rounding noise), and
+    the gradients, homed on disk, are never written there and take host memory only while their layer's
+    update is in flight: the host's peak is below the kept-gradients redo's by most of the gradient bytes."""
+    path, _ = tiny_model_dir("llama", layers=8, shard="200KB")
+    peaks, grads = {}, 0
+    for redo in ("twins", "gradients"):
+        from transformers import AutoModelForCausalLM
+
+        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        reference.config.use_cache = False
+        cfg = _config(
+            params="host",
+            optimizer_states="host",
+            gradients="disk",
+            redo=redo,
+            overlap_optimizer="on",
+            max_grad_norm=0.5,
+        )
+        batches = _batches(reference.config.vocab_size)
+        expected = _reference(reference, batches, cfg)
+        store = StoreConfig.resolve(
+            device_budget="8MiB", host_budget="16MiB", disk_path=str(disk_dir / redo), chunk_size="1MiB"
+        )
+        trainer = StreamedTrainer(str(path), store, cfg)
+        try:
+            losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
+            weights = trainer.state_dict()
+            stats = trainer.store.stats()
+            peaks[redo] = stats.tiers["host"].peak
+            grads = trainer.state_bytes()["gradients"]
+            counts = dict(trainer.optimizer_counts)
+        finally:
+            trainer.close()
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+        for n, p in reference.named_parameters():
+            assert float((weights[n] - p.detach()).abs().max() / p.detach().abs().max()) <= 1e-5, n
+        if redo == "twins":
+            assert counts == {"speculative": 0, "redone": STEPS, "after_backward": 0}
+            assert stats.bytes_moved.get("host->disk", 0) == 0  # no gradient written to disk
+    assert peaks["twins"] <= peaks["gradients"] - grads // 2, (peaks, grads)
 
 
 def test_24_layers_train_with_a_device_budget_of_about_two_layers(tiny_model_dir, disk_dir):

@@ -38,6 +38,12 @@ class EngineConfig:
     # the run's memory plan decided whether the speculative step's twins are made (``engine.memory``, checked
     # against the budgets before loading): None, the engine decides from the store's room
     twins: bool | None = None
+    # how a speculative step that clips is redone: "twins", from the speculation's twins and the untouched
+    # sources (``methods.optim.adamw_redo``: no gradient needed, so each is dropped once its update read it
+    # and the host holds the gradients of the layers in flight; equal to clip-then-step to fp32 rounding);
+    # "gradients": AdamW again on the kept gradients times the coefficient, bit for bit torch's clip-then-step
+    # (the step's gradients held until its norm is known). 8-bit moments and GaLore always redo from gradients
+    redo: str = "twins"
     activations: str = "device"  # where the hidden states at the layer boundaries wait: device or host
     activation_tokens: int = 0  # batch x sequence length of the largest micro-batch (needed for host)
     # micro-batches run through each layer while it is loaded (a wave, ``engine.schedule``): 0, a whole
@@ -94,3 +100,5 @@ class EngineConfig:
         # resolved values: the recipe checks each setting, ``config.plan`` the rules between them
         if isinstance(self.overlap_optimizer, bool):
             self.overlap_optimizer = "on" if self.overlap_optimizer else "off"
+        if self.redo not in ("twins", "gradients"):
+            raise ValueError(f"EngineConfig.redo is 'twins' or 'gradients', got {self.redo!r}")

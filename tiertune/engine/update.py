@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tiertune.errors import NonFiniteError, StateError
-from tiertune.methods.optim import AdamStep, adamw, adamw_8bit
+from tiertune.methods.optim import AdamStep, adamw, adamw_8bit, adamw_params, redo_moment
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
@@ -228,9 +228,19 @@ class Updater:
         )
         self.norms: dict[str, torch.Tensor] = {}
         self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
+        self._redoing = False  # the units submitted now redo a speculative step (``finish``)
         self.worker = OptimizerWorker(
             store, lambda unit, coef: self.unit(*unit, coef), times, inline=compute.ledger
         )
+
+    @property
+    def redoes_from_twins(self) -> bool:
+        """Whether a speculative step that clips is redone from its twins and sources alone
+        (``methods.optim.adamw_redo``: AdamW's moments, not 8-bit nor GaLore's low-rank ones), so a unit's
+        gradients are dropped as soon as its speculative update has read them: the host holds the gradients
+        of the layers in flight, not a step's."""
+        cfg = self.config
+        return cfg.redo == "twins" and self.galore is None and cfg.optim != "adamw_bnb_8bit"
 
     def start(self) -> None:
         """A step begins: no norms yet; the worker prefetches along the units' order."""
@@ -262,8 +272,13 @@ class Updater:
             self.counts["redone" if redo else "speculative"] += 1
             if redo:
                 self.worker.start_step(order)
-                for state, j in order:
-                    self.worker.submit(state, coef, j)
+                self._redoing = True
+                try:
+                    for state, j in order:
+                        self.worker.submit(state, coef, j)
+                    self.worker.join()
+                finally:
+                    self._redoing = False
         else:
             self.counts["after_backward"] += 1
             for state, j in order:
@@ -310,7 +325,11 @@ class Updater:
             held.append((chunk, dirty))
             return views
 
+        redo = self._redoing and bool(state.twins) and self.redoes_from_twins
         try:
+            if redo:  # the speculation's values in the twins, the sources as they were: no gradients
+                self._redo(state, j, coef, get)
+                return
             grads = get(state.grads[j], dirty=False)
             if state.twins:  # the sources' bytes handed to (or copied into) the twins, the sources untouched
                 views = [get(t, s) for t, s in zip(state.twins[j], state.sources(j), strict=True)]
@@ -325,8 +344,46 @@ class Updater:
         finally:
             for chunk, dirty in reversed(held):
                 store.release(chunk, dirty=dirty)
-        if not state.twins:  # updated in place: no redo can need these gradients, free their memory
+        if not state.twins or self.redoes_from_twins:  # no redo needs them: free their memory
             store.discard(state.grads[j])
+
+    def _redo(
+        self,
+        state: GroupState,
+        j: int,
+        coef: torch.Tensor,
+        get: Callable[..., dict[str, torch.Tensor]],
+    ) -> None:
+        """Redo unit ``j`` of ``state``'s speculative update with ``coef`` into its twins (``adamw_redo``'s
+        parts, a source held only while its twin is redone: four chunks at a time, as the update from
+        gradients holds), then the compute-dtype weights from the new master weights."""
+        cfg = self.config
+        hp = AdamStep(
+            self.ctx.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay, self.ctx.number
+        )
+        c = float(coef)
+        (p, m, v), (tp, tm, tv) = state.sources(j), state.twins[j]
+        twins = []
+        for twin, source, weight, beta in ((tm, m, c, hp.beta1), (tv, v, c * c, hp.beta2)):
+            views = get(twin)
+            src = self.store.acquire(source, cpu_tier(source, self.device), traced=False)
+            try:
+                names = list(views)
+                self.compute.run(
+                    redo_moment, [views[n] for n in names], [src[n] for n in names], weight, beta
+                )
+            finally:
+                self.store.release(source, dirty=False)
+            twins.append(views)
+        master = get(tp)
+        src = self.store.acquire(p, cpu_tier(p, self.device), traced=False)
+        try:
+            self.compute.run(adamw_params, list(twins[0]), src, (master, *twins), hp, state.decayed)
+        finally:
+            self.store.release(p, dirty=False)
+        if state.master:
+            with self.store.writing(state.weights[j]) as weights:
+                self.compute.run(_copy, weights, master, list(weights))
 
     def _adamw(
         self,
