@@ -82,14 +82,17 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
             engine.method = "galore"
             engine.galore = GaloreSettings(rank=args.galore_rank, svd=args.galore_svd)
     elif mode == "host":
+        # the gradients homed on disk, as a recipe homes them when it has a disk_path: each takes host memory
+        # from backward until its update has read it, and is never written to disk unless the host runs short
         store = StoreConfig.resolve(
             device=args.device,
             device_budget=args.device_budget,
             host_budget=args.host_budget,
+            disk_path=disk_dir,
             chunk_size=1 << 40,
             prefetch_depth=2,
         )
-        engine = EngineConfig(params="host", optimizer_states="host", gradients="host", max_steps=args.steps)
+        engine = EngineConfig(params="host", optimizer_states="host", gradients="disk", max_steps=args.steps)
     else:
         store = StoreConfig.resolve(
             device=args.device,
@@ -102,6 +105,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
             params="device", optimizer_states="host", gradients="host", max_steps=args.steps
         )
     engine.dtype = getattr(torch, args.dtype)
+    engine.redo = args.redo
     engine.learning_rate = 1e-5
     engine.max_grad_norm = args.max_grad_norm
     # the runtime before any model state exists: interpreter, torch, transformers, and what they load on first
@@ -132,6 +136,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         n = args.steps - 1
         times = {k: v / n for k, v in trainer.times.items()}
         stats = trainer.store_stats()
+        parameters = sum(p.numel() for g in trainer.parts.groups for p in g.params.values())
     finally:
         trainer.close()
     step = times["step"]
@@ -167,6 +172,10 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         - store.host_budget
         - (store.device_budget if store.device.type == "cpu" else 0),
         "state_bytes": trainer.state_bytes(),
+        "parameters": parameters,
+        # the host tier's peak a parameter, the speculative step's twin states aside (12 B a parameter where
+        # the budgets make them): weights, master weights, moments and the gradients in flight
+        "host_bytes_per_parameter": (stats.tiers["host"].peak - trainer.state_bytes()["twins"]) / parameters,
         "largest_group_fp32_bytes": max(trainer.chunk_sizes()["grads"]),
     }
 
@@ -193,6 +202,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="disk,disk-serial,memory")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per thread; 0: torch's default")
+    p.add_argument(
+        "--redo",
+        default="twins",
+        choices=("twins", "gradients"),
+        help="how a clipped speculative step is redone (EngineConfig.redo): gradients keeps them all a step",
+    )
     p.add_argument("--galore-rank", type=int, default=128)
     p.add_argument("--galore-svd", default="exact", choices=("exact", "randomized"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))

@@ -1086,8 +1086,8 @@ def _pow2ceil(n: int) -> int:
 def plan_full(s: Settings, ram: int, disk_free: int, pinned_rounds: bool) -> dict:
     """The deepest model of the full phase's shape whose states both systems hold in host memory, and the
     arithmetic: tiertune keeps bf16 weights (2 B/parameter), fp32 master weights and both Adam moments
-    (12 B) and an fp32 gradient chunk per layer (4 B: the store homes each for the whole run, though a layer's
-    is consumed by its update during backward; no clipping, so no twin states) on the host; FSDP2's CPU offload keeps fp32 parameters and fp32 gradients (each a pinned
+    (12 B) on the host, and the fp32 gradients of the layers in flight (homed on disk as a recipe homes them,
+    each dropped once its update has read it: counted in ``working``; no clipping, so no twin states); FSDP2's CPU offload keeps fp32 parameters and fp32 gradients (each a pinned
     tensor, rounded up to a power of two by torch's pinned allocator unless that is configured off) and the
     Adam moments (8 B). The checkpoint (2 B/parameter) must fit on disk."""
     from tiertune.offload import tiers
@@ -1099,7 +1099,7 @@ def plan_full(s: Settings, ram: int, disk_free: int, pinned_rounds: bool) -> dic
         shape = s.full_shape.with_layers(layers)
         n = shape.parameters()
         working = 3 * 4 * shape.layer_params() + 4 * shape.vocab * shape.hidden + (1 << 30)
-        tiertune_host = 18 * n + working
+        tiertune_host = 14 * n + working
         tiertune_pinned = tiertune_host if exact_pin else _pow2ceil(tiertune_host + 4096)
         sizes = [o * i for o, i in shape.linears().values()] + [shape.hidden] * 2
         pin = _pow2ceil if pinned_rounds else (lambda b: b)
@@ -1128,7 +1128,7 @@ def plan_full(s: Settings, ram: int, disk_free: int, pinned_rounds: bool) -> dic
             "weights_bf16": 2,
             "master_fp32": 4,
             "adam_moments_fp32": 8,
-            "gradients_fp32": 4,
+            "gradients_fp32_of_the_layers_in_flight": 0,
         },
         "fsdp2_host_bytes": fsdp2_host,
         "fsdp2_pinned_rounding": pinned_rounds,
