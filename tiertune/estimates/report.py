@@ -529,6 +529,10 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
+IN_FLIGHT = "  (homed on disk, held on the host from backward until the layer's update has read them)"
+"""What the state table says of gradients homed on disk: a step writes none there unless the host runs short."""
+
+
 def format_estimate(est: Estimate, title: str) -> str:
     """The estimate as a person reads it: what lives where, whether each budget holds (on the budget and on
     this machine), the disk it needs, and how fast a step goes, with its parts and formula."""
@@ -538,9 +542,11 @@ def format_estimate(est: Estimate, title: str) -> str:
         f"parameters: {est.parameters:,} ({est.trained_parameters:,} trained); computes on: {est.target}",
         "",
     ]
-    lines.append(f"{'state':<{width}}{'lives on':<10}{'bytes':>12}")
+    lines.append(f"{'state':<{width}}{'lives on':<10}{'bytes':>12}{'a parameter':>13}")
     for kind, (tier, nbytes) in est.kinds.items():
-        lines.append(f"{kind:<{width}}{tier:<10}{format_size(nbytes):>12}")
+        each = f"{nbytes / est.parameters:>11.2f} B" if est.parameters and kind != "activations" else ""
+        why = IN_FLIGHT if kind == "gradients" and tier == "disk" else ""
+        lines.append(f"{kind:<{width}}{tier:<10}{format_size(nbytes):>12}{each}{why}")
     for what, nbytes in est.outside_store.items():
         lines.append(f"{what:<{width}}{'device':<10}{format_size(nbytes):>12}  (outside the chunk store)")
     lines += ["", "will it fit:", f"{'tier':<8}{'budget':>12}{'home':>12}{'passes':>12}{'peak':>12}  fits"]
