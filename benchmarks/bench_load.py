@@ -31,9 +31,17 @@ from tiertune.units import format_size
 
 
 def write_checkpoint(
-    path: Path, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int
+    path: Path,
+    layers: int,
+    hidden: int,
+    intermediate: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    tied: bool = True,
 ) -> int:
-    """Save a random bf16 Llama checkpoint shard by shard (one decoder layer per shard); returns parameters."""
+    """Save a random bf16 Llama checkpoint shard by shard (one decoder layer per shard); returns parameters.
+    ``tied``: the head is the embedding (else an ``lm_head.weight`` of its own, as Llama 3's)."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
@@ -44,12 +52,14 @@ def write_checkpoint(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         vocab_size=vocab,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         dtype="bfloat16",
     )
     config.save_pretrained(path)
     head_dim = hidden // heads
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not tied:
+        shapes["lm_head.weight"] = (vocab, hidden)
     per_layer = {
         "self_attn.q_proj.weight": (hidden, hidden),
         "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),

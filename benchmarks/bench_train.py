@@ -202,6 +202,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="disk,disk-serial,memory")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per thread; 0: torch's default")
+    p.add_argument("--untied", action="store_true", help="a head of its own (Llama 3's), not the embedding")
     p.add_argument(
         "--redo",
         default="twins",
@@ -234,7 +235,14 @@ def main() -> None:
         model_dir = Path(tmp) / "model"
         model_dir.mkdir()
         result["parameters"] = write_checkpoint(
-            model_dir, args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab
+            model_dir,
+            args.layers,
+            args.hidden,
+            args.intermediate,
+            args.heads,
+            args.kv_heads,
+            args.vocab,
+            tied=not args.untied,
         )
         result["tokens_per_step"] = args.batch * args.seq * args.accum
         for mode in args.modes.split(","):

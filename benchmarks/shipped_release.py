@@ -104,7 +104,7 @@ def write_release(config: Path, out: Path, layers: int, overrides: dict | None =
         file = f"model-{index:05d}-of-{max(shards):05d}.safetensors"
         tensors = {}
         for entry in shards[index]:
-            known = laid._contents.get(entry.name)  # what the layout carries (a packed weight's shape)
+            known = laid.content(entry.name)  # what the layout carries (a packed weight's shape)
             value = known if known is not None else _values(entry.name, entry.shape, entry.dtype, gen)
             tensors[entry.name] = value.cpu().contiguous()
             weight_map[entry.name] = file

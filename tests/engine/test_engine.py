@@ -106,8 +106,8 @@ def test_optimizer_overlap_modes_are_exact(
 
 @pytest.mark.parametrize("coef", [0.3, 0.97])
 def test_a_redo_from_the_twins_is_clip_then_step_without_the_gradients(coef):
-    """``adamw_redo``: from the speculation's twins (made with coefficient 1) and the untouched sources, the
-    step with coefficient c equals torch's fused AdamW on c x the gradient, to fp32 rounding, for decayed
+    """``adamw_redo``: from the speculation's twins (made with coefficient 1) and the moments before the step,
+    the step with coefficient c equals torch's fused AdamW on c x the gradient, to fp32 rounding, for decayed
     and undecayed tensors, at a step whose bias corrections matter."""
     from tiertune.methods.optim import AdamStep, adamw, adamw_redo
 
@@ -127,7 +127,7 @@ def test_a_redo_from_the_twins_is_clip_then_step_without_the_gradients(coef):
     adamw(names, expected[0], {n: grad[n] * c for n in names}, expected[1], expected[2], hp, {"w"})
     twins = copy(p), copy(m), copy(v)
     adamw(names, twins[0], grad, twins[1], twins[2], hp, {"w"})  # the speculation: coefficient 1
-    adamw_redo(names, (p, m, v), twins, c, hp, {"w"})
+    adamw_redo(names, (m, v), twins, c, hp)  # neither the gradients nor the weights before the step
     for got, want in zip(twins, expected, strict=True):
         for n in names:
             torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7)

@@ -220,7 +220,12 @@ def _full_parity(shipped_dir, values_dir, disk_dir):
     reference.config.use_cache = False
     reference.train()
     cfg = full_config(
-        params="disk", optimizer_states="disk", gradients="disk", max_steps=STEPS, warmup_steps=1
+        params="disk",
+        optimizer_states="disk",
+        gradients="disk",
+        max_steps=STEPS,
+        warmup_steps=1,
+        redo="gradients",
     )
     params = dict(reference.named_parameters())
     groups = [

@@ -48,6 +48,7 @@ from tiertune.errors import StateError
 
 if TYPE_CHECKING:
     from tiertune.engine.config import EngineConfig
+    from tiertune.engine.layout import GroupState
 
 
 def waves(cfg: EngineConfig, micro_batches: int) -> list[range]:
@@ -117,9 +118,15 @@ class LayerMajor(PairedPasses):
         device = engine.device
         others = [s for s in engine.states if s.group.kind != "layer"]
         summed: dict[int, dict[str, torch.Tensor]] = {id(s): {} for s in others}
+        # a trained untied head, which only the loss uses: released and its gradients handed on once the loss's
+        # backward has made them, so its update runs behind the layers' backward (the embedding's group, and the
+        # rest, which may hold what the embeddings use, wait for boundary 0's backward)
+        done_early = [s for s in others if s.group.kind == "head" and s.trainable]
         with ExitStack() as stack:
+            holds = {id(s): stack.enter_context(ExitStack()) for s in others}
             bound = {
-                id(s): stack.enter_context(engine.bound_group(s, requires_grad=s.trainable)) for s in others
+                id(s): holds[id(s)].enter_context(engine.bound_group(s, requires_grad=s.trainable))
+                for s in others
             }
             stack.callback(setattr, engine, "visit", None)
             stack.callback(self.stash.abandon)  # nothing is open when the wave ends as it should
@@ -140,13 +147,22 @@ class LayerMajor(PairedPasses):
             last = self._forward(micro, first)
             suffix = self._paired_suffix if engine.objective.paired else self._suffix
             total, aux_total = suffix(micro, last, n_tokens, micro_batches, bound, summed)
+            for state in done_early:
+                self._hand_on(state, holds[id(state)], bound, summed)
             self._backward(micro, prefix_trained)
             if prefix_trained:
                 self._prefix_backward(micro, bound, summed)
-        for state in others:  # released first: the optimizer writes these groups' weights
-            if state.trainable:
-                engine.add_grads(state, {n: summed[id(state)].get(n) for n in bound[id(state)]})
+            for state in others:
+                if state not in done_early:
+                    self._hand_on(state, holds[id(state)], bound, summed)
         return total, aux_total
+
+    def _hand_on(self, state: GroupState, hold: ExitStack, bound: dict, summed: dict) -> None:
+        """Release a group bound for the wave (the optimizer writes its weights) and hand its wave's gradients
+        to the engine."""
+        hold.close()
+        if state.trainable:
+            self.engine.add_grads(state, {n: summed[id(state)].get(n) for n in bound[id(state)]})
 
     # ------------------------------------------------------------------ the passes
 

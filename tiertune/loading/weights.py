@@ -193,6 +193,11 @@ class AsSaved(Checkpoint):
             if content is not None:
                 self._contents[name] = content
 
+    def content(self, name: str) -> torch.Tensor | None:
+        """The values of tensor ``name`` where the layout carries them (a quantized weight's statistics, a
+        packed weight's shape), else None."""
+        return self._contents.get(name)
+
     def read_into(
         self, name: str, out: torch.Tensor, scratch: torch.Tensor | None = None, row: int | None = None
     ) -> None:

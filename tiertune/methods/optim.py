@@ -99,28 +99,31 @@ def adamw(
 
 def adamw_redo(
     names: list[str],
-    sources: tuple[dict, dict, dict],
+    sources: tuple[dict, dict],
     twins: tuple[dict, dict, dict],
     coef: torch.Tensor,
     hp: AdamStep,
-    decayed: Container[str],
 ) -> None:
     """Redo a speculative AdamW step with clipping coefficient ``coef``, from what the speculation left and
-    without the gradients: ``sources`` (master weights p, moments m, v as they were before the step) and
-    ``twins`` (the speculation's p_s, m_s, v_s, made with coefficient 1), whose values are replaced by the
-    step's with ``coef`` = c. With g the gradient, m_s = b1 m + (1 - b1) g and v_s = b2 v + (1 - b2) g^2, so
+    without the gradients: ``sources`` (the moments m, v as they were before the step) and ``twins`` (the
+    speculation's p_s, m_s, v_s, made with coefficient 1), whose values are replaced by the step's with
+    ``coef`` = c. With g the gradient, m_s = b1 m + (1 - b1) g and v_s = b2 v + (1 - b2) g^2, so
 
         m' = b1 m + (1 - b1) c g   = c m_s + (1 - c) b1 m
         v' = b2 v + (1 - b2) c^2 g^2 = c^2 v_s + (1 - c^2) b2 v
 
-    (for 0 < c <= 1 both weighted sums of non-negative weights: no cancellation), and p' is AdamW's update of
-    p with m' and v' (``adamw_params``). Equal to clipping the gradient and stepping, to fp32 rounding. The
-    engine runs the three parts one at a time (``redo_moment`` twice, then ``adamw_params``), holding a source
-    only while its twin is redone."""
+    (for 0 < c <= 1 both weighted sums of non-negative weights: no cancellation); and with AdamW's
+    p_s = p (1 - lr wd) - a m_s / d(v_s) (a = lr / (1 - b1^t), d(v) = sqrt(v) / sqrt(1 - b2^t) + eps, as torch's
+    fused AdamW computes them), p' = p_s + a m_s / d(v_s) - a m' / d(v'): the weights before the step are not
+    read either. Equal to clipping the gradient and stepping, to fp32 rounding. The engine runs the parts one
+    at a time (``adam_move`` back, ``redo_moment`` twice, ``adam_move``), holding a source only while its twin
+    is redone."""
+    ps, ms, vs = ([d[n] for n in names] for d in twins)
     c = float(coef)
-    redo_moment([twins[1][n] for n in names], [sources[1][n] for n in names], c, hp.beta1)
-    redo_moment([twins[2][n] for n in names], [sources[2][n] for n in names], c * c, hp.beta2)
-    adamw_params(names, sources[0], twins, hp, decayed)
+    adam_move(ps, ms, vs, hp, back=True)
+    redo_moment(ms, [sources[0][n] for n in names], c, hp.beta1)
+    redo_moment(vs, [sources[1][n] for n in names], c * c, hp.beta2)
+    adam_move(ps, ms, vs, hp)
 
 
 def redo_moment(twin: list[torch.Tensor], source: list[torch.Tensor], weight: float, beta: float) -> None:
@@ -131,22 +134,18 @@ def redo_moment(twin: list[torch.Tensor], source: list[torch.Tensor], weight: fl
         torch._foreach_add_(twin, source, alpha=(1.0 - weight) * beta)
 
 
-def adamw_params(
-    names: list[str], source: dict, twins: tuple[dict, dict, dict], hp: AdamStep, decayed: Container[str]
+def adam_move(
+    params: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], hp: AdamStep, back: bool = False
 ) -> None:
-    """AdamW's new master weights into ``twins[0]`` from the weights before the step (``source``) and the
-    step's moments (``twins[1]``, ``twins[2]``), as torch's fused AdamW computes them: decay, then
-    lr / (1 - b1^t) x m / (sqrt(v) / sqrt(1 - b2^t) + eps)."""
-    if not names:
+    """``params`` -= lr / (1 - b1^t) x m / (sqrt(v) / sqrt(1 - b2^t) + eps), AdamW's move as torch's fused
+    AdamW computes it (its decay aside); ``back``: added instead (the move undone)."""
+    if not params:
         return
-    ps, ms, vs = ([d[n] for n in names] for d in twins)
-    for target, name in zip(ps, names, strict=True):
-        decay = hp.weight_decay if name in decayed else 0.0
-        torch.mul(source[name], 1.0 - hp.lr * decay, out=target)
-    denom = torch._foreach_sqrt(vs)
+    denom = torch._foreach_sqrt(v)
     torch._foreach_div_(denom, math.sqrt(1.0 - hp.beta2**hp.step))
     torch._foreach_add_(denom, hp.eps)
-    torch._foreach_addcdiv_(ps, ms, denom, value=-hp.lr / (1.0 - hp.beta1**hp.step))
+    size = hp.lr / (1.0 - hp.beta1**hp.step)
+    torch._foreach_addcdiv_(params, m, denom, value=size if back else -size)
 
 
 _QMAPS: dict[str, torch.Tensor] = {}

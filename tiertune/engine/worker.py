@@ -1,0 +1,147 @@
+"""The optimizer's worker thread (``OptimizerWorker``): the units of a step's update, one weight chunk each, run
+in the order backward submits them, behind it."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiertune.offload.store import ChunkStore
+
+if TYPE_CHECKING:
+    from tiertune.engine.layout import GroupState
+
+
+Unit = tuple["GroupState", int]
+"""One unit of optimizer work: a group's state and the index of one of its weight chunks."""
+
+
+class OptimizerWorker:
+    """One background thread that runs the optimizer's units in the order they are submitted.
+
+    While it works on one unit it prefetches the optimizer states of the next units of the step's plan
+    from disk, even before backward has submitted them (their sources do not depend on the gradients).
+    ``submit`` waits while ``max_pending`` units are queued or running, so that a slow optimizer holds back
+    backward instead of letting every layer's gradients pile up (the step takes as long either way: the
+    worker never idles); it stops waiting when the worker itself waits in the store on another thread (for
+    room, or a chunk the caller holds), not when it waits for a read of its states.
+    ``join`` waits for the submitted units and re-raises the first error.
+    """
+
+    def __init__(
+        self,
+        store: ChunkStore,
+        run_unit: Callable[[Unit, torch.Tensor | None], None],
+        times: dict[str, float],
+        lookahead: int = 2,
+        max_pending: int = 2,
+        inline: bool = False,
+    ) -> None:
+        """``run_unit((state, j), coef)`` updates weight chunk ``j`` of group state ``state``; the seconds it
+        takes are added to ``times["optimizer_busy"]``. ``inline``: no thread, each unit runs as it is
+        submitted, on the caller's thread (over a ledger store, whose calls one thread makes in turn: the
+        worker keeping up with backward)."""
+        self._store = store
+        self._run_unit = run_unit
+        self._times = times
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lookahead = lookahead
+        self._max_pending = max_pending
+        self._plan: list[Unit] = []
+        self._pending = 0
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._inline = inline
+        self._position = 0  # in the plan: the unit running, or the last one run
+        self._thread = threading.Thread(target=self._run, name="tiertune-optimizer", daemon=True)
+        if not inline:
+            self._thread.start()
+
+    def start_step(self, plan: list[Unit]) -> None:
+        if self._inline:
+            self._plan, self._position = plan, 0
+            return
+        self._queue.put(("plan", plan))
+
+    def submit(self, state: GroupState, coef: torch.Tensor | None, j: int | None = None) -> float:
+        """Queue the unit(s) of ``state`` (chunk ``j``, or all of its chunks); returns the seconds waited."""
+        waited = 0.0
+        for k in range(len(state.weights)) if j is None else (j,):
+            if self._inline:
+                self._unit(state, k, coef)
+                continue
+            began = time.perf_counter()
+            with self._cond:
+                self._wait_below(self._max_pending)
+                if self._error is not None:
+                    raise self._error
+                self._pending += 1
+            waited += time.perf_counter() - began
+            self._queue.put(("unit", (state, k, coef)))
+        return waited
+
+    def drain(self) -> float:
+        """Wait until the submitted units are done (or the worker waits in the store on another thread,
+        perhaps for a chunk the caller holds); returns the seconds waited."""
+        began = time.perf_counter()
+        with self._cond:
+            self._wait_below(1)
+        return time.perf_counter() - began
+
+    def _wait_below(self, limit: int) -> None:
+        """With the lock held: wait until fewer than ``limit`` units are queued or running, the worker failed,
+        or the worker itself waits in the store on another thread (maybe for a chunk the caller holds:
+        waiting on would hang). A worker waiting for a transfer in flight is waited for: the transfer ends by
+        itself, and returning early would let the caller stage its next chunks beside the worker's."""
+        while self._pending >= limit and self._error is None and not self._store.waiting(self._thread.ident):
+            self._cond.wait(timeout=0.05)
+
+    def join(self) -> None:
+        with self._cond:
+            while self._pending and self._error is None:
+                self._cond.wait()
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        if self._inline:
+            return
+        self._queue.put(("stop", None))
+        self._thread.join()
+
+    def _unit(self, state: GroupState, j: int, coef: torch.Tensor | None) -> None:
+        """Unit ``j`` of ``state``, after prefetching the states of the next units of the plan."""
+        began = time.perf_counter()
+        while self._position < len(self._plan) and self._plan[self._position] != (state, j):
+            self._position += 1
+        ahead = self._plan[self._position + 1 : self._position + 1 + self._lookahead]
+        self._store.prefetch([c for s, k in ahead for c in s.reads(k)])
+        with self._store.holding("optimizer"):  # its own moments on a ledger (``engine.memory``)
+            self._run_unit((state, j), coef)
+        self._times["optimizer_busy"] += time.perf_counter() - began
+
+    def _run(self) -> None:
+        while True:
+            kind, item = self._queue.get()
+            if kind == "stop":
+                return
+            if kind == "plan":
+                self._plan, self._position = item, 0
+                continue
+            state, j, coef = item
+            try:
+                if self._error is None:
+                    self._unit(state, j, coef)
+            except BaseException as exc:  # reported by join/submit on the compute thread
+                with self._cond:
+                    self._error = self._error or exc
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
