@@ -134,15 +134,17 @@ def test_a_redo_from_the_twins_is_clip_then_step_without_the_gradients(coef):
 
 
 def test_a_redo_from_the_twins_lets_each_gradient_go_once_its_update_read_it(tiny_model_dir, disk_dir):
-    """Every step clips (max_grad_norm 0.5): with the twins' redo each step speculates and is redone, the
-    weights follow the plain loop (rel 1e-5; Llama has no parameter whose gradient is rounding noise), and
-    the gradients, homed on disk, are never written there and take host memory only while their layer's
-    update is in flight: the host's peak is below the kept-gradients redo's by most of the gradient bytes."""
+    """With the twins' redo a speculative step's gradients are dropped as their updates read them: the
+    gradients, homed on disk, are never written there and take host memory only while their layer's update is
+    in flight, so the host's peak is below the kept-gradients redo's by most of the gradient bytes (steps that
+    speculate and are confirmed: max_grad_norm above every norm). With steps that clip (max_grad_norm 2.9:
+    some are redone from the twins), the weights follow the plain loop (rel 1e-5; Llama has no parameter whose
+    gradient is rounding noise)."""
+    from transformers import AutoModelForCausalLM
+
     path, _ = tiny_model_dir("llama", layers=8, shard="200KB")
     peaks, grads = {}, 0
-    for redo in ("twins", "gradients"):
-        from transformers import AutoModelForCausalLM
-
+    for redo, max_grad_norm in (("twins", 100.0), ("gradients", 100.0), ("twins", 2.9)):
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         reference.config.use_cache = False
         cfg = _config(
@@ -151,19 +153,21 @@ def test_a_redo_from_the_twins_lets_each_gradient_go_once_its_update_read_it(tin
             gradients="disk",
             redo=redo,
             overlap_optimizer="on",
-            max_grad_norm=0.5,
+            max_grad_norm=max_grad_norm,
         )
         batches = _batches(reference.config.vocab_size)
         expected = _reference(reference, batches, cfg)
         store = StoreConfig.resolve(
-            device_budget="8MiB", host_budget="16MiB", disk_path=str(disk_dir / redo), chunk_size="1MiB"
+            device_budget="8MiB",
+            host_budget="16MiB",
+            disk_path=str(disk_dir / f"{redo}-{max_grad_norm}"),
+            chunk_size="1MiB",
         )
         trainer = StreamedTrainer(str(path), store, cfg)
         try:
             losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(STEPS)]
             weights = trainer.state_dict()
             stats = trainer.store.stats()
-            peaks[redo] = stats.tiers["host"].peak
             grads = trainer.state_bytes()["gradients"]
             counts = dict(trainer.optimizer_counts)
         finally:
@@ -171,9 +175,12 @@ def test_a_redo_from_the_twins_lets_each_gradient_go_once_its_update_read_it(tin
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
         for n, p in reference.named_parameters():
             assert float((weights[n] - p.detach()).abs().max() / p.detach().abs().max()) <= 1e-5, n
-        if redo == "twins":
-            assert counts == {"speculative": 0, "redone": STEPS, "after_backward": 0}
-            assert stats.bytes_moved.get("host->disk", 0) == 0  # no gradient written to disk
+        assert stats.bytes_moved.get("host->disk", 0) == 0  # no gradient written to disk
+        if max_grad_norm > 10:
+            assert counts == {"speculative": STEPS, "redone": 0, "after_backward": 0}
+            peaks[redo] = stats.tiers["host"].peak
+        else:
+            assert counts["redone"] >= 1, counts
     assert peaks["twins"] <= peaks["gradients"] - grads // 2, (peaks, grads)
 
 

@@ -336,11 +336,10 @@ class StreamedTrainer(TrainerViews):
         self.schedule.metrics = {}
         cfg = self.config
         clipping = cfg.clips
-        # speculate; where a redo needs the gradients (8-bit moments, GaLore), not after a clipped step: this
-        # one likely clips too, and waiting for the norm costs less than a redo. A redo from the twins costs
-        # what waiting does (one pass after backward) and lets each gradient go once its update has read it
-        self.step_ctx.speculating = self.overlap and (
-            self.updater.redoes_from_twins or not (clipping and self.last_grad_norm > cfg.max_grad_norm)
+        # speculate unless the last step was clipped: then this one likely is too, and waiting for the norm
+        # costs less than a redo (such a step holds all its gradients until the norm is known)
+        self.step_ctx.speculating = self.overlap and not (
+            clipping and self.last_grad_norm > cfg.max_grad_norm
         )
         self.step_ctx.lr = self._lr.lr(self.step_count)
         self.step_ctx.number = self.step_count + 1
