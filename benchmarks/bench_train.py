@@ -137,6 +137,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         times = {k: v / n for k, v in trainer.times.items()}
         stats = trainer.store_stats()
         parameters = sum(p.numel() for g in trainer.parts.groups for p in g.params.values())
+        state_bytes = trainer.state_bytes()
     finally:
         trainer.close()
     step = times["step"]
@@ -171,11 +172,11 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         "rss_over_budgets_bytes": peak_rss()
         - store.host_budget
         - (store.device_budget if store.device.type == "cpu" else 0),
-        "state_bytes": trainer.state_bytes(),
+        "state_bytes": state_bytes,
         "parameters": parameters,
         # the host tier's peak a parameter, the speculative step's twin states aside (12 B a parameter where
         # the budgets make them): weights, master weights, moments and the gradients in flight
-        "host_bytes_per_parameter": (stats.tiers["host"].peak - trainer.state_bytes()["twins"]) / parameters,
+        "host_bytes_per_parameter": (stats.tiers["host"].peak - state_bytes["twins"]) / parameters,
         "largest_group_fp32_bytes": max(trainer.chunk_sizes()["grads"]),
     }
 

@@ -119,15 +119,15 @@ def _peft_reference(values_dir, initial, cfg, batches):
     return losses, get_peft_model_state_dict(model)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
-def test_lora_on_an_fp8_release_follows_peft_on_its_dequantized_values(fp8_release, disk_dir, family):
-    """A dense model (Qwen3) and DeepSeek-V3 (latent attention, a dense first layer, shared and routed experts,
-    each expert's projections FP8 modules of their own): the base read in place from the FP8 files, step 1's loss
-    that of the dequantized model (rel 1e-5), every step as peft's over it (rel 1e-4), the disk tier empty and
-    each step reading at most twice the checkpoint's bytes."""
-    fp8_dir, values_dir, total = fp8_release(family)
+def _lora_parity(release_dir, values_dir, total, disk_dir, host="96KiB", device="256KiB"):
+    """LoRA on the release in ``release_dir`` (its ``total`` tensor bytes) against peft over the model of its
+    dequantized values: step 1's loss rel 1e-5, every step rel 1e-4, the same adapters as Adam trains them, the
+    base's home the checkpoint's files (the disk tier empty) and every step after the first streaming it, at most
+    two passes of the release (+10%)."""
     cfg = _config()
-    initial, trained, batches, losses, moved, in_place, disk_tier = _train(fp8_dir, disk_dir, cfg)
+    initial, trained, batches, losses, moved, in_place, disk_tier = _train(
+        release_dir, disk_dir, cfg, host, device
+    )
     expected, theirs = _peft_reference(values_dir, initial, cfg, batches)
     assert abs(losses[0] - expected[0]) <= 1e-5 * abs(expected[0])
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
@@ -136,6 +136,15 @@ def test_lora_on_an_fp8_release_follows_peft_on_its_dequantized_values(fp8_relea
         assert_adam_trained_close(trained[name], value, name)
     assert all(in_place) and disk_tier == 0  # the base's home is the checkpoint's files
     assert min(moved[1:]) > 0 and max(moved[1:]) <= 2 * total * 1.1  # streamed every step, at most 2 passes
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_lora_on_an_fp8_release_follows_peft_on_its_dequantized_values(fp8_release, disk_dir, family):
+    """A dense model (Qwen3) and DeepSeek-V3 (latent attention, a dense first layer, shared and routed experts,
+    each expert's projections FP8 modules of their own): the base read in place from the FP8 files, step 1's loss
+    that of the dequantized model (rel 1e-5), every step as peft's over it (rel 1e-4), the disk tier empty and
+    each step reading at most twice the checkpoint's bytes."""
+    _lora_parity(*fp8_release(family), disk_dir)
 
 
 def test_the_dequantization_is_deepseeks_for_edge_blocks_too():
@@ -358,17 +367,7 @@ def test_lora_on_gpt_oss_with_mxfp4_experts_follows_peft_on_its_dequantized_valu
     """gpt-oss as it ships: its MXFP4 experts read in place and computed expert by expert
     from their codes, attention and router 16-bit; LoRA follows peft over the dequantized model (rel 1e-4), the disk
     tier empty and each step reading at most twice the checkpoint's bytes."""
-    mx_dir, values_dir, total = gpt_oss_release
-    cfg = _config()
-    initial, trained, batches, losses, moved, in_place, disk_tier = _train(mx_dir, disk_dir, cfg)
-    expected, theirs = _peft_reference(values_dir, initial, cfg, batches)
-    assert abs(losses[0] - expected[0]) <= 1e-5 * abs(expected[0])
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
-    assert set(trained) == set(theirs)
-    for name, value in theirs.items():
-        assert_adam_trained_close(trained[name], value, name)
-    assert all(in_place) and disk_tier == 0
-    assert min(moved[1:]) > 0 and max(moved[1:]) <= 2 * total * 1.1
+    _lora_parity(*gpt_oss_release, disk_dir)
 
 
 def test_full_fine_tuning_from_gpt_oss_mxfp4_is_the_plain_loop_on_its_dequantized_values(
@@ -473,19 +472,7 @@ def test_lora_on_a_compressed_tensors_release_follows_peft_on_its_dequantized_va
     """compressed-tensors' INT4 (packed int32, a scale per group of 32: Kimi-K2-Thinking's experts-only scheme on a
     DeepSeek-V3, and every linear layer of a Qwen3) and FP8 with a scale per channel: read in place, LoRA follows
     peft over the dequantized model (rel 1e-4), the disk tier empty, each step at most twice the bytes."""
-    q_dir, values_dir, total = compressed_release(name)
-    cfg = _config()
-    initial, trained, batches, losses, moved, in_place, disk_tier = _train(
-        q_dir, disk_dir, cfg, *COMPRESSED[name][2]
-    )
-    expected, theirs = _peft_reference(values_dir, initial, cfg, batches)
-    assert abs(losses[0] - expected[0]) <= 1e-5 * abs(expected[0])
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
-    assert set(trained) == set(theirs)
-    for key, value in theirs.items():
-        assert_adam_trained_close(trained[key], value, key)
-    assert all(in_place) and disk_tier == 0
-    assert min(moved[1:]) > 0 and max(moved[1:]) <= 2 * total * 1.1
+    _lora_parity(*compressed_release(name), disk_dir, *COMPRESSED[name][2])
 
 
 def test_full_fine_tuning_from_int4_is_the_plain_loop_on_its_dequantized_values(compressed_release, disk_dir):
@@ -710,19 +697,7 @@ def test_lora_on_a_per_channel_fp8_release_follows_peft_on_its_dequantized_value
     """quant_method fbgemm_fp8: the MLPs read in place as e4m3 codes with a scale per channel, the modules
     modules_to_not_convert names 16-bit; step 1's loss that of the dequantized model (rel 1e-5), every step as
     peft's over it (rel 1e-4), nothing of the base in the disk tier, a step reading at most twice the release."""
-    fp8_dir, values_dir, total = rowwise_release
-    cfg = _config()
-    initial, trained, batches, losses, moved, in_place, disk_tier = _train(
-        fp8_dir, disk_dir, cfg, host="160KiB"
-    )
-    expected, theirs = _peft_reference(values_dir, initial, cfg, batches)
-    assert abs(losses[0] - expected[0]) <= 1e-5 * abs(expected[0])
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
-    assert set(trained) == set(theirs)
-    for name, value in theirs.items():
-        assert_adam_trained_close(trained[name], value, name)
-    assert all(in_place) and disk_tier == 0
-    assert min(moved[1:]) > 0 and max(moved[1:]) <= 2 * total * 1.1
+    _lora_parity(*rowwise_release, disk_dir, host="160KiB")
 
 
 def test_a_per_channel_fp8_release_keeps_what_it_names_16_bit_and_converts_the_rest(rowwise_release):

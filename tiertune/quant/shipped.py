@@ -52,6 +52,24 @@ def e8m0_dtype() -> torch.dtype:
     return torch.float8_e8m0fnu
 
 
+def _named(dtype: torch.dtype, shape: Sequence[int]) -> str:
+    """``float8_e4m3fn (576, 7168)``: a tensor's dtype and shape as an error names them."""
+    return f"{str(dtype).removeprefix('torch.')} {tuple(shape)}"
+
+
+def stored_otherwise(
+    checkpoint: Checkpoint, key: str, shape: Sequence[int], dtype: torch.dtype
+) -> str | None:
+    """How checkpoint tensor ``key`` differs from a ``dtype`` tensor of ``shape`` (``missing``, or its own dtype
+    and shape), or None when it is one."""
+    found = checkpoint.entries.get(key)
+    if found is None:
+        return "missing"
+    if found.dtype != dtype or tuple(found.shape) != tuple(shape):
+        return _named(found.dtype, found.shape)
+    return None
+
+
 class LinearFormat:
     """What the formats that quantize linear weights one tensor each share (``FP8``, ``Compressed``): their layers'
     ``nn.Linear`` modules become ``ShippedLinear``, a weight binds as its codes and ``<name>.scale``, and an MoE's
@@ -157,16 +175,11 @@ class FP8(LinearFormat):
         if stored is None or (stored.dtype != torch.float8_e4m3fn and scale_key not in checkpoint):
             return None
         for entry_key, (_, eshape, edtype) in zip((key, scale_key), self.entries(name, shape), strict=True):
-            found = checkpoint.entries.get(entry_key)
-            if found is None or found.dtype != edtype or tuple(found.shape) != tuple(eshape):
-                got = (
-                    "missing"
-                    if found is None
-                    else f"{str(found.dtype).removeprefix('torch.')} {tuple(found.shape)}"
-                )
+            got = stored_otherwise(checkpoint, entry_key, eshape, edtype)
+            if got is not None:
                 raise ModelError(
                     f"FP8 weight {key!r} in {stored.file}: {entry_key!r} is {got}, expected "
-                    f"{str(edtype).removeprefix('torch.')} {tuple(eshape)} (e4m3 codes with a scale per "
+                    f"{_named(edtype, eshape)} (e4m3 codes with a scale per "
                     f"{self.block[0]} x {self.block[1]} block, {self.scale_fmt} scales, as the model's "
                     "quantization_config says)"
                 )
@@ -481,13 +494,8 @@ class MXFP4:
         for (entry, eshape, edtype), ckey in zip(
             self.experts_entries(name, shape), tensors.values(), strict=True
         ):
-            found = checkpoint.entries.get(ckey)
-            if found is None or found.dtype != edtype or tuple(found.shape) != tuple(eshape):
-                got = (
-                    "missing"
-                    if found is None
-                    else f"{str(found.dtype).removeprefix('torch.')} {tuple(found.shape)}"
-                )
+            got = stored_otherwise(checkpoint, ckey, eshape, edtype)
+            if got is not None:
                 raise ModelError(
                     f"MXFP4 experts {base!r}: {ckey!r} is {got}, expected uint8 {tuple(eshape)} ({entry})"
                 )
@@ -584,16 +592,11 @@ class RowwiseFP8(LinearFormat):
             return None  # stored unquantized
         keys = (key, f"{key}_scale")
         for ckey, (_, eshape, edtype) in zip(keys, entries, strict=True):
-            found = checkpoint.entries.get(ckey)
-            if found is None or found.dtype != edtype or tuple(found.shape) != tuple(eshape):
-                got = (
-                    "missing"
-                    if found is None
-                    else f"{str(found.dtype).removeprefix('torch.')} {tuple(found.shape)}"
-                )
+            got = stored_otherwise(checkpoint, ckey, eshape, edtype)
+            if got is not None:
                 raise ModelError(
                     f"FP8 weight {key!r} in {stored.file}: {ckey!r} is {got}, expected "
-                    f"{str(edtype).removeprefix('torch.')} {tuple(eshape)} (e4m3 codes with an fp32 scale per "
+                    f"{_named(edtype, eshape)} (e4m3 codes with an fp32 scale per "
                     "output channel, as quant_method fbgemm_fp8 says)"
                 )
         return SavedWeight({entries[0][0]: keys[0], entries[1][0]: keys[1]})
@@ -725,12 +728,11 @@ class Compressed(LinearFormat):
         for ckey, (entry, eshape, edtype) in zip(
             (codes_key, scale_key), self.entries(name, shape), strict=True
         ):
-            found = checkpoint.entries[ckey]
-            if found.dtype != edtype or tuple(found.shape) != tuple(eshape):
-                got = f"{str(found.dtype).removeprefix('torch.')} {tuple(found.shape)}"
+            got = stored_otherwise(checkpoint, ckey, eshape, edtype)
+            if got is not None:
                 raise ModelError(
-                    f"compressed weight {base!r} in {found.file}: {ckey!r} is {got}, expected "
-                    f"{str(edtype).removeprefix('torch.')} {tuple(eshape)} ({entry}; the {self.format} scheme of "
+                    f"compressed weight {base!r} in {checkpoint.entries[ckey].file}: {ckey!r} is {got}, expected "
+                    f"{_named(edtype, eshape)} ({entry}; the {self.format} scheme of "
                     "the model's quantization_config)"
                 )
         return SavedWeight({name: codes_key, f"{name}.{SCALE}": scale_key})
