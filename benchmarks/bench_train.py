@@ -25,6 +25,12 @@ A GPU computes while the CPU runs the optimizer. On a CPU-only machine both comp
 so ``--threads 1`` (the default) gives each thread one core (torch's intra-op pool is one thread), which
 emulates that split on a 2-core machine; every mode runs under the same setting.
 
+``--fast-compute F,B`` stands in for a GPU on a CPU machine: each decoder layer's forward takes F ms and its
+recompute and backward B ms of sleep (the compute thread holds no core and no lock meanwhile, as while a GPU
+computes), its gradients zeros of the weights' shapes that land on the host as a GPU's copies would; the
+embeddings, head, loss, gradient hand-off and optimizer run as they do. ``compute_s`` then includes the sleeps.
+This is the regime of a fast backward, where the CPU optimizer is the long pole.
+
 ``--device cuda`` computes on the GPU (``--dtype bfloat16`` there; ``--gpu-memory-cap`` limits what each
 process may allocate, to emulate a smaller card; ``peak_gpu_bytes`` is what it allocated at most).
 
@@ -58,6 +64,8 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.fast_compute:
+        fast_compute(*args.fast_compute)
     cuda = args.device == "cuda"
     if cuda and args.gpu_memory_cap:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -181,6 +189,24 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
     }
 
 
+def fast_compute(forward_ms: float, backward_ms: float) -> None:
+    """Each decoder layer's forward ``forward_ms`` of sleep (its output its input), its recompute and backward
+    ``backward_ms`` (the gradients zeros): a device that computes while the CPU's cores are free."""
+    from tiertune.engine.compute import Compute
+
+    def layer(self, layer, hidden, call):
+        time.sleep(forward_ms / 1e3)
+        return hidden.clone()
+
+    def layer_backward(self, layer, hidden, call, holder, inputs, more=None):
+        time.sleep(backward_ms / 1e3)
+        holder.clear()
+        return [torch.zeros_like(t) for t in inputs]
+
+    Compute.layer = layer  # type: ignore[method-assign]
+    Compute.layer_backward = layer_backward  # type: ignore[method-assign]
+
+
 def current_rss() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -210,6 +236,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("twins", "gradients"),
         help="how a clipped speculative step is redone (EngineConfig.redo): gradients keeps them all a step",
     )
+    p.add_argument(
+        "--fast-compute",
+        default="",
+        help="F,B: each layer's forward F ms and backward B ms of sleep, standing in for a GPU (the docstring)",
+    )
     p.add_argument("--galore-rank", type=int, default=128)
     p.add_argument("--galore-svd", default="exact", choices=("exact", "randomized"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -218,6 +249,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--gpu-memory-cap", default="0", help="e.g. 24GiB: what each process may allocate on the GPU"
     )
     args = p.parse_args(argv)
+    args.fast_compute = tuple(float(x) for x in args.fast_compute.split(",")) if args.fast_compute else ()
+    if args.fast_compute and len(args.fast_compute) != 2:
+        p.error("--fast-compute takes F,B: a layer's forward and backward milliseconds")
     sizes = ("device_budget", "host_budget", "memory_device_budget", "memory_host_budget", "gpu_memory_cap")
     for name in sizes:
         setattr(args, name, parse_size(getattr(args, name), f"--{name.replace('_', '-')}"))
@@ -261,6 +295,7 @@ def main() -> None:
         result["galore_state_ratio"] = (galore["moments"] + galore["projections"]) / adamw["moments"]
     result["settings"] = {
         "threads": args.threads,
+        "fast_compute_ms": list(args.fast_compute),
         "max_grad_norm": args.max_grad_norm,
         "galore_rank": args.galore_rank,
     }

@@ -56,6 +56,12 @@ RULES = {
         ("training.output_dir={model}",),
         "training.output_dir",
     ),
+    "bf16 master weights are full fine-tuning's in bf16": (
+        "config/plan.py",
+        "as their own master, stochastic rounding",
+        ("training.master_weights=bfloat16", "model.dtype=float32"),
+        "training.master_weights",
+    ),
     "GaLore runs in one process": (
         "config/plan.py",
         "does not run sharded yet",

@@ -111,6 +111,15 @@ def plan(
         recipe.model.dtype
     ) or getattr(torch, recipe.model.dtype)
     off = recipe.offload
+    if t.master_weights == "bfloat16" and (
+        recipe.method.type != "full" or t.optim != "adamw_torch" or dtype != torch.bfloat16
+    ):
+        raise ConfigError(
+            "training.master_weights: bfloat16 (bf16 weights as their own master, stochastic rounding) is for "
+            f"method.type: full with training.optim: adamw_torch and model.dtype: bfloat16; this recipe has "
+            f"method.type: {recipe.method.type}, optim: {t.optim}, dtype {str(dtype).removeprefix('torch.')}. "
+            "Set training.master_weights: float32, or change those"
+        )
 
     def place(value: str) -> str:
         if value != "auto":
@@ -145,6 +154,7 @@ def plan(
         adam_epsilon=t.adam_epsilon,
         max_grad_norm=t.max_grad_norm,
         optim=t.optim,
+        master_weights=t.master_weights,
         kernels=recipe.kernels,
         lr_scheduler_type=t.lr_scheduler_type,
         warmup_steps=t.warmup_steps,

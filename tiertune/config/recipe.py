@@ -75,6 +75,9 @@ class TrainingSection:
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
     optim: str = field(default="adamw_torch", metadata=choices("adamw_torch", "adamw_bnb_8bit"))
+    # full fine-tuning's copy of the weights the optimizer updates: float32 master weights beside bf16 ones (4
+    # bytes a parameter), or bfloat16: the bf16 weights are their own master, updated with stochastic rounding
+    master_weights: str = field(default="float32", metadata=choices("float32", "bfloat16"))
     seed: int = 42
     save_steps: int = 500
     save_total_limit: int | None = None

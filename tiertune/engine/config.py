@@ -44,6 +44,11 @@ class EngineConfig:
     # "gradients": AdamW again on the kept gradients times the coefficient, bit for bit torch's clip-then-step
     # (the step's gradients held until its norm is known). 8-bit moments and GaLore always redo from gradients
     redo: str = "twins"
+    # the optimizer's copy of the weights: "float32", fp32 master weights beside weights of a lower ``dtype``
+    # (4 bytes a parameter more); "bfloat16", the bf16 weights are their own master, each update computed in
+    # fp32 and rounded stochastically into them (``methods.optim.adamw_stochastic``: an unbiased rounding, so
+    # updates below half a bf16 step still move the weights on average); needs dtype bfloat16
+    master_weights: str = "float32"
     activations: str = "device"  # where the hidden states at the layer boundaries wait: device or host
     activation_tokens: int = 0  # batch x sequence length of the largest micro-batch (needed for host)
     # micro-batches run through each layer while it is loaded (a wave, ``engine.schedule``): 0, a whole
@@ -102,3 +107,17 @@ class EngineConfig:
             self.overlap_optimizer = "on" if self.overlap_optimizer else "off"
         if self.redo not in ("twins", "gradients"):
             raise ValueError(f"EngineConfig.redo is 'twins' or 'gradients', got {self.redo!r}")
+        if self.master_weights not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"EngineConfig.master_weights is 'float32' or 'bfloat16', got {self.master_weights!r}"
+            )
+        if self.master_weights == "bfloat16" and self.dtype != torch.bfloat16:
+            raise ValueError(f"EngineConfig.master_weights bfloat16 needs dtype bfloat16, got {self.dtype}")
+        if self.master_weights == "bfloat16" and (self.method != "full" or self.optim != "adamw_torch"):
+            raise ValueError("EngineConfig.master_weights bfloat16 is for method full with optim adamw_torch")
+
+    @property
+    def fp32_master(self) -> bool:
+        """Whether fp32 master weights are kept beside the weights (their dtype is lower, ``master_weights``
+        float32)."""
+        return self.dtype != torch.float32 and self.master_weights == "float32"

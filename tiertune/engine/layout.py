@@ -43,11 +43,11 @@ def state_entries(
     fp32: list, cfg: EngineConfig, galore: GaLore | None, whole: dict[str, int] | None = None
 ) -> dict[str, list]:
     """The optimizer's chunks for one weight chunk whose tensors are ``fp32`` entries, by kind: ``master``
-    (when the weights are not fp32), ``exp_avg`` and ``exp_avg_sq`` (8-bit, low-rank for GaLore's projected
+    (when the weights are not fp32 and not their own master, ``EngineConfig.fp32_master``), ``exp_avg`` and ``exp_avg_sq`` (8-bit, low-rank for GaLore's projected
     weights) and GaLore's ``proj`` (when the chunk has a projected weight). The engine registers these; the
     estimate lays out the same. ``whole``: the whole tensors' elements where the entries are a rank's parts."""
     eight_bit = cfg.optim == "adamw_bnb_8bit"
-    out: dict[str, list] = {"master": fp32} if cfg.dtype != torch.float32 else {}
+    out: dict[str, list] = {"master": fp32} if cfg.fp32_master else {}
     moments = galore.moment_entries(fp32, eight_bit) if galore else moment_entries(fp32, eight_bit, whole)
     out["exp_avg"] = out["exp_avg_sq"] = moments
     proj = galore.projection_entries(fp32) if galore else []
@@ -119,7 +119,8 @@ class GroupState:
         # the tensors weight decay applies to, decided on their whole shapes (a rank of several holds parts)
         self.decayed = {n for n, p in group.params.items() if decays(p)}
         self.grads: list[Chunk] = []
-        self.master: list[Chunk] = []  # empty when the weights are fp32 (their own master copy)
+        # empty when the weights are their own master copy (fp32, or bf16 with ``master_weights`` bfloat16)
+        self.master: list[Chunk] = []
         self.exp_avg: list[Chunk] = []
         self.exp_avg_sq: list[Chunk] = []
         # GaLore, per weight chunk (None for a chunk with no projected weight): the projections, and the

@@ -8,6 +8,7 @@ and wires them; ``step`` shows a step from the loop's side.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -180,6 +181,8 @@ class StreamedTrainer(TrainerViews):
                 self.optimizer_counts,
                 self.sharding,
                 self.compute,
+                # once backward is done the compute thread only waits: the rank's share of the cores
+                tail_threads=self.world.threads(len(os.sched_getaffinity(0))),
             )
             if self.adapters is None
             else AdapterUpdate(
@@ -294,6 +297,11 @@ class StreamedTrainer(TrainerViews):
     def add_grads(self, state: GroupState, grads: dict[str, torch.Tensor | None]) -> None:
         """A micro-batch's weight gradients of ``state``'s group, finished (``GradientSink.add``)."""
         self.gradients.add(state, grads)
+
+    def backward_done(self) -> None:
+        """The wave's backward is done; on the step's last, the optimizer's remaining units take every core."""
+        if self.step_ctx.last_wave:
+            self.step_ctx.tail = True
 
     @property
     def fused_loss(self) -> bool:

@@ -16,7 +16,14 @@ from torch import nn
 
 from tiertune.engine.worker import OptimizerWorker, Unit
 from tiertune.errors import NonFiniteError, StateError
-from tiertune.methods.optim import AdamStep, adam_move, adamw, adamw_8bit, redo_moment
+from tiertune.methods.optim import (
+    AdamStep,
+    adam_move,
+    adamw,
+    adamw_8bit,
+    adamw_stochastic,
+    redo_moment,
+)
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
@@ -43,6 +50,9 @@ class StepContext:
     last_wave: bool = False  # ... its last (gradients final: norms taken, units handed to the optimizer)
     traced: bool = True  # weight accesses enter the scheduler's trace (not during inference or DoRA init)
     number: int = 1  # the step being made, counted from 1 (AdamW's bias correction, GaLore's refreshes)
+    # the step's backward is done: the compute thread has only the last groups' hand-off and the wait for the
+    # optimizer left, so the optimizer's units from now on may use every core (``Updater``'s ``tail_threads``)
+    tail: bool = False
 
 
 def cpu_tier(chunk: Chunk, device: torch.device) -> Tier:
@@ -78,10 +88,13 @@ class Updater:
         counts: dict[str, int],
         sharding: Sharding,
         compute: Compute,
+        tail_threads: int = 0,
     ) -> None:
         """``device``: what the run computes on (it decides the tier the optimizer reads a chunk on);
         ``compute``: the substrate (``engine.compute``): on a ledger the worker runs each unit as it is
-        submitted, on the caller's thread."""
+        submitted, on the caller's thread. ``tail_threads``: the torch threads of the units that start once
+        the step's backward is done (``StepContext.tail``; 0: the threads of the caller, as during backward),
+        when the compute thread's cores are free."""
         self.store, self.config, self.states, self.units = store, config, states, units
         self.compute = compute
         self.sharding = (
@@ -97,8 +110,13 @@ class Updater:
         self.norms: dict[str, torch.Tensor] = {}
         self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
         self._redoing = False  # the units submitted now redo a speculative step (``finish``)
+        during = torch.get_num_threads()  # the worker's during backward: the compute thread's setting
         self.worker = OptimizerWorker(
-            store, lambda unit, coef: self.unit(*unit, coef), times, inline=compute.ledger
+            store,
+            lambda unit, coef: self.unit(*unit, coef),
+            times,
+            inline=compute.ledger,
+            threads=lambda: max(during, tail_threads) if ctx.tail else during,
         )
 
     @property
@@ -108,11 +126,18 @@ class Updater:
         gradients are dropped as soon as its speculative update has read them: the host holds the gradients
         of the layers in flight, not a step's."""
         cfg = self.config
-        return cfg.redo == "twins" and self.galore is None and cfg.optim != "adamw_bnb_8bit"
+        # (bf16 weights that are their own master were rounded stochastically: AdamW's move cannot be undone)
+        return (
+            cfg.redo == "twins"
+            and self.galore is None
+            and cfg.optim != "adamw_bnb_8bit"
+            and cfg.master_weights == "float32"
+        )
 
     def start(self) -> None:
         """A step begins: no norms yet; the worker prefetches along the units' order."""
         self.norms = {}
+        self.ctx.tail = False
         self.worker.start_step(self.units)
 
     def finish(self, loss: float) -> float:
@@ -120,6 +145,7 @@ class Updater:
         the gradient norm. A loss or norm that is not finite raises NonFiniteError, with the step not applied
         where it had not been yet (speculative or after backward: the states are those of the last step)."""
         cfg = self.config
+        self.ctx.tail = True  # (a schedule that did not say so: the compute thread only waits from here)
         # exactly torch.nn.utils.clip_grad_norm_: fp32 per-tensor norms stacked in parameter order, the
         # coefficient an fp32 tensor clamped at 1 and multiplied into every gradient
         # (GaLore's projected weights have theirs on the compute device: one copy each, after backward)
@@ -272,6 +298,8 @@ class Updater:
             self.galore.update(names, master, by_name, m, v, proj, hp, eight_bit)
         elif eight_bit:
             adamw_8bit(names, master, by_name, m, v, hp, state.decayed)
+        elif cfg.master_weights == "bfloat16":
+            adamw_stochastic(names, master, by_name, m, v, hp, state.decayed)
         else:
             adamw(names, master, by_name, m, v, hp, state.decayed)
 

@@ -41,11 +41,13 @@ class OptimizerWorker:
         lookahead: int = 2,
         max_pending: int = 2,
         inline: bool = False,
+        threads: Callable[[], int] | None = None,
     ) -> None:
         """``run_unit((state, j), coef)`` updates weight chunk ``j`` of group state ``state``; the seconds it
         takes are added to ``times["optimizer_busy"]``. ``inline``: no thread, each unit runs as it is
         submitted, on the caller's thread (over a ledger store, whose calls one thread makes in turn: the
-        worker keeping up with backward)."""
+        worker keeping up with backward). ``threads()``: the torch threads of the unit about to start (set
+        on the worker's own thread: torch's setting is the calling thread's); None: as the thread starts."""
         self._store = store
         self._run_unit = run_unit
         self._times = times
@@ -57,6 +59,7 @@ class OptimizerWorker:
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._inline = inline
+        self._threads = threads
         self._position = 0  # in the plan: the unit running, or the last one run
         self._thread = threading.Thread(target=self._run, name="tiertune-optimizer", daemon=True)
         if not inline:
@@ -118,6 +121,10 @@ class OptimizerWorker:
     def _unit(self, state: GroupState, j: int, coef: torch.Tensor | None) -> None:
         """Unit ``j`` of ``state``, after prefetching the states of the next units of the plan."""
         began = time.perf_counter()
+        if self._threads is not None and not self._inline:
+            n = self._threads()
+            if n != torch.get_num_threads():
+                torch.set_num_threads(n)
         while self._position < len(self._plan) and self._plan[self._position] != (state, j):
             self._position += 1
         ahead = self._plan[self._position + 1 : self._position + 1 + self._lookahead]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+import zlib
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +96,32 @@ def adamw(
             amsgrad=False,
             maximize=False,
         )
+
+
+def adamw_stochastic(
+    names: list[str], weights: dict, grads: dict, m: dict, v: dict, hp: AdamStep, decayed: Container[str]
+) -> None:
+    """AdamW on bf16 ``weights`` that are their own master copy: each tensor's update computed in fp32 by
+    ``adamw`` (moments fp32) and rounded stochastically into it (``stochastic_round_``), so the expected
+    weight is the fp32 update's and updates smaller than half a bf16 step are not lost. The random bits
+    are a function of the tensor's name and the step alone: a run (and a resumed run) repeats them."""
+    if not names:
+        return
+    wide = {n: weights[n].float() for n in names}
+    adamw(names, wide, grads, m, v, hp, decayed)
+    for n in names:
+        seed = zlib.crc32(f"{n}:{hp.step}".encode())
+        stochastic_round_(weights[n], wide[n], torch.Generator().manual_seed(seed))
+
+
+def stochastic_round_(into: torch.Tensor, value: torch.Tensor, generator: torch.Generator) -> None:
+    """``into`` (bf16) = fp32 ``value`` rounded to one of its two nearest bf16 neighbours, the upper with
+    probability equal to the distance from the lower over their gap (unbiased): a uniform 16-bit integer added
+    to the value's low 16 bits, which are then cut. ``value`` is used as scratch."""
+    bits = value.view(torch.int32)
+    noise = torch.randint(0, 1 << 16, value.shape, dtype=torch.int32, generator=generator)
+    bits.add_(noise).bitwise_and_(-(1 << 16))
+    into.copy_(value)  # exact: what is left is a bf16 value
 
 
 def adamw_redo(
