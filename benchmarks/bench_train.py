@@ -25,11 +25,12 @@ A GPU computes while the CPU runs the optimizer. On a CPU-only machine both comp
 so ``--threads 1`` (the default) gives each thread one core (torch's intra-op pool is one thread), which
 emulates that split on a 2-core machine; every mode runs under the same setting.
 
-``--fast-compute F,B`` stands in for a GPU on a CPU machine: each decoder layer's forward takes F ms and its
-recompute and backward B ms of sleep (the compute thread holds no core and no lock meanwhile, as while a GPU
-computes), its gradients zeros of the weights' shapes that land on the host as a GPU's copies would; the
-embeddings, head, loss, gradient hand-off and optimizer run as they do. ``compute_s`` then includes the sleeps.
-This is the regime of a fast backward, where the CPU optimizer is the long pole.
+``--fast-compute F,B`` stands in for a GPU on a CPU machine (``FakeDevice``): each decoder layer's forward
+launches F ms and its recompute and backward B ms of sleep on a thread of its own and returns at once, as
+kernels on a CUDA stream (no core held meanwhile), its gradients zeros of the weights' shapes; handing a
+layer's gradients to the host and the loss wait for the device first, as a GPU's blocking copy and the loss's
+read do. The embeddings, head, loss, hand-off and optimizer run as they do. ``compute_s`` includes those waits;
+``device_busy_s`` is what the stand-in ran. This is the regime of a fast backward.
 
 ``--device cuda`` computes on the GPU (``--dtype bfloat16`` there; ``--gpu-memory-cap`` limits what each
 process may allocate, to emulate a smaller card; ``peak_gpu_bytes`` is what it allocated at most).
@@ -64,8 +65,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.fast_compute:
-        fast_compute(*args.fast_compute)
+    fake = fast_compute(*args.fast_compute) if args.fast_compute else None
     cuda = args.device == "cuda"
     if cuda and args.gpu_memory_cap:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -114,6 +114,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         )
     engine.dtype = getattr(torch, args.dtype)
     engine.redo = args.redo
+    engine.handoff_lag = args.handoff_lag
     engine.learning_rate = 1e-5
     engine.max_grad_norm = args.max_grad_norm
     # the runtime before any model state exists: interpreter, torch, transformers, and what they load on first
@@ -169,6 +170,8 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         "optimizer_busy_s": busy,
         "optimizer_hidden_share": max(0.0, 1.0 - waited / busy) if busy else 0.0,
         "losses": losses,
+        # --fast-compute: the stand-in GPU's busy seconds a step (its launches since the first step)
+        "device_busy_s": fake.busy / (args.steps - 1) if fake is not None else None,
         "peak_bytes": {k: v.peak for k, v in stats.tiers.items()},
         "bytes_moved_per_step": moved_per_step(reports),
         "peak_rss_bytes": peak_rss(),
@@ -189,22 +192,97 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
     }
 
 
-def fast_compute(forward_ms: float, backward_ms: float) -> None:
-    """Each decoder layer's forward ``forward_ms`` of sleep (its output its input), its recompute and backward
-    ``backward_ms`` (the gradients zeros): a device that computes while the CPU's cores are free."""
+class FakeDevice:
+    """A GPU stand-in on the CPU: work "launched" on it (``launch(seconds)``) runs in order on a thread of its
+    own, as kernels on a CUDA stream, while the thread that launched it goes on; ``wait(mark)`` waits for
+    what was launched before ``mark`` (as a copy on a stream that waits for an event does), ``wait()`` for
+    all of it (as ``.item()`` does). ``busy`` sums the seconds it ran."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._cond = threading.Condition()
+        self._queue: list[float] = []
+        self._launched = self._done = 0
+        self.busy = 0.0
+        threading.Thread(target=self._run, name="fake-device", daemon=True).start()
+
+    def launch(self, seconds: float) -> None:
+        with self._cond:
+            self._queue.append(seconds)
+            self._launched += 1
+            self._cond.notify_all()
+
+    def mark(self) -> int:
+        """The point the launched work has reached (``Compute.mark``'s stand-in for a CUDA event)."""
+        return self._launched
+
+    def wait(self, mark: int | None = None) -> None:
+        """Until the work launched before ``mark`` (None: all of it) is done."""
+        with self._cond:
+            target = self._launched if mark is None else mark
+            while self._done < target:
+                self._cond.wait()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                seconds = self._queue[0]
+            time.sleep(seconds)  # the "kernels": no core, no lock held
+            with self._cond:
+                self._queue.pop(0)
+                self._done += 1
+                self.busy += seconds
+                self._cond.notify_all()
+
+
+def fast_compute(forward_ms: float, backward_ms: float) -> FakeDevice:
+    """Each decoder layer's forward launches ``forward_ms`` and its recompute and backward ``backward_ms`` on a
+    ``FakeDevice`` and returns at once (the output its input, the gradients zeros made once); a layer's gradient hand-off
+    waits for the device's work up to its mark (``Compute.mark``/``after``, as a copy on a stream of its own
+    waits for an event), the loss for all of it."""
+    from contextlib import contextmanager
+
     from tiertune.engine.compute import Compute
 
+    device = FakeDevice()
+
     def layer(self, layer, hidden, call):
-        time.sleep(forward_ms / 1e3)
+        device.launch(forward_ms / 1e3)
         return hidden.clone()
 
+    zeros: dict = {}  # a device makes its gradients itself: the same zeros each time, no CPU time
+
     def layer_backward(self, layer, hidden, call, holder, inputs, more=None):
-        time.sleep(backward_ms / 1e3)
+        device.launch(backward_ms / 1e3)
         holder.clear()
-        return [torch.zeros_like(t) for t in inputs]
+        out = []
+        for t in inputs:
+            key = (t.shape, t.dtype)
+            if key not in zeros:
+                zeros[key] = torch.zeros_like(t)
+            out.append(zeros[key])
+        return out
+
+    @contextmanager
+    def after(self, mark):
+        device.wait(mark)
+        yield
+
+    loss = Compute.loss
+
+    def waiting_loss(self, *args, **kwargs):
+        device.wait()
+        return loss(self, *args, **kwargs)
 
     Compute.layer = layer  # type: ignore[method-assign]
     Compute.layer_backward = layer_backward  # type: ignore[method-assign]
+    Compute.mark = lambda self, _device: device.mark()  # type: ignore[method-assign]
+    Compute.after = after  # type: ignore[method-assign]
+    Compute.loss = waiting_loss  # type: ignore[method-assign]
+    return device
 
 
 def current_rss() -> int:
@@ -240,6 +318,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fast-compute",
         default="",
         help="F,B: each layer's forward F ms and backward B ms of sleep, standing in for a GPU (the docstring)",
+    )
+    p.add_argument(
+        "--handoff-lag",
+        type=int,
+        default=None,
+        choices=(0, 1),
+        help="EngineConfig.handoff_lag (default: the engine's, 1 on a GPU, else 0)",
     )
     p.add_argument("--galore-rank", type=int, default=128)
     p.add_argument("--galore-svd", default="exact", choices=("exact", "randomized"))
@@ -296,6 +381,7 @@ def main() -> None:
     result["settings"] = {
         "threads": args.threads,
         "fast_compute_ms": list(args.fast_compute),
+        "handoff_lag": args.handoff_lag,
         "max_grad_norm": args.max_grad_norm,
         "galore_rank": args.galore_rank,
     }

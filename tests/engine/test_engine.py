@@ -104,6 +104,25 @@ def test_optimizer_overlap_modes_are_exact(
     assert twins == (overlap == "on" and max_grad_norm > 0)
 
 
+@pytest.mark.parametrize("max_grad_norm", [2.9, 0.0])
+def test_a_hand_off_after_the_next_layer_s_backward_is_exact(tiny_model_dir, disk_dir, max_grad_norm):
+    """``handoff_lag: 1`` (a GPU's default): each layer's gradients handed on after the next layer's backward,
+    speculative steps confirmed and redone, or in place: the plain loop's losses and weights, as at 0."""
+    path, initial = tiny_model_dir("llama")
+    trainer = _check_parity(
+        path,
+        initial,
+        disk_dir,
+        "host",
+        "1MiB",
+        overlap_optimizer="on",
+        max_grad_norm=max_grad_norm,
+        handoff_lag=1,
+    )
+    assert trainer.handoff_lag == 1
+    assert trainer.optimizer_counts["speculative"] >= 5
+
+
 @pytest.mark.parametrize("coef", [0.3, 0.97])
 def test_a_redo_from_the_twins_is_clip_then_step_without_the_gradients(coef):
     """``adamw_redo``: from the speculation's twins (made with coefficient 1) and the moments before the step,

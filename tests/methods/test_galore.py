@@ -336,8 +336,8 @@ def test_layerwise_update_never_holds_every_layers_gradients(tiny_model_dir, dis
     held = []
     add_grads = trainer.add_grads
 
-    def counting(state, layer_grads):
-        add_grads(state, layer_grads)
+    def counting(state, layer_grads, ready=None):
+        add_grads(state, layer_grads, ready)
         held.append(sum(1 for c in grads if c.valid))
 
     trainer.add_grads = counting

@@ -182,6 +182,8 @@ def plan(
         galore=recipe.method.galore,
         objective=recipe.objective,
     )
+    # resolved for the device planned for (the estimate's, on a machine without that GPU, too)
+    engine.handoff_lag = engine.lag(torch.device(device))
     return store, engine
 
 

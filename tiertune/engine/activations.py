@@ -240,7 +240,14 @@ def outside_bytes(
     out["boundary gradients of a wave"] = act * wave  # backward carries each micro-batch's at a boundary
     if trained:
         largest = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
-        out["a layer's gradient, summed over a wave (fp32)"] = largest * 4
+        # and the one before it, while its hand-off overlaps this one's backward (``handoff_lag``)
+        lag = cfg.lag(torch.device("cuda" if on_gpu else "cpu"))
+        key = (
+            "a layer's gradient, summed over a wave (fp32)"
+            if not lag
+            else "two layers' gradients, summed over a wave (fp32; one in its hand-off)"
+        )
+        out[key] = largest * 4 * (1 + lag)
     if cfg.kernels != "none" and model.config.get_text_config(decoder=True).model_type in FUSED_LOSS:
         # the loss fused with the head: its chunk of fp32 logits and what goes with it (the op's own figure),
         # and the head's fp32 gradient when the head is trained. On a GPU in bf16/fp16 the op's products run on

@@ -18,6 +18,7 @@ through ``Compute``. There are two substrates:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -57,6 +58,29 @@ class Compute:
     def value(self, t: torch.Tensor) -> float:
         """A scalar read into Python (a loss, a metric)."""
         return float(t)
+
+    def mark(self, device: torch.device) -> Any:
+        """The point the work launched on ``device`` so far has reached (a CUDA event recorded on the current
+        stream; None on a CPU, whose work is done when its call returns), for ``after``."""
+        if device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def after(self, mark: Any) -> AbstractContextManager[None]:
+        """A block whose device work runs once the work before ``mark`` is done and not behind what was
+        launched since (on CUDA: on a stream of its own that waits for the event; a copy to the host there
+        returns when the copy is done, without waiting for the compute stream's later kernels)."""
+        if mark is None:
+            return nullcontext()
+        side: dict[int, torch.cuda.Stream] = self.__dict__.setdefault("_side", {})
+        device = torch.cuda.current_device()
+        if device not in side:
+            side[device] = torch.cuda.Stream()
+        stream = side[device]
+        stream.wait_event(mark)
+        return torch.cuda.stream(stream)
 
     def norm(self, t: torch.Tensor, step: int) -> torch.Tensor:
         """``t``'s L2 norm as ``clip_grad_norm_`` takes it (an fp32 scalar tensor); ``step``: the step it is

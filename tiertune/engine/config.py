@@ -49,6 +49,12 @@ class EngineConfig:
     # fp32 and rounded stochastically into them (``methods.optim.adamw_stochastic``: an unbiased rounding, so
     # updates below half a bf16 step still move the weights on average); needs dtype bfloat16
     master_weights: str = "float32"
+    # backward hands a layer's gradients to the host after launching the next layer's backward (1) or right
+    # after its own (0): on a GPU the copy then runs on a stream of its own and the host's part of the hand-off
+    # (the copy's wait, the norms, the optimizer's unit) overlaps the next layer's backward, for one more
+    # layer's fp32 gradient on the device. None: 1 computing on a CUDA device with weights and optimizer states
+    # off the disk, else 0 (a CPU gains nothing; a step bound by the disk gains nothing worth that memory)
+    handoff_lag: int | None = None
     activations: str = "device"  # where the hidden states at the layer boundaries wait: device or host
     activation_tokens: int = 0  # batch x sequence length of the largest micro-batch (needed for host)
     # micro-batches run through each layer while it is loaded (a wave, ``engine.schedule``): 0, a whole
@@ -107,6 +113,8 @@ class EngineConfig:
             self.overlap_optimizer = "on" if self.overlap_optimizer else "off"
         if self.redo not in ("twins", "gradients"):
             raise ValueError(f"EngineConfig.redo is 'twins' or 'gradients', got {self.redo!r}")
+        if self.handoff_lag not in (None, 0, 1):
+            raise ValueError(f"EngineConfig.handoff_lag is None, 0 or 1, got {self.handoff_lag!r}")
         if self.master_weights not in ("float32", "bfloat16"):
             raise ValueError(
                 f"EngineConfig.master_weights is 'float32' or 'bfloat16', got {self.master_weights!r}"
@@ -115,6 +123,12 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.master_weights bfloat16 needs dtype bfloat16, got {self.dtype}")
         if self.master_weights == "bfloat16" and (self.method != "full" or self.optim != "adamw_torch"):
             raise ValueError("EngineConfig.master_weights bfloat16 is for method full with optim adamw_torch")
+
+    def lag(self, device: torch.device) -> int:
+        """``handoff_lag`` resolved for a run computing on ``device``."""
+        if self.handoff_lag is not None:
+            return self.handoff_lag
+        return int(device.type == "cuda" and "disk" not in (self.params, self.optimizer_states))
 
     @property
     def fp32_master(self) -> bool:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Container
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,16 +50,30 @@ class GradientSink:
         self.compute = compute  # the substrate (``engine.compute``): the sums, norms and projections
         self.bytes = 0
 
-    def add(self, state: GroupState, grads: dict[str, torch.Tensor | None]) -> None:
+    def add(self, state: GroupState, grads: dict[str, torch.Tensor | None], ready: Any = None) -> None:
         """Add a wave's gradients into the group's fp32 accumulators (the first wave of a step overwrites
         them); on the last wave note each accumulator's norm, as clip_grad_norm_
         computes it, and hand the group to the optimizer when it runs during backward. GaLore's projected
-        weights go through ``_project`` instead."""
+        weights go through ``_project`` instead. ``ready`` (``Compute.mark``): the device work the gradients
+        need done; the hand-off's own runs after it, not behind what was launched since (``Compute.after``)."""
         projected = self.galore.targets if self.galore is not None else ()
         if self.ctx.first_wave and self.ctx.last_wave and self.ctx.speculating and not state.twins:
-            # updated in place, gradients dropped once used: the previous groups' are freed before this one's
-            # are made, so the host holds one group's gradients at a time (a peak the layout predicts exactly)
-            self.times["optimizer"] += self.updater.worker.drain()
+            # updated in place, gradients dropped once used: all but the unit running are done before this
+            # group's gradients are made, so the host holds at most two groups' (one when the optimizer keeps
+            # up, as the ledger's inline units do), and the worker runs the last group's unit while this one's
+            # are copied (a drain to none left it idle during every copy: on a GPU, where backward is fast,
+            # the optimizer and the copies then took turns)
+            self.times["optimizer"] += self.updater.worker.drain(2)
+        with self.compute.after(ready):
+            self._add(state, grads, projected)
+        # waiting for the optimizer here is time it is not hidden
+        if self.ctx.last_wave and self.ctx.speculating:
+            self.times["optimizer"] += self.updater.worker.submit(state, None)
+
+    def _add(
+        self, state: GroupState, grads: dict[str, torch.Tensor | None], projected: Container[str]
+    ) -> None:
+        """``add``'s sums, norms and projections, chunk by chunk."""
         for j, chunk in enumerate(state.grads):
             # ZeRO-3: the sum over the ranks of the elements this rank owns (a collective: before any wait here)
             mine = self.sharding.reduce(state.weights[j], grads)
@@ -78,9 +92,6 @@ class GradientSink:
                     self._project(state, j, low, grads)
             finally:
                 self.store.release(chunk, dirty=True)
-        # waiting for the optimizer here is time it is not hidden
-        if self.ctx.last_wave and self.ctx.speculating:
-            self.times["optimizer"] += self.updater.worker.submit(state, None)
 
     def _accumulate(self, acc: torch.Tensor, g: torch.Tensor | None) -> None:
         """Add a wave's gradient ``g`` (None: the tensor had none) into its fp32 host accumulator, which the

@@ -286,9 +286,13 @@ class LayerMajor(PairedPasses):
         )
 
     def _backward(self, micro: list[Micro], prefix_trained: bool) -> None:
-        """Layers L-1..0, each visited once: recomputed and back-propagated for every micro-batch."""
+        """Layers L-1..0, each visited once: recomputed and back-propagated for every micro-batch. A layer's
+        summed gradients are handed to the engine after the next layer's backward is launched when
+        ``handoff_lag`` says so (on a GPU the hand-off then overlaps that backward), else right away."""
         engine = self.engine
         shapes = [mb.shape for mb in micro]
+        lag = engine.handoff_lag
+        pending: list[tuple[int, dict[str, torch.Tensor | None], object]] = []
         for i in reversed(range(len(self.layers))):
             if engine.safe_point is not None:
                 engine.safe_point()
@@ -334,7 +338,12 @@ class LayerMajor(PairedPasses):
                     del x, grads
             self.stash.close(i, keep=False)
             if trainable:
-                engine.layer_grads(i, {n: summed.get(n) for n in trained})
+                pending.append((i, {n: summed.get(n) for n in trained}, engine.compute.mark(engine.device)))
+            while len(pending) > lag:
+                engine.layer_grads(*pending.pop(0))
+            del summed
+        for held in pending:
+            engine.layer_grads(*held)
 
     def _prefix_backward(self, micro: list[Micro], bound: dict, summed: dict) -> None:
         """The embeddings of each micro-batch recomputed and back-propagated from boundary 0's gradient."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -58,8 +58,9 @@ class LayerEngine(Protocol):
         """The trained adapter tensors (LoRA) inside layer ``index``."""
         ...
 
-    def layer_grads(self, index: int, grads: dict[str, torch.Tensor | None]) -> None:
-        """Layer ``index``'s weight gradients of a wave of micro-batches, summed (its backward is done)."""
+    def layer_grads(self, index: int, grads: dict[str, torch.Tensor | None], ready: Any = None) -> None:
+        """Layer ``index``'s weight gradients of a wave of micro-batches, summed (its backward launched;
+        ``ready``: ``Compute.mark`` after it, what the hand-off waits for)."""
         ...
 
 
@@ -77,6 +78,7 @@ class StepEngine(LayerEngine, Protocol):
     parts: ModelParts
     states: list[GroupState]
     adapters: Adapters | None
+    handoff_lag: int  # ``EngineConfig.handoff_lag`` resolved for the device the run computes on
 
     def bound_group(
         self, state: GroupState, requires_grad: bool

@@ -14,6 +14,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -93,6 +94,8 @@ class StreamedTrainer(TrainerViews):
         # where its tensors are; ``store.device`` is what the run computes on (on a ledger: the one estimated)
         self.device = torch.device("meta") if ledger else self.store.device
         target = self.store.device
+        # a layer's gradients handed on after the next layer's backward is launched (1) or at once (0)
+        self.handoff_lag = config.lag(target)
         self.times: defaultdict[str, float] = defaultdict(float)  # seconds per step part, cumulative
         loaded = load_model(model_dir, self.store, config, self.world, self.times, safe_point)
         self.model, self.parts, self.quant = loaded.model, loaded.parts, loaded.quant
@@ -272,8 +275,8 @@ class StreamedTrainer(TrainerViews):
     def layer_adapters(self, index: int) -> list[torch.Tensor]:
         return self._layer_adapters[index]
 
-    def layer_grads(self, index: int, grads: dict[str, torch.Tensor | None]) -> None:
-        self.add_grads(self.layer_state(index), grads)
+    def layer_grads(self, index: int, grads: dict[str, torch.Tensor | None], ready: Any = None) -> None:
+        self.add_grads(self.layer_state(index), grads, ready)
 
     # ------------------------------------------------------------------ binding
 
@@ -294,9 +297,10 @@ class StreamedTrainer(TrainerViews):
 
     # ------------------------------------------------------------------ gradients
 
-    def add_grads(self, state: GroupState, grads: dict[str, torch.Tensor | None]) -> None:
-        """A micro-batch's weight gradients of ``state``'s group, finished (``GradientSink.add``)."""
-        self.gradients.add(state, grads)
+    def add_grads(self, state: GroupState, grads: dict[str, torch.Tensor | None], ready: Any = None) -> None:
+        """A micro-batch's weight gradients of ``state``'s group, finished (``GradientSink.add``; ``ready``:
+        the ``Compute.mark`` they wait for)."""
+        self.gradients.add(state, grads, ready)
 
     def backward_done(self) -> None:
         """The wave's backward is done; on the step's last, the optimizer's remaining units take every core."""

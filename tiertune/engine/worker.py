@@ -88,12 +88,13 @@ class OptimizerWorker:
             self._queue.put(("unit", (state, k, coef)))
         return waited
 
-    def drain(self) -> float:
-        """Wait until the submitted units are done (or the worker waits in the store on another thread,
-        perhaps for a chunk the caller holds); returns the seconds waited."""
+    def drain(self, limit: int = 1) -> float:
+        """Wait until fewer than ``limit`` submitted units are queued or running (1: all done), or the worker
+        waits in the store on another thread, perhaps for a chunk the caller holds; returns the seconds
+        waited."""
         began = time.perf_counter()
         with self._cond:
-            self._wait_below(1)
+            self._wait_below(limit)
         return time.perf_counter() - began
 
     def _wait_below(self, limit: int) -> None:
