@@ -70,3 +70,31 @@ def test_bench_train_modes_agree_and_stay_within_budgets_plus_a_fixed_overhead(t
         # buffers; nothing that grows with the number of layers
         overhead = mode["rss_over_budgets_bytes"] - mode["runtime_rss_bytes"]
         assert overhead <= 6 * mode["largest_group_fp32_bytes"] + (256 << 20), mode
+
+
+@pytest.mark.timeout(600)
+def test_the_stand_in_gpu_runs_each_layer_on_its_own_thread_and_the_hand_off_waits_for_it(tmp_path):
+    """``--fast-compute``: the device's seconds are the launched layers' (forward and backward of every layer,
+    every step after the first), at either hand-off lag, with the same losses (the layers pass their input on)."""
+    args = [
+        *("--layers", "3", "--hidden", "128", "--intermediate", "256", "--heads", "4", "--kv-heads", "4"),
+        *("--vocab", "500", "--seq", "16", "--steps", "3", "--modes", "host", "--max-grad-norm", "0"),
+        *("--device-budget", "32MiB", "--host-budget", "128MiB", "--fast-compute", "5,15"),
+    ]
+    results = []
+    for lag in ("0", "1"):
+        out = subprocess.run(
+            [sys.executable, str(BENCH), "--dir", str(tmp_path), *args, "--handoff-lag", lag],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    for result in results:
+        host = result["host"]
+        # 3 layers x (5 + 15) ms a step: sleeps the device thread ran (each at least as long as asked)
+        assert 0.060 <= host["device_busy_s"] < 0.2, host["device_busy_s"]
+        assert host["step_s"] >= 0.060  # the step waited for its device
+        assert host["optimizer_steps"]["speculative"] == 3
+    assert results[0]["host"]["losses"] == results[1]["host"]["losses"]
+    assert [r["settings"]["handoff_lag"] for r in results] == [0, 1]
