@@ -10,6 +10,7 @@ steps in two fresh processes, in the same invocation:
 - ``memory``: weights on the device tier and everything else on the host, budgets large enough for all;
 - ``host`` (when asked for): weights, optimizer states and gradients homed on the host, streamed to the
   device through ``--device-budget`` (a model whose states fit in memory but not on the GPU);
+- ``host-serial`` (when asked for): ``host`` with the optimizer after backward;
 - ``disk-galore`` (when asked for): ``disk`` with GaLore (rank ``--galore-rank``, SVD ``--galore-svd``:
   exact or randomized) instead of AdamW, whose optimizer-state bytes are compared with ``disk``'s
   (``galore_state_ratio``); ``first_step_svd_s`` is the first step's refresh of every projection (on the
@@ -89,7 +90,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         if mode == "disk-galore":
             engine.method = "galore"
             engine.galore = GaloreSettings(rank=args.galore_rank, svd=args.galore_svd)
-    elif mode == "host":
+    elif mode in ("host", "host-serial"):
         # the gradients homed on disk, as a recipe homes them when it has a disk_path: each takes host memory
         # from backward until its update has read it, and is never written to disk unless the host runs short
         store = StoreConfig.resolve(
@@ -100,7 +101,13 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
             chunk_size=1 << 40,
             prefetch_depth=2,
         )
-        engine = EngineConfig(params="host", optimizer_states="host", gradients="disk", max_steps=args.steps)
+        engine = EngineConfig(
+            params="host",
+            optimizer_states="host",
+            gradients="disk",
+            max_steps=args.steps,
+            overlap_optimizer=mode == "host",
+        )
     else:
         store = StoreConfig.resolve(
             device=args.device,

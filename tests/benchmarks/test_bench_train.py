@@ -98,3 +98,31 @@ def test_the_stand_in_gpu_runs_each_layer_on_its_own_thread_and_the_hand_off_wai
         assert host["optimizer_steps"]["speculative"] == 3
     assert results[0]["host"]["losses"] == results[1]["host"]["losses"]
     assert [r["settings"]["handoff_lag"] for r in results] == [0, 1]
+
+
+OVERLAP = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_overlap.py"
+CASES_RUN = ("--cases", "large_vocab_tied,gpu_like_lag1")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_overlap_benchmark_puts_each_case_beside_its_serial_run(tmp_path):
+    """``bench_overlap.py --quick``: each case's overlapped and serial runs in one JSON, the same losses, the
+    bound and the ratios computed from the kept fields (no timing is asserted: a busy machine moves them)."""
+    out = subprocess.run(
+        [sys.executable, str(OVERLAP), "--dir", str(tmp_path), "--quick", "--steps", "3", *CASES_RUN],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for name in ("large_vocab_tied", "gpu_like_lag1"):
+        case = result[name]
+        assert case["same_losses"], name
+        host, serial = case["overlapped"], case["serial"]
+        assert serial["optimizer_hidden_share"] == 0 and host["optimizer_busy_s"] > 0
+        bound = max(host["compute_s"] + host["io_wait_s"], host["optimizer_busy_s"])
+        if name.startswith("gpu_like"):
+            bound = max(host["device_busy_s"], host["optimizer_busy_s"])
+        assert case["bound_s"] == bound and case["step_over_bound"] == host["step_s"] / bound
+    assert result["gpu_like_lag1"]["overlapped"]["device_busy_s"] > 0
