@@ -123,6 +123,28 @@ def test_a_hand_off_after_the_next_layer_s_backward_is_exact(tiny_model_dir, dis
     assert trainer.optimizer_counts["speculative"] >= 5
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_the_late_hand_off_copies_on_its_own_stream_and_changes_nothing(tiny_model_dir, disk_dir):
+    """On CUDA a layer's gradients are copied on a stream of their own that waits for the layer's backward
+    (``Compute.after``) while the next layer's runs: the losses and weights are lag 0's, bit for bit."""
+    path, _ = tiny_model_dir("llama")
+    batches = _batches(211)
+    runs = {}
+    for lag in (0, 1):
+        store = StoreConfig.resolve(
+            device="cuda", device_budget="8MiB", host_budget="8MiB", disk_path=str(disk_dir / str(lag))
+        )
+        trainer = StreamedTrainer(str(path), store, _config(max_grad_norm=0.0, handoff_lag=lag))
+        try:
+            losses = [trainer.step(batches[s * ACCUM : (s + 1) * ACCUM]) for s in range(4)]
+            runs[lag] = (losses, trainer.state_dict())
+            assert trainer.handoff_lag == lag
+        finally:
+            trainer.close()
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][n], w) for n, w in runs[1][1].items())
+
+
 @pytest.mark.parametrize("coef", [0.3, 0.97])
 def test_a_redo_from_the_twins_is_clip_then_step_without_the_gradients(coef):
     """``adamw_redo``: from the speculation's twins (made with coefficient 1) and the moments before the step,

@@ -50,6 +50,9 @@ class Compute:
 
     ledger = False
 
+    def __init__(self) -> None:
+        self._side: dict[int, torch.cuda.Stream] = {}  # per CUDA device, the stream ``after`` runs blocks on
+
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
         """``fn(*args, **kwargs)``: arithmetic whose result the store's calls do not depend on (an optimizer
         update into chunks already acquired, weights read into a chunk being written)."""
@@ -74,11 +77,10 @@ class Compute:
         returns when the copy is done, without waiting for the compute stream's later kernels)."""
         if mark is None:
             return nullcontext()
-        side: dict[int, torch.cuda.Stream] = self.__dict__.setdefault("_side", {})
         device = torch.cuda.current_device()
-        if device not in side:
-            side[device] = torch.cuda.Stream()
-        stream = side[device]
+        if device not in self._side:
+            self._side[device] = torch.cuda.Stream()
+        stream = self._side[device]
         stream.wait_event(mark)
         return torch.cuda.stream(stream)
 
@@ -159,6 +161,7 @@ class Ledger(Compute):
     ledger = True
 
     def __init__(self, clipped: Sequence[bool], max_grad_norm: float) -> None:
+        super().__init__()
         self.clipped = tuple(clipped)
         self.max_grad_norm = max_grad_norm
 

@@ -53,6 +53,13 @@ from tiertune.offload.store import ChunkStore, StoreConfig
 log = logging.getLogger("tiertune.engine")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one, else the machine's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 class StreamedTrainer(TrainerViews):
     """Full fine-tuning with every state in a chunk store. ``step(micro_batches)`` runs one optimizer step.
 
@@ -185,7 +192,7 @@ class StreamedTrainer(TrainerViews):
                 self.sharding,
                 self.compute,
                 # once backward is done the compute thread only waits: the rank's share of the cores
-                tail_threads=self.world.threads(len(os.sched_getaffinity(0))),
+                tail_threads=self.world.threads(usable_cores()),
             )
             if self.adapters is None
             else AdapterUpdate(
