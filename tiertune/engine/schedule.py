@@ -152,7 +152,6 @@ class LayerMajor(PairedPasses):
             self._backward(micro, prefix_trained)
             if prefix_trained:
                 self._prefix_backward(micro, bound, summed)
-            engine.backward_done()
             for state in others:
                 if state not in done_early:
                     self._hand_on(state, holds[id(state)], bound, summed)

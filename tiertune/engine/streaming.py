@@ -90,11 +90,6 @@ class StepEngine(LayerEngine, Protocol):
         """A wave's summed weight gradients of ``state``'s group (one outside the decoder layers)."""
         ...
 
-    def backward_done(self) -> None:
-        """The wave's layers and embeddings are back-propagated: only handing on its groups' gradients is left
-        (on the step's last wave, the optimizer's remaining units may take the compute thread's cores)."""
-        ...
-
     def reference(self) -> AbstractContextManager[None]:
         """The model as a preference objective's reference for the block (the base, its adapters off)."""
         ...

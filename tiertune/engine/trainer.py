@@ -309,11 +309,6 @@ class StreamedTrainer(TrainerViews):
         the ``Compute.mark`` they wait for)."""
         self.gradients.add(state, grads, ready)
 
-    def backward_done(self) -> None:
-        """The wave's backward is done; on the step's last, the optimizer's remaining units take every core."""
-        if self.step_ctx.last_wave:
-            self.step_ctx.tail = True
-
     @property
     def fused_loss(self) -> bool:
         """Whether the loss runs fused with the head (``CausalLMLoss.fused``)."""

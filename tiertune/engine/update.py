@@ -50,8 +50,8 @@ class StepContext:
     last_wave: bool = False  # ... its last (gradients final: norms taken, units handed to the optimizer)
     traced: bool = True  # weight accesses enter the scheduler's trace (not during inference or DoRA init)
     number: int = 1  # the step being made, counted from 1 (AdamW's bias correction, GaLore's refreshes)
-    # the step's backward is done: the compute thread has only the last groups' hand-off and the wait for the
-    # optimizer left, so the optimizer's units from now on may use every core (``Updater``'s ``tail_threads``)
+    # the step's backward and hand-offs are done: the compute thread only waits for the optimizer, whose units
+    # from now on may use its cores too (``Updater``'s ``tail_threads``)
     tail: bool = False
 
 
@@ -145,7 +145,9 @@ class Updater:
         the gradient norm. A loss or norm that is not finite raises NonFiniteError, with the step not applied
         where it had not been yet (speculative or after backward: the states are those of the last step)."""
         cfg = self.config
-        self.ctx.tail = True  # (a schedule that did not say so: the compute thread only waits from here)
+        # the compute thread only waits from here: the units that start now take its cores too (not sooner:
+        # a unit on every core while the compute thread still hands gradients on oversubscribes the cores)
+        self.ctx.tail = True
         # exactly torch.nn.utils.clip_grad_norm_: fp32 per-tensor norms stacked in parameter order, the
         # coefficient an fp32 tensor clamped at 1 and multiplied into every gradient
         # (GaLore's projected weights have theirs on the compute device: one copy each, after backward)
