@@ -196,6 +196,11 @@ TIMED = {
     "full, 8-bit, waves of 3",
     "gemma, full, 8-bit, activations on the host, 4 MiB host budget",
 }
+# the optimizer updates in place during backward and may still run a layer's update while the next layer's
+# gradients are copied: the replay holds that unit back (two layers' gradients on the host, the worst case); a run
+# whose worker keeps up holds one less. Seen 2026-11-29 in the whole suite beside a fresh install: one layer's
+# gradient chunk above the replay of then, which held none back
+PACED = {"full, layerwise (no clipping, one micro-batch)"}
 # micro-batches per step: 1 and 8, but for the cases that are about one micro-batch; 4 and 16 for a few (under
 # a 4 MiB host budget the layer boundaries of 8 and 16 micro-batches do not fit: the step runs in waves)
 RUNS = [
@@ -282,6 +287,14 @@ def test_the_peaks_and_the_bytes_a_step_moves_are_a_runs(
             # the disk writer and a burned core, 4 KiB above. Never above the budget
             expected = predicted.tiers[tier]
             assert abs(peak - expected.peak) <= expected.largest_staged and peak <= expected.budget, (
+                tier,
+                peak,
+                predicted.tiers,
+            )
+            continue
+        if case in PACED and tier == "host":
+            expected = predicted.tiers[tier]
+            assert expected.peak - expected.largest_staged <= peak <= expected.peak, (
                 tier,
                 peak,
                 predicted.tiers,

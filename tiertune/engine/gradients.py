@@ -57,18 +57,19 @@ class GradientSink:
         weights go through ``_project`` instead. ``ready`` (``Compute.mark``): the device work the gradients
         need done; the hand-off's own runs after it, not behind what was launched since (``Compute.after``)."""
         projected = self.galore.targets if self.galore is not None else ()
-        if self.ctx.first_wave and self.ctx.last_wave and self.ctx.speculating and not state.twins:
+        in_place = self.ctx.first_wave and self.ctx.last_wave and self.ctx.speculating and not state.twins
+        if in_place:
             # updated in place, gradients dropped once used: all but the unit running are done before this
             # group's gradients are made, so the host holds at most two groups' (one when the optimizer keeps
-            # up, as the ledger's inline units do), and the worker runs the last group's unit while this one's
-            # are copied (a drain to none left it idle during every copy: on a GPU, where backward is fast,
-            # the optimizer and the copies then took turns)
+            # up; the ledger replays two: ``submit(behind=True)``), and the worker runs the last group's unit
+            # while this one's are copied (a drain to none left it idle during every copy: on a GPU, where
+            # backward is fast, the optimizer and the copies then took turns)
             self.times["optimizer"] += self.updater.worker.drain(2)
         with self.compute.after(ready):
             self._add(state, grads, projected)
         # waiting for the optimizer here is time it is not hidden
         if self.ctx.last_wave and self.ctx.speculating:
-            self.times["optimizer"] += self.updater.worker.submit(state, None)
+            self.times["optimizer"] += self.updater.worker.submit(state, None, behind=in_place)
 
     def _add(
         self, state: GroupState, grads: dict[str, torch.Tensor | None], projected: Container[str]

@@ -59,6 +59,7 @@ class OptimizerWorker:
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._inline = inline
+        self._held: list[tuple[GroupState, int, torch.Tensor | None]] = []  # inline: ``submit(behind=True)``
         self._threads = threads
         self._position = 0  # in the plan: the unit running, or the last one run
         self._thread = threading.Thread(target=self._run, name="tiertune-optimizer", daemon=True)
@@ -71,12 +72,22 @@ class OptimizerWorker:
             return
         self._queue.put(("plan", plan))
 
-    def submit(self, state: GroupState, coef: torch.Tensor | None, j: int | None = None) -> float:
-        """Queue the unit(s) of ``state`` (chunk ``j``, or all of its chunks); returns the seconds waited."""
+    def submit(
+        self, state: GroupState, coef: torch.Tensor | None, j: int | None = None, behind: bool = False
+    ) -> float:
+        """Queue the unit(s) of ``state`` (chunk ``j``, or all of its chunks); returns the seconds waited.
+        ``behind``: the caller drains to one unit left before its next hand-off (``drain(2)``), so that unit may
+        still run while the caller makes its next gradients; inline (a ledger), the last such unit runs at the
+        next submit or full drain, after what the caller does in between: the worst case, whose peak the
+        estimate then predicts (a worker that keeps up holds one group's gradients less)."""
         waited = 0.0
         for k in range(len(state.weights)) if j is None else (j,):
             if self._inline:
-                self._unit(state, k, coef)
+                self._run_held()
+                if behind:
+                    self._held.append((state, k, coef))
+                else:
+                    self._unit(state, k, coef)
                 continue
             began = time.perf_counter()
             with self._cond:
@@ -93,6 +104,8 @@ class OptimizerWorker:
         waits in the store on another thread, perhaps for a chunk the caller holds; returns the seconds
         waited."""
         began = time.perf_counter()
+        if self._inline and limit <= 1:
+            self._run_held()
         with self._cond:
             self._wait_below(limit)
         return time.perf_counter() - began
@@ -106,12 +119,18 @@ class OptimizerWorker:
             self._cond.wait(timeout=0.05)
 
     def join(self) -> None:
+        self._run_held()
         with self._cond:
             while self._pending and self._error is None:
                 self._cond.wait()
             error, self._error = self._error, None
         if error is not None:
             raise error
+
+    def _run_held(self) -> None:
+        """Inline: the unit held back by ``submit(behind=True)``, if any."""
+        while self._held:
+            self._unit(*self._held.pop(0))
 
     def close(self) -> None:
         if self._inline:
