@@ -3,12 +3,15 @@
 Runs ``bench_train.py`` (each mode in a fresh process) on these cases, each with the optimizer after backward
 (``host-serial``) beside the overlapped run (``host``: weights, states and gradients homed on the host):
 
-- ``updates_longer``: few tokens through wide layers, so a layer's update takes longer than its backward;
+- ``few_tokens``: 8 tokens through 8 wide layers (on a CPU the compute thread's own work a parameter, weights into
+  the device tier and gradients into their host accumulators, still outweighs AdamW's: the regime where a
+  layer's update takes longer than its backward needs a GPU, or ``gpu_like_updates_longer``);
 - ``large_vocab_tied``: 2 layers and a 64,000-token tied embedding at 8 tokens, whose update lands last;
 - ``large_vocab_untied``: the same with a head of its own;
 - ``compute_longer``: many tokens, so backward takes longer than the updates;
 - ``gpu_like``: a stand-in GPU (``bench_train.py --fast-compute``: each layer's work launched on a thread of its
-  own), at ``--handoff-lag`` 0 and 1.
+  own), 8 / 24 ms a layer, at ``--handoff-lag`` 0 and 1; ``gpu_like_updates_longer``: 3 / 9 ms a layer, a
+  backward faster than the layers' updates.
 
 Per case: ``step_s``, ``compute_s``, ``io_wait_s``, ``optimizer_busy_s``, ``optimizer_hidden_share`` (kept from
 ``bench_train``), ``bound_s`` = max(compute + I/O wait, optimizer busy) (for ``gpu_like``: max(the device's
@@ -33,7 +36,7 @@ BENCH = Path(__file__).resolve().parent / "bench_train.py"
 
 SHAPE = ("--heads", "16", "--kv-heads", "16", "--intermediate", "2752", "--hidden", "1024")
 CASES: dict[str, tuple[str, ...]] = {
-    "updates_longer": (*SHAPE, "--layers", "8", "--vocab", "8000", "--seq", "8", "--host-budget", "6GiB"),
+    "few_tokens": (*SHAPE, "--layers", "8", "--vocab", "8000", "--seq", "8", "--host-budget", "6GiB"),
     "large_vocab_tied": (*SHAPE, "--layers", "2", "--vocab", "64000", "--seq", "8", "--host-budget", "6GiB"),
     "large_vocab_untied": (
         *SHAPE,
@@ -49,6 +52,11 @@ CASES: dict[str, tuple[str, ...]] = {
         *SHAPE,
         *("--layers", "12", "--vocab", "8000", "--seq", "8", "--host-budget", "6GiB", "--dtype", "bfloat16"),
         *("--fast-compute", "8,24", "--max-grad-norm", "0", "--handoff-lag", "1"),
+    ),
+    "gpu_like_updates_longer": (
+        *SHAPE,
+        *("--layers", "12", "--vocab", "8000", "--seq", "8", "--host-budget", "6GiB", "--dtype", "bfloat16"),
+        *("--fast-compute", "3,9", "--max-grad-norm", "0", "--handoff-lag", "1"),
     ),
 }
 QUICK = {  # the same regimes on shapes a test runs in seconds
