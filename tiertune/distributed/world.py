@@ -74,6 +74,13 @@ class World:
         return torch.device("cpu")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one, else the machine's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def collective_timeout() -> datetime.timedelta:
     """How long a collective waits for the other ranks (``TIERTUNE_COLLECTIVE_TIMEOUT`` seconds, default 600)."""
     value = os.environ.get("TIERTUNE_COLLECTIVE_TIMEOUT", "")

@@ -337,7 +337,9 @@ class LayerMajor(PairedPasses):
                     del x, grads
             self.stash.close(i, keep=False)
             if trainable:
-                pending.append((i, {n: summed.get(n) for n in trained}, engine.compute.mark(engine.device)))
+                # handed on later: the point its copy waits for (handed on now, the copy follows on the stream)
+                ready = engine.compute.mark(engine.device) if lag else None
+                pending.append((i, {n: summed.get(n) for n in trained}, ready))
             while len(pending) > lag:
                 engine.layer_grads(*pending.pop(0))
             del summed

@@ -8,7 +8,6 @@ and wires them; ``step`` shows a step from the loop's side.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tiertune.distributed.world import World
+from tiertune.distributed.world import World, usable_cores
 from tiertune.engine.binding import Binder
 from tiertune.engine.compute import Compute, Ledger
 from tiertune.engine.config import EngineConfig
@@ -51,13 +50,6 @@ from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore, StoreConfig
 
 log = logging.getLogger("tiertune.engine")
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity where the OS has one, else the machine's)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 class StreamedTrainer(TrainerViews):
