@@ -260,6 +260,14 @@ def estimate(
     per_node: Annotated[
         int | None, typer.Option("--per-node", help="Ranks on each node (default: all of --processes).")
     ] = None,
+    layer_ms: Annotated[
+        str | None,
+        typer.Option(
+            "--layer-ms",
+            help="F,B: a decoder layer's forward and backward milliseconds a micro-batch as given (a GPU's, "
+            "measured elsewhere) instead of measured here; the rest of the step is measured on this machine.",
+        ),
+    ] = None,
     longest: Annotated[
         bool,
         typer.Option(
@@ -287,7 +295,14 @@ def estimate(
     with _user_errors():
         _imports_settled()
         resolved = load_recipe(recipe, tuple(overrides or ()))
-        est = predict(resolved, measure=not no_probe, gpu=gpu, processes=processes, per_node=per_node)
+        est = predict(
+            resolved,
+            measure=not no_probe,
+            gpu=gpu,
+            processes=processes,
+            per_node=per_node,
+            layer_seconds=_layer_seconds(layer_ms),
+        )
         found = None
         if longest:
             from tiertune.estimates.longest import longest_sequence
@@ -308,6 +323,21 @@ def estimate(
             )
     if not est.fits:
         raise typer.Exit(1)
+
+
+def _layer_seconds(given: str | None) -> tuple[float, float] | None:
+    """``--layer-ms F,B`` as (forward, backward) seconds; a ConfigError that says the form otherwise."""
+    from tiertune.errors import ConfigError
+
+    if given is None:
+        return None
+    try:
+        forward, backward = (float(x) / 1e3 for x in given.split(","))
+    except ValueError:
+        raise ConfigError(f"--layer-ms takes F,B (milliseconds, e.g. 3,9), got {given!r}") from None
+    if min(forward, backward) < 0:
+        raise ConfigError(f"--layer-ms takes milliseconds >= 0, got {given!r}")
+    return forward, backward
 
 
 _Overwrite = Annotated[

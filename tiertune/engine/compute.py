@@ -29,6 +29,7 @@ from tiertune.structure import text_decoder
 
 if TYPE_CHECKING:
     from tiertune.engine.loss import CausalLMLoss
+    from tiertune.engine.trace import Trace
     from tiertune.settings import ObjectiveSettings
 
 T = TypeVar("T")
@@ -49,9 +50,16 @@ class Compute:
     """The real substrate: every call computes (see the module docstring)."""
 
     ledger = False
+    # a ledger's record of the step (``engine.trace``), for the estimate's timeline
+    trace: Trace | None = None
 
     def __init__(self) -> None:
         self._side: dict[int, torch.cuda.Stream] = {}  # per CUDA device, the stream ``after`` runs blocks on
+
+    def note(self, *op: object) -> None:
+        """Record ``op`` in the trace, if one is kept (``engine.trace``; a real run keeps none)."""
+        if self.trace is not None:
+            self.trace.op(*op)
 
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
         """``fn(*args, **kwargs)``: arithmetic whose result the store's calls do not depend on (an optimizer
@@ -166,6 +174,8 @@ class Ledger(Compute):
         self.max_grad_norm = max_grad_norm
 
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+        if self.trace is not None:
+            self.trace.op("run", *_sized(fn, args))
         return None
 
     def value(self, t: torch.Tensor) -> float:
@@ -173,6 +183,7 @@ class Ledger(Compute):
 
     def norm(self, t: torch.Tensor, step: int) -> torch.Tensor:
         # each tensor's norm above the clipping norm on a clipped step (so is the total), else zero
+        self.note("run", "read", t.numel(), t.numel() * t.element_size())
         clipped = step <= len(self.clipped) and self.clipped[step - 1]
         return torch.tensor(2.0 * self.max_grad_norm if clipped else 0.0)
 
@@ -182,12 +193,13 @@ class Ledger(Compute):
         # what the model's decoder hands its layers: the embeddings' output (through the bound embedding, so
         # its gradient reaches it when it is trained), then each layer called in turn
         hidden = model.get_input_embeddings()(ids)
-        for layer in layers:
+        for layer in layers:  # the visit captures each call (no compute: not traced)
             hidden = layer(hidden)
 
     def layer(self, layer: nn.Module, hidden: torch.Tensor, call: Call) -> torch.Tensor:
         # its input's shape (a new empty tensor: arithmetic on the meta device, and empty_like, run torch's
         # Python reference kernels, which were the replay's largest cost), and a gradient path to it when autograd records
+        self.note("layer", hidden.shape[:-1].numel(), "forward")
         if not torch.is_grad_enabled():
             return hidden.new_empty(hidden.shape)
         return (
@@ -206,6 +218,7 @@ class Ledger(Compute):
         more: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]] | None = None,
     ) -> list[torch.Tensor | None]:
         # the layer is its input's shape: its input's gradient is its output's, the weights' none
+        self.note("layer", hidden.shape[:-1].numel(), "backward")
         grad = holder.pop()
         return [grad if k == 0 and t is hidden else None for k, t in enumerate(inputs)]
 
@@ -218,17 +231,49 @@ class Ledger(Compute):
         target: torch.Tensor,
         token_weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        self.note("head", last.shape[:-1].numel(), "loss")
         return last.sum() * 0.0
 
     def token_losses(
         self, loss: CausalLMLoss, last: torch.Tensor, ids: torch.Tensor, extra: dict, target: torch.Tensor
     ) -> torch.Tensor:
+        self.note("head", last.shape[:-1].numel(), "logps")
         return torch.zeros(target.shape, device=target.device)
 
     def pair_losses(
         self, settings: ObjectiveSettings, token_losses: torch.Tensor, *args: Any
     ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
         return token_losses.sum(1) * 0.0, {}
+
+
+ADAMW = {"_adamw": 1, "adam_move": 0, "adamw_stochastic": 0}
+"""The optimizer's arithmetic ``Ledger.run`` prices by elements: the function's name, and which argument holds
+the tensors it updates (a dict or list of them); anything else it runs is priced by the bytes it writes."""
+
+
+def _sized(fn: Callable, args: tuple) -> tuple[str, int, int]:
+    """``("adamw", elements, bytes)`` of the tensors the optimizer's arithmetic updates, else ``("copy",
+    elements, bytes)`` of what ``fn`` writes: the tensor it is a method of (``acc.copy_``), or its first
+    argument (``_copy(into, source, ...)``)."""
+    name = getattr(fn, "__name__", "")
+    owner = getattr(fn, "__self__", None)
+    if name in ADAMW:
+        kind, tensors = "adamw", list(_tensors(args[ADAMW[name]]))
+    else:
+        kind, tensors = "copy", list(_tensors(owner if isinstance(owner, torch.Tensor) else args[:1]))
+    return kind, sum(t.numel() for t in tensors), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _tensors(x: object) -> Iterable[torch.Tensor]:
+    """The tensors in ``x``: itself, or inside its lists, tuples and dict values."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for item in x:
+            yield from _tensors(item)
+    elif isinstance(x, dict):
+        for item in x.values():
+            yield from _tensors(item)
 
 
 class Handoff(torch.autograd.Function):

@@ -17,6 +17,7 @@ import torch
 from tiertune.distributed.world import World
 from tiertune.engine.compute import Ledger
 from tiertune.engine.config import EngineConfig
+from tiertune.engine.trace import Trace
 from tiertune.engine.trainer import StreamedTrainer
 from tiertune.logs import held_back
 from tiertune.offload.store import StoreConfig
@@ -26,11 +27,12 @@ from tiertune.offload.store import StoreConfig
 class Replayed:
     """What the ledger counted: per tier its peak bytes over the replayed steps; per link (``disk->host``...)
     the bytes the last step moved; per collective the bytes this rank sent in the last step (of several
-    ranks)."""
+    ranks); the steps' schedule as each thread runs it (``engine.trace``: the estimate's timeline)."""
 
     peaks: dict[str, int]
     moved: dict[str, int]
     wire: dict[str, int] = field(default_factory=dict)
+    trace: Trace = field(default_factory=Trace)
 
 
 CLIPPED = (True, False, False, False)
@@ -58,14 +60,16 @@ def replay(
     before was clipped, and redoes a speculative step that is). The first step records the trace, as a run's;
     the bytes moved are the last step's (none: only built). ``device``: what the run computes on."""
     ledger = dataclasses.replace(store_cfg, ledger=True, device=device or store_cfg.device)
+    compute = Ledger(clipped, cfg.max_grad_norm)
+    trace = compute.trace = Trace()
     # a replay is no run: what the engine says of the run it builds is not the estimate's to print
     with held_back("tiertune", logging.WARNING):
-        trainer = StreamedTrainer(
-            model_dir, ledger, cfg, world=world, compute=Ledger(clipped, cfg.max_grad_norm)
-        )
+        trainer = StreamedTrainer(model_dir, ledger, cfg, world=world, compute=compute)
+    trainer.store.trace = trace  # the steps' transfers, not the load's
     try:
         batch = [micro_batch(cfg, rows, tokens)] * micro_batches
         for _ in clipped:
+            trace.op("step")
             with held_back("tiertune", logging.WARNING):
                 trainer.step(batch)
         last = trainer.last_report
@@ -73,7 +77,7 @@ def replay(
             ({k: n for k, n in d.items() if n} for d in (last.moved, last.wire)) if last else ({}, {})
         )
         peaks = {t: s.peak for t, s in trainer.store_stats().tiers.items()}
-        return Replayed(peaks, moved, wire)
+        return Replayed(peaks, moved, wire, trace)
     finally:
         trainer.close()
 

@@ -38,7 +38,7 @@ from tiertune.engine.stash import ChunkStash, DeviceStash, Stash, stash_slots
 from tiertune.engine.streaming import StreamedLayer, Visit
 from tiertune.engine.tiling import tile_layer
 from tiertune.engine.update import AdapterUpdate, LRSchedule, StepContext, Updater
-from tiertune.engine.views import StepReport, TrainerViews
+from tiertune.engine.views import StepReport, TrainerViews, step_parts
 from tiertune.errors import ConfigError, DataError
 from tiertune.kernels.ops.attention import use_segment_attention
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
@@ -319,6 +319,7 @@ class StreamedTrainer(TrainerViews):
         their first ``pairs`` rows the chosen sequences, the next ``pairs`` the rejected ones)."""
         step_began = time.perf_counter()
         moved, sent = self.store.stats().bytes_moved, self.wire_sent()  # before the step
+        times_before = dict(self.times)
         labels = [mb.get("labels", mb["input_ids"]) for mb in micro_batches]
         if self.objective.paired:
             if not all(
@@ -380,7 +381,8 @@ class StreamedTrainer(TrainerViews):
         self.step_count += 1
         seconds = time.perf_counter() - step_began
         self.times["step"] += seconds
-        self.last_report = self.report(loss, seconds, moved, sent)
+        parts = step_parts(seconds, self.times, times_before)
+        self.last_report = self.report(loss, seconds, moved, sent, parts)
         return loss
 
     @property

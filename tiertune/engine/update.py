@@ -117,6 +117,7 @@ class Updater:
             times,
             inline=compute.ledger,
             threads=lambda: max(during, tail_threads) if ctx.tail else during,
+            trace=compute.trace,
         )
 
     @property
@@ -148,6 +149,7 @@ class Updater:
         # the compute thread only waits from here: the units that start now take its cores too (not sooner:
         # a unit on every core while the compute thread still hands gradients on oversubscribes the cores)
         self.ctx.tail = True
+        self.compute.note("tail")
         # exactly torch.nn.utils.clip_grad_norm_: fp32 per-tensor norms stacked in parameter order, the
         # coefficient an fp32 tensor clamped at 1 and multiplied into every gradient
         # (GaLore's projected weights have theirs on the compute device: one copy each, after backward)

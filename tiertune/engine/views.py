@@ -9,7 +9,7 @@ import os
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,6 +44,8 @@ class StepReport:
     wire: dict[str, int]  # per collective, the bytes this rank sent in this step (of several ranks)
     optimizer_steps: dict[str, int]  # how the updates ran since the run began (``optimizer_counts``)
     metrics: dict[str, float]  # a preference objective's (TRL's names) and an MoE's ``router_aux_loss``
+    # seconds of this step by part (``step_parts``), as ``estimate``'s timeline names them
+    parts: dict[str, float] = field(default_factory=dict)
 
     def record(self, step: int, epoch: float, tokens_per_second: float) -> dict:
         """The trainer log's line for this step, the ``step``-th of the run."""
@@ -62,7 +64,24 @@ class StepReport:
         }
         if self.wire:
             out["wire_bytes"] = self.wire
+        if self.parts:
+            out["parts_s"] = self.parts
         return out
+
+
+def step_parts(seconds: float, times: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """A step of ``seconds`` by part, from the trainer's cumulative ``times`` now and ``before`` it: the compute
+    thread computing (what is left), waiting on I/O, waiting for the CPU optimizer (its time not hidden), and the
+    optimizer's worker busy (hidden or not); ``optimizer_hidden_share`` = 1 - waited / busy."""
+    delta = {k: times.get(k, 0.0) - before.get(k, 0.0) for k in ("io_wait", "optimizer", "optimizer_busy")}
+    busy, waited = delta["optimizer_busy"], delta["optimizer"]
+    return {
+        "compute": seconds - delta["io_wait"] - waited,
+        "io_wait": delta["io_wait"],
+        "optimizer_wait": waited,
+        "optimizer_busy": busy,
+        "optimizer_hidden_share": max(0.0, 1.0 - waited / busy) if busy else 0.0,
+    }
 
 
 class TrainerViews:
@@ -80,9 +99,16 @@ class TrainerViews:
     optimizer_counts: dict[str, int]
     last_metrics: dict[str, float]
 
-    def report(self, loss: float, seconds: float, moved: dict[str, int], sent: dict[str, int]) -> StepReport:
+    def report(
+        self,
+        loss: float,
+        seconds: float,
+        moved: dict[str, int],
+        sent: dict[str, int],
+        parts: dict[str, float] | None = None,
+    ) -> StepReport:
         """The step just run, whose loss was ``loss`` in ``seconds``: ``moved`` and ``sent`` are the store's
-        bytes moved and this rank's bytes sent before it."""
+        bytes moved and this rank's bytes sent before it; ``parts`` its seconds by part (``step_parts``)."""
         stats = self.store.stats()
         aux = {} if self.router_aux is None else {"router_aux_loss": self.last_router_aux_loss}
         return StepReport(
@@ -96,6 +122,7 @@ class TrainerViews:
             {k: n - sent.get(k, 0) for k, n in self.wire_sent().items()},
             dict(self.optimizer_counts),
             {**aux, **self.last_metrics},
+            parts or {},
         )
 
     def wire_sent(self) -> dict[str, int]:

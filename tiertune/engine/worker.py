@@ -3,6 +3,7 @@ in the order backward submits them, behind it."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -15,6 +16,7 @@ from tiertune.offload.store import ChunkStore
 
 if TYPE_CHECKING:
     from tiertune.engine.layout import GroupState
+    from tiertune.engine.trace import Trace
 
 
 Unit = tuple["GroupState", int]
@@ -42,12 +44,15 @@ class OptimizerWorker:
         max_pending: int = 2,
         inline: bool = False,
         threads: Callable[[], int] | None = None,
+        trace: Trace | None = None,
     ) -> None:
         """``run_unit((state, j), coef)`` updates weight chunk ``j`` of group state ``state``; the seconds it
         takes are added to ``times["optimizer_busy"]``. ``inline``: no thread, each unit runs as it is
         submitted, on the caller's thread (over a ledger store, whose calls one thread makes in turn: the
         worker keeping up with backward). ``threads()``: the torch threads of the unit about to start (set
-        on the worker's own thread: torch's setting is the calling thread's); None: as the thread starts."""
+        on the worker's own thread: torch's setting is the calling thread's); None: as the thread starts.
+        ``trace`` (inline only): where the submits, waits and each unit's own script are recorded
+        (``engine.trace``)."""
         self._store = store
         self._run_unit = run_unit
         self._times = times
@@ -61,6 +66,7 @@ class OptimizerWorker:
         self._inline = inline
         self._held: list[tuple[GroupState, int, torch.Tensor | None]] = []  # inline: ``submit(behind=True)``
         self._threads = threads
+        self._trace = trace if inline else None
         self._position = 0  # in the plan: the unit running, or the last one run
         self._thread = threading.Thread(target=self._run, name="tiertune-optimizer", daemon=True)
         if not inline:
@@ -84,6 +90,8 @@ class OptimizerWorker:
         for k in range(len(state.weights)) if j is None else (j,):
             if self._inline:
                 self._run_held()
+                if self._trace is not None:
+                    self._trace.op("submit")
                 if behind:
                     self._held.append((state, k, coef))
                 else:
@@ -104,6 +112,8 @@ class OptimizerWorker:
         waits in the store on another thread, perhaps for a chunk the caller holds; returns the seconds
         waited."""
         began = time.perf_counter()
+        if self._trace is not None:
+            self._trace.op("drain", limit)
         if self._inline and limit <= 1:
             self._run_held()
         with self._cond:
@@ -119,6 +129,8 @@ class OptimizerWorker:
             self._cond.wait(timeout=0.05)
 
     def join(self) -> None:
+        if self._trace is not None:
+            self._trace.op("join")
         self._run_held()
         with self._cond:
             while self._pending and self._error is None:
@@ -148,9 +160,10 @@ class OptimizerWorker:
         while self._position < len(self._plan) and self._plan[self._position] != (state, j):
             self._position += 1
         ahead = self._plan[self._position + 1 : self._position + 1 + self._lookahead]
-        self._store.prefetch([c for s, k in ahead for c in s.reads(k)])
-        with self._store.holding("optimizer"):  # its own moments on a ledger (``engine.memory``)
-            self._run_unit((state, j), coef)
+        with self._trace.unit() if self._trace is not None else contextlib.nullcontext():
+            self._store.prefetch([c for s, k in ahead for c in s.reads(k)])
+            with self._store.holding("optimizer"):  # its own moments on a ledger (``engine.memory``)
+                self._run_unit((state, j), coef)
         self._times["optimizer_busy"] += time.perf_counter() - began
 
     def _run(self) -> None:

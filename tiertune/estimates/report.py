@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiertune.distributed.world import World
+from tiertune.distributed.world import World, usable_cores
 from tiertune.engine import replay as replaying
 from tiertune.engine.activations import outside_bytes
 from tiertune.engine.memory import IN_PLACE, QUANT_CACHE, Plan, slot_bytes_of
@@ -43,15 +43,21 @@ from tiertune.errors import BudgetError, ConfigError, StateError
 from tiertune.estimates.speed import (
     GPU,
     NOISY,
+    Engine,
     StepFlops,
     StepTime,
+    measure_adamw,
     measure_bandwidth,
     measure_compute,
     measure_copy,
+    measure_engine,
     measure_matmul,
+    measure_read,
     resolve_gpu,
     step_flops,
+    torch_threads,
 )
+from tiertune.estimates.timeline import Rates, simulate
 from tiertune.loading.hub import config_directory
 from tiertune.loading.model import split_model
 from tiertune.offload.tiers import Tier
@@ -60,6 +66,7 @@ from tiertune.units import format_size
 if TYPE_CHECKING:
     from tiertune.config.plan import RunPlan
     from tiertune.config.recipe import Recipe
+    from tiertune.engine.trace import Trace
 
 ORDER = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 LINKS = ("disk->host", "host->disk", "host->device", "device->host")  # what a step moves, link by link
@@ -294,12 +301,19 @@ class Estimate:
                 "steps": sp.steps,
                 "steps_source": sp.steps_source,
                 "total_seconds": sp.total_seconds,
+                "timeline": sp.timeline.as_json() if sp.timeline is not None else None,
             }
         return out
 
 
 def estimate(
-    recipe: Recipe, measure: bool = True, gpu: str = "auto", processes: int = 1, per_node: int | None = None
+    recipe: Recipe,
+    measure: bool = True,
+    gpu: str = "auto",
+    processes: int = 1,
+    per_node: int | None = None,
+    threads: int | None = None,
+    layer_seconds: tuple[float, float] | None = None,
 ) -> Estimate:
     """Predict bytes per tier, whether each budget holds (against the budget and against this machine) and
     how long a step takes (``measure``: probe the disk, the CPU optimizer and the compute rate). ``gpu``: what
@@ -307,7 +321,12 @@ def estimate(
     directory with only the model's config.json, or a Hugging Face model id (its config.json alone is
     fetched): nothing needs to be downloaded first. ``processes``: the run launched as that many ranks,
     ``per_node`` (default: all) on each node: ``Estimate.scale_out`` says what each rank and node holds and
-    sends (the tiers' table stays one process's)."""
+    sends (the tiers' table stays one process's). ``threads``: torch's threads the run computes with (default:
+    as ``train`` sets them, the cores shared by the node's processes). ``layer_seconds``: a decoder layer's
+    (forward, recompute and backward) seconds a micro-batch as given (a GPU's, measured elsewhere), not
+    measured: its work runs beside the CPU's, which the rest of the step is measured on."""
+    if layer_seconds is not None and (len(layer_seconds) != 2 or min(layer_seconds) < 0):
+        raise ConfigError(f"layer seconds are (forward, backward), each >= 0; got {layer_seconds}")
     if processes < 1 or (per_node is not None and not 1 <= per_node <= processes):
         raise ConfigError(
             f"--processes must be >= 1 and --per-node between 1 and it; got {processes} and {per_node}"
@@ -415,7 +434,8 @@ def estimate(
         est.bandwidth = measure_bandwidth(store_cfg, notes=est.notes)
         if target is not None and target.host_to_device and "host_to_device" not in est.bandwidth:
             est.bandwidth["host_to_device"] = target.host_to_device  # stated: not this machine's GPU
-        est.speed = _step_time(est, recipe, cfg, flops, target)
+        trace = replayed.trace if replayed is not None else None
+        est.speed = _step_time(est, recipe, cfg, flops, target, trace, threads, layer_seconds)
     return est
 
 
@@ -453,34 +473,86 @@ def _replay(run: RunPlan, notes: list[str], device: torch.device) -> Replayed | 
         return None
 
 
-def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU | None) -> StepTime:
+def _step_time(
+    est: Estimate,
+    recipe: Recipe,
+    cfg,
+    flops: StepFlops,
+    target: GPU | None,
+    trace: Trace | None = None,
+    run_threads: int | None = None,
+    layer_seconds: tuple[float, float] | None = None,
+) -> StepTime:
     """Seconds of each part of a step (see ``speed``), from the bytes moved, the bandwidths measured and the
     compute rate: measured at the model's own product shape on this machine's CPU or GPU, or a named GPU's
-    stated peak."""
+    stated peak; and, from the replay's ``trace``, the step as a timeline (``estimates.timeline``) of those
+    rates. ``run_threads``: torch's threads the run computes with (default: as ``train`` sets them);
+    ``layer_seconds``: a decoder layer's (forward, backward) seconds a micro-batch, given (``estimate``)."""
     from tiertune.errors import TiertuneError
     from tiertune.finetune.train import steps_of
 
     t = recipe.training
+    bw = est.bandwidth
     micro_batches = t.gradient_accumulation_steps
+    micro_tokens = t.per_device_train_batch_size * recipe.data.max_seq_len
+    during = run_threads or World().threads()
+    tail = max(during, World().threads(usable_cores()))
+    layers = recipe_layers(recipe.model.path)
+    per_token: tuple[float, float] | None = None  # seconds a token position: one decoder layer, the rest
+    measured = engine = None  # ``engine``: the engine's own step measured (its copies in the layers' time)
     if target is not None and target.peak_flops:
         compute = flops.total / target.peak_flops
         source = f"at the {target.name}'s stated dense bf16 peak, which runs do not reach: at least this"
     else:
         device = torch.device("cuda" if target is not None else "cpu")
         where = "this CPU" if target is None else target.name
-        layers = recipe_layers(recipe.model.path)
-        measured = measure_compute(
-            recipe.model.path, cfg, t.per_device_train_batch_size, recipe.data.max_seq_len, device
-        )
+        rows, seq = t.per_device_train_batch_size, recipe.data.max_seq_len
+        with torch_threads(during):
+            if target is None and trace is not None:  # the engine's own step, its hand-off included
+                overlapped = bool(est.kinds.get("moments")) and cfg.overlap_optimizer != "off"
+                engine = measure_engine(
+                    recipe.model.path,
+                    cfg,
+                    rows,
+                    seq,
+                    overlapped=overlapped,
+                    packed=recipe.data.packing,
+                    sample=_sample(recipe),
+                )
+            measured = engine or measure_compute(recipe.model.path, cfg, rows, seq, device)
         if measured is not None:
             layer, rest = measured.layer, measured.rest
+            if layer_seconds is not None:
+                layer = sum(layer_seconds)
             compute = micro_batches * (layers * layer + rest)
-            source = (
-                f"measured on {where}: the model's forward and backward with 1 and 3 layers, "
-                f"{format_seconds(layer)} a layer + {format_seconds(rest)} the rest, per micro-batch, "
-                f"the fastest of repeats with {torch.get_num_threads()} threads"
+            per_token = (layer / micro_tokens, rest / micro_tokens)
+            what = (
+                "the engine's step (its gradients' hand-off included)"
+                if engine is not None
+                else "the model's forward and backward"
             )
-            if measured.spread > NOISY:
+            source = (
+                f"measured on {where}: {what} with 1 and more layers, "
+                f"{format_seconds(layer)} a layer + {format_seconds(rest)} the rest, per micro-batch, "
+                + (
+                    f"the median of steps taken in turn with {during} threads"
+                    if engine is not None
+                    else f"the fastest of repeats with {during} threads"
+                )
+            )
+            if layer_seconds is not None:
+                source = (
+                    f"a decoder layer as given, {format_seconds(layer_seconds[0])} forward and "
+                    f"{format_seconds(layer_seconds[1])} backward a micro-batch; the rest {format_seconds(rest)}, "
+                    + source
+                )
+            if engine is not None and measured.spread > NOISY:
+                est.notes.append(
+                    f"the engine's steps measured varied by {measured.spread:.0%} between their quartiles: the CPU "
+                    "was busy with other work while measuring, and so will the run's be if it still is (the "
+                    "step time above is their median); estimate again on an idle machine for a steadier figure"
+                )
+            elif engine is None and measured.spread > NOISY:
                 est.notes.append(
                     f"the compute measurement's repeats varied by {measured.spread:.0%}: the CPU was busy with other "
                     "work while measuring, and a run now would be slower than the step time above (it uses the "
@@ -489,20 +561,23 @@ def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU
         else:
             dtype = cfg.layer_dtype(device)
             m, k, n = flops.shape
-            compute = flops.total / measure_matmul(device, dtype, m, k, n)
+            with torch_threads(during):
+                compute = flops.total / measure_matmul(device, dtype, m, k, n)
             source = (
                 f"a ({m} x {k}) @ ({k} x {n}) {str(dtype).removeprefix('torch.')} product measured on {where}"
             )
     parts = {"compute": compute}
-    bw = est.bandwidth
     moved = {link: est.moved_per_step.get(link, 0) for link in LINKS}
     if "disk_read" in bw:
         parts["disk"] = moved["disk->host"] / bw["disk_read"] + moved["host->disk"] / bw["disk_write"]
+    with torch_threads(during):  # host memory copied by the threads the run copies with
+        host_copy = measure_copy()
+    copy_rate = host_copy if target is None else bw.get("host_to_device", 0.0)
     for link in ("host->device", "device->host"):  # PCIe: each way at the host-to-device rate
         if target is not None and "host_to_device" in bw:
             parts[link] = moved[link] / bw["host_to_device"]
         elif target is None and moved[link]:  # the CPU's own cores copy between the tiers
-            parts[link] = moved[link] / measure_copy()
+            parts[link] = moved[link] / copy_rate
     if "optimizer_params" in bw and est.kinds.get("moments"):
         parts["optimizer"] = est.trained_parameters / bw["optimizer_params"]
     try:
@@ -510,9 +585,73 @@ def _step_time(est: Estimate, recipe: Recipe, cfg, flops: StepFlops, target: GPU
         how = "training.max_steps" if recipe.training.max_steps > 0 else "the epochs over the data"
     except (TiertuneError, OSError):
         steps, how = None, "unknown here: counting the epochs' steps needs the data and the model's tokenizer"
+    timeline = None
+    if trace is not None and trace.compute:
+        if per_token is None:  # from the FLOPs at the rate found: a layer's share and the head's
+            rate = flops.total / compute if compute else 0.0
+            layer_flops = flops.layer_factor * (2 * flops.layer_weights + flops.attention_per_token) / layers
+            head_flops = flops.head_factor * 2 * flops.head_weights
+            per_token = (layer_flops / rate, head_flops / rate) if rate else (0.0, 0.0)
+        units = sorted(op[2] for unit in trace.units for op in unit if op[:2] == ("run", "adamw"))
+        size = units[len(units) // 2] if units else 1 << 22  # the units' AdamW as large as theirs
+        adamw, adamw_tail = measure_adamw(during, tail, numel=min(max(size, 1 << 20), 1 << 24))
+        if engine is not None and engine.updates:  # the engine's units, their own overheads in
+            adamw, adamw_tail = engine.updates * adamw / adamw_tail, engine.updates
+        links = {"disk->host": bw.get("disk_read", 0.0), "host->disk": bw.get("disk_write", 0.0)}
+        links.update({"host->device": copy_rate, "device->host": copy_rate})
+        given = layer_seconds is not None and sum(layer_seconds) > 0
+        # the compute thread's hand-off (copies, norms) is in the engine's own layers' time when measured
+        in_layers = engine is not None and layer_seconds is None
+        with torch_threads(during):
+            read_rate = measure_read()
+        rates = Rates(
+            layer=per_token[0],
+            forward_share=layer_seconds[0] / sum(layer_seconds) if given else 1.0 / flops.layer_factor,
+            head=per_token[1],
+            copy=0.0 if in_layers else copy_rate,
+            read=0.0 if in_layers else read_rate,
+            adamw=adamw,
+            adamw_tail=adamw_tail,
+            worker_copy=host_copy,
+            links=links,
+            # a GPU's layers (or layers given as a GPU's) hold no core of the CPU
+            shared=_shared(engine, during) if target is None and layer_seconds is None else (1.0, 1.0),
+        )
+        timeline = simulate(trace, rates)
     return StepTime(
-        flops, flops.total / compute if compute else 0.0, source, parts, target is not None, steps, how
+        flops,
+        flops.total / compute if compute else 0.0,
+        source,
+        parts,
+        target is not None,
+        steps,
+        how,
+        timeline,
     )
+
+
+def _sample(recipe: Recipe) -> dict[str, torch.Tensor] | None:
+    """The run's first micro-batch (``finetune.train.first_micro_batch``), or None without the data, the
+    model's tokenizer, or for a preference objective (its rows are pairs)."""
+    from tiertune.errors import TiertuneError
+    from tiertune.finetune.train import first_micro_batch
+
+    if recipe.objective.paired:
+        return None
+    try:
+        return first_micro_batch(recipe)
+    except (TiertuneError, OSError, StopIteration):
+        return None
+
+
+def _shared(engine: Engine | None, threads: int) -> tuple[float, float]:
+    """The (compute, optimizer) share of its speed each keeps while both run on this CPU: the optimizer's as
+    measured beside the engine's compute (``measure_engine``), the compute's the cores over both threads'
+    counts (the OS shares the cores between the threads that ask for them; none lost while they are
+    enough)."""
+    cores = usable_cores()
+    compute = min(1.0, cores / (2 * threads))
+    return compute, engine.shared if engine is not None else compute
 
 
 def recipe_layers(model_dir: str) -> int:
@@ -606,8 +745,21 @@ def format_estimate(est: Estimate, title: str) -> str:
                 f"  optimizer    {est.trained_parameters:,} params / {bw['optimizer_params'] / 1e9:.2f} G params/s "
                 f"(CPU AdamW) = {sp.parts['optimizer']:.3g} s"
             )
+        tl = sp.timeline
+        if tl is not None:
+            lines.append(
+                f"  timeline     the replayed step's schedule at these rates: compute {format_seconds(tl.compute)}, "
+                f"waiting on I/O {format_seconds(tl.io_wait)}, waiting for the CPU optimizer "
+                f"{format_seconds(tl.optimizer_wait)}; the optimizer busy {format_seconds(tl.optimizer_busy)}, "
+                f"{tl.hidden_share:.0%} of it hidden"
+            )
+            busy = ", ".join(f"{link} {format_seconds(v)}" for link, v in tl.links.items() if v)
+            if busy:
+                lines.append(f"               links busy: {busy}")
         how = (
-            "the longest part (they overlap)"
+            "the timeline"
+            if tl is not None
+            else "the longest part (they overlap)"
             if sp.overlapped
             else "the CPU's parts one after another, or the disk"
         )

@@ -22,8 +22,12 @@ optimizer and the copies to the device tier share the cores, so their sum compet
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -31,6 +35,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tiertune.errors import ConfigError
+from tiertune.estimates.timeline import Timeline
 from tiertune.files import nearest_existing
 from tiertune.offload.store import StoreConfig
 from tiertune.offload.tiers import Tier
@@ -228,6 +233,189 @@ def measure_compute(
     return Compute(layer, max(0.0, seconds[0] - layer), spread)
 
 
+class Engine(NamedTuple):
+    """``measure_engine``'s result: the engine's step on this CPU, per micro-batch."""
+
+    layer: float  # seconds of a decoder layer's compute (forward, recompute, backward, its hand-off)
+    rest: float  # seconds of the rest (embeddings, head and loss)
+    updates: float  # the optimizer's units after backward, parameters a second (0: not measured)
+    spread: float  # how much the steps varied (their upper quartile over the lower, less one)
+    shared: tuple[float, float] = (
+        1.0,
+        1.0,
+    )  # (compute, optimizer): the share of its speed each keeps beside the other
+
+
+def measure_engine(
+    model_dir: str,
+    cfg,
+    micro_batch: int,
+    seq_len: int,
+    steps: int = 7,
+    overlapped: bool = False,
+    budget: float = 10.0,
+    packed: bool = False,
+    sample: dict[str, torch.Tensor] | None = None,
+) -> Engine | None:
+    """The engine's step (``StreamedTrainer`` as ``cfg`` configures it, every chunk in memory) on this CPU, on
+    random models of the run's shape cut to one decoder layer and to up to five (written to a temporary
+    directory):
+    the median step's compute (the step less its waits: layers, head and loss, and the gradients' hand-off)
+    per layer and for the rest, with the optimizer after backward; its units' rate (the deeper cut's units
+    less the one layer's). The trainers take turns, a step each, for ``steps`` rounds, and more (up to three
+    times as many) while ``budget`` seconds have not passed; each figure is the median
+    over the rounds (as a run's log is read: on a shared machine most steps are slower than the fastest, by
+    a margin that stays) of a difference or ratio within a round. ``overlapped``: the deeper cut again with the optimizer during
+    backward (as ``cfg`` says it runs): what share of its speed the optimizer keeps beside the compute
+    (``Engine.shared``; at most 1). None when the deeper cut would take more than a quarter of
+    ``MEASURE_LIMIT`` bytes or the engine cannot build the cut models (the caller falls back to
+    ``measure_compute``). ``sample``: the run's own first micro-batch (``finetune.train.first_micro_batch``:
+    a packed row's documents shape the attention's cost), else one ``sample_micro_batch`` makes (``packed``:
+    the rows hold several documents each, ``data.packing``)."""
+    import copy
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from tiertune.engine.trainer import StreamedTrainer
+    from tiertune.loading.model import decoder_config
+
+    config = decoder_config(model_dir)
+    dtype = cfg.layer_dtype(torch.device("cpu"))
+    per_layer = max(
+        12 * config.hidden_size**2, 3 * config.hidden_size * (getattr(config, "intermediate_size", 0) or 0)
+    )
+    deep = max(2, min(5, int(config.num_hidden_layers)))  # the deeper cut: the more layers, the less noise
+    embed = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    weights = (deep * per_layer + embed) * 4
+    if weights > MEASURE_LIMIT // 4:  # two or three trainers at once, each ~5 bytes of state a weight byte
+        return None
+    budget = 6 * weights + (256 << 20)  # weights, master, moments, gradients, twins: all resident
+    serial = dataclasses.replace(
+        cfg,
+        overlap_optimizer=False,
+        params="device" if cfg.params == "disk" else cfg.params,
+        optimizer_states="host",
+        gradients="host",
+        quant_cache=None,
+        max_steps=3 * steps + 3,
+    )
+    store_cfg = StoreConfig(device_budget=budget, host_budget=budget)
+    batch = [
+        sample if sample is not None else sample_micro_batch(micro_batch, seq_len, config.vocab_size, packed)
+    ]
+    configs = [(1, serial), (deep, serial)]
+    if overlapped:
+        configs.append((deep, dataclasses.replace(serial, overlap_optimizer=cfg.overlap_optimizer)))
+    # per trainer, each round's (compute, optimizer busy): the trainers take turns, a step each, so that the
+    # machine's drift from minute to minute (another program's load) falls on all of them alike
+    seen: list[list[tuple[float, float]]] = [[] for _ in configs]
+    trainers: list = []
+    with tempfile.TemporaryDirectory(prefix="tiertune-measure-") as tmp:
+        try:
+            for n, engine_cfg in configs:
+                where = Path(tmp) / str(n)
+                if not where.exists():
+                    c = copy.deepcopy(config)
+                    c.num_hidden_layers = n
+                    if isinstance(getattr(c, "layer_types", None), list):
+                        c.layer_types = c.layer_types[:n]
+                    with quiet_saving():
+                        AutoModelForCausalLM.from_config(c, dtype=dtype).save_pretrained(where)
+                trainers.append(StreamedTrainer(str(where), store_cfg, engine_cfg))
+                trainers[-1].step(batch)  # records the trace
+            began = time.perf_counter()
+            rounds = 0
+            while rounds < steps or (rounds < 3 * steps and time.perf_counter() - began < budget):
+                rounds += 1
+                for k, trainer in enumerate(trainers):
+                    trainer.step(batch)
+                    parts = trainer.last_report.parts
+                    seen[k].append((parts["compute"], parts["optimizer_busy"]))
+            counts = [trainer.parameter_counts() for trainer in trainers]
+            trained = [c["trained"] for c in counts]
+        except Exception:  # a model the cut cannot build or train here: the caller measures the model alone
+            return None
+        finally:
+            for trainer in trainers:
+                trainer.close()
+    one, many = seen[0], seen[1]
+    # the steps' spread: their upper quartile over their lower (a busy machine's steps vary, and all of them
+    # slowly: the median is read, and the spread says how far to trust it)
+    spread = max(_quartiles(s) for s in seen)
+    # deep - 1 layers: the median over the rounds of the deeper cut's step less the one layer's
+    layer = max(0.0, statistics.median(b[0] - a[0] for a, b in zip(one, many, strict=True))) / (deep - 1)
+    rest = max(0.0, statistics.median(c for c, _ in one) - layer)
+    units = statistics.median(b[1] - a[1] for a, b in zip(one, many, strict=True))  # deep - 1 layers' units
+    updates = (trained[1] - trained[0]) / units if units > 0 else 0.0
+    shared = 1.0
+    if overlapped:
+        # the units of all layers but the last one backward reaches run beside the compute, the others after
+        # it: a share ``f`` of the work. Of the overlapped step's busy time B, the last (1 - f) W ran alone (W:
+        # the serial step's busy time), so D = B - (1 - f) W ran beside the compute, doing f W of the
+        # optimizer's work: its share kept is f W / D. (What the compute loses meanwhile, D less that share
+        # of D, is within the steps' noise wherever the compute is the longer part: not measured here.)
+        f = min(1.0, counts[1].get("layer", 0) * (deep - 1) / deep / trained[1]) if trained[1] else 0.0
+        busy_s = statistics.median(b for _, b in many)
+        beside = statistics.median(b for _, b in seen[2]) - (1.0 - f) * busy_s
+        if f > 0 and beside > 0:
+            shared = min(1.0, f * busy_s / beside)
+    return Engine(layer, rest, updates, spread, shared)
+
+
+def sample_micro_batch(rows: int, seq_len: int, vocab: int, packed: bool) -> dict[str, torch.Tensor]:
+    """A micro-batch of ``rows`` x ``seq_len`` random tokens as the data pipeline hands it to the engine: ids
+    and labels, and for packed rows (``data.packing``) the position ids of two documents a row (the
+    attention's cost grows with the documents a row holds: a 4-layer step of 128-token rows of 10-11 demo
+    documents each took 14% longer here than one of two documents or unpacked rows, which took the same)."""
+    ids = torch.randint(0, vocab, (rows, seq_len))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if packed and seq_len > 1:
+        half = seq_len // 2
+        positions = torch.cat([torch.arange(half), torch.arange(seq_len - half)])
+        batch["position_ids"] = positions.expand(rows, seq_len).clone()
+    return batch
+
+
+def _quartiles(seen: list[tuple[float, float]]) -> float:
+    """The upper quartile of the steps' compute over the lower, less one."""
+    q = statistics.quantiles([c for c, _ in seen], n=4)
+    return q[2] / q[0] - 1 if q[0] > 0 else 0.0
+
+
+@contextmanager
+def quiet_saving() -> Iterator[None]:
+    """transformers' progress bars off for the block (a one-shard "Writing model shards" bar says nothing)."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+def _step_compute(trainer, batch: list[dict[str, torch.Tensor]]) -> float:
+    """A step of ``trainer``'s compute part (``StepReport.parts``)."""
+    trainer.step(batch)
+    return trainer.last_report.parts["compute"]
+
+
+def measure_read(nbytes: int = 256 << 20) -> float:
+    """Bytes per second of an L2 norm over fp32 host memory (what a gradient's norm costs the compute thread
+    when it takes it on the host), with the calling thread's torch threads."""
+    src = torch.empty(nbytes // 4).normal_()
+    torch.linalg.vector_norm(src)
+    best = float("inf")
+    for _ in range(3):
+        began = time.perf_counter()
+        torch.linalg.vector_norm(src)
+        best = min(best, time.perf_counter() - began)
+    return nbytes / best
+
+
 def measure_copy(nbytes: int = 256 << 20) -> float:
     """Bytes per second of a copy between two buffers in CPU memory (what the host-to-device transfers cost
     when the device is the CPU: its cores do them, between compute)."""
@@ -244,7 +432,10 @@ def measure_copy(nbytes: int = 256 << 20) -> float:
 
 def _time_step(loss, ids: torch.Tensor, device: torch.device) -> float:
     """Seconds of a micro-batch's compute as the engine runs it: a forward without autograd, then a forward
-    with autograd and its backward."""
+    with autograd and its backward into new gradients (the engine's backward makes each layer's anew: summed
+    into the last ones, a gradient's memory would be reused, which a CPU's allocator does not do for large
+    tensors between layers)."""
+    loss.model.zero_grad(set_to_none=True)
     began = time.perf_counter()
     with torch.no_grad():
         loss(ids, {}, ids[:, 1:])
@@ -281,9 +472,12 @@ class StepTime:
     overlapped: bool  # GPU: the parts overlap; CPU: compute + optimizer share the cores
     steps: int | None  # the recipe's steps (None: unknown without the data)
     steps_source: str
+    timeline: Timeline | None = None  # the step played on the engine's schedule (``estimates.timeline``)
 
     @property
     def seconds(self) -> float:
+        if self.timeline is not None:
+            return self.timeline.step
         p = self.parts
         if self.overlapped:
             return max(p.values(), default=0.0)
@@ -295,6 +489,8 @@ class StepTime:
 
     @property
     def bound(self) -> str:
+        if self.timeline is not None:
+            return self.timeline.bound
         p = self.parts
         if not self.overlapped and self._cores() >= p.get("disk", 0.0):
             return " + ".join(k for k, v in p.items() if k != "disk" and v) + " (the CPU's cores)"
@@ -357,6 +553,16 @@ def measure_bandwidth(
 
 
 def _adamw_rate(numel: int = 1 << 23) -> float:
+    run = _adamw_call(numel)
+    run()
+    began = time.perf_counter()
+    for _ in range(3):
+        run()
+    return 3 * numel / (time.perf_counter() - began)
+
+
+def _adamw_call(numel: int) -> Callable[[], None]:
+    """One fused AdamW over ``numel`` fp32 parameters (torch's, as the CPU optimizer runs it)."""
     tensors = [torch.zeros(numel) for _ in range(4)]
     step = [torch.tensor(1.0)]
 
@@ -377,11 +583,52 @@ def _adamw_rate(numel: int = 1 << 23) -> float:
             maximize=False,
         )
 
-    run()
-    began = time.perf_counter()
-    for _ in range(3):
-        run()
-    return 3 * numel / (time.perf_counter() - began)
+    return run
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's threads of the calling thread set to ``n`` for the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def measure_adamw(worker: int, tail: int, seconds: float = 0.2, numel: int = 1 << 22) -> tuple[float, float]:
+    """Parameters a second of torch's fused AdamW over ``numel`` fp32 parameters (as the CPU optimizer runs it:
+    a unit's size, since a small one runs from the caches) on a thread of its own with ``worker`` threads
+    (during backward) and with ``tail`` threads (after it, on every core)."""
+    adamw = _adamw_call(numel)
+    rates: list[float] = []
+
+    def optimizer(n: int) -> None:
+        with torch_threads(n):
+            rates.append(numel / _each(adamw, _timed(seconds)))
+
+    for n in (worker, tail):
+        side = threading.Thread(target=optimizer, args=(n,))
+        side.start()
+        side.join()
+    return rates[0], rates[1]
+
+
+def _each(fn: Callable[[], object], stop: Callable[[], bool]) -> float:
+    """Seconds per call of ``fn``, called until ``stop()`` (at least three times, after one more)."""
+    fn()
+    calls, began = 0, time.perf_counter()
+    while calls < 3 or not stop():
+        fn()
+        calls += 1
+    return (time.perf_counter() - began) / calls
+
+
+def _timed(limit: float) -> Callable[[], bool]:
+    """A ``stop`` that says when ``limit`` seconds from now have passed."""
+    until = time.perf_counter() + limit
+    return lambda: time.perf_counter() >= until
 
 
 def probe_disk(path: str | os.PathLike[str], nbytes: int = 256 << 20) -> tuple[float, float]:

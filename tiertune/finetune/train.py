@@ -100,6 +100,18 @@ def steps_of(recipe: Recipe) -> int:
     return _load(recipe, World.from_env().size).steps
 
 
+def first_micro_batch(recipe: Recipe) -> dict[str, torch.Tensor]:
+    """The run's first micro-batch as the data pipeline hands it to the engine (its rows packed as the recipe
+    says: a packed row's documents shape the attention's cost); a DataError or ModelError when the data or the
+    model's tokenizer is missing. Not for a preference objective (its micro-batches are pairs)."""
+    t, d = recipe.training, recipe.data
+    loaded = _load(recipe, 1)
+    stream = batches(
+        loaded.data, t.per_device_train_batch_size, loaded.pad_id, d.shuffle, t.seed, d.packing, d.max_seq_len
+    )
+    return next(stream)
+
+
 def train(
     recipe: Recipe | str | os.PathLike[str], overrides: tuple[str, ...] = (), progress: bool = True
 ) -> TrainResult:

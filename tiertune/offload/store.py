@@ -313,6 +313,9 @@ class ChunkStore:
         self._moved_by: dict[int, dict[str, int]] = {}  # chunk id -> link -> bytes
         self._fatal: BaseException | None = None
         self._landing: list[IOHandle] = []  # a ledger's transfers, done at its next call (``_land``)
+        # a ledger's record of its transfers and the uses that wait for them (``engine.trace``): set by the
+        # replay that keeps one
+        self.trace: Any = None
         self._transfers: dict[
             int, IOHandle
         ] = {}  # chunk id -> its newest transfer (``close`` waits for these)
@@ -553,6 +556,10 @@ class ChunkStore:
             views = chunk.views(chunk.copies[tier].tensor)
             if traced:
                 self._prefetch()
+            if self.trace is not None:  # what the acquire waited for, and the bytes it copies
+                self.trace.op("use", chunk.id)
+                if copy is not None:
+                    self.trace.op("run", "copy", 0, chunk.capacity)
         if copy is not None:  # outside the lock: other threads' transfers and acquires go on meanwhile
             dst, src = copy
             assert copy_from is not None
@@ -609,6 +616,8 @@ class ChunkStore:
                 raise StateError(self._read_only(chunk))
             self._pin(chunk, tier)
             views = chunk.views(chunk.copies[tier].tensor)
+            if self.trace is not None:
+                self.trace.op("use", chunk.id)
         try:
             yield views
         finally:
@@ -813,6 +822,8 @@ class ChunkStore:
             for tier in (Tier.DEVICE, Tier.HOST):
                 if tier is not chunk.home and tier in chunk.valid:
                     self._drop(chunk, tier)
+            if self.trace is not None:
+                self.trace.op("use", chunk.id)
 
     def wait(self) -> None:
         """Block until no transfer is in flight (prefetches and write-backs included)."""
@@ -980,9 +991,11 @@ class ChunkStore:
         if held[0] is Tier.DEVICE and home is Tier.DISK:  # staged through the host on its way
             self._moments[holder].add(frozenset({(Tier.HOST, *held[1:])}))
 
-    def _in_flight(self, label: str) -> IOHandle:
-        """A ledger's transfer (no byte moves): done at the store's next call, as a transfer started during one
-        call of a run's step is, most often, by the next (``_land``)."""
+    def _in_flight(self, label: str, chunk: Chunk, src: Tier, dst: Tier) -> IOHandle:
+        """A ledger's transfer of ``chunk`` from ``src`` to ``dst`` (no byte moves): done at the store's next
+        call, as a transfer started during one call of a run's step is, most often, by the next (``_land``)."""
+        if self.trace is not None:
+            self.trace.op("start", chunk.id, f"{src.value}->{dst.value}", chunk.capacity)
         handle = IOHandle(label, parts=1)
         self._landing.append(handle)
         return handle
@@ -1375,7 +1388,7 @@ class ChunkStore:
         # still reading it; a fresh device range was synchronized with its previous user when freed
         label = f"{src.value}->{dst.value} {chunk.name}"
         if self.ledger:
-            handle = self._in_flight(label)
+            handle = self._in_flight(label, chunk, src, dst)
         else:
             handle = self.aio.copy(alloc.tensor, chunk.copies[src].tensor, label, chunk.device_event)
         ok, fail = (S.ON_DEVICE, S.ON_HOST) if dst is Tier.DEVICE else (S.ON_HOST, S.ON_DEVICE)
@@ -1395,7 +1408,7 @@ class ChunkStore:
         sums: list[int] = []
         try:
             if self.ledger:
-                handle = self._in_flight(f"read {chunk.name}")
+                handle = self._in_flight(f"read {chunk.name}", chunk, Tier.DISK, Tier.HOST)
             elif isinstance(slot, InPlace):
                 handle = self.files.read(chunk.name, slot, alloc.tensor, chunk.disk_checksums, sums)
             else:
@@ -1427,7 +1440,7 @@ class ChunkStore:
         assert isinstance(slot, DiskSlot)  # a chunk read in place is never written (above)
         sums: list[int] = []
         if self.ledger:
-            handle = self._in_flight(f"write {chunk.name}")
+            handle = self._in_flight(f"write {chunk.name}", chunk, Tier.HOST, Tier.DISK)
         else:
             handle, sums = self.disk.write(chunk, slot, chunk.copies[Tier.HOST].tensor)
 
