@@ -292,10 +292,15 @@ def measure(path: Path, skip: int, repeats: int = 1) -> dict:
     sp = est.speed
     assert sp is not None
     parts: dict = {}
+    # the run's steps were mostly clipped (their optimizer after backward) or not: the timeline of that kind
+    counts = records[-1].get("optimizer_steps", {})
+    clipped = counts.get("after_backward", 0) > counts.get("speculative", 0) and sp.after_clipped is not None
     if sp.timeline is not None and "parts_s" in records[-1]:
         for part in ("step", *PARTS, "optimizer_hidden_share"):
             key = part if part == "optimizer_hidden_share" else f"{part}_s"
-            guesses = [e.speed.timeline.as_json()[key] for e, _, _ in pairs]
+            guesses = [
+                (e.speed.after_clipped if clipped else e.speed.timeline).as_json()[key] for e, _, _ in pairs
+            ]
             runs = [
                 statistics.median(
                     r["step_seconds"] if part == "step" else r["parts_s"][part] for r in recs[skip:]
@@ -312,8 +317,15 @@ def measure(path: Path, skip: int, repeats: int = 1) -> dict:
             }
     return {
         "timeline": parts,
+        "run_steps_clipped": clipped,
+        "optimizer_steps": counts,
         "timeline_work_s": sp.timeline.work if sp.timeline is not None else None,
         "predicted_step_s": statistics.median(e.speed.seconds for e, _, _ in pairs),
+        "predicted_after_clipped_step_s": statistics.median(
+            e.speed.after_clipped.step for e, _, _ in pairs if e.speed.after_clipped is not None
+        )
+        if sp.after_clipped is not None
+        else None,
         "measured_step_s": statistics.median(step),
         "ratio": statistics.median(e.speed.seconds for e, _, _ in pairs) / statistics.median(step),
         "repeats": repeats,

@@ -202,3 +202,23 @@ def test_the_estimate_plays_the_step_and_the_run_logs_the_same_parts(tmp_path, c
             record["step_seconds"]
         )
         assert parts["optimizer_busy"] > 0 and 0.0 <= parts["optimizer_hidden_share"] <= 1.0
+
+
+def test_a_layers_time_given_is_the_timelines_and_a_bad_one_is_a_clear_error(
+    tmp_path, cat_model, write_recipe
+):
+    from typer.testing import CliRunner
+
+    from tiertune.cli.app import app
+
+    path = write_recipe(tmp_path, cat_model(3), method={"type": "full"}, offload={"overlap_optimizer": True})
+    est = estimate(load_recipe(path), gpu="cpu", layer_seconds=(0.003, 0.009))
+    work = est.speed.timeline.work
+    # the step's one micro-batch through 3 layers: 3 forwards of 3 ms and 3 backwards of 9 ms
+    assert work["layers forward"] == pytest.approx(3 * 0.003) and work["layers backward"] == pytest.approx(
+        3 * 0.009
+    )
+    assert "as given" in est.speed.compute_rate_source
+    for bad in ("3", "3,x", "-1,2"):
+        out = CliRunner().invoke(app, ["estimate", str(path), "--layer-ms", bad])
+        assert out.exit_code == 2 and "--layer-ms takes" in out.output, out.output

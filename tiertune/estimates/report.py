@@ -57,7 +57,7 @@ from tiertune.estimates.speed import (
     step_flops,
     torch_threads,
 )
-from tiertune.estimates.timeline import Rates, simulate
+from tiertune.estimates.timeline import Rates, simulate_steps
 from tiertune.loading.hub import config_directory
 from tiertune.loading.model import split_model
 from tiertune.offload.tiers import Tier
@@ -302,6 +302,7 @@ class Estimate:
                 "steps_source": sp.steps_source,
                 "total_seconds": sp.total_seconds,
                 "timeline": sp.timeline.as_json() if sp.timeline is not None else None,
+                "after_clipped": sp.after_clipped.as_json() if sp.after_clipped is not None else None,
             }
         return out
 
@@ -585,7 +586,7 @@ def _step_time(
         how = "training.max_steps" if recipe.training.max_steps > 0 else "the epochs over the data"
     except (TiertuneError, OSError):
         steps, how = None, "unknown here: counting the epochs' steps needs the data and the model's tokenizer"
-    timeline = None
+    timeline = after_clipped = None
     if trace is not None and trace.compute:
         if per_token is None:  # from the FLOPs at the rate found: a layer's share and the head's
             rate = flops.total / compute if compute else 0.0
@@ -617,7 +618,10 @@ def _step_time(
             # a GPU's layers (or layers given as a GPU's) hold no core of the CPU
             shared=_shared(engine, during) if target is None and layer_seconds is None else (1.0, 1.0),
         )
-        timeline = simulate(trace, rates)
+        played = simulate_steps(trace, rates)
+        timeline = played[-1]
+        # the replay's second step follows a clipped one (``engine.replay.CLIPPED``): its optimizer after backward
+        after_clipped = played[1] if len(played) > 2 and cfg.method != "lora" else None
     return StepTime(
         flops,
         flops.total / compute if compute else 0.0,
@@ -627,6 +631,7 @@ def _step_time(
         steps,
         how,
         timeline,
+        after_clipped,
     )
 
 
@@ -756,6 +761,12 @@ def format_estimate(est: Estimate, title: str) -> str:
             busy = ", ".join(f"{link} {format_seconds(v)}" for link, v in tl.links.items() if v)
             if busy:
                 lines.append(f"               links busy: {busy}")
+            clipped = sp.after_clipped
+            if clipped is not None and clipped.step > 1.05 * tl.step:
+                lines.append(
+                    f"               a step after a clipped one (the optimizer after backward, as in a run whose "
+                    f"steps clip: training.max_grad_norm) takes {format_seconds(clipped.step)}"
+                )
         how = (
             "the timeline"
             if tl is not None

@@ -473,6 +473,8 @@ class StepTime:
     steps: int | None  # the recipe's steps (None: unknown without the data)
     steps_source: str
     timeline: Timeline | None = None  # the step played on the engine's schedule (``estimates.timeline``)
+    # ... a step after a clipped one (its optimizer after backward, as every step of a run whose steps clip)
+    after_clipped: Timeline | None = None
 
     @property
     def seconds(self) -> float:

@@ -112,6 +112,11 @@ class _Actor:
 
 def simulate(trace: Trace, rates: Rates) -> Timeline:
     """Play ``trace`` against ``rates``; the parts of its last step (see the module docstring)."""
+    return simulate_steps(trace, rates)[-1]
+
+
+def simulate_steps(trace: Trace, rates: Rates) -> list[Timeline]:
+    """Play ``trace`` against ``rates``; the parts of each of its steps, in order."""
     return _Play(trace, rates).run()
 
 
@@ -134,6 +139,7 @@ class _Play:
         self.open: dict[int, deque[list]] = {}
         self.link_busy: dict[str, float] = {}
         self.steps: list[float] = []  # when each step began
+        self.done: list[Timeline] = []  # the steps before the one running
         self.work: dict[str, float] = {}
         self.work_at_step: dict[str, float] = {}
         self.acc = {"compute": 0.0, "io_wait": 0.0, "optimizer_wait": 0.0, "optimizer_busy": 0.0}
@@ -256,14 +262,30 @@ class _Play:
         return True
 
     def _step_began(self) -> None:
+        if self.steps:
+            self.done.append(self._closed())
         self.steps.append(self.now)
         self.at_step = dict(self.acc)
         self.links_at_step = dict(self.link_busy)
         self.work_at_step = dict(self.work)
 
+    def _closed(self) -> Timeline:
+        """The step begun last, from its beginning to now."""
+        a, b = self.acc, self.at_step
+        began = self.steps[-1] if self.steps else 0.0
+        return Timeline(
+            step=self.now - began,
+            compute=a["compute"] - b["compute"],
+            io_wait=a["io_wait"] - b["io_wait"],
+            optimizer_wait=a["optimizer_wait"] - b["optimizer_wait"],
+            optimizer_busy=a["optimizer_busy"] - b["optimizer_busy"],
+            links={k: v - self.links_at_step.get(k, 0.0) for k, v in self.link_busy.items()},
+            work={k: v - self.work_at_step.get(k, 0.0) for k, v in self.work.items()},
+        )
+
     # ---------------------------------------------------------------- time
 
-    def run(self) -> Timeline:
+    def run(self) -> list[Timeline]:
         c, w = self.compute, self.worker
         w.script = self._idle
         while True:
@@ -303,17 +325,7 @@ class _Play:
                     mine.popleft()
                     if not mine:
                         del self.open[head[0]]
-        a, b = self.acc, self.at_step
-        began = self.steps[-1] if self.steps else 0.0
-        return Timeline(
-            step=self.now - began,
-            compute=a["compute"] - b["compute"],
-            io_wait=a["io_wait"] - b["io_wait"],
-            optimizer_wait=a["optimizer_wait"] - b["optimizer_wait"],
-            optimizer_busy=a["optimizer_busy"] - b["optimizer_busy"],
-            links={k: v - self.links_at_step.get(k, 0.0) for k, v in self.link_busy.items()},
-            work={k: v - self.work_at_step.get(k, 0.0) for k, v in self.work.items()},
-        )
+        return [*self.done, self._closed()]
 
     def _account(self, dt: float, c: _Actor, w: _Actor) -> None:
         if c.left is not None:
@@ -324,4 +336,4 @@ class _Play:
             self.acc["optimizer_busy"] += dt
 
 
-__all__ = ["Rates", "Timeline", "simulate"]
+__all__ = ["Rates", "Timeline", "simulate", "simulate_steps"]
