@@ -130,6 +130,9 @@ def test_the_parts_are_the_last_steps():
     tl = simulate(trace, rates())
     assert tl.step == pytest.approx(3.5) and tl.compute == pytest.approx(3.0)
     assert tl.work == pytest.approx({"layers backward": 3.0, "optimizer": 1.5})
+    # the second step's units during its backward run at the worker's own rate again, the last after it
+    tl = simulate(trace, rates(adamw_tail=2 * PER_SECOND))
+    assert tl.optimizer_busy == pytest.approx(0.5 + 0.5 + 0.5)  # each unit starts at once, during backward
 
 
 def test_a_replay_records_each_threads_schedule(tmp_path, cat_model, write_recipe):

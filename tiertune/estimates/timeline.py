@@ -50,7 +50,7 @@ class Rates:
 
 @dataclass
 class Timeline:
-    """Seconds of the last replayed step, by part, as a run logs them (``StepReport.parts``)."""
+    """Seconds of a replayed step, by part, as a run logs them (``StepReport.parts``)."""
 
     step: float
     compute: float  # the compute thread computing (layers, head, its copies)
@@ -121,6 +121,10 @@ def simulate_steps(trace: Trace, rates: Rates) -> list[Timeline]:
 
 
 class _Play:
+    """One playing of a trace: the compute thread and the worker advance through their scripts, op by op, until
+    each computes or waits; then time moves to the next end of a computation or a transfer, each at its speed
+    (``Rates.shared`` while both compute)."""
+
     def __init__(self, trace: Trace, rates: Rates) -> None:
         self.r = rates
         self.units = trace.units
@@ -264,6 +268,7 @@ class _Play:
     def _step_began(self) -> None:
         if self.steps:
             self.done.append(self._closed())
+        self.tail = False  # backward begins again
         self.steps.append(self.now)
         self.at_step = dict(self.acc)
         self.links_at_step = dict(self.link_busy)
