@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -204,7 +205,12 @@ ESTIMATE_POINTS = [
     ("the replay, as a ledger transfer lands", "tiertune.offload.aio:IOHandle.part_done:5", signal.SIGTERM),
     ("the replay, in a transfer's completion", "tiertune.offload.store:ChunkStore._done:9", signal.SIGTERM),
     ("the disk probe, reading", "tiertune.offload.disk:DiskTier.read:1", signal.SIGTERM),
-    ("the compute probe", "tiertune.estimates.speed:measure_compute:1", signal.SIGINT),
+    # the replay's four ledger steps first, then the engine's own steps on the model's cuts (``measure_engine``)
+    (
+        "the compute probe, a cut model's step",
+        "tiertune.engine.trainer:StreamedTrainer.step:6",
+        signal.SIGINT,
+    ),
 ]
 
 
@@ -217,6 +223,8 @@ def test_estimate_stops_on_a_signal_wherever_it_is(tmp_path, stop_recipe, where,
     _stop(tmp_path, at, signum, ["estimate", str(stop_recipe), "--gpu", "cpu"])
     assert not disk.exists() or not list(disk.iterdir())
     assert not list(disk.parent.glob(".probe-*"))
+    # the compute probe's cut models (written in the temporary directory this process's children share)
+    assert not list(Path(tempfile.gettempdir()).glob("tiertune-measure-*"))
 
 
 TRAIN_POINTS = [
