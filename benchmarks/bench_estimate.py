@@ -246,17 +246,10 @@ def gpu_like(work: Path, steps: int, skip: int, repeats: int) -> dict:
         "optimizer_busy": ("optimizer_busy_s", "optimizer_busy_s"),
         "optimizer_hidden_share": ("optimizer_hidden_share", "optimizer_hidden_share"),
     }
-    parts = {}
-    for part, (mine, theirs) in names.items():
-        guess = statistics.median(x[mine] for x in guesses)
-        run = statistics.median(x[theirs] for x in runs)
-        parts[part] = {
-            "predicted": guess,
-            "measured": run,
-            "ratio": guess / run if run else None,
-            "predicted_each": [x[mine] for x in guesses],
-            "measured_each": [x[theirs] for x in runs],
-        }
+    parts = {
+        part: compared([x[mine] for x in guesses], [x[theirs] for x in runs])
+        for part, (mine, theirs) in names.items()
+    }
     return {
         "timeline": parts,
         "device_busy_s": statistics.median(x["device_busy_s"] for x in runs),
@@ -267,6 +260,19 @@ def gpu_like(work: Path, steps: int, skip: int, repeats: int) -> dict:
 
 PARTS = ("compute", "io_wait", "optimizer_wait", "optimizer_busy")
 """The parts of a step the run logs (``parts_s``) and the estimate's timeline names."""
+
+
+def compared(guesses: list[float], runs: list[float]) -> dict:
+    """A part as estimated and as run, pair by pair, and the medians over the pairs (``ratio``: estimated
+    median over run median)."""
+    guess, run = statistics.median(guesses), statistics.median(runs)
+    return {
+        "predicted": guess,
+        "measured": run,
+        "ratio": guess / run if run else None,
+        "predicted_each": guesses,
+        "measured_each": runs,
+    }
 
 
 def measure(path: Path, skip: int, repeats: int = 1) -> dict:
@@ -307,14 +313,7 @@ def measure(path: Path, skip: int, repeats: int = 1) -> dict:
                 )
                 for _, recs, _ in pairs
             ]
-            guess, run = statistics.median(guesses), statistics.median(runs)
-            parts[part] = {
-                "predicted": guess,
-                "measured": run,
-                "ratio": guess / run if run else None,
-                "predicted_each": guesses,
-                "measured_each": runs,
-            }
+            parts[part] = compared(guesses, runs)
     return {
         "timeline": parts,
         "run_steps_clipped": clipped,

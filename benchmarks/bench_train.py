@@ -61,6 +61,7 @@ from tiertune.settings import parse_size
 def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace) -> dict:
     """The measured part, in a fresh process."""
     from tiertune.engine import EngineConfig, StreamedTrainer
+    from tiertune.engine.views import step_parts
     from tiertune.methods.optim import GaloreSettings
     from tiertune.offload.store import StoreConfig
 
@@ -157,8 +158,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
     finally:
         trainer.close()
     step = times["step"]
-    busy = times.get("optimizer_busy", 0.0)
-    waited = times.get("optimizer", 0.0)
+    parts = step_parts(step, times, {})  # a step's parts, averaged, as the run logs them
     return {
         "overlap": trainer.overlap,
         "optimizer_steps": dict(trainer.optimizer_counts),
@@ -171,11 +171,11 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         "first_step_gradient_bytes": first_gradient_bytes,
         "step_s": step,
         "tokens_per_second": tokens / step,
-        "compute_s": step - times.get("io_wait", 0.0) - times.get("optimizer", 0.0),
-        "io_wait_s": times.get("io_wait", 0.0),
-        "optimizer_not_hidden_s": waited,
-        "optimizer_busy_s": busy,
-        "optimizer_hidden_share": max(0.0, 1.0 - waited / busy) if busy else 0.0,
+        "compute_s": parts["compute"],
+        "io_wait_s": parts["io_wait"],
+        "optimizer_not_hidden_s": parts["optimizer_wait"],
+        "optimizer_busy_s": parts["optimizer_busy"],
+        "optimizer_hidden_share": parts["optimizer_hidden_share"],
         "losses": losses,
         # --fast-compute: the stand-in GPU's busy seconds a step (its launches since the first step)
         "device_busy_s": fake.busy / (args.steps - 1) if fake is not None else None,

@@ -135,19 +135,25 @@ def test_the_parts_are_the_last_steps():
     assert tl.optimizer_busy == pytest.approx(0.5 + 0.5 + 0.5)  # each unit starts at once, during backward
 
 
+def full_fine_tune(tmp_path, cat_model, write_recipe, **training):
+    """A recipe (its path) of the 3-layer cat model fully fine-tuned with the optimizer during backward
+    (``training`` merged in)."""
+    return write_recipe(
+        tmp_path,
+        cat_model(3),
+        method={"type": "full"},
+        training=training,
+        offload={"overlap_optimizer": True},
+    )
+
+
 def test_a_replay_records_each_threads_schedule(tmp_path, cat_model, write_recipe):
     from tiertune.config.plan import resolve
     from tiertune.distributed.world import World
     from tiertune.engine.replay import replay
 
     recipe = load_recipe(
-        write_recipe(
-            tmp_path,
-            cat_model(3),
-            method={"type": "full"},
-            training={"gradient_accumulation_steps": 2, "max_grad_norm": 0.0},
-            offload={"overlap_optimizer": True},
-        )
+        full_fine_tune(tmp_path, cat_model, write_recipe, gradient_accumulation_steps=2, max_grad_norm=0.0)
     )
     run = resolve(recipe, World(), "cpu")
     t = recipe.training
@@ -179,15 +185,8 @@ def test_a_replay_records_each_threads_schedule(tmp_path, cat_model, write_recip
 
 
 def test_the_estimate_plays_the_step_and_the_run_logs_the_same_parts(tmp_path, cat_model, write_recipe):
-    recipe = load_recipe(
-        write_recipe(
-            tmp_path,
-            cat_model(3),
-            method={"type": "full"},
-            training={"max_steps": 3, "max_grad_norm": 0.0, "save_steps": 0},
-            offload={"overlap_optimizer": True},
-        )
-    )
+    path = full_fine_tune(tmp_path, cat_model, write_recipe, max_steps=3, max_grad_norm=0.0, save_steps=0)
+    recipe = load_recipe(path)
     est = estimate(recipe, gpu="cpu")
     sp = est.speed
     tl = sp.timeline
@@ -205,6 +204,16 @@ def test_the_estimate_plays_the_step_and_the_run_logs_the_same_parts(tmp_path, c
             record["step_seconds"]
         )
         assert parts["optimizer_busy"] > 0 and 0.0 <= parts["optimizer_hidden_share"] <= 1.0
+    # the optimizer after backward: the step waits for all of it, none hidden
+    serial = load_recipe(
+        path, ("offload.overlap_optimizer=false", f"training.output_dir={tmp_path / 'serial'}")
+    )
+    result = train(serial, progress=False)
+    for line in result.log_path.read_text().splitlines():
+        parts = json.loads(line)["parts_s"]
+        assert (
+            parts["optimizer_wait"] >= parts["optimizer_busy"] > 0 and parts["optimizer_hidden_share"] == 0.0
+        )
 
 
 def test_a_layers_time_given_is_the_timelines_and_a_bad_one_is_a_clear_error(
@@ -214,7 +223,7 @@ def test_a_layers_time_given_is_the_timelines_and_a_bad_one_is_a_clear_error(
 
     from tiertune.cli.app import app
 
-    path = write_recipe(tmp_path, cat_model(3), method={"type": "full"}, offload={"overlap_optimizer": True})
+    path = full_fine_tune(tmp_path, cat_model, write_recipe)
     est = estimate(load_recipe(path), gpu="cpu", layer_seconds=(0.003, 0.009))
     work = est.speed.timeline.work
     # the step's one micro-batch through 3 layers: 3 forwards of 3 ms and 3 backwards of 9 ms

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from tiertune.engine.trace import Trace
 
 
+MAX_PENDING = 2
+"""Units queued or running at most before ``OptimizerWorker.submit`` waits (``engine.trace``'s replays too)."""
+
 Unit = tuple["GroupState", int]
 """One unit of optimizer work: a group's state and the index of one of its weight chunks."""
 
@@ -41,7 +44,7 @@ class OptimizerWorker:
         run_unit: Callable[[Unit, torch.Tensor | None], None],
         times: dict[str, float],
         lookahead: int = 2,
-        max_pending: int = 2,
+        max_pending: int = MAX_PENDING,
         inline: bool = False,
         threads: Callable[[], int] | None = None,
         trace: Trace | None = None,

@@ -603,14 +603,16 @@ def _step_time(
         given = layer_seconds is not None and sum(layer_seconds) > 0
         # the compute thread's hand-off (copies, norms) is in the engine's own layers' time when measured
         in_layers = engine is not None and layer_seconds is None
-        with torch_threads(during):
-            read_rate = measure_read()
+        read_rate = 0.0
+        if not in_layers:
+            with torch_threads(during):
+                read_rate = measure_read()
         rates = Rates(
             layer=per_token[0],
             forward_share=layer_seconds[0] / sum(layer_seconds) if given else 1.0 / flops.layer_factor,
             head=per_token[1],
             copy=0.0 if in_layers else copy_rate,
-            read=0.0 if in_layers else read_rate,
+            read=read_rate,
             adamw=adamw,
             adamw_tail=adamw_tail,
             worker_copy=host_copy,

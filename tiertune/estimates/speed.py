@@ -195,8 +195,6 @@ def measure_compute(
     (``spread`` says by how much they varied). None when three layers, embeddings and head would take more
     than ``MEASURE_LIMIT`` bytes (the caller falls back to a matrix product's rate). A 4-bit base is measured
     unquantized (its dequantization is not in the figure)."""
-    import copy
-
     from transformers import AutoModelForCausalLM
 
     from tiertune.engine.loss import CausalLMLoss
@@ -205,21 +203,14 @@ def measure_compute(
 
     config = decoder_config(model_dir)
     dtype = cfg.layer_dtype(device)
-    per_layer = 12 * config.hidden_size**2  # attention + MLP, roughly, to decide whether to build them
-    per_layer = max(per_layer, 3 * config.hidden_size * (getattr(config, "intermediate_size", 0) or 0))
-    embed = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
-    if (3 * per_layer + embed) * torch.finfo(dtype).bits // 8 > MEASURE_LIMIT:
+    if _cut_weights(config, 3) * torch.finfo(dtype).bits // 8 > MEASURE_LIMIT:
         return None
     seconds = []
     spread = 0.0
     began = time.perf_counter()
     for n in (1, 3):
-        c = copy.deepcopy(config)
-        c.num_hidden_layers = n
-        if isinstance(getattr(c, "layer_types", None), list):
-            c.layer_types = c.layer_types[:n]
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(c, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(_cut_config(config, n), dtype=dtype)
         backend = prepare_model(model, cfg, device)  # as the run prepares it
         loss = CausalLMLoss(model, cfg.kernels != "none", backend)
         ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
@@ -233,6 +224,27 @@ def measure_compute(
     return Compute(layer, max(0.0, seconds[0] - layer), spread)
 
 
+def _cut_weights(config: Any, layers: int) -> int:
+    """Weights, roughly, of ``config``'s model cut to ``layers`` decoder layers (attention and MLP a layer,
+    embeddings and head): whether a measurement may build it."""
+    per_layer = max(
+        12 * config.hidden_size**2, 3 * config.hidden_size * (getattr(config, "intermediate_size", 0) or 0)
+    )
+    embed = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    return layers * per_layer + embed
+
+
+def _cut_config(config: Any, layers: int) -> Any:
+    """A copy of ``config`` with its first ``layers`` decoder layers (and their per-layer types) only."""
+    import copy
+
+    cut = copy.deepcopy(config)
+    cut.num_hidden_layers = layers
+    if isinstance(getattr(cut, "layer_types", None), list):
+        cut.layer_types = cut.layer_types[:layers]
+    return cut
+
+
 class Engine(NamedTuple):
     """``measure_engine``'s result: the engine's step on this CPU, per micro-batch."""
 
@@ -240,10 +252,7 @@ class Engine(NamedTuple):
     rest: float  # seconds of the rest (embeddings, head and loss)
     updates: float  # the optimizer's units after backward, parameters a second (0: not measured)
     spread: float  # how much the steps varied (their upper quartile over the lower, less one)
-    shared: tuple[float, float] = (
-        1.0,
-        1.0,
-    )  # (compute, optimizer): the share of its speed each keeps beside the other
+    shared: float = 1.0  # the share of its speed the optimizer keeps beside the compute (at most 1)
 
 
 def measure_engine(
@@ -272,7 +281,6 @@ def measure_engine(
     ``measure_compute``). ``sample``: the run's own first micro-batch (``finetune.train.first_micro_batch``:
     a packed row's documents shape the attention's cost), else one ``sample_micro_batch`` makes (``packed``:
     the rows hold several documents each, ``data.packing``)."""
-    import copy
     import dataclasses
 
     from transformers import AutoModelForCausalLM
@@ -282,12 +290,8 @@ def measure_engine(
 
     config = decoder_config(model_dir)
     dtype = cfg.layer_dtype(torch.device("cpu"))
-    per_layer = max(
-        12 * config.hidden_size**2, 3 * config.hidden_size * (getattr(config, "intermediate_size", 0) or 0)
-    )
     deep = max(2, min(5, int(config.num_hidden_layers)))  # the deeper cut: the more layers, the less noise
-    embed = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
-    weights = (deep * per_layer + embed) * 4
+    weights = _cut_weights(config, deep) * 4
     if weights > MEASURE_LIMIT // 4:  # two or three trainers at once, each ~5 bytes of state a weight byte
         return None
     budget = 6 * weights + (256 << 20)  # weights, master, moments, gradients, twins: all resident
@@ -316,12 +320,9 @@ def measure_engine(
             for n, engine_cfg in configs:
                 where = Path(tmp) / str(n)
                 if not where.exists():
-                    c = copy.deepcopy(config)
-                    c.num_hidden_layers = n
-                    if isinstance(getattr(c, "layer_types", None), list):
-                        c.layer_types = c.layer_types[:n]
                     with quiet_saving():
-                        AutoModelForCausalLM.from_config(c, dtype=dtype).save_pretrained(where)
+                        model = AutoModelForCausalLM.from_config(_cut_config(config, n), dtype=dtype)
+                        model.save_pretrained(where)
                 trainers.append(StreamedTrainer(str(where), store_cfg, engine_cfg))
                 trainers[-1].step(batch)  # records the trace
             began = time.perf_counter()
@@ -395,12 +396,6 @@ def quiet_saving() -> Iterator[None]:
     finally:
         if shown:
             hf_logging.enable_progress_bar()
-
-
-def _step_compute(trainer, batch: list[dict[str, torch.Tensor]]) -> float:
-    """A step of ``trainer``'s compute part (``StepReport.parts``)."""
-    trainer.step(batch)
-    return trainer.last_report.parts["compute"]
 
 
 def measure_read(nbytes: int = 256 << 20) -> float:

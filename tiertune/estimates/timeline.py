@@ -6,7 +6,7 @@ Three kinds of actor run at once, as in a run:
 - the compute thread runs its script in order: each decoder layer's forward and backward and the head (priced
   per token position), the host-side copies it makes itself (the gradients' hand-off), and its waits: for a
   chunk whose transfer is in flight (``use``: time waiting on I/O) and for the optimizer's worker (``submit``
-  while two units are pending, ``drain``, ``join``: time the optimizer is not hidden);
+  while ``worker.MAX_PENDING`` units are pending, ``drain``, ``join``: time the optimizer is not hidden);
 - the optimizer's worker runs the units in the order submitted (AdamW priced per parameter, its copies per
   byte; a unit that starts after backward is done (``tail``) has the compute thread's cores too);
 - each link moves its transfers in the order started (the disk one way at a time; host-to-device and
@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tiertune.engine.trace import Op, Trace
+from tiertune.engine.worker import MAX_PENDING
 from tiertune.errors import StateError
 
 DISK_LINKS = ("disk->host", "host->disk")
@@ -208,7 +209,7 @@ class _Play:
                     return
                 actor.blocked = None
             if actor.at >= len(actor.script):
-                if actor is self.worker and actor.script is not None and self._end_unit():
+                if actor is self.worker and self._end_unit():
                     continue
                 return
             op = actor.script[actor.at]
@@ -223,14 +224,13 @@ class _Play:
             elif kind == "use":
                 actor.blocked = ("io", op[1])
             elif kind == "submit":
-                actor.blocked = ("below", 2)
-                if self._unblocked(actor.blocked):
-                    actor.blocked = None
+                if self.pending < MAX_PENDING:
                     self._submit()
                     # the worker takes it up at once (the thread it wakes starts before the caller's next op)
                     self._ops(self.worker)
-                else:
-                    actor.at -= 1  # submitted once there is room
+                else:  # submitted once fewer are pending
+                    actor.at -= 1
+                    actor.blocked = ("below", MAX_PENDING)
             elif kind == "drain":
                 actor.blocked = ("below", op[1])
             elif kind == "join":
