@@ -294,7 +294,7 @@ def measure_engine(
     weights = _cut_weights(config, deep) * 4
     if weights > MEASURE_LIMIT // 4:  # two or three trainers at once, each ~5 bytes of state a weight byte
         return None
-    budget = 6 * weights + (256 << 20)  # weights, master, moments, gradients, twins: all resident
+    room = 6 * weights + (256 << 20)  # weights, master, moments, gradients, twins: all resident
     serial = dataclasses.replace(
         cfg,
         overlap_optimizer=False,
@@ -304,7 +304,7 @@ def measure_engine(
         quant_cache=None,
         max_steps=3 * steps + 3,
     )
-    store_cfg = StoreConfig(device_budget=budget, host_budget=budget)
+    store_cfg = StoreConfig(device_budget=room, host_budget=room)
     batch = [
         sample if sample is not None else sample_micro_batch(micro_batch, seq_len, config.vocab_size, packed)
     ]
