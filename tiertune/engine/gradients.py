@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiertune.engine.rows import Rows, add_rows
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
@@ -50,7 +51,7 @@ class GradientSink:
         self.compute = compute  # the substrate (``engine.compute``): the sums, norms and projections
         self.bytes = 0
 
-    def add(self, state: GroupState, grads: dict[str, torch.Tensor | None], ready: Any = None) -> None:
+    def add(self, state: GroupState, grads: dict[str, torch.Tensor | Rows | None], ready: Any = None) -> None:
         """Add a wave's gradients into the group's fp32 accumulators (the first wave of a step overwrites
         them); on the last wave note each accumulator's norm, as clip_grad_norm_
         computes it, and hand the group to the optimizer when it runs during backward. GaLore's projected
@@ -94,12 +95,15 @@ class GradientSink:
             finally:
                 self.store.release(chunk, dirty=True)
 
-    def _accumulate(self, acc: torch.Tensor, g: torch.Tensor | None) -> None:
-        """Add a wave's gradient ``g`` (None: the tensor had none) into its fp32 host accumulator, which the
-        step's first wave overwrites."""
-        if g is None:
+    def _accumulate(self, acc: torch.Tensor, g: torch.Tensor | Rows | None) -> None:
+        """Add a wave's gradient ``g`` (None: the tensor had none; ``Rows``: zeros outside some rows) into its
+        fp32 host accumulator, which the step's first wave overwrites."""
+        if g is None or isinstance(g, Rows):
             if self.ctx.first_wave:
                 self.compute.run(acc.zero_)
+            if g is not None:
+                self.compute.run(add_rows, acc, g.index, g.values)
+                self.bytes += g.values.numel() * acc.element_size()
             return
         if self.ctx.first_wave:
             self.compute.run(acc.copy_, g.detach())

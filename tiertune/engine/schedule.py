@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack, nullcontext, suppress
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -122,12 +122,16 @@ class LayerMajor(PairedPasses):
         # backward has made them, so its update runs behind the layers' backward (the embedding's group, and the
         # rest, which may hold what the embeddings use, wait for boundary 0's backward)
         done_early = [s for s in others if s.group.kind == "head" and s.trainable]
+        # a trained embedding back-propagated through its wave's rows alone (``engine.rows``): released once its
+        # last reader is done, the prefix or, tied, the loss
+        rows = engine.input_rows
         with ExitStack() as stack:
             holds = {id(s): stack.enter_context(ExitStack()) for s in others}
             bound = {
                 id(s): holds[id(s)].enter_context(engine.bound_group(s, requires_grad=s.trainable))
                 for s in others
             }
+            names = {key: list(params) for key, params in bound.items()}
             stack.callback(setattr, engine, "visit", None)
             stack.callback(self.stash.abandon)  # nothing is open when the wave ends as it should
             micro = [
@@ -143,26 +147,42 @@ class LayerMajor(PairedPasses):
                 )
                 for b, lab, rng in zip(batches, labels, streams(len(batches), device), strict=True)
             ]
+            if rows is not None:
+                rows.start([mb.ids for mb in micro])
             prefix_trained, first = self._prefix(micro)
+            if rows is not None:
+                rows.gather(bound[id(rows.state)][rows.name])
+                if not engine.parts.tied:
+                    _release(rows.state, holds, bound)
             last = self._forward(micro, first)
             suffix = self._paired_suffix if engine.objective.paired else self._suffix
-            total, aux_total = suffix(micro, last, n_tokens, micro_batches, bound, summed)
+            # the decoder's embeddings in the suffix (passed on to the last layer, which hands back its output):
+            # a released embedding's rows stand in for it (its values for these ids)
+            with rows.bound() if rows is not None and not engine.parts.tied else nullcontext():
+                total, aux_total = suffix(micro, last, n_tokens, micro_batches, bound, summed)
+            if rows is not None:
+                _release(rows.state, holds, bound)
             for state in done_early:
-                self._hand_on(state, holds[id(state)], bound, summed)
+                self._hand_on(state, holds[id(state)], names[id(state)], summed)
             self._backward(micro, prefix_trained)
             if prefix_trained:
                 self._prefix_backward(micro, bound, summed)
             for state in others:
                 if state not in done_early:
-                    self._hand_on(state, holds[id(state)], bound, summed)
+                    self._hand_on(state, holds[id(state)], names[id(state)], summed)
         return total, aux_total
 
-    def _hand_on(self, state: GroupState, hold: ExitStack, bound: dict, summed: dict) -> None:
+    def _hand_on(self, state: GroupState, hold: ExitStack, names: list[str], summed: dict) -> None:
         """Release a group bound for the wave (the optimizer writes its weights) and hand its wave's gradients
-        to the engine."""
+        to the engine (the embedding's rows added into its dense part, ``InputRows.into``)."""
         hold.close()
-        if state.trainable:
-            self.engine.add_grads(state, {n: summed[id(state)].get(n) for n in bound[id(state)]})
+        if not state.trainable:
+            return
+        grads = {n: summed[id(state)].get(n) for n in names}
+        rows = self.engine.input_rows
+        if rows is not None and rows.state is state:
+            grads[rows.name] = rows.into(grads[rows.name])
+        self.engine.add_grads(state, grads)
 
     # ------------------------------------------------------------------ the passes
 
@@ -349,15 +369,25 @@ class LayerMajor(PairedPasses):
     def _prefix_backward(self, micro: list[Micro], bound: dict, summed: dict) -> None:
         """The embeddings of each micro-batch recomputed and back-propagated from boundary 0's gradient."""
         engine = self.engine
-        for mb in micro:
-            visit = engine.visit = Capture(len(self.layers), first_only=True)
-            with mb.start.running(engine.device), suppress(Stop):
-                self._decoder(mb)
-            engine.visit = None
-            if visit.first is not None and visit.first.requires_grad and mb.grad is not None:
-                torch.autograd.backward(visit.first, mb.grad)
-                harvest(bound, summed)
-            mb.grad = None
+        rows = engine.input_rows
+        with rows.bound() if rows is not None else nullcontext():
+            for mb in micro:
+                visit = engine.visit = Capture(len(self.layers), first_only=True)
+                with mb.start.running(engine.device), suppress(Stop):
+                    self._decoder(mb)
+                engine.visit = None
+                if visit.first is not None and visit.first.requires_grad and mb.grad is not None:
+                    torch.autograd.backward(visit.first, mb.grad)
+                    harvest(bound, summed)
+                    if rows is not None:
+                        rows.harvest()
+                mb.grad = None
+
+
+def _release(state: GroupState, holds: dict, bound: dict) -> None:
+    """Release a group bound for the wave before its gradients are handed on (its last reader is done)."""
+    holds[id(state)].close()
+    bound.pop(id(state), None)
 
 
 def _first_fit(micro: Sequence[Micro], limit: int, joins: Callable[[Micro, Micro], bool]) -> list[list[int]]:

@@ -30,6 +30,7 @@ import torch
 from tiertune.distributed.collectives import GROUP, Group, Wire
 from tiertune.distributed.ownership import Slice, owned_slices, pack_by_owner, run_length, views_of_run
 from tiertune.distributed.world import World
+from tiertune.engine.rows import Rows
 from tiertune.offload.chunk import Chunk, ChunkLayout, layout_views
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
@@ -62,7 +63,9 @@ class Local:
         """A CPU copy of ``chunk``'s tensors (read through the host, outside the trace)."""
         return self.store.read(chunk)
 
-    def reduce(self, chunk: Chunk, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+    def reduce(
+        self, chunk: Chunk, grads: dict[str, torch.Tensor | Rows | None]
+    ) -> dict[str, torch.Tensor | Rows | None]:
         """A micro-batch's gradients of ``chunk``: this process's are the sum."""
         return grads
 
@@ -137,13 +140,14 @@ class Zero:
         with self.gathered(chunk, traced=False) as views:
             return {n: v.cpu().clone() for n, v in views.items()}
 
-    def reduce(self, chunk: Chunk, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    def reduce(self, chunk: Chunk, grads: dict[str, torch.Tensor | Rows | None]) -> dict[str, torch.Tensor]:
         """The sum over the ranks of a micro-batch's gradients of ``chunk``'s tensors (whole tensors by name;
         None counts as zeros), for the elements this rank owns: flat fp32 tensors by name, one for each tensor
         of the shard, on the device. Every rank must call it for the same chunk (a collective)."""
         owned = self.owned[chunk.id]
         began = time.perf_counter()
-        present = {n: g for n, g in grads.items() if g is not None}
+        # (an embedding's rows, ``engine.rows``, whole: each rank's rows are its own tokens')
+        present = {n: g.dense() if isinstance(g, Rows) else g for n, g in grads.items() if g is not None}
         device = torch.device("meta") if self.store.ledger else self.device  # a ledger's hold no bytes
         packed = pack_by_owner(present, owned, device=device)
         run = torch.empty(run_length(owned), dtype=torch.float32, device=device)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from tiertune.engine.layout import GroupState
     from tiertune.engine.loss import CausalLMLoss
     from tiertune.engine.router_aux import RouterAux
+    from tiertune.engine.rows import InputRows
     from tiertune.loading.model import ModelParts
     from tiertune.methods.lora import Adapters
     from tiertune.settings import ObjectiveSettings
@@ -79,6 +80,9 @@ class StepEngine(LayerEngine, Protocol):
     states: list[GroupState]
     adapters: Adapters | None
     handoff_lag: int  # ``EngineConfig.handoff_lag`` resolved for the device the run computes on
+    input_rows: (
+        InputRows | None
+    )  # a trained input embedding back-propagated through its rows (``engine.rows``)
 
     def bound_group(
         self, state: GroupState, requires_grad: bool

@@ -33,6 +33,7 @@ from tiertune.engine.loaded import load_model
 from tiertune.engine.loss import CausalLMLoss
 from tiertune.engine.objective import counted, disable_dropout, metric_names
 from tiertune.engine.router_aux import RouterAux
+from tiertune.engine.rows import InputRows
 from tiertune.engine.schedule import LayerMajor
 from tiertune.engine.stash import ChunkStash, DeviceStash, Stash, stash_slots
 from tiertune.engine.streaming import StreamedLayer, Visit
@@ -190,6 +191,10 @@ class StreamedTrainer(TrainerViews):
             else AdapterUpdate(
                 self.adapters, config, self.step_ctx, self.optimizer_counts, self.sharding, self.compute
             )
+        )
+        # a trained input embedding's backward through the rows each wave reads (none: the module's own)
+        self.input_rows = (
+            InputRows.of(self.parts.embed, self.states, self.binder, self.compute) if trained else None
         )
         shapes = {n: p.shape for n, p in self.binder.meta.items()}
         self.gradients = GradientSink(
