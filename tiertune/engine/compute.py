@@ -246,7 +246,7 @@ class Ledger(Compute):
         return token_losses.sum(1) * 0.0, {}
 
 
-ADAMW = {"_adamw": 1, "adam_move": 0, "adamw_stochastic": 0}
+ADAMW = {"_adamw": 1, "_adamw_views": 0, "adam_move": 0, "adamw_stochastic": 0}
 """The optimizer's arithmetic ``Ledger.run`` prices by elements: the function's name, and which argument holds
 the tensors it updates (a dict or list of them); anything else it runs is priced by the bytes it writes."""
 

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiertune.engine.rows import Rows, add_rows
+from tiertune.engine.rows import InputRows, Rows, add_rows, gather_rows
+from tiertune.engine.update import Inside, put_rows
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
@@ -50,6 +51,30 @@ class GradientSink:
         self.galore, self.device, self.shapes, self.add_accumulator = galore, device, shapes, add_accumulator
         self.compute = compute  # the substrate (``engine.compute``): the sums, norms and projections
         self.bytes = 0
+        # the embedding handed on in two parts this step (``add_outside``): its rows, the norm of its gradient
+        # outside them, a tied head's gradient of them (None: it has none), and whether its update is split
+        self._parts: dict[int, tuple[InputRows, torch.Tensor | None, torch.Tensor | None, bool]] = {}
+
+    def add_outside(self, rows: InputRows, dense: torch.Tensor | None, split: bool) -> None:
+        """The first part of the embedding's hand-off (``rows``; a step of one wave): its gradient outside the
+        wave's rows is final, a tied head's (``dense``, on the device) or none. That part goes to the host
+        accumulator (its rows left zero) and its norm is kept; ``add`` hands on the rows after the embeddings'
+        backward. ``split`` (``Updater.splits``, a speculative step): the update of the rows outside starts
+        now, as the worker's background pieces. The compute thread's accesses are the same either way (the
+        scheduler's trace is one for every step)."""
+        state, name, index = rows.state, rows.name, rows.index
+        assert index is not None
+        head_rows = outside = None
+        if dense is not None:
+            head_rows = dense.new_empty((rows.count, *dense.shape[1:]))
+            self.compute.run(gather_rows, head_rows, dense, index)
+            self.compute.run(dense.index_fill_, 0, index.to(dense.device), 0.0)
+            outside = self.compute.norm(dense, self.ctx.number)
+            self._add(state, {name: dense}, (), norms=False)
+        self._parts[id(state)] = (rows, outside, head_rows, split)
+        if split:
+            pieces = self.updater.outside(state, name, _on_cpu(index))
+            self.updater.worker.submit_background([(state, 0, piece) for piece in pieces])
 
     def add(self, state: GroupState, grads: dict[str, torch.Tensor | Rows | None], ready: Any = None) -> None:
         """Add a wave's gradients into the group's fp32 accumulators (the first wave of a step overwrites
@@ -59,6 +84,10 @@ class GradientSink:
         need done; the hand-off's own runs after it, not behind what was launched since (``Compute.after``)."""
         projected = self.galore.targets if self.galore is not None else ()
         in_place = self.ctx.first_wave and self.ctx.last_wave and self.ctx.speculating and not state.twins
+        first = self._parts.pop(id(state), None)
+        if first is not None:
+            self._add_inside(state, grads, first, in_place)
+            return
         if in_place:
             # updated in place, gradients dropped once used: all but the unit running are done before this
             # group's gradients are made, so the host holds at most two groups' (one when the optimizer keeps
@@ -72,10 +101,57 @@ class GradientSink:
         if self.ctx.last_wave and self.ctx.speculating:
             self.times["optimizer"] += self.updater.worker.submit(state, None, behind=in_place)
 
-    def _add(
-        self, state: GroupState, grads: dict[str, torch.Tensor | None], projected: Container[str]
+    def _add_inside(
+        self,
+        state: GroupState,
+        grads: dict[str, torch.Tensor | Rows | None],
+        first: tuple[InputRows, torch.Tensor | None, torch.Tensor | None, bool],
+        in_place: bool,
     ) -> None:
-        """``add``'s sums, norms and projections, chunk by chunk."""
+        """The second part of the embedding's hand-off (``add_outside``): the rows' whole gradient (a tied head's
+        rows plus the embeddings') into the host accumulator's rows, the tensor's norm from both parts'; a split
+        update's rows handed to the worker, to run after its pieces."""
+        rows, outside, head_rows, split = first
+        name = rows.name
+        assert rows.index is not None
+        g = grads.get(name)
+        values = g.values if isinstance(g, Rows) else None
+        if head_rows is not None:
+            if values is not None:
+                self.compute.run(head_rows.add_, values)
+            values = head_rows
+        if values is None:
+            values = torch.zeros((rows.count, *state.group.params[name].shape[1:]), device=self.device)
+        inside = self.compute.norm(values, self.ctx.number)
+        self.updater.norms[name] = inside if outside is None else (outside.square() + inside.square()).sqrt()
+        if in_place:
+            self.times["optimizer"] += self.updater.worker.drain(2)
+        chunk = state.grads[0]
+        began = time.perf_counter()
+        # (untied, the step's first use of the chunk: zeros outside the rows)
+        acc = self.store.acquire(chunk, Tier.HOST)
+        self.times["io_wait"] += time.perf_counter() - began
+        try:
+            self.compute.run(put_rows, acc[name], rows.index, values)
+        finally:
+            self.store.release(chunk, dirty=True)
+        if head_rows is None:  # (a tied head's rows went with its whole gradient, counted then)
+            self.bytes += values.numel() * acc[name].element_size()
+        if split:
+            part = Inside(name, _on_cpu(rows.index), _on_cpu(values.float()))
+            self.times["optimizer"] += self.updater.worker.submit(state, None, 0, behind=in_place, part=part)
+        elif self.ctx.speculating:  # the update whole, as ``add`` hands it on
+            self.times["optimizer"] += self.updater.worker.submit(state, None, behind=in_place)
+
+    def _add(
+        self,
+        state: GroupState,
+        grads: dict[str, torch.Tensor | Rows | None],
+        projected: Container[str],
+        norms: bool = True,
+    ) -> None:
+        """``add``'s sums, norms (on the last wave, unless ``norms`` is False) and projections, chunk by
+        chunk."""
         for j, chunk in enumerate(state.grads):
             # ZeRO-3: the sum over the ranks of the elements this rank owns (a collective: before any wait here)
             mine = self.sharding.reduce(state.weights[j], grads)
@@ -87,7 +163,7 @@ class GradientSink:
                     if name in projected:
                         continue
                     self._accumulate(acc, mine.get(name))
-                    if self.ctx.last_wave:
+                    if self.ctx.last_wave and norms:
                         self.updater.norms[name] = self.compute.norm(acc, self.ctx.number)
                 low = {n: v for n, v in views.items() if n in projected}
                 if low:
@@ -191,3 +267,8 @@ class GradientSink:
             self.times["galore_svd"] += time.perf_counter() - began_svd
         dst.copy_(projected)
         return norm
+
+
+def _on_cpu(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU, where the optimizer reads it (a ledger's, on the meta device, stays there)."""
+    return t if t.is_meta else t.cpu()

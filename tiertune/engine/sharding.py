@@ -90,6 +90,11 @@ class Local:
         """The elements [start, end) of tensor ``name`` this process owns, None for all of it."""
         return None
 
+    @property
+    def whole(self) -> bool:
+        """Whether every tensor of a chunk is whole here (its rows are rows of the tensor)."""
+        return True
+
 
 class Zero:
     """This rank's side of ZeRO-3: ``full`` maps each shard chunk's id to the whole chunk's layout. ``wire``
@@ -197,6 +202,11 @@ class Zero:
         """The elements [start, end) of tensor ``name`` this rank owns."""
         s = self.mine[name]
         return s.start, s.end
+
+    @property
+    def whole(self) -> bool:
+        """Whether every tensor of a chunk is whole here: no, a rank holds flat parts of them."""
+        return False
 
 
 Sharding = Local | Zero

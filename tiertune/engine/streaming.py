@@ -94,6 +94,19 @@ class StepEngine(LayerEngine, Protocol):
         """A wave's summed weight gradients of ``state``'s group (one outside the decoder layers)."""
         ...
 
+    def embedding_in_two_parts(self) -> bool:
+        """Whether this wave hands the input embedding's gradient on in two parts (``GradientSink.add_outside``)."""
+        ...
+
+    def splits_embedding(self) -> bool:
+        """Whether the update of the trained input embedding is split this step (``Updater.splits``)."""
+        ...
+
+    def add_outside(self, rows: InputRows, dense: torch.Tensor | None, split: bool) -> None:
+        """The embedding's gradient outside the wave's ``rows`` is final (``dense``: a tied head's, or none);
+        ``split``: its update starts (``GradientSink.add_outside``)."""
+        ...
+
     def reference(self) -> AbstractContextManager[None]:
         """The model as a preference objective's reference for the block (the base, its adapters off)."""
         ...

@@ -16,8 +16,10 @@ resource. Op tuples, first item the kind:
 
 ``("layer", tokens, "forward" | "backward")``, ``("head", tokens, "loss" | "logps")``,
 ``("run", "adamw" | "copy" | "read", elements, bytes)`` (a read: a norm taken over a gradient), ``("start", chunk_id, link, bytes)``, ``("use", chunk_id)``,
-``("submit",)``, ``("drain", limit)``, ``("join",)``, ``("tail",)`` (backward done: units starting from here
-may use the compute thread's cores), ``("step",)`` (a step begins; on the compute script only).
+``("submit",)``, ``("submit", "after")`` (a unit that runs after the background pieces queued before it),
+``("submit", "background", k)`` (k background pieces: the next k scripts, run when no unit is queued),
+``("drain", limit)``, ``("join",)``, ``("tail",)`` (backward done: units starting from here may use the compute
+thread's cores), ``("step",)`` (a step begins; on the compute script only).
 """
 
 from __future__ import annotations

@@ -165,10 +165,13 @@ class StreamedTrainer(TrainerViews):
         # optimizer steps by how they ran: confirmed speculation, speculation redone (clipping was active),
         # run after backward (overlap off, or the last step was clipped)
         self.optimizer_counts = {"speculative": 0, "redone": 0, "after_backward": 0}
-        # the CPU optimizer of the trained groups, its units in the order backward finishes them
+        # the CPU optimizer of the trained groups, its units in the order backward finishes them: a head of its
+        # own after the loss (``schedule``), the layers last to first, then the embeddings' group and the rest
         layers = [self.states[i] for i in reversed(self._layer_index)]
         others = [s for s in self.states if s.group.kind != "layer"]
-        units = [(s, j) for s in layers + others for j in range(len(s.weights))]
+        heads = [s for s in others if s.group.kind == "head"]
+        rest = [s for s in others if s not in heads]
+        units = [(s, j) for s in heads + layers + rest for j in range(len(s.weights))]
         # the update: the CPU optimizer of the trained groups' chunks, or the adapters' own (LoRA)
         self.updater: Updater | AdapterUpdate = (
             Updater(
@@ -306,6 +309,27 @@ class StreamedTrainer(TrainerViews):
         the ``Compute.mark`` they wait for)."""
         self.gradients.add(state, grads, ready)
 
+    def embedding_in_two_parts(self) -> bool:
+        """Whether this wave hands the trained input embedding's gradient on in two parts (outside its rows,
+        then its rows: ``GradientSink.add_outside``): the step's only wave, the tensor whole in this process."""
+        ctx = self.step_ctx
+        return self.input_rows is not None and ctx.first_wave and ctx.last_wave and self.sharding.whole
+
+    def splits_embedding(self) -> bool:
+        """Whether the update of the trained input embedding is split this step: a speculative step, and an
+        update that splits (``Updater.splits``)."""
+        rows = self.input_rows
+        return (
+            rows is not None
+            and self.step_ctx.speculating
+            and isinstance(self.updater, Updater)
+            and self.updater.splits(rows.state)
+        )
+
+    def add_outside(self, rows: InputRows, dense: torch.Tensor | None, split: bool) -> None:
+        """The embedding's gradient outside the wave's rows is final (``GradientSink.add_outside``)."""
+        self.gradients.add_outside(rows, dense, split)
+
     @property
     def fused_loss(self) -> bool:
         """Whether the loss runs fused with the head (``CausalLMLoss.fused``)."""
@@ -355,7 +379,9 @@ class StreamedTrainer(TrainerViews):
         )
         self.step_ctx.lr = self._lr.lr(self.step_count)
         self.step_ctx.number = self.step_count + 1
-        self.updater.start()
+        # (a split update of the embedding starts before backward: its twins are filled first)
+        rows = self.input_rows
+        self.updater.start(early=[rows.state] if rows is not None and self.splits_embedding() else [])
         total = 0.0
         aux_total = 0.0
         waves = self.schedule.waves(len(micro_batches))

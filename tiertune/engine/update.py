@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from tiertune.engine.rows import gather_rows
 from tiertune.engine.worker import OptimizerWorker, Unit
 from tiertune.errors import NonFiniteError, StateError
 from tiertune.methods.optim import (
@@ -110,10 +111,12 @@ class Updater:
         self.norms: dict[str, torch.Tensor] = {}
         self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
         self._redoing = False  # the units submitted now redo a speculative step (``finish``)
+        self._filled: set[int] = set()  # this step's twins (chunk ids) that hold their sources' values
+        self._fills: list[Unit] = []  # the units whose twins are still to be filled ahead (``start``)
         during = torch.get_num_threads()  # the worker's during backward: the compute thread's setting
         self.worker = OptimizerWorker(
             store,
-            lambda unit, coef: self.unit(*unit, coef),
+            lambda unit, coef, part: self.unit(*unit, coef, part),
             times,
             inline=compute.ledger,
             threads=lambda: max(during, tail_threads) if ctx.tail else during,
@@ -135,11 +138,56 @@ class Updater:
             and cfg.master_weights == "float32"
         )
 
-    def start(self) -> None:
-        """A step begins: no norms yet; the worker prefetches along the units' order."""
+    def in_memory(self, state: GroupState, j: int) -> bool:
+        """Whether the sources and twins of unit ``j`` of ``state`` are homed in memory (the host or the device
+        tier), where a second visit reads nothing from disk."""
+        chunks = (*state.sources(j), *(state.twins[j] if state.twins else ()))
+        return all(Tier(c.home) is not Tier.DISK for c in chunks)
+
+    def splits(self, state: GroupState) -> bool:
+        """Whether a speculative step may update ``state``'s one tensor in two parts, the rows outside a set
+        first (``Outside`` pieces, in the background) and those rows last (``Inside``): torch's AdamW (its
+        arithmetic is per element), the tensor whole in this process, its sources and twins in memory (on
+        disk a second visit would read them twice)."""
+        cfg = self.config
+        if self.galore is not None or cfg.optim != "adamw_torch" or cfg.master_weights != "float32":
+            return False
+        if len(state.weights) != 1:
+            return False
+        return self.in_memory(state, 0)
+
+    def outside(self, state: GroupState, name: str, index: torch.Tensor) -> list[Outside]:
+        """The background pieces of a split update of tensor ``name`` (``state``'s, chunk 0): its rows but
+        ``index`` (sorted), ``PIECE_ELEMENTS`` elements a piece at most."""
+        shape = state.group.params[name].shape
+        per_row = math.prod(shape[1:])
+        # (a ledger's rows have no values: its pieces cover every row, a few more than a run's)
+        rows = [] if index.is_meta else index.tolist()
+        pieces = outside_ranges(shape[0], rows, max(1, PIECE_ELEMENTS // max(per_row, 1)))
+        return [Outside(name, tuple(r)) for r in pieces]
+
+    def start(self, early: Sequence[GroupState] = ()) -> None:
+        """A step begins: no norms yet; the worker prefetches along the units' order. A speculative step's twins
+        homed in memory are filled from their sources in the background, ``FILL_AHEAD`` units ahead of the
+        worker (in the units' order, ``early``'s first: a split update's, whose pieces start before backward):
+        what it copies while it waits for backward's next gradients, a unit does not copy before its AdamW
+        (on a 2-core CPU the copy took longer than the update), and at most that many units' twins are filled
+        before their update needs them."""
         self.norms = {}
         self.ctx.tail = False
+        self._filled = set()
         self.worker.start_step(self.units)
+        self._fills = []
+        if self.ctx.speculating:
+            order = [(s, j) for s in early for j in range(len(s.weights))]
+            order += [u for u in self.units if u[0] not in early]
+            self._fills = [(s, j) for s, j in order if s.twins and self.in_memory(s, j)]
+        self._fill_ahead(FILL_AHEAD)
+
+    def _fill_ahead(self, count: int) -> None:
+        """Hand the worker the fills of the next ``count`` units' twins (``start``), as background pieces."""
+        fills, self._fills = self._fills[:count], self._fills[count:]
+        self.worker.submit_background([(s, j, FILL) for s, j in fills])
 
     def finish(self, loss: float) -> float:
         """After backward: the exact clipping coefficient; confirm, redo or run the optimizer; commit. Returns
@@ -204,8 +252,15 @@ class Updater:
             with contextlib.suppress(StateError):  # the run stops: a chunk still held is left as it is
                 self.store.discard(chunk)
 
-    def unit(self, state: GroupState, j: int, coef: torch.Tensor | None) -> None:
-        """AdamW on weight chunk ``j`` of ``state`` (runs on the optimizer worker's thread).
+    def unit(
+        self,
+        state: GroupState,
+        j: int,
+        coef: torch.Tensor | None,
+        part: Fill | Outside | Inside | None = None,
+    ) -> None:
+        """AdamW on weight chunk ``j`` of ``state`` (runs on the optimizer worker's thread); ``part``: one part
+        of a split update (``splits``: ``Outside``, ``Inside``), or the twins' fill (``Fill``), instead.
 
         Reads the gradients and the sources (master weights, moments); writes the new values into the
         twins when there are some (the sources stay as they were, for a redo) or in place; then writes the
@@ -213,6 +268,15 @@ class Updater:
         worker's timing varies, the compute thread's order must not.
         """
         store = self.store
+        if isinstance(part, Fill):
+            # not the twin of weights that are their own master: the compute thread may hold them on the
+            # device tier now (the layer it back-propagates), and the fill would wait for it; the unit copies it
+            for twin, source in zip(state.twins[j], state.sources(j), strict=True):
+                if source is not state.weights[j] and twin.id not in self._filled:
+                    store.acquire(twin, cpu_tier(twin, self.device), traced=False, copy_from=source)
+                    store.release(twin, dirty=True)
+                    self._filled.add(twin.id)
+            return
         held: list[tuple[Chunk, bool]] = []
         guard = self.before_update
         if guard is not None:  # a checkpoint being written needs these chunks as they were
@@ -229,21 +293,72 @@ class Updater:
                 self._redo(state, j, coef, get)
                 return
             grads = get(state.grads[j], dirty=False)
-            if state.twins:  # the sources' bytes handed to (or copied into) the twins, the sources untouched
-                views = [get(t, s) for t, s in zip(state.twins[j], state.sources(j), strict=True)]
+            if state.twins:
+                # the sources' bytes handed to (or copied into) the twins, the sources untouched: unless filled
+                # this step already (``start``, or a part before); a redo from gradients fills them again
+                views = []
+                for twin, source in zip(state.twins[j], state.sources(j), strict=True):
+                    filled = twin.id in self._filled and not self._redoing
+                    self._filled.add(twin.id)
+                    views.append(get(twin, None if filled else source))
             else:
                 views = [get(c) for c in state.sources(j)]
-            proj_chunk = state.proj[j] if self.galore is not None else None
-            proj = get(proj_chunk, dirty=False) if proj_chunk is not None else {}
-            self.compute.run(self._adamw, state, grads, views, proj, coef)
-            if state.master:
-                with store.writing(state.weights[j]) as weights:
-                    self.compute.run(_copy, weights, views[0], list(grads))
+            if part is None:
+                proj_chunk = state.proj[j] if self.galore is not None else None
+                proj = get(proj_chunk, dirty=False) if proj_chunk is not None else {}
+                self.compute.run(self._adamw, state, grads, views, proj, coef)
+                if state.master:
+                    with store.writing(state.weights[j]) as weights:
+                        self.compute.run(_copy, weights, views[0], list(grads))
+            else:
+                self._part(state, j, part, grads, views)
         finally:
             for chunk, dirty in reversed(held):
                 store.release(chunk, dirty=dirty)
-        if not state.twins or self.redoes_from_twins:  # no redo needs them: free their memory
+        if isinstance(part, Outside):
+            return
+        # no redo needs them (and a split update's pieces are done): free their memory
+        if not state.twins or self.redoes_from_twins:
             store.discard(state.grads[j])
+        if not self._redoing:
+            self._fill_ahead(1)
+
+    def _part(
+        self,
+        state: GroupState,
+        j: int,
+        part: Outside | Inside,
+        grads: dict[str, torch.Tensor],
+        views: list[dict[str, torch.Tensor]],
+    ) -> None:
+        """One part of a split speculative update of chunk ``j`` of ``state`` (coefficient 1) into ``views``
+        (master weights and moments, or their twins): an ``Outside`` piece's rows from the gradient chunk
+        (``grads``), or the ``Inside`` rows from their gradient (which the worker runs after every piece)."""
+        cfg = self.config
+        hp = AdamStep(
+            self.ctx.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay, self.ctx.number
+        )
+        name, decayed = part.name, part.name in state.decayed
+        if isinstance(part, Inside):
+            rows = [v[name].new_empty((part.index.numel(), *v[name].shape[1:])) for v in views]
+            for into, v in zip(rows, views, strict=True):
+                self.compute.run(gather_rows, into, v[name], part.index)
+            self.compute.run(_adamw_views, {name: part.values}, [{name: r} for r in rows], hp, decayed)
+            for into, v in zip(rows, views, strict=True):
+                self.compute.run(put_rows, v[name], part.index, into)
+            if state.master:
+                with self.store.writing(state.weights[j]) as weights:
+                    self.compute.run(put_rows, weights[name], part.index, rows[0])
+            return
+
+        def sub(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {f"{name}[{lo}:{hi}]": d[name][lo:hi] for lo, hi in part.ranges}
+
+        self.compute.run(_adamw_views, sub(grads), [sub(v) for v in views], hp, decayed)
+        if state.master:
+            with self.store.writing(state.weights[j]) as weights:
+                into = sub(weights)
+                self.compute.run(_copy, into, sub(views[0]), list(into))
 
     def _redo(
         self,
@@ -311,6 +426,75 @@ class Updater:
         self.worker.close()
 
 
+PIECE_ELEMENTS = 1 << 23
+"""The most elements of a tensor one background piece of a split update updates (32 MiB of fp32 a state): a
+unit submitted meanwhile waits for at most one piece."""
+
+
+FILL_AHEAD = 2
+"""How many units ahead of the worker a speculative step's twins are filled (``Updater.start``)."""
+
+
+class Fill:
+    """A unit's twins filled from their sources before its update (``Updater.start``: in the background)."""
+
+
+FILL = Fill()
+
+
+@dataclass(frozen=True)
+class Outside:
+    """A background piece of a split update: rows ``ranges`` ([lo, hi) pairs) of tensor ``name``, none of the
+    rows whose gradient comes last."""
+
+    name: str
+    ranges: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Inside:
+    """The rest of a split update: rows ``index`` (sorted, on the CPU) of tensor ``name`` with their whole
+    gradient ``values`` (fp32, on the CPU; the gradient chunk holds them too)."""
+
+    name: str
+    index: torch.Tensor
+    values: torch.Tensor
+
+
+def outside_ranges(rows: int, index: list[int], per_piece: int) -> list[list[tuple[int, int]]]:
+    """Rows 0..``rows`` but those in ``index`` (sorted, distinct) as pieces of at most ``per_piece`` rows, each
+    a list of [lo, hi) ranges; a piece with no row left is not listed."""
+    pieces: list[list[tuple[int, int]]] = []
+    k = 0
+    for a in range(0, rows, per_piece):
+        b = min(a + per_piece, rows)
+        ranges, lo = [], a
+        while k < len(index) and index[k] < b:
+            if index[k] > lo:
+                ranges.append((lo, index[k]))
+            lo = index[k] + 1
+            k += 1
+        if lo < b:
+            ranges.append((lo, b))
+        if ranges:
+            pieces.append(ranges)
+    return pieces
+
+
+def _adamw_views(
+    grads: dict[str, torch.Tensor], views: list[dict[str, torch.Tensor]], hp: AdamStep, decayed: bool
+) -> None:
+    """``adamw`` on views of one tensor's rows (``grads`` and the master weights and moments in ``views``,
+    keyed alike), weight decay on all of them or none."""
+    names = list(grads)
+    adamw(names, views[0], grads, views[1], views[2], hp, set(names) if decayed else set())
+
+
+def put_rows(into: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """``into[index] = values`` (rows, in ``into``'s dtype)."""
+    into.index_copy_(0, index.to(into.device), values.to(device=into.device, dtype=into.dtype))
+
+
 def _copy(into: dict[str, torch.Tensor], source: dict[str, torch.Tensor], names: list[str]) -> None:
     """Tensors ``names`` of ``source`` copied into ``into`` (the weights from the new master weights)."""
     for name in names:
@@ -343,7 +527,7 @@ class AdapterUpdate:
         self.units: list[Unit] = []
         self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
 
-    def start(self) -> None:
+    def start(self, early: Sequence[GroupState] = ()) -> None:
         """A step begins: nothing to prepare (autograd accumulates the adapters' gradients)."""
 
     def finish(self, loss: float) -> float:

@@ -3,12 +3,13 @@ in the order backward submits them, behind it."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +28,9 @@ Unit = tuple["GroupState", int]
 
 
 class OptimizerWorker:
-    """One background thread that runs the optimizer's units in the order they are submitted.
+    """One background thread that runs the optimizer's units in the order they are submitted, and, when none
+    is queued, the *background* pieces of a unit split in two (``submit_background``: the rows of an embedding
+    whose gradient is final early, ``engine.update``), which count towards no limit but ``join``'s.
 
     While it works on one unit it prefetches the optimizer states of the next units of the step's plan
     from disk, even before backward has submitted them (their sources do not depend on the gradients).
@@ -41,7 +44,7 @@ class OptimizerWorker:
     def __init__(
         self,
         store: ChunkStore,
-        run_unit: Callable[[Unit, torch.Tensor | None], None],
+        run_unit: Callable[[Unit, torch.Tensor | None, Any], None],
         times: dict[str, float],
         lookahead: int = 2,
         max_pending: int = MAX_PENDING,
@@ -49,7 +52,8 @@ class OptimizerWorker:
         threads: Callable[[], int] | None = None,
         trace: Trace | None = None,
     ) -> None:
-        """``run_unit((state, j), coef)`` updates weight chunk ``j`` of group state ``state``; the seconds it
+        """``run_unit((state, j), coef, part)`` updates weight chunk ``j`` of group state ``state`` (``part``: the
+        part of it that ``submit`` or ``submit_background`` was given, None for all of it); the seconds it
         takes are added to ``times["optimizer_busy"]``. ``inline``: no thread, each unit runs as it is
         submitted, on the caller's thread (over a ledger store, whose calls one thread makes in turn: the
         worker keeping up with backward). ``threads()``: the torch threads of the unit about to start (set
@@ -63,11 +67,15 @@ class OptimizerWorker:
         self._lookahead = lookahead
         self._max_pending = max_pending
         self._plan: list[Unit] = []
-        self._pending = 0
+        self._pending = 0  # units and background pieces queued or running
+        self._background = 0  # ... background pieces among them
+        self._later: collections.deque = collections.deque()  # the worker's background pieces not yet run
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._inline = inline
-        self._held: list[tuple[GroupState, int, torch.Tensor | None]] = []  # inline: ``submit(behind=True)``
+        self._held: list[
+            tuple[GroupState, int, torch.Tensor | None, Any]
+        ] = []  # inline: ``submit(behind=True)``
         self._threads = threads
         self._trace = trace if inline else None
         self._position = 0  # in the plan: the unit running, or the last one run
@@ -82,23 +90,29 @@ class OptimizerWorker:
         self._queue.put(("plan", plan))
 
     def submit(
-        self, state: GroupState, coef: torch.Tensor | None, j: int | None = None, behind: bool = False
+        self,
+        state: GroupState,
+        coef: torch.Tensor | None,
+        j: int | None = None,
+        behind: bool = False,
+        part: Any = None,
     ) -> float:
         """Queue the unit(s) of ``state`` (chunk ``j``, or all of its chunks); returns the seconds waited.
         ``behind``: the caller drains to one unit left before its next hand-off (``drain(2)``), so that unit may
         still run while the caller makes its next gradients; inline (a ledger), the last such unit runs at the
         next submit or full drain, after what the caller does in between: the worst case, whose peak the
-        estimate then predicts (a worker that keeps up holds one group's gradients less)."""
+        estimate then predicts (a worker that keeps up holds one group's gradients less). ``part`` (with
+        ``j``): the rest of a unit whose background pieces were submitted before; it runs after all of them."""
         waited = 0.0
         for k in range(len(state.weights)) if j is None else (j,):
             if self._inline:
                 self._run_held()
                 if self._trace is not None:
-                    self._trace.op("submit")
+                    self._trace.op(*(("submit",) if part is None else ("submit", "after")))
                 if behind:
-                    self._held.append((state, k, coef))
+                    self._held.append((state, k, coef, part))
                 else:
-                    self._unit(state, k, coef)
+                    self._unit(state, k, coef, part)
                 continue
             began = time.perf_counter()
             with self._cond:
@@ -107,8 +121,29 @@ class OptimizerWorker:
                     raise self._error
                 self._pending += 1
             waited += time.perf_counter() - began
-            self._queue.put(("unit", (state, k, coef)))
+            self._queue.put(("unit", (state, k, coef, part)))
         return waited
+
+    def submit_background(self, items: list[tuple[GroupState, int, Any]]) -> None:
+        """Queue ``items`` ((state, chunk, part) each) as background pieces: the worker runs one whenever no unit
+        is queued, in the order given, and those of a state before the unit submitted with a ``part`` for it
+        (the rest of a split update). Never waits: the pieces count towards no limit of ``submit`` or
+        ``drain``, only ``join``'s. Inline (a ledger) they run now, one after the other."""
+        if not items:
+            return
+        if self._inline:
+            self._run_held()
+            if self._trace is not None:
+                self._trace.op("submit", "background", len(items))
+            for state, j, part in items:
+                self._unit(state, j, None, part, background=True)
+            return
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            self._pending += len(items)
+            self._background += len(items)
+        self._queue.put(("background", [(state, j, None, part) for state, j, part in items]))
 
     def drain(self, limit: int = 1) -> float:
         """Wait until fewer than ``limit`` submitted units are queued or running (1: all done), or the worker
@@ -128,7 +163,11 @@ class OptimizerWorker:
         or the worker itself waits in the store on another thread (maybe for a chunk the caller holds:
         waiting on would hang). A worker waiting for a transfer in flight is waited for: the transfer ends by
         itself, and returning early would let the caller stage its next chunks beside the worker's."""
-        while self._pending >= limit and self._error is None and not self._store.waiting(self._thread.ident):
+        while (
+            self._pending - self._background >= limit
+            and self._error is None
+            and not self._store.waiting(self._thread.ident)
+        ):
             self._cond.wait(timeout=0.05)
 
     def join(self) -> None:
@@ -153,38 +192,61 @@ class OptimizerWorker:
         self._queue.put(("stop", None))
         self._thread.join()
 
-    def _unit(self, state: GroupState, j: int, coef: torch.Tensor | None) -> None:
-        """Unit ``j`` of ``state``, after prefetching the states of the next units of the plan."""
+    def _unit(
+        self, state: GroupState, j: int, coef: torch.Tensor | None, part: Any = None, background: bool = False
+    ) -> None:
+        """Unit ``j`` of ``state`` (or its ``part``), after prefetching the states of the next units of the plan
+        (a background piece runs outside the plan: it neither moves along it nor prefetches)."""
         began = time.perf_counter()
         if self._threads is not None and not self._inline:
             n = self._threads()
             if n != torch.get_num_threads():
                 torch.set_num_threads(n)
-        while self._position < len(self._plan) and self._plan[self._position] != (state, j):
-            self._position += 1
-        ahead = self._plan[self._position + 1 : self._position + 1 + self._lookahead]
+        ahead: list[Unit] = []
+        if not background:
+            while self._position < len(self._plan) and self._plan[self._position] != (state, j):
+                self._position += 1
+            ahead = self._plan[self._position + 1 : self._position + 1 + self._lookahead]
         with self._trace.unit() if self._trace is not None else contextlib.nullcontext():
             self._store.prefetch([c for s, k in ahead for c in s.reads(k)])
             with self._store.holding("optimizer"):  # its own moments on a ledger (``engine.memory``)
-                self._run_unit((state, j), coef)
+                self._run_unit((state, j), coef, part)
         self._times["optimizer_busy"] += time.perf_counter() - began
 
     def _run(self) -> None:
         while True:
-            kind, item = self._queue.get()
+            if self._later:  # background pieces wait for nothing but the units queued
+                try:
+                    kind, item = self._queue.get_nowait()
+                except queue.Empty:
+                    self._run_one(self._later.popleft(), background=True)
+                    continue
+            else:
+                kind, item = self._queue.get()
             if kind == "stop":
                 return
             if kind == "plan":
                 self._plan, self._position = item, 0
                 continue
-            state, j, coef = item
-            try:
-                if self._error is None:
-                    self._unit(state, j, coef)
-            except BaseException as exc:  # reported by join/submit on the compute thread
-                with self._cond:
-                    self._error = self._error or exc
-            finally:
-                with self._cond:
-                    self._pending -= 1
-                    self._cond.notify_all()
+            if kind == "background":
+                self._later.extend(item)
+                continue
+            if item[3] is not None:  # the rest of a split unit: after its state's background pieces
+                for piece in [p for p in self._later if p[0] is item[0]]:
+                    self._later.remove(piece)
+                    self._run_one(piece, background=True)
+            self._run_one(item)
+
+    def _run_one(self, item: tuple, background: bool = False) -> None:
+        """Run one queued unit or background piece; an error is kept for ``join``/``submit`` to raise."""
+        try:
+            if self._error is None:
+                self._unit(*item, background=background)
+        except BaseException as exc:  # reported by join/submit on the compute thread
+            with self._cond:
+                self._error = self._error or exc
+        finally:
+            with self._cond:
+                self._pending -= 1
+                self._background -= background
+                self._cond.notify_all()

@@ -8,7 +8,9 @@ Three kinds of actor run at once, as in a run:
   chunk whose transfer is in flight (``use``: time waiting on I/O) and for the optimizer's worker (``submit``
   while ``worker.MAX_PENDING`` units are pending, ``drain``, ``join``: time the optimizer is not hidden);
 - the optimizer's worker runs the units in the order submitted (AdamW priced per parameter, its copies per
-  byte; a unit that starts after backward is done (``tail``) has the compute thread's cores too);
+  byte; a unit that starts after backward is done (``tail``) has the compute thread's cores too) and, when
+  none is queued, the background pieces (``submit_background``: the twins' fills, a split update's rows
+  outside the embedding's), those before a unit submitted "after" them;
 - each link moves its transfers in the order started (the disk one way at a time; host-to-device and
   device-to-host each their own way), a chunk's transfer after its previous one.
 
@@ -134,9 +136,14 @@ class _Play:
         self.compute.script = trace.compute
         self.worker = _Actor("worker")
         self._idle: list[Op] = []  # the worker's script while no unit runs
-        self.queue: deque[int] = deque()  # units submitted, not started
+        self.queue: deque[tuple[int, bool]] = (
+            deque()
+        )  # units submitted, not started (index, after background)
+        self.background: deque[int] = deque()  # background pieces submitted, not started
         self.submitted = 0
-        self.pending = 0  # submitted units queued or running
+        self.pending = 0  # submitted units and background pieces queued or running
+        self.pending_background = 0  # ... background pieces among them
+        self.unit_background = False  # the worker runs a background piece
         self.tail = False
         self.unit_tail = False  # the unit running started after backward
         # transfers [chunk, seconds left, link]: per lane in the order started, per chunk those not done
@@ -223,9 +230,15 @@ class _Play:
                 self._start(op[1], op[2], op[3])
             elif kind == "use":
                 actor.blocked = ("io", op[1])
+            elif kind == "submit" and op[1:2] == ("background",):
+                self.background.extend(range(self.submitted, self.submitted + op[2]))
+                self.submitted += op[2]
+                self.pending += op[2]
+                self.pending_background += op[2]
+                self._ops(self.worker)
             elif kind == "submit":
-                if self.pending < MAX_PENDING:
-                    self._submit()
+                if self.pending - self.pending_background < MAX_PENDING:
+                    self._submit(after=op[1:2] == ("after",))
                     # the worker takes it up at once (the thread it wakes starts before the caller's next op)
                     self._ops(self.worker)
                 else:  # submitted once fewer are pending
@@ -234,7 +247,7 @@ class _Play:
             elif kind == "drain":
                 actor.blocked = ("below", op[1])
             elif kind == "join":
-                actor.blocked = ("below", 1)
+                actor.blocked = ("all",)
             elif kind == "tail":
                 self.tail = True
             elif kind == "step":
@@ -243,22 +256,29 @@ class _Play:
     def _unblocked(self, why: tuple) -> bool:
         if why[0] == "io":
             return not self.open.get(why[1])
-        return self.pending < why[1]
+        if why[0] == "all":
+            return not self.pending
+        return self.pending - self.pending_background < why[1]
 
-    def _submit(self) -> None:
-        self.queue.append(self.submitted)
+    def _submit(self, after: bool = False) -> None:
+        self.queue.append((self.submitted, after))
         self.submitted += 1
         self.pending += 1
 
     def _end_unit(self) -> bool:
-        """The worker's unit is done (if it ran one); the next queued one starts. Whether one started."""
+        """The worker's unit is done (if it ran one); the next queued one starts, else a background piece.
+        Whether one started."""
         w = self.worker
         if w.script is not self._idle:
             self.pending -= 1
-        if not self.queue:
+            self.pending_background -= self.unit_background
+        if self.queue and not (self.queue[0][1] and self.background):
+            index, self.unit_background = self.queue.popleft()[0], False
+        elif self.background:
+            index, self.unit_background = self.background.popleft(), True
+        else:
             w.script, w.at = self._idle, 0
             return False
-        index = self.queue.popleft()
         if index >= len(self.units):
             raise StateError("the trace submitted more optimizer units than it recorded")
         w.script, w.at = self.units[index], 0
