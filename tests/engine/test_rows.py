@@ -11,8 +11,7 @@ from test_engine import _check_parity
 from torch import nn
 
 from tiertune.engine import update
-from tiertune.engine.rows import InputRows
-from tiertune.engine.update import outside_ranges
+from tiertune.engine.rows import InputRows, outside_ranges
 from tiertune.engine.worker import OptimizerWorker
 
 

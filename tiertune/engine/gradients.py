@@ -13,17 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiertune.engine.rows import InputRows, Rows, add_rows, gather_rows
-from tiertune.engine.update import Inside, put_rows
+from tiertune.engine.rows import InputRows, Inside, Rows, add_rows, gather_rows, put_rows
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
 
 if TYPE_CHECKING:
+    from tiertune.engine.adapter_update import AdapterUpdate
     from tiertune.engine.compute import Compute
     from tiertune.engine.layout import GroupState
     from tiertune.engine.sharding import Sharding
-    from tiertune.engine.update import AdapterUpdate, StepContext, Updater
+    from tiertune.engine.update import StepContext, Updater
     from tiertune.methods.optim import GaLore
 
 
@@ -54,6 +54,15 @@ class GradientSink:
         # the embedding handed on in two parts this step (``add_outside``): its rows, the norm of its gradient
         # outside them, a tied head's gradient of them (None: it has none), and whether its update is split
         self._parts: dict[int, tuple[InputRows, torch.Tensor | None, torch.Tensor | None, bool]] = {}
+
+    def embedding_parts(self, rows: InputRows | None) -> tuple[bool, bool]:
+        """Whether this wave hands the gradient of the embedding of ``rows`` on in two parts (``add_outside``:
+        the step's only wave, the tensor whole in this process), and whether its update is split then (a
+        speculative step, an update that splits: ``Updater.splits``)."""
+        ctx = self.ctx
+        two = rows is not None and ctx.first_wave and ctx.last_wave and self.sharding.whole
+        split = two and ctx.speculating and self.updater.splits(rows.state)  # type: ignore[union-attr]
+        return two, split
 
     def add_outside(self, rows: InputRows, dense: torch.Tensor | None, split: bool) -> None:
         """The first part of the embedding's hand-off (``rows``; a step of one wave): its gradient outside the

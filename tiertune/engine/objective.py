@@ -14,9 +14,13 @@ gradients; the [tokens x vocabulary] logits never exist.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
+from tiertune.errors import DataError
+from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 from tiertune.settings import DPO_LOSS_TYPES, ObjectiveSettings
 
 LOSS_TYPES = DPO_LOSS_TYPES
@@ -182,6 +186,24 @@ def counted(tokens: torch.Tensor) -> torch.Tensor:
     ([2 x pairs]: chosen, then rejected)."""
     chosen, rejected = tokens.chunk(2)
     return (chosen > 0) & (rejected > 0)
+
+
+def targets(
+    settings: ObjectiveSettings,
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    labels: Sequence[torch.Tensor],
+) -> int:
+    """What a step's loss is the mean over in this process: its target tokens, or, for a preference objective,
+    its pairs with targets in both sequences (a rank's padding pair has none); each micro-batch of pairs
+    checked to hold them as ``pairs`` says."""
+    if not settings.paired:
+        return sum(int((lab[:, 1:] != IGNORE_INDEX).sum()) for lab in labels)
+    if not all("pairs" in mb and 2 * int(mb["pairs"]) == len(mb["input_ids"]) for mb in micro_batches):
+        raise DataError(
+            f"objective.type {settings.type} trains on pairs: each micro-batch needs 'pairs' and twice "
+            "as many rows (chosen, then rejected; data.format: preference)"
+        )
+    return sum(int(counted((lab[:, 1:] != IGNORE_INDEX).sum(1)).sum()) for lab in labels)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

@@ -29,10 +29,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tiertune.methods.optim import AdamStep, adamw
+
 if TYPE_CHECKING:
     from tiertune.engine.binding import Binder
     from tiertune.engine.compute import Compute
     from tiertune.engine.layout import GroupState
+    from tiertune.offload.store import ChunkStore
 
 
 @dataclass
@@ -172,4 +175,114 @@ class InputRows:
         return dense
 
 
-__all__ = ["InputRows", "Rows", "add_rows", "gather_rows"]
+PIECE_ELEMENTS = 1 << 23
+"""The most elements of a tensor one background piece of a split update updates (32 MiB of fp32 a state): a
+unit submitted meanwhile waits for at most one piece."""
+
+
+@dataclass(frozen=True)
+class Outside:
+    """A background piece of a split update: rows ``ranges`` ([lo, hi) pairs) of tensor ``name``, none of the
+    rows whose gradient comes last."""
+
+    name: str
+    ranges: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Inside:
+    """The rest of a split update: rows ``index`` (sorted, on the CPU) of tensor ``name`` with their whole
+    gradient ``values`` (fp32, on the CPU; the gradient chunk holds them too)."""
+
+    name: str
+    index: torch.Tensor
+    values: torch.Tensor
+
+
+def outside_ranges(rows: int, index: list[int], per_piece: int) -> list[list[tuple[int, int]]]:
+    """Rows 0..``rows`` but those in ``index`` (sorted, distinct) as pieces of at most ``per_piece`` rows, each
+    a list of [lo, hi) ranges; a piece with no row left is not listed."""
+    pieces: list[list[tuple[int, int]]] = []
+    k = 0
+    for a in range(0, rows, per_piece):
+        b = min(a + per_piece, rows)
+        ranges, lo = [], a
+        while k < len(index) and index[k] < b:
+            if index[k] > lo:
+                ranges.append((lo, index[k]))
+            lo = index[k] + 1
+            k += 1
+        if lo < b:
+            ranges.append((lo, b))
+        if ranges:
+            pieces.append(ranges)
+    return pieces
+
+
+def _adamw_views(
+    grads: dict[str, torch.Tensor], views: list[dict[str, torch.Tensor]], hp: AdamStep, decayed: bool
+) -> None:
+    """``adamw`` on views of one tensor's rows (``grads`` and the master weights and moments in ``views``,
+    keyed alike), weight decay on all of them or none."""
+    names = list(grads)
+    adamw(names, views[0], grads, views[1], views[2], hp, set(names) if decayed else set())
+
+
+def put_rows(into: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """``into[index] = values`` (rows, in ``into``'s dtype)."""
+    into.index_copy_(0, index.to(into.device), values.to(device=into.device, dtype=into.dtype))
+
+
+def update_part(
+    compute: Compute,
+    store: ChunkStore,
+    hp: AdamStep,
+    state: GroupState,
+    j: int,
+    part: Outside | Inside,
+    grads: dict[str, torch.Tensor],
+    views: list[dict[str, torch.Tensor]],
+) -> None:
+    """One part of a split speculative update (``Updater.splits``) of chunk ``j`` of ``state`` (coefficient 1,
+    the step's ``hp``; on the optimizer worker) into ``views``
+    (master weights and moments, or their twins): an ``Outside`` piece's rows from the gradient chunk
+    (``grads``), or the ``Inside`` rows from their gradient (which the worker runs after every piece)."""
+    name, decayed = part.name, part.name in state.decayed
+    if isinstance(part, Inside):
+        rows = [v[name].new_empty((part.index.numel(), *v[name].shape[1:])) for v in views]
+        for into, v in zip(rows, views, strict=True):
+            compute.run(gather_rows, into, v[name], part.index)
+        compute.run(_adamw_views, {name: part.values}, [{name: r} for r in rows], hp, decayed)
+        for into, v in zip(rows, views, strict=True):
+            compute.run(put_rows, v[name], part.index, into)
+        if state.master:
+            with store.writing(state.weights[j]) as weights:
+                compute.run(put_rows, weights[name], part.index, rows[0])
+        return
+
+    def sub(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {f"{name}[{lo}:{hi}]": d[name][lo:hi] for lo, hi in part.ranges}
+
+    compute.run(_adamw_views, sub(grads), [sub(v) for v in views], hp, decayed)
+    if state.master:
+        with store.writing(state.weights[j]) as weights:
+            compute.run(_copy_views, sub(weights), sub(views[0]))
+
+
+def _copy_views(into: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
+    """Each tensor of ``into`` from ``source``'s of its name (the compute-dtype weights from the new master's)."""
+    for name, t in into.items():
+        t.copy_(source[name])
+
+
+__all__ = [
+    "Inside",
+    "InputRows",
+    "Outside",
+    "Rows",
+    "add_rows",
+    "gather_rows",
+    "outside_ranges",
+    "put_rows",
+    "update_part",
+]

@@ -128,8 +128,7 @@ class LayerMajor(PairedPasses):
         # and, a step of one wave (the tensor whole here), handed on in two parts (``GradientSink.add_outside``):
         # its gradient outside the wave's rows once it is final (none untied; tied, the loss's), where a
         # speculative step's update of those rows starts (``splits``: behind the rest of the step), then the rows'
-        two_parts = rows is not None and engine.embedding_in_two_parts()
-        split = two_parts and engine.splits_embedding()
+        two_parts, split = engine.embedding_parts()
         with ExitStack() as stack:
             holds = {id(s): stack.enter_context(ExitStack()) for s in others}
             bound = {
@@ -157,20 +156,24 @@ class LayerMajor(PairedPasses):
             prefix_trained, first = self._prefix(micro)
             if rows is not None:
                 rows.gather(bound[id(rows.state)][rows.name])
-                if not engine.parts.tied:
-                    _release(rows.state, holds, bound)
-                    if two_parts:
-                        engine.add_outside(rows, None, split)
+            # a split update writes the embedding's weights during the step: it is released once its last reader
+            # is done (the prefix, or a tied head's loss); else it stays bound for the wave, as the other groups
+            untied = rows if two_parts and not engine.parts.tied else None
+            tied = rows if two_parts and engine.parts.tied else None
+            if untied is not None:
+                if split:
+                    _release(untied.state, holds, bound)
+                engine.add_outside(untied, None, split)
             last = self._forward(micro, first)
             suffix = self._paired_suffix if engine.objective.paired else self._suffix
             # the decoder's embeddings in the suffix (passed on to the last layer, which hands back its output):
             # a released embedding's rows stand in for it (its values for these ids)
-            with rows.bound() if rows is not None and not engine.parts.tied else nullcontext():
+            with untied.bound() if untied is not None and split else nullcontext():
                 total, aux_total = suffix(micro, last, n_tokens, micro_batches, bound, summed)
-            if rows is not None and engine.parts.tied:
-                _release(rows.state, holds, bound)
-                if two_parts:
-                    engine.add_outside(rows, summed[id(rows.state)].pop(rows.name, None), split)
+            if tied is not None:
+                if split:
+                    _release(tied.state, holds, bound)
+                engine.add_outside(tied, summed[id(tied.state)].pop(tied.name, None), split)
             for state in done_early:
                 self._hand_on(state, holds[id(state)], names[id(state)], summed)
             self._backward(micro, prefix_trained)

@@ -94,12 +94,9 @@ class StepEngine(LayerEngine, Protocol):
         """A wave's summed weight gradients of ``state``'s group (one outside the decoder layers)."""
         ...
 
-    def embedding_in_two_parts(self) -> bool:
-        """Whether this wave hands the input embedding's gradient on in two parts (``GradientSink.add_outside``)."""
-        ...
-
-    def splits_embedding(self) -> bool:
-        """Whether the update of the trained input embedding is split this step (``Updater.splits``)."""
+    def embedding_parts(self) -> tuple[bool, bool]:
+        """Whether this wave hands the input embedding's gradient on in two parts, and whether its update is
+        split (``GradientSink.embedding_parts``)."""
         ...
 
     def add_outside(self, rows: InputRows, dense: torch.Tensor | None, split: bool) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tiertune.distributed.world import World, usable_cores
+from tiertune.engine.adapter_update import AdapterUpdate
 from tiertune.engine.binding import Binder
 from tiertune.engine.compute import Compute, Ledger
 from tiertune.engine.config import EngineConfig
@@ -31,18 +32,17 @@ from tiertune.engine.layout import (
 )
 from tiertune.engine.loaded import load_model
 from tiertune.engine.loss import CausalLMLoss
-from tiertune.engine.objective import counted, disable_dropout, metric_names
+from tiertune.engine.objective import disable_dropout, metric_names, targets
 from tiertune.engine.router_aux import RouterAux
 from tiertune.engine.rows import InputRows
 from tiertune.engine.schedule import LayerMajor
 from tiertune.engine.stash import ChunkStash, DeviceStash, Stash, stash_slots
 from tiertune.engine.streaming import StreamedLayer, Visit
 from tiertune.engine.tiling import tile_layer
-from tiertune.engine.update import AdapterUpdate, LRSchedule, StepContext, Updater
+from tiertune.engine.update import LRSchedule, StepContext, Updater
 from tiertune.engine.views import StepReport, TrainerViews, step_parts
 from tiertune.errors import ConfigError, DataError
 from tiertune.kernels.ops.attention import use_segment_attention
-from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 from tiertune.kernels.patch import patch_model, resolve_backend
 from tiertune.loading.weights import Checkpoint
 from tiertune.methods.lora import Adapters
@@ -165,13 +165,13 @@ class StreamedTrainer(TrainerViews):
         # optimizer steps by how they ran: confirmed speculation, speculation redone (clipping was active),
         # run after backward (overlap off, or the last step was clipped)
         self.optimizer_counts = {"speculative": 0, "redone": 0, "after_backward": 0}
-        # the CPU optimizer of the trained groups, its units in the order backward finishes them: a head of its
-        # own after the loss (``schedule``), the layers last to first, then the embeddings' group and the rest
+        # the CPU optimizer of the trained groups, its units in the order backward finishes them (but a head of
+        # its own, handed on after the loss: listed first, the worker's plan would prefetch the layers' states
+        # from disk ahead, which on a full host evicts gradients homed on disk: 4 GiB more written a step in
+        # the 8B DPO recipe)
         layers = [self.states[i] for i in reversed(self._layer_index)]
         others = [s for s in self.states if s.group.kind != "layer"]
-        heads = [s for s in others if s.group.kind == "head"]
-        rest = [s for s in others if s not in heads]
-        units = [(s, j) for s in heads + layers + rest for j in range(len(s.weights))]
+        units = [(s, j) for s in layers + others for j in range(len(s.weights))]
         # the update: the CPU optimizer of the trained groups' chunks, or the adapters' own (LoRA)
         self.updater: Updater | AdapterUpdate = (
             Updater(
@@ -309,22 +309,10 @@ class StreamedTrainer(TrainerViews):
         the ``Compute.mark`` they wait for)."""
         self.gradients.add(state, grads, ready)
 
-    def embedding_in_two_parts(self) -> bool:
-        """Whether this wave hands the trained input embedding's gradient on in two parts (outside its rows,
-        then its rows: ``GradientSink.add_outside``): the step's only wave, the tensor whole in this process."""
-        ctx = self.step_ctx
-        return self.input_rows is not None and ctx.first_wave and ctx.last_wave and self.sharding.whole
-
-    def splits_embedding(self) -> bool:
-        """Whether the update of the trained input embedding is split this step: a speculative step, and an
-        update that splits (``Updater.splits``)."""
-        rows = self.input_rows
-        return (
-            rows is not None
-            and self.step_ctx.speculating
-            and isinstance(self.updater, Updater)
-            and self.updater.splits(rows.state)
-        )
+    def embedding_parts(self) -> tuple[bool, bool]:
+        """Whether this wave hands the trained input embedding's gradient on in two parts, and whether its
+        update is split (``GradientSink.embedding_parts``)."""
+        return self.gradients.embedding_parts(self.input_rows)
 
     def add_outside(self, rows: InputRows, dense: torch.Tensor | None, split: bool) -> None:
         """The embedding's gradient outside the wave's rows is final (``GradientSink.add_outside``)."""
@@ -350,21 +338,8 @@ class StreamedTrainer(TrainerViews):
         moved, sent = self.store.stats().bytes_moved, self.wire_sent()  # before the step
         times_before = dict(self.times)
         labels = [mb.get("labels", mb["input_ids"]) for mb in micro_batches]
-        if self.objective.paired:
-            if not all(
-                "pairs" in mb and 2 * int(mb["pairs"]) == len(mb["input_ids"]) for mb in micro_batches
-            ):
-                raise DataError(
-                    f"objective.type {self.objective.type} trains on pairs: each micro-batch needs 'pairs' and twice "
-                    "as many rows (chosen, then rejected; data.format: preference)"
-                )
-            # the pairs with targets (a rank's padding pair has none)
-            n_tokens = sum(int(counted((lab[:, 1:] != IGNORE_INDEX).sum(1)).sum()) for lab in labels)
-        else:
-            n_tokens = sum(int((lab[:, 1:] != IGNORE_INDEX).sum()) for lab in labels)
-        n_tokens = int(
-            self.sharding.total(n_tokens, torch.int64)
-        )  # the global batch's: every rank divides by it
+        # the global batch's: every rank divides by it
+        n_tokens = int(self.sharding.total(targets(self.objective, micro_batches, labels), torch.int64))
         if n_tokens == 0:
             raise DataError(
                 "a training step has no target tokens (every label is -100); check the data and max_seq_len"
@@ -381,7 +356,8 @@ class StreamedTrainer(TrainerViews):
         self.step_ctx.number = self.step_count + 1
         # (a split update of the embedding starts before backward: its twins are filled first)
         rows = self.input_rows
-        self.updater.start(early=[rows.state] if rows is not None and self.splits_embedding() else [])
+        early = rows is not None and self.overlap and self.updater.splits(rows.state)  # (when it speculates)
+        self.updater.start(early=[rows.state] if rows is not None and early else [])
         total = 0.0
         aux_total = 0.0
         waves = self.schedule.waves(len(micro_batches))

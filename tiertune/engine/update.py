@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tiertune.engine.rows import gather_rows
+from tiertune.engine.rows import PIECE_ELEMENTS, Inside, Outside, outside_ranges, update_part
 from tiertune.engine.worker import OptimizerWorker, Unit
 from tiertune.errors import NonFiniteError, StateError
 from tiertune.methods.optim import (
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from tiertune.engine.config import EngineConfig
     from tiertune.engine.layout import GroupState
     from tiertune.engine.sharding import Sharding
-    from tiertune.methods.lora import Adapters
     from tiertune.methods.optim import GaLore
 
 
@@ -179,8 +178,10 @@ class Updater:
         self.worker.start_step(self.units)
         self._fills = []
         if self.ctx.speculating:
-            order = [(s, j) for s in early for j in range(len(s.weights))]
-            order += [u for u in self.units if u[0] not in early]
+            # in the order the units run: ``early``'s, a head's of its own (handed on after the loss), the rest
+            first = [*early, *(s for s in self.states if s.group.kind == "head" and s not in early)]
+            order = [(s, j) for s in first for j in range(len(s.weights))]
+            order += [u for u in self.units if u[0] not in first]
             self._fills = [(s, j) for s, j in order if s.twins and self.in_memory(s, j)]
         self._fill_ahead(FILL_AHEAD)
 
@@ -311,7 +312,16 @@ class Updater:
                     with store.writing(state.weights[j]) as weights:
                         self.compute.run(_copy, weights, views[0], list(grads))
             else:
-                self._part(state, j, part, grads, views)
+                cfg = self.config
+                hp = AdamStep(
+                    self.ctx.lr,
+                    cfg.adam_beta1,
+                    cfg.adam_beta2,
+                    cfg.adam_epsilon,
+                    cfg.weight_decay,
+                    self.ctx.number,
+                )
+                update_part(self.compute, store, hp, state, j, part, grads, views)
         finally:
             for chunk, dirty in reversed(held):
                 store.release(chunk, dirty=dirty)
@@ -322,43 +332,6 @@ class Updater:
             store.discard(state.grads[j])
         if not self._redoing:
             self._fill_ahead(1)
-
-    def _part(
-        self,
-        state: GroupState,
-        j: int,
-        part: Outside | Inside,
-        grads: dict[str, torch.Tensor],
-        views: list[dict[str, torch.Tensor]],
-    ) -> None:
-        """One part of a split speculative update of chunk ``j`` of ``state`` (coefficient 1) into ``views``
-        (master weights and moments, or their twins): an ``Outside`` piece's rows from the gradient chunk
-        (``grads``), or the ``Inside`` rows from their gradient (which the worker runs after every piece)."""
-        cfg = self.config
-        hp = AdamStep(
-            self.ctx.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay, self.ctx.number
-        )
-        name, decayed = part.name, part.name in state.decayed
-        if isinstance(part, Inside):
-            rows = [v[name].new_empty((part.index.numel(), *v[name].shape[1:])) for v in views]
-            for into, v in zip(rows, views, strict=True):
-                self.compute.run(gather_rows, into, v[name], part.index)
-            self.compute.run(_adamw_views, {name: part.values}, [{name: r} for r in rows], hp, decayed)
-            for into, v in zip(rows, views, strict=True):
-                self.compute.run(put_rows, v[name], part.index, into)
-            if state.master:
-                with self.store.writing(state.weights[j]) as weights:
-                    self.compute.run(put_rows, weights[name], part.index, rows[0])
-            return
-
-        def sub(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return {f"{name}[{lo}:{hi}]": d[name][lo:hi] for lo, hi in part.ranges}
-
-        self.compute.run(_adamw_views, sub(grads), [sub(v) for v in views], hp, decayed)
-        if state.master:
-            with self.store.writing(state.weights[j]) as weights:
-                into = sub(weights)
-                self.compute.run(_copy, into, sub(views[0]), list(into))
 
     def _redo(
         self,
@@ -426,11 +399,6 @@ class Updater:
         self.worker.close()
 
 
-PIECE_ELEMENTS = 1 << 23
-"""The most elements of a tensor one background piece of a split update updates (32 MiB of fp32 a state): a
-unit submitted meanwhile waits for at most one piece."""
-
-
 FILL_AHEAD = 2
 """How many units ahead of the worker a speculative step's twins are filled (``Updater.start``)."""
 
@@ -442,119 +410,10 @@ class Fill:
 FILL = Fill()
 
 
-@dataclass(frozen=True)
-class Outside:
-    """A background piece of a split update: rows ``ranges`` ([lo, hi) pairs) of tensor ``name``, none of the
-    rows whose gradient comes last."""
-
-    name: str
-    ranges: tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True)
-class Inside:
-    """The rest of a split update: rows ``index`` (sorted, on the CPU) of tensor ``name`` with their whole
-    gradient ``values`` (fp32, on the CPU; the gradient chunk holds them too)."""
-
-    name: str
-    index: torch.Tensor
-    values: torch.Tensor
-
-
-def outside_ranges(rows: int, index: list[int], per_piece: int) -> list[list[tuple[int, int]]]:
-    """Rows 0..``rows`` but those in ``index`` (sorted, distinct) as pieces of at most ``per_piece`` rows, each
-    a list of [lo, hi) ranges; a piece with no row left is not listed."""
-    pieces: list[list[tuple[int, int]]] = []
-    k = 0
-    for a in range(0, rows, per_piece):
-        b = min(a + per_piece, rows)
-        ranges, lo = [], a
-        while k < len(index) and index[k] < b:
-            if index[k] > lo:
-                ranges.append((lo, index[k]))
-            lo = index[k] + 1
-            k += 1
-        if lo < b:
-            ranges.append((lo, b))
-        if ranges:
-            pieces.append(ranges)
-    return pieces
-
-
-def _adamw_views(
-    grads: dict[str, torch.Tensor], views: list[dict[str, torch.Tensor]], hp: AdamStep, decayed: bool
-) -> None:
-    """``adamw`` on views of one tensor's rows (``grads`` and the master weights and moments in ``views``,
-    keyed alike), weight decay on all of them or none."""
-    names = list(grads)
-    adamw(names, views[0], grads, views[1], views[2], hp, set(names) if decayed else set())
-
-
-def put_rows(into: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
-    """``into[index] = values`` (rows, in ``into``'s dtype)."""
-    into.index_copy_(0, index.to(into.device), values.to(device=into.device, dtype=into.dtype))
-
-
 def _copy(into: dict[str, torch.Tensor], source: dict[str, torch.Tensor], names: list[str]) -> None:
     """Tensors ``names`` of ``source`` copied into ``into`` (the weights from the new master weights)."""
     for name in names:
         into[name].copy_(source[name])
-
-
-class AdapterUpdate:
-    """The update of a LoRA step, with ``Updater``'s start and finish: after backward, the adapters' own optimizer
-    on the compute device (``methods.lora.Adapters.step``: clipping as ``clip_grad_norm_``), replicated on every
-    rank of several, their gradients summed over the global batch first. The frozen base has no chunk to
-    change: ``units`` is empty and ``before_update`` is never called."""
-
-    def __init__(
-        self,
-        adapters: Adapters,
-        config: EngineConfig,
-        ctx: StepContext,
-        counts: dict[str, int],
-        sharding: Sharding,
-        compute: Compute,
-    ) -> None:
-        self.adapters, self.config, self.ctx, self.counts, self.sharding = (
-            adapters,
-            config,
-            ctx,
-            counts,
-            sharding,
-        )
-        self.compute = compute
-        self.units: list[Unit] = []
-        self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
-
-    def start(self, early: Sequence[GroupState] = ()) -> None:
-        """A step begins: nothing to prepare (autograd accumulates the adapters' gradients)."""
-
-    def finish(self, loss: float) -> float:
-        """After backward: the adapters' optimizer step; returns the gradient norm. A loss that is not finite
-        raises NonFiniteError with the adapters as they were (their gradients dropped)."""
-        cfg = self.config
-        if not math.isfinite(loss):
-            self.adapters.zero_grad()
-            raise NonFiniteError(f"the loss is {loss}")
-        self.sharding.all_reduce_grads(self.adapters.params)
-        clip = cfg.max_grad_norm if cfg.clips else None
-        norm = self.compute.run(
-            self.adapters.step,
-            self.ctx.lr,
-            cfg.weight_decay,
-            (cfg.adam_beta1, cfg.adam_beta2),
-            cfg.adam_epsilon,
-            clip,
-        )
-        self.counts["after_backward"] += 1
-        if norm is None:  # a ledger's: its adapters, on the meta device, hold no values
-            self.adapters.zero_grad()
-            return float(self.compute.norm(torch.zeros(()), self.ctx.number))
-        return norm
-
-    def close(self) -> None:
-        """Nothing runs beside the compute thread."""
 
 
 class LRSchedule:
