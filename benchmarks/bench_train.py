@@ -11,6 +11,8 @@ steps in two fresh processes, in the same invocation:
 - ``host`` (when asked for): weights, optimizer states and gradients homed on the host, streamed to the
   device through ``--device-budget`` (a model whose states fit in memory but not on the GPU);
 - ``host-serial`` (when asked for): ``host`` with the optimizer after backward;
+- ``host-delayed`` (when asked for): ``host`` with ZeRO-Offload's one-step-delayed update (``delay_update``: a
+  step's update during the next step, which computes on the weights before it; fp32 master weights kept);
 - ``disk-galore`` (when asked for): ``disk`` with GaLore (rank ``--galore-rank``, SVD ``--galore-svd``:
   exact or randomized) instead of AdamW, whose optimizer-state bytes are compared with ``disk``'s
   (``galore_state_ratio``); ``first_step_svd_s`` is the first step's refresh of every projection (on the
@@ -91,7 +93,7 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
         if mode == "disk-galore":
             engine.method = "galore"
             engine.galore = GaloreSettings(rank=args.galore_rank, svd=args.galore_svd)
-    elif mode in ("host", "host-serial"):
+    elif mode in ("host", "host-serial", "host-delayed"):
         # the gradients homed on disk, as a recipe homes them when it has a disk_path: each takes host memory
         # from backward until its update has read it, and is never written to disk unless the host runs short
         store = StoreConfig.resolve(
@@ -107,7 +109,8 @@ def run_mode(model_dir: str, disk_dir: str, mode: str, args: argparse.Namespace)
             optimizer_states="host",
             gradients="disk",
             max_steps=args.steps,
-            overlap_optimizer=mode == "host",
+            overlap_optimizer="auto" if mode == "host-delayed" else mode == "host",
+            delay_update=mode == "host-delayed",
         )
     else:
         store = StoreConfig.resolve(

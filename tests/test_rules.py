@@ -56,6 +56,12 @@ RULES = {
         ("training.output_dir={model}",),
         "training.output_dir",
     ),
+    "a delayed update is full fine-tuning's with fp32 master weights": (
+        "config/plan.py",
+        "offload.delay_update (a step's update during the next step",
+        ("offload.delay_update=true", "method.type=lora"),
+        "offload.delay_update",
+    ),
     "bf16 master weights are full fine-tuning's in bf16": (
         "config/plan.py",
         "as their own master, stochastic rounding",

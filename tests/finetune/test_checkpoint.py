@@ -70,6 +70,8 @@ def _logged_losses(run_dir):
 VARIANTS = {
     "full": {},
     "full-8bit": {"training__optim": "adamw_bnb_8bit"},
+    # a checkpoint holds the update of its step, and weights one update behind, as the next step needs them
+    "full-delayed": {"offload__delay_update": True},
     "galore": {"method__type": "galore"},
     "qlora": {"method__type": "lora", "model__quantize": "nf4"},  # adapter dropout: the RNG state matters
 }

@@ -54,6 +54,12 @@ CASES = {
         "offload.params=host",
         "offload.optimizer_states=host",
     ),
+    # a step's update during the next step: its gradients held until then (the next step's hand-off waits)
+    "full, delayed update, states on disk": (
+        "offload.params=disk",
+        "offload.optimizer_states=disk",
+        "offload.delay_update=true",
+    ),
     "full, overlap off, 8-bit": (
         "offload.params=disk",
         "offload.optimizer_states=disk",

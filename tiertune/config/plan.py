@@ -121,6 +121,16 @@ def plan(
             "Set training.master_weights: float32, or change those"
         )
 
+    if off.delay_update and (
+        recipe.method.type != "full" or t.master_weights != "float32" or off.overlap_optimizer is True
+    ):
+        raise ConfigError(
+            "offload.delay_update (a step's update during the next step, which computes on the weights before "
+            "it) is for method.type: full with training.master_weights: float32, its own way of overlapping the "
+            f"optimizer; this recipe has method.type: {recipe.method.type}, master_weights: {t.master_weights}, "
+            f"offload.overlap_optimizer: {off.overlap_optimizer}. Set offload.delay_update: false, or change those"
+        )
+
     def place(value: str) -> str:
         if value != "auto":
             return value
@@ -166,6 +176,7 @@ def plan(
         # norm), and they are dropped once used, so nothing is written there unless the host runs short
         gradients="disk" if off.disk_path else "host",
         overlap_optimizer=off.overlap_optimizer,
+        delay_update=off.delay_update,
         activations=activations_place(recipe, device, dtype, store.device_budget),
         # a micro-batch of pairs holds each pair's two sequences
         activation_tokens=t.per_device_train_batch_size

@@ -103,6 +103,9 @@ class OffloadSection:
     sequence_tile: int | str = field(default="auto", metadata=choices("auto"))
     # the CPU optimizer during backward (true), after it (false), or during it when its twin states fit
     overlap_optimizer: bool | str = field(default="auto", metadata=choices("auto"))
+    # ZeRO-Offload's one-step-delayed update: a step's CPU update runs during the next step, which computes on
+    # the weights before it (one step stale; EngineConfig.delay_update)
+    delay_update: bool = False
 
 
 @dataclass

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from tiertune.engine.config import EngineConfig
     from tiertune.engine.layout import GroupState
     from tiertune.engine.sharding import Sharding
-    from tiertune.engine.update import StepContext
+    from tiertune.engine.step import StepContext
     from tiertune.engine.worker import Unit
     from tiertune.methods.lora import Adapters
     from tiertune.offload.chunk import Chunk
@@ -51,6 +51,18 @@ class AdapterUpdate:
     def splits(self, state: GroupState) -> bool:
         """No split update: the base is frozen (``Updater.splits``)."""
         return False
+
+    def before_gradients(self, state: GroupState) -> float:
+        """No delayed update: nothing to wait for (``Updater.before_gradients``)."""
+        return 0.0
+
+    def after_gradients(self, state: GroupState) -> None:
+        """No delayed update (``Updater.after_gradients``)."""
+
+    def settle(self, weights: bool = False) -> None:
+        """Nothing in flight: the adapters' step ran in ``finish`` (``Updater.settle``)."""
+
+    weights_behind = False  # never behind (``Updater.weights_behind``)
 
     def start(self, early: Sequence[GroupState] = ()) -> None:
         """A step begins: nothing to prepare (autograd accumulates the adapters' gradients)."""

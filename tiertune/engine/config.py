@@ -49,6 +49,12 @@ class EngineConfig:
     # fp32 and rounded stochastically into them (``methods.optim.adamw_stochastic``: an unbiased rounding, so
     # updates below half a bf16 step still move the weights on average); needs dtype bfloat16
     master_weights: str = "float32"
+    # ZeRO-Offload's one-step-delayed update: step t's update runs on the CPU during step t + 1, whose forward
+    # and backward compute on the weights before it (one step stale: W_t-1 where a plain loop has W_t); the
+    # clipping norm is known before the update starts, so it is exact with no speculation and no twins; fp32
+    # master weights are kept beside the weights even in fp32 (the weights written from them once step t + 1's
+    # backward is done with a layer: ``Updater``); not with GaLore nor bf16 master weights
+    delay_update: bool = False
     # backward hands a layer's gradients to the host after launching the next layer's backward (1) or right
     # after its own (0): on a GPU the copy then runs on a stream of its own and the host's part of the hand-off
     # (the copy's wait, the norms, the optimizer's unit) overlaps the next layer's backward, for one more
@@ -123,6 +129,12 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.master_weights bfloat16 needs dtype bfloat16, got {self.dtype}")
         if self.master_weights == "bfloat16" and (self.method != "full" or self.optim != "adamw_torch"):
             raise ValueError("EngineConfig.master_weights bfloat16 is for method full with optim adamw_torch")
+        if self.delay_update and (
+            self.master_weights != "float32" or self.method != "full" or self.overlap_optimizer == "on"
+        ):
+            raise ValueError(
+                "EngineConfig.delay_update is for method full with fp32 master weights, overlap_optimizer not on"
+            )
 
     def lag(self, device: torch.device) -> int:
         """``handoff_lag`` resolved for a run computing on ``device``."""
@@ -132,6 +144,6 @@ class EngineConfig:
 
     @property
     def fp32_master(self) -> bool:
-        """Whether fp32 master weights are kept beside the weights (their dtype is lower, ``master_weights``
-        float32)."""
-        return self.dtype != torch.float32 and self.master_weights == "float32"
+        """Whether fp32 master weights are kept beside the weights (their dtype is lower, or the update is
+        delayed, ``master_weights`` float32)."""
+        return (self.dtype != torch.float32 or self.delay_update) and self.master_weights == "float32"

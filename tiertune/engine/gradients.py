@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiertune.engine.rows import InputRows, Inside, Rows, add_rows, gather_rows, put_rows
+from tiertune.engine.rows import InputRows, Inside, Rows, add_rows, gather_rows, outside_pieces, put_rows
 from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import ChunkStore
 from tiertune.offload.tiers import Tier
@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from tiertune.engine.compute import Compute
     from tiertune.engine.layout import GroupState
     from tiertune.engine.sharding import Sharding
-    from tiertune.engine.update import StepContext, Updater
+    from tiertune.engine.step import StepContext
+    from tiertune.engine.update import Updater
     from tiertune.methods.optim import GaLore
 
 
@@ -73,6 +74,7 @@ class GradientSink:
         scheduler's trace is one for every step)."""
         state, name, index = rows.state, rows.name, rows.index
         assert index is not None
+        self.times["optimizer"] += self.updater.before_gradients(state)
         head_rows = outside = None
         if dense is not None:
             head_rows = dense.new_empty((rows.count, *dense.shape[1:]))
@@ -82,7 +84,7 @@ class GradientSink:
             self._add(state, {name: dense}, (), norms=False)
         self._parts[id(state)] = (rows, outside, head_rows, split)
         if split:
-            pieces = self.updater.outside(state, name, _on_cpu(index))
+            pieces = outside_pieces(state, name, _on_cpu(index))
             self.updater.worker.submit_background([(state, 0, piece) for piece in pieces])
 
     def add(self, state: GroupState, grads: dict[str, torch.Tensor | Rows | None], ready: Any = None) -> None:
@@ -93,9 +95,12 @@ class GradientSink:
         need done; the hand-off's own runs after it, not behind what was launched since (``Compute.after``)."""
         projected = self.galore.targets if self.galore is not None else ()
         in_place = self.ctx.first_wave and self.ctx.last_wave and self.ctx.speculating and not state.twins
+        # a delayed update: the last step's update of this group has read its gradients first
+        self.times["optimizer"] += self.updater.before_gradients(state)
         first = self._parts.pop(id(state), None)
         if first is not None:
             self._add_inside(state, grads, first, in_place)
+            self.updater.after_gradients(state)
             return
         if in_place:
             # updated in place, gradients dropped once used: all but the unit running are done before this
@@ -109,6 +114,8 @@ class GradientSink:
         # waiting for the optimizer here is time it is not hidden
         if self.ctx.last_wave and self.ctx.speculating:
             self.times["optimizer"] += self.updater.worker.submit(state, None, behind=in_place)
+        if self.ctx.last_wave:
+            self.updater.after_gradients(state)
 
     def _add_inside(
         self,

@@ -82,8 +82,14 @@ class StateChunk:
 
 def home_tier_used(home: str | Tier, device: torch.device) -> Tier:
     """The tier the CPU optimizer (and the gradient hand-off) uses a chunk homed on ``home`` on: the device
-    tier when that is CPU memory, else the host (``update.cpu_tier`` for a registered chunk)."""
+    tier when that is CPU memory, else the host (``cpu_tier`` for a registered chunk)."""
     return Tier.DEVICE if Tier(home) is Tier.DEVICE and device.type == "cpu" else Tier.HOST
+
+
+def cpu_tier(chunk: Chunk, device: torch.device) -> Tier:
+    """Where the CPU optimizer reads registered ``chunk``: the device tier when that is CPU memory, else the
+    host (``home_tier_used``)."""
+    return home_tier_used(chunk.home, device)
 
 
 def state_used_on(role: str, home: str | Tier, device: torch.device) -> Tier:
@@ -242,7 +248,7 @@ def add_twins(store: ChunkStore, states: list[GroupState], cfg: EngineConfig) ->
     ``auto``, when their homes fit the room its store has left.
     """
     mode = cfg.overlap_optimizer
-    if mode == "off":
+    if mode == "off" or cfg.delay_update:  # (a delayed update knows its norm before it starts)
         return False
     if not cfg.clips:
         return True

@@ -22,6 +22,7 @@ or a tied head's loss), and the optimizer may update it meanwhile (``engine.upda
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -219,6 +220,17 @@ def outside_ranges(rows: int, index: list[int], per_piece: int) -> list[list[tup
     return pieces
 
 
+def outside_pieces(state: GroupState, name: str, index: torch.Tensor) -> list[Outside]:
+    """The background pieces of a split update of tensor ``name`` (``state``'s, chunk 0): its rows but
+    ``index`` (sorted), ``PIECE_ELEMENTS`` elements a piece at most."""
+    shape = state.group.params[name].shape
+    per_row = math.prod(shape[1:])
+    # (a ledger's rows have no values: its pieces cover every row, a few more than a run's)
+    rows = [] if index.is_meta else index.tolist()
+    pieces = outside_ranges(shape[0], rows, max(1, PIECE_ELEMENTS // max(per_row, 1)))
+    return [Outside(name, tuple(r)) for r in pieces]
+
+
 def _adamw_views(
     grads: dict[str, torch.Tensor], views: list[dict[str, torch.Tensor]], hp: AdamStep, decayed: bool
 ) -> None:
@@ -282,6 +294,7 @@ __all__ = [
     "Rows",
     "add_rows",
     "gather_rows",
+    "outside_pieces",
     "outside_ranges",
     "put_rows",
     "update_part",

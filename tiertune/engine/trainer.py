@@ -37,9 +37,10 @@ from tiertune.engine.router_aux import RouterAux
 from tiertune.engine.rows import InputRows
 from tiertune.engine.schedule import LayerMajor
 from tiertune.engine.stash import ChunkStash, DeviceStash, Stash, stash_slots
+from tiertune.engine.step import LRSchedule, StepContext
 from tiertune.engine.streaming import StreamedLayer, Visit
 from tiertune.engine.tiling import tile_layer
-from tiertune.engine.update import LRSchedule, StepContext, Updater
+from tiertune.engine.update import Updater
 from tiertune.engine.views import StepReport, TrainerViews, step_parts
 from tiertune.errors import ConfigError, DataError
 from tiertune.kernels.ops.attention import use_segment_attention
@@ -165,10 +166,9 @@ class StreamedTrainer(TrainerViews):
         # optimizer steps by how they ran: confirmed speculation, speculation redone (clipping was active),
         # run after backward (overlap off, or the last step was clipped)
         self.optimizer_counts = {"speculative": 0, "redone": 0, "after_backward": 0}
-        # the CPU optimizer of the trained groups, its units in the order backward finishes them (but a head of
-        # its own, handed on after the loss: listed first, the worker's plan would prefetch the layers' states
-        # from disk ahead, which on a full host evicts gradients homed on disk: 4 GiB more written a step in
-        # the 8B DPO recipe)
+        # the CPU optimizer of the trained groups, its units in the order backward finishes them (not a head of
+        # its own first: the worker's plan would prefetch the layers' states from disk ahead, which on a full
+        # host evicts gradients homed on disk: 4 GiB more written a step in the 8B DPO recipe)
         layers = [self.states[i] for i in reversed(self._layer_index)]
         others = [s for s in self.states if s.group.kind != "layer"]
         units = [(s, j) for s in layers + others for j in range(len(s.weights))]
@@ -354,10 +354,9 @@ class StreamedTrainer(TrainerViews):
         )
         self.step_ctx.lr = self._lr.lr(self.step_count)
         self.step_ctx.number = self.step_count + 1
-        # (a split update of the embedding starts before backward: its twins are filled first)
+        # (a split update of the embedding, when the step speculates, starts before backward: its twins first)
         rows = self.input_rows
-        early = rows is not None and self.overlap and self.updater.splits(rows.state)  # (when it speculates)
-        self.updater.start(early=[rows.state] if rows is not None and early else [])
+        self.updater.start([rows.state] if rows is not None and self.updater.splits(rows.state) else [])
         total = 0.0
         aux_total = 0.0
         waves = self.schedule.waves(len(micro_batches))
@@ -429,11 +428,12 @@ class StreamedTrainer(TrainerViews):
         return state_chunks(self.states, units)
 
     def counters(self) -> dict:
-        """The engine's step counters (JSON), for a checkpoint."""
+        """The engine's step counters (JSON), for a checkpoint (taken ``settle``d)."""
         return {
             "step_count": self.step_count,
             "last_grad_norm": self.last_grad_norm,
             "optimizer_counts": dict(self.optimizer_counts),
+            "weights_behind": self.updater.weights_behind,
         }
 
     def restore_counters(self, counters: dict) -> None:
@@ -442,6 +442,7 @@ class StreamedTrainer(TrainerViews):
         self.step_count = int(counters["step_count"])
         self.last_grad_norm = float(counters["last_grad_norm"])
         self.optimizer_counts.update(counters["optimizer_counts"])
+        self.updater.weights_behind = bool(counters.get("weights_behind", False))
 
     def close(self) -> None:
         if hasattr(self, "updater"):  # a layout-only build has none

@@ -1,20 +1,18 @@
 """The update side of a step: the CPU optimizer of full fine-tuning and GaLore with exact clipping
 (``Updater``; the worker thread that runs it one weight chunk at a time behind backward is
-``engine.worker.OptimizerWorker``), the per-step flags the engine's callbacks read (``StepContext``), and the
-learning rate of each step (``LRSchedule``)."""
+``engine.worker.OptimizerWorker``); the step in progress and its learning rate are ``engine.step``'s."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
-from tiertune.engine.rows import PIECE_ELEMENTS, Inside, Outside, outside_ranges, update_part
+from tiertune.engine.layout import cpu_tier
+from tiertune.engine.rows import Inside, Outside, update_part
 from tiertune.engine.worker import OptimizerWorker, Unit
 from tiertune.errors import NonFiniteError, StateError
 from tiertune.methods.optim import (
@@ -34,32 +32,8 @@ if TYPE_CHECKING:
     from tiertune.engine.config import EngineConfig
     from tiertune.engine.layout import GroupState
     from tiertune.engine.sharding import Sharding
+    from tiertune.engine.step import StepContext
     from tiertune.methods.optim import GaLore
-
-
-@dataclass
-class StepContext:
-    """The step in progress, as the engine's callbacks see it (backward's gradient hand-off, the optimizer
-    worker, weight acquisition): set by the step, read while it runs."""
-
-    lr: float = 0.0  # this step's learning rate
-    speculating: bool = False  # the optimizer runs during backward, into twins, before the norm is known
-    first_wave: bool = (
-        False  # the wave of micro-batches being back-propagated is the step's first (overwrites)
-    )
-    last_wave: bool = False  # ... its last (gradients final: norms taken, units handed to the optimizer)
-    traced: bool = True  # weight accesses enter the scheduler's trace (not during inference or DoRA init)
-    number: int = 1  # the step being made, counted from 1 (AdamW's bias correction, GaLore's refreshes)
-    # the step's backward and hand-offs are done: the compute thread only waits for the optimizer, whose units
-    # from now on may use its cores too (``Updater``'s ``tail_threads``)
-    tail: bool = False
-
-
-def cpu_tier(chunk: Chunk, device: torch.device) -> Tier:
-    """Where the CPU optimizer reads ``chunk``: the device tier when that is CPU memory, else the host."""
-    from tiertune.engine.layout import home_tier_used
-
-    return home_tier_used(chunk.home, device)
 
 
 class Updater:
@@ -112,6 +86,9 @@ class Updater:
         self._redoing = False  # the units submitted now redo a speculative step (``finish``)
         self._filled: set[int] = set()  # this step's twins (chunk ids) that hold their sources' values
         self._fills: list[Unit] = []  # the units whose twins are still to be filled ahead (``start``)
+        # a delayed update: the groups (ids) whose weights are one update behind their master weights
+        self._behind: set[int] = set()
+        self._delayed: AdamStep | None = None  # its units' hyper-parameters (``hparams``)
         during = torch.get_num_threads()  # the worker's during backward: the compute thread's setting
         self.worker = OptimizerWorker(
             store,
@@ -138,8 +115,7 @@ class Updater:
         )
 
     def in_memory(self, state: GroupState, j: int) -> bool:
-        """Whether the sources and twins of unit ``j`` of ``state`` are homed in memory (the host or the device
-        tier), where a second visit reads nothing from disk."""
+        """Whether unit ``j`` of ``state`` has its sources and twins homed in memory (a second visit is free)."""
         chunks = (*state.sources(j), *(state.twins[j] if state.twins else ()))
         return all(Tier(c.home) is not Tier.DISK for c in chunks)
 
@@ -154,16 +130,6 @@ class Updater:
         if len(state.weights) != 1:
             return False
         return self.in_memory(state, 0)
-
-    def outside(self, state: GroupState, name: str, index: torch.Tensor) -> list[Outside]:
-        """The background pieces of a split update of tensor ``name`` (``state``'s, chunk 0): its rows but
-        ``index`` (sorted), ``PIECE_ELEMENTS`` elements a piece at most."""
-        shape = state.group.params[name].shape
-        per_row = math.prod(shape[1:])
-        # (a ledger's rows have no values: its pieces cover every row, a few more than a run's)
-        rows = [] if index.is_meta else index.tolist()
-        pieces = outside_ranges(shape[0], rows, max(1, PIECE_ELEMENTS // max(per_row, 1)))
-        return [Outside(name, tuple(r)) for r in pieces]
 
     def start(self, early: Sequence[GroupState] = ()) -> None:
         """A step begins: no norms yet; the worker prefetches along the units' order. A speculative step's twins
@@ -196,9 +162,11 @@ class Updater:
         where it had not been yet (speculative or after backward: the states are those of the last step)."""
         cfg = self.config
         # the compute thread only waits from here: the units that start now take its cores too (not sooner:
-        # a unit on every core while the compute thread still hands gradients on oversubscribes the cores)
-        self.ctx.tail = True
-        self.compute.note("tail")
+        # a unit on every core while the compute thread still hands gradients on oversubscribes the cores;
+        # nor when they run during the next step, delayed)
+        self.ctx.tail = not cfg.delay_update
+        if self.ctx.tail:
+            self.compute.note("tail")
         # exactly torch.nn.utils.clip_grad_norm_: fp32 per-tensor norms stacked in parameter order, the
         # coefficient an fp32 tensor clamped at 1 and multiplied into every gradient
         # (GaLore's projected weights have theirs on the compute device: one copy each, after backward)
@@ -213,6 +181,21 @@ class Updater:
             self.abandon()
             raise NonFiniteError(f"the loss is {loss} and the gradient norm {norm}")
         order = self.units
+        if cfg.delay_update:  # the last step's update is done (joined here); this one runs during the next
+            self.worker.join()
+            self._delayed = None
+            self._delayed = self.hparams  # this step's, for its units
+            self.counts["after_backward"] += 1
+            # in the order the next step's backward hands the groups on: a head of its own (or a tied
+            # embedding's head) after its loss, the layers last to first, the rest
+            # (``behind``: a ledger's run at the next hand-off, beside what the compute thread holds then)
+            first = [s for s in self.states if s.group.kind == "head" and s.trainable] or [
+                s for s in self.states if s.group.kind == "embed" and s.trainable
+            ]
+            for state, j in [u for u in order if u[0] in first] + [u for u in order if u[0] not in first]:
+                self.worker.submit(state, coef, j, behind=True, wait=False)
+            self._behind = {id(s) for s, _ in order}
+            return norm
         if self.ctx.speculating:
             self.worker.join()  # the speculative step used coefficient 1: exact if that is the coefficient
             redo = coef is not None and float(coef) != 1.0
@@ -238,6 +221,50 @@ class Updater:
                     self.store.discard(twin)
                 self.store.discard(state.grads[j])  # consumed: their memory is free until the next step
         return norm
+
+    @property
+    def hparams(self) -> AdamStep:
+        """The hyper-parameters of the step the units run for: the step in progress's, or, delayed, the step
+        before's (its units run during this one: ``finish``)."""
+        if self._delayed is not None:
+            return self._delayed
+        cfg = self.config
+        return AdamStep(
+            self.ctx.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay, self.ctx.number
+        )
+
+    def before_gradients(self, state: GroupState) -> float:
+        """The compute thread is about to write this step's gradients of ``state``: with a delayed update,
+        once the last step's update of it has read its gradients there (returns the seconds waited)."""
+        return self.worker.wait_state(state) if id(state) in self._behind else 0.0
+
+    def after_gradients(self, state: GroupState) -> None:
+        """This step's gradients of ``state`` are handed on, its weights released: with a delayed update, the
+        last step's update of it is done, and its weights are written from the master weights now (on the
+        worker: the next step computes on them)."""
+        if id(state) in self._behind:
+            self._behind.discard(id(state))
+            for j in range(len(state.weights)):
+                self.worker.submit(state, None, j, part=WEIGHTS, wait=False)
+
+    def settle(self, weights: bool = False) -> None:
+        """Wait for a delayed update in flight (its master weights and moments are then the step's, as a
+        checkpoint keeps them); ``weights``: write every group's weights from them too (the model as trained so
+        far, for export; the next step then computes on these, not the step before's)."""
+        self.worker.join()
+        if weights:
+            for state in [s for s, _ in self.units if id(s) in self._behind]:
+                self.after_gradients(state)
+            self.worker.join()
+
+    @property
+    def weights_behind(self) -> bool:
+        """Whether the weights are one delayed update behind the master weights (a checkpoint keeps it)."""
+        return bool(self._behind)
+
+    @weights_behind.setter
+    def weights_behind(self, behind: bool) -> None:  # (a resumed run's, as it was saved)
+        self._behind = {id(s) for s, _ in self.units} if behind else set()
 
     def abandon(self) -> None:
         """Drop a step's gradients and speculative twins: its update is not applied (an update already made
@@ -269,6 +296,16 @@ class Updater:
         worker's timing varies, the compute thread's order must not.
         """
         store = self.store
+        if part is WEIGHTS:  # a delayed update's weights, from its master weights
+            if self.before_update is not None:  # a checkpoint being written needs them as they were
+                self.before_update((state.weights[j],))
+            master = store.acquire(state.master[j], cpu_tier(state.master[j], self.device), traced=False)
+            try:
+                with store.writing(state.weights[j]) as weights:
+                    self.compute.run(_copy, weights, master, list(weights))
+            finally:
+                store.release(state.master[j])
+            return
         if isinstance(part, Fill):
             # not the twin of weights that are their own master: the compute thread may hold them on the
             # device tier now (the layer it back-propagates), and the fill would wait for it; the unit copies it
@@ -308,20 +345,11 @@ class Updater:
                 proj_chunk = state.proj[j] if self.galore is not None else None
                 proj = get(proj_chunk, dirty=False) if proj_chunk is not None else {}
                 self.compute.run(self._adamw, state, grads, views, proj, coef)
-                if state.master:
+                if state.master and not self.config.delay_update:  # (delayed: ``after_gradients``)
                     with store.writing(state.weights[j]) as weights:
                         self.compute.run(_copy, weights, views[0], list(grads))
             else:
-                cfg = self.config
-                hp = AdamStep(
-                    self.ctx.lr,
-                    cfg.adam_beta1,
-                    cfg.adam_beta2,
-                    cfg.adam_epsilon,
-                    cfg.weight_decay,
-                    self.ctx.number,
-                )
-                update_part(self.compute, store, hp, state, j, part, grads, views)
+                update_part(self.compute, store, self.hparams, state, j, part, grads, views)
         finally:
             for chunk, dirty in reversed(held):
                 store.release(chunk, dirty=dirty)
@@ -344,10 +372,7 @@ class Updater:
         parts, a moment's source held only while its twin is redone: four chunks at a time, as the update from
         gradients holds; the weights before the step not read), then the compute-dtype weights from the new
         master weights."""
-        cfg = self.config
-        hp = AdamStep(
-            self.ctx.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay, self.ctx.number
-        )
+        hp = self.hparams
         c = float(coef)
         (_, m, v), (tp, tm, tv) = state.sources(j), state.twins[j]
         master, first, second = get(tp), get(tm), get(tv)
@@ -382,9 +407,7 @@ class Updater:
         if coef is not None and g:
             g = torch._foreach_mul(g, coef)  # out of place: a redo needs the gradients as they were
         by_name = dict(zip(names, g, strict=True))
-        hp = AdamStep(
-            self.ctx.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay, self.ctx.number
-        )
+        hp = self.hparams
         eight_bit = cfg.optim == "adamw_bnb_8bit"
         if self.galore is not None:
             self.galore.update(names, master, by_name, m, v, proj, hp, eight_bit)
@@ -408,34 +431,11 @@ class Fill:
 
 
 FILL = Fill()
+WEIGHTS = object()
+"""A delayed update's part that writes a group's weights from its master weights (``after_gradients``)."""
 
 
 def _copy(into: dict[str, torch.Tensor], source: dict[str, torch.Tensor], names: list[str]) -> None:
     """Tensors ``names`` of ``source`` copied into ``into`` (the weights from the new master weights)."""
     for name in names:
         into[name].copy_(source[name])
-
-
-class LRSchedule:
-    """The learning rate of each step, from transformers' own scheduler (as the HF Trainer computes it)."""
-
-    def __init__(self, learning_rate: float, kind: str, warmup_steps: int, max_steps: int) -> None:
-        from transformers import get_scheduler
-
-        self._param = nn.Parameter(torch.zeros(1))
-        self._opt = torch.optim.SGD([self._param], lr=learning_rate)
-        self._sched = get_scheduler(
-            kind,
-            self._opt,
-            num_warmup_steps=warmup_steps,
-            num_training_steps=max_steps,
-        )
-        self._at = 0
-
-    def lr(self, step: int) -> float:
-        """The learning rate of step ``step`` (counted from 0; steps are asked for in increasing order)."""
-        while self._at < step:
-            self._opt.step()
-            self._sched.step()
-            self._at += 1
-        return float(self._opt.param_groups[0]["lr"])

@@ -21,9 +21,11 @@ from tiertune.offload.chunk import Chunk
 from tiertune.offload.store import StoreStats
 
 if TYPE_CHECKING:
+    from tiertune.engine.adapter_update import AdapterUpdate
     from tiertune.engine.layout import GroupState
     from tiertune.engine.router_aux import RouterAux
     from tiertune.engine.sharding import Sharding
+    from tiertune.engine.update import Updater
     from tiertune.loading.model import ModelParts
     from tiertune.methods.lora import Adapters
     from tiertune.offload.store import ChunkStore
@@ -98,6 +100,12 @@ class TrainerViews:
     last_grad_norm: float
     optimizer_counts: dict[str, int]
     last_metrics: dict[str, float]
+    updater: Updater | AdapterUpdate
+
+    def settle(self, weights: bool = False) -> None:
+        """A delayed update in flight done (``Updater.settle``: before a checkpoint; ``weights``: the weights
+        written from the master weights too, before the model is read)."""
+        self.updater.settle(weights)
 
     def report(
         self,
@@ -199,7 +207,9 @@ class TrainerViews:
 
     def weights(self) -> Iterator[dict[str, torch.Tensor]]:
         """The current weights, one chunk at a time (CPU copies by parameter name): for streaming export. A
-        rank of several gathers each chunk (every rank must iterate: a collective per chunk)."""
+        rank of several gathers each chunk (every rank must iterate: a collective per chunk). A delayed update
+        in flight is finished and its weights written first (``settle``)."""
+        self.settle(weights=True)
         for state in self.states:
             for chunk in state.weights:
                 yield self.sharding.read_whole(chunk)

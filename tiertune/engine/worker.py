@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiertune.errors import BudgetError
 from tiertune.offload.store import ChunkStore
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class OptimizerWorker:
         self._pending = 0  # units and background pieces queued or running
         self._background = 0  # ... background pieces among them
         self._later: collections.deque = collections.deque()  # the worker's background pieces not yet run
+        self._of_state: collections.Counter[int] = collections.Counter()  # queued or running, by state id
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._inline = inline
@@ -96,13 +98,16 @@ class OptimizerWorker:
         j: int | None = None,
         behind: bool = False,
         part: Any = None,
+        wait: bool = True,
     ) -> float:
         """Queue the unit(s) of ``state`` (chunk ``j``, or all of its chunks); returns the seconds waited.
         ``behind``: the caller drains to one unit left before its next hand-off (``drain(2)``), so that unit may
         still run while the caller makes its next gradients; inline (a ledger), the last such unit runs at the
         next submit or full drain, after what the caller does in between: the worst case, whose peak the
         estimate then predicts (a worker that keeps up holds one group's gradients less). ``part`` (with
-        ``j``): the rest of a unit whose background pieces were submitted before; it runs after all of them."""
+        ``j``): the rest of a unit whose background pieces were submitted before; it runs after all of them.
+        ``wait=False``: queued without waiting for fewer pending (a delayed update's units, which the next step
+        runs beside)."""
         waited = 0.0
         for k in range(len(state.weights)) if j is None else (j,):
             if self._inline:
@@ -116,10 +121,12 @@ class OptimizerWorker:
                 continue
             began = time.perf_counter()
             with self._cond:
-                self._wait_below(self._max_pending)
+                if wait:
+                    self._wait_below(self._max_pending)
                 if self._error is not None:
                     raise self._error
                 self._pending += 1
+                self._of_state[id(state)] += 1
             waited += time.perf_counter() - began
             self._queue.put(("unit", (state, k, coef, part)))
         return waited
@@ -143,6 +150,7 @@ class OptimizerWorker:
                 raise self._error
             self._pending += len(items)
             self._background += len(items)
+            self._of_state.update(id(state) for state, _, _ in items)
         self._queue.put(("background", [(state, j, None, part) for state, j, part in items]))
 
     def drain(self, limit: int = 1) -> float:
@@ -169,6 +177,34 @@ class OptimizerWorker:
             and not self._store.waiting(self._thread.ident)
         ):
             self._cond.wait(timeout=0.05)
+
+    def wait_state(self, state: GroupState, stuck_s: float = 60.0) -> float:
+        """Wait until no unit or piece of ``state`` is queued or running (inline: the units held back run now);
+        returns the seconds waited. Unlike ``drain``, a worker waiting in the store on another thread is waited
+        for too (the caller is about to overwrite what that unit reads, and holds nothing on the host then): a
+        worker stuck so for ``stuck_s`` seconds on end is a ``BudgetError`` (the host budget cannot hold the
+        update beside the step), not a hang."""
+        began = time.perf_counter()
+        if self._inline:
+            self._run_held()
+            return 0.0
+        stuck = None
+        with self._cond:
+            while self._of_state[id(state)] and self._error is None:
+                if not self._store.waiting(self._thread.ident):
+                    stuck = None
+                elif stuck is None:
+                    stuck = time.perf_counter()
+                elif time.perf_counter() - stuck > stuck_s:
+                    raise BudgetError(
+                        f"the optimizer's worker has waited {stuck_s:.0f} s for host memory while the next step "
+                        "runs (offload.delay_update holds a step's update beside the next step): raise "
+                        "offload.host_budget, or set offload.delay_update: false"
+                    )
+                self._cond.wait(timeout=0.05)
+            if self._error is not None:
+                raise self._error
+        return time.perf_counter() - began
 
     def join(self) -> None:
         if self._trace is not None:
@@ -249,4 +285,5 @@ class OptimizerWorker:
             with self._cond:
                 self._pending -= 1
                 self._background -= background
+                self._of_state[id(item[0])] -= 1
                 self._cond.notify_all()

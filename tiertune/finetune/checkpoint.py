@@ -288,6 +288,7 @@ class CheckpointWriter:
             if is_disk_full(exc):
                 raise self._disk_full(step, needed, shutil.disk_usage(self._run_dir).free) from None
             raise
+        trainer.settle()  # a delayed update in flight is the step's: its states as it leaves them
         chunks = trainer.state_chunks(in_update_order=True)
         placed = placements(trainer)
         self._files = {c.id: own / f"{c.name}.safetensors" for c in chunks if placed[c.id]}

@@ -561,6 +561,11 @@ def optimizer_description(recipe: Recipe, trainer: StreamedTrainer) -> str:
     if trainer.adapters is not None:
         return f"{name} on the adapters, after backward"
     clipping = cfg.clips
+    if cfg.delay_update:
+        return (
+            f"{name} on the CPU during the next step, which computes on the weights before it "
+            "(offload.delay_update: one step stale; the norm known first, exact clipping, no twins)"
+        )
     if not trainer.overlap:
         why = (  # EngineConfig made overlap_optimizer one of auto/on/off
             "offload.overlap_optimizer: false"
