@@ -53,19 +53,7 @@ def plain_training(model, opt, clipped, cfg, batches, steps=STEPS, accum=ACCUM, 
     )
     losses = []
     for step in range(steps):
-        mbs = batches[step * accum : (step + 1) * accum]
-        n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs)
-        total = 0.0
-        for mb in mbs:
-            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-            loss = nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]),
-                mb["labels"][:, 1:].reshape(-1),
-                ignore_index=-100,
-                reduction="sum",
-            )
-            (loss / n).backward()
-            total += float(loss.detach())
+        loss = backward(model, batches[step * accum : (step + 1) * accum])
         if cfg.max_grad_norm > 0 or norms is not None:
             norm = torch.nn.utils.clip_grad_norm_(
                 clipped, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
@@ -75,8 +63,37 @@ def plain_training(model, opt, clipped, cfg, batches, steps=STEPS, accum=ACCUM, 
         opt.step()
         sched.step()
         opt.zero_grad()
-        losses.append(total / n)
+        losses.append(loss)
     return losses
+
+
+def backward(model, mbs) -> float:
+    """A step's loss over micro-batches ``mbs``, back-propagated: each one's summed cross-entropy divided by
+    the step's target tokens (token-weighted, as the engine and the HF Trainer). Returns the step's loss."""
+    n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs)
+    total = 0.0
+    for mb in mbs:
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+        loss = nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]),
+            mb["labels"][:, 1:].reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+        )
+        (loss / n).backward()
+        total += float(loss.detach())
+    return total / n
+
+
+def fused_adamw(params, cfg):
+    """torch's fused AdamW over ``params`` with ``cfg``'s hyper-parameters, weight decay on matrices only."""
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True
+    )
 
 
 LORA = LoraSettings(r=4, alpha=8, dropout=0.0, seed=0)

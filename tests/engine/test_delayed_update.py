@@ -3,7 +3,7 @@ CPU update runs during the next step, which computes on the weights before it.""
 
 import pytest
 import torch
-from parity import ACCUM, STEPS, _batches, _config
+from parity import ACCUM, STEPS, _batches, _config, backward, fused_adamw
 from torch import nn
 
 from tiertune.engine import EngineConfig, StreamedTrainer
@@ -19,31 +19,13 @@ def _delayed_reference(model, cfg, batches):
 
     params = list(model.parameters())
     master = [nn.Parameter(p.detach().clone()) for p in params]
-    groups = [
-        {"params": [m for m in master if m.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [m for m in master if m.dim() < 2], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(
-        groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True
-    )
+    opt = fused_adamw(master, cfg)
     sched = get_scheduler(
         cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps
     )
     losses = []
     for step in range(STEPS):
-        mbs = batches[step * ACCUM : (step + 1) * ACCUM]
-        n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs)
-        total = 0.0
-        for mb in mbs:
-            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-            loss = nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]),
-                mb["labels"][:, 1:].reshape(-1),
-                ignore_index=-100,
-                reduction="sum",
-            )
-            (loss / n).backward()
-            total += float(loss.detach())
+        losses.append(backward(model, batches[step * ACCUM : (step + 1) * ACCUM]))
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         with torch.no_grad():
             for p, m in zip(params, master, strict=True):
@@ -53,7 +35,6 @@ def _delayed_reference(model, cfg, batches):
         opt.step()
         sched.step()
         opt.zero_grad()
-        losses.append(total / n)
     with torch.no_grad():
         for p, m in zip(params, master, strict=True):
             p.copy_(m)

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 import torch
-from parity import ACCUM, STEPS, _batches, _config, plain_training
+from parity import ACCUM, STEPS, _batches, _config, fused_adamw, plain_training
 
 from tiertune.engine import StreamedTrainer
 from tiertune.offload.store import StoreConfig
@@ -14,14 +14,7 @@ from tiertune.offload.store import StoreConfig
 def _reference(model, batches, cfg):
     """The plain loop: HF model in memory, torch.optim.AdamW, clip_grad_norm_, transformers' scheduler."""
     model.train()
-    params = dict(model.named_parameters())
-    groups = [
-        {"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(
-        groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True
-    )
+    opt = fused_adamw(list(model.parameters()), cfg)
     return plain_training(model, opt, list(model.parameters()), cfg, batches)
 
 

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from parity import ACCUM, _batches, assert_adam_trained_close, lora_config, peft_lora
+from parity import ACCUM, _batches, assert_adam_trained_close, fused_adamw, lora_config, peft_lora
 
 from tiertune.engine import StreamedTrainer
 from tiertune.methods.lora import LoraSettings
@@ -88,13 +88,7 @@ def _plain_loop(model, cfg, batches, with_labels=False):
 
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(
-        groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True
-    )
+    opt = fused_adamw(params, cfg)
     sched = get_scheduler(
         cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps
     )

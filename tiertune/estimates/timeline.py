@@ -298,9 +298,11 @@ class _Play:
         """The step begun last, from its beginning to now."""
         a, b = self.acc, self.at_step
         began = self.steps[-1] if self.steps else 0.0
+        compute = a["compute"] - b["compute"]
         return Timeline(
-            step=self.now - began,
-            compute=a["compute"] - b["compute"],
+            # the clock and the compute thread's sum round apart by an ulp or so
+            step=max(self.now - began, compute),
+            compute=compute,
             io_wait=a["io_wait"] - b["io_wait"],
             optimizer_wait=a["optimizer_wait"] - b["optimizer_wait"],
             optimizer_busy=a["optimizer_busy"] - b["optimizer_busy"],
