@@ -87,8 +87,21 @@ class GaloreSettings:
     svd: str = field(default="exact", metadata=choices(*SVD_METHODS))
 
 
-OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto")
+OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto", "distill")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+BETA = {"distill": 0.5}
+"""``objective.beta``'s default by ``objective.type`` where it is not DPO's 0.1 (TRL's GKD: 0.5)."""
+
+
+@dataclass
+class TeacherSettings:
+    """``objective.teacher``: the model a ``distill`` objective learns from, read as ``model`` reads a base (any
+    model tiertune reads: a path or a hub id, ``dtype``, ``quantize``), streamed within the run's offload
+    budgets."""
+
+    path: str = ""
+    dtype: str = field(default="auto", metadata=choices("auto", "float32", "bfloat16", "float16"))
+    quantize: str = field(default="none", metadata=choices("none", "nf4", "fp4", "int8"))
 
 
 @dataclass
@@ -96,30 +109,45 @@ class ObjectiveSettings:
     """``objective`` (names as TRL's configs): ``type`` ``sft`` (the default: the mean cross-entropy of the target
     tokens), ``dpo`` (``DPOConfig``: ``beta``, ``loss_type``), ``simpo`` (``CPOConfig`` with ``loss_type:
     simpo``: ``beta``, ``simpo_gamma``, ``cpo_alpha``), ``orpo`` (``ORPOConfig``: ``beta`` is the paper's
-    lambda) or ``kto`` (``KTOConfig``: ``beta``, ``desirable_weight``, ``undesirable_weight``; unpaired rows);
-    ``engine.objective`` has the formulas. ``disable_dropout`` (TRL's default) sets every dropout of
-    the model and its adapters to 0 for a preference objective."""
+    lambda), ``kto`` (``KTOConfig``: ``beta``, ``desirable_weight``, ``undesirable_weight``; unpaired rows) or
+    ``distill`` (``GKDConfig``'s ``beta``, 0 the forward KL, 1 the reverse, between the generalized JSD, and
+    ``temperature``; ``teacher``; ``top_k`` logits kept per token from the teacher, 0 the whole vocabulary;
+    ``alpha``: the loss is ``alpha`` x the cross-entropy on the data + (1 - ``alpha``) x the divergence);
+    ``engine.objective`` and ``kernels.ops.distill`` have the formulas. ``beta`` left unset takes the type's
+    default (``BETA``; 0.1). ``disable_dropout`` (TRL's default) sets every dropout of the model and its
+    adapters to 0 for a preference or distillation objective."""
 
     type: str = field(default="sft", metadata=choices(*OBJECTIVES))
-    beta: float = 0.1
+    beta: float | None = None
     loss_type: str = field(default="sigmoid", metadata=choices(*DPO_LOSS_TYPES))
     simpo_gamma: float = 0.5  # SimPO's target reward margin
     cpo_alpha: float = 1.0  # SimPO (TRL's CPOTrainer): the weight of the chosen completions' cross-entropy
     desirable_weight: float = 1.0  # KTO: the weight of a desirable completion's loss
     undesirable_weight: float = 1.0  # KTO: the weight of an undesirable completion's loss
     disable_dropout: bool = True
+    teacher: TeacherSettings = field(default_factory=TeacherSettings)  # distill: the teacher model
+    temperature: float = 1.0  # distill: both distributions are softmax(logits / temperature)
+    top_k: int = (
+        64  # distill: the teacher's logits kept per token (0: every one, the teacher beside the student)
+    )
+    alpha: float = 0.0  # distill: the weight of the cross-entropy on the data (1 - alpha: the divergence's)
+
+    def __post_init__(self) -> None:
+        if self.beta is None:
+            self.beta = BETA.get(self.type, 0.1)
 
     @property
     def paired(self) -> bool:
         """Whether the objective's micro-batches are pairs of sequences (``data.format: preference``: chosen and
         rejected; ``unpaired_preference``, KTO's: a row's completion and, for its KL term, another row's
         completion after the same prompt)."""
-        return self.type != "sft"
+        return self.type not in ("sft", "distill")
 
     @property
     def data_format(self) -> tuple[str, ...]:
         """The ``data.format`` the objective trains on."""
-        return {"sft": ("text", "alpaca", "chat"), "kto": ("unpaired_preference",)}.get(
+        single = ("text", "alpaca", "chat")
+        return {"sft": single, "distill": single, "kto": ("unpaired_preference",)}.get(
             self.type, ("preference",)
         )
 
@@ -133,3 +161,8 @@ class ObjectiveSettings:
         """Whether the objective needs every token's loss of the chosen sequences, the prompt's too (ORPO's
         cross-entropy term), not only the completions'."""
         return self.type == "orpo"
+
+    @property
+    def distills(self) -> bool:
+        """Whether a step learns from a teacher's distributions (``type: distill``)."""
+        return self.type == "distill"

@@ -178,7 +178,12 @@ class Recipe:
             (self.method.galore.rank >= 1, "method.galore.rank", "must be >= 1"),
             (self.method.galore.update_proj_gap >= 1, "method.galore.update_proj_gap", "must be >= 1"),
             (self.method.galore.scale > 0, "method.galore.scale", "must be > 0"),
-            (self.objective.beta > 0, "objective.beta", f"must be > 0, got {self.objective.beta}"),
+            (
+                self.objective.distills or self.objective.beta > 0,
+                "objective.beta",
+                f"must be > 0, got {self.objective.beta}",
+            ),
+            *self._distill_checks(),
             (
                 self.data.format in self.objective.data_format,
                 "objective.type",
@@ -217,6 +222,34 @@ class Recipe:
             if not ok:
                 raise ConfigError(f"{key} {what}")
 
+    def _distill_checks(self) -> list[tuple[bool, str, str]]:
+        """A ``distill`` objective's settings: (holds, setting, what it must be)."""
+        o = self.objective
+        if not o.distills:
+            return []
+        teacher = o.teacher
+        return [
+            (0 <= o.beta <= 1, "objective.beta", f"must be in [0, 1] for distill (TRL's GKD), got {o.beta}"),
+            (o.temperature > 0, "objective.temperature", f"must be > 0, got {o.temperature}"),
+            (o.top_k >= 0, "objective.top_k", f"must be >= 0 (0: the whole vocabulary), got {o.top_k}"),
+            (0 <= o.alpha <= 1, "objective.alpha", f"must be in [0, 1], got {o.alpha}"),
+            (
+                bool(teacher.path),
+                "objective.teacher.path",
+                "must name the teacher model (a directory or a hub id) for objective.type: distill",
+            ),
+            (
+                teacher.dtype in ("auto", "float32", "bfloat16", "float16"),
+                "objective.teacher.dtype",
+                f"must be one of auto, float32, bfloat16, float16; got {teacher.dtype!r}",
+            ),
+            (
+                teacher.quantize in ("none", "nf4", "fp4", "int8"),
+                "objective.teacher.quantize",
+                f"must be one of none, nf4, fp4, int8; got {teacher.quantize!r}",
+            ),
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -231,10 +264,13 @@ class Recipe:
             (out.training, "output_dir"),
             (out.offload, "disk_path"),
             (out.training, "resume_from_checkpoint"),
+            (out.objective.teacher, "path"),
         )
         for section, key in sections:
             value = getattr(section, key)
-            if section is out.model and is_hub_id(value):  # a Hugging Face model id, not a path
+            if (section is out.model or section is out.objective.teacher) and is_hub_id(
+                value
+            ):  # a Hugging Face model id, not a path
                 continue
             if value and value != "auto":
                 setattr(section, key, os.path.abspath(os.path.expanduser(value)))

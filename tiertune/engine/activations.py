@@ -219,7 +219,7 @@ def outside_bytes(
     text = model.config.get_text_config(decoder=True)
     hidden, vocab, size = text.hidden_size, text.vocab_size, cfg.dtype.itemsize
     micro, k = cfg.activation_tokens, cfg.gradient_accumulation_steps
-    trained = cfg.method != "lora"
+    trained = cfg.trains_base
     act = micro * hidden * size
     out: dict[str, int] = {}
     if not stash_chunks:  # ``stash.DeviceStash``

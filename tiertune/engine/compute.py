@@ -161,6 +161,12 @@ class Compute:
         """A preference objective's losses and metrics (``objective.pair_losses``)."""
         return pair_losses(settings, token_losses, *args)
 
+    def distill(
+        self, loss: CausalLMLoss, last: torch.Tensor, *args: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A distillation's summed loss, cross-entropy and divergence (``CausalLMLoss.distill``)."""
+        return loss.distill(*args)
+
 
 class Ledger(Compute):
     """The ledger substrate: shapes, no arithmetic (see the module docstring). ``clipped[k]``: whether step
@@ -244,6 +250,13 @@ class Ledger(Compute):
         self, settings: ObjectiveSettings, token_losses: torch.Tensor, *args: Any
     ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
         return token_losses.sum(1) * 0.0, {}
+
+    def distill(
+        self, loss: CausalLMLoss, last: torch.Tensor, *args: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.note("head", last.shape[:-1].numel(), "distill")
+        zero = last.sum() * 0.0
+        return zero, zero.detach(), zero.detach()
 
 
 ADAMW = {"_adamw": 1, "_adamw_views": 0, "adam_move": 0, "adamw_stochastic": 0}

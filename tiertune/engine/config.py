@@ -80,7 +80,8 @@ class EngineConfig:
     # accumulators, placed up front (a step with more micro-batches than said adds them when it needs them)
     gradient_accumulation_steps: int = 1
     # full: every weight trained with AdamW; lora: a frozen base with peft LoRA adapters; galore: every weight
-    # trained, the decoder layers' linear weights with Adam in a low-rank projection of their gradients
+    # trained, the decoder layers' linear weights with Adam in a low-rank projection of their gradients; frozen:
+    # nothing trained, no step (a distillation's teacher: its passes alone, ``StreamedTrainer.teacher_topk``)
     method: str = "full"
     quantize: str = "none"  # none, nf4, fp4 or int8: how the layers' linear weights are stored and streamed
     lora: LoraSettings = field(default_factory=LoraSettings)
@@ -107,6 +108,11 @@ class EngineConfig:
         if self.stack_tokens is not None:
             return self.stack_tokens
         return STACK_TOKENS if self.quantize != "none" else 0
+
+    @property
+    def trains_base(self) -> bool:
+        """Whether the model's own weights are trained (full, GaLore), not frozen (LoRA's base, a teacher)."""
+        return self.method not in ("lora", "frozen")
 
     @property
     def clips(self) -> bool:

@@ -88,7 +88,7 @@ def load_model(
     shipped = (
         None  # a full fine-tune of a base that ships FP8: every weight trained from its dequantized values
     )
-    if is_shipped_format(quant) and config.method != "lora":
+    if is_shipped_format(quant) and config.trains_base:
         shipped, quant = quant, None
     if is_shipped_format(quant) and config.lora.use_dora:
         raise ConfigError(
@@ -137,7 +137,7 @@ def load_model(
             world.size,
             quant,
             safe_point=safe_point,
-            in_place=config.method == "lora",
+            in_place=not config.trains_base,
             cache=cache,
         )
         # a ledger's collectives count the bytes each would send among world.size ranks, and join no group
@@ -153,7 +153,7 @@ def load_model(
         quant,
         cache=cache,
         safe_point=safe_point,
-        in_place=config.method == "lora",
+        in_place=not config.trains_base,
     )
     if cache is not None:
         log.info("quantized layers: %d read from %s, %d quantized", cache.hits, cache.directory, cache.misses)

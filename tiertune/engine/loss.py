@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tiertune.errors import DataError
 from tiertune.kernels.architectures import FUSED_LOSS
+from tiertune.kernels.ops.distill import Full, TopK, linear_distill, logits_distill, topk_logprobs
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX, linear_cross_entropy, token_cross_entropy
 from tiertune.structure import text_decoder
 
@@ -83,6 +85,63 @@ class CausalLMLoss:
                 self._logits(ids, extra), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
             )
         return out.view(target.shape)
+
+    @torch.no_grad()
+    def teacher_topk(
+        self, ids: torch.Tensor, extra: dict, target: torch.Tensor, k: int, temperature: float
+    ) -> TopK:
+        """A teacher's ``TopK`` at each scored token (``target`` not ``IGNORE_INDEX``; row by row, in order):
+        ``log_softmax(logits / temperature)``'s ``k`` largest and the log of the rest's mass, a chunk of logits
+        at a time (``kernels.ops.distill.topk_logprobs``)."""
+        scored = target.reshape(-1) != IGNORE_INDEX
+        h = self._hidden(ids, extra)[scored]
+        head = self.model.get_output_embeddings()
+        return topk_logprobs(h, head.weight, k, temperature, head.bias, self._softcap)
+
+    @torch.no_grad()
+    def teacher_hidden(self, ids: torch.Tensor, extra: dict, target: torch.Tensor) -> Full:
+        """A teacher's last hidden states at each scored token (as ``teacher_topk``'s) with its head: its
+        logits made beside the student's (``objective.top_k: 0``)."""
+        scored = target.reshape(-1) != IGNORE_INDEX
+        head = self.model.get_output_embeddings()
+        return Full(self._hidden(ids, extra)[scored], head.weight, head.bias, self._softcap)
+
+    def distill(
+        self,
+        ids: torch.Tensor,
+        extra: dict,
+        target: torch.Tensor,
+        teacher: TopK | Full,
+        beta: float,
+        temperature: float,
+        alpha: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A distillation's summed loss over ``target``'s scored tokens (``alpha`` x each one's cross-entropy +
+        (1 - ``alpha``) x its divergence from ``teacher``, given at those tokens, row by row), and the summed
+        cross-entropy and divergence (no autograd): fused with the head (``kernels.ops.distill``), else on the
+        model's logits."""
+        scored = target.reshape(-1) != IGNORE_INDEX
+        picked = target.reshape(-1)[scored]
+        n = int(scored.sum())
+        covered = len(teacher.hidden if isinstance(teacher, Full) else teacher.ids)
+        if covered != n:
+            raise DataError(
+                f"the teacher's figures cover {covered} tokens where the batch scores {n}: the teacher's cache "
+                "is not this data's (remove it to compute it again)"
+            )
+        ce_w = torch.full((n,), alpha, device=picked.device)
+        kd_w = torch.full((n,), 1.0 - alpha, device=picked.device)
+        head = self.model.get_output_embeddings()
+        if self.fused:
+            h = self._hidden(ids, extra)[scored]
+            total, ce, kd = linear_distill(
+                h, head.weight, picked, teacher, ce_w, kd_w, beta, temperature, head.bias, self._softcap
+            )
+            return total, ce.sum(), kd.sum()
+        total, ce, kd = logits_distill(
+            self._logits(ids, extra)[scored], picked, teacher, ce_w, kd_w, beta, temperature
+        )
+        return total, ce.sum(), kd.sum()
 
     @property
     def _softcap(self) -> float | None:

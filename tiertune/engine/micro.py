@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -67,6 +68,9 @@ class Micro:
     ref: torch.Tensor | None = None  # the reference's hidden states at the boundary the wave has reached
     ref_logps: torch.Tensor | None = None  # or its sequences' log-probabilities, computed before the step
     desirable: torch.Tensor | None = None  # KTO: whether each row's completion is desirable
+    teacher: Any = (
+        None  # distillation: the teacher's figures at its scored tokens (``kernels.ops.distill.TopK``)
+    )
 
 
 def add(summed: dict[str, torch.Tensor], name: str, g: torch.Tensor | None) -> None:

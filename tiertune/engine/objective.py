@@ -46,8 +46,15 @@ EXTRA_METRICS = {
 """What an objective logs beside ``METRICS``, each a mean over the step's micro-batches (TRL's)."""
 
 
+DISTILL_METRICS = ("kd_loss", "ce_loss")
+"""What a distillation step logs: its scored tokens' mean divergence from the teacher and mean cross-entropy on
+the data (``loss`` is ``alpha`` x the second + (1 - ``alpha``) x the first)."""
+
+
 def metric_names(settings: ObjectiveSettings) -> tuple[str, ...]:
     """The metrics a step of the objective logs (every rank sums the same ones, in this order)."""
+    if settings.distills:
+        return DISTILL_METRICS
     if not settings.paired:
         return ()
     names = METRICS if settings.type != "kto" else tuple(m for m in METRICS if m != "rewards/accuracies")
@@ -222,6 +229,7 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 __all__ = [
+    "DISTILL_METRICS",
     "EXTRA_METRICS",
     "LOSS_TYPES",
     "METRICS",

@@ -5,9 +5,9 @@ weights), and the pass before training that computes a full fine-tune's referenc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack, nullcontext, suppress
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,11 +30,17 @@ class PairedPasses:
     layers: list[torch.nn.Module]
     metrics: dict[str, tuple[float, float]]
 
-    def sequence_logps(self, batches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def sequence_logps(
+        self,
+        batches: Sequence[dict[str, torch.Tensor]],
+        head: Callable[[Any, Micro, torch.Tensor], Any] | None = None,
+    ) -> list[Any]:
         """Each batch's rows' log-probabilities of their targets (summed over each row's ``labels``, shifted),
         by the model as it is now, without autograd: each layer visited once for all ``batches`` (their
-        boundaries held on the device), the head fused (``CausalLMLoss.token_losses``). The global random
-        generators are left as they were: a run draws the same streams with or without this pass."""
+        boundaries held on the device), the head fused (``CausalLMLoss.token_losses``); or what ``head(engine,
+        micro-batch, its last layer's output)`` makes of each (a distillation's teacher: ``engine.teacher``).
+        The global random generators are left as they were: a run draws the same streams with or without this
+        pass."""
         engine = self.engine
         device = engine.device
         others = [s for s in engine.states if s.group.kind != "layer"]
@@ -74,6 +80,9 @@ class PairedPasses:
             out = []
             for j, mb in enumerate(micro):
                 engine.visit = Suffix(len(self.layers) - 1, xs[j])
+                if head is not None:
+                    out.append(head(engine, mb, xs[j]))
+                    continue
                 out.append(
                     -engine.compute.token_losses(engine.loss, xs[j], mb.ids, mb.extra, mb.target).sum(1)
                 )

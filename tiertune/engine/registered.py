@@ -107,7 +107,7 @@ def lay_out(
         disk_budget=None,
         reserve=None,
     )
-    speculates = cfg.method != "lora" and cfg.overlap_optimizer != "off" and cfg.clips
+    speculates = cfg.trains_base and cfg.overlap_optimizer != "off" and cfg.clips
     built = dataclasses.replace(cfg, twins=True if speculates else cfg.twins)
     k = cfg.gradient_accumulation_steps
     # a build and a step (speculated, clipped, redone: every way the optimizer holds chunks) of two micro-batches

@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, nullcontext, suppress
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,7 +44,9 @@ from tiertune.engine.pairs import PairedPasses
 from tiertune.engine.stacking import draws_random, stack_calls
 from tiertune.engine.stash import Stash, stash_slots
 from tiertune.engine.streaming import Capture, StepEngine, Stop, Suffix
+from tiertune.engine.teacher import cat_teachers, teacher_of
 from tiertune.errors import StateError
+from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from tiertune.engine.config import EngineConfig
@@ -148,6 +150,7 @@ class LayerMajor(PairedPasses):
                     pairs=int(b.get("pairs", 0)),
                     ref_logps=b["ref_logps"].to(device) if "ref_logps" in b else None,
                     desirable=b["label"].to(device) if "label" in b else None,
+                    teacher=teacher_of(b, device),
                 )
                 for b, lab, rng in zip(batches, labels, streams(len(batches), device), strict=True)
             ]
@@ -291,7 +294,11 @@ class LayerMajor(PairedPasses):
             else:
                 ids, target = torch.cat([mb.ids for mb in parts]), torch.cat([mb.target for mb in parts])
                 extra = {k: torch.cat([mb.extra[k] for mb in parts]) for k in parts[0].extra}
-            loss_sum = engine.compute.loss(engine.loss, leaf, ids, extra, target)
+            if engine.objective.distills:
+                teacher = parts[0].teacher if one else cat_teachers([mb.teacher for mb in parts])
+                loss_sum = self._distill_loss(leaf, ids, extra, target, teacher)
+            else:
+                loss_sum = engine.compute.loss(engine.loss, leaf, ids, extra, target)
             (loss_sum / n_tokens).backward()
             total += engine.compute.value(loss_sum.detach())
             if leaf.grad is None:
@@ -302,6 +309,24 @@ class LayerMajor(PairedPasses):
         engine.visit = None
         self.stash.close(last, keep=False)
         return total, aux_total
+
+    def _distill_loss(
+        self, leaf: torch.Tensor, ids: torch.Tensor, extra: dict, target: torch.Tensor, teacher: Any
+    ) -> torch.Tensor:
+        """A distillation's summed loss of a stack of micro-batches (``CausalLMLoss.distill``), its
+        cross-entropy and divergence added to the step's metrics (``ce_loss``, ``kd_loss``: by token)."""
+        engine = self.engine
+        o = engine.objective
+        if teacher is None:
+            raise StateError("a distillation step's micro-batch carries no teacher figures")
+        loss_sum, ce, kd = engine.compute.distill(
+            engine.loss, leaf, ids, extra, target, teacher, o.beta, o.temperature, o.alpha
+        )
+        count = float((target != IGNORE_INDEX).sum())
+        for name, value in (("ce_loss", ce), ("kd_loss", kd)):
+            total_value, total_count = self.metrics.get(name, (0.0, 0.0))
+            self.metrics[name] = (total_value + engine.compute.value(value), total_count + count)
+        return loss_sum
 
     def _suffix_stacks(self, micro: Sequence[Micro]) -> list[list[int]]:
         """The micro-batches the final norm, head and loss run on together: as ``stacks`` (at most

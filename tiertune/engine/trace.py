@@ -14,7 +14,7 @@ what each thread of a run would do, in the order it would do it, with the sizes 
 The trace prices nothing: it is the step's schedule, which ``estimates.timeline`` plays against a rate per
 resource. Op tuples, first item the kind:
 
-``("layer", tokens, "forward" | "backward")``, ``("head", tokens, "loss" | "logps")``,
+``("layer", tokens, "forward" | "backward")``, ``("head", tokens, "loss" | "distill" | "logps")``,
 ``("run", "adamw" | "copy" | "read", elements, bytes)`` (a read: a norm taken over a gradient), ``("start", chunk_id, link, bytes)``, ``("use", chunk_id)``,
 ``("submit",)``, ``("submit", "after")`` (a unit that runs after the background pieces queued before it),
 ``("submit", "background", k)`` (k background pieces: the next k scripts, run when no unit is queued),

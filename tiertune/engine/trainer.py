@@ -107,7 +107,7 @@ class StreamedTrainer(TrainerViews):
         self._param_order = [n for n, _ in self.model.named_parameters()]
         paths = {id(m): n for n, m in self.model.named_modules()}
         self.galore = GaLore(config.galore, self.parts.layers, paths) if config.method == "galore" else None
-        trained = config.method != "lora"
+        trained = config.trains_base
         read_master = partial(self._read_master, checkpoint)
         self.states = [
             add_states(self.store, g, config, self.galore, read_master, self.sharding.full)
@@ -220,7 +220,7 @@ class StreamedTrainer(TrainerViews):
         self.loss = CausalLMLoss(self.model, config.kernels != "none", self.kernel_backend)
         # a preference objective's last step's metrics (TRL's names: engine.objective)
         self.last_metrics: dict[str, float] = {}
-        if self.objective.paired and self.objective.disable_dropout:
+        if (self.objective.paired or self.objective.distills) and self.objective.disable_dropout:
             disable_dropout(self.model)
         # the weighted auxiliary loss in the last step's loss (None when it has none: router_aux is None)
         self.last_router_aux_loss: float | None = None
@@ -260,12 +260,12 @@ class StreamedTrainer(TrainerViews):
     ) -> AbstractContextManager[dict[str, torch.Tensor]]:
         return self.bound_group(self.layer_state(index), requires_grad)
 
-    def sequence_logps(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Each micro-batch's rows' log-probabilities of their labels, by the weights as they are, in one pass
-        of the layers without autograd (``LayerMajor.sequence_logps``); the store forgets the pass (its chunk
-        accesses are not a step's, its peaks not a step's: ``ChunkStore.forget_pass``)."""
+    def sequence_logps(self, micro_batches: Sequence[dict[str, torch.Tensor]], head: Any = None) -> list[Any]:
+        """Each micro-batch's rows' log-probabilities of their labels (or ``head``'s figures: a teacher's), by
+        the weights as they are, in one pass of the layers without autograd (``LayerMajor.sequence_logps``); the
+        store forgets the pass (its accesses and peaks are not a step's: ``ChunkStore.forget_pass``)."""
         try:
-            return self.schedule.sequence_logps(micro_batches)
+            return self.schedule.sequence_logps(micro_batches, head)
         finally:
             self.store.forget_pass()
 

@@ -183,7 +183,7 @@ class _Play:
             share = r.forward_share if op[2] == "forward" else 1.0 - r.forward_share
             return op[1] * r.layer * share, f"layers {op[2]}"
         if kind == "head":
-            return op[1] * r.head * (1.0 if op[2] == "loss" else 1.0 / 3.0), "head"
+            return op[1] * r.head * (1.0 if op[2] in ("loss", "distill") else 1.0 / 3.0), "head"
         # ("run", "adamw" | "copy" | "read", elements, bytes)
         if op[1] == "read":
             return (op[3] / r.read if r.read else 0.0), f"{actor.name} reads"

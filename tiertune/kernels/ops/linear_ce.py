@@ -174,25 +174,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad.mul_((keep * scale).unsqueeze(1))
                 if softcap is not None:  # through the cap: d softcap * tanh(z / softcap) / dz = 1 - tanh^2
                     grad.mul_(tanh.square_().neg_().add_(1.0))
-            if mixed:  # the gradient rounded to x's dtype, as autograd through a bf16 head has it
-                g = grad.to(x.dtype)
-                if want_x:
-                    grad_x[start : start + chunk_tokens] = g @ weight
-                if want_w:
-                    torch.addmm(grad_w, g.t(), xs, out_dtype=torch.float32, out=grad_w)
-                if want_b:
-                    grad_b += grad.sum(0)
-                continue
-            if want_x:
-                gx = grad[:, slices[0][0]] @ slices[0][1].float()
-                for rows, w in slices[1:]:
-                    gx.addmm_(grad[:, rows], w.float())
-                grad_x[start : start + chunk_tokens] = gx.to(x.dtype)
-            if want_w:
-                for rows, _ in slices:
-                    grad_w[rows].addmm_(grad[:, rows].t(), x32)
-            if want_b:
-                grad_b += grad.sum(0)
+            backprop_chunk(grad, xs, weight, slices, mixed, start, grad_x, grad_w, grad_b)
         ctx.save_for_backward(*(g for g in (grad_x, grad_w, grad_b) if g is not None))
         ctx.have = (want_x, want_w, want_b)
         ctx.used = False
@@ -214,6 +196,43 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = next(saved).mul_(grad_out).to(ctx.dtypes[0]) if want_w else None
         grad_b = next(saved).mul_(grad_out).to(ctx.dtypes[1]) if want_b else None
         return grad_x, grad_w, None, grad_b, None, None, None, None, None, None, None
+
+
+def backprop_chunk(
+    grad: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    slices: list[tuple[slice, torch.Tensor]],
+    mixed: bool,
+    start: int,
+    grad_x: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    grad_b: torch.Tensor | None,
+) -> None:
+    """A chunk's logit gradient ``grad`` (fp32, [chunk, vocab]) into the gradients of its tokens ``xs`` (rows
+    ``start`` on of ``grad_x``), of the head (summed into the fp32 ``grad_w``) and of its bias: on the tensor
+    cores in ``x``'s dtype (``mixed``: the gradient rounded to it, as autograd through a bf16 head has it), else
+    in fp32 a slice of the head at a time."""
+    if mixed:
+        g = grad.to(xs.dtype)
+        if grad_x is not None:
+            grad_x[start : start + len(xs)] = g @ weight
+        if grad_w is not None:
+            torch.addmm(grad_w, g.t(), xs, out_dtype=torch.float32, out=grad_w)
+        if grad_b is not None:
+            grad_b += grad.sum(0)
+        return
+    if grad_x is not None:
+        gx = grad[:, slices[0][0]] @ slices[0][1].float()
+        for rows, w in slices[1:]:
+            gx.addmm_(grad[:, rows], w.float())
+        grad_x[start : start + len(xs)] = gx.to(xs.dtype)
+    if grad_w is not None:
+        x32 = xs.float()
+        for rows, _ in slices:
+            grad_w[rows].addmm_(grad[:, rows].t(), x32)
+    if grad_b is not None:
+        grad_b += grad.sum(0)
 
 
 def _chunk_logits(

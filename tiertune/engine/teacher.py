@@ -1,0 +1,61 @@
+"""A distillation's teacher as the student's step sees it: its figures at a micro-batch's scored tokens, carried
+with the batch (``teacher_ids``, ``teacher_logps``, ``teacher_tail``: the scored tokens of its rows in order,
+row after row, as ``finetune.teacher`` reads them from its cache), and the heads its own pass ends with
+(``StreamedTrainer.sequence_logps`` with ``head``: the teacher is a frozen trainer)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from tiertune.kernels.ops.distill import Full, TopK
+
+KEYS = ("teacher_ids", "teacher_logps", "teacher_tail")
+"""A batch's keys for its teacher's ``TopK``."""
+
+
+def teacher_of(batch: dict[str, Any], device: torch.device) -> TopK | Full | None:
+    """The teacher's figures a batch carries, on ``device`` (None: it carries none)."""
+    if "teacher" in batch:  # the whole vocabulary: the teacher's hidden states and head, made in the step
+        return batch["teacher"]
+    if KEYS[0] not in batch:
+        return None
+    ids, logps, tail = (batch[k].to(device) for k in KEYS)
+    return TopK(ids, logps, tail)
+
+
+def cat_teachers(parts: Sequence[TopK | Full | None]) -> TopK | Full | None:
+    """The figures of micro-batches stacked (their scored tokens one after the other)."""
+    if any(p is None for p in parts):
+        return None
+    if isinstance(parts[0], Full):
+        first = parts[0]
+        return Full(torch.cat([p.hidden for p in parts]), first.weight, first.bias, first.softcap)  # type: ignore[union-attr]
+    return TopK(*(torch.cat([getattr(p, f) for p in parts]) for f in ("ids", "logps", "tail")))
+
+
+def topk_head(k: int, temperature: float) -> Callable[[Any, Any, torch.Tensor], TopK]:
+    """A frozen pass's head (``LayerMajor.sequence_logps``) that keeps a teacher's ``TopK`` of each micro-batch's
+    scored tokens."""
+
+    def head(engine: Any, mb: Any, last: torch.Tensor) -> TopK:
+        topk = engine.compute.run(engine.loss.teacher_topk, mb.ids, mb.extra, mb.target, k, temperature)
+        return topk if topk is not None else _meta_topk(mb.target, k)
+
+    return head
+
+
+def _meta_topk(target: torch.Tensor, k: int) -> TopK:
+    """What a ledger's pass keeps (shapes alone)."""
+    n = int((target != -100).sum()) if not target.is_meta else target.numel()
+    meta = torch.device("meta")
+    return TopK(
+        torch.empty(n, k, dtype=torch.int32, device=meta),
+        torch.empty(n, k, device=meta),
+        torch.empty(n, device=meta),
+    )
+
+
+__all__ = ["KEYS", "cat_teachers", "teacher_of", "topk_head"]
