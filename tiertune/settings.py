@@ -102,6 +102,9 @@ class TeacherSettings:
     path: str = ""
     dtype: str = field(default="auto", metadata=choices("auto", "float32", "bfloat16", "float16"))
     quantize: str = field(default="none", metadata=choices("none", "nf4", "fp4", "int8"))
+    # rows of the data a teacher pass's wave runs through each layer (its weights read once a wave); 0: as many
+    # as keep the wave's hidden states within a quarter of the device budget (``finetune.teacher``)
+    wave_size: int = 0
 
 
 @dataclass

@@ -83,6 +83,11 @@ def plan(
             f"model.quantize: {recipe.model.quantize} freezes the base; use method.type: lora with it, "
             f"or model.quantize: none for method.type: {recipe.method.type}"
         )
+    if recipe.objective.distills and recipe.objective.top_k == 0:
+        raise ConfigError(
+            "objective.top_k: 0 (the teacher beside the student in each step, the whole vocabulary) is not "
+            "built yet; set objective.top_k to the teacher's logits kept per token (64 is the default)"
+        )
     if not recipe.model.path:
         raise ConfigError("model.path is required: a local Hugging Face model directory")
     if not (Path(recipe.model.path) / "config.json").is_file():

@@ -244,6 +244,11 @@ class Recipe:
                 f"must be one of auto, float32, bfloat16, float16; got {teacher.dtype!r}",
             ),
             (
+                teacher.wave_size >= 0,
+                "objective.teacher.wave_size",
+                f"must be >= 0 (0: auto), got {teacher.wave_size}",
+            ),
+            (
                 teacher.quantize in ("none", "nf4", "fp4", "int8"),
                 "objective.teacher.quantize",
                 f"must be one of none, nf4, fp4, int8; got {teacher.quantize!r}",

@@ -88,15 +88,15 @@ class CausalLMLoss:
 
     @torch.no_grad()
     def teacher_topk(
-        self, ids: torch.Tensor, extra: dict, target: torch.Tensor, k: int, temperature: float
+        self, ids: torch.Tensor, extra: dict, target: torch.Tensor, k: int, temperature: float, vocab: int
     ) -> TopK:
         """A teacher's ``TopK`` at each scored token (``target`` not ``IGNORE_INDEX``; row by row, in order):
-        ``log_softmax(logits / temperature)``'s ``k`` largest and the log of the rest's mass, a chunk of logits
-        at a time (``kernels.ops.distill.topk_logprobs``)."""
+        ``log_softmax(logits / temperature)``'s ``k`` largest among the first ``vocab`` tokens (the student's)
+        and the log of the rest's mass, a chunk of logits at a time (``kernels.ops.distill.topk_logprobs``)."""
         scored = target.reshape(-1) != IGNORE_INDEX
         h = self._hidden(ids, extra)[scored]
         head = self.model.get_output_embeddings()
-        return topk_logprobs(h, head.weight, k, temperature, head.bias, self._softcap)
+        return topk_logprobs(h, head.weight, k, temperature, head.bias, self._softcap, vocab_limit=vocab)
 
     @torch.no_grad()
     def teacher_hidden(self, ids: torch.Tensor, extra: dict, target: torch.Tensor) -> Full:

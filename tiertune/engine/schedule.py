@@ -317,12 +317,12 @@ class LayerMajor(PairedPasses):
         cross-entropy and divergence added to the step's metrics (``ce_loss``, ``kd_loss``: by token)."""
         engine = self.engine
         o = engine.objective
-        if teacher is None:
+        if teacher is None and not engine.compute.ledger:  # a ledger's step computes nothing
             raise StateError("a distillation step's micro-batch carries no teacher figures")
         loss_sum, ce, kd = engine.compute.distill(
             engine.loss, leaf, ids, extra, target, teacher, o.beta, o.temperature, o.alpha
         )
-        count = float((target != IGNORE_INDEX).sum())
+        count = engine.compute.value((target != IGNORE_INDEX).sum())
         for name, value in (("ce_loss", ce), ("kd_loss", kd)):
             total_value, total_count = self.metrics.get(name, (0.0, 0.0))
             self.metrics[name] = (total_value + engine.compute.value(value), total_count + count)

@@ -36,26 +36,17 @@ def cat_teachers(parts: Sequence[TopK | Full | None]) -> TopK | Full | None:
     return TopK(*(torch.cat([getattr(p, f) for p in parts]) for f in ("ids", "logps", "tail")))
 
 
-def topk_head(k: int, temperature: float) -> Callable[[Any, Any, torch.Tensor], TopK]:
+def topk_head(
+    k: int, temperature: float, vocab: int | None = None
+) -> Callable[[Any, Any, torch.Tensor], TopK]:
     """A frozen pass's head (``LayerMajor.sequence_logps``) that keeps a teacher's ``TopK`` of each micro-batch's
-    scored tokens."""
+    scored tokens (the k among the first ``vocab`` tokens: the student's)."""
 
     def head(engine: Any, mb: Any, last: torch.Tensor) -> TopK:
-        topk = engine.compute.run(engine.loss.teacher_topk, mb.ids, mb.extra, mb.target, k, temperature)
-        return topk if topk is not None else _meta_topk(mb.target, k)
+        limit = vocab or engine.model.get_output_embeddings().weight.shape[0]
+        return engine.loss.teacher_topk(mb.ids, mb.extra, mb.target, k, temperature, limit)
 
     return head
-
-
-def _meta_topk(target: torch.Tensor, k: int) -> TopK:
-    """What a ledger's pass keeps (shapes alone)."""
-    n = int((target != -100).sum()) if not target.is_meta else target.numel()
-    meta = torch.device("meta")
-    return TopK(
-        torch.empty(n, k, dtype=torch.int32, device=meta),
-        torch.empty(n, k, device=meta),
-        torch.empty(n, device=meta),
-    )
 
 
 __all__ = ["KEYS", "cat_teachers", "teacher_of", "topk_head"]

@@ -649,7 +649,7 @@ def batches(
         order = list(range(len(data)))
         if shuffle:
             random.Random(seed + epoch).shuffle(order)
-        rows = (data.rows[i] for i in order)
+        rows = ({**data.rows[i], "row": i} for i in order)
         if packing:
             yield from _packed(rows, batch_size, pad_id, max_seq_len)
         elif "rejected_ids" in data.rows.column_names:  # pairs: each batch its chosen rows, then its rejected
@@ -673,8 +673,23 @@ def batches(
         epoch += 1
 
 
+def row_batches(
+    data: TokenizedData, rows: list[int], batch_size: int, pad_id: int
+) -> list[dict[str, torch.Tensor]]:
+    """``rows`` of ``data``, in order, as padded batches of ``batch_size`` (a pass over part of the data)."""
+    picked = [{**data.rows[i], "row": i} for i in rows]
+    return [_padded(picked[i : i + batch_size], pad_id) for i in range(0, len(picked), batch_size)]
+
+
 def _padded(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     width = max(len(r["input_ids"]) for r in rows)
+    batch = _padded_rows(rows, pad_id, width)
+    if "row" in rows[0]:  # each sequence's row of the data (a teacher's figures are kept by row)
+        batch["row_ids"] = torch.tensor([[r["row"]] for r in rows])
+    return batch
+
+
+def _padded_rows(rows: list[dict], pad_id: int, width: int) -> dict[str, torch.Tensor]:
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -691,7 +706,8 @@ def _paired(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     counts the rows, ``rows`` holds their indices in the data (a reference's log-probabilities are kept by
     row: ``finetune.reference``)."""
     rejected = [{"input_ids": r["rejected_ids"], "labels": r["rejected_labels"]} for r in rows]
-    batch = _padded([*rows, *rejected], pad_id)
+    both = [*rows, *rejected]
+    batch = _padded_rows(both, pad_id, max(len(r["input_ids"]) for r in both))
     batch["pairs"] = torch.tensor(len(rows))
     batch["rows"] = torch.tensor([r["row"] for r in rows])
     if "label" in rows[0]:  # KTO's: whether each row's completion is desirable
@@ -706,14 +722,15 @@ def _packed(
     what does not fit starts the next sequence)."""
     if width < 2:
         raise ConfigError("data.packing needs data.max_seq_len >= 2")
-    sequences: list[tuple[list[int], list[int], list[int]]] = []
+    sequences: list[tuple[list[int], list[int], list[int], list[int]]] = []
     ids: list[int] = []
     labels: list[int] = []
     positions: list[int] = []
+    members: list[int] = []  # the data's rows in the sequence, in order
     for row in rows:
         if len(ids) + len(row["input_ids"]) > width:
-            sequences.append((ids, labels, positions))
-            ids, labels, positions = [], [], []
+            sequences.append((ids, labels, positions, members))
+            ids, labels, positions, members = [], [], [], []
             if len(sequences) == batch_size:
                 yield _pack_batch(sequences, pad_id, width)
                 sequences = []
@@ -722,8 +739,9 @@ def _packed(
         # the first token of a row is not predicted from the row before it
         labels += [IGNORE_INDEX, *row["labels"][1:]]
         positions += list(range(n))
+        members.append(row["row"])
     if ids:
-        sequences.append((ids, labels, positions))
+        sequences.append((ids, labels, positions, members))
     if sequences:
         yield _pack_batch(sequences, pad_id, width)
 
@@ -733,10 +751,19 @@ def _pack_batch(sequences: list, pad_id: int, width: int) -> dict[str, torch.Ten
     labels = torch.full((len(sequences), width), IGNORE_INDEX, dtype=torch.long)
     positions = torch.zeros((len(sequences), width), dtype=torch.long)
     real = sum(len(seq[0]) for seq in sequences)
-    for r, (row_ids, row_labels, row_positions) in enumerate(sequences):
-        n = len(row_ids)
-        ids[r, :n] = torch.tensor(row_ids)
-        labels[r, :n] = torch.tensor(row_labels)
-        positions[r, :n] = torch.tensor(row_positions)
+    most = max(len(seq[3]) for seq in sequences)
+    members = torch.full((len(sequences), most), -1, dtype=torch.long)  # each sequence's rows of the data
+    for r, (seq_ids, seq_labels, seq_positions, seq_rows) in enumerate(sequences):
+        members[r, : len(seq_rows)] = torch.tensor(seq_rows)
+        n = len(seq_ids)
+        ids[r, :n] = torch.tensor(seq_ids)
+        labels[r, :n] = torch.tensor(seq_labels)
+        positions[r, :n] = torch.tensor(seq_positions)
         positions[r, n:] = torch.arange(width - n)  # the padding is a block of its own
-    return {"input_ids": ids, "labels": labels, "position_ids": positions, "num_tokens": torch.tensor(real)}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "position_ids": positions,
+        "num_tokens": torch.tensor(real),
+        "row_ids": members,
+    }

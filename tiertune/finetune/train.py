@@ -64,6 +64,7 @@ from tiertune.finetune.reference import reference_logps, with_reference
 from tiertune.finetune.reporting import Reporters
 from tiertune.finetune.rundir import LAUNCH_FILE, LOG_NAME, Decision, RunDirectory, launch_record
 from tiertune.finetune.signals import StopOnSignals, stop_on_signals
+from tiertune.finetune.teacher import check_tokenizers, teacher_figures, with_teacher
 from tiertune.kernels.patch import describe
 from tiertune.loading.hub import model_directory
 from tiertune.offload.store import StoreConfig
@@ -86,6 +87,8 @@ class TrainResult:
     # optimizer steps by how they ran: speculative (during backward, confirmed), redone (during backward,
     # then again after it: the step was clipped), after_backward
     optimizer_counts: dict[str, int] = field(default_factory=dict)
+    # a distillation's teacher pass (``finetune.teacher.TeacherPass.record``; None: no teacher)
+    teacher_pass: dict[str, Any] | None = None
 
     @property
     def log_path(self) -> Path:
@@ -206,6 +209,8 @@ def _load(recipe: Recipe, ranks: int) -> _Loaded:
         kl_block=t.per_device_train_batch_size,
     )
     _check_vocabulary(data, recipe.model.path)
+    if recipe.objective.distills:  # before any weight is read
+        check_tokenizers(recipe.model.path, recipe.objective.teacher.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     rows = math.ceil(data.tokens / d.max_seq_len) if d.packing else len(data)  # packing: about full rows
     per_epoch = math.ceil(rows / (t.per_device_train_batch_size * ranks))
@@ -247,6 +252,12 @@ def _run(
     first = decision.step
     stop.check()
     engine = dataclasses.replace(run.engine, max_steps=steps)  # the learning rate's schedule runs over them
+    if recipe.objective.distills:  # the teacher's figures first: its pass holds the budgets alone
+        vocab = _vocabulary(recipe.model.path)
+        cache, teacher_pass = teacher_figures(recipe, data, loaded.pad_id, vocab, world, stop.check)
+        result.teacher_pass = teacher_pass.record()
+        stream = with_teacher(stream, cache)
+        stop.check()
     trainer = StreamedTrainer(recipe.model.path, run.store, engine, safe_point=stop.check, world=world)
     try:
         if recipe.objective.reference and trainer.adapters is None:  # the initial weights' figures, first
@@ -456,6 +467,13 @@ def _tokenizer(model_path: str) -> Any:
             )
             + "); save the model's tokenizer there (tokenizer.save_pretrained)"
         ) from None
+
+
+def _vocabulary(model_path: str) -> int:
+    """The model's vocabulary (its config's ``vocab_size``)."""
+    from tiertune.loading.model import decoder_config
+
+    return int(decoder_config(model_path).vocab_size)
 
 
 def _check_vocabulary(data: Any, model_path: str) -> None:

@@ -93,13 +93,16 @@ def topk_logprobs(
     bias: torch.Tensor | None = None,
     softcap: float | None = None,
     chunk_tokens: int | None = None,
+    vocab_limit: int | None = None,
 ) -> TopK:
     """A teacher's ``TopK`` for each row of ``x`` ([tokens, hidden], its last hidden states) through its head:
     ``log_softmax(logits / temperature)``'s ``k`` largest (ids as int32) and the log of the rest's mass, a
-    chunk of fp32 logits at a time."""
+    chunk of fp32 logits at a time. ``vocab_limit``: the k are chosen among the first ``vocab_limit`` tokens
+    (a student's vocabulary, where the teacher's head is padded wider), the others stay in the tail."""
     vocab = weight.shape[0]
-    if not 0 < k < vocab:
-        raise ValueError(f"top_k must be in [1, {vocab - 1}] for a vocabulary of {vocab}, got {k}")
+    limit = vocab if vocab_limit is None else min(vocab_limit, vocab)
+    if not 0 < k < limit:
+        raise ValueError(f"top_k must be in [1, {limit - 1}] for a vocabulary of {limit}, got {k}")
     mixed = mixed_matmul(x, weight)
     chunk_tokens = chunk_tokens or default_chunk_tokens(vocab, mixed)
     slices = [(slice(None), weight)] if mixed else _head_slices(weight)
@@ -114,7 +117,7 @@ def topk_logprobs(
         if temperature != 1:
             s.div_(temperature)
         lse = torch.logsumexp(s, dim=-1)
-        values, top = s.topk(k, dim=-1)
+        values, top = s[:, :limit].topk(k, dim=-1)
         rows = slice(start, start + len(xs))
         ids[rows], logps[rows] = top.to(torch.int32), values - lse.unsqueeze(1)
         s.scatter_(1, top, -math.inf)

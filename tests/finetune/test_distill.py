@@ -1,0 +1,292 @@
+"""Distillation (``objective.type: distill``): the fused divergence against TRL's ``generalized_jsd_loss`` and its
+own unfused oracle, the teacher pass's top-k and its cache (resumed after a stop mid-pass), and a run's every
+step against a plain loop over the same teacher figures."""
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import CAT_TEXTS
+from tiertune.config.recipe import load_recipe
+from tiertune.errors import ConfigError
+from tiertune.kernels.ops.distill import (
+    Full,
+    TopK,
+    linear_distill,
+    linear_distill_reference,
+    logits_distill,
+    topk_logprobs,
+)
+
+BETAS = (0.0, 0.5, 1.0)
+TEMPERATURES = (1.0, 2.0)
+
+
+def _head(seed=0, tokens=37, hidden=16, vocab=50, teacher_hidden=24):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).requires_grad_()
+    weight = torch.randn(vocab, hidden, generator=g).requires_grad_()
+    bias = torch.randn(vocab, generator=g).requires_grad_()
+    teacher = Full(
+        torch.randn(tokens, teacher_hidden, generator=g), torch.randn(vocab, teacher_hidden, generator=g)
+    )
+    target = torch.randint(0, vocab, (tokens,), generator=g)
+    target[3] = -100
+    return x, weight, bias, teacher, target
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_the_whole_vocabulary_divergence_is_trls_generalized_jsd(beta, temperature):
+    from trl.experimental.gkd.gkd_trainer import GKDTrainer
+
+    x, weight, bias, teacher, target = _head()
+    n = len(x)
+    ones = torch.ones(n)
+    total, ce, kd = linear_distill(
+        x, weight, target, teacher, torch.zeros(n), ones / n, beta, temperature, bias, chunk_tokens=7
+    )
+    student_logits = (x @ weight.T + bias).unsqueeze(0)
+    teacher_logits = (teacher.hidden @ teacher.weight.T).unsqueeze(0)
+    labels = torch.zeros(1, n, dtype=torch.long)  # every token scored: TRL's mean over them
+    trl = GKDTrainer.generalized_jsd_loss(
+        student_logits, teacher_logits, labels, beta=beta, temperature=temperature
+    )
+    assert float(total) == pytest.approx(float(trl), rel=1e-5)
+    assert float(kd.mean()) == pytest.approx(float(trl), rel=1e-5)
+    # the cross-entropy term is the untempered one
+    expected_ce = torch.nn.functional.cross_entropy(
+        student_logits[0], target, ignore_index=-100, reduction="none"
+    )
+    torch.testing.assert_close(ce, expected_ce.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_the_fused_op_and_its_gradients_are_the_unfused_oracles(beta, temperature, softcap, top_k):
+    x, weight, bias, full, target = _head(seed=1)
+    teacher = full if top_k == 0 else topk_logprobs(full.hidden, full.weight, top_k, temperature)
+    n = len(x)
+    ce_w, kd_w = torch.full((n,), 0.3 / n), torch.full((n,), 0.7 / n)
+    inputs = (x, weight, bias)
+    total, _, _ = linear_distill(x, weight, target, teacher, ce_w, kd_w, beta, temperature, bias, softcap, 7)
+    grads = torch.autograd.grad(total, inputs)
+    oracle = linear_distill_reference(
+        x, weight, target, teacher, ce_w, kd_w, beta, temperature, bias, softcap
+    )
+    expected = torch.autograd.grad(oracle, inputs)
+    assert float(total) == pytest.approx(float(oracle), rel=1e-5)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_top_k_divergence_is_the_full_one_restricted_to_the_k_tokens_and_the_tail():
+    x, weight, bias, full, target = _head(seed=2)
+    k, temperature, beta = 6, 2.0, 0.5
+    teacher = topk_logprobs(full.hidden, full.weight, k, temperature)
+    n = len(x)
+    _, _, kd = linear_distill(
+        x, weight, target, teacher, torch.zeros(n), torch.ones(n), beta, temperature, bias
+    )
+    # by hand, from the teacher's full logits: its top-k and the rest of its mass as one bucket, the student's
+    # log-probabilities of the same tokens and of all others as one bucket
+    t = torch.log_softmax(full.hidden @ full.weight.T / temperature, -1)
+    s = torch.log_softmax((x @ weight.T + bias) / temperature, -1).detach()
+    top = t.topk(k, -1).indices
+    rest = torch.ones_like(t, dtype=torch.bool).scatter_(1, top, False)
+    p = torch.cat([t.gather(1, top).exp(), (t.exp() * rest).sum(1, keepdim=True)], 1)
+    q = torch.cat([s.gather(1, top).exp(), (s.exp() * rest).sum(1, keepdim=True)], 1)
+    m = 0.5 * p + 0.5 * q
+    expected = 0.5 * (p * (p / m).log()).sum(1) + 0.5 * (q * (q / m).log()).sum(1)
+    torch.testing.assert_close(kd, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_the_teachers_top_k_keeps_its_largest_and_the_rest_of_its_mass():
+    _, _, _, full, _ = _head(seed=3)
+    topk = topk_logprobs(full.hidden, full.weight, 4, 1.5, chunk_tokens=5, vocab_limit=45)
+    logps = torch.log_softmax(full.hidden @ full.weight.T / 1.5, -1)
+    values, ids = logps[:, :45].topk(4, -1)
+    assert torch.equal(topk.ids, ids.int())
+    torch.testing.assert_close(topk.logps, values)
+    # the tail holds every other token, the teacher's beyond the student's vocabulary too
+    torch.testing.assert_close(topk.tail.exp() + topk.logps.exp().sum(1), torch.ones(len(ids)))
+    with pytest.raises(ValueError, match="top_k"):
+        topk_logprobs(full.hidden, full.weight, 50, 1.0)
+
+
+# ---------------------------------------------------------------- runs
+
+
+@pytest.fixture(scope="module")
+def models(cat_model):
+    """A teacher (3 layers of 64) and a student (2 of 32) with the same tokenizer."""
+    return cat_model(3, hidden=64), cat_model(2, hidden=32)
+
+
+OBJECTIVE = {"type": "distill", "beta": 0.5, "temperature": 2.0, "top_k": 8, "alpha": 0.25}
+
+
+def _recipe(tmp_path, write_recipe, models, **objective):
+    teacher, student = models
+    return write_recipe(
+        tmp_path,
+        student,
+        objective={**OBJECTIVE, "teacher": {"path": str(teacher), "dtype": "float32"}, **objective},
+        data={"shuffle": False, "max_seq_len": 32},
+        training={
+            "max_steps": 3,
+            "per_device_train_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "learning_rate": 1e-2,
+            "max_grad_norm": 1.0,
+            "save_steps": 0,
+        },
+    )
+
+
+def _plain(teacher_dir, student_dir, data_path, steps, batch, accum, o, lr):
+    """A plain loop over the same batches: the teacher's top-k from its own logits, the student's loss from its
+    logits (``logits_distill``), AdamW and the linear schedule as the run's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+    from tiertune.finetune.data import batches, load_data
+
+    tok = AutoTokenizer.from_pretrained(student_dir)
+    data = load_data(data_path, tok, "text", 32)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32)
+    student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
+    sched = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=steps)
+    stream = batches(data, batch, tok.pad_token_id, shuffle=False, seed=0)
+    losses = []
+    for _ in range(steps):
+        micro = [next(stream) for _ in range(accum)]
+        n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in micro)
+        total = 0.0
+        for mb in micro:
+            scored = mb["labels"][:, 1:].reshape(-1) != -100
+            target = mb["labels"][:, 1:].reshape(-1)[scored]
+            with torch.no_grad():
+                t = teacher(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+                t = torch.log_softmax(t[:, :-1].reshape(-1, t.shape[-1])[scored] / o["temperature"], -1)
+                values, ids = t.topk(o["top_k"], -1)
+                tail = torch.logsumexp(t.scatter(1, ids, float("-inf")), -1)
+            z = student(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+            z = z[:, :-1].reshape(-1, z.shape[-1])[scored].float()
+            m = len(target)
+            loss, _, _ = logits_distill(
+                z,
+                target,
+                TopK(ids, values, tail),
+                torch.full((m,), o["alpha"]),
+                torch.full((m,), 1 - o["alpha"]),
+                o["beta"],
+                o["temperature"],
+            )
+            (loss / n).backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(total / n)
+    return losses
+
+
+def test_a_distillation_run_is_the_plain_loops_step_for_step(tmp_path, write_recipe, models):
+    from tiertune.finetune.train import train
+
+    path = _recipe(tmp_path, write_recipe, models)
+    result = train(path, progress=False)
+    records = [json.loads(line) for line in result.log_path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:  # loss = alpha ce + (1 - alpha) kd, each a mean over the step's scored tokens
+        assert r["loss"] == pytest.approx(0.25 * r["ce_loss"] + 0.75 * r["kd_loss"], rel=1e-6)
+    recipe = load_recipe(path)
+    expected = _plain(
+        models[0], models[1], recipe.data.path, 3, 2, 2, OBJECTIVE, recipe.training.learning_rate
+    )
+    assert result.losses == pytest.approx(expected, rel=1e-5)
+    assert result.teacher_pass["rows"] == len(CAT_TEXTS) and result.teacher_pass["tokens"] > 0
+    # a second run reads the teacher's figures from the cache
+    again = train(load_recipe(path, ["training.overwrite_output_dir=true"]), progress=False)
+    assert again.teacher_pass["rows"] == 0
+    assert again.losses == result.losses
+
+
+def test_a_teacher_pass_stopped_mid_way_continues_from_its_last_wave(tmp_path, write_recipe, models):
+    from transformers import AutoTokenizer
+
+    from tiertune.finetune.data import load_data
+    from tiertune.finetune.teacher import teacher_figures
+
+    recipe = load_recipe(
+        _recipe(tmp_path, write_recipe, models, teacher={"path": str(models[0]), "wave_size": 2})
+    )
+    tok = AutoTokenizer.from_pretrained(models[1])
+    data = load_data(recipe.data.path, tok, "text", 32)
+    whole, stats = teacher_figures(recipe, data, tok.pad_token_id, len(tok))
+    assert stats.waves == -(-len(data) // 2)
+    for path in whole.directory.glob("wave-*"):
+        path.unlink()
+
+    class Stop(Exception):
+        pass
+
+    calls = {"n": 0}
+
+    def stop_in_the_third_wave():
+        calls["n"] += 1
+        if calls["n"] > 2 * 6:  # each wave: its micro-batches' prefix, then each of the 3 layers
+            raise Stop
+
+    with pytest.raises(Stop):
+        teacher_figures(recipe, data, tok.pad_token_id, len(tok), safe_point=stop_in_the_third_wave)
+    kept = sorted(p.name for p in whole.directory.glob("wave-*.safetensors"))
+    assert 0 < len(kept) < stats.waves and not list(whole.directory.glob(".*tmp"))
+    resumed, again = teacher_figures(recipe, data, tok.pad_token_id, len(tok))
+    assert again.rows == len(data) - 2 * len(kept)
+    for name in ("ids", "logps", "tail"):
+        assert torch.equal(getattr(resumed, name), getattr(whole, name))
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_before_any_weight_is_read(
+    tmp_path, write_recipe, models
+):
+    from tiertune.cli.demo import make_model
+    from tiertune.finetune.train import train
+
+    other = make_model(tmp_path / "other", ["a b c d", "e f g h"], 1, 32)
+    path = _recipe(tmp_path, write_recipe, models, teacher={"path": str(other)})
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        train(path, progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        ({"beta": 1.5}, "objective.beta"),
+        ({"temperature": 0}, "objective.temperature"),
+        ({"top_k": -1}, "objective.top_k"),
+        ({"alpha": 2}, "objective.alpha"),
+        ({"teacher": {"path": ""}}, "objective.teacher.path"),
+        ({"teacher": {"path": "x", "quantize": "nf5"}}, "objective.teacher.quantize"),
+    ],
+)
+def test_a_distillation_recipe_that_cannot_run_says_what_to_change(
+    tmp_path, write_recipe, models, setting, says
+):
+    with pytest.raises(ConfigError, match=says.replace(".", r"\.")):
+        load_recipe(_recipe(tmp_path, write_recipe, models, **setting))
+
+
+def test_the_objectives_shared_settings_take_their_types_defaults():
+    from tiertune.settings import ObjectiveSettings
+
+    assert ObjectiveSettings(type="distill").beta == 0.5
+    assert ObjectiveSettings(type="dpo").beta == 0.1
+    assert ObjectiveSettings(type="distill", beta=0.0).beta == 0.0

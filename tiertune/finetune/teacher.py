@@ -1,0 +1,340 @@
+"""A distillation's teacher pass: before the first step, the teacher (``objective.teacher``, any model tiertune
+reads, frozen: ``EngineConfig.method`` frozen) runs over the data once, layer-major over waves of rows (its
+weights read once a wave: bytes per teacher token fall as the wave grows), and keeps per scored token its
+``top_k`` most likely token ids, their log-probabilities and the log of the mass left outside them, all at
+the objective's temperature (``kernels.ops.distill.topk_logprobs``).
+
+The figures are cached in ``<offload.disk_path or training.output_dir>/teacher-topk/<key>/``, one file per wave
+(``wave-<first row>.safetensors``: its rows' scored tokens in order, row after row, and each row's count),
+written to a temporary name, synced and renamed, so a pass killed at any point restarts after its last
+finished wave; ``key`` hashes what the figures depend on (the teacher's config and weight files by name, size
+and modification time, its dtype and quantization, the kernels, ``top_k``, the temperature, the student's
+vocabulary, every token and label of the data). Rows are scored alone, in file order, ``
+per_device_train_batch_size`` a micro-batch; a packed or padded student batch's scored tokens are its rows'
+in order, so each step's batches carry their rows' figures (``with_teacher``, ``engine.teacher``).
+
+Teacher and student must share a tokenizer (the same vocabulary, token for token): said before any weight is
+read. A teacher head wider than the student's (a padded vocabulary) keeps its extra tokens in the tail.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiertune.engine.teacher import KEYS, topk_head
+from tiertune.errors import ConfigError, DataError
+from tiertune.files import fsync_dir, fsync_file
+from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
+
+log = logging.getLogger("tiertune.finetune")
+
+CACHE_DIR = "teacher-topk"
+WAVE_ACTIVATION_SHARE = 4
+"""A wave's boundaries (its rows' hidden states, held through the pass) take at most 1 / this of the device
+budget when ``objective.teacher.wave_size`` is 0."""
+
+
+@dataclass
+class TeacherPass:
+    """What a teacher pass did: the rows it scored now (0: all read from the cache), its scored tokens, its
+    seconds, the bytes its store moved from disk, its waves and their rows."""
+
+    rows: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    disk_bytes: int = 0
+    waves: int = 0
+    wave_rows: int = 0
+
+    def record(self) -> dict[str, Any]:
+        """The pass as the run's log records it (``teacher_pass``)."""
+        per_token = self.disk_bytes / self.tokens if self.tokens else 0.0
+        return {
+            "rows": self.rows,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_second": round(self.tokens / self.seconds, 3) if self.seconds else 0.0,
+            "disk_bytes": self.disk_bytes,
+            "disk_bytes_per_token": round(per_token, 1),
+            "waves": self.waves,
+            "wave_rows": self.wave_rows,
+        }
+
+
+def check_tokenizers(student_path: str, teacher_path: str) -> None:
+    """Refuse a teacher whose tokenizer is not the student's (ConfigError, before any weight is read)."""
+    from transformers import AutoTokenizer
+
+    try:
+        student = AutoTokenizer.from_pretrained(student_path)
+        teacher = AutoTokenizer.from_pretrained(teacher_path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"objective.teacher.path {teacher_path}: its tokenizer cannot be read ({exc})"
+        ) from None
+    if student.get_vocab() != teacher.get_vocab():
+        ours, theirs = student.get_vocab(), teacher.get_vocab()
+        differ = sorted(set(ours.items()) ^ set(theirs.items()), key=str)[:3]
+        raise ConfigError(
+            f"objective.teacher.path {teacher_path} has another tokenizer than model.path {student_path} "
+            f"({len(theirs)} tokens against {len(ours)}; first differences {differ}): distillation compares "
+            "the two models token by token, so use a teacher of the student's family (the same tokenizer)"
+        )
+
+
+def teacher_recipe(recipe: Any) -> Any:
+    """The recipe the teacher is planned with: the run's, its model the teacher's, nothing trained (offload
+    files in a directory of their own beside the run's)."""
+    out = copy.deepcopy(recipe)
+    t = recipe.objective.teacher
+    out.model = dataclasses.replace(out.model, path=t.path, dtype=t.dtype, quantize=t.quantize)
+    out.method = dataclasses.replace(out.method, type="lora")  # a frozen base: what plan() allows quantized
+    if out.offload.disk_path:
+        out.offload = dataclasses.replace(out.offload, disk_path=str(Path(out.offload.disk_path) / "teacher"))
+    return out
+
+
+def cache_key(recipe: Any, data: Any, vocab: int) -> str:
+    """A hash of everything the teacher's figures depend on (the module's docstring)."""
+    h = hashlib.sha256()
+    t = recipe.objective.teacher
+    model = Path(t.path)
+    h.update((model / "config.json").read_bytes() if (model / "config.json").is_file() else t.path.encode())
+    for path in sorted(model.glob("*.safetensors")) + sorted(model.glob("*.bin")):
+        stat = path.stat()
+        h.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    o = recipe.objective
+    h.update(
+        json.dumps([t.dtype, t.quantize, recipe.kernels, o.top_k, o.temperature, vocab, len(data)]).encode()
+    )
+    for column in ("input_ids", "labels"):
+        for values in data.rows[column]:
+            h.update(torch.tensor(values, dtype=torch.int64).numpy().tobytes())
+            h.update(b"|")
+    return h.hexdigest()[:32]
+
+
+def cache_dir(recipe: Any, key: str) -> Path:
+    """Where the teacher's figures of ``key`` are kept: beside the offload files, else in the run's directory."""
+    root = Path(recipe.offload.disk_path or recipe.training.output_dir)
+    return root / CACHE_DIR / key
+
+
+def scored_counts(data: Any) -> list[int]:
+    """Each row's scored tokens (its labels after the first that are not ``IGNORE_INDEX``)."""
+    return [sum(1 for v in labels[1:] if v != IGNORE_INDEX) for labels in data.rows["labels"]]
+
+
+class TeacherCache:
+    """A teacher pass's figures for every row of the data, read from its wave files: ``of(rows)`` the rows'
+    scored tokens' ``TopK`` tensors, one after the other."""
+
+    def __init__(self, directory: Path, counts: list[int], k: int) -> None:
+        self.directory, self.k = directory, k
+        self.offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
+        self.offsets[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+        total = int(self.offsets[-1])
+        self.ids = torch.empty(total, k, dtype=torch.int32)
+        self.logps = torch.empty(total, k, dtype=torch.float32)
+        self.tail = torch.empty(total, dtype=torch.float32)
+        self.done = torch.zeros(len(counts), dtype=torch.bool)
+
+    def read(self) -> int:
+        """Read every complete wave file there (a damaged one is removed: its rows are scored again); returns
+        the rows they cover."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        for path in sorted(self.directory.glob("wave-*.safetensors")):
+            try:
+                first = int(path.stem.removeprefix("wave-"))
+                wave = load_file(path)
+                self._put(first, wave["counts"], wave["ids"], wave["logps"], wave["tail"])
+            except (SafetensorError, ValueError, KeyError, RuntimeError, OSError) as exc:
+                log.warning("teacher figures %s cannot be read (%s): its rows are scored again", path, exc)
+                path.unlink(missing_ok=True)
+        return int(self.done.sum())
+
+    def _put(
+        self, first: int, counts: torch.Tensor, ids: torch.Tensor, logps: torch.Tensor, tail: torch.Tensor
+    ) -> None:
+        rows = slice(first, first + len(counts))
+        expected = (
+            self.offsets[first + 1 : first + len(counts) + 1] - self.offsets[first : first + len(counts)]
+        )
+        if (
+            len(expected) != len(counts)
+            or not torch.equal(expected, counts.long())
+            or ids.shape[1:] != (self.k,)
+        ):
+            raise ValueError("its rows do not match the data's")
+        lo, hi = int(self.offsets[first]), int(self.offsets[first + len(counts)])
+        self.ids[lo:hi], self.logps[lo:hi], self.tail[lo:hi] = ids, logps, tail
+        self.done[rows] = True
+
+    def write(
+        self, first: int, counts: list[int], ids: torch.Tensor, logps: torch.Tensor, tail: torch.Tensor
+    ) -> None:
+        """A wave's figures, from row ``first``: kept, and written to its file (temporary name, sync, rename)."""
+        from safetensors.torch import save_file
+
+        tensors = {
+            "counts": torch.tensor(counts, dtype=torch.int64),
+            "ids": ids,
+            "logps": logps,
+            "tail": tail,
+        }
+        self._put(first, tensors["counts"], ids, logps, tail)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"wave-{first:09d}.safetensors"
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_file(tensors, str(temporary))
+        fsync_file(temporary)
+        temporary.replace(path)
+        fsync_dir(self.directory)
+
+    def of(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The scored tokens' figures of ``rows``, one row after the other."""
+        spans = [torch.arange(int(self.offsets[r]), int(self.offsets[r + 1])) for r in rows]
+        index = torch.cat(spans) if spans else torch.empty(0, dtype=torch.int64)
+        return self.ids[index], self.logps[index], self.tail[index]
+
+
+def wave_rows(recipe: Any, store: Any, hidden: int, itemsize: int) -> int:
+    """Rows a teacher wave holds: ``objective.teacher.wave_size``, else as many as keep its boundaries (two
+    hidden states a token) within ``1 / WAVE_ACTIVATION_SHARE`` of the device budget, whole micro-batches."""
+    batch = recipe.training.per_device_train_batch_size
+    asked = getattr(recipe.objective.teacher, "wave_size", 0)
+    if asked:
+        return max(batch, asked - asked % batch)
+    per_row = 2 * recipe.data.max_seq_len * hidden * itemsize
+    rows = store.device_budget // WAVE_ACTIVATION_SHARE // max(per_row, 1)
+    return max(batch, min(rows - rows % batch, 4096))
+
+
+def teacher_figures(
+    recipe: Any, data: Any, pad_id: int, vocab: int, world: Any = None, safe_point: Any = None
+) -> tuple[TeacherCache, TeacherPass]:
+    """Every row's teacher figures: read from the cache, the rows it lacks scored by the teacher (built,
+    run and closed here, within the run's budgets; of several processes each runs the pass, its weights
+    sharded as the student's, and rank 0 writes) wave by wave, each wave cached as it ends."""
+    from tiertune.config.plan import plan
+    from tiertune.engine import StreamedTrainer
+    from tiertune.finetune.data import row_batches
+
+    o = recipe.objective
+    key = cache_key(recipe, data, vocab)
+    counts = scored_counts(data)
+    cache = TeacherCache(cache_dir(recipe, key), counts, o.top_k)
+    done = cache.read()
+    stats = TeacherPass()
+    if done == len(counts):
+        log.info("teacher figures read from %s", cache.directory)
+        return cache, stats
+    if done:
+        log.info(
+            "teacher pass: %d of %d rows cached in %s; scoring the rest", done, len(counts), cache.directory
+        )
+    from tiertune.distributed.world import World
+
+    world = world or World.from_env()
+    write = world.is_main
+    store, engine = plan(teacher_recipe(recipe), world=world)
+    engine = dataclasses.replace(
+        engine,
+        method="frozen",
+        overlap_optimizer="off",
+        activations="device",
+        gradient_accumulation_steps=1,
+        objective=dataclasses.replace(o, type="sft"),
+    )
+    teacher = StreamedTrainer(o.teacher.path, store, engine, safe_point=safe_point, world=world)
+    try:
+        config = teacher.model.config.get_text_config(decoder=True)
+        if config.vocab_size < vocab:
+            raise ConfigError(
+                f"objective.teacher.path {o.teacher.path}: its head has {config.vocab_size} tokens, fewer than the "
+                f"student's {vocab}; use a teacher of the student's family"
+            )
+        per_wave = wave_rows(recipe, store, config.hidden_size, torch.finfo(engine.dtype).bits // 8)
+        stats.wave_rows = per_wave
+        batch = recipe.training.per_device_train_batch_size
+        head = topk_head(o.top_k, o.temperature, vocab)
+        began = time.perf_counter()
+        moved = _disk_bytes(teacher)
+        for first in range(0, len(counts), per_wave):
+            rows = list(range(first, min(first + per_wave, len(counts))))
+            if bool(cache.done[rows].all()):
+                continue
+            group = row_batches(data, rows, batch, pad_id)
+            figures = teacher.sequence_logps(group, head)
+            ids, logps, tail = (
+                torch.cat([getattr(f, n).cpu() for f in figures]) for n in ("ids", "logps", "tail")
+            )
+            wave_counts = [counts[r] for r in rows]
+            if len(ids) != sum(wave_counts):
+                raise DataError(
+                    "the teacher pass scored another number of tokens than the data holds (changed under it?)"
+                )
+            if write:
+                cache.write(first, wave_counts, ids, logps, tail)
+            else:
+                cache._put(first, torch.tensor(wave_counts), ids, logps, tail)
+            stats.rows += len(rows)
+            stats.tokens += len(ids)
+            stats.waves += 1
+            stats.seconds = time.perf_counter() - began
+            stats.disk_bytes = _disk_bytes(teacher) - moved
+            log.info(
+                "teacher pass: %s",
+                json.dumps({"rows_done": int(cache.done.sum()), "of": len(counts), **stats.record()}),
+            )
+    finally:
+        teacher.close()
+    return cache, stats
+
+
+def _disk_bytes(trainer: Any) -> int:
+    return sum(v for link, v in trainer.store.stats().bytes_moved.items() if link.startswith("disk->"))
+
+
+def with_teacher(
+    stream: Iterator[dict[str, torch.Tensor]], cache: TeacherCache
+) -> Iterator[dict[str, torch.Tensor]]:
+    """``stream``'s batches, each with its scored tokens' teacher figures (``engine.teacher.KEYS``), from the
+    rows each of its sequences holds (``row_ids``); a batch without targets (a rank's padding) carries none."""
+    for batch in stream:
+        labels = batch.get("labels", batch["input_ids"])
+        scored = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        rows = [int(r) for r in batch["row_ids"].reshape(-1) if r >= 0] if scored else []
+        figures = cache.of(rows)
+        if len(figures[0]) != scored:
+            raise DataError(
+                f"a batch scores {scored} tokens where its rows' teacher figures cover {len(figures[0])}: the "
+                f"teacher's cache in {cache.directory} is not this data's; remove it to score the data again"
+            )
+        yield {**batch, **dict(zip(KEYS, figures, strict=True))}
+
+
+__all__ = [
+    "TeacherCache",
+    "TeacherPass",
+    "cache_dir",
+    "cache_key",
+    "check_tokenizers",
+    "teacher_figures",
+    "teacher_recipe",
+    "with_teacher",
+]
