@@ -307,7 +307,7 @@ def teacher_figures(
 
 
 def _disk_bytes(trainer: Any) -> int:
-    return sum(v for link, v in trainer.store.stats().bytes_moved.items() if link.startswith("disk->"))
+    return sum(v for link, v in trainer.store_stats().bytes_moved.items() if link.startswith("disk->"))
 
 
 def with_teacher(

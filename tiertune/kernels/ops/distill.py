@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from tiertune.kernels.ops.linear_ce import (
-    _chunk_logits,
-    _head_slices,
     backprop_chunk,
+    chunk_logits,
     default_chunk_tokens,
+    head_slices,
     mixed_matmul,
 )
 
@@ -105,7 +105,7 @@ def topk_logprobs(
         raise ValueError(f"top_k must be in [1, {limit - 1}] for a vocabulary of {limit}, got {k}")
     mixed = mixed_matmul(x, weight)
     chunk_tokens = chunk_tokens or default_chunk_tokens(vocab, mixed)
-    slices = [(slice(None), weight)] if mixed else _head_slices(weight)
+    slices = [(slice(None), weight)] if mixed else head_slices(weight)
     b32 = None if bias is None else bias.float()
     n = x.shape[0]
     ids = torch.empty(n, k, dtype=torch.int32, device=x.device)
@@ -113,7 +113,7 @@ def topk_logprobs(
     tail = torch.empty(n, dtype=torch.float32, device=x.device)
     for start in range(0, n, chunk_tokens):
         xs = x[start : start + chunk_tokens]
-        s = _capped(_chunk_logits(xs, xs if mixed else xs.float(), weight, b32, slices, mixed), softcap)
+        s = _capped(chunk_logits(xs, xs if mixed else xs.float(), weight, b32, slices, mixed), softcap)
         if temperature != 1:
             s.div_(temperature)
         lse = torch.logsumexp(s, dim=-1)
@@ -139,22 +139,20 @@ class _LinearDistill(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
         wanted = want_x or want_w or want_b
         mixed = mixed_matmul(x, weight)
-        slices = [(slice(None), weight)] if mixed else _head_slices(weight)
+        slices = [(slice(None), weight)] if mixed else head_slices(weight)
         b32 = None if bias is None else bias.float()
         n = x.shape[0]
         ce = torch.zeros(n, dtype=torch.float32, device=x.device)
         kd = torch.zeros(n, dtype=torch.float32, device=x.device)
         full = isinstance(teacher, Full)
         t_slices = (
-            _head_slices(teacher.weight)
-            if full and not mixed_matmul(teacher.hidden, teacher.weight)
-            else None
+            head_slices(teacher.weight) if full and not mixed_matmul(teacher.hidden, teacher.weight) else None
         )
         for start in range(0, n, chunk):
             rows = slice(start, start + chunk)
             xs, ts = x[rows], target[rows]
             wc, wk = ce_weight[rows].float(), kd_weight[rows].float()
-            z = _chunk_logits(xs, xs if mixed else xs.float(), weight, b32, slices, mixed)
+            z = chunk_logits(xs, xs if mixed else xs.float(), weight, b32, slices, mixed)
             tanh = None
             if softcap is not None:  # tanh(z / softcap) kept for the gradient through the cap
                 tanh = (z / softcap).tanh_()
@@ -258,7 +256,7 @@ def _full_part(
     b32 = None if teacher.bias is None else teacher.bias.float()
     slices = [(slice(None), teacher.weight)] if mixed else t_slices
     t = _capped(
-        _chunk_logits(h, h if mixed else h.float(), teacher.weight, b32, slices, mixed), teacher.softcap
+        chunk_logits(h, h if mixed else h.float(), teacher.weight, b32, slices, mixed), teacher.softcap
     )
     t_log = torch.log_softmax(t.div_(temperature), dim=-1)
     del t

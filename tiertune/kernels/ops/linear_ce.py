@@ -84,7 +84,7 @@ def working_bytes(
     return held + (min(SLICE_BYTES, vocab * hidden * 4) if dtype != torch.float32 else 0)
 
 
-def _head_slices(weight: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
+def head_slices(weight: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
     """``weight`` (vocab x hidden) as (rows, the rows in fp32): itself when it is fp32, else slices of rows
     of at most ``SLICE_BYTES`` in fp32, each upcast when it is used (lazily, by the caller's iteration)."""
     if weight.dtype == torch.float32:
@@ -142,7 +142,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
         mixed = mixed_matmul(x, weight)
-        slices = [(slice(None), weight)] if mixed else _head_slices(weight)
+        slices = [(slice(None), weight)] if mixed else head_slices(weight)
         b32 = None if bias is None else bias.float()
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for start in range(0, n, chunk_tokens):
@@ -150,7 +150,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             ts = target[start : start + chunk_tokens]
             keep = weights[start : start + chunk_tokens]
             x32 = xs if mixed else xs.float()
-            logits = _chunk_logits(xs, x32, weight, b32, slices, mixed)
+            logits = chunk_logits(xs, x32, weight, b32, slices, mixed)
             # one kernel: the rows' losses, and the logits become their gradient
             if backend == "triton" and wanted:
                 from tiertune.kernels.ops._triton_ce import ce_rows
@@ -235,7 +235,7 @@ def backprop_chunk(
         grad_b += grad.sum(0)
 
 
-def _chunk_logits(
+def chunk_logits(
     xs: torch.Tensor,
     x32: torch.Tensor,
     weight: torch.Tensor,
@@ -277,13 +277,13 @@ def token_cross_entropy(
     mixed = mixed_matmul(x, weight)
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(weight.shape[0], mixed)
-    slices = [(slice(None), weight)] if mixed else _head_slices(weight)
+    slices = [(slice(None), weight)] if mixed else head_slices(weight)
     b32 = None if bias is None else bias.float()
     out = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
     for start in range(0, x.shape[0], chunk_tokens):
         xs = x[start : start + chunk_tokens]
         ts = target[start : start + chunk_tokens]
-        logits = _chunk_logits(xs, xs if mixed else xs.float(), weight, b32, slices, mixed)
+        logits = chunk_logits(xs, xs if mixed else xs.float(), weight, b32, slices, mixed)
         if softcap is not None:
             logits = logits.div_(softcap).tanh_().mul_(softcap)
         picked = logits.gather(1, ts.clamp_min(0).unsqueeze(1)).squeeze(1)
