@@ -290,3 +290,32 @@ def test_the_objectives_shared_settings_take_their_types_defaults():
     assert ObjectiveSettings(type="distill").beta == 0.5
     assert ObjectiveSettings(type="dpo").beta == 0.1
     assert ObjectiveSettings(type="distill", beta=0.0).beta == 0.0
+
+
+def test_the_estimate_prices_the_teacher_pass_as_it_runs(tmp_path, write_recipe, models):
+    from transformers import AutoTokenizer
+
+    from tiertune.estimates.report import estimate, format_estimate
+    from tiertune.finetune.data import load_data
+    from tiertune.finetune.teacher import teacher_figures
+
+    path = _recipe(
+        tmp_path, write_recipe, models, teacher={"path": str(models[0]), "dtype": "float32", "wave_size": 4}
+    )
+    recipe = load_recipe(path, ["offload.params=disk"])
+    est = estimate(recipe, gpu="cpu", measure=False)
+    planned = est.teacher
+    tok = AutoTokenizer.from_pretrained(models[1])
+    data = load_data(recipe.data.path, tok, "text", 32)
+    cache, ran = teacher_figures(recipe, data, tok.pad_token_id, len(tok))
+    assert (planned.rows, planned.scored_tokens, planned.wave_rows) == (len(data), ran.tokens, ran.wave_rows)
+    assert planned.waves == ran.waves
+    # the weights once a wave, as the pass read them (its store's reads from disk)
+    assert planned.read_bytes == pytest.approx(ran.disk_bytes, rel=0.02)
+    held = sum(t.numel() * t.element_size() for t in (cache.ids, cache.logps, cache.tail))
+    assert planned.cache_bytes == held
+    text = format_estimate(est, "distill")
+    assert "teacher pass:" in text and "teacher cache:" in text
+    assert est.as_json()["teacher_pass"]["bytes_per_token"] == pytest.approx(
+        ran.disk_bytes / ran.tokens, rel=0.02
+    )

@@ -57,6 +57,7 @@ from tiertune.estimates.speed import (
     step_flops,
     torch_threads,
 )
+from tiertune.estimates.teacher import TeacherEstimate, format_teacher, teacher_estimate, time_teacher
 from tiertune.estimates.timeline import Rates, simulate_steps
 from tiertune.loading.hub import config_directory
 from tiertune.loading.model import split_model
@@ -191,6 +192,7 @@ class Estimate:
     scale_out: ScaleOut | None = None  # launched as several processes (``estimate(processes=N)``)
     plan: Plan | None = None  # the run's memory plan (``engine.memory``): what train checks before loading
     waves: Waves | None = None  # the micro-batches a wave runs, and where its boundary hidden states wait
+    teacher: TeacherEstimate | None = None  # a distillation's teacher pass (``estimates.teacher``)
 
     def short_of_machine(self) -> dict[str, str]:
         """Budgets this machine cannot give, by tier, with why (a budget above its RAM or GPU memory)."""
@@ -285,6 +287,8 @@ class Estimate:
             out["waves"] = self.waves.as_json()
         if self.scale_out is not None:
             out["scale_out"] = self.scale_out.as_json()
+        if self.teacher is not None:
+            out["teacher_pass"] = self.teacher.as_json()
         if self.speed is not None:
             sp = self.speed
             out["step_time"] = {
@@ -431,12 +435,21 @@ def estimate(
         rank = _replay(rank_run, [], device)  # its collectives counting what it sends
         est.scale_out.wire = rank.wire if rank is not None else {}
         est.scale_out.budgets = {"device": sharded.device_budget, "host": sharded.host_budget}
+    if recipe.objective.distills:
+        from tiertune.finetune.train import scored_rows
+
+        rows, scored = scored_rows(recipe)
+        est.teacher = teacher_estimate(recipe, store_cfg.device_budget, rows, scored)
     if measure:
         est.bandwidth = measure_bandwidth(store_cfg, notes=est.notes)
         if target is not None and target.host_to_device and "host_to_device" not in est.bandwidth:
             est.bandwidth["host_to_device"] = target.host_to_device  # stated: not this machine's GPU
         trace = replayed.trace if replayed is not None else None
         est.speed = _step_time(est, recipe, cfg, flops, target, trace, threads, layer_seconds)
+        if est.teacher is not None:
+            time_teacher(
+                est.teacher, est.bandwidth.get("disk_read"), est.speed.compute_rate if est.speed else None
+            )
     return est
 
 
@@ -725,6 +738,8 @@ def format_estimate(est: Estimate, title: str) -> str:
             f"wave: {format_size(w.stash)} on the {w.stash_tier}"
         )
     lines.append(f"moved per step: {moved}")
+    if est.teacher is not None:
+        lines += format_teacher(est.teacher)
     sp = est.speed
     if sp is not None:
         bw = est.bandwidth

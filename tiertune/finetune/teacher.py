@@ -212,7 +212,7 @@ class TeacherCache:
         return self.ids[index], self.logps[index], self.tail[index]
 
 
-def wave_rows(recipe: Any, store: Any, hidden: int, itemsize: int) -> int:
+def wave_rows(recipe: Any, device_budget: int, hidden: int, itemsize: int) -> int:
     """Rows a teacher wave holds: ``objective.teacher.wave_size``, else as many as keep its boundaries (two
     hidden states a token) within ``1 / WAVE_ACTIVATION_SHARE`` of the device budget, whole micro-batches."""
     batch = recipe.training.per_device_train_batch_size
@@ -220,7 +220,7 @@ def wave_rows(recipe: Any, store: Any, hidden: int, itemsize: int) -> int:
     if asked:
         return max(batch, asked - asked % batch)
     per_row = 2 * recipe.data.max_seq_len * hidden * itemsize
-    rows = store.device_budget // WAVE_ACTIVATION_SHARE // max(per_row, 1)
+    rows = device_budget // WAVE_ACTIVATION_SHARE // max(per_row, 1)
     return max(batch, min(rows - rows % batch, 4096))
 
 
@@ -268,7 +268,9 @@ def teacher_figures(
                 f"objective.teacher.path {o.teacher.path}: its head has {config.vocab_size} tokens, fewer than the "
                 f"student's {vocab}; use a teacher of the student's family"
             )
-        per_wave = wave_rows(recipe, store, config.hidden_size, torch.finfo(engine.dtype).bits // 8)
+        per_wave = wave_rows(
+            recipe, store.device_budget, config.hidden_size, torch.finfo(engine.dtype).bits // 8
+        )
         stats.wave_rows = per_wave
         batch = recipe.training.per_device_train_batch_size
         head = topk_head(o.top_k, o.temperature, vocab)

@@ -103,6 +103,14 @@ def steps_of(recipe: Recipe) -> int:
     return _load(recipe, World.from_env().size).steps
 
 
+def scored_rows(recipe: Recipe) -> tuple[int, int]:
+    """The data's rows and scored tokens (labels after the first that count) as the run tokenizes them."""
+    from tiertune.finetune.teacher import scored_counts
+
+    counts = scored_counts(_load(recipe, 1).data)
+    return len(counts), sum(counts)
+
+
 def first_micro_batch(recipe: Recipe) -> dict[str, torch.Tensor]:
     """The run's first micro-batch as the data pipeline hands it to the engine (its rows packed as the recipe
     says: a packed row's documents shape the attention's cost); a DataError or ModelError when the data or the

@@ -1,0 +1,142 @@
+"""What a distillation's teacher pass costs (``finetune.teacher``), for ``estimate``: the teacher's weights as the
+pass streams them, its waves (each reads them once), the bytes read per scored token (falling as 1 / wave),
+the cache on disk (``top_k`` x (4 + 4) + 4 bytes a scored token: ids, log-probabilities, the tail), and, with
+rates measured, the pass's time: the longer of its reads at the disk's rate and its forward's FLOPs at the
+compute rate the student's step is estimated with."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiertune.offload.disk import slot_bytes
+
+BLOCK = 1 << 20
+"""The disk tier's checksum block (``StoreConfig.block_size``'s default)."""
+
+QUANTIZED_BYTES = {"nf4": 0.5 + 4 / 64, "fp4": 0.5 + 4 / 64, "int8": 1.0 + 4 / 4096}
+"""Bytes a decoder layer's linear weight takes a parameter, quantized on load (4 bits and an fp32 absmax per
+block of 64; int8: a byte and a row scale)."""
+
+
+@dataclass
+class TeacherEstimate:
+    """The teacher pass's figures (the module's docstring); ``rows`` and ``scored_tokens`` are the data's
+    (counted as the run tokenizes it), ``seconds`` None unless rates were measured."""
+
+    parameters: int
+    weight_bytes: int
+    basis: str  # how the weight bytes were counted
+    wave_rows: int
+    rows: int
+    scored_tokens: int
+    top_k: int
+    seconds: float | None = None
+    bound: str | None = None
+
+    @property
+    def waves(self) -> int:
+        return max(1, math.ceil(self.rows / self.wave_rows))
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes the pass reads: the weights once a wave."""
+        return self.weight_bytes * self.waves
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.read_bytes / max(self.scored_tokens, 1)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.scored_tokens * (self.top_k * 8 + 4)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "parameters": self.parameters,
+            "weight_bytes": self.weight_bytes,
+            "weight_bytes_basis": self.basis,
+            "wave_rows": self.wave_rows,
+            "waves": self.waves,
+            "rows": self.rows,
+            "scored_tokens": self.scored_tokens,
+            "read_bytes": self.read_bytes,
+            "bytes_per_token": round(self.bytes_per_token, 1),
+            "cache_bytes": self.cache_bytes,
+            "seconds": self.seconds,
+            "bound": self.bound,
+        }
+
+
+def teacher_estimate(recipe: Any, device_budget: int, rows: int, scored_tokens: int) -> TeacherEstimate:
+    """The teacher pass of ``recipe`` over ``rows`` rows scoring ``scored_tokens`` tokens, its waves sized for
+    ``device_budget`` as the run sizes them (``finetune.teacher.wave_rows``)."""
+    from tiertune.engine.prepare import meta_skeleton
+    from tiertune.finetune.teacher import wave_rows
+    from tiertune.loading.model import decoder_config, split_model
+
+    t = recipe.objective.teacher
+    dtype = {"float32": torch.float32, "float16": torch.float16}.get(t.dtype, torch.bfloat16)
+    model = meta_skeleton(t.path, dtype)
+    parameters = sum(p.numel() for p in model.parameters())
+    files = sum(f.stat().st_size for f in Path(t.path).glob("*.safetensors"))
+    if t.dtype == "auto" and t.quantize == "none" and files:
+        weight_bytes, basis = files, "the checkpoint's files, read in place as they ship"
+    else:
+        # each group (a decoder layer, the embeddings, the head, the rest) one chunk of the disk tier: a slot's
+        # header before its data, read with it
+        per_param = QUANTIZED_BYTES.get(t.quantize)
+        weight_bytes = 0
+        for group in split_model(model).groups:
+            if per_param is not None and group.kind == "layer":  # its matrices quantized, its norms not
+                size = sum(
+                    int(p.numel() * (per_param if p.dim() == 2 else dtype.itemsize))
+                    for p in group.params.values()
+                )
+            else:
+                size = group.numel * dtype.itemsize
+            weight_bytes += slot_bytes(size, BLOCK)
+        what = str(dtype).removeprefix("torch.")
+        basis = f"{t.quantize} decoder-layer linear weights, the rest in {what}" if per_param else f"{what}"
+        basis += ", homed on the disk tier"
+    per_wave = wave_rows(recipe, device_budget, decoder_config(t.path).hidden_size, dtype.itemsize)
+    return TeacherEstimate(
+        parameters, weight_bytes, basis, per_wave, rows, scored_tokens, recipe.objective.top_k
+    )
+
+
+def time_teacher(est: TeacherEstimate, disk_read: float | None, compute_rate: float | None) -> None:
+    """``est``'s seconds and bound: its reads at ``disk_read`` bytes/s and its forward (2 FLOPs a parameter a
+    token, every token of a row counted as scored) at ``compute_rate`` FLOP/s; the longer is the bound."""
+    parts = {}
+    if disk_read:
+        parts["disk"] = est.read_bytes / disk_read
+    if compute_rate:
+        parts["compute"] = 2 * est.parameters * est.scored_tokens / compute_rate
+    if parts:
+        est.bound = max(parts, key=parts.__getitem__)
+        est.seconds = parts[est.bound]
+
+
+def format_teacher(est: TeacherEstimate) -> list[str]:
+    """The teacher pass's lines in ``estimate``'s report."""
+    from tiertune.units import format_size
+
+    lines = [
+        f"teacher pass: {est.parameters / 1e9:.2f} B parameters, {format_size(est.weight_bytes)} of weights "
+        f"({est.basis}) read once per wave of {est.wave_rows} rows: {est.waves} waves, "
+        f"{format_size(est.read_bytes)} read, {est.bytes_per_token / 1e3:,.1f} kB per scored token "
+        f"({est.scored_tokens:,} tokens of {est.rows:,} rows)",
+        f"teacher cache: {format_size(est.cache_bytes)} on disk (top {est.top_k}: {est.top_k * 8 + 4} bytes a "
+        "scored token), kept for later runs of the same teacher and data",
+    ]
+    if est.seconds is not None:
+        lines.append(f"teacher pass time: {est.seconds:,.0f} s ({est.bound}-bound)")
+    return lines
+
+
+__all__ = ["TeacherEstimate", "format_teacher", "teacher_estimate", "time_teacher"]
