@@ -22,6 +22,7 @@ GPU_RECIPES = {
     "mixtral-8x22b-qlora-24gb": "mistralai/Mixtral-8x22B-v0.1",
     "llama3-70b-qlora-dpo-24gb": "meta-llama/Meta-Llama-3-70B",
     "llama3-8b-full-dpo": "meta-llama/Meta-Llama-3-8B",
+    "llama3-70b-distill-8b-24gb": "meta-llama/Meta-Llama-3-8B",  # its teacher: Meta-Llama-3-70B
     # today's 100B-class releases, read as they ship (FP8, MXFP4)
     "deepseek-v3.1-lora-24gb": "deepseek-ai/DeepSeek-V3.1",
     "kimi-k2-lora-48gb": "moonshotai/Kimi-K2-Instruct",
@@ -52,7 +53,11 @@ def test_the_estimate_written_in_each_gpu_recipe_is_what_estimate_says(name, mon
     path = RECIPES / f"{name}.yaml"
     text = path.read_text()
     on_target_disk(monkeypatch, text)
-    recipe = load_recipe(path, (f"model.path={CONFIGS / GPU_RECIPES[name]}",))
+    overrides = [f"model.path={CONFIGS / GPU_RECIPES[name]}"]
+    teacher = re.search(r"teacher: \{path: ([\w./-]+)", text)
+    if teacher:  # a distillation's teacher, read from its shipped config too
+        overrides.append(f"objective.teacher.path={CONFIGS / teacher.group(1)}")
+    recipe = load_recipe(path, tuple(overrides))
     gpu = re.search(r"tiertune estimate --gpu (\w+)", text).group(1)  # the GPU the header's figures are for
     # the plan on the recipe's GPU (as ``estimate`` on that machine gives it): on a GPU the boundaries of a
     # wave go to the host and the fused loss's products run on the tensor cores, unlike a GPU-less plan
@@ -73,6 +78,14 @@ def test_the_estimate_written_in_each_gpu_recipe_is_what_estimate_says(name, mon
         predicted.moved_per_step["host->device"] == 0
         or format_size(predicted.moved_per_step["host->device"]) in comments
     )
+    if predicted.teacher is not None:  # the teacher pass as estimate prices it
+        t = predicted.teacher
+        assert (
+            f"{format_size(t.weight_bytes)} of NF4 weights read once per wave of {t.wave_rows} rows"
+            in comments
+        )
+        assert f"{t.bytes_per_token / 1e3:,.1f} kB a scored token, {format_size(t.read_bytes)}" in comments
+        assert f"({format_size(t.cache_bytes)} for" in comments
 
 
 def on_target_disk(monkeypatch, text: str) -> None:

@@ -39,7 +39,7 @@ from tiertune.engine.prepare import meta_skeleton
 from tiertune.engine.registered import Laid
 from tiertune.engine.replay import Replayed
 from tiertune.engine.sharding import GATHERED
-from tiertune.errors import BudgetError, ConfigError, StateError
+from tiertune.errors import BudgetError, ConfigError, StateError, TiertuneError
 from tiertune.estimates.speed import (
     GPU,
     NOISY,
@@ -436,10 +436,7 @@ def estimate(
         est.scale_out.wire = rank.wire if rank is not None else {}
         est.scale_out.budgets = {"device": sharded.device_budget, "host": sharded.host_budget}
     if recipe.objective.distills:
-        from tiertune.finetune.train import scored_rows
-
-        rows, scored = scored_rows(recipe)
-        est.teacher = teacher_estimate(recipe, store_cfg.device_budget, rows, scored)
+        est.teacher = _teacher(recipe, store_cfg.device_budget, notes)
     if measure:
         est.bandwidth = measure_bandwidth(store_cfg, notes=est.notes)
         if target is not None and target.host_to_device and "host_to_device" not in est.bandwidth:
@@ -451,6 +448,25 @@ def estimate(
                 est.teacher, est.bandwidth.get("disk_read"), est.speed.compute_rate if est.speed else None
             )
     return est
+
+
+def _teacher(recipe: Recipe, device_budget: int, notes: list[str]) -> TeacherEstimate:
+    """A distillation's teacher pass over the recipe's data (its rows and scored tokens as the run tokenizes
+    them), or, where the data or a tokenizer cannot be read here, over ``TEACHER_ROWS`` rows of
+    ``data.max_seq_len`` tokens, every one scored (said in ``notes``)."""
+    from tiertune.finetune.train import scored_rows
+
+    recipe = copy.deepcopy(recipe)
+    recipe.objective.teacher.path = config_directory(recipe.objective.teacher.path)
+    try:
+        rows, scored = scored_rows(recipe)
+    except TiertuneError as exc:
+        rows, scored = TEACHER_ROWS, TEACHER_ROWS * (recipe.data.max_seq_len - 1)
+        notes.append(
+            f"the teacher pass is priced for {rows:,} rows of data.max_seq_len tokens, every one scored: the "
+            f"data cannot be read here ({str(exc).splitlines()[0][:120]})"
+        )
+    return teacher_estimate(recipe, device_budget, rows, scored)
 
 
 def _replay(run: RunPlan, notes: list[str], device: torch.device) -> Replayed | None:
@@ -502,7 +518,6 @@ def _step_time(
     stated peak; and, from the replay's ``trace``, the step as a timeline (``estimates.timeline``) of those
     rates. ``run_threads``: torch's threads the run computes with (default: as ``train`` sets them);
     ``layer_seconds``: a decoder layer's (forward, backward) seconds a micro-batch, given (``estimate``)."""
-    from tiertune.errors import TiertuneError
     from tiertune.finetune.train import steps_of
 
     t = recipe.training
@@ -679,6 +694,10 @@ def recipe_layers(model_dir: str) -> int:
     from tiertune.loading.model import decoder_config
 
     return int(decoder_config(model_dir).num_hidden_layers)
+
+
+TEACHER_ROWS = 10_000
+"""Rows a teacher pass is priced for when the recipe's data cannot be read (``_teacher``)."""
 
 
 def format_seconds(seconds: float) -> str:

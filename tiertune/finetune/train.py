@@ -143,6 +143,8 @@ def train(
         recipe = load_recipe(recipe, overrides)
     recipe = recipe.with_absolute_paths()
     recipe.model.path = model_directory(recipe.model.path)  # a model id: its snapshot in the hub's cache
+    if recipe.objective.distills:
+        recipe.objective.teacher.path = model_directory(recipe.objective.teacher.path)
     world = World.from_env()
     run = resolve(recipe, world)
     admit(run)  # every rank: all refuse alike, before the process group
