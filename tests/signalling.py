@@ -47,7 +47,7 @@ def arm(where: str, signum: int, stamp: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--at", required=True, help="module:Qual.name:N")
-    parser.add_argument("--signal", default="TERM", choices=("TERM", "INT"))
+    parser.add_argument("--signal", default="TERM", choices=("TERM", "INT", "KILL"))
     parser.add_argument("--stamp", required=True, help="the file that gets the signal's wall-clock time")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()

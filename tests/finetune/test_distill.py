@@ -319,3 +319,34 @@ def test_the_estimate_prices_the_teacher_pass_as_it_runs(tmp_path, write_recipe,
     assert est.as_json()["teacher_pass"]["bytes_per_token"] == pytest.approx(
         ran.disk_bytes / ran.tokens, rel=0.02
     )
+
+
+def test_a_run_killed_during_its_teacher_pass_continues_it_and_trains_as_an_uninterrupted_one(
+    tmp_path, write_recipe, models
+):
+    """kill -9 as the teacher pass writes its second wave (``tests/signalling.py``): the next run reads the
+    first from the cache, scores the rest, and its losses are an uninterrupted run's."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tiertune.finetune.train import train
+
+    teacher = {"path": str(models[0]), "dtype": "float32", "wave_size": 2}
+    killed_dir, clean_dir = tmp_path / "killed", tmp_path / "clean"
+    killed_dir.mkdir()
+    clean_dir.mkdir()
+    path = _recipe(killed_dir, write_recipe, models, teacher=teacher)
+    signalling = Path(__file__).resolve().parents[1] / "signalling.py"
+    stamp = killed_dir / "killed-at"
+    at = "tiertune.finetune.teacher:TeacherCache.write:2"
+    command = [sys.executable, str(signalling), "--at", at, "--signal", "KILL", "--stamp", str(stamp)]
+    proc = subprocess.run([*command, "--", "train", str(path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL and stamp.exists(), proc.stderr[-2000:]
+    resumed = train(load_recipe(path, ["training.overwrite_output_dir=true"]), progress=False)
+    rows = len(CAT_TEXTS)
+    assert resumed.teacher_pass["rows"] == rows - 2  # the first wave of 2 rows was kept
+    clean = train(_recipe(clean_dir, write_recipe, models, teacher=teacher), progress=False)
+    assert clean.teacher_pass["rows"] == rows
+    assert resumed.losses == clean.losses
