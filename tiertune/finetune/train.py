@@ -295,6 +295,8 @@ def _run(
     notes = list(decision.notes) + launch_notes(world, dict(os.environ))
     if decision.resume is not None:
         notes.append(f"resumed from {decision.resume} at step {first} of {steps}")
+    if result.teacher_pass is not None:
+        notes.append(f"teacher pass: {json.dumps(result.teacher_pass)}")
     result.first_step = first + 1
     banner = _banner(recipe, trainer, run.store, steps, first, data)
     for line in (banner, *notes):  # printed below; in the log for a run without a console
