@@ -27,3 +27,4 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path):
     work = Path(next(w for w in printed.split() if "tiertune-quickstart-" in w))
     assert work.name.startswith("tiertune-quickstart-") and not work.exists()  # the last cell removed it
     assert "s per step" in outputs and "how fast:" in outputs and "checkpoint-8" in outputs
+    assert "teacher pass:" in outputs and "'tokens_per_second'" in outputs  # the distillation's
