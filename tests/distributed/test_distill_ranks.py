@@ -1,0 +1,50 @@
+"""Distillation under ZeRO-3 ranks (torchrun, gloo on CPUs): every rank runs the teacher pass with the teacher
+sharded as a student is (rank 0 writes the cache), then two ranks train as one process with the global batch,
+each rank's batches carrying their rows' teacher figures."""
+
+import pytest
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_two_ranks_distill_as_one_process(tmp_path, cat_model, write_recipe, launch, losses, method):
+    teacher, student = cat_model(3, hidden=64), cat_model(2, hidden=32)
+
+    def recipe(name, batch):
+        return write_recipe(
+            tmp_path,
+            student,
+            name=name,
+            data={"shuffle": False},
+            method={"type": method, "lora": {"r": 4, "dropout": 0.0}},
+            objective={
+                "type": "distill",
+                "teacher": {"path": str(teacher), "dtype": "float32", "wave_size": 4},
+                "top_k": 8,
+                "temperature": 2.0,
+                "alpha": 0.25,
+            },
+            training={
+                "output_dir": str(tmp_path / name),
+                "per_device_train_batch_size": batch,
+                "gradient_accumulation_steps": 2,
+                "max_steps": 3,
+                "save_steps": 0,
+                "learning_rate": 1e-3,
+            },
+            offload={
+                "disk_path": str(tmp_path / f"{name}-nvme"),
+                "params": "disk",
+                "optimizer_states": "disk",
+                "device_budget": "16MiB",
+                "host_budget": "16MiB",
+            },
+        )
+
+    launch(recipe("one", 4), "--quiet")
+    launch(recipe("two", 2), ranks=2)
+    for field in ("loss", "kd_loss", "ce_loss"):
+        want, got = losses(tmp_path / "one", field), losses(tmp_path / "two", field)
+        assert list(got) == list(want) == [1, 2, 3]
+        for step, value in got.items():
+            assert value == pytest.approx(want[step], rel=1e-5, abs=1e-7), (field, step)
+    assert list((tmp_path / "two-nvme" / "teacher-topk").iterdir())  # rank 0 wrote the cache
