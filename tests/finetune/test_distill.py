@@ -3,6 +3,7 @@ own unfused oracle, the teacher pass's top-k and its cache (resumed after a stop
 step against a plain loop over the same teacher figures."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -350,3 +351,36 @@ def test_a_run_killed_during_its_teacher_pass_continues_it_and_trains_as_an_unin
     clean = train(_recipe(clean_dir, write_recipe, models, teacher=teacher), progress=False)
     assert clean.teacher_pass["rows"] == rows
     assert resumed.losses == clean.losses
+
+
+def test_packed_rows_carry_their_teachers_figures_and_train(tmp_path, write_recipe, models):
+    from transformers import AutoTokenizer
+
+    from tiertune.finetune.data import batches, load_data
+    from tiertune.finetune.teacher import teacher_figures, with_teacher
+    from tiertune.finetune.train import train
+
+    path = _recipe(tmp_path, write_recipe, models)
+    recipe = load_recipe(path, ["data.packing=true"])
+    tok = AutoTokenizer.from_pretrained(models[1])
+    data = load_data(recipe.data.path, tok, "text", 32)
+    cache, _ = teacher_figures(recipe, data, tok.pad_token_id, len(tok))
+    stream = with_teacher(batches(data, 2, tok.pad_token_id, False, 0, packing=True, max_seq_len=32), cache)
+    seen = set()
+    for _ in range(4):  # over an epoch: every row once, its figures where the packed batch scores its tokens
+        batch = next(stream)
+        scored = batch["labels"][:, 1:] != -100
+        assert len(batch["teacher_ids"]) == int(scored.sum())
+        seen.update(int(r) for r in batch["row_ids"].reshape(-1) if r >= 0)
+    assert seen == set(range(len(data)))
+    result = train(recipe, progress=False)
+    assert result.teacher_pass["rows"] == 0  # the figures above, from the cache
+    assert all(math.isfinite(x) for x in result.losses)
+
+
+def test_a_top_k_as_large_as_the_vocabulary_is_refused_before_loading(tmp_path, write_recipe, models):
+    from tiertune.finetune.train import train
+
+    path = _recipe(tmp_path, write_recipe, models, top_k=100_000)
+    with pytest.raises(ConfigError, match="objective.top_k is 100000"):
+        train(path, progress=False)

@@ -35,6 +35,7 @@ from tiertune.distributed.world import World
 from tiertune.engine import StreamedTrainer
 from tiertune.errors import (
     BudgetError,
+    ConfigError,
     DataError,
     DiskFullError,
     Interrupted,
@@ -221,6 +222,12 @@ def _load(recipe: Recipe, ranks: int) -> _Loaded:
     _check_vocabulary(data, recipe.model.path)
     if recipe.objective.distills:  # before any weight is read
         check_tokenizers(recipe.model.path, recipe.objective.teacher.path)
+        vocab = _vocabulary(recipe.model.path)
+        if recipe.objective.top_k >= vocab:
+            raise ConfigError(
+                f"objective.top_k is {recipe.objective.top_k}, and the vocabulary has {vocab} tokens: keep fewer "
+                f"than it (at most {vocab - 1})"
+            )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     rows = math.ceil(data.tokens / d.max_seq_len) if d.packing else len(data)  # packing: about full rows
     per_epoch = math.ceil(rows / (t.per_device_train_batch_size * ranks))
