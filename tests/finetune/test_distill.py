@@ -384,3 +384,25 @@ def test_a_top_k_as_large_as_the_vocabulary_is_refused_before_loading(tmp_path, 
     path = _recipe(tmp_path, write_recipe, models, top_k=100_000)
     with pytest.raises(ConfigError, match="objective.top_k is 100000"):
         train(path, progress=False)
+
+
+def test_a_full_disk_while_caching_the_teachers_figures_is_said_and_leaves_no_temporary(
+    tmp_path, monkeypatch
+):
+    import errno
+
+    import safetensors.torch
+
+    from tiertune.errors import DiskFullError
+    from tiertune.finetune.teacher import TeacherCache
+
+    cache = TeacherCache(tmp_path / "cache", [2, 1], 4)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    ids, logps, tail = torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 4), torch.zeros(3)
+    with pytest.raises(DiskFullError, match="offload.disk_path"):
+        cache.write(0, [2, 1], ids, logps, tail)
+    assert list((tmp_path / "cache").iterdir()) == []

@@ -34,8 +34,9 @@ from typing import Any
 import torch
 
 from tiertune.engine.teacher import KEYS, topk_head
-from tiertune.errors import ConfigError, DataError
+from tiertune.errors import ConfigError, DataError, DiskFullError
 from tiertune.files import fsync_dir, fsync_file
+from tiertune.finetune.checkpoint import is_disk_full
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
 log = logging.getLogger("tiertune.finetune")
@@ -200,9 +201,19 @@ class TeacherCache:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"wave-{first:09d}.safetensors"
         temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(tensors, str(temporary))
-        fsync_file(temporary)
-        temporary.replace(path)
+        try:
+            save_file(tensors, str(temporary))
+            fsync_file(temporary)
+            temporary.replace(path)
+        except Exception as exc:
+            temporary.unlink(missing_ok=True)
+            if is_disk_full(exc):
+                raise DiskFullError(
+                    f"no room left for the teacher's figures in {self.directory} ({int(counts_bytes(tensors)):,} bytes "
+                    f"a wave; the waves written so far are kept and a new run continues after them): free space "
+                    "there, or point offload.disk_path at a larger disk"
+                ) from None
+            raise
         fsync_dir(self.directory)
 
     def of(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -210,6 +221,11 @@ class TeacherCache:
         spans = [torch.arange(int(self.offsets[r]), int(self.offsets[r + 1])) for r in rows]
         index = torch.cat(spans) if spans else torch.empty(0, dtype=torch.int64)
         return self.ids[index], self.logps[index], self.tail[index]
+
+
+def counts_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """The bytes of a wave's tensors."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def wave_rows(recipe: Any, device_budget: int, hidden: int, itemsize: int) -> int:
