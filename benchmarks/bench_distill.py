@@ -7,6 +7,12 @@ prompt (not scored). The figures' cache is made anew for each wave size. The ref
 model's size: a wave reads it once, so bytes per token should be about (model bytes) / (tokens a wave scores).
 
     python benchmarks/bench_distill.py --dir /tmp/bd --waves 1,8,64
+
+``--config CONFIG.json`` makes the teacher a real model's shapes instead (Command R+ 104B's:
+``tiertune/recipes/models/CohereForAI/c4ai-command-r-plus/config.json``), written as a pre-quantized NF4 checkpoint
+(``bench_scale.write_nf4_checkpoint``, ~58 GB) and read in place as it ships; the disk's own read rate (fio, else
+tiertune's probe) is measured in the same run, so each wave's I/O bound (its bytes / that rate) is beside its
+time. The checkpoint is removed at the end.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import itertools
 
-from common import add_model_args, machine
+from common import add_model_args, machine, proc_status_bytes
 
 
 def _teacher(directory: Path, a: argparse.Namespace) -> Path:
@@ -70,6 +76,7 @@ def main() -> None:
     p.add_argument("--host-budget", default="16MiB")
     p.add_argument("--device-budget", default="64MiB")
     p.add_argument("--dtype", default="bfloat16", help="the teacher's (objective.teacher.dtype)")
+    p.add_argument("--config", default=None, help="a real model's config.json: the teacher pre-quantized NF4")
     a = p.parse_args()
 
     from tiertune.config.recipe import Recipe
@@ -77,11 +84,24 @@ def main() -> None:
 
     directory = Path(a.dir)
     directory.mkdir(parents=True, exist_ok=True)
-    teacher = _teacher(directory, a)
-    # the weights as the pass homes them: the checkpoint's (bf16) in the teacher's dtype
-    model_bytes = (
-        sum(f.stat().st_size for f in teacher.glob("*.safetensors")) * (4 if a.dtype == "float32" else 2) // 2
-    )
+    rate = None
+    if a.config:  # a real model's shapes, NF4 as it ships: read in place
+        from bench_scale import disk_read_rate, write_nf4_checkpoint
+
+        config = json.loads(Path(a.config).read_text())
+        teacher = directory / "teacher-nf4"
+        written = write_nf4_checkpoint(config, teacher)
+        print(f"checkpoint: {json.dumps(written)}", file=sys.stderr, flush=True)
+        a.vocab = int(config["vocab_size"])
+        model_bytes = sum(f.stat().st_size for f in teacher.glob("*.safetensors"))
+        probe = directory / "probe"
+        probe.mkdir(exist_ok=True)
+        rate = disk_read_rate(probe)
+    else:
+        teacher = _teacher(directory, a)
+        # the weights as the pass homes them: the checkpoint's (bf16) in the teacher's dtype
+        itemsize = 4 if a.dtype == "float32" else 2
+        model_bytes = sum(f.stat().st_size for f in teacher.glob("*.safetensors")) * itemsize // 2
     data = _data(a.rows, a.seq, a.vocab)
     out: dict = {
         "benchmark": "distill_teacher_pass",
@@ -89,6 +109,8 @@ def main() -> None:
         "model_bytes": model_bytes,
         "waves": {},
     }
+    if rate is not None:
+        out["disk_read"] = rate
     for wave in (int(w) for w in a.waves.split(",")):
         disk = directory / f"disk-{wave}"
         shutil.rmtree(disk, ignore_errors=True)
@@ -98,7 +120,8 @@ def main() -> None:
         recipe.objective.top_k = a.top_k
         recipe.objective.teacher.path = str(teacher)
         recipe.objective.teacher.wave_size = wave
-        recipe.objective.teacher.dtype = a.dtype
+        recipe.objective.teacher.dtype = a.dtype if not a.config else "auto"
+        recipe.objective.teacher.quantize = "nf4" if a.config else "none"  # as it ships: read in place
         recipe.data.max_seq_len = a.seq
         recipe.training.per_device_train_batch_size = 1
         recipe.training.output_dir = str(directory / "run")
@@ -112,10 +135,17 @@ def main() -> None:
         record["over_read_once_a_wave"] = round(
             record["disk_bytes_per_token"] / record["bytes_per_token_if_read_once_a_wave"], 3
         )
+        if rate is not None:
+            record["io_bound_s"] = round(stats.disk_bytes / (rate["read_GBps"] * 1e9), 1)
+            record["io_share_of_the_pass"] = round(record["io_bound_s"] / stats.seconds, 3)
         record["cache_bytes"] = sum(f.stat().st_size for f in cache.directory.glob("*.safetensors"))
         out["waves"][str(wave)] = record
         print(f"wave {wave}: {json.dumps(record)}", file=sys.stderr, flush=True)
         shutil.rmtree(disk, ignore_errors=True)
+    if a.config:
+        shutil.rmtree(teacher, ignore_errors=True)
+        shutil.rmtree(directory / "probe", ignore_errors=True)
+    out["peak_rss_bytes"] = proc_status_bytes("VmHWM")
     per = [out["waves"][w]["disk_bytes_per_token"] for w in out["waves"]]
     out["bytes_per_token_falls_with_the_wave"] = all(x > y for x, y in itertools.pairwise(per))
     print(json.dumps(out))

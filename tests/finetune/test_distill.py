@@ -406,3 +406,15 @@ def test_a_full_disk_while_caching_the_teachers_figures_is_said_and_leaves_no_te
     with pytest.raises(DiskFullError, match="offload.disk_path"):
         cache.write(0, [2, 1], ids, logps, tail)
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_teacher_quantized_by_bitsandbytes_needs_its_quantize_setting(tmp_path):
+    from tiertune.finetune.teacher import check_quantization
+    from tiertune.settings import TeacherSettings
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}})
+    )
+    with pytest.raises(ConfigError, match="objective.teacher.quantize: nf4"):
+        check_quantization(TeacherSettings(path=str(tmp_path)))
+    check_quantization(TeacherSettings(path=str(tmp_path), quantize="nf4"))

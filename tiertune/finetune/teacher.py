@@ -95,6 +95,28 @@ def check_tokenizers(student_path: str, teacher_path: str) -> None:
         )
 
 
+def check_quantization(teacher: Any) -> None:
+    """Refuse a teacher whose checkpoint is bitsandbytes-quantized under another ``objective.teacher.quantize``
+    than its own (ConfigError naming the setting to change)."""
+    path = Path(teacher.path) / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    q = config.get("quantization_config") or {}
+    if q.get("quant_method") != "bitsandbytes":
+        return
+    ships = (
+        q.get("bnb_4bit_quant_type", "nf4")
+        if q.get("load_in_4bit")
+        else "int8"
+        if q.get("load_in_8bit")
+        else None
+    )
+    if ships and teacher.quantize != ships:
+        raise ConfigError(
+            f"objective.teacher.path {teacher.path} holds weights quantized by bitsandbytes ({ships}): set "
+            f"objective.teacher.quantize: {ships} (it is {teacher.quantize}) to read them as they are"
+        )
+
+
 def teacher_recipe(recipe: Any) -> Any:
     """The recipe the teacher is planned with: the run's, its model the teacher's, nothing trained (offload
     files in a directory of their own beside the run's)."""
@@ -251,6 +273,7 @@ def teacher_figures(
     from tiertune.finetune.data import row_batches
 
     o = recipe.objective
+    check_quantization(o.teacher)
     key = cache_key(recipe, data, vocab)
     counts = scored_counts(data)
     cache = TeacherCache(cache_dir(recipe, key), counts, o.top_k)
@@ -351,6 +374,7 @@ __all__ = [
     "TeacherPass",
     "cache_dir",
     "cache_key",
+    "check_quantization",
     "check_tokenizers",
     "teacher_figures",
     "teacher_recipe",

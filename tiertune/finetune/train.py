@@ -65,7 +65,7 @@ from tiertune.finetune.reference import reference_logps, with_reference
 from tiertune.finetune.reporting import Reporters
 from tiertune.finetune.rundir import LAUNCH_FILE, LOG_NAME, Decision, RunDirectory, launch_record
 from tiertune.finetune.signals import StopOnSignals, stop_on_signals
-from tiertune.finetune.teacher import check_tokenizers, teacher_figures, with_teacher
+from tiertune.finetune.teacher import check_quantization, check_tokenizers, teacher_figures, with_teacher
 from tiertune.kernels.patch import describe
 from tiertune.loading.hub import model_directory
 from tiertune.offload.store import StoreConfig
@@ -222,6 +222,7 @@ def _load(recipe: Recipe, ranks: int) -> _Loaded:
     _check_vocabulary(data, recipe.model.path)
     if recipe.objective.distills:  # before any weight is read
         check_tokenizers(recipe.model.path, recipe.objective.teacher.path)
+        check_quantization(recipe.objective.teacher)
         vocab = _vocabulary(recipe.model.path)
         if recipe.objective.top_k >= vocab:
             raise ConfigError(
