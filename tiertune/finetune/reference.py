@@ -33,23 +33,31 @@ log = logging.getLogger("tiertune.finetune")
 CACHE_DIR = "reference-logps"
 
 
-def cache_key(recipe: Any, data: Any) -> str:
-    """A hash of everything the reference's figures depend on (the module's docstring)."""
+def hashed(model_dir: str, settings: list[Any], data: Any, columns: tuple[str, ...]) -> str:
+    """A cache key: a hash of a model's config and weight files (by name, size and modification time), the
+    ``settings`` (JSON) and every row of ``data``'s ``columns`` (token ids)."""
     h = hashlib.sha256()
-    model = Path(recipe.model.path)
+    model = Path(model_dir)
     h.update(
         (model / "config.json").read_bytes() if (model / "config.json").is_file() else str(model).encode()
     )
     for path in sorted(model.glob("*.safetensors")) + sorted(model.glob("*.bin")):
         stat = path.stat()
         h.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    settings = [recipe.model.dtype, recipe.model.quantize, recipe.kernels, recipe.objective.type, len(data)]
     h.update(json.dumps(settings).encode())
-    for column in ("input_ids", "labels", "rejected_ids", "rejected_labels"):
+    for column in columns:
         for values in data.rows[column]:
             h.update(torch.tensor(values, dtype=torch.int64).numpy().tobytes())
             h.update(b"|")
     return h.hexdigest()[:32]
+
+
+def cache_key(recipe: Any, data: Any) -> str:
+    """A hash of everything the reference's figures depend on (the module's docstring)."""
+    settings = [recipe.model.dtype, recipe.model.quantize, recipe.kernels, recipe.objective.type, len(data)]
+    return hashed(
+        recipe.model.path, settings, data, ("input_ids", "labels", "rejected_ids", "rejected_labels")
+    )
 
 
 def cache_path(recipe: Any, key: str) -> Path:
@@ -116,4 +124,4 @@ def with_reference(
         yield {**batch, "ref_logps": torch.cat([logps[rows, 0], logps[rows, 1]])}
 
 
-__all__ = ["cache_key", "cache_path", "reference_logps", "with_reference"]
+__all__ = ["cache_key", "cache_path", "hashed", "reference_logps", "with_reference"]

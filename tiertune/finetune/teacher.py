@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ from tiertune.engine.teacher import KEYS, topk_head
 from tiertune.errors import ConfigError, DataError, DiskFullError
 from tiertune.files import fsync_dir, fsync_file
 from tiertune.finetune.checkpoint import is_disk_full
+from tiertune.finetune.reference import hashed
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
 log = logging.getLogger("tiertune.finetune")
@@ -131,22 +131,9 @@ def teacher_recipe(recipe: Any) -> Any:
 
 def cache_key(recipe: Any, data: Any, vocab: int) -> str:
     """A hash of everything the teacher's figures depend on (the module's docstring)."""
-    h = hashlib.sha256()
-    t = recipe.objective.teacher
-    model = Path(t.path)
-    h.update((model / "config.json").read_bytes() if (model / "config.json").is_file() else t.path.encode())
-    for path in sorted(model.glob("*.safetensors")) + sorted(model.glob("*.bin")):
-        stat = path.stat()
-        h.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    o = recipe.objective
-    h.update(
-        json.dumps([t.dtype, t.quantize, recipe.kernels, o.top_k, o.temperature, vocab, len(data)]).encode()
-    )
-    for column in ("input_ids", "labels"):
-        for values in data.rows[column]:
-            h.update(torch.tensor(values, dtype=torch.int64).numpy().tobytes())
-            h.update(b"|")
-    return h.hexdigest()[:32]
+    t, o = recipe.objective.teacher, recipe.objective
+    settings = [t.dtype, t.quantize, recipe.kernels, o.top_k, o.temperature, vocab, len(data)]
+    return hashed(t.path, settings, data, ("input_ids", "labels"))
 
 
 def cache_dir(recipe: Any, key: str) -> Path:
