@@ -169,3 +169,9 @@ class ObjectiveSettings:
     def distills(self) -> bool:
         """Whether a step learns from a teacher's distributions (``type: distill``)."""
         return self.type == "distill"
+
+    @property
+    def beside(self) -> bool:
+        """Whether the teacher runs beside the student in every step, over the whole vocabulary (``top_k: 0``),
+        rather than once before training into a cache of its top-k."""
+        return self.distills and self.top_k == 0

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     from tiertune.engine.registered import Laid
 
 
+BESIDE_SHARE = 2
+"""With ``objective.top_k: 0`` the teacher streams beside the student in every step (``finetune.teacher``):
+each is planned within 1 / this of the run's device and host budgets."""
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """A recipe resolved for one process (``resolve``), what the run and the estimate read: the settings with
@@ -82,11 +87,6 @@ def plan(
         raise ConfigError(
             f"model.quantize: {recipe.model.quantize} freezes the base; use method.type: lora with it, "
             f"or model.quantize: none for method.type: {recipe.method.type}"
-        )
-    if recipe.objective.distills and recipe.objective.top_k == 0:
-        raise ConfigError(
-            "objective.top_k: 0 (the teacher beside the student in each step, the whole vocabulary) is not "
-            "built yet; set objective.top_k to the teacher's logits kept per token (64 is the default)"
         )
     if not recipe.model.path:
         raise ConfigError("model.path is required: a local Hugging Face model directory")
@@ -160,6 +160,9 @@ def plan(
         store.host_budget //= world.local_size
         if device == "cpu":
             store.device_budget //= world.local_size
+    if recipe.objective.beside:  # the teacher's and the student's stores side by side: half the budgets each
+        store.host_budget //= BESIDE_SHARE
+        store.device_budget //= BESIDE_SHARE
     engine = EngineConfig(
         dtype=dtype,
         learning_rate=t.learning_rate,

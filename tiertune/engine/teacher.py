@@ -49,4 +49,28 @@ def topk_head(
     return head
 
 
-__all__ = ["KEYS", "cat_teachers", "teacher_of", "topk_head"]
+class WholeHead:
+    """A frozen pass's head that keeps a teacher's ``Full`` of each micro-batch's scored tokens: its last hidden
+    states there, with its head's first ``vocab`` rows (the student's tokens) copied once, when the pass first
+    binds them (the teacher is frozen: the copy serves every later step; ``weight`` until then None)."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def __call__(self, engine: Any, mb: Any, last: torch.Tensor) -> Full:
+        got = engine.loss.teacher_hidden(mb.ids, mb.extra, mb.target)
+        if self.weight is None:
+            self.weight = got.weight[: self.vocab].detach().clone()
+            self.bias = None if got.bias is None else got.bias[: self.vocab].detach().clone()
+        return Full(got.hidden, self.weight, self.bias, got.softcap)
+
+    @property
+    def kept_bytes(self) -> int:
+        """The bytes of the head's copy (0 before the first pass)."""
+        held = [t for t in (self.weight, self.bias) if t is not None]
+        return sum(t.numel() * t.element_size() for t in held)
+
+
+__all__ = ["KEYS", "WholeHead", "cat_teachers", "teacher_of", "topk_head"]

@@ -255,8 +255,6 @@ def teacher_figures(
     """Every row's teacher figures: read from the cache, the rows it lacks scored by the teacher (built,
     run and closed here, within the run's budgets; of several processes each runs the pass, its weights
     sharded as the student's, and rank 0 writes) wave by wave, each wave cached as it ends."""
-    from tiertune.config.plan import plan
-    from tiertune.engine import StreamedTrainer
     from tiertune.finetune.data import row_batches
 
     o = recipe.objective
@@ -277,25 +275,11 @@ def teacher_figures(
 
     world = world or World.from_env()
     write = world.is_main
-    store, engine = plan(teacher_recipe(recipe), world=world)
-    engine = dataclasses.replace(
-        engine,
-        method="frozen",
-        overlap_optimizer="off",
-        activations="device",
-        gradient_accumulation_steps=1,
-        objective=dataclasses.replace(o, type="sft"),
-    )
-    teacher = StreamedTrainer(o.teacher.path, store, engine, safe_point=safe_point, world=world)
+    teacher, store = frozen_teacher(recipe, vocab, world, safe_point)
     try:
         config = teacher.model.config.get_text_config(decoder=True)
-        if config.vocab_size < vocab:
-            raise ConfigError(
-                f"objective.teacher.path {o.teacher.path}: its head has {config.vocab_size} tokens, fewer than the "
-                f"student's {vocab}; use a teacher of the student's family"
-            )
         per_wave = wave_rows(
-            recipe, store.device_budget, config.hidden_size, torch.finfo(engine.dtype).bits // 8
+            recipe, store.device_budget, config.hidden_size, torch.finfo(teacher.config.dtype).bits // 8
         )
         stats.wave_rows = per_wave
         batch = recipe.training.per_device_train_batch_size
@@ -334,6 +318,87 @@ def teacher_figures(
     return cache, stats
 
 
+def frozen_teacher(recipe: Any, vocab: int, world: Any, safe_point: Any = None) -> tuple[Any, Any]:
+    """The teacher as a frozen trainer planned within the run's budgets (``teacher_recipe``; beside the
+    student, within its share of them: ``config.plan.BESIDE_SHARE``), and its store's settings; refused
+    (ConfigError, the trainer closed) when its head has fewer tokens than the student's ``vocab``."""
+    from tiertune.config.plan import plan
+    from tiertune.engine import StreamedTrainer
+
+    o = recipe.objective
+    store, engine = plan(teacher_recipe(recipe), world=world)
+    engine = dataclasses.replace(
+        engine,
+        method="frozen",
+        overlap_optimizer="off",
+        activations="device",
+        gradient_accumulation_steps=1,
+        objective=dataclasses.replace(o, type="sft"),
+    )
+    teacher = StreamedTrainer(o.teacher.path, store, engine, safe_point=safe_point, world=world)
+    heads = teacher.model.config.get_text_config(decoder=True).vocab_size
+    if heads < vocab:
+        teacher.close()
+        raise ConfigError(
+            f"objective.teacher.path {o.teacher.path}: its head has {heads} tokens, fewer than the "
+            f"student's {vocab}; use a teacher of the student's family"
+        )
+    return teacher, store
+
+
+class TeacherBeside:
+    """The teacher beside the student (``objective.top_k: 0``): every step, before the student's, one frozen
+    pass of the teacher over the step's micro-batches (its weights read once a step, layer by layer, for all of
+    them), keeping at each scored token its last hidden state; the student's fused head makes the teacher's
+    logits from them and the teacher's head (copied once: ``engine.teacher.WholeHead``) a chunk at a time, over
+    the whole vocabulary. ``stats`` counts the passes as a ``TeacherPass`` (a wave a step)."""
+
+    def __init__(self, recipe: Any, vocab: int, world: Any, safe_point: Any = None) -> None:
+        from tiertune.engine.teacher import WholeHead
+
+        check_quantization(recipe.objective.teacher)
+        self.trainer, _ = frozen_teacher(recipe, vocab, world, safe_point)
+        self.head = WholeHead(vocab)
+        self.stats = TeacherPass()
+        self._moved = _disk_bytes(self.trainer)
+
+    def figures(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[Any]:
+        """The teacher's ``Full`` of each micro-batch (one pass over its layers for all of them)."""
+        began = time.perf_counter()
+        out = self.trainer.sequence_logps(micro_batches, self.head)
+        s = self.stats
+        s.seconds += time.perf_counter() - began
+        s.rows += sum(len(b["input_ids"]) for b in micro_batches)
+        s.tokens += sum(len(f.hidden) for f in out)
+        s.waves += 1
+        s.wave_rows = max(s.wave_rows, sum(len(b["input_ids"]) for b in micro_batches))
+        s.disk_bytes = _disk_bytes(self.trainer) - self._moved
+        return out
+
+    def close(self) -> None:
+        """Free the teacher's store and its head's copy."""
+        self.head.weight = self.head.bias = None
+        self.trainer.close()
+
+
+def beside_teacher(
+    stream: Iterator[dict[str, torch.Tensor]], teacher: TeacherBeside, per_step: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """``stream``'s batches, ``per_step`` (a step's micro-batches) at a time scored by ``teacher`` in one pass
+    before the first of them is handed on, each carrying its ``Full`` (``teacher``: ``engine.teacher.teacher_of``)."""
+    while True:
+        group = []
+        for _ in range(per_step):
+            try:
+                group.append(next(stream))
+            except StopIteration:
+                break
+        if not group:
+            return
+        for batch, full in zip(group, teacher.figures(group), strict=True):
+            yield {**batch, "teacher": full}
+
+
 def _disk_bytes(trainer: Any) -> int:
     return sum(v for link, v in trainer.store_stats().bytes_moved.items() if link.startswith("disk->"))
 
@@ -357,12 +422,15 @@ def with_teacher(
 
 
 __all__ = [
+    "TeacherBeside",
     "TeacherCache",
     "TeacherPass",
+    "beside_teacher",
     "cache_dir",
     "cache_key",
     "check_quantization",
     "check_tokenizers",
+    "frozen_teacher",
     "teacher_figures",
     "teacher_recipe",
     "with_teacher",

@@ -65,7 +65,14 @@ from tiertune.finetune.reference import reference_logps, with_reference
 from tiertune.finetune.reporting import Reporters
 from tiertune.finetune.rundir import LAUNCH_FILE, LOG_NAME, Decision, RunDirectory, launch_record
 from tiertune.finetune.signals import StopOnSignals, stop_on_signals
-from tiertune.finetune.teacher import check_quantization, check_tokenizers, teacher_figures, with_teacher
+from tiertune.finetune.teacher import (
+    TeacherBeside,
+    beside_teacher,
+    check_quantization,
+    check_tokenizers,
+    teacher_figures,
+    with_teacher,
+)
 from tiertune.kernels.patch import describe
 from tiertune.loading.hub import model_directory
 from tiertune.offload.store import StoreConfig
@@ -270,13 +277,21 @@ def _run(
     first = decision.step
     stop.check()
     engine = dataclasses.replace(run.engine, max_steps=steps)  # the learning rate's schedule runs over them
-    if recipe.objective.distills:  # the teacher's figures first: its pass holds the budgets alone
+    beside: TeacherBeside | None = None
+    if recipe.objective.beside:  # the teacher beside the student, each within its share of the budgets
+        beside = TeacherBeside(recipe, _vocabulary(recipe.model.path), world, stop.check)
+    elif recipe.objective.distills:  # the teacher's figures first: its pass holds the budgets alone
         vocab = _vocabulary(recipe.model.path)
         cache, teacher_pass = teacher_figures(recipe, data, loaded.pad_id, vocab, world, stop.check)
         result.teacher_pass = teacher_pass.record()
         stream = with_teacher(stream, cache)
         stop.check()
-    trainer = StreamedTrainer(recipe.model.path, run.store, engine, safe_point=stop.check, world=world)
+    try:
+        trainer = StreamedTrainer(recipe.model.path, run.store, engine, safe_point=stop.check, world=world)
+    except BaseException:
+        if beside is not None:
+            beside.close()
+        raise
     try:
         if recipe.objective.reference and trainer.adapters is None:  # the initial weights' figures, first
             reference = reference_logps(trainer, data, recipe, loaded.pad_id, write=world.is_main)
@@ -288,9 +303,13 @@ def _run(
             skip = _batches_done(state["tiertune"], rows)  # the data position: the same batches follow
             for _ in range(skip):
                 next(stream)
+        if beside is not None:  # scored a step at a time from here (none for the batches skipped)
+            stream = beside_teacher(stream, beside, t.gradient_accumulation_steps)
         stop.check()
     except BaseException:
         trainer.close()
+        if beside is not None:
+            beside.close()
         raise
     if world.is_main and recipe.offload.disk_path:  # directories this launch does not use
         for path in sweep_other_ranks(recipe.offload.disk_path, world):
@@ -323,15 +342,21 @@ def _run(
         reporters = Reporters(t.report_to if world.is_main else "none", out, recipe.to_dict(), first)
         with open(result.log_path if world.is_main else os.devnull, "a") as log_file:
             for step in range(first, steps):
+                began = time.perf_counter()
                 micro = [next(stream) for _ in range(t.gradient_accumulation_steps)]
+                scoring = time.perf_counter() - began if beside is not None else 0.0  # the teacher's pass
                 tokens = sum(int(mb["num_tokens"]) for mb in micro)
                 loss = trainer.step(micro)
                 report = trainer.last_report
                 done = step + 1
                 result.losses.append(loss)
                 record = report.record(
-                    step + 1, (step + 1) * t.gradient_accumulation_steps / per_epoch, tokens / report.seconds
+                    step + 1,
+                    (step + 1) * t.gradient_accumulation_steps / per_epoch,
+                    tokens / (report.seconds + scoring),
                 )
+                if beside is not None:
+                    record["teacher_seconds"] = round(scoring, 4)
                 if (step + 1) % t.logging_steps == 0 or step + 1 == steps:
                     log_file.write(json.dumps(record) + "\n")
                     log_file.flush()
@@ -383,6 +408,9 @@ def _run(
                 log.error("the checkpoint being written failed too: %s", exc)
             finally:
                 trainer.close()
+                if beside is not None:
+                    beside.close()
+                    result.teacher_pass = beside.stats.record()
                 for path in partials(out) if world.is_main else ():
                     shutil.rmtree(path, ignore_errors=True)
         if failure is not None:
