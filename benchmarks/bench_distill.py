@@ -75,7 +75,11 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=64)
     p.add_argument("--host-budget", default="16MiB")
     p.add_argument("--device-budget", default="64MiB")
-    p.add_argument("--dtype", default="bfloat16", help="the teacher's (objective.teacher.dtype)")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="the teacher's compute dtype (objective.teacher.dtype; with --config its unquantized tensors, the embedding and head, are homed in it too)",
+    )
     p.add_argument("--config", default=None, help="a real model's config.json: the teacher pre-quantized NF4")
     a = p.parse_args()
 
@@ -120,7 +124,7 @@ def main() -> None:
         recipe.objective.top_k = a.top_k
         recipe.objective.teacher.path = str(teacher)
         recipe.objective.teacher.wave_size = wave
-        recipe.objective.teacher.dtype = a.dtype if not a.config else "auto"
+        recipe.objective.teacher.dtype = a.dtype
         recipe.objective.teacher.quantize = "nf4" if a.config else "none"  # as it ships: read in place
         recipe.data.max_seq_len = a.seq
         recipe.training.per_device_train_batch_size = 1

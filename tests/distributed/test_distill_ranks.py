@@ -1,12 +1,13 @@
 """Distillation under ZeRO-3 ranks (torchrun, gloo on CPUs): every rank runs the teacher pass with the teacher
 sharded as a student is (rank 0 writes the cache), then two ranks train as one process with the global batch,
-each rank's batches carrying their rows' teacher figures."""
+each rank's batches carrying their rows' teacher figures; with ``top_k: 0`` every rank's step runs the teacher
+beside the student, sharded too, over the rank's micro-batches."""
 
 import pytest
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
-def test_two_ranks_distill_as_one_process(tmp_path, cat_model, write_recipe, launch, losses, method):
+@pytest.mark.parametrize(("method", "top_k"), [("lora", 8), ("full", 8), ("lora", 0)])
+def test_two_ranks_distill_as_one_process(tmp_path, cat_model, write_recipe, launch, losses, method, top_k):
     teacher, student = cat_model(3, hidden=64), cat_model(2, hidden=32)
 
     def recipe(name, batch):
@@ -19,7 +20,7 @@ def test_two_ranks_distill_as_one_process(tmp_path, cat_model, write_recipe, lau
             objective={
                 "type": "distill",
                 "teacher": {"path": str(teacher), "dtype": "float32", "wave_size": 4},
-                "top_k": 8,
+                "top_k": top_k,
                 "temperature": 2.0,
                 "alpha": 0.25,
             },
@@ -47,4 +48,5 @@ def test_two_ranks_distill_as_one_process(tmp_path, cat_model, write_recipe, lau
         assert list(got) == list(want) == [1, 2, 3]
         for step, value in got.items():
             assert value == pytest.approx(want[step], rel=1e-5, abs=1e-7), (field, step)
-    assert list((tmp_path / "two-nvme" / "teacher-topk").iterdir())  # rank 0 wrote the cache
+    cached = tmp_path / "two-nvme" / "teacher-topk"
+    assert list(cached.iterdir()) if top_k else not cached.exists()  # rank 0 wrote the cache

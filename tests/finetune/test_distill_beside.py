@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.finetune.test_distill import _recipe
+from tests.finetune.test_distill import OBJECTIVE, _recipe
 from tiertune.config.recipe import load_recipe
 
 
@@ -94,3 +94,75 @@ def test_a_whole_vocabulary_run_is_trls_generalized_jsd_step_for_step(
     assert passes["waves"] == 3 and passes["wave_rows"] == 4  # a pass a step over its 2 x 2 rows
     assert passes["tokens"] == sum(scored)
     assert not (tmp_path / "run" / "teacher-topk").exists()  # nothing cached
+
+
+def test_the_estimate_prices_the_teacher_beside_as_it_runs(tmp_path, write_recipe, models):
+    from transformers import AutoConfig
+
+    from tiertune.config.plan import plan
+    from tiertune.estimates.report import estimate, format_estimate
+    from tiertune.finetune.train import train
+    from tiertune.settings import parse_size
+
+    path = _recipe(
+        tmp_path, write_recipe, models, top_k=0, teacher={"path": str(models[0]), "dtype": "float32"}
+    )
+    recipe = load_recipe(
+        path, ["offload.params=disk", "offload.host_budget=64MiB", "offload.device_budget=64MiB"]
+    )
+    store, _ = plan(recipe)  # the student's store within half the budgets (the teacher's the other half)
+    assert (store.host_budget, store.device_budget) == (parse_size("32MiB"), parse_size("32MiB"))
+    est = estimate(recipe, gpu="cpu", measure=False)
+    planned = est.teacher
+    assert planned.beside and planned.cache_bytes == 0 and planned.wave_rows == 4
+    ran = train(recipe, progress=False).teacher_pass
+    # the teacher's weights once a step, as its store read them
+    assert planned.weight_bytes * ran["waves"] == pytest.approx(ran["disk_bytes"], rel=0.02)
+    config = AutoConfig.from_pretrained(models[0])
+    assert planned.head_bytes == config.vocab_size * config.hidden_size * 4
+    text = format_estimate(est, "distill")
+    assert "teacher beside the student" in text and "teacher cache" not in text
+    assert est.as_json()["teacher_pass"]["beside"] is True
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_a_run_killed_mid_way_resumes_as_an_uninterrupted_one(tmp_path, write_recipe, models, method):
+    """kill -9 as the teacher scores the third step (``tests/signalling.py``): the resumed run's steps after its
+    checkpoint, the teacher beside them again, are an uninterrupted run's."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tiertune.finetune.train import train
+
+    def recipe(where):
+        where.mkdir()
+        return write_recipe(
+            where,
+            models[1],
+            objective={**OBJECTIVE, "top_k": 0, "teacher": {"path": str(models[0]), "dtype": "float32"}},
+            data={"shuffle": False, "max_seq_len": 32},
+            method={"type": method, "lora": {"r": 4, "dropout": 0.0}},
+            training={
+                "max_steps": 4,
+                "per_device_train_batch_size": 2,
+                "gradient_accumulation_steps": 2,
+                "learning_rate": 1e-2,
+                "max_grad_norm": 1.0,
+                "save_steps": 1,
+            },
+        )
+
+    killed, clean = recipe(tmp_path / "killed"), recipe(tmp_path / "clean")
+    signalling = Path(__file__).resolve().parents[1] / "signalling.py"
+    stamp = tmp_path / "killed-at"
+    at = "tiertune.finetune.teacher:TeacherBeside.figures:3"
+    command = [sys.executable, str(signalling), "--at", at, "--signal", "KILL", "--stamp", str(stamp)]
+    proc = subprocess.run([*command, "--", "train", str(killed)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL and stamp.exists(), proc.stderr[-2000:]
+    resumed = train(load_recipe(killed, ["training.resume_from_checkpoint=auto"]), progress=False)
+    assert resumed.first_step in (2, 3)  # after checkpoint-1 or checkpoint-2 (written behind the steps)
+    assert resumed.teacher_pass["waves"] == 4 - resumed.first_step + 1  # no pass for the batches skipped
+    whole = train(clean, progress=False)
+    assert resumed.losses == pytest.approx(whole.losses[resumed.first_step - 1 :], rel=1e-6)

@@ -37,6 +37,10 @@ class TeacherEstimate:
     top_k: int
     seconds: float | None = None
     bound: str | None = None
+    # ``top_k: 0``: the teacher beside the student, a wave a step (``wave_rows``: a step's rows), nothing cached;
+    # its head's copy held on the device for the run (``engine.teacher.WholeHead``)
+    beside: bool = False
+    head_bytes: int = 0
 
     @property
     def waves(self) -> int:
@@ -53,7 +57,7 @@ class TeacherEstimate:
 
     @property
     def cache_bytes(self) -> int:
-        return self.scored_tokens * (self.top_k * 8 + 4)
+        return 0 if self.beside else self.scored_tokens * (self.top_k * 8 + 4)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -69,12 +73,15 @@ class TeacherEstimate:
             "cache_bytes": self.cache_bytes,
             "seconds": self.seconds,
             "bound": self.bound,
+            "beside": self.beside,
+            "head_bytes": self.head_bytes,
         }
 
 
 def teacher_estimate(recipe: Any, device_budget: int, rows: int, scored_tokens: int) -> TeacherEstimate:
     """The teacher pass of ``recipe`` over ``rows`` rows scoring ``scored_tokens`` tokens, its waves sized for
-    ``device_budget`` as the run sizes them (``finetune.teacher.wave_rows``)."""
+    ``device_budget`` as the run sizes them (``finetune.teacher.wave_rows``); beside the student (``top_k:
+    0``), a wave a step of a step's rows, and its head's copy on the device."""
     from tiertune.engine.prepare import meta_skeleton
     from tiertune.finetune.teacher import wave_rows
     from tiertune.loading.model import decoder_config, split_model
@@ -103,10 +110,16 @@ def teacher_estimate(recipe: Any, device_budget: int, rows: int, scored_tokens: 
         what = str(dtype).removeprefix("torch.")
         basis = f"{t.quantize} decoder-layer linear weights, the rest in {what}" if per_param else f"{what}"
         basis += ", homed on the disk tier"
-    per_wave = wave_rows(recipe, device_budget, decoder_config(t.path).hidden_size, dtype.itemsize)
-    return TeacherEstimate(
-        parameters, weight_bytes, basis, per_wave, rows, scored_tokens, recipe.objective.top_k
-    )
+    config = decoder_config(t.path)
+    est = TeacherEstimate(parameters, weight_bytes, basis, 0, rows, scored_tokens, recipe.objective.top_k)
+    if recipe.objective.beside:
+        tr = recipe.training
+        est.beside = True
+        est.wave_rows = tr.per_device_train_batch_size * tr.gradient_accumulation_steps
+        est.head_bytes = int(config.hidden_size * config.vocab_size * dtype.itemsize)
+    else:
+        est.wave_rows = wave_rows(recipe, device_budget, config.hidden_size, dtype.itemsize)
+    return est
 
 
 def time_teacher(est: TeacherEstimate, disk_read: float | None, compute_rate: float | None) -> None:
@@ -126,6 +139,17 @@ def format_teacher(est: TeacherEstimate) -> list[str]:
     """The teacher pass's lines in ``estimate``'s report."""
     from tiertune.units import format_size
 
+    if est.beside:
+        lines = [
+            f"teacher beside the student (top_k: 0): {est.parameters / 1e9:.2f} B parameters, "
+            f"{format_size(est.weight_bytes)} of weights ({est.basis}) read once a step of {est.wave_rows} rows, "
+            f"{est.bytes_per_token / 1e3:,.1f} kB per scored token, {format_size(est.read_bytes)} an epoch "
+            f"({est.scored_tokens:,} tokens of {est.rows:,} rows); its head's copy {format_size(est.head_bytes)} "
+            "on the device beside the two stores (each within half the budgets); nothing cached",
+        ]
+        if est.seconds is not None:
+            lines.append(f"teacher time an epoch: {est.seconds:,.0f} s ({est.bound}-bound), beside the student's")
+        return lines
     lines = [
         f"teacher pass: {est.parameters / 1e9:.2f} B parameters, {format_size(est.weight_bytes)} of weights "
         f"({est.basis}) read once per wave of {est.wave_rows} rows: {est.waves} waves, "
