@@ -250,8 +250,9 @@ def test_a_teacher_pass_stopped_mid_way_continues_from_its_last_wave(tmp_path, w
     assert 0 < len(kept) < stats.waves and not list(whole.directory.glob(".*tmp"))
     resumed, again = teacher_figures(recipe, data, tok.pad_token_id, len(tok))
     assert again.rows == len(data) - 2 * len(kept)
-    for name in ("ids", "logps", "tail"):
-        assert torch.equal(getattr(resumed, name), getattr(whole, name))
+    every = list(range(len(data)))
+    for got, want in zip(resumed.of(every), whole.of(every), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_before_any_weight_is_read(
@@ -313,8 +314,8 @@ def test_the_estimate_prices_the_teacher_pass_as_it_runs(tmp_path, write_recipe,
     assert planned.waves == ran.waves
     # the weights once a wave, as the pass read them (its store's reads from disk)
     assert planned.read_bytes == pytest.approx(ran.disk_bytes, rel=0.02)
-    held = sum(t.numel() * t.element_size() for t in (cache.ids, cache.logps, cache.tail))
-    assert planned.cache_bytes == held
+    held = sum(t.numel() * t.element_size() for t in cache.of(list(range(len(data)))))
+    assert planned.cache_bytes == held == cache.disk_bytes
     text = format_estimate(est, "distill")
     assert "teacher pass:" in text and "teacher cache:" in text
     assert est.as_json()["teacher_pass"]["bytes_per_token"] == pytest.approx(

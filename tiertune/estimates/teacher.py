@@ -148,7 +148,9 @@ def format_teacher(est: TeacherEstimate) -> list[str]:
             "on the device beside the two stores (each within half the budgets); nothing cached",
         ]
         if est.seconds is not None:
-            lines.append(f"teacher time an epoch: {est.seconds:,.0f} s ({est.bound}-bound), beside the student's")
+            lines.append(
+                f"teacher time an epoch: {est.seconds:,.0f} s ({est.bound}-bound), beside the student's"
+            )
         return lines
     lines = [
         f"teacher pass: {est.parameters / 1e9:.2f} B parameters, {format_size(est.weight_bytes)} of weights "

@@ -148,67 +148,74 @@ def scored_counts(data: Any) -> list[int]:
 
 
 class TeacherCache:
-    """A teacher pass's figures for every row of the data, read from its wave files: ``of(rows)`` the rows'
-    scored tokens' ``TopK`` tensors, one after the other."""
+    """A teacher pass's figures for every row of the data, in its wave files: ``of(rows)`` reads the rows' scored
+    tokens' ``TopK`` tensors, one after the other, from the files (memory-mapped: what a batch reads, not the
+    whole cache, is in host memory). A wave ``expect``-ed is one another rank writes: read once its file is
+    there."""
 
-    def __init__(self, directory: Path, counts: list[int], k: int) -> None:
-        self.directory, self.k = directory, k
+    def __init__(self, directory: Path, counts: list[int], k: int, wait_s: float = 0.0) -> None:
+        self.directory, self.k, self.wait_s = directory, k, wait_s
         self.offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
         self.offsets[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
-        total = int(self.offsets[-1])
-        self.ids = torch.empty(total, k, dtype=torch.int32)
-        self.logps = torch.empty(total, k, dtype=torch.float32)
-        self.tail = torch.empty(total, dtype=torch.float32)
         self.done = torch.zeros(len(counts), dtype=torch.bool)
+        self._first = torch.full((len(counts),), -1, dtype=torch.int64)  # each row's wave: its first row
+        self._open: dict[int, Any] = {}  # a wave's file, open (safetensors' safe_open)
 
     def read(self) -> int:
-        """Read every complete wave file there (a damaged one is removed: its rows are scored again); returns
+        """Index every complete wave file there (a damaged one is removed: its rows are scored again); returns
         the rows they cover."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        from safetensors import SafetensorError, safe_open
 
         for path in sorted(self.directory.glob("wave-*.safetensors")):
             try:
                 first = int(path.stem.removeprefix("wave-"))
-                wave = load_file(path)
-                self._put(first, wave["counts"], wave["ids"], wave["logps"], wave["tail"])
+                wave = safe_open(str(path), "pt")
+                counts = wave.get_tensor("counts")
+                shapes = [wave.get_slice(n).get_shape() for n in ("ids", "logps", "tail")]
+                self._check(first, counts, shapes)
             except (SafetensorError, ValueError, KeyError, RuntimeError, OSError) as exc:
                 log.warning("teacher figures %s cannot be read (%s): its rows are scored again", path, exc)
                 path.unlink(missing_ok=True)
+                continue
+            self._open[first] = wave
+            self._index(first, len(counts))
         return int(self.done.sum())
 
-    def _put(
-        self, first: int, counts: torch.Tensor, ids: torch.Tensor, logps: torch.Tensor, tail: torch.Tensor
-    ) -> None:
-        rows = slice(first, first + len(counts))
-        expected = (
-            self.offsets[first + 1 : first + len(counts) + 1] - self.offsets[first : first + len(counts)]
-        )
+    def _check(self, first: int, counts: torch.Tensor, shapes: list[list[int]]) -> None:
+        """Refuse a wave whose rows' counts or tensors are not the data's (ValueError)."""
+        n = len(counts)
+        expected = self.offsets[first + 1 : first + n + 1] - self.offsets[first : first + n]
+        tokens = int(counts.sum()) if n else 0
         if (
-            len(expected) != len(counts)
+            len(expected) != n
             or not torch.equal(expected, counts.long())
-            or ids.shape[1:] != (self.k,)
+            or shapes != [[tokens, self.k], [tokens, self.k], [tokens]]
         ):
             raise ValueError("its rows do not match the data's")
-        lo, hi = int(self.offsets[first]), int(self.offsets[first + len(counts)])
-        self.ids[lo:hi], self.logps[lo:hi], self.tail[lo:hi] = ids, logps, tail
-        self.done[rows] = True
+
+    def _index(self, first: int, n: int) -> None:
+        self._first[first : first + n] = first
+        self.done[first : first + n] = True
+
+    def expect(self, first: int, counts: list[int]) -> None:
+        """A wave of rows from ``first`` that another rank writes (rank 0): ``of`` waits for its file."""
+        self._index(first, len(counts))
 
     def write(
         self, first: int, counts: list[int], ids: torch.Tensor, logps: torch.Tensor, tail: torch.Tensor
     ) -> None:
-        """A wave's figures, from row ``first``: kept, and written to its file (temporary name, sync, rename)."""
+        """A wave's figures, from row ``first``: written to its file (temporary name, sync, rename)."""
         from safetensors.torch import save_file
 
         tensors = {
             "counts": torch.tensor(counts, dtype=torch.int64),
-            "ids": ids,
-            "logps": logps,
-            "tail": tail,
+            "ids": ids.contiguous(),
+            "logps": logps.contiguous(),
+            "tail": tail.contiguous(),
         }
-        self._put(first, tensors["counts"], ids, logps, tail)
+        self._check(first, tensors["counts"], [list(ids.shape), list(logps.shape), list(tail.shape)])
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"wave-{first:09d}.safetensors"
+        path = self._path(first)
         temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             save_file(tensors, str(temporary))
@@ -224,12 +231,52 @@ class TeacherCache:
                 ) from None
             raise
         fsync_dir(self.directory)
+        self._index(first, len(counts))
+
+    def _path(self, first: int) -> Path:
+        return self.directory / f"wave-{first:09d}.safetensors"
+
+    def _wave(self, first: int) -> Any:
+        """A wave's file, open; one another rank writes is waited for (``wait_s``), then said missing."""
+        from safetensors import safe_open
+
+        if first not in self._open:
+            path = self._path(first)
+            deadline = time.monotonic() + self.wait_s
+            while not path.is_file() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not path.is_file():
+                raise DataError(
+                    f"the teacher's figures {path} are missing (removed during the run?): run again to score "
+                    "its rows again"
+                )
+            self._open[first] = safe_open(str(path), "pt")
+        return self._open[first]
 
     def of(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The scored tokens' figures of ``rows``, one row after the other."""
-        spans = [torch.arange(int(self.offsets[r]), int(self.offsets[r + 1])) for r in rows]
-        index = torch.cat(spans) if spans else torch.empty(0, dtype=torch.int64)
-        return self.ids[index], self.logps[index], self.tail[index]
+        """The scored tokens' figures of ``rows``, one row after the other, read from their waves' files."""
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for r in rows:
+            first = int(self._first[r])
+            if first < 0:
+                raise DataError(f"row {r} has no teacher figures: the teacher pass did not score it")
+            base = int(self.offsets[first])
+            lo, hi = int(self.offsets[r]) - base, int(self.offsets[r + 1]) - base
+            wave = self._wave(first)
+            parts.append(tuple(wave.get_slice(n)[lo:hi] for n in ("ids", "logps", "tail")))  # type: ignore[arg-type]
+        if not parts:
+            return (
+                torch.empty(0, self.k, dtype=torch.int32),
+                torch.empty(0, self.k),
+                torch.empty(0),
+            )
+        return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
+
+    @property
+    def disk_bytes(self) -> int:
+        """The bytes of the figures its wave files hold (their tensors)."""
+        per_token = self.k * 8 + 4
+        return int(self.offsets[-1]) * per_token
 
 
 def counts_bytes(tensors: dict[str, torch.Tensor]) -> int:
@@ -261,7 +308,9 @@ def teacher_figures(
     check_quantization(o.teacher)
     key = cache_key(recipe, data, vocab)
     counts = scored_counts(data)
-    cache = TeacherCache(cache_dir(recipe, key), counts, o.top_k)
+    from tiertune.distributed.world import collective_timeout
+
+    cache = TeacherCache(cache_dir(recipe, key), counts, o.top_k, collective_timeout().total_seconds())
     done = cache.read()
     stats = TeacherPass()
     if done == len(counts):
@@ -302,8 +351,8 @@ def teacher_figures(
                 )
             if write:
                 cache.write(first, wave_counts, ids, logps, tail)
-            else:
-                cache._put(first, torch.tensor(wave_counts), ids, logps, tail)
+            else:  # rank 0 writes it: read from its file
+                cache.expect(first, wave_counts)
             stats.rows += len(rows)
             stats.tokens += len(ids)
             stats.waves += 1
