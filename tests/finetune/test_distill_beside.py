@@ -166,3 +166,41 @@ def test_a_run_killed_mid_way_resumes_as_an_uninterrupted_one(tmp_path, write_re
     assert resumed.teacher_pass["waves"] == 4 - resumed.first_step + 1  # no pass for the batches skipped
     whole = train(clean, progress=False)
     assert resumed.losses == pytest.approx(whole.losses[resumed.first_step - 1 :], rel=1e-6)
+
+
+@pytest.mark.parametrize("top_k", [8, 0])
+def test_a_qlora_student_learns_from_an_nf4_teacher(tmp_path, write_recipe, models, top_k):
+    """QLoRA: the student's base and the teacher both NF4 (quantized on load), homed on disk; the run trains its
+    adapters, logs both terms and reads the teacher's weights at NF4's size (0.12-0.15 of fp32's here)."""
+    from tiertune.finetune.train import train
+
+    def run(name, quantize):
+        where = tmp_path / name
+        where.mkdir()
+        path = write_recipe(
+            where,
+            models[1],
+            model={"path": str(models[1]), "dtype": "float32", "quantize": "nf4"},
+            method={"type": "lora", "lora": {"r": 4, "dropout": 0.0}},
+            objective={
+                **OBJECTIVE,
+                "top_k": top_k,
+                "teacher": {"path": str(models[0]), "dtype": "float32", "quantize": quantize, "wave_size": 4},
+            },
+            data={"shuffle": False, "max_seq_len": 32},
+            training={"max_steps": 2, "per_device_train_batch_size": 2, "save_steps": 0},
+            offload={"params": "disk"},
+        )
+        return train(path, progress=False)
+
+    quantized, plain = run("nf4", "nf4"), run("fp32", "none")
+    records = [json.loads(line) for line in quantized.log_path.read_text().splitlines()]
+    for r in records:
+        assert r["loss"] == pytest.approx(0.25 * r["ce_loss"] + 0.75 * r["kd_loss"], rel=1e-6)
+    assert (quantized.output_dir / "adapter_model.safetensors").is_file()
+    read, full = quantized.teacher_pass["disk_bytes"], plain.teacher_pass["disk_bytes"]
+    assert 0 < read < full / 3  # the decoder layers' weights at 4 bits and a scale a block, the rest fp32
+    # the divergence is from the quantized teacher: close to the fp32 teacher's, not the same
+    assert records[0]["kd_loss"] != pytest.approx(
+        json.loads(plain.log_path.read_text().splitlines()[0])["kd_loss"], rel=1e-6
+    )
