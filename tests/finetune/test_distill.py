@@ -317,7 +317,10 @@ def test_the_estimate_prices_the_teacher_pass_as_it_runs(tmp_path, write_recipe,
     held = sum(t.numel() * t.element_size() for t in cache.of(list(range(len(data)))))
     assert planned.cache_bytes == held == cache.disk_bytes
     text = format_estimate(est, "distill")
-    assert "teacher pass:" in text and "teacher cache:" in text
+    assert "teacher pass:" in text and "teacher cache:" in text and "teacher reads a scored token" in text
+    at = est.as_json()["teacher_pass"]["bytes_per_token_at_wave"]
+    assert at["4"] == pytest.approx(planned.bytes_per_token, rel=1e-3)
+    assert at["1"] > at["4"] > at["64"]  # the weights once a wave: fewer waves, fewer bytes a token
     assert est.as_json()["teacher_pass"]["bytes_per_token"] == pytest.approx(
         ran.disk_bytes / ran.tokens, rel=0.02
     )

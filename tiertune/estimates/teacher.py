@@ -55,6 +55,10 @@ class TeacherEstimate:
     def bytes_per_token(self) -> float:
         return self.read_bytes / max(self.scored_tokens, 1)
 
+    def bytes_per_token_at(self, wave_rows: int) -> float:
+        """Bytes read per scored token were a wave ``wave_rows`` rows (the weights once a wave)."""
+        return self.weight_bytes * max(1, math.ceil(self.rows / wave_rows)) / max(self.scored_tokens, 1)
+
     @property
     def cache_bytes(self) -> int:
         return 0 if self.beside else self.scored_tokens * (self.top_k * 8 + 4)
@@ -73,6 +77,9 @@ class TeacherEstimate:
             "cache_bytes": self.cache_bytes,
             "seconds": self.seconds,
             "bound": self.bound,
+            "bytes_per_token_at_wave": {
+                str(w): round(self.bytes_per_token_at(w), 1) for w in sorted({1, 8, 64, self.wave_rows})
+            },
             "beside": self.beside,
             "head_bytes": self.head_bytes,
         }
@@ -157,6 +164,11 @@ def format_teacher(est: TeacherEstimate) -> list[str]:
         f"({est.basis}) read once per wave of {est.wave_rows} rows: {est.waves} waves, "
         f"{format_size(est.read_bytes)} read, {est.bytes_per_token / 1e3:,.1f} kB per scored token "
         f"({est.scored_tokens:,} tokens of {est.rows:,} rows)",
+        "teacher reads a scored token by the rows of a wave: "
+        + ", ".join(
+            f"{w}: {est.bytes_per_token_at(w) / 1e3:,.1f} kB" for w in sorted({1, 8, 64, est.wave_rows})
+        )
+        + " (objective.teacher.wave_size; larger waves hold more hidden states on the device)",
         f"teacher cache: {format_size(est.cache_bytes)} on disk (top {est.top_k}: {est.top_k * 8 + 4} bytes a "
         "scored token), kept for later runs of the same teacher and data",
     ]
