@@ -93,6 +93,9 @@ class EngineConfig:
     kernels: str = "auto"
     # what a step minimizes: the target tokens' cross-entropy (sft), or a preference objective over pairs
     objective: ObjectiveSettings = field(default_factory=ObjectiveSettings)
+    # several LoRA adapters over one base (``StreamedTrainer.step_adapters``): the settings of the 2nd, 3rd, ...
+    # adapter, each its own recipe's (its ``lora``, learning rate and schedule, AdamW's settings, clipping, steps)
+    others: tuple[EngineConfig, ...] = ()
 
     def layer_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype the decoder layers' products run in on ``device``: the compute dtype, but for a quantized
@@ -108,6 +111,11 @@ class EngineConfig:
         if self.stack_tokens is not None:
             return self.stack_tokens
         return STACK_TOKENS if self.quantize != "none" else 0
+
+    @property
+    def adapter_configs(self) -> tuple[EngineConfig, ...]:
+        """Each adapter's settings, in ``Adapters.names``' order: this config's, then ``others``'."""
+        return (self, *self.others)
 
     @property
     def trains_base(self) -> bool:

@@ -71,6 +71,10 @@ class Micro:
     teacher: Any = (
         None  # distillation: the teacher's figures at its scored tokens (``kernels.ops.distill.TopK``)
     )
+    # of several adapters over one base (``Adapters``), the one this micro-batch trains, and the target tokens
+    # of that adapter's step its loss is divided by (None, 0: the one adapter, the step's)
+    adapter: str | None = None
+    tokens: int = 0
 
 
 def add(summed: dict[str, torch.Tensor], name: str, g: torch.Tensor | None) -> None:

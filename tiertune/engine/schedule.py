@@ -71,6 +71,8 @@ class LayerMajor(PairedPasses):
         # a preference objective's metrics over the step so far, each a sum and what it counts (pairs, or
         # micro-batches: ``engine.objective.pair_losses``); the engine resets them at each step's start
         self.metrics: dict[str, tuple[float, float]] = {}
+        # of several adapters over one base: each one's summed loss over the step so far (reset with metrics)
+        self.adapter_losses: dict[str, float] = {}
         # whether the layers' forward visits run the reference too (the base, adapters off) beside the policy;
         # a full fine-tune's reference is its initial weights, whose log-probabilities the run computes before
         # training (``sequence_logps``) and hands each step with its micro-batches (``ref_logps``)
@@ -88,7 +90,8 @@ class LayerMajor(PairedPasses):
             micro,
             limit,
             lambda head, mb: (
-                mb.shape[1:] == head.shape[1:]
+                self._shares(head, mb)
+                and mb.shape[1:] == head.shape[1:]
                 and stack_calls([head.calls[i], mb.calls[i]], [head.shape[0], mb.shape[0]]) is not None
             ),
         )
@@ -151,6 +154,8 @@ class LayerMajor(PairedPasses):
                     ref_logps=b["ref_logps"].to(device) if "ref_logps" in b else None,
                     desirable=b["label"].to(device) if "label" in b else None,
                     teacher=teacher_of(b, device),
+                    adapter=b.get("adapter"),
+                    tokens=int(b.get("adapter_tokens", 0)),
                 )
                 for b, lab, rng in zip(batches, labels, streams(len(batches), device), strict=True)
             ]
@@ -201,6 +206,26 @@ class LayerMajor(PairedPasses):
 
     # ------------------------------------------------------------------ the passes
 
+    def _shares(self, head: Micro, mb: Micro) -> bool:
+        """Whether ``mb`` may join ``head``'s stack in a layer's visit, by their adapters (of several over the
+        base): the same one, or two that peft's mixed batches take (``Adapters.mixes``)."""
+        if mb.adapter == head.adapter:
+            return True
+        adapters = self.engine.adapters
+        return adapters is not None and adapters.mixes(head.adapter) and adapters.mixes(mb.adapter)
+
+    def _through(self, mb: Micro, micro: Sequence[Micro] = (), group: Sequence[int] = ()) -> None:
+        """``mb``'s adapter, of several over the base, the one the model adds (``Adapters.activate``); a stack
+        of ``group``'s micro-batches of several adapters: each row its own (``Adapters.mix``)."""
+        if mb.adapter is None:
+            return
+        adapters = self.engine.adapters
+        assert adapters is not None
+        if any(micro[j].adapter != mb.adapter for j in group):
+            adapters.mix([micro[j].adapter for j in group for _ in range(micro[j].shape[0])])  # type: ignore[misc]
+        else:
+            adapters.activate(mb.adapter)
+
     def _decoder(self, mb: Micro) -> None:
         engine = self.engine
         engine.compute.decoder(engine.model, engine.parts.layers, mb.ids, mb.extra, engine.loss.model_kwargs)
@@ -214,6 +239,7 @@ class LayerMajor(PairedPasses):
         for mb in micro:
             if engine.safe_point is not None:
                 engine.safe_point()
+            self._through(mb)
             visit = engine.visit = Capture(len(self.layers))
             with mb.start.running(engine.device):
                 self._decoder(mb)
@@ -247,6 +273,7 @@ class LayerMajor(PairedPasses):
                 ys = self.stash.open(i + 1, shapes, write=True)
                 for group in self.stacks(i, micro):
                     head = micro[group[0]]
+                    self._through(head, micro, group)
                     if aux is not None:
                         aux.micro = group[0]
                     x, call = self._stacked(i, micro, group, xs)
@@ -283,6 +310,7 @@ class LayerMajor(PairedPasses):
         total = aux_total = 0.0
         for group in self._suffix_stacks(micro):
             parts = [micro[j] for j in group]
+            self._through(parts[0])
             one = len(group) == 1
             leaf = (outs[group[0]] if one else torch.cat([outs[j] for j in group])).detach().requires_grad_()
             engine.visit = Suffix(last - 1, leaf)
@@ -299,8 +327,11 @@ class LayerMajor(PairedPasses):
                 loss_sum = self._distill_loss(leaf, ids, extra, target, teacher)
             else:
                 loss_sum = engine.compute.loss(engine.loss, leaf, ids, extra, target)
-            (loss_sum / n_tokens).backward()
-            total += engine.compute.value(loss_sum.detach())
+            (loss_sum / (parts[0].tokens or n_tokens)).backward()
+            value = engine.compute.value(loss_sum.detach())
+            total += value
+            if parts[0].adapter is not None:
+                self.adapter_losses[parts[0].adapter] = self.adapter_losses.get(parts[0].adapter, 0.0) + value
             if leaf.grad is None:
                 raise StateError("the loss does not depend on the last decoder layer's output")
             for mb, grad in zip(parts, leaf.grad.split([mb.shape[0] for mb in parts]), strict=True):
@@ -338,7 +369,10 @@ class LayerMajor(PairedPasses):
         return _first_fit(
             micro,
             limit,
-            lambda head, mb: (mb.shape[1:], sorted(mb.extra)) == (head.shape[1:], sorted(head.extra)),
+            lambda head, mb: (
+                (mb.adapter, mb.shape[1:], sorted(mb.extra))
+                == (head.adapter, head.shape[1:], sorted(head.extra))
+            ),
         )
 
     def _backward(self, micro: list[Micro], prefix_trained: bool) -> None:
@@ -362,6 +396,7 @@ class LayerMajor(PairedPasses):
                 trained = params if trainable else {}
                 for group in self.stacks(i, micro):
                     head = micro[group[0]]
+                    self._through(head, micro, group)
                     with head.before[i].running(engine.device), torch.enable_grad():
                         x, call = self._stacked(i, micro, group, xs)
                         x = x.detach().requires_grad_(input_grad)
@@ -409,6 +444,7 @@ class LayerMajor(PairedPasses):
         rows = engine.input_rows
         with rows.bound() if rows is not None else nullcontext():
             for mb in micro:
+                self._through(mb)
                 visit = engine.visit = Capture(len(self.layers), first_only=True)
                 with mb.start.running(engine.device), suppress(Stop):
                     self._decoder(mb)

@@ -240,7 +240,21 @@ def _patch_lora(module: nn.Module, backend: str) -> bool:
 def _lora_forward(
     module: nn.Module, name: str, backend: str, x: torch.Tensor, *args, **kwargs
 ) -> torch.Tensor:
+    rows = kwargs.pop("adapter_names", None)  # a mixed batch (``methods.lora.Adapters.mix``)
     result = module.base_layer(x, *args, **kwargs)
+    if rows is not None:
+        if module.disable_adapters:
+            return result
+        own = [i for i, n in enumerate(rows) if n == name]
+        if not own:
+            return result
+        dropout = module.lora_dropout[name]
+        p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
+        a, b = module.lora_A[name].weight, module.lora_B[name].weight
+        delta = lora_branch(
+            x[own], a, b, module.scaling[name], p, module.training, backend, out_dtype=result.dtype
+        )
+        return result.index_add(0, torch.tensor(own, device=result.device), delta)
     if module.disable_adapters or name not in module.active_adapters:
         return result
     dropout = module.lora_dropout[name]

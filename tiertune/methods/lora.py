@@ -297,30 +297,61 @@ def as_peft_loads(config: Any, model_type: str) -> Any:
     return written
 
 
+FIRST = "default"
+"""The first adapter's name: peft's (``LoraConfig``'s default adapter)."""
+
+
+def adapter_name(index: int) -> str:
+    """The name of the ``index``-th adapter of several over one base (0: peft's ``default``)."""
+    return FIRST if index == 0 else f"adapter-{index}"
+
+
 class Adapters:
-    """The LoRA adapters of a model: peft's wrapping, their parameters in model order, their optimizer."""
+    """The LoRA adapters of a model: peft's wrapping, their parameters in model order, their optimizer.
+
+    Several adapters over one base (``more``: the settings of the 2nd, 3rd, ...; ``tiertune train a.yaml b.yaml``)
+    are peft adapters of the one wrapped model (``adapter_name``), each with its own targets, rank, DoRA,
+    init seed and optimizer; ``activate`` picks the one a micro-batch runs through (the others add nothing)."""
 
     def __init__(
-        self, model: nn.Module, settings: LoraSettings, device: torch.device, optim: str = "adamw_torch"
+        self,
+        model: nn.Module,
+        settings: LoraSettings,
+        device: torch.device,
+        optim: str = "adamw_torch",
+        more: tuple[LoraSettings, ...] = (),
     ) -> None:
         from peft import LoraConfig, get_peft_model
 
         self.settings = settings
         self.model_type = model.config.model_type
-        modules, parameters = lora_targets(model, settings)
-        self.config = LoraConfig(
-            r=settings.r,
-            lora_alpha=settings.alpha,
-            lora_dropout=settings.dropout,
-            target_modules=modules,
-            target_parameters=parameters,
-            task_type="CAUSAL_LM",
-        )
+        self.names = [adapter_name(i) for i in range(1 + len(more))]
+        self.settings_of = dict(zip(self.names, (settings, *more), strict=True))
+        self.config_of: dict[str, Any] = {}
+        for name, each in self.settings_of.items():
+            modules, parameters = lora_targets(model, each)
+            if parameters and more:
+                raise ConfigError(
+                    "several adapters over one base adapt no MoE expert or router parameters yet "
+                    f"(target_parameters {parameters}): list method.lora.target_modules without them, or run "
+                    "one recipe"
+                )
+            self.config_of[name] = LoraConfig(
+                r=each.r,
+                lora_alpha=each.alpha,
+                lora_dropout=each.dropout,
+                target_modules=modules,
+                target_parameters=parameters,
+                task_type="CAUSAL_LM",
+            )
+        self.config = self.config_of[FIRST]
         try:
             # on the meta device: peft would give each adapter memory and an init, then move it to the base
             # weights' device (meta); ``_materialize`` gives them both, once
             with peft_wrapping(), torch.device("meta"):
                 self.peft_model = get_peft_model(model, self.config)
+                for name in self.names[1:]:
+                    self.peft_model.add_adapter(name, self.config_of[name])
         except ValueError as exc:  # peft: no module matched target_modules, and the like
             if "ParamWrapper" in str(exc) and "dropout" in str(exc):
                 raise ConfigError(
@@ -336,15 +367,29 @@ class Adapters:
         self.tuner_layers = [m for m in self.peft_model.modules() if isinstance(m, BaseTunerLayer)]
         self.quantized_experts = self._adapt_quantized_experts()
         # the base as a path that loads from any directory, resolved now (against the one it was loaded from)
-        for config in (self.config, *self.peft_model.peft_config.values()):
+        for config in (*self.config_of.values(), *self.peft_model.peft_config.values()):
             config.base_model_name_or_path = local_base_path(config.base_model_name_or_path)
         self._materialize(device)
         # DoRA's magnitudes start as the norms of the base weights, which are not in memory yet: peft wraps
         # the layers as plain LoRA, then each layer gets peft's DoRA variant, initialized by ``init_dora``
         # while the engine has that layer's base weights bound
-        self.pending_dora: list[tuple[nn.Module, str]] = self._add_dora() if settings.use_dora else []
-        self._optimizer: torch.optim.Optimizer | None = None
+        self.pending_dora: list[tuple[nn.Module, str]] = [
+            held for name in self.names if self.settings_of[name].use_dora for held in self._add_dora(name)
+        ]
+        self._optimizers: dict[str | None, torch.optim.Optimizer] = {}
         self._optim = optim
+        self._active: str | None = None
+        self._rows: list[str] | None = None  # a mixed stack's adapter of each row (``mix``)
+        if more:  # peft leaves an added adapter frozen until it is made the active one: all of them train
+            for n, p in self.peft_model.named_parameters():
+                if any(f".{name}." in n for name in self.names):
+                    p.requires_grad_(True)
+            from peft.tuners.lora import LoraLayer
+            from peft.tuners.lora.layer import ParamWrapper
+
+            for m in self.tuner_layers:
+                if isinstance(m, LoraLayer) and not isinstance(m, ParamWrapper):
+                    m.register_forward_pre_hook(self._route, with_kwargs=True)
         self.collect()
 
     def _adapt_quantized_experts(self) -> list[str]:
@@ -381,31 +426,67 @@ class Adapters:
         ]
 
     def collect(self) -> None:
-        """Gather the trainable adapter parameters, in model order (again after ``init_dora``)."""
+        """Gather the trainable adapter parameters, in model order (again after ``init_dora``), and each
+        adapter's (``named_of``)."""
         self.named = [(n, p) for n, p in self.peft_model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
+        self.named_of = {
+            name: [(n, p) for n, p in self.named if f".{name}." in n or len(self.names) == 1]
+            for name in self.names
+        }
 
-    def _add_dora(self) -> list[tuple[nn.Module, str]]:
+    def params_of(self, name: str | None) -> list[nn.Parameter]:
+        """The trainable parameters of adapter ``name`` (None: of every adapter)."""
+        return self.params if name is None else [p for _, p in self.named_of[name]]
+
+    def activate(self, name: str | None) -> None:
+        """Make adapter ``name`` the one the model's adapted modules add (None: leave them as they are)."""
+        self._rows = None
+        if name is None or name == self._active:
+            return
+        for m in self.tuner_layers:
+            m._active_adapter = name  # a module that adapter does not target adds nothing (peft's forward)
+        self._active = name
+
+    def mixes(self, name: str | None) -> bool:
+        """Whether adapter ``name``'s rows may share a batch with other adapters' (``mix``): peft's mixed
+        batches take no DoRA."""
+        return name is not None and not self.settings_of[name].use_dora
+
+    def mix(self, rows: list[str]) -> None:
+        """The adapter of each row of the batches the adapted modules see next (peft's mixed-batch forward,
+        ``adapter_names``: the base's product once for all the rows, each row's own adapter's term added)."""
+        self._rows = rows
+
+    def _route(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self._rows is None:
+            return None
+        if len(args[0]) != len(self._rows):
+            raise RuntimeError(
+                f"a mixed batch of {len(self._rows)} rows reached {type(module).__name__} as {len(args[0])}: "
+                "its rows flattened before the adapters; run one adapter at a time"
+            )
+        return args, {**kwargs, "adapter_names": self._rows}
+
+    def _add_dora(self, adapter: str) -> list[tuple[nn.Module, str]]:
         from peft import LoraConfig
         from peft.tuners.lora import LoraLayer
 
-        self.config.use_dora = True
-        for config in self.peft_model.peft_config.values():
-            config.use_dora = True
-        dora = LoraConfig(r=self.settings.r, use_dora=True)
+        self.config_of[adapter].use_dora = True
+        self.peft_model.peft_config[adapter].use_dora = True
+        dora = LoraConfig(r=self.settings_of[adapter].r, use_dora=True)
         pending = []
         for name, module in self.peft_model.named_modules():
-            if not isinstance(module, LoraLayer):
+            if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
                 continue
             variant = module.resolve_lora_variant(config=dora)
             if variant is None:
                 raise ConfigError(
                     f"method.lora.use_dora: peft has no DoRA for {name} ({type(module).__name__})"
                 )
-            for adapter in module.active_adapters:
-                module.lora_variant[adapter] = variant
-                module.use_dora[adapter] = True
-                pending.append((module, adapter))
+            module.lora_variant[adapter] = variant
+            module.use_dora[adapter] = True
+            pending.append((module, adapter))
         return pending
 
     def init_dora(self, layer: nn.Module) -> None:
@@ -421,12 +502,13 @@ class Adapters:
         from ``settings.seed`` (42 when None; fp32, as peft keeps adapters of low-precision bases)."""
         from peft.tuners.lora import LoraLayer
 
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(42 if self.settings.seed is None else self.settings.seed)
-            for module in self.peft_model.modules():
-                if not isinstance(module, LoraLayer):
-                    continue
-                for adapter in module.active_adapters:
+        for adapter in self.names:  # each from its own seed, as it would be alone
+            seed = self.settings_of[adapter].seed
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(42 if seed is None else seed)
+                for module in self.peft_model.modules():
+                    if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
+                        continue
                     for part in (module.lora_A[adapter], module.lora_B[adapter]):
                         part.to_empty(device=device)
                         part.float()
@@ -459,10 +541,11 @@ class Adapters:
         betas: tuple[float, float],
         eps: float,
         max_grad_norm: float | None,
+        name: str | None = None,
     ) -> float:
         """Clip to ``max_grad_norm`` (as ``clip_grad_norm_``; None: no clipping), update with AdamW and zero the
-        gradients; returns the gradient norm."""
-        params = [p for p in self.params if p.grad is not None]
+        gradients of adapter ``name`` (None: every adapter, one optimizer); returns the gradient norm."""
+        params = [p for p in self.params_of(name) if p.grad is not None]
         if max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         else:
@@ -470,62 +553,73 @@ class Adapters:
         if not math.isfinite(float(norm)):  # the adapters stay as they were; the run stops
             self.zero_grad()
             raise NonFiniteError(f"the adapters' gradient norm is {float(norm)}")
-        optimizer = self.optimizer(weight_decay, betas, eps)
+        optimizer = self.optimizer(weight_decay, betas, eps, name)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
         optimizer.zero_grad()
         return float(norm)
 
-    def zero_grad(self) -> None:
-        """Drop the adapters' gradients."""
-        for p in self.params:
+    def zero_grad(self, name: str | None = None) -> None:
+        """Drop the gradients of adapter ``name`` (None: every adapter's)."""
+        for p in self.params_of(name):
             p.grad = None
 
-    def optimizer(self, weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
-        """The adapters' optimizer (made on first use): weight decay on the matrices only."""
-        if self._optimizer is None:
-            decay = [p for p in self.params if p.dim() >= 2]
-            rest = [p for p in self.params if p.dim() < 2]
+    def optimizer(
+        self, weight_decay: float, betas: tuple[float, float], eps: float, name: str | None = None
+    ) -> torch.optim.Optimizer:
+        """The optimizer of adapter ``name`` (None: of every adapter; made on first use): weight decay on the
+        matrices only."""
+        if name not in self._optimizers:
+            params = self.params_of(name)
+            decay = [p for p in params if p.dim() >= 2]
+            rest = [p for p in params if p.dim() < 2]
             groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
             if self._optim == "adamw_bnb_8bit":
                 import bitsandbytes as bnb
 
-                self._optimizer = bnb.optim.AdamW8bit(groups, lr=0.0, betas=betas, eps=eps)
+                self._optimizers[name] = bnb.optim.AdamW8bit(groups, lr=0.0, betas=betas, eps=eps)
             else:
-                self._optimizer = torch.optim.AdamW(groups, lr=0.0, betas=betas, eps=eps, fused=True)
-        return self._optimizer
+                self._optimizers[name] = torch.optim.AdamW(groups, lr=0.0, betas=betas, eps=eps, fused=True)
+        return self._optimizers[name]
 
-    def training_state(self) -> dict[str, Any]:
-        """The adapters' weights and their optimizer's state (for a checkpoint)."""
+    def training_state(self, name: str | None = None) -> dict[str, Any]:
+        """The weights of adapter ``name`` (None: every adapter's) and its optimizer's state (a checkpoint)."""
+        optimizer = self._optimizers.get(name)
         return {
-            "params": [p.detach().to("cpu", copy=True) for p in self.params],
-            "optimizer": None if self._optimizer is None else self._optimizer.state_dict(),
+            "params": [p.detach().to("cpu", copy=True) for p in self.params_of(name)],
+            "optimizer": None if optimizer is None else optimizer.state_dict(),
         }
 
     def load_training_state(
-        self, state: dict[str, Any], weight_decay: float, betas: tuple[float, float], eps: float
+        self,
+        state: dict[str, Any],
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        name: str | None = None,
     ) -> None:
         """Put back what ``training_state`` returned: the weights, and the optimizer's moments and step."""
-        if len(state["params"]) != len(self.params):
+        params = self.params_of(name)
+        if len(state["params"]) != len(params):
             raise ConfigError(
-                f"the checkpoint holds {len(state['params'])} adapter tensors, this run has {len(self.params)}; "
+                f"the checkpoint holds {len(state['params'])} adapter tensors, this run has {len(params)}; "
                 "resume with the method.lora settings the checkpoint was trained with"
             )
         with torch.no_grad():
-            for p, saved in zip(self.params, state["params"], strict=True):
+            for p, saved in zip(params, state["params"], strict=True):
                 p.copy_(saved)
         if state["optimizer"] is not None:
-            self.optimizer(weight_decay, betas, eps).load_state_dict(state["optimizer"])
+            self.optimizer(weight_decay, betas, eps, name).load_state_dict(state["optimizer"])
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The adapter weights as peft saves them (keys without the adapter name), on the CPU."""
+    def state_dict(self, name: str = FIRST) -> dict[str, torch.Tensor]:
+        """Adapter ``name``'s weights as peft saves them (keys without the adapter name), on the CPU."""
         from peft import get_peft_model_state_dict
 
-        own = {n: p.detach().to("cpu", copy=True) for n, p in self.named}
-        return get_peft_model_state_dict(self.peft_model, state_dict=own)
+        own = {n: p.detach().to("cpu", copy=True) for n, p in self.named_of[name]}
+        return get_peft_model_state_dict(self.peft_model, state_dict=own, adapter_name=name)
 
-    def save(self, directory: str | Path) -> Path:
+    def save(self, directory: str | Path, name: str = FIRST) -> Path:
         """Write ``adapter_model.safetensors`` and ``adapter_config.json`` (what ``PeftModel.from_pretrained``
         reads) into ``directory``: each file under a temporary name, fsynced, then renamed into place, the
         config last, so an interrupted save never leaves a directory that looks complete."""
@@ -536,8 +630,8 @@ class Adapters:
         tmp = Path(tempfile.mkdtemp(prefix=".adapter-", dir=directory))
         try:
             # base_model_name_or_path absolute (see ``__init__``)
-            as_peft_loads(self.config, self.model_type).save_pretrained(str(tmp))
-            tensors = {k: v.contiguous() for k, v in self.state_dict().items()}
+            as_peft_loads(self.config_of[name], self.model_type).save_pretrained(str(tmp))
+            tensors = {k: v.contiguous() for k, v in self.state_dict(name).items()}
             save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
             move_files_into(tmp, directory, last="adapter_config.json")
         finally:
