@@ -76,6 +76,27 @@ class Micro:
     adapter: str | None = None
     tokens: int = 0
 
+    @classmethod
+    def of(cls, batch: dict[str, Any], labels: torch.Tensor, rng: Rng, device: torch.device) -> Micro:
+        """A step's micro-batch (its dict, ``StreamedTrainer.step``) on ``device``, its targets ``labels``
+        shifted, ``rng`` its stream."""
+        from tiertune.engine.teacher import teacher_of
+
+        b = batch
+        return cls(
+            b["input_ids"].to(device),
+            {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
+            labels[:, 1:].to(device),
+            rng,
+            rng,
+            pairs=int(b.get("pairs", 0)),
+            ref_logps=b["ref_logps"].to(device) if "ref_logps" in b else None,
+            desirable=b["label"].to(device) if "label" in b else None,
+            teacher=teacher_of(b, device),
+            adapter=b.get("adapter"),
+            tokens=int(b.get("adapter_tokens", 0)),
+        )
+
 
 def add(summed: dict[str, torch.Tensor], name: str, g: torch.Tensor | None) -> None:
     """Add a micro-batch's gradient ``g`` into ``summed[name]`` in fp32 (the first one kept as it is, in fp32)."""

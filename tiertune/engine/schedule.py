@@ -38,13 +38,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiertune.engine import several
 from tiertune.engine.compute import Call
 from tiertune.engine.micro import Micro, Rng, add, harvest, streams
 from tiertune.engine.pairs import PairedPasses
 from tiertune.engine.stacking import draws_random, stack_calls
 from tiertune.engine.stash import Stash, stash_slots
 from tiertune.engine.streaming import Capture, StepEngine, Stop, Suffix
-from tiertune.engine.teacher import cat_teachers, teacher_of
+from tiertune.engine.teacher import cat_teachers
 from tiertune.errors import StateError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
@@ -90,7 +91,7 @@ class LayerMajor(PairedPasses):
             micro,
             limit,
             lambda head, mb: (
-                self._shares(head, mb)
+                several.shares(self.engine.adapters, head, mb)
                 and mb.shape[1:] == head.shape[1:]
                 and stack_calls([head.calls[i], mb.calls[i]], [head.shape[0], mb.shape[0]]) is not None
             ),
@@ -144,19 +145,7 @@ class LayerMajor(PairedPasses):
             stack.callback(setattr, engine, "visit", None)
             stack.callback(self.stash.abandon)  # nothing is open when the wave ends as it should
             micro = [
-                Micro(
-                    b["input_ids"].to(device),
-                    {k: b[k].to(device) for k in ("attention_mask", "position_ids") if k in b},
-                    lab[:, 1:].to(device),
-                    rng,
-                    rng,
-                    pairs=int(b.get("pairs", 0)),
-                    ref_logps=b["ref_logps"].to(device) if "ref_logps" in b else None,
-                    desirable=b["label"].to(device) if "label" in b else None,
-                    teacher=teacher_of(b, device),
-                    adapter=b.get("adapter"),
-                    tokens=int(b.get("adapter_tokens", 0)),
-                )
+                Micro.of(b, lab, rng, device)
                 for b, lab, rng in zip(batches, labels, streams(len(batches), device), strict=True)
             ]
             if rows is not None:
@@ -206,26 +195,6 @@ class LayerMajor(PairedPasses):
 
     # ------------------------------------------------------------------ the passes
 
-    def _shares(self, head: Micro, mb: Micro) -> bool:
-        """Whether ``mb`` may join ``head``'s stack in a layer's visit, by their adapters (of several over the
-        base): the same one, or two that peft's mixed batches take (``Adapters.mixes``)."""
-        if mb.adapter == head.adapter:
-            return True
-        adapters = self.engine.adapters
-        return adapters is not None and adapters.mixes(head.adapter) and adapters.mixes(mb.adapter)
-
-    def _through(self, mb: Micro, micro: Sequence[Micro] = (), group: Sequence[int] = ()) -> None:
-        """``mb``'s adapter, of several over the base, the one the model adds (``Adapters.activate``); a stack
-        of ``group``'s micro-batches of several adapters: each row its own (``Adapters.mix``)."""
-        if mb.adapter is None:
-            return
-        adapters = self.engine.adapters
-        assert adapters is not None
-        if any(micro[j].adapter != mb.adapter for j in group):
-            adapters.mix([micro[j].adapter for j in group for _ in range(micro[j].shape[0])])  # type: ignore[misc]
-        else:
-            adapters.activate(mb.adapter)
-
     def _decoder(self, mb: Micro) -> None:
         engine = self.engine
         engine.compute.decoder(engine.model, engine.parts.layers, mb.ids, mb.extra, engine.loss.model_kwargs)
@@ -239,7 +208,7 @@ class LayerMajor(PairedPasses):
         for mb in micro:
             if engine.safe_point is not None:
                 engine.safe_point()
-            self._through(mb)
+            several.route(engine.adapters, mb)
             visit = engine.visit = Capture(len(self.layers))
             with mb.start.running(engine.device):
                 self._decoder(mb)
@@ -273,7 +242,7 @@ class LayerMajor(PairedPasses):
                 ys = self.stash.open(i + 1, shapes, write=True)
                 for group in self.stacks(i, micro):
                     head = micro[group[0]]
-                    self._through(head, micro, group)
+                    several.route(engine.adapters, head, micro, group)
                     if aux is not None:
                         aux.micro = group[0]
                     x, call = self._stacked(i, micro, group, xs)
@@ -310,7 +279,7 @@ class LayerMajor(PairedPasses):
         total = aux_total = 0.0
         for group in self._suffix_stacks(micro):
             parts = [micro[j] for j in group]
-            self._through(parts[0])
+            several.route(engine.adapters, parts[0])
             one = len(group) == 1
             leaf = (outs[group[0]] if one else torch.cat([outs[j] for j in group])).detach().requires_grad_()
             engine.visit = Suffix(last - 1, leaf)
@@ -328,10 +297,7 @@ class LayerMajor(PairedPasses):
             else:
                 loss_sum = engine.compute.loss(engine.loss, leaf, ids, extra, target)
             (loss_sum / (parts[0].tokens or n_tokens)).backward()
-            value = engine.compute.value(loss_sum.detach())
-            total += value
-            if parts[0].adapter is not None:
-                self.adapter_losses[parts[0].adapter] = self.adapter_losses.get(parts[0].adapter, 0.0) + value
+            total += several.add_loss(self.adapter_losses, parts[0], engine.compute.value(loss_sum.detach()))
             if leaf.grad is None:
                 raise StateError("the loss does not depend on the last decoder layer's output")
             for mb, grad in zip(parts, leaf.grad.split([mb.shape[0] for mb in parts]), strict=True):
@@ -396,7 +362,7 @@ class LayerMajor(PairedPasses):
                 trained = params if trainable else {}
                 for group in self.stacks(i, micro):
                     head = micro[group[0]]
-                    self._through(head, micro, group)
+                    several.route(engine.adapters, head, micro, group)
                     with head.before[i].running(engine.device), torch.enable_grad():
                         x, call = self._stacked(i, micro, group, xs)
                         x = x.detach().requires_grad_(input_grad)
@@ -444,7 +410,7 @@ class LayerMajor(PairedPasses):
         rows = engine.input_rows
         with rows.bound() if rows is not None else nullcontext():
             for mb in micro:
-                self._through(mb)
+                several.route(engine.adapters, mb)
                 visit = engine.visit = Capture(len(self.layers), first_only=True)
                 with mb.start.running(engine.device), suppress(Stop):
                     self._decoder(mb)

@@ -8,7 +8,6 @@ and wires them; ``step`` shows a step from the loop's side.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from tiertune.distributed.world import World, usable_cores
+from tiertune.engine import several
 from tiertune.engine.adapter_update import AdapterUpdate
 from tiertune.engine.binding import Binder
 from tiertune.engine.compute import Compute, Ledger
@@ -43,7 +43,7 @@ from tiertune.engine.streaming import StreamedLayer, Visit
 from tiertune.engine.tiling import tile_layer
 from tiertune.engine.update import Updater
 from tiertune.engine.views import StepReport, TrainerViews, step_parts
-from tiertune.errors import ConfigError, DataError, NonFiniteError
+from tiertune.errors import ConfigError, DataError
 from tiertune.kernels.ops.attention import use_segment_attention
 from tiertune.kernels.patch import patch_model, resolve_backend
 from tiertune.loading.weights import Checkpoint
@@ -78,6 +78,7 @@ class StreamedTrainer(TrainerViews):
         (``StoreConfig.ledger``) a ``Ledger`` whose steps are not clipped. On a ledger the trainer's tensors
         are on the meta device and nothing is read from the model's files: its chunks are registered, its
         steps make a run's store calls (``engine.replay``, ``engine.registered``)."""
+        several.check(config)  # several adapters over the base: what they can run
         self.config = config
         self.objective = config.objective  # what a step minimizes (engine.objective)
         self.world = world or World()
@@ -122,11 +123,6 @@ class StreamedTrainer(TrainerViews):
             if config.method == "lora"
             else None
         )
-        if config.others and (config.method != "lora" or config.objective.type != "sft"):
-            raise ConfigError(
-                "several adapters over one base train LoRA adapters with objective.type: sft so far (this one: "
-                f"method.type {config.method}, objective.type {config.objective.type}); run the others alone"
-            )
         if self.adapters is not None:  # bound as tensors of their own (Binder.parametrized)
             self.binder.parametrize(self.adapters.parametrized())
         self._layer_index = [i for i, s in enumerate(self.states) if s.group.kind == "layer"]
@@ -224,14 +220,8 @@ class StreamedTrainer(TrainerViews):
         self._lr = LRSchedule(
             config.learning_rate, config.lr_scheduler_type, config.warmup_steps, config.max_steps
         )
-        # of several adapters over one base: each one's schedule and steps taken (``step_adapters``)
-        names = self.adapters.names if self.adapters is not None and config.others else []
-        self.adapter_config = dict(zip(names, config.adapter_configs if names else (), strict=True))
-        self._adapter_lr = {
-            name: LRSchedule(c.learning_rate, c.lr_scheduler_type, c.warmup_steps, c.max_steps)
-            for name, c in self.adapter_config.items()
-        }
-        self.adapter_steps = dict.fromkeys(names, 0)
+        # of several adapters over one base: each one's settings, schedule and steps taken (``engine.several``)
+        self.adapter_config, self.adapter_lr, self.adapter_steps = several.schedules(config, self.adapters)
         # the loss, fused with the head where the architecture allows (kernels.ops.linear_ce)
         self.loss = CausalLMLoss(self.model, config.kernels != "none", self.kernel_backend)
         # a preference objective's last step's metrics (TRL's names: engine.objective)
@@ -334,16 +324,6 @@ class StreamedTrainer(TrainerViews):
         """The embedding's gradient outside the wave's rows is final (``GradientSink.add_outside``)."""
         self.gradients.add_outside(rows, dense, split)
 
-    @property
-    def fused_loss(self) -> bool:
-        """Whether the loss runs fused with the head (``CausalLMLoss.fused``)."""
-        return self.loss.fused
-
-    @property
-    def gradient_bytes(self) -> int:
-        """Bytes of gradients backward has handed to the host side, cumulative (``GradientSink.bytes``)."""
-        return self.gradients.bytes
-
     # ------------------------------------------------------------------ the step
 
     def step(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> float:
@@ -410,63 +390,9 @@ class StreamedTrainer(TrainerViews):
     def step_adapters(
         self, groups: dict[str, Sequence[dict[str, torch.Tensor]]]
     ) -> dict[str, tuple[float, float, float]]:
-        """One step of each adapter named in ``groups`` (``Adapters.names``; its micro-batches), all of them in one
-        pass of the base's layers (each layer read and dequantized once, each micro-batch through its own
-        adapter, stacked with its own adapter's only); each adapter's loss divided by its own target tokens, its
-        gradients clipped and stepped by its own optimizer at its own schedule's learning rate, exactly as it
-        would be alone. Returns each adapter's (loss, gradient norm, learning rate)."""
-        if not self.adapter_config:
-            raise ConfigError("step_adapters needs several adapters over the base (EngineConfig.others)")
-        step_began = time.perf_counter()
-        moved, sent = self.store.stats().bytes_moved, self.wire_sent()
-        times_before = dict(self.times)
-        tokens: dict[str, int] = {}
-        batches: list[dict[str, torch.Tensor]] = []
-        labels: list[torch.Tensor] = []
-        for name, micro in groups.items():
-            own = [mb.get("labels", mb["input_ids"]) for mb in micro]
-            tokens[name] = int(self.sharding.total(targets(self.objective, micro, own), torch.int64))
-            if tokens[name] == 0:
-                raise DataError(
-                    f"a training step of adapter {name} has no target tokens (every label is -100); check its "
-                    "data and max_seq_len"
-                )
-            batches += [{**mb, "adapter": name, "adapter_tokens": tokens[name]} for mb in micro]
-            labels += own
-        self.schedule.metrics, self.schedule.adapter_losses = {}, {}
-        waves = self.schedule.waves(len(batches))
-        for w, wave in enumerate(waves):
-            self.step_ctx.first_wave, self.step_ctx.last_wave = w == 0, w == len(waves) - 1
-            self.schedule.run(
-                [batches[k] for k in wave], [labels[k] for k in wave], sum(tokens.values()), len(batches)
-            )
-        began = time.perf_counter()
-        adapters = self.adapters
-        assert adapters is not None
-        self.sharding.all_reduce_grads(adapters.params)
-        out: dict[str, tuple[float, float, float]] = {}
-        for name in groups:
-            cfg = self.adapter_config[name]
-            loss = float(self.sharding.total(self.schedule.adapter_losses.get(name, 0.0))) / tokens[name]
-            if not math.isfinite(loss):
-                adapters.zero_grad(name)
-                raise NonFiniteError(f"adapter {name}'s loss is {loss}")
-            lr = self._adapter_lr[name].lr(self.adapter_steps[name])
-            clip = cfg.max_grad_norm if cfg.clips else None
-            betas = (cfg.adam_beta1, cfg.adam_beta2)
-            norm = self.compute.run(adapters.step, lr, cfg.weight_decay, betas, cfg.adam_epsilon, clip, name)
-            self.adapter_steps[name] += 1
-            out[name] = (loss, float(norm) if norm is not None else float("nan"), lr)
-        self.times["optimizer"] += time.perf_counter() - began
-        self.store.mark_step()
-        self.step_count += 1
-        seconds = time.perf_counter() - step_began
-        self.times["step"] += seconds
-        parts = step_parts(seconds, self.times, times_before)
-        first = next(iter(out.values()))  # the report's: the first adapter's of the step
-        self.last_lr, self.last_grad_norm = first[2], first[1]
-        self.last_report = self.report(first[0], seconds, moved, sent, parts)
-        return out
+        """One step of each adapter named in ``groups`` over one pass of the base (``engine.several``); returns
+        each adapter's (loss, gradient norm, learning rate)."""
+        return several.step_adapters(self, groups)
 
     @property
     def before_update(self) -> Callable[[tuple[Chunk, ...]], None] | None:
@@ -503,23 +429,6 @@ class StreamedTrainer(TrainerViews):
         in the order the optimizer changes them."""
         units = self.updater.units if in_update_order else None
         return state_chunks(self.states, units)
-
-    def counters(self) -> dict:
-        """The engine's step counters (JSON), for a checkpoint (taken ``settle``d)."""
-        return {
-            "step_count": self.step_count,
-            "last_grad_norm": self.last_grad_norm,
-            "optimizer_counts": dict(self.optimizer_counts),
-            "weights_behind": self.updater.weights_behind,
-        }
-
-    def restore_counters(self, counters: dict) -> None:
-        """Continue from a checkpoint's counters: the optimizer's step (bias correction, GaLore's refresh),
-        the learning-rate schedule, and whether the next step speculates."""
-        self.step_count = int(counters["step_count"])
-        self.last_grad_norm = float(counters["last_grad_norm"])
-        self.optimizer_counts.update(counters["optimizer_counts"])
-        self.updater.weights_behind = bool(counters.get("weights_behind", False))
 
     def close(self) -> None:
         if hasattr(self, "updater"):  # a layout-only build has none

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -101,6 +101,36 @@ class TrainerViews:
     optimizer_counts: dict[str, int]
     last_metrics: dict[str, float]
     updater: Updater | AdapterUpdate
+    step_count: int
+    loss: Any
+    gradients: Any
+
+    @property
+    def fused_loss(self) -> bool:
+        """Whether the loss runs fused with the head (``CausalLMLoss.fused``)."""
+        return self.loss.fused
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of gradients backward has handed to the host side, cumulative (``GradientSink.bytes``)."""
+        return self.gradients.bytes
+
+    def counters(self) -> dict:
+        """The engine's step counters (JSON), for a checkpoint (taken ``settle``d)."""
+        return {
+            "step_count": self.step_count,
+            "last_grad_norm": self.last_grad_norm,
+            "optimizer_counts": dict(self.optimizer_counts),
+            "weights_behind": self.updater.weights_behind,
+        }
+
+    def restore_counters(self, counters: dict) -> None:
+        """Continue from a checkpoint's counters: the optimizer's step (bias correction, GaLore's refresh),
+        the learning-rate schedule, and whether the next step speculates."""
+        self.step_count = int(counters["step_count"])
+        self.last_grad_norm = float(counters["last_grad_norm"])
+        self.optimizer_counts.update(counters["optimizer_counts"])
+        self.updater.weights_behind = bool(counters.get("weights_behind", False))
 
     def settle(self, weights: bool = False) -> None:
         """A delayed update in flight done (``Updater.settle``: before a checkpoint; ``weights``: the weights

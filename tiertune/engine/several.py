@@ -1,0 +1,148 @@
+"""Several LoRA adapters over one base (``EngineConfig.others``; ``methods.lora.Adapters``' names): a step of
+each runs in one pass of the base's layers, each layer read (and dequantized) once for all of them.
+
+Each micro-batch carries its adapter (``Micro.adapter``) and its adapter's step's target tokens (``Micro.tokens``,
+what its loss is divided by). A layer's visit stacks micro-batches of different adapters where peft's mixed-batch
+forward takes them (``shares``: not DoRA): the base's product once for every row, each row's own adapter's
+term added (``route``: ``Adapters.mix``); a stack of one adapter runs with that adapter active. The suffix never
+mixes adapters (each stack's loss has one divisor). After backward each adapter is clipped and stepped by its
+own optimizer at its own schedule's learning rate (``step_adapters``): the adapters' parameters are disjoint, so
+each one's gradients, and so its whole run, are what it would be alone."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tiertune.engine.objective import targets
+from tiertune.engine.views import step_parts
+from tiertune.errors import ConfigError, DataError, NonFiniteError
+
+if TYPE_CHECKING:
+    from tiertune.engine.micro import Micro
+    from tiertune.methods.lora import Adapters
+
+
+def shares(adapters: Adapters | None, head: Micro, mb: Micro) -> bool:
+    """Whether ``mb`` may join ``head``'s stack in a layer's visit, by their adapters: the same one, or two that
+    peft's mixed batches take (``Adapters.mixes``)."""
+    if mb.adapter == head.adapter:
+        return True
+    return adapters is not None and adapters.mixes(head.adapter) and adapters.mixes(mb.adapter)
+
+
+def route(
+    adapters: Adapters | None, mb: Micro, micro: Sequence[Micro] = (), group: Sequence[int] = ()
+) -> None:
+    """``mb``'s adapter the one the model adds (``Adapters.activate``); a stack of ``group``'s micro-batches of
+    several adapters: each row its own (``Adapters.mix``). Nothing for a micro-batch of the one adapter."""
+    if mb.adapter is None:
+        return
+    assert adapters is not None
+    if any(micro[j].adapter != mb.adapter for j in group):
+        adapters.mix([micro[j].adapter for j in group for _ in range(micro[j].shape[0])])  # type: ignore[misc]
+    else:
+        adapters.activate(mb.adapter)
+
+
+def add_loss(losses: dict[str, float], mb: Micro, value: float) -> float:
+    """``value``, a suffix stack's summed loss (its micro-batches' adapter ``mb``'s), added to that adapter's
+    in ``losses`` (none for the one adapter); returns it."""
+    if mb.adapter is not None:
+        losses[mb.adapter] = losses.get(mb.adapter, 0.0) + value
+    return value
+
+
+def check(config: Any) -> None:
+    """ConfigError where several adapters over one base (``config.others``) cannot run yet: not LoRA, not SFT."""
+    if config.others and (config.method != "lora" or config.objective.type != "sft"):
+        raise ConfigError(
+            "several adapters over one base train LoRA adapters with objective.type: sft so far (this one: "
+            f"method.type {config.method}, objective.type {config.objective.type}); run the others alone"
+        )
+
+
+def schedules(config: Any, adapters: Adapters | None) -> tuple[dict, dict, dict]:
+    """Of several adapters over the base: each one's settings, learning-rate schedule and steps taken, by
+    name (empty for one adapter); ConfigError where several cannot run yet (not LoRA, not SFT)."""
+    from tiertune.engine.step import LRSchedule
+
+    if not config.others:
+        return {}, {}, {}
+    check(config)
+    assert adapters is not None
+    configs = dict(zip(adapters.names, config.adapter_configs, strict=True))
+    lrs = {
+        name: LRSchedule(c.learning_rate, c.lr_scheduler_type, c.warmup_steps, c.max_steps)
+        for name, c in configs.items()
+    }
+    return configs, lrs, dict.fromkeys(adapters.names, 0)
+
+
+def step_adapters(
+    trainer: Any, groups: dict[str, Sequence[dict[str, torch.Tensor]]]
+) -> dict[str, tuple[float, float, float]]:
+    """One step of each adapter named in ``groups`` (``Adapters.names``; its micro-batches), all of them in one
+    pass of the base's layers (each layer read and dequantized once, each micro-batch through its own
+    adapter, stacked across adapters where peft mixes them: ``shares``); each adapter's loss divided by its own target tokens, its
+    gradients clipped and stepped by its own optimizer at its own schedule's learning rate, exactly as it
+    would be alone. Returns each adapter's (loss, gradient norm, learning rate)."""
+    if not trainer.adapter_config:
+        raise ConfigError("step_adapters needs several adapters over the base (EngineConfig.others)")
+    step_began = time.perf_counter()
+    moved, sent = trainer.store.stats().bytes_moved, trainer.wire_sent()
+    times_before = dict(trainer.times)
+    tokens: dict[str, int] = {}
+    batches: list[dict[str, torch.Tensor]] = []
+    labels: list[torch.Tensor] = []
+    for name, micro in groups.items():
+        own = [mb.get("labels", mb["input_ids"]) for mb in micro]
+        tokens[name] = int(trainer.sharding.total(targets(trainer.objective, micro, own), torch.int64))
+        if tokens[name] == 0:
+            raise DataError(
+                f"a training step of adapter {name} has no target tokens (every label is -100); check its "
+                "data and max_seq_len"
+            )
+        batches += [{**mb, "adapter": name, "adapter_tokens": tokens[name]} for mb in micro]
+        labels += own
+    trainer.schedule.metrics, trainer.schedule.adapter_losses = {}, {}
+    waves = trainer.schedule.waves(len(batches))
+    for w, wave in enumerate(waves):
+        trainer.step_ctx.first_wave, trainer.step_ctx.last_wave = w == 0, w == len(waves) - 1
+        trainer.schedule.run(
+            [batches[k] for k in wave], [labels[k] for k in wave], sum(tokens.values()), len(batches)
+        )
+    began = time.perf_counter()
+    adapters = trainer.adapters
+    assert adapters is not None
+    trainer.sharding.all_reduce_grads(adapters.params)
+    out: dict[str, tuple[float, float, float]] = {}
+    for name in groups:
+        cfg = trainer.adapter_config[name]
+        loss = float(trainer.sharding.total(trainer.schedule.adapter_losses.get(name, 0.0))) / tokens[name]
+        if not math.isfinite(loss):
+            adapters.zero_grad(name)
+            raise NonFiniteError(f"adapter {name}'s loss is {loss}")
+        lr = trainer.adapter_lr[name].lr(trainer.adapter_steps[name])
+        clip = cfg.max_grad_norm if cfg.clips else None
+        betas = (cfg.adam_beta1, cfg.adam_beta2)
+        norm = trainer.compute.run(adapters.step, lr, cfg.weight_decay, betas, cfg.adam_epsilon, clip, name)
+        trainer.adapter_steps[name] += 1
+        out[name] = (loss, float(norm) if norm is not None else float("nan"), lr)
+    trainer.times["optimizer"] += time.perf_counter() - began
+    trainer.store.mark_step()
+    trainer.step_count += 1
+    seconds = time.perf_counter() - step_began
+    trainer.times["step"] += seconds
+    parts = step_parts(seconds, trainer.times, times_before)
+    first = next(iter(out.values()))  # the report's: the first adapter's of the step
+    trainer.last_lr, trainer.last_grad_norm = first[2], first[1]
+    trainer.last_report = trainer.report(first[0], seconds, moved, sent, parts)
+    return out
+
+
+__all__ = ["add_loss", "check", "route", "schedules", "shares", "step_adapters"]
