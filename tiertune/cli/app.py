@@ -163,7 +163,11 @@ def train(
         Path, typer.Argument(help="A YAML recipe, or a built-in one by name (`tiertune recipes`).")
     ],
     overrides: Annotated[
-        list[str] | None, typer.Argument(help="Dotted overrides, e.g. training.learning_rate=1e-4.")
+        list[str] | None,
+        typer.Argument(
+            help="Dotted overrides for every recipe, e.g. training.learning_rate=1e-4; and more recipes (files or "
+            "built-in names), each a LoRA adapter trained over the first's base in the same run."
+        ),
     ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the resolved recipe and plan, then exit.")
@@ -178,6 +182,9 @@ def train(
     or gradient norm was not finite; 130/143 stopped by Ctrl-C/SIGTERM (the message says how to resume).
 
     Example: tiertune train recipes/demo.yaml training.max_steps=20 offload.disk_path=/mnt/nvme/tt
+
+    Several recipes (or one with a sweep: section) train one LoRA adapter each over one base, streamed once a
+    step for all of them: tiertune train a.yaml b.yaml training.max_steps=100
     """
     _console_log(quiet, verbose)
     with _user_errors():
@@ -186,7 +193,26 @@ def train(
         from tiertune.finetune.train import train as run
 
         _imports_settled()
-        resolved = load_recipe(recipe, tuple(overrides or ())).with_absolute_paths()
+        # arguments that name a recipe file or a built-in recipe are recipes; the rest, overrides for all
+        from tiertune.config.recipe import recipe_path
+
+        more = [a for a in overrides or () if "=" not in a and recipe_path(a).is_file()]
+        overrides = [a for a in overrides or () if a not in more]
+        if more or "sweep" in _raw_keys(recipe):
+            from tiertune.config.sweep import load_recipes
+            from tiertune.finetune.several import train_several
+
+            recipes = load_recipes([recipe, *more], tuple(overrides))
+            if dry_run:
+                for each in recipes:
+                    typer.echo(each.with_absolute_paths().to_yaml())
+                return
+            if len(recipes) > 1:
+                train_several(recipes, progress=not quiet)
+                return
+        resolved = (
+            recipes[0] if more or "sweep" in _raw_keys(recipe) else load_recipe(recipe, tuple(overrides))
+        ).with_absolute_paths()
         if dry_run:
             from tiertune.loading.hub import config_directory
 
@@ -205,6 +231,17 @@ def train(
 
     if World.from_env().is_main:  # of several ranks, one reports
         _report(result)
+
+
+def _raw_keys(recipe: Path) -> list[str]:
+    """The top-level sections of a recipe file (none when it cannot be read: ``load_recipe`` says why)."""
+    from tiertune.config.recipe import read_raw
+    from tiertune.errors import ConfigError
+
+    try:
+        return list(read_raw(recipe))
+    except ConfigError:
+        return []
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -305,9 +305,26 @@ def recipe_notes(path: str | Path) -> tuple[str, list[str]]:
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a YAML recipe, apply ``key.path=value`` overrides, and validate. Raises ConfigError."""
+    raw = read_raw(path)
+    if "sweep" in raw:
+        raise ConfigError(
+            f"recipe {path} has a sweep: section, several recipes in one: train it with `tiertune train` "
+            "(config.sweep.load_recipes reads it)"
+        )
+    return build(Recipe, apply_overrides(raw, overrides), "")
+
+
+def recipe_path(path: str | Path) -> Path:
+    """``path``, or the built-in recipe of that name (``tiertune recipes`` lists them)."""
     path = Path(path)
     if not path.exists() and path.name == str(path) and (RECIPES / f"{path}.yaml").is_file():
-        path = RECIPES / f"{path}.yaml"  # a built-in recipe by its name (`tiertune recipes` lists them)
+        return RECIPES / f"{path}.yaml"
+    return path
+
+
+def read_raw(path: str | Path) -> dict:
+    """A YAML recipe's sections as a mapping, not yet checked (ConfigError when it cannot be read)."""
+    path = recipe_path(path)
     if path.is_dir():
         found = sorted(p.name for p in path.glob("*.y*ml"))[:5]
         there = f" (YAML files there: {', '.join(found)})" if found else ""
@@ -317,6 +334,11 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     raw = parse_yaml(_utf8(path), f"recipe {path}") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"recipe {path} must be a mapping of sections (model:, data:, training:, ...)")
+    return raw
+
+
+def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    """``raw`` with ``key.path=value`` overrides set in it (ConfigError for one that is not of that form)."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -325,7 +347,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
             )
         parsed = parse_yaml(value, f"override {item!r}") if value.strip() else None
         _set(raw, key.strip().split("."), parsed)
-    return build(Recipe, raw, "")
+    return raw
 
 
 def _utf8(path: Path) -> str:

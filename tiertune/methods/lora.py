@@ -614,10 +614,19 @@ class Adapters:
 
     def state_dict(self, name: str = FIRST) -> dict[str, torch.Tensor]:
         """Adapter ``name``'s weights as peft saves them (keys without the adapter name), on the CPU."""
-        from peft import get_peft_model_state_dict
-
         own = {n: p.detach().to("cpu", copy=True) for n, p in self.named_of[name]}
-        return get_peft_model_state_dict(self.peft_model, state_dict=own, adapter_name=name)
+        # peft's key format by its own rules (DoRA's magnitude without ".weight", the adapter's name removed):
+        # ``get_peft_model_state_dict`` selects by the model's tuner prefixes, and keeps none where the streamed
+        # engine holds the decoder layers outside the module tree
+        from peft.tuners.lora import LoraModel
+
+        dora = f"lora_magnitude_vector.{name}.weight"
+        return {
+            LoraModel._remove_adapter_name_from_key(
+                k.removesuffix(".weight") if k.endswith(dora) else k, name
+            ): v
+            for k, v in own.items()
+        }
 
     def save(self, directory: str | Path, name: str = FIRST) -> Path:
         """Write ``adapter_model.safetensors`` and ``adapter_config.json`` (what ``PeftModel.from_pretrained``

@@ -1,0 +1,150 @@
+"""Several recipes trained over one base in one run (``tiertune train a.yaml b.yaml``, ``sweep:``;
+``finetune.several``): each adapter's losses are its solo run's, a sweep of six learning rates ends with a table
+of their final losses and directories, and recipes that cannot share a base are refused naming the setting."""
+
+import json
+
+import pytest
+import yaml
+
+from tests.conftest import CAT_TEXTS
+from tiertune.config.recipe import load_recipe
+from tiertune.config.sweep import load_recipes
+from tiertune.errors import ConfigError
+
+LORA = {"type": "lora", "lora": {"r": 4, "dropout": 0.0}}
+QLORA = {"path": None, "dtype": "float32", "quantize": "nf4"}
+OFFLOAD = {"params": "disk"}
+
+
+def _recipe(tmp_path, write_recipe, model, name, texts=CAT_TEXTS, lora=None, training=None):
+    where = tmp_path / name
+    where.mkdir()
+    return write_recipe(
+        where,
+        model,
+        texts=texts,
+        model={**QLORA, "path": str(model)},
+        method={"type": "lora", "lora": {"r": 4, "dropout": 0.0, **(lora or {})}},
+        data={"shuffle": False, "max_seq_len": 32},
+        training={
+            "max_steps": 3,
+            "per_device_train_batch_size": 2,
+            "save_steps": 0,
+            "learning_rate": 1e-2,
+            **(training or {}),
+        },
+        offload={**OFFLOAD, "disk_path": str(tmp_path / "nvme")},
+    )
+
+
+def test_each_recipe_over_one_base_trains_as_its_solo_run(tmp_path, write_recipe, cat_model):
+    from tiertune.finetune.several import train_several
+    from tiertune.finetune.train import train
+
+    model = cat_model(2, hidden=64)
+    paths = [
+        _recipe(tmp_path, write_recipe, model, "a"),
+        _recipe(tmp_path, write_recipe, model, "b", texts=CAT_TEXTS[::-1], lora={"r": 8, "alpha": 16}),
+        _recipe(
+            tmp_path,
+            write_recipe,
+            model,
+            "c",
+            training={"learning_rate": 3e-3, "max_steps": 2, "gradient_accumulation_steps": 2},
+        ),
+    ]
+    results = train_several(load_recipes(paths), progress=False)
+    assert [r.steps for r in results] == [3, 3, 2]
+    for path, result in zip(paths, results, strict=True):
+        records = [
+            json.loads(line) for line in (result.output_dir / "trainer_log.jsonl").read_text().splitlines()
+        ]
+        assert [r["step"] for r in records] == list(range(1, result.steps + 1))
+        assert (result.output_dir / "adapter_model.safetensors").is_file()
+        solo = train(
+            load_recipe(path, [f"training.output_dir={tmp_path / 'solo' / result.name}"]), progress=False
+        )
+        assert result.losses == pytest.approx(solo.losses, rel=1e-5)
+        assert [r["grad_norm"] for r in records] == pytest.approx(
+            [json.loads(line)["grad_norm"] for line in solo.log_path.read_text().splitlines()], rel=1e-5
+        )
+        from safetensors.torch import load_file
+
+        mine, theirs = (
+            load_file(result.output_dir / "adapter_model.safetensors"),
+            load_file(solo.output_dir / "adapter_model.safetensors"),
+        )
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            assert mine[key].allclose(theirs[key], rtol=1e-5, atol=1e-6), key
+
+
+def test_a_sweep_of_six_learning_rates_ends_with_a_table(tmp_path, write_recipe, cat_model):
+    from typer.testing import CliRunner
+
+    from tiertune.cli.app import app
+
+    model = cat_model(2, hidden=64)
+    path = _recipe(tmp_path, write_recipe, model, "sweep", training={"max_steps": 2})
+    raw = yaml.safe_load(path.read_text())
+    rates = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2]
+    raw["sweep"] = {"training.learning_rate": rates}
+    path.write_text(yaml.safe_dump(raw))
+    result = CliRunner().invoke(app, ["train", str(path), "training.max_steps=2"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "sweep" / "run"
+    lines = result.output.splitlines()
+    header = max(i for i, line in enumerate(lines) if line.startswith("adapter  "))
+    table = lines[header : header + 7]
+    assert table[0].split() == ["adapter", "steps", "final", "loss", "output_dir"]
+    for line, rate in zip(table[1:], rates, strict=True):
+        directory = out / f"learning_rate={rate!r}"
+        assert line.split()[1] == "2" and line.endswith(str(directory))
+        assert (directory / "adapter_model.safetensors").is_file()
+        final = json.loads((directory / "trainer_log.jsonl").read_text().splitlines()[-1])["loss"]
+        assert line.split()[2] == f"{final:.4f}"
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"model": {"quantize": "none"}}, "model.quantize is"),
+        ({"offload": {"host_budget": "4MiB"}}, "offload.host_budget is"),
+        ({"method": {"type": "full"}}, "method.type is full"),
+    ],
+)
+def test_recipes_that_cannot_share_a_base_are_refused_naming_the_setting(
+    tmp_path, write_recipe, cat_model, change, says
+):
+    from tiertune.config.sweep import shared_base
+
+    model = cat_model(2, hidden=64)
+    a = _recipe(tmp_path, write_recipe, model, "a")
+    b = _recipe(tmp_path, write_recipe, model, "b")
+    raw = yaml.safe_load(b.read_text())
+    for section, values in change.items():
+        raw[section].update(values)
+    if raw["method"]["type"] == "full":
+        raw["model"]["quantize"] = "nf4"
+    b.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=says.replace(".", r"\.")):
+        shared_base(load_recipes([a, b]))
+
+
+def test_a_sweep_that_is_malformed_or_overridden_is_refused(tmp_path, write_recipe, cat_model):
+    model = cat_model(2, hidden=64)
+    path = _recipe(tmp_path, write_recipe, model, "a")
+    raw = yaml.safe_load(path.read_text())
+    for sweep, says in (
+        ({"learning_rate": [1]}, "must be a dotted setting"),
+        ({"training.learning_rate": []}, "non-empty list"),
+    ):
+        path.write_text(yaml.safe_dump({**raw, "sweep": sweep}))
+        with pytest.raises(ConfigError, match=says):
+            load_recipes([path])
+    path.write_text(yaml.safe_dump({**raw, "sweep": {"training.learning_rate": [1e-3, 1e-2]}}))
+    with pytest.raises(ConfigError, match="swept in recipe"):
+        load_recipes([path], ("training.learning_rate=1e-4",))
+    with pytest.raises(ConfigError, match="sweep: section"):
+        load_recipe(path)
