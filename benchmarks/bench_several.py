@@ -69,7 +69,7 @@ def _run(base: Path, disk: Path, n: int, a: argparse.Namespace, vocab: int) -> d
     )
     trainer = StreamedTrainer(str(base), store, dataclasses.replace(engine, others=others))
     data = [_batches(a.steps, a.rows, a.seq, vocab, seed=i) for i in range(n)]
-    seconds, read = [], []
+    seconds, read, parts = [], [], []
     try:
         for s in range(a.steps):
             before = _disk_read(trainer)
@@ -80,6 +80,7 @@ def _run(base: Path, disk: Path, n: int, a: argparse.Namespace, vocab: int) -> d
                 trainer.step_adapters({adapter_name(i): [data[i][s]] for i in range(n)})
             seconds.append(time.perf_counter() - began)
             read.append(_disk_read(trainer) - before)
+            parts.append({k: round(v, 2) for k, v in (trainer.last_report.parts or {}).items()})
             print(
                 f"N={n} step {s + 1}: {seconds[-1]:.2f} s, {read[-1]:,} bytes from disk",
                 file=sys.stderr,
@@ -95,6 +96,7 @@ def _run(base: Path, disk: Path, n: int, a: argparse.Namespace, vocab: int) -> d
         "disk_bytes_per_step": read,
         "median_disk_bytes": int(statistics.median(read[later])),
         "tokens_per_step": n * a.rows * a.seq,
+        "step_parts_s": parts,
     }
 
 

@@ -44,6 +44,15 @@ def arm(where: str, signum: int, stamp: str) -> None:
     )
 
 
+def killed_run(at: str, recipe, stamp):
+    """``tiertune train RECIPE`` in a process of its own, sent SIGKILL at ``at`` (``module:Qual.name:N``);
+    returns the finished process (its ``returncode`` -9 when the kill landed)."""
+    import subprocess
+
+    command = [sys.executable, __file__, "--at", at, "--signal", "KILL", "--stamp", str(stamp)]
+    return subprocess.run([*command, "--", "train", str(recipe)], capture_output=True, text=True, timeout=600)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--at", required=True, help="module:Qual.name:N")

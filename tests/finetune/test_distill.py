@@ -332,10 +332,8 @@ def test_a_run_killed_during_its_teacher_pass_continues_it_and_trains_as_an_unin
     """kill -9 as the teacher pass writes its second wave (``tests/signalling.py``): the next run reads the
     first from the cache, scores the rest, and its losses are an uninterrupted run's."""
     import signal
-    import subprocess
-    import sys
-    from pathlib import Path
 
+    from tests.signalling import killed_run
     from tiertune.finetune.train import train
 
     teacher = {"path": str(models[0]), "dtype": "float32", "wave_size": 2}
@@ -343,11 +341,9 @@ def test_a_run_killed_during_its_teacher_pass_continues_it_and_trains_as_an_unin
     killed_dir.mkdir()
     clean_dir.mkdir()
     path = _recipe(killed_dir, write_recipe, models, teacher=teacher)
-    signalling = Path(__file__).resolve().parents[1] / "signalling.py"
     stamp = killed_dir / "killed-at"
     at = "tiertune.finetune.teacher:TeacherCache.write:2"
-    command = [sys.executable, str(signalling), "--at", at, "--signal", "KILL", "--stamp", str(stamp)]
-    proc = subprocess.run([*command, "--", "train", str(path)], capture_output=True, text=True, timeout=600)
+    proc = killed_run(at, path, stamp)
     assert proc.returncode == -signal.SIGKILL and stamp.exists(), proc.stderr[-2000:]
     resumed = train(load_recipe(path, ["training.overwrite_output_dir=true"]), progress=False)
     rows = len(CAT_TEXTS)

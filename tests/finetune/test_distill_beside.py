@@ -130,10 +130,8 @@ def test_a_run_killed_mid_way_resumes_as_an_uninterrupted_one(tmp_path, write_re
     """kill -9 as the teacher scores the third step (``tests/signalling.py``): the resumed run's steps after its
     checkpoint, the teacher beside them again, are an uninterrupted run's."""
     import signal
-    import subprocess
-    import sys
-    from pathlib import Path
 
+    from tests.signalling import killed_run
     from tiertune.finetune.train import train
 
     def recipe(where):
@@ -155,11 +153,9 @@ def test_a_run_killed_mid_way_resumes_as_an_uninterrupted_one(tmp_path, write_re
         )
 
     killed, clean = recipe(tmp_path / "killed"), recipe(tmp_path / "clean")
-    signalling = Path(__file__).resolve().parents[1] / "signalling.py"
     stamp = tmp_path / "killed-at"
     at = "tiertune.finetune.teacher:TeacherBeside.figures:3"
-    command = [sys.executable, str(signalling), "--at", at, "--signal", "KILL", "--stamp", str(stamp)]
-    proc = subprocess.run([*command, "--", "train", str(killed)], capture_output=True, text=True, timeout=600)
+    proc = killed_run(at, killed, stamp)
     assert proc.returncode == -signal.SIGKILL and stamp.exists(), proc.stderr[-2000:]
     resumed = train(load_recipe(killed, ["training.resume_from_checkpoint=auto"]), progress=False)
     assert resumed.first_step in (2, 3)  # after checkpoint-1 or checkpoint-2 (written behind the steps)

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiertune.engine.objective import targets
-from tiertune.engine.views import step_parts
 from tiertune.errors import ConfigError, DataError, NonFiniteError
 
 if TYPE_CHECKING:
@@ -133,15 +132,9 @@ def step_adapters(
         norm = trainer.compute.run(adapters.step, lr, cfg.weight_decay, betas, cfg.adam_epsilon, clip, name)
         trainer.adapter_steps[name] += 1
         out[name] = (loss, float(norm) if norm is not None else float("nan"), lr)
-    trainer.times["optimizer"] += time.perf_counter() - began
-    trainer.store.mark_step()
-    trainer.step_count += 1
-    seconds = time.perf_counter() - step_began
-    trainer.times["step"] += seconds
-    parts = step_parts(seconds, trainer.times, times_before)
     first = next(iter(out.values()))  # the report's: the first adapter's of the step
     trainer.last_lr, trainer.last_grad_norm = first[2], first[1]
-    trainer.last_report = trainer.report(first[0], seconds, moved, sent, parts)
+    trainer.end_step(first[0], began, step_began, times_before, moved, sent)
     return out
 
 

@@ -378,14 +378,20 @@ class StreamedTrainer(TrainerViews):
             loss += self.last_router_aux_loss
         began = time.perf_counter()
         self._finish_step(loss)
-        self.times["optimizer"] += time.perf_counter() - began
+        self.end_step(loss, began, step_began, times_before, moved, sent)
+        return loss
+
+    def end_step(
+        self, loss: float, update_began: float, began: float, times: dict, moved: dict, sent: dict
+    ) -> None:
+        """A step's update done (begun at ``update_began``; the step at ``began``, the parts' times, bytes moved
+        and sent before it ``times``, ``moved``, ``sent``): counted, timed, and its report made."""
+        self.times["optimizer"] += time.perf_counter() - update_began
         self.store.mark_step()
         self.step_count += 1
-        seconds = time.perf_counter() - step_began
+        seconds = time.perf_counter() - began
         self.times["step"] += seconds
-        parts = step_parts(seconds, self.times, times_before)
-        self.last_report = self.report(loss, seconds, moved, sent, parts)
-        return loss
+        self.last_report = self.report(loss, seconds, moved, sent, step_parts(seconds, self.times, times))
 
     def step_adapters(
         self, groups: dict[str, Sequence[dict[str, torch.Tensor]]]

@@ -50,7 +50,7 @@ def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterR
     their one base, the base streamed once a step for all of them; export each adapter into its directory.
     Prints a table of each adapter's final loss and directory when ``progress``."""
     from tiertune.distributed.world import World
-    from tiertune.finetune.train import _load, admit
+    from tiertune.finetune.train import admit, load_run
 
     recipes = [r.with_absolute_paths() for r in recipes]
     shared_base(recipes)
@@ -59,7 +59,7 @@ def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterR
         recipe.model.path = model_directory(recipe.model.path)
         _refuse(recipe, world.size)
     runs = [resolve(r, world) for r in recipes]
-    loaded = [_load(r, world.size) for r in recipes]
+    loaded = [load_run(r, world.size) for r in recipes]
     first = runs[0]
     engine = dataclasses.replace(
         first.engine,

@@ -108,14 +108,14 @@ def steps_of(recipe: Recipe) -> int:
     counts them (tokenized with the model's tokenizer; a DataError or ModelError when either is missing)."""
     if recipe.training.max_steps > 0:
         return recipe.training.max_steps
-    return _load(recipe, World.from_env().size).steps
+    return load_run(recipe, World.from_env().size).steps
 
 
 def scored_rows(recipe: Recipe) -> tuple[int, int]:
     """The data's rows and scored tokens (labels after the first that count) as the run tokenizes them."""
     from tiertune.finetune.teacher import scored_counts
 
-    counts = scored_counts(_load(recipe, 1).data)
+    counts = scored_counts(load_run(recipe, 1).data)
     return len(counts), sum(counts)
 
 
@@ -124,7 +124,7 @@ def first_micro_batch(recipe: Recipe) -> dict[str, torch.Tensor]:
     says: a packed row's documents shape the attention's cost); a DataError or ModelError when the data or the
     model's tokenizer is missing. Not for a preference objective (its micro-batches are pairs)."""
     t, d = recipe.training, recipe.data
-    loaded = _load(recipe, 1)
+    loaded = load_run(recipe, 1)
     stream = batches(
         loaded.data, t.per_device_train_batch_size, loaded.pad_id, d.shuffle, t.seed, d.packing, d.max_seq_len
     )
@@ -160,7 +160,9 @@ def train(
     run_dir = RunDirectory(recipe.training.output_dir, world.size)
     with stop_on_signals() as stop:
         try:
-            loaded = _load(recipe, world.size)  # a data or tokenizer error before the run directory is made
+            loaded = load_run(
+                recipe, world.size
+            )  # a data or tokenizer error before the run directory is made
             stop.check()  # a signal during loading that landed where it could not be raised
             # the run directory is rank 0's: it locks, checks and prepares it for all
             with run_dir if world.is_main else contextlib.nullcontext():
@@ -201,7 +203,7 @@ def admit(run: RunPlan) -> None:
 
 
 @dataclass
-class _Loaded:
+class Loaded:
     """The tokenized data of a run and the steps it makes."""
 
     tokenizer: Any
@@ -211,7 +213,7 @@ class _Loaded:
     steps: int
 
 
-def _load(recipe: Recipe, ranks: int) -> _Loaded:
+def load_run(recipe: Recipe, ranks: int) -> Loaded:
     """Tokenizer and data (no chunk store yet: a signal may stop this anywhere). Steps count global batches:
     per-device batch x the launch's ranks."""
     t, d = recipe.training, recipe.data
@@ -244,11 +246,11 @@ def _load(recipe: Recipe, ranks: int) -> _Loaded:
         if t.max_steps > 0
         else max(1, math.ceil(t.num_train_epochs * per_epoch / t.gradient_accumulation_steps))
     )
-    return _Loaded(tokenizer, data, pad_id, per_epoch, steps)
+    return Loaded(tokenizer, data, pad_id, per_epoch, steps)
 
 
 def _run(
-    run: RunPlan, run_dir: RunDirectory, loaded: _Loaded, progress: bool, stop: StopOnSignals
+    run: RunPlan, run_dir: RunDirectory, loaded: Loaded, progress: bool, stop: StopOnSignals
 ) -> TrainResult:
     """The run in its directory: decide, prepare, build the trainer, train, checkpoint, export. Called with
     signals stopping it at safe points only. Of several ranks, rank 0 decides, prepares, logs and writes the
