@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from parity import LORA, _batches, lora_config
+from parity import LORA, _batches, assert_adam_trained_close, lora_config
 
 from tiertune.engine import StreamedTrainer
 from tiertune.methods.lora import adapter_name
@@ -117,7 +117,7 @@ def test_each_adapter_of_several_over_one_base_is_its_solo_run(tiny_model_dir, d
         torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(solo), rtol=1e-5, atol=0)
         assert weights[name].keys() == solo_weights.keys()
         for key, value in solo_weights.items():
-            torch.testing.assert_close(weights[name][key], value, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+            assert_adam_trained_close(weights[name][key], value, f"{name} {key}")  # sums in another order
         if i == 0:  # the base once a step, for all the adapters: as one adapter's step reads it
             assert all(b <= 1.05 * solo_read[0] for b in bytes_read), (bytes_read, solo_read)
             assert bytes_read[0] >= 0.95 * solo_read[0]

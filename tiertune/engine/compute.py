@@ -142,12 +142,13 @@ class Compute:
         extra: dict,
         target: torch.Tensor,
         token_weight: torch.Tensor | None = None,
+        rows_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The summed cross-entropy of ``target`` through the model's suffix on ``last``, the last layer's
         output (``CausalLMLoss``; the model reads ``last`` through the engine's ``Suffix`` visit)."""
-        if token_weight is None:
+        if token_weight is None and rows_out is None:
             return loss(ids, extra, target)
-        return loss(ids, extra, target, token_weight=token_weight)
+        return loss(ids, extra, target, token_weight=token_weight, rows_out=rows_out)
 
     def token_losses(
         self, loss: CausalLMLoss, last: torch.Tensor, ids: torch.Tensor, extra: dict, target: torch.Tensor
@@ -236,6 +237,7 @@ class Ledger(Compute):
         extra: dict,
         target: torch.Tensor,
         token_weight: torch.Tensor | None = None,
+        rows_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.note("head", last.shape[:-1].numel(), "loss")
         return last.sum() * 0.0

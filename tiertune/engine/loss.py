@@ -44,9 +44,15 @@ class CausalLMLoss:
         return True
 
     def __call__(
-        self, ids: torch.Tensor, extra: dict, target: torch.Tensor, token_weight: torch.Tensor | None = None
+        self,
+        ids: torch.Tensor,
+        extra: dict,
+        target: torch.Tensor,
+        token_weight: torch.Tensor | None = None,
+        rows_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The summed cross-entropy of ``target``'s tokens (``token_weight``: each token's weight in the sum)."""
+        """The summed cross-entropy of ``target``'s tokens (``token_weight``: each token's weight in the sum;
+        ``rows_out``: each token's own loss written there, 0 where ignored)."""
         if self.fused:
             h = self._hidden(ids, extra)
             head = self.model.get_output_embeddings()
@@ -60,10 +66,13 @@ class CausalLMLoss:
                 backend=self.backend,
                 softcap=self._softcap,
                 token_weight=token_weight,
+                rows_out=rows_out,
             )
         losses = F.cross_entropy(
             self._logits(ids, extra), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
         )
+        if rows_out is not None:
+            rows_out.copy_(losses.detach())
         return (losses if token_weight is None else losses * token_weight).sum()
 
     @torch.no_grad()

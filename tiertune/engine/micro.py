@@ -98,6 +98,14 @@ class Micro:
         )
 
 
+def stacked_inputs(parts: list[Micro]) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """The ids, extra inputs and targets of a stack of micro-batches as one batch (one's own as they are)."""
+    if len(parts) == 1:
+        return parts[0].ids, parts[0].extra, parts[0].target
+    ids, target = torch.cat([mb.ids for mb in parts]), torch.cat([mb.target for mb in parts])
+    return ids, {k: torch.cat([mb.extra[k] for mb in parts]) for k in parts[0].extra}, target
+
+
 def add(summed: dict[str, torch.Tensor], name: str, g: torch.Tensor | None) -> None:
     """Add a micro-batch's gradient ``g`` into ``summed[name]`` in fp32 (the first one kept as it is, in fp32)."""
     if g is None:

@@ -40,7 +40,7 @@ import torch
 
 from tiertune.engine import several
 from tiertune.engine.compute import Call
-from tiertune.engine.micro import Micro, Rng, add, harvest, streams
+from tiertune.engine.micro import Micro, Rng, add, harvest, stacked_inputs, streams
 from tiertune.engine.pairs import PairedPasses
 from tiertune.engine.stacking import draws_random, stack_calls
 from tiertune.engine.stash import Stash, stash_slots
@@ -279,25 +279,23 @@ class LayerMajor(PairedPasses):
         total = aux_total = 0.0
         for group in self._suffix_stacks(micro):
             parts = [micro[j] for j in group]
-            several.route(engine.adapters, parts[0])
+            several.route(engine.adapters, parts[0], micro, group)
             one = len(group) == 1
             leaf = (outs[group[0]] if one else torch.cat([outs[j] for j in group])).detach().requires_grad_()
             engine.visit = Suffix(last - 1, leaf)
             # its gradient joins each layer's backward (a stack of one: ``_suffix_stacks``)
             if aux is not None:
                 aux_total += aux.finish(group[0], parts[0].extra.get("attention_mask"), 1.0 / micro_batches)
-            if one:
-                ids, extra, target = parts[0].ids, parts[0].extra, parts[0].target
-            else:
-                ids, target = torch.cat([mb.ids for mb in parts]), torch.cat([mb.target for mb in parts])
-                extra = {k: torch.cat([mb.extra[k] for mb in parts]) for k in parts[0].extra}
+            ids, extra, target = stacked_inputs(parts)
+            loss_sum = (
+                None  # the cross-entropy (``several.backward``: of several adapters, each over its tokens)
+            )
             if engine.objective.distills:
                 teacher = parts[0].teacher if one else cat_teachers([mb.teacher for mb in parts])
                 loss_sum = self._distill_loss(leaf, ids, extra, target, teacher)
-            else:
-                loss_sum = engine.compute.loss(engine.loss, leaf, ids, extra, target)
-            (loss_sum / (parts[0].tokens or n_tokens)).backward()
-            total += several.add_loss(self.adapter_losses, parts[0], engine.compute.value(loss_sum.detach()))
+            total += several.backward(
+                engine, leaf, (ids, extra, target), parts, n_tokens, loss_sum, self.adapter_losses
+            )
             if leaf.grad is None:
                 raise StateError("the loss does not depend on the last decoder layer's output")
             for mb, grad in zip(parts, leaf.grad.split([mb.shape[0] for mb in parts]), strict=True):
@@ -336,8 +334,8 @@ class LayerMajor(PairedPasses):
             micro,
             limit,
             lambda head, mb: (
-                (mb.adapter, mb.shape[1:], sorted(mb.extra))
-                == (head.adapter, head.shape[1:], sorted(head.extra))
+                several.shares(self.engine.adapters, head, mb)
+                and (mb.shape[1:], sorted(mb.extra)) == (head.shape[1:], sorted(head.extra))
             ),
         )
 

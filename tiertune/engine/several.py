@@ -4,8 +4,8 @@ each runs in one pass of the base's layers, each layer read (and dequantized) on
 Each micro-batch carries its adapter (``Micro.adapter``) and its adapter's step's target tokens (``Micro.tokens``,
 what its loss is divided by). A layer's visit stacks micro-batches of different adapters where peft's mixed-batch
 forward takes them (``shares``: not DoRA): the base's product once for every row, each row's own adapter's
-term added (``route``: ``Adapters.mix``); a stack of one adapter runs with that adapter active. The suffix never
-mixes adapters (each stack's loss has one divisor). After backward each adapter is clipped and stepped by its
+term added (``route``: ``Adapters.mix``); a stack of one adapter runs with that adapter active. The suffix stacks
+them alike, the head's pass once for the stack, each token weighted by 1 / its adapter's tokens (``backward``). After backward each adapter is clipped and stepped by its
 own optimizer at its own schedule's learning rate (``step_adapters``): the adapters' parameters are disjoint, so
 each one's gradients, and so its whole run, are what it would be alone."""
 
@@ -48,11 +48,42 @@ def route(
         adapters.activate(mb.adapter)
 
 
-def add_loss(losses: dict[str, float], mb: Micro, value: float) -> float:
-    """``value``, a suffix stack's summed loss (its micro-batches' adapter ``mb``'s), added to that adapter's
-    in ``losses`` (none for the one adapter); returns it."""
-    if mb.adapter is not None:
-        losses[mb.adapter] = losses.get(mb.adapter, 0.0) + value
+def backward(
+    engine: Any,
+    leaf: torch.Tensor,
+    batch: tuple[torch.Tensor, dict, torch.Tensor],
+    parts: Sequence[Micro],
+    n_tokens: int,
+    loss_sum: torch.Tensor | None,
+    losses: dict[str, float],
+) -> float:
+    """A suffix stack's loss back-propagated and its summed value returned: ``loss_sum`` (else the stack's
+    cross-entropy of ``batch``: ids, extra, target) over the step's ``n_tokens``, or, of several adapters, each
+    one's over its own tokens (``Micro.tokens``), in one pass of the head for a stack that mixes them (each token
+    weighted 1 / its adapter's tokens, each one's loss read back for its adapter's sum in ``losses``)."""
+    compute, head = engine.compute, parts[0]
+    if loss_sum is None and any(mb.adapter != head.adapter for mb in parts):
+        sizes = [mb.target.numel() for mb in parts]
+        weight = torch.cat(
+            [
+                torch.full((k,), 1.0 / mb.tokens, device=leaf.device)
+                for k, mb in zip(sizes, parts, strict=True)
+            ]
+        )
+        rows = torch.zeros(sum(sizes), device=leaf.device)
+        compute.loss(engine.loss, leaf, *batch, token_weight=weight, rows_out=rows).backward()
+        total = 0.0
+        for mb, part in zip(parts, rows.split(sizes), strict=True):
+            value = compute.value(part.sum())
+            losses[mb.adapter] = losses.get(mb.adapter, 0.0) + value  # type: ignore[index]
+            total += value
+        return total
+    if loss_sum is None:
+        loss_sum = compute.loss(engine.loss, leaf, *batch)
+    (loss_sum / (head.tokens or n_tokens)).backward()
+    value = compute.value(loss_sum.detach())
+    if head.adapter is not None:
+        losses[head.adapter] = losses.get(head.adapter, 0.0) + value
     return value
 
 
@@ -138,4 +169,4 @@ def step_adapters(
     return out
 
 
-__all__ = ["add_loss", "check", "route", "schedules", "shares", "step_adapters"]
+__all__ = ["backward", "check", "route", "schedules", "shares", "step_adapters"]

@@ -127,6 +127,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         softcap=None,
         grads=True,
         token_weight=None,
+        rows_out=None,
     ):
         n = x.shape[0]
         valid = target != ignore_index
@@ -155,7 +156,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             if backend == "triton" and wanted:
                 from tiertune.kernels.ops._triton_ce import ce_rows
 
-                total += (ce_rows(logits, ts, ignore_index, scale, softcap) * keep).sum()
+                rows = ce_rows(logits, ts, ignore_index, scale, softcap)
+                total += (rows * keep).sum()
+                if rows_out is not None:
+                    rows_out[start : start + len(ts)] = torch.where(ts != ignore_index, rows / scale, 0.0)
                 grad = logits
                 if token_weight is not None:
                     grad.mul_(keep.unsqueeze(1))
@@ -166,6 +170,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 lse = torch.logsumexp(logits, dim=-1)
                 picked = logits.gather(1, ts.clamp_min(0).unsqueeze(1)).squeeze(1)
                 total += ((lse - picked) * keep).sum()
+                if rows_out is not None:
+                    rows_out[start : start + len(ts)] = torch.where(ts != ignore_index, lse - picked, 0.0)
                 if not wanted:
                     continue
                 # d loss / d logits = softmax - one-hot on kept rows (times the reduction's scale)
@@ -195,7 +201,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_x = next(saved).mul_(grad_out) if want_x else None
         grad_w = next(saved).mul_(grad_out).to(ctx.dtypes[0]) if want_w else None
         grad_b = next(saved).mul_(grad_out).to(ctx.dtypes[1]) if want_b else None
-        return grad_x, grad_w, None, grad_b, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, grad_b, None, None, None, None, None, None, None, None
 
 
 def backprop_chunk(
@@ -302,6 +308,7 @@ def linear_cross_entropy(
     backend: str = "auto",
     softcap: float | None = None,
     token_weight: torch.Tensor | None = None,
+    rows_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``x @ weight.T (+ bias)`` (``x``: [tokens, hidden], ``target``: [tokens]) without
     materializing the logits. ``chunk_tokens`` defaults to ``default_chunk_tokens``: 64 MiB of fp32 logits per
@@ -310,7 +317,8 @@ def linear_cross_entropy(
     CUDA device when it is installed). ``softcap``: the logits become ``softcap * tanh(logits / softcap)``
     (Gemma 2's ``final_logit_softcapping``); None leaves them as they are. ``token_weight`` ([tokens], not
     trained): token t's loss counts that many times in the sum (a preference objective's gradient is such a sum,
-    its weights the objective's derivative by each sequence's log-probability)."""
+    its weights the objective's derivative by each sequence's log-probability). ``rows_out`` ([tokens], fp32):
+    each token's own loss written there too (0 where ignored; unweighted, unreduced)."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be sum or mean, got {reduction!r}")
     if softcap is not None and not softcap > 0:
@@ -330,4 +338,5 @@ def linear_cross_entropy(
         softcap,
         torch.is_grad_enabled(),
         None if token_weight is None else token_weight.detach(),
+        rows_out,
     )
