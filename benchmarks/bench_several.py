@@ -2,14 +2,15 @@
 N adapters against one, where the step is bound by reading and dequantizing the base, in one JSON.
 
 The base is a real model's shapes (``--config``, by default Command R+ 104B's) cut to ``--layers`` decoder layers,
-written as a pre-quantized NF4 checkpoint (``bench_scale.write_nf4_checkpoint``) and read in place from disk (a
-host budget too small to keep it: every step reads it); each adapter trains a rank-16 LoRA of every linear layer on
-its own random rows. The reference in the same run is one adapter's step over the same base::
+written as a pre-quantized NF4 checkpoint (``bench_scale.write_nf4_checkpoint``) and read in place from disk (the
+first step reads it whole; later steps read what the budgets do not hold); each adapter trains a rank-16 LoRA of
+every linear layer on its own random rows. The reference in the same run is one adapter's step over the same base::
 
-    python benchmarks/bench_several.py --dir /tmp/bsv --layers 2 --adapters 1,4
+    python benchmarks/bench_several.py --dir /tmp/bsv --layers 4 --adapters 1,4 --steps 2 \
+        --host-budget 7GiB --device-budget 8GiB
 
-The JSON has, per N, the median step's seconds and bytes read from disk (the first step, which also reads what
-the later ones find on the host, is left out), and the ratios to N = 1; the checkpoint is removed at the end.
+The JSON has, per N, every step's seconds, bytes read from disk and parts, the median of the steps after the first
+(which also reads what the later ones find in memory), and its ratios to N = 1; the checkpoint is removed at the end.
 """
 
 from __future__ import annotations
