@@ -148,3 +148,34 @@ def test_a_sweep_that_is_malformed_or_overridden_is_refused(tmp_path, write_reci
         load_recipes([path], ("training.learning_rate=1e-4",))
     with pytest.raises(ConfigError, match="sweep: section"):
         load_recipe(path)
+
+
+def test_a_signal_stops_several_adapters_as_a_run_and_unlocks_their_directories(
+    tmp_path, write_recipe, cat_model, monkeypatch
+):
+    import signal
+
+    from tiertune.engine import StreamedTrainer
+    from tiertune.errors import Interrupted, Signalled
+    from tiertune.finetune.rundir import RunDirectory
+    from tiertune.finetune.several import train_several
+
+    model = cat_model(2, hidden=64)
+    paths = [_recipe(tmp_path, write_recipe, model, name) for name in ("a", "b")]
+    calls = {"n": 0}
+    real = StreamedTrainer.step_adapters
+
+    def second_step_signalled(self, groups):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise Signalled(signal.SIGTERM)
+        return real(self, groups)
+
+    monkeypatch.setattr(StreamedTrainer, "step_adapters", second_step_signalled)
+    recipes = load_recipes(paths)
+    with pytest.raises(Interrupted) as stopped:
+        train_several(recipes, progress=False)
+    assert stopped.value.signal == signal.SIGTERM and stopped.value.step == 1
+    for recipe in recipes:  # unlocked: another run may take the directory
+        with RunDirectory(recipe.training.output_dir):
+            pass

@@ -5,7 +5,7 @@
 Each run directory is locked and checked as a run's (``rundir.RunDirectory``); each adapter's
 ``trainer_log.jsonl`` has its own records (``loss``, ``grad_norm``, ``learning_rate``, ``epoch``), with the shared
 stream's ``bytes_moved`` counted from the start, as a run of one. An adapter whose steps are done takes no part in
-later steps. Not yet: checkpoints of several adapters (``training.save_steps`` must be 0), preference and
+later steps. SIGINT or SIGTERM stops the run at its next safe point (``Interrupted``; nothing is kept to resume). Not yet: checkpoints of several adapters (``training.save_steps`` must be 0), preference and
 distillation objectives, several processes."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 from tiertune.config.plan import resolve
 from tiertune.config.recipe import Recipe
 from tiertune.config.sweep import shared_base
-from tiertune.errors import ConfigError
+from tiertune.errors import ConfigError, Interrupted, Signalled
 from tiertune.files import write_text_atomically
 from tiertune.finetune.checkpoint import RECIPE_FILE
 from tiertune.finetune.data import batches
@@ -75,8 +75,13 @@ def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterR
         for recipe, ld in zip(recipes, loaded, strict=True):
             directory = held.enter_context(RunDirectory(recipe.training.output_dir))
             directory.prepare(directory.decide(recipe, ld.steps))
-        with stop.at_safe_points():
-            return _train(recipes, first.store, engine, loaded, stop, progress)
+        done = [0]  # the shared steps completed
+        try:
+            with stop.at_safe_points():
+                return _train(recipes, first.store, engine, loaded, stop, progress, done)
+        except Signalled as exc:  # the trainer closed, the directories unlocked: said as a run's stop
+            where = Path(recipes[0].training.output_dir) / RECIPE_FILE
+            raise Interrupted(exc.signum, done[0], None, where) from None
 
 
 def _refuse(recipe: Recipe, ranks: int) -> None:
@@ -101,7 +106,13 @@ def _refuse(recipe: Recipe, ranks: int) -> None:
 
 
 def _train(
-    recipes: list[Recipe], store: Any, engine: Any, loaded: list[Any], stop: Any, progress: bool
+    recipes: list[Recipe],
+    store: Any,
+    engine: Any,
+    loaded: list[Any],
+    stop: Any,
+    progress: bool,
+    done: list[int],
 ) -> list[AdapterResult]:
     from tiertune.engine import StreamedTrainer
 
@@ -136,6 +147,7 @@ def _train(
             seconds = time.perf_counter() - began
             report = trainer.last_report
             step += 1
+            done[0] = step
             for recipe, res, ld in zip(recipes, results, loaded, strict=True):
                 if res.name not in out:
                     continue
