@@ -210,9 +210,10 @@ def train(
             if len(recipes) > 1:
                 train_several(recipes, progress=not quiet)
                 return
-        resolved = (
-            recipes[0] if more or "sweep" in _raw_keys(recipe) else load_recipe(recipe, tuple(overrides))
-        ).with_absolute_paths()
+            loaded = recipes[0]  # a sweep of one combination: a run of one
+        else:
+            loaded = load_recipe(recipe, tuple(overrides))
+        resolved = loaded.with_absolute_paths()
         if dry_run:
             from tiertune.loading.hub import config_directory
 

@@ -287,9 +287,8 @@ class LayerMajor(PairedPasses):
             if aux is not None:
                 aux_total += aux.finish(group[0], parts[0].extra.get("attention_mask"), 1.0 / micro_batches)
             ids, extra, target = stacked_inputs(parts)
-            loss_sum = (
-                None  # the cross-entropy (``several.backward``: of several adapters, each over its tokens)
-            )
+            # none: the cross-entropy (``several.backward``: of several adapters, each over its own tokens)
+            loss_sum = None
             if engine.objective.distills:
                 teacher = parts[0].teacher if one else cat_teachers([mb.teacher for mb in parts])
                 loss_sum = self._distill_loss(leaf, ids, extra, target, teacher)

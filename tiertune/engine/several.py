@@ -4,10 +4,11 @@ each runs in one pass of the base's layers, each layer read (and dequantized) on
 Each micro-batch carries its adapter (``Micro.adapter``) and its adapter's step's target tokens (``Micro.tokens``,
 what its loss is divided by). A layer's visit stacks micro-batches of different adapters where peft's mixed-batch
 forward takes them (``shares``: not DoRA): the base's product once for every row, each row's own adapter's
-term added (``route``: ``Adapters.mix``); a stack of one adapter runs with that adapter active. The suffix stacks
-them alike, the head's pass once for the stack, each token weighted by 1 / its adapter's tokens (``backward``). After backward each adapter is clipped and stepped by its
-own optimizer at its own schedule's learning rate (``step_adapters``): the adapters' parameters are disjoint, so
-each one's gradients, and so its whole run, are what it would be alone."""
+term added (``route``: ``Adapters.mix``); a stack of one adapter runs with that adapter active. The suffix
+stacks them alike, the head's pass once for the stack, each token weighted by 1 / its adapter's tokens
+(``backward``). After backward each adapter is clipped and stepped by its own optimizer at its own schedule's
+learning rate (``step_adapters``): the adapters' parameters are disjoint, so each one's gradients, and so
+its whole run, are what it would be alone."""
 
 from __future__ import annotations
 
@@ -89,21 +90,23 @@ def backward(
 
 def check(config: Any) -> None:
     """ConfigError where several adapters over one base (``config.others``) cannot run yet: not LoRA, not SFT."""
-    if config.others and (config.method != "lora" or config.objective.type != "sft"):
-        raise ConfigError(
-            "several adapters over one base train LoRA adapters with objective.type: sft so far (this one: "
-            f"method.type {config.method}, objective.type {config.objective.type}); run the others alone"
-        )
+    if not config.others:
+        return
+    for c in config.adapter_configs:
+        if c.method != "lora" or c.objective.type != "sft":
+            raise ConfigError(
+                "several adapters over one base train LoRA adapters with objective.type: sft so far (this one: "
+                f"method.type {c.method}, objective.type {c.objective.type}); run the others alone"
+            )
 
 
 def schedules(config: Any, adapters: Adapters | None) -> tuple[dict, dict, dict]:
     """Of several adapters over the base: each one's settings, learning-rate schedule and steps taken, by
-    name (empty for one adapter); ConfigError where several cannot run yet (not LoRA, not SFT)."""
+    name (empty for one adapter; ``check`` has passed)."""
     from tiertune.engine.step import LRSchedule
 
     if not config.others:
         return {}, {}, {}
-    check(config)
     assert adapters is not None
     configs = dict(zip(adapters.names, config.adapter_configs, strict=True))
     lrs = {
@@ -118,8 +121,8 @@ def step_adapters(
 ) -> dict[str, tuple[float, float, float]]:
     """One step of each adapter named in ``groups`` (``Adapters.names``; its micro-batches), all of them in one
     pass of the base's layers (each layer read and dequantized once, each micro-batch through its own
-    adapter, stacked across adapters where peft mixes them: ``shares``); each adapter's loss divided by its own target tokens, its
-    gradients clipped and stepped by its own optimizer at its own schedule's learning rate, exactly as it
+    adapter, stacked across adapters where peft mixes them: ``shares``); each adapter's loss divided by its own
+    target tokens, its gradients clipped and stepped by its own optimizer at its own schedule's learning rate, exactly as it
     would be alone. Returns each adapter's (loss, gradient norm, learning rate)."""
     if not trainer.adapter_config:
         raise ConfigError("step_adapters needs several adapters over the base (EngineConfig.others)")

@@ -66,11 +66,5 @@ class WholeHead:
             self.bias = None if got.bias is None else got.bias[: self.vocab].detach().clone()
         return Full(got.hidden, self.weight, self.bias, got.softcap)
 
-    @property
-    def kept_bytes(self) -> int:
-        """The bytes of the head's copy (0 before the first pass)."""
-        held = [t for t in (self.weight, self.bias) if t is not None]
-        return sum(t.numel() * t.element_size() for t in held)
-
 
 __all__ = ["KEYS", "WholeHead", "cat_teachers", "teacher_of", "topk_head"]

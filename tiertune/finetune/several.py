@@ -5,14 +5,14 @@
 Each run directory is locked and checked as a run's (``rundir.RunDirectory``); each adapter's
 ``trainer_log.jsonl`` has its own records (``loss``, ``grad_norm``, ``learning_rate``, ``epoch``), with the shared
 stream's ``bytes_moved`` counted from the start, as a run of one. An adapter whose steps are done takes no part in
-later steps. SIGINT or SIGTERM stops the run at its next safe point (``Interrupted``; nothing is kept to resume). Not yet: checkpoints of several adapters (``training.save_steps`` must be 0), preference and
+later steps. SIGINT or SIGTERM stops the run at its next safe point (``Interrupted``; nothing is kept to
+resume). Not yet: checkpoints of several adapters (``training.save_steps`` must be 0), preference and
 distillation objectives, several processes."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -30,8 +30,6 @@ from tiertune.finetune.rundir import RunDirectory
 from tiertune.finetune.signals import stop_on_signals
 from tiertune.loading.hub import model_directory
 from tiertune.methods.lora import adapter_name
-
-log = logging.getLogger("tiertune.finetune")
 
 
 @dataclass
@@ -134,7 +132,6 @@ def _train(
     try:
         for recipe, result in zip(recipes, results, strict=True):
             write_text_atomically(result.output_dir / RECIPE_FILE, recipe.to_yaml())
-        step = 0
         while any(res.steps < ld.steps for res, ld in zip(results, loaded, strict=True)):
             groups, tokens = {}, {}
             for recipe, res, ld, stream in zip(recipes, results, loaded, streams, strict=True):
@@ -146,8 +143,7 @@ def _train(
             out = trainer.step_adapters(groups)
             seconds = time.perf_counter() - began
             report = trainer.last_report
-            step += 1
-            done[0] = step
+            done[0] += 1
             for recipe, res, ld in zip(recipes, results, loaded, strict=True):
                 if res.name not in out:
                     continue
@@ -173,7 +169,7 @@ def _train(
             stop.check()
             if progress:
                 losses = " ".join(f"{n}={v[0]:.4f}" for n, v in out.items())
-                print(f"step {step}: {losses}", flush=True)
+                print(f"step {done[0]}: {losses}", flush=True)
         for res, ld in zip(results, loaded, strict=True):
             trainer.adapters.save(res.output_dir, res.name)
             ld.tokenizer.save_pretrained(str(res.output_dir))

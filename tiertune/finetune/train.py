@@ -160,9 +160,8 @@ def train(
     run_dir = RunDirectory(recipe.training.output_dir, world.size)
     with stop_on_signals() as stop:
         try:
-            loaded = load_run(
-                recipe, world.size
-            )  # a data or tokenizer error before the run directory is made
+            # a data or tokenizer error before the run directory is made
+            loaded = load_run(recipe, world.size)
             stop.check()  # a signal during loading that landed where it could not be raised
             # the run directory is rank 0's: it locks, checks and prepares it for all
             with run_dir if world.is_main else contextlib.nullcontext():

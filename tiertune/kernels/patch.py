@@ -242,26 +242,26 @@ def _lora_forward(
 ) -> torch.Tensor:
     rows = kwargs.pop("adapter_names", None)  # a mixed batch (``methods.lora.Adapters.mix``)
     result = module.base_layer(x, *args, **kwargs)
-    if rows is not None:
-        if module.disable_adapters:
-            return result
-        own = [i for i, n in enumerate(rows) if n == name]
-        if not own:
-            return result
-        dropout = module.lora_dropout[name]
-        p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
-        a, b = module.lora_A[name].weight, module.lora_B[name].weight
-        delta = lora_branch(
-            x[own], a, b, module.scaling[name], p, module.training, backend, out_dtype=result.dtype
-        )
-        return result.index_add(0, torch.tensor(own, device=result.device), delta)
-    if module.disable_adapters or name not in module.active_adapters:
+    # the rows this adapter adds to: all, or of a mixed batch those that name it
+    own = None if rows is None else [i for i, n in enumerate(rows) if n == name]
+    if module.disable_adapters or (name not in module.active_adapters if own is None else not own):
         return result
     dropout = module.lora_dropout[name]
     p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
     a, b = module.lora_A[name].weight, module.lora_B[name].weight
     # computes in A's dtype (x cast tile by tile), returns the base output's
-    delta = lora_branch(x, a, b, module.scaling[name], p, module.training, backend, out_dtype=result.dtype)
+    delta = lora_branch(
+        x if own is None else x[own],
+        a,
+        b,
+        module.scaling[name],
+        p,
+        module.training,
+        backend,
+        out_dtype=result.dtype,
+    )
+    if own is not None:
+        return result.index_add(0, torch.tensor(own, device=result.device), delta)
     # into the base output (its op keeps its inputs, not its output): no third output-sized tensor at once;
     # autograd forbids that for a view a custom Function made (bitsandbytes' 4-bit matmul returns one)
     return result + delta if result._is_view() else result.add_(delta)
