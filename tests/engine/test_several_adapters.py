@@ -1,7 +1,8 @@
 """Several LoRA adapters over one NF4 base on disk (``StreamedTrainer.step_adapters``): a step runs every
 adapter's micro-batches in one pass of the base's layers (each layer read and dequantized once for all of them),
-and each adapter's losses, gradient norms and final weights are its solo run's: two learning rates, two ranks,
-a DoRA adapter, different data and accumulation, and adapters that stop at different steps."""
+and each adapter's losses, gradient norms, metrics and final weights are its solo run's: two learning rates, two
+ranks, a DoRA adapter, a DPO adapter (its reference, the base with adapters off, in the same visits; its
+dropout alone off), different data and accumulation, and adapters that stop at different steps."""
 
 import dataclasses
 
@@ -12,6 +13,9 @@ from parity import LORA, _batches, assert_adam_trained_close, lora_config
 from tiertune.engine import StreamedTrainer
 from tiertune.methods.lora import adapter_name
 from tiertune.offload.store import StoreConfig
+from tiertune.settings import ObjectiveSettings
+
+DPO = ObjectiveSettings(type="dpo", beta=0.2)
 
 STEPS = 3
 # (lora, engine settings, micro-batches a step, the data's seed, steps)
@@ -26,6 +30,7 @@ ADAPTERS = [
         2,
     ),
     (dataclasses.replace(LORA, use_dora=True, target_modules=["q_proj", "v_proj"]), {}, 3, 4, STEPS),
+    (dataclasses.replace(LORA, dropout=0.1, seed=5), {"objective": DPO, "learning_rate": 5e-3}, 2, 5, STEPS),
 ]
 
 
@@ -45,7 +50,26 @@ def _config(lora, settings, accum, steps):
     )
 
 
-def _data(vocab, accum, seed, steps):
+def _pairs(vocab, seed, count, pairs=2, length=12, prompt=4):
+    """``count`` micro-batches of ``pairs`` preference pairs (chosen rows, then rejected; each pair's prompt its
+    own, not a target), a rejected row padded."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, vocab, (2 * pairs, length), generator=g)
+        ids[pairs:, :prompt] = ids[:pairs, :prompt]
+        mask = torch.ones_like(ids)
+        mask[-1, -3:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :prompt] = -100
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels, "pairs": torch.tensor(pairs)})
+    return out
+
+
+def _data(vocab, i):
+    _, settings, accum, seed, steps = ADAPTERS[i]
+    if "objective" in settings:
+        return _pairs(vocab, seed, steps * accum)
     return _batches(vocab, seed=seed, count=steps * accum)
 
 
@@ -53,14 +77,15 @@ def _solo(path, disk_dir, i, vocab):
     lora, settings, accum, seed, steps = ADAPTERS[i]
     trainer = StreamedTrainer(str(path), _store(disk_dir, f"solo-{i}"), _config(lora, settings, accum, steps))
     try:
-        data = _data(vocab, accum, seed, steps)
-        out, bytes_read = [], []
+        data = _data(vocab, i)
+        out, bytes_read, metrics = [], [], []
         for s in range(steps):
             before = _disk_read(trainer)
             loss = trainer.step(data[s * accum : (s + 1) * accum])
             out.append((loss, trainer.last_grad_norm))
+            metrics.append(trainer.last_metrics)
             bytes_read.append(_disk_read(trainer) - before)
-        return out, trainer.adapters.state_dict(), bytes_read
+        return out, trainer.adapters.state_dict(), bytes_read, metrics
     finally:
         trainer.close()
 
@@ -89,8 +114,9 @@ def test_each_adapter_of_several_over_one_base_is_its_solo_run(tiny_model_dir, d
     )
     names = [adapter_name(i) for i in range(len(ADAPTERS))]
     assert trainer.adapters.names == names
-    data = {name: _data(vocab, a[2], a[3], a[4]) for name, a in zip(names, ADAPTERS, strict=True)}
+    data = {name: _data(vocab, i) for i, name in enumerate(names)}
     got = {name: [] for name in names}
+    got_metrics = {name: [] for name in names}
     bytes_read = []
     try:
         for s in range(STEPS):
@@ -101,20 +127,30 @@ def test_each_adapter_of_several_over_one_base_is_its_solo_run(tiny_model_dir, d
             }
             before = _disk_read(trainer)
             calls.clear()
-            for name, (loss, norm, _) in trainer.step_adapters(groups).items():
-                got[name].append((loss, norm))
+            for name, out in trainer.step_adapters(groups).items():
+                got[name].append((out.loss, out.grad_norm))
+                got_metrics[name].append(out.metrics)
             bytes_read.append(_disk_read(trainer) - before)
-            if (
-                s == 0
-            ):  # a visit's calls: the three plain adapters' 5 micro-batches as one, DoRA's 3 (peft mixes none)
-                assert calls == [2 * 5, 2 * 3] * (2 * len(trainer.parts.layers))
+            # a layer's visits: the plain and DPO adapters' 7 micro-batches as one, DoRA's 3 (peft mixes none);
+            # in forward the DPO adapter's reference too (its 2 micro-batches of 2 pairs)
+            layers = len(trainer.parts.layers)
+            if s == 0:
+                assert calls == [2 * 5 + 4 * 2, 4 * 2, 2 * 3] * layers + [2 * 5 + 4 * 2, 2 * 3] * layers
         weights = {name: trainer.adapters.state_dict(name) for name in names}
     finally:
         trainer.close()
     for i, name in enumerate(names):
-        solo, solo_weights, solo_read = _solo(path, disk_dir, i, vocab)
+        solo, solo_weights, solo_read, solo_metrics = _solo(path, disk_dir, i, vocab)
         assert len(got[name]) == len(solo) == ADAPTERS[i][4]
-        torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(solo), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(got[name]), torch.tensor(solo), rtol=1e-5, atol=0, msg=lambda m: f"{name}: {m}"
+        )
+        assert [m.keys() for m in got_metrics[name]] == [m.keys() for m in solo_metrics]
+        for mine, theirs in zip(got_metrics[name], solo_metrics, strict=True):
+            for key, value in theirs.items():
+                assert mine[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (name, key)
+        if "objective" in ADAPTERS[i][1]:
+            assert "rewards/margins" in solo_metrics[0]
         assert weights[name].keys() == solo_weights.keys()
         for key, value in solo_weights.items():
             assert_adam_trained_close(weights[name][key], value, f"{name} {key}")  # sums in another order
@@ -123,12 +159,40 @@ def test_each_adapter_of_several_over_one_base_is_its_solo_run(tiny_model_dir, d
             assert bytes_read[0] >= 0.95 * solo_read[0]
 
 
-def test_several_adapters_train_lora_with_sft_only_so_far(tiny_model_dir, disk_dir):
+def _dropouts(trainer, name):
+    return {
+        m.lora_dropout[name].p
+        for layer in trainer.parts.layers
+        for m in layer.layer.modules()
+        if hasattr(m, "lora_dropout") and isinstance(m.lora_dropout[name], torch.nn.Dropout)
+    }
+
+
+def test_a_preference_objective_disables_its_adapters_dropout_alone(tiny_model_dir, disk_dir):
+    """TRL's ``disable_dropout`` reaches the streamed layers' LoRA dropout: the whole model's for one DPO
+    adapter; of several, the DPO adapter's, the SFT adapter's kept."""
+    path, _ = tiny_model_dir("llama")
+    dropping = dataclasses.replace(LORA, dropout=0.1)
+    dpo = _config(dropping, {"objective": DPO}, 1, 1)
+    solo = StreamedTrainer(str(path), _store(disk_dir, "solo"), dpo)
+    try:
+        assert _dropouts(solo, adapter_name(0)) == {0.0}
+    finally:
+        solo.close()
+    sft = _config(dropping, {}, 1, 1)
+    both = StreamedTrainer(str(path), _store(disk_dir, "both"), dataclasses.replace(sft, others=(dpo,)))
+    try:
+        assert _dropouts(both, adapter_name(0)) == {0.1}
+        assert _dropouts(both, adapter_name(1)) == {0.0}
+    finally:
+        both.close()
+
+
+def test_several_adapters_refuse_what_they_do_not_run(tiny_model_dir, disk_dir):
     from tiertune.errors import ConfigError
-    from tiertune.settings import ObjectiveSettings
 
     path, _ = tiny_model_dir("llama")
     cfg = _config(LORA, {}, 1, 1)
-    dpo = dataclasses.replace(cfg, objective=ObjectiveSettings(type="dpo"), others=(cfg,))
-    with pytest.raises(ConfigError, match="objective.type: sft so far"):
-        StreamedTrainer(str(path), _store(disk_dir, "dpo"), dpo)
+    distill = dataclasses.replace(cfg, objective=ObjectiveSettings(type="distill"), others=(cfg,))
+    with pytest.raises(ConfigError, match="sft, dpo, simpo, orpo or kto"):
+        StreamedTrainer(str(path), _store(disk_dir, "distill"), distill)

@@ -1,13 +1,15 @@
 """Several recipes trained over one base in one run (``tiertune train a.yaml b.yaml``, ``sweep:``;
-``finetune.several``): each adapter's losses are its solo run's, a sweep of six learning rates ends with a table
-of their final losses and directories, and recipes that cannot share a base are refused naming the setting."""
+``finetune.several``): each adapter's losses, metrics and weights are its solo run's (a DPO recipe among SFT
+ones), any subset of them resumes exactly from its own checkpoints (and a run of one alone from them too), a
+damaged checkpoint leaves out that adapter alone, a sweep of six learning rates ends with a table of their
+final losses and directories, and recipes that cannot share a base are refused naming the setting."""
 
 import json
 
 import pytest
 import yaml
 
-from tests.conftest import CAT_TEXTS
+from tests.conftest import CAT_PAIRS, CAT_TEXTS
 from tiertune.config.recipe import load_recipe
 from tiertune.config.sweep import load_recipes
 from tiertune.errors import ConfigError
@@ -17,16 +19,19 @@ QLORA = {"path": None, "dtype": "float32", "quantize": "nf4"}
 OFFLOAD = {"params": "disk"}
 
 
-def _recipe(tmp_path, write_recipe, model, name, texts=CAT_TEXTS, lora=None, training=None):
+def _recipe(
+    tmp_path, write_recipe, model, name, texts=CAT_TEXTS, lora=None, training=None, data=None, objective=None
+):
     where = tmp_path / name
-    where.mkdir()
+    where.mkdir(exist_ok=True)
     return write_recipe(
         where,
         model,
         texts=texts,
         model={**QLORA, "path": str(model)},
         method={"type": "lora", "lora": {"r": 4, "dropout": 0.0, **(lora or {})}},
-        data={"shuffle": False, "max_seq_len": 32},
+        data={"shuffle": False, "max_seq_len": 32, **(data or {})},
+        objective=objective or {},
         training={
             "max_steps": 3,
             "per_device_train_batch_size": 2,
@@ -36,6 +41,26 @@ def _recipe(tmp_path, write_recipe, model, name, texts=CAT_TEXTS, lora=None, tra
         },
         offload={**OFFLOAD, "disk_path": str(tmp_path / "nvme")},
     )
+
+
+def _dpo(tmp_path, write_recipe, model, name, training=None):
+    """A DPO recipe (preference pairs; its adapter's dropout, which DPO disables, on)."""
+    pairs = tmp_path / f"{name}-pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in CAT_PAIRS))
+    return _recipe(
+        tmp_path,
+        write_recipe,
+        model,
+        name,
+        lora={"dropout": 0.1, "seed": 7},
+        data={"path": str(pairs), "format": "preference"},
+        objective={"type": "dpo", "beta": 0.2},
+        training={"learning_rate": 5e-3, **(training or {})},
+    )
+
+
+def _log(directory):
+    return [json.loads(line) for line in (directory / "trainer_log.jsonl").read_text().splitlines()]
 
 
 def test_each_recipe_over_one_base_trains_as_its_solo_run(tmp_path, write_recipe, cat_model):
@@ -53,9 +78,11 @@ def test_each_recipe_over_one_base_trains_as_its_solo_run(tmp_path, write_recipe
             "c",
             training={"learning_rate": 3e-3, "max_steps": 2, "gradient_accumulation_steps": 2},
         ),
+        _dpo(tmp_path, write_recipe, model, "d"),
     ]
     results = train_several(load_recipes(paths), progress=False)
-    assert [r.steps for r in results] == [3, 3, 2]
+    assert [r.steps for r in results] == [3, 3, 2, 3]
+    assert {"rewards/margins", "logps/chosen"} <= _log(results[3].output_dir)[0].keys()
     for path, result in zip(paths, results, strict=True):
         records = [
             json.loads(line) for line in (result.output_dir / "trainer_log.jsonl").read_text().splitlines()
@@ -66,9 +93,14 @@ def test_each_recipe_over_one_base_trains_as_its_solo_run(tmp_path, write_recipe
             load_recipe(path, [f"training.output_dir={tmp_path / 'solo' / result.name}"]), progress=False
         )
         assert result.losses == pytest.approx(solo.losses, rel=1e-5)
+        solo_records = _log(solo.output_dir)
         assert [r["grad_norm"] for r in records] == pytest.approx(
-            [json.loads(line)["grad_norm"] for line in solo.log_path.read_text().splitlines()], rel=1e-5
+            [r["grad_norm"] for r in solo_records], rel=1e-5
         )
+        for mine, theirs in zip(records, solo_records, strict=True):
+            for key in ("rewards/margins", "rewards/chosen", "logps/rejected"):
+                if key in theirs:
+                    assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
         from safetensors.torch import load_file
 
         mine, theirs = (
@@ -78,6 +110,120 @@ def test_each_recipe_over_one_base_trains_as_its_solo_run(tmp_path, write_recipe
         assert mine.keys() == theirs.keys()
         for key in mine:
             assert mine[key].allclose(theirs[key], rtol=1e-5, atol=1e-6), key
+
+
+def _stopped_after(monkeypatch, steps):
+    """The run's ``step_adapters`` raises SIGTERM's exception at its call ``steps + 1``."""
+    import signal
+
+    from tiertune.engine import StreamedTrainer
+    from tiertune.errors import Signalled
+
+    calls = {"n": 0}
+    real = StreamedTrainer.step_adapters
+
+    def signalled(self, groups):
+        calls["n"] += 1
+        if calls["n"] == steps + 1:
+            raise Signalled(signal.SIGTERM)
+        return real(self, groups)
+
+    monkeypatch.setattr(StreamedTrainer, "step_adapters", signalled)
+
+
+def test_any_subset_of_the_adapters_resumes_exactly_from_its_own_checkpoints(
+    tmp_path, write_recipe, cat_model, monkeypatch
+):
+    """Three adapters (SFT, SFT with accumulation, DPO) checkpoint every 2 steps; stopped after step 3, two of
+    them resume together from their step-2 checkpoints and the third alone, in a run of one: every step's
+    loss and the final weights are the uninterrupted run's."""
+    from safetensors.torch import load_file
+
+    from tiertune.errors import Interrupted
+    from tiertune.finetune.several import train_several
+    from tiertune.finetune.train import train
+
+    model = cat_model(2, hidden=64)
+    steps = {"max_steps": 4, "save_steps": 2}
+
+    def recipes(where):
+        where.mkdir()
+        return [
+            _recipe(where, write_recipe, model, "a", training=steps),
+            _recipe(
+                where,
+                write_recipe,
+                model,
+                "b",
+                texts=CAT_TEXTS[::-1],
+                training={**steps, "learning_rate": 3e-3, "gradient_accumulation_steps": 2},
+            ),
+            _dpo(where, write_recipe, model, "d", training=steps),
+        ]
+
+    whole = train_several(load_recipes(recipes(tmp_path / "whole")), progress=False)
+    paths = recipes(tmp_path / "cut")
+    with monkeypatch.context() as patch:
+        _stopped_after(patch, 3)
+        with pytest.raises(Interrupted) as stopped:
+            train_several(load_recipes(paths), progress=False)
+    assert stopped.value.step == 3
+    for path in paths:
+        run = load_recipe(path).training.output_dir
+        assert sorted(p.name for p in type(tmp_path)(run).glob("checkpoint-*")) == ["checkpoint-2"]
+    auto = ("training.resume_from_checkpoint=auto",)
+    resumed = train_several(load_recipes([paths[0], paths[2]], auto), progress=False)
+    assert [r.steps for r in resumed] == [4, 4] and all(
+        r.resumed_from.name == "checkpoint-2" for r in resumed
+    )
+    alone = train(load_recipe(paths[1], auto), progress=False)
+    for mine, theirs in zip(
+        [resumed[0].output_dir, alone.output_dir, resumed[1].output_dir], whole, strict=True
+    ):
+        records, expected = _log(mine), _log(theirs.output_dir)
+        assert [r["step"] for r in records] == [1, 2, 3, 4]
+        assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in expected], rel=1e-5)
+        got, want = (load_file(d / "adapter_model.safetensors") for d in (mine, theirs.output_dir))
+        assert got.keys() == want.keys()
+        for key in got:
+            assert got[key].allclose(want[key], rtol=1e-5, atol=1e-6), key
+
+
+def test_a_damaged_checkpoint_leaves_out_its_adapter_alone(tmp_path, write_recipe, cat_model, monkeypatch):
+    """Two adapters stopped after step 1; one's checkpoint damaged and named to resume from: that adapter is left
+    out with the message naming the file (its directory as it was), the other resumes and finishes; the command
+    exits 1."""
+    from typer.testing import CliRunner
+
+    from tiertune.cli.app import app
+    from tiertune.errors import Interrupted
+    from tiertune.finetune.several import train_several
+
+    model = cat_model(2, hidden=64)
+    steps = {"max_steps": 3, "save_steps": 1}
+    paths = [_recipe(tmp_path, write_recipe, model, name, training=steps) for name in ("a", "b")]
+    with monkeypatch.context() as patch:
+        _stopped_after(patch, 1)
+        with pytest.raises(Interrupted):
+            train_several(load_recipes(paths), progress=False)
+    damaged = tmp_path / "b" / "run" / "checkpoint-1"
+    weights = damaged / "adapter_model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    for path, resume in zip(paths, ("auto", str(damaged)), strict=True):
+        recipe = yaml.safe_load(path.read_text())
+        recipe["training"]["resume_from_checkpoint"] = resume
+        path.write_text(yaml.safe_dump(recipe))
+    before = sorted((p.name, p.stat().st_size) for p in (tmp_path / "b" / "run").rglob("*") if p.is_file())
+    result = CliRunner().invoke(app, ["train", str(paths[0]), str(paths[1])])
+    assert result.exit_code == 1, result.output
+    assert f"{weights} does not match its checksum" in result.output
+    assert "left out" in result.output
+    assert [r["step"] for r in _log(tmp_path / "a" / "run")] == [1, 2, 3], result.output
+    assert (tmp_path / "a" / "run" / "adapter_model.safetensors").is_file()
+    after = sorted((p.name, p.stat().st_size) for p in (tmp_path / "b" / "run").rglob("*") if p.is_file())
+    assert after == before
 
 
 def test_a_sweep_of_six_learning_rates_ends_with_a_table(tmp_path, write_recipe, cat_model):

@@ -208,7 +208,9 @@ def train(
                     typer.echo(each.with_absolute_paths().to_yaml())
                 return
             if len(recipes) > 1:
-                train_several(recipes, progress=not quiet)
+                results = train_several(recipes, progress=not quiet)
+                if any(r.error is not None for r in results):  # left out: said in the table, the others done
+                    raise typer.Exit(1)
                 return
             loaded = recipes[0]  # a sweep of one combination: a run of one
         else:

@@ -200,6 +200,7 @@ def plan(
         lora=dataclasses.replace(recipe.method.lora, seed=t.seed if lora_seed is None else lora_seed),
         galore=recipe.method.galore,
         objective=recipe.objective,
+        seed=t.seed,
     )
     # resolved for the device planned for (the estimate's, on a machine without that GPU, too)
     engine.handoff_lag = engine.lag(torch.device(device))

@@ -96,6 +96,9 @@ class EngineConfig:
     # several LoRA adapters over one base (``StreamedTrainer.step_adapters``): the settings of the 2nd, 3rd, ...
     # adapter, each its own recipe's (its ``lora``, learning rate and schedule, AdamW's settings, clipping, steps)
     others: tuple[EngineConfig, ...] = ()
+    # of several adapters, the seed of this adapter's micro-batches' random streams (``training.seed``): its
+    # dropout masks are its own, whichever adapters share its steps; one adapter's come from torch's generator
+    seed: int = 0
 
     def layer_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype the decoder layers' products run in on ``device``: the compute dtype, but for a quantized

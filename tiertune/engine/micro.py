@@ -37,10 +37,11 @@ class Rng:
             yield
 
 
-def streams(count: int, device: torch.device) -> list[Rng]:
+def streams(count: int, device: torch.device, seeds: list[int] | None = None) -> list[Rng]:
     """``count`` random streams, each seeded by a draw from the global generator (which advances by as many
-    draws; its state is what a checkpoint keeps, so a resumed run draws the same streams)."""
-    seeds = torch.randint(0, 2**62, (count,)).tolist()
+    draws; its state is what a checkpoint keeps, so a resumed run draws the same streams), or by ``seeds``."""
+    if seeds is None:
+        seeds = torch.randint(0, 2**62, (count,)).tolist()
     devices = [device] if device.type == "cuda" else []
     out = []
     with torch.random.fork_rng(devices=devices):
@@ -75,6 +76,7 @@ class Micro:
     # of that adapter's step its loss is divided by (None, 0: the one adapter, the step's)
     adapter: str | None = None
     tokens: int = 0
+    objective: Any = None  # and that adapter's ``ObjectiveSettings`` (None: the engine's)
 
     @classmethod
     def of(cls, batch: dict[str, Any], labels: torch.Tensor, rng: Rng, device: torch.device) -> Micro:
@@ -95,6 +97,7 @@ class Micro:
             teacher=teacher_of(b, device),
             adapter=b.get("adapter"),
             tokens=int(b.get("adapter_tokens", 0)),
+            objective=b.get("adapter_objective"),
         )
 
 

@@ -213,6 +213,22 @@ def targets(
     return sum(int(counted((lab[:, 1:] != IGNORE_INDEX).sum(1)).sum()) for lab in labels)
 
 
+CONFIG_RATES = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop")
+"""The dropout rates a model's config may hold (``disable_dropout`` sets them to 0)."""
+
+
+def base_drops(model: torch.nn.Module) -> bool:
+    """Whether ``model`` outside its LoRA adapters drops anything in training: a dropout module or a rate of its
+    config above 0."""
+    config = getattr(model, "config", None)
+    if any(isinstance(getattr(config, n, None), float) and getattr(config, n) > 0 for n in CONFIG_RATES):
+        return True
+    return any(
+        isinstance(m, torch.nn.Dropout) and m.p > 0 and "lora_dropout" not in name
+        for name, m in model.named_modules()
+    )
+
+
 def disable_dropout(model: torch.nn.Module) -> None:
     """Every dropout module of ``model`` (its adapters' among them) set to drop nothing (TRL's
     ``disable_dropout``); attention dropout rates in the model's config too."""
@@ -220,7 +236,7 @@ def disable_dropout(model: torch.nn.Module) -> None:
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     config = getattr(model, "config", None)
-    for name in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop"):
+    for name in CONFIG_RATES:
         if isinstance(getattr(config, name, None), float):
             setattr(config, name, 0.0)
     for module in model.modules():  # transformers' attention modules keep their own copy of the rate
@@ -229,10 +245,12 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 __all__ = [
+    "CONFIG_RATES",
     "DISTILL_METRICS",
     "EXTRA_METRICS",
     "LOSS_TYPES",
     "METRICS",
+    "base_drops",
     "counted",
     "disable_dropout",
     "metric_names",

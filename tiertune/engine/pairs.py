@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiertune.engine import several
 from tiertune.engine.micro import Micro, harvest
 from tiertune.engine.streaming import Capture, StepEngine, Stop, Suffix
 from tiertune.errors import StateError
@@ -18,6 +19,7 @@ from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from tiertune.engine.stash import Stash
+    from tiertune.settings import ObjectiveSettings
 
 
 class PairedPasses:
@@ -29,6 +31,9 @@ class PairedPasses:
     stash: Stash
     layers: list[torch.nn.Module]
     metrics: dict[str, tuple[float, float]]
+    adapter_losses: dict[str, float]
+    objective_of: Callable[[Micro], ObjectiveSettings]
+    metrics_of: Callable[[Micro], dict[str, tuple[float, float]]]
 
     def sequence_logps(
         self,
@@ -113,21 +118,26 @@ class PairedPasses:
     def _paired_suffix(
         self,
         micro: list[Micro],
+        among: Sequence[int],
         outs: list[torch.Tensor],
         n_pairs: int,
         micro_batches: int,
         bound: dict,
         summed: dict,
     ) -> tuple[float, float]:
-        """Per micro-batch of pairs: the preference objective (``engine.objective``) from its sequences'
-        log-probabilities (the reference's from its own hidden states, computed first), back-propagated to the
-        last layer's output through the head as a weighted cross-entropy; its loss divided by the step's
-        ``n_pairs``. Returns the wave's summed loss and router auxiliary losses."""
+        """Per micro-batch of pairs ``among`` (indices into ``micro``): its preference objective
+        (``engine.objective``'s formulas) from its sequences' log-probabilities (the reference's from its own
+        hidden states, computed first), back-propagated to the last layer's output through the head as a
+        weighted cross-entropy; its loss divided by the step's ``n_pairs`` (of several adapters: its adapter's,
+        ``Micro.tokens``). Returns the summed loss and router auxiliary losses."""
         engine = self.engine
         last = len(self.layers)
         aux = engine.router_aux
         total = aux_total = 0.0
-        for j, mb in enumerate(micro):
+        for j in among:
+            mb = micro[j]
+            objective = self.objective_of(mb)
+            several.route(engine.adapters, mb)
             ref_logps = mb.ref_logps
             if mb.ref is not None:
                 engine.visit = Suffix(last - 1, mb.ref)
@@ -140,12 +150,12 @@ class PairedPasses:
             engine.visit = Suffix(last - 1, leaf)
             if aux is not None:
                 aux_total += aux.finish(j, mb.extra.get("attention_mask"), 1.0 / micro_batches)
-            target = _whole_target(mb) if engine.objective.whole_sequences else mb.target
+            target = _whole_target(mb) if objective.whole_sequences else mb.target
             token_losses = engine.compute.token_losses(
                 engine.loss, leaf, mb.ids, mb.extra, target
             ).requires_grad_()
             losses, metrics = engine.compute.pair_losses(
-                engine.objective,
+                objective,
                 token_losses,
                 mb.target != IGNORE_INDEX,
                 ref_logps,
@@ -154,18 +164,20 @@ class PairedPasses:
             )
             loss_sum = losses.sum()
             (slope,) = torch.autograd.grad(loss_sum, token_losses)  # d loss / d each token's loss
-            weight = (slope / n_pairs).reshape(-1)
+            weight = (slope / (mb.tokens or n_pairs)).reshape(-1)
             engine.compute.loss(engine.loss, leaf, mb.ids, mb.extra, target, weight).backward()
-            total += engine.compute.value(loss_sum.detach())
+            value = engine.compute.value(loss_sum.detach())
+            total += value
+            if mb.adapter is not None:
+                self.adapter_losses[mb.adapter] = self.adapter_losses.get(mb.adapter, 0.0) + value
+            into = self.metrics_of(mb)
             for name, (value, count) in metrics.items():
-                total_value, total_count = self.metrics.get(name, (0.0, 0.0))
-                self.metrics[name] = (total_value + value, total_count + count)
+                total_value, total_count = into.get(name, (0.0, 0.0))
+                into[name] = (total_value + value, total_count + count)
             if leaf.grad is None:
                 raise StateError("the loss does not depend on the last decoder layer's output")
             mb.grad = leaf.grad
             harvest(bound, summed)
-        engine.visit = None
-        self.stash.close(last, keep=False)
         return total, aux_total
 
 

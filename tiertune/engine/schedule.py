@@ -30,24 +30,21 @@ order; ``engine.replay`` makes the same store calls, so ``tiertune estimate`` co
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack, nullcontext, suppress
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from tiertune.engine import several
 from tiertune.engine.compute import Call
-from tiertune.engine.micro import Micro, Rng, add, harvest, stacked_inputs, streams
-from tiertune.engine.pairs import PairedPasses
-from tiertune.engine.stacking import draws_random, stack_calls
+from tiertune.engine.micro import Micro, Rng, add, harvest, streams
+from tiertune.engine.stacking import draws_random, first_fit, stack_calls
 from tiertune.engine.stash import Stash, stash_slots
-from tiertune.engine.streaming import Capture, StepEngine, Stop, Suffix
-from tiertune.engine.teacher import cat_teachers
+from tiertune.engine.streaming import Capture, StepEngine, Stop
+from tiertune.engine.suffix import Suffixes
 from tiertune.errors import StateError
-from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from tiertune.engine.config import EngineConfig
@@ -62,7 +59,7 @@ def waves(cfg: EngineConfig, micro_batches: int) -> list[range]:
     return [range(lo, min(lo + m, micro_batches)) for lo in range(0, micro_batches, m)]
 
 
-class LayerMajor(PairedPasses):
+class LayerMajor(Suffixes):
     """The layer-major step of ``engine`` (the module docstring), its boundaries in ``stash``."""
 
     def __init__(self, engine: StepEngine, stash: Stash) -> None:
@@ -72,12 +69,10 @@ class LayerMajor(PairedPasses):
         # a preference objective's metrics over the step so far, each a sum and what it counts (pairs, or
         # micro-batches: ``engine.objective.pair_losses``); the engine resets them at each step's start
         self.metrics: dict[str, tuple[float, float]] = {}
-        # of several adapters over one base: each one's summed loss over the step so far (reset with metrics)
+        # of several adapters over one base: each one's summed loss and metrics over the step so far (reset with
+        # metrics)
         self.adapter_losses: dict[str, float] = {}
-        # whether the layers' forward visits run the reference too (the base, adapters off) beside the policy;
-        # a full fine-tune's reference is its initial weights, whose log-probabilities the run computes before
-        # training (``sequence_logps``) and hands each step with its micro-batches (``ref_logps``)
-        self.reference = engine.objective.reference and engine.adapters is not None
+        self.adapter_metrics: dict[str, dict[str, tuple[float, float]]] = {}
 
     def stacks(self, i: int, micro: Sequence[Micro]) -> list[list[int]]:
         """The micro-batches of a wave (indices) that layer ``i``'s visit runs together: each joins the first
@@ -87,7 +82,7 @@ class LayerMajor(PairedPasses):
         limit = self.engine.config.stack_limit
         if limit <= 0 or self._random[i] or self.engine.router_aux is not None:
             return [[j] for j in range(len(micro))]
-        return _first_fit(
+        return first_fit(
             micro,
             limit,
             lambda head, mb: (
@@ -144,9 +139,11 @@ class LayerMajor(PairedPasses):
             names = {key: list(params) for key, params in bound.items()}
             stack.callback(setattr, engine, "visit", None)
             stack.callback(self.stash.abandon)  # nothing is open when the wave ends as it should
+            # (of several adapters: each micro-batch's seed drawn from its adapter's generator)
+            seeds = [int(b["stream_seed"]) for b in batches] if "stream_seed" in batches[0] else None
             micro = [
                 Micro.of(b, lab, rng, device)
-                for b, lab, rng in zip(batches, labels, streams(len(batches), device), strict=True)
+                for b, lab, rng in zip(batches, labels, streams(len(batches), device, seeds), strict=True)
             ]
             if rows is not None:
                 rows.start([mb.ids for mb in micro])
@@ -162,11 +159,10 @@ class LayerMajor(PairedPasses):
                     _release(untied.state, holds, bound)
                 engine.add_outside(untied, None, split)
             last = self._forward(micro, first)
-            suffix = self._paired_suffix if engine.objective.paired else self._suffix
             # the decoder's embeddings in the suffix (passed on to the last layer, which hands back its output):
             # a released embedding's rows stand in for it (its values for these ids)
             with untied.bound() if untied is not None and split else nullcontext():
-                total, aux_total = suffix(micro, last, n_tokens, micro_batches, bound, summed)
+                total, aux_total = self._suffix(micro, last, n_tokens, micro_batches, bound, summed)
             if tied is not None:
                 if split:
                     _release(tied.state, holds, bound)
@@ -219,7 +215,9 @@ class LayerMajor(PairedPasses):
             mb.shape = visit.first.shape
             trained = trained or visit.first.requires_grad
             outputs.append(visit.first.detach())
-            if self.reference:  # the base's embeddings: the policy's unless adapters change them
+            # the reference's (the base, adapters off) beside the policy's: its embeddings, the policy's unless
+            # adapters change them (a full fine-tune's reference log-probabilities come with the batch)
+            if self.refers(mb):
                 mb.ref = outputs[-1] if not visit.first.requires_grad else self._reference_embeddings(mb)
         first = self.stash.open(0, [mb.shape for mb in micro], write=True)
         for x, out in zip(first, outputs, strict=True):
@@ -256,87 +254,12 @@ class LayerMajor(PairedPasses):
                         ys[j].copy_(part)
                     del out, x
                     # the same weights, read once: the reference's hidden states move on too
-                    if self.reference:
-                        self._reference_layer(i, micro, group)
+                    refs = [j for j in group if micro[j].ref is not None]
+                    if refs:
+                        self._reference_layer(i, micro, refs)
             self.stash.close(i, keep=True)
             xs = ys
         return xs
-
-    def _suffix(
-        self,
-        micro: list[Micro],
-        outs: list[torch.Tensor],
-        n_tokens: int,
-        micro_batches: int,
-        bound: dict,
-        summed: dict,
-    ) -> tuple[float, float]:
-        """Per micro-batch: the final norm, head and loss on the last layer's output (``outs``, boundary L,
-        held), back-propagated to it."""
-        engine = self.engine
-        last = len(self.layers)
-        aux = engine.router_aux
-        total = aux_total = 0.0
-        for group in self._suffix_stacks(micro):
-            parts = [micro[j] for j in group]
-            several.route(engine.adapters, parts[0], micro, group)
-            one = len(group) == 1
-            leaf = (outs[group[0]] if one else torch.cat([outs[j] for j in group])).detach().requires_grad_()
-            engine.visit = Suffix(last - 1, leaf)
-            # its gradient joins each layer's backward (a stack of one: ``_suffix_stacks``)
-            if aux is not None:
-                aux_total += aux.finish(group[0], parts[0].extra.get("attention_mask"), 1.0 / micro_batches)
-            ids, extra, target = stacked_inputs(parts)
-            # none: the cross-entropy (``several.backward``: of several adapters, each over its own tokens)
-            loss_sum = None
-            if engine.objective.distills:
-                teacher = parts[0].teacher if one else cat_teachers([mb.teacher for mb in parts])
-                loss_sum = self._distill_loss(leaf, ids, extra, target, teacher)
-            total += several.backward(
-                engine, leaf, (ids, extra, target), parts, n_tokens, loss_sum, self.adapter_losses
-            )
-            if leaf.grad is None:
-                raise StateError("the loss does not depend on the last decoder layer's output")
-            for mb, grad in zip(parts, leaf.grad.split([mb.shape[0] for mb in parts]), strict=True):
-                mb.grad = grad
-            harvest(bound, summed)
-        engine.visit = None
-        self.stash.close(last, keep=False)
-        return total, aux_total
-
-    def _distill_loss(
-        self, leaf: torch.Tensor, ids: torch.Tensor, extra: dict, target: torch.Tensor, teacher: Any
-    ) -> torch.Tensor:
-        """A distillation's summed loss of a stack of micro-batches (``CausalLMLoss.distill``), its
-        cross-entropy and divergence added to the step's metrics (``ce_loss``, ``kd_loss``: by token)."""
-        engine = self.engine
-        o = engine.objective
-        if teacher is None and not engine.compute.ledger:  # a ledger's step computes nothing
-            raise StateError("a distillation step's micro-batch carries no teacher figures")
-        loss_sum, ce, kd = engine.compute.distill(
-            engine.loss, leaf, ids, extra, target, teacher, o.beta, o.temperature, o.alpha
-        )
-        count = engine.compute.value((target != IGNORE_INDEX).sum())
-        for name, value in (("ce_loss", ce), ("kd_loss", kd)):
-            total_value, total_count = self.metrics.get(name, (0.0, 0.0))
-            self.metrics[name] = (total_value + engine.compute.value(value), total_count + count)
-        return loss_sum
-
-    def _suffix_stacks(self, micro: Sequence[Micro]) -> list[list[int]]:
-        """The micro-batches the final norm, head and loss run on together: as ``stacks`` (at most
-        ``stack_limit`` tokens, no router loss per micro-batch), those of one sequence length with the same
-        inputs beside the ids (an attention mask in all or in none)."""
-        limit = self.engine.config.stack_limit
-        if limit <= 0 or self.engine.router_aux is not None:
-            return [[j] for j in range(len(micro))]
-        return _first_fit(
-            micro,
-            limit,
-            lambda head, mb: (
-                several.shares(self.engine.adapters, head, mb)
-                and (mb.shape[1:], sorted(mb.extra)) == (head.shape[1:], sorted(head.extra))
-            ),
-        )
 
     def _backward(self, micro: list[Micro], prefix_trained: bool) -> None:
         """Layers L-1..0, each visited once: recomputed and back-propagated for every micro-batch. A layer's
@@ -424,24 +347,6 @@ def _release(state: GroupState, holds: dict, bound: dict) -> None:
     """Release a group bound for the wave before its gradients are handed on (its last reader is done)."""
     holds[id(state)].close()
     bound.pop(id(state), None)
-
-
-def _first_fit(micro: Sequence[Micro], limit: int, joins: Callable[[Micro, Micro], bool]) -> list[list[int]]:
-    """``micro`` (indices) in stacks of at most ``limit`` tokens: each micro-batch joins the first stack whose
-    first micro-batch it ``joins`` and that has room for it, else starts one."""
-    groups: list[list[int]] = []
-    tokens: list[int] = []
-    for j, mb in enumerate(micro):
-        n = math.prod(mb.shape[:-1])
-        for g, group in enumerate(groups):
-            if tokens[g] + n <= limit and joins(micro[group[0]], mb):
-                group.append(j)
-                tokens[g] += n
-                break
-        else:
-            groups.append([j])
-            tokens.append(n)
-    return groups
 
 
 __all__ = ["LayerMajor", "streams", "waves"]

@@ -15,11 +15,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiertune.engine.objective import targets
+from tiertune.engine import objective
+from tiertune.engine.objective import metric_names, targets
 from tiertune.errors import ConfigError, DataError, NonFiniteError
 
 if TYPE_CHECKING:
@@ -88,44 +90,102 @@ def backward(
     return value
 
 
+@dataclass(frozen=True)
+class AdapterStep:
+    """One adapter's step of several over one base: its loss, gradient norm (nan: not clipped), learning rate
+    and its objective's metrics (TRL's names: ``engine.objective.metric_names``)."""
+
+    loss: float
+    grad_norm: float
+    learning_rate: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 def check(config: Any) -> None:
-    """ConfigError where several adapters over one base (``config.others``) cannot run yet: not LoRA, not SFT."""
+    """ConfigError where several adapters over one base (``config.others``) cannot run yet: an adapter not LoRA,
+    or whose objective is neither SFT nor a preference objective."""
     if not config.others:
         return
     for c in config.adapter_configs:
-        if c.method != "lora" or c.objective.type != "sft":
+        if c.method != "lora" or not (c.objective.type == "sft" or c.objective.paired):
             raise ConfigError(
-                "several adapters over one base train LoRA adapters with objective.type: sft so far (this one: "
-                f"method.type {c.method}, objective.type {c.objective.type}); run the others alone"
+                "several adapters over one base train LoRA adapters with objective.type sft, dpo, simpo, orpo or "
+                f"kto (this one: method.type {c.method}, objective.type {c.objective.type}); train it alone"
             )
 
 
-def schedules(config: Any, adapters: Adapters | None) -> tuple[dict, dict, dict]:
-    """Of several adapters over the base: each one's settings, learning-rate schedule and steps taken, by
-    name (empty for one adapter; ``check`` has passed)."""
+def disable_dropout(model: torch.nn.Module, adapters: Adapters | None, config: Any) -> None:
+    """Dropout off where an objective asks (TRL's ``disable_dropout``, preference and distillation objectives):
+    the whole model's for one adapter (or none); of several, each asking adapter's own, and the base's only if
+    every adapter asks (ConfigError where the base drops and the adapters disagree: each would not be its solo
+    run)."""
+    asks = [
+        (c.objective.paired or c.objective.distills) and c.objective.disable_dropout
+        for c in config.adapter_configs
+    ]
+    if all(asks):
+        objective.disable_dropout(model)
+        return
+    if not any(asks):
+        return
+    if objective.base_drops(model):
+        raise ConfigError(
+            "the base drops (its config's dropout rates above 0) and some adapters' objectives disable dropout "
+            "(objective.disable_dropout) while others keep it: set objective.disable_dropout alike in every "
+            "recipe, or train them apart"
+        )
+    assert adapters is not None
+    for name, asked in zip(adapters.names, asks, strict=True):
+        if asked:
+            adapters.drop_nothing(name)
+
+
+def schedules(config: Any, adapters: Adapters | None) -> tuple[dict, dict, dict, dict]:
+    """Of the adapters over the base (``step_adapters``; one of them too: what is left of a run of several):
+    each one's settings, learning-rate schedule, steps taken and random generator (its micro-batches' streams:
+    ``EngineConfig.seed``), by name (empty without adapters; ``check`` has passed)."""
     from tiertune.engine.step import LRSchedule
 
-    if not config.others:
-        return {}, {}, {}
-    assert adapters is not None
+    if adapters is None:
+        return {}, {}, {}, {}
     configs = dict(zip(adapters.names, config.adapter_configs, strict=True))
     lrs = {
         name: LRSchedule(c.learning_rate, c.lr_scheduler_type, c.warmup_steps, c.max_steps)
         for name, c in configs.items()
     }
-    return configs, lrs, dict.fromkeys(adapters.names, 0)
+    rngs = {name: torch.Generator().manual_seed(c.seed) for name, c in configs.items()}
+    return configs, lrs, dict.fromkeys(adapters.names, 0), rngs
+
+
+def adapter_state(trainer: Any, name: str) -> dict[str, Any]:
+    """What adapter ``name``'s next step depends on (its weights and optimizer state, steps taken, random
+    generator): a checkpoint of it alone (``load_adapter_state`` puts it back)."""
+    return {
+        "training": trainer.adapters.training_state(name),
+        "steps": trainer.adapter_steps[name],
+        "rng": trainer.adapter_rng[name].get_state(),
+    }
+
+
+def load_adapter_state(trainer: Any, name: str, state: dict[str, Any]) -> None:
+    """Adapter ``name`` as ``adapter_state`` took it (the others untouched)."""
+    cfg = trainer.adapter_config[name]
+    betas = (cfg.adam_beta1, cfg.adam_beta2)
+    trainer.adapters.load_training_state(state["training"], cfg.weight_decay, betas, cfg.adam_epsilon, name)
+    trainer.adapter_steps[name] = int(state["steps"])
+    trainer.adapter_rng[name].set_state(state["rng"])
 
 
 def step_adapters(
     trainer: Any, groups: dict[str, Sequence[dict[str, torch.Tensor]]]
-) -> dict[str, tuple[float, float, float]]:
+) -> dict[str, AdapterStep]:
     """One step of each adapter named in ``groups`` (``Adapters.names``; its micro-batches), all of them in one
     pass of the base's layers (each layer read and dequantized once, each micro-batch through its own
     adapter, stacked across adapters where peft mixes them: ``shares``); each adapter's loss divided by its own
-    target tokens, its gradients clipped and stepped by its own optimizer at its own schedule's learning rate, exactly as it
-    would be alone. Returns each adapter's (loss, gradient norm, learning rate)."""
+    target tokens (its pairs, for a preference objective), its gradients clipped and stepped by its own optimizer at
+    its own schedule's learning rate, exactly as it would be alone."""
     if not trainer.adapter_config:
-        raise ConfigError("step_adapters needs several adapters over the base (EngineConfig.others)")
+        raise ConfigError("step_adapters trains LoRA adapters over the base (method.type lora)")
     step_began = time.perf_counter()
     moved, sent = trainer.store.stats().bytes_moved, trainer.wire_sent()
     times_before = dict(trainer.times)
@@ -134,15 +194,27 @@ def step_adapters(
     labels: list[torch.Tensor] = []
     for name, micro in groups.items():
         own = [mb.get("labels", mb["input_ids"]) for mb in micro]
-        tokens[name] = int(trainer.sharding.total(targets(trainer.objective, micro, own), torch.int64))
+        aim = trainer.adapter_config[name].objective
+        tokens[name] = int(trainer.sharding.total(targets(aim, micro, own), torch.int64))
         if tokens[name] == 0:
             raise DataError(
                 f"a training step of adapter {name} has no target tokens (every label is -100); check its "
                 "data and max_seq_len"
             )
-        batches += [{**mb, "adapter": name, "adapter_tokens": tokens[name]} for mb in micro]
+        seeds = torch.randint(0, 2**62, (len(micro),), generator=trainer.adapter_rng[name]).tolist()
+        batches += [
+            {
+                **mb,
+                "adapter": name,
+                "adapter_tokens": tokens[name],
+                "adapter_objective": aim,
+                "stream_seed": seed,
+            }
+            for mb, seed in zip(micro, seeds, strict=True)
+        ]
         labels += own
-    trainer.schedule.metrics, trainer.schedule.adapter_losses = {}, {}
+    schedule = trainer.schedule
+    schedule.metrics, schedule.adapter_losses, schedule.adapter_metrics = {}, {}, {}
     waves = trainer.schedule.waves(len(batches))
     for w, wave in enumerate(waves):
         trainer.step_ctx.first_wave, trainer.step_ctx.last_wave = w == 0, w == len(waves) - 1
@@ -153,10 +225,10 @@ def step_adapters(
     adapters = trainer.adapters
     assert adapters is not None
     trainer.sharding.all_reduce_grads(adapters.params)
-    out: dict[str, tuple[float, float, float]] = {}
+    out: dict[str, AdapterStep] = {}
     for name in groups:
         cfg = trainer.adapter_config[name]
-        loss = float(trainer.sharding.total(trainer.schedule.adapter_losses.get(name, 0.0))) / tokens[name]
+        loss = float(trainer.sharding.total(schedule.adapter_losses.get(name, 0.0))) / tokens[name]
         if not math.isfinite(loss):
             adapters.zero_grad(name)
             raise NonFiniteError(f"adapter {name}'s loss is {loss}")
@@ -165,11 +237,26 @@ def step_adapters(
         betas = (cfg.adam_beta1, cfg.adam_beta2)
         norm = trainer.compute.run(adapters.step, lr, cfg.weight_decay, betas, cfg.adam_epsilon, clip, name)
         trainer.adapter_steps[name] += 1
-        out[name] = (loss, float(norm) if norm is not None else float("nan"), lr)
+        metrics = {}
+        for metric in metric_names(cfg.objective):  # as ``StreamedTrainer.step`` reads a step's
+            value, count = schedule.adapter_metrics.get(name, {}).get(metric, (0.0, 0.0))
+            count = float(trainer.sharding.total(count))
+            if count:
+                metrics[metric] = float(trainer.sharding.total(value)) / count
+        out[name] = AdapterStep(loss, float(norm) if norm is not None else float("nan"), lr, metrics)
     first = next(iter(out.values()))  # the report's: the first adapter's of the step
-    trainer.last_lr, trainer.last_grad_norm = first[2], first[1]
-    trainer.end_step(first[0], began, step_began, times_before, moved, sent)
+    trainer.last_lr, trainer.last_grad_norm = first.learning_rate, first.grad_norm
+    trainer.end_step(first.loss, began, step_began, times_before, moved, sent)
     return out
 
 
-__all__ = ["backward", "check", "route", "schedules", "shares", "step_adapters"]
+__all__ = [
+    "AdapterStep",
+    "backward",
+    "check",
+    "disable_dropout",
+    "route",
+    "schedules",
+    "shares",
+    "step_adapters",
+]

@@ -3,7 +3,9 @@ layer may draw random numbers, and one call for several micro-batches' calls tha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,4 +74,22 @@ def stack_calls(calls: Sequence[Call], batches: Sequence[int]) -> Call | None:
     return tree_unflatten(out, spec)
 
 
-__all__ = ["draws_random", "stack_calls"]
+def first_fit(micro: Sequence[Any], limit: int, joins: Callable[[Any, Any], bool]) -> list[list[int]]:
+    """``micro`` (indices) in stacks of at most ``limit`` tokens: each micro-batch joins the first stack whose
+    first micro-batch it ``joins`` and that has room for it, else starts one."""
+    groups: list[list[int]] = []
+    tokens: list[int] = []
+    for j, mb in enumerate(micro):
+        n = math.prod(mb.shape[:-1])
+        for g, group in enumerate(groups):
+            if tokens[g] + n <= limit and joins(micro[group[0]], mb):
+                group.append(j)
+                tokens[g] += n
+                break
+        else:
+            groups.append([j])
+            tokens.append(n)
+    return groups
+
+
+__all__ = ["draws_random", "first_fit", "stack_calls"]

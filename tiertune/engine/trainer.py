@@ -33,7 +33,7 @@ from tiertune.engine.layout import (
 )
 from tiertune.engine.loaded import load_model
 from tiertune.engine.loss import CausalLMLoss
-from tiertune.engine.objective import disable_dropout, metric_names, targets
+from tiertune.engine.objective import metric_names, targets
 from tiertune.engine.router_aux import RouterAux
 from tiertune.engine.rows import InputRows
 from tiertune.engine.schedule import LayerMajor
@@ -156,6 +156,9 @@ class StreamedTrainer(TrainerViews):
         # MoE: the router's auxiliary loss, where transformers computes one and the config asks for it (a
         # ledger's layers compute no router logits)
         self.router_aux = None if ledger else RouterAux.of(self.model, self.parts.layers)
+        # before the layers are streamed ones (the model's modules then no longer hold them) and the schedule
+        # (which layers draw random numbers, and so stack, is known after)
+        several.disable_dropout(self.model, self.adapters, config)
         for i, layer in enumerate(self.parts.layers):
             tile_layer(
                 layer, config.sequence_tile, self.model.config.get_text_config(decoder=True).model_type
@@ -220,14 +223,15 @@ class StreamedTrainer(TrainerViews):
         self._lr = LRSchedule(
             config.learning_rate, config.lr_scheduler_type, config.warmup_steps, config.max_steps
         )
-        # of several adapters over one base: each one's settings, schedule and steps taken (``engine.several``)
-        self.adapter_config, self.adapter_lr, self.adapter_steps = several.schedules(config, self.adapters)
+        # of several adapters over one base: each one's settings, schedule, steps taken and random generator
+        # (``engine.several``)
+        self.adapter_config, self.adapter_lr, self.adapter_steps, self.adapter_rng = several.schedules(
+            config, self.adapters
+        )
         # the loss, fused with the head where the architecture allows (kernels.ops.linear_ce)
         self.loss = CausalLMLoss(self.model, config.kernels != "none", self.kernel_backend)
         # a preference objective's last step's metrics (TRL's names: engine.objective)
         self.last_metrics: dict[str, float] = {}
-        if (self.objective.paired or self.objective.distills) and self.objective.disable_dropout:
-            disable_dropout(self.model)
         # the weighted auxiliary loss in the last step's loss (None when it has none: router_aux is None)
         self.last_router_aux_loss: float | None = None
         self.last_report: StepReport | None = None  # the last step, as the loop and the benchmarks read it
@@ -395,9 +399,9 @@ class StreamedTrainer(TrainerViews):
 
     def step_adapters(
         self, groups: dict[str, Sequence[dict[str, torch.Tensor]]]
-    ) -> dict[str, tuple[float, float, float]]:
+    ) -> dict[str, several.AdapterStep]:
         """One step of each adapter named in ``groups`` over one pass of the base (``engine.several``); returns
-        each adapter's (loss, gradient norm, learning rate)."""
+        each adapter's loss, gradient norm, learning rate and metrics."""
         return several.step_adapters(self, groups)
 
     @property

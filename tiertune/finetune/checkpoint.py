@@ -523,6 +523,48 @@ def _commit(tmp: Path, final: Path, run_dir: Path, going: Callable[[], None] = l
     fsync_dir(run_dir)
 
 
+def save_in_place(
+    run_dir: str | os.PathLike[str],
+    trainer_state: dict,
+    write: Callable[[Path], None],
+    recipe_yaml: str,
+    limit: int | None,
+) -> Path:
+    """A checkpoint whose state is small and in memory (one adapter of several over one base), written now on
+    the calling thread as ``CheckpointWriter`` commits its own: ``write(directory)`` puts the state's files in
+    the partial directory, beside the random states, the recipe, an empty state index and the trainer state;
+    then the checksums, fsync, rename, and ``save_total_limit``. A full disk is a DiskFullError and leaves the
+    checkpoints before it as they were."""
+    run_dir = Path(run_dir)
+    step = int(trainer_state["global_step"])
+    final, tmp = run_dir / f"{PREFIX}{step}", run_dir / f".{PREFIX}{step}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        (tmp / "state").mkdir(parents=True)
+        write(tmp)
+        torch.save(_rng_states(), tmp / rng_file(0, 1))
+        (tmp / RECIPE_FILE).write_text(recipe_yaml)
+        (tmp / "state" / INDEX_FILE).write_text(json.dumps(merge([rank_index([])], 1), indent=1))
+        state = dict(trainer_state)
+        state["tiertune"] = dict(state.get("tiertune", {}), checksums=CHECKSUMS, world_size=1)
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+        write_checksums(tmp)
+        _commit(tmp, final, run_dir)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc):
+            free = shutil.disk_usage(run_dir).free
+            raise DiskFullError(
+                f"no room for {final.name} in {run_dir} ({format_size(free)} free): free some space or set "
+                "training.save_total_limit; the checkpoints before it are intact"
+            ) from None
+        raise
+    for stale in prune(run_dir, limit):
+        log.debug("removed %s (save_total_limit %d)", stale, limit)
+    log.info("saved %s", final)
+    return final
+
+
 def prune(run_dir: str | os.PathLike[str], limit: int | None) -> list[Path]:
     """Delete the oldest complete checkpoints beyond ``limit``; returns what was removed."""
     if not limit or limit < 1:
@@ -563,18 +605,18 @@ def load_checkpoint(trainer: StreamedTrainer, path: str | os.PathLike[str]) -> d
                     reader.read(p.key, p.start, p.end, views[p.name].reshape(-1))
     if trainer.adapters is not None:
         cfg = trainer.config
-        blob = _read(path / "adapter_optimizer.pt", partial(torch.load, weights_only=False))
+        blob = read_part(path / "adapter_optimizer.pt", partial(torch.load, weights_only=False))
         trainer.adapters.load_training_state(
             blob, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon
         )
     trainer.restore_counters(state["tiertune"])
     rng = [path / rng_file(world.rank, world.size), path / rng_file(0, 1), path / rng_file(0, 2)]
     found = next((f for f in rng if f.is_file()), rng[0])  # of another world size: rank 0's (or the only) one
-    _set_rng_states(_read(found, partial(torch.load, weights_only=False)))
+    _set_rng_states(read_part(found, partial(torch.load, weights_only=False)))
     return state
 
 
-def _read(file: Path, reader: Callable[[Path], Any]) -> Any:
+def read_part(file: Path, reader: Callable[[Path], Any]) -> Any:
     """``reader(file)``, with any failure to read or parse it an IntegrityError naming the file."""
     if not file.is_file():
         raise IntegrityError(f"{file} is missing: the checkpoint is damaged")

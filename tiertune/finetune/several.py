@@ -1,53 +1,93 @@
 """Several recipes trained over one base in one run (``tiertune train a.yaml b.yaml``, ``sweep:``:
 ``config.sweep``): one ``StreamedTrainer`` whose base streams once a step for every recipe's LoRA adapter
-(``engine.several``), each adapter with its own data, steps, log, and model in its own run directory.
+(``engine.several``), each adapter with its own objective (SFT or a preference objective), data, steps, log,
+checkpoints and model in its own run directory.
 
-Each run directory is locked and checked as a run's (``rundir.RunDirectory``); each adapter's
-``trainer_log.jsonl`` has its own records (``loss``, ``grad_norm``, ``learning_rate``, ``epoch``), with the shared
-stream's ``bytes_moved`` counted from the start, as a run of one. An adapter whose steps are done takes no part in
-later steps. SIGINT or SIGTERM stops the run at its next safe point (``Interrupted``; nothing is kept to
-resume). Not yet: checkpoints of several adapters (``training.save_steps`` must be 0), preference and
-distillation objectives, several processes."""
+Each run directory is locked, decided and prepared as a run's (``rundir.RunDirectory``): a recipe with
+``training.resume_from_checkpoint`` resumes its adapter from its own checkpoint, whichever of the others resume
+or start; one whose directory cannot be used (a damaged checkpoint named, a finished run, another run's
+directory) is left out with its message and the others train (``AdapterResult.error``). Each adapter's
+``trainer_log.jsonl`` has a run's records (``loss``, ``grad_norm``, ``learning_rate``, ``epoch``, its objective's
+metrics) with the shared stream's ``bytes_moved`` and peaks; its ``checkpoint-<step>/`` every ``save_steps`` of
+its own steps and at its last, in a run's format (the adapter in PEFT format, ``adapter_optimizer.pt``, its
+random generator ``adapter_rng.pt``, the trainer state with the data's position), written at once: an adapter's
+state is small and in memory (``checkpoint.save_in_place``). An adapter whose steps are done takes no part in
+later steps. SIGINT or SIGTERM stops the run at its next safe point (``Interrupted``). Not yet: distillation,
+several processes."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from tiertune.config.plan import resolve
 from tiertune.config.recipe import Recipe
 from tiertune.config.sweep import shared_base
-from tiertune.errors import ConfigError, Interrupted, Signalled
+from tiertune.distributed.world import World
+from tiertune.engine import several
+from tiertune.errors import ConfigError, IntegrityError, Interrupted, Signalled
 from tiertune.files import write_text_atomically
-from tiertune.finetune.checkpoint import RECIPE_FILE
+from tiertune.finetune.checkpoint import (
+    RECIPE_FILE,
+    STATE_FILE,
+    latest_checkpoint,
+    read_part,
+    read_state,
+    save_in_place,
+)
 from tiertune.finetune.data import batches
-from tiertune.finetune.rundir import RunDirectory
+from tiertune.finetune.rundir import LAUNCH_FILE, LOG_NAME, Decision, RunDirectory, launch_record
 from tiertune.finetune.signals import stop_on_signals
 from tiertune.loading.hub import model_directory
 from tiertune.methods.lora import adapter_name
 
+log = logging.getLogger("tiertune.train")
+
+RNG_FILE = "adapter_rng.pt"  # an adapter's random generator (its micro-batches' streams) in its checkpoint
+
 
 @dataclass
 class AdapterResult:
-    """One recipe's adapter of a run over one base: its directory, steps, losses and last record."""
+    """One recipe's adapter of a run over one base: its directory, name in the run, steps done (a resumed one's
+    before this run included), the losses of this run's steps, its last record, and the message that left it
+    out (None: it trained)."""
 
     output_dir: Path
-    name: str
+    name: str = ""
     steps: int = 0
     losses: list[float] = field(default_factory=list)
     last: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    resumed_from: Path | None = None
+
+
+@dataclass
+class _Adapter:
+    """An adapter training in the run: its recipe, data, result, log so far and data stream."""
+
+    recipe: Recipe
+    loaded: Any
+    result: AdapterResult
+    decision: Decision
+    history: list[dict] = field(default_factory=list)
+    stream: Any = None
 
 
 def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterResult]:
     """Train each of ``recipes`` (two or more; ``config.sweep.shared_base`` holds for them) as a LoRA adapter over
     their one base, the base streamed once a step for all of them; export each adapter into its directory.
-    Prints a table of each adapter's final loss and directory when ``progress``."""
-    from tiertune.distributed.world import World
+    A recipe whose run directory cannot be used is left out with its message (``AdapterResult.error``);
+    ConfigError when none can train. Prints a table of each adapter's final loss and directory when
+    ``progress``."""
     from tiertune.finetune.train import admit, load_run
 
     recipes = [r.with_absolute_paths() for r in recipes]
@@ -58,44 +98,59 @@ def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterR
         _refuse(recipe, world.size)
     runs = [resolve(r, world) for r in recipes]
     loaded = [load_run(r, world.size) for r in recipes]
-    first = runs[0]
-    engine = dataclasses.replace(
-        first.engine,
-        max_steps=loaded[0].steps,
-        activation_tokens=max(r.engine.activation_tokens for r in runs),
-        others=tuple(
-            dataclasses.replace(r.engine, max_steps=ld.steps)
-            for r, ld in zip(runs[1:], loaded[1:], strict=True)
-        ),
-    )
-    admit(first)
+    results = [AdapterResult(Path(r.training.output_dir)) for r in recipes]
+    admit(runs[0])
     with stop_on_signals() as stop, ExitStack() as held:
-        for recipe, ld in zip(recipes, loaded, strict=True):
-            directory = held.enter_context(RunDirectory(recipe.training.output_dir))
-            directory.prepare(directory.decide(recipe, ld.steps))
+        adapters: list[_Adapter] = []
+        for recipe, ld, result in zip(recipes, loaded, results, strict=True):
+            try:
+                directory = held.enter_context(RunDirectory(recipe.training.output_dir))
+                decision = directory.decide(recipe, ld.steps)
+            except (ConfigError, IntegrityError) as exc:  # this adapter's alone: the others train
+                result.error = str(exc)
+                log.error("%s is left out of the run: %s", recipe.training.output_dir, exc)
+                if progress:
+                    print(f"left out {recipe.training.output_dir}: {exc}", flush=True)
+                continue
+            directory.prepare(decision)
+            result.steps, result.resumed_from = decision.step, decision.resume
+            adapters.append(_Adapter(recipe, ld, result, decision))
+        if not adapters:
+            raise ConfigError(
+                "no recipe of the run can train: " + "; ".join(f"{r.output_dir}: {r.error}" for r in results)
+            )
+        chosen = [runs[i] for i, r in enumerate(results) if r.error is None]
+        engine = dataclasses.replace(
+            chosen[0].engine,
+            max_steps=adapters[0].loaded.steps,
+            activation_tokens=max(r.engine.activation_tokens for r in chosen),
+            others=tuple(
+                dataclasses.replace(r.engine, max_steps=a.loaded.steps)
+                for r, a in zip(chosen[1:], adapters[1:], strict=True)
+            ),
+        )
         done = [0]  # the shared steps completed
         try:
             with stop.at_safe_points():
-                return _train(recipes, first.store, engine, loaded, stop, progress, done)
+                _train(adapters, chosen[0].store, engine, stop, progress, done)
         except Signalled as exc:  # the trainer closed, the directories unlocked: said as a run's stop
-            where = Path(recipes[0].training.output_dir) / RECIPE_FILE
-            raise Interrupted(exc.signum, done[0], None, where) from None
+            first = adapters[0].result
+            where = latest_checkpoint(first.output_dir)
+            raise Interrupted(exc.signum, done[0], where, first.output_dir / RECIPE_FILE) from None
+    if progress:
+        print(format_table(results), flush=True)
+    return results
 
 
 def _refuse(recipe: Recipe, ranks: int) -> None:
     """ConfigError for what several recipes over one base do not run yet."""
     t = recipe.training
+    kind = recipe.objective.type
     for holds, setting, why in (
         (
-            recipe.objective.type == "sft",
+            kind == "sft" or recipe.objective.paired,
             "objective.type",
-            f"is {recipe.objective.type}: several adapters train with sft so far",
-        ),
-        (t.save_steps == 0, "training.save_steps", "must be 0: several adapters write no checkpoints yet"),
-        (
-            not t.resume_from_checkpoint,
-            "training.resume_from_checkpoint",
-            "is set: several adapters do not resume yet",
+            f"is {kind}: several adapters train with sft, dpo, simpo, orpo or kto",
         ),
         (ranks == 1, "the launch", f"has {ranks} processes: several adapters run in one process so far"),
     ):
@@ -104,20 +159,15 @@ def _refuse(recipe: Recipe, ranks: int) -> None:
 
 
 def _train(
-    recipes: list[Recipe],
-    store: Any,
-    engine: Any,
-    loaded: list[Any],
-    stop: Any,
-    progress: bool,
-    done: list[int],
-) -> list[AdapterResult]:
+    adapters: list[_Adapter], store: Any, engine: Any, stop: Any, progress: bool, done: list[int]
+) -> None:
     from tiertune.engine import StreamedTrainer
+    from tiertune.finetune.train import _batches_done
 
-    names = [adapter_name(i) for i in range(len(recipes))]
-    results = [AdapterResult(Path(r.training.output_dir), n) for r, n in zip(recipes, names, strict=True)]
-    streams = [
-        batches(
+    for k, a in enumerate(adapters):
+        a.result.name = adapter_name(k)
+        r, ld = a.recipe, a.loaded
+        a.stream = batches(
             ld.data,
             r.training.per_device_train_batch_size,
             ld.pad_id,
@@ -126,70 +176,144 @@ def _train(
             r.data.packing,
             r.data.max_seq_len,
         )
-        for r, ld in zip(recipes, loaded, strict=True)
-    ]
-    trainer = StreamedTrainer(recipes[0].model.path, store, engine, safe_point=stop.check)
+    trainer = StreamedTrainer(adapters[0].recipe.model.path, store, engine, safe_point=stop.check)
     try:
-        for recipe, result in zip(recipes, results, strict=True):
-            write_text_atomically(result.output_dir / RECIPE_FILE, recipe.to_yaml())
-        while any(res.steps < ld.steps for res, ld in zip(results, loaded, strict=True)):
-            groups, tokens = {}, {}
-            for recipe, res, ld, stream in zip(recipes, results, loaded, streams, strict=True):
-                if res.steps < ld.steps:
-                    micro = [next(stream) for _ in range(recipe.training.gradient_accumulation_steps)]
-                    groups[res.name] = micro
-                    tokens[res.name] = sum(int(mb["num_tokens"]) for mb in micro)
+        for a in adapters:
+            out, rows = a.result.output_dir, a.recipe.training.per_device_train_batch_size
+            if a.decision.resume is not None:
+                state = _resume(trainer, a.result.name, a.decision.resume)
+                a.history = [r for r in state["log_history"] if int(r.get("step", 0)) <= a.decision.step]
+                for _ in range(_batches_done(state["tiertune"], rows)):  # the data's position
+                    next(a.stream)
+            write_text_atomically(out / RECIPE_FILE, a.recipe.to_yaml())
+            write_text_atomically(out / LAUNCH_FILE, launch_record(World(), rows))
+            write_text_atomically(out / LOG_NAME, "".join(json.dumps(r) + "\n" for r in a.history))
+            if progress:
+                for note in a.decision.notes:
+                    print(f"{a.result.name} ({out}): {note}", flush=True)
+        while True:
+            going = [a for a in adapters if a.result.steps < a.loaded.steps]
+            if not going:
+                break
+            groups = {
+                a.result.name: [next(a.stream) for _ in range(a.recipe.training.gradient_accumulation_steps)]
+                for a in going
+            }
+            tokens = {name: sum(int(mb["num_tokens"]) for mb in micro) for name, micro in groups.items()}
             began = time.perf_counter()
             out = trainer.step_adapters(groups)
             seconds = time.perf_counter() - began
-            report = trainer.last_report
             done[0] += 1
-            for recipe, res, ld in zip(recipes, results, loaded, strict=True):
-                if res.name not in out:
-                    continue
-                loss, norm, lr = out[res.name]
-                res.steps += 1
-                res.losses.append(loss)
-                t = recipe.training
-                record = {
-                    "step": res.steps,
-                    "epoch": round(res.steps * t.gradient_accumulation_steps / ld.per_epoch, 4),
-                    "loss": loss,
-                    "grad_norm": norm,
-                    "learning_rate": lr,
-                    "num_tokens": tokens[res.name],
-                    "tokens_per_second": round(sum(tokens.values()) / seconds, 3),
-                    "bytes_moved": dict(report.bytes_moved) if report is not None else {},
-                    "adapters_in_step": len(out),
-                }
-                res.last = record
-                if res.steps % t.logging_steps == 0 or res.steps == ld.steps:
-                    with open(res.output_dir / "trainer_log.jsonl", "a") as f:
-                        f.write(json.dumps(record) + "\n")
+            for a in going:
+                _record(trainer, a, out[a.result.name], tokens, seconds, len(out))
             stop.check()
             if progress:
-                losses = " ".join(f"{n}={v[0]:.4f}" for n, v in out.items())
+                losses = " ".join(f"{n}={v.loss:.4f}" for n, v in out.items())
                 print(f"step {done[0]}: {losses}", flush=True)
-        for res, ld in zip(results, loaded, strict=True):
+        for a in adapters:
+            res = a.result
             trainer.adapters.save(res.output_dir, res.name)
-            ld.tokenizer.save_pretrained(str(res.output_dir))
+            a.loaded.tokenizer.save_pretrained(str(res.output_dir))
+            final = {"global_step": res.steps, "max_steps": a.loaded.steps, "log_history": a.history}
+            write_text_atomically(res.output_dir / STATE_FILE, json.dumps(final, indent=2))
     finally:
         trainer.close()
-    if progress:
-        print(format_table(results), flush=True)
-    return results
+
+
+def _record(
+    trainer: Any, a: _Adapter, step: several.AdapterStep, tokens: dict, seconds: float, sharing: int
+) -> None:
+    """Adapter ``a``'s step done: its record logged (every ``logging_steps`` and its last), its checkpoint
+    written (every ``save_steps`` and its last)."""
+    res, t = a.result, a.recipe.training
+    res.steps += 1
+    res.losses.append(step.loss)
+    report = trainer.last_report
+    record = report.record(
+        res.steps,
+        round(res.steps * t.gradient_accumulation_steps / a.loaded.per_epoch, 4),
+        round(sum(tokens.values()) / seconds, 3),
+    )
+    record.update(
+        {
+            "loss": step.loss,
+            "grad_norm": step.grad_norm,
+            "learning_rate": step.learning_rate,
+            "num_tokens": tokens[res.name],
+            "adapters_in_step": sharing,
+            **step.metrics,
+        }
+    )
+    res.last = record
+    last = res.steps == a.loaded.steps
+    if res.steps % t.logging_steps == 0 or last:
+        with open(res.output_dir / LOG_NAME, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        a.history.append(record)
+    if t.save_steps > 0 and (res.steps % t.save_steps == 0 or last):
+        _save(trainer, a, step.grad_norm)
+
+
+def _save(trainer: Any, a: _Adapter, grad_norm: float) -> Path:
+    """Adapter ``a``'s checkpoint at its step, in a run's format (a run of it alone resumes from it too)."""
+    res, t = a.result, a.recipe.training
+    state = {
+        "global_step": res.steps,
+        "max_steps": a.loaded.steps,
+        "epoch": res.last.get("epoch"),
+        "log_history": list(a.history),
+        "tiertune": {
+            "micro_batches": res.steps * t.gradient_accumulation_steps,
+            "rows_per_micro_batch": t.per_device_train_batch_size,
+            "step_count": res.steps,
+            "last_grad_norm": grad_norm,
+            "optimizer_counts": {},
+            "weights_behind": False,
+        },
+    }
+
+    def write(directory: Path) -> None:
+        taken = several.adapter_state(trainer, res.name)
+        trainer.adapters.save(directory, res.name)
+        torch.save(taken["training"], directory / "adapter_optimizer.pt")
+        torch.save(taken["rng"], directory / RNG_FILE)
+
+    return save_in_place(res.output_dir, state, write, a.recipe.to_yaml(), t.save_total_limit)
+
+
+def _resume(trainer: Any, name: str, path: Path) -> dict:
+    """Adapter ``name`` put back from its checkpoint ``path`` (verified by the run directory's decision);
+    returns the checkpoint's trainer state. A checkpoint of a run of one adapter has no generator of its own:
+    the adapter's starts from its seed."""
+    state = read_state(path / STATE_FILE)
+    load = partial(torch.load, weights_only=False)
+    rng = path / RNG_FILE
+    several.load_adapter_state(
+        trainer,
+        name,
+        {
+            "training": read_part(path / "adapter_optimizer.pt", load),
+            "steps": int(state["tiertune"].get("step_count", state["global_step"])),
+            "rng": read_part(rng, load) if rng.is_file() else trainer.adapter_rng[name].get_state(),
+        },
+    )
+    return state
 
 
 def format_table(results: list[AdapterResult]) -> str:
-    """Each adapter's steps, final loss and output directory, a row each."""
+    """Each adapter's steps, final loss and output directory, a row each (one left out: its message)."""
     rows = [("adapter", "steps", "final loss", "output_dir")]
-    rows += [
-        (r.name, str(r.steps), f"{r.losses[-1]:.4f}" if r.losses else "-", str(r.output_dir)) for r in results
-    ]
+    for r in results:
+        final = f"{r.losses[-1]:.4f}" if r.losses else "-"
+        rows.append(
+            (r.name or "-", str(r.steps), final if r.error is None else "left out", str(r.output_dir))
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    return "\n".join(
+    lines = [
         "  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)) + "  " + row[3] for row in rows
-    )
+    ]
+    lines += [f"{r.output_dir}: {r.error}" for r in results if r.error is not None]
+    return "\n".join(lines)
 
 
 __all__ = ["AdapterResult", "format_table", "train_several"]

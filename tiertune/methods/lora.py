@@ -448,6 +448,12 @@ class Adapters:
             m._active_adapter = name  # a module that adapter does not target adds nothing (peft's forward)
         self._active = name
 
+    def drop_nothing(self, name: str) -> None:
+        """Adapter ``name``'s dropout set to drop nothing (TRL's ``disable_dropout`` for that adapter alone)."""
+        for m in self.tuner_layers:
+            if name in m.lora_dropout and isinstance(m.lora_dropout[name], nn.Dropout):
+                m.lora_dropout[name].p = 0.0
+
     def mixes(self, name: str | None) -> bool:
         """Whether adapter ``name``'s rows may share a batch with other adapters' (``mix``): peft's mixed
         batches take no DoRA."""
@@ -521,11 +527,13 @@ class Adapters:
         parameters and what requires gradients stay as they are (peft's ``disable_adapter`` would change both)."""
         layers = self.tuner_layers
         before = [m._disable_adapters for m in layers]
+        rows, self._rows = self._rows, None  # a mixed batch's rows are the policy's, not the base's
         for m in layers:
             m._disable_adapters = True
         try:
             yield
         finally:
+            self._rows = rows
             for m, was in zip(layers, before, strict=True):
                 m._disable_adapters = was
 

@@ -1,0 +1,132 @@
+"""The step's suffix (``engine.schedule``): the final norm, the head and the loss on the last layer's output of a
+wave's micro-batches, back-propagated to it.
+
+A micro-batch's objective is its own (``Micro.objective``: of several adapters over one base, its adapter's;
+else the engine's): micro-batches of a preference objective run the paired suffix one at a time
+(``PairedPasses``), the rest in stacks (the head's pass once per stack; a distillation's divergence from its
+teacher's figures, the cross-entropy otherwise)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tiertune.engine import several
+from tiertune.engine.micro import Micro, harvest, stacked_inputs
+from tiertune.engine.pairs import PairedPasses
+from tiertune.engine.stacking import first_fit
+from tiertune.engine.streaming import Suffix
+from tiertune.engine.teacher import cat_teachers
+from tiertune.errors import StateError
+from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
+from tiertune.settings import ObjectiveSettings
+
+
+class Suffixes(PairedPasses):
+    """``LayerMajor``'s suffix passes (it inherits them), with the preference passes."""
+
+    layers: list[torch.nn.Module]
+    adapter_losses: dict[str, float]
+    adapter_metrics: dict[str, dict[str, tuple[float, float]]]
+
+    def objective_of(self, mb: Micro) -> ObjectiveSettings:
+        """What ``mb``'s loss is: its adapter's objective, or the engine's."""
+        return mb.objective or self.engine.objective
+
+    def refers(self, mb: Micro) -> bool:
+        """Whether ``mb``'s forward runs the reference beside the policy (the base, adapters off): its objective
+        has one and the base is frozen (a full fine-tune's reference log-probabilities come with the batch)."""
+        return self.engine.adapters is not None and self.objective_of(mb).reference
+
+    def metrics_of(self, mb: Micro) -> dict[str, tuple[float, float]]:
+        """Where ``mb``'s objective's metrics are summed: the step's, or of several adapters its adapter's."""
+        if mb.adapter is None:
+            return self.metrics
+        return self.adapter_metrics.setdefault(mb.adapter, {})
+
+    def _suffix(
+        self,
+        micro: list[Micro],
+        outs: list[torch.Tensor],
+        n_tokens: int,
+        micro_batches: int,
+        bound: dict,
+        summed: dict,
+    ) -> tuple[float, float]:
+        """The wave's micro-batches' losses on the last layer's output (``outs``, boundary L, held),
+        back-propagated to it, each divided by the step's ``n_tokens`` targets (of several adapters: its
+        adapter's, ``Micro.tokens``); returns the wave's summed loss and router auxiliary losses' sum."""
+        engine = self.engine
+        paired = [j for j, mb in enumerate(micro) if self.objective_of(mb).paired]
+        total = aux_total = 0.0
+        if paired:
+            total, aux_total = self._paired_suffix(
+                micro, paired, outs, n_tokens, micro_batches, bound, summed
+            )
+        aux = engine.router_aux
+        for group in self._suffix_stacks(micro, [j for j in range(len(micro)) if j not in paired]):
+            parts = [micro[j] for j in group]
+            several.route(engine.adapters, parts[0], micro, group)
+            one = len(group) == 1
+            leaf = (outs[group[0]] if one else torch.cat([outs[j] for j in group])).detach().requires_grad_()
+            engine.visit = Suffix(len(self.layers) - 1, leaf)
+            # its gradient joins each layer's backward (a stack of one: ``_suffix_stacks``)
+            if aux is not None:
+                aux_total += aux.finish(group[0], parts[0].extra.get("attention_mask"), 1.0 / micro_batches)
+            ids, extra, target = stacked_inputs(parts)
+            # none: the cross-entropy (``several.backward``: of several adapters, each over its own tokens)
+            loss_sum = None
+            if self.objective_of(parts[0]).distills:
+                teacher = parts[0].teacher if one else cat_teachers([mb.teacher for mb in parts])
+                loss_sum = self._distill_loss(leaf, ids, extra, target, teacher)
+            total += several.backward(
+                engine, leaf, (ids, extra, target), parts, n_tokens, loss_sum, self.adapter_losses
+            )
+            if leaf.grad is None:
+                raise StateError("the loss does not depend on the last decoder layer's output")
+            for mb, grad in zip(parts, leaf.grad.split([mb.shape[0] for mb in parts]), strict=True):
+                mb.grad = grad
+            harvest(bound, summed)
+        engine.visit = None
+        self.stash.close(len(self.layers), keep=False)
+        return total, aux_total
+
+    def _distill_loss(
+        self, leaf: torch.Tensor, ids: torch.Tensor, extra: dict, target: torch.Tensor, teacher: Any
+    ) -> torch.Tensor:
+        """A distillation's summed loss of a stack of micro-batches (``CausalLMLoss.distill``), its
+        cross-entropy and divergence added to the step's metrics (``ce_loss``, ``kd_loss``: by token)."""
+        engine = self.engine
+        o = engine.objective
+        if teacher is None and not engine.compute.ledger:  # a ledger's step computes nothing
+            raise StateError("a distillation step's micro-batch carries no teacher figures")
+        loss_sum, ce, kd = engine.compute.distill(
+            engine.loss, leaf, ids, extra, target, teacher, o.beta, o.temperature, o.alpha
+        )
+        count = engine.compute.value((target != IGNORE_INDEX).sum())
+        for name, value in (("ce_loss", ce), ("kd_loss", kd)):
+            total_value, total_count = self.metrics.get(name, (0.0, 0.0))
+            self.metrics[name] = (total_value + engine.compute.value(value), total_count + count)
+        return loss_sum
+
+    def _suffix_stacks(self, micro: Sequence[Micro], among: Sequence[int]) -> list[list[int]]:
+        """The micro-batches ``among`` (indices into ``micro``) the final norm, head and loss run on together: as
+        ``stacks`` (at most ``stack_limit`` tokens, no router loss per micro-batch), those of one sequence
+        length with the same inputs beside the ids (an attention mask in all or in none)."""
+        limit = self.engine.config.stack_limit
+        if limit <= 0 or self.engine.router_aux is not None:
+            return [[j] for j in among]
+        groups = first_fit(
+            [micro[j] for j in among],
+            limit,
+            lambda head, mb: (
+                several.shares(self.engine.adapters, head, mb)
+                and (mb.shape[1:], sorted(mb.extra)) == (head.shape[1:], sorted(head.extra))
+            ),
+        )
+        return [[among[k] for k in group] for group in groups]
+
+
+__all__ = ["Suffixes"]
