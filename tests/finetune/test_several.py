@@ -8,6 +8,7 @@ import json
 
 import pytest
 import yaml
+from parity import assert_adam_trained_close
 
 from tests.conftest import CAT_PAIRS, CAT_TEXTS
 from tiertune.config.recipe import load_recipe
@@ -68,15 +69,16 @@ def test_each_recipe_over_one_base_trains_as_its_solo_run(tmp_path, write_recipe
     from tiertune.finetune.train import train
 
     model = cat_model(2, hidden=64)
-    paths = [
-        _recipe(tmp_path, write_recipe, model, "a"),
+    paths = [  # LoRA dropout on in two: each adapter's masks its solo run's (its own random streams)
+        _recipe(tmp_path, write_recipe, model, "a", lora={"dropout": 0.1}),
         _recipe(tmp_path, write_recipe, model, "b", texts=CAT_TEXTS[::-1], lora={"r": 8, "alpha": 16}),
         _recipe(
             tmp_path,
             write_recipe,
             model,
             "c",
-            training={"learning_rate": 3e-3, "max_steps": 2, "gradient_accumulation_steps": 2},
+            lora={"dropout": 0.1},
+            training={"learning_rate": 3e-3, "max_steps": 2, "gradient_accumulation_steps": 2, "seed": 5},
         ),
         _dpo(tmp_path, write_recipe, model, "d"),
     ]
@@ -108,8 +110,8 @@ def test_each_recipe_over_one_base_trains_as_its_solo_run(tmp_path, write_recipe
             load_file(solo.output_dir / "adapter_model.safetensors"),
         )
         assert mine.keys() == theirs.keys()
-        for key in mine:
-            assert mine[key].allclose(theirs[key], rtol=1e-5, atol=1e-6), key
+        for key in mine:  # Adam's steps on near-zero gradients turn summation order into weight
+            assert_adam_trained_close(mine[key], theirs[key], key)
 
 
 def _stopped_after(monkeypatch, steps):
@@ -186,7 +188,7 @@ def test_any_subset_of_the_adapters_resumes_exactly_from_its_own_checkpoints(
         got, want = (load_file(d / "adapter_model.safetensors") for d in (mine, theirs.output_dir))
         assert got.keys() == want.keys()
         for key in got:
-            assert got[key].allclose(want[key], rtol=1e-5, atol=1e-6), key
+            assert_adam_trained_close(got[key], want[key], key)
 
 
 def test_a_damaged_checkpoint_leaves_out_its_adapter_alone(tmp_path, write_recipe, cat_model, monkeypatch):

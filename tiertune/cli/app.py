@@ -324,6 +324,9 @@ def estimate(
 
     model.path may be a directory with only config.json, or a Hugging Face model id (its config.json alone is
     fetched). Example: tiertune estimate recipes/llama3-70b-qlora-nvme.yaml --gpu rtx4090
+
+    Several recipes (or one with a sweep: section): their adapters over one base, a step of all of them beside
+    one's alone, and the most of them that fit: tiertune estimate a.yaml b.yaml c.yaml
     """
     import json
 
@@ -334,7 +337,29 @@ def estimate(
     _console_log(quiet, verbose)
     with _user_errors():
         _imports_settled()
-        resolved = load_recipe(recipe, tuple(overrides or ()))
+        from tiertune.config.recipe import recipe_path
+
+        more = [a for a in overrides or () if "=" not in a and recipe_path(a).is_file()]
+        overrides = [a for a in overrides or () if a not in more]
+        if more or "sweep" in _raw_keys(recipe):  # several adapters over one base
+            from tiertune.config.sweep import load_recipes
+            from tiertune.estimates.adapters import estimate_adapters, format_adapters
+
+            recipes = load_recipes([recipe, *more], tuple(overrides))
+            if len(recipes) > 1:
+                several = estimate_adapters(recipes, gpu=gpu)
+                if as_json:
+                    typer.echo(json.dumps(several.as_json(), indent=1))
+                else:
+                    typer.echo(
+                        format_adapters(several, f"tiertune estimate {recipe} ({len(recipes)} adapters)")
+                    )
+                if not several.fits:
+                    raise typer.Exit(1)
+                return
+            resolved = recipes[0]  # a sweep of one combination: a run of one
+        else:
+            resolved = load_recipe(recipe, tuple(overrides or ()))
         est = predict(
             resolved,
             measure=not no_probe,

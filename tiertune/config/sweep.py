@@ -16,13 +16,18 @@ directory (``shared_base`` says which setting differs where they do not agree)."
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiertune.config.recipe import Recipe, apply_overrides, build, read_raw
 from tiertune.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tiertune.config.plan import RunPlan
+    from tiertune.engine.config import EngineConfig
 
 SHARED = ("model", "offload", "kernels")
 """The sections every recipe of a run over one base holds alike."""
@@ -103,6 +108,25 @@ def shared_base(recipes: list[Recipe]) -> None:
                 f"recipes {seen[out] + 1} and {i + 1} both write training.output_dir {out}: give each its own"
             )
         seen[out] = i
+
+
+def shared_engine(runs: list[RunPlan], steps: list[int]) -> EngineConfig:
+    """The engine of one run over one base for each of ``runs`` (resolved recipes; ``steps``: each one's): the
+    first's settings, each adapter's own (``EngineConfig.others``), the largest micro-batch's tokens and every
+    adapter's micro-batches a step (a wave holds them all, the base read once a step, unless the first's plan
+    cut its step into waves)."""
+    first = runs[0].engine
+    whole = first.wave_size in (0, first.gradient_accumulation_steps)
+    return dataclasses.replace(
+        first,
+        max_steps=steps[0],
+        wave_size=0 if whole else first.wave_size,
+        activation_tokens=max(r.engine.activation_tokens for r in runs),
+        gradient_accumulation_steps=sum(r.engine.gradient_accumulation_steps for r in runs),
+        others=tuple(
+            dataclasses.replace(r.engine, max_steps=n) for r, n in zip(runs[1:], steps[1:], strict=True)
+        ),
+    )
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:

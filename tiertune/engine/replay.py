@@ -52,13 +52,16 @@ def replay(
     clipped: Sequence[bool] = CLIPPED,
     device: torch.device | None = None,
     world: World | None = None,
+    shapes: Sequence[tuple[int, int, int]] = (),
 ) -> Replayed:
     """Replay ``len(clipped)`` steps of ``micro_batches`` micro-batches of ``rows`` x ``tokens`` (a preference
-    objective's: ``rows`` pairs) of the model at ``model_dir`` (its safetensors headers, or its config.json
-    alone) on a ledger store configured as ``store_cfg`` (its budgets and the plan's reserve). ``clipped[k]``:
-    whether step k's gradient norm is above ``max_grad_norm`` (the engine speculates on a step unless the one
-    before was clipped, and redoes a speculative step that is). The first step records the trace, as a run's;
-    the bytes moved are the last step's (none: only built). ``device``: what the run computes on."""
+        objective's: ``rows`` pairs) of the model at ``model_dir`` (its safetensors headers, or its config.json
+        alone) on a ledger store configured as ``store_cfg`` (its budgets and the plan's reserve). ``clipped[k]``:
+        whether step k's gradient norm is above ``max_grad_norm`` (the engine speculates on a step unless the one
+        before was clipped, and redoes a speculative step that is). The first step records the trace, as a run's;
+        the bytes moved are the last step's (none: only built). ``device``: what the run computes on. Several
+    adapters over the base (``cfg.others``): each one's step of its own micro-batches, ``shapes`` (rows, tokens,
+    micro-batches) in ``cfg.adapter_configs``' order, run as one (``step_adapters``)."""
     ledger = dataclasses.replace(store_cfg, ledger=True, device=device or store_cfg.device)
     compute = Ledger(clipped, cfg.max_grad_norm)
     trace = compute.trace = Trace()
@@ -68,10 +71,22 @@ def replay(
     trainer.store.trace = trace  # the steps' transfers, not the load's
     try:
         batch = [micro_batch(cfg, rows, tokens)] * micro_batches
+        groups = None
+        if cfg.others:  # several adapters over the base: each one's micro-batches (``shapes``), one step
+            assert trainer.adapters is not None
+            groups = {
+                name: [micro_batch(c, r, n)] * k
+                for name, c, (r, n, k) in zip(
+                    trainer.adapters.names, cfg.adapter_configs, shapes, strict=True
+                )
+            }
         for _ in clipped:
             trace.op("step")
             with held_back("tiertune", logging.WARNING):
-                trainer.step(batch)
+                if groups is None:
+                    trainer.step(batch)
+                else:
+                    trainer.step_adapters(groups)
         last = trainer.last_report
         moved, wire = (
             ({k: n for k, n in d.items() if n} for d in (last.moved, last.wire)) if last else ({}, {})

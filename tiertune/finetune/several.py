@@ -17,7 +17,6 @@ several processes."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -31,7 +30,7 @@ import torch
 
 from tiertune.config.plan import resolve
 from tiertune.config.recipe import Recipe
-from tiertune.config.sweep import shared_base
+from tiertune.config.sweep import shared_base, shared_engine
 from tiertune.distributed.world import World
 from tiertune.engine import several
 from tiertune.errors import ConfigError, IntegrityError, Interrupted, Signalled
@@ -120,15 +119,7 @@ def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterR
                 "no recipe of the run can train: " + "; ".join(f"{r.output_dir}: {r.error}" for r in results)
             )
         chosen = [runs[i] for i, r in enumerate(results) if r.error is None]
-        engine = dataclasses.replace(
-            chosen[0].engine,
-            max_steps=adapters[0].loaded.steps,
-            activation_tokens=max(r.engine.activation_tokens for r in chosen),
-            others=tuple(
-                dataclasses.replace(r.engine, max_steps=a.loaded.steps)
-                for r, a in zip(chosen[1:], adapters[1:], strict=True)
-            ),
-        )
+        engine = shared_engine(chosen, [a.loaded.steps for a in adapters])
         done = [0]  # the shared steps completed
         try:
             with stop.at_safe_points():

@@ -218,53 +218,58 @@ def _is_lora_linear(module: nn.Module) -> bool:
 
 
 def _patch_lora(module: nn.Module, backend: str) -> bool:
-    """peft's LoRA layer with one plain adapter (no DoRA, not merged): base output + the fused branch."""
+    """peft's LoRA layer whose adapters are plain (no DoRA, no bias, not merged): base output + each active
+    adapter's fused branch (of several over one base, ``methods.lora.Adapters``: the one activated, or each
+    row's own in a mixed batch)."""
     adapters = list(module.lora_A)
-    plain = (
-        len(adapters) == 1
-        and not module.merged
-        and not module.use_dora.get(adapters[0], False)
-        and isinstance(module.lora_A[adapters[0]], nn.Linear)
-        and isinstance(module.lora_dropout[adapters[0]], nn.Dropout | nn.Identity)
-        and not getattr(module, "lora_bias", {}).get(adapters[0], False)
+    plain = not module.merged and all(
+        not module.use_dora.get(name, False)
+        and isinstance(module.lora_A[name], nn.Linear)
+        and isinstance(module.lora_dropout[name], nn.Dropout | nn.Identity)
+        and not getattr(module, "lora_bias", {}).get(name, False)
+        for name in adapters
     )
     if not plain:
-        _say_once(
-            f"kernels: {type(module).__name__} with several adapters, DoRA or bias keeps peft's forward"
-        )
+        _say_once(f"kernels: {type(module).__name__} with a DoRA adapter or bias keeps peft's forward")
         return False
-    module.forward = functools.partial(_lora_forward, module, adapters[0], backend)
+    module.forward = functools.partial(_lora_forward, module, backend)
     return True
 
 
-def _lora_forward(
-    module: nn.Module, name: str, backend: str, x: torch.Tensor, *args, **kwargs
-) -> torch.Tensor:
+def _lora_forward(module: nn.Module, backend: str, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     rows = kwargs.pop("adapter_names", None)  # a mixed batch (``methods.lora.Adapters.mix``)
     result = module.base_layer(x, *args, **kwargs)
-    # the rows this adapter adds to: all, or of a mixed batch those that name it
-    own = None if rows is None else [i for i, n in enumerate(rows) if n == name]
-    if module.disable_adapters or (name not in module.active_adapters if own is None else not own):
+    if module.disable_adapters:
         return result
-    dropout = module.lora_dropout[name]
-    p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
-    a, b = module.lora_A[name].weight, module.lora_B[name].weight
-    # computes in A's dtype (x cast tile by tile), returns the base output's
-    delta = lora_branch(
-        x if own is None else x[own],
-        a,
-        b,
-        module.scaling[name],
-        p,
-        module.training,
-        backend,
-        out_dtype=result.dtype,
-    )
-    if own is not None:
-        return result.index_add(0, torch.tensor(own, device=result.device), delta)
-    # into the base output (its op keeps its inputs, not its output): no third output-sized tensor at once;
-    # autograd forbids that for a view a custom Function made (bitsandbytes' 4-bit matmul returns one)
-    return result + delta if result._is_view() else result.add_(delta)
+    # the adapters this module adds: the active ones, or of a mixed batch those its rows name (in their order)
+    names = module.active_adapters if rows is None else list(dict.fromkeys(rows))
+    for name in names:
+        if name not in module.lora_A:  # an adapter that does not target this module adds nothing
+            continue
+        own = None if rows is None else [i for i, n in enumerate(rows) if n == name]
+        dropout = module.lora_dropout[name]
+        p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
+        a, b = module.lora_A[name].weight, module.lora_B[name].weight
+        # computes in A's dtype (x cast tile by tile), returns the base output's
+        delta = lora_branch(
+            x if own is None else x[own],
+            a,
+            b,
+            module.scaling[name],
+            p,
+            module.training,
+            backend,
+            out_dtype=result.dtype,
+        )
+        if own is not None:
+            result = result.index_add(0, torch.tensor(own, device=result.device), delta)
+        elif result._is_view():
+            # autograd forbids adding in place to a view a custom Function made (bitsandbytes' 4-bit matmul)
+            result = result + delta
+        else:
+            # into the base output (its op keeps its inputs, not its output): no third output-sized tensor
+            result = result.add_(delta)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------- NF4

@@ -1,0 +1,59 @@
+"""``tiertune estimate a.yaml b.yaml ...`` (``estimates.adapters``): a step of several adapters over one NF4 base
+on disk, replayed on a ledger, reads what one adapter's step reads while what it holds on the device grows with
+the adapters; where they do not all fit, the estimate names the most that do (each count replayed) and exits 1."""
+
+import json
+
+import pytest
+
+from tests.finetune.test_several import _dpo, _recipe
+from tiertune.config.sweep import load_recipes
+
+# a device tier too small for the whole base: its layers stream from the disk each step
+SMALL = ("offload.device_budget=48KiB", "offload.host_budget=48KiB")
+
+
+@pytest.fixture
+def three(tmp_path, write_recipe, cat_model):
+    model = cat_model(2, hidden=64)
+    return [
+        _recipe(tmp_path, write_recipe, model, "a"),
+        _recipe(tmp_path, write_recipe, model, "b", lora={"r": 16}, training={"gradient_accumulation_steps": 2}),
+        _dpo(tmp_path, write_recipe, model, "d"),
+    ]
+
+
+def test_several_adapters_read_one_adapters_bytes_and_hold_more(three):
+    from tiertune.estimates.adapters import estimate_adapters
+
+    est = estimate_adapters(load_recipes(three, SMALL), gpu="cpu")
+    assert est.fits and est.largest == 3
+    one_read = sum(est.one.moved.get(k, 0) for k in ("disk->host", "host->device"))
+    assert one_read > 0 and 1.0 <= est.read_ratio <= 1.05, (est.one.moved, est.all.moved, est.one.peaks)
+    assert est.all.outside > est.one.outside  # three adapters' states and micro-batches on the device
+    assert est.more > 0
+
+
+def test_the_estimate_names_the_most_adapters_that_fit(three, monkeypatch):
+    import psutil
+    from typer.testing import CliRunner
+
+    from tiertune.cli.app import app
+    from tiertune.estimates.adapters import estimate_adapters
+
+    est = estimate_adapters(load_recipes(three, SMALL), gpu="cpu")
+    one, whole = est.one.device_bytes(False), est.all.device_bytes(False)
+    # a machine with room for two of them, not three (each adapter adds its states and micro-batches)
+    ram = one + int(0.75 * (whole - one))
+
+    class Memory:
+        total = ram
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
+    result = CliRunner().invoke(app, ["estimate", *map(str, three), *SMALL, "--json"])
+    assert result.exit_code == 1, result.output
+    out = json.loads(result.output)
+    assert out["fits"] is False and out["largest_that_fits"] == 2
+    assert [f["adapters"] for f in out["tried"]] == [1, 3, 2]
+    result = CliRunner().invoke(app, ["estimate", *map(str, three), *SMALL])
+    assert "The most that fit: 2" in result.output
