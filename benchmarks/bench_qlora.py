@@ -26,6 +26,7 @@ Run: ``python benchmarks/bench_qlora.py --dir /mnt/nvme/tmp``; a 70B Llama on a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -77,7 +78,7 @@ def _step_figures(load_s: float, times: list[float], losses: list[float], args: 
     return {
         "load_and_quantize_s": load_s,
         "step_s": step_s,
-        "tokens_per_second": _rows(args) * args.seq * args.micro_batches / step_s,
+        "tokens_per_second": _rows(args) * args.seq * args.micro_batches * args.adapters / step_s,
         "first_step_s": times[0],
         "losses": losses,
     }
@@ -123,6 +124,11 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
         sequence_tile=args.sequence_tile,
         objective=ObjectiveSettings(type=args.objective),
     )
+    if args.adapters > 1:  # several adapters over the base, each its own init (and data: ``_step``)
+        others = [dataclasses.replace(engine.lora, seed=i) for i in range(1, args.adapters)]
+        engine = dataclasses.replace(
+            engine, others=tuple(dataclasses.replace(engine, lora=lora) for lora in others)
+        )
     began = time.perf_counter()
     trainer = StreamedTrainer(model_dir, store, engine)
     load_s = time.perf_counter() - began
@@ -131,7 +137,7 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
         losses, times, reports = [], [], []
         for _ in range(args.steps):
             began = time.perf_counter()
-            losses.append(trainer.step(batch))
+            losses.append(_step(trainer, batch, args.adapters))
             times.append(time.perf_counter() - began)
             reports.append(trainer.last_report)
             print(f"tiertune step {len(times)}: {times[-1]:.1f} s", file=sys.stderr, flush=True)
@@ -149,6 +155,23 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
         "peak_gpu_bytes": _gpu_peak(args),
         "host_to_device_gbps": _host_to_device_gbps(args),
     }
+
+
+def _step(trainer: object, batch: list[dict[str, torch.Tensor]], adapters: int) -> float:
+    """One step; of several adapters, each one's micro-batches (``batch``'s shapes, its own tokens) in one pass of
+    the base (``step_adapters``), the first adapter's loss returned."""
+    if adapters == 1:
+        return trainer.step(batch)  # type: ignore[attr-defined]
+    from tiertune.methods.lora import adapter_name
+
+    groups = {  # each adapter's rows its own: the step's tokens shifted by its index
+        adapter_name(i): [
+            {k: v.roll(i, 1) if k in ("input_ids", "labels") else v for k, v in mb.items()} for mb in batch
+        ]
+        for i in range(adapters)
+    }
+    out = trainer.step_adapters(groups)  # type: ignore[attr-defined]
+    return out[adapter_name(0)].loss
 
 
 def _host_to_device_gbps(args: argparse.Namespace, size: int = 1 << 30) -> float | None:
@@ -280,6 +303,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-budget", default="8GiB")
     p.add_argument("--device-budget", default="2GiB")
     p.add_argument("--modes", default="tiertune,peft")
+    p.add_argument(
+        "--adapters",
+        type=int,
+        default=1,
+        help="LoRA adapters over the one base (engine.several), each its own micro-batches a step",
+    )
     p.add_argument(
         "--objective",
         choices=("sft", "dpo"),

@@ -99,7 +99,7 @@ from tiertune.units import format_size
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-PHASES = ("tests", "kernels", "qlora", "accumulation", "full", "longseq", "dpo", "shipped")
+PHASES = ("tests", "kernels", "qlora", "accumulation", "full", "longseq", "dpo", "several", "shipped")
 COMMON_KEYS = ("phase", "result", "machine", "gpu_memory_cap_bytes", "command", "dry_run")
 _TRAINING = (
     "batch",
@@ -242,6 +242,19 @@ KEYS: dict[str, tuple[str, ...]] = {
         "peak_gpu_bytes",
         "under_cap",
     ),
+    "several/tiertune": (
+        "system",
+        "base",
+        "seq",
+        "micro_batches",
+        "host_budget_bytes",
+        "device_budget_bytes",
+        "runs",
+        "n4_over_n1_bytes",
+        "n4_over_n1_seconds",
+        "peak_gpu_bytes",
+        "under_cap",
+    ),
     "shipped/tiertune": (
         "system",
         "base",
@@ -266,6 +279,7 @@ PHASE_RESULTS = {
     "full": ("full/tiertune", "full/fsdp2", "full/deepspeed"),
     "longseq": ("longseq/tiertune",),
     "dpo": ("dpo/tiertune",),
+    "several": ("several/tiertune",),
     "shipped": ("shipped/tiertune",),
 }
 # what only a GPU has or measures: null in a dry run
@@ -1774,6 +1788,96 @@ def phase_dpo(ctx: Context) -> None:
     emit(ctx, "dpo", "dpo/tiertune", values, began)
 
 
+SEVERAL_RUNS = (("1 adapter", 1), ("4 adapters", 4))
+"""The several phase's runs: (label, LoRA adapters over the base, each 8 micro-batches of one row a step)."""
+
+
+def phase_several(ctx: Context) -> None:
+    """Several LoRA adapters over one base (``engine.several``): QLoRA of the 70B shape (cut to ``accum_layers``
+    layers, streamed from disk through the accumulation phase's budgets) under the GPU cap, 4 adapters in one
+    stream against 1, each adapter 8 micro-batches of one row a step: bytes moved per step (the base read once
+    for all: ~1.0), the step's seconds (at most 1.3x one adapter's where reading and dequantizing bound it),
+    tokens/s and peak GPU memory of each."""
+    s = ctx.settings
+    dtype = getattr(torch, s.dtype)
+    began = time.perf_counter()
+    shape = s.qlora_shape.with_layers(s.accum_layers)
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(dir=ctx.dir, prefix="several-") as name:
+        tmp = Path(name)
+        model = tmp / "base"
+        write_checkpoint(model, shape, "sparse", dtype)
+        for label, adapters in SEVERAL_RUNS:
+            argv = [
+                *shape.args(),
+                "--steps",
+                "2",
+                "--batch",
+                "1",
+                "--seq",
+                str(s.qlora_seq),
+                "--micro-batches",
+                "8",
+                "--adapters",
+                str(adapters),
+                "--activations",
+                "device",
+                "--host-budget",
+                f"{s.accum_host_budget}B",
+                "--device-budget",
+                f"{s.accum_device_budget}B",
+                "--device",
+                s.device,
+                "--gpu-memory-cap",
+                f"{s.gpu_cap}B",
+                "--quant-cache",
+                "generated",
+            ]
+            left = ctx.budget.left() - 10
+            if left < 30:
+                runs[label] = {"skipped": f"{left:.0f} s of the budget left"}
+                continue
+            out = run_child(
+                "qlora-tiertune", {"argv": argv, "model": str(model), "disk": str(tmp / "disk")}, left
+            )
+            runs[label] = {
+                key: out.get(key)
+                for key in (
+                    "error",
+                    "step_s",
+                    "tokens_per_second",
+                    "losses",
+                    "peak_gpu_bytes",
+                    "bytes_moved_per_step",
+                )
+            }
+            log(f"several, {label}: {json.dumps(runs[label])}")
+            shutil.rmtree(tmp / "disk", ignore_errors=True)
+    one, four = (runs.get(label, {}) for label, _ in SEVERAL_RUNS)
+
+    def total(run: dict) -> float | None:
+        moved = run.get("bytes_moved_per_step")
+        return sum(moved.values()) if moved else None
+
+    peak = four.get("peak_gpu_bytes")
+    values = {
+        "system": "tiertune",
+        "base": {**shape.describe(), "of": s.qlora_shape.name},
+        "seq": s.qlora_seq,
+        "micro_batches": 8,
+        "host_budget_bytes": s.accum_host_budget,
+        "device_budget_bytes": s.accum_device_budget,
+        "runs": runs,
+        "n4_over_n1_bytes": total(four) / total(one) if total(four) and total(one) else None,
+        "n4_over_n1_seconds": four["step_s"] / one["step_s"]
+        if four.get("step_s") and one.get("step_s")
+        else None,
+        "peak_gpu_bytes": peak,
+        "under_cap": None if peak is None else peak <= s.gpu_cap,
+    }
+    emit(ctx, "several", "several/tiertune", values, began)
+
+
 def _qlora_depth(ctx: Context, free: int, gbps: float, dtype: torch.dtype) -> tuple[Shape, str | None, int]:
     """The layers of the 70B shape that run, and the steps: all of them unless the disk cannot hold their disk
     tier next to the checkpoint's embedding, or streaming them (a step reads the base about twice: forward,
@@ -2151,6 +2255,7 @@ PHASE_FUNCS: dict[str, Callable[[Context], None]] = {
     "full": phase_full,
     "longseq": phase_longseq,
     "dpo": phase_dpo,
+    "several": phase_several,
     "shipped": phase_shipped,
 }
 

@@ -18,7 +18,9 @@ def three(tmp_path, write_recipe, cat_model):
     model = cat_model(2, hidden=64)
     return [
         _recipe(tmp_path, write_recipe, model, "a"),
-        _recipe(tmp_path, write_recipe, model, "b", lora={"r": 16}, training={"gradient_accumulation_steps": 2}),
+        _recipe(
+            tmp_path, write_recipe, model, "b", lora={"r": 16}, training={"gradient_accumulation_steps": 2}
+        ),
         _dpo(tmp_path, write_recipe, model, "d"),
     ]
 
@@ -56,4 +58,24 @@ def test_the_estimate_names_the_most_adapters_that_fit(three, monkeypatch):
     assert out["fits"] is False and out["largest_that_fits"] == 2
     assert [f["adapters"] for f in out["tried"]] == [1, 3, 2]
     result = CliRunner().invoke(app, ["estimate", *map(str, three), *SMALL])
-    assert "The most that fit: 2" in result.output
+    assert "the most that do: 2" in result.output
+
+
+def test_a_run_of_more_adapters_than_fit_is_refused_naming_the_most_that_do(three, monkeypatch):
+    import psutil
+
+    from tiertune.errors import ConfigError
+    from tiertune.estimates.adapters import estimate_adapters
+    from tiertune.finetune.several import train_several
+
+    est = estimate_adapters(load_recipes(three, SMALL), gpu="cpu")
+    one, whole = est.one.device_bytes(False), est.all.device_bytes(False)
+
+    class Memory:
+        total = one + int(0.75 * (whole - one))
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
+    with pytest.raises(ConfigError, match="the most that do: 2"):
+        train_several(load_recipes(three, SMALL), progress=False)
+    for path in three:  # refused before any run directory was made
+        assert not (path.parent / "run").exists()

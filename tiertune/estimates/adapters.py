@@ -99,8 +99,6 @@ def estimate_adapters(recipes: list[Recipe], gpu: str = "auto") -> AdaptersEstim
     """The run of ``recipes`` (two or more that share a base: ``config.sweep.shared_base``) as several adapters
     over one base: its step and the first adapter's alone replayed on a ledger, what fits on the compute
     device (``gpu``: ``speed.resolve_gpu``'s choice) and, where they do not all fit, the most of them that do."""
-    import psutil
-
     from tiertune.config.plan import resolve
     from tiertune.config.sweep import shared_base
 
@@ -113,8 +111,16 @@ def estimate_adapters(recipes: list[Recipe], gpu: str = "auto") -> AdaptersEstim
     target = resolve_gpu(gpu)
     device_type, memory_of = ("cuda", target.memory) if target is not None else ("cpu", None)
     runs = [resolve(r, World(), device_type, memory_of) for r in recipes]
-    on_gpu = target is not None
-    limit = target.memory if target is not None else psutil.virtual_memory().total
+    return fit_adapters(runs, target.memory if target is not None else None)
+
+
+def fit_adapters(runs: list, gpu_memory: int | None = None) -> AdaptersEstimate:
+    """What fits of ``runs`` (resolved recipes sharing a base) as adapters over one base: computed on a GPU of
+    ``gpu_memory`` bytes, else on this machine's CPU (its RAM)."""
+    import psutil
+
+    on_gpu = gpu_memory is not None
+    limit = gpu_memory if gpu_memory is not None else psutil.virtual_memory().total
 
     def fits(f: Fit) -> bool:
         return f.why is None and f.device_bytes(on_gpu) <= limit
@@ -135,6 +141,20 @@ def estimate_adapters(recipes: list[Recipe], gpu: str = "auto") -> AdaptersEstim
             lo, hi = (mid, hi) if fits(f) else (lo, mid - 1)
         largest = lo
     return AdaptersEstimate(len(runs), one, whole, limit, on_gpu, largest, more, tried)
+
+
+def refusal(est: AdaptersEstimate) -> str | None:
+    """Why a run of the estimate's adapters cannot start, naming the most that fit (None: they fit)."""
+    if est.fits:
+        return None
+    where = "the GPU" if est.on_gpu else "this machine's RAM"
+    why = est.all.why or (
+        f"they hold {format_size(est.all.device_bytes(est.on_gpu))} of {where}'s {format_size(est.limit)}"
+    )
+    return (
+        f"{est.recipes} adapters over one base do not fit ({why}); the most that do: {est.largest} (the first "
+        f"{est.largest} recipes). Train fewer at once, lower their micro-batches, or raise the budgets"
+    )
 
 
 def _fit(runs: list, k: int, on_gpu: bool) -> Fit:
@@ -204,12 +224,8 @@ def format_adapters(est: AdaptersEstimate, title: str) -> str:
             f"about {est.more} more like the last would fit"
         )
     else:
-        why = est.all.why or f"they would hold {format_size(held)} of {where}'s {format_size(est.limit)}"
-        lines.append(
-            f"does not fit: {why}. The most that fit: {est.largest} (the first {est.largest} of the recipes); "
-            "train fewer at once, or lower their micro-batches"
-        )
+        lines.append(f"does not fit: {refusal(est)}")
     return "\n".join(lines)
 
 
-__all__ = ["AdaptersEstimate", "Fit", "estimate_adapters", "format_adapters"]
+__all__ = ["AdaptersEstimate", "Fit", "estimate_adapters", "fit_adapters", "format_adapters", "refusal"]

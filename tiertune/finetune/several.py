@@ -3,7 +3,9 @@
 (``engine.several``), each adapter with its own objective (SFT or a preference objective), data, steps, log,
 checkpoints and model in its own run directory.
 
-Each run directory is locked, decided and prepared as a run's (``rundir.RunDirectory``): a recipe with
+Before anything is loaded, a step of all the adapters is replayed on a ledger (``estimates.adapters``): where they
+do not fit, the run is refused naming the most that do. Each run directory is locked, decided and prepared as a
+run's (``rundir.RunDirectory``): a recipe with
 ``training.resume_from_checkpoint`` resumes its adapter from its own checkpoint, whichever of the others resume
 or start; one whose directory cannot be used (a damaged checkpoint named, a finished run, another run's
 directory) is left out with its message and the others train (``AdapterResult.error``). Each adapter's
@@ -96,6 +98,7 @@ def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterR
         recipe.model.path = model_directory(recipe.model.path)
         _refuse(recipe, world.size)
     runs = [resolve(r, world) for r in recipes]
+    _admit(runs)
     loaded = [load_run(r, world.size) for r in recipes]
     results = [AdapterResult(Path(r.training.output_dir)) for r in recipes]
     admit(runs[0])
@@ -131,6 +134,18 @@ def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterR
     if progress:
         print(format_table(results), flush=True)
     return results
+
+
+def _admit(runs: list) -> None:
+    """ConfigError, naming the most adapters that fit, where a step of all the runs' adapters does not fit the
+    first's budgets or the compute device (``estimates.adapters``: their step replayed on a ledger)."""
+    from tiertune.estimates.adapters import fit_adapters, refusal
+
+    device = runs[0].store.device
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    why = refusal(fit_adapters(runs, memory))
+    if why:
+        raise ConfigError(why)
 
 
 def _refuse(recipe: Recipe, ranks: int) -> None:
