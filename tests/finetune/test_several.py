@@ -115,7 +115,7 @@ def test_each_recipe_over_one_base_trains_as_its_solo_run(tmp_path, write_recipe
 
 
 def _stopped_after(monkeypatch, steps):
-    """The run's ``step_adapters`` raises SIGTERM's exception at its call ``steps + 1``."""
+    """The run's ``step_adapters`` raises SIGTERM's exception at its call ``steps + 1`` (a ledger's: uncounted)."""
     import signal
 
     from tiertune.engine import StreamedTrainer
@@ -125,6 +125,8 @@ def _stopped_after(monkeypatch, steps):
     real = StreamedTrainer.step_adapters
 
     def signalled(self, groups):
+        if self.store.ledger:  # the fit's replay before the run (``estimates.adapters``)
+            return real(self, groups)
         calls["n"] += 1
         if calls["n"] == steps + 1:
             raise Signalled(signal.SIGTERM)
@@ -314,6 +316,8 @@ def test_a_signal_stops_several_adapters_as_a_run_and_unlocks_their_directories(
     real = StreamedTrainer.step_adapters
 
     def second_step_signalled(self, groups):
+        if self.store.ledger:  # the fit's replay before the run (``estimates.adapters``)
+            return real(self, groups)
         calls["n"] += 1
         if calls["n"] == 2:
             raise Signalled(signal.SIGTERM)

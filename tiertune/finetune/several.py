@@ -1,7 +1,8 @@
 """Several recipes trained over one base in one run (``tiertune train a.yaml b.yaml``, ``sweep:``:
 ``config.sweep``): one ``StreamedTrainer`` whose base streams once a step for every recipe's LoRA adapter
 (``engine.several``), each adapter with its own objective (SFT or a preference objective), data, steps, log,
-checkpoints and model in its own run directory.
+checkpoints and model in its own run directory; launched as several processes, each rank trains its rows of
+every adapter's global batch.
 
 Before anything is loaded, a step of all the adapters is replayed on a ledger (``estimates.adapters``): where they
 do not fit, the run is refused naming the most that do. Each run directory is locked, decided and prepared as a
@@ -14,8 +15,7 @@ metrics) with the shared stream's ``bytes_moved`` and peaks; its ``checkpoint-<s
 its own steps and at its last, in a run's format (the adapter in PEFT format, ``adapter_optimizer.pt``, its
 random generator ``adapter_rng.pt``, the trainer state with the data's position), written at once: an adapter's
 state is small and in memory (``checkpoint.save_in_place``). An adapter whose steps are done takes no part in
-later steps. SIGINT or SIGTERM stops the run at its next safe point (``Interrupted``). Not yet: distillation,
-several processes."""
+later steps. SIGINT or SIGTERM stops the run at its next safe point (``Interrupted``). Not yet: distillation."""
 
 from __future__ import annotations
 
@@ -88,7 +88,10 @@ def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterR
     their one base, the base streamed once a step for all of them; export each adapter into its directory.
     A recipe whose run directory cannot be used is left out with its message (``AdapterResult.error``);
     ConfigError when none can train. Prints a table of each adapter's final loss and directory when
-    ``progress``."""
+    ``progress``. Launched as several processes (``torchrun``), every rank trains its share of each adapter's
+    global batch (the adapters replicated, their gradients summed, the base sharded as a run of one's); rank
+    0 decides the directories and writes the logs, checkpoints and adapters."""
+    from tiertune.finetune.ranks import decided_by_main, join
     from tiertune.finetune.train import admit, load_run
 
     recipes = [r.with_absolute_paths() for r in recipes]
@@ -96,27 +99,40 @@ def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterR
     world = World.from_env()
     for recipe in recipes:
         recipe.model.path = model_directory(recipe.model.path)
-        _refuse(recipe, world.size)
+        _refuse(recipe)
     runs = [resolve(r, world) for r in recipes]
     _admit(runs)
+    admit(runs[0])
+    join(world)  # several processes: the process group, this rank's GPU and threads
     loaded = [load_run(r, world.size) for r in recipes]
     results = [AdapterResult(Path(r.training.output_dir)) for r in recipes]
-    admit(runs[0])
     with stop_on_signals() as stop, ExitStack() as held:
+
+        def settle() -> list[Decision | str]:  # rank 0's: each directory locked, decided, prepared
+            out: list[Decision | str] = []
+            for recipe, ld in zip(recipes, loaded, strict=True):
+                try:
+                    directory = held.enter_context(RunDirectory(recipe.training.output_dir, world.size))
+                    decision = directory.decide(recipe, ld.steps)
+                except (ConfigError, IntegrityError) as exc:  # this adapter's alone: the others train
+                    log.error("%s is left out of the run: %s", recipe.training.output_dir, exc)
+                    out.append(str(exc))
+                    continue
+                directory.prepare(decision)
+                out.append(decision)
+            return out
+
         adapters: list[_Adapter] = []
-        for recipe, ld, result in zip(recipes, loaded, results, strict=True):
-            try:
-                directory = held.enter_context(RunDirectory(recipe.training.output_dir))
-                decision = directory.decide(recipe, ld.steps)
-            except (ConfigError, IntegrityError) as exc:  # this adapter's alone: the others train
-                result.error = str(exc)
-                log.error("%s is left out of the run: %s", recipe.training.output_dir, exc)
-                if progress:
-                    print(f"left out {recipe.training.output_dir}: {exc}", flush=True)
+        for recipe, ld, result, decided in zip(
+            recipes, loaded, results, decided_by_main(world, settle), strict=True
+        ):
+            if isinstance(decided, str):
+                result.error = decided
+                if progress and world.is_main:
+                    print(f"left out {recipe.training.output_dir}: {decided}", flush=True)
                 continue
-            directory.prepare(decision)
-            result.steps, result.resumed_from = decision.step, decision.resume
-            adapters.append(_Adapter(recipe, ld, result, decision))
+            result.steps, result.resumed_from = decided.step, decided.resume
+            adapters.append(_Adapter(recipe, ld, result, decided))
         if not adapters:
             raise ConfigError(
                 "no recipe of the run can train: " + "; ".join(f"{r.output_dir}: {r.error}" for r in results)
@@ -126,12 +142,12 @@ def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterR
         done = [0]  # the shared steps completed
         try:
             with stop.at_safe_points():
-                _train(adapters, chosen[0].store, engine, stop, progress, done)
+                _train(adapters, chosen[0].store, engine, world, stop, progress and world.is_main, done)
         except Signalled as exc:  # the trainer closed, the directories unlocked: said as a run's stop
             first = adapters[0].result
             where = latest_checkpoint(first.output_dir)
             raise Interrupted(exc.signum, done[0], where, first.output_dir / RECIPE_FILE) from None
-    if progress:
+    if progress and world.is_main:
         print(format_table(results), flush=True)
     return results
 
@@ -148,52 +164,58 @@ def _admit(runs: list) -> None:
         raise ConfigError(why)
 
 
-def _refuse(recipe: Recipe, ranks: int) -> None:
+def _refuse(recipe: Recipe) -> None:
     """ConfigError for what several recipes over one base do not run yet."""
-    t = recipe.training
     kind = recipe.objective.type
-    for holds, setting, why in (
-        (
-            kind == "sft" or recipe.objective.paired,
-            "objective.type",
-            f"is {kind}: several adapters train with sft, dpo, simpo, orpo or kto",
-        ),
-        (ranks == 1, "the launch", f"has {ranks} processes: several adapters run in one process so far"),
-    ):
-        if not holds:
-            raise ConfigError(f"{setting} {why} (recipe of {t.output_dir}); train that recipe alone")
+    if not (kind == "sft" or recipe.objective.paired):
+        raise ConfigError(
+            f"objective.type is {kind}: several adapters train with sft, dpo, simpo, orpo or kto (recipe of "
+            f"{recipe.training.output_dir}); train that recipe alone"
+        )
 
 
 def _train(
-    adapters: list[_Adapter], store: Any, engine: Any, stop: Any, progress: bool, done: list[int]
+    adapters: list[_Adapter],
+    store: Any,
+    engine: Any,
+    world: World,
+    stop: Any,
+    progress: bool,
+    done: list[int],
 ) -> None:
     from tiertune.engine import StreamedTrainer
+    from tiertune.finetune.ranks import rows_of
     from tiertune.finetune.train import _batches_done
 
     for k, a in enumerate(adapters):
         a.result.name = adapter_name(k)
         r, ld = a.recipe, a.loaded
-        a.stream = batches(
-            ld.data,
-            r.training.per_device_train_batch_size,
-            ld.pad_id,
-            r.data.shuffle,
-            r.training.seed,
-            r.data.packing,
-            r.data.max_seq_len,
+        a.stream = rows_of(  # the global batches (per-device x ranks), and this rank's rows of each
+            world,
+            batches(
+                ld.data,
+                r.training.per_device_train_batch_size * world.size,
+                ld.pad_id,
+                r.data.shuffle,
+                r.training.seed,
+                r.data.packing,
+                r.data.max_seq_len,
+            ),
         )
-    trainer = StreamedTrainer(adapters[0].recipe.model.path, store, engine, safe_point=stop.check)
+    path = adapters[0].recipe.model.path
+    trainer = StreamedTrainer(path, store, engine, safe_point=stop.check, world=world)
     try:
         for a in adapters:
-            out, rows = a.result.output_dir, a.recipe.training.per_device_train_batch_size
+            out, rows = a.result.output_dir, a.recipe.training.per_device_train_batch_size * world.size
             if a.decision.resume is not None:
                 state = _resume(trainer, a.result.name, a.decision.resume)
                 a.history = [r for r in state["log_history"] if int(r.get("step", 0)) <= a.decision.step]
                 for _ in range(_batches_done(state["tiertune"], rows)):  # the data's position
                     next(a.stream)
-            write_text_atomically(out / RECIPE_FILE, a.recipe.to_yaml())
-            write_text_atomically(out / LAUNCH_FILE, launch_record(World(), rows))
-            write_text_atomically(out / LOG_NAME, "".join(json.dumps(r) + "\n" for r in a.history))
+            if world.is_main:
+                write_text_atomically(out / RECIPE_FILE, a.recipe.to_yaml())
+                write_text_atomically(out / LAUNCH_FILE, launch_record(world, rows))
+                write_text_atomically(out / LOG_NAME, "".join(json.dumps(r) + "\n" for r in a.history))
             if progress:
                 for note in a.decision.notes:
                     print(f"{a.result.name} ({out}): {note}", flush=True)
@@ -211,12 +233,12 @@ def _train(
             seconds = time.perf_counter() - began
             done[0] += 1
             for a in going:
-                _record(trainer, a, out[a.result.name], tokens, seconds, len(out))
+                _record(trainer, a, out[a.result.name], tokens, seconds, len(out), world)
             stop.check()
             if progress:
                 losses = " ".join(f"{n}={v.loss:.4f}" for n, v in out.items())
                 print(f"step {done[0]}: {losses}", flush=True)
-        for a in adapters:
+        for a in adapters if world.is_main else ():  # (replicated: every rank's adapters are rank 0's)
             res = a.result
             trainer.adapters.save(res.output_dir, res.name)
             a.loaded.tokenizer.save_pretrained(str(res.output_dir))
@@ -227,10 +249,16 @@ def _train(
 
 
 def _record(
-    trainer: Any, a: _Adapter, step: several.AdapterStep, tokens: dict, seconds: float, sharing: int
+    trainer: Any,
+    a: _Adapter,
+    step: several.AdapterStep,
+    tokens: dict,
+    seconds: float,
+    sharing: int,
+    world: World,
 ) -> None:
     """Adapter ``a``'s step done: its record logged (every ``logging_steps`` and its last), its checkpoint
-    written (every ``save_steps`` and its last)."""
+    written (every ``save_steps`` and its last); by rank 0 of several."""
     res, t = a.result, a.recipe.training
     res.steps += 1
     res.losses.append(step.loss)
@@ -253,14 +281,15 @@ def _record(
     res.last = record
     last = res.steps == a.loaded.steps
     if res.steps % t.logging_steps == 0 or last:
-        with open(res.output_dir / LOG_NAME, "a") as f:
-            f.write(json.dumps(record) + "\n")
         a.history.append(record)
-    if t.save_steps > 0 and (res.steps % t.save_steps == 0 or last):
-        _save(trainer, a, step.grad_norm)
+        if world.is_main:
+            with open(res.output_dir / LOG_NAME, "a") as f:
+                f.write(json.dumps(record) + "\n")
+    if world.is_main and t.save_steps > 0 and (res.steps % t.save_steps == 0 or last):
+        _save(trainer, a, step.grad_norm, world.size)
 
 
-def _save(trainer: Any, a: _Adapter, grad_norm: float) -> Path:
+def _save(trainer: Any, a: _Adapter, grad_norm: float, ranks: int) -> Path:
     """Adapter ``a``'s checkpoint at its step, in a run's format (a run of it alone resumes from it too)."""
     res, t = a.result, a.recipe.training
     state = {
@@ -270,7 +299,7 @@ def _save(trainer: Any, a: _Adapter, grad_norm: float) -> Path:
         "log_history": list(a.history),
         "tiertune": {
             "micro_batches": res.steps * t.gradient_accumulation_steps,
-            "rows_per_micro_batch": t.per_device_train_batch_size,
+            "rows_per_micro_batch": t.per_device_train_batch_size * ranks,
             "step_count": res.steps,
             "last_grad_norm": grad_norm,
             "optimizer_counts": {},
