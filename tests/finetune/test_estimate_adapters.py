@@ -26,14 +26,21 @@ def three(tmp_path, write_recipe, cat_model):
 
 
 def test_several_adapters_read_one_adapters_bytes_and_hold_more(three):
+    """Measured: the step's FLOPs and seconds grow with the adapters' tokens, its bytes read do not."""
     from tiertune.estimates.adapters import estimate_adapters
 
     est = estimate_adapters(load_recipes(three, SMALL), gpu="cpu")
     assert est.fits and est.largest == 3
-    one_read = sum(est.one.moved.get(k, 0) for k in ("disk->host", "host->device"))
-    assert one_read > 0 and 1.0 <= est.read_ratio <= 1.05, (est.one.moved, est.all.moved, est.one.peaks)
-    assert est.all.outside > est.one.outside  # three adapters' states and micro-batches on the device
+    one_read = sum(est.one.moved_per_step.get(k, 0) for k in ("disk->host", "host->device"))
+    assert one_read > 0 and 1.0 <= est.read_ratio <= 1.05, (est.one.moved_per_step, est.all.moved_per_step)
+    # three adapters' states and micro-batches on the device
+    assert sum(est.all.outside_store.values()) > sum(est.one.outside_store.values())
+    assert est.all.trained_parameters > est.one.trained_parameters
     assert est.more > 0
+    # 1 + 2 micro-batches of 2 rows, and the DPO one's of 2 pairs (4 rows; its reference and a third head pass)
+    assert est.all.speed.flops.tokens == 5 * est.one.speed.flops.tokens
+    assert est.all.speed.flops.total > 5 * est.one.speed.flops.total
+    assert est.step_seconds(est.all) > est.step_seconds(est.one) > 0
 
 
 def test_the_estimate_names_the_most_adapters_that_fit(three, monkeypatch):
@@ -43,8 +50,8 @@ def test_the_estimate_names_the_most_adapters_that_fit(three, monkeypatch):
     from tiertune.cli.app import app
     from tiertune.estimates.adapters import estimate_adapters
 
-    est = estimate_adapters(load_recipes(three, SMALL), gpu="cpu")
-    one, whole = est.one.device_bytes(False), est.all.device_bytes(False)
+    est = estimate_adapters(load_recipes(three, SMALL), measure=False, gpu="cpu")
+    one, whole = (e.computes_on()[2] for e in (est.one, est.all))
     # a machine with room for two of them, not three (each adapter adds its states and micro-batches)
     ram = one + int(0.75 * (whole - one))
 
@@ -52,12 +59,12 @@ def test_the_estimate_names_the_most_adapters_that_fit(three, monkeypatch):
         total = ram
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
-    result = CliRunner().invoke(app, ["estimate", *map(str, three), *SMALL, "--json"])
+    result = CliRunner().invoke(app, ["estimate", *map(str, three), *SMALL, "--json", "--no-probe"])
     assert result.exit_code == 1, result.output
     out = json.loads(result.output)
     assert out["fits"] is False and out["largest_that_fits"] == 2
     assert [f["adapters"] for f in out["tried"]] == [1, 3, 2]
-    result = CliRunner().invoke(app, ["estimate", *map(str, three), *SMALL])
+    result = CliRunner().invoke(app, ["estimate", *map(str, three), *SMALL, "--no-probe"])
     assert "the most that do: 2" in result.output
 
 
@@ -68,8 +75,8 @@ def test_a_run_of_more_adapters_than_fit_is_refused_naming_the_most_that_do(thre
     from tiertune.estimates.adapters import estimate_adapters
     from tiertune.finetune.several import train_several
 
-    est = estimate_adapters(load_recipes(three, SMALL), gpu="cpu")
-    one, whole = est.one.device_bytes(False), est.all.device_bytes(False)
+    est = estimate_adapters(load_recipes(three, SMALL), measure=False, gpu="cpu")
+    one, whole = (e.computes_on()[2] for e in (est.one, est.all))
 
     class Memory:
         total = one + int(0.75 * (whole - one))

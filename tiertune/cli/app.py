@@ -347,7 +347,7 @@ def estimate(
 
             recipes = load_recipes([recipe, *more], tuple(overrides))
             if len(recipes) > 1:
-                several = estimate_adapters(recipes, gpu=gpu)
+                several = estimate_adapters(recipes, measure=not no_probe, gpu=gpu)
                 if as_json:
                     typer.echo(json.dumps(several.as_json(), indent=1))
                 else:

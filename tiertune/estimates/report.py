@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -319,6 +320,7 @@ def estimate(
     per_node: int | None = None,
     threads: int | None = None,
     layer_seconds: tuple[float, float] | None = None,
+    others: Sequence[Recipe] = (),
 ) -> Estimate:
     """Predict bytes per tier, whether each budget holds (against the budget and against this machine) and
     how long a step takes (``measure``: probe the disk, the CPU optimizer and the compute rate). ``gpu``: what
@@ -329,7 +331,10 @@ def estimate(
     sends (the tiers' table stays one process's). ``threads``: torch's threads the run computes with (default:
     as ``train`` sets them, the cores shared by the node's processes). ``layer_seconds``: a decoder layer's
     (forward, recompute and backward) seconds a micro-batch as given (a GPU's, measured elsewhere), not
-    measured: its work runs beside the CPU's, which the rest of the step is measured on."""
+    measured: its work runs beside the CPU's, which the rest of the step is measured on. ``others``: recipes
+    whose LoRA adapters train over ``recipe``'s base in the same run (``config.sweep``; they share it): the
+    step is all of theirs (``StreamedTrainer.step_adapters`` on the ledger), its FLOPs theirs summed, its compute
+    the first recipe's measured rate over all their tokens."""
     if layer_seconds is not None and (len(layer_seconds) != 2 or min(layer_seconds) < 0):
         raise ConfigError(f"layer seconds are (forward, backward), each >= 0; got {layer_seconds}")
     if processes < 1 or (per_node is not None and not 1 <= per_node <= processes):
@@ -348,20 +353,40 @@ def estimate(
     device_type, memory_of = ("cuda", target.memory) if target is not None else ("cpu", None)
     notes: list[str] = []
     run = resolve(recipe, World(), device_type, memory_of, notes)
-    store_cfg, cfg, laid = run.store, run.engine, run.laid
+    laid = run.laid
     disk_room = laid.disk_free  # what the plan decided the twins on (read once: it changes as others write)
     chunks, parameters, trained, wave = laid.chunks, laid.parameters, laid.trained, laid.wave
+    runs = [run]
+    if others:  # several adapters over the base: one engine, every adapter's micro-batches in its step
+        from tiertune.config.sweep import shared_engine
+
+        for other in others:
+            other = copy.deepcopy(other)
+            other.model.path = recipe.model.path
+            runs.append(resolve(other, World(), device_type, memory_of, disk_free=disk_room))
+        run = dataclasses.replace(run, engine=shared_engine(runs, [2] * len(runs)))
+        trained = sum(r.laid.trained for r in runs)
+        wave = sum(r.laid.wave for r in runs)
+    store_cfg, cfg = run.store, run.engine
     model = meta_skeleton(recipe.model.path, cfg.dtype)
-    flops = step_flops(
-        model,
-        list(split_model(model).layers),
-        cfg.activation_tokens,
-        recipe.training.gradient_accumulation_steps,
-        recipe.data.max_seq_len,
-        trained=cfg.method != "lora",
-        reference=recipe.objective.reference,
-        paired=recipe.objective.paired,
-    )
+    each = [
+        step_flops(
+            model,
+            list(split_model(model).layers),
+            r.engine.activation_tokens,
+            r.recipe.training.gradient_accumulation_steps,
+            r.recipe.data.max_seq_len,
+            trained=cfg.method != "lora",
+            reference=r.recipe.objective.reference,
+            paired=r.recipe.objective.paired,
+        )
+        for r in runs
+    ]
+    flops = each[0]
+    if others:
+        flops = dataclasses.replace(
+            flops, tokens=sum(f.tokens for f in each), total=sum(f.total for f in each)
+        )
     acts = sum(c.capacity for c in chunks if c.role == "act")
     outside = outside_bytes(model, cfg, wave, target is not None, notes, stash_chunks=bool(acts))
     memory = laid.plan
@@ -371,7 +396,7 @@ def estimate(
         kinds[c.kind] = (tier, total + c.capacity)
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget, Tier.DISK: disk_room}
     device = torch.device("cuda" if target is not None else "cpu")  # what the run would compute on
-    replayed = _replay(run, notes, device)
+    replayed = _replay(run, notes, device, runs[1:])
     if cfg.method == "lora":
         outside["LoRA adapters + states"] = trained * 16
     tiers = {}
@@ -414,7 +439,7 @@ def estimate(
             notes.append(said)
     est = Estimate(parameters, trained, kinds, tiers, outside, notes=notes, plan=memory)
     est.waves = Waves(
-        recipe.training.gradient_accumulation_steps,
+        sum(r.recipe.training.gradient_accumulation_steps for r in runs),
         wave,
         acts or outside.get("hidden states at the layer boundaries", 0),
         "host" if acts else "device",
@@ -442,7 +467,8 @@ def estimate(
         if target is not None and target.host_to_device and "host_to_device" not in est.bandwidth:
             est.bandwidth["host_to_device"] = target.host_to_device  # stated: not this machine's GPU
         trace = replayed.trace if replayed is not None else None
-        est.speed = _step_time(est, recipe, cfg, flops, target, trace, threads, layer_seconds)
+        scale = flops.tokens / each[0].tokens  # all the adapters' tokens over the first's (1: one adapter)
+        est.speed = _step_time(est, recipe, cfg, flops, target, trace, threads, layer_seconds, scale)
         if est.teacher is not None:
             time_teacher(
                 est.teacher, est.bandwidth.get("disk_read"), est.speed.compute_rate if est.speed else None
@@ -469,7 +495,9 @@ def _teacher(recipe: Recipe, device_budget: int, notes: list[str]) -> TeacherEst
     return teacher_estimate(recipe, device_budget, rows, scored)
 
 
-def _replay(run: RunPlan, notes: list[str], device: torch.device) -> Replayed | None:
+def _replay(
+    run: RunPlan, notes: list[str], device: torch.device, others: Sequence[RunPlan] = ()
+) -> Replayed | None:
     """The run's steps replayed on a ledger (``engine.replay``: the engine's own step over the store's own
     placement, eviction and prefetch, every micro-batch) under its budgets and memory plan; its peaks and the
     bytes a step moves. None (with a note) when the budgets cannot hold the plan: there is no step to
@@ -483,6 +511,10 @@ def _replay(run: RunPlan, notes: list[str], device: torch.device) -> Replayed | 
         return None
     ledger = dataclasses.replace(store_cfg, disk_budget=None)
     t = recipe.training
+    shapes = [
+        (r.training.per_device_train_batch_size, r.data.max_seq_len, r.training.gradient_accumulation_steps)
+        for r in [recipe, *(o.recipe for o in others)]
+    ]
     try:
         return replaying.replay(
             recipe.model.path,
@@ -494,6 +526,7 @@ def _replay(run: RunPlan, notes: list[str], device: torch.device) -> Replayed | 
             replaying.CLIPPED[: 2 if cfg.method == "lora" else None],
             device,
             run.world,
+            shapes=shapes if others else (),
         )
     except (BudgetError, StateError) as exc:  # the store's own refusal, as a run would meet it
         notes.append(
@@ -512,12 +545,14 @@ def _step_time(
     trace: Trace | None = None,
     run_threads: int | None = None,
     layer_seconds: tuple[float, float] | None = None,
+    scale: float = 1.0,
 ) -> StepTime:
     """Seconds of each part of a step (see ``speed``), from the bytes moved, the bandwidths measured and the
     compute rate: measured at the model's own product shape on this machine's CPU or GPU, or a named GPU's
     stated peak; and, from the replay's ``trace``, the step as a timeline (``estimates.timeline``) of those
     rates. ``run_threads``: torch's threads the run computes with (default: as ``train`` sets them);
-    ``layer_seconds``: a decoder layer's (forward, backward) seconds a micro-batch, given (``estimate``)."""
+    ``layer_seconds``: a decoder layer's (forward, backward) seconds a micro-batch, given (``estimate``);
+    ``scale``: the step's tokens over the recipe's (several adapters' steps: all of theirs)."""
     from tiertune.finetune.train import steps_of
 
     t = recipe.training
@@ -553,7 +588,7 @@ def _step_time(
             layer, rest = measured.layer, measured.rest
             if layer_seconds is not None:
                 layer = sum(layer_seconds)
-            compute = micro_batches * (layers * layer + rest)
+            compute = scale * micro_batches * (layers * layer + rest)
             per_token = (layer / micro_tokens, rest / micro_tokens)
             what = (
                 "the engine's step (its gradients' hand-off included)"

@@ -101,7 +101,7 @@ def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterR
         recipe.model.path = model_directory(recipe.model.path)
         _refuse(recipe)
     runs = [resolve(r, world) for r in recipes]
-    _admit(runs)
+    _admit(recipes, world)
     admit(runs[0])
     join(world)  # several processes: the process group, this rank's GPU and threads
     loaded = [load_run(r, world.size) for r in recipes]
@@ -152,14 +152,15 @@ def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterR
     return results
 
 
-def _admit(runs: list) -> None:
-    """ConfigError, naming the most adapters that fit, where a step of all the runs' adapters does not fit the
-    first's budgets or the compute device (``estimates.adapters``: their step replayed on a ledger)."""
-    from tiertune.estimates.adapters import fit_adapters, refusal
+def _admit(recipes: list[Recipe], world: World) -> None:
+    """ConfigError, naming the most adapters that fit, where a step of all the recipes' adapters does not fit
+    the budgets or the compute device (``estimates.adapters``: their step on a ledger). A launch of several
+    processes is checked as a run of one is: each rank's plan (``admit``)."""
+    from tiertune.estimates.adapters import estimate_adapters, refusal
 
-    device = runs[0].store.device
-    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    why = refusal(fit_adapters(runs, memory))
+    if world.size > 1:
+        return
+    why = refusal(estimate_adapters(recipes, measure=False))
     if why:
         raise ConfigError(why)
 
