@@ -230,6 +230,44 @@ def test_a_damaged_checkpoint_leaves_out_its_adapter_alone(tmp_path, write_recip
     assert after == before
 
 
+def test_an_adapter_that_diverges_stops_alone(tmp_path, write_recipe, cat_model, monkeypatch):
+    """Adapter b's weights turned to NaN after its first step: its second step's loss is not finite, so its run
+    stops there (its step-1 checkpoint kept, nothing exported), a's goes on to its end as its solo run; the
+    command exits 1 with b's message."""
+    import torch
+    from typer.testing import CliRunner
+
+    from tiertune.cli.app import app
+    from tiertune.engine import StreamedTrainer
+    from tiertune.finetune.train import train
+    from tiertune.methods.lora import adapter_name
+
+    model = cat_model(2, hidden=64)
+    steps = {"max_steps": 3, "save_steps": 1}
+    paths = [_recipe(tmp_path, write_recipe, model, name, training=steps) for name in ("a", "b")]
+    real = StreamedTrainer.step_adapters
+
+    def poisoned_after_first(self, groups):
+        out = real(self, groups)
+        if not self.store.ledger and self.adapter_steps[adapter_name(1)] == 1:
+            with torch.no_grad():
+                for p in self.adapters.params_of(adapter_name(1)):
+                    p.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(StreamedTrainer, "step_adapters", poisoned_after_first)
+    result = CliRunner().invoke(app, ["train", str(paths[0]), str(paths[1])])
+    assert result.exit_code == 1, result.output
+    assert "stopped at its step 2: the loss is nan" in result.output
+    a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    assert [r["step"] for r in _log(a)] == [1, 2, 3] and [r["step"] for r in _log(b)] == [1]
+    assert (a / "adapter_model.safetensors").is_file() and not (b / "adapter_model.safetensors").exists()
+    assert sorted(p.name for p in b.glob("checkpoint-*")) == ["checkpoint-1"]
+    monkeypatch.setattr(StreamedTrainer, "step_adapters", real)
+    solo = train(load_recipe(paths[0], [f"training.output_dir={tmp_path / 'solo'}"]), progress=False)
+    assert [r["loss"] for r in _log(a)] == pytest.approx(solo.losses, rel=1e-5)
+
+
 def test_a_sweep_of_six_learning_rates_ends_with_a_table(tmp_path, write_recipe, cat_model):
     from typer.testing import CliRunner
 

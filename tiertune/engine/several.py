@@ -99,6 +99,9 @@ class AdapterStep:
     grad_norm: float
     learning_rate: float
     metrics: dict[str, float] = field(default_factory=dict)
+    # why this adapter's step was not taken (its loss or gradient norm not finite: NonFiniteError's message);
+    # the adapter is as it was before the step, the others stepped
+    error: str | None = None
 
 
 def check(config: Any) -> None:
@@ -183,7 +186,8 @@ def step_adapters(
     pass of the base's layers (each layer read and dequantized once, each micro-batch through its own
     adapter, stacked across adapters where peft mixes them: ``shares``); each adapter's loss divided by its own
     target tokens (its pairs, for a preference objective), its gradients clipped and stepped by its own optimizer at
-    its own schedule's learning rate, exactly as it would be alone."""
+    its own schedule's learning rate, exactly as it would be alone. An adapter whose loss or gradient norm is not
+    finite is not stepped (``AdapterStep.error``); the others are."""
     if not trainer.adapter_config:
         raise ConfigError("step_adapters trains LoRA adapters over the base (method.type lora)")
     step_began = time.perf_counter()
@@ -229,13 +233,19 @@ def step_adapters(
     for name in groups:
         cfg = trainer.adapter_config[name]
         loss = float(trainer.sharding.total(schedule.adapter_losses.get(name, 0.0))) / tokens[name]
-        if not math.isfinite(loss):
-            adapters.zero_grad(name)
-            raise NonFiniteError(f"adapter {name}'s loss is {loss}")
         lr = trainer.adapter_lr[name].lr(trainer.adapter_steps[name])
         clip = cfg.max_grad_norm if cfg.clips else None
         betas = (cfg.adam_beta1, cfg.adam_beta2)
-        norm = trainer.compute.run(adapters.step, lr, cfg.weight_decay, betas, cfg.adam_epsilon, clip, name)
+        try:  # (every rank alike: the loss and the norm are the ranks' totals)
+            if not math.isfinite(loss):
+                adapters.zero_grad(name)
+                raise NonFiniteError(f"the loss is {loss}")
+            norm = trainer.compute.run(
+                adapters.step, lr, cfg.weight_decay, betas, cfg.adam_epsilon, clip, name
+            )
+        except NonFiniteError as exc:  # this adapter's run stops; the others' steps are taken
+            out[name] = AdapterStep(loss, float("nan"), lr, error=str(exc))
+            continue
         trainer.adapter_steps[name] += 1
         metrics = {}
         for metric in metric_names(cfg.objective):  # as ``StreamedTrainer.step`` reads a step's

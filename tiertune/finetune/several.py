@@ -15,7 +15,9 @@ metrics) with the shared stream's ``bytes_moved`` and peaks; its ``checkpoint-<s
 its own steps and at its last, in a run's format (the adapter in PEFT format, ``adapter_optimizer.pt``, its
 random generator ``adapter_rng.pt``, the trainer state with the data's position), written at once: an adapter's
 state is small and in memory (``checkpoint.save_in_place``). An adapter whose steps are done takes no part in
-later steps. SIGINT or SIGTERM stops the run at its next safe point (``Interrupted``). Not yet: distillation."""
+later steps, nor one whose loss or gradient norm is not finite (its run stops there, as a run of one does: nothing
+saved or exported after its last good step; the others go on, and the run ends with its message). SIGINT or
+SIGTERM stops the run at its next safe point (``Interrupted``). Not yet: distillation."""
 
 from __future__ import annotations
 
@@ -81,6 +83,7 @@ class _Adapter:
     decision: Decision
     history: list[dict] = field(default_factory=list)
     stream: Any = None
+    stopped: bool = False  # its loss or gradient norm was not finite: it takes no part in later steps
 
 
 def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterResult]:
@@ -221,7 +224,7 @@ def _train(
                 for note in a.decision.notes:
                     print(f"{a.result.name} ({out}): {note}", flush=True)
         while True:
-            going = [a for a in adapters if a.result.steps < a.loaded.steps]
+            going = [a for a in adapters if not a.stopped and a.result.steps < a.loaded.steps]
             if not going:
                 break
             groups = {
@@ -240,6 +243,8 @@ def _train(
                 losses = " ".join(f"{n}={v.loss:.4f}" for n, v in out.items())
                 print(f"step {done[0]}: {losses}", flush=True)
         for a in adapters if world.is_main else ():  # (replicated: every rank's adapters are rank 0's)
+            if a.stopped:  # as a run of one: nothing exported after its last good step
+                continue
             res = a.result
             trainer.adapters.save(res.output_dir, res.name)
             a.loaded.tokenizer.save_pretrained(str(res.output_dir))
@@ -261,6 +266,15 @@ def _record(
     """Adapter ``a``'s step done: its record logged (every ``logging_steps`` and its last), its checkpoint
     written (every ``save_steps`` and its last); by rank 0 of several."""
     res, t = a.result, a.recipe.training
+    if step.error is not None:
+        a.stopped = True
+        last = latest_checkpoint(res.output_dir)
+        res.error = (
+            f"stopped at its step {res.steps + 1}: {step.error} (nothing saved or exported after step "
+            f"{res.steps}; " + (f"its newest checkpoint is {last})" if last else "no checkpoint was written)")
+        )
+        log.error("%s: %s", res.output_dir, res.error)
+        return
     res.steps += 1
     res.losses.append(step.loss)
     report = trainer.last_report

@@ -558,8 +558,8 @@ class Adapters:
             norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         else:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-        if not math.isfinite(float(norm)):  # the adapters stay as they were; the run stops
-            self.zero_grad()
+        if not math.isfinite(float(norm)):  # the adapter stays as it was; its run stops
+            self.zero_grad(name)
             raise NonFiniteError(f"the adapters' gradient norm is {float(norm)}")
         optimizer = self.optimizer(weight_decay, betas, eps, name)
         for group in optimizer.param_groups:
