@@ -4,18 +4,22 @@ their micro-batches on a ledger, ``StreamedTrainer.step_adapters``) beside the f
 
 The bytes a step reads stay those of one adapter's step (the base streamed once for all); what grows with the
 adapters is compute (every adapter's tokens) and what the device holds: each adapter's weights and AdamW states,
-the wave's hidden states at the layer boundaries (every adapter's micro-batches), a stack's activations. Where
-the adapters do not fit, the estimate finds the most of them (the first k of the recipes) that do, each k
-estimated; where they fit, it says how many more like them would, from the growth per adapter between one and
-all of them (linear: each adapter adds its own states and micro-batches)."""
+the wave's hidden states at the layer boundaries (every adapter's micro-batches), a stack's activations. Whether
+they fit is ``config.several``'s verdict, the one ``tiertune train`` checks: where they do not, the most of them
+(the first k of the recipes) that do; where they fit, about how many more like them would, from the growth per
+adapter between one and all of them (linear: each adapter adds its own states and micro-batches)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass
 
 from tiertune.config.recipe import Recipe
+from tiertune.config.several import Fit, Fitting, fit, fitting
 from tiertune.errors import ConfigError
 from tiertune.estimates.report import Estimate, estimate
+from tiertune.estimates.speed import resolve_gpu
+from tiertune.loading.hub import config_directory
 from tiertune.units import format_size
 
 READ_LINKS = ("disk->host", "host->device")
@@ -25,20 +29,23 @@ READ_LINKS = ("disk->host", "host->device")
 @dataclass
 class AdaptersEstimate:
     """Several adapters over one base: the estimate of their run (``all``) beside the first adapter's alone
-    (``one``), the most of them (the first k recipes) that fit, and, where all fit, about how many more would."""
+    (``one``), whether they fit (``fitting``: the most of the first k recipes that do) and, where all fit, about
+    how many more would."""
 
     recipes: int
     one: Estimate
     all: Estimate
-    largest: int
+    fitting: Fitting
+    alone: Fit  # the first adapter's step alone on the ledger (what ``more`` grows from)
     more: int = 0
-    tried: list[tuple[int, bool]] = field(
-        default_factory=list
-    )  # (adapters, whether they fit), each estimated
 
     @property
     def fits(self) -> bool:
-        return self.largest == self.recipes
+        return self.fitting.fits
+
+    @property
+    def largest(self) -> int:
+        return self.fitting.largest
 
     @property
     def read_ratio(self) -> float:
@@ -51,6 +58,7 @@ class AdaptersEstimate:
         return which.speed.seconds if which.speed is not None else None
 
     def as_json(self) -> dict:
+        f = self.fitting
         return {
             "adapters": self.recipes,
             "fits": self.fits,
@@ -58,7 +66,11 @@ class AdaptersEstimate:
             "more_that_fit": self.more,
             "read_ratio": round(self.read_ratio, 4),
             "step_seconds": {"one": self.step_seconds(self.one), "all": self.step_seconds(self.all)},
-            "tried": [{"adapters": k, "fits": ok} for k, ok in self.tried],
+            "memory_limit_bytes": f.limit,
+            "tried": [
+                {"adapters": t.adapters, "holds_bytes": t.held(f.on_gpu), "why": t.why} for t in f.tried
+            ],
+            "refusal": f.refusal(),
             "one": self.one.as_json(),
             "all": self.all.as_json(),
         }
@@ -67,44 +79,32 @@ class AdaptersEstimate:
 def estimate_adapters(recipes: list[Recipe], measure: bool = True, gpu: str = "auto") -> AdaptersEstimate:
     """The run of ``recipes`` (two or more that share a base: ``config.sweep.shared_base``) as several adapters
     over one base: its estimate and the first adapter's alone (``measure``: their step times too), on what
-    ``gpu`` names (``speed.resolve_gpu``); where they do not all fit, the most of them that do."""
+    ``gpu`` names (``speed.resolve_gpu``); whether they fit and, where they do not all, the most of them that
+    do."""
+    from tiertune.config.plan import resolve
     from tiertune.config.sweep import shared_base
+    from tiertune.distributed.world import World
 
     if len(recipes) < 2:
         raise ConfigError("an estimate of several adapters takes two or more recipes (or a sweep: section)")
-    recipes = [r.with_absolute_paths() for r in recipes]
+    recipes = [copy.deepcopy(r).with_absolute_paths() for r in recipes]
     shared_base(recipes)
+    for r in recipes:
+        r.model.path = config_directory(r.model.path)
     first, rest = recipes[0], recipes[1:]
     whole = estimate(first, measure=measure, gpu=gpu, others=rest)
     one = estimate(first, measure=measure, gpu=gpu)
-    tried = [(1, one.fits), (len(recipes), whole.fits)]
+    target = resolve_gpu(gpu)
+    device_type, memory_of = ("cuda", target.memory) if target is not None else ("cpu", None)
+    runs = [resolve(r, World(), device_type, memory_of) for r in recipes]
+    found = fitting(runs, memory_of)
+    alone = fit(runs, 1, found.on_gpu)
     more = 0
-    if whole.fits:
-        largest = len(recipes)
-        held, has = _held(whole), _has(whole)
-        per = (held - _held(one)) / (len(recipes) - 1)
-        if has is not None and per > 0:
-            more = int((has - held) // per)
-    else:
-        lo, hi = (1 if one.fits else 0), len(recipes) - 1  # the most that fit lies in [lo, hi]
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            ok = estimate(first, measure=False, gpu=gpu, others=recipes[1:mid]).fits
-            tried.append((mid, ok))
-            lo, hi = (mid, hi) if ok else (lo, mid - 1)
-        largest = lo
-    return AdaptersEstimate(len(recipes), one, whole, largest, more, tried)
-
-
-def _held(est: Estimate) -> int:
-    """What the run holds where it computes (``Estimate.computes_on``: the GPU's or this machine's RAM)."""
-    on = est.computes_on()
-    return on[2] if on is not None else 0
-
-
-def _has(est: Estimate) -> int | None:
-    on = est.computes_on()
-    return on[1] if on is not None else None
+    if found.fits:
+        all_of = found.tried[0].held(found.on_gpu)
+        per = (all_of - alone.held(found.on_gpu)) / (len(runs) - 1)
+        more = int((found.limit - all_of) // per) if per > 0 else 0
+    return AdaptersEstimate(len(recipes), one, whole, found, alone, more)
 
 
 def _flops(n: float) -> str:
@@ -113,23 +113,7 @@ def _flops(n: float) -> str:
 
 def refusal(est: AdaptersEstimate) -> str | None:
     """Why a run of the estimate's adapters cannot start, naming the most that fit (None: they fit)."""
-    if est.fits:
-        return None
-    on = est.all.computes_on()
-    short = {t: est.all.needed(t) for t, tier in est.all.tiers.items() if est.all.needed(t) > tier.budget}
-    if short:
-        why = "; ".join(
-            f"the {t} tier needs {format_size(n)} of its {format_size(est.all.tiers[t].budget)} budget"
-            for t, n in short.items()
-        )
-    elif on is not None:
-        why = f"they hold {format_size(on[2])} of {on[0]}'s {format_size(on[1])}"
-    else:
-        why = "; ".join(est.all.short_of_machine().values()) or "the budgets do not hold them"
-    return (
-        f"{est.recipes} adapters over one base do not fit ({why}); the most that do: {est.largest} (the first "
-        f"{est.largest} recipes). Train fewer at once, lower their micro-batches, or raise the budgets"
-    )
+    return est.fitting.refusal()
 
 
 def format_adapters(est: AdaptersEstimate, title: str) -> str:
@@ -151,11 +135,11 @@ def format_adapters(est: AdaptersEstimate, title: str) -> str:
         lines.append(f"{label:34}{of(one):>16}{of(whole):>16}")
     lines.append(f"bytes read a step: {est.read_ratio:.2f}x one adapter's (the base streamed once for all)")
     if est.fits:
-        on = whole.computes_on()
-        where = f" of {on[0]}'s {format_size(on[1])}" if on is not None else ""
+        f = est.fitting
+        where = "the GPU" if f.on_gpu else "this machine's RAM"
         lines.append(
-            f"fits: {est.recipes} adapters hold {format_size(_held(whole))}{where}; about {est.more} more like "
-            "them would fit"
+            f"fits: a step of the {est.recipes} adapters holds {format_size(f.tried[0].held(f.on_gpu))} of "
+            f"{where}'s {format_size(f.limit)}; about {est.more} more like them would fit"
         )
     else:
         lines.append(f"does not fit: {refusal(est)}")

@@ -104,7 +104,7 @@ def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterR
         recipe.model.path = model_directory(recipe.model.path)
         _refuse(recipe)
     runs = [resolve(r, world) for r in recipes]
-    _admit(recipes, world)
+    _admit(runs, world)
     admit(runs[0])
     join(world)  # several processes: the process group, this rank's GPU and threads
     loaded = [load_run(r, world.size) for r in recipes]
@@ -155,15 +155,17 @@ def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterR
     return results
 
 
-def _admit(recipes: list[Recipe], world: World) -> None:
-    """ConfigError, naming the most adapters that fit, where a step of all the recipes' adapters does not fit
-    the budgets or the compute device (``estimates.adapters``: their step on a ledger). A launch of several
+def _admit(runs: list, world: World) -> None:
+    """ConfigError, naming the most adapters that fit, where a step of all the runs' adapters does not fit the
+    first's budgets or the compute device (``config.several``: their step on a ledger). A launch of several
     processes is checked as a run of one is: each rank's plan (``admit``)."""
-    from tiertune.estimates.adapters import estimate_adapters, refusal
+    from tiertune.config.several import fitting
 
     if world.size > 1:
         return
-    why = refusal(estimate_adapters(recipes, measure=False))
+    device = runs[0].store.device
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    why = fitting(runs, memory).refusal()
     if why:
         raise ConfigError(why)
 
@@ -189,7 +191,7 @@ def _train(
 ) -> None:
     from tiertune.engine import StreamedTrainer
     from tiertune.finetune.ranks import rows_of
-    from tiertune.finetune.train import _batches_done
+    from tiertune.finetune.train import batches_done
 
     for k, a in enumerate(adapters):
         a.result.name = adapter_name(k)
@@ -214,7 +216,7 @@ def _train(
             if a.decision.resume is not None:
                 state = _resume(trainer, a.result.name, a.decision.resume)
                 a.history = [r for r in state["log_history"] if int(r.get("step", 0)) <= a.decision.step]
-                for _ in range(_batches_done(state["tiertune"], rows)):  # the data's position
+                for _ in range(batches_done(state["tiertune"], rows)):  # the data's position
                     next(a.stream)
             if world.is_main:
                 write_text_atomically(out / RECIPE_FILE, a.recipe.to_yaml())

@@ -301,7 +301,7 @@ def _run(
             state = load_checkpoint(trainer, decision.resume)
             # the steps up to the checkpoint's (one written by an older tiertune may hold later ones)
             history = [r for r in state["log_history"] if int(r.get("step", 0)) <= first]
-            skip = _batches_done(state["tiertune"], rows)  # the data position: the same batches follow
+            skip = batches_done(state["tiertune"], rows)  # the data position: the same batches follow
             for _ in range(skip):
                 next(stream)
         if beside is not None:  # scored a step at a time from here (none for the batches skipped)
@@ -422,7 +422,7 @@ def _run(
     return result
 
 
-def _batches_done(counters: dict, rows: int) -> int:
+def batches_done(counters: dict, rows: int) -> int:
     """The global micro-batches of ``rows`` rows a resumed run skips: those its checkpoint consumed, or, when
     it was written with micro-batches of another size (a recipe change the run allowed), as many as hold
     the rows it consumed."""
