@@ -1699,37 +1699,28 @@ def phase_longseq(ctx: Context) -> None:
     emit(ctx, "longseq", "longseq/tiertune", values, began)
 
 
-DPO_RUNS = (("sft, 2 rows a micro-batch", "sft", 2), ("dpo, 1 pair a micro-batch", "dpo", 1))
-"""The dpo phase's runs: (label, objective, --batch: rows for SFT, pairs for DPO): as many sequences each."""
-
-
-def phase_dpo(ctx: Context) -> None:
-    """QLoRA DPO of the 70B shape (cut to ``accum_layers`` layers, streamed from disk through the accumulation
-    phase's budgets) under the GPU cap, 8 micro-batches of one pair a step (their boundaries on the device), the
-    reference (the base, adapters off) in the same layer visits, against SFT of as many sequences: tokens/s, bytes moved per step, peak GPU
-    memory of each; the DPO step's bytes over the SFT step's (the reference shares the visit: 1.0)."""
+def _streamed_qlora_runs(
+    ctx: Context, phase: str, shape: Shape, runs: dict[str, list[str]]
+) -> dict[str, dict]:
+    """bench_qlora's tiertune mode once per entry of ``runs`` (label -> its own arguments) on one sparse checkpoint
+    of ``shape`` (its NF4 layers generated), streamed from disk through the accumulation phase's budgets under
+    the GPU cap, 2 steps of 8 micro-batches, their boundaries on the device; each run's figures by label."""
     s = ctx.settings
-    dtype = getattr(torch, s.dtype)
-    began = time.perf_counter()
-    shape = s.qlora_shape.with_layers(s.accum_layers)
-    runs: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(dir=ctx.dir, prefix="dpo-") as name:
+    out: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(dir=ctx.dir, prefix=f"{phase}-") as name:
         tmp = Path(name)
         model = tmp / "base"
-        write_checkpoint(model, shape, "sparse", dtype)
-        for label, objective, batch in DPO_RUNS:
+        write_checkpoint(model, shape, "sparse", getattr(torch, s.dtype))
+        for label, own in runs.items():
             argv = [
                 *shape.args(),
                 "--steps",
                 "2",
-                "--batch",
-                str(batch),
                 "--seq",
                 str(s.qlora_seq),
                 "--micro-batches",
                 "8",
-                "--objective",
-                objective,
+                *own,
                 "--activations",
                 "device",
                 "--host-budget",
@@ -1745,32 +1736,38 @@ def phase_dpo(ctx: Context) -> None:
             ]
             left = ctx.budget.left() - 10
             if left < 30:
-                runs[label] = {"skipped": f"{left:.0f} s of the budget left"}
+                out[label] = {"skipped": f"{left:.0f} s of the budget left"}
                 continue
-            out = run_child(
+            got = run_child(
                 "qlora-tiertune", {"argv": argv, "model": str(model), "disk": str(tmp / "disk")}, left
             )
-            runs[label] = {
-                key: out.get(key)
-                for key in (
-                    "error",
-                    "step_s",
-                    "tokens_per_second",
-                    "losses",
-                    "peak_gpu_bytes",
-                    "bytes_moved_per_step",
-                )
-            }
-            log(f"dpo, {label}: {json.dumps(runs[label])}")
+            keys = (
+                "error",
+                "step_s",
+                "tokens_per_second",
+                "losses",
+                "peak_gpu_bytes",
+                "bytes_moved_per_step",
+            )
+            out[label] = {key: got.get(key) for key in keys}
+            log(f"{phase}, {label}: {json.dumps(out[label])}")
             shutil.rmtree(tmp / "disk", ignore_errors=True)
-    sft, dpo = (runs.get(label, {}) for label, _, _ in DPO_RUNS)
+    return out
+
+
+def _side_by_side(
+    s: Settings, shape: Shape, runs: dict[str, dict], base: str, other: str, ratio: str
+) -> dict:
+    """A phase's result of two ``_streamed_qlora_runs``: the base and budgets, both runs, ``other``'s bytes moved
+    and seconds a step over ``base``'s (``<ratio>_bytes``, ``<ratio>_seconds``), ``other``'s peak GPU memory."""
+    first, second = runs.get(base, {}), runs.get(other, {})
 
     def total(run: dict) -> float | None:
         moved = run.get("bytes_moved_per_step")
         return sum(moved.values()) if moved else None
 
-    peak = dpo.get("peak_gpu_bytes")
-    values = {
+    peak = second.get("peak_gpu_bytes")
+    return {
         "system": "tiertune",
         "base": {**shape.describe(), "of": s.qlora_shape.name},
         "seq": s.qlora_seq,
@@ -1778,13 +1775,35 @@ def phase_dpo(ctx: Context) -> None:
         "host_budget_bytes": s.accum_host_budget,
         "device_budget_bytes": s.accum_device_budget,
         "runs": runs,
-        "dpo_over_sft_bytes": total(dpo) / total(sft) if total(dpo) and total(sft) else None,
-        "dpo_over_sft_seconds": dpo["step_s"] / sft["step_s"]
-        if dpo.get("step_s") and sft.get("step_s")
+        f"{ratio}_bytes": total(second) / total(first) if total(second) and total(first) else None,
+        f"{ratio}_seconds": second["step_s"] / first["step_s"]
+        if second.get("step_s") and first.get("step_s")
         else None,
         "peak_gpu_bytes": peak,
         "under_cap": None if peak is None else peak <= s.gpu_cap,
     }
+
+
+DPO_RUNS = (("sft, 2 rows a micro-batch", "sft", 2), ("dpo, 1 pair a micro-batch", "dpo", 1))
+"""The dpo phase's runs: (label, objective, --batch: rows for SFT, pairs for DPO): as many sequences each."""
+
+
+def phase_dpo(ctx: Context) -> None:
+    """QLoRA DPO of the 70B shape (cut to ``accum_layers`` layers, streamed from disk through the accumulation
+    phase's budgets) under the GPU cap, 8 micro-batches of one pair a step (their boundaries on the device), the
+    reference (the base, adapters off) in the same layer visits, against SFT of as many sequences: tokens/s, bytes
+    moved per step, peak GPU memory of each; the DPO step's bytes over the SFT step's (the reference shares the
+    visit: 1.0)."""
+    s = ctx.settings
+    began = time.perf_counter()
+    shape = s.qlora_shape.with_layers(s.accum_layers)
+    runs = _streamed_qlora_runs(
+        ctx,
+        "dpo",
+        shape,
+        {label: ["--objective", objective, "--batch", str(batch)] for label, objective, batch in DPO_RUNS},
+    )
+    values = _side_by_side(s, shape, runs, DPO_RUNS[0][0], DPO_RUNS[1][0], "dpo_over_sft")
     emit(ctx, "dpo", "dpo/tiertune", values, began)
 
 
@@ -1799,82 +1818,12 @@ def phase_several(ctx: Context) -> None:
     for all: ~1.0), the step's seconds (at most 1.3x one adapter's where reading and dequantizing bound it),
     tokens/s and peak GPU memory of each."""
     s = ctx.settings
-    dtype = getattr(torch, s.dtype)
     began = time.perf_counter()
     shape = s.qlora_shape.with_layers(s.accum_layers)
-    runs: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(dir=ctx.dir, prefix="several-") as name:
-        tmp = Path(name)
-        model = tmp / "base"
-        write_checkpoint(model, shape, "sparse", dtype)
-        for label, adapters in SEVERAL_RUNS:
-            argv = [
-                *shape.args(),
-                "--steps",
-                "2",
-                "--batch",
-                "1",
-                "--seq",
-                str(s.qlora_seq),
-                "--micro-batches",
-                "8",
-                "--adapters",
-                str(adapters),
-                "--activations",
-                "device",
-                "--host-budget",
-                f"{s.accum_host_budget}B",
-                "--device-budget",
-                f"{s.accum_device_budget}B",
-                "--device",
-                s.device,
-                "--gpu-memory-cap",
-                f"{s.gpu_cap}B",
-                "--quant-cache",
-                "generated",
-            ]
-            left = ctx.budget.left() - 10
-            if left < 30:
-                runs[label] = {"skipped": f"{left:.0f} s of the budget left"}
-                continue
-            out = run_child(
-                "qlora-tiertune", {"argv": argv, "model": str(model), "disk": str(tmp / "disk")}, left
-            )
-            runs[label] = {
-                key: out.get(key)
-                for key in (
-                    "error",
-                    "step_s",
-                    "tokens_per_second",
-                    "losses",
-                    "peak_gpu_bytes",
-                    "bytes_moved_per_step",
-                )
-            }
-            log(f"several, {label}: {json.dumps(runs[label])}")
-            shutil.rmtree(tmp / "disk", ignore_errors=True)
-    one, four = (runs.get(label, {}) for label, _ in SEVERAL_RUNS)
-
-    def total(run: dict) -> float | None:
-        moved = run.get("bytes_moved_per_step")
-        return sum(moved.values()) if moved else None
-
-    peak = four.get("peak_gpu_bytes")
-    values = {
-        "system": "tiertune",
-        "base": {**shape.describe(), "of": s.qlora_shape.name},
-        "seq": s.qlora_seq,
-        "micro_batches": 8,
-        "host_budget_bytes": s.accum_host_budget,
-        "device_budget_bytes": s.accum_device_budget,
-        "runs": runs,
-        "n4_over_n1_bytes": total(four) / total(one) if total(four) and total(one) else None,
-        "n4_over_n1_seconds": four["step_s"] / one["step_s"]
-        if four.get("step_s") and one.get("step_s")
-        else None,
-        "peak_gpu_bytes": peak,
-        "under_cap": None if peak is None else peak <= s.gpu_cap,
-    }
+    runs = _streamed_qlora_runs(
+        ctx, "several", shape, {label: ["--adapters", str(n), "--batch", "1"] for label, n in SEVERAL_RUNS}
+    )
+    values = _side_by_side(s, shape, runs, SEVERAL_RUNS[0][0], SEVERAL_RUNS[1][0], "n4_over_n1")
     emit(ctx, "several", "several/tiertune", values, began)
 
 
