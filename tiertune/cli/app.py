@@ -405,6 +405,60 @@ def _layer_seconds(given: str | None) -> tuple[float, float] | None:
     return forward, backward
 
 
+@app.command()
+def generate(
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="A model directory or Hugging Face id, a run directory (training.output_dir) or a checkpoint."
+        ),
+    ],
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="Dotted overrides, e.g. offload.device_budget=4GiB.")
+    ] = None,
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", help="A prompt (repeatable).")] = None,
+    prompts: Annotated[
+        Path | None, typer.Option("--prompts", help="A file of prompts: a line each, or .jsonl rows' prompt.")
+    ] = None,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", help="At most this many new tokens.")
+    ] = 64,
+    temperature: Annotated[float, typer.Option("--temperature", help="0: greedy; else sampled.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Sample from the smallest set of this mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample from the k likeliest tokens (0: all).")] = 0,
+    seed: Annotated[
+        int, typer.Option("--seed", help="The sampling's seed: the same seed, the same text.")
+    ] = 0,
+    quiet: _Quiet = False,
+    verbose: _Verbose = False,
+) -> None:
+    """Complete prompts with a model, or with a trained run (a LoRA run's adapter over its base as trained),
+    the model streamed as the run streams it: all prompts in one batch, each layer read once a token.
+
+    Prints each completion, one per prompt, in order. Example: tiertune generate runs/demo/out --prompt "The cat"
+    """
+    _console_log(quiet, verbose)
+    with _user_errors():
+        from tiertune.finetune.generation import generate_text, load_generator, read_prompts, source_of
+        from tiertune.finetune.signals import stop_on_signals
+        from tiertune.finetune.train import tokenizer_of
+
+        _imports_settled()
+        texts = read_prompts(prompt or (), prompts)
+        found = source_of(source, tuple(overrides or ()))
+        tokenizer = tokenizer_of(found.model)
+        with stop_on_signals() as stop, stop.at_safe_points():
+            trainer = load_generator(found, safe_point=stop.check)
+            try:
+                out = generate_text(
+                    trainer, tokenizer, texts, max_new_tokens, temperature, top_p, top_k, seed
+                )
+            finally:
+                trainer.close()
+    for text in out:
+        typer.echo(text)
+
+
 _Overwrite = Annotated[
     bool,
     typer.Option("--overwrite", help="Replace --out when it holds a model or a run (the whole directory)."),

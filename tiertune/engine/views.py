@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,6 +263,26 @@ class TrainerViews:
         finally:
             for i, layer in enumerate(streamed):
                 self.parts.layers[i] = layer
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int = 0,
+    ) -> list[list[int]]:
+        """Each prompt's (token ids) completion by the model as it is now, decoded in batch, the weights read once
+        per decoded token for all of them (``engine.generate``: greedy at ``temperature`` 0, else sampled with
+        ``top_k`` / ``top_p`` from a generator seeded by ``seed``; a row stops at ``eos_token_id``)."""
+        from tiertune.engine.generate import generate
+
+        return generate(
+            self, prompts, max_new_tokens, temperature, top_p, top_k, seed, eos_token_id, pad_token_id
+        )
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """The LoRA adapter weights as peft saves them (CPU tensors)."""

@@ -217,7 +217,7 @@ def load_run(recipe: Recipe, ranks: int) -> Loaded:
     per-device batch x the launch's ranks."""
     t, d = recipe.training, recipe.data
     torch.manual_seed(t.seed)
-    tokenizer = _tokenizer(recipe.model.path)
+    tokenizer = tokenizer_of(recipe.model.path)
     data = load_data(
         d.path,
         tokenizer,
@@ -499,7 +499,9 @@ def _check_room(trainer: StreamedTrainer, out: Path, saves: bool) -> None:
         )
 
 
-def _tokenizer(model_path: str) -> Any:
+def tokenizer_of(model_path: str) -> Any:
+    """The tokenizer of the model at ``model_path``; ModelError saying what is there where transformers cannot
+    load one."""
     from transformers import AutoTokenizer
 
     try:

@@ -636,6 +636,32 @@ class Adapters:
             for k, v in own.items()
         }
 
+    def load(self, directory: str | Path, name: str = FIRST) -> None:
+        """Adapter ``name``'s weights from a PEFT adapter directory (``save``'s, or peft's own for the same
+        settings); ConfigError naming what differs where its tensors are not this adapter's."""
+        from safetensors.torch import load_file
+
+        file = Path(directory) / "adapter_model.safetensors"
+        if not file.is_file():
+            raise ConfigError(f"{directory} holds no PEFT adapter (no adapter_model.safetensors)")
+        tensors = load_file(str(file))
+        keys = list(self.state_dict(name))  # peft's key of each of the adapter's tensors, in order
+        params = [p for _, p in self.named_of[name]]
+        missing = [k for k in keys if k not in tensors]
+        if missing or len(tensors) != len(keys):
+            raise ConfigError(
+                f"{file} holds {len(tensors)} tensors, this adapter {len(keys)} (first not found: "
+                f"{(missing or ['-'])[0]}): its rank, targets or model are not this recipe's method.lora"
+            )
+        with torch.no_grad():
+            for key, p in zip(keys, params, strict=True):
+                if tensors[key].shape != p.shape:
+                    raise ConfigError(
+                        f"{file}: {key} is {tuple(tensors[key].shape)}, this adapter's {tuple(p.shape)} (another "
+                        "rank or model)"
+                    )
+                p.copy_(tensors[key])
+
     def save(self, directory: str | Path, name: str = FIRST) -> Path:
         """Write ``adapter_model.safetensors`` and ``adapter_config.json`` (what ``PeftModel.from_pretrained``
         reads) into ``directory``: each file under a temporary name, fsynced, then renamed into place, the

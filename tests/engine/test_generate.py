@@ -1,0 +1,87 @@
+"""Batched decoding over a streamed model (``StreamedTrainer.generate``, ``engine.generate``): greedy decoding of
+a model whose weights are on disk is transformers' ``generate`` token for token (several architectures, a
+batch with left padding, a row stopping at its EOS token), a layer's weights are read once per decoded token for
+the whole batch, and sampling with a seed is the same run after run."""
+
+import pytest
+import torch
+
+from tiertune.engine import EngineConfig, StreamedTrainer
+from tiertune.offload.store import StoreConfig
+
+PROMPTS = [[5, 17, 42, 9, 3, 77], [8, 1], [100, 23, 5, 61]]
+
+
+def _trainer(path, disk_dir, name, budget="1MiB", **config):
+    store = StoreConfig.resolve(
+        device_budget=budget, host_budget=budget, disk_path=str(disk_dir / name), chunk_size="256KiB"
+    )
+    base = dict(dtype=torch.float32, params="disk", method="frozen", max_steps=1)
+    return StreamedTrainer(str(path), store, EngineConfig(**{**base, **config}))
+
+
+def _theirs(model, prompts, new, eos=None):
+    """transformers' greedy ``generate`` on the left-padded batch; each row's new tokens, up to its EOS."""
+    rows, longest = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros((rows, longest), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, longest - len(p) :], mask[r, longest - len(p) :] = torch.tensor(p), 1
+    model.generation_config.pad_token_id = 0
+    out = model.eval().generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )[:, longest:]
+    got = []
+    for row in out.tolist():
+        cut = row.index(eos) + 1 if eos is not None and eos in row else len(row)
+        got.append(row[:cut])
+    return got
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt_neox", "gemma"])
+def test_greedy_decoding_is_transformers_generate(tiny_model_dir, disk_dir, family):
+    path, model = tiny_model_dir(family, layers=3)
+    theirs = _theirs(model, PROMPTS, 12)
+    trainer = _trainer(path, disk_dir, family)
+    try:
+        assert trainer.generate(PROMPTS, max_new_tokens=12) == theirs
+    finally:
+        trainer.close()
+
+
+def test_a_row_stops_at_its_eos_and_the_weights_are_read_once_a_token(tiny_model_dir, disk_dir):
+    path, model = tiny_model_dir("gpt_neox", layers=3)  # (its random weights draw varied tokens)
+    free = _theirs(model, PROMPTS, 10)
+    # a token some row draws first after a few others: that row stops there, the others go on (unless they draw it)
+    row, at = next((r, k) for r, g in enumerate(free) for k in range(1, len(g)) if g[k] not in g[:k])
+    eos = free[row][at]
+    theirs = _theirs(model, PROMPTS, 10, eos=eos)
+    trainer = _trainer(path, disk_dir, "eos", budget="320KiB")  # room for the layer in use, not all three
+    try:
+        before = trainer.store_stats().bytes_moved.get("disk->host", 0)
+        got = trainer.generate(PROMPTS, max_new_tokens=10, eos_token_id=eos)
+        read = trainer.store_stats().bytes_moved.get("disk->host", 0) - before
+        layers = sum(trainer.chunk_sizes()["layer_weights"])
+    finally:
+        trainer.close()
+    assert got == theirs and got[row][-1] == eos and len(got[row]) == at + 1
+    passes = max(len(g) for g in got)  # a pass a decoded token, the prompt's first
+    assert layers * (passes - 1) <= read <= layers * passes * 1.05, (read, layers, passes)
+
+
+def test_sampling_with_a_seed_is_reproducible(tiny_model_dir, disk_dir):
+    path, _ = tiny_model_dir("llama", layers=3)
+    trainer = _trainer(path, disk_dir, "sample")
+    try:
+        kw = dict(max_new_tokens=16, temperature=0.8, top_p=0.9, top_k=50)
+        first = trainer.generate(PROMPTS, seed=7, **kw)
+        again = trainer.generate(PROMPTS, seed=7, **kw)
+        other = trainer.generate(PROMPTS, seed=8, **kw)
+    finally:
+        trainer.close()
+    assert first == again and first != other

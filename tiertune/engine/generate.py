@@ -1,0 +1,135 @@
+"""Batched decoding over a streamed model (``StreamedTrainer.generate``): every prompt advances one token per pass
+over the decoder layers, each layer's weights acquired once a pass for the whole batch (read once per decoded
+token, however many sequences), its keys and values kept in transformers' ``DynamicCache`` on the device.
+
+Prompts are left-padded, positions counted from each row's first token (as transformers' ``generate`` does), so
+greedy decoding (``temperature`` 0) picks the tokens ``generate(do_sample=False)`` picks. Sampling applies the
+temperature, then top-k, then top-p (transformers' warpers, in its order) and draws from a generator seeded by
+``seed``: the same seed, the same completions. A row stops at the EOS token (then pads); decoding stops when
+every row has, or after ``max_new_tokens``. LoRA adapters are applied as in training (never merged into a
+quantized base). The model's attention runs transformers' ``sdpa`` while decoding (tiertune's segment attention
+is for a step's whole sequences, not a query against its cache)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+
+from tiertune.errors import ConfigError
+from tiertune.kernels.ops.attention import NAME as SEGMENTS
+
+
+def pick(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """The next token of each row from its last position's ``logits`` ([rows, vocabulary], fp32): the largest
+    at ``temperature`` 0, else a draw from the softmax of the logits over ``temperature`` kept to the ``top_k``
+    largest (0: all) and to the smallest set whose probability reaches ``top_p`` (1: all)."""
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ConfigError(
+            f"temperature must be >= 0, top_p in (0, 1] and top_k >= 0; got {temperature}, {top_p}, {top_k}"
+        )
+    if temperature == 0:
+        return logits.argmax(-1)
+    scores = logits / temperature
+    if top_k:
+        kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1:
+        ordered, order = scores.sort(descending=False)
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - top_p
+        drop[:, -1] = False  # the most likely token always stays
+        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    probs = scores.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+@contextmanager
+def decoding(model: torch.nn.Module) -> Iterator[None]:
+    """The model's attention as transformers' ``sdpa`` for the block where it runs tiertune's segment
+    attention (a query of one token attends to its row's cached keys, with their padding mask)."""
+    config = model.config.get_text_config(decoder=True)
+    was = getattr(config, "_attn_implementation", None)
+    if was == SEGMENTS:
+        config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        if was == SEGMENTS:
+            config._attn_implementation = was
+
+
+def generate(
+    trainer: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int = 0,
+) -> list[list[int]]:
+    """Each prompt's completion (its new tokens, up to and including the EOS token where one was drawn), decoded
+    by ``trainer``'s model with its weights as they are (see the module docstring)."""
+    from transformers import DynamicCache
+
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("generation needs at least one prompt, each of at least one token")
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    stops = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    device, model = trainer.device, trainer.model
+    rows, longest = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((rows, longest), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((rows, longest), dtype=torch.long)
+    for r, prompt in enumerate(prompts):  # left-padded, as generate pads a decoder-only model's batch
+        ids[r, longest - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        mask[r, longest - len(prompt) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
+    others = [s for s in trainer.states if s.group.kind != "layer"]
+    out: list[list[int]] = [[] for _ in range(rows)]
+    done = torch.zeros(rows, dtype=torch.bool)
+    trainer.step_ctx.traced = False
+    with ExitStack() as stack, torch.no_grad():
+        stack.callback(setattr, trainer.step_ctx, "traced", True)
+        stack.enter_context(decoding(model))
+        was_training = model.training
+        model.eval()  # no dropout
+        stack.callback(model.train, was_training)
+        for state in others:  # the embeddings, final norm and head bound for the whole decoding
+            stack.enter_context(trainer.bound_group(state, requires_grad=False))
+        cache = DynamicCache(config=model.config)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        step_ids = ids
+        for _ in range(max_new_tokens):
+            if trainer.safe_point is not None:
+                trainer.safe_point()
+            logits = model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
+            chosen = pick(logits.float().cpu(), temperature, top_k, top_p, generator)
+            chosen = torch.where(done, torch.full_like(chosen, pad_token_id), chosen)
+            for r in range(rows):
+                if not done[r]:
+                    out[r].append(int(chosen[r]))
+            done |= torch.tensor([int(c) in stops for c in chosen.tolist()], dtype=torch.bool)
+            if bool(done.all()):
+                break
+            step_ids = chosen[:, None].to(device)
+            mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=device)], dim=1)
+            positions = positions[:, -1:] + 1
+    return out
+
+
+__all__ = ["decoding", "generate", "pick"]

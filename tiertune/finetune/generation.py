@@ -1,0 +1,133 @@
+"""Text from a model or a trained run (``tiertune generate``): the model streamed as a run streams it (its
+recipe's offload settings; a model directory's defaults), prompts tokenized by its tokenizer, decoded in one
+batch (``engine.generate``), each completion printed as text.
+
+A source is a Hugging Face model directory (or hub id), a run directory (``training.output_dir``) or one of its
+``checkpoint-<step>`` directories: a LoRA run's adapter is applied over its base as trained (the base as the
+recipe holds it, NF4 for QLoRA; the adapter never merged into it); a full fine-tune's run directory holds its
+exported model. Generation stops at the model's EOS tokens (its generation config's, else its tokenizer's)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tiertune.config.plan import plan
+from tiertune.config.recipe import Recipe, apply_overrides, build, load_recipe
+from tiertune.errors import ConfigError, DataError
+from tiertune.finetune.checkpoint import RECIPE_FILE
+from tiertune.loading.hub import model_directory
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """What ``tiertune generate`` reads: the model's directory, the recipe to stream it by, and the LoRA adapter's
+    directory (None: none)."""
+
+    model: str
+    recipe: Recipe
+    adapter: Path | None
+
+
+def source_of(source: str | Path, overrides: Sequence[str] = ()) -> Source:
+    """The model, recipe and adapter of a model directory, a run directory or a checkpoint (the module
+    docstring); ConfigError saying what the directory lacks."""
+    path = Path(source)
+    recipe_file = path / RECIPE_FILE
+    if recipe_file.is_file():  # a run, or a checkpoint of one
+        recipe = load_recipe(recipe_file, tuple(overrides)).with_absolute_paths()
+        if recipe.method.type == "lora":
+            if not (path / "adapter_model.safetensors").is_file():
+                raise ConfigError(
+                    f"{path} is a LoRA run without its adapter yet (no adapter_model.safetensors): point "
+                    "tiertune generate at one of its checkpoint-<step> directories, or at the run once it ends"
+                )
+            return Source(model_directory(recipe.model.path), recipe, path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"{path} holds no model to generate with (a full fine-tune's checkpoint keeps chunks, not a "
+                f"model): export it first (tiertune export {path} --format hf --out DIR), then generate from DIR"
+            )
+        recipe.model.path = str(path)
+        recipe.model.quantize = "none"
+        return Source(str(path), recipe, None)
+    recipe = build(Recipe, apply_overrides({}, tuple(overrides)), "")
+    recipe.model.path = model_directory(str(source))
+    return Source(recipe.model.path, recipe, None)
+
+
+def load_generator(source: Source, safe_point: Callable[[], None] | None = None) -> Any:
+    """A trainer over ``source``'s model as its recipe streams it, its adapter loaded (nothing trained)."""
+    from tiertune.engine import StreamedTrainer
+
+    planned = source.recipe
+    if (
+        source.adapter is None and planned.model.quantize != "none"
+    ):  # (plan's rule: a quantized base is frozen)
+        planned = copy.deepcopy(planned)
+        planned.method.type = "lora"
+    store, engine = plan(planned)
+    if source.adapter is None:
+        engine = dataclasses.replace(engine, method="frozen")
+    trainer = StreamedTrainer(source.model, store, engine, safe_point=safe_point)
+    if source.adapter is not None:
+        try:
+            trainer.adapters.load(source.adapter)
+        except BaseException:
+            trainer.close()
+            raise
+    return trainer
+
+
+def read_prompts(texts: Sequence[str], file: str | Path | None) -> list[str]:
+    """The prompts of ``--prompt`` and of ``--prompts FILE`` (a line each; a ``.jsonl`` file's rows' ``prompt``);
+    DataError for a file that cannot be read, ConfigError for none at all."""
+    prompts = list(texts)
+    if file is not None:
+        path = Path(file)
+        try:
+            lines = path.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(f"--prompts {path} cannot be read ({exc})") from None
+        if path.suffix == ".jsonl":
+            for n, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    prompts.append(str(row["prompt"]))
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise DataError(f"{path}:{n} is not a JSON object with a prompt") from None
+        else:
+            prompts += [line for line in lines if line.strip()]
+    if not prompts:
+        raise ConfigError("no prompt: give --prompt TEXT (repeatable) or --prompts FILE")
+    return prompts
+
+
+def generate_text(
+    trainer: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+) -> list[str]:
+    """Each prompt's completion as text (special tokens left out), decoded in one batch by ``trainer``."""
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    config = getattr(trainer.model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    out = trainer.generate(ids, max_new_tokens, temperature, top_p, top_k, seed, eos, pad)
+    return [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in out]
+
+
+__all__ = ["Source", "generate_text", "load_generator", "read_prompts", "source_of"]
