@@ -65,6 +65,17 @@ def test_a_lora_runs_completions_are_peft_over_its_base(cat_model, write_recipe,
     assert theirs != plain  # the adapter changed what the model says
 
 
+def test_a_full_runs_completions_are_its_exported_models(cat_model, write_recipe, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tiertune.finetune.train import train
+
+    recipe = write_recipe(tmp_path, cat_model(2, hidden=64), training={"max_steps": 3, "save_steps": 0})
+    run = train(recipe, progress=False).output_dir
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(run), AutoTokenizer.from_pretrained(run)
+    assert _generate(run) == _theirs(model, tokenizer, PROMPTS, 8)
+
+
 def test_sampling_with_a_seed_repeats_itself(cat_model, tmp_path):
     path = cat_model(2, hidden=64)
     where = f"offload.disk_path={tmp_path / 'nvme'}"

@@ -54,6 +54,7 @@ def source_of(source: str | Path, overrides: Sequence[str] = ()) -> Source:
             )
         recipe.model.path = str(path)
         recipe.model.quantize = "none"
+        recipe.training.output_dir = f"{path}-generate"  # (nothing is written: not the model's own directory)
         return Source(str(path), recipe, None)
     recipe = build(Recipe, apply_overrides({}, tuple(overrides)), "")
     recipe.model.path = model_directory(str(source))
