@@ -12,6 +12,7 @@ is for a step's whole sequences, not a query against its cache)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -105,6 +106,8 @@ def generate(
         for state in others:  # the embeddings, final norm and head bound for the whole decoding
             stack.enter_context(trainer.bound_group(state, requires_grad=False))
         cache = DynamicCache(config=model.config)
+        # transformers 5.2x names it ``cache``; earlier releases (and some architectures) ``past_key_values``
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         step_ids = ids
         for _ in range(max_new_tokens):
@@ -114,8 +117,8 @@ def generate(
                 input_ids=step_ids,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=cache,
                 use_cache=True,
+                **{name: cache},
                 logits_to_keep=1,
             ).logits[:, -1]
             chosen = pick(logits.float().cpu(), temperature, top_k, top_p, generator)
