@@ -1,0 +1,99 @@
+"""GRPO's objective (``engine.grpo``) against TRL 1.16's own ``GRPOTrainer._compute_loss`` on the same tokens'
+log-probabilities: the loss, its gradient by each token's log-probability, ``kl`` and the clip ratios, for
+``loss_type`` grpo, bnpo, dr_grpo and dapo, ``beta`` 0 and 0.04, old log-probabilities given (``num_iterations``
+2) or the policy's own, and an asymmetric clip (``epsilon_high``)."""
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tiertune.engine.grpo import CLIP_METRICS, grpo_loss
+
+COMPLETIONS, LENGTH, MAX_LENGTH, ACCUM = 6, 9, 12, 2
+
+
+def _inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(COMPLETIONS, LENGTH, generator=g, dtype=torch.float64) * 3
+    mask = torch.ones(COMPLETIONS, LENGTH, dtype=torch.long)
+    for r, n in enumerate([9, 4, 7, 1, 9, 6]):  # completions of several lengths (one of one token)
+        mask[r, n:] = 0
+    old = logps + 0.3 * torch.randn(COMPLETIONS, LENGTH, generator=g, dtype=torch.float64)
+    ref = logps + 0.5 * torch.randn(COMPLETIONS, LENGTH, generator=g, dtype=torch.float64)
+    adv = torch.randn(COMPLETIONS, generator=g, dtype=torch.float64)
+    return logps, mask, old, ref, adv
+
+
+def _trl(logps, mask, old, ref, adv, loss_type, beta, epsilon, epsilon_high, items):
+    """TRL's ``_compute_loss`` on a trainer holding only what it reads, its log-probabilities these."""
+    from trl import GRPOTrainer
+
+    t = object.__new__(GRPOTrainer)
+    t.__dict__.update(
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level="token",
+        beta=beta,
+        loss_type=loss_type,
+        epsilon_low=epsilon,
+        epsilon_high=epsilon if epsilon_high is None else epsilon_high,
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
+        current_gradient_accumulation_steps=ACCUM,
+        max_completion_length=MAX_LENGTH,
+        _entropy_bonus_enabled=False,
+        aux_loss_enabled=False,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=ACCUM),
+        model=SimpleNamespace(training=True),
+        accelerator=SimpleNamespace(
+            num_processes=1,
+            gather=lambda x: x,
+            gather_for_metrics=lambda x: x,
+            reduce=lambda x, reduction="sum": x,
+        ),
+    )
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros_like(logps), None)
+    inputs = {
+        "prompt_ids": torch.zeros(COMPLETIONS, 3, dtype=torch.long),
+        "prompt_mask": torch.ones(COMPLETIONS, 3, dtype=torch.long),
+        "completion_ids": torch.zeros(COMPLETIONS, LENGTH, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": torch.tensor(float(items)),
+    }
+    loss = t._compute_loss(None, inputs)
+    return loss, {k: v[-1] for k, v in t._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("given_old", [True, False], ids=["old-given", "old-is-policy"])
+def test_the_loss_its_gradient_and_metrics_are_trls(loss_type, beta, given_old):
+    logps, mask, old, ref, adv = _inputs(seed=3)
+    old = old if given_old else None
+    items = 2 * int(mask.sum())  # the generation batch's completion tokens (the step's two micro-batches')
+    mine_in = logps.clone().requires_grad_()
+    theirs_in = logps.clone().requires_grad_()
+    epsilon, epsilon_high = 0.2, 0.28
+    loss, metrics = grpo_loss(
+        mine_in, mask, adv, old, ref, loss_type, beta, epsilon, epsilon_high, ACCUM, MAX_LENGTH, items
+    )
+    their_loss, their_metrics = _trl(
+        theirs_in, mask, old, ref, adv, loss_type, beta, epsilon, epsilon_high, items
+    )
+    torch.testing.assert_close(loss, their_loss, rtol=1e-12, atol=0)
+    loss.backward()
+    their_loss.backward()
+    torch.testing.assert_close(mine_in.grad, theirs_in.grad, rtol=1e-12, atol=1e-15)
+    assert mine_in.grad.abs().sum() > 0
+    names = set(CLIP_METRICS) | ({"kl"} if beta else set())
+    assert names <= set(their_metrics) and names == set(metrics)
+    for name in names:  # (TRL takes the clipped shares in fp32: ``.float()``)
+        assert metrics[name] == pytest.approx(their_metrics[name], rel=1e-6, abs=1e-12), name
+    if given_old:  # the ratios clip somewhere, both ways, at these offsets
+        assert their_metrics["clip_ratio/region_mean"] > 0
