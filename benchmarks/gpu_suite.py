@@ -100,6 +100,25 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 PHASES = ("tests", "kernels", "qlora", "accumulation", "full", "longseq", "dpo", "several", "shipped")
+
+
+def _side_by_side_keys(ratio: str) -> tuple[str, ...]:
+    """The keys of a result of two runs side by side (``_side_by_side``): ``ratio``'s bytes and seconds."""
+    return (
+        "system",
+        "base",
+        "seq",
+        "micro_batches",
+        "host_budget_bytes",
+        "device_budget_bytes",
+        "runs",
+        f"{ratio}_bytes",
+        f"{ratio}_seconds",
+        "peak_gpu_bytes",
+        "under_cap",
+    )
+
+
 COMMON_KEYS = ("phase", "result", "machine", "gpu_memory_cap_bytes", "command", "dry_run")
 _TRAINING = (
     "batch",
@@ -229,32 +248,8 @@ KEYS: dict[str, tuple[str, ...]] = {
         "runs",
         "longest_trained",
     ),
-    "dpo/tiertune": (
-        "system",
-        "base",
-        "seq",
-        "micro_batches",
-        "host_budget_bytes",
-        "device_budget_bytes",
-        "runs",
-        "dpo_over_sft_bytes",
-        "dpo_over_sft_seconds",
-        "peak_gpu_bytes",
-        "under_cap",
-    ),
-    "several/tiertune": (
-        "system",
-        "base",
-        "seq",
-        "micro_batches",
-        "host_budget_bytes",
-        "device_budget_bytes",
-        "runs",
-        "n4_over_n1_bytes",
-        "n4_over_n1_seconds",
-        "peak_gpu_bytes",
-        "under_cap",
-    ),
+    "dpo/tiertune": _side_by_side_keys("dpo_over_sft"),
+    "several/tiertune": _side_by_side_keys("n4_over_n1"),
     "shipped/tiertune": (
         "system",
         "base",
