@@ -14,7 +14,8 @@ gradients; the [tokens x vocabulary] logits never exist.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,21 @@ def metric_names(settings: ObjectiveSettings) -> tuple[str, ...]:
         return ()
     names = METRICS if settings.type != "kto" else tuple(m for m in METRICS if m != "rewards/accuracies")
     return names + EXTRA_METRICS.get(settings.type, ())
+
+
+def step_metrics(
+    settings: ObjectiveSettings, sums: dict[str, tuple[float, float]], total: Callable[[float], Any]
+) -> dict[str, float]:
+    """A step's metrics of the objective (``metric_names``) from their sums and counts in this process
+    (``sums``), each summed over the ranks by ``total`` (a collective: every rank calls it for the same names in
+    the same order) and divided by its count; a metric that counted nothing is left out."""
+    out: dict[str, float] = {}
+    for name in metric_names(settings):
+        value, count = sums.get(name, (0.0, 0.0))
+        count = float(total(count))
+        if count:
+            out[name] = float(total(value)) / count
+    return out
 
 
 def pair_losses(
@@ -255,4 +271,5 @@ __all__ = [
     "disable_dropout",
     "metric_names",
     "pair_losses",
+    "step_metrics",
 ]

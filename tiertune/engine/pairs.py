@@ -171,9 +171,9 @@ class PairedPasses:
             if mb.adapter is not None:
                 self.adapter_losses[mb.adapter] = self.adapter_losses.get(mb.adapter, 0.0) + value
             into = self.metrics_of(mb)
-            for name, (value, count) in metrics.items():
+            for name, (summed_value, count) in metrics.items():
                 total_value, total_count = into.get(name, (0.0, 0.0))
-                into[name] = (total_value + value, total_count + count)
+                into[name] = (total_value + summed_value, total_count + count)
             if leaf.grad is None:
                 raise StateError("the loss does not depend on the last decoder layer's output")
             mb.grad = leaf.grad

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiertune.engine import objective
-from tiertune.engine.objective import metric_names, targets
+from tiertune.engine.objective import step_metrics, targets
 from tiertune.errors import ConfigError, DataError, NonFiniteError
 
 if TYPE_CHECKING:
@@ -247,12 +247,7 @@ def step_adapters(
             out[name] = AdapterStep(loss, float("nan"), lr, error=str(exc))
             continue
         trainer.adapter_steps[name] += 1
-        metrics = {}
-        for metric in metric_names(cfg.objective):  # as ``StreamedTrainer.step`` reads a step's
-            value, count = schedule.adapter_metrics.get(name, {}).get(metric, (0.0, 0.0))
-            count = float(trainer.sharding.total(count))
-            if count:
-                metrics[metric] = float(trainer.sharding.total(value)) / count
+        metrics = step_metrics(cfg.objective, schedule.adapter_metrics.get(name, {}), trainer.sharding.total)
         out[name] = AdapterStep(loss, float(norm) if norm is not None else float("nan"), lr, metrics)
     first = next(iter(out.values()))  # the report's: the first adapter's of the step
     trainer.last_lr, trainer.last_grad_norm = first.learning_rate, first.grad_norm

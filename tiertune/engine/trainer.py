@@ -33,7 +33,7 @@ from tiertune.engine.layout import (
 )
 from tiertune.engine.loaded import load_model
 from tiertune.engine.loss import CausalLMLoss
-from tiertune.engine.objective import metric_names, targets
+from tiertune.engine.objective import step_metrics, targets
 from tiertune.engine.router_aux import RouterAux
 from tiertune.engine.rows import InputRows
 from tiertune.engine.schedule import LayerMajor
@@ -371,12 +371,8 @@ class StreamedTrainer(TrainerViews):
             aux_total += aux_sum
         total = float(self.sharding.total(total))
         loss = total / n_tokens
-        self.last_metrics = {}  # each metric's sum over the ranks over what it counts there (engine.objective)
-        for name in metric_names(self.objective):  # the same on every rank: each sum is a collective
-            value, count = self.schedule.metrics.get(name, (0.0, 0.0))
-            count = float(self.sharding.total(count))
-            if count:
-                self.last_metrics[name] = float(self.sharding.total(value)) / count
+        # each metric's sum over the ranks over what it counts there (engine.objective)
+        self.last_metrics = step_metrics(self.objective, self.schedule.metrics, self.sharding.total)
         if self.router_aux is not None:
             self.last_router_aux_loss = self.router_aux.coef * aux_total / len(micro_batches)
             loss += self.last_router_aux_loss
