@@ -40,6 +40,11 @@ def test_several_adapters_read_one_adapters_bytes_and_hold_more(three):
     # 1 + 2 micro-batches of 2 rows, and the DPO one's of 2 pairs (4 rows; its reference and a third head pass)
     assert est.all.speed.flops.tokens == 5 * est.one.speed.flops.tokens
     assert est.all.speed.flops.total > 5 * est.one.speed.flops.total
+    # both priced at one set of rates, measured once: they differ by their work alone, whatever else runs here
+    assert (
+        est.all.bandwidth == est.one.bandwidth
+        and est.all.speed.compute_rate_source == est.one.speed.compute_rate_source
+    )
     assert est.step_seconds(est.all) > est.step_seconds(est.one) > 0
 
 

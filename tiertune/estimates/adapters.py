@@ -18,7 +18,7 @@ from tiertune.config.recipe import Recipe
 from tiertune.config.several import Fit, Fitting, fit, fitting
 from tiertune.errors import ConfigError
 from tiertune.estimates.report import Estimate, estimate
-from tiertune.estimates.speed import resolve_gpu
+from tiertune.estimates.speed import Probes, resolve_gpu
 from tiertune.loading.hub import config_directory
 from tiertune.units import format_size
 
@@ -92,8 +92,9 @@ def estimate_adapters(recipes: list[Recipe], measure: bool = True, gpu: str = "a
     for r in recipes:
         r.model.path = config_directory(r.model.path)
     first, rest = recipes[0], recipes[1:]
-    whole = estimate(first, measure=measure, gpu=gpu, others=rest)
-    one = estimate(first, measure=measure, gpu=gpu)
+    probes = Probes()  # both steps priced at one set of measured rates
+    one = estimate(first, measure=measure, gpu=gpu, probes=probes)
+    whole = estimate(first, measure=measure, gpu=gpu, others=rest, probes=probes)
     target = resolve_gpu(gpu)
     device_type, memory_of = ("cuda", target.memory) if target is not None else ("cpu", None)
     runs = [resolve(r, World(), device_type, memory_of) for r in recipes]

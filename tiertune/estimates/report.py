@@ -45,6 +45,7 @@ from tiertune.estimates.speed import (
     GPU,
     NOISY,
     Engine,
+    Probes,
     StepFlops,
     StepTime,
     measure_adamw,
@@ -321,6 +322,7 @@ def estimate(
     threads: int | None = None,
     layer_seconds: tuple[float, float] | None = None,
     others: Sequence[Recipe] = (),
+    probes: Probes | None = None,
 ) -> Estimate:
     """Predict bytes per tier, whether each budget holds (against the budget and against this machine) and
     how long a step takes (``measure``: probe the disk, the CPU optimizer and the compute rate). ``gpu``: what
@@ -334,7 +336,9 @@ def estimate(
     measured: its work runs beside the CPU's, which the rest of the step is measured on. ``others``: recipes
     whose LoRA adapters train over ``recipe``'s base in the same run (``config.sweep``; they share it): the
     step is all of theirs (``StreamedTrainer.step_adapters`` on the ledger), its FLOPs theirs summed, its compute
-    the first recipe's measured rate over all their tokens."""
+    the first recipe's measured rate over all their tokens. ``probes``: measurements shared with other
+    estimates (each taken once: ``speed.Probes``)."""
+    probes = probes or Probes()
     if layer_seconds is not None and (len(layer_seconds) != 2 or min(layer_seconds) < 0):
         raise ConfigError(f"layer seconds are (forward, backward), each >= 0; got {layer_seconds}")
     if processes < 1 or (per_node is not None and not 1 <= per_node <= processes):
@@ -463,12 +467,21 @@ def estimate(
     if recipe.objective.distills:
         est.teacher = _teacher(recipe, store_cfg.device_budget, notes)
     if measure:
-        est.bandwidth = measure_bandwidth(store_cfg, notes=est.notes)
+
+        def probe() -> tuple[dict[str, float], list[str]]:
+            said: list[str] = []  # the probe's notes, said by every estimate that shares its figures
+            return measure_bandwidth(store_cfg, notes=said), said
+
+        bandwidth, said = probes.take(("bandwidth", str(store_cfg.disk_path)), probe)
+        est.bandwidth = dict(bandwidth)
+        est.notes.extend(said)
         if target is not None and target.host_to_device and "host_to_device" not in est.bandwidth:
             est.bandwidth["host_to_device"] = target.host_to_device  # stated: not this machine's GPU
         trace = replayed.trace if replayed is not None else None
         scale = flops.tokens / each[0].tokens  # all the adapters' tokens over the first's (1: one adapter)
-        est.speed = _step_time(est, recipe, cfg, flops, target, trace, threads, layer_seconds, scale)
+        est.speed = _step_time(
+            est, recipe, runs[0].engine, flops, target, trace, threads, layer_seconds, scale, probes
+        )
         if est.teacher is not None:
             time_teacher(
                 est.teacher, est.bandwidth.get("disk_read"), est.speed.compute_rate if est.speed else None
@@ -546,13 +559,16 @@ def _step_time(
     run_threads: int | None = None,
     layer_seconds: tuple[float, float] | None = None,
     scale: float = 1.0,
+    probes: Probes | None = None,
 ) -> StepTime:
     """Seconds of each part of a step (see ``speed``), from the bytes moved, the bandwidths measured and the
     compute rate: measured at the model's own product shape on this machine's CPU or GPU, or a named GPU's
     stated peak; and, from the replay's ``trace``, the step as a timeline (``estimates.timeline``) of those
     rates. ``run_threads``: torch's threads the run computes with (default: as ``train`` sets them);
     ``layer_seconds``: a decoder layer's (forward, backward) seconds a micro-batch, given (``estimate``);
-    ``scale``: the step's tokens over the recipe's (several adapters' steps: all of theirs)."""
+    ``scale``: the step's tokens over the recipe's (several adapters' steps: all of theirs); ``cfg``: the
+    recipe's own engine, whose step is measured; ``probes``: measurements shared with other estimates."""
+    probes = probes or Probes()
     from tiertune.finetune.train import steps_of
 
     t = recipe.training
@@ -574,16 +590,21 @@ def _step_time(
         with torch_threads(during):
             if target is None and trace is not None:  # the engine's own step, its hand-off included
                 overlapped = bool(est.kinds.get("moments")) and cfg.overlap_optimizer != "off"
-                engine = measure_engine(
-                    recipe.model.path,
-                    cfg,
-                    rows,
-                    seq,
-                    overlapped=overlapped,
-                    packed=recipe.data.packing,
-                    sample=_sample(recipe),
+                engine = probes.take(
+                    ("engine", during),
+                    lambda: measure_engine(
+                        recipe.model.path,
+                        cfg,
+                        rows,
+                        seq,
+                        overlapped=overlapped,
+                        packed=recipe.data.packing,
+                        sample=_sample(recipe),
+                    ),
                 )
-            measured = engine or measure_compute(recipe.model.path, cfg, rows, seq, device)
+            measured = engine or probes.take(
+                ("compute", during), lambda: measure_compute(recipe.model.path, cfg, rows, seq, device)
+            )
         if measured is not None:
             layer, rest = measured.layer, measured.rest
             if layer_seconds is not None:
@@ -626,7 +647,8 @@ def _step_time(
             dtype = cfg.layer_dtype(device)
             m, k, n = flops.shape
             with torch_threads(during):
-                compute = flops.total / measure_matmul(device, dtype, m, k, n)
+                rate = probes.take(("matmul", m, k, n), lambda: measure_matmul(device, dtype, m, k, n))
+                compute = flops.total / rate
             source = (
                 f"a ({m} x {k}) @ ({k} x {n}) {str(dtype).removeprefix('torch.')} product measured on {where}"
             )
@@ -635,7 +657,7 @@ def _step_time(
     if "disk_read" in bw:
         parts["disk"] = moved["disk->host"] / bw["disk_read"] + moved["host->disk"] / bw["disk_write"]
     with torch_threads(during):  # host memory copied by the threads the run copies with
-        host_copy = measure_copy()
+        host_copy = probes.take(("copy", during), measure_copy)
     copy_rate = host_copy if target is None else bw.get("host_to_device", 0.0)
     for link in ("host->device", "device->host"):  # PCIe: each way at the host-to-device rate
         if target is not None and "host_to_device" in bw:
@@ -658,7 +680,10 @@ def _step_time(
             per_token = (layer_flops / rate, head_flops / rate) if rate else (0.0, 0.0)
         units = sorted(op[2] for unit in trace.units for op in unit if op[:2] == ("run", "adamw"))
         size = units[len(units) // 2] if units else 1 << 22  # the units' AdamW as large as theirs
-        adamw, adamw_tail = measure_adamw(during, tail, numel=min(max(size, 1 << 20), 1 << 24))
+        numel = min(max(size, 1 << 20), 1 << 24)
+        adamw, adamw_tail = probes.take(
+            ("adamw", during, tail, numel), lambda: measure_adamw(during, tail, numel=numel)
+        )
         if engine is not None and engine.updates:  # the engine's units, their own overheads in
             adamw, adamw_tail = engine.updates * adamw / adamw_tail, engine.updates
         links = {"disk->host": bw.get("disk_read", 0.0), "host->disk": bw.get("disk_write", 0.0)}
@@ -669,7 +694,7 @@ def _step_time(
         read_rate = 0.0
         if not in_layers:
             with torch_threads(during):
-                read_rate = measure_read()
+                read_rate = probes.take(("read", during), measure_read)
         rates = Rates(
             layer=per_token[0],
             forward_share=layer_seconds[0] / sum(layer_seconds) if given else 1.0 / flops.layer_factor,

@@ -670,3 +670,18 @@ def probe_disk(path: str | os.PathLike[str], nbytes: int = 256 << 20) -> tuple[f
             aio.close()
             disk.close()
     return read, write
+
+
+class Probes:
+    """Measurements taken once and reused: estimates given the same ``Probes`` (the several adapters'
+    ``estimates.adapters``: their run's beside the first adapter's alone) price their steps at the same
+    rates, so that they differ by their work, not by what else the machine did while each was measured."""
+
+    def __init__(self) -> None:
+        self.taken: dict[tuple, Any] = {}
+
+    def take(self, key: tuple, measure: Callable[[], Any]) -> Any:
+        """``measure()``'s result the first time ``key`` is asked for, that same result after."""
+        if key not in self.taken:
+            self.taken[key] = measure()
+        return self.taken[key]
