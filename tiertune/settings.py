@@ -87,10 +87,20 @@ class GaloreSettings:
     svd: str = field(default="exact", metadata=choices(*SVD_METHODS))
 
 
-OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto", "distill")
+OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto", "distill", "grpo")
+PAIRED = ("dpo", "simpo", "orpo", "kto")
+"""The objectives whose micro-batches are pairs of sequences (``ObjectiveSettings.paired``)."""
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
-BETA = {"distill": 0.5}
-"""``objective.beta``'s default by ``objective.type`` where it is not DPO's 0.1 (TRL's GKD: 0.5)."""
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+BETA = {"distill": 0.5, "grpo": 0.0}
+"""``objective.beta``'s default by ``objective.type`` where it is not DPO's 0.1 (TRL's GKD: 0.5; GRPO: 0.0, no KL
+term and no reference)."""
+LOSS_TYPE = {"grpo": "dapo"}
+"""``objective.loss_type``'s default by ``objective.type`` where it is not DPO's ``sigmoid`` (TRL's)."""
+TOP_K = {"distill": 64, "grpo": 0}
+"""``objective.top_k``'s default by ``objective.type``: the teacher's logits kept a token (distill), the
+sampling's top-k (GRPO's rollouts: 0, every token)."""
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 @dataclass
@@ -118,52 +128,84 @@ class ObjectiveSettings:
     ``alpha``: the loss is ``alpha`` x the cross-entropy on the data + (1 - ``alpha``) x the divergence);
     ``engine.objective`` and ``kernels.ops.distill`` have the formulas. ``beta`` left unset takes the type's
     default (``BETA``; 0.1). ``disable_dropout`` (TRL's default) sets every dropout of the model and its
-    adapters to 0 for a preference or distillation objective."""
+    adapters to 0 for a preference or distillation objective.
+
+    ``grpo`` (``GRPOConfig``'s names and defaults, TRL 1.16): online RL from rewards. Each step samples
+    ``num_generations`` completions of each prompt (at most ``max_completion_length`` tokens, at
+    ``temperature``, ``top_p``, ``top_k``), scores them with ``reward_funcs`` (``module:function`` names, TRL's
+    reward-function signature) weighted by ``reward_weights``, and trains on their advantages (``scale_rewards``)
+    with the clipped objective (``epsilon``, ``epsilon_high``), ``beta`` times the KL to the reference (0: none),
+    each generation used for ``num_iterations`` steps, normalised per ``loss_type`` (``engine.grpo``);
+    ``mask_truncated_completions`` leaves completions without an EOS out of the loss."""
 
     type: str = field(default="sft", metadata=choices(*OBJECTIVES))
     beta: float | None = None
-    loss_type: str = field(default="sigmoid", metadata=choices(*DPO_LOSS_TYPES))
+    loss_type: str | None = field(default=None, metadata=choices(*DPO_LOSS_TYPES, *GRPO_LOSS_TYPES))
     simpo_gamma: float = 0.5  # SimPO's target reward margin
     cpo_alpha: float = 1.0  # SimPO (TRL's CPOTrainer): the weight of the chosen completions' cross-entropy
     desirable_weight: float = 1.0  # KTO: the weight of a desirable completion's loss
     undesirable_weight: float = 1.0  # KTO: the weight of an undesirable completion's loss
     disable_dropout: bool = True
     teacher: TeacherSettings = field(default_factory=TeacherSettings)  # distill: the teacher model
-    temperature: float = 1.0  # distill: both distributions are softmax(logits / temperature)
-    top_k: int = (
-        64  # distill: the teacher's logits kept per token (0: every one, the teacher beside the student)
-    )
+    # distill: both distributions are softmax(logits / temperature); grpo: the rollouts' sampling temperature
+    temperature: float = 1.0
+    # distill: the teacher's logits kept per token (0: every one, the teacher beside the student); grpo: the
+    # rollouts' top-k (0: all); unset: ``TOP_K``
+    top_k: int | None = None
     alpha: float = 0.0  # distill: the weight of the cross-entropy on the data (1 - alpha: the divergence's)
+    # grpo (GRPOConfig's names and defaults)
+    num_generations: int = 8  # completions sampled per prompt (a group)
+    max_completion_length: int = 512  # a completion's tokens at most
+    top_p: float = 1.0
+    epsilon: float = 0.2  # the ratio's clip below (and above, without epsilon_high)
+    epsilon_high: float | None = None
+    num_iterations: int = 1  # steps each generation batch trains
+    scale_rewards: str = field(default="group", metadata=choices(*SCALE_REWARDS))
+    mask_truncated_completions: bool = False
+    reward_funcs: list[str] | None = None  # module:function names (TRL's reward-function signature)
+    reward_weights: list[float] | None = None  # one per reward function (None: each 1.0)
 
     def __post_init__(self) -> None:
         if self.beta is None:
             self.beta = BETA.get(self.type, 0.1)
+        if self.loss_type is None:
+            self.loss_type = LOSS_TYPE.get(self.type, "sigmoid")
+        if self.top_k is None:
+            self.top_k = TOP_K.get(self.type, 64)
 
     @property
     def paired(self) -> bool:
         """Whether the objective's micro-batches are pairs of sequences (``data.format: preference``: chosen and
         rejected; ``unpaired_preference``, KTO's: a row's completion and, for its KL term, another row's
         completion after the same prompt)."""
-        return self.type not in ("sft", "distill")
+        return self.type in PAIRED
 
     @property
     def data_format(self) -> tuple[str, ...]:
         """The ``data.format`` the objective trains on."""
         single = ("text", "alpaca", "chat")
-        return {"sft": single, "distill": single, "kto": ("unpaired_preference",)}.get(
-            self.type, ("preference",)
-        )
+        return {
+            "sft": single,
+            "distill": single,
+            "kto": ("unpaired_preference",),
+            "grpo": ("prompt",),
+        }.get(self.type, ("preference",))
 
     @property
     def reference(self) -> bool:
         """Whether the objective compares the policy with a reference model."""
-        return self.type in ("dpo", "kto")
+        return self.type in ("dpo", "kto") or (self.type == "grpo" and self.beta != 0.0)
 
     @property
     def whole_sequences(self) -> bool:
         """Whether the objective needs every token's loss of the chosen sequences, the prompt's too (ORPO's
         cross-entropy term), not only the completions'."""
         return self.type == "orpo"
+
+    @property
+    def rollouts(self) -> bool:
+        """Whether a step trains on completions the model samples itself, scored by rewards (``type: grpo``)."""
+        return self.type == "grpo"
 
     @property
     def distills(self) -> bool:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from tiertune.errors import ConfigError
+from tiertune.settings import GRPO_LOSS_TYPES
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = GRPO_LOSS_TYPES
 """GRPO's losses (TRL's ``loss_type``): how a micro-batch's token losses are normalised (module docstring)."""
 CLIP_METRICS = (
     "clip_ratio/low_mean",
