@@ -168,6 +168,12 @@ class Compute:
         """A distillation's summed loss, cross-entropy and divergence (``CausalLMLoss.distill``)."""
         return loss.distill(*args)
 
+    def grpo_loss(self, logps: torch.Tensor, *args: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        """GRPO's loss of a micro-batch of completions and its metrics (``engine.grpo.grpo_loss``)."""
+        from tiertune.engine.grpo import grpo_loss
+
+        return grpo_loss(logps, *args)
+
 
 class Ledger(Compute):
     """The ledger substrate: shapes, no arithmetic (see the module docstring). ``clipped[k]``: whether step
@@ -252,6 +258,9 @@ class Ledger(Compute):
         self, settings: ObjectiveSettings, token_losses: torch.Tensor, *args: Any
     ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
         return token_losses.sum(1) * 0.0, {}
+
+    def grpo_loss(self, logps: torch.Tensor, *args: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        return logps.sum() * 0.0, {}
 
     def distill(
         self, loss: CausalLMLoss, last: torch.Tensor, *args: Any

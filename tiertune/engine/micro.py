@@ -77,6 +77,9 @@ class Micro:
     adapter: str | None = None
     tokens: int = 0
     objective: Any = None  # and that adapter's ``ObjectiveSettings`` (None: the engine's)
+    # GRPO: the micro-batch's dict, with each completion's ``advantages`` and, after the first of its iterations,
+    # the ``old_logps`` it was sampled under; the suffix writes the policy's ``logps`` into it
+    rollout: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, batch: dict[str, Any], labels: torch.Tensor, rng: Rng, device: torch.device) -> Micro:
@@ -98,6 +101,7 @@ class Micro:
             adapter=b.get("adapter"),
             tokens=int(b.get("adapter_tokens", 0)),
             objective=b.get("adapter_objective"),
+            rollout=b if "advantages" in b else None,
         )
 
 

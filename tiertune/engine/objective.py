@@ -56,6 +56,10 @@ def metric_names(settings: ObjectiveSettings) -> tuple[str, ...]:
     """The metrics a step of the objective logs (every rank sums the same ones, in this order)."""
     if settings.distills:
         return DISTILL_METRICS
+    if settings.rollouts:  # each a micro-batch's value, their mean logged (TRL's)
+        from tiertune.engine.grpo import CLIP_METRICS
+
+        return (("kl",) if settings.beta != 0 else ()) + CLIP_METRICS
     if not settings.paired:
         return ()
     names = METRICS if settings.type != "kto" else tuple(m for m in METRICS if m != "rewards/accuracies")
@@ -218,7 +222,15 @@ def targets(
 ) -> int:
     """What a step's loss is the mean over in this process: its target tokens, or, for a preference objective,
     its pairs with targets in both sequences (a rank's padding pair has none); each micro-batch of pairs
-    checked to hold them as ``pairs`` says."""
+    checked to hold them as ``pairs`` says (of GRPO's completions, each micro-batch checked to hold their
+    ``advantages``: its completion tokens, ``dapo``'s normaliser)."""
+    if settings.rollouts and not all(
+        "advantages" in mb and len(mb["advantages"]) == len(mb["input_ids"]) for mb in micro_batches
+    ):
+        raise DataError(
+            "objective.type grpo trains on scored completions: each micro-batch needs 'advantages', one a row "
+            "(finetune.grpo makes them)"
+        )
     if not settings.paired:
         return sum(int((lab[:, 1:] != IGNORE_INDEX).sum()) for lab in labels)
     if not all("pairs" in mb and 2 * int(mb["pairs"]) == len(mb["input_ids"]) for mb in micro_batches):

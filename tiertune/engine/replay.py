@@ -102,6 +102,8 @@ def micro_batch(cfg: EngineConfig, rows: int, tokens: int) -> dict[str, torch.Te
     ``rows`` pairs (their chosen, then rejected sequences; KTO's labels; a full fine-tune's reference
     log-probabilities, computed before training)."""
     objective = cfg.objective
+    if objective.rollouts:  # GRPO's completions, each with its advantage
+        return {"input_ids": torch.zeros(rows, tokens, dtype=torch.long), "advantages": torch.zeros(rows)}
     if not objective.paired:
         return {"input_ids": torch.zeros(rows, tokens, dtype=torch.long)}
     batch = {"input_ids": torch.zeros(2 * rows, tokens, dtype=torch.long), "pairs": torch.tensor(rows)}

@@ -3,8 +3,9 @@ wave's micro-batches, back-propagated to it.
 
 A micro-batch's objective is its own (``Micro.objective``: of several adapters over one base, its adapter's;
 else the engine's): micro-batches of a preference objective run the paired suffix one at a time
-(``PairedPasses``), the rest in stacks (the head's pass once per stack; a distillation's divergence from its
-teacher's figures, the cross-entropy otherwise)."""
+(``PairedPasses``), GRPO's completions the rollout suffix one at a time (``engine.grpo``'s objective, the
+head's per-token weights its derivative, as the paired suffix's), the rest in stacks (the head's pass once per
+stack; a distillation's divergence from its teacher's figures, the cross-entropy otherwise)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tiertune.engine import several
 from tiertune.engine.micro import Micro, harvest, stacked_inputs
@@ -60,13 +62,19 @@ class Suffixes(PairedPasses):
         adapter's, ``Micro.tokens``); returns the wave's summed loss and router auxiliary losses' sum."""
         engine = self.engine
         paired = [j for j, mb in enumerate(micro) if self.objective_of(mb).paired]
+        rollouts = [j for j, mb in enumerate(micro) if self.objective_of(mb).rollouts]
         total = aux_total = 0.0
         if paired:
             total, aux_total = self._paired_suffix(
                 micro, paired, outs, n_tokens, micro_batches, bound, summed
             )
+        for j in rollouts:
+            value, aux_value = self._rollout_suffix(micro[j], j, outs[j], n_tokens, micro_batches)
+            total, aux_total = total + value, aux_total + aux_value
+            harvest(bound, summed)
         aux = engine.router_aux
-        for group in self._suffix_stacks(micro, [j for j in range(len(micro)) if j not in paired]):
+        alone = set(paired) | set(rollouts)
+        for group in self._suffix_stacks(micro, [j for j in range(len(micro)) if j not in alone]):
             parts = [micro[j] for j in group]
             several.route(engine.adapters, parts[0], micro, group)
             one = len(group) == 1
@@ -92,6 +100,69 @@ class Suffixes(PairedPasses):
         engine.visit = None
         self.stash.close(len(self.layers), keep=False)
         return total, aux_total
+
+    def _rollout_suffix(
+        self, mb: Micro, j: int, out: torch.Tensor, n_tokens: int, micro_batches: int
+    ) -> tuple[float, float]:
+        """A micro-batch of GRPO's completions (``Micro.rollout``): its tokens' log-probabilities under the policy
+        (and, with ``beta``, the reference's, from its own hidden states), the clipped objective
+        (``engine.grpo.grpo_loss``, normalised per ``loss_type`` as TRL's; ``dapo`` by the step's ``n_tokens``
+        completion tokens), back-propagated through the head as a weighted cross-entropy. Its loss times
+        ``n_tokens`` is returned (the step divides its sum by them: the step's loss is TRL's, the sum of its
+        micro-batches'), with the router auxiliary loss; the policy's log-probabilities are written into the
+        micro-batch's dict (``logps``: a later iteration's ``old_logps``)."""
+        engine = self.engine
+        objective = self.objective_of(mb)
+        rollout = mb.rollout
+        if rollout is None:
+            raise StateError("a GRPO micro-batch carries no advantages (finetune.grpo makes them)")
+        last = len(self.layers)
+        ref_logps = None
+        if mb.ref is not None:
+            engine.visit = Suffix(last - 1, mb.ref)
+            with engine.reference():
+                ref_logps = -engine.compute.token_losses(engine.loss, mb.ref, mb.ids, mb.extra, mb.target)
+            mb.ref = None
+        leaf = out.detach().requires_grad_()
+        engine.visit = Suffix(last - 1, leaf)
+        aux_value = 0.0
+        if engine.router_aux is not None:
+            aux_value = engine.router_aux.finish(j, mb.extra.get("attention_mask"), 1.0 / micro_batches)
+        token_losses = engine.compute.token_losses(
+            engine.loss, leaf, mb.ids, mb.extra, mb.target
+        ).requires_grad_()
+        old = rollout.get("old_logps")
+        loss, metrics = engine.compute.grpo_loss(
+            -token_losses.float(),
+            mb.target != IGNORE_INDEX,
+            rollout["advantages"].to(leaf.device),
+            None if old is None else old.to(leaf.device),
+            ref_logps,
+            objective.loss_type,
+            objective.beta,
+            objective.epsilon,
+            objective.epsilon_high,
+            micro_batches,
+            objective.max_completion_length,
+            float(n_tokens),
+        )
+        # the losses but dapo's are each process's own, averaged over the processes (as DDP averages TRL's)
+        processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        share = 1.0 if objective.loss_type == "dapo" else 1.0 / processes
+        (slope,) = torch.autograd.grad(loss * share, token_losses)  # d loss / d each token's loss
+        weight = slope.reshape(-1)
+        engine.compute.loss(engine.loss, leaf, mb.ids, mb.extra, mb.target, weight).backward()
+        if not engine.compute.ledger:
+            rollout["logps"] = -token_losses.detach().float().cpu()
+        if leaf.grad is None:
+            raise StateError("the loss does not depend on the last decoder layer's output")
+        mb.grad = leaf.grad
+        into = self.metrics_of(mb)
+        for name, value in metrics.items():
+            if value == value:  # a NaN (no completion token clipped or not) counts nothing, as TRL's nanmean
+                total_value, count = into.get(name, (0.0, 0.0))
+                into[name] = (total_value + value, count + 1.0)
+        return engine.compute.value(loss.detach()) * share * n_tokens, aux_value
 
     def _distill_loss(
         self, leaf: torch.Tensor, ids: torch.Tensor, extra: dict, target: torch.Tensor, teacher: Any

@@ -53,7 +53,7 @@ from tiertune.errors import ConfigError, DataError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-FORMATS = ("text", "alpaca", "chat", "preference", "unpaired_preference")
+FORMATS = ("text", "alpaca", "chat", "preference", "unpaired_preference", "prompt")
 PAIRED = ("preference", "unpaired_preference")
 """The formats whose rows are pairs of completions (a preference objective's, ``engine.objective``)."""
 
@@ -275,11 +275,15 @@ def load_data(
         # the tokenization the previous code cached
         "code": _code_version(),
     }
+    # a prompt's other columns stay: GRPO's reward functions take them (TRL's)
+    kept_columns = {"input_ids", "labels", "bad", "useful", "lossy", "media", "prompt_len"}
     encoded = rows.map(
         _encode,
         batched=True,
         with_indices=True,
-        remove_columns=rows.column_names,
+        remove_columns=rows.column_names
+        if fmt != "prompt"
+        else [c for c in rows.column_names if c in kept_columns],
         fn_kwargs=settings,
         desc="tokenizing",
     )
@@ -348,6 +352,7 @@ def _encode(batch: dict, indices: list[int], **settings: Any) -> dict[str, list]
     datasets can fingerprint it and cache its result)."""
     paired = settings["fmt"] == "preference"
     unpaired = settings["fmt"] == "unpaired_preference"
+    prompts = settings["fmt"] == "prompt"
     out: dict[str, list] = {"input_ids": [], "labels": [], "bad": [], "useful": [], "lossy": [], "media": []}
     if paired:
         out.update(rejected_ids=[], rejected_labels=[])
@@ -368,6 +373,9 @@ def _encode(batch: dict, indices: list[int], **settings: Any) -> dict[str, list]
                 ids, labels, rejected, parts = _render_pair(
                     row, tokenizer, settings["max_seq_len"], settings["add_eos"]
                 )
+            elif prompts:
+                ids, parts = _render_prompt(row, tokenizer, settings["max_seq_len"])
+                labels = []
             else:
                 ids, labels, parts = _render(
                     row, tokenizer, settings["fmt"], settings["max_seq_len"], settings["add_eos"]
@@ -396,7 +404,7 @@ def _encode(batch: dict, indices: list[int], **settings: Any) -> dict[str, list]
         out["lossy"].append(lossy)
         out["media"].append(_holds_media(row))
         # the loss predicts token t+1 from token t: a row needs a target after its first token
-        useful = any(lab != IGNORE_INDEX for lab in labels[1:])
+        useful = any(lab != IGNORE_INDEX for lab in labels[1:]) or (prompts and bool(ids))
         if paired:
             out["rejected_ids"].append(rejected[0])
             out["rejected_labels"].append(rejected[1])
@@ -455,6 +463,28 @@ def _render(
         ids, labels, contents = _chat(row, tokenizer)
         parts = [(_content_ids(tokenizer, c), c) for c in contents]
     return ids[:max_seq_len], labels[:max_seq_len], parts
+
+
+def prompt_of(row: dict) -> str | list[dict]:
+    """A ``prompt`` row's prompt as TRL takes it: a string, or a conversation (its messages, string contents)."""
+    value = row.get("prompt")
+    if isinstance(value, str):
+        return value
+    return _text_messages(value, "prompt", row)
+
+
+def _render_prompt(row: dict, tokenizer: Any, max_len: int) -> tuple[list[int], list[tuple[list[int], str]]]:
+    """A ``prompt`` row's ids as TRL's GRPO tokenizes it (a string as the tokenizer encodes it; a conversation
+    through the chat template with the generation prompt), its first tokens cut where it is longer than
+    ``max_len`` (the end, where the completion follows, kept)."""
+    prompt = prompt_of(row)
+    if isinstance(prompt, str):
+        ids = list(tokenizer(prompt)["input_ids"])
+        parts = [(_content_ids(tokenizer, prompt), prompt)]
+    else:
+        ids = _chat_ids(tokenizer, prompt, add_generation_prompt=True)
+        parts = [(_content_ids(tokenizer, m["content"]), m["content"]) for m in prompt]
+    return ids[-max_len:], parts
 
 
 def _render_pair(

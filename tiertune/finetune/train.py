@@ -59,6 +59,8 @@ from tiertune.finetune.checkpoint import (
     recover,
 )
 from tiertune.finetune.data import batches, load_data
+from tiertune.finetune.grpo import METRICS_KEY as ROLLOUT_METRICS
+from tiertune.finetune.grpo import SAMPLES_FILE, Rollouts
 from tiertune.finetune.hf_model import write_hf
 from tiertune.finetune.ranks import decided_by_main, join, launch_notes, rows_of, sweep_other_ranks
 from tiertune.finetune.reference import reference_logps, with_reference
@@ -218,11 +220,13 @@ def load_run(recipe: Recipe, ranks: int) -> Loaded:
     t, d = recipe.training, recipe.data
     torch.manual_seed(t.seed)
     tokenizer = tokenizer_of(recipe.model.path)
+    o = recipe.objective
     data = load_data(
         d.path,
         tokenizer,
         d.format,
-        d.max_seq_len,
+        # GRPO: a prompt leaves room for its completion
+        d.max_seq_len - o.max_completion_length if o.rollouts else d.max_seq_len,
         d.add_eos,
         d.skip_bad_rows,
         kl_block=t.per_device_train_batch_size,
@@ -239,6 +243,8 @@ def load_run(recipe: Recipe, ranks: int) -> Loaded:
             )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     rows = math.ceil(data.tokens / d.max_seq_len) if d.packing else len(data)  # packing: about full rows
+    if o.rollouts:  # GRPO: a prompt's rows are its completions, each generation trained num_iterations times
+        rows *= o.num_generations * o.num_iterations
     per_epoch = math.ceil(rows / (t.per_device_train_batch_size * ranks))
     steps = (
         t.max_steps
@@ -302,10 +308,13 @@ def _run(
             # the steps up to the checkpoint's (one written by an older tiertune may hold later ones)
             history = [r for r in state["log_history"] if int(r.get("step", 0)) <= first]
             skip = batches_done(state["tiertune"], rows)  # the data position: the same batches follow
-            for _ in range(skip):
+            for _ in range(skip if not recipe.objective.rollouts else 0):
                 next(stream)
         if beside is not None:  # scored a step at a time from here (none for the batches skipped)
             stream = beside_teacher(stream, beside, t.gradient_accumulation_steps)
+        if recipe.objective.rollouts:  # GRPO: each step's micro-batches sampled by the model as it is then
+            rollouts = Rollouts(trainer, recipe, data, tokenizer, loaded.pad_id, world, out / SAMPLES_FILE)
+            stream = (mb for step_batches in rollouts.steps(first) for mb in step_batches)
         stop.check()
     except BaseException:
         trainer.close()
@@ -345,7 +354,10 @@ def _run(
             for step in range(first, steps):
                 began = time.perf_counter()
                 micro = [next(stream) for _ in range(t.gradient_accumulation_steps)]
-                scoring = time.perf_counter() - began if beside is not None else 0.0  # the teacher's pass
+                # the teacher's pass, or GRPO's sampling
+                scoring = (
+                    time.perf_counter() - began if beside is not None or recipe.objective.rollouts else 0.0
+                )
                 tokens = sum(int(mb["num_tokens"]) for mb in micro)
                 loss = trainer.step(micro)
                 report = trainer.last_report
@@ -358,6 +370,9 @@ def _run(
                 )
                 if beside is not None:
                     record["teacher_seconds"] = round(scoring, 4)
+                elif recipe.objective.rollouts:
+                    record["generation_seconds"] = round(scoring, 4)
+                record.update(micro[0].get(ROLLOUT_METRICS, {}))  # GRPO: its generation's, TRL's names
                 if (step + 1) % t.logging_steps == 0 or step + 1 == steps:
                     log_file.write(json.dumps(record) + "\n")
                     log_file.flush()

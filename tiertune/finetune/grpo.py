@@ -1,0 +1,355 @@
+"""GRPO's rollouts (``objective.type: grpo``, TRL 1.16's ``GRPOTrainer`` names and rules): the stream of a run's
+micro-batches made from its prompts by the model being trained.
+
+Every ``num_iterations`` steps a generation batch is sampled: the step's ``per_device_train_batch_size x
+gradient_accumulation_steps`` completions on each process, ``num_generations`` of each of its prompts (the next
+prompts of the data, in the run's seeded order, each process its own), decoded in one batch by the streamed
+model (``StreamedTrainer.generate``: the weights read once per decoded token for all of them, LoRA applied as in
+training), from a generator seeded by the run's seed and the generation's number (a resumed run samples what
+the uninterrupted one did). The reward functions score each completion (TRL's signature: ``prompts``,
+``completions``, ``completion_ids``, the data's other columns as keyword arguments, ``trainer_state``,
+``log_extra``, ``log_metric``), the advantages follow (``engine.grpo.advantages``), and the batch is cut into
+the step's micro-batches in order: each row its prompt then its completion (right-padded; the targets are the
+completion's tokens), with its ``advantages``. A generation trains ``num_iterations`` steps; from its second,
+each micro-batch carries the ``old_logps`` its first step found (the policy that sampled it: no pass of the
+weights beyond the steps' own). The generation's metrics go in its first micro-batch (``METRICS_KEY``), with
+TRL's names; a sample of its completions is appended to ``completions.jsonl`` in the run directory."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from tiertune.distributed.world import World
+from tiertune.engine.grpo import advantages
+from tiertune.errors import ConfigError, DataError
+from tiertune.finetune.data import prompt_of
+from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
+
+METRICS_KEY = "rollout_metrics"
+"""The key of a generation's first micro-batch holding its metrics (``reward``, ``rewards/<function>/mean``, ...)."""
+SAMPLES_FILE = "completions.jsonl"
+"""Where a run appends a sample of each generation's completions (one JSON line each)."""
+SAMPLES = 8
+"""The completions of a generation written to ``SAMPLES_FILE``."""
+NOT_COLUMNS = ("prompt", "completion", "completion_ids", "input_ids", "labels")
+"""A prompt row's fields that are not passed to the reward functions as columns (TRL's, and tiertune's own)."""
+
+
+@dataclass
+class RewardFunctions:
+    """The recipe's reward functions (``objective.reward_funcs``), their names (for their metrics) and weights."""
+
+    functions: list[Callable[..., Sequence[float | None]]]
+    names: list[str]
+    weights: torch.Tensor
+
+    @classmethod
+    def load(cls, names: Sequence[str], weights: Sequence[float] | None = None) -> RewardFunctions:
+        """Each ``module:function`` (imported with the directory tiertune runs in on the Python path) or
+        ``path/to/file.py:function``; a ConfigError that names what cannot be found."""
+        functions = [reward_function(name) for name in names]
+        w = torch.tensor(
+            list(weights) if weights is not None else [1.0] * len(functions), dtype=torch.float32
+        )
+        return cls(
+            functions, [getattr(f, "__name__", name) for f, name in zip(functions, names, strict=True)], w
+        )
+
+
+def reward_function(name: str) -> Callable[..., Sequence[float | None]]:
+    """The callable ``module:function`` or ``path/file.py:function`` names (a ConfigError where it is not one)."""
+    where, _, attr = name.rpartition(":")
+    if not where or not attr:
+        raise ConfigError(f"objective.reward_funcs: {name!r} is not module:function or path/file.py:function")
+    try:
+        if where.endswith(".py"):
+            path = Path(where).expanduser().resolve()
+            if not path.is_file():
+                raise ConfigError(f"objective.reward_funcs: {name!r}: no file {path}")
+            spec = importlib.util.spec_from_file_location(f"tiertune_rewards_{path.stem}", path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            here = str(Path.cwd())
+            if here not in sys.path:
+                sys.path.insert(0, here)
+            module = importlib.import_module(where)
+    except ConfigError:
+        raise
+    except Exception as exc:  # the user's module: whatever it raises on import
+        raise ConfigError(
+            f"objective.reward_funcs: {name!r}: importing {where} failed ({type(exc).__name__}: {exc})"
+        ) from None
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise ConfigError(f"objective.reward_funcs: {name!r}: {where} has no function {attr!r}")
+    return function
+
+
+@dataclass
+class Generation:
+    """A generation batch of this process: its prompts (each ``num_generations`` times in a row), their ids, the
+    completions' ids, rewards and advantages."""
+
+    rows: list[dict[str, Any]]
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    truncated: list[bool]
+    advantages: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+    completions: list[Any] = field(default_factory=list)
+    rewards: torch.Tensor | None = None
+
+
+def prompt_order(count: int, shuffle: bool, seed: int) -> Iterator[int]:
+    """The data's prompt indices epoch after epoch, each epoch in its own seeded order (or in order)."""
+    epoch = 0
+    while True:
+        if shuffle:
+            g = torch.Generator().manual_seed(seed + epoch)
+            yield from torch.randperm(count, generator=g).tolist()
+        else:
+            yield from range(count)
+        epoch += 1
+
+
+def generation_seed(seed: int, generation: int, rank: int) -> int:
+    """The sampling seed of a run's ``generation``-th batch on ``rank`` (the same on resume)."""
+    return (seed * 1_000_003 + generation * 1_009 + rank) % (1 << 62)
+
+
+class Rollouts:
+    """The run's micro-batches made by sampling: ``steps()`` yields each step's micro-batch dicts (the
+    ``StreamedTrainer.step`` contract; see the module docstring)."""
+
+    def __init__(
+        self,
+        trainer: Any,
+        recipe: Any,
+        data: Any,
+        tokenizer: Any,
+        pad_id: int,
+        world: World,
+        samples: Path | None = None,
+        rewards: RewardFunctions | None = None,
+    ) -> None:
+        o, t = recipe.objective, recipe.training
+        self.trainer, self.recipe, self.data, self.tokenizer = trainer, recipe, data, tokenizer
+        self.objective, self.world, self.pad_id, self.samples = o, world, pad_id, samples
+        self.rewards = rewards or RewardFunctions.load(o.reward_funcs or [], o.reward_weights)
+        self.completions = t.per_device_train_batch_size * t.gradient_accumulation_steps
+        self.prompts = self.completions // o.num_generations  # this process's prompts a generation
+        config = getattr(trainer.model, "generation_config", None)
+        eos = getattr(config, "eos_token_id", None)
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        self.eos = {eos} if isinstance(eos, int) else set(eos or ())
+        self.tokens_seen = 0
+
+    def steps(self, first: int = 0) -> Iterator[list[dict[str, Any]]]:
+        """Each step's micro-batches from step ``first`` (0: the run's start; a resumed run's checkpoint step)."""
+        o, t = self.objective, self.recipe.training
+        order = prompt_order(len(self.data), self.recipe.data.shuffle, t.seed)
+        generation = first // o.num_iterations
+        per_generation = self.prompts * self.world.size
+        for _ in range(generation * per_generation):  # the prompts the generations before took
+            next(order)
+        step = first
+        while True:
+            chosen = [next(order) for _ in range(per_generation)]
+            mine = chosen[self.world.rank * self.prompts : (self.world.rank + 1) * self.prompts]
+            batch = self.generate(mine, generation, step)
+            micro = self.micro_batches(batch)
+            micro[0][METRICS_KEY] = batch.metrics
+            for iteration in range(step % o.num_iterations, o.num_iterations):
+                if iteration:  # the policy that sampled them: what its first step found
+                    for mb in micro:
+                        if "old_logps" not in mb:
+                            if "logps" not in mb:
+                                raise DataError("a GRPO micro-batch came back without its log-probabilities")
+                            mb["old_logps"] = mb["logps"]
+                        mb.pop(METRICS_KEY, None)
+                yield micro
+                step += 1
+            generation += 1
+
+    def generate(self, indices: Sequence[int], generation: int, step: int) -> Generation:
+        """This process's completions of the prompts at ``indices`` (each ``num_generations`` times), scored."""
+        o = self.objective
+        rows = [self.data.rows[i] for i in indices for _ in range(o.num_generations)]
+        prompt_ids = [list(r["input_ids"]) for r in rows]
+        completion_ids = self.trainer.generate(
+            prompt_ids,
+            o.max_completion_length,
+            o.temperature,
+            o.top_p,
+            o.top_k,
+            generation_seed(self.recipe.training.seed, generation, self.world.rank),
+            sorted(self.eos),
+            self.pad_id,
+        )
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        prompts = [prompt_of(r) for r in rows]
+        conversational = not isinstance(prompts[0], str)
+        completions: list[Any] = (
+            [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
+        )
+        truncated = [not ids or ids[-1] not in self.eos for ids in completion_ids]
+        extra_metrics: dict[str, list[float]] = {}
+        logged: dict[str, list[Any]] = {}
+        rewards = self.score(rows, prompts, completions, completion_ids, step, extra_metrics, logged)
+        everything = self._gathered(rewards)
+        adv, metrics = advantages(everything, self.rewards.weights, o.num_generations, o.scale_rewards)
+        per_rank = len(rows)
+        adv = adv[self.world.rank * per_rank : (self.world.rank + 1) * per_rank]
+        for i, name in enumerate(self.rewards.names):
+            metrics[f"rewards/{name}/mean"] = metrics.pop(f"rewards/{i}/mean")
+            metrics[f"rewards/{name}/std"] = metrics.pop(f"rewards/{i}/std")
+        metrics.update(self._completion_metrics(prompt_ids, completion_ids, truncated))
+        for name, values in extra_metrics.items():
+            metrics[name] = sum(values) / len(values)
+        batch = Generation(rows, prompt_ids, completion_ids, truncated, adv, metrics, completions, rewards)
+        self._write_samples(batch, prompts, step, logged)
+        return batch
+
+    def score(
+        self,
+        rows: list[dict[str, Any]],
+        prompts: list[Any],
+        completions: list[Any],
+        completion_ids: list[list[int]],
+        step: int,
+        metrics: dict[str, list[float]],
+        logged: dict[str, list[Any]],
+    ) -> torch.Tensor:
+        """Each reward function's reward of each completion ([completions, functions]; NaN where one returned
+        None), called as TRL calls them."""
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in NOT_COLUMNS}
+        state = SimpleNamespace(global_step=step, max_steps=self.recipe.training.max_steps)
+        out = torch.zeros(len(rows), len(self.rewards.functions))
+        for i, (function, name) in enumerate(zip(self.rewards.functions, self.rewards.names, strict=True)):
+            try:
+                given = function(
+                    prompts=prompts,
+                    completions=completions,
+                    completion_ids=completion_ids,
+                    trainer_state=state,
+                    log_extra=lambda column, values: logged.setdefault(column, []).extend(values),
+                    log_metric=lambda metric, value: metrics.setdefault(metric, []).append(float(value)),
+                    **columns,
+                )
+            except Exception as exc:  # the user's function
+                raise DataError(f"the reward function {name} raised {type(exc).__name__}: {exc}") from exc
+            given = list(given)
+            if len(given) != len(rows):
+                raise DataError(
+                    f"the reward function {name} returned {len(given)} rewards for {len(rows)} completions: "
+                    "return one per completion (None where it does not apply)"
+                )
+            out[:, i] = torch.tensor([math.nan if r is None else float(r) for r in given])
+        return out
+
+    def _gathered(self, rewards: torch.Tensor) -> torch.Tensor:
+        """The generation's rewards of every process, in rank order (this process's alone: one process)."""
+        if self.world.size == 1:
+            return rewards
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * self.world.size
+        dist.all_gather_object(parts, rewards)
+        return torch.cat(parts)
+
+    def _completion_metrics(
+        self, prompt_ids: list[list[int]], completion_ids: list[list[int]], truncated: list[bool]
+    ) -> dict[str, float]:
+        """TRL's ``completions/...`` metrics and ``num_tokens`` (this process's completions)."""
+        lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float32)
+        done = lengths[~torch.tensor(truncated)]
+        done = done if len(done) else torch.zeros(1)
+        self.tokens_seen += int(lengths.sum()) + sum(len(p) for p in prompt_ids)
+        return {
+            "num_tokens": float(self.tokens_seen),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(torch.tensor(truncated, dtype=torch.float32).mean()),
+            "completions/mean_terminated_length": float(done.mean()),
+            "completions/min_terminated_length": float(done.min()),
+            "completions/max_terminated_length": float(done.max()),
+        }
+
+    def micro_batches(self, batch: Generation) -> list[dict[str, Any]]:
+        """The generation's rows cut into the step's micro-batches, in order (the module docstring)."""
+        size = self.recipe.training.per_device_train_batch_size
+        masked = self.objective.mask_truncated_completions
+        out = []
+        for start in range(0, len(batch.rows), size):
+            rows = range(start, start + size)
+            seqs = [batch.prompt_ids[r] + batch.completion_ids[r] for r in rows]
+            width = max(len(s) for s in seqs)
+            ids = torch.full((size, width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((size, width), dtype=torch.long)
+            labels = torch.full((size, width), IGNORE_INDEX, dtype=torch.long)
+            for k, r in enumerate(rows):
+                p, c = len(batch.prompt_ids[r]), len(batch.completion_ids[r])
+                ids[k, : p + c] = torch.tensor(seqs[k], dtype=torch.long)
+                mask[k, : p + c] = 1
+                if not (masked and batch.truncated[r]):
+                    labels[k, p : p + c] = torch.tensor(batch.completion_ids[r], dtype=torch.long)
+            out.append(
+                {
+                    "input_ids": ids,
+                    "attention_mask": mask,
+                    "labels": labels,
+                    "advantages": batch.advantages[start : start + size].clone(),
+                    "num_tokens": int(mask.sum()),
+                }
+            )
+        return out
+
+    def _write_samples(
+        self, batch: Generation, prompts: list[Any], step: int, logged: dict[str, list[Any]]
+    ) -> None:
+        """A sample of the generation's completions appended to ``SAMPLES_FILE`` (the main process's)."""
+        if self.samples is None or not self.world.is_main:
+            return
+        with open(self.samples, "a") as f:
+            for r in range(min(SAMPLES, len(batch.rows))):
+                line = {
+                    "step": step + 1,
+                    "prompt": prompts[r],
+                    "completion": batch.completions[r],
+                    "advantage": float(batch.advantages[r]),
+                    "rewards": {
+                        name: None if math.isnan(float(v)) else float(v)
+                        for name, v in zip(self.rewards.names, batch.rewards[r].tolist(), strict=True)
+                    }
+                    if batch.rewards is not None
+                    else {},
+                    **{k: v[r] for k, v in logged.items() if r < len(v)},
+                }
+                f.write(json.dumps(line, default=str) + "\n")
+
+
+__all__ = [
+    "METRICS_KEY",
+    "SAMPLES_FILE",
+    "Generation",
+    "RewardFunctions",
+    "Rollouts",
+    "generation_seed",
+    "prompt_order",
+    "reward_function",
+]
