@@ -162,6 +162,7 @@ class ObjectiveSettings:
     num_iterations: int = 1  # steps each generation batch trains
     scale_rewards: str = field(default="group", metadata=choices(*SCALE_REWARDS))
     mask_truncated_completions: bool = False
+    use_bias_correction_kl: bool = True  # the KL term times the ratio (TRL 1.16's default)
     reward_funcs: list[str] | None = None  # module:function names (TRL's reward-function signature)
     reward_weights: list[float] | None = None  # one per reward function (None: each 1.0)
 

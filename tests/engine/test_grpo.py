@@ -26,7 +26,7 @@ def _inputs(seed):
     return logps, mask, old, ref, adv
 
 
-def _trl(logps, mask, old, ref, adv, loss_type, beta, epsilon, epsilon_high, items):
+def _trl(logps, mask, old, ref, adv, loss_type, beta, epsilon, epsilon_high, items, bias_correction=False):
     """TRL's ``_compute_loss`` on a trainer holding only what it reads, its log-probabilities these."""
     from trl import GRPOTrainer
 
@@ -46,7 +46,7 @@ def _trl(logps, mask, old, ref, adv, loss_type, beta, epsilon, epsilon_high, ite
         _entropy_bonus_enabled=False,
         aux_loss_enabled=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=ACCUM),
+        args=SimpleNamespace(use_bias_correction_kl=bias_correction, delta=None, steps_per_generation=ACCUM),
         model=SimpleNamespace(training=True),
         accelerator=SimpleNamespace(
             num_processes=1,
@@ -73,7 +73,8 @@ def _trl(logps, mask, old, ref, adv, loss_type, beta, epsilon, epsilon_high, ite
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("given_old", [True, False], ids=["old-given", "old-is-policy"])
-def test_the_loss_its_gradient_and_metrics_are_trls(loss_type, beta, given_old):
+@pytest.mark.parametrize("bias_correction", [True, False], ids=["kl-reweighted", "kl-plain"])
+def test_the_loss_its_gradient_and_metrics_are_trls(loss_type, beta, given_old, bias_correction):
     logps, mask, old, ref, adv = _inputs(seed=3)
     old = old if given_old else None
     items = 2 * int(mask.sum())  # the generation batch's completion tokens (the step's two micro-batches')
@@ -81,10 +82,22 @@ def test_the_loss_its_gradient_and_metrics_are_trls(loss_type, beta, given_old):
     theirs_in = logps.clone().requires_grad_()
     epsilon, epsilon_high = 0.2, 0.28
     loss, metrics = grpo_loss(
-        mine_in, mask, adv, old, ref, loss_type, beta, epsilon, epsilon_high, ACCUM, MAX_LENGTH, items
+        mine_in,
+        mask,
+        adv,
+        old,
+        ref,
+        loss_type,
+        beta,
+        epsilon,
+        epsilon_high,
+        ACCUM,
+        MAX_LENGTH,
+        items,
+        bias_correction,
     )
     their_loss, their_metrics = _trl(
-        theirs_in, mask, old, ref, adv, loss_type, beta, epsilon, epsilon_high, items
+        theirs_in, mask, old, ref, adv, loss_type, beta, epsilon, epsilon_high, items, bias_correction
     )
     torch.testing.assert_close(loss, their_loss, rtol=1e-12, atol=0)
     loss.backward()

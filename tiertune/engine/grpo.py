@@ -45,6 +45,7 @@ def grpo_loss(
     accumulation: int,
     max_completion_length: int,
     items: float,
+    bias_correction: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """A micro-batch's loss (autograd through ``logps``) and its metrics (``kl`` with ``beta``, ``CLIP_METRICS``,
     each this micro-batch's value: TRL logs their mean over micro-batches) from its completion tokens'
@@ -69,6 +70,8 @@ def grpo_loss(
             raise ValueError("GRPO with beta != 0 needs the reference's log-probabilities")
         gap = ref_logps.to(logps.dtype) - logps
         kl = torch.exp(gap) - gap - 1
+        if bias_correction:
+            kl = kl * ratio
         per_token = per_token + beta * kl
     tokens = mask.sum()
     if loss_type == "grpo":

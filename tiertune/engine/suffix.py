@@ -145,6 +145,7 @@ class Suffixes(PairedPasses):
             micro_batches,
             objective.max_completion_length,
             float(n_tokens),
+            objective.use_bias_correction_kl,
         )
         # the losses but dapo's are each process's own, averaged over the processes (as DDP averages TRL's)
         processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -1,0 +1,198 @@
+"""GRPO (``objective.type: grpo``) against TRL 1.16's own ``GRPOTrainer``: the same prompts, the same completions
+(tiertune samples them; TRL's generation is replaced by a ``rollout_func`` returning them) and the same reward
+function give every step's loss, ``kl``, clip ratios, rewards and advantages equal to TRL's (fp32), for LoRA with
+the base on disk and for a full fine-tune with its weights and Adam states on disk."""
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import CAT_TEXTS
+from tiertune.config.recipe import load_recipe
+from tiertune.finetune import grpo
+from tiertune.finetune.train import train
+
+PROMPTS = [{"prompt": " ".join(t.split()[:2]), "animal": "cat"} for t in CAT_TEXTS[:4]]
+REWARDS = '''
+def cats(prompts, completions, completion_ids, animal, **kwargs):
+    """A verifiable reward: the share of a completion's words that are the row's animal."""
+    return [c.split().count(a) / max(1, len(c.split())) for c, a in zip(completions, animal)]
+
+
+def length(prompts, completions, **kwargs):
+    """Shorter is better (None for an empty completion: no reward)."""
+    return [None if not c else -len(c) / 40 for c in completions]
+'''
+LORA = {
+    "type": "lora",
+    "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear", "seed": 3},
+}
+STEPS, ROWS, ACCUM, GENERATIONS, LENGTH = 3, 4, 2, 4, 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(cat_model):
+    return cat_model(2, hidden=64)
+
+
+def _ours(tmp_path, write_recipe, model_dir, method, objective, learning_rate, monkeypatch):
+    """tiertune's run; returns its log and each generation's (prompt ids, completion ids, advantages)."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS)
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        data={"path": str(data), "format": "prompt", "shuffle": False, "max_seq_len": 32},
+        method=method,
+        objective={
+            "type": "grpo",
+            "num_generations": GENERATIONS,
+            "max_completion_length": LENGTH,
+            "reward_funcs": [f"{rewards}:cats", f"{rewards}:length"],
+            "reward_weights": [1.0, 0.5],
+            **objective,
+        },
+        training={
+            "max_steps": STEPS,
+            "per_device_train_batch_size": ROWS,
+            "gradient_accumulation_steps": ACCUM,
+            "learning_rate": learning_rate,
+            "save_steps": 0,
+        },
+        offload={"params": "disk", "device_budget": "2MiB", "host_budget": "1MiB"},
+    )
+    made = []
+    generate = grpo.Rollouts.generate
+
+    def recorded(self, indices, generation, step):
+        batch = generate(self, indices, generation, step)
+        made.append((batch.prompt_ids, batch.completion_ids, batch.advantages.clone()))
+        return batch
+
+    monkeypatch.setattr(grpo.Rollouts, "generate", recorded)
+    result = train(load_recipe(path), progress=False)
+    log = [json.loads(line) for line in result.log_path.read_text().splitlines()]
+    return log, made, rewards
+
+
+def _trl(tmp_path, model_dir, made, rewards, lora, objective, learning_rate, monkeypatch):
+    """TRL's GRPOTrainer on the same prompts in order, fp32, its completions tiertune's; returns its log and
+    the advantages of each of its generations."""
+    import trl.trainer.grpo_trainer as trl_grpo
+    from datasets import Dataset
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    # TRL shuffles a generation's completions before cutting it into micro-batches; tiertune keeps their order
+    monkeypatch.setattr(trl_grpo, "shuffle_sequence_dict", lambda batch: batch)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    calls = iter(made)
+
+    def rollout(prompts, trainer):
+        prompt_ids, completion_ids, _ = next(calls)
+        assert [tokenizer(p)["input_ids"] for p in prompts] == prompt_ids  # the prompts tiertune sampled
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+    seen = []
+    score = GRPOTrainer._generate_and_score_completions
+
+    def scored(self, inputs):
+        out = score(self, inputs)
+        seen.append(out["advantages"].clone())
+        return out
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", scored)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        per_device_train_batch_size=ROWS,
+        gradient_accumulation_steps=ACCUM,
+        num_generations=GENERATIONS,
+        max_completion_length=LENGTH,
+        learning_rate=learning_rate,
+        max_steps=STEPS,
+        reward_weights=[1.0, 0.5],
+        logging_steps=1,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        optim="adamw_torch",
+        seed=0,
+        save_strategy="no",
+        shuffle_dataset=False,
+        gradient_checkpointing=False,
+        **objective,
+    )
+    peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[grpo.reward_function(f"{rewards}:cats"), grpo.reward_function(f"{rewards}:length")],
+        args=args,
+        train_dataset=Dataset.from_list(PROMPTS),
+        processing_class=tokenizer,
+        peft_config=peft if lora else None,
+        rollout_func=rollout,
+    )
+    with torch.random.fork_rng(devices=[]):  # the adapters initialized as tiertune initializes its own
+        torch.manual_seed(LORA["lora"]["seed"])
+        for module in trainer.model.modules() if lora else ():
+            if isinstance(module, LoraLayer):
+                for adapter in module.active_adapters:
+                    module.reset_lora_parameters(adapter, init_lora_weights=True)
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h], seen
+
+
+CASES = [
+    # (method, loss_type, beta, num_iterations, learning rate)
+    ("lora", "dapo", 0.0, 1, 2e-2),
+    ("lora", "grpo", 0.04, 2, 2e-2),
+    ("lora", "dr_grpo", 0.04, 1, 2e-2),
+    ("full", "dapo", 0.0, 2, 3e-3),
+    ("full", "grpo", 0.0, 2, 3e-3),
+    ("full", "dr_grpo", 0.0, 1, 3e-3),
+]
+
+
+@pytest.mark.parametrize(("method", "loss_type", "beta", "iterations", "lr"), CASES)
+def test_grpo_steps_equal_trls(
+    model_dir, tmp_path, write_recipe, monkeypatch, method, loss_type, beta, iterations, lr
+):
+    objective = {"loss_type": loss_type, "beta": beta, "num_iterations": iterations}
+    lora = method == "lora"
+    ours, made, rewards = _ours(
+        tmp_path, write_recipe, model_dir, LORA if lora else {"type": "full"}, objective, lr, monkeypatch
+    )
+    theirs, advantages = _trl(tmp_path, model_dir, made, rewards, lora, objective, lr, monkeypatch)
+    assert len(made) == len(advantages) == -(-STEPS // iterations)
+    for (_, _, mine), ref in zip(made, advantages, strict=True):
+        torch.testing.assert_close(mine, ref.float(), rtol=1e-5, atol=1e-6)
+    assert len(ours) == len(theirs) == STEPS
+    keys = ["loss", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"]
+    keys += ["kl"] if beta else []
+    for mine, ref in zip(ours, theirs, strict=True):
+        for key in keys:
+            assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (key, mine["step"], mine, ref)
+        if "reward" in ref:  # logged by the steps that sampled
+            for key in (
+                "reward",
+                "reward_std",
+                "rewards/cats/mean",
+                "rewards/length/mean",
+                "frac_reward_zero_std",
+            ):
+                assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (key, mine["step"])
+            for key in ("completions/mean_length", "completions/clipped_ratio"):
+                assert mine[key] == pytest.approx(ref[key]), key
+    assert any(m["loss"] != 0 for m in ours)
+    if iterations > 1:  # a generation's second step moved its policy off the one that sampled it
+        assert any(m["clip_ratio/region_mean"] > 0 for m in ours) or ours[1]["loss"] != ours[0]["loss"]
