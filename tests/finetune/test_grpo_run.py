@@ -1,0 +1,93 @@
+"""A GRPO run on this CPU (``objective.type: grpo``): a toy task with a verifiable reward (say "cat") is learned,
+the reward's mean rising over training, the log carrying TRL's names and a sample of completions beside it; a
+recipe or reward function that cannot work is refused with what to change."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.conftest import CAT_TEXTS
+from tiertune.cli.app import app
+from tiertune.config.recipe import load_recipe
+from tiertune.finetune.train import train
+
+REWARDS = '''
+def cats(prompts, completions, **kwargs):
+    """The share of a completion's words that are "cat"."""
+    return [c.split().count("cat") / max(1, len(c.split())) for c in completions]
+'''
+
+
+def _recipe(tmp_path, write_recipe, model_dir, objective=None, training=None, method=None):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": " ".join(t.split()[:2])}) + "\n" for t in CAT_TEXTS[:8]))
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    return write_recipe(
+        tmp_path,
+        model_dir,
+        data={"path": str(data), "format": "prompt", "shuffle": False, "max_seq_len": 32},
+        method=method or {"type": "lora", "lora": {"r": 4, "dropout": 0.0}},
+        objective={
+            "type": "grpo",
+            "num_generations": 8,
+            "max_completion_length": 8,
+            "reward_funcs": [f"{tmp_path / 'rewards.py'}:cats"],
+            **(objective or {}),
+        },
+        training={
+            "max_steps": 60,
+            "per_device_train_batch_size": 4,
+            "gradient_accumulation_steps": 2,
+            "learning_rate": 5e-2,
+            "save_steps": 0,
+            **(training or {}),
+        },
+    )
+
+
+def test_a_verifiable_reward_is_learned_on_this_cpu(cat_model, tmp_path, write_recipe):
+    result = train(load_recipe(_recipe(tmp_path, write_recipe, cat_model(2, hidden=64))), progress=False)
+    log = [json.loads(line) for line in result.log_path.read_text().splitlines()]
+    assert len(log) == 60
+    names = {"loss", "reward", "reward_std", "rewards/cats/mean", "rewards/cats/std", "frac_reward_zero_std"}
+    names |= {"completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean", "num_tokens"}
+    assert names <= set(log[0])
+    rewards = [r["reward"] for r in log]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-15:]) / 15
+    assert last > first + 0.05, (first, last, rewards)
+    samples = [
+        json.loads(line) for line in (result.output_dir / "completions.jsonl").read_text().splitlines()
+    ]
+    assert samples and {"step", "prompt", "completion", "advantage", "rewards"} <= set(samples[0])
+    assert {s["step"] for s in samples} == set(range(1, 61))
+
+
+@pytest.mark.parametrize(
+    ("objective", "training", "method", "message"),
+    [
+        ({"reward_funcs": None}, {}, None, "objective.reward_funcs must name one or more"),
+        ({"num_generations": 3}, {}, None, "must be a multiple of objective.num_generations"),
+        ({"loss_type": "sigmoid"}, {}, None, "objective.loss_type must be one of grpo, bnpo, dr_grpo, dapo"),
+        ({"max_completion_length": 32}, {}, None, "objective.max_completion_length must be >= 1 and below"),
+        ({"beta": 0.04}, {}, {"type": "full"}, "objective.beta must be 0 for grpo with method.type full"),
+        ({"reward_weights": [1.0, 2.0]}, {}, None, "objective.reward_weights must give one weight per"),
+        ({"reward_funcs": ["nosuchmodule_xyz:f"]}, {}, None, "importing nosuchmodule_xyz failed"),
+    ],
+)
+def test_a_grpo_recipe_that_cannot_run_says_what_to_change(
+    cat_model, tmp_path, write_recipe, objective, training, method, message
+):
+    path = _recipe(tmp_path, write_recipe, cat_model(2, hidden=64), objective, training, method)
+    result = CliRunner().invoke(app, ["train", str(path)])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_reward_function_that_fails_is_named(cat_model, tmp_path, write_recipe):
+    path = _recipe(tmp_path, write_recipe, cat_model(2, hidden=64), training={"max_steps": 1})
+    (tmp_path / "rewards.py").write_text("def cats(prompts, completions, **kw):\n    return [1.0]\n")
+    result = CliRunner().invoke(app, ["train", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "the reward function cats returned 1 rewards for 8 completions" in " ".join(result.output.split())
