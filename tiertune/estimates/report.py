@@ -424,6 +424,13 @@ def estimate(
             "(no autograd, each layer read once per wave) computes its log-probabilities, cached in "
             "reference-logps/ under disk_path (else the output directory) for later runs of the same model and data"
         )
+    if recipe.objective.rollouts:
+        o = recipe.objective
+        notes.append(
+            f"grpo: the step above is the update on its {recipe.data.max_seq_len}-token rows; the sampling of its "
+            f"completions (up to {o.max_completion_length} passes of the weights every {o.num_iterations} step(s), "
+            "each for all completions at once, and their KV cache on the device) is not priced here yet"
+        )
     if IN_PLACE in kinds:
         notes.append(
             f"{format_size(kinds[IN_PLACE][1])} of frozen weights are read in place from the model's own files "
@@ -727,11 +734,11 @@ def _step_time(
 
 def _sample(recipe: Recipe) -> dict[str, torch.Tensor] | None:
     """The run's first micro-batch (``finetune.train.first_micro_batch``), or None without the data, the
-    model's tokenizer, or for a preference objective (its rows are pairs)."""
+    model's tokenizer, or for a preference objective (its rows are pairs) or GRPO (its rows are sampled)."""
     from tiertune.errors import TiertuneError
     from tiertune.finetune.train import first_micro_batch
 
-    if recipe.objective.paired:
+    if recipe.objective.paired or recipe.objective.rollouts:  # pairs; GRPO's rows are sampled in the run
         return None
     try:
         return first_micro_batch(recipe)

@@ -176,9 +176,8 @@ class Rollouts:
             for iteration in range(step % o.num_iterations, o.num_iterations):
                 if iteration:  # the policy that sampled them: what its first step found
                     for mb in micro:
-                        if "old_logps" not in mb:
-                            if "logps" not in mb:
-                                raise DataError("a GRPO micro-batch came back without its log-probabilities")
+                        # (a run resumed inside the generation sampled it again: its first step is this one)
+                        if "old_logps" not in mb and "logps" in mb:
                             mb["old_logps"] = mb["logps"]
                         mb.pop(METRICS_KEY, None)
                 yield micro
