@@ -91,3 +91,13 @@ def test_a_reward_function_that_fails_is_named(cat_model, tmp_path, write_recipe
     result = CliRunner().invoke(app, ["train", str(path)])
     assert result.exit_code == 2, result.output
     assert "the reward function cats returned 1 rewards for 8 completions" in " ".join(result.output.split())
+
+
+def test_estimate_prices_a_grpo_update_and_says_what_it_leaves_out(cat_model, tmp_path, write_recipe):
+    path = _recipe(tmp_path, write_recipe, cat_model(2, hidden=64))
+    result = CliRunner().invoke(app, ["estimate", str(path), "--no-probe"])
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert (
+        "will it fit" in out and "the sampling of its completions" in out and "is not priced here yet" in out
+    )
