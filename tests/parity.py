@@ -173,3 +173,41 @@ def assert_adam_trained_close(actual: torch.Tensor, expected: torch.Tensor, name
     assert float((actual - expected).norm()) <= 1e-4 * scale, (name, float((actual - expected).norm()), scale)
     beyond = ~torch.isclose(actual, expected, rtol=1e-4, atol=1e-5)
     assert int(beyond.sum()) <= max(1, actual.numel() // 200), (name, int(beyond.sum()), actual.numel())
+
+
+TRL_AS_TIERTUNE = dict(
+    logging_steps=1,
+    report_to="none",
+    bf16=False,
+    gradient_checkpointing=False,
+    use_cpu=True,
+    lr_scheduler_type="linear",
+    warmup_steps=0,
+    max_grad_norm=1.0,
+    weight_decay=0.0,
+    optim="adamw_torch",
+    seed=0,
+    save_strategy="no",
+)
+"""A TRL trainer's arguments that train as a tiertune recipe's defaults do (fp32 on the CPU, AdamW, a linear
+schedule without warmup, clipping at 1.0, no weight decay), logging every step and saving nothing."""
+
+
+def trl_lora():
+    """The peft ``LoraConfig`` of the TRL side of the parity tests: ``all-linear``, r 4, alpha 8, no dropout."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def seed_lora(model, seed: int) -> None:
+    """``model``'s LoRA adapters initialized again as tiertune initializes its own (peft's init, seeded by
+    ``method.lora.seed``), the global generator left as it was."""
+    from peft.tuners.lora import LoraLayer
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                for adapter in module.active_adapters:
+                    module.reset_lora_parameters(adapter, init_lora_weights=True)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from parity import TRL_AS_TIERTUNE, seed_lora, trl_lora
 
 from tests.conftest import CAT_TEXTS
 from tiertune.config.recipe import load_recipe
@@ -83,8 +84,6 @@ def _trl(tmp_path, model_dir, made, rewards, lora, objective, learning_rate, mon
     the advantages of each of its generations."""
     import trl.trainer.grpo_trainer as trl_grpo
     from datasets import Dataset
-    from peft import LoraConfig
-    from peft.tuners.lora import LoraLayer
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
@@ -117,37 +116,21 @@ def _trl(tmp_path, model_dir, made, rewards, lora, objective, learning_rate, mon
         learning_rate=learning_rate,
         max_steps=STEPS,
         reward_weights=[1.0, 0.5],
-        logging_steps=1,
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        max_grad_norm=1.0,
-        weight_decay=0.0,
-        optim="adamw_torch",
-        seed=0,
-        save_strategy="no",
+        **TRL_AS_TIERTUNE,
         shuffle_dataset=False,
-        gradient_checkpointing=False,
         **objective,
     )
-    peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[grpo.reward_function(f"{rewards}:cats"), grpo.reward_function(f"{rewards}:length")],
         args=args,
         train_dataset=Dataset.from_list(PROMPTS),
         processing_class=tokenizer,
-        peft_config=peft if lora else None,
+        peft_config=trl_lora() if lora else None,
         rollout_func=rollout,
     )
-    with torch.random.fork_rng(devices=[]):  # the adapters initialized as tiertune initializes its own
-        torch.manual_seed(LORA["lora"]["seed"])
-        for module in trainer.model.modules() if lora else ():
-            if isinstance(module, LoraLayer):
-                for adapter in module.active_adapters:
-                    module.reset_lora_parameters(adapter, init_lora_weights=True)
+    if lora:  # the adapters initialized as tiertune initializes its own
+        seed_lora(trainer.model, LORA["lora"]["seed"])
     trainer.train()
     return [h for h in trainer.state.log_history if "loss" in h], seen
 

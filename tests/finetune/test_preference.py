@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from parity import TRL_AS_TIERTUNE, seed_lora, trl_lora
 
 from tests.conftest import CAT_PAIRS
 from tiertune.config.recipe import load_recipe
@@ -42,8 +43,6 @@ def _trl(model_dir, tmp_path, loss_type, steps, lora_seed=None, learning_rate=1e
     tiertune initializes its own (peft's init, seeded by method.lora.seed), or (``lora_seed`` None) a full
     fine-tune against a frozen copy of the initial model."""
     from datasets import Dataset
-    from peft import LoraConfig
-    from peft.tuners.lora import LoraLayer
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
@@ -61,33 +60,17 @@ def _trl(model_dir, tmp_path, loss_type, steps, lora_seed=None, learning_rate=1e
         beta=0.1,
         loss_type=[loss_type],
         max_length=32,
-        logging_steps=1,
-        report_to="none",
-        bf16=False,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        max_grad_norm=1.0,
-        weight_decay=0.0,
-        optim="adamw_torch",
-        seed=0,
-        save_strategy="no",
+        **TRL_AS_TIERTUNE,
     )
-    peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = InOrder(
         model=model,
         args=args,
         train_dataset=Dataset.from_list(PAIRS),
         processing_class=_tokenizer(model_dir),
-        peft_config=None if lora_seed is None else peft,
+        peft_config=None if lora_seed is None else trl_lora(),
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(lora_seed or 0)
-        for module in trainer.model.modules() if lora_seed is not None else ():
-            if isinstance(module, LoraLayer):
-                for adapter in module.active_adapters:
-                    module.reset_lora_parameters(adapter, init_lora_weights=True)
+    if lora_seed is not None:
+        seed_lora(trainer.model, lora_seed)
     trainer.train()
     return trainer, [h for h in trainer.state.log_history if "loss" in h and "rewards/margins" in h]
 
@@ -208,18 +191,7 @@ def _trl_reference_free(model_dir, tmp_path, objective, steps):
         max_steps=steps,
         beta=0.1,
         max_length=32,
-        logging_steps=1,
-        report_to="none",
-        bf16=False,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        max_grad_norm=1.0,
-        weight_decay=0.0,
-        optim="adamw_torch",
-        seed=0,
-        save_strategy="no",
+        **TRL_AS_TIERTUNE,
         **extra,
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -534,8 +506,6 @@ def _trl_kto(model_dir, tmp_path, steps, lora_seed=None, learning_rate=1e-4):
     """TRL's KTOTrainer (sequential sampling, as its KL term requires), full or (``lora_seed``) with peft LoRA
     initialized as tiertune's."""
     from datasets import Dataset
-    from peft import LoraConfig
-    from peft.tuners.lora import LoraLayer
     from transformers import AutoModelForCausalLM
     from trl import KTOConfig, KTOTrainer
 
@@ -547,36 +517,19 @@ def _trl_kto(model_dir, tmp_path, steps, lora_seed=None, learning_rate=1e-4):
         max_steps=steps,
         beta=0.1,
         max_length=32,
-        logging_steps=1,
-        report_to="none",
-        bf16=False,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        max_grad_norm=1.0,
-        weight_decay=0.0,
-        optim="adamw_torch",
-        seed=0,
-        save_strategy="no",
+        **TRL_AS_TIERTUNE,
         train_sampling_strategy="sequential",
     )
-    peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = KTOTrainer(
         model=model,
         args=args,
         train_dataset=Dataset.from_list(UNPAIRED),
         processing_class=_tokenizer(model_dir),
-        peft_config=None if lora_seed is None else peft,
+        peft_config=None if lora_seed is None else trl_lora(),
     )
     if lora_seed is not None:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(lora_seed)
-            for module in trainer.model.modules():
-                if isinstance(module, LoraLayer):
-                    for adapter in module.active_adapters:
-                        module.reset_lora_parameters(adapter, init_lora_weights=True)
+        seed_lora(trainer.model, lora_seed)
     trainer.train()
     return [h for h in trainer.state.log_history if "loss" in h and "kl" in h]
 

@@ -254,8 +254,8 @@ class Recipe:
             (
                 bool(funcs) and all(":" in f for f in funcs),
                 "objective.reward_funcs",
-                "must name one or more reward functions as module:function (e.g. rewards:accuracy, imported from "
-                f"the recipe's directory or the Python path); got {funcs!r}",
+                "must name one or more reward functions as module:function (e.g. rewards:accuracy, imported with "
+                f"the directory tiertune runs in on the Python path) or path/to/rewards.py:function; got {funcs!r}",
             ),
             (
                 o.reward_weights is None or len(o.reward_weights) == len(funcs),

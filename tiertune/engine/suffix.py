@@ -153,7 +153,7 @@ class Suffixes(PairedPasses):
         (slope,) = torch.autograd.grad(loss * share, token_losses)  # d loss / d each token's loss
         weight = slope.reshape(-1)
         engine.compute.loss(engine.loss, leaf, mb.ids, mb.extra, mb.target, weight).backward()
-        if not engine.compute.ledger:
+        if old is None and not engine.compute.ledger:  # the old policy's, for the generation's later steps
             rollout["logps"] = -token_losses.detach().float().cpu()
         if leaf.grad is None:
             raise StateError("the loss does not depend on the last decoder layer's output")

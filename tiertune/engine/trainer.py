@@ -340,10 +340,8 @@ class StreamedTrainer(TrainerViews):
         labels = [mb.get("labels", mb["input_ids"]) for mb in micro_batches]
         # the global batch's: every rank divides by it
         n_tokens = int(self.sharding.total(targets(self.objective, micro_batches, labels), torch.int64))
-        if (
-            n_tokens == 0 and self.objective.rollouts
-        ):  # every completion masked (truncated): a step of no loss
-            n_tokens = 1
+        if n_tokens == 0 and self.objective.rollouts:
+            n_tokens = 1  # GRPO: every completion masked (truncated), a step of no loss
         if n_tokens == 0:
             raise DataError(
                 "a training step has no target tokens (every label is -100); check the data and max_seq_len"

@@ -598,7 +598,7 @@ def _step_time(
             if target is None and trace is not None:  # the engine's own step, its hand-off included
                 overlapped = bool(est.kinds.get("moments")) and cfg.overlap_optimizer != "off"
                 engine = probes.take(
-                    ("engine", during),
+                    ("engine", recipe.model.path, rows, seq, during),
                     lambda: measure_engine(
                         recipe.model.path,
                         cfg,
@@ -610,7 +610,8 @@ def _step_time(
                     ),
                 )
             measured = engine or probes.take(
-                ("compute", during), lambda: measure_compute(recipe.model.path, cfg, rows, seq, device)
+                ("compute", recipe.model.path, rows, seq, during),
+                lambda: measure_compute(recipe.model.path, cfg, rows, seq, device),
             )
         if measured is not None:
             layer, rest = measured.layer, measured.rest

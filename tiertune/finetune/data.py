@@ -276,7 +276,7 @@ def load_data(
         "code": _code_version(),
     }
     # a prompt's other columns stay: GRPO's reward functions take them (TRL's)
-    kept_columns = {"input_ids", "labels", "bad", "useful", "lossy", "media", "prompt_len"}
+    kept_columns = {"input_ids", "labels", "bad", "useful", "lossy", "media"}
     encoded = rows.map(
         _encode,
         batched=True,
@@ -586,8 +586,9 @@ def _messages(row: dict, field: str) -> list[dict]:
 def _chat_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
-            "conversational preference rows are rendered with the tokenizer's chat template, and this tokenizer "
-            "has none; use a model whose tokenizer has one, or rows whose prompt and completions are strings"
+            "conversational rows (preference pairs, GRPO's prompts) are rendered with the tokenizer's chat "
+            "template, and this tokenizer has none; use a model whose tokenizer has one, or rows whose prompt and "
+            "completions are strings"
         )
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     out = tokenizer.apply_chat_template(

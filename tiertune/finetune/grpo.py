@@ -108,9 +108,9 @@ class Generation:
     completion_ids: list[list[int]]
     truncated: list[bool]
     advantages: torch.Tensor
+    rewards: torch.Tensor  # [completions, functions]
+    completions: list[Any]
     metrics: dict[str, float] = field(default_factory=dict)
-    completions: list[Any] = field(default_factory=list)
-    rewards: torch.Tensor | None = None
 
 
 def prompt_order(count: int, shuffle: bool, seed: int) -> Iterator[int]:
@@ -219,7 +219,7 @@ class Rollouts:
         metrics.update(self._completion_metrics(prompt_ids, completion_ids, truncated))
         for name, values in extra_metrics.items():
             metrics[name] = sum(values) / len(values)
-        batch = Generation(rows, prompt_ids, completion_ids, truncated, adv, metrics, completions, rewards)
+        batch = Generation(rows, prompt_ids, completion_ids, truncated, adv, rewards, completions, metrics)
         self._write_samples(batch, prompts, step, logged)
         return batch
 
@@ -334,9 +334,7 @@ class Rollouts:
                     "rewards": {
                         name: None if math.isnan(float(v)) else float(v)
                         for name, v in zip(self.rewards.names, batch.rewards[r].tolist(), strict=True)
-                    }
-                    if batch.rewards is not None
-                    else {},
+                    },
                     **{k: v[r] for k, v in logged.items() if r < len(v)},
                 }
                 f.write(json.dumps(line, default=str) + "\n")
