@@ -71,6 +71,7 @@ LAYERS = {
     "estimates": 1,
     "finetune": 2,
     "config": 3,
+    "formats": 3,
     "engine": 4,
     "loading": 5,
     "methods": 5,

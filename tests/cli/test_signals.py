@@ -284,7 +284,7 @@ def test_export_and_merge_stop_on_a_signal_mid_way(tmp_path, lora_run):
     signal within seconds, one line, and neither the output nor its temporary directory beside it is left."""
     cases = [
         (
-            "tiertune.export.gguf:_Tensor.values_from:3",
+            "tiertune.formats.gguf:_Tensor.values_from:3",
             signal.SIGTERM,
             ["export", str(lora_run), "--format", "gguf", "--out", str(tmp_path / "gguf")],
         ),

@@ -11,7 +11,7 @@ import torch
 from tests.conftest import CAT_TEXTS
 from tiertune.errors import ConfigError
 from tiertune.export.commands import export
-from tiertune.export.gguf import write_gguf
+from tiertune.formats.gguf import write_gguf
 
 TEXTS = [
     *CAT_TEXTS,
@@ -284,7 +284,7 @@ def test_a_gguf_lora_over_the_bases_gguf_computes_the_merged_model(tmp_path, bpe
 
 def test_gguf_lora_refuses_what_llama_cpp_does_not_apply(tmp_path, bpe_model):
     from tests.finetune.test_merge_stream import _adapter
-    from tiertune.export.gguf import write_gguf_lora
+    from tiertune.formats.gguf import write_gguf_lora
 
     adapter = _adapter(bpe_model, tmp_path / "dora", use_dora=True)
     with pytest.raises(ConfigError, match="DoRA.*--format gguf"):

@@ -31,7 +31,7 @@ def make_bpe_tokenizer(texts: list[str], directory: str | Path, vocab_size: int 
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from tiertune.export.gguf import LLAMA3_PATTERN
+    from tiertune.formats.gguf import LLAMA3_PATTERN
 
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
     core = Tokenizer(models.BPE())

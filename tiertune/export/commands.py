@@ -167,7 +167,7 @@ def export(
     be new or empty, or hold a model or a run that ``overwrite`` replaces whole; it is never the run itself nor
     its model. The export is written beside ``out`` and renamed into place: never partial. Returns the output
     and what was written."""
-    from tiertune.export.gguf import GGUF_TYPES
+    from tiertune.formats.gguf import GGUF_TYPES
 
     source, out = Path(source), Path(out)
     if not source.is_dir():
@@ -192,7 +192,7 @@ def export(
     if gguf_type not in GGUF_TYPES:
         raise ConfigError(f"--gguf-type takes {', '.join(GGUF_TYPES)}; got {gguf_type!r}")
     if fmt.startswith("gguf"):
-        from tiertune.export.gguf import check
+        from tiertune.formats.gguf import check
 
         check(recipe.model.path)  # what llama.cpp cannot run is said before anything else
     run_dir = source.parent if checkpoint else source
@@ -215,7 +215,7 @@ def export(
     if fmt == "peft":
         return out, _export_adapter(source, recipe, out)
     if fmt == "gguf-lora":
-        from tiertune.export.gguf import write_gguf_lora
+        from tiertune.formats.gguf import write_gguf_lora
 
         with _writing(out, 2 * os.path.getsize(source / "adapter_model.safetensors") + (1 << 20)) as tmp:
             file = tmp / f"adapter-{gguf_type}.gguf"
@@ -241,8 +241,8 @@ def export(
             hf_dir.mkdir(exist_ok=True)
             what = _model_into(source, recipe, checkpoint, hf_dir)
         if fmt == "gguf":
-            from tiertune.export.gguf import write_gguf
             from tiertune.export.serving import modelfile
+            from tiertune.formats.gguf import write_gguf
 
             file = tmp / f"model-{gguf_type}.gguf"
             info = write_gguf(hf_dir, file, gguf_type, name=run_dir.name, tokenizer_dir=base)

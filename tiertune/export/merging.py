@@ -37,12 +37,11 @@ from typing import Any
 
 import torch
 
+from tiertune.formats import ADAPTER_FILE, PEFT_PREFIX
 from tiertune.loading.weights import Checkpoint
 from tiertune.offload.aio import buffer_of
 
 SLICE_BYTES = 16 << 20  # rows of a weight merged at once, in fp32
-ADAPTER_FILE = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
 _TORCH_TO_SAFETENSORS = {
     torch.float64: "F64",
     torch.float32: "F32",

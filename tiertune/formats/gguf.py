@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tiertune.errors import ConfigError
+from tiertune.formats import ADAPTER_FILE, PEFT_PREFIX
 from tiertune.loading.weights import Checkpoint
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
@@ -506,7 +507,6 @@ def write_gguf_lora(adapter: Path, base: Path, out_file: Path, out_type: str = "
     import gguf
     from transformers import AutoConfig
 
-    from tiertune.export.merging import ADAPTER_FILE, PEFT_PREFIX
 
     settings = json.loads((adapter / "adapter_config.json").read_text())
     refused = [
