@@ -507,7 +507,6 @@ def write_gguf_lora(adapter: Path, base: Path, out_file: Path, out_type: str = "
     import gguf
     from transformers import AutoConfig
 
-
     settings = json.loads((adapter / "adapter_config.json").read_text())
     refused = [
         what
