@@ -110,3 +110,36 @@ def test_the_loss_its_gradient_and_metrics_are_trls(loss_type, beta, given_old, 
         assert metrics[name] == pytest.approx(their_metrics[name], rel=1e-6, abs=1e-12), name
     if given_old:  # the ratios clip somewhere, both ways, at these offsets
         assert their_metrics["clip_ratio/region_mean"] > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: a logit cap, scored on the logits
+def test_the_tempered_loss_scores_softmax_of_the_logits_over_the_temperature(family):
+    """GRPO's log-probabilities are of ``softmax(logits / temperature)``, TRL's: ``CausalLMLoss.tempered``
+    divides the fused head's inputs (a biased head's bias too) or, with a cap, the capped logits."""
+    from tiny import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from tiertune.engine.loss import CausalLMLoss
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, layers=1)).float().eval()
+    if family == "llama":  # a head with a bias, as some architectures have
+        head = torch.nn.Linear(64, model.config.vocab_size, bias=True)
+        model.set_output_embeddings(head)
+    loss = CausalLMLoss(model, fuse=True, backend="torch")
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    target = ids[:, 1:].clone()
+    target[1, :2] = -100
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1].float()
+    for temperature in (1.0, 0.7, 1.6):
+        expected = torch.nn.functional.cross_entropy(
+            (logits / temperature).reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
+        ).view(target.shape)
+        with torch.no_grad(), loss.tempered(temperature):
+            got = loss.token_losses(ids, {}, target)
+            summed = loss(ids, {}, target)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(summed, expected.sum(), rtol=1e-5, atol=1e-4)
+    assert loss.temperature == 1.0  # restored on leaving
+    assert loss.fused  # both are in the fused-loss list: the fused path is what ran (gemma2's at 1.0)

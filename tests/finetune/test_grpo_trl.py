@@ -136,21 +136,26 @@ def _trl(tmp_path, model_dir, made, rewards, lora, objective, learning_rate, mon
 
 
 CASES = [
-    # (method, loss_type, beta, num_iterations, learning rate)
-    ("lora", "dapo", 0.0, 1, 2e-2),
-    ("lora", "grpo", 0.04, 2, 2e-2),
-    ("lora", "dr_grpo", 0.04, 1, 2e-2),
-    ("full", "dapo", 0.0, 2, 3e-3),
-    ("full", "grpo", 0.0, 2, 3e-3),
-    ("full", "dr_grpo", 0.0, 1, 3e-3),
+    # (method, loss_type, beta, num_iterations, learning rate, temperature: the log-probabilities' as well)
+    ("lora", "dapo", 0.0, 1, 2e-2, 1.0),
+    ("lora", "grpo", 0.04, 2, 2e-2, 0.7),
+    ("lora", "dr_grpo", 0.04, 1, 2e-2, 1.0),
+    ("full", "dapo", 0.0, 2, 3e-3, 1.0),
+    ("full", "grpo", 0.0, 2, 3e-3, 1.5),
+    ("full", "dr_grpo", 0.0, 1, 3e-3, 1.0),
 ]
 
 
-@pytest.mark.parametrize(("method", "loss_type", "beta", "iterations", "lr"), CASES)
+@pytest.mark.parametrize(("method", "loss_type", "beta", "iterations", "lr", "temperature"), CASES)
 def test_grpo_steps_equal_trls(
-    model_dir, tmp_path, write_recipe, monkeypatch, method, loss_type, beta, iterations, lr
+    model_dir, tmp_path, write_recipe, monkeypatch, method, loss_type, beta, iterations, lr, temperature
 ):
-    objective = {"loss_type": loss_type, "beta": beta, "num_iterations": iterations}
+    objective = {
+        "loss_type": loss_type,
+        "beta": beta,
+        "num_iterations": iterations,
+        "temperature": temperature,
+    }
     lora = method == "lora"
     ours, made, rewards = _ours(
         tmp_path, write_recipe, model_dir, LORA if lora else {"type": "full"}, objective, lr, monkeypatch

@@ -4,6 +4,8 @@ where the architecture allows (the [tokens x vocab] logits never exist)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,18 @@ class CausalLMLoss:
         moe = hasattr(model.config, "output_router_logits")
         self.model_kwargs = {"output_router_logits": False} if moe else {}
         self.fused = fuse and self._fusable()
+        self.temperature = 1.0  # the logits are divided by it inside ``tempered`` (GRPO's, as TRL's)
+
+    @contextmanager
+    def tempered(self, temperature: float) -> Iterator[None]:
+        """Inside, ``__call__`` and ``token_losses`` score ``softmax(logits / temperature)`` (GRPO's
+        log-probabilities, as TRL computes them at its sampling temperature): fused, the hidden states and the
+        head's bias divided by it; with a logit cap (applied before the division) on the model's logits."""
+        before, self.temperature = self.temperature, temperature
+        try:
+            yield
+        finally:
+            self.temperature = before
 
     def _fusable(self) -> bool:
         model_type = self.model.config.get_text_config(
@@ -53,14 +67,13 @@ class CausalLMLoss:
     ) -> torch.Tensor:
         """The summed cross-entropy of ``target``'s tokens (``token_weight``: each token's weight in the sum;
         ``rows_out``: each token's own loss written there, 0 where ignored)."""
-        if self.fused:
-            h = self._hidden(ids, extra)
-            head = self.model.get_output_embeddings()
+        if self._fused_now:
+            h, bias = self._tempered(ids, extra)
             return linear_cross_entropy(
                 h,
-                head.weight,
+                self.model.get_output_embeddings().weight,
                 target.reshape(-1),
-                head.bias,
+                bias,
                 IGNORE_INDEX,
                 "sum",
                 backend=self.backend,
@@ -69,7 +82,10 @@ class CausalLMLoss:
                 rows_out=rows_out,
             )
         losses = F.cross_entropy(
-            self._logits(ids, extra), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+            self._logits(ids, extra) / self.temperature,
+            target.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
         )
         if rows_out is not None:
             rows_out.copy_(losses.detach())
@@ -79,19 +95,22 @@ class CausalLMLoss:
     def token_losses(self, ids: torch.Tensor, extra: dict, target: torch.Tensor) -> torch.Tensor:
         """Each target token's cross-entropy ([rows, length - 1], 0 where ``target`` is ``IGNORE_INDEX``), without
         autograd and, fused, without the whole logits."""
-        if self.fused:
-            head = self.model.get_output_embeddings()
+        if self._fused_now:
+            h, bias = self._tempered(ids, extra)
             out = token_cross_entropy(
-                self._hidden(ids, extra),
-                head.weight,
+                h,
+                self.model.get_output_embeddings().weight,
                 target.reshape(-1),
-                head.bias,
+                bias,
                 IGNORE_INDEX,
                 softcap=self._softcap,
             )
         else:
             out = F.cross_entropy(
-                self._logits(ids, extra), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+                self._logits(ids, extra) / self.temperature,
+                target.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction="none",
             )
         return out.view(target.shape)
 
@@ -151,6 +170,19 @@ class CausalLMLoss:
             self._logits(ids, extra)[scored], picked, teacher, ce_w, kd_w, beta, temperature
         )
         return total, ce.sum(), kd.sum()
+
+    @property
+    def _fused_now(self) -> bool:
+        """Whether the loss runs fused with the head now (a temperature and a logit cap do not fold together)."""
+        return self.fused and (self.temperature == 1.0 or self._softcap is None)
+
+    def _tempered(self, ids: torch.Tensor, extra: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The hidden states and the head's bias the fused loss takes, divided by the temperature: (h W + b) / T
+        is (h / T) W + b / T."""
+        h, bias = self._hidden(ids, extra), self.model.get_output_embeddings().bias
+        if self.temperature == 1.0:
+            return h, bias
+        return h / self.temperature, None if bias is None else bias / self.temperature
 
     @property
     def _softcap(self) -> float | None:

@@ -120,7 +120,7 @@ class Suffixes(PairedPasses):
         ref_logps = None
         if mb.ref is not None:
             engine.visit = Suffix(last - 1, mb.ref)
-            with engine.reference():
+            with engine.reference(), engine.loss.tempered(objective.temperature):
                 ref_logps = -engine.compute.token_losses(engine.loss, mb.ref, mb.ids, mb.extra, mb.target)
             mb.ref = None
         leaf = out.detach().requires_grad_()
@@ -128,9 +128,10 @@ class Suffixes(PairedPasses):
         aux_value = 0.0
         if engine.router_aux is not None:
             aux_value = engine.router_aux.finish(j, mb.extra.get("attention_mask"), 1.0 / micro_batches)
-        token_losses = engine.compute.token_losses(
-            engine.loss, leaf, mb.ids, mb.extra, mb.target
-        ).requires_grad_()
+        with engine.loss.tempered(objective.temperature):  # the sampling's distribution, as TRL's
+            token_losses = engine.compute.token_losses(
+                engine.loss, leaf, mb.ids, mb.extra, mb.target
+            ).requires_grad_()
         old = rollout.get("old_logps")
         loss, metrics = engine.compute.grpo_loss(
             -token_losses.float(),
@@ -152,7 +153,8 @@ class Suffixes(PairedPasses):
         share = 1.0 if objective.loss_type == "dapo" else 1.0 / processes
         (slope,) = torch.autograd.grad(loss * share, token_losses)  # d loss / d each token's loss
         weight = slope.reshape(-1)
-        engine.compute.loss(engine.loss, leaf, mb.ids, mb.extra, mb.target, weight).backward()
+        with engine.loss.tempered(objective.temperature):
+            engine.compute.loss(engine.loss, leaf, mb.ids, mb.extra, mb.target, weight).backward()
         if old is None and not engine.compute.ledger:  # the old policy's, for the generation's later steps
             rollout["logps"] = -token_losses.detach().float().cpu()
         if leaf.grad is None:
