@@ -101,6 +101,10 @@ TOP_K = {"distill": 64, "grpo": 0}
 """``objective.top_k``'s default by ``objective.type``: the teacher's logits kept a token (distill), the
 sampling's top-k (GRPO's rollouts: 0, every token)."""
 SCALE_REWARDS = ("group", "batch", "none")
+ROLLOUT_ENGINES = ("tiertune", "llama_cpp")
+"""Who samples GRPO's completions: the streamed model itself, or a llama.cpp server the run starts."""
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+"""The weight types tiertune writes GGUF files in (``tiertune export --gguf-type``, ``rollout_gguf_type``)."""
 
 
 @dataclass
@@ -165,6 +169,14 @@ class ObjectiveSettings:
     use_bias_correction_kl: bool = True  # the KL term times the ratio (TRL 1.16's default)
     reward_funcs: list[str] | None = None  # module:function names (TRL's reward-function signature)
     reward_weights: list[float] | None = None  # one per reward function (None: each 1.0)
+    # grpo: who samples (``tiertune``: the streamed model; ``llama_cpp``: a llama.cpp server the run starts,
+    # the base written once as a GGUF in ``rollout_gguf_type``, the adapter pushed to it as a GGUF LoRA before
+    # each generation); above ``rollout_logp_tolerance`` (the mean |served - trained| log-probability of the
+    # sampled tokens, TRL's sampling/sampling_logp_difference/mean) the run stops: the served policy is not
+    # the trained one (null: not checked, and the server is not asked for log-probabilities)
+    rollout_engine: str = field(default="tiertune", metadata=choices(*ROLLOUT_ENGINES))
+    rollout_gguf_type: str = field(default="f16", metadata=choices(*GGUF_TYPES))
+    rollout_logp_tolerance: float | None = 0.1
 
     def __post_init__(self) -> None:
         if self.beta is None:

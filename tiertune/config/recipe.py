@@ -305,6 +305,26 @@ class Recipe:
                 "data.packing",
                 "must be false for grpo (each completion is scored whole)",
             ),
+            *self._served_checks(),
+        ]
+
+    def _served_checks(self) -> list[tuple[bool, str, str]]:
+        """GRPO's rollouts from a llama.cpp server (``objective.rollout_engine: llama_cpp``): what it can serve."""
+        o, lora = self.objective, self.method.lora
+        if o.rollout_engine != "llama_cpp":
+            return []
+        return [
+            (
+                self.method.type == "lora" and not lora.use_dora and not lora.target_parameters,
+                "objective.rollout_engine",
+                "llama_cpp serves the base with a plain LoRA adapter pushed each step: it needs method.type lora "
+                "without use_dora or target_parameters (rollout_engine: tiertune samples any method)",
+            ),
+            (
+                o.rollout_logp_tolerance is None or o.rollout_logp_tolerance > 0,
+                "objective.rollout_logp_tolerance",
+                f"must be > 0 or null (not checked), got {o.rollout_logp_tolerance}",
+            ),
         ]
 
     def _distill_checks(self) -> list[tuple[bool, str, str]]:

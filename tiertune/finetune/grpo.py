@@ -34,6 +34,7 @@ from tiertune.distributed.world import World
 from tiertune.engine.grpo import advantages
 from tiertune.errors import ConfigError, DataError
 from tiertune.finetune.data import prompt_of
+from tiertune.finetune.served import SERVED_KEY
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
 METRICS_KEY = "rollout_metrics"
@@ -111,6 +112,7 @@ class Generation:
     rewards: torch.Tensor  # [completions, functions]
     completions: list[Any]
     metrics: dict[str, float] = field(default_factory=dict)
+    served: list[list[float]] | None = None  # a server's: each completion's first matching tokens'
 
 
 def prompt_order(count: int, shuffle: bool, seed: int) -> Iterator[int]:
@@ -144,9 +146,12 @@ class Rollouts:
         world: World,
         samples: Path | None = None,
         rewards: RewardFunctions | None = None,
+        sampler: Any = None,
     ) -> None:
         o, t = recipe.objective, recipe.training
         self.trainer, self.recipe, self.data, self.tokenizer = trainer, recipe, data, tokenizer
+        # who samples: the streamed model, or a served copy (``finetune.served.ServedSampler``, called alike)
+        self.sampler = sampler if sampler is not None else trainer.generate
         self.objective, self.world, self.pad_id, self.samples = o, world, pad_id, samples
         self.rewards = rewards or RewardFunctions.load(o.reward_funcs or [], o.reward_weights)
         self.completions = t.per_device_train_batch_size * t.gradient_accumulation_steps
@@ -189,7 +194,7 @@ class Rollouts:
         o = self.objective
         rows = [self.data.rows[i] for i in indices for _ in range(o.num_generations)]
         prompt_ids = [list(r["input_ids"]) for r in rows]
-        completion_ids = self.trainer.generate(
+        completion_ids = self.sampler(
             prompt_ids,
             o.max_completion_length,
             o.temperature,
@@ -220,6 +225,7 @@ class Rollouts:
         for name, values in extra_metrics.items():
             metrics[name] = sum(values) / len(values)
         batch = Generation(rows, prompt_ids, completion_ids, truncated, adv, rewards, completions, metrics)
+        batch.served = getattr(self.sampler, "served", None)  # a server's log-probabilities, to check
         self._write_samples(batch, prompts, step, logged)
         return batch
 
@@ -316,7 +322,20 @@ class Rollouts:
                     "num_tokens": int(mask.sum()),
                 }
             )
+            if batch.served is not None:
+                out[-1][SERVED_KEY] = [(len(batch.prompt_ids[r]), batch.served[r]) for r in rows]
         return out
+
+    def after_step(self, micro: Sequence[dict[str, Any]]) -> dict[str, float]:
+        """After a step on ``micro``: a served sampler's check of its log-probabilities (its metrics)."""
+        check = getattr(self.sampler, "check", None)
+        return check(micro) if check is not None else {}
+
+    def close(self) -> None:
+        """End a served sampler's server."""
+        close = getattr(self.sampler, "close", None)
+        if close is not None:
+            close()
 
     def _write_samples(
         self, batch: Generation, prompts: list[Any], step: int, logged: dict[str, list[Any]]

@@ -66,6 +66,7 @@ from tiertune.finetune.ranks import decided_by_main, join, launch_notes, rows_of
 from tiertune.finetune.reference import reference_logps, with_reference
 from tiertune.finetune.reporting import Reporters
 from tiertune.finetune.rundir import LAUNCH_FILE, LOG_NAME, Decision, RunDirectory, launch_record
+from tiertune.finetune.served import ServedSampler
 from tiertune.finetune.signals import StopOnSignals, stop_on_signals
 from tiertune.finetune.teacher import (
     TeacherBeside,
@@ -293,6 +294,7 @@ def _run(
         result.teacher_pass = teacher_pass.record()
         stream = with_teacher(stream, cache)
         stop.check()
+    rollouts: Rollouts | None = None
     try:
         trainer = StreamedTrainer(recipe.model.path, run.store, engine, safe_point=stop.check, world=world)
     except BaseException:
@@ -313,7 +315,18 @@ def _run(
         if beside is not None:  # scored a step at a time from here (none for the batches skipped)
             stream = beside_teacher(stream, beside, t.gradient_accumulation_steps)
         if recipe.objective.rollouts:  # GRPO: each step's micro-batches sampled by the model as it is then
-            rollouts = Rollouts(trainer, recipe, data, tokenizer, loaded.pad_id, world, out / SAMPLES_FILE)
+            sampler = None
+            if recipe.objective.rollout_engine == "llama_cpp":  # or by a llama.cpp server it is pushed to
+                if world.size > 1:
+                    raise ConfigError(
+                        "objective.rollout_engine: llama_cpp runs in one process in this release; launch one "
+                        "process or set rollout_engine: tiertune"
+                    )
+                model_dir = Path(recipe.model.path)
+                sampler = ServedSampler(trainer, recipe, tokenizer, out, model_dir, stop.check)
+            rollouts = Rollouts(
+                trainer, recipe, data, tokenizer, loaded.pad_id, world, out / SAMPLES_FILE, sampler=sampler
+            )
             stream = (mb for step_batches in rollouts.steps(first) for mb in step_batches)
         stop.check()
     except BaseException:
@@ -373,6 +386,8 @@ def _run(
                 elif recipe.objective.rollouts:
                     record["generation_seconds"] = round(scoring, 4)
                 record.update(micro[0].get(ROLLOUT_METRICS, {}))  # GRPO: its generation's, TRL's names
+                if rollouts is not None:  # a served policy's log-probabilities against the step's
+                    record.update(rollouts.after_step(micro))
                 if (step + 1) % t.logging_steps == 0 or step + 1 == steps:
                     log_file.write(json.dumps(record) + "\n")
                     log_file.flush()
@@ -423,6 +438,8 @@ def _run(
                     raise
                 log.error("the checkpoint being written failed too: %s", exc)
             finally:
+                if rollouts is not None:
+                    rollouts.close()
                 trainer.close()
                 if beside is not None:
                     beside.close()

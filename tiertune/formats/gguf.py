@@ -26,8 +26,7 @@ import torch
 from tiertune.errors import ConfigError
 from tiertune.formats import ADAPTER_FILE, PEFT_PREFIX
 from tiertune.loading.weights import Checkpoint
-
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+from tiertune.settings import GGUF_TYPES
 
 
 @dataclass(frozen=True)
