@@ -101,3 +101,52 @@ def test_estimate_prices_a_grpo_update_and_says_what_it_leaves_out(cat_model, tm
     assert (
         "will it fit" in out and "the sampling of its completions" in out and "is not priced here yet" in out
     )
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_a_resumed_run_repeats_the_uninterrupted_one_inside_a_generation_too(
+    cat_model, tmp_path, write_recipe, interrupted_after, method
+):
+    """Two steps a generation (``num_iterations: 2``), checkpoints at steps 2 (a generation's boundary) and 3
+    (inside one): stopped after step 4 and resumed from 3, or after 3 and resumed from 2, the steps left have
+    the losses, rewards, clip ratios and completions of the uninterrupted run (the checkpoint inside a
+    generation keeps its completions and the old policy's log-probabilities; a boundary's samples anew, from
+    the run's seed)."""
+    model = cat_model(2, hidden=64)
+    settings = dict(
+        objective={"num_iterations": 2, "beta": 0.04 if method == "lora" else 0.0},
+        training={"max_steps": 6, "learning_rate": 2e-2, "save_steps": 1, "lr_scheduler_type": "constant"},
+        method={"type": "full"} if method == "full" else None,
+    )
+    whole_dir = tmp_path / "whole"
+    whole_dir.mkdir()
+    whole = train(load_recipe(_recipe(whole_dir, write_recipe, model, **settings)), progress=False)
+    names = ("loss", "grad_norm", "reward", "clip_ratio/region_mean", "completions/mean_length", "num_tokens")
+    for stop_after, resume_from in ((4, 3), (3, 2)):
+        cut_dir = tmp_path / f"cut-{stop_after}"
+        cut_dir.mkdir()
+        recipe = _recipe(cut_dir, write_recipe, model, **settings)
+        with interrupted_after(stop_after), pytest.raises(KeyboardInterrupt):
+            train(load_recipe(recipe), progress=False)
+        checkpoint = cut_dir / "run" / f"checkpoint-{resume_from}"
+        assert (checkpoint / "rollouts.pt").is_file()
+        resumed = train(
+            load_recipe(recipe, [f"training.resume_from_checkpoint={checkpoint}"]), progress=False
+        )
+        assert resumed.first_step == resume_from + 1
+        ours = [json.loads(line) for line in resumed.log_path.read_text().splitlines()]
+        theirs = [json.loads(line) for line in whole.log_path.read_text().splitlines()]
+        assert len(ours) == len(theirs) == 6
+        for mine, ref in zip(ours[resume_from:], theirs[resume_from:], strict=True):
+            assert set(mine) >= set(ref) - {"tokens_per_second", "generation_seconds"}
+            for key in names:
+                if key in ref:
+                    assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (key, mine["step"])
+        samples = [
+            json.loads(line) for line in (resumed.output_dir / "completions.jsonl").read_text().splitlines()
+        ]
+        expected = [
+            json.loads(line) for line in (whole.output_dir / "completions.jsonl").read_text().splitlines()
+        ]
+        later = [s["completion"] for s in samples if s["step"] > resume_from]
+        assert later == [s["completion"] for s in expected if s["step"] > resume_from]

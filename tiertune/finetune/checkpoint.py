@@ -246,9 +246,10 @@ class CheckpointWriter:
         self.blocked_s = 0.0  # time the training threads waited for chunks to be written first
         self.last: Path | None = None
 
-    def save(self, trainer_state: dict, recipe_yaml: str | None = None) -> Path:
-        """Start writing ``checkpoint-<global_step>`` (with the run's ``recipe.yaml``, when given); returns the
-        path it will have once complete. Of several ranks, every rank calls it at the same step."""
+    def save(self, trainer_state: dict, recipe_yaml: str | None = None, rollouts: Any = None) -> Path:
+        """Start writing ``checkpoint-<global_step>`` (with the run's ``recipe.yaml``, when given; GRPO's
+        generation in progress, ``rollouts``, when the next step trains it again); returns the path it will have
+        once complete. Of several ranks, every rank calls it at the same step."""
         self.wait()
         self._cancelled.clear()  # a cancel or an abandon drops one checkpoint, not the ones after it
         self._abandoned.clear()
@@ -282,6 +283,8 @@ class CheckpointWriter:
         try:
             own.mkdir(parents=True, exist_ok=True)
             torch.save(_rng_states(), tmp / rng_file(world.rank, world.size))
+            if rollouts is not None:
+                torch.save(rollouts, tmp / rollouts_file(world.rank, world.size))
         except BaseException as exc:
             if world.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -448,6 +451,21 @@ def rng_file(rank: int, world_size: int) -> str:
     return "rng_state.pth" if world_size == 1 else f"rng_state_{rank}.pth"
 
 
+def rollouts_file(rank: int, world_size: int) -> str:
+    """A process's GRPO generation in progress in a checkpoint (its micro-batches, advantages and old
+    log-probabilities: what the steps left of it train on)."""
+    return "rollouts.pt" if world_size == 1 else f"rollouts_{rank}.pt"
+
+
+def load_rollouts(path: str | os.PathLike[str], rank: int, world_size: int) -> Any:
+    """The generation in progress a checkpoint holds for ``rank`` (None: the checkpoint is at a generation's
+    boundary, or of another objective)."""
+    file = Path(path) / rollouts_file(rank, world_size)
+    if not file.is_file():
+        return None
+    return read_part(file, partial(torch.load, weights_only=True))
+
+
 def _hand_in(
     tmp: Path, rank: int, world_size: int, pieces: dict[str, dict], going: Callable[[], None] = lambda: None
 ) -> None:
@@ -455,6 +473,7 @@ def _hand_in(
     checksums) written under a temporary name and renamed, which tells rank 0 it is complete."""
     own = tmp / "state" / f"rank-{rank}"
     files = [*sorted(p for p in own.iterdir() if p.is_file()), tmp / rng_file(rank, world_size)]
+    files += [f for f in (tmp / rollouts_file(rank, world_size),) if f.is_file()]
     checksums = {}
     for path in files:
         going()

@@ -33,6 +33,7 @@ import torch
 from tiertune.distributed.world import World
 from tiertune.engine.grpo import advantages
 from tiertune.errors import ConfigError, DataError
+from tiertune.files import write_text_atomically
 from tiertune.finetune.data import prompt_of
 from tiertune.finetune.served import SERVED_KEY
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
@@ -43,6 +44,8 @@ SAMPLES_FILE = "completions.jsonl"
 """Where a run appends a sample of each generation's completions (one JSON line each)."""
 SAMPLES = 8
 """The completions of a generation written to ``SAMPLES_FILE``."""
+KEPT = ("input_ids", "attention_mask", "labels", "advantages", "num_tokens", "logps", "old_logps")
+"""What a checkpoint keeps of a generation's micro-batches (``Rollouts.state``)."""
 NOT_COLUMNS = ("prompt", "completion", "completion_ids", "input_ids", "labels")
 """A prompt row's fields that are not passed to the reward functions as columns (TRL's, and tiertune's own)."""
 
@@ -162,9 +165,12 @@ class Rollouts:
             eos = tokenizer.eos_token_id
         self.eos = {eos} if isinstance(eos, int) else set(eos or ())
         self.tokens_seen = 0
+        self.current: tuple[int, list[dict[str, Any]]] | None = None  # the generation being trained
 
-    def steps(self, first: int = 0) -> Iterator[list[dict[str, Any]]]:
-        """Each step's micro-batches from step ``first`` (0: the run's start; a resumed run's checkpoint step)."""
+    def steps(self, first: int = 0, resumed: dict[str, Any] | None = None) -> Iterator[list[dict[str, Any]]]:
+        """Each step's micro-batches from step ``first`` (0: the run's start; a resumed run's checkpoint step),
+        ``resumed`` the generation in progress its checkpoint holds (``state``): the steps left of it train on
+        it as the uninterrupted run did (without it, that generation is sampled again)."""
         o, t = self.objective, self.recipe.training
         order = prompt_order(len(self.data), self.recipe.data.shuffle, t.seed)
         generation = first // o.num_iterations
@@ -172,12 +178,21 @@ class Rollouts:
         for _ in range(generation * per_generation):  # the prompts the generations before took
             next(order)
         step = first
+        kept = None
+        if resumed is not None:
+            self.tokens_seen = int(resumed.get("tokens_seen", 0))
+            if resumed.get("generation") == generation and first % o.num_iterations:
+                kept = resumed["micro"]  # (another generation's: a recipe whose num_iterations changed)
         while True:
             chosen = [next(order) for _ in range(per_generation)]
             mine = chosen[self.world.rank * self.prompts : (self.world.rank + 1) * self.prompts]
-            batch = self.generate(mine, generation, step)
-            micro = self.micro_batches(batch)
-            micro[0][METRICS_KEY] = batch.metrics
+            if kept is not None:
+                micro, kept = kept, None
+            else:
+                batch = self.generate(mine, generation, step)
+                micro = self.micro_batches(batch)
+                micro[0][METRICS_KEY] = batch.metrics
+            self.current = (generation, micro)
             for iteration in range(step % o.num_iterations, o.num_iterations):
                 if iteration:  # the policy that sampled them: what its first step found
                     for mb in micro:
@@ -326,6 +341,17 @@ class Rollouts:
                 out[-1][SERVED_KEY] = [(len(batch.prompt_ids[r]), batch.served[r]) for r in rows]
         return out
 
+    def state(self, next_step: int) -> dict[str, Any]:
+        """What a checkpoint written before step ``next_step`` keeps of the rollouts: the tokens seen and, when
+        that step trains the generation in progress again, its number and micro-batches (their tokens,
+        advantages and the old policy's log-probabilities)."""
+        out: dict[str, Any] = {"tokens_seen": self.tokens_seen}
+        if next_step % self.objective.num_iterations and self.current is not None:
+            generation, micro = self.current
+            out["generation"] = generation
+            out["micro"] = [{k: v for k, v in mb.items() if k in KEPT} for mb in micro]
+        return out
+
     def after_step(self, micro: Sequence[dict[str, Any]]) -> dict[str, float]:
         """After a step on ``micro``: a served sampler's check of its log-probabilities (its metrics)."""
         check = getattr(self.sampler, "check", None)
@@ -336,6 +362,15 @@ class Rollouts:
         close = getattr(self.sampler, "close", None)
         if close is not None:
             close()
+
+    def keep_samples(self, last_step: int) -> None:
+        """``SAMPLES_FILE`` cut to the generations of steps up to ``last_step`` (a resumed run writes the later
+        ones again), by a temporary file renamed over it."""
+        if self.samples is None or not self.samples.is_file():
+            return
+        lines = self.samples.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= last_step]
+        write_text_atomically(self.samples, "".join(kept))
 
     def _write_samples(
         self, batch: Generation, prompts: list[Any], step: int, logged: dict[str, list[Any]]

@@ -55,6 +55,7 @@ from tiertune.finetune.checkpoint import (
     is_disk_full,
     latest_checkpoint,
     load_checkpoint,
+    load_rollouts,
     partials,
     recover,
 )
@@ -327,7 +328,8 @@ def _run(
             rollouts = Rollouts(
                 trainer, recipe, data, tokenizer, loaded.pad_id, world, out / SAMPLES_FILE, sampler=sampler
             )
-            stream = (mb for step_batches in rollouts.steps(first) for mb in step_batches)
+            kept = None if decision.resume is None else load_rollouts(decision.resume, world.rank, world.size)
+            stream = (mb for step_batches in rollouts.steps(first, kept) for mb in step_batches)
         stop.check()
     except BaseException:
         trainer.close()
@@ -341,6 +343,8 @@ def _run(
         write_text_atomically(recipe_path, recipe.to_yaml())
         write_text_atomically(out / LAUNCH_FILE, launch_record(world, rows))
         _rewrite_log(result.log_path, history)  # each step once: a resumed run runs the later ones again
+        if rollouts is not None:
+            rollouts.keep_samples(first)
     counted = dict(trainer.optimizer_counts)  # a resumed run's counters start at its checkpoint's
     notes = list(decision.notes) + launch_notes(world, dict(os.environ))
     if decision.resume is not None:
@@ -408,7 +412,8 @@ def _run(
                             "rows_per_micro_batch": rows,
                         },
                     }
-                    writer.save(trainer_state, recipe.to_yaml())  # written while the next steps run
+                    rolled = rollouts.state(step + 1) if rollouts is not None else None  # GRPO's generation
+                    writer.save(trainer_state, recipe.to_yaml(), rolled)  # written while the next steps run
                 if bar is not None:
                     bar.update(step + 1, loss, record["tokens_per_second"], report.peak_bytes)
         writer.wait()
