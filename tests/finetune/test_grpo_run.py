@@ -98,9 +98,31 @@ def test_estimate_prices_a_grpo_update_and_says_what_it_leaves_out(cat_model, tm
     result = CliRunner().invoke(app, ["estimate", str(path), "--no-probe"])
     assert result.exit_code == 0, result.output
     out = " ".join(result.output.split())
-    assert (
-        "will it fit" in out and "the sampling of its completions" in out and "is not priced here yet" in out
+    assert "will it fit" in out and "grpo generation: 8 completions together" in out
+    assert "a decoded token moves" in out and "the KV cache" in out  # (no rates with --no-probe: no time)
+
+
+def test_a_70b_qlora_grpo_step_on_a_24_gb_gpu_is_priced_with_its_generation(monkeypatch):
+    """The built-in recipe on the shipped Llama 3 70B config: a decoded token reads the NF4 layers once for all
+    16 completions (the ledger's steady pass), the KV cache is 80 layers x 8 KV heads x 128 x 2 (keys and
+    values) x 2 bytes a token, and the generation fits the 24 GB GPU beside the store and the adapters."""
+    from tiertune.cli.app import RECIPES
+    from tiertune.estimates.report import estimate
+    from tiertune.loading.hub import SHIPPED
+
+    recipe = load_recipe(
+        RECIPES / "llama3-70b-qlora-grpo-24gb.yaml",
+        (f"model.path={SHIPPED / 'meta-llama/Meta-Llama-3-70B'}",),
     )
+    est = estimate(recipe, measure=False, gpu="rtx4090")
+    g = est.generation
+    assert g is not None and g.sequences == 16 and g.passes == 256 and g.prompt_tokens == 256
+    nf4_layers = est.kinds["weights, quantized cache"][1]
+    assert g.steady_pass["disk->host"] == nf4_layers  # one pass of the layers a decoded token
+    assert g.bytes_per_token == 2 * nf4_layers  # read from the disk, then copied to the GPU
+    assert g.kv_bytes == 80 * 8 * 128 * 2 * 2 * 512 * 16
+    assert g.fits and g.held < 24 * 2**30 and g.largest_sequences >= 16
+    assert g.read_bytes["disk->host"] == g.first_pass["disk->host"] + 255 * nf4_layers
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])

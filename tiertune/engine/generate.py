@@ -83,6 +83,9 @@ def generate(
         raise ConfigError("generation needs at least one prompt, each of at least one token")
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if trainer.compute.ledger:
+        ledger_decoding(trainer, max_new_tokens)
+        return [[0] * max_new_tokens for _ in prompts]
     stops = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     device, model = trainer.device, trainer.model
     rows, longest = len(prompts), max(len(p) for p in prompts)
@@ -135,4 +138,25 @@ def generate(
     return out
 
 
-__all__ = ["decoding", "generate", "pick"]
+def ledger_decoding(trainer: Any, passes: int) -> list[dict[str, int]]:
+    """A decoding's weight accesses on a ledger store (``estimate``'s: no arithmetic), as ``generate`` makes
+    them: the groups outside the decoder layers bound for the whole decoding, each layer's weights acquired
+    once a pass, ``passes`` passes (no row stops early). Returns the bytes each pass moved, by link."""
+    others = [s for s in trainer.states if s.group.kind != "layer"]
+    layers = len(trainer.states) - len(others)
+    moved: list[dict[str, int]] = []
+    before = dict(trainer.store_stats().bytes_moved)
+    with ExitStack() as stack:
+        for state in others:
+            stack.enter_context(trainer.bound_group(state, requires_grad=False))
+        for _ in range(passes):
+            for index in range(layers):
+                with trainer.layer_weights(index, requires_grad=False):
+                    pass
+            now = dict(trainer.store_stats().bytes_moved)
+            moved.append({k: n - before.get(k, 0) for k, n in now.items() if n - before.get(k, 0)})
+            before = now
+    return moved
+
+
+__all__ = ["decoding", "generate", "ledger_decoding", "pick"]

@@ -97,6 +97,38 @@ def replay(
         trainer.close()
 
 
+@dataclass
+class Decoded:
+    """What the ledger counted of a decoding (``engine.generate``'s weight accesses): the bytes each pass moved,
+    by link (the first binds the groups outside the layers for the whole decoding), and each tier's peak."""
+
+    moved: list[dict[str, int]]
+    peaks: dict[str, int]
+
+
+def replay_decoding(
+    model_dir: str,
+    store_cfg: StoreConfig,
+    cfg: EngineConfig,
+    passes: int = 3,
+    device: torch.device | None = None,
+    world: World | None = None,
+) -> Decoded:
+    """``passes`` passes of a batched decoding (GRPO's sampling) of the model at ``model_dir`` on a ledger store
+    configured as ``store_cfg``: each decoder layer's weights acquired once a pass, as ``generate`` does, over
+    the store's own placement, eviction and prefetch."""
+    from tiertune.engine.generate import ledger_decoding
+
+    ledger = dataclasses.replace(store_cfg, ledger=True, device=device or store_cfg.device)
+    with held_back("tiertune", logging.WARNING):
+        trainer = StreamedTrainer(model_dir, ledger, cfg, world=world, compute=Ledger((), cfg.max_grad_norm))
+    try:
+        moved = ledger_decoding(trainer, passes)
+        return Decoded(moved, {t: s.peak for t, s in trainer.store_stats().tiers.items()})
+    finally:
+        trainer.close()
+
+
 def micro_batch(cfg: EngineConfig, rows: int, tokens: int) -> dict[str, torch.Tensor]:
     """A micro-batch of the run's shape: ``rows`` sequences of ``tokens``, or for a preference objective
     ``rows`` pairs (their chosen, then rejected sequences; KTO's labels; a full fine-tune's reference

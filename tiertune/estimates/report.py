@@ -41,6 +41,12 @@ from tiertune.engine.registered import Laid
 from tiertune.engine.replay import Replayed
 from tiertune.engine.sharding import GATHERED
 from tiertune.errors import BudgetError, ConfigError, StateError, TiertuneError
+from tiertune.estimates.generation import (
+    GenerationEstimate,
+    format_generation,
+    generation_estimate,
+    time_generation,
+)
 from tiertune.estimates.speed import (
     GPU,
     NOISY,
@@ -195,6 +201,7 @@ class Estimate:
     plan: Plan | None = None  # the run's memory plan (``engine.memory``): what train checks before loading
     waves: Waves | None = None  # the micro-batches a wave runs, and where its boundary hidden states wait
     teacher: TeacherEstimate | None = None  # a distillation's teacher pass (``estimates.teacher``)
+    generation: GenerationEstimate | None = None  # GRPO's sampling (``estimates.generation``)
 
     def short_of_machine(self) -> dict[str, str]:
         """Budgets this machine cannot give, by tier, with why (a budget above its RAM or GPU memory)."""
@@ -252,6 +259,7 @@ class Estimate:
             and not self.short_of_machine()
             and ranks
             and room
+            and (self.generation is None or self.generation.fits)
         )
 
     def as_json(self) -> dict:
@@ -291,6 +299,8 @@ class Estimate:
             out["scale_out"] = self.scale_out.as_json()
         if self.teacher is not None:
             out["teacher_pass"] = self.teacher.as_json()
+        if self.generation is not None:
+            out["generation"] = self.generation.as_json()
         if self.speed is not None:
             sp = self.speed
             out["step_time"] = {
@@ -427,9 +437,13 @@ def estimate(
     if recipe.objective.rollouts:
         o = recipe.objective
         notes.append(
-            f"grpo: the step above is the update on its {recipe.data.max_seq_len}-token rows; the sampling of its "
-            f"completions (up to {o.max_completion_length} passes of the weights every {o.num_iterations} step(s), "
-            "each for all completions at once, and their KV cache on the device) is not priced here yet"
+            f"grpo: the step above is the update on its {recipe.data.max_seq_len}-token rows; its completions' "
+            + (
+                "sampling is priced below (grpo generation)"
+                if o.rollout_engine == "tiertune"
+                else "sampling runs in the llama.cpp server the run starts (its base GGUF in "
+                f"{o.rollout_gguf_type} under the output directory's served/, loaded there): not priced here"
+            )
         )
     if IN_PLACE in kinds:
         notes.append(
@@ -460,6 +474,8 @@ def estimate(
     if target is not None:
         est.machine["gpu_memory"] = target.memory
     est.moved_per_step = {link: replayed.moved.get(link, 0) for link in LINKS} if replayed is not None else {}
+    if recipe.objective.rollouts and recipe.objective.rollout_engine == "tiertune":
+        est.generation = _generation(est, run, model, flops, device, replayed is not None)
     # the chunks each rank registers (its shards), under a rank's budgets, as train plans it
     if processes > 1:
         local = per_node or processes
@@ -493,7 +509,34 @@ def estimate(
             time_teacher(
                 est.teacher, est.bandwidth.get("disk_read"), est.speed.compute_rate if est.speed else None
             )
+        if est.generation is not None:
+            time_generation(
+                est.generation,
+                est.bandwidth,
+                est.speed.compute_rate if est.speed else None,
+                target is not None,
+            )
     return est
+
+
+def _generation(
+    est: Estimate, run: RunPlan, model: torch.nn.Module, flops: StepFlops, device: torch.device, replay: bool
+) -> GenerationEstimate:
+    """GRPO's sampling (``estimates.generation``): its passes replayed on a ledger store of the run's budgets
+    (none when the step itself could not be), beside what the run holds while it samples."""
+    moved: list[dict[str, int]] = []
+    if replay:
+        ledger = dataclasses.replace(run.store, disk_budget=None)
+        moved = replaying.replay_decoding(
+            run.recipe.model.path, ledger, run.engine, 3, device, run.world
+        ).moved
+    on = est.computes_on()
+    adapters = est.outside_store.get("LoRA adapters + states", 0)
+    held = (on[2] - sum(est.outside_store.values()) + adapters) if on is not None else 0
+    config = model.config.get_text_config(decoder=True)
+    return generation_estimate(
+        run.recipe, config, flops, moved, held, on[1] if on else None, on[0] if on else "what computes"
+    )
 
 
 def _teacher(recipe: Recipe, device_budget: int, notes: list[str]) -> TeacherEstimate:
@@ -827,6 +870,8 @@ def format_estimate(est: Estimate, title: str) -> str:
     lines.append(f"moved per step: {moved}")
     if est.teacher is not None:
         lines += format_teacher(est.teacher)
+    if est.generation is not None:
+        lines += format_generation(est.generation)
     sp = est.speed
     if sp is not None:
         bw = est.bandwidth
@@ -882,12 +927,22 @@ def format_estimate(est: Estimate, title: str) -> str:
             f"  => {sp.seconds:.3g} s per step ({how}; bound by {sp.bound}), "
             f"{sp.tokens_per_second:,.0f} tokens/s over {sp.flops.tokens:,} tokens per step"
         )
+        g = est.generation
+        if g is not None and g.per_step_seconds is not None:
+            with_generation = sp.seconds + g.per_step_seconds
+            lines.append(
+                f"  => with its generation: {with_generation:.3g} s per step (the update {sp.seconds:.3g} s + "
+                f"sampling {g.per_step_seconds:.3g} s), "
+                f"{sp.flops.tokens / with_generation:,.0f} tokens/s"
+            )
+        sampled = g.per_step_seconds if g is not None and g.per_step_seconds is not None else 0.0
         if sp.total_seconds is not None:
-            lines.append(f"  => {sp.steps:,} steps ({sp.steps_source}): {_duration(sp.total_seconds)}")
+            total = sp.total_seconds + (sp.steps or 0) * sampled
+            lines.append(f"  => {sp.steps:,} steps ({sp.steps_source}): {_duration(total)}")
         else:
             lines.append(
                 f"  => steps {sp.steps_source} (or set training.max_steps); 1,000 steps take "
-                f"{_duration(1000 * sp.seconds)}"
+                f"{_duration(1000 * (sp.seconds + sampled))}"
             )
     if est.scale_out is not None:
         lines += ["", *_format_scale_out(est.scale_out)]

@@ -1,0 +1,248 @@
+"""What GRPO's sampling costs (``finetune.grpo`` over ``engine.generate``), for ``estimate``.
+
+A generation decodes this process's completions of a step together (``per_device_train_batch_size x
+gradient_accumulation_steps`` sequences), at most ``max_completion_length`` passes over the weights (the first
+the prompts' prefill), every ``num_iterations`` steps. The bytes a pass moves are the store's own, counted on a
+ledger (``engine.replay.replay_decoding``: each decoder layer's weights acquired once a pass for every sequence,
+the groups outside the layers bound for the whole generation): the first pass's and a steady pass's, the
+bytes per decoded token. The GPU is split between the store's device tier, the LoRA adapters, the KV cache
+(transformers' ``DynamicCache``: keys and values of every layer, a sliding-window layer's up to its window, at
+its longest: the prompt and the whole completion) and a pass's working memory (the prefill's activations, the
+last token's logits); the update's activations are not held while it samples. The time, when rates are
+measured: each pass the longer of its reads (the disk's rate, PCIe's on a GPU) and its FLOPs at the step's
+compute rate (decoding's small products run slower than the step's: a lower bound); dequantizing a quantized
+base each pass is not priced."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiertune.estimates.speed import StepFlops
+from tiertune.units import format_size
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class GenerationEstimate:
+    """A generation's figures (the module docstring); ``seconds`` None unless rates were measured."""
+
+    sequences: int
+    prompt_tokens: int
+    completion_tokens: int
+    num_iterations: int
+    num_generations: int
+    first_pass: dict[str, int]  # bytes by link: the prefill's pass (binding the groups outside the layers)
+    steady_pass: dict[str, int]  # bytes by link: a later pass (one decoded token for every sequence)
+    kv_per_sequence: int  # the KV cache of one sequence at its longest
+    work_per_sequence: int  # a pass's working memory per sequence at its largest (the prefill's)
+    held_beside: (
+        int  # bytes held on what computes while sampling, besides those (the store's tiers, adapters)
+    )
+    has: int | None  # bytes of what computes (the GPU's memory, or this machine's RAM); None: not known
+    on: str  # what computes, in words
+    prefill_flops: float
+    decode_flops: float  # all the passes after the prefill
+    seconds: float | None = None
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def passes(self) -> int:
+        return self.completion_tokens
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_per_sequence * self.sequences
+
+    @property
+    def working_bytes(self) -> int:
+        return self.work_per_sequence * self.sequences
+
+    @property
+    def held(self) -> int:
+        """Bytes held on what computes while sampling."""
+        return self.held_beside + self.kv_bytes + self.working_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.has is None or self.held <= self.has
+
+    @property
+    def largest_sequences(self) -> int | None:
+        """The most sequences a generation of these lengths holds (a multiple of ``num_generations``)."""
+        if self.has is None:
+            return None
+        each = self.kv_per_sequence + self.work_per_sequence
+        room = max(0, self.has - self.held_beside)
+        most = room // each if each else self.sequences
+        return int(most // self.num_generations * self.num_generations)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes a decoded token moves from the disk and the host (a steady pass), for every sequence at once."""
+        return sum(n for link, n in self.steady_pass.items() if link in ("disk->host", "host->device"))
+
+    @property
+    def read_bytes(self) -> dict[str, int]:
+        """Bytes a whole generation moves, by link."""
+        links = set(self.first_pass) | set(self.steady_pass)
+        later = self.passes - 1
+        return {k: self.first_pass.get(k, 0) + later * self.steady_pass.get(k, 0) for k in sorted(links)}
+
+    @property
+    def per_step_seconds(self) -> float | None:
+        return None if self.seconds is None else self.seconds / self.num_iterations
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "sequences": self.sequences,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "passes": self.passes,
+            "num_iterations": self.num_iterations,
+            "first_pass_bytes": self.first_pass,
+            "steady_pass_bytes": self.steady_pass,
+            "bytes_per_decoded_token": self.bytes_per_token,
+            "generation_bytes": self.read_bytes,
+            "kv_cache_bytes": self.kv_bytes,
+            "working_bytes": self.working_bytes,
+            "held_beside": self.held_beside,
+            "held": self.held,
+            "has": self.has,
+            "fits": self.fits,
+            "largest_sequences": self.largest_sequences,
+            "flops": self.prefill_flops + self.decode_flops,
+            "seconds": self.seconds,
+            "seconds_per_step": self.per_step_seconds,
+            "parts_s": self.parts,
+        }
+
+
+def kv_bytes(config: Any, context: int, dtype_bytes: int) -> int:
+    """Bytes of one sequence's keys and values in transformers' ``DynamicCache`` at ``context`` tokens: each
+    attention layer's (a sliding-window layer's up to its window; multi-head latent attention's as its
+    attention expands them; layers without attention none)."""
+    layers = config.num_hidden_layers
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    if not heads:
+        return 0
+    if getattr(config, "kv_lora_rank", None):  # DeepSeek's MLA: the expanded keys and values are cached
+        nope = getattr(config, "qk_nope_head_dim", 0) or 0
+        rope = getattr(config, "qk_rope_head_dim", 0) or 0
+        width = heads * (nope + rope) + heads * (getattr(config, "v_head_dim", 0) or 0)
+    else:
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        width = 2 * kv_heads * head_dim
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)[:layers]
+    window = getattr(config, "sliding_window", None) or context
+    tokens = 0
+    for kind in types:
+        if kind in ("sliding_attention", "chunked_attention"):
+            tokens += min(context, window)
+        elif "attention" in kind:
+            tokens += context
+    return tokens * width * dtype_bytes
+
+
+def generation_estimate(
+    recipe: Any,
+    config: Any,
+    flops: StepFlops,
+    moved: list[dict[str, int]],
+    held_beside: int,
+    has: int | None,
+    on: str,
+) -> GenerationEstimate:
+    """A generation of ``recipe``'s GRPO step: ``config`` the decoder's, ``flops`` the step's (its weights a
+    token and attention per token), ``moved`` the ledger's passes (``replay_decoding``), ``held_beside`` what
+    computes holds beside the generation's own bytes, ``has`` its size."""
+    o, t, d = recipe.objective, recipe.training, recipe.data
+    sequences = t.per_device_train_batch_size * t.gradient_accumulation_steps
+    prompt = d.max_seq_len - o.max_completion_length
+    completion = o.max_completion_length
+    dtype = DTYPE_BYTES.get(recipe.model.dtype, 2)
+    kv = kv_bytes(config, prompt + completion, dtype)
+    hidden = config.hidden_size
+    inner = getattr(config, "intermediate_size", None) or 4 * hidden
+    work = prompt * (4 * hidden + 3 * inner) * dtype + config.vocab_size * 4
+    per_context = flops.attention_per_token / max(1, 2 * d.max_seq_len)  # 4 x context x this: a token's
+    weights, head = 2 * flops.layer_weights, 2 * flops.head_weights
+    prefill = sequences * (prompt * (weights + 4 * (prompt / 2) * per_context) + head)
+    middle = prompt + completion / 2  # a decoded token's context, on average
+    decode = (completion - 1) * sequences * (weights + 4 * middle * per_context + head)
+    return GenerationEstimate(
+        sequences,
+        prompt,
+        completion,
+        o.num_iterations,
+        o.num_generations,
+        moved[0] if moved else {},
+        moved[-1] if moved else {},
+        kv,
+        work,
+        held_beside,
+        has,
+        on,
+        prefill,
+        decode,
+    )
+
+
+def time_generation(
+    est: GenerationEstimate, bandwidth: dict[str, float], compute_rate: float | None, gpu: bool
+) -> None:
+    """Fill in ``est.seconds`` and its parts from the measured (or stated) rates: each pass the longest of its
+    disk reads, its PCIe copies (on a GPU) and its compute, the passes one after another."""
+    if not compute_rate or "disk_read" not in bandwidth:
+        return
+    pcie = bandwidth.get("host_to_device") if gpu else None
+
+    def seconds(moved: dict[str, int], flops: float) -> dict[str, float]:
+        parts = {"disk": moved.get("disk->host", 0) / bandwidth["disk_read"], "compute": flops / compute_rate}
+        if pcie:
+            parts["host->device"] = moved.get("host->device", 0) / pcie
+        return parts
+
+    first = seconds(est.first_pass, est.prefill_flops)
+    later = seconds(est.steady_pass, est.decode_flops / max(1, est.passes - 1))
+    passes = est.passes - 1
+    est.parts = {k: first[k] + passes * later[k] for k in first}
+    est.seconds = max(first.values()) + passes * max(later.values())
+
+
+def format_generation(est: GenerationEstimate) -> list[str]:
+    """The generation's lines in ``estimate``'s report."""
+    links = ", ".join(f"{k} {format_size(n)}" for k, n in est.steady_pass.items()) or "nothing (all resident)"
+    total = ", ".join(f"{k} {format_size(n)}" for k, n in est.read_bytes.items()) or "nothing"
+    ok = "yes" if est.fits else "NO"
+    lines = [
+        f"grpo generation: {est.sequences} completions together, prompts up to {est.prompt_tokens} tokens, up to "
+        f"{est.completion_tokens} passes of the weights (one a decoded token, for all of them) every "
+        f"{est.num_iterations} step(s)",
+        f"  a decoded token moves {links} ({format_size(est.bytes_per_token)} from the disk and the host: "
+        f"{format_size(est.bytes_per_token / max(1, est.sequences))} a sequence); a generation {total}",
+        f"  while sampling, {est.on} holds {format_size(est.held)}"
+        + (f" of {format_size(est.has)}" if est.has is not None else "")
+        + f": the store's tiers and the adapters {format_size(est.held_beside)}, the KV cache "
+        f"{format_size(est.kv_bytes)} ({format_size(est.kv_per_sequence)} a sequence of "
+        f"{est.prompt_tokens + est.completion_tokens} tokens), a pass's working memory "
+        f"{format_size(est.working_bytes)} (the update's activations are not held then)  {ok}",
+    ]
+    largest = est.largest_sequences
+    if largest is not None and (not est.fits or largest < 4 * est.sequences):
+        lines.append(
+            f"  at most {largest} completions a generation fit these lengths (num_generations multiples)"
+        )
+    if est.seconds is not None:
+        parts = ", ".join(f"{k} {v:.3g} s" for k, v in est.parts.items())
+        bound = max(est.parts, key=est.parts.__getitem__)
+        lines.append(
+            f"  a generation takes >= {est.seconds:.3g} s ({parts}; {bound}-bound; dequantization not priced), "
+            f"{est.per_step_seconds:.3g} s a step"
+        )
+    return lines
+
+
+__all__ = ["GenerationEstimate", "format_generation", "generation_estimate", "kv_bytes", "time_generation"]
