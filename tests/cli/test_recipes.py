@@ -23,6 +23,7 @@ GPU_RECIPES = {
     "llama3-70b-qlora-dpo-24gb": "meta-llama/Meta-Llama-3-70B",
     "llama3-8b-full-dpo": "meta-llama/Meta-Llama-3-8B",
     "llama3-70b-distill-8b-24gb": "meta-llama/Meta-Llama-3-8B",  # its teacher: Meta-Llama-3-70B
+    "llama3-70b-qlora-grpo-24gb": "meta-llama/Meta-Llama-3-70B",  # its generation priced too
     # today's 100B-class releases, read as they ship (FP8, MXFP4)
     "deepseek-v3.1-lora-24gb": "deepseek-ai/DeepSeek-V3.1",
     "kimi-k2-lora-48gb": "moonshotai/Kimi-K2-Instruct",
@@ -86,6 +87,15 @@ def test_the_estimate_written_in_each_gpu_recipe_is_what_estimate_says(name, mon
         )
         assert f"{t.bytes_per_token / 1e3:,.1f} kB a scored token, {format_size(t.read_bytes)}" in comments
         assert f"({format_size(t.cache_bytes)} for" in comments
+    if predicted.generation is not None:  # GRPO's sampling as estimate prices it
+        g = predicted.generation
+        layers = predicted.kinds["weights, quantized cache"][1]
+        assert g.steady_pass["disk->host"] == layers and f"reads the {format_size(layers)} of" in comments
+        assert f"{g.passes} passes a generation ({format_size(g.read_bytes['disk->host'])} read)" in comments
+        assert g.fits and f"the GPU holds {format_size(g.held)} of {format_size(g.has)}" in comments
+        assert (
+            f"the KV cache {format_size(g.kv_bytes)} ({format_size(g.kv_per_sequence)} a sequence" in comments
+        )
 
 
 def on_target_disk(monkeypatch, text: str) -> None:
