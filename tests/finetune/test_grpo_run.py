@@ -70,7 +70,6 @@ def test_a_verifiable_reward_is_learned_on_this_cpu(cat_model, tmp_path, write_r
         ({"num_generations": 3}, {}, None, "must be a multiple of objective.num_generations"),
         ({"loss_type": "sigmoid"}, {}, None, "objective.loss_type must be one of grpo, bnpo, dr_grpo, dapo"),
         ({"max_completion_length": 32}, {}, None, "objective.max_completion_length must be >= 1 and below"),
-        ({"beta": 0.04}, {}, {"type": "full"}, "objective.beta must be 0 for grpo with method.type full"),
         ({"reward_weights": [1.0, 2.0]}, {}, None, "objective.reward_weights must give one weight per"),
         ({"reward_funcs": ["nosuchmodule_xyz:f"]}, {}, None, "importing nosuchmodule_xyz failed"),
     ],
@@ -100,6 +99,39 @@ def test_estimate_prices_a_grpo_update_and_says_what_it_leaves_out(cat_model, tm
     out = " ".join(result.output.split())
     assert "will it fit" in out and "grpo generation: 8 completions together" in out
     assert "a decoded token moves" in out and "the KV cache" in out  # (no rates with --no-probe: no time)
+
+
+def test_estimate_prices_a_full_fine_tunes_reference_beside_it(
+    cat_model, tmp_path, write_recipe, monkeypatch
+):
+    """A full fine-tune's KL term: the estimate plans the policy within half the budgets (the smallest budgets
+    it names are the recipe's settings, both halves) and prices the reference's pass a generation on its own
+    ledger store: the bytes it reads from the disk are the bytes the run's reference pass reads."""
+    from tiertune.estimates.report import estimate, format_estimate
+    from tiertune.finetune.reference import ReferenceBeside
+
+    offload = [f"offload.{k}={v}" for k, v in (("params", "disk"), ("disk_path", tmp_path / "disk"))]
+    offload.append("offload.host_budget=2MiB")
+    path = _recipe(tmp_path, write_recipe, cat_model(2, hidden=64), {"beta": 0.04}, None, {"type": "full"})
+    est = estimate(load_recipe(path, offload), measure=False)
+    g = est.generation
+    assert est.tiers["host"].budget == 1 << 20 and est.beside == 2
+    assert g is not None and g.reference_flops > 0 and g.reference_pass.get("disk->host", 0) > 0
+    text = " ".join(format_estimate(est, "t").split())
+    assert "the reference (the initial weights beside the policy" in text
+    assert "grpo's reference is the initial weights: a frozen copy streams beside the policy" in text
+
+    reads = []
+    score = ReferenceBeside.score
+
+    def counted(self, micro_batches):
+        before = self.disk_bytes
+        score(self, micro_batches)
+        reads.append(self.disk_bytes - before)
+
+    monkeypatch.setattr(ReferenceBeside, "score", counted)
+    train(load_recipe(path, [*offload, "training.max_steps=1"]), progress=False)
+    assert reads == [g.reference_pass["disk->host"]]
 
 
 def test_a_70b_qlora_grpo_step_on_a_24_gb_gpu_is_priced_with_its_generation(monkeypatch):
@@ -136,14 +168,16 @@ def test_a_resumed_run_repeats_the_uninterrupted_one_inside_a_generation_too(
     the run's seed)."""
     model = cat_model(2, hidden=64)
     settings = dict(
-        objective={"num_iterations": 2, "beta": 0.04 if method == "lora" else 0.0},
+        # full: the reference (the initial weights) beside the policy, its figures kept with the generation
+        objective={"num_iterations": 2, "beta": 0.04},
         training={"max_steps": 6, "learning_rate": 2e-2, "save_steps": 1, "lr_scheduler_type": "constant"},
         method={"type": "full"} if method == "full" else None,
     )
     whole_dir = tmp_path / "whole"
     whole_dir.mkdir()
     whole = train(load_recipe(_recipe(whole_dir, write_recipe, model, **settings)), progress=False)
-    names = ("loss", "grad_norm", "reward", "clip_ratio/region_mean", "completions/mean_length", "num_tokens")
+    names = ("loss", "grad_norm", "kl", "reward", "clip_ratio/region_mean", "completions/mean_length")
+    names += ("num_tokens",)
     for stop_after, resume_from in ((4, 3), (3, 2)):
         cut_dir = tmp_path / f"cut-{stop_after}"
         cut_dir.mkdir()
@@ -160,7 +194,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_one_inside_a_generation_too(
         theirs = [json.loads(line) for line in whole.log_path.read_text().splitlines()]
         assert len(ours) == len(theirs) == 6
         for mine, ref in zip(ours[resume_from:], theirs[resume_from:], strict=True):
-            assert set(mine) >= set(ref) - {"tokens_per_second", "generation_seconds"}
+            assert set(mine) >= set(ref) - {"tokens_per_second", "generation_seconds", "reference_seconds"}
             for key in names:
                 if key in ref:
                     assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (key, mine["step"])
@@ -172,3 +206,46 @@ def test_a_resumed_run_repeats_the_uninterrupted_one_inside_a_generation_too(
         ]
         later = [s["completion"] for s in samples if s["step"] > resume_from]
         assert later == [s["completion"] for s in expected if s["step"] > resume_from]
+
+
+def test_a_full_fine_tunes_reference_streams_beside_it_once_a_generation(
+    cat_model, tmp_path, write_recipe, monkeypatch
+):
+    """GRPO's KL term on a full fine-tune (``beta`` 0.04): the reference, the initial weights as they ship,
+    streams beside the policy within half the budgets and scores a generation's completions in one pass (its
+    weights read from the disk once a generation, not once a step); its log-probabilities are the initial
+    model's at the sampling temperature (the first step's ``kl`` is 0: the policy is the reference then), and
+    the budgets the recipe gives are split between the two stores (each planned within half)."""
+    from tiertune.finetune.reference import ReferenceBeside
+
+    passes = []
+    score = ReferenceBeside.score
+
+    def counted(self, micro_batches):
+        before = self.disk_bytes
+        score(self, micro_batches)
+        layers = sum(self.trainer.chunk_sizes()["layer_weights"])
+        weights = sum(self.trainer.chunk_sizes()["weights"])
+        passes.append((self.disk_bytes - before, layers, weights, self.trainer.store.config.host_budget))
+        assert all(mb["ref_logps"].shape == (4, mb["input_ids"].shape[1] - 1) for mb in micro_batches)
+
+    monkeypatch.setattr(ReferenceBeside, "score", counted)
+    offload = {"params": "disk", "disk_path": str(tmp_path / "disk"), "host_budget": "2MiB"}
+    path = _recipe(
+        tmp_path,
+        write_recipe,
+        cat_model(2, hidden=64),
+        {"beta": 0.04, "num_iterations": 2, "temperature": 0.8},
+        {"max_steps": 4, "learning_rate": 2e-2},
+        {"type": "full"},
+    )
+    recipe = load_recipe(path, [f"offload.{k}={v}" for k, v in offload.items()])
+    result = train(recipe, progress=False)
+    log = [json.loads(line) for line in result.log_path.read_text().splitlines()]
+    assert len(passes) == 2  # 4 steps, 2 a generation
+    for read, layers, weights, host in passes:
+        assert layers <= read <= weights * 1.05, (read, layers, weights)  # its weights once a pass
+        assert host == 1 << 20  # half the recipe's host budget
+    assert log[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert any(r["kl"] > 1e-6 for r in log[1:])
+    assert "reference_seconds" in log[0] and "reference_seconds" in log[2]

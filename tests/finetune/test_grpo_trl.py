@@ -30,6 +30,8 @@ LORA = {
     "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear", "seed": 3},
 }
 STEPS, ROWS, ACCUM, GENERATIONS, LENGTH = 3, 4, 2, 4, 8
+BUDGETS = {"device_budget": "2MiB", "host_budget": "1MiB"}
+BESIDE_BUDGETS = {"device_budget": "4MiB", "host_budget": "2MiB"}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +41,7 @@ def model_dir(cat_model):
 
 def _ours(tmp_path, write_recipe, model_dir, method, objective, learning_rate, monkeypatch):
     """tiertune's run; returns its log and each generation's (prompt ids, completion ids, advantages)."""
+    beside = method["type"] != "lora" and objective["beta"] != 0
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
     rewards = tmp_path / "rewards.py"
@@ -63,7 +66,8 @@ def _ours(tmp_path, write_recipe, model_dir, method, objective, learning_rate, m
             "learning_rate": learning_rate,
             "save_steps": 0,
         },
-        offload={"params": "disk", "device_budget": "2MiB", "host_budget": "1MiB"},
+        # a full fine-tune's reference, the initial weights, beside the policy: half the budgets each
+        offload={"params": "disk", **(BESIDE_BUDGETS if beside else BUDGETS)},
     )
     made = []
     generate = grpo.Rollouts.generate
@@ -141,8 +145,8 @@ CASES = [
     ("lora", "grpo", 0.04, 2, 2e-2, 0.7),
     ("lora", "dr_grpo", 0.04, 1, 2e-2, 1.0),
     ("full", "dapo", 0.0, 2, 3e-3, 1.0),
-    ("full", "grpo", 0.0, 2, 3e-3, 1.5),
-    ("full", "dr_grpo", 0.0, 1, 3e-3, 1.0),
+    ("full", "grpo", 0.04, 2, 3e-3, 1.5),  # the reference: the initial weights beside the policy
+    ("full", "dr_grpo", 0.04, 1, 3e-3, 1.0),
 ]
 
 

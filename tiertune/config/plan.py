@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 
 
 BESIDE_SHARE = 2
-"""With ``objective.top_k: 0`` the teacher streams beside the student in every step (``finetune.teacher``):
-each is planned within 1 / this of the run's device and host budgets."""
+"""Where a frozen model streams beside the trained one (``Recipe.beside``: a distillation's teacher with
+``objective.top_k: 0``, ``finetune.teacher``; GRPO's reference of a full fine-tune, ``finetune.reference``), each
+is planned within 1 / this of the run's device and host budgets."""
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def plan(
         store.host_budget //= world.local_size
         if device == "cpu":
             store.device_budget //= world.local_size
-    if recipe.objective.beside:  # the teacher's and the student's stores side by side: half the budgets each
+    if recipe.beside:  # the frozen model's and the trained one's stores side by side: half the budgets each
         store.host_budget //= BESIDE_SHARE
         store.device_budget //= BESIDE_SHARE
     engine = EngineConfig(

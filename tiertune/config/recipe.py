@@ -243,6 +243,22 @@ class Recipe:
             if not ok:
                 raise ConfigError(f"{key} {what}")
 
+    @property
+    def reference_beside(self) -> bool:
+        """Whether a frozen copy of the initial weights (``model.path`` as it ships) streams beside the policy:
+        GRPO's KL term (``objective.beta`` not 0) on a full or GaLore fine-tune, whose completions are new every
+        generation, so no pass before training can score them (with LoRA the reference is the base, adapters
+        off, in the policy's own layer visits)."""
+        o = self.objective
+        return o.rollouts and o.beta != 0 and self.method.type != "lora"
+
+    @property
+    def beside(self) -> bool:
+        """Whether a second, frozen model streams beside the trained one through the run (a distillation's
+        teacher over the whole vocabulary, or GRPO's reference): each is planned within a share of the budgets
+        (``config.plan.BESIDE_SHARE``)."""
+        return self.objective.beside or self.reference_beside
+
     def _grpo_checks(self) -> list[tuple[bool, str, str]]:
         """A ``grpo`` objective's settings (TRL's ``GRPOConfig`` rules): (holds, setting, what it must be)."""
         o, t = self.objective, self.training
@@ -293,13 +309,6 @@ class Recipe:
                 f"must be > 0 or null (epsilon's), got {o.epsilon_high}",
             ),
             (o.num_iterations >= 1, "objective.num_iterations", f"must be >= 1, got {o.num_iterations}"),
-            (
-                o.beta == 0 or self.method.type == "lora",
-                "objective.beta",
-                "must be 0 for grpo with method.type full or galore in this release (the KL term's reference, "
-                "the initial weights, is not yet streamed beside the policy); with method.type lora the reference "
-                "is the base, adapters off, in the same layer visits",
-            ),
             (
                 not self.data.packing,
                 "data.packing",

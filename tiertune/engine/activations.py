@@ -234,9 +234,10 @@ def outside_bytes(
         saved = 0
     if saved:
         out["a layer's activations and temporaries (recompute and backward)"] = saved
-    # ``schedule``: the reference's boundary per micro-batch, and a layer's visit's
+    # ``schedule``: the reference's boundary per micro-batch, and a layer's visit's (LoRA: the base, adapters off,
+    # in the same visits; a full fine-tune: its reference's own pass, before training or beside the policy)
     if cfg.objective.reference:
-        out["the reference's hidden states (DPO)"] = act * (wave + 1)
+        out[f"the reference's hidden states ({cfg.objective.type.upper()})"] = act * (wave + 1)
     out["boundary gradients of a wave"] = act * wave  # backward carries each micro-batch's at a boundary
     if trained:
         largest = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)

@@ -14,6 +14,9 @@ function of the tokens' log-probabilities, so its gradient reaches the head as a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from tiertune.errors import ConfigError
@@ -159,4 +162,17 @@ def advantages(
     return out, metrics
 
 
-__all__ = ["CLIP_METRICS", "LOSS_TYPES", "advantages", "grpo_loss"]
+def token_logps_head(temperature: float) -> Callable[[Any, Any, torch.Tensor], torch.Tensor]:
+    """A frozen pass's head (``StreamedTrainer.sequence_logps``) that keeps each target token's log-probability
+    under ``softmax(logits / temperature)`` ([rows, length - 1], 0 off the targets; fp32, on the host): GRPO's
+    reference of a full fine-tune, scored by the initial weights beside the policy (``finetune.reference``)."""
+
+    def head(engine: Any, mb: Any, last: torch.Tensor) -> torch.Tensor:
+        with engine.loss.tempered(temperature):
+            losses = engine.compute.token_losses(engine.loss, last, mb.ids, mb.extra, mb.target)
+        return -losses.float().cpu()
+
+    return head
+
+
+__all__ = ["CLIP_METRICS", "LOSS_TYPES", "advantages", "grpo_loss", "token_logps_head"]

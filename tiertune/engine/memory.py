@@ -81,11 +81,16 @@ class Plan:
         return {t.value: dict(r) for t, r in self.reserve.items() if r}
 
     def refusal(
-        self, budgets: Mapping[Tier, int], lower: str = "", sharing: Mapping[Tier, int] | None = None
+        self,
+        budgets: Mapping[Tier, int],
+        lower: str = "",
+        sharing: Mapping[Tier, int] | None = None,
+        beside: int = 1,
     ) -> str:
         """Why ``budgets`` are refused, naming the smallest that work (empty when they work); ``lower``: the
         settings that would place state lower, where some are not at their lowest yet; ``sharing``: per tier,
-        the processes that split its setting between them (several ranks on a node: ``budgets`` are one's)."""
+        the processes that split its setting between them (several ranks on a node: ``budgets`` are one's);
+        ``beside``: the stores each process splits it into (2: a frozen model beside the trained one)."""
         short = self.short(budgets)
         if not short:
             return ""
@@ -93,9 +98,13 @@ class Plan:
 
         def given(t: Tier) -> str:
             n = sharing.get(t, 1)
+            split = f"{BUDGET_SETTING[t]} / {n * beside} = {format_size(budgets[t])}"
+            if beside > 1:
+                each = f"each of the node's {n} ranks' " if n > 1 else "the "
+                return f"{each}trained model gets {split} (the frozen model beside it as much)"
             if n == 1:
                 return f"{BUDGET_SETTING[t]} is {format_size(budgets[t])}"
-            return f"each of the node's {n} ranks gets {BUDGET_SETTING[t]} / {n} = {format_size(budgets[t])}"
+            return f"each of the node's {n} ranks gets {split}"
 
         parts = "; ".join(
             f"the {t.value} tier needs {format_size(n)} ({format_size(self.home[t])} homed there for the run, "
@@ -103,7 +112,7 @@ class Plan:
             f"{given(t)}"
             for t, n in short.items()
         )
-        smallest = self.smallest(sharing)
+        smallest = self.smallest({t: sharing.get(t, 1) * beside for t in MEMORY})
         return f"{parts}. The smallest budgets that work: {smallest}" + (
             f" (or set {lower})" if lower else ""
         )

@@ -105,7 +105,7 @@ class Suffixes(PairedPasses):
         self, mb: Micro, j: int, out: torch.Tensor, n_tokens: int, micro_batches: int
     ) -> tuple[float, float]:
         """A micro-batch of GRPO's completions (``Micro.rollout``): its tokens' log-probabilities under the policy
-        (and, with ``beta``, the reference's, from its own hidden states), the clipped objective
+        (and, with ``beta``, the reference's: from its own hidden states, or with the batch), the clipped objective
         (``engine.grpo.grpo_loss``, normalised per ``loss_type`` as TRL's; ``dapo`` by the step's ``n_tokens``
         completion tokens), back-propagated through the head as a weighted cross-entropy. Its loss times
         ``n_tokens`` is returned (the step divides its sum by them: the step's loss is TRL's, the sum of its
@@ -117,7 +117,7 @@ class Suffixes(PairedPasses):
         if rollout is None:
             raise StateError("a GRPO micro-batch carries no advantages (finetune.grpo makes them)")
         last = len(self.layers)
-        ref_logps = None
+        ref_logps = mb.ref_logps  # a full fine-tune's: scored by the initial weights beside the policy
         if mb.ref is not None:
             engine.visit = Suffix(last - 1, mb.ref)
             with engine.reference(), engine.loss.tempered(objective.temperature):

@@ -11,7 +11,10 @@ its longest: the prompt and the whole completion) and a pass's working memory (t
 last token's logits); the update's activations are not held while it samples. The time, when rates are
 measured: each pass the longer of its reads (the disk's rate, PCIe's on a GPU) and its FLOPs at the step's
 compute rate (decoding's small products run slower than the step's: a lower bound); dequantizing a quantized
-base each pass is not priced."""
+base each pass is not priced. A full fine-tune's KL term adds the reference's pass (``finetune.reference``: the
+initial weights beside the policy, within half the budgets) over the generation's completions: its bytes the
+ledger's, of a pass of the reference's own store from cold (each pass starts from its homes), its FLOPs a
+forward of every token."""
 
 from __future__ import annotations
 
@@ -46,6 +49,11 @@ class GenerationEstimate:
     decode_flops: float  # all the passes after the prefill
     seconds: float | None = None
     parts: dict[str, float] = field(default_factory=dict)
+    # a full fine-tune's reference beside the policy: the bytes its pass moves by link (empty: no such pass), and
+    # its store's peak on what computes
+    reference_pass: dict[str, int] = field(default_factory=dict)
+    reference_flops: float = 0.0
+    reference_peak: int = 0
 
     @property
     def passes(self) -> int:
@@ -86,9 +94,12 @@ class GenerationEstimate:
     @property
     def read_bytes(self) -> dict[str, int]:
         """Bytes a whole generation moves, by link."""
-        links = set(self.first_pass) | set(self.steady_pass)
+        links = set(self.first_pass) | set(self.steady_pass) | set(self.reference_pass)
         later = self.passes - 1
-        return {k: self.first_pass.get(k, 0) + later * self.steady_pass.get(k, 0) for k in sorted(links)}
+        return {
+            k: self.first_pass.get(k, 0) + later * self.steady_pass.get(k, 0) + self.reference_pass.get(k, 0)
+            for k in sorted(links)
+        }
 
     @property
     def per_step_seconds(self) -> float | None:
@@ -116,6 +127,9 @@ class GenerationEstimate:
             "seconds": self.seconds,
             "seconds_per_step": self.per_step_seconds,
             "parts_s": self.parts,
+            "reference_pass_bytes": self.reference_pass,
+            "reference_flops": self.reference_flops,
+            "reference_peak_bytes": self.reference_peak,
         }
 
 
@@ -154,10 +168,12 @@ def generation_estimate(
     held_beside: int,
     has: int | None,
     on: str,
+    reference_pass: dict[str, int] | None = None,
 ) -> GenerationEstimate:
     """A generation of ``recipe``'s GRPO step: ``config`` the decoder's, ``flops`` the step's (its weights a
     token and attention per token), ``moved`` the ledger's passes (``replay_decoding``), ``held_beside`` what
-    computes holds beside the generation's own bytes, ``has`` its size."""
+    computes holds beside the generation's own bytes, ``has`` its size; ``reference_pass``: the bytes a full
+    fine-tune's reference moves scoring the generation (None: no reference beside it)."""
     o, t, d = recipe.objective, recipe.training, recipe.data
     sequences = t.per_device_train_batch_size * t.gradient_accumulation_steps
     prompt = d.max_seq_len - o.max_completion_length
@@ -172,7 +188,9 @@ def generation_estimate(
     prefill = sequences * (prompt * (weights + 4 * (prompt / 2) * per_context) + head)
     middle = prompt + completion / 2  # a decoded token's context, on average
     decode = (completion - 1) * sequences * (weights + 4 * middle * per_context + head)
-    return GenerationEstimate(
+    tokens = prompt + completion  # the reference's forward: every token of every completion's row
+    scored = sequences * (tokens * (weights + 4 * (tokens / 2) * per_context) + tokens * head)
+    est = GenerationEstimate(
         sequences,
         prompt,
         completion,
@@ -188,6 +206,10 @@ def generation_estimate(
         prefill,
         decode,
     )
+    if reference_pass is not None:
+        est.reference_pass = {k: n for k, n in reference_pass.items() if k != "device peak"}
+        est.reference_flops, est.reference_peak = scored, reference_pass.get("device peak", 0)
+    return est
 
 
 def time_generation(
@@ -207,9 +229,10 @@ def time_generation(
 
     first = seconds(est.first_pass, est.prefill_flops)
     later = seconds(est.steady_pass, est.decode_flops / max(1, est.passes - 1))
+    reference = seconds(est.reference_pass, est.reference_flops) if est.reference_flops else {}
     passes = est.passes - 1
-    est.parts = {k: first[k] + passes * later[k] for k in first}
-    est.seconds = max(first.values()) + passes * max(later.values())
+    est.parts = {k: first[k] + passes * later[k] + reference.get(k, 0.0) for k in first}
+    est.seconds = max(first.values()) + passes * max(later.values()) + max(reference.values(), default=0.0)
 
 
 def format_generation(est: GenerationEstimate) -> list[str]:
@@ -230,6 +253,13 @@ def format_generation(est: GenerationEstimate) -> list[str]:
         f"{est.prompt_tokens + est.completion_tokens} tokens), a pass's working memory "
         f"{format_size(est.working_bytes)} (the update's activations are not held then)  {ok}",
     ]
+    if est.reference_flops:
+        moved = ", ".join(f"{k} {format_size(n)}" for k, n in est.reference_pass.items()) or "nothing"
+        lines.append(
+            f"  the reference (the initial weights beside the policy, each within half the budgets) scores the "
+            f"generation's completions in one pass: moves {moved}, {est.reference_flops:.3g} FLOPs; its store "
+            f"holds {format_size(est.reference_peak)} on {est.on} at most"
+        )
     largest = est.largest_sequences
     if largest is not None and (not est.fits or largest < 4 * est.sequences):
         lines.append(

@@ -202,6 +202,9 @@ class Estimate:
     waves: Waves | None = None  # the micro-batches a wave runs, and where its boundary hidden states wait
     teacher: TeacherEstimate | None = None  # a distillation's teacher pass (``estimates.teacher``)
     generation: GenerationEstimate | None = None  # GRPO's sampling (``estimates.generation``)
+    beside: int = (
+        1  # the stores the budgets are split into (``config.plan.BESIDE_SHARE``: a frozen model beside)
+    )
 
     def short_of_machine(self) -> dict[str, str]:
         """Budgets this machine cannot give, by tier, with why (a budget above its RAM or GPU memory)."""
@@ -357,7 +360,7 @@ def estimate(
         )
     import psutil
 
-    from tiertune.config.plan import resolve
+    from tiertune.config.plan import BESIDE_SHARE, resolve
 
     directory = config_directory(recipe.model.path)
     if directory != recipe.model.path:
@@ -428,7 +431,13 @@ def estimate(
         in_use = memory.needed(tier) - home if tier is not Tier.DISK else 0
         largest = max((c.capacity for c in staged), default=0)
         tiers[tier.value] = TierEstimate(budgets[tier], home, passes, peak, largest, in_use)
-    if recipe.objective.reference and recipe.method.type != "lora":
+    if recipe.reference_beside:
+        notes.append(
+            "grpo's reference is the initial weights: a frozen copy streams beside the policy (model.path as it "
+            "ships; offload files under disk_path/reference), each store within half the budgets, and scores "
+            "each generation's completions once (priced with the generation)"
+        )
+    elif recipe.objective.reference and recipe.method.type != "lora":
         notes.append(
             f"{recipe.objective.type}'s reference is the initial weights: before the first step one pass over the data "
             "(no autograd, each layer read once per wave) computes its log-probabilities, cached in "
@@ -463,6 +472,7 @@ def estimate(
         if said:
             notes.append(said)
     est = Estimate(parameters, trained, kinds, tiers, outside, notes=notes, plan=memory)
+    est.beside = BESIDE_SHARE if recipe.beside else 1
     est.waves = Waves(
         sum(r.recipe.training.gradient_accumulation_steps for r in runs),
         wave,
@@ -530,12 +540,34 @@ def _generation(
         moved = replaying.replay_decoding(
             run.recipe.model.path, ledger, run.engine, 3, device, run.world
         ).moved
+    reference = None
+    if run.recipe.reference_beside:  # the initial weights beside the policy: a pass of its own store
+        from tiertune.config.plan import resolve
+        from tiertune.finetune.reference import frozen_engine, reference_recipe
+
+        reference = {}
+        if replay:
+            memory = est.machine.get("gpu_memory")
+            beside = resolve(
+                reference_recipe(run.recipe), run.world, device.type, memory, disk_free=run.laid.disk_free
+            )
+            ledger = dataclasses.replace(beside.store, disk_budget=None)
+            engine = frozen_engine(beside.engine)
+            decoded = replaying.replay_decoding(run.recipe.model.path, ledger, engine, 1, device, run.world)
+            reference = {**decoded.moved[0], "device peak": decoded.peaks.get("device", 0)}
     on = est.computes_on()
     adapters = est.outside_store.get("LoRA adapters + states", 0)
     held = (on[2] - sum(est.outside_store.values()) + adapters) if on is not None else 0
     config = model.config.get_text_config(decoder=True)
     return generation_estimate(
-        run.recipe, config, flops, moved, held, on[1] if on else None, on[0] if on else "what computes"
+        run.recipe,
+        config,
+        flops,
+        moved,
+        held,
+        on[1] if on else None,
+        on[0] if on else "what computes",
+        reference,
     )
 
 
@@ -962,7 +994,8 @@ def format_estimate(est: Estimate, title: str) -> str:
         )
         if est.plan is not None:
             lines.append(
-                f"the smallest budgets that work (what train checks before loading): {est.plan.smallest()}"
+                "the smallest budgets that work (what train checks before loading): "
+                + est.plan.smallest({t: est.beside for t in (Tier.DEVICE, Tier.HOST)})
             )
     return "\n".join(lines).rstrip()
 

@@ -10,7 +10,9 @@ the uninterrupted one did). The reward functions score each completion (TRL's si
 ``completions``, ``completion_ids``, the data's other columns as keyword arguments, ``trainer_state``,
 ``log_extra``, ``log_metric``), the advantages follow (``engine.grpo.advantages``), and the batch is cut into
 the step's micro-batches in order: each row its prompt then its completion (right-padded; the targets are the
-completion's tokens), with its ``advantages``. A generation trains ``num_iterations`` steps; from its second,
+completion's tokens), with its ``advantages``; a full fine-tune's KL term has each micro-batch's reference
+figures scored then (``ref_logps``: ``finetune.reference.ReferenceBeside``, the initial weights beside the
+policy, once a generation). A generation trains ``num_iterations`` steps; from its second,
 each micro-batch carries the ``old_logps`` its first step found (the policy that sampled it: no pass of the
 weights beyond the steps' own). The generation's metrics go in its first micro-batch (``METRICS_KEY``), with
 TRL's names; a sample of its completions is appended to ``completions.jsonl`` in the run directory."""
@@ -44,7 +46,16 @@ SAMPLES_FILE = "completions.jsonl"
 """Where a run appends a sample of each generation's completions (one JSON line each)."""
 SAMPLES = 8
 """The completions of a generation written to ``SAMPLES_FILE``."""
-KEPT = ("input_ids", "attention_mask", "labels", "advantages", "num_tokens", "logps", "old_logps")
+KEPT = (
+    "input_ids",
+    "attention_mask",
+    "labels",
+    "advantages",
+    "num_tokens",
+    "logps",
+    "old_logps",
+    "ref_logps",
+)
 """What a checkpoint keeps of a generation's micro-batches (``Rollouts.state``)."""
 NOT_COLUMNS = ("prompt", "completion", "completion_ids", "input_ids", "labels")
 """A prompt row's fields that are not passed to the reward functions as columns (TRL's, and tiertune's own)."""
@@ -150,8 +161,10 @@ class Rollouts:
         samples: Path | None = None,
         rewards: RewardFunctions | None = None,
         sampler: Any = None,
+        reference: Any = None,
     ) -> None:
         o, t = recipe.objective, recipe.training
+        self.reference = reference  # a full fine-tune's KL term: the initial weights beside it
         self.trainer, self.recipe, self.data, self.tokenizer = trainer, recipe, data, tokenizer
         # who samples: the streamed model, or a served copy (``finetune.served.ServedSampler``, called alike)
         self.sampler = sampler if sampler is not None else trainer.generate
@@ -191,6 +204,10 @@ class Rollouts:
             else:
                 batch = self.generate(mine, generation, step)
                 micro = self.micro_batches(batch)
+                if self.reference is not None:  # scored once: the reference and the completions stay
+                    spent = self.reference.seconds
+                    self.reference.score(micro)
+                    batch.metrics["reference_seconds"] = round(self.reference.seconds - spent, 4)
                 micro[0][METRICS_KEY] = batch.metrics
             self.current = (generation, micro)
             for iteration in range(step % o.num_iterations, o.num_iterations):
@@ -358,10 +375,15 @@ class Rollouts:
         return check(micro) if check is not None else {}
 
     def close(self) -> None:
-        """End a served sampler's server."""
+        """End a served sampler's server; free the reference's store."""
         close = getattr(self.sampler, "close", None)
-        if close is not None:
-            close()
+        try:
+            if close is not None:
+                close()
+        finally:
+            if self.reference is not None:
+                self.reference.close()
+                self.reference = None
 
     def keep_samples(self, last_step: int) -> None:
         """``SAMPLES_FILE`` cut to the generations of steps up to ``last_step`` (a resumed run writes the later

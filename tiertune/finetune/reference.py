@@ -1,6 +1,10 @@
-"""A preference objective's reference for a full or GaLore fine-tune: the log-probabilities of every pair's
-two completions under the initial weights, computed in one streamed pass over the data before the first
-step (the weights as loaded, before any checkpoint is restored), and cached on disk.
+"""The reference of a full or GaLore fine-tune: the initial weights' log-probabilities, in one of two ways.
+
+A preference objective's data is fixed: the log-probabilities of every pair's two completions are computed in
+one streamed pass over the data before the first step (the weights as loaded, before any checkpoint is
+restored), and cached on disk. GRPO's completions are new every generation: the initial weights stream beside
+the policy (``ReferenceBeside``), a frozen trainer of ``model.path`` as it ships, and score each generation's
+completions once.
 
 The pass runs the rows in file order, ``per_device_train_batch_size`` pairs a micro-batch and
 ``gradient_accumulation_steps`` micro-batches a layer visit (``StreamedTrainer.sequence_logps``): the weights
@@ -15,11 +19,15 @@ Each step's micro-batches then carry their rows' figures (``ref_logps``), as TRL
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -124,4 +132,97 @@ def with_reference(
         yield {**batch, "ref_logps": torch.cat([logps[rows, 0], logps[rows, 1]])}
 
 
-__all__ = ["cache_key", "cache_path", "hashed", "reference_logps", "with_reference"]
+def frozen_trainer(recipe: Any, world: Any, safe_point: Any = None) -> tuple[Any, Any]:
+    """``recipe``'s model as a frozen trainer (nothing trained, no optimizer: a teacher, a reference), planned
+    by ``config.plan.plan`` (within its share of the budgets where it runs beside the trained model:
+    ``Recipe.beside``), and its store's settings."""
+    from tiertune.config.plan import plan
+    from tiertune.engine import StreamedTrainer
+
+    store, engine = plan(recipe, world=world)
+    engine = frozen_engine(engine)
+    return StreamedTrainer(recipe.model.path, store, engine, safe_point=safe_point, world=world), store
+
+
+def frozen_engine(engine: Any) -> Any:
+    """``engine``'s settings for a frozen model: nothing trained, no optimizer, its passes' boundaries on the
+    device, a plain objective (its heads are the pass's own)."""
+    return dataclasses.replace(
+        engine,
+        method="frozen",
+        overlap_optimizer="off",
+        delay_update=False,
+        activations="device",
+        gradient_accumulation_steps=1,
+        objective=dataclasses.replace(engine.objective, type="sft"),
+    )
+
+
+def disk_bytes(trainer: Any) -> int:
+    """The bytes ``trainer``'s store has read from its disk so far."""
+    return sum(v for link, v in trainer.store_stats().bytes_moved.items() if link.startswith("disk->"))
+
+
+def reference_recipe(recipe: Any) -> Any:
+    """The recipe GRPO's reference is planned with: the run's (its model, dtype, method and budgets: ``plan``
+    gives it its share), its offload files in a directory of their own beside the run's."""
+    out = copy.deepcopy(recipe)
+    if out.offload.disk_path:
+        out.offload = dataclasses.replace(
+            out.offload, disk_path=str(Path(out.offload.disk_path) / "reference")
+        )
+    return out
+
+
+@dataclass
+class ReferenceBeside:
+    """GRPO's reference for a full or GaLore fine-tune (``Recipe.reference_beside``): the initial weights
+    (``model.path`` as it ships: a resumed run's reference is still them), a frozen trainer beside the policy
+    within its share of the budgets, that scores each generation's completion tokens once (``score``: one pass
+    over all its micro-batches, the weights read once a generation; the reference does not change, so a
+    generation's later iterations reuse the figures). ``seconds``, ``passes`` and ``disk_bytes`` count its
+    passes."""
+
+    trainer: Any
+    temperature: float
+    seconds: float = 0.0
+    passes: int = 0
+    disk_bytes: int = 0
+
+    @classmethod
+    def open(cls, recipe: Any, world: Any, safe_point: Any = None) -> ReferenceBeside:
+        """The reference of ``recipe``'s run (built here: its weights streamed as the policy's are)."""
+        trainer, _ = frozen_trainer(reference_recipe(recipe), world, safe_point)
+        return cls(trainer, recipe.objective.temperature)
+
+    def score(self, micro_batches: list[dict[str, Any]]) -> None:
+        """Write into each micro-batch its completion tokens' log-probabilities under the reference at the
+        sampling temperature (``ref_logps``: [rows, length - 1], as the policy's token losses)."""
+        from tiertune.engine.grpo import token_logps_head
+
+        began = time.perf_counter()
+        before = disk_bytes(self.trainer)
+        figures = self.trainer.sequence_logps(micro_batches, token_logps_head(self.temperature))
+        for mb, logps in zip(micro_batches, figures, strict=True):
+            mb["ref_logps"] = logps
+        self.seconds += time.perf_counter() - began
+        self.passes += 1
+        self.disk_bytes += disk_bytes(self.trainer) - before
+
+    def close(self) -> None:
+        """Free the reference's store."""
+        self.trainer.close()
+
+
+__all__ = [
+    "ReferenceBeside",
+    "cache_key",
+    "cache_path",
+    "disk_bytes",
+    "frozen_engine",
+    "frozen_trainer",
+    "hashed",
+    "reference_logps",
+    "reference_recipe",
+    "with_reference",
+]

@@ -36,7 +36,7 @@ from tiertune.engine.teacher import KEYS, topk_head
 from tiertune.errors import ConfigError, DataError, DiskFullError
 from tiertune.files import fsync_dir, fsync_file
 from tiertune.finetune.checkpoint import is_disk_full
-from tiertune.finetune.reference import hashed
+from tiertune.finetune.reference import disk_bytes, frozen_trainer, hashed
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
 log = logging.getLogger("tiertune.finetune")
@@ -334,7 +334,7 @@ def teacher_figures(
         batch = recipe.training.per_device_train_batch_size
         head = topk_head(o.top_k, o.temperature, vocab)
         began = time.perf_counter()
-        moved = _disk_bytes(teacher)
+        moved = disk_bytes(teacher)
         for first in range(0, len(counts), per_wave):
             rows = list(range(first, min(first + per_wave, len(counts))))
             if bool(cache.done[rows].all()):
@@ -357,7 +357,7 @@ def teacher_figures(
             stats.tokens += len(ids)
             stats.waves += 1
             stats.seconds = time.perf_counter() - began
-            stats.disk_bytes = _disk_bytes(teacher) - moved
+            stats.disk_bytes = disk_bytes(teacher) - moved
             log.info(
                 "teacher pass: %s",
                 json.dumps({"rows_done": int(cache.done.sum()), "of": len(counts), **stats.record()}),
@@ -371,20 +371,8 @@ def frozen_teacher(recipe: Any, vocab: int, world: Any, safe_point: Any = None) 
     """The teacher as a frozen trainer planned within the run's budgets (``teacher_recipe``; beside the
     student, within its share of them: ``config.plan.BESIDE_SHARE``), and its store's settings; refused
     (ConfigError, the trainer closed) when its head has fewer tokens than the student's ``vocab``."""
-    from tiertune.config.plan import plan
-    from tiertune.engine import StreamedTrainer
-
     o = recipe.objective
-    store, engine = plan(teacher_recipe(recipe), world=world)
-    engine = dataclasses.replace(
-        engine,
-        method="frozen",
-        overlap_optimizer="off",
-        activations="device",
-        gradient_accumulation_steps=1,
-        objective=dataclasses.replace(o, type="sft"),
-    )
-    teacher = StreamedTrainer(o.teacher.path, store, engine, safe_point=safe_point, world=world)
+    teacher, store = frozen_trainer(teacher_recipe(recipe), world, safe_point)
     heads = teacher.model.config.get_text_config(decoder=True).vocab_size
     if heads < vocab:
         teacher.close()
@@ -409,7 +397,7 @@ class TeacherBeside:
         self.trainer, _ = frozen_teacher(recipe, vocab, world, safe_point)
         self.head = WholeHead(vocab)
         self.stats = TeacherPass()
-        self._moved = _disk_bytes(self.trainer)
+        self._moved = disk_bytes(self.trainer)
 
     def figures(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[Any]:
         """The teacher's ``Full`` of each micro-batch (one pass over its layers for all of them)."""
@@ -421,7 +409,7 @@ class TeacherBeside:
         s.tokens += sum(len(f.hidden) for f in out)
         s.waves += 1
         s.wave_rows = max(s.wave_rows, sum(len(b["input_ids"]) for b in micro_batches))
-        s.disk_bytes = _disk_bytes(self.trainer) - self._moved
+        s.disk_bytes = disk_bytes(self.trainer) - self._moved
         return out
 
     def close(self) -> None:
@@ -446,10 +434,6 @@ def beside_teacher(
             return
         for batch, full in zip(group, teacher.figures(group), strict=True):
             yield {**batch, "teacher": full}
-
-
-def _disk_bytes(trainer: Any) -> int:
-    return sum(v for link, v in trainer.store_stats().bytes_moved.items() if link.startswith("disk->"))
 
 
 def with_teacher(

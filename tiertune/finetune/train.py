@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tiertune.config.plan import RunPlan, resolve
+from tiertune.config.plan import BESIDE_SHARE, RunPlan, resolve
 from tiertune.config.recipe import Recipe, load_recipe
 from tiertune.distributed.world import World
 from tiertune.engine import StreamedTrainer
@@ -64,7 +64,7 @@ from tiertune.finetune.grpo import METRICS_KEY as ROLLOUT_METRICS
 from tiertune.finetune.grpo import SAMPLES_FILE, Rollouts
 from tiertune.finetune.hf_model import write_hf
 from tiertune.finetune.ranks import decided_by_main, join, launch_notes, rows_of, sweep_other_ranks
-from tiertune.finetune.reference import reference_logps, with_reference
+from tiertune.finetune.reference import ReferenceBeside, reference_logps, with_reference
 from tiertune.finetune.reporting import Reporters
 from tiertune.finetune.rundir import LAUNCH_FILE, LOG_NAME, Decision, RunDirectory, launch_record
 from tiertune.finetune.served import ServedSampler
@@ -193,7 +193,7 @@ def admit(run: RunPlan) -> None:
     else:
         homes = (("offload.params", engine.params), ("offload.optimizer_states", engine.optimizer_states))
         lower = " and ".join(f"{key}: disk" for key, home in homes if home != "disk")
-    why = memory.refusal(budgets, lower, sharing)
+    why = memory.refusal(budgets, lower, sharing, BESIDE_SHARE if run.recipe.beside else 1)
     if why:
         tier, needed = next(iter(memory.short(budgets).items()))
         raise BudgetError(
@@ -303,7 +303,8 @@ def _run(
             beside.close()
         raise
     try:
-        if recipe.objective.reference and trainer.adapters is None:  # the initial weights' figures, first
+        # the initial weights' figures of the data, first (GRPO's completions are scored as they come)
+        if recipe.objective.reference and trainer.adapters is None and not recipe.reference_beside:
             reference = reference_logps(trainer, data, recipe, loaded.pad_id, write=world.is_main)
             stream = with_reference(stream, reference)
         if decision.resume is not None:
@@ -328,10 +329,14 @@ def _run(
             rollouts = Rollouts(
                 trainer, recipe, data, tokenizer, loaded.pad_id, world, out / SAMPLES_FILE, sampler=sampler
             )
+            if recipe.reference_beside:  # the KL term of a full fine-tune: the initial weights beside it
+                rollouts.reference = ReferenceBeside.open(recipe, world, stop.check)
             kept = None if decision.resume is None else load_rollouts(decision.resume, world.rank, world.size)
             stream = (mb for step_batches in rollouts.steps(first, kept) for mb in step_batches)
         stop.check()
     except BaseException:
+        if rollouts is not None:
+            rollouts.close()
         trainer.close()
         if beside is not None:
             beside.close()
