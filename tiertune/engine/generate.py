@@ -5,7 +5,9 @@ token, however many sequences), its keys and values kept in transformers' ``Dyna
 Prompts are left-padded, positions counted from each row's first token (as transformers' ``generate`` does), so
 greedy decoding (``temperature`` 0) picks the tokens ``generate(do_sample=False)`` picks. Sampling applies the
 temperature, then top-k, then top-p (transformers' warpers, in its order) and draws from a generator seeded by
-``seed``: the same seed, the same completions. A row stops at the EOS token (then pads); decoding stops when
+``seed``: the same seed, the same completions; with a seed for each prompt, each row draws from its own
+generator, so its completion does not depend on the rows decoded beside it (GRPO's: the same completions
+whatever the processes a launch splits a generation over). A row stops at the EOS token (then pads); decoding stops when
 every row has, or after ``max_new_tokens``. LoRA adapters are applied as in training (never merged into a
 quantized base). The model's attention runs transformers' ``sdpa`` while decoding (tiertune's segment attention
 is for a step's whole sequences, not a query against its cache)."""
@@ -24,11 +26,16 @@ from tiertune.kernels.ops.attention import NAME as SEGMENTS
 
 
 def pick(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | Sequence[torch.Generator] | None,
 ) -> torch.Tensor:
     """The next token of each row from its last position's ``logits`` ([rows, vocabulary], fp32): the largest
     at ``temperature`` 0, else a draw from the softmax of the logits over ``temperature`` kept to the ``top_k``
-    largest (0: all) and to the smallest set whose probability reaches ``top_p`` (1: all)."""
+    largest (0: all) and to the smallest set whose probability reaches ``top_p`` (1: all); from ``generator``,
+    or a sequence of them, one a row."""
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
         raise ConfigError(
             f"temperature must be >= 0, top_p in (0, 1] and top_k >= 0; got {temperature}, {top_p}, {top_k}"
@@ -46,7 +53,9 @@ def pick(
         drop[:, -1] = False  # the most likely token always stays
         scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
     probs = scores.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generator, strict=True)])
 
 
 @contextmanager
@@ -71,12 +80,13 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int = 0,
 ) -> list[list[int]]:
     """Each prompt's completion (its new tokens, up to and including the EOS token where one was drawn), decoded
-    by ``trainer``'s model with its weights as they are (see the module docstring)."""
+    by ``trainer``'s model with its weights as they are (see the module docstring; ``seed``: one for the batch,
+    or one a prompt)."""
     from transformers import DynamicCache
 
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -95,7 +105,14 @@ def generate(
         ids[r, longest - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
         mask[r, longest - len(prompt) :] = 1
     ids, mask = ids.to(device), mask.to(device)
-    generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
+    if isinstance(seed, int):
+        generator: torch.Generator | list[torch.Generator] | None = torch.Generator().manual_seed(seed)
+    else:
+        if len(seed) != rows:
+            raise ConfigError(f"{len(seed)} seeds for {rows} prompts: give one seed, or one a prompt")
+        generator = [torch.Generator().manual_seed(int(s)) for s in seed]
+    if temperature == 0:
+        generator = None
     others = [s for s in trainer.states if s.group.kind != "layer"]
     out: list[list[int]] = [[] for _ in range(rows)]
     done = torch.zeros(rows, dtype=torch.bool)

@@ -271,13 +271,14 @@ class TrainerViews:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int = 0,
     ) -> list[list[int]]:
         """Each prompt's (token ids) completion by the model as it is now, decoded in batch, the weights read once
         per decoded token for all of them (``engine.generate``: greedy at ``temperature`` 0, else sampled with
-        ``top_k`` / ``top_p`` from a generator seeded by ``seed``; a row stops at ``eos_token_id``)."""
+        ``top_k`` / ``top_p`` from a generator seeded by ``seed``, or each row from its own with a seed a
+        prompt; a row stops at ``eos_token_id``)."""
         from tiertune.engine.generate import generate
 
         return generate(

@@ -5,8 +5,8 @@ Every ``num_iterations`` steps a generation batch is sampled: the step's ``per_d
 gradient_accumulation_steps`` completions on each process, ``num_generations`` of each of its prompts (the next
 prompts of the data, in the run's seeded order, each process its own), decoded in one batch by the streamed
 model (``StreamedTrainer.generate``: the weights read once per decoded token for all of them, LoRA applied as in
-training), from a generator seeded by the run's seed and the generation's number (a resumed run samples what
-the uninterrupted one did). The reward functions score each completion (TRL's signature: ``prompts``,
+training), each completion from a generator seeded by the run's seed, the generation's number and its own
+(a resumed run samples what the uninterrupted one did, a launch of any number of processes what one does). The reward functions score each completion (TRL's signature: ``prompts``,
 ``completions``, ``completion_ids``, the data's other columns as keyword arguments, ``trainer_state``,
 ``log_extra``, ``log_metric``), the advantages follow (``engine.grpo.advantages``), and the batch is cut into
 the step's micro-batches in order: each row its prompt then its completion (right-padded; the targets are the
@@ -141,9 +141,10 @@ def prompt_order(count: int, shuffle: bool, seed: int) -> Iterator[int]:
         epoch += 1
 
 
-def generation_seed(seed: int, generation: int, rank: int) -> int:
-    """The sampling seed of a run's ``generation``-th batch on ``rank`` (the same on resume)."""
-    return (seed * 1_000_003 + generation * 1_009 + rank) % (1 << 62)
+def generation_seed(seed: int, generation: int, completion: int) -> int:
+    """The sampling seed of a run's ``generation``-th batch's ``completion``-th completion, counted over the
+    processes (the same on resume, and on any number of processes)."""
+    return ((seed * 1_000_003 + generation) * 1_000_033 + completion) % (1 << 62)
 
 
 class Rollouts:
@@ -226,13 +227,15 @@ class Rollouts:
         o = self.objective
         rows = [self.data.rows[i] for i in indices for _ in range(o.num_generations)]
         prompt_ids = [list(r["input_ids"]) for r in rows]
+        first = self.world.rank * len(rows)  # this process's first completion of the generation's
         completion_ids = self.sampler(
             prompt_ids,
             o.max_completion_length,
             o.temperature,
             o.top_p,
             o.top_k,
-            generation_seed(self.recipe.training.seed, generation, self.world.rank),
+            # each completion its own generator: the same completions on any number of processes
+            [generation_seed(self.recipe.training.seed, generation, first + r) for r in range(len(rows))],
             sorted(self.eos),
             self.pad_id,
         )
@@ -242,7 +245,9 @@ class Rollouts:
         completions: list[Any] = (
             [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
         )
-        truncated = [not ids or ids[-1] not in self.eos for ids in completion_ids]
+        # TRL's rule: a completion is truncated unless its last token is an EOS token or the pad token
+        ended = self.eos | {self.pad_id}
+        truncated = [not ids or ids[-1] not in ended for ids in completion_ids]
         extra_metrics: dict[str, list[float]] = {}
         logged: dict[str, list[Any]] = {}
         rewards = self.score(rows, prompts, completions, completion_ids, step, extra_metrics, logged)
@@ -298,30 +303,40 @@ class Rollouts:
             out[:, i] = torch.tensor([math.nan if r is None else float(r) for r in given])
         return out
 
-    def _gathered(self, rewards: torch.Tensor) -> torch.Tensor:
-        """The generation's rewards of every process, in rank order (this process's alone: one process)."""
+    def _gathered(self, values: torch.Tensor) -> torch.Tensor:
+        """The generation's ``values`` (a row a completion) of every process, in rank order (this process's
+        alone: one process)."""
         if self.world.size == 1:
-            return rewards
+            return values
         import torch.distributed as dist
 
         parts: list[Any] = [None] * self.world.size
-        dist.all_gather_object(parts, rewards)
+        dist.all_gather_object(parts, values)
         return torch.cat(parts)
 
     def _completion_metrics(
         self, prompt_ids: list[list[int]], completion_ids: list[list[int]], truncated: list[bool]
     ) -> dict[str, float]:
-        """TRL's ``completions/...`` metrics and ``num_tokens`` (this process's completions)."""
-        lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float32)
-        done = lengths[~torch.tensor(truncated)]
+        """TRL's ``completions/...`` metrics and ``num_tokens`` (every process's completions, as TRL gathers
+        them)."""
+        mine = torch.tensor(
+            [
+                [len(c), float(t), len(p) + len(c)]
+                for p, c, t in zip(prompt_ids, completion_ids, truncated, strict=True)
+            ],
+            dtype=torch.float64,
+        )
+        every = self._gathered(mine)
+        lengths, clipped = every[:, 0].float(), every[:, 1].bool()
+        done = lengths[~clipped]
         done = done if len(done) else torch.zeros(1)
-        self.tokens_seen += int(lengths.sum()) + sum(len(p) for p in prompt_ids)
+        self.tokens_seen += int(every[:, 2].sum())
         return {
             "num_tokens": float(self.tokens_seen),
             "completions/mean_length": float(lengths.mean()),
             "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()),
-            "completions/clipped_ratio": float(torch.tensor(truncated, dtype=torch.float32).mean()),
+            "completions/clipped_ratio": float(clipped.float().mean()),
             "completions/mean_terminated_length": float(done.mean()),
             "completions/min_terminated_length": float(done.min()),
             "completions/max_terminated_length": float(done.max()),
