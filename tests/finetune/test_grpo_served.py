@@ -131,3 +131,30 @@ def test_a_recipe_the_server_cannot_serve_is_refused(
 ):
     with pytest.raises(ConfigError, match=match):
         load_recipe(_recipe(tmp_path, write_recipe, bpe_model, objective, method))
+
+
+def test_the_server_ends_when_the_run_is_killed(bpe_model, tmp_path, write_recipe):
+    """SIGKILL of the run's process (no clean-up of its own runs): the server, started with the run's death as
+    its own end (PR_SET_PDEATHSIG, set in the server's process), ends within seconds."""
+    import time
+
+    import psutil
+
+    from tests.signalling import killed_run
+
+    recipe = _recipe(tmp_path, write_recipe, bpe_model)
+    config = str(tmp_path / "run" / served.SERVED_DIR / "server.json")
+    done = killed_run("tiertune.finetune.served:LlamaCppServer.push:1", recipe, tmp_path / "stamp")
+    assert done.returncode == -9, done.stderr[-3000:]
+
+    def running():
+        return [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if config in (p.info["cmdline"] or []) and p.is_running()
+        ]
+
+    deadline = time.monotonic() + 20
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not running()

@@ -20,11 +20,9 @@ ones, and the check is not made (said once)."""
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -65,12 +63,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _end_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """The server gets SIGTERM when the run's process dies, however it dies (Linux's PR_SET_PDEATHSIG)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+WITH_PARENT = """
+import ctypes, os, runpy, signal, sys
+try:  # SIGTERM when the run's process dies, however it dies (Linux's PR_SET_PDEATHSIG)
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
+except Exception:
+    pass
+if os.getppid() != int(sys.argv[1]):  # it died before that was set
+    sys.exit(0)
+sys.argv = sys.argv[2:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+"""``python -c WITH_PARENT <the run's pid> <module> <its arguments>``: the module run as ``python -m`` does, ended
+with the run's process. Set in the child itself, not by a ``preexec_fn``: that makes ``subprocess`` fork the
+whole run (a process with a large address space: the fork can fail for memory, and a fork of a threaded process
+may deadlock) where it otherwise uses vfork."""
 
 
 class LlamaCppServer:
@@ -138,12 +145,19 @@ class LlamaCppServer:
         )
         with open(self.directory / "server.log", "ab") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "llama_cpp.server", "--config_file", str(config)],
+                [
+                    sys.executable,
+                    "-c",
+                    WITH_PARENT,
+                    str(os.getpid()),
+                    "llama_cpp.server",
+                    "--config_file",
+                    str(config),
+                ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # a terminal's Ctrl-C reaches the run, which ends the server itself
-                preexec_fn=_end_with_parent if sys.platform.startswith("linux") else None,
             )
         atexit.register(self.close)
         began = time.monotonic()
@@ -318,11 +332,12 @@ class ServedSampler:
         temperature: float,
         top_p: float,
         top_k: int,
-        seed: int,
+        seed: int | Sequence[int],
         eos_token_id: Sequence[int],
         pad_token_id: int,
     ) -> list[list[int]]:
-        """The completions' ids of ``prompts`` (each its own request, seeded ``seed`` + its index)."""
+        """The completions' ids of ``prompts`` (each its own request, seeded by its own of ``seed``'s, or by
+        ``seed`` + its index)."""
         began = time.perf_counter()
         if not self.started:
             self.server.start(self._write_adapter)
@@ -338,7 +353,7 @@ class ServedSampler:
                 temperature,
                 top_p,
                 top_k,
-                seed + i,
+                seed + i if isinstance(seed, int) else int(seed[i]),
                 self.checked,
             )
             completion = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"][
