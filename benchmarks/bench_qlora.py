@@ -62,6 +62,47 @@ def _batches(vocab: int, args: argparse.Namespace) -> list[dict[str, torch.Tenso
     return out
 
 
+def _grpo_step(trainer: object, args: argparse.Namespace, vocab: int, generation: int) -> tuple[float, dict]:
+    """A GRPO step as ``finetune.grpo`` makes it: ``--batch`` x ``--micro-batches`` completions of random prompts
+    of ``--seq`` - ``--completion`` tokens, decoded together by the streamed model (no EOS: every one
+    ``--completion`` tokens), then trained on with random advantages (the micro-batches of prompt + completion,
+    the completion's tokens the targets). Returns the step's loss and the generation's figures: its seconds,
+    decoded tokens/s, passes and the bytes it moved by link."""
+    gen = torch.Generator().manual_seed(generation)
+    rows = args.batch * args.micro_batches
+    prompt = args.seq - args.completion
+    prompts = torch.randint(0, vocab, (rows, prompt), generator=gen).tolist()
+    before = dict(trainer.store_stats().bytes_moved)  # type: ignore[attr-defined]
+    began = time.perf_counter()
+    completions = trainer.generate(  # type: ignore[attr-defined]
+        prompts, args.completion, temperature=1.0, seed=generation, eos_token_id=None
+    )
+    seconds = time.perf_counter() - began
+    after = trainer.store_stats().bytes_moved  # type: ignore[attr-defined]
+    moved = {k: n - before.get(k, 0) for k, n in after.items() if n - before.get(k, 0)}
+    ids = torch.tensor([p + c for p, c in zip(prompts, completions, strict=True)], dtype=torch.long)
+    labels = ids.clone()
+    labels[:, :prompt] = -100
+    advantages = torch.randn(rows, generator=gen)
+    micro = [
+        {
+            "input_ids": ids[i : i + args.batch],
+            "labels": labels[i : i + args.batch],
+            "advantages": advantages[i : i + args.batch],
+        }
+        for i in range(0, rows, args.batch)
+    ]
+    loss = trainer.step(micro)  # type: ignore[attr-defined]
+    passes = max(len(c) for c in completions)
+    figures = {
+        "generation_s": seconds,
+        "decoded_tokens_per_second": rows * passes / seconds,
+        "passes": passes,
+        "generation_bytes": moved,
+    }
+    return loss, figures
+
+
 def _setup_device(args: argparse.Namespace) -> torch.dtype:
     """Cap this process's GPU memory when asked; the compute dtype of the device."""
     if args.device != "cuda":
@@ -132,20 +173,46 @@ def run_tiertune(model_dir: str, disk_dir: str, args: argparse.Namespace) -> dic
     began = time.perf_counter()
     trainer = StreamedTrainer(model_dir, store, engine)
     load_s = time.perf_counter() - began
-    batch = _batches(trainer.model.config.vocab_size, args)
+    vocab = trainer.model.config.vocab_size
+    batch = _batches(vocab, args) if args.objective != "grpo" else []
     try:
-        losses, times, reports = [], [], []
-        for _ in range(args.steps):
+        losses, times, reports, generations = [], [], [], []
+        for step in range(args.steps):
             began = time.perf_counter()
-            losses.append(_step(trainer, batch, args.adapters))
+            if args.objective == "grpo":
+                loss, generation = _grpo_step(trainer, args, vocab, step)
+                generations.append(generation)
+            else:
+                loss = _step(trainer, batch, args.adapters)
+            losses.append(loss)
             times.append(time.perf_counter() - began)
             reports.append(trainer.last_report)
             print(f"tiertune step {len(times)}: {times[-1]:.1f} s", file=sys.stderr, flush=True)
         stats = trainer.store_stats()
         layer_bytes = trainer.chunk_sizes()["layer_weights"][0]
+        layers_bytes = sum(trainer.chunk_sizes()["layer_weights"])
     finally:
         trainer.close()
+    grpo = {}
+    if generations:  # the steady generations (the first records no trace, but binds what stays bound)
+        steady = generations[1:] or generations
+        last = steady[-1]
+        grpo = {
+            "generation_s": sum(g["generation_s"] for g in steady) / len(steady),
+            "decoded_tokens_per_second": sum(g["decoded_tokens_per_second"] for g in steady) / len(steady),
+            "completions": args.batch * args.micro_batches,
+            "completion_tokens": args.completion,
+            "generation_bytes": last["generation_bytes"],
+            # a decoded token's bytes by link over one pass of the decoder layers' weights (to the device: ~1.0,
+            # the layers once for every completion; from the disk: what the host tier could not keep)
+            "layer_weights_bytes": layers_bytes,
+            "layer_passes_per_decoded_token": {
+                link: n / max(1, last["passes"]) / max(1, layers_bytes)
+                for link, n in last["generation_bytes"].items()
+            },
+        }
     return {
+        **grpo,
         **_step_figures(load_s, times, losses, args),
         # the load and the first step (which records the trace) are not steady state
         "bytes_moved_per_step": moved_per_step(reports[1:] or reports),
@@ -311,10 +378,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--objective",
-        choices=("sft", "dpo"),
+        choices=("sft", "dpo", "grpo"),
         default="sft",
-        help="dpo: --batch pairs a micro-batch, the reference (adapters off) in the same layer visits",
+        help="dpo: --batch pairs a micro-batch, the reference (adapters off) in the same layer visits; grpo: "
+        "each step first decodes --batch x --micro-batches completions of --completion tokens together",
     )
+    p.add_argument("--completion", type=int, default=16, help="grpo: the tokens each completion decodes")
     p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
     )
@@ -381,6 +450,9 @@ def main() -> None:
             "gpu_memory_cap": args.gpu_memory_cap,
         }
         for mode in args.modes.split(","):
+            if mode == "peft" and args.objective != "sft":
+                result[mode] = {"skipped": f"the peft reference runs SFT only, not {args.objective}"}
+                continue
             result[mode] = run_child(__file__, model_dir, Path(tmp) / "disk", mode)
         gbps, tool = disk_read_gbps(Path(tmp))
     result["disk_read_gbps"], result["disk_read_measured_by"] = gbps, tool

@@ -43,6 +43,11 @@ Phases and what each result says:
   same layer visits; the boundaries on the device), against SFT of as many rows: bytes moved per step (their
   ratio), tokens/s, peak GPU memory and whether it stayed under the cap.
 
+- ``grpo``: ``grpo/tiertune``: QLoRA GRPO of 16 of the 70B shape's layers streamed from disk under the cap, as
+  ``finetune.grpo`` steps: 16 completions of 32 tokens decoded together by the streamed model (a decoded token
+  moves the layers' weights to the GPU once for all of them: ``layer_passes_per_decoded_token``), then the update
+  on them: the generation's seconds and decoded tokens/s, the step's seconds, peak GPU memory.
+
 - ``shipped``: ``shipped/tiertune``: LoRA of DeepSeek-V3.1 as it ships (FP8 with block scales, each routed expert
   a module of its own), cut to 5 layers (3 dense, 2 MoE: ~28 GB), read in place from its own files and streamed
   through a 14 GiB host and a 16 GiB device budget under the cap, 2 micro-batches of 2048 tokens a step:
@@ -99,7 +104,7 @@ from tiertune.units import format_size
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-PHASES = ("tests", "kernels", "qlora", "accumulation", "full", "longseq", "dpo", "several", "shipped")
+PHASES = ("tests", "kernels", "qlora", "accumulation", "full", "longseq", "dpo", "several", "grpo", "shipped")
 
 
 def _side_by_side_keys(ratio: str) -> tuple[str, ...]:
@@ -250,6 +255,25 @@ KEYS: dict[str, tuple[str, ...]] = {
     ),
     "dpo/tiertune": _side_by_side_keys("dpo_over_sft"),
     "several/tiertune": _side_by_side_keys("n4_over_n1"),
+    "grpo/tiertune": (
+        "system",
+        "base",
+        "seq",
+        "completions",
+        "completion_tokens",
+        "host_budget_bytes",
+        "device_budget_bytes",
+        "generation_s",
+        "decoded_tokens_per_second",
+        "generation_bytes",
+        "layer_weights_bytes",
+        "layer_passes_per_decoded_token",
+        "step_s",
+        "losses",
+        "bytes_moved_per_step",
+        "peak_gpu_bytes",
+        "under_cap",
+    ),
     "shipped/tiertune": (
         "system",
         "base",
@@ -275,6 +299,7 @@ PHASE_RESULTS = {
     "longseq": ("longseq/tiertune",),
     "dpo": ("dpo/tiertune",),
     "several": ("several/tiertune",),
+    "grpo": ("grpo/tiertune",),
     "shipped": ("shipped/tiertune",),
 }
 # what only a GPU has or measures: null in a dry run
@@ -390,6 +415,7 @@ class Settings:
     accum_layers: int
     accum_host_budget: int
     accum_device_budget: int
+    grpo_completion: int  # the grpo phase: the tokens each completion decodes
     full_shape: Shape
     full_batch: int
     full_seq: int
@@ -474,6 +500,7 @@ class Settings:
                 accum_layers=16,
                 accum_host_budget=3 << 30,
                 accum_device_budget=5 << 30,
+                grpo_completion=32,
                 full_shape=LLAMA2_7B,
                 full_batch=8,
                 full_seq=2048,
@@ -558,6 +585,7 @@ class Settings:
             accum_layers=8,
             accum_host_budget=256 << 10,
             accum_device_budget=256 << 10,
+            grpo_completion=8,
             full_shape=Shape("toy Llama (dry run)", 2, 128, 256, 4, 4, 512),
             full_batch=2,
             full_seq=32,
@@ -630,8 +658,8 @@ def emit(ctx: Context, phase: str, result: str, values: dict, began: float) -> d
     missing = [k for k in KEYS[result] if k not in values]
     if missing and not ({"error", "skipped"} & set(values)):
         raise KeyError(f"result {result} lacks {missing}: KEYS and the code disagree")
-    # the processes of qlora and full run under the cap; the tests and the kernels have the whole GPU
-    capped = phase in ("qlora", "accumulation", "full") and not ctx.settings.dry_run
+    # every phase's processes but the tests' and the kernels' run under the cap (those have the whole GPU)
+    capped = phase not in ("tests", "kernels") and not ctx.settings.dry_run
     cap = ctx.settings.gpu_cap if capped else None
     out = {
         "phase": phase,
@@ -1695,11 +1723,12 @@ def phase_longseq(ctx: Context) -> None:
 
 
 def _streamed_qlora_runs(
-    ctx: Context, phase: str, shape: Shape, runs: dict[str, list[str]]
+    ctx: Context, phase: str, shape: Shape, runs: dict[str, list[str]], more: tuple[str, ...] = ()
 ) -> dict[str, dict]:
     """bench_qlora's tiertune mode once per entry of ``runs`` (label -> its own arguments) on one sparse checkpoint
     of ``shape`` (its NF4 layers generated), streamed from disk through the accumulation phase's budgets under
-    the GPU cap, 2 steps of 8 micro-batches, their boundaries on the device; each run's figures by label."""
+    the GPU cap, 2 steps of 8 micro-batches, their boundaries on the device; each run's figures by label (and
+    ``more`` of bench_qlora's keys)."""
     s = ctx.settings
     out: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(dir=ctx.dir, prefix=f"{phase}-") as name:
@@ -1743,6 +1772,7 @@ def _streamed_qlora_runs(
                 "losses",
                 "peak_gpu_bytes",
                 "bytes_moved_per_step",
+                *more,
             )
             out[label] = {key: got.get(key) for key in keys}
             log(f"{phase}, {label}: {json.dumps(out[label])}")
@@ -1820,6 +1850,48 @@ def phase_several(ctx: Context) -> None:
     )
     values = _side_by_side(s, shape, runs, SEVERAL_RUNS[0][0], SEVERAL_RUNS[1][0], "n4_over_n1")
     emit(ctx, "several", "several/tiertune", values, began)
+
+
+GRPO_KEYS = (
+    "generation_s",
+    "decoded_tokens_per_second",
+    "completions",
+    "completion_tokens",
+    "generation_bytes",
+    "layer_weights_bytes",
+    "layer_passes_per_decoded_token",
+)
+"""What bench_qlora's ``--objective grpo`` adds to a run's figures (its generation's)."""
+
+
+def phase_grpo(ctx: Context) -> None:
+    """QLoRA GRPO of the 70B shape (cut to ``accum_layers`` layers, streamed from disk through the accumulation
+    phase's budgets) under the GPU cap, as ``finetune.grpo`` steps: 16 completions (2 a micro-batch, 8 micro-batches)
+    of ``grpo_completion`` tokens decoded together by the streamed model, then the update on them. The
+    generation's seconds and decoded tokens/s, the bytes a decoded token moves per link over one pass of the
+    decoder layers' weights (to the device: ~1, the layers once for every completion), the step's seconds,
+    bytes moved by the update and peak GPU memory."""
+    s = ctx.settings
+    began = time.perf_counter()
+    shape = s.qlora_shape.with_layers(s.accum_layers)
+    label = f"grpo, 16 completions of {s.grpo_completion} tokens"
+    own = ["--objective", "grpo", "--batch", "2", "--completion", str(s.grpo_completion)]
+    run = _streamed_qlora_runs(ctx, "grpo", shape, {label: own}, GRPO_KEYS)[label]
+    peak = run.get("peak_gpu_bytes")
+    values = {
+        "system": "tiertune",
+        "base": {**shape.describe(), "of": s.qlora_shape.name},
+        "seq": s.qlora_seq,
+        "host_budget_bytes": s.accum_host_budget,
+        "device_budget_bytes": s.accum_device_budget,
+        **{k: run.get(k) for k in (*GRPO_KEYS, "step_s", "losses", "bytes_moved_per_step")},
+        "peak_gpu_bytes": peak,
+        "under_cap": None if peak is None else peak <= s.gpu_cap,
+    }
+    for what in ("error", "skipped"):
+        if run.get(what):
+            values[what] = run[what]
+    emit(ctx, "grpo", "grpo/tiertune", values, began)
 
 
 def _qlora_depth(ctx: Context, free: int, gbps: float, dtype: torch.dtype) -> tuple[Shape, str | None, int]:
@@ -2200,6 +2272,7 @@ PHASE_FUNCS: dict[str, Callable[[Context], None]] = {
     "longseq": phase_longseq,
     "dpo": phase_dpo,
     "several": phase_several,
+    "grpo": phase_grpo,
     "shipped": phase_shipped,
 }
 

@@ -101,8 +101,11 @@ TOP_K = {"distill": 64, "grpo": 0}
 """``objective.top_k``'s default by ``objective.type``: the teacher's logits kept a token (distill), the
 sampling's top-k (GRPO's rollouts: 0, every token)."""
 SCALE_REWARDS = ("group", "batch", "none")
-ROLLOUT_ENGINES = ("tiertune", "llama_cpp")
-"""Who samples GRPO's completions: the streamed model itself, or a llama.cpp server the run starts."""
+ROLLOUT_ENGINES = ("tiertune", "llama_cpp", "vllm", "sglang")
+"""Who samples GRPO's completions: the streamed model itself, a llama.cpp server the run starts, or a vLLM or
+SGLang server the user runs (``rollout_url``)."""
+SERVING_ENGINES = ("vllm", "sglang")
+"""The rollout engines the user starts (the run pushes its adapter to them at ``objective.rollout_url``)."""
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 """The weight types tiertune writes GGUF files in (``tiertune export --gguf-type``, ``rollout_gguf_type``)."""
 
@@ -171,12 +174,15 @@ class ObjectiveSettings:
     reward_weights: list[float] | None = None  # one per reward function (None: each 1.0)
     # grpo: who samples (``tiertune``: the streamed model; ``llama_cpp``: a llama.cpp server the run starts,
     # the base written once as a GGUF in ``rollout_gguf_type``, the adapter pushed to it as a GGUF LoRA before
-    # each generation); above ``rollout_logp_tolerance`` (the mean |served - trained| log-probability of the
+    # each generation; ``vllm``, ``sglang``: that server at ``rollout_url``, started by the user over the base
+    # with runtime LoRA loading, the adapter written in PEFT format and loaded through its endpoint before each
+    # generation); above ``rollout_logp_tolerance`` (the mean |served - trained| log-probability of the
     # sampled tokens, TRL's sampling/sampling_logp_difference/mean) the run stops: the served policy is not
     # the trained one (null: not checked, and the server is not asked for log-probabilities)
     rollout_engine: str = field(default="tiertune", metadata=choices(*ROLLOUT_ENGINES))
     rollout_gguf_type: str = field(default="f16", metadata=choices(*GGUF_TYPES))
     rollout_logp_tolerance: float | None = 0.1
+    rollout_url: str | None = None  # vllm, sglang: the server's address (http://host:port)
 
     def __post_init__(self) -> None:
         if self.beta is None:

@@ -109,3 +109,8 @@ def test_the_dry_run_measures_what_a_cpu_can(results):
     )
     # read in place from the release's own files: at most a forward and a backward pass a step
     assert 0 < shipped["disk_passes_per_step"] <= 2 * 1.1
+    (grpo,) = results["grpo/tiertune"]
+    assert grpo["completions"] == 16 and grpo["decoded_tokens_per_second"] > 0 and _finite(grpo["losses"])
+    # a decoded token moves the decoder layers' weights to the device once for all 16 completions (the device
+    # tier may keep a little of them between passes: below 1, never 16)
+    assert 0.9 <= grpo["layer_passes_per_decoded_token"]["host->device"] <= 1.05

@@ -27,6 +27,7 @@ from tiertune.loading.hub import is_hub_id
 from tiertune.settings import (
     DPO_LOSS_TYPES,
     GRPO_LOSS_TYPES,
+    SERVING_ENGINES,
     GaloreSettings,
     LoraSettings,
     ObjectiveSettings,
@@ -318,16 +319,24 @@ class Recipe:
         ]
 
     def _served_checks(self) -> list[tuple[bool, str, str]]:
-        """GRPO's rollouts from a llama.cpp server (``objective.rollout_engine: llama_cpp``): what it can serve."""
+        """GRPO's rollouts from a server (``objective.rollout_engine`` llama_cpp, vllm, sglang): what it can
+        serve."""
         o, lora = self.objective, self.method.lora
-        if o.rollout_engine != "llama_cpp":
+        if o.rollout_engine == "tiertune":
             return []
+        url = o.rollout_url or ""
         return [
             (
                 self.method.type == "lora" and not lora.use_dora and not lora.target_parameters,
                 "objective.rollout_engine",
-                "llama_cpp serves the base with a plain LoRA adapter pushed each step: it needs method.type lora "
-                "without use_dora or target_parameters (rollout_engine: tiertune samples any method)",
+                f"{o.rollout_engine} serves the base with a plain LoRA adapter pushed each step: it needs method.type "
+                "lora without use_dora or target_parameters (rollout_engine: tiertune samples any method)",
+            ),
+            (
+                o.rollout_engine not in SERVING_ENGINES or url.startswith(("http://", "https://")),
+                "objective.rollout_url",
+                f"must be the {o.rollout_engine} server's address (e.g. http://127.0.0.1:8000), started by you over "
+                f"model.path with runtime LoRA loading; got {o.rollout_url!r}",
             ),
             (
                 o.rollout_logp_tolerance is None or o.rollout_logp_tolerance > 0,

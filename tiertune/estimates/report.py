@@ -452,6 +452,9 @@ def estimate(
                 if o.rollout_engine == "tiertune"
                 else "sampling runs in the llama.cpp server the run starts (its base GGUF in "
                 f"{o.rollout_gguf_type} under the output directory's served/, loaded there): not priced here"
+                if o.rollout_engine == "llama_cpp"
+                else f"sampling runs in the {o.rollout_engine} server at {o.rollout_url} (its own GPU and memory; "
+                "the adapter pushed to it each generation): not priced here"
             )
         )
     if IN_PLACE in kinds:

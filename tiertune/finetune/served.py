@@ -1,6 +1,7 @@
-"""GRPO's rollouts from a llama.cpp server (``objective.rollout_engine: llama_cpp``): llama-cpp-python's
-OpenAI-compatible server, started by the run, samples the completions; the run pushes its adapter to it before
-each generation and checks that the served policy is the trained one.
+"""GRPO's rollouts from a server (``objective.rollout_engine``): llama-cpp-python's OpenAI-compatible server,
+started by the run (``llama_cpp``), or a vLLM or SGLang server the user runs (``vllm``, ``sglang``:
+``RemoteServer``), samples the completions; the run pushes its adapter to it before each generation and checks
+that the served policy is the trained one.
 
 The base is written once as a GGUF (``rollout_gguf_type``) into ``served/`` of the run directory, and kept while
 the model's files are unchanged (a resumed run does not write it again). The server holds two models over that
@@ -20,9 +21,11 @@ ones, and the check is not made (said once)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -82,8 +85,15 @@ may deadlock) where it otherwise uses vfork."""
 
 class LlamaCppServer:
     """llama-cpp-python's server over the base of ``model_dir`` written as a GGUF in ``directory`` (see the
-    module docstring): ``start`` it with the adapter's first version, ``push`` each later one, ``complete`` a
-    prompt, ``close`` it (also at exit)."""
+    module docstring): ``start`` it with the adapter's first version, ``push`` each later one (``save`` writes the
+    adapter in PEFT format into a directory; it is served as a GGUF LoRA), ``sample`` a completion, ``close`` it
+    (also at exit)."""
+
+    name = "llama.cpp"
+    mismatch = (
+        "A base or GGUF type that rounds the weights does this: set objective.rollout_gguf_type: f32 (or bf16 for "
+        "a bf16 base), train the base unquantized, or raise the tolerance"
+    )
 
     def __init__(
         self,
@@ -92,10 +102,11 @@ class LlamaCppServer:
         gguf_type: str,
         n_ctx: int,
         threads: int,
+        tokenizer: Any,
         safe_point: Callable[[], None] | None = None,
     ) -> None:
         self.model_dir, self.directory, self.gguf_type = Path(model_dir), Path(directory), gguf_type
-        self.n_ctx, self.threads = n_ctx, threads
+        self.n_ctx, self.threads, self.tokenizer = n_ctx, threads, tokenizer
         self.safe_point = safe_point or (lambda: None)
         self.process: subprocess.Popen | None = None
         self.url = ""
@@ -111,7 +122,7 @@ class LlamaCppServer:
         """The GGUF LoRA file of adapter slot ``index``."""
         return self.directory / f"{SLOTS[index]}.gguf"
 
-    def start(self, write_adapter: Callable[[Path], None]) -> None:
+    def start(self, save: Callable[[Path], None]) -> None:
         """Write the base (unless it is there, of these model files) and the adapter into the first slot, then
         start the server and wait until it answers (a ModelError with its log's end if it dies first)."""
         if _missing("llama_cpp.server") or _missing("uvicorn"):
@@ -121,8 +132,8 @@ class LlamaCppServer:
         gguf.check(self.model_dir)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._write_base()
-        write_adapter(self.slot(0))
-        write_adapter(self.slot(1))  # both slots exist from the start: the server checks its files
+        self._write_slot(0, save)
+        self._write_slot(1, save)  # both slots exist from the start: the server checks its files
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
         models = [
@@ -179,12 +190,64 @@ class LlamaCppServer:
             time.sleep(0.2)
         log.info("llama.cpp server at %s over %s (%s)", self.url, self.base, self.gguf_type)
 
-    def push(self, write_adapter: Callable[[Path], None]) -> None:
+    def push(self, save: Callable[[Path], None]) -> None:
         """The adapter as it is now into the slot not being served; the next request is served by it."""
         other = 1 - self.serving
-        write_adapter(self.slot(other))
+        self._write_slot(other, save)
         self.serving = other
         self.pushes += 1
+
+    def _write_slot(self, index: int, save: Callable[[Path], None]) -> None:
+        """The adapter ``save`` writes, as a GGUF LoRA into slot ``index`` (a temporary name, then renamed)."""
+        out_file = self.slot(index)
+        with tempfile.TemporaryDirectory(dir=out_file.parent, prefix=".adapter-") as tmp:
+            save(Path(tmp))
+            part = out_file.with_name(f".{out_file.name}.tmp")
+            gguf.write_gguf_lora(Path(tmp), self.model_dir, part, self.gguf_type)
+            fsync_file(part)
+            os.replace(part, out_file)
+
+    def sample(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+        logprobs: bool,
+        eos: Sequence[int],
+    ) -> tuple[list[int], list[float]]:
+        """A completion's ids of ``prompt`` (the server's text tokenized again by the run's tokenizer, an EOS
+        appended where it stopped at one) and the served log-probabilities of its first tokens whose pieces are
+        the server's."""
+        choice = self.complete(
+            self._prompt_text(prompt), max_tokens, temperature, top_p, top_k, seed, logprobs
+        )
+        completion = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"][:max_tokens]
+        if choice.get("finish_reason") == "stop" and len(completion) < max_tokens and eos:
+            completion.append(int(eos[0]))
+        return completion, self._matching(completion, choice.get("logprobs"))
+
+    def _prompt_text(self, ids: list[int]) -> str:
+        """The prompt as the server tokenizes it again: its text, without a leading BOS (the server adds its
+        own where the model's tokenizer does)."""
+        bos = self.tokenizer.bos_token_id
+        if bos is not None and ids and ids[0] == bos:
+            ids = ids[1:]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _matching(self, completion: list[int], logprobs: dict | None) -> list[float]:
+        """The served log-probabilities of the completion's first tokens whose pieces are the server's."""
+        if not logprobs:
+            return []
+        pieces, values = logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []
+        out = []
+        for token, piece, value in zip(completion, pieces, values, strict=False):
+            if value is None or self.tokenizer.decode([token]) != piece:
+                break
+            out.append(float(value))
+        return out
 
     def complete(
         self,
@@ -286,8 +349,168 @@ def _missing(module: str) -> bool:
         return True
 
 
+class RemoteServer:
+    """A vLLM or SGLang server the user runs over the base (``objective.rollout_url``), with LoRA adapters loaded at
+    run time: vLLM with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (its
+    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``), SGLang with ``--enable-lora`` (``/load_lora_adapter``,
+    ``/unload_lora_adapter``). Each push writes the adapter in PEFT format into a directory of its own under
+    ``directory`` (which the server must read: the same machine or a shared disk), loads it under a new name and
+    unloads the one before; a completion is ``/v1/completions`` over the prompt's token ids, naming that adapter
+    (vLLM: its name; SGLang: ``base:name``), with the sampled tokens' log-probabilities (vLLM gives their ids:
+    ``return_tokens_as_token_ids``; SGLang's text is tokenized again, as llama.cpp's)."""
+
+    mismatch = (
+        "The server serves another base than model.path (or in a dtype that rounds it), or did not load the "
+        "pushed adapter: start it over model.path in its dtype, or raise the tolerance"
+    )
+
+    def __init__(
+        self,
+        engine: str,
+        url: str,
+        directory: Path,
+        tokenizer: Any,
+        safe_point: Callable[[], None] | None = None,
+    ) -> None:
+        self.engine, self.url, self.directory, self.tokenizer = (
+            engine,
+            url.rstrip("/"),
+            Path(directory),
+            tokenizer,
+        )
+        self.name = {"vllm": "vLLM", "sglang": "SGLang"}[engine]
+        self.safe_point = safe_point or (lambda: None)
+        self.base = ""  # the served base model's id (``/v1/models``)
+        self.prefix = f"tiertune-{os.getpid()}-{int(time.time())}"  # this run's adapters' names
+        self.loaded: str | None = None
+        self.pushes = 0
+
+    def start(self, save: Callable[[Path], None]) -> None:
+        """Ask the server for its base model (a ModelError that says how to start it, where it does not answer),
+        then push the adapter's first version."""
+        try:
+            models = self._request("GET", "/v1/models")
+            self.base = str(models["data"][0]["id"])
+        except (ModelError, KeyError, IndexError, TypeError) as exc:
+            start = (
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve MODEL --enable-lora --max-lora-rank R"
+                if self.engine == "vllm"
+                else "python -m sglang.launch_server --model-path MODEL --enable-lora --max-lora-rank R "
+                "--lora-target-modules all"
+            )
+            raise ModelError(
+                f"objective.rollout_url {self.url}: no {self.name} server answers there ({exc}); start it over "
+                f"model.path with runtime LoRA loading ({start}), or set objective.rollout_engine: tiertune"
+            ) from None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.push(save)
+        log.info(
+            "%s server at %s serving %s, the adapter pushed as %s",
+            self.name,
+            self.url,
+            self.base,
+            self.loaded,
+        )
+
+    def push(self, save: Callable[[Path], None]) -> None:
+        """The adapter as it is now, written into a directory of its own and loaded under a new name; the one
+        before unloaded and removed."""
+        self.pushes += 1
+        name = f"{self.prefix}-{self.pushes}"
+        path = self.directory / name
+        part = self.directory / f".{name}.tmp"
+        shutil.rmtree(part, ignore_errors=True)
+        save(part)
+        os.replace(part, path)
+        prefix = "/v1" if self.engine == "vllm" else ""
+        self._request(
+            "POST", f"{prefix}/load_lora_adapter", {"lora_name": name, "lora_path": str(path.resolve())}
+        )
+        before, self.loaded = self.loaded, name
+        if before is not None:
+            self._unload(before)
+
+    def _unload(self, name: str) -> None:
+        prefix = "/v1" if self.engine == "vllm" else ""
+        self._request("POST", f"{prefix}/unload_lora_adapter", {"lora_name": name})
+        shutil.rmtree(self.directory / name, ignore_errors=True)
+
+    def sample(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+        logprobs: bool,
+        eos: Sequence[int],
+    ) -> tuple[list[int], list[float]]:
+        """A completion's ids of ``prompt`` by the pushed adapter over the base, and the served log-probabilities
+        of its tokens (of its first ones whose pieces are the server's, where the server gives text)."""
+        body = {
+            "model": self.loaded if self.engine == "vllm" else f"{self.base}:{self.loaded}",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k or -1,  # -1: off
+            "seed": seed,
+            "logprobs": 1,
+            "skip_special_tokens": False,
+            "stream": False,
+        }
+        if self.engine == "vllm":
+            body["return_tokens_as_token_ids"] = True
+        choice = self._request("POST", "/v1/completions", body)["choices"][0]
+        served = choice.get("logprobs") or {}
+        tokens, values = served.get("tokens") or [], served.get("token_logprobs") or []
+        if tokens and all(str(t).startswith("token_id:") for t in tokens):
+            ids = [int(str(t).removeprefix("token_id:")) for t in tokens][:max_tokens]
+            return ids, [float(v) for v in values[: len(ids)]] if logprobs else []
+        completion = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"][:max_tokens]
+        if choice.get("finish_reason") == "stop" and len(completion) < max_tokens and eos:
+            completion.append(int(eos[0]))
+        out: list[float] = []
+        for token, piece, value in zip(completion, tokens, values, strict=False):
+            if not logprobs or value is None or self.tokenizer.decode([token]) != piece:
+                break
+            out.append(float(value))
+        return completion, out
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> Any:
+        """The server's answer to one request (JSON), a ModelError with its reason where it fails."""
+        request = urllib.request.Request(
+            f"{self.url}{path}",
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method=method,
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_S) as answer:
+                text = answer.read()
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            detail = (
+                exc.read().decode(errors="replace")[-500:] if isinstance(exc, urllib.error.HTTPError) else ""
+            )
+            raise ModelError(
+                f"the {self.name} server at {self.url} failed {method} {path}: {exc} {detail}"
+            ) from None
+        try:
+            return json.loads(text) if text.strip() else {}
+        except ValueError:
+            return {"text": text.decode(errors="replace")}
+
+    def close(self) -> None:
+        """Unload this run's adapter (the server keeps running: it is the user's)."""
+        loaded, self.loaded = self.loaded, None
+        if loaded is not None:
+            with contextlib.suppress(ModelError):
+                self._unload(loaded)
+
+
 class ServedSampler:
-    """The sampler of ``finetune.grpo.Rollouts`` when a llama.cpp server samples: called as
+    """The sampler of ``finetune.grpo.Rollouts`` when a server samples (``LlamaCppServer``, ``RemoteServer``): called as
     ``StreamedTrainer.generate`` is, it pushes the adapter (from the second generation on), asks the server for
     each completion and keeps, per completion, the served log-probabilities of its first tokens that match
     (``served``, in order); ``check`` compares them with a step's own."""
@@ -312,14 +535,22 @@ class ServedSampler:
                 "are of the raw logits)",
                 o.temperature,
             )
-        self.server = LlamaCppServer(
-            self.model_dir,
-            run_dir / SERVED_DIR,
-            o.rollout_gguf_type,
-            recipe.data.max_seq_len + 8,
-            max(1, torch.get_num_threads()),
-            safe_point,
-        )
+        self.engine = o.rollout_engine
+        self.server: LlamaCppServer | RemoteServer
+        if o.rollout_engine == "llama_cpp":
+            self.server = LlamaCppServer(
+                self.model_dir,
+                run_dir / SERVED_DIR,
+                o.rollout_gguf_type,
+                recipe.data.max_seq_len + 8,
+                max(1, torch.get_num_threads()),
+                tokenizer,
+                safe_point,
+            )
+        else:
+            self.server = RemoteServer(
+                o.rollout_engine, str(o.rollout_url), run_dir / SERVED_DIR, tokenizer, safe_point
+            )
         self.safe_point = safe_point or (lambda: None)
         self.started = False
         self.served: list[list[float]] = []
@@ -340,60 +571,27 @@ class ServedSampler:
         ``seed`` + its index)."""
         began = time.perf_counter()
         if not self.started:
-            self.server.start(self._write_adapter)
+            self.server.start(self.trainer.save_adapter)
             self.started = True
         else:
-            self.server.push(self._write_adapter)
+            self.server.push(self.trainer.save_adapter)
         self.push_seconds = time.perf_counter() - began
         out, self.served = [], []
         for i, ids in enumerate(prompts):
-            choice = self.server.complete(
-                self._prompt_text(list(ids)),
+            completion, served = self.server.sample(
+                list(ids),
                 max_new_tokens,
                 temperature,
                 top_p,
                 top_k,
                 seed + i if isinstance(seed, int) else int(seed[i]),
                 self.checked,
+                eos_token_id,
             )
-            completion = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"][
-                :max_new_tokens
-            ]
-            if choice.get("finish_reason") == "stop" and len(completion) < max_new_tokens and eos_token_id:
-                completion.append(int(eos_token_id[0]))
             out.append(completion)
-            self.served.append(self._matching(completion, choice.get("logprobs")))
+            self.served.append(served)
             self.safe_point()
         return out
-
-    def _prompt_text(self, ids: list[int]) -> str:
-        """The prompt as the server tokenizes it again: its text, without a leading BOS (the server adds its
-        own where the model's tokenizer does)."""
-        bos = self.tokenizer.bos_token_id
-        if bos is not None and ids and ids[0] == bos:
-            ids = ids[1:]
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-    def _matching(self, completion: list[int], logprobs: dict | None) -> list[float]:
-        """The served log-probabilities of the completion's first tokens whose pieces are the server's."""
-        if not logprobs:
-            return []
-        pieces, values = logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []
-        out = []
-        for token, piece, value in zip(completion, pieces, values, strict=False):
-            if value is None or self.tokenizer.decode([token]) != piece:
-                break
-            out.append(float(value))
-        return out
-
-    def _write_adapter(self, out_file: Path) -> None:
-        """The trainer's adapter as it is now, as a GGUF LoRA at ``out_file`` (a temporary name, then renamed)."""
-        with tempfile.TemporaryDirectory(dir=out_file.parent, prefix=".adapter-") as tmp:
-            self.trainer.save_adapter(tmp)
-            part = out_file.with_name(f".{out_file.name}.tmp")
-            gguf.write_gguf_lora(Path(tmp), self.model_dir, part, self.gguf_type)
-            fsync_file(part)
-            os.replace(part, out_file)
 
     def check(self, micro: Sequence[dict[str, Any]]) -> dict[str, float]:
         """After a step: the served log-probabilities of its micro-batches (``SERVED_KEY``, put there by the
@@ -427,10 +625,8 @@ class ServedSampler:
         if self.tolerance is not None and mean > self.tolerance:
             raise ModelError(
                 f"the served policy is not the trained one: the sampled tokens' log-probabilities differ by "
-                f"{mean:.4g} on average (at most {worst:.4g}, over {compared} tokens) between the llama.cpp server "
-                f"and the step, above objective.rollout_logp_tolerance {self.tolerance}. A base or GGUF type "
-                f"({self.gguf_type}) that rounds the weights does this: set objective.rollout_gguf_type: f32 (or "
-                "bf16 for a bf16 base), train the base unquantized, or raise the tolerance"
+                f"{mean:.4g} on average (at most {worst:.4g}, over {compared} tokens) between the {self.server.name} "
+                f"server and the step, above objective.rollout_logp_tolerance {self.tolerance}. {self.server.mismatch}"
             )
         return metrics
 

@@ -318,10 +318,11 @@ def _run(
             stream = beside_teacher(stream, beside, t.gradient_accumulation_steps)
         if recipe.objective.rollouts:  # GRPO: each step's micro-batches sampled by the model as it is then
             sampler = None
-            if recipe.objective.rollout_engine == "llama_cpp":  # or by a llama.cpp server it is pushed to
+            served_by = recipe.objective.rollout_engine
+            if served_by != "tiertune":  # or by a server the adapter is pushed to (llama.cpp, vLLM, SGLang)
                 if world.size > 1:
                     raise ConfigError(
-                        "objective.rollout_engine: llama_cpp runs in one process in this release; launch one "
+                        f"objective.rollout_engine: {served_by} runs in one process in this release; launch one "
                         "process or set rollout_engine: tiertune"
                     )
                 model_dir = Path(recipe.model.path)
