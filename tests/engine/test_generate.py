@@ -85,3 +85,57 @@ def test_sampling_with_a_seed_is_reproducible(tiny_model_dir, disk_dir):
     finally:
         trainer.close()
     assert first == again and first != other
+
+
+def test_the_kv_cache_goes_to_host_memory_only_where_the_gpu_is_short(monkeypatch):
+    """``kv_on_host``'s rule: on a CUDA device, the cache at its longest and a pass's working memory against
+    ``KV_SHARE`` of what is free (the allocator's unused cache counted free, a per-process cap respected); on
+    the CPU, never."""
+    from types import SimpleNamespace
+
+    from tiertune.engine import generate as gen
+
+    config = SimpleNamespace(
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64, hidden_size=512,
+        intermediate_size=1024, vocab_size=1000,
+    )  # fmt: skip
+    per_row = gen.kv_bytes(config, 96, 2) + gen.pass_bytes(config, 64, 2)
+    assert (
+        gen.kv_bytes(config, 96, 2) == 4 * 96 * 2 * 2 * 64 * 2
+    )  # layers x tokens x (k, v) x heads x dim x 2 B
+    assert not gen.kv_on_host(torch.device("cpu"), config, 10_000, 64, 32, 2)
+    free = 100 * per_row
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 10 * free))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0, raising=False)
+    cuda = torch.device("cuda")
+    assert not gen.kv_on_host(cuda, config, 90, 64, 32, 2)  # 90 rows: 90% of the free memory
+    assert gen.kv_on_host(cuda, config, 91, 64, 32, 2)
+    # a cap of 5% of the GPU: what the process may still allocate is the room
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.05, raising=False)
+    assert gen.kv_on_host(cuda, config, 46, 64, 32, 2) and not gen.kv_on_host(cuda, config, 45, 64, 32, 2)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_kv_cache_in_host_memory_decodes_the_same_tokens(tiny_model_dir, disk_dir, monkeypatch):
+    """Forced to host memory (``KV_SHARE`` 0), the KV cache (transformers' offloaded cache, a layer back on the
+    GPU for its visit) gives the greedy tokens of the cache kept on the GPU, and of transformers' generate."""
+    from tiertune.engine import generate as gen
+
+    path, model = tiny_model_dir("llama", layers=3)
+    theirs = _theirs(model, PROMPTS, 12)
+    got = {}
+    for share in (gen.KV_SHARE, 0.0):
+        monkeypatch.setattr(gen, "KV_SHARE", share)
+        store = StoreConfig.resolve(
+            device="cuda", device_budget="1MiB", host_budget="1MiB", disk_path=str(disk_dir / str(share))
+        )
+        trainer = StreamedTrainer(
+            str(path), store, EngineConfig(dtype=torch.float32, params="disk", method="frozen", max_steps=1)
+        )
+        try:
+            got[share] = trainer.generate(PROMPTS, max_new_tokens=12)
+        finally:
+            trainer.close()
+    assert got[0.0] == got[gen.KV_SHARE] == theirs

@@ -157,6 +157,35 @@ def test_a_70b_qlora_grpo_step_on_a_24_gb_gpu_is_priced_with_its_generation(monk
     assert g.read_bytes["disk->host"] == g.first_pass["disk->host"] + 255 * nf4_layers
 
 
+def test_a_generation_whose_kv_cache_does_not_fit_the_gpu_holds_it_in_host_memory():
+    """128 completions of the 70B recipe's lengths: their KV cache (20 GiB) does not fit the 24 GB GPU beside the
+    store, so the run holds it in host memory (``engine.generate.kv_on_host``) and the estimate says so: the GPU
+    then holds two layers' of it, and a decoded token copies the cache at its average context to the GPU and
+    back (in the bytes a token moves, and the generation's time)."""
+    from tiertune.cli.app import RECIPES
+    from tiertune.estimates.generation import format_generation
+    from tiertune.estimates.report import estimate
+    from tiertune.loading.hub import SHIPPED
+
+    overrides = (
+        f"model.path={SHIPPED / 'meta-llama/Meta-Llama-3-70B'}",
+        "training.per_device_train_batch_size=16",
+        "training.gradient_accumulation_steps=8",
+    )
+    recipe = load_recipe(RECIPES / "llama3-70b-qlora-grpo-24gb.yaml", overrides)
+    g = estimate(recipe, measure=False, gpu="rtx4090").generation
+    assert g is not None and g.sequences == 128 and g.kv_bytes == 80 * 8 * 128 * 2 * 2 * 512 * 128
+    assert g.kv_on_host and g.fits and g.kv_held == 2 * g.kv_bytes // 80
+    average = g.kv_bytes * (256 + 256 / 2) / 512
+    assert g.kv_pass == {"host->device": int(average), "device->host": int(average)}
+    assert g.bytes_per_token == g.steady_pass["disk->host"] + g.steady_pass["host->device"] + int(average)
+    assert "does not fit beside the store: held in host memory" in " ".join(format_generation(g))
+    one = estimate(
+        load_recipe(RECIPES / "llama3-70b-qlora-grpo-24gb.yaml", overrides[:1]), False, gpu="rtx4090"
+    )
+    assert not one.generation.kv_on_host and one.generation.kv_pass == {}  # 16 completions: on the GPU
+
+
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_a_resumed_run_repeats_the_uninterrupted_one_inside_a_generation_too(
     cat_model, tmp_path, write_recipe, interrupted_after, method

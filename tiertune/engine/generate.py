@@ -15,6 +15,7 @@ is for a step's whole sequences, not a query against its cache)."""
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -23,6 +24,8 @@ import torch
 
 from tiertune.errors import ConfigError
 from tiertune.kernels.ops.attention import NAME as SEGMENTS
+
+log = logging.getLogger("tiertune.engine")
 
 
 def pick(
@@ -56,6 +59,69 @@ def pick(
     if generator is None or isinstance(generator, torch.Generator):
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
     return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generator, strict=True)])
+
+
+KV_SHARE = 0.9
+"""Of the GPU memory free when a decoding starts, the share its KV cache (at its longest) and a pass's working
+memory may take there; beyond it the cache is held in host memory (``kv_on_host``)."""
+
+
+def kv_bytes(config: Any, context: int, dtype_bytes: int) -> int:
+    """Bytes of one sequence's keys and values in transformers' ``DynamicCache`` at ``context`` tokens: each
+    attention layer's (a sliding-window layer's up to its window; multi-head latent attention's as its
+    attention expands them; layers without attention none)."""
+    layers = config.num_hidden_layers
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    if not heads:
+        return 0
+    if getattr(config, "kv_lora_rank", None):  # DeepSeek's MLA: the expanded keys and values are cached
+        nope = getattr(config, "qk_nope_head_dim", 0) or 0
+        rope = getattr(config, "qk_rope_head_dim", 0) or 0
+        width = heads * (nope + rope) + heads * (getattr(config, "v_head_dim", 0) or 0)
+    else:
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        width = 2 * kv_heads * head_dim
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)[:layers]
+    window = getattr(config, "sliding_window", None) or context
+    tokens = 0
+    for kind in types:
+        if kind in ("sliding_attention", "chunked_attention"):
+            tokens += min(context, window)
+        elif "attention" in kind:
+            tokens += context
+    return tokens * width * dtype_bytes
+
+
+def pass_bytes(config: Any, prompt: int, dtype_bytes: int) -> int:
+    """A decoding pass's working memory for one sequence at its largest, the prefill of ``prompt`` tokens: a
+    layer's activations (its inputs, attention and MLP temporaries) and the last token's fp32 logits."""
+    hidden = config.hidden_size
+    inner = getattr(config, "intermediate_size", None) or 4 * hidden
+    return prompt * (4 * hidden + 3 * inner) * dtype_bytes + config.vocab_size * 4
+
+
+def kv_on_host(
+    device: torch.device, config: Any, rows: int, prompt: int, new_tokens: int, dtype_bytes: int
+) -> bool:
+    """Whether a decoding of ``rows`` sequences holds its KV cache in host memory (transformers' offloaded
+    ``DynamicCache``: each layer's keys and values back on the GPU for its visit, prefetched a layer ahead): on a
+    CUDA device, where the cache at its longest and a pass's working memory would take more than ``KV_SHARE`` of
+    what the device has free now (under a per-process cap too: what the store and the run hold is allocated)."""
+    if device.type != "cuda":
+        return False
+    need = rows * (
+        kv_bytes(config, prompt + new_tokens, dtype_bytes) + pass_bytes(config, prompt, dtype_bytes)
+    )
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
+    capped = int(total * fraction) - torch.cuda.memory_reserved(device) + _cached(device)
+    return need > KV_SHARE * min(free + _cached(device), capped)
+
+
+def _cached(device: torch.device) -> int:
+    """Bytes the caching allocator holds but no tensor uses (free for the cache to take)."""
+    return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 @contextmanager
@@ -125,7 +191,13 @@ def generate(
         stack.callback(model.train, was_training)
         for state in others:  # the embeddings, final norm and head bound for the whole decoding
             stack.enter_context(trainer.bound_group(state, requires_grad=False))
-        cache = DynamicCache(config=model.config)
+        text = model.config.get_text_config(decoder=True)
+        offload = kv_on_host(device, text, rows, longest, max_new_tokens, trainer.config.dtype.itemsize)
+        if offload:
+            log.info(
+                "generation: the KV cache of %d sequences is held in host memory (the GPU is short)", rows
+            )
+        cache = DynamicCache(config=model.config, offloading=offload)
         # transformers 5.2x names it ``cache``; earlier releases (and some architectures) ``past_key_values``
         name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -176,4 +248,4 @@ def ledger_decoding(trainer: Any, passes: int) -> list[dict[str, int]]:
     return moved
 
 
-__all__ = ["decoding", "generate", "ledger_decoding", "pick"]
+__all__ = ["decoding", "generate", "kv_bytes", "kv_on_host", "ledger_decoding", "pass_bytes", "pick"]

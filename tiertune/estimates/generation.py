@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiertune.engine.generate import KV_SHARE, kv_bytes, pass_bytes
 from tiertune.estimates.speed import StepFlops
 from tiertune.units import format_size
 
@@ -54,6 +55,7 @@ class GenerationEstimate:
     reference_pass: dict[str, int] = field(default_factory=dict)
     reference_flops: float = 0.0
     reference_peak: int = 0
+    layers: int = 1  # the decoder's layers (a KV cache in host memory is on the GPU a layer at a time)
 
     @property
     def passes(self) -> int:
@@ -68,9 +70,36 @@ class GenerationEstimate:
         return self.work_per_sequence * self.sequences
 
     @property
+    def kv_on_host(self) -> bool:
+        """Whether the run holds the KV cache in host memory (``engine.generate.kv_on_host``'s rule, the GPU's
+        room being what the store and the adapters leave): on a GPU only."""
+        if self.has is None or self.on != "the GPU":
+            return False
+        return self.kv_bytes + self.working_bytes > KV_SHARE * (self.has - self.held_beside)
+
+    @property
+    def kv_held(self) -> int:
+        """The KV cache's bytes on what computes: all of it, or held in host memory two layers' (the one in use,
+        the next prefetched)."""
+        if not self.kv_on_host:
+            return self.kv_bytes
+        return min(self.kv_bytes, 2 * self.kv_bytes // max(1, self.layers))
+
+    @property
+    def kv_pass(self) -> dict[str, int]:
+        """Bytes a decoded token's pass moves for a KV cache held in host memory (at a pass's average context):
+        each layer's keys and values to the GPU for its visit and back after it (transformers' offloaded cache
+        copies the whole layer each way)."""
+        if not self.kv_on_host:
+            return {}
+        context = self.prompt_tokens + self.completion_tokens
+        average = self.kv_bytes * (self.prompt_tokens + self.completion_tokens / 2) / context
+        return {"host->device": int(average), "device->host": int(average)}
+
+    @property
     def held(self) -> int:
         """Bytes held on what computes while sampling."""
-        return self.held_beside + self.kv_bytes + self.working_bytes
+        return self.held_beside + self.kv_held + self.working_bytes
 
     @property
     def fits(self) -> bool:
@@ -89,7 +118,9 @@ class GenerationEstimate:
     @property
     def bytes_per_token(self) -> int:
         """Bytes a decoded token moves from the disk and the host (a steady pass), for every sequence at once."""
-        return sum(n for link, n in self.steady_pass.items() if link in ("disk->host", "host->device"))
+        moved = {**self.steady_pass}
+        moved["host->device"] = moved.get("host->device", 0) + self.kv_pass.get("host->device", 0)
+        return sum(n for link, n in moved.items() if link in ("disk->host", "host->device"))
 
     @property
     def read_bytes(self) -> dict[str, int]:
@@ -117,6 +148,8 @@ class GenerationEstimate:
             "bytes_per_decoded_token": self.bytes_per_token,
             "generation_bytes": self.read_bytes,
             "kv_cache_bytes": self.kv_bytes,
+            "kv_cache_on_host": self.kv_on_host,
+            "kv_cache_pass_bytes": self.kv_pass,
             "working_bytes": self.working_bytes,
             "held_beside": self.held_beside,
             "held": self.held,
@@ -131,33 +164,6 @@ class GenerationEstimate:
             "reference_flops": self.reference_flops,
             "reference_peak_bytes": self.reference_peak,
         }
-
-
-def kv_bytes(config: Any, context: int, dtype_bytes: int) -> int:
-    """Bytes of one sequence's keys and values in transformers' ``DynamicCache`` at ``context`` tokens: each
-    attention layer's (a sliding-window layer's up to its window; multi-head latent attention's as its
-    attention expands them; layers without attention none)."""
-    layers = config.num_hidden_layers
-    heads = getattr(config, "num_attention_heads", 0) or 0
-    if not heads:
-        return 0
-    if getattr(config, "kv_lora_rank", None):  # DeepSeek's MLA: the expanded keys and values are cached
-        nope = getattr(config, "qk_nope_head_dim", 0) or 0
-        rope = getattr(config, "qk_rope_head_dim", 0) or 0
-        width = heads * (nope + rope) + heads * (getattr(config, "v_head_dim", 0) or 0)
-    else:
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        width = 2 * kv_heads * head_dim
-    types = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)[:layers]
-    window = getattr(config, "sliding_window", None) or context
-    tokens = 0
-    for kind in types:
-        if kind in ("sliding_attention", "chunked_attention"):
-            tokens += min(context, window)
-        elif "attention" in kind:
-            tokens += context
-    return tokens * width * dtype_bytes
 
 
 def generation_estimate(
@@ -180,9 +186,7 @@ def generation_estimate(
     completion = o.max_completion_length
     dtype = DTYPE_BYTES.get(recipe.model.dtype, 2)
     kv = kv_bytes(config, prompt + completion, dtype)
-    hidden = config.hidden_size
-    inner = getattr(config, "intermediate_size", None) or 4 * hidden
-    work = prompt * (4 * hidden + 3 * inner) * dtype + config.vocab_size * 4
+    work = pass_bytes(config, prompt, dtype)
     per_context = flops.attention_per_token / max(1, 2 * d.max_seq_len)  # 4 x context x this: a token's
     weights, head = 2 * flops.layer_weights, 2 * flops.head_weights
     prefill = sequences * (prompt * (weights + 4 * (prompt / 2) * per_context) + head)
@@ -205,6 +209,7 @@ def generation_estimate(
         on,
         prefill,
         decode,
+        layers=config.num_hidden_layers,
     )
     if reference_pass is not None:
         est.reference_pass = {k: n for k, n in reference_pass.items() if k != "device peak"}
@@ -228,7 +233,8 @@ def time_generation(
         return parts
 
     first = seconds(est.first_pass, est.prefill_flops)
-    later = seconds(est.steady_pass, est.decode_flops / max(1, est.passes - 1))
+    steady = {k: n + est.kv_pass.get(k, 0) for k, n in {**est.kv_pass, **est.steady_pass}.items()}
+    later = seconds(steady, est.decode_flops / max(1, est.passes - 1))
     reference = seconds(est.reference_pass, est.reference_flops) if est.reference_flops else {}
     passes = est.passes - 1
     est.parts = {k: first[k] + passes * later[k] + reference.get(k, 0.0) for k in first}
@@ -249,10 +255,16 @@ def format_generation(est: GenerationEstimate) -> list[str]:
         f"  while sampling, {est.on} holds {format_size(est.held)}"
         + (f" of {format_size(est.has)}" if est.has is not None else "")
         + f": the store's tiers and the adapters {format_size(est.held_beside)}, the KV cache "
-        f"{format_size(est.kv_bytes)} ({format_size(est.kv_per_sequence)} a sequence of "
+        f"{format_size(est.kv_held)} ({format_size(est.kv_per_sequence)} a sequence of "
         f"{est.prompt_tokens + est.completion_tokens} tokens), a pass's working memory "
         f"{format_size(est.working_bytes)} (the update's activations are not held then)  {ok}",
     ]
+    if est.kv_on_host:
+        lines.append(
+            f"  the KV cache ({format_size(est.kv_bytes)}) does not fit beside the store: held in host memory "
+            f"(transformers' offloaded cache), a layer's on the GPU for its visit; a decoded token copies "
+            f"{format_size(est.kv_pass['host->device'])} of it to the GPU and back"
+        )
     if est.reference_flops:
         moved = ", ".join(f"{k} {format_size(n)}" for k, n in est.reference_pass.items()) or "nothing"
         lines.append(
@@ -261,7 +273,7 @@ def format_generation(est: GenerationEstimate) -> list[str]:
             f"holds {format_size(est.reference_peak)} on {est.on} at most"
         )
     largest = est.largest_sequences
-    if largest is not None and (not est.fits or largest < 4 * est.sequences):
+    if largest is not None and not est.kv_on_host and (not est.fits or largest < 4 * est.sequences):
         lines.append(
             f"  at most {largest} completions a generation fit these lengths (num_generations multiples)"
         )
@@ -275,4 +287,4 @@ def format_generation(est: GenerationEstimate) -> list[str]:
     return lines
 
 
-__all__ = ["GenerationEstimate", "format_generation", "generation_estimate", "kv_bytes", "time_generation"]
+__all__ = ["GenerationEstimate", "format_generation", "generation_estimate", "time_generation"]
