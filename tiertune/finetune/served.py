@@ -83,6 +83,25 @@ whole run (a process with a large address space: the fork can fail for memory, a
 may deadlock) where it otherwise uses vfork."""
 
 
+def from_text(
+    tokenizer: Any, choice: dict[str, Any], max_tokens: int, eos: Sequence[int]
+) -> tuple[list[int], list[float]]:
+    """A served completion (an OpenAI completion's choice) that comes back as text: its ids by the run's
+    tokenizer (an EOS appended where the server stopped at one), and the served log-probabilities of its first
+    tokens whose pieces are the server's (none where it gave none)."""
+    completion = tokenizer(choice["text"], add_special_tokens=False)["input_ids"][:max_tokens]
+    if choice.get("finish_reason") == "stop" and len(completion) < max_tokens and eos:
+        completion.append(int(eos[0]))
+    logprobs = choice.get("logprobs") or {}
+    pieces, values = logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []
+    out: list[float] = []
+    for token, piece, value in zip(completion, pieces, values, strict=False):
+        if value is None or tokenizer.decode([token]) != piece:
+            break
+        out.append(float(value))
+    return completion, out
+
+
 class LlamaCppServer:
     """llama-cpp-python's server over the base of ``model_dir`` written as a GGUF in ``directory`` (see the
     module docstring): ``start`` it with the adapter's first version, ``push`` each later one (``save`` writes the
@@ -224,10 +243,7 @@ class LlamaCppServer:
         choice = self.complete(
             self._prompt_text(prompt), max_tokens, temperature, top_p, top_k, seed, logprobs
         )
-        completion = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"][:max_tokens]
-        if choice.get("finish_reason") == "stop" and len(completion) < max_tokens and eos:
-            completion.append(int(eos[0]))
-        return completion, self._matching(completion, choice.get("logprobs"))
+        return from_text(self.tokenizer, choice, max_tokens, eos)
 
     def _prompt_text(self, ids: list[int]) -> str:
         """The prompt as the server tokenizes it again: its text, without a leading BOS (the server adds its
@@ -236,18 +252,6 @@ class LlamaCppServer:
         if bos is not None and ids and ids[0] == bos:
             ids = ids[1:]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-    def _matching(self, completion: list[int], logprobs: dict | None) -> list[float]:
-        """The served log-probabilities of the completion's first tokens whose pieces are the server's."""
-        if not logprobs:
-            return []
-        pieces, values = logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []
-        out = []
-        for token, piece, value in zip(completion, pieces, values, strict=False):
-            if value is None or self.tokenizer.decode([token]) != piece:
-                break
-            out.append(float(value))
-        return out
 
     def complete(
         self,
@@ -468,15 +472,9 @@ class RemoteServer:
         if tokens and all(str(t).startswith("token_id:") for t in tokens):
             ids = [int(str(t).removeprefix("token_id:")) for t in tokens][:max_tokens]
             return ids, [float(v) for v in values[: len(ids)]] if logprobs else []
-        completion = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"][:max_tokens]
-        if choice.get("finish_reason") == "stop" and len(completion) < max_tokens and eos:
-            completion.append(int(eos[0]))
-        out: list[float] = []
-        for token, piece, value in zip(completion, tokens, values, strict=False):
-            if not logprobs or value is None or self.tokenizer.decode([token]) != piece:
-                break
-            out.append(float(value))
-        return completion, out
+        return from_text(
+            self.tokenizer, choice if logprobs else {**choice, "logprobs": None}, max_tokens, eos
+        )
 
     def _request(self, method: str, path: str, body: dict | None = None) -> Any:
         """The server's answer to one request (JSON), a ModelError with its reason where it fails."""
