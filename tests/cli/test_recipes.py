@@ -90,7 +90,9 @@ def test_the_estimate_written_in_each_gpu_recipe_is_what_estimate_says(name, mon
     if predicted.generation is not None:  # GRPO's sampling as estimate prices it
         g = predicted.generation
         layers = predicted.kinds["weights, quantized cache"][1]
-        assert g.steady_pass["disk->host"] == layers and f"reads the {format_size(layers)} of" in comments
+        read, copied = g.steady_pass["disk->host"], g.steady_pass["host->device"]
+        assert f"reads {format_size(read)} of the {format_size(layers)} of NF4 layers" in comments
+        assert f"copies {format_size(copied)} of them to the GPU" in comments
         assert f"{g.passes} passes a generation ({format_size(g.read_bytes['disk->host'])} read)" in comments
         assert g.fits and f"the GPU holds {format_size(g.held)} of {format_size(g.has)}" in comments
         assert (

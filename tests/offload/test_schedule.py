@@ -181,3 +181,35 @@ def test_overwriting_accesses_are_not_prefetched(disk_dir):
         assert not chunks[0].valid & {Tier.HOST, Tier.DEVICE}
         assert store.moved(chunks[2]).get("disk->host", 0) == chunks[2].capacity  # read back once, ahead
         store.release(chunks[1])
+
+
+def test_a_repeating_pass_keeps_what_the_next_pass_needs_and_gives_the_steps_trace_back():
+    """A loop over 4 chunks through a device tier of 3 (a decoding's passes over the layers). With no trace to go
+    by (least recently used) every access misses: 4 copies a pass. As a repeating pass (``ChunkStore.repeating``,
+    each pass ended by ``mark_step``: the first recorded, the next replayed), Belady keeps what the next pass
+    needs soonest: at most 2 copies a pass (1 at best). The steps' scheduler, its trace and where the step is
+    in it, is back after the block."""
+
+    def loop(store, chunks) -> int:
+        before = store.stats().bytes_moved.get("host->device", 0)
+        for chunk in chunks:
+            store.acquire(chunk)
+            store.release(chunk)
+        return (store.stats().bytes_moved.get("host->device", 0) - before) // ALIGN
+
+    store, chunks = _store(device_chunks=3, n=4)
+    with store:
+        assert [loop(store, chunks) for _ in range(5)] == [4] * 5  # no trace: least recently used
+    store, chunks = _store(device_chunks=3, n=4)
+    with store:
+        loop(store, chunks)  # a training step's trace first: every chunk once
+        store.mark_step()
+        steps, cursor = store.scheduler, store.scheduler.cursor
+        with store.repeating():
+            assert store.scheduler is not steps and not store.scheduler.replaying
+            copied = []
+            for _ in range(6):
+                copied.append(loop(store, chunks))
+                store.mark_step()
+        assert store.scheduler is steps and steps.cursor == cursor and steps.replaying
+    assert all(1 <= n <= 2 for n in copied[1:]) and sum(copied[1:]) <= 8, copied

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -179,18 +179,14 @@ def generate(
         generator = [torch.Generator().manual_seed(int(s)) for s in seed]
     if temperature == 0:
         generator = None
-    others = [s for s in trainer.states if s.group.kind != "layer"]
     out: list[list[int]] = [[] for _ in range(rows)]
     done = torch.zeros(rows, dtype=torch.bool)
-    trainer.step_ctx.traced = False
     with ExitStack() as stack, torch.no_grad():
-        stack.callback(setattr, trainer.step_ctx, "traced", True)
         stack.enter_context(decoding(model))
         was_training = model.training
         model.eval()  # no dropout
         stack.callback(model.train, was_training)
-        for state in others:  # the embeddings, final norm and head bound for the whole decoding
-            stack.enter_context(trainer.bound_group(state, requires_grad=False))
+        end_pass = stack.enter_context(decoding_passes(trainer))
         text = model.config.get_text_config(decoder=True)
         offload = kv_on_host(device, text, rows, longest, max_new_tokens, trainer.config.dtype.itemsize)
         if offload:
@@ -219,6 +215,7 @@ def generate(
                 if not done[r]:
                     out[r].append(int(chosen[r]))
             done |= torch.tensor([int(c) in stops for c in chosen.tolist()], dtype=torch.bool)
+            end_pass()
             if bool(done.all()):
                 break
             step_ids = chosen[:, None].to(device)
@@ -227,21 +224,38 @@ def generate(
     return out
 
 
-def ledger_decoding(trainer: Any, passes: int) -> list[dict[str, int]]:
-    """A decoding's weight accesses on a ledger store (``estimate``'s: no arithmetic), as ``generate`` makes
-    them: the groups outside the decoder layers bound for the whole decoding, each layer's weights acquired
-    once a pass, ``passes`` passes (no row stops early). Returns the bytes each pass moved, by link."""
+@contextmanager
+def decoding_passes(trainer: Any) -> Iterator[Callable[[], None]]:
+    """A decoding's weight accesses (``generate``'s, and the estimate's ``ledger_decoding``): the groups outside
+    the decoder layers (embeddings, final norm, head) bound for the whole decoding, out of the scheduler's
+    trace; the layers' accesses scheduled as a repeating pass (``ChunkStore.repeating``: the first pass recorded
+    and the next ones replayed, so that eviction keeps cached what the next pass needs soonest, a part of the
+    layers where the tiers cannot hold them all, and the next layers are prefetched). Yields the call that ends
+    a pass; on exit the training steps' trace is back."""
     others = [s for s in trainer.states if s.group.kind != "layer"]
-    layers = len(trainer.states) - len(others)
-    moved: list[dict[str, int]] = []
-    before = dict(trainer.store_stats().bytes_moved)
     with ExitStack() as stack:
+        trainer.step_ctx.traced = False
+        stack.callback(setattr, trainer.step_ctx, "traced", True)
         for state in others:
             stack.enter_context(trainer.bound_group(state, requires_grad=False))
+        stack.enter_context(trainer.store.repeating())
+        trainer.step_ctx.traced = True
+        yield trainer.store.mark_step
+
+
+def ledger_decoding(trainer: Any, passes: int) -> list[dict[str, int]]:
+    """A decoding's weight accesses on a ledger store (``estimate``'s: no arithmetic), as ``generate`` makes
+    them (``decoding_passes``): each layer's weights acquired once a pass, ``passes`` passes (no row stops
+    early). Returns the bytes each pass moved, by link."""
+    layers = sum(1 for s in trainer.states if s.group.kind == "layer")
+    moved: list[dict[str, int]] = []
+    before = dict(trainer.store_stats().bytes_moved)
+    with decoding_passes(trainer) as end_pass:
         for _ in range(passes):
             for index in range(layers):
                 with trainer.layer_weights(index, requires_grad=False):
                     pass
+            end_pass()
             now = dict(trainer.store_stats().bytes_moved)
             moved.append({k: n - before.get(k, 0) for k, n in now.items() if n - before.get(k, 0)})
             before = now

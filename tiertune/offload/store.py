@@ -309,6 +309,7 @@ class ChunkStore:
         # the same chunks in the order the scheduler would evict them, as of its epoch ``_order_epoch``
         self._order = {Tier.DEVICE: EvictionOrder(), Tier.HOST: EvictionOrder()}
         self._order_epoch = self.scheduler.epoch
+        self._repeating = False  # inside ``repeating``
         self._moved: dict[str, int] = {}
         self._moved_by: dict[int, dict[str, int]] = {}  # chunk id -> link -> bytes
         self._fatal: BaseException | None = None
@@ -770,6 +771,28 @@ class ChunkStore:
             self._land()
             self.scheduler.mark_step()
             self._prefetch()
+
+    @contextlib.contextmanager
+    def repeating(self) -> Iterator[None]:
+        """A pass that repeats, and is not a training step (a decoding: the same weight accesses every token),
+        scheduled as steps are: inside, a scheduler of its own records the first pass and replays it for the
+        next ones (each ended by ``mark_step``), so that eviction keeps what the next pass needs soonest (a
+        pass over more than the tiers hold keeps a part of it cached, not none) and the next chunks are
+        prefetched from the disk (copies to the device are made when asked for); on exit the training steps'
+        scheduler (its trace, and where the step is in it) is back."""
+        with self._cond:
+            self._land()
+            saved, self.scheduler = self.scheduler, Scheduler()
+            self._order_epoch = -1  # every copy's place among the victims is the new scheduler's
+            self._repeating = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._land()
+                self.scheduler = saved
+                self._order_epoch = -1
+                self._repeating = False
 
     def forget_pass(self) -> None:
         """What ran since the last step boundary was not a training step (a pass over the data before it): its
@@ -1507,7 +1530,10 @@ class ChunkStore:
         sched = self.scheduler
         if not sched.replaying or self._closing:
             return
-        for cid in sched.upcoming(self.config.prefetch_depth, Tier.DEVICE):
+        # a repeating pass's copies to the device are made when asked for: a device tier a few layers deep,
+        # prefetching ahead along it, evicted layers the next pass needed and copied some twice a pass
+        depth = 0 if self._repeating else self.config.prefetch_depth
+        for cid in sched.upcoming(depth, Tier.DEVICE):
             chunk = self._chunks[cid]
             if self._busy(chunk) or Tier.DEVICE in chunk.valid:
                 continue
