@@ -3,19 +3,20 @@ micro-batches made from its prompts by the model being trained.
 
 Every ``num_iterations`` steps a generation batch is sampled: the step's ``per_device_train_batch_size x
 gradient_accumulation_steps`` completions on each process, ``num_generations`` of each of its prompts (the next
-prompts of the data, in the run's seeded order, each process its own), decoded in one batch by the streamed
-model (``StreamedTrainer.generate``: the weights read once per decoded token for all of them, LoRA applied as in
-training), each completion from a generator seeded by the run's seed, the generation's number and its own
-(a resumed run samples what the uninterrupted one did, a launch of any number of processes what one does). The reward functions score each completion (TRL's signature: ``prompts``,
-``completions``, ``completion_ids``, the data's other columns as keyword arguments, ``trainer_state``,
-``log_extra``, ``log_metric``), the advantages follow (``engine.grpo.advantages``), and the batch is cut into
-the step's micro-batches in order: each row its prompt then its completion (right-padded; the targets are the
-completion's tokens), with its ``advantages``; a full fine-tune's KL term has each micro-batch's reference
-figures scored then (``ref_logps``: ``finetune.reference.ReferenceBeside``, the initial weights beside the
-policy, once a generation). A generation trains ``num_iterations`` steps; from its second,
-each micro-batch carries the ``old_logps`` its first step found (the policy that sampled it: no pass of the
-weights beyond the steps' own). The generation's metrics go in its first micro-batch (``METRICS_KEY``), with
-TRL's names; a sample of its completions is appended to ``completions.jsonl`` in the run directory."""
+prompts of the data, in the run's seeded order, each process its own), decoded in one batch by the streamed model
+(``StreamedTrainer.generate``: the weights read once per decoded token for all of them, LoRA applied as in
+training), each completion from a generator seeded by the run's seed, the generation's number and its own (a
+resumed run samples what the uninterrupted one did, a launch of any number of processes what one does). The reward
+functions score each completion (TRL's signature: ``prompts``, ``completions``, ``completion_ids``, the data's
+other columns as keyword arguments, ``trainer_state``, ``log_extra``, ``log_metric``), the advantages follow
+(``engine.grpo.advantages``), and the batch is cut into the step's micro-batches in order: each row its prompt then
+its completion (right-padded; the targets are the completion's tokens), with its ``advantages``; a full fine-tune's
+KL term has each micro-batch's reference figures scored then (``ref_logps``:
+``finetune.reference.ReferenceBeside``, the initial weights beside the policy, once a generation). A generation
+trains ``num_iterations`` steps; from its second, each micro-batch carries the ``old_logps`` its first step found
+(the policy that sampled it: no pass of the weights beyond the steps' own). The generation's metrics go in its
+first micro-batch (``METRICS_KEY``), with TRL's names; a sample of its completions is appended to
+``completions.jsonl`` in the run directory."""
 
 from __future__ import annotations
 
