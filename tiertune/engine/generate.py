@@ -1,16 +1,18 @@
 """Batched decoding over a streamed model (``StreamedTrainer.generate``): every prompt advances one token per pass
-over the decoder layers, each layer's weights acquired once a pass for the whole batch (read once per decoded
-token, however many sequences), its keys and values kept in transformers' ``DynamicCache`` on the device.
+over the decoder layers, each layer's weights acquired once a pass for the whole batch (read at most once per
+decoded token, however many sequences; the passes are scheduled as a repeating pass, ``decoding_passes``: what the
+budgets can keep between passes stays, the layers the next pass needs soonest), its keys and values kept in
+transformers' ``DynamicCache`` on the device, or in host memory where the device is short (``kv_on_host``).
 
 Prompts are left-padded, positions counted from each row's first token (as transformers' ``generate`` does), so
 greedy decoding (``temperature`` 0) picks the tokens ``generate(do_sample=False)`` picks. Sampling applies the
 temperature, then top-k, then top-p (transformers' warpers, in its order) and draws from a generator seeded by
-``seed``: the same seed, the same completions; with a seed for each prompt, each row draws from its own
-generator, so its completion does not depend on the rows decoded beside it (GRPO's: the same completions
-whatever the processes a launch splits a generation over). A row stops at the EOS token (then pads); decoding stops when
-every row has, or after ``max_new_tokens``. LoRA adapters are applied as in training (never merged into a
-quantized base). The model's attention runs transformers' ``sdpa`` while decoding (tiertune's segment attention
-is for a step's whole sequences, not a query against its cache)."""
+``seed``: the same seed, the same completions; with a seed for each prompt, each row draws from its own generator,
+so its completion does not depend on the rows decoded beside it (GRPO's: the same completions whatever the
+processes a launch splits a generation over). A row stops at the EOS token (then pads); decoding stops when every
+row has, or after ``max_new_tokens``. LoRA adapters are applied as in training (never merged into a quantized
+base). The model's attention runs transformers' ``sdpa`` while decoding (tiertune's segment attention is for a
+step's whole sequences, not a query against its cache)."""
 
 from __future__ import annotations
 
