@@ -783,6 +783,7 @@ class ChunkStore:
         with self._cond:
             self._land()
             saved, self.scheduler = self.scheduler, Scheduler()
+            self.scheduler.clock = saved.clock  # one clock for the chunks' last uses
             self._order_epoch = -1  # every copy's place among the victims is the new scheduler's
             self._repeating = True
         try:
@@ -790,7 +791,7 @@ class ChunkStore:
         finally:
             with self._cond:
                 self._land()
-                self.scheduler = saved
+                saved.clock, self.scheduler = self.scheduler.clock, saved
                 self._order_epoch = -1
                 self._repeating = False
 
