@@ -170,7 +170,7 @@ def token_logps_head(temperature: float) -> Callable[[Any, Any, torch.Tensor], t
     def head(engine: Any, mb: Any, last: torch.Tensor) -> torch.Tensor:
         with engine.loss.tempered(temperature):
             losses = engine.compute.token_losses(engine.loss, last, mb.ids, mb.extra, mb.target)
-        return -losses.float().cpu()
+        return -losses.float() if engine.compute.ledger else -losses.float().cpu()
 
     return head
 

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -124,6 +125,36 @@ def replay_decoding(
         trainer = StreamedTrainer(model_dir, ledger, cfg, world=world, compute=Ledger((), cfg.max_grad_norm))
     try:
         moved = ledger_decoding(trainer, passes)
+        return Decoded(moved, {t: s.peak for t, s in trainer.store_stats().tiers.items()})
+    finally:
+        trainer.close()
+
+
+def replay_frozen_passes(
+    model_dir: str,
+    store_cfg: StoreConfig,
+    cfg: EngineConfig,
+    batches: Sequence[dict[str, torch.Tensor]],
+    passes: int,
+    head: Any = None,
+    device: torch.device | None = None,
+    world: World | None = None,
+) -> Decoded:
+    """``passes`` passes of a frozen model beside a trained one (``StreamedTrainer.sequence_logps`` with
+    ``repeat``, ``head`` its figures: GRPO's reference of a full fine-tune) over ``batches``, on a ledger store
+    configured as ``store_cfg``: the bytes each pass moved, by link (the first from cold, the next with what the
+    budgets kept), and each tier's peak."""
+    ledger = dataclasses.replace(store_cfg, ledger=True, device=device or store_cfg.device)
+    with held_back("tiertune", logging.WARNING):
+        trainer = StreamedTrainer(model_dir, ledger, cfg, world=world, compute=Ledger((), cfg.max_grad_norm))
+    try:
+        moved: list[dict[str, int]] = []
+        before = dict(trainer.store_stats().bytes_moved)
+        for _ in range(passes):
+            trainer.sequence_logps(batches, head, repeat=True)
+            now = dict(trainer.store_stats().bytes_moved)
+            moved.append({k: n - before.get(k, 0) for k, n in now.items() if n - before.get(k, 0)})
+            before = now
         return Decoded(moved, {t: s.peak for t, s in trainer.store_stats().tiers.items()})
     finally:
         trainer.close()

@@ -270,14 +270,20 @@ class StreamedTrainer(TrainerViews):
     ) -> AbstractContextManager[dict[str, torch.Tensor]]:
         return self.bound_group(self.layer_state(index), requires_grad)
 
-    def sequence_logps(self, micro_batches: Sequence[dict[str, torch.Tensor]], head: Any = None) -> list[Any]:
+    def sequence_logps(
+        self, micro_batches: Sequence[dict[str, torch.Tensor]], head: Any = None, repeat: bool = False
+    ) -> list[Any]:
         """Each micro-batch's rows' log-probabilities of their labels (or ``head``'s figures: a teacher's), by
         the weights as they are, in one pass of the layers without autograd (``LayerMajor.sequence_logps``); the
-        store forgets the pass (its accesses and peaks are not a step's: ``ChunkStore.forget_pass``)."""
+        store forgets the pass (``ChunkStore.forget_pass``), or with ``repeat`` (a frozen trainer making only such
+        passes) ends it as a step: the first pass's accesses become the trace, what the budgets keep stays."""
         try:
             return self.schedule.sequence_logps(micro_batches, head)
         finally:
-            self.store.forget_pass()
+            if repeat:
+                self.store.mark_step()
+            else:
+                self.store.forget_pass()
 
     @contextmanager
     def reference(self) -> Iterator[None]:

@@ -546,6 +546,7 @@ def _generation(
     reference = None
     if run.recipe.reference_beside:  # the initial weights beside the policy: a pass of its own store
         from tiertune.config.plan import resolve
+        from tiertune.engine.grpo import token_logps_head
         from tiertune.finetune.reference import frozen_engine, reference_recipe
 
         reference = {}
@@ -555,9 +556,24 @@ def _generation(
                 reference_recipe(run.recipe), run.world, device.type, memory, disk_free=run.laid.disk_free
             )
             ledger = dataclasses.replace(beside.store, disk_budget=None)
-            engine = frozen_engine(beside.engine)
-            decoded = replaying.replay_decoding(run.recipe.model.path, ledger, engine, 1, device, run.world)
-            reference = {**decoded.moved[0], "device peak": decoded.peaks.get("device", 0)}
+            t = run.recipe.training
+            rows, tokens = t.per_device_train_batch_size, run.recipe.data.max_seq_len
+            batches = [
+                {"input_ids": torch.zeros(rows, tokens, dtype=torch.long)}
+                for _ in range(t.gradient_accumulation_steps)
+            ]
+            head = token_logps_head(run.recipe.objective.temperature)
+            decoded = replaying.replay_frozen_passes(
+                run.recipe.model.path,
+                ledger,
+                frozen_engine(beside.engine),
+                batches,
+                2,
+                head,
+                device,
+                run.world,
+            )  # the second pass: a generation's after the first (what the reference's budgets keep stays)
+            reference = {**decoded.moved[-1], "device peak": decoded.peaks.get("device", 0)}
     on = est.computes_on()
     adapters = est.outside_store.get("LoRA adapters + states", 0)
     held = (on[2] - sum(est.outside_store.values()) + adapters) if on is not None else 0

@@ -179,8 +179,8 @@ class ReferenceBeside:
     """GRPO's reference for a full or GaLore fine-tune (``Recipe.reference_beside``): the initial weights
     (``model.path`` as it ships: a resumed run's reference is still them), a frozen trainer beside the policy
     within its share of the budgets, that scores each generation's completion tokens once (``score``: one pass
-    over all its micro-batches, the weights read once a generation; the reference does not change, so a
-    generation's later iterations reuse the figures). ``seconds``, ``passes`` and ``disk_bytes`` count its
+    over all its micro-batches, the weights read at most once a generation, what its budgets keep staying for
+    the next; the reference does not change, so a generation's later iterations reuse the figures). ``seconds``, ``passes`` and ``disk_bytes`` count its
     passes."""
 
     trainer: Any
@@ -202,7 +202,8 @@ class ReferenceBeside:
 
         began = time.perf_counter()
         before = disk_bytes(self.trainer)
-        figures = self.trainer.sequence_logps(micro_batches, token_logps_head(self.temperature))
+        # a pass a generation, the same accesses each time: scheduled as steps, what its budgets keep stays
+        figures = self.trainer.sequence_logps(micro_batches, token_logps_head(self.temperature), repeat=True)
         for mb, logps in zip(micro_batches, figures, strict=True):
             mb["ref_logps"] = logps
         self.seconds += time.perf_counter() - began
