@@ -116,8 +116,10 @@ def test_the_estimate_prices_the_teacher_beside_as_it_runs(tmp_path, write_recip
     planned = est.teacher
     assert planned.beside and planned.cache_bytes == 0 and planned.wave_rows == 4
     ran = train(recipe, progress=False).teacher_pass
-    # the teacher's weights once a step, as its store read them
-    assert planned.weight_bytes * ran["waves"] == pytest.approx(ran["disk_bytes"], rel=0.02)
+    # the teacher's passes replayed on its own ledger store: its weights at most once a step, what its half of the
+    # budgets keeps staying (here all of it: the first step reads them, the later ones nothing), as its store read
+    assert planned.pass_bytes is not None and planned.pass_bytes[0] >= planned.weight_bytes * 0.9
+    assert planned.read_bytes == pytest.approx(ran["disk_bytes"], rel=0.02)
     config = AutoConfig.from_pretrained(models[0])
     assert planned.head_bytes == config.vocab_size * config.hidden_size * 4
     text = format_estimate(est, "distill")

@@ -28,7 +28,7 @@ import copy
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -502,6 +502,15 @@ def estimate(
         est.scale_out.budgets = {"device": sharded.device_budget, "host": sharded.host_budget}
     if recipe.objective.distills:
         est.teacher = _teacher(recipe, store_cfg.device_budget, notes)
+        if recipe.objective.beside and replayed is not None:  # its passes on its own ledger store
+            from tiertune.finetune.teacher import teacher_recipe
+
+            frozen = teacher_recipe(recipe)
+            frozen.model.path = config_directory(frozen.model.path)
+            # its store's accesses are the pass's whatever its head makes (the head's copy is priced apart)
+            decoded = _beside_passes(est, run, frozen, lambda engine, mb, last: None, device)
+            first, later = (sum(n for k, n in m.items() if k.startswith("disk->")) for m in decoded.moved)
+            est.teacher.pass_bytes = (first, later)
     if measure:
 
         def probe() -> tuple[dict[str, float], list[str]]:
@@ -545,34 +554,14 @@ def _generation(
         ).moved
     reference = None
     if run.recipe.reference_beside:  # the initial weights beside the policy: a pass of its own store
-        from tiertune.config.plan import resolve
         from tiertune.engine.grpo import token_logps_head
-        from tiertune.finetune.reference import frozen_engine, reference_recipe
+        from tiertune.finetune.reference import reference_recipe
 
         reference = {}
         if replay:
-            memory = est.machine.get("gpu_memory")
-            beside = resolve(
-                reference_recipe(run.recipe), run.world, device.type, memory, disk_free=run.laid.disk_free
-            )
-            ledger = dataclasses.replace(beside.store, disk_budget=None)
-            t = run.recipe.training
-            rows, tokens = t.per_device_train_batch_size, run.recipe.data.max_seq_len
-            batches = [
-                {"input_ids": torch.zeros(rows, tokens, dtype=torch.long)}
-                for _ in range(t.gradient_accumulation_steps)
-            ]
             head = token_logps_head(run.recipe.objective.temperature)
-            decoded = replaying.replay_frozen_passes(
-                run.recipe.model.path,
-                ledger,
-                frozen_engine(beside.engine),
-                batches,
-                2,
-                head,
-                device,
-                run.world,
-            )  # the second pass: a generation's after the first (what the reference's budgets keep stays)
+            decoded = _beside_passes(est, run, reference_recipe(run.recipe), head, device)
+            # the second pass: a generation's after the first (what the reference's budgets keep stays)
             reference = {**decoded.moved[-1], "device peak": decoded.peaks.get("device", 0)}
     on = est.computes_on()
     adapters = est.outside_store.get("LoRA adapters + states", 0)
@@ -587,6 +576,30 @@ def _generation(
         on[1] if on else None,
         on[0] if on else "what computes",
         reference,
+    )
+
+
+def _beside_passes(
+    est: Estimate, run: RunPlan, frozen: Recipe, head: Any, device: torch.device, passes: int = 2
+) -> replaying.Decoded:
+    """``passes`` passes of a frozen model beside the run's (``frozen``: its recipe, planned as the run plans it,
+    within its share of the budgets) over a step's micro-batches, replayed on its own ledger store: the bytes each
+    moved (the first from cold, the next with what its budgets keep) and its tiers' peaks."""
+    from tiertune.config.plan import resolve
+    from tiertune.finetune.reference import frozen_engine
+
+    memory = est.machine.get("gpu_memory")
+    beside = resolve(frozen, run.world, device.type, memory, disk_free=run.laid.disk_free)
+    ledger = dataclasses.replace(beside.store, disk_budget=None)
+    t = run.recipe.training
+    rows, tokens = t.per_device_train_batch_size, run.recipe.data.max_seq_len
+    batches = [
+        {"input_ids": torch.zeros(rows, tokens, dtype=torch.long)}
+        for _ in range(t.gradient_accumulation_steps)
+    ]
+    engine = frozen_engine(beside.engine)
+    return replaying.replay_frozen_passes(
+        frozen.model.path, ledger, engine, batches, passes, head, device, run.world
     )
 
 

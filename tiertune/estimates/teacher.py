@@ -41,6 +41,9 @@ class TeacherEstimate:
     # its head's copy held on the device for the run (``engine.teacher.WholeHead``)
     beside: bool = False
     head_bytes: int = 0
+    # beside, replayed on the teacher's own ledger store: the disk bytes of its first pass and of a later one
+    # (what its half of the budgets keeps stays between steps); None: its weights once a wave
+    pass_bytes: tuple[int, int] | None = None
 
     @property
     def waves(self) -> int:
@@ -48,7 +51,11 @@ class TeacherEstimate:
 
     @property
     def read_bytes(self) -> int:
-        """Bytes the pass reads: the weights once a wave."""
+        """Bytes the pass reads: the weights once a wave (beside, replayed: the first pass's, then each later
+        one's)."""
+        if self.pass_bytes is not None:
+            first, later = self.pass_bytes
+            return first + later * (self.waves - 1)
         return self.weight_bytes * self.waves
 
     @property
@@ -82,6 +89,7 @@ class TeacherEstimate:
             },
             "beside": self.beside,
             "head_bytes": self.head_bytes,
+            "pass_bytes": list(self.pass_bytes) if self.pass_bytes is not None else None,
         }
 
 
@@ -147,9 +155,16 @@ def format_teacher(est: TeacherEstimate) -> list[str]:
     from tiertune.units import format_size
 
     if est.beside:
+        passes = (
+            f"read at most once a step of {est.wave_rows} rows (the first step {format_size(est.pass_bytes[0])}, "
+            f"a later one {format_size(est.pass_bytes[1])} from the disk: what its half of the budgets keeps "
+            "stays)"
+            if est.pass_bytes is not None
+            else f"read once a step of {est.wave_rows} rows"
+        )
         lines = [
             f"teacher beside the student (top_k: 0): {est.parameters / 1e9:.2f} B parameters, "
-            f"{format_size(est.weight_bytes)} of weights ({est.basis}) read once a step of {est.wave_rows} rows, "
+            f"{format_size(est.weight_bytes)} of weights ({est.basis}) {passes}, "
             f"{est.bytes_per_token / 1e3:,.1f} kB per scored token, {format_size(est.read_bytes)} an epoch "
             f"({est.scored_tokens:,} tokens of {est.rows:,} rows); its head's copy {format_size(est.head_bytes)} "
             "on the device beside the two stores (each within half the budgets); nothing cached",

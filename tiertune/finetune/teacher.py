@@ -384,11 +384,12 @@ def frozen_teacher(recipe: Any, vocab: int, world: Any, safe_point: Any = None) 
 
 
 class TeacherBeside:
-    """The teacher beside the student (``objective.top_k: 0``): every step, before the student's, one frozen
-    pass of the teacher over the step's micro-batches (its weights read once a step, layer by layer, for all of
-    them), keeping at each scored token its last hidden state; the student's fused head makes the teacher's
-    logits from them and the teacher's head (copied once: ``engine.teacher.WholeHead``) a chunk at a time, over
-    the whole vocabulary. ``stats`` counts the passes as a ``TeacherPass`` (a wave a step)."""
+    """The teacher beside the student (``objective.top_k: 0``): every step, before the student's, one frozen pass of
+    the teacher over the step's micro-batches (its weights read at most once a step, layer by layer, for all of
+    them; what its half of the budgets keeps stays for the next step), keeping at each scored token its last
+    hidden state; the student's fused head makes the teacher's logits from them and the teacher's head (copied
+    once: ``engine.teacher.WholeHead``) a chunk at a time, over the whole vocabulary. ``stats`` counts the
+    passes as a ``TeacherPass`` (a wave a step)."""
 
     def __init__(self, recipe: Any, vocab: int, world: Any, safe_point: Any = None) -> None:
         from tiertune.engine.teacher import WholeHead
@@ -402,7 +403,8 @@ class TeacherBeside:
     def figures(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[Any]:
         """The teacher's ``Full`` of each micro-batch (one pass over its layers for all of them)."""
         began = time.perf_counter()
-        out = self.trainer.sequence_logps(micro_batches, self.head)
+        # a pass a step, the same accesses each time: scheduled as steps, what its budgets keep stays
+        out = self.trainer.sequence_logps(micro_batches, self.head, repeat=True)
         s = self.stats
         s.seconds += time.perf_counter() - began
         s.rows += sum(len(b["input_ids"]) for b in micro_batches)
