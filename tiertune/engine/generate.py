@@ -117,13 +117,9 @@ def kv_on_host(
     )
     free, total = torch.cuda.mem_get_info(device)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
-    capped = int(total * fraction) - torch.cuda.memory_reserved(device) + _cached(device)
-    return need > KV_SHARE * min(free + _cached(device), capped)
-
-
-def _cached(device: torch.device) -> int:
-    """Bytes the caching allocator holds but no tensor uses (free for the cache to take)."""
-    return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    allocated = torch.cuda.memory_allocated(device)
+    unused = torch.cuda.memory_reserved(device) - allocated  # the caching allocator's, free to take
+    return need > KV_SHARE * min(free + unused, int(total * fraction) - allocated)
 
 
 @contextmanager
@@ -250,18 +246,42 @@ def ledger_decoding(trainer: Any, passes: int) -> list[dict[str, int]]:
     them (``decoding_passes``): each layer's weights acquired once a pass, ``passes`` passes (no row stops
     early). Returns the bytes each pass moved, by link."""
     layers = sum(1 for s in trainer.states if s.group.kind == "layer")
-    moved: list[dict[str, int]] = []
-    before = dict(trainer.store_stats().bytes_moved)
+    start = dict(
+        trainer.store_stats().bytes_moved
+    )  # the first pass's bytes bind the groups outside the layers
     with decoding_passes(trainer) as end_pass:
-        for _ in range(passes):
+
+        def one_pass() -> None:
             for index in range(layers):
                 with trainer.layer_weights(index, requires_grad=False):
                     pass
             end_pass()
-            now = dict(trainer.store_stats().bytes_moved)
-            moved.append({k: n - before.get(k, 0) for k, n in now.items() if n - before.get(k, 0)})
-            before = now
+
+        return moved_by_pass(trainer, passes, one_pass, start)
+
+
+def moved_by_pass(
+    trainer: Any, passes: int, one_pass: Callable[[], Any], since: dict[str, int] | None = None
+) -> list[dict[str, int]]:
+    """Run ``one_pass`` ``passes`` times; the bytes ``trainer``'s store moved in each, by link (the first's
+    counted from ``since``, the store's counters taken earlier, where given)."""
+    moved: list[dict[str, int]] = []
+    before = dict(trainer.store_stats().bytes_moved) if since is None else since
+    for _ in range(passes):
+        one_pass()
+        now = dict(trainer.store_stats().bytes_moved)
+        moved.append({k: n - before.get(k, 0) for k, n in now.items() if n - before.get(k, 0)})
+        before = now
     return moved
 
 
-__all__ = ["decoding", "generate", "kv_bytes", "kv_on_host", "ledger_decoding", "pass_bytes", "pick"]
+__all__ = [
+    "decoding",
+    "generate",
+    "kv_bytes",
+    "kv_on_host",
+    "ledger_decoding",
+    "moved_by_pass",
+    "pass_bytes",
+    "pick",
+]

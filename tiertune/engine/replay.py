@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,8 +93,7 @@ def replay(
         moved, wire = (
             ({k: n for k, n in d.items() if n} for d in (last.moved, last.wire)) if last else ({}, {})
         )
-        peaks = {t: s.peak for t, s in trainer.store_stats().tiers.items()}
-        return Replayed(peaks, moved, wire, trace)
+        return Replayed(_peaks(trainer), moved, wire, trace)
     finally:
         trainer.close()
 
@@ -105,6 +105,29 @@ class Decoded:
 
     moved: list[dict[str, int]]
     peaks: dict[str, int]
+
+
+@contextmanager
+def _ledger_trainer(
+    model_dir: str,
+    store_cfg: StoreConfig,
+    cfg: EngineConfig,
+    device: torch.device | None,
+    world: World | None,
+) -> Iterator[StreamedTrainer]:
+    """The trainer ``cfg`` builds over a ledger store configured as ``store_cfg`` and the ledger substrate (no
+    clipped steps), closed after the block; what it says of the run it builds held back (a replay is no run)."""
+    ledger = dataclasses.replace(store_cfg, ledger=True, device=device or store_cfg.device)
+    with held_back("tiertune", logging.WARNING):
+        trainer = StreamedTrainer(model_dir, ledger, cfg, world=world, compute=Ledger((), cfg.max_grad_norm))
+    try:
+        yield trainer
+    finally:
+        trainer.close()
+
+
+def _peaks(trainer: StreamedTrainer) -> dict[str, int]:
+    return {t: s.peak for t, s in trainer.store_stats().tiers.items()}
 
 
 def replay_decoding(
@@ -120,14 +143,9 @@ def replay_decoding(
     the store's own placement, eviction and prefetch."""
     from tiertune.engine.generate import ledger_decoding
 
-    ledger = dataclasses.replace(store_cfg, ledger=True, device=device or store_cfg.device)
-    with held_back("tiertune", logging.WARNING):
-        trainer = StreamedTrainer(model_dir, ledger, cfg, world=world, compute=Ledger((), cfg.max_grad_norm))
-    try:
+    with _ledger_trainer(model_dir, store_cfg, cfg, device, world) as trainer:
         moved = ledger_decoding(trainer, passes)
-        return Decoded(moved, {t: s.peak for t, s in trainer.store_stats().tiers.items()})
-    finally:
-        trainer.close()
+        return Decoded(moved, _peaks(trainer))
 
 
 def replay_frozen_passes(
@@ -144,20 +162,11 @@ def replay_frozen_passes(
     ``repeat``, ``head`` its figures: GRPO's reference of a full fine-tune) over ``batches``, on a ledger store
     configured as ``store_cfg``: the bytes each pass moved, by link (the first from cold, the next with what the
     budgets kept), and each tier's peak."""
-    ledger = dataclasses.replace(store_cfg, ledger=True, device=device or store_cfg.device)
-    with held_back("tiertune", logging.WARNING):
-        trainer = StreamedTrainer(model_dir, ledger, cfg, world=world, compute=Ledger((), cfg.max_grad_norm))
-    try:
-        moved: list[dict[str, int]] = []
-        before = dict(trainer.store_stats().bytes_moved)
-        for _ in range(passes):
-            trainer.sequence_logps(batches, head, repeat=True)
-            now = dict(trainer.store_stats().bytes_moved)
-            moved.append({k: n - before.get(k, 0) for k, n in now.items() if n - before.get(k, 0)})
-            before = now
-        return Decoded(moved, {t: s.peak for t, s in trainer.store_stats().tiers.items()})
-    finally:
-        trainer.close()
+    from tiertune.engine.generate import moved_by_pass
+
+    with _ledger_trainer(model_dir, store_cfg, cfg, device, world) as trainer:
+        moved = moved_by_pass(trainer, passes, lambda: trainer.sequence_logps(batches, head, repeat=True))
+        return Decoded(moved, _peaks(trainer))
 
 
 def micro_batch(cfg: EngineConfig, rows: int, tokens: int) -> dict[str, torch.Tensor]:

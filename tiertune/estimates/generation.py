@@ -13,8 +13,8 @@ measured: each pass the longer of its reads (the disk's rate, PCIe's on a GPU) a
 compute rate (decoding's small products run slower than the step's: a lower bound); dequantizing a quantized
 base each pass is not priced. A full fine-tune's KL term adds the reference's pass (``finetune.reference``: the
 initial weights beside the policy, within half the budgets) over the generation's completions: its bytes the
-ledger's, of a pass of the reference's own store from cold (each pass starts from its homes), its FLOPs a
-forward of every token."""
+ledger's, of a generation's pass after the first on the reference's own store (what its budgets keep stays), its
+FLOPs a forward of every token."""
 
 from __future__ import annotations
 
@@ -175,11 +175,13 @@ def generation_estimate(
     has: int | None,
     on: str,
     reference_pass: dict[str, int] | None = None,
+    reference_peak: int = 0,
 ) -> GenerationEstimate:
     """A generation of ``recipe``'s GRPO step: ``config`` the decoder's, ``flops`` the step's (its weights a
     token and attention per token), ``moved`` the ledger's passes (``replay_decoding``), ``held_beside`` what
     computes holds beside the generation's own bytes, ``has`` its size; ``reference_pass``: the bytes a full
-    fine-tune's reference moves scoring the generation (None: no reference beside it)."""
+    fine-tune's reference moves scoring the generation (None: no reference beside it), ``reference_peak`` its
+    store's peak on what computes."""
     o, t, d = recipe.objective, recipe.training, recipe.data
     sequences = t.per_device_train_batch_size * t.gradient_accumulation_steps
     prompt = d.max_seq_len - o.max_completion_length
@@ -212,8 +214,11 @@ def generation_estimate(
         layers=config.num_hidden_layers,
     )
     if reference_pass is not None:
-        est.reference_pass = {k: n for k, n in reference_pass.items() if k != "device peak"}
-        est.reference_flops, est.reference_peak = scored, reference_pass.get("device peak", 0)
+        est.reference_pass, est.reference_flops, est.reference_peak = (
+            dict(reference_pass),
+            scored,
+            reference_peak,
+        )
     return est
 
 

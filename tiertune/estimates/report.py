@@ -552,7 +552,7 @@ def _generation(
         moved = replaying.replay_decoding(
             run.recipe.model.path, ledger, run.engine, 3, device, run.world
         ).moved
-    reference = None
+    reference, reference_peak = None, 0
     if run.recipe.reference_beside:  # the initial weights beside the policy: a pass of its own store
         from tiertune.engine.grpo import token_logps_head
         from tiertune.finetune.reference import reference_recipe
@@ -562,7 +562,7 @@ def _generation(
             head = token_logps_head(run.recipe.objective.temperature)
             decoded = _beside_passes(est, run, reference_recipe(run.recipe), head, device)
             # the second pass: a generation's after the first (what the reference's budgets keep stays)
-            reference = {**decoded.moved[-1], "device peak": decoded.peaks.get("device", 0)}
+            reference, reference_peak = decoded.moved[-1], decoded.peaks.get("device", 0)
     on = est.computes_on()
     adapters = est.outside_store.get("LoRA adapters + states", 0)
     held = (on[2] - sum(est.outside_store.values()) + adapters) if on is not None else 0
@@ -576,6 +576,7 @@ def _generation(
         on[1] if on else None,
         on[0] if on else "what computes",
         reference,
+        reference_peak,
     )
 
 

@@ -163,10 +163,10 @@ class Rollouts:
         samples: Path | None = None,
         rewards: RewardFunctions | None = None,
         sampler: Any = None,
-        reference: Any = None,
     ) -> None:
         o, t = recipe.objective, recipe.training
-        self.reference = reference  # a full fine-tune's KL term: the initial weights beside it
+        # a full fine-tune's KL term: the initial weights beside it (``ReferenceBeside``, set once the rest is)
+        self.reference: Any = None
         self.trainer, self.recipe, self.data, self.tokenizer = trainer, recipe, data, tokenizer
         # who samples: the streamed model, or a served copy (``finetune.served.ServedSampler``, called alike)
         self.sampler = sampler if sampler is not None else trainer.generate

@@ -374,7 +374,6 @@ class RemoteServer:
         url: str,
         directory: Path,
         tokenizer: Any,
-        safe_point: Callable[[], None] | None = None,
     ) -> None:
         self.engine, self.url, self.directory, self.tokenizer = (
             engine,
@@ -383,7 +382,7 @@ class RemoteServer:
             tokenizer,
         )
         self.name = {"vllm": "vLLM", "sglang": "SGLang"}[engine]
-        self.safe_point = safe_point or (lambda: None)
+        self.lora = "/v1" if engine == "vllm" else ""  # where its (un)load_lora_adapter endpoints are
         self.base = ""  # the served base model's id (``/v1/models``)
         self.prefix = f"tiertune-{os.getpid()}-{int(time.time())}"  # this run's adapters' names
         self.loaded: str | None = None
@@ -426,17 +425,15 @@ class RemoteServer:
         shutil.rmtree(part, ignore_errors=True)
         save(part)
         os.replace(part, path)
-        prefix = "/v1" if self.engine == "vllm" else ""
         self._request(
-            "POST", f"{prefix}/load_lora_adapter", {"lora_name": name, "lora_path": str(path.resolve())}
+            "POST", f"{self.lora}/load_lora_adapter", {"lora_name": name, "lora_path": str(path.resolve())}
         )
         before, self.loaded = self.loaded, name
         if before is not None:
             self._unload(before)
 
     def _unload(self, name: str) -> None:
-        prefix = "/v1" if self.engine == "vllm" else ""
-        self._request("POST", f"{prefix}/unload_lora_adapter", {"lora_name": name})
+        self._request("POST", f"{self.lora}/unload_lora_adapter", {"lora_name": name})
         shutil.rmtree(self.directory / name, ignore_errors=True)
 
     def sample(
@@ -523,8 +520,7 @@ class ServedSampler:
         safe_point: Callable[[], None] | None = None,
     ) -> None:
         o = recipe.objective
-        self.trainer, self.tokenizer, self.gguf_type = trainer, tokenizer, o.rollout_gguf_type
-        self.model_dir = Path(model_dir)
+        self.trainer = trainer
         self.tolerance = o.rollout_logp_tolerance
         self.checked = self.tolerance is not None and o.temperature == 1.0
         if self.tolerance is not None and not self.checked:
@@ -533,11 +529,10 @@ class ServedSampler:
                 "are of the raw logits)",
                 o.temperature,
             )
-        self.engine = o.rollout_engine
         self.server: LlamaCppServer | RemoteServer
         if o.rollout_engine == "llama_cpp":
             self.server = LlamaCppServer(
-                self.model_dir,
+                Path(model_dir),
                 run_dir / SERVED_DIR,
                 o.rollout_gguf_type,
                 recipe.data.max_seq_len + 8,
@@ -546,9 +541,7 @@ class ServedSampler:
                 safe_point,
             )
         else:
-            self.server = RemoteServer(
-                o.rollout_engine, str(o.rollout_url), run_dir / SERVED_DIR, tokenizer, safe_point
-            )
+            self.server = RemoteServer(o.rollout_engine, str(o.rollout_url), run_dir / SERVED_DIR, tokenizer)
         self.safe_point = safe_point or (lambda: None)
         self.started = False
         self.served: list[list[float]] = []
