@@ -5,13 +5,17 @@ ids, and checks that the served policy is the trained one. Neither server instal
 ``lora_server.py`` stands in for them, serving their documented endpoints with transformers, each pushed adapter
 loaded by peft itself."""
 
+import http.server
 import json
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from typer.testing import CliRunner
@@ -159,3 +163,72 @@ def test_a_server_that_does_not_answer_is_named_with_how_to_start_it(model_dir, 
     assert result.exit_code == 2 and "objective.rollout_url must be the sglang server's address" in " ".join(
         result.output.split()
     )
+
+
+class _Hanging(http.server.BaseHTTPRequestHandler):
+    """A vLLM that loads adapters but never answers a completion (a hung server): ``seen`` is set when a
+    completion is asked for, ``unloaded`` lists the adapters unloaded."""
+
+    seen = threading.Event()
+    release = threading.Event()
+    unloaded: ClassVar[list[str]] = []
+
+    def log_message(self, *args):
+        pass
+
+    def _answer(self, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._answer({"data": [{"id": "base"}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/v1/completions":
+            _Hanging.seen.set()
+            _Hanging.release.wait(120)
+        elif self.path == "/v1/unload_lora_adapter":
+            _Hanging.unloaded.append(body["lora_name"])
+        self._answer({})
+
+
+@pytest.mark.parametrize("signame", ["TERM", "INT"])
+def test_a_stop_while_the_server_samples_ends_the_run_within_seconds(
+    model_dir, tmp_path, write_recipe, signame
+):
+    """SIGTERM or SIGINT while a completion request waits on a server that never answers: the run stops at once
+    (it waited for the request, up to 900 s), unloads its adapter and says how to resume."""
+    _Hanging.seen.clear(), _Hanging.release.clear(), _Hanging.unloaded.clear()
+    hung = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hanging)
+    threading.Thread(target=hung.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{hung.server_address[1]}"
+        path = _recipe(tmp_path, write_recipe, model_dir, "vllm", url)
+        run = subprocess.Popen(
+            [sys.executable, "-m", "tiertune.cli", "train", str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert _Hanging.seen.wait(300), run.communicate(timeout=60)[0][-3000:]
+        time.sleep(0.5)  # the run is inside the request
+        sent = time.monotonic()
+        run.send_signal(getattr(signal, f"SIG{signame}"))
+        try:
+            output, _ = run.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            pytest.fail(f"the run did not stop within 60 s of SIG{signame}: {run.communicate()[0][-2000:]}")
+        took = time.monotonic() - sent
+    finally:
+        _Hanging.release.set()
+        hung.shutdown()
+    assert run.returncode == 128 + getattr(signal, f"SIG{signame}"), output[-3000:]
+    assert took < 30, f"{took:.1f} s to stop"  # a bound on a hang, not a timing: the request waits 120 s
+    assert "Traceback" not in output
+    assert _Hanging.unloaded and _Hanging.unloaded[-1].startswith("tiertune-"), "the adapter was not unloaded"

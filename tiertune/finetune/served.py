@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -56,7 +57,41 @@ START_S = 300.0
 """How long the server may take to load the base before the run gives up."""
 REQUEST_S = 900.0
 """How long one completion request may take."""
+CLOSE_S = 10.0
+"""How long unloading the run's adapter from a user's server may take when the run ends."""
+POLL_S = 0.2
+"""How often the run looks for a stop (SIGINT, SIGTERM) while it waits for the server's answer."""
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def fetch(
+    request: urllib.request.Request | str,
+    safe_point: Callable[[], None],
+    timeout: float = REQUEST_S,
+) -> bytes:
+    """The body of the server's answer to ``request``, read on a thread of its own while this one calls
+    ``safe_point`` every ``POLL_S``: a stop is raised there within that, however long the server takes (a read
+    from a socket is not interrupted by a signal whose handler only records it). A stopped run leaves the request
+    to its thread (a daemon: the process does not wait for it at exit) and its answer is dropped. The
+    request's own errors (``urllib.error.URLError``, ``TimeoutError``, ...) are raised here as they came."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as answer:
+                box["body"] = answer.read()
+        except BaseException as exc:  # handed to the waiting thread, which raises it
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=read, name="tiertune-served-request", daemon=True).start()
+    while not done.wait(POLL_S):
+        safe_point()
+    if "error" in box:
+        raise box["error"]
+    return box["body"]
 
 
 def _free_port() -> int:
@@ -196,9 +231,8 @@ class LlamaCppServer:
             if self.process.poll() is not None:
                 raise ModelError(f"the llama.cpp server stopped while loading the base ({self._log_tail()})")
             try:
-                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as answer:
-                    if answer.status == 200:
-                        break
+                fetch(f"{self.url}/v1/models", self.safe_point, timeout=5)
+                break
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             if time.monotonic() - began > START_S:
@@ -287,8 +321,7 @@ class LlamaCppServer:
             headers={"Content-Type": "application/json"},
         )
         try:
-            with urllib.request.urlopen(request, timeout=REQUEST_S) as answer:
-                return json.loads(answer.read())["choices"][0]
+            return json.loads(fetch(request, self.safe_point))["choices"][0]
         except (urllib.error.URLError, ConnectionError, TimeoutError, KeyError, ValueError) as exc:
             detail = (
                 exc.read().decode(errors="replace")[-500:] if isinstance(exc, urllib.error.HTTPError) else ""
@@ -374,6 +407,7 @@ class RemoteServer:
         url: str,
         directory: Path,
         tokenizer: Any,
+        safe_point: Callable[[], None] | None = None,
     ) -> None:
         self.engine, self.url, self.directory, self.tokenizer = (
             engine,
@@ -381,6 +415,7 @@ class RemoteServer:
             Path(directory),
             tokenizer,
         )
+        self.safe_point = safe_point or (lambda: None)
         self.name = {"vllm": "vLLM", "sglang": "SGLang"}[engine]
         self.lora = "/v1" if engine == "vllm" else ""  # where its (un)load_lora_adapter endpoints are
         self.base = ""  # the served base model's id (``/v1/models``)
@@ -432,8 +467,8 @@ class RemoteServer:
         if before is not None:
             self._unload(before)
 
-    def _unload(self, name: str) -> None:
-        self._request("POST", f"{self.lora}/unload_lora_adapter", {"lora_name": name})
+    def _unload(self, name: str, stopping: bool = False) -> None:
+        self._request("POST", f"{self.lora}/unload_lora_adapter", {"lora_name": name}, stopping)
         shutil.rmtree(self.directory / name, ignore_errors=True)
 
     def sample(
@@ -473,8 +508,9 @@ class RemoteServer:
             self.tokenizer, choice if logprobs else {**choice, "logprobs": None}, max_tokens, eos
         )
 
-    def _request(self, method: str, path: str, body: dict | None = None) -> Any:
-        """The server's answer to one request (JSON), a ModelError with its reason where it fails."""
+    def _request(self, method: str, path: str, body: dict | None = None, stopping: bool = False) -> Any:
+        """The server's answer to one request (JSON), a ModelError with its reason where it fails. A stop is
+        raised while it waits, except when the run is ``stopping`` (its clean-up: 10 s at most then)."""
         request = urllib.request.Request(
             f"{self.url}{path}",
             data=None if body is None else json.dumps(body).encode(),
@@ -482,8 +518,10 @@ class RemoteServer:
             method=method,
         )
         try:
-            with urllib.request.urlopen(request, timeout=REQUEST_S) as answer:
-                text = answer.read()
+            if stopping:
+                text = fetch(request, lambda: None, timeout=CLOSE_S)
+            else:
+                text = fetch(request, self.safe_point)
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
             detail = (
                 exc.read().decode(errors="replace")[-500:] if isinstance(exc, urllib.error.HTTPError) else ""
@@ -501,7 +539,7 @@ class RemoteServer:
         loaded, self.loaded = self.loaded, None
         if loaded is not None:
             with contextlib.suppress(ModelError):
-                self._unload(loaded)
+                self._unload(loaded, stopping=True)
 
 
 class ServedSampler:
@@ -541,7 +579,9 @@ class ServedSampler:
                 safe_point,
             )
         else:
-            self.server = RemoteServer(o.rollout_engine, str(o.rollout_url), run_dir / SERVED_DIR, tokenizer)
+            self.server = RemoteServer(
+                o.rollout_engine, str(o.rollout_url), run_dir / SERVED_DIR, tokenizer, safe_point
+            )
         self.safe_point = safe_point or (lambda: None)
         self.started = False
         self.served: list[list[float]] = []
