@@ -408,6 +408,29 @@ def test_a_full_disk_while_caching_the_teachers_figures_is_said_and_leaves_no_te
     assert list((tmp_path / "cache").iterdir()) == []
 
 
+def test_a_rank_waiting_for_rank_0s_wave_stops_at_its_safe_point(tmp_path):
+    """A rank that reads a wave rank 0 writes waits for its file up to the collective timeout; a stop (the safe
+    point raising) ends the wait at once, and a wave written meanwhile is read."""
+    from tiertune.errors import Signalled
+    from tiertune.finetune.teacher import TeacherCache
+
+    calls = []
+
+    def safe_point():
+        calls.append(1)
+        if len(calls) == 3:
+            raise Signalled(15)
+
+    waiting = TeacherCache(tmp_path / "cache", [2, 1], 4, wait_s=3600.0, safe_point=safe_point)
+    waiting.expect(0, [2, 1])
+    with pytest.raises(Signalled):
+        waiting.of([0])
+    assert len(calls) == 3
+    ids, logps, tail = torch.arange(12, dtype=torch.int32).reshape(3, 4), torch.zeros(3, 4), torch.zeros(3)
+    TeacherCache(tmp_path / "cache", [2, 1], 4).write(0, [2, 1], ids, logps, tail)
+    assert torch.equal(waiting.of([1])[0], ids[2:])
+
+
 def test_a_teacher_quantized_by_bitsandbytes_needs_its_quantize_setting(tmp_path):
     from tiertune.finetune.teacher import check_quantization
     from tiertune.settings import TeacherSettings

@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,8 +153,18 @@ class TeacherCache:
     whole cache, is in host memory). A wave ``expect``-ed is one another rank writes: read once its file is
     there."""
 
-    def __init__(self, directory: Path, counts: list[int], k: int, wait_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        counts: list[int],
+        k: int,
+        wait_s: float = 0.0,
+        safe_point: Callable[[], None] | None = None,
+    ) -> None:
         self.directory, self.k, self.wait_s = directory, k, wait_s
+        self.safe_point = safe_point or (
+            lambda: None
+        )  # called while a wave another rank writes is waited for
         self.offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
         self.offsets[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
         self.done = torch.zeros(len(counts), dtype=torch.bool)
@@ -244,6 +254,7 @@ class TeacherCache:
             path = self._path(first)
             deadline = time.monotonic() + self.wait_s
             while not path.is_file() and time.monotonic() < deadline:
+                self.safe_point()  # a stop is not held up by the wait (up to the collective timeout)
                 time.sleep(0.05)
             if not path.is_file():
                 raise DataError(
@@ -310,7 +321,9 @@ def teacher_figures(
     counts = scored_counts(data)
     from tiertune.distributed.world import collective_timeout
 
-    cache = TeacherCache(cache_dir(recipe, key), counts, o.top_k, collective_timeout().total_seconds())
+    cache = TeacherCache(
+        cache_dir(recipe, key), counts, o.top_k, collective_timeout().total_seconds(), safe_point
+    )
     done = cache.read()
     stats = TeacherPass()
     if done == len(counts):
