@@ -177,3 +177,25 @@ def test_on_a_gpu_a_kv_cache_in_host_memory_decodes_the_same_tokens(tiny_model_d
         finally:
             trainer.close()
     assert got[0.0] == got[gen.KV_SHARE] == theirs
+
+
+def test_decoding_is_without_dropout(tmp_path, disk_dir):
+    """A model that trains with dropout (attention dropout 0.5 here) decodes without it: the decoder layers,
+    held out of the module tree by the streamed engine, follow the model's ``eval()`` (they kept training mode
+    and dropped half the attention weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny import tiny_config
+
+    config = tiny_config("llama", 3)
+    config.attention_dropout = 0.5
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "model")
+    theirs = _theirs(model, PROMPTS, 12)
+    trainer = _trainer(tmp_path / "model", disk_dir, "dropout")
+    try:
+        assert trainer.generate(PROMPTS, max_new_tokens=12) == theirs
+        assert all(layer.layer.training for layer in trainer.parts.layers)  # back to training mode after
+    finally:
+        trainer.close()

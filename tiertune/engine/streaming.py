@@ -157,6 +157,13 @@ class StreamedLayer(nn.Module):
         """The model's own decoder layer this one streams."""
         return self._layer[0]
 
+    def train(self, mode: bool = True) -> StreamedLayer:
+        """Train or evaluation mode, for the decoder layer it streams too: held out of the module tree, that
+        layer (its dropout, its adapters' dropout) is reached by the model's ``train()``/``eval()`` here."""
+        super().train(mode)
+        self._layer[0].train(mode)
+        return self
+
     def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
         if args:
             hidden, rest = args[0], args[1:]
