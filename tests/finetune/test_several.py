@@ -369,3 +369,62 @@ def test_a_signal_stops_several_adapters_as_a_run_and_unlocks_their_directories(
     for recipe in recipes:  # unlocked: another run may take the directory
         with RunDirectory(recipe.training.output_dir):
             pass
+
+
+def test_each_adapter_evaluates_and_stops_early_alone_as_its_solo_run(tmp_path, write_recipe, cat_model):
+    """Adapter a evaluates every step and stops early after its second (no evaluation beats the best by the
+    threshold 100: patience 1); b evaluates every 2 steps and runs its 4; c does not evaluate. Each one's
+    evaluations are its solo run's (rel 1e-5: the pass with its adapter alone), a's and b's steps end as their
+    solo runs', and the table gives each one's eval_loss."""
+    from tiertune.finetune.several import format_table, train_several
+    from tiertune.finetune.train import train
+
+    model = cat_model(2, hidden=64)
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"text": t}) + "\n" for t in CAT_TEXTS[::3]))
+    evaluating = {"eval_path": str(held_out)}
+    paths = [
+        _recipe(
+            tmp_path,
+            write_recipe,
+            model,
+            "a",
+            data=evaluating,
+            training={
+                "max_steps": 4,
+                "eval_strategy": "steps",
+                "eval_steps": 1,
+                "early_stopping_patience": 1,
+                "early_stopping_threshold": 100.0,
+            },
+        ),
+        _recipe(
+            tmp_path,
+            write_recipe,
+            model,
+            "b",
+            lora={"dropout": 0.1},
+            data=evaluating,
+            training={"max_steps": 4, "eval_strategy": "steps", "eval_steps": 2, "learning_rate": 3e-3},
+        ),
+        _recipe(tmp_path, write_recipe, model, "c", training={"max_steps": 4}),
+    ]
+    results = train_several(load_recipes(paths), progress=False)
+    assert [r.steps for r in results] == [2, 4, 4]
+    assert [r.stopped_early for r in results] == [2, None, None]
+    state = json.loads((results[0].output_dir / "trainer_state.json").read_text())
+    assert state["stopped_early"] is True and state["global_step"] == 2
+    for path, result, steps in zip(paths[:2], results[:2], ([1, 2], [2, 4]), strict=True):
+        mine = [r for r in _log(result.output_dir) if "eval_loss" in r]
+        assert [r["step"] for r in mine] == steps
+        solo = train(
+            load_recipe(path, [f"training.output_dir={tmp_path / 'solo' / result.name}"]), progress=False
+        )
+        assert solo.steps == result.steps and solo.stopped_early == result.stopped_early
+        theirs = solo.evaluations
+        assert [r["eval_loss"] for r in mine] == pytest.approx([r["eval_loss"] for r in theirs], rel=1e-5)
+        assert result.eval_loss == pytest.approx(theirs[-1]["eval_loss"], rel=1e-5)
+    table = format_table(results).splitlines()
+    assert table[0].split() == ["adapter", "steps", "final", "loss", "eval_loss", "output_dir"]
+    assert "(stopped early)" in table[1] and f"{results[0].eval_loss:.4f}" in table[1]
+    assert table[3].split()[3] == "-"  # c does not evaluate

@@ -787,6 +787,15 @@ def _report(result: Any) -> None:
     if during or redone:  # the streamed optimizer overlapped backward: say how often that held
         after = counts.get("after_backward", 0)
         how = f"; optimizer during backward in {during} steps, after it in {redone + after} (clipped: {redone} redone)"
+    evaluated = result.evaluations
+    if evaluated:  # the held-out set's loss: first, best, last
+        best = min(evaluated, key=lambda r: r["eval_loss"])
+        how += (
+            f"; eval_loss {evaluated[0]['eval_loss']:.4f} -> {evaluated[-1]['eval_loss']:.4f} (best "
+            f"{best['eval_loss']:.4f} at step {best['step']})"
+        )
+    if result.stopped_early:
+        how += f"; stopped early after step {result.stopped_early} (training.early_stopping_patience)"
     typer.echo(
         f"done: {ran} in {result.seconds:.1f}s{loss}{how}; {what} and {result.log_path.name} in {result.output_dir}"
     )

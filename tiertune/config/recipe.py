@@ -35,6 +35,9 @@ from tiertune.settings import (
 )
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+EVAL_FORMATS = ("text", "alpaca", "chat")
+"""The data formats a run evaluates (``training.eval_strategy``): single sequences scored by cross-entropy."""
+EVAL_OBJECTIVES = ("sft",)
 """The built-in recipes, shipped with the package (``load_recipe`` takes one by its name)."""
 
 
@@ -64,6 +67,8 @@ class DataSection:
     shuffle: bool = True
     add_eos: bool = True
     skip_bad_rows: bool = False
+    # a held-out set in the same format, its loss logged every training.eval_steps (finetune.evaluation)
+    eval_path: str | None = None
 
 
 @dataclass
@@ -97,6 +102,13 @@ class TrainingSection:
     allow_recipe_changes: bool = False
     logging_steps: int = 500
     report_to: str = field(default="auto", metadata=choices("auto", "none", "tensorboard", "wandb"))
+    # the loss on data.eval_path every eval_steps (null: logging_steps), as the Trainer's eval_strategy: steps
+    eval_strategy: str = field(default="no", metadata=choices("no", "steps"))
+    eval_steps: int | None = None
+    # stop after this many evaluations in a row that do not beat the best eval_loss by more than the
+    # threshold (transformers' EarlyStoppingCallback; 0: never)
+    early_stopping_patience: int = 0
+    early_stopping_threshold: float = 0.0
 
 
 @dataclass
@@ -171,6 +183,22 @@ class Recipe:
             ),
             (t.logging_steps >= 1, "training.logging_steps", "must be >= 1"),
             (
+                t.eval_steps is None or t.eval_steps >= 1,
+                "training.eval_steps",
+                f"must be >= 1 (or null: logging_steps), got {t.eval_steps}",
+            ),
+            (
+                t.early_stopping_patience >= 0,
+                "training.early_stopping_patience",
+                f"must be >= 0 (0: never stop early), got {t.early_stopping_patience}",
+            ),
+            (
+                t.early_stopping_threshold >= 0,
+                "training.early_stopping_threshold",
+                f"must be >= 0, got {t.early_stopping_threshold}",
+            ),
+            *self._eval_checks(),
+            (
                 self.offload.sequence_tile == "auto"
                 or (type(self.offload.sequence_tile) is int and self.offload.sequence_tile >= 0),
                 "offload.sequence_tile",
@@ -243,6 +271,40 @@ class Recipe:
         for ok, key, what in checks:
             if not ok:
                 raise ConfigError(f"{key} {what}")
+
+    def _eval_checks(self) -> list[tuple[bool, str, str]]:
+        """The evaluation settings' checks (``finetune.evaluation``)."""
+        t, d, o = self.training, self.data, self.objective
+        evaluating = t.eval_strategy == "steps"
+        return [
+            (
+                evaluating or not t.early_stopping_patience,
+                "training.early_stopping_patience",
+                "stops on the evaluation loss: set training.eval_strategy: steps and data.eval_path (a held-out "
+                "set), or early_stopping_patience: 0",
+            ),
+            (
+                not evaluating or bool(d.eval_path),
+                "training.eval_strategy",
+                f"steps evaluates the loss on a held-out set: set data.eval_path to a file of data.format "
+                f"{d.format}, or eval_strategy: no",
+            ),
+            (
+                not evaluating or (o.type in EVAL_OBJECTIVES and d.format in EVAL_FORMATS),
+                "training.eval_strategy",
+                f"steps scores the cross-entropy of single sequences (objective.type {' or '.join(EVAL_OBJECTIVES)}"
+                f", data.format {', '.join(EVAL_FORMATS)}): objective.type {o.type} with data.format {d.format} "
+                "is not evaluated in this release; set training.eval_strategy: no",
+            ),
+        ]
+
+    @property
+    def eval_every(self) -> int:
+        """The steps between evaluations (``training.eval_steps``, else ``logging_steps``); 0 without them."""
+        t = self.training
+        if t.eval_strategy != "steps":
+            return 0
+        return t.eval_steps if t.eval_steps is not None else t.logging_steps
 
     @property
     def reference_beside(self) -> bool:
@@ -389,6 +451,7 @@ class Recipe:
         sections = (
             (out.model, "path"),
             (out.data, "path"),
+            (out.data, "eval_path"),
             (out.training, "output_dir"),
             (out.offload, "disk_path"),
             (out.training, "resume_from_checkpoint"),

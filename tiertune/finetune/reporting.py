@@ -53,7 +53,11 @@ class Reporters:
     def log(self, record: dict[str, Any]) -> None:
         """Report one logged step (the ``trainer_log.jsonl`` record): numbers, and bytes per tier."""
         step = record["step"]
-        scalars = {f"train/{k}": v for k, v in record.items() if isinstance(v, int | float) and k != "step"}
+        scalars = {  # an evaluation's as the Trainer names them: eval/loss, eval/runtime, ...
+            (f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v
+            for k, v in record.items()
+            if isinstance(v, int | float) and k != "step"
+        }
         scalars.update({f"memory/peak_{tier}_bytes": v for tier, v in record.get("peak_bytes", {}).items()})
         if self._tensorboard is not None:
             for key, value in scalars.items():

@@ -46,6 +46,7 @@ from tiertune.finetune.checkpoint import (
     read_state,
     verify,
 )
+from tiertune.finetune.evaluation import EarlyStopping
 
 log = logging.getLogger("tiertune.train")
 
@@ -75,6 +76,11 @@ RESUMABLE_CHANGES = (
     "training.save_total_limit",
     "training.logging_steps",
     "training.report_to",
+    "training.eval_strategy",
+    "training.eval_steps",
+    "training.early_stopping_patience",
+    "training.early_stopping_threshold",
+    "data.eval_path",
     "training.resume_from_checkpoint",
     "training.overwrite_output_dir",
     "training.allow_recipe_changes",
@@ -260,6 +266,16 @@ class RunDirectory:
         except (IntegrityError, KeyError, TypeError, ValueError):
             return None
 
+    def _stopped_early(self, recipe: Recipe) -> bool:
+        """Whether early stopping ended the finished run, and would end it again at once under ``recipe``'s
+        settings (its log's evaluations use up their patience)."""
+        try:
+            state = read_state(self.path / STATE_FILE)
+        except IntegrityError:
+            return False
+        rule = EarlyStopping.of(recipe, state.get("log_history") or [])
+        return bool(state.get("stopped_early")) and 0 < rule.patience <= rule.waited
+
     # ---------------------------------------------------------------- the decision
 
     def decide(self, recipe: Recipe, max_steps: int) -> Decision:
@@ -328,6 +344,13 @@ class RunDirectory:
         state = read_state(path / STATE_FILE)
         step = int(state["global_step"])
         finished = self.finished_at()
+        if auto and finished is not None and self._stopped_early(recipe):
+            raise ConfigError(
+                f"the run in {self.path} stopped early at step {finished}: its eval_loss did not improve in "
+                f"{recipe.training.early_stopping_patience} evaluations (training.early_stopping_patience); "
+                f"nothing to resume: to train further from {path.name}, raise early_stopping_patience (or set "
+                "it 0), or start over with training.overwrite_output_dir=true"
+            )
         if auto and finished is not None and finished >= max_steps:  # a path named on purpose runs again
             raise ConfigError(
                 f"the run in {self.path} already finished at step {finished} (training.max_steps {max_steps}); "

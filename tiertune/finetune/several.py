@@ -17,7 +17,9 @@ random generator ``adapter_rng.pt``, the trainer state with the data's position)
 state is small and in memory (``checkpoint.save_in_place``). An adapter whose steps are done takes no part in
 later steps, nor one whose loss or gradient norm is not finite (its run stops there, as a run of one does: nothing
 saved or exported after its last good step; the others go on, and the run ends with its message). SIGINT or
-SIGTERM stops the run at its next safe point (``Interrupted``). Not yet: distillation."""
+SIGTERM stops the run at its next safe point (``Interrupted``). An adapter whose recipe evaluates
+(``training.eval_strategy: steps``) gets its held-out loss in a pass of the base with its adapter alone, and stops
+early on it alone (``finetune.evaluation``). Not yet: distillation."""
 
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ from tiertune.finetune.checkpoint import (
     save_in_place,
 )
 from tiertune.finetune.data import batches
+from tiertune.finetune.evaluation import EarlyStopping, due, eval_batches, evaluate
 from tiertune.finetune.rundir import LAUNCH_FILE, LOG_NAME, Decision, RunDirectory, launch_record
 from tiertune.finetune.signals import stop_on_signals
 from tiertune.loading.hub import model_directory
@@ -71,6 +74,8 @@ class AdapterResult:
     last: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     resumed_from: Path | None = None
+    eval_loss: float | None = None  # its last evaluation's (``training.eval_strategy: steps``)
+    stopped_early: int | None = None  # the step after which early stopping ended it
 
 
 @dataclass
@@ -84,6 +89,8 @@ class _Adapter:
     history: list[dict] = field(default_factory=list)
     stream: Any = None
     stopped: bool = False  # its loss or gradient norm was not finite: it takes no part in later steps
+    eval_passes: list = field(default_factory=list)  # its held-out set (``finetune.evaluation``)
+    early: EarlyStopping | None = None
 
 
 def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterResult]:
@@ -218,6 +225,9 @@ def _train(
                 a.history = [r for r in state["log_history"] if int(r.get("step", 0)) <= a.decision.step]
                 for _ in range(batches_done(state["tiertune"], rows)):  # the data's position
                     next(a.stream)
+            if a.loaded.eval_data is not None:
+                a.eval_passes = eval_batches(a.loaded.eval_data, a.recipe, a.loaded.pad_id)
+            a.early = EarlyStopping.of(a.recipe, a.history)  # a resumed adapter counts from its log
             if world.is_main:
                 write_text_atomically(out / RECIPE_FILE, a.recipe.to_yaml())
                 write_text_atomically(out / LAUNCH_FILE, launch_record(world, rows))
@@ -226,7 +236,11 @@ def _train(
                 for note in a.decision.notes:
                     print(f"{a.result.name} ({out}): {note}", flush=True)
         while True:
-            going = [a for a in adapters if not a.stopped and a.result.steps < a.loaded.steps]
+            going = [
+                a
+                for a in adapters
+                if not a.stopped and not a.result.stopped_early and a.result.steps < a.loaded.steps
+            ]
             if not going:
                 break
             groups = {
@@ -251,6 +265,8 @@ def _train(
             trainer.adapters.save(res.output_dir, res.name)
             a.loaded.tokenizer.save_pretrained(str(res.output_dir))
             final = {"global_step": res.steps, "max_steps": a.loaded.steps, "log_history": a.history}
+            if res.stopped_early:
+                final["stopped_early"] = True
             write_text_atomically(res.output_dir / STATE_FILE, json.dumps(final, indent=2))
     finally:
         trainer.close()
@@ -297,11 +313,23 @@ def _record(
     )
     res.last = record
     last = res.steps == a.loaded.steps
-    if res.steps % t.logging_steps == 0 or last:
-        a.history.append(record)
-        if world.is_main:
-            with open(res.output_dir / LOG_NAME, "a") as f:
-                f.write(json.dumps(record) + "\n")
+    logged = [record] if res.steps % t.logging_steps == 0 or last else []
+    if due(a.recipe, res.steps):  # its held-out loss: a pass of the base with its adapter alone
+        trainer.adapters.activate(res.name)
+        evaluated = evaluate(trainer, a.eval_passes) | {"epoch": record["epoch"], "step": res.steps}
+        logged.append(evaluated)
+        res.eval_loss = evaluated["eval_loss"]
+        assert a.early is not None
+        if a.early.see(res.eval_loss):
+            res.stopped_early = res.steps
+            last = True
+            log.info(
+                "%s: stopped early after its step %d (training.early_stopping_patience)", res.name, res.steps
+            )
+    a.history.extend(logged)
+    if world.is_main and logged:
+        with open(res.output_dir / LOG_NAME, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in logged))
     if world.is_main and t.save_steps > 0 and (res.steps % t.save_steps == 0 or last):
         _save(trainer, a, step.grad_norm, world.size)
 
@@ -353,16 +381,21 @@ def _resume(trainer: Any, name: str, path: Path) -> dict:
 
 
 def format_table(results: list[AdapterResult]) -> str:
-    """Each adapter's steps, final loss and output directory, a row each (one left out: its message)."""
-    rows = [("adapter", "steps", "final loss", "output_dir")]
+    """Each adapter's steps, final loss, last eval_loss (where they evaluate) and output directory, a row each
+    (one left out: its message)."""
+    evaluated = any(r.eval_loss is not None for r in results)
+    rows = [("adapter", "steps", "final loss", *(("eval_loss",) if evaluated else ()), "output_dir")]
     for r in results:
         final = f"{r.losses[-1]:.4f}" if r.losses else "-"
+        steps = f"{r.steps} (stopped early)" if r.stopped_early else str(r.steps)
+        held_out = (f"{r.eval_loss:.4f}" if r.eval_loss is not None else "-",) if evaluated else ()
         rows.append(
-            (r.name or "-", str(r.steps), final if r.error is None else "left out", str(r.output_dir))
+            (r.name or "-", steps, final if r.error is None else "left out", *held_out, str(r.output_dir))
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    n = len(rows[0]) - 1
+    widths = [max(len(row[i]) for row in rows) for i in range(n)]
     lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)) + "  " + row[3] for row in rows
+        "  ".join(c.ljust(w) for c, w in zip(row[:n], widths, strict=True)) + "  " + row[n] for row in rows
     ]
     lines += [f"{r.output_dir}: {r.error}" for r in results if r.error is not None]
     return "\n".join(lines)

@@ -60,6 +60,7 @@ from tiertune.finetune.checkpoint import (
     recover,
 )
 from tiertune.finetune.data import batches, load_data
+from tiertune.finetune.evaluation import EarlyStopping, due, eval_batches, evaluate
 from tiertune.finetune.grpo import METRICS_KEY as ROLLOUT_METRICS
 from tiertune.finetune.grpo import SAMPLES_FILE, Rollouts
 from tiertune.finetune.hf_model import write_hf
@@ -101,6 +102,16 @@ class TrainResult:
     optimizer_counts: dict[str, int] = field(default_factory=dict)
     # a distillation's teacher pass (``finetune.teacher.TeacherPass.record``; None: no teacher)
     teacher_pass: dict[str, Any] | None = None
+    # the step after which early stopping ended the run (``finetune.evaluation``); None: it ran its steps
+    stopped_early: int | None = None
+
+    @property
+    def evaluations(self) -> list[dict[str, Any]]:
+        """The run's evaluation records (``eval_loss``, ...), read from its log."""
+        if not self.log_path.is_file():
+            return []
+        records = (json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip())
+        return [r for r in records if "eval_loss" in r]
 
     @property
     def log_path(self) -> Path:
@@ -214,6 +225,7 @@ class Loaded:
     pad_id: int
     per_epoch: int
     steps: int
+    eval_data: Any = None  # the held-out set (data.eval_path), when the run evaluates
 
 
 def load_run(recipe: Recipe, ranks: int) -> Loaded:
@@ -253,7 +265,11 @@ def load_run(recipe: Recipe, ranks: int) -> Loaded:
         if t.max_steps > 0
         else max(1, math.ceil(t.num_train_epochs * per_epoch / t.gradient_accumulation_steps))
     )
-    return Loaded(tokenizer, data, pad_id, per_epoch, steps)
+    eval_data = None
+    if recipe.eval_every:
+        eval_data = load_data(d.eval_path, tokenizer, d.format, d.max_seq_len, d.add_eos, d.skip_bad_rows)
+        _check_vocabulary(eval_data, recipe.model.path)
+    return Loaded(tokenizer, data, pad_id, per_epoch, steps, eval_data)
 
 
 def _run(
@@ -352,6 +368,10 @@ def _run(
         if rollouts is not None:
             rollouts.keep_samples(first)
     counted = dict(trainer.optimizer_counts)  # a resumed run's counters start at its checkpoint's
+    eval_passes = (
+        eval_batches(loaded.eval_data, recipe, loaded.pad_id) if loaded.eval_data is not None else []
+    )
+    early = EarlyStopping.of(recipe, history)  # a resumed run counts from its log's evaluations
     notes = list(decision.notes) + launch_notes(world, dict(os.environ))
     if decision.resume is not None:
         notes.append(f"resumed from {decision.resume} at step {first} of {steps}")
@@ -403,11 +423,20 @@ def _run(
                     log_file.flush()
                     history.append(record)
                     reporters.log(record)
+                stopping = False
+                if due(recipe, step + 1):  # the held-out set's loss (finetune.evaluation)
+                    evaluated = evaluate(trainer, eval_passes) | {"epoch": record["epoch"], "step": step + 1}
+                    log_file.write(json.dumps(evaluated) + "\n")
+                    log_file.flush()
+                    history.append(evaluated)
+                    reporters.log(evaluated)
+                    stopping = early.see(evaluated["eval_loss"])
                 writer.check()  # a checkpoint that failed in the background stops the run now
                 stop.check()
                 # a checkpoint every save_steps steps and at the last one (as the Hugging Face Trainer), so
                 # that a finished run can be trained further
-                if t.save_steps > 0 and ((step + 1) % t.save_steps == 0 or step + 1 == steps):
+                last = step + 1 == steps or stopping
+                if t.save_steps > 0 and ((step + 1) % t.save_steps == 0 or last):
                     trainer_state = {
                         "global_step": step + 1,
                         "max_steps": steps,
@@ -422,12 +451,25 @@ def _run(
                     writer.save(trainer_state, recipe.to_yaml(), rolled)  # written while the next steps run
                 if bar is not None:
                     bar.update(step + 1, loss, record["tokens_per_second"], report.peak_bytes)
+                if stopping:
+                    result.stopped_early = step + 1
+                    log.info(
+                        "stopped early after step %d: eval_loss did not beat its best (%.6g) by more than %g in "
+                        "%d evaluations (training.early_stopping_patience)",
+                        step + 1,
+                        early.best,
+                        early.threshold,
+                        early.patience,
+                    )
+                    break
         writer.wait()
         stop.check()
         _export(trainer, tokenizer, out, world.is_main)
         stop.check()
         if world.is_main:
-            final = {"global_step": steps, "max_steps": steps, "log_history": history}
+            final = {"global_step": done, "max_steps": steps, "log_history": history}
+            if result.stopped_early:
+                final["stopped_early"] = True
             write_text_atomically(out / STATE_FILE, json.dumps(final, indent=2))  # the run is finished
     except BaseException as exc:
         failure = exc
@@ -459,7 +501,7 @@ def _run(
                     shutil.rmtree(path, ignore_errors=True)
         if failure is not None:
             _explain(failure, done, steps, out, recipe_path, stop.requested)
-    result.steps = steps
+    result.steps = done  # the last step run: steps, or where early stopping ended the run
     result.seconds = time.perf_counter() - start
     result.optimizer_counts = {k: n - counted.get(k, 0) for k, n in trainer.optimizer_counts.items()}
     return result

@@ -1,0 +1,216 @@
+"""Evaluation during a run (``training.eval_strategy: steps``, ``data.eval_path``) and early stopping
+(``early_stopping_patience``): the logged ``eval_loss`` is the held-out set's token-mean cross-entropy as
+transformers (and peft) compute it on the checkpoint of that step, dropout off; early stopping is transformers'
+``EarlyStoppingCallback``'s rule; an early-stopped run is finished, and resumes only under a larger patience."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tiertune.cli.app import app
+from tiertune.config.recipe import load_recipe
+from tiertune.errors import ConfigError
+from tiertune.finetune.evaluation import EarlyStopping
+from tiertune.finetune.train import train
+
+HELD_OUT = [f"the {a} cat sat on the {b} mat ." for a in ("wet", "blue") for b in ("red", "old", "big")] + [
+    "a cat ."
+]
+
+
+def _eval_file(tmp_path):
+    path = tmp_path / "held_out.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in HELD_OUT))
+    return path
+
+
+def _reference_loss(model, tokenizer, held_out) -> float:
+    """The held-out set's cross-entropy by ``model`` (eval mode): the sum over every scored token of every row
+    (its own forward, unpadded), divided by their number."""
+    from tiertune.finetune.data import load_data
+
+    data = load_data(str(held_out), tokenizer, "text", 32)
+    total, tokens = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for row in data.rows:
+            ids = torch.tensor([row["input_ids"]])
+            labels = torch.tensor([row["labels"]])
+            logits = model(input_ids=ids).logits.float()
+            scored = labels[0, 1:] != -100
+            losses = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], reduction="none")
+            total += float(losses[scored].double().sum())
+            tokens += int(scored.sum())
+    return total / tokens
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_the_logged_eval_loss_is_the_checkpoints_loss_by_transformers(
+    tmp_path, write_recipe, cat_model, method
+):
+    """Every 2 steps of 4, the held-out loss; each equals transformers' (with peft, its dropout on in training
+    and off here) on that step's checkpoint (LoRA), or on the model exported after the last step (full)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = cat_model(2, hidden=64)
+    held_out = _eval_file(tmp_path)
+    lora = {"type": "lora", "lora": {"r": 4, "dropout": 0.2}} if method == "lora" else {"type": "full"}
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        method=lora,
+        data={"eval_path": str(held_out)},
+        training={
+            "max_steps": 4,
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "save_steps": 2,
+            "learning_rate": 1e-2,
+            "gradient_accumulation_steps": 2,
+            "report_to": "tensorboard",
+        },
+    )
+    result = train(load_recipe(path), progress=False)
+    evaluated = result.evaluations
+    assert [r["step"] for r in evaluated] == [2, 4]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(result.output_dir / "runs"))
+    events.Reload()  # the Trainer's names: eval/loss beside train/loss
+    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [
+        (r["step"], pytest.approx(r["eval_loss"], rel=1e-6)) for r in evaluated
+    ]
+    assert evaluated[0]["eval_loss"] != evaluated[1]["eval_loss"]  # the weights moved between them
+    assert {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "epoch"} <= set(evaluated[0])
+    state = json.loads((result.output_dir / "trainer_state.json").read_text())
+    assert [r["eval_loss"] for r in state["log_history"] if "eval_loss" in r] == [
+        r["eval_loss"] for r in evaluated
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # a LoRA checkpoint is a PEFT adapter; a full fine-tune's is tiertune's own: its exported model (step 4)
+    checked = evaluated if method == "lora" else evaluated[-1:]
+    for record in checked:
+        if method == "lora":
+            base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            model = PeftModel.from_pretrained(base, result.output_dir / f"checkpoint-{record['step']}")
+        else:
+            model = AutoModelForCausalLM.from_pretrained(result.output_dir, dtype=torch.float32)
+        expected = _reference_loss(model, tokenizer, held_out)
+        assert record["eval_loss"] == pytest.approx(expected, rel=1e-5), record
+
+
+def test_early_stopping_is_transformers_rule():
+    """The stop and the best loss agree with ``EarlyStoppingCallback`` fed the same losses, at each threshold."""
+    from transformers import EarlyStoppingCallback, TrainerControl, TrainerState, TrainingArguments
+
+    losses = [3.0, 2.5, 2.49, 2.6, 2.2, 2.21, 2.199, 2.3, 2.4, 2.5]
+    for patience, threshold in [(1, 0.0), (2, 0.0), (2, 0.05), (3, 0.02)]:
+        args = TrainingArguments(
+            output_dir="/tmp/unused", metric_for_best_model="eval_loss", greater_is_better=False, report_to=[]
+        )
+        callback = EarlyStoppingCallback(patience, threshold)
+        state, control = TrainerState(), TrainerControl()
+        rule = EarlyStopping(patience, threshold)
+        for i, loss in enumerate(losses):
+            callback.on_evaluate(args, state, control, metrics={"eval_loss": loss})
+            if state.best_metric is None or loss < state.best_metric:  # the Trainer's _determine_best_metric
+                state.best_metric = loss
+            stops = rule.see(loss)
+            assert stops == control.should_training_stop, (patience, threshold, i)
+            assert rule.best == state.best_metric
+            if stops:
+                break
+        assert control.should_training_stop, (patience, threshold)
+
+
+def test_a_run_stops_early_is_finished_and_resumes_under_a_larger_patience(tmp_path, write_recipe, cat_model):
+    """No evaluation beats the best by the threshold (100): with patience 2 the run ends after its third
+    evaluation (step 3 of 10), checkpointed and exported; resumed as it is, it is refused; with patience 4 it
+    trains two more steps (the log's evaluations count)."""
+    model_dir = cat_model(2, hidden=64)
+    held_out = _eval_file(tmp_path)
+    training = {
+        "max_steps": 10,
+        "eval_strategy": "steps",
+        "eval_steps": 1,
+        "save_steps": 5,
+        "early_stopping_patience": 2,
+        "early_stopping_threshold": 100.0,
+    }
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        method={"type": "lora", "lora": {"r": 4}},
+        data={"eval_path": str(held_out)},
+        training=training,
+    )
+    result = CliRunner().invoke(app, ["train", str(path)])
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "stopped early after step 3" in said and "eval_loss" in said
+    run = tmp_path / "run"
+    state = json.loads((run / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and state["stopped_early"] is True and state["max_steps"] == 10
+    assert (run / "checkpoint-3").is_dir() and (run / "adapter_model.safetensors").is_file()
+    records = [json.loads(line) for line in (run / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval_loss" in r] == [1, 2, 3]
+    assert max(r["step"] for r in records) == 3
+
+    again = load_recipe(path, ["training.resume_from_checkpoint=auto"])
+    with pytest.raises(ConfigError, match="stopped early at step 3"):
+        train(again, progress=False)
+    further = load_recipe(
+        path, ["training.resume_from_checkpoint=auto", "training.early_stopping_patience=4"]
+    )
+    resumed = train(further, progress=False)
+    assert resumed.first_step == 4 and resumed.stopped_early == 5
+    assert [r["step"] for r in resumed.evaluations] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    ("training", "data", "objective", "message"),
+    [
+        ({"eval_strategy": "steps"}, {}, {}, "set data.eval_path"),
+        (
+            {"early_stopping_patience": 3},
+            {},
+            {},
+            "training.early_stopping_patience stops on the evaluation loss",
+        ),
+        (
+            {"eval_strategy": "steps", "eval_steps": 0},
+            {"eval_path": "x.jsonl"},
+            {},
+            "training.eval_steps must be",
+        ),
+        ({"eval_strategy": "epoch"}, {}, {}, "training.eval_strategy"),
+        (
+            {"eval_strategy": "steps"},
+            {"eval_path": "x.jsonl", "format": "preference"},
+            {"type": "dpo"},
+            "is not evaluated in this release",
+        ),
+    ],
+)
+def test_evaluation_settings_that_cannot_run_are_refused(
+    tmp_path, write_recipe, cat_model, training, data, objective, message
+):
+    path = write_recipe(tmp_path, cat_model(2, hidden=64), training=training, data=data, objective=objective)
+    result = CliRunner().invoke(app, ["train", str(path)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert message in " ".join(result.output.split()), result.output
+
+
+def test_a_missing_eval_file_is_named(tmp_path, write_recipe, cat_model):
+    path = write_recipe(
+        tmp_path,
+        cat_model(2, hidden=64),
+        data={"eval_path": str(tmp_path / "nowhere.jsonl")},
+        training={"eval_strategy": "steps", "eval_steps": 1},
+    )
+    result = CliRunner().invoke(app, ["train", str(path)])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "nowhere.jsonl" in " ".join(result.output.split())

@@ -1,0 +1,122 @@
+"""Evaluation during a run: the loss over a held-out set (``data.eval_path``, in the run's ``data.format``) every
+``training.eval_steps`` steps (``eval_strategy: steps``), and early stopping on it.
+
+The figure is ``eval_loss``: the cross-entropy of every scored token of the set, summed and divided by their
+number (the training loss's definition, over the whole set at once), by the weights as they are after the step,
+dropout off, without autograd. Batches are of the step's shapes (``per_device_train_batch_size`` rows, up to
+``max_seq_len`` tokens), ``gradient_accumulation_steps`` of them a pass of the layers: the budgets were planned
+for those. The pass leaves the store as it found it (``StreamedTrainer.sequence_logps``: its accesses are not the
+steps' trace; what the tiers cached is read again by the next step). Of several processes each runs the whole set
+(the sharded weights are gathered by every rank alike): the figure is the same on each.
+
+Records are the Hugging Face Trainer's: one of its own in ``trainer_log.jsonl`` and ``log_history`` with
+``eval_loss``, ``eval_runtime``, ``eval_samples_per_second``, ``eval_steps_per_second``, ``epoch`` and ``step``.
+
+Early stopping is transformers' ``EarlyStoppingCallback`` on ``eval_loss`` (lower is better): an evaluation
+better than the best before it by more than ``early_stopping_threshold`` resets the count, any other adds one;
+at ``early_stopping_patience`` the run ends after that step as at its last (its checkpoint, the model exported;
+``trainer_state.json`` says ``stopped_early``). A resumed run counts again from the evaluations of its log.
+The model exported is the last step's, as the Trainer's without ``load_best_model_at_end``; each evaluation's
+checkpoint (``save_steps`` a multiple of ``eval_steps``) is there to pick another."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tiertune.errors import DataError
+from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
+
+
+def due(recipe: Any, step: int) -> bool:
+    """Whether the run evaluates after step ``step`` (counted from 1): every ``eval_steps`` (the Trainer's rule:
+    the last step only when it falls on one)."""
+    every = recipe.eval_every
+    return every > 0 and step % every == 0
+
+
+def eval_batches(data: Any, recipe: Any, pad_id: int) -> list[list[dict[str, torch.Tensor]]]:
+    """The held-out set as passes: groups of up to ``gradient_accumulation_steps`` batches of
+    ``per_device_train_batch_size`` rows, in the file's order, unpacked."""
+    from tiertune.finetune.data import row_batches
+
+    t = recipe.training
+    rows = row_batches(data, list(range(len(data))), t.per_device_train_batch_size, pad_id)
+    group = t.gradient_accumulation_steps
+    return [rows[i : i + group] for i in range(0, len(rows), group)]
+
+
+def scored_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """A batch's tokens with a target (its labels shifted by one, -100 left out)."""
+    labels = batch.get("labels", batch["input_ids"])
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def evaluate(trainer: Any, passes: Sequence[Sequence[dict[str, torch.Tensor]]]) -> dict[str, float]:
+    """``trainer``'s loss over ``passes`` (``eval_batches``) with the weights as they are: the Trainer's
+    record of an evaluation (without ``epoch`` and ``step``, which the run adds). Dropout is off for the pass
+    and back on after it."""
+    began = time.perf_counter()
+    model = trainer.model
+    was_training = model.training
+    total, tokens, rows = 0.0, 0, 0
+    model.eval()
+    try:
+        for group in passes:
+            for batch, logps in zip(group, trainer.sequence_logps(group), strict=True):
+                total -= float(logps.double().sum())
+                tokens += scored_tokens(batch)
+                rows += int(batch["input_ids"].shape[0])
+    finally:
+        model.train(was_training)
+    if tokens == 0:
+        raise DataError(
+            "the evaluation set has no scored tokens (every label is -100): check data.eval_path and "
+            "data.max_seq_len"
+        )
+    runtime = time.perf_counter() - began
+    return {
+        "eval_loss": total / tokens,
+        "eval_runtime": round(runtime, 4),
+        "eval_samples_per_second": round(rows / runtime, 3),
+        "eval_steps_per_second": round(sum(len(g) for g in passes) / runtime, 3),
+    }
+
+
+@dataclass
+class EarlyStopping:
+    """transformers' ``EarlyStoppingCallback`` on ``eval_loss``: ``best`` the lowest loss so far, ``waited`` the
+    evaluations since one improved on the best before it by more than ``threshold``."""
+
+    patience: int
+    threshold: float = 0.0
+    best: float | None = None
+    waited: int = 0
+
+    @classmethod
+    def of(cls, recipe: Any, history: Iterable[dict[str, Any]] = ()) -> EarlyStopping:
+        """The rule of ``recipe``'s settings, having seen the evaluations of ``history`` (a resumed run's log)."""
+        t = recipe.training
+        out = cls(t.early_stopping_patience, t.early_stopping_threshold)
+        for record in history:
+            if "eval_loss" in record:
+                out.see(float(record["eval_loss"]))
+        return out
+
+    def see(self, loss: float) -> bool:
+        """Count an evaluation's loss; True when the run should stop (patience used up; never without one)."""
+        if self.best is None or (loss < self.best and abs(loss - self.best) > self.threshold):
+            self.waited = 0
+        else:
+            self.waited += 1
+        if self.best is None or loss < self.best or math.isnan(self.best):
+            self.best = loss
+        return self.patience > 0 and self.waited >= self.patience
+
+
+__all__ = ["EarlyStopping", "due", "eval_batches", "evaluate", "scored_tokens"]
