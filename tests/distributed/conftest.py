@@ -36,6 +36,6 @@ def losses():
 
     def read(run: Path, field: str = "loss") -> dict[int, float]:
         records = [json.loads(line) for line in (run / "trainer_log.jsonl").read_text().splitlines()]
-        return {r["step"]: r[field] for r in records}
+        return {r["step"]: r[field] for r in records if field in r}  # (an evaluation has a record of its own)
 
     return read
