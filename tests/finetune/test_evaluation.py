@@ -214,3 +214,16 @@ def test_a_missing_eval_file_is_named(tmp_path, write_recipe, cat_model):
     result = CliRunner().invoke(app, ["train", str(path)])
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert "nowhere.jsonl" in " ".join(result.output.split())
+
+
+def test_estimate_says_what_an_evaluation_adds(tmp_path, write_recipe, cat_model):
+    from tiertune.estimates.report import estimate
+
+    path = write_recipe(
+        tmp_path,
+        cat_model(2, hidden=64),
+        data={"eval_path": str(_eval_file(tmp_path))},
+        training={"eval_strategy": "steps", "eval_steps": 50, "early_stopping_patience": 3},
+    )
+    (note,) = [n for n in estimate(load_recipe(path), measure=False).notes if n.startswith("evaluation")]
+    assert "every 50 steps" in note and "not priced" in note and "after 3 evaluations" in note

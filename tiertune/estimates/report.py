@@ -443,6 +443,19 @@ def estimate(
             "(no autograd, each layer read once per wave) computes its log-probabilities, cached in "
             "reference-logps/ under disk_path (else the output directory) for later runs of the same model and data"
         )
+    if recipe.eval_every:
+        t = recipe.training
+        notes.append(
+            f"evaluation every {recipe.eval_every} steps: the held-out set (data.eval_path) in passes of "
+            f"{t.gradient_accumulation_steps} x {t.per_device_train_batch_size} rows, each pass reading the "
+            "weights once more, no autograd (not priced here); after it the next step reads again what the "
+            "budgets had cached"
+            + (
+                f"; early stopping after {t.early_stopping_patience} evaluations without a better eval_loss"
+                if t.early_stopping_patience
+                else ""
+            )
+        )
     if recipe.objective.rollouts:
         o = recipe.objective
         notes.append(
