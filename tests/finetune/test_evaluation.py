@@ -227,3 +227,41 @@ def test_estimate_says_what_an_evaluation_adds(tmp_path, write_recipe, cat_model
     )
     (note,) = [n for n in estimate(load_recipe(path), measure=False).notes if n.startswith("evaluation")]
     assert "every 50 steps" in note and "not priced" in note and "after 3 evaluations" in note
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        {"method": {"type": "full"}, "offload": {"params": "host", "delay_update": True}},
+        {"method": {"type": "full"}, "offload": {"params": "disk", "optimizer_states": "disk"}},
+        {"method": {"type": "lora", "lora": {"r": 4, "dropout": 0.1}}, "model": {"quantize": "nf4"}},
+    ],
+    ids=["full-delayed", "full-disk", "qlora"],
+)
+def test_evaluating_every_step_leaves_the_training_as_it_was(tmp_path, write_recipe, cat_model, setup):
+    """The same run with and without an evaluation after every step (and a checkpoint every step, written in
+    the background while the next steps run): the same losses and gradient norms, exactly."""
+    model_dir = cat_model(2, hidden=64)
+    held_out = _eval_file(tmp_path)
+    runs = []
+    for name, evaluating in (("plain", {}), ("evaluated", {"eval_strategy": "steps", "eval_steps": 1})):
+        where = tmp_path / name
+        where.mkdir()
+        path = write_recipe(
+            where,
+            model_dir,
+            method=setup["method"],
+            model={"path": str(model_dir), "dtype": "float32", **setup.get("model", {})},
+            data={"eval_path": str(held_out)},
+            training={"max_steps": 4, "save_steps": 1, "learning_rate": 1e-3, **evaluating},
+            offload={"disk_path": str(where / "nvme"), **setup.get("offload", {})},
+        )
+        runs.append(train(load_recipe(path), progress=False))
+    plain, evaluated = runs
+    assert len(evaluated.evaluations) == 4 and not plain.evaluations
+    assert evaluated.losses == plain.losses
+    norms = [
+        [json.loads(line)["grad_norm"] for line in r.log_path.read_text().splitlines() if "grad_norm" in line]
+        for r in runs
+    ]
+    assert norms[0] == norms[1] and len(norms[0]) == 4

@@ -60,8 +60,10 @@ def scored_tokens(batch: dict[str, torch.Tensor]) -> int:
 def evaluate(trainer: Any, passes: Sequence[Sequence[dict[str, torch.Tensor]]]) -> dict[str, float]:
     """``trainer``'s loss over ``passes`` (``eval_batches``) with the weights as they are: the Trainer's
     record of an evaluation (without ``epoch`` and ``step``, which the run adds). Dropout is off for the pass
-    and back on after it."""
+    and back on after it. With ``offload.delay_update`` the weights are those the next step computes on (one
+    update behind); the update in flight is waited for first, as a checkpoint does."""
     began = time.perf_counter()
+    trainer.settle()  # a delayed update in flight (offload.delay_update) done; the weights stay one update behind
     model = trainer.model
     was_training = model.training
     total, tokens, rows = 0.0, 0, 0

@@ -425,6 +425,7 @@ def _run(
                     reporters.log(record)
                 stopping = False
                 if due(recipe, step + 1):  # the held-out set's loss (finetune.evaluation)
+                    writer.wait()  # a checkpoint still being written holds chunks the pass's end puts back home
                     evaluated = evaluate(trainer, eval_passes) | {"epoch": record["epoch"], "step": step + 1}
                     log_file.write(json.dumps(evaluated) + "\n")
                     log_file.flush()
