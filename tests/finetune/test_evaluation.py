@@ -188,6 +188,13 @@ def test_a_run_stops_early_is_finished_and_resumes_under_a_larger_patience(tmp_p
         ),
         ({"eval_strategy": "epoch"}, {}, {}, "training.eval_strategy"),
         (
+            {"eval_strategy": "steps", "eval_steps": 4, "save_steps": 6, "load_best_model_at_end": True},
+            {"eval_path": "x.jsonl"},
+            {},
+            "save_steps a multiple of the steps between evaluations (4)",
+        ),
+        ({"load_best_model_at_end": True}, {}, {}, "training.load_best_model_at_end exports the checkpoint"),
+        (
             {"eval_strategy": "steps"},
             {"eval_path": "x.jsonl", "format": "preference"},
             {"type": "dpo"},
@@ -265,3 +272,61 @@ def test_evaluating_every_step_leaves_the_training_as_it_was(tmp_path, write_rec
         for r in runs
     ]
     assert norms[0] == norms[1] and len(norms[0]) == 4
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_the_best_checkpoint_is_kept_and_exported_at_the_end(
+    tmp_path, write_recipe, cat_model, monkeypatch, method
+):
+    """load_best_model_at_end with save_total_limit 1: the evaluations say 3.0, 1.0, 2.0, 2.5 (scripted), so
+    checkpoint-2 outlives the limit beside checkpoint-4 and is what the run exports: the model a run of 2 steps
+    exports, to the bit; trainer_state.json names it with the Trainer's best_metric and best_model_checkpoint."""
+    from safetensors.torch import load_file
+
+    from tiertune.finetune import train as train_module
+
+    losses = iter([3.0, 1.0, 2.0, 2.5])
+    real = train_module.evaluate
+
+    def scripted(trainer, passes):
+        return real(trainer, passes) | {"eval_loss": next(losses)}
+
+    monkeypatch.setattr(train_module, "evaluate", scripted)
+    model_dir = cat_model(2, hidden=64)
+    held_out = _eval_file(tmp_path)
+    lora = {"type": "lora", "lora": {"r": 4, "dropout": 0.0}} if method == "lora" else {"type": "full"}
+
+    def run(name, **training):
+        where = tmp_path / name
+        where.mkdir()
+        path = write_recipe(
+            where,
+            model_dir,
+            method=lora,
+            data={"eval_path": str(held_out), "shuffle": False},
+            training={"save_steps": 1, "learning_rate": 1e-2, "lr_scheduler_type": "constant", **training},
+            offload={"disk_path": str(where / "nvme")},
+        )
+        return train(load_recipe(path), progress=False)
+
+    best = run(
+        "best",
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_total_limit=1,
+        load_best_model_at_end=True,
+    )
+    assert sorted(p.name for p in best.output_dir.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert best.best_checkpoint == best.output_dir / "checkpoint-2"
+    state = json.loads((best.output_dir / "trainer_state.json").read_text())
+    assert state["best_metric"] == 1.0 and state["best_model_checkpoint"] == str(
+        best.output_dir / "checkpoint-2"
+    )
+    assert state["global_step"] == 4
+    two = run("two", max_steps=2)
+    name = "adapter_model.safetensors" if method == "lora" else "model.safetensors"
+    mine, theirs = load_file(best.output_dir / name), load_file(two.output_dir / name)
+    assert mine.keys() == theirs.keys()
+    for key in mine:
+        assert torch.equal(mine[key], theirs[key]), key

@@ -7,6 +7,7 @@ final losses and directories, and recipes that cannot share a base are refused n
 import json
 
 import pytest
+import torch
 import yaml
 from parity import assert_adam_trained_close
 
@@ -428,3 +429,60 @@ def test_each_adapter_evaluates_and_stops_early_alone_as_its_solo_run(tmp_path, 
     assert table[0].split() == ["adapter", "steps", "final", "loss", "eval_loss", "output_dir"]
     assert "(stopped early)" in table[1] and f"{results[0].eval_loss:.4f}" in table[1]
     assert table[3].split()[3] == "-"  # c does not evaluate
+
+
+def test_an_adapter_exports_its_best_checkpoint_alone(tmp_path, write_recipe, cat_model, monkeypatch):
+    """Adapter a (load_best_model_at_end, save_total_limit 1) is told 3.0, 1.0, 2.0, 2.5 by its evaluations
+    (scripted): its checkpoint-2 outlives the limit and is what it exports, to the bit; b, beside it, exports its
+    last step."""
+    from safetensors.torch import load_file
+
+    from tiertune.finetune import several
+    from tiertune.finetune.several import train_several
+
+    losses = iter([3.0, 1.0, 2.0, 2.5])
+    real = several.evaluate
+    monkeypatch.setattr(
+        several, "evaluate", lambda trainer, passes: real(trainer, passes) | {"eval_loss": next(losses)}
+    )
+    model = cat_model(2, hidden=64)
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"text": t}) + "\n" for t in CAT_TEXTS[::3]))
+    paths = [
+        _recipe(
+            tmp_path,
+            write_recipe,
+            model,
+            "a",
+            data={"eval_path": str(held_out)},
+            training={
+                "max_steps": 4,
+                "eval_strategy": "steps",
+                "eval_steps": 1,
+                "save_steps": 1,
+                "save_total_limit": 1,
+                "load_best_model_at_end": True,
+            },
+        ),
+        _recipe(
+            tmp_path,
+            write_recipe,
+            model,
+            "b",
+            training={"max_steps": 4, "save_steps": 1, "save_total_limit": 1},
+        ),
+    ]
+    a, b = train_several(load_recipes(paths), progress=False)
+    assert sorted(p.name for p in a.output_dir.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert sorted(p.name for p in b.output_dir.glob("checkpoint-*")) == ["checkpoint-4"]
+    assert a.best_checkpoint == a.output_dir / "checkpoint-2" and b.best_checkpoint is None
+    state = json.loads((a.output_dir / "trainer_state.json").read_text())
+    assert state["best_metric"] == 1.0 and state["best_model_checkpoint"] == str(
+        a.output_dir / "checkpoint-2"
+    )
+    for result, step in ((a, 2), (b, 4)):
+        mine = load_file(result.output_dir / "adapter_model.safetensors")
+        theirs = load_file(result.output_dir / f"checkpoint-{step}" / "adapter_model.safetensors")
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            assert torch.equal(mine[key], theirs[key]), key

@@ -109,6 +109,9 @@ class TrainingSection:
     # threshold (transformers' EarlyStoppingCallback; 0: never)
     early_stopping_patience: int = 0
     early_stopping_threshold: float = 0.0
+    # export the checkpoint of the best eval_loss at the end, not the last step's (kept by save_total_limit)
+    load_best_model_at_end: bool = False
+    metric_for_best_model: str = field(default="eval_loss", metadata=choices("eval_loss", "loss"))
 
 
 @dataclass
@@ -282,6 +285,14 @@ class Recipe:
                 "training.early_stopping_patience",
                 "stops on the evaluation loss: set training.eval_strategy: steps and data.eval_path (a held-out "
                 "set), or early_stopping_patience: 0",
+            ),
+            (
+                not t.load_best_model_at_end
+                or (evaluating and t.save_steps > 0 and t.save_steps % max(1, self.eval_every) == 0),
+                "training.load_best_model_at_end",
+                "exports the checkpoint of the best evaluation: set training.eval_strategy: steps and "
+                f"save_steps a multiple of the steps between evaluations ({self.eval_every or 'eval_steps'}), as "
+                f"the Trainer asks (save_steps is {t.save_steps})",
             ),
             (
                 not evaluating or bool(d.eval_path),

@@ -245,6 +245,7 @@ class CheckpointWriter:
         self._cancelled = threading.Event()  # the checkpoint being written is dropped (``cancel``)
         self.blocked_s = 0.0  # time the training threads waited for chunks to be written first
         self.last: Path | None = None
+        self.keep: Path | None = None  # a checkpoint save_total_limit does not remove (the best one)
 
     def save(self, trainer_state: dict, recipe_yaml: str | None = None, rollouts: Any = None) -> Path:
         """Start writing ``checkpoint-<global_step>`` (with the run's ``recipe.yaml``, when given; GRPO's
@@ -419,7 +420,7 @@ class CheckpointWriter:
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
             write_checksums(tmp, known, going)
             _commit(tmp, final, self._run_dir, going)
-            for stale in prune(self._run_dir, self._limit):
+            for stale in prune(self._run_dir, self._limit, self.keep):
                 log.debug("removed %s (save_total_limit %d)", stale, self._limit)
             self.last = final
             log.info("saved %s", final)
@@ -548,6 +549,7 @@ def save_in_place(
     write: Callable[[Path], None],
     recipe_yaml: str,
     limit: int | None,
+    keep: Path | None = None,
 ) -> Path:
     """A checkpoint whose state is small and in memory (one adapter of several over one base), written now on
     the calling thread as ``CheckpointWriter`` commits its own: ``write(directory)`` puts the state's files in
@@ -578,17 +580,18 @@ def save_in_place(
                 "training.save_total_limit; the checkpoints before it are intact"
             ) from None
         raise
-    for stale in prune(run_dir, limit):
+    for stale in prune(run_dir, limit, keep):
         log.debug("removed %s (save_total_limit %d)", stale, limit)
     log.info("saved %s", final)
     return final
 
 
-def prune(run_dir: str | os.PathLike[str], limit: int | None) -> list[Path]:
-    """Delete the oldest complete checkpoints beyond ``limit``; returns what was removed."""
+def prune(run_dir: str | os.PathLike[str], limit: int | None, keep: Path | None = None) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond ``limit``, but ``keep`` (the best one, with
+    ``load_best_model_at_end``: kept beside the newest, as the Trainer keeps it); returns what was removed."""
     if not limit or limit < 1:
         return []
-    stale = checkpoints(run_dir)[:-limit]
+    stale = [path for path in checkpoints(run_dir)[:-limit] if keep is None or path.name != keep.name]
     for path in stale:
         shutil.rmtree(path)
     return stale

@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -99,6 +100,7 @@ class EarlyStopping:
     threshold: float = 0.0
     best: float | None = None
     waited: int = 0
+    best_step: int | None = None  # the step of the best evaluation (the Trainer's best_metric's)
 
     @classmethod
     def of(cls, recipe: Any, history: Iterable[dict[str, Any]] = ()) -> EarlyStopping:
@@ -107,18 +109,36 @@ class EarlyStopping:
         out = cls(t.early_stopping_patience, t.early_stopping_threshold)
         for record in history:
             if "eval_loss" in record:
-                out.see(float(record["eval_loss"]))
+                out.see(float(record["eval_loss"]), int(record.get("step", 0)))
         return out
 
-    def see(self, loss: float) -> bool:
-        """Count an evaluation's loss; True when the run should stop (patience used up; never without one)."""
+    def see(self, loss: float, step: int = 0) -> bool:
+        """Count an evaluation's loss (after ``step``); True when the run should stop (patience used up; never
+        without one)."""
         if self.best is None or (loss < self.best and abs(loss - self.best) > self.threshold):
             self.waited = 0
         else:
             self.waited += 1
         if self.best is None or loss < self.best or math.isnan(self.best):
-            self.best = loss
+            self.best, self.best_step = loss, step
         return self.patience > 0 and self.waited >= self.patience
 
 
-__all__ = ["EarlyStopping", "due", "eval_batches", "evaluate", "scored_tokens"]
+def best_checkpoint(history: Iterable[dict[str, Any]], run_dir: Path) -> tuple[Path, float] | None:
+    """The checkpoint of the lowest ``eval_loss`` among the evaluations of ``history`` whose step has one in
+    ``run_dir`` (the first of equals, as the Trainer's strict comparison keeps it), and that loss; None
+    without one."""
+    from tiertune.finetune.checkpoint import PREFIX
+
+    best: tuple[Path, float] | None = None
+    for record in history:
+        if "eval_loss" not in record:
+            continue
+        path = run_dir / f"{PREFIX}{int(record['step'])}"
+        loss = float(record["eval_loss"])
+        if path.is_dir() and (best is None or loss < best[1]):
+            best = (path, loss)
+    return best
+
+
+__all__ = ["EarlyStopping", "best_checkpoint", "due", "eval_batches", "evaluate", "scored_tokens"]

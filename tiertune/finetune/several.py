@@ -42,6 +42,7 @@ from tiertune.engine import several
 from tiertune.errors import ConfigError, IntegrityError, Interrupted, Signalled
 from tiertune.files import write_text_atomically
 from tiertune.finetune.checkpoint import (
+    PREFIX,
     RECIPE_FILE,
     STATE_FILE,
     latest_checkpoint,
@@ -50,7 +51,7 @@ from tiertune.finetune.checkpoint import (
     save_in_place,
 )
 from tiertune.finetune.data import batches
-from tiertune.finetune.evaluation import EarlyStopping, due, eval_batches, evaluate
+from tiertune.finetune.evaluation import EarlyStopping, best_checkpoint, due, eval_batches, evaluate
 from tiertune.finetune.rundir import LAUNCH_FILE, LOG_NAME, Decision, RunDirectory, launch_record
 from tiertune.finetune.signals import stop_on_signals
 from tiertune.loading.hub import model_directory
@@ -76,6 +77,7 @@ class AdapterResult:
     resumed_from: Path | None = None
     eval_loss: float | None = None  # its last evaluation's (``training.eval_strategy: steps``)
     stopped_early: int | None = None  # the step after which early stopping ended it
+    best_checkpoint: Path | None = None  # exported in place of its last step (``load_best_model_at_end``)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class _Adapter:
     stopped: bool = False  # its loss or gradient norm was not finite: it takes no part in later steps
     eval_passes: list = field(default_factory=list)  # its held-out set (``finetune.evaluation``)
     early: EarlyStopping | None = None
+    kept: tuple[Path, float] | None = None  # its best checkpoint and eval_loss (``load_best_model_at_end``)
 
 
 def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterResult]:
@@ -228,6 +231,8 @@ def _train(
             if a.loaded.eval_data is not None:
                 a.eval_passes = eval_batches(a.loaded.eval_data, a.recipe, a.loaded.pad_id)
             a.early = EarlyStopping.of(a.recipe, a.history)  # a resumed adapter counts from its log
+            if a.recipe.training.load_best_model_at_end:
+                a.kept = best_checkpoint(a.history, out)
             if world.is_main:
                 write_text_atomically(out / RECIPE_FILE, a.recipe.to_yaml())
                 write_text_atomically(out / LAUNCH_FILE, launch_record(world, rows))
@@ -262,9 +267,21 @@ def _train(
             if a.stopped:  # as a run of one: nothing exported after its last good step
                 continue
             res = a.result
+            best = (
+                best_checkpoint(a.history, res.output_dir)
+                if a.recipe.training.load_best_model_at_end
+                else None
+            )
+            if best is not None and best[0].name != f"{PREFIX}{res.steps}":  # the Trainer's best model
+                log.info("%s: exporting its best checkpoint %s (eval_loss %.6g)", res.name, best[0], best[1])
+                _resume(trainer, res.name, best[0])
+                res.best_checkpoint = best[0]
             trainer.adapters.save(res.output_dir, res.name)
             a.loaded.tokenizer.save_pretrained(str(res.output_dir))
             final = {"global_step": res.steps, "max_steps": a.loaded.steps, "log_history": a.history}
+            if a.early is not None and a.early.best is not None:  # the Trainer's names
+                final["best_metric"] = a.early.best
+                final["best_model_checkpoint"] = str(best[0]) if best is not None else None
             if res.stopped_early:
                 final["stopped_early"] = True
             write_text_atomically(res.output_dir / STATE_FILE, json.dumps(final, indent=2))
@@ -330,7 +347,16 @@ def _record(
     if world.is_main and logged:
         with open(res.output_dir / LOG_NAME, "a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in logged))
-    if world.is_main and t.save_steps > 0 and (res.steps % t.save_steps == 0 or last):
+    saving = t.save_steps > 0 and (res.steps % t.save_steps == 0 or last)
+    held_out = logged[-1].get("eval_loss") if logged else None
+    if (
+        saving
+        and held_out is not None
+        and t.load_best_model_at_end
+        and (a.kept is None or held_out < a.kept[1])
+    ):
+        a.kept = (res.output_dir / f"{PREFIX}{res.steps}", held_out)  # save_total_limit keeps it
+    if world.is_main and saving:
         _save(trainer, a, step.grad_norm, world.size)
 
 
@@ -358,7 +384,8 @@ def _save(trainer: Any, a: _Adapter, grad_norm: float, ranks: int) -> Path:
         torch.save(taken["training"], directory / "adapter_optimizer.pt")
         torch.save(taken["rng"], directory / RNG_FILE)
 
-    return save_in_place(res.output_dir, state, write, a.recipe.to_yaml(), t.save_total_limit)
+    keep = a.kept[0] if a.kept is not None else None
+    return save_in_place(res.output_dir, state, write, a.recipe.to_yaml(), t.save_total_limit, keep)
 
 
 def _resume(trainer: Any, name: str, path: Path) -> dict:

@@ -46,6 +46,9 @@ from tiertune.errors import (
 )
 from tiertune.files import write_text_atomically
 from tiertune.finetune.checkpoint import (
+    PREFIX as CHECKPOINT_PREFIX,
+)
+from tiertune.finetune.checkpoint import (
     RECIPE_FILE,
     STATE_FILE,
     STOP_GRACE_S,
@@ -60,7 +63,7 @@ from tiertune.finetune.checkpoint import (
     recover,
 )
 from tiertune.finetune.data import batches, load_data
-from tiertune.finetune.evaluation import EarlyStopping, due, eval_batches, evaluate
+from tiertune.finetune.evaluation import EarlyStopping, best_checkpoint, due, eval_batches, evaluate
 from tiertune.finetune.grpo import METRICS_KEY as ROLLOUT_METRICS
 from tiertune.finetune.grpo import SAMPLES_FILE, Rollouts
 from tiertune.finetune.hf_model import write_hf
@@ -104,6 +107,8 @@ class TrainResult:
     teacher_pass: dict[str, Any] | None = None
     # the step after which early stopping ended the run (``finetune.evaluation``); None: it ran its steps
     stopped_early: int | None = None
+    # the checkpoint exported in place of the last step's (``training.load_best_model_at_end``); None: the last
+    best_checkpoint: Path | None = None
 
     @property
     def evaluations(self) -> list[dict[str, Any]]:
@@ -372,6 +377,7 @@ def _run(
         eval_batches(loaded.eval_data, recipe, loaded.pad_id) if loaded.eval_data is not None else []
     )
     early = EarlyStopping.of(recipe, history)  # a resumed run counts from its log's evaluations
+    kept = best_checkpoint(history, out) if t.load_best_model_at_end else None  # (path, eval_loss)
     notes = list(decision.notes) + launch_notes(world, dict(os.environ))
     if decision.resume is not None:
         notes.append(f"resumed from {decision.resume} at step {first} of {steps}")
@@ -385,6 +391,7 @@ def _run(
         print("\n".join((banner, *notes)), flush=True)
     bar = _Progress(steps, first, t.logging_steps) if progress else None
     writer = CheckpointWriter(trainer, out, t.save_total_limit)
+    writer.keep = kept[0] if kept is not None else None  # the best checkpoint outlives save_total_limit
     reporters = None
     start = time.perf_counter()
     done = first
@@ -423,7 +430,7 @@ def _run(
                     log_file.flush()
                     history.append(record)
                     reporters.log(record)
-                stopping = False
+                stopping, evaluated = False, None
                 if due(recipe, step + 1):  # the held-out set's loss (finetune.evaluation)
                     writer.wait()  # a checkpoint still being written holds chunks the pass's end puts back home
                     evaluated = evaluate(trainer, eval_passes) | {"epoch": record["epoch"], "step": step + 1}
@@ -431,13 +438,18 @@ def _run(
                     log_file.flush()
                     history.append(evaluated)
                     reporters.log(evaluated)
-                    stopping = early.see(evaluated["eval_loss"])
+                    stopping = early.see(evaluated["eval_loss"], step + 1)
                 writer.check()  # a checkpoint that failed in the background stops the run now
                 stop.check()
                 # a checkpoint every save_steps steps and at the last one (as the Hugging Face Trainer), so
                 # that a finished run can be trained further
                 last = step + 1 == steps or stopping
-                if t.save_steps > 0 and ((step + 1) % t.save_steps == 0 or last):
+                saving = t.save_steps > 0 and ((step + 1) % t.save_steps == 0 or last)
+                better = evaluated is not None and (kept is None or evaluated["eval_loss"] < kept[1])
+                if saving and better and t.load_best_model_at_end:  # this step's checkpoint is the best
+                    kept = (out / f"{CHECKPOINT_PREFIX}{step + 1}", evaluated["eval_loss"])
+                    writer.keep = kept[0]
+                if saving:
                     trainer_state = {
                         "global_step": step + 1,
                         "max_steps": steps,
@@ -465,10 +477,18 @@ def _run(
                     break
         writer.wait()
         stop.check()
+        best = best_checkpoint(history, out) if t.load_best_model_at_end else None
+        if best is not None and best[0].name != f"{CHECKPOINT_PREFIX}{done}":  # the Trainer's best model
+            log.info("loading the best model from %s (eval_loss %.6g) to export it", best[0], best[1])
+            load_checkpoint(trainer, best[0])
+            result.best_checkpoint = best[0]
         _export(trainer, tokenizer, out, world.is_main)
         stop.check()
         if world.is_main:
             final = {"global_step": done, "max_steps": steps, "log_history": history}
+            if early.best is not None:  # the Trainer's names
+                final["best_metric"] = early.best
+                final["best_model_checkpoint"] = str(best[0]) if best is not None else None
             if result.stopped_early:
                 final["stopped_early"] = True
             write_text_atomically(out / STATE_FILE, json.dumps(final, indent=2))  # the run is finished
