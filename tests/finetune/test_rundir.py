@@ -150,6 +150,43 @@ def test_resume_refuses_another_run_and_names_what_differs(recipe):
     assert forced.first_step == 7
 
 
+def test_a_checkpoint_of_an_earlier_tiertune_resumes_with_the_settings_it_lacks_at_their_defaults(recipe):
+    """A recipe written before some settings existed (here the evaluation's, the best model's and the master
+    weights' dtype) ran as they are by default: resumed by this tiertune, it is the same run, not another."""
+    import yaml
+
+    first = train(recipe, ("training.max_steps=4",), progress=False)
+    later = (
+        "eval_strategy",
+        "eval_steps",
+        "early_stopping_patience",
+        "early_stopping_threshold",
+        "load_best_model_at_end",
+        "metric_for_best_model",
+        "master_weights",
+    )
+    for path in [first.output_dir / "recipe.yaml", *first.output_dir.glob("checkpoint-*/recipe.yaml")]:
+        old = yaml.safe_load(path.read_text())
+        for key in later:
+            del old["training"][key]
+        del old["data"]["eval_path"]
+        path.write_text(yaml.safe_dump(old))
+        if path.parent.name.startswith("checkpoint-"):
+            ckpt.write_checksums(path.parent)  # as that tiertune wrote them
+    resumed = train(recipe, ("training.max_steps=6", "training.resume_from_checkpoint=auto"), progress=False)
+    assert resumed.first_step == 5 and _log_steps(first.output_dir) == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(ConfigError, match=r"training.weight_decay: 0.0 -> 0.1\. A resumed run"):  # it alone
+        train(
+            recipe,
+            (
+                "training.max_steps=7",
+                "training.resume_from_checkpoint=auto",
+                "training.weight_decay=0.1",
+            ),
+            progress=False,
+        )
+
+
 def test_a_second_run_on_a_locked_directory_stops_at_once(recipe, tmp_path):
     """The first run holds the lock (here: this process, as a live run would); the second is refused before
     it reads or writes anything, naming the first one's pid."""

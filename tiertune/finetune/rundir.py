@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from tiertune.config.recipe import Recipe, flatten
+from tiertune.config.recipe import Recipe, build, flatten
 from tiertune.distributed.world import World
 from tiertune.errors import ConfigError, IntegrityError, StorageError
 from tiertune.finetune.checkpoint import (
@@ -80,6 +80,8 @@ RESUMABLE_CHANGES = (
     "training.eval_steps",
     "training.early_stopping_patience",
     "training.early_stopping_threshold",
+    "training.load_best_model_at_end",
+    "training.metric_for_best_model",
     "data.eval_path",
     "training.resume_from_checkpoint",
     "training.overwrite_output_dir",
@@ -490,12 +492,21 @@ def _differences(recipe: Recipe, recipe_file: Path) -> list[tuple[str, Any, Any]
     then = _recipe_dict(recipe_file)
     if then is None:
         return None
-    now, old = dict(flatten(recipe.to_dict())), dict(flatten(then))
+    now, old = dict(flatten(recipe.to_dict())), dict(flatten(_with_defaults(then)))
     return [
         (k, old.get(k), now.get(k))
         for k in sorted(set(now) | set(old))
         if old.get(k) != now.get(k) and not k.startswith(RESUMABLE_CHANGES)
     ]
+
+
+def _with_defaults(then: dict[str, Any]) -> dict[str, Any]:
+    """A run directory's recipe with the settings it lacks at their defaults: written by an earlier tiertune,
+    before those settings existed, it ran as they are by default (not as a difference from this recipe)."""
+    try:
+        return build(Recipe, then, "").to_dict()
+    except (ConfigError, TypeError, ValueError):  # no longer a valid recipe: its settings as written
+        return then
 
 
 def _recipe_dict(path: Path) -> dict[str, Any] | None:
