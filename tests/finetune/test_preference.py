@@ -581,3 +581,111 @@ def test_kto_follows_trl(model_dir, tmp_path, write_recipe, method):
         ):
             assert mine[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (key, mine["step"], mine, ref)
     assert ours[-1]["rewards/margins"] > 0
+
+
+def _trl_evaluate(model, ref_model, model_dir, tmp_path, objective):
+    """TRL's DPOTrainer (CPOTrainer for SimPO, ORPOTrainer for ORPO) evaluating ``model`` on the held-out pairs
+    in one batch (its metrics are then the means over the pairs, as tiertune's)."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    kind = objective["type"]
+    config, trainer_class = {
+        "dpo": (DPOConfig, DPOTrainer),
+        "simpo": (CPOConfig, CPOTrainer),
+        "orpo": (ORPOConfig, ORPOTrainer),
+    }[kind]
+    extra = {"loss_type": [objective.get("loss_type", "sigmoid")]} if kind == "dpo" else {}
+    if kind == "simpo":
+        extra = {"loss_type": "simpo", "cpo_alpha": 0.0, "simpo_gamma": 0.5}
+    args = config(
+        output_dir=str(tmp_path / f"trl-eval-{kind}"),
+        per_device_eval_batch_size=len(HELD_OUT),
+        beta=objective["beta"],
+        max_length=32,
+        **extra,
+        **TRL_AS_TIERTUNE,
+    )
+    kwargs = {"ref_model": ref_model} if kind == "dpo" and ref_model is not None else {}
+    trainer = trainer_class(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(PAIRS),
+        eval_dataset=Dataset.from_list(HELD_OUT),
+        processing_class=_tokenizer(model_dir),
+        **kwargs,
+    )
+    return trainer.evaluate()
+
+
+HELD_OUT = [
+    {"prompt": f"the {a} cat", "chosen": f" sat on the {b} mat .", "rejected": f" sat on {c}"}
+    for a, b, c in [("wet", "red", "old"), ("blue", "big", "fat"), ("old", "old", "wet")]
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "objective"),
+    [
+        ("lora", {"type": "dpo", "beta": 0.1}),
+        ("lora", {"type": "dpo", "beta": 0.1, "loss_type": "ipo"}),
+        ("full", {"type": "dpo", "beta": 0.1}),
+        ("full", {"type": "simpo", "beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.0}),
+        ("full", {"type": "orpo", "beta": 0.1}),
+    ],
+    ids=["lora-dpo", "lora-dpo-ipo", "full-dpo", "full-simpo", "full-orpo"],
+)
+def test_held_out_pairs_are_evaluated_as_trl_evaluates_them(
+    model_dir, tmp_path, write_recipe, method, objective
+):
+    """After 3 steps the run's evaluation of held-out pairs is TRL's ``evaluate()`` of the exported model (peft's
+    adapter merged into the base, or the full model) beside a frozen copy of the initial one, the reference
+    (tiertune's with LoRA: the base, its adapter off): eval_loss and TRL's eval_rewards/* and eval_logps/*, rel
+    1e-5."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in HELD_OUT))
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        data={
+            "path": str(_rows(tmp_path)),
+            "format": "preference",
+            "shuffle": False,
+            "eval_path": str(held_out),
+        },
+        method=LORA if method == "lora" else {"type": "full"},
+        objective=objective,
+        training={
+            "max_steps": 3,
+            "per_device_train_batch_size": 2,
+            "learning_rate": 1e-2 if method == "lora" else 1e-3,
+            "eval_strategy": "steps",
+            "eval_steps": 3,
+        },
+        offload={"params": "disk", "device_budget": "2MiB", "host_budget": "1MiB"},
+    )
+    result = train(load_recipe(path), progress=False)
+    (ours,) = result.evaluations
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if method == "lora":  # (TRL given a PeftModel takes its adapter for a new one to train: merged here)
+        model = PeftModel.from_pretrained(base, result.output_dir).merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(result.output_dir, dtype=torch.float32)
+    ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # the initial weights
+    theirs = _trl_evaluate(model, ref_model, model_dir, tmp_path, objective)
+    keys = [
+        "eval_loss",
+        "eval_rewards/chosen",
+        "eval_rewards/margins",
+        "eval_logps/chosen",
+        "eval_logps/rejected",
+    ]
+    if objective["type"] == "dpo":
+        assert ours["eval_rewards/margins"] != 0.0  # the policy moved off its reference
+    for key in keys:
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (key, ours, theirs)

@@ -443,7 +443,9 @@ def test_an_adapter_exports_its_best_checkpoint_alone(tmp_path, write_recipe, ca
     losses = iter([3.0, 1.0, 2.0, 2.5])
     real = several.evaluate
     monkeypatch.setattr(
-        several, "evaluate", lambda trainer, passes: real(trainer, passes) | {"eval_loss": next(losses)}
+        several,
+        "evaluate",
+        lambda trainer, passes, *args: real(trainer, passes, *args) | {"eval_loss": next(losses)},
     )
     model = cat_model(2, hidden=64)
     held_out = tmp_path / "held_out.jsonl"

@@ -35,9 +35,10 @@ from tiertune.settings import (
 )
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-EVAL_FORMATS = ("text", "alpaca", "chat")
-"""The data formats a run evaluates (``training.eval_strategy``): single sequences scored by cross-entropy."""
-EVAL_OBJECTIVES = ("sft",)
+EVAL_FORMATS = ("text", "alpaca", "chat", "preference")
+"""The data formats a run evaluates (``training.eval_strategy``): single sequences scored by cross-entropy, and
+preference pairs scored by their objective."""
+EVAL_OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
 """The built-in recipes, shipped with the package (``load_recipe`` takes one by its name)."""
 
 
@@ -303,9 +304,9 @@ class Recipe:
             (
                 not evaluating or (o.type in EVAL_OBJECTIVES and d.format in EVAL_FORMATS),
                 "training.eval_strategy",
-                f"steps scores the cross-entropy of single sequences (objective.type {' or '.join(EVAL_OBJECTIVES)}"
-                f", data.format {', '.join(EVAL_FORMATS)}): objective.type {o.type} with data.format {d.format} "
-                "is not evaluated in this release; set training.eval_strategy: no",
+                f"steps scores single sequences by their cross-entropy and preference pairs by their objective "
+                f"(objective.type {', '.join(EVAL_OBJECTIVES)}): objective.type {o.type} with data.format "
+                f"{d.format} is not evaluated in this release; set training.eval_strategy: no",
             ),
         ]
 

@@ -2,8 +2,9 @@
 ``training.eval_steps`` steps (``eval_strategy: steps``), and early stopping on it.
 
 The figure is ``eval_loss``: the cross-entropy of every scored token of the set, summed and divided by their
-number (the training loss's definition, over the whole set at once), by the weights as they are after the step,
-dropout off, without autograd. Batches are of the step's shapes (``per_device_train_batch_size`` rows, up to
+number (the training loss's definition, over the whole set at once), or a preference objective's loss over the
+set's pairs with TRL's metrics (``evaluate``), by the weights as they are after the step, dropout off, without
+autograd. Batches are of the step's shapes (``per_device_train_batch_size`` rows, up to
 ``max_seq_len`` tokens), ``gradient_accumulation_steps`` of them a pass of the layers: the budgets were planned
 for those. The pass leaves the store as it found it (``StreamedTrainer.sequence_logps``: its accesses are not the
 steps' trace; what the tiers cached is read again by the next step). Of several processes each runs the whole set
@@ -43,11 +44,16 @@ def due(recipe: Any, step: int) -> bool:
 
 def eval_batches(data: Any, recipe: Any, pad_id: int) -> list[list[dict[str, torch.Tensor]]]:
     """The held-out set as passes: groups of up to ``gradient_accumulation_steps`` batches of
-    ``per_device_train_batch_size`` rows, in the file's order, unpacked."""
-    from tiertune.finetune.data import row_batches
+    ``per_device_train_batch_size`` rows (of pairs, for a preference objective), in the file's order, unpacked."""
+    from tiertune.finetune.data import batches, row_batches
 
     t = recipe.training
-    rows = row_batches(data, list(range(len(data))), t.per_device_train_batch_size, pad_id)
+    size = t.per_device_train_batch_size
+    if recipe.objective.paired:  # each batch its chosen sequences, then its rejected ones
+        stream = batches(data, size, pad_id, shuffle=False, seed=0)
+        rows = [next(stream) for _ in range(-(-len(data) // size))]
+    else:
+        rows = row_batches(data, list(range(len(data))), size, pad_id)
     group = t.gradient_accumulation_steps
     return [rows[i : i + group] for i in range(0, len(rows), group)]
 
@@ -58,19 +64,35 @@ def scored_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
-def evaluate(trainer: Any, passes: Sequence[Sequence[dict[str, torch.Tensor]]]) -> dict[str, float]:
+def evaluate(
+    trainer: Any,
+    passes: Sequence[Sequence[dict[str, torch.Tensor]]],
+    objective: Any = None,
+    reference: torch.Tensor | None = None,
+) -> dict[str, float]:
     """``trainer``'s loss over ``passes`` (``eval_batches``) with the weights as they are: the Trainer's
     record of an evaluation (without ``epoch`` and ``step``, which the run adds). Dropout is off for the pass
     and back on after it. With ``offload.delay_update`` the weights are those the next step computes on (one
-    update behind); the update in flight is waited for first, as a checkpoint does."""
+    update behind); the update in flight is waited for first, as a checkpoint does.
+
+    For a preference ``objective`` (DPO, SimPO, ORPO) ``eval_loss`` is its loss, and its metrics are TRL's
+    with ``eval_`` before them (``eval_rewards/margins``, ...), each the mean over the set's pairs; the reference
+    is the base with the adapters off (LoRA: a second pass) or ``reference``, the set's log-probabilities by the
+    initial weights ([rows, 2], ``finetune.reference.reference_logps``)."""
     began = time.perf_counter()
     trainer.settle()  # a delayed update in flight (offload.delay_update) done; the weights stay one update behind
     model = trainer.model
     was_training = model.training
+    paired = objective is not None and objective.paired
     total, tokens, rows = 0.0, 0, 0
+    sums: dict[str, tuple[float, float]] = {}
     model.eval()
     try:
         for group in passes:
+            if paired:
+                loss, pairs = _pairs(trainer, group, objective, reference, sums)
+                total, tokens, rows = total + loss, tokens + pairs, rows + pairs
+                continue
             for batch, logps in zip(group, trainer.sequence_logps(group), strict=True):
                 total -= float(logps.double().sum())
                 tokens += scored_tokens(batch)
@@ -79,16 +101,62 @@ def evaluate(trainer: Any, passes: Sequence[Sequence[dict[str, torch.Tensor]]]) 
         model.train(was_training)
     if tokens == 0:
         raise DataError(
-            "the evaluation set has no scored tokens (every label is -100): check data.eval_path and "
-            "data.max_seq_len"
+            f"the evaluation set has no scored {'pairs' if paired else 'tokens'} (every label is -100): check "
+            "data.eval_path and data.max_seq_len"
         )
     runtime = time.perf_counter() - began
     return {
         "eval_loss": total / tokens,
+        **{f"eval_{name}": value / count for name, (value, count) in sums.items() if count},
         "eval_runtime": round(runtime, 4),
         "eval_samples_per_second": round(rows / runtime, 3),
         "eval_steps_per_second": round(sum(len(g) for g in passes) / runtime, 3),
     }
+
+
+def _pairs(
+    trainer: Any,
+    group: Sequence[dict[str, torch.Tensor]],
+    objective: Any,
+    reference: torch.Tensor | None,
+    sums: dict[str, tuple[float, float]],
+) -> tuple[float, int]:
+    """A pass of preference batches: the summed loss of their pairs and how many (a pair without a target in
+    either sequence counts none); their metrics' sums and counts added into ``sums``."""
+    from tiertune.engine.objective import pair_losses
+
+    def token_losses(engine: Any, mb: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        target = mb.target
+        if objective.whole_sequences:  # ORPO's cross-entropy: every next token, the prompt's too
+            mask = mb.extra.get("attention_mask")
+            target = (
+                mb.ids[:, 1:] if mask is None else mb.ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
+            )
+        return engine.compute.token_losses(engine.loss, x, mb.ids, mb.extra, target).float().cpu(), target
+
+    policy = trainer.sequence_logps(group, token_losses)
+    if reference is None and objective.type == "dpo":  # LoRA: the base, its adapters off
+        with trainer.reference():
+            theirs = [logps.float().cpu() for logps in trainer.sequence_logps(group)]
+    total, pairs = 0.0, 0
+    for k, (batch, (losses_of_tokens, target)) in enumerate(zip(group, policy, strict=True)):
+        ref = None
+        if objective.type == "dpo":
+            if reference is None:
+                ref = theirs[k]
+            else:
+                rows = batch["rows"]
+                ref = torch.cat([reference[rows, 0], reference[rows, 1]]).float()
+        completion = batch["labels"][:, 1:] != IGNORE_INDEX
+        losses, metrics = pair_losses(
+            objective, losses_of_tokens, completion, ref, target.cpu() != IGNORE_INDEX
+        )
+        total += float(losses.double().sum())
+        pairs += int(metrics["rewards/chosen"][1])
+        for name, (value, count) in metrics.items():
+            before = sums.get(name, (0.0, 0.0))
+            sums[name] = (before[0] + value, before[1] + count)
+    return total, pairs
 
 
 @dataclass

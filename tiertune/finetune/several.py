@@ -333,7 +333,10 @@ def _record(
     logged = [record] if res.steps % t.logging_steps == 0 or last else []
     if due(a.recipe, res.steps):  # its held-out loss: a pass of the base with its adapter alone
         trainer.adapters.activate(res.name)
-        evaluated = evaluate(trainer, a.eval_passes) | {"epoch": record["epoch"], "step": res.steps}
+        evaluated = evaluate(trainer, a.eval_passes, a.recipe.objective) | {
+            "epoch": record["epoch"],
+            "step": res.steps,
+        }
         logged.append(evaluated)
         res.eval_loss = evaluated["eval_loss"]
         assert a.early is not None

@@ -317,6 +317,7 @@ def _run(
         stream = with_teacher(stream, cache)
         stop.check()
     rollouts: Rollouts | None = None
+    eval_reference = None
     try:
         trainer = StreamedTrainer(recipe.model.path, run.store, engine, safe_point=stop.check, world=world)
     except BaseException:
@@ -328,6 +329,10 @@ def _run(
         if recipe.objective.reference and trainer.adapters is None and not recipe.reference_beside:
             reference = reference_logps(trainer, data, recipe, loaded.pad_id, write=world.is_main)
             stream = with_reference(stream, reference)
+            if loaded.eval_data is not None:  # the held-out pairs' too, by the same initial weights
+                eval_reference = reference_logps(
+                    trainer, loaded.eval_data, recipe, loaded.pad_id, write=world.is_main
+                )
         if decision.resume is not None:
             state = load_checkpoint(trainer, decision.resume)
             # the steps up to the checkpoint's (one written by an older tiertune may hold later ones)
@@ -433,7 +438,10 @@ def _run(
                 stopping, evaluated = False, None
                 if due(recipe, step + 1):  # the held-out set's loss (finetune.evaluation)
                     writer.wait()  # a checkpoint still being written holds chunks the pass's end puts back home
-                    evaluated = evaluate(trainer, eval_passes) | {"epoch": record["epoch"], "step": step + 1}
+                    evaluated = evaluate(trainer, eval_passes, recipe.objective, eval_reference) | {
+                        "epoch": record["epoch"],
+                        "step": step + 1,
+                    }
                     log_file.write(json.dumps(evaluated) + "\n")
                     log_file.flush()
                     history.append(evaluated)
