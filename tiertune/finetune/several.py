@@ -340,7 +340,7 @@ def _record(
         logged.append(evaluated)
         res.eval_loss = evaluated["eval_loss"]
         assert a.early is not None
-        if a.early.see(res.eval_loss):
+        if a.early.see(res.eval_loss, res.steps):
             res.stopped_early = res.steps
             last = True
             log.info(
