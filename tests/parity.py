@@ -162,6 +162,16 @@ def lora_config(**kw):
     return EngineConfig(**base)
 
 
+def assert_same_safetensors(actual, expected) -> None:
+    """Two safetensors files hold the same tensors under the same names, to the bit."""
+    from safetensors.torch import load_file
+
+    mine, theirs = load_file(actual), load_file(expected)
+    assert mine.keys() == theirs.keys(), (sorted(mine), sorted(theirs))
+    for key in mine:
+        assert torch.equal(mine[key], theirs[key]), key
+
+
 def assert_adam_trained_close(actual: torch.Tensor, expected: torch.Tensor, name: str = "") -> None:
     """Adam divides each gradient entry by its own running magnitude: an entry whose gradient is nearly zero
     turns float rounding (which differs between CPUs, MKL's last bits) into a step of up to the learning rate.

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import yaml
-from parity import assert_adam_trained_close
+from parity import assert_adam_trained_close, assert_same_safetensors
 
 from tests.conftest import CAT_PAIRS, CAT_TEXTS
 from tiertune.config.recipe import load_recipe
@@ -235,7 +235,6 @@ def test_an_adapter_that_diverges_stops_alone(tmp_path, write_recipe, cat_model,
     """Adapter b's weights turned to NaN after its first step: its second step's loss is not finite, so its run
     stops there (its step-1 checkpoint kept, nothing exported), a's goes on to its end as its solo run; the
     command exits 1 with b's message."""
-    import torch
     from typer.testing import CliRunner
 
     from tiertune.cli.app import app
@@ -435,7 +434,6 @@ def test_an_adapter_exports_its_best_checkpoint_alone(tmp_path, write_recipe, ca
     """Adapter a (load_best_model_at_end, save_total_limit 1) is told 3.0, 1.0, 2.0, 2.5 by its evaluations
     (scripted): its checkpoint-2 outlives the limit and is what it exports, to the bit; b, beside it, exports its
     last step."""
-    from safetensors.torch import load_file
 
     from tiertune.finetune import several
     from tiertune.finetune.several import train_several
@@ -483,8 +481,5 @@ def test_an_adapter_exports_its_best_checkpoint_alone(tmp_path, write_recipe, ca
         a.output_dir / "checkpoint-2"
     )
     for result, step in ((a, 2), (b, 4)):
-        mine = load_file(result.output_dir / "adapter_model.safetensors")
-        theirs = load_file(result.output_dir / f"checkpoint-{step}" / "adapter_model.safetensors")
-        assert mine.keys() == theirs.keys()
-        for key in mine:
-            assert torch.equal(mine[key], theirs[key]), key
+        name = "adapter_model.safetensors"
+        assert_same_safetensors(result.output_dir / name, result.output_dir / f"checkpoint-{step}" / name)
