@@ -27,4 +27,5 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path):
     work = Path(next(w for w in printed.split() if "tiertune-quickstart-" in w))
     assert work.name.startswith("tiertune-quickstart-") and not work.exists()  # the last cell removed it
     assert "s per step" in outputs and "how fast:" in outputs and "checkpoint-8" in outputs
+    assert "eval_loss by step: {4: " in outputs  # the held-out rows, every 4 steps
     assert "teacher pass:" in outputs and "'tokens_per_second'" in outputs  # the distillation's
