@@ -261,6 +261,34 @@ def test_train_stops_on_a_signal_wherever_it_is(tmp_path, stop_recipe, where, at
         verify(done)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_train_stops_on_a_signal_while_it_evaluates(tmp_path, stop_recipe, signum):
+    """Stopped in its second evaluation (after step 4; checkpoint-2 written, checkpoint-4 not yet): exit 128 + the
+    signal within seconds, checkpoint-2 intact and named to resume from, the offload files gone."""
+    run = tmp_path / "run"
+    _, stderr = _stop(
+        tmp_path,
+        "tiertune.engine.trainer:StreamedTrainer.sequence_logps:4",  # (3 passes an evaluation: 12 rows)
+        signum,
+        [
+            "train",
+            str(stop_recipe),
+            f"training.output_dir={run}",
+            f"offload.disk_path={tmp_path / 'nvme'}",
+            f"data.eval_path={stop_recipe.parent / 'data.jsonl'}",
+            "training.eval_strategy=steps",
+            "training.eval_steps=2",
+            "-q",
+        ],
+    )
+    assert (
+        "after step 4" in stderr and "checkpoint-2" in stderr and "resume with: tiertune train" in stderr
+    ), stderr
+    assert [p.name for p in checkpoints(run)] == ["checkpoint-2"]
+    verify(checkpoints(run)[0])
+    assert not (tmp_path / "nvme").exists() or not list((tmp_path / "nvme").iterdir())
+
+
 def test_train_stops_on_a_signal_while_its_plan_is_checked(tmp_path, stop_recipe):
     """`tiertune train` stopped while it builds the engine on a ledger to check its memory plan (before anything
     of the run exists): exit 128 + the signal within seconds, one line, no run directory and no offload files."""
