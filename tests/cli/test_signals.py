@@ -2,6 +2,7 @@
 completed within seconds or dropped (the newest complete one stays), the offload files and partial directories are removed, and the command says where it stopped,
 the newest checkpoint and how to resume, with exit code 128 + the signal."""
 
+import json
 import os
 import signal
 import subprocess
@@ -332,6 +333,18 @@ def test_export_and_merge_stop_on_a_signal_mid_way(tmp_path, lora_run):
         assert (
             sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(("stop.", "signal-"))) == []
         ), at
+
+
+def test_evaluate_and_generate_stop_on_a_signal_mid_pass(tmp_path, lora_run):
+    """`tiertune evaluate` and `tiertune generate` of a LoRA run stopped in a pass over the layers: exit 128 + the
+    signal within seconds, one line."""
+    from tests.conftest import CAT_TEXTS
+
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"text": t}) + "\n" for t in CAT_TEXTS))
+    at = "tiertune.engine.trainer:StreamedTrainer.layer_weights:2"
+    _stop(tmp_path, at, signal.SIGTERM, ["evaluate", str(lora_run), str(held_out)])
+    _stop(tmp_path, at, signal.SIGINT, ["generate", str(lora_run), "--prompt", "the cat"])
 
 
 def test_env_probe_and_parsing_stop_on_a_signal(tmp_path):

@@ -327,3 +327,56 @@ def test_the_best_checkpoint_is_kept_and_exported_at_the_end(
     two = run("two", max_steps=2)
     name = "adapter_model.safetensors" if method == "lora" else "model.safetensors"
     assert_same_safetensors(best.output_dir / name, two.output_dir / name)
+
+
+def test_tiertune_evaluate_gives_a_runs_own_figure_and_transformers_for_a_model(
+    tmp_path, write_recipe, cat_model
+):
+    """`tiertune evaluate` of a LoRA run, of its checkpoint and of the model: the eval_loss the run logged after
+    its last step and after step 2, and transformers' loss of the model (rel 1e-6); a DPO run's pairs as it
+    logged them; what cannot be evaluated exits 2 saying why."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = cat_model(2, hidden=64)
+    held_out = _eval_file(tmp_path)
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        method={"type": "lora", "lora": {"r": 4, "dropout": 0.1}},
+        data={"eval_path": str(held_out)},
+        training={
+            "max_steps": 4,
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "save_steps": 2,
+            "learning_rate": 1e-2,
+        },
+    )
+    result = train(load_recipe(path), progress=False)
+    logged = {r["step"]: r["eval_loss"] for r in result.evaluations}
+
+    def evaluated(*args):
+        out = CliRunner().invoke(app, ["evaluate", *map(str, args), "--json"])
+        assert out.exit_code == 0, out.output
+        return json.loads(out.output.strip().splitlines()[-1])
+
+    run = evaluated(result.output_dir, held_out)
+    assert run["eval_loss"] == pytest.approx(logged[4], rel=1e-6)
+    assert run["eval_rows"] == len(HELD_OUT) and run["eval_tokens"] > 0
+    assert evaluated(result.output_dir / "checkpoint-2", held_out)["eval_loss"] == pytest.approx(
+        logged[2], rel=1e-6
+    )
+    model = evaluated(model_dir, held_out)["eval_loss"]
+    expected = _reference_loss(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        AutoTokenizer.from_pretrained(model_dir),
+        held_out,
+    )
+    assert model == pytest.approx(expected, rel=1e-6)
+    said = CliRunner().invoke(app, ["evaluate", str(result.output_dir), str(held_out)])
+    assert said.exit_code == 0 and f"eval_loss {logged[4]:.4f} (perplexity" in said.output, said.output
+    refused = CliRunner().invoke(app, ["evaluate", str(model_dir), str(held_out), "--format", "preference"])
+    assert refused.exit_code == 2 and "Traceback" not in refused.output
+    assert "a LoRA run's adapter" in " ".join(refused.output.split())
+    missing = CliRunner().invoke(app, ["evaluate", str(model_dir), str(tmp_path / "none.jsonl")])
+    assert missing.exit_code == 2 and "none.jsonl" in missing.output

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -457,6 +458,58 @@ def generate(
                 trainer.close()
     for text in out:
         typer.echo(text)
+
+
+@app.command()
+def evaluate(
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="A model directory or Hugging Face id, a run directory (training.output_dir) or a checkpoint."
+        ),
+    ],
+    data: Annotated[
+        Path, typer.Argument(help="The held-out rows: a .jsonl, .json, .parquet, .csv or .txt file.")
+    ],
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="Dotted overrides, e.g. data.max_seq_len=2048.")
+    ] = None,
+    data_format: Annotated[
+        str | None,
+        typer.Option(
+            "--format", help="text, alpaca, chat or preference (default: the run's data.format, or text)."
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the record as one JSON line.")] = False,
+    quiet: _Quiet = False,
+    verbose: _Verbose = False,
+) -> None:
+    """The loss of a model, or of a trained run or checkpoint (a LoRA run's adapter over its base as trained), on
+    held-out rows: the eval_loss a run logs (training.eval_strategy), the model streamed as the run streams it.
+
+    Example: tiertune evaluate runs/demo/out held_out.jsonl
+    """
+    _console_log(quiet, verbose)
+    with _user_errors():
+        from tiertune.finetune.evaluation import evaluate_source
+        from tiertune.finetune.signals import stop_on_signals
+
+        _imports_settled()
+        with stop_on_signals() as stop, stop.at_safe_points():
+            record = evaluate_source(source, data, tuple(overrides or ()), data_format, safe_point=stop.check)
+    if as_json:
+        typer.echo(json.dumps(record))
+        return
+    loss = record["eval_loss"]
+    tokens = record.get("eval_tokens")
+    over = (
+        f"{record['eval_rows']:,} rows, {tokens:,} tokens"
+        if tokens is not None
+        else f"{record['eval_rows']:,} pairs"
+    )
+    extra = "".join(f", {k.removeprefix('eval_')} {v:.4f}" for k, v in record.items() if "/" in k)
+    perplexity = f" (perplexity {math.exp(loss):.4g})" if tokens is not None and loss < 700 else ""
+    typer.echo(f"eval_loss {loss:.4f}{perplexity}{extra} over {over} in {record['eval_runtime']:.1f} s")
 
 
 _Overwrite = Annotated[
