@@ -178,7 +178,7 @@ def test_a_run_stops_early_is_finished_and_resumes_under_a_larger_patience(tmp_p
             {"early_stopping_patience": 3},
             {},
             {},
-            "training.early_stopping_patience stops on the evaluation loss",
+            "training.early_stopping_patience needs the evaluation loss",
         ),
         (
             {"eval_strategy": "steps", "eval_steps": 0},
@@ -186,7 +186,14 @@ def test_a_run_stops_early_is_finished_and_resumes_under_a_larger_patience(tmp_p
             {},
             "training.eval_steps must be",
         ),
-        ({"eval_strategy": "epoch"}, {}, {}, "training.eval_strategy"),
+        ({"eval_strategy": "best"}, {}, {}, "training.eval_strategy"),
+        (
+            {"eval_strategy": "epoch"},
+            {},
+            {},
+            "training.eval_strategy epoch evaluates the loss on a held-out set",
+        ),
+        ({"eval_on_start": True}, {}, {}, "training.eval_on_start needs the evaluation loss"),
         (
             {"eval_strategy": "steps", "eval_steps": 4, "save_steps": 6, "load_best_model_at_end": True},
             {"eval_path": "x.jsonl"},
@@ -380,3 +387,36 @@ def test_tiertune_evaluate_gives_a_runs_own_figure_and_transformers_for_a_model(
     assert "a LoRA run's adapter" in " ".join(refused.output.split())
     missing = CliRunner().invoke(app, ["evaluate", str(model_dir), str(tmp_path / "none.jsonl")])
     assert missing.exit_code == 2 and "none.jsonl" in missing.output
+
+
+def test_evaluation_at_each_epochs_end_and_on_start(tmp_path, write_recipe, cat_model):
+    """eval_strategy: epoch evaluates after the step that took each epoch's last micro-batch (12 rows, 4 a
+    micro-batch, 2 a step: after steps 2, 3, 5 and 6), and eval_on_start before the first step: step 0, the
+    initial model's loss by transformers (LoRA's B starts at zero)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = cat_model(2, hidden=64)
+    held_out = _eval_file(tmp_path)
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        method={"type": "lora", "lora": {"r": 4}},
+        data={"eval_path": str(held_out), "shuffle": False},
+        training={
+            "max_steps": 6,
+            "gradient_accumulation_steps": 2,
+            "eval_strategy": "epoch",
+            "eval_on_start": True,
+        },
+    )
+    result = train(load_recipe(path), progress=False)
+    evaluated = result.evaluations
+    assert [r["step"] for r in evaluated] == [0, 2, 3, 5, 6]
+    assert [r["epoch"] for r in evaluated][:2] == [0.0, pytest.approx(4 / 3, rel=1e-3)]
+    initial = _reference_loss(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        AutoTokenizer.from_pretrained(model_dir),
+        held_out,
+    )
+    assert evaluated[0]["eval_loss"] == pytest.approx(initial, rel=1e-5)
+    assert evaluated[-1]["eval_loss"] < evaluated[0]["eval_loss"]  # trained on the same sentences' words

@@ -373,9 +373,9 @@ def test_a_signal_stops_several_adapters_as_a_run_and_unlocks_their_directories(
 
 def test_each_adapter_evaluates_and_stops_early_alone_as_its_solo_run(tmp_path, write_recipe, cat_model):
     """Adapter a evaluates every step and stops early after its second (no evaluation beats the best by the
-    threshold 100: patience 1); b evaluates every 2 steps and runs its 4; c does not evaluate. Each one's
-    evaluations are its solo run's (rel 1e-5: the pass with its adapter alone), a's and b's steps end as their
-    solo runs', and the table gives each one's eval_loss."""
+    threshold 100: patience 1); b evaluates on start and every 2 steps and runs its 4; c does not evaluate. Each
+    one's evaluations are its solo run's (rel 1e-5: the pass with its adapter alone), a's and b's steps end as
+    their solo runs', and the table gives each one's eval_loss."""
     from tiertune.finetune.several import format_table, train_several
     from tiertune.finetune.train import train
 
@@ -405,7 +405,13 @@ def test_each_adapter_evaluates_and_stops_early_alone_as_its_solo_run(tmp_path, 
             "b",
             lora={"dropout": 0.1},
             data=evaluating,
-            training={"max_steps": 4, "eval_strategy": "steps", "eval_steps": 2, "learning_rate": 3e-3},
+            training={
+                "max_steps": 4,
+                "eval_strategy": "steps",
+                "eval_steps": 2,
+                "learning_rate": 3e-3,
+                "eval_on_start": True,
+            },
         ),
         _recipe(tmp_path, write_recipe, model, "c", training={"max_steps": 4}),
     ]
@@ -414,7 +420,7 @@ def test_each_adapter_evaluates_and_stops_early_alone_as_its_solo_run(tmp_path, 
     assert [r.stopped_early for r in results] == [2, None, None]
     state = json.loads((results[0].output_dir / "trainer_state.json").read_text())
     assert state["stopped_early"] is True and state["global_step"] == 2
-    for path, result, steps in zip(paths[:2], results[:2], ([1, 2], [2, 4]), strict=True):
+    for path, result, steps in zip(paths[:2], results[:2], ([1, 2], [0, 2, 4]), strict=True):
         mine = [r for r in _log(result.output_dir) if "eval_loss" in r]
         assert [r["step"] for r in mine] == steps
         solo = train(

@@ -103,9 +103,11 @@ class TrainingSection:
     allow_recipe_changes: bool = False
     logging_steps: int = 500
     report_to: str = field(default="auto", metadata=choices("auto", "none", "tensorboard", "wandb"))
-    # the loss on data.eval_path every eval_steps (null: logging_steps), as the Trainer's eval_strategy: steps
-    eval_strategy: str = field(default="no", metadata=choices("no", "steps"))
+    # the loss on data.eval_path every eval_steps (null: logging_steps), or at each epoch's end, as the
+    # Trainer's eval_strategy: steps | epoch; eval_on_start: before the first step too (a baseline)
+    eval_strategy: str = field(default="no", metadata=choices("no", "steps", "epoch"))
     eval_steps: int | None = None
+    eval_on_start: bool = False
     # stop after this many evaluations in a row that do not beat the best eval_loss by more than the
     # threshold (transformers' EarlyStoppingCallback; 0: never)
     early_stopping_patience: int = 0
@@ -279,17 +281,21 @@ class Recipe:
     def _eval_checks(self) -> list[tuple[bool, str, str]]:
         """The evaluation settings' checks (``finetune.evaluation``)."""
         t, d, o = self.training, self.data, self.objective
-        evaluating = t.eval_strategy == "steps"
+        evaluating = t.eval_strategy != "no"
         return [
             (
-                evaluating or not t.early_stopping_patience,
-                "training.early_stopping_patience",
-                "stops on the evaluation loss: set training.eval_strategy: steps and data.eval_path (a held-out "
-                "set), or early_stopping_patience: 0",
+                evaluating or not (t.early_stopping_patience or t.eval_on_start),
+                "training.early_stopping_patience" if t.early_stopping_patience else "training.eval_on_start",
+                "needs the evaluation loss: set training.eval_strategy: steps (or epoch) and data.eval_path (a "
+                "held-out set)",
             ),
             (
                 not t.load_best_model_at_end
-                or (evaluating and t.save_steps > 0 and t.save_steps % max(1, self.eval_every) == 0),
+                or (
+                    t.eval_strategy == "steps"
+                    and t.save_steps > 0
+                    and t.save_steps % max(1, self.eval_every) == 0
+                ),
                 "training.load_best_model_at_end",
                 "exports the checkpoint of the best evaluation: set training.eval_strategy: steps and "
                 f"save_steps a multiple of the steps between evaluations ({self.eval_every or 'eval_steps'}), as "
@@ -298,25 +304,31 @@ class Recipe:
             (
                 not evaluating or bool(d.eval_path),
                 "training.eval_strategy",
-                f"steps evaluates the loss on a held-out set: set data.eval_path to a file of data.format "
-                f"{d.format}, or eval_strategy: no",
+                f"{t.eval_strategy} evaluates the loss on a held-out set: set data.eval_path to a file of "
+                f"data.format {d.format}, or eval_strategy: no",
             ),
             (
                 not evaluating or (o.type in EVAL_OBJECTIVES and d.format in EVAL_FORMATS),
                 "training.eval_strategy",
-                f"steps scores single sequences by their cross-entropy and preference pairs by their objective "
-                f"(objective.type {', '.join(EVAL_OBJECTIVES)}): objective.type {o.type} with data.format "
-                f"{d.format} is not evaluated in this release; set training.eval_strategy: no",
+                f"{t.eval_strategy} scores single sequences by their cross-entropy and preference pairs by their "
+                f"objective (objective.type {', '.join(EVAL_OBJECTIVES)}): objective.type {o.type} with "
+                f"data.format {d.format} is not evaluated in this release; set training.eval_strategy: no",
             ),
         ]
 
     @property
     def eval_every(self) -> int:
-        """The steps between evaluations (``training.eval_steps``, else ``logging_steps``); 0 without them."""
+        """The steps between evaluations with ``eval_strategy: steps`` (``eval_steps``, else ``logging_steps``);
+        0 otherwise."""
         t = self.training
         if t.eval_strategy != "steps":
             return 0
         return t.eval_steps if t.eval_steps is not None else t.logging_steps
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates a held-out set (``training.eval_strategy`` steps or epoch)."""
+        return self.training.eval_strategy != "no"
 
     @property
     def reference_beside(self) -> bool:

@@ -443,10 +443,11 @@ def estimate(
             "(no autograd, each layer read once per wave) computes its log-probabilities, cached in "
             "reference-logps/ under disk_path (else the output directory) for later runs of the same model and data"
         )
-    if recipe.eval_every:
+    if recipe.evaluates:
         t = recipe.training
+        when = f"every {recipe.eval_every} steps" if recipe.eval_every else "at each epoch's end"
         notes.append(
-            f"evaluation every {recipe.eval_every} steps: the held-out set (data.eval_path) in passes of "
+            f"evaluation {when}: the held-out set (data.eval_path) in passes of "
             f"{t.gradient_accumulation_steps} x {t.per_device_train_batch_size} rows, each pass reading the "
             "weights once more, no autograd (not priced here); after it the next step reads again what the "
             "budgets had cached"

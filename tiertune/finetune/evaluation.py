@@ -36,9 +36,13 @@ from tiertune.errors import DataError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
 
-def due(recipe: Any, step: int) -> bool:
+def due(recipe: Any, step: int, per_epoch: int) -> bool:
     """Whether the run evaluates after step ``step`` (counted from 1): every ``eval_steps`` (the Trainer's rule:
-    the last step only when it falls on one)."""
+    the last step only when it falls on one), or (``eval_strategy: epoch``) where the step took an epoch's last
+    micro-batch (``per_epoch`` of them: the global batches of the data)."""
+    if recipe.training.eval_strategy == "epoch":
+        accumulated = recipe.training.gradient_accumulation_steps
+        return step * accumulated // per_epoch > (step - 1) * accumulated // per_epoch
     every = recipe.eval_every
     return every > 0 and step % every == 0
 

@@ -240,6 +240,9 @@ def _train(
             if progress:
                 for note in a.decision.notes:
                     print(f"{a.result.name} ({out}): {note}", flush=True)
+        for a in adapters:  # the Trainer's eval_on_start: each adapter before its first step
+            if a.recipe.training.eval_on_start and a.result.steps == 0:
+                _evaluate(trainer, a, {"epoch": 0.0, "step": 0}, world)
         while True:
             going = [
                 a
@@ -331,36 +334,41 @@ def _record(
     res.last = record
     last = res.steps == a.loaded.steps
     logged = [record] if res.steps % t.logging_steps == 0 or last else []
-    if due(a.recipe, res.steps):  # its held-out loss: a pass of the base with its adapter alone
-        trainer.adapters.activate(res.name)
-        evaluated = evaluate(trainer, a.eval_passes, a.recipe.objective) | {
-            "epoch": record["epoch"],
-            "step": res.steps,
-        }
-        logged.append(evaluated)
-        res.eval_loss = evaluated["eval_loss"]
-        assert a.early is not None
-        if a.early.see(res.eval_loss, res.steps):
-            res.stopped_early = res.steps
-            last = True
-            log.info(
-                "%s: stopped early after its step %d (training.early_stopping_patience)", res.name, res.steps
-            )
     a.history.extend(logged)
     if world.is_main and logged:
         with open(res.output_dir / LOG_NAME, "a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in logged))
+    held_out = None
+    if due(a.recipe, res.steps, a.loaded.per_epoch):  # a pass of the base with its adapter alone
+        held_out = _evaluate(trainer, a, {"epoch": record["epoch"], "step": res.steps}, world)
+        last = last or res.stopped_early is not None
     saving = t.save_steps > 0 and (res.steps % t.save_steps == 0 or last)
-    held_out = logged[-1].get("eval_loss") if logged else None
-    if (
-        saving
-        and held_out is not None
-        and t.load_best_model_at_end
-        and (a.kept is None or held_out < a.kept[1])
-    ):
+    better = held_out is not None and (a.kept is None or held_out < a.kept[1])
+    if saving and better and t.load_best_model_at_end:
         a.kept = (res.output_dir / f"{PREFIX}{res.steps}", held_out)  # save_total_limit keeps it
     if world.is_main and saving:
         _save(trainer, a, step.grad_norm, world.size)
+
+
+def _evaluate(trainer: Any, a: _Adapter, at: dict[str, Any], world: World) -> float:
+    """Adapter ``a``'s held-out loss now (``at``: the record's epoch and step), in a pass of the base with it
+    alone: logged (by rank 0 of several) and counted for its early stopping (which may end it: not at step 0,
+    the Trainer's eval_on_start); returns the loss."""
+    res = a.result
+    trainer.adapters.activate(res.name)
+    evaluated = evaluate(trainer, a.eval_passes, a.recipe.objective) | at
+    a.history.append(evaluated)
+    if world.is_main:
+        with open(res.output_dir / LOG_NAME, "a") as f:
+            f.write(json.dumps(evaluated) + "\n")
+    res.eval_loss = evaluated["eval_loss"]
+    assert a.early is not None
+    if a.early.see(res.eval_loss, at["step"]) and at["step"] > 0:
+        res.stopped_early = res.steps
+        log.info(
+            "%s: stopped early after its step %d (training.early_stopping_patience)", res.name, res.steps
+        )
+    return res.eval_loss
 
 
 def _save(trainer: Any, a: _Adapter, grad_norm: float, ranks: int) -> Path:

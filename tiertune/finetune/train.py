@@ -271,7 +271,7 @@ def load_run(recipe: Recipe, ranks: int) -> Loaded:
         else max(1, math.ceil(t.num_train_epochs * per_epoch / t.gradient_accumulation_steps))
     )
     eval_data = None
-    if recipe.eval_every:
+    if recipe.evaluates:
         eval_data = load_data(d.eval_path, tokenizer, d.format, d.max_seq_len, d.add_eos, d.skip_bad_rows)
         _check_vocabulary(eval_data, recipe.model.path)
     return Loaded(tokenizer, data, pad_id, per_epoch, steps, eval_data)
@@ -406,6 +406,14 @@ def _run(
             _check_room(trainer, out, t.save_steps > 0 and steps > first)
         reporters = Reporters(t.report_to if world.is_main else "none", out, recipe.to_dict(), first)
         with open(result.log_path if world.is_main else os.devnull, "a") as log_file:
+            if t.eval_on_start and first == 0:  # the Trainer's eval_on_start: the weights before any step
+                evaluated = evaluate(trainer, eval_passes, recipe.objective, eval_reference)
+                evaluated |= {"epoch": 0.0, "step": 0}
+                log_file.write(json.dumps(evaluated) + "\n")
+                log_file.flush()
+                history.append(evaluated)
+                reporters.log(evaluated)
+                early.see(evaluated["eval_loss"], 0)
             for step in range(first, steps):
                 began = time.perf_counter()
                 micro = [next(stream) for _ in range(t.gradient_accumulation_steps)]
@@ -436,7 +444,7 @@ def _run(
                     history.append(record)
                     reporters.log(record)
                 stopping, evaluated = False, None
-                if due(recipe, step + 1):  # the held-out set's loss (finetune.evaluation)
+                if due(recipe, step + 1, per_epoch):  # the held-out set's loss (finetune.evaluation)
                     writer.wait()  # a checkpoint still being written holds chunks the pass's end puts back home
                     evaluated = evaluate(trainer, eval_passes, recipe.objective, eval_reference) | {
                         "epoch": record["epoch"],
