@@ -159,6 +159,7 @@ def test_a_checkpoint_of_an_earlier_tiertune_resumes_with_the_settings_it_lacks_
     later = (
         "eval_strategy",
         "eval_steps",
+        "eval_on_start",
         "early_stopping_patience",
         "early_stopping_threshold",
         "load_best_model_at_end",

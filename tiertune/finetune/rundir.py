@@ -78,6 +78,7 @@ RESUMABLE_CHANGES = (
     "training.report_to",
     "training.eval_strategy",
     "training.eval_steps",
+    "training.eval_on_start",
     "training.early_stopping_patience",
     "training.early_stopping_threshold",
     "training.load_best_model_at_end",
