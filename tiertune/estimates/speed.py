@@ -594,22 +594,28 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def measure_adamw(worker: int, tail: int, seconds: float = 0.2, numel: int = 1 << 22) -> tuple[float, float]:
+def measure_adamw(
+    worker: int, tail: int, seconds: float = 0.2, numel: int = 1 << 22, rounds: int = 3
+) -> tuple[float, float]:
     """Parameters a second of torch's fused AdamW over ``numel`` fp32 parameters (as the CPU optimizer runs it:
     a unit's size, since a small one runs from the caches) on a thread of its own with ``worker`` threads
-    (during backward) and with ``tail`` threads (after it, on every core)."""
+    (during backward) and with ``tail`` threads (after it, on every core). The two take turns, ``rounds`` times,
+    and each is the median of its rounds (one timing of each differed by 20% and more on a busy 2-core machine,
+    which the estimate's ratio of the two carried into the optimizer's time); with as many threads after
+    backward as during it, they are one rate."""
     adamw = _adamw_call(numel)
-    rates: list[float] = []
+    rates: dict[int, list[float]] = {worker: [], tail: []}
 
     def optimizer(n: int) -> None:
         with torch_threads(n):
-            rates.append(numel / _each(adamw, _timed(seconds)))
+            rates[n].append(numel / _each(adamw, _timed(seconds)))
 
-    for n in (worker, tail):
-        side = threading.Thread(target=optimizer, args=(n,))
-        side.start()
-        side.join()
-    return rates[0], rates[1]
+    for _ in range(rounds):
+        for n in dict.fromkeys((worker, tail)):
+            side = threading.Thread(target=optimizer, args=(n,))
+            side.start()
+            side.join()
+    return statistics.median(rates[worker]), statistics.median(rates[tail])
 
 
 def _each(fn: Callable[[], object], stop: Callable[[], bool]) -> float:
