@@ -491,7 +491,7 @@ def evaluate(
     """
     _console_log(quiet, verbose)
     with _user_errors():
-        from tiertune.finetune.evaluation import evaluate_source
+        from tiertune.finetune.generation import evaluate_source
         from tiertune.finetune.signals import stop_on_signals
 
         _imports_settled()

@@ -22,7 +22,6 @@ checkpoint (``save_steps`` a multiple of ``eval_steps``) is there to pick anothe
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Iterable, Sequence
@@ -164,60 +163,6 @@ def _pairs(
     return total, pairs
 
 
-def evaluate_source(
-    source: str | Path,
-    data_path: str | Path,
-    overrides: Sequence[str] = (),
-    fmt: str | None = None,
-    safe_point: Any = None,
-) -> dict[str, float]:
-    """The held-out loss of a model, a trained run or one of its checkpoints (``tiertune evaluate``; a source as
-    ``tiertune generate`` reads it: a LoRA run's adapter over its base as trained) on the rows of ``data_path``,
-    in ``fmt`` (a run's ``data.format``, else ``text``), the model streamed as the run streams it, in its batch
-    shapes: the record a run logs (``evaluate``), with ``eval_rows`` (its pairs, of preference data) and
-    ``eval_tokens`` (the tokens scored, but of pairs) added. Preference pairs are scored by the run's objective (DPO's reference is the base,
-    the adapter off: a LoRA run's); other data by cross-entropy. ConfigError for what cannot be evaluated."""
-    import copy
-
-    from tiertune.errors import ConfigError
-    from tiertune.finetune.data import load_data
-    from tiertune.finetune.generation import load_generator, source_of
-    from tiertune.finetune.train import tokenizer_of
-    from tiertune.settings import ObjectiveSettings
-
-    found = source_of(source, tuple(overrides))
-    recipe = copy.deepcopy(found.recipe)
-    fmt = fmt or recipe.data.format
-    if fmt == "preference":
-        if recipe.objective.type not in ("dpo", "simpo", "orpo"):
-            recipe.objective = ObjectiveSettings(type="dpo")  # a model's pairs: DPO's view of them
-        if recipe.objective.type == "dpo" and found.adapter is None:
-            raise ConfigError(
-                "DPO scores pairs against a reference: of a LoRA run, its base (the adapter off); a model or a "
-                "full fine-tune has none here (its initial weights): evaluate the pairs in the run "
-                "(training.eval_strategy: steps), or a LoRA run's adapter"
-            )
-    elif fmt in ("text", "alpaca", "chat"):
-        recipe.objective = ObjectiveSettings()
-    else:
-        raise ConfigError(f"--format {fmt}: evaluated are text, alpaca, chat and preference data")
-    recipe.data.format = fmt
-    tokenizer = tokenizer_of(found.model)
-    d = recipe.data
-    data = load_data(data_path, tokenizer, fmt, d.max_seq_len, d.add_eos, d.skip_bad_rows)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    passes = eval_batches(data, recipe, pad)
-    trainer = load_generator(dataclasses.replace(found, recipe=recipe), safe_point)
-    try:
-        record = evaluate(trainer, passes, recipe.objective)
-    finally:
-        trainer.close()
-    record["eval_rows"] = len(data)  # (of pairs, its pairs)
-    if not recipe.objective.paired:
-        record["eval_tokens"] = sum(scored_tokens(b) for g in passes for b in g)
-    return record
-
-
 @dataclass
 class EarlyStopping:
     """transformers' ``EarlyStoppingCallback`` on ``eval_loss``: ``best`` the lowest loss so far, ``waited`` the
@@ -272,7 +217,6 @@ __all__ = [
     "EarlyStopping",
     "best_checkpoint",
     "due",
-    "evaluate_source",
     "eval_batches",
     "evaluate",
     "scored_tokens",

@@ -1,6 +1,7 @@
 """Text from a model or a trained run (``tiertune generate``): the model streamed as a run streams it (its
 recipe's offload settings; a model directory's defaults), prompts tokenized by its tokenizer, decoded in one
-batch (``engine.generate``), each completion printed as text.
+batch (``engine.generate``), each completion printed as text; and its loss on held-out rows (``tiertune
+evaluate``: ``evaluate_source``, by ``finetune.evaluation``).
 
 A source is a Hugging Face model directory (or hub id), a run directory (``training.output_dir``) or one of its
 ``checkpoint-<step>`` directories: a LoRA run's adapter is applied over its base as trained (the base as the
@@ -131,4 +132,55 @@ def generate_text(
     return [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in out]
 
 
-__all__ = ["Source", "generate_text", "load_generator", "read_prompts", "source_of"]
+def evaluate_source(
+    source: str | Path,
+    data_path: str | Path,
+    overrides: Sequence[str] = (),
+    fmt: str | None = None,
+    safe_point: Any = None,
+) -> dict[str, float]:
+    """The held-out loss of a model, a trained run or one of its checkpoints (``tiertune evaluate``; a source as
+    ``tiertune generate`` reads it: a LoRA run's adapter over its base as trained) on the rows of ``data_path``,
+    in ``fmt`` (a run's ``data.format``, else ``text``), the model streamed as the run streams it, in its batch
+    shapes: the record a run logs (``finetune.evaluation.evaluate``), with ``eval_rows`` (its pairs, of preference data) and
+    ``eval_tokens`` (the tokens scored, but of pairs) added. Preference pairs are scored by the run's objective (DPO's reference is the base,
+    the adapter off: a LoRA run's); other data by cross-entropy. ConfigError for what cannot be evaluated."""
+    from tiertune.finetune.data import load_data
+    from tiertune.finetune.evaluation import eval_batches, evaluate, scored_tokens
+    from tiertune.finetune.train import tokenizer_of
+    from tiertune.settings import ObjectiveSettings
+
+    found = source_of(source, tuple(overrides))
+    recipe = copy.deepcopy(found.recipe)
+    fmt = fmt or recipe.data.format
+    if fmt == "preference":
+        if recipe.objective.type not in ("dpo", "simpo", "orpo"):
+            recipe.objective = ObjectiveSettings(type="dpo")  # a model's pairs: DPO's view of them
+        if recipe.objective.type == "dpo" and found.adapter is None:
+            raise ConfigError(
+                "DPO scores pairs against a reference: of a LoRA run, its base (the adapter off); a model or a "
+                "full fine-tune has none here (its initial weights): evaluate the pairs in the run "
+                "(training.eval_strategy: steps), or a LoRA run's adapter"
+            )
+    elif fmt in ("text", "alpaca", "chat"):
+        recipe.objective = ObjectiveSettings()
+    else:
+        raise ConfigError(f"--format {fmt}: evaluated are text, alpaca, chat and preference data")
+    recipe.data.format = fmt
+    tokenizer = tokenizer_of(found.model)
+    d = recipe.data
+    data = load_data(data_path, tokenizer, fmt, d.max_seq_len, d.add_eos, d.skip_bad_rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    passes = eval_batches(data, recipe, pad)
+    trainer = load_generator(dataclasses.replace(found, recipe=recipe), safe_point)
+    try:
+        record = evaluate(trainer, passes, recipe.objective)
+    finally:
+        trainer.close()
+    record["eval_rows"] = len(data)  # (of pairs, its pairs)
+    if not recipe.objective.paired:
+        record["eval_tokens"] = sum(scored_tokens(b) for g in passes for b in g)
+    return record
+
+
+__all__ = ["Source", "evaluate_source", "generate_text", "load_generator", "read_prompts", "source_of"]
