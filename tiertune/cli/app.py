@@ -156,6 +156,12 @@ _Quiet = Annotated[
     bool, typer.Option("--quiet", "-q", help="Print only errors and the final line (no banner, no progress).")
 ]
 _Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Also print tiertune's debug log.")]
+_Source = Annotated[
+    str,
+    typer.Argument(
+        help="A model directory or Hugging Face id, a run directory (training.output_dir) or a checkpoint."
+    ),
+]
 
 
 @app.command()
@@ -408,12 +414,7 @@ def _layer_seconds(given: str | None) -> tuple[float, float] | None:
 
 @app.command()
 def generate(
-    source: Annotated[
-        str,
-        typer.Argument(
-            help="A model directory or Hugging Face id, a run directory (training.output_dir) or a checkpoint."
-        ),
-    ],
+    source: _Source,
     overrides: Annotated[
         list[str] | None, typer.Argument(help="Dotted overrides, e.g. offload.device_budget=4GiB.")
     ] = None,
@@ -462,12 +463,7 @@ def generate(
 
 @app.command()
 def evaluate(
-    source: Annotated[
-        str,
-        typer.Argument(
-            help="A model directory or Hugging Face id, a run directory (training.output_dir) or a checkpoint."
-        ),
-    ],
+    source: _Source,
     data: Annotated[
         Path, typer.Argument(help="The held-out rows: a .jsonl, .json, .parquet, .csv or .txt file.")
     ],
