@@ -35,11 +35,12 @@ from tiertune.settings import (
 )
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+"""The built-in recipes, shipped with the package (``load_recipe`` takes one by its name)."""
 EVAL_FORMATS = ("text", "alpaca", "chat", "preference")
 """The data formats a run evaluates (``training.eval_strategy``): single sequences scored by cross-entropy, and
 preference pairs scored by their objective."""
 EVAL_OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
-"""The built-in recipes, shipped with the package (``load_recipe`` takes one by its name)."""
+"""The objectives a run evaluates: SFT by cross-entropy, the preference objectives of pairs by their own loss."""
 
 
 @dataclass

@@ -150,7 +150,7 @@ class PairedPasses:
             engine.visit = Suffix(last - 1, leaf)
             if aux is not None:
                 aux_total += aux.finish(j, mb.extra.get("attention_mask"), 1.0 / micro_batches)
-            target = _whole_target(mb) if objective.whole_sequences else mb.target
+            target = whole_target(mb) if objective.whole_sequences else mb.target
             token_losses = engine.compute.token_losses(
                 engine.loss, leaf, mb.ids, mb.extra, target
             ).requires_grad_()
@@ -181,11 +181,11 @@ class PairedPasses:
         return total, aux_total
 
 
-def _whole_target(mb: Micro) -> torch.Tensor:
+def whole_target(mb: Micro) -> torch.Tensor:
     """Every next token of ``mb``'s rows as a target (the prompts' too), padding aside: ORPO's cross-entropy."""
     target = mb.ids[:, 1:]
     mask = mb.extra.get("attention_mask")
     return target if mask is None else target.masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
 
 
-__all__ = ["PairedPasses"]
+__all__ = ["PairedPasses", "whole_target"]

@@ -665,6 +665,13 @@ def _chat(row: dict, tokenizer: Any) -> tuple[list[int], list[int], list[str]]:
     return ids, labels, [m["content"] for m in messages]
 
 
+def pad_id_of(tokenizer: Any) -> int:
+    """The token padded batches are filled with: the tokenizer's pad token, else its EOS token, else 0."""
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    return int(tokenizer.eos_token_id or 0)
+
+
 def batches(
     data: TokenizedData,
     batch_size: int,

@@ -1,5 +1,6 @@
 """Evaluation during a run: the loss over a held-out set (``data.eval_path``, in the run's ``data.format``) every
-``training.eval_steps`` steps (``eval_strategy: steps``), and early stopping on it.
+``training.eval_steps`` steps (``eval_strategy: steps``) or at each epoch's end (``epoch``), before the first
+step too with ``eval_on_start``, and early stopping on it.
 
 The figure is ``eval_loss``: the cross-entropy of every scored token of the set, summed and divided by their
 number (the training loss's definition, over the whole set at once), or a preference objective's loss over the
@@ -17,8 +18,8 @@ Early stopping is transformers' ``EarlyStoppingCallback`` on ``eval_loss`` (lowe
 better than the best before it by more than ``early_stopping_threshold`` resets the count, any other adds one;
 at ``early_stopping_patience`` the run ends after that step as at its last (its checkpoint, the model exported;
 ``trainer_state.json`` says ``stopped_early``). A resumed run counts again from the evaluations of its log.
-The model exported is the last step's, as the Trainer's without ``load_best_model_at_end``; each evaluation's
-checkpoint (``save_steps`` a multiple of ``eval_steps``) is there to pick another."""
+The model exported is the last step's, or with ``load_best_model_at_end`` the checkpoint of the best evaluation
+(``best_checkpoint``; ``save_steps`` a multiple of ``eval_steps``), which ``save_total_limit`` keeps."""
 
 from __future__ import annotations
 
@@ -128,14 +129,10 @@ def _pairs(
     """A pass of preference batches: the summed loss of their pairs and how many (a pair without a target in
     either sequence counts none); their metrics' sums and counts added into ``sums``."""
     from tiertune.engine.objective import pair_losses
+    from tiertune.engine.pairs import whole_target
 
     def token_losses(engine: Any, mb: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        target = mb.target
-        if objective.whole_sequences:  # ORPO's cross-entropy: every next token, the prompt's too
-            mask = mb.extra.get("attention_mask")
-            target = (
-                mb.ids[:, 1:] if mask is None else mb.ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
-            )
+        target = whole_target(mb) if objective.whole_sequences else mb.target  # ORPO's: the prompts' too
         return engine.compute.token_losses(engine.loss, x, mb.ids, mb.extra, target).float().cpu(), target
 
     policy = trainer.sequence_logps(group, token_losses)
@@ -172,7 +169,6 @@ class EarlyStopping:
     threshold: float = 0.0
     best: float | None = None
     waited: int = 0
-    best_step: int | None = None  # the step of the best evaluation (the Trainer's best_metric's)
 
     @classmethod
     def of(cls, recipe: Any, history: Iterable[dict[str, Any]] = ()) -> EarlyStopping:
@@ -181,18 +177,17 @@ class EarlyStopping:
         out = cls(t.early_stopping_patience, t.early_stopping_threshold)
         for record in history:
             if "eval_loss" in record:
-                out.see(float(record["eval_loss"]), int(record.get("step", 0)))
+                out.see(float(record["eval_loss"]))
         return out
 
-    def see(self, loss: float, step: int = 0) -> bool:
-        """Count an evaluation's loss (after ``step``); True when the run should stop (patience used up; never
-        without one)."""
+    def see(self, loss: float) -> bool:
+        """Count an evaluation's loss; True when the run should stop (patience used up; never without one)."""
         if self.best is None or (loss < self.best and abs(loss - self.best) > self.threshold):
             self.waited = 0
         else:
             self.waited += 1
         if self.best is None or loss < self.best or math.isnan(self.best):
-            self.best, self.best_step = loss, step
+            self.best = loss
         return self.patience > 0 and self.waited >= self.patience
 
 

@@ -21,6 +21,7 @@ from tiertune.config.plan import plan
 from tiertune.config.recipe import Recipe, apply_overrides, build, load_recipe
 from tiertune.errors import ConfigError, DataError
 from tiertune.finetune.checkpoint import RECIPE_FILE
+from tiertune.finetune.data import pad_id_of
 from tiertune.loading.hub import model_directory
 
 
@@ -127,7 +128,7 @@ def generate_text(
     eos = getattr(config, "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    pad = pad_id_of(tokenizer)
     out = trainer.generate(ids, max_new_tokens, temperature, top_p, top_k, seed, eos, pad)
     return [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in out]
 
@@ -142,9 +143,11 @@ def evaluate_source(
     """The held-out loss of a model, a trained run or one of its checkpoints (``tiertune evaluate``; a source as
     ``tiertune generate`` reads it: a LoRA run's adapter over its base as trained) on the rows of ``data_path``,
     in ``fmt`` (a run's ``data.format``, else ``text``), the model streamed as the run streams it, in its batch
-    shapes: the record a run logs (``finetune.evaluation.evaluate``), with ``eval_rows`` (its pairs, of preference data) and
-    ``eval_tokens`` (the tokens scored, but of pairs) added. Preference pairs are scored by the run's objective (DPO's reference is the base,
-    the adapter off: a LoRA run's); other data by cross-entropy. ConfigError for what cannot be evaluated."""
+    shapes: the record a run logs (``finetune.evaluation.evaluate``), with ``eval_rows`` (of preference data:
+    its pairs) and, but of pairs, ``eval_tokens`` (the tokens scored) added. Preference pairs are scored by the
+    run's objective (DPO's reference is the base, the adapter off: a LoRA run's); other data by cross-entropy.
+    ConfigError for what cannot be evaluated."""
+    from tiertune.config.recipe import EVAL_FORMATS, EVAL_OBJECTIVES
     from tiertune.finetune.data import load_data
     from tiertune.finetune.evaluation import eval_batches, evaluate, scored_tokens
     from tiertune.finetune.train import tokenizer_of
@@ -153,8 +156,10 @@ def evaluate_source(
     found = source_of(source, tuple(overrides))
     recipe = copy.deepcopy(found.recipe)
     fmt = fmt or recipe.data.format
+    if fmt not in EVAL_FORMATS:
+        raise ConfigError(f"--format {fmt}: evaluated are {', '.join(EVAL_FORMATS)} data")
     if fmt == "preference":
-        if recipe.objective.type not in ("dpo", "simpo", "orpo"):
+        if not (recipe.objective.paired and recipe.objective.type in EVAL_OBJECTIVES):
             recipe.objective = ObjectiveSettings(type="dpo")  # a model's pairs: DPO's view of them
         if recipe.objective.type == "dpo" and found.adapter is None:
             raise ConfigError(
@@ -162,16 +167,13 @@ def evaluate_source(
                 "full fine-tune has none here (its initial weights): evaluate the pairs in the run "
                 "(training.eval_strategy: steps), or a LoRA run's adapter"
             )
-    elif fmt in ("text", "alpaca", "chat"):
+    else:  # single sequences: their cross-entropy
         recipe.objective = ObjectiveSettings()
-    else:
-        raise ConfigError(f"--format {fmt}: evaluated are text, alpaca, chat and preference data")
     recipe.data.format = fmt
     tokenizer = tokenizer_of(found.model)
     d = recipe.data
     data = load_data(data_path, tokenizer, fmt, d.max_seq_len, d.add_eos, d.skip_bad_rows)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    passes = eval_batches(data, recipe, pad)
+    passes = eval_batches(data, recipe, pad_id_of(tokenizer))
     trainer = load_generator(dataclasses.replace(found, recipe=recipe), safe_point)
     try:
         record = evaluate(trainer, passes, recipe.objective)

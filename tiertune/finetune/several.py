@@ -363,7 +363,7 @@ def _evaluate(trainer: Any, a: _Adapter, at: dict[str, Any], world: World) -> fl
             f.write(json.dumps(evaluated) + "\n")
     res.eval_loss = evaluated["eval_loss"]
     assert a.early is not None
-    if a.early.see(res.eval_loss, at["step"]) and at["step"] > 0:
+    if a.early.see(res.eval_loss) and at["step"] > 0:
         res.stopped_early = res.steps
         log.info(
             "%s: stopped early after its step %d (training.early_stopping_patience)", res.name, res.steps

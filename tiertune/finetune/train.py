@@ -62,7 +62,7 @@ from tiertune.finetune.checkpoint import (
     partials,
     recover,
 )
-from tiertune.finetune.data import batches, load_data
+from tiertune.finetune.data import batches, load_data, pad_id_of
 from tiertune.finetune.evaluation import EarlyStopping, best_checkpoint, due, eval_batches, evaluate
 from tiertune.finetune.grpo import METRICS_KEY as ROLLOUT_METRICS
 from tiertune.finetune.grpo import SAMPLES_FILE, Rollouts
@@ -260,7 +260,7 @@ def load_run(recipe: Recipe, ranks: int) -> Loaded:
                 f"objective.top_k is {recipe.objective.top_k}, and the vocabulary has {vocab} tokens: keep fewer "
                 f"than it (at most {vocab - 1})"
             )
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    pad_id = pad_id_of(tokenizer)
     rows = math.ceil(data.tokens / d.max_seq_len) if d.packing else len(data)  # packing: about full rows
     if o.rollouts:  # GRPO: a prompt's rows are its completions, each generation trained num_iterations times
         rows *= o.num_generations * o.num_iterations
@@ -406,14 +406,20 @@ def _run(
             _check_room(trainer, out, t.save_steps > 0 and steps > first)
         reporters = Reporters(t.report_to if world.is_main else "none", out, recipe.to_dict(), first)
         with open(result.log_path if world.is_main else os.devnull, "a") as log_file:
-            if t.eval_on_start and first == 0:  # the Trainer's eval_on_start: the weights before any step
-                evaluated = evaluate(trainer, eval_passes, recipe.objective, eval_reference)
-                evaluated |= {"epoch": 0.0, "step": 0}
-                log_file.write(json.dumps(evaluated) + "\n")
+
+            def logged(record: dict[str, Any]) -> dict[str, Any]:  # a step's or an evaluation's record
+                log_file.write(json.dumps(record) + "\n")
                 log_file.flush()
-                history.append(evaluated)
-                reporters.log(evaluated)
-                early.see(evaluated["eval_loss"], 0)
+                history.append(record)
+                reporters.log(record)
+                return record
+
+            def evaluated_at(epoch: float, step: int) -> dict[str, Any]:  # the held-out set's loss, logged
+                at = {"epoch": epoch, "step": step}
+                return logged(evaluate(trainer, eval_passes, recipe.objective, eval_reference) | at)
+
+            if t.eval_on_start and first == 0:  # the Trainer's eval_on_start: the weights before any step
+                early.see(evaluated_at(0.0, 0)["eval_loss"])
             for step in range(first, steps):
                 began = time.perf_counter()
                 micro = [next(stream) for _ in range(t.gradient_accumulation_steps)]
@@ -439,22 +445,12 @@ def _run(
                 if rollouts is not None:  # a served policy's log-probabilities against the step's
                     record.update(rollouts.after_step(micro))
                 if (step + 1) % t.logging_steps == 0 or step + 1 == steps:
-                    log_file.write(json.dumps(record) + "\n")
-                    log_file.flush()
-                    history.append(record)
-                    reporters.log(record)
+                    logged(record)
                 stopping, evaluated = False, None
                 if due(recipe, step + 1, per_epoch):  # the held-out set's loss (finetune.evaluation)
                     writer.wait()  # a checkpoint still being written holds chunks the pass's end puts back home
-                    evaluated = evaluate(trainer, eval_passes, recipe.objective, eval_reference) | {
-                        "epoch": record["epoch"],
-                        "step": step + 1,
-                    }
-                    log_file.write(json.dumps(evaluated) + "\n")
-                    log_file.flush()
-                    history.append(evaluated)
-                    reporters.log(evaluated)
-                    stopping = early.see(evaluated["eval_loss"], step + 1)
+                    evaluated = evaluated_at(record["epoch"], step + 1)
+                    stopping = early.see(evaluated["eval_loss"])
                 writer.check()  # a checkpoint that failed in the background stops the run now
                 stop.check()
                 # a checkpoint every save_steps steps and at the last one (as the Hugging Face Trainer), so
