@@ -194,6 +194,41 @@ def test_the_compute_measurement_takes_the_fastest_repeat_and_says_when_the_cpu_
     assert "the fastest of repeats with" in est.speed.compute_rate_source
 
 
+def test_updates_on_fewer_threads_during_backward_are_the_engines_own_not_a_probes_ratio(
+    tmp_path, model_dir, write_recipe, monkeypatch
+):
+    # a rank's (or --threads') share of the cores during backward, all of them after it: the units' rate on
+    # each side is the engine's own, measured in the same rounds (two probes of AdamW alone, one thread and
+    # two, gave 0.63 to 0.89 from one call to the next and put the optimizer's busy time 1.19-1.25x a run's)
+    from tiertune.distributed.world import usable_cores
+    from tiertune.estimates import report
+
+    if usable_cores() < 2:
+        pytest.skip("the tail's threads are the cores: one core leaves none fewer during backward")
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        method={"type": "full"},
+        offload={"optimizer_states": "host", "overlap_optimizer": True},
+    )
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("the AdamW probe ran where the engine's units were measured")
+
+    engines = []
+
+    def kept(*args, **kwargs):
+        engines.append(measure(*args, **kwargs))
+        return engines[-1]
+
+    measure = report.measure_engine
+    monkeypatch.setattr(report, "measure_adamw", no_probe)
+    monkeypatch.setattr(report, "measure_engine", kept)
+    est = estimate(load_recipe(path), gpu="cpu", threads=1)
+    assert len(engines) == 1 and engines[0].updates > 0 and engines[0].during > 0
+    assert est.speed.timeline.optimizer_busy > 0
+
+
 def _engine_config(path):
     from tiertune.config.plan import plan
 

@@ -68,7 +68,8 @@ class Updater:
         ``compute``: the substrate (``engine.compute``): on a ledger the worker runs each unit as it is
         submitted, on the caller's thread. ``tail_threads``: the torch threads of the units that start once
         the step's backward is done (``StepContext.tail``; 0: the threads of the caller, as during backward),
-        when the compute thread's cores are free."""
+        when the compute thread's cores are free; the attribute of that name may be set later (the estimate
+        measures the units at backward's threads)."""
         self.store, self.config, self.states, self.units = store, config, states, units
         self.compute = compute
         self.sharding = (
@@ -90,12 +91,13 @@ class Updater:
         self._behind: set[int] = set()
         self._delayed: AdamStep | None = None  # its units' hyper-parameters (``hparams``)
         during = torch.get_num_threads()  # the worker's during backward: the compute thread's setting
+        self.tail_threads = tail_threads
         self.worker = OptimizerWorker(
             store,
             lambda unit, coef, part: self.unit(*unit, coef, part),
             times,
             inline=compute.ledger,
-            threads=lambda: max(during, tail_threads) if ctx.tail else during,
+            threads=lambda: max(during, self.tail_threads) if ctx.tail else during,
             trace=compute.trace,
         )
 

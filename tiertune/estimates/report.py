@@ -811,11 +811,15 @@ def _step_time(
         units = sorted(op[2] for unit in trace.units for op in unit if op[:2] == ("run", "adamw"))
         size = units[len(units) // 2] if units else 1 << 22  # the units' AdamW as large as theirs
         numel = min(max(size, 1 << 20), 1 << 24)
-        adamw, adamw_tail = probes.take(
-            ("adamw", during, tail, numel), lambda: measure_adamw(during, tail, numel=numel)
-        )
-        if engine is not None and engine.updates:  # the engine's units, their own overheads in
-            adamw, adamw_tail = engine.updates * adamw / adamw_tail, engine.updates
+        if engine is not None and engine.updates and (engine.during or during >= tail):
+            # the engine's units, their own overheads in, on each side of backward's end
+            adamw, adamw_tail = engine.during or engine.updates, engine.updates
+        else:
+            adamw, adamw_tail = probes.take(
+                ("adamw", during, tail, numel), lambda: measure_adamw(during, tail, numel=numel)
+            )
+            if engine is not None and engine.updates:  # the engine's units after backward, scaled
+                adamw, adamw_tail = engine.updates * adamw / adamw_tail, engine.updates
         links = {"disk->host": bw.get("disk_read", 0.0), "host->disk": bw.get("disk_write", 0.0)}
         links.update({"host->device": copy_rate, "device->host": copy_rate})
         given = layer_seconds is not None and sum(layer_seconds) > 0

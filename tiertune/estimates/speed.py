@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from tiertune.distributed.world import World, usable_cores
 from tiertune.errors import ConfigError
 from tiertune.estimates.timeline import Timeline
 from tiertune.files import nearest_existing
@@ -253,6 +254,7 @@ class Engine(NamedTuple):
     updates: float  # the optimizer's units after backward, parameters a second (0: not measured)
     spread: float  # how much the steps varied (their upper quartile over the lower, less one)
     shared: float = 1.0  # the share of its speed the optimizer keeps beside the compute (at most 1)
+    during: float = 0.0  # the units' rate on backward's fewer threads, parameters a second (0: ``updates``'s)
 
 
 def measure_engine(
@@ -268,19 +270,22 @@ def measure_engine(
 ) -> Engine | None:
     """The engine's step (``StreamedTrainer`` as ``cfg`` configures it, every chunk in memory) on this CPU, on
     random models of the run's shape cut to one decoder layer and to up to five (written to a temporary
-    directory):
-    the median step's compute (the step less its waits: layers, head and loss, and the gradients' hand-off)
-    per layer and for the rest, with the optimizer after backward; its units' rate (the deeper cut's units
-    less the one layer's). The trainers take turns, a step each, for ``steps`` rounds, and more (up to three
-    times as many) while ``budget`` seconds have not passed; each figure is the median
-    over the rounds (as a run's log is read: on a shared machine most steps are slower than the fastest, by
-    a margin that stays) of a difference or ratio within a round. ``overlapped``: the deeper cut again with the optimizer during
-    backward (as ``cfg`` says it runs): what share of its speed the optimizer keeps beside the compute
+    directory): the median step's compute (the step less its waits: layers, head and loss, and the gradients'
+    hand-off) per layer and for the rest, with the optimizer after backward; its units' rate (the deeper cut's
+    units less the one layer's). The trainers take turns, a step each, for ``steps`` rounds, and more (up to
+    three times as many) while ``budget`` seconds have not passed; each figure is the median over the rounds
+    (as a run's log is read: on a shared machine most steps are slower than the fastest, by a margin that
+    stays) of a difference or ratio within a round. ``overlapped``: the deeper cut again with the optimizer
+    during backward (as ``cfg`` says it runs): what share of its speed the optimizer keeps beside the compute
     (``Engine.shared``; at most 1). None when the deeper cut would take more than a quarter of
     ``MEASURE_LIMIT`` bytes or the engine cannot build the cut models (the caller falls back to
-    ``measure_compute``). ``sample``: the run's own first micro-batch (``finetune.train.first_micro_batch``:
-    a packed row's documents shape the attention's cost), else one ``sample_micro_batch`` makes (``packed``:
-    the rows hold several documents each, ``data.packing``)."""
+    ``measure_compute``). Where backward leaves the optimizer fewer threads than it gets after backward (a
+    rank's or ``threads``'s share of the cores), the deeper cut once more with its units at those threads
+    (``Engine.during``: the ratio of the two within a round, the engine's own units on each side, since two
+    probes of AdamW alone, one thread over two, gave 0.63 to 0.89 from one call to the next, where the
+    engine's units ran as fast on one thread as on two). ``sample``: the run's own first micro-batch
+    (``finetune.train.first_micro_batch``: a packed row's documents shape the attention's cost), else one
+    ``sample_micro_batch`` makes (``packed``: the rows hold several documents each, ``data.packing``)."""
     import dataclasses
 
     from transformers import AutoModelForCausalLM
@@ -311,6 +316,10 @@ def measure_engine(
     configs = [(1, serial), (deep, serial)]
     if overlapped:
         configs.append((deep, dataclasses.replace(serial, overlap_optimizer=cfg.overlap_optimizer)))
+    # the units during backward on the compute thread's threads, fewer than the tail's: measured, not scaled
+    fewer = torch.get_num_threads() < World().threads(usable_cores()) and weights <= MEASURE_LIMIT // 5
+    if fewer:
+        configs.append((deep, serial))
     # per trainer, each round's (compute, optimizer busy): the trainers take turns, a step each, so that the
     # machine's drift from minute to minute (another program's load) falls on all of them alike
     seen: list[list[tuple[float, float]]] = [[] for _ in configs]
@@ -324,7 +333,10 @@ def measure_engine(
                         model = AutoModelForCausalLM.from_config(_cut_config(config, n), dtype=dtype)
                         model.save_pretrained(where)
                 trainers.append(StreamedTrainer(str(where), store_cfg, engine_cfg))
-                trainers[-1].step(batch)  # records the trace
+            if fewer:  # its units after backward on the threads of the units during it
+                trainers[-1].updater.tail_threads = 0
+            for trainer in trainers:
+                trainer.step(batch)  # records the trace
             began = time.perf_counter()
             rounds = 0
             while rounds < steps or (rounds < 3 * steps and time.perf_counter() - began < budget):
@@ -361,7 +373,10 @@ def measure_engine(
         beside = statistics.median(b for _, b in seen[2]) - (1.0 - f) * busy_s
         if f > 0 and beside > 0:
             shared = min(1.0, f * busy_s / beside)
-    return Engine(layer, rest, updates, spread, shared)
+    during = 0.0
+    if fewer and units > 0:  # the same units on each side, a round's two steps: their busy times' ratio
+        during = updates * statistics.median(a[1] / b[1] for a, b in zip(many, seen[-1], strict=True))
+    return Engine(layer, rest, updates, spread, shared, during)
 
 
 def sample_micro_batch(rows: int, seq_len: int, vocab: int, packed: bool) -> dict[str, torch.Tensor]:
