@@ -239,8 +239,84 @@ def test_estimate_says_what_an_evaluation_adds(tmp_path, write_recipe, cat_model
         data={"eval_path": str(_eval_file(tmp_path))},
         training={"eval_strategy": "steps", "eval_steps": 50, "early_stopping_patience": 3},
     )
-    (note,) = [n for n in estimate(load_recipe(path), measure=False).notes if n.startswith("evaluation")]
-    assert "every 50 steps" in note and "not priced" in note and "after 3 evaluations" in note
+    est = estimate(load_recipe(path), measure=False)
+    (note,) = [n for n in est.notes if n.startswith("evaluation")]
+    assert "every 50 steps" in note and "priced below" in note and "after 3 evaluations" in note
+    # the training recipe's 3 steps hold no 50th: the set's 7 rows are 2 passes of 4 rows, never made
+    assert (est.evaluation.rows, est.evaluation.passes, est.evaluation.evaluations) == (7, 2, 0)
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        {
+            "method": {"type": "full"},
+            "offload": {"params": "disk", "optimizer_states": "disk", "host_budget": "1MiB"},
+        },
+        {
+            "method": {"type": "lora", "lora": {"r": 4}},
+            "model": {"quantize": "nf4"},
+            "offload": {"params": "disk", "host_budget": "1MiB"},
+        },
+        {
+            "method": {"type": "lora", "lora": {"r": 4}},
+            "offload": {"params": "disk", "host_budget": "1MiB"},
+            "objective": {"type": "dpo"},
+            "data": {"format": "preference"},
+        },
+    ],
+    ids=["full-disk", "qlora", "lora-dpo"],
+)
+def test_the_bytes_an_evaluation_reads_are_a_runs(tmp_path, write_recipe, cat_model, setup):
+    """The estimate's evaluation (its passes replayed on a ledger after the steps, then the step after them):
+    its passes and the step after them move what the run's evaluation and next step move, link by link (the
+    run logs ``bytes_moved`` on its evaluation's record too); a LoRA DPO's pass is two, its reference the base
+    with the adapters off."""
+    from tests.conftest import CAT_PAIRS
+    from tiertune.estimates.report import estimate
+
+    preference = setup.get("data", {}).get("format") == "preference"
+    held_out = tmp_path / "held_out.jsonl"
+    if preference:
+        held_out.write_text("".join(json.dumps(r) + "\n" for r in CAT_PAIRS[:7]))
+    else:
+        held_out = _eval_file(tmp_path)
+    sections = {k: dict(v) for k, v in setup.items()}
+    sections.setdefault("data", {})["eval_path"] = str(held_out)
+    sections["training"] = {"eval_strategy": "steps", "eval_steps": 3, "max_steps": 4, "max_grad_norm": 0.0}
+    texts = {"texts": CAT_PAIRS} if preference else {}
+    if preference:
+        data = tmp_path / "pairs.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in CAT_PAIRS))
+        sections["data"]["path"] = str(data)
+    path = write_recipe(tmp_path, cat_model(2, hidden=64), **sections, **{} if preference else texts)
+    recipe = load_recipe(path)
+    est = estimate(recipe, measure=False).evaluation
+    assert (est.rows, est.passes, est.evaluations) == (7, 2, 1)  # 7 rows (pairs) in passes of 4, after step 3
+    result = train(recipe, progress=False)
+    log = [json.loads(line) for line in result.log_path.read_text().splitlines()]
+    (evaluated,) = [r for r in log if "eval_loss" in r]
+    before, after = (
+        next(r for r in log if r.get("step") == n and "grad_norm" in r)["bytes_moved"] for n in (3, 4)
+    )
+    moved = {k: evaluated["bytes_moved"].get(k, 0) - before.get(k, 0) for k in evaluated["bytes_moved"]}
+    predicted = {
+        k: est.first_pass.get(k, 0) + est.later_pass.get(k, 0)
+        for k in set(est.first_pass) | set(est.later_pass)
+    }
+    # reads: to the byte where the disk feeds the host, within a block's rounding for the device
+    for link in ("disk->host", "host->device"):
+        assert abs(predicted.get(link, 0) - moved.get(link, 0)) <= 0.02 * moved.get(link, 0), (
+            link,
+            predicted,
+            moved,
+        )
+    assert moved.get("disk->host", 0) > 0  # the base is read from the disk again: what the estimate prices
+    # with the step after: a write-back lands in either (a dirty chunk evicted by the pass or by the step)
+    run = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    total = {k: predicted.get(k, 0) + est.step_after.get(k, 0) for k in set(predicted) | set(est.step_after)}
+    for link in set(run) | set(total):
+        assert abs(total.get(link, 0) - run.get(link, 0)) <= 0.02 * run.get(link, 0), (link, total, run)
 
 
 @pytest.mark.parametrize(

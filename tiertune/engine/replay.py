@@ -35,6 +35,19 @@ class Replayed:
     moved: dict[str, int]
     wire: dict[str, int] = field(default_factory=dict)
     trace: Trace = field(default_factory=Trace)
+    evaluation: Evaluated | None = None  # held-out passes after the steps (``replay``'s ``evaluate``)
+
+
+@dataclass
+class Evaluated:
+    """What the ledger counted of an evaluation after the replayed steps (``finetune.evaluation``: passes of the
+    layers without autograd, the store left as it was found) and of the step after it: the bytes each pass moved
+    and the bytes that step moved, by link; ``trace`` the whole replay, the steps, each pass and the step after
+    it each begun by a ``("step",)`` (``estimates.timeline.simulate_steps`` plays each)."""
+
+    passes: list[dict[str, int]]
+    after: dict[str, int]
+    trace: Trace
 
 
 CLIPPED = (True, False, False, False)
@@ -55,6 +68,7 @@ def replay(
     device: torch.device | None = None,
     world: World | None = None,
     shapes: Sequence[tuple[int, int, int]] = (),
+    evaluate: int = 0,
 ) -> Replayed:
     """Replay ``len(clipped)`` steps of ``micro_batches`` micro-batches of ``rows`` x ``tokens`` (a preference
         objective's: ``rows`` pairs) of the model at ``model_dir`` (its safetensors headers, or its config.json
@@ -63,7 +77,9 @@ def replay(
         before was clipped, and redoes a speculative step that is). The first step records the trace, as a run's;
         the bytes moved are the last step's (none: only built). ``device``: what the run computes on. Several
     adapters over the base (``cfg.others``): each one's step of its own micro-batches, ``shapes`` (rows, tokens,
-    micro-batches) in ``cfg.adapter_configs``' order, run as one (``step_adapters``)."""
+    micro-batches) in ``cfg.adapter_configs``' order, run as one (``step_adapters``). ``evaluate``: that many
+    evaluation passes of the step's micro-batches after the steps, then one more step (``Replayed.evaluation``;
+    the peaks include them, the bytes moved and the trace are the steps' own)."""
     ledger = dataclasses.replace(store_cfg, ledger=True, device=device or store_cfg.device)
     compute = Ledger(clipped, cfg.max_grad_norm)
     trace = compute.trace = Trace()
@@ -93,9 +109,36 @@ def replay(
         moved, wire = (
             ({k: n for k, n in d.items() if n} for d in (last.moved, last.wire)) if last else ({}, {})
         )
-        return Replayed(_peaks(trainer), moved, wire, trace)
+        steps = Trace()  # the steps' own schedule, before any evaluation's
+        steps.compute, steps.units = list(trace.compute), [list(u) for u in trace.units]
+        evaluated = _evaluation(trainer, trace, batch, evaluate) if evaluate and groups is None else None
+        return Replayed(_peaks(trainer), moved, wire, steps, evaluated)
     finally:
         trainer.close()
+
+
+def _evaluation(
+    trainer: StreamedTrainer, trace: Trace, batch: list[dict[str, torch.Tensor]], passes: int
+) -> Evaluated:
+    """``passes`` evaluation passes over ``batch`` as ``finetune.evaluation.evaluate`` makes them (a LoRA DPO's
+    second pass, the base with its adapters off, for its reference), then one more step."""
+    from tiertune.engine.generate import moved_by_pass
+
+    def one_pass() -> None:
+        trace.op("step")
+        with held_back("tiertune", logging.WARNING):
+            trainer.sequence_logps(batch)
+            if trainer.config.objective.type == "dpo" and trainer.adapters is not None:
+                with trainer.reference():
+                    trainer.sequence_logps(batch)
+
+    moved = moved_by_pass(trainer, passes, one_pass)
+    trace.op("step")
+    with held_back("tiertune", logging.WARNING):
+        trainer.step(batch)
+    last = trainer.last_report
+    after = {k: n for k, n in last.moved.items() if n} if last else {}
+    return Evaluated(moved, after, trace)
 
 
 @dataclass

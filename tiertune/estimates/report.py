@@ -41,6 +41,7 @@ from tiertune.engine.registered import Laid
 from tiertune.engine.replay import Replayed
 from tiertune.engine.sharding import GATHERED
 from tiertune.errors import BudgetError, ConfigError, StateError, TiertuneError
+from tiertune.estimates.evaluation import EvalEstimate, eval_estimate, format_evaluation
 from tiertune.estimates.generation import (
     GenerationEstimate,
     format_generation,
@@ -202,6 +203,7 @@ class Estimate:
     waves: Waves | None = None  # the micro-batches a wave runs, and where its boundary hidden states wait
     teacher: TeacherEstimate | None = None  # a distillation's teacher pass (``estimates.teacher``)
     generation: GenerationEstimate | None = None  # GRPO's sampling (``estimates.generation``)
+    evaluation: EvalEstimate | None = None  # the held-out set's passes (``estimates.evaluation``)
     beside: int = (
         1  # the stores the budgets are split into (``config.plan.BESIDE_SHARE``: a frozen model beside)
     )
@@ -304,6 +306,8 @@ class Estimate:
             out["teacher_pass"] = self.teacher.as_json()
         if self.generation is not None:
             out["generation"] = self.generation.as_json()
+        if self.evaluation is not None:
+            out["evaluation"] = self.evaluation.as_json()
         if self.speed is not None:
             sp = self.speed
             out["step_time"] = {
@@ -413,7 +417,7 @@ def estimate(
         kinds[c.kind] = (tier, total + c.capacity)
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget, Tier.DISK: disk_room}
     device = torch.device("cuda" if target is not None else "cpu")  # what the run would compute on
-    replayed = _replay(run, notes, device, runs[1:])
+    replayed = _replay(run, notes, device, runs[1:], EVAL_PASSES if recipe.evaluates and not others else 0)
     if cfg.method == "lora":
         outside["LoRA adapters + states"] = trained * 16
     tiers = {}
@@ -449,8 +453,8 @@ def estimate(
         notes.append(
             f"evaluation {when}: the held-out set (data.eval_path) in passes of "
             f"{t.gradient_accumulation_steps} x {t.per_device_train_batch_size} rows, each pass reading the "
-            "weights once more, no autograd (not priced here); after it the next step reads again what the "
-            "budgets had cached"
+            "weights once more, no autograd; after it the next step reads again what the budgets had cached"
+            + (" (not priced for several adapters)" if others else " (priced below: evaluation)")
             + (
                 f"; early stopping after {t.early_stopping_patience} evaluations without a better eval_loss"
                 if t.early_stopping_patience
@@ -503,6 +507,8 @@ def estimate(
     est.moved_per_step = {link: replayed.moved.get(link, 0) for link in LINKS} if replayed is not None else {}
     if recipe.objective.rollouts and recipe.objective.rollout_engine == "tiertune":
         est.generation = _generation(est, run, model, flops, device, replayed is not None)
+    if recipe.evaluates and not others:
+        est.evaluation = _evaluation(recipe, replayed.evaluation if replayed is not None else None)
     # the chunks each rank registers (its shards), under a rank's budgets, as train plans it
     if processes > 1:
         local = per_node or processes
@@ -539,8 +545,23 @@ def estimate(
         trace = replayed.trace if replayed is not None else None
         scale = flops.tokens / each[0].tokens  # all the adapters' tokens over the first's (1: one adapter)
         est.speed = _step_time(
-            est, recipe, runs[0].engine, flops, target, trace, threads, layer_seconds, scale, probes
+            est,
+            recipe,
+            runs[0].engine,
+            flops,
+            target,
+            trace,
+            threads,
+            layer_seconds,
+            scale,
+            probes,
+            replayed.evaluation if replayed is not None else None,
         )
+        played = est.speed.evaluation
+        if est.evaluation is not None and played is not None and est.speed.timeline is not None:
+            passes, after = played
+            est.evaluation.pass_seconds = (passes[0].step, passes[-1].step)
+            est.evaluation.step_after_extra = max(0.0, after.step - est.speed.timeline.step)
         if est.teacher is not None:
             time_teacher(
                 est.teacher, est.bandwidth.get("disk_read"), est.speed.compute_rate if est.speed else None
@@ -637,8 +658,36 @@ def _teacher(recipe: Recipe, device_budget: int, notes: list[str]) -> TeacherEst
     return teacher_estimate(recipe, device_budget, rows, scored)
 
 
+def _evaluation(recipe: Recipe, evaluated: replaying.Evaluated | None) -> EvalEstimate:
+    """The run's evaluations (``estimates.evaluation``): their count and passes from the run's data as it reads
+    them (the held-out set's rows, the steps, an epoch's micro-batches), their bytes from the replay."""
+    from tiertune.distributed.world import World as Launch
+    from tiertune.finetune.train import load_run
+
+    t = recipe.training
+    try:
+        loaded = load_run(recipe, Launch.from_env().size)
+        est = eval_estimate(recipe, loaded.steps, loaded.per_epoch, len(loaded.eval_data))
+    except (TiertuneError, OSError) as exc:
+        steps = t.max_steps if t.max_steps > 0 else None
+        est = eval_estimate(recipe, steps, None, None)
+        est.why = f"the data cannot be read here: {str(exc).splitlines()[0][:120]}"
+    if evaluated is not None:
+        est.first_pass, est.later_pass = evaluated.passes[0], evaluated.passes[-1]
+        est.step_after = evaluated.after
+    return est
+
+
+EVAL_PASSES = 2
+"""The evaluation passes replayed after the steps: the first after a step, and one after another pass."""
+
+
 def _replay(
-    run: RunPlan, notes: list[str], device: torch.device, others: Sequence[RunPlan] = ()
+    run: RunPlan,
+    notes: list[str],
+    device: torch.device,
+    others: Sequence[RunPlan] = (),
+    evaluate: int = 0,
 ) -> Replayed | None:
     """The run's steps replayed on a ledger (``engine.replay``: the engine's own step over the store's own
     placement, eviction and prefetch, every micro-batch) under its budgets and memory plan; its peaks and the
@@ -669,6 +718,7 @@ def _replay(
             device,
             run.world,
             shapes=shapes if others else (),
+            evaluate=evaluate,
         )
     except (BudgetError, StateError) as exc:  # the store's own refusal, as a run would meet it
         notes.append(
@@ -689,6 +739,7 @@ def _step_time(
     layer_seconds: tuple[float, float] | None = None,
     scale: float = 1.0,
     probes: Probes | None = None,
+    evaluation: replaying.Evaluated | None = None,
 ) -> StepTime:
     """Seconds of each part of a step (see ``speed``), from the bytes moved, the bandwidths measured and the
     compute rate: measured at the model's own product shape on this machine's CPU or GPU, or a named GPU's
@@ -696,7 +747,8 @@ def _step_time(
     rates. ``run_threads``: torch's threads the run computes with (default: as ``train`` sets them);
     ``layer_seconds``: a decoder layer's (forward, backward) seconds a micro-batch, given (``estimate``);
     ``scale``: the step's tokens over the recipe's (several adapters' steps: all of theirs); ``cfg``: the
-    recipe's own engine, whose step is measured; ``probes``: measurements shared with other estimates."""
+    recipe's own engine, whose step is measured; ``probes``: measurements shared with other estimates;
+    ``evaluation``: the replay's evaluation passes and the step after them, played at the same rates."""
     probes = probes or Probes()
     from tiertune.finetune.train import steps_of
 
@@ -801,7 +853,7 @@ def _step_time(
         how = "training.max_steps" if recipe.training.max_steps > 0 else "the epochs over the data"
     except (TiertuneError, OSError):
         steps, how = None, "unknown here: counting the epochs' steps needs the data and the model's tokenizer"
-    timeline = after_clipped = None
+    timeline = after_clipped = evaluated = None
     if trace is not None and trace.compute:
         if per_token is None:  # from the FLOPs at the rate found: a layer's share and the head's
             rate = flops.total / compute if compute else 0.0
@@ -844,6 +896,10 @@ def _step_time(
         )
         played = simulate_steps(trace, rates)
         timeline = played[-1]
+        if evaluation is not None:  # the steps again, then each pass and the step after them
+            every = simulate_steps(evaluation.trace, rates)
+            k = len(evaluation.passes)
+            evaluated = (every[len(played) : len(played) + k], every[len(played) + k])
         # the replay's second step follows a clipped one (``engine.replay.CLIPPED``): its optimizer after backward
         after_clipped = played[1] if len(played) > 2 and cfg.method != "lora" else None
     return StepTime(
@@ -856,6 +912,7 @@ def _step_time(
         how,
         timeline,
         after_clipped,
+        evaluated,
     )
 
 
@@ -955,6 +1012,8 @@ def format_estimate(est: Estimate, title: str) -> str:
         lines += format_teacher(est.teacher)
     if est.generation is not None:
         lines += format_generation(est.generation)
+    if est.evaluation is not None:
+        lines += format_evaluation(est.evaluation)
     sp = est.speed
     if sp is not None:
         bw = est.bandwidth
@@ -1019,8 +1078,14 @@ def format_estimate(est: Estimate, title: str) -> str:
                 f"{sp.flops.tokens / with_generation:,.0f} tokens/s"
             )
         sampled = g.per_step_seconds if g is not None and g.per_step_seconds is not None else 0.0
+        evaluations = est.evaluation.total_seconds if est.evaluation is not None else None
+        if evaluations is not None:
+            lines.append(
+                f"  => with its evaluations: {est.evaluation.evaluations:,} x {est.evaluation.seconds:.3g} s = "
+                f"{_duration(evaluations)} more over the run, at most"
+            )
         if sp.total_seconds is not None:
-            total = sp.total_seconds + (sp.steps or 0) * sampled
+            total = sp.total_seconds + (sp.steps or 0) * sampled + (evaluations or 0.0)
             lines.append(f"  => {sp.steps:,} steps ({sp.steps_source}): {_duration(total)}")
         else:
             lines.append(

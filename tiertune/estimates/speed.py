@@ -485,6 +485,8 @@ class StepTime:
     timeline: Timeline | None = None  # the step played on the engine's schedule (``estimates.timeline``)
     # ... a step after a clipped one (its optimizer after backward, as every step of a run whose steps clip)
     after_clipped: Timeline | None = None
+    # an evaluation's passes after a step and the step after them, played at the same rates (``estimates.evaluation``)
+    evaluation: tuple[list[Timeline], Timeline] | None = None
 
     @property
     def seconds(self) -> float:

@@ -12,7 +12,8 @@ steps' trace; what the tiers cached is read again by the next step). Of several 
 (the sharded weights are gathered by every rank alike): the figure is the same on each.
 
 Records are the Hugging Face Trainer's: one of its own in ``trainer_log.jsonl`` and ``log_history`` with
-``eval_loss``, ``eval_runtime``, ``eval_samples_per_second``, ``eval_steps_per_second``, ``epoch`` and ``step``.
+``eval_loss``, ``eval_runtime``, ``eval_samples_per_second``, ``eval_steps_per_second``, ``epoch`` and ``step``,
+and, as a step's record, ``bytes_moved`` (per link, counted from the start: what the passes read).
 
 Early stopping is transformers' ``EarlyStoppingCallback`` on ``eval_loss`` (lower is better): an evaluation
 better than the best before it by more than ``early_stopping_threshold`` resets the count, any other adds one;
@@ -45,6 +46,15 @@ def due(recipe: Any, step: int, per_epoch: int) -> bool:
         return step * accumulated // per_epoch > (step - 1) * accumulated // per_epoch
     every = recipe.eval_every
     return every > 0 and step % every == 0
+
+
+def count_evaluations(recipe: Any, steps: int, per_epoch: int) -> int:
+    """The evaluations a run of ``steps`` steps makes at most (early stopping may end it sooner): one before the
+    first step with ``eval_on_start``, and one after each step ``due`` says."""
+    if not recipe.evaluates:
+        return 0
+    due_steps = sum(due(recipe, step, per_epoch) for step in range(1, steps + 1))
+    return int(recipe.training.eval_on_start) + due_steps
 
 
 def eval_batches(data: Any, recipe: Any, pad_id: int) -> list[list[dict[str, torch.Tensor]]]:
@@ -116,6 +126,9 @@ def evaluate(
         "eval_runtime": round(runtime, 4),
         "eval_samples_per_second": round(rows / runtime, 3),
         "eval_steps_per_second": round(sum(len(g) for g in passes) / runtime, 3),
+        "bytes_moved": dict(
+            trainer.store.stats().bytes_moved
+        ),  # per link since the store started, as a step's
     }
 
 

@@ -1,0 +1,113 @@
+"""What a run's evaluations cost (``finetune.evaluation``), for ``estimate``.
+
+An evaluation scores the held-out set (``data.eval_path``) in passes of the layers without autograd,
+``gradient_accumulation_steps`` batches of ``per_device_train_batch_size`` rows (pairs) a pass, a LoRA DPO's pass
+twice (its reference is the base with the adapters off), every ``eval_steps`` steps or at each epoch's end
+(``finetune.evaluation.due``), and once more before the first step with ``eval_on_start``. Each pass reads the
+weights again and leaves the store as it found it, so the step after an evaluation reads again what the
+budgets had cached. The bytes are the store's own, counted on a ledger (``engine.replay``'s ``evaluate``: two
+passes after the replayed steps, then one more step); the seconds, where rates are measured, are the timeline's
+(``estimates.timeline``) of each pass and of the step after them, at the step's own rates. Every pass is priced
+as a full one (the set's last may hold fewer batches), and every evaluation the run may make is counted (early
+stopping may end the run sooner).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiertune.units import format_size
+
+
+@dataclass
+class EvalEstimate:
+    """A run's evaluations: how many, of how many passes, the bytes each moves (see the module docstring).
+    ``rows`` and ``evaluations`` are None where the data cannot be read here (``why`` says so)."""
+
+    rows: int | None  # the held-out set's rows (a preference objective's: pairs)
+    passes: int | None  # passes of the layers an evaluation
+    evaluations: int | None  # evaluations over the run, at most
+    first_pass: dict[str, int] = field(default_factory=dict)  # bytes by link: an evaluation's first pass
+    later_pass: dict[str, int] = field(default_factory=dict)  # ... each pass after it
+    step_after: dict[str, int] = field(default_factory=dict)  # ... the step after an evaluation
+    why: str = ""  # why the set's rows are not known
+    pass_seconds: tuple[float, float] | None = None  # (the first pass, each later one), timed
+    step_after_extra: float | None = None  # seconds the step after an evaluation takes beyond a step
+
+    @property
+    def seconds(self) -> float | None:
+        """One evaluation's seconds: its passes and what the step after it takes more than a step."""
+        if self.pass_seconds is None or self.passes is None:
+            return None
+        first, later = self.pass_seconds
+        return first + (self.passes - 1) * later + (self.step_after_extra or 0.0)
+
+    @property
+    def total_seconds(self) -> float | None:
+        """All the run's evaluations, seconds."""
+        return None if self.seconds is None or self.evaluations is None else self.evaluations * self.seconds
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "rows": self.rows,
+            "passes_per_evaluation": self.passes,
+            "evaluations": self.evaluations,
+            "first_pass_bytes": self.first_pass,
+            "later_pass_bytes": self.later_pass,
+            "step_after_bytes": self.step_after,
+            "pass_seconds": list(self.pass_seconds) if self.pass_seconds is not None else None,
+            "step_after_extra_seconds": self.step_after_extra,
+            "seconds_per_evaluation": self.seconds,
+            "total_seconds": self.total_seconds,
+            "why_unknown": self.why or None,
+        }
+
+
+def eval_estimate(recipe: Any, steps: int | None, per_epoch: int | None, rows: int | None) -> EvalEstimate:
+    """``recipe``'s evaluations over ``steps`` steps (``per_epoch``: the micro-batches of an epoch, for
+    ``eval_strategy: epoch``) of a held-out set of ``rows`` rows (None: unknown here); the bytes are filled in
+    from the replay (``engine.replay.Evaluated``)."""
+    from tiertune.finetune.evaluation import count_evaluations
+
+    t = recipe.training
+    passes = None
+    if rows is not None:
+        passes = max(
+            1, math.ceil(math.ceil(rows / t.per_device_train_batch_size) / t.gradient_accumulation_steps)
+        )
+    evaluations = None
+    if steps is not None and (per_epoch is not None or t.eval_strategy != "epoch"):
+        evaluations = count_evaluations(recipe, steps, per_epoch or 1)
+    return EvalEstimate(rows, passes, evaluations)
+
+
+def format_evaluation(est: EvalEstimate) -> list[str]:
+    """The evaluations' lines in ``estimate``'s report."""
+
+    def links(moved: dict[str, int]) -> str:
+        return ", ".join(f"{k} {format_size(n)}" for k, n in moved.items()) or "nothing (all resident)"
+
+    if est.passes is None:
+        head = f"evaluation: the held-out set's size is unknown here ({est.why}); a pass of the layers"
+    else:
+        head = (
+            f"evaluation: {est.rows:,} held-out rows in {est.passes} pass{'es' if est.passes > 1 else ''} of the "
+            "layers"
+        )
+    count = f"{est.evaluations:,} evaluations" if est.evaluations is not None else "an unknown number of them"
+    lines = [
+        f"{head} ({count} over the run, at most)",
+        f"  a pass moves {links(est.first_pass)}"
+        + (f" (later passes {links(est.later_pass)})" if est.later_pass != est.first_pass else ""),
+        f"  the step after an evaluation moves {links(est.step_after)}",
+    ]
+    if est.pass_seconds is not None:
+        first, later = est.pass_seconds
+        each = f"{est.seconds:.3g} s" if est.seconds is not None else "unknown"
+        lines.append(
+            f"  a pass {first:.3g} s (later ones {later:.3g} s), the step after it {est.step_after_extra or 0.0:.3g} s "
+            f"longer: an evaluation {each}"
+        )
+    return lines
