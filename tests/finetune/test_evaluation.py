@@ -291,7 +291,8 @@ def test_the_bytes_an_evaluation_reads_are_a_runs(tmp_path, write_recipe, cat_mo
         sections["data"]["path"] = str(data)
     path = write_recipe(tmp_path, cat_model(2, hidden=64), **sections, **{} if preference else texts)
     recipe = load_recipe(path)
-    est = estimate(recipe, measure=False).evaluation
+    estimated = estimate(recipe, measure=False)
+    est = estimated.evaluation
     assert (est.rows, est.passes, est.evaluations) == (7, 2, 1)  # 7 rows (pairs) in passes of 4, after step 3
     result = train(recipe, progress=False)
     log = [json.loads(line) for line in result.log_path.read_text().splitlines()]
@@ -312,11 +313,16 @@ def test_the_bytes_an_evaluation_reads_are_a_runs(tmp_path, write_recipe, cat_mo
             moved,
         )
     assert moved.get("disk->host", 0) > 0  # the base is read from the disk again: what the estimate prices
-    # with the step after: a write-back lands in either (a dirty chunk evicted by the pass or by the step)
+    # with the step after them: the reads to the byte again; a write-back (a dirty chunk evicted) counts when it
+    # lands, which may be before step 3's record or after step 4's (seen: 946,176 and 794,624 bytes in two runs
+    # of the full fine-tune, one 148 KiB chunk apart): within two of the largest chunk the host stages
     run = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     total = {k: predicted.get(k, 0) + est.step_after.get(k, 0) for k in set(predicted) | set(est.step_after)}
     for link in set(run) | set(total):
-        assert abs(total.get(link, 0) - run.get(link, 0)) <= 0.02 * run.get(link, 0), (link, total, run)
+        slack = (
+            2 * estimated.tiers["host"].largest_staged if link == "host->disk" else 0.02 * run.get(link, 0)
+        )
+        assert abs(total.get(link, 0) - run.get(link, 0)) <= slack, (link, total, run)
 
 
 @pytest.mark.parametrize(

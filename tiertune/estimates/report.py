@@ -1081,7 +1081,7 @@ def format_estimate(est: Estimate, title: str) -> str:
         evaluations = est.evaluation.total_seconds if est.evaluation is not None else None
         if evaluations is not None:
             lines.append(
-                f"  => with its evaluations: {est.evaluation.evaluations:,} x {est.evaluation.seconds:.3g} s = "
+                f"  => with its evaluations: {est.evaluation.evaluations:,} x {format_seconds(est.evaluation.seconds)} = "
                 f"{_duration(evaluations)} more over the run, at most"
             )
         if sp.total_seconds is not None:
@@ -1147,6 +1147,8 @@ def _format_scale_out(so: ScaleOut) -> list[str]:
 
 def _duration(seconds: float) -> str:
     """``seconds`` as a person says it: 42 s, 7.5 min, 3.2 h, 2.1 days."""
+    if seconds < 10:
+        return format_seconds(seconds)
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 7200:
