@@ -96,7 +96,8 @@ def format_evaluation(est: EvalEstimate) -> list[str]:
             f"evaluation: {est.rows:,} held-out rows in {est.passes} pass{'es' if est.passes > 1 else ''} of the "
             "layers"
         )
-    count = f"{est.evaluations:,} evaluations" if est.evaluations is not None else "an unknown number of them"
+    n = est.evaluations
+    count = f"{n:,} evaluation{'' if n == 1 else 's'}" if n is not None else "an unknown number of them"
     lines = [
         f"{head} ({count} over the run, at most)",
         f"  a pass moves {links(est.first_pass)}"
