@@ -126,9 +126,8 @@ def evaluate(
         "eval_runtime": round(runtime, 4),
         "eval_samples_per_second": round(rows / runtime, 3),
         "eval_steps_per_second": round(sum(len(g) for g in passes) / runtime, 3),
-        "bytes_moved": dict(
-            trainer.store.stats().bytes_moved
-        ),  # per link since the store started, as a step's
+        # per link since the store started, as a step's
+        "bytes_moved": dict(trainer.store_stats().bytes_moved),
     }
 
 
