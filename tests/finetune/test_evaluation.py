@@ -203,8 +203,8 @@ def test_a_run_stops_early_is_finished_and_resumes_under_a_larger_patience(tmp_p
         ({"load_best_model_at_end": True}, {}, {}, "training.load_best_model_at_end exports the checkpoint"),
         (
             {"eval_strategy": "steps", "per_device_train_batch_size": 2},
-            {"eval_path": "x.jsonl", "format": "unpaired_preference"},
-            {"type": "kto"},
+            {"eval_path": "x.jsonl", "format": "prompt"},
+            {"type": "grpo", "reward_funcs": ["tiertune.rewards:length"]},
             "is not evaluated in this release",
         ),
     ],
@@ -264,8 +264,14 @@ def test_estimate_says_what_an_evaluation_adds(tmp_path, write_recipe, cat_model
             "objective": {"type": "dpo"},
             "data": {"format": "preference"},
         },
+        {
+            "method": {"type": "full"},
+            "offload": {"params": "disk", "optimizer_states": "disk", "host_budget": "1MiB"},
+            "objective": {"type": "kto"},
+            "data": {"format": "unpaired_preference"},
+        },
     ],
-    ids=["full-disk", "qlora", "lora-dpo"],
+    ids=["full-disk", "qlora", "lora-dpo", "full-kto"],
 )
 def test_the_bytes_an_evaluation_reads_are_a_runs(tmp_path, write_recipe, cat_model, setup):
     """The estimate's evaluation (its passes replayed on a ledger after the steps, then the step after them):
@@ -275,21 +281,27 @@ def test_the_bytes_an_evaluation_reads_are_a_runs(tmp_path, write_recipe, cat_mo
     from tests.conftest import CAT_PAIRS
     from tiertune.estimates.report import estimate
 
-    preference = setup.get("data", {}).get("format") == "preference"
+    fmt = setup.get("data", {}).get("format", "text")
+    rows = CAT_PAIRS
+    if fmt == "unpaired_preference":  # KTO's labelled rows: each pair's chosen and rejected completions
+        rows = [
+            {"prompt": p["prompt"], "completion": p[k], "label": k == "chosen"}
+            for p in CAT_PAIRS
+            for k in ("chosen", "rejected")
+        ]
     held_out = tmp_path / "held_out.jsonl"
-    if preference:
-        held_out.write_text("".join(json.dumps(r) + "\n" for r in CAT_PAIRS[:7]))
-    else:
+    if fmt == "text":
         held_out = _eval_file(tmp_path)
+    else:
+        held_out.write_text("".join(json.dumps(r) + "\n" for r in rows[:7]))
     sections = {k: dict(v) for k, v in setup.items()}
     sections.setdefault("data", {})["eval_path"] = str(held_out)
     sections["training"] = {"eval_strategy": "steps", "eval_steps": 3, "max_steps": 4, "max_grad_norm": 0.0}
-    texts = {"texts": CAT_PAIRS} if preference else {}
-    if preference:
+    if fmt != "text":
         data = tmp_path / "pairs.jsonl"
-        data.write_text("".join(json.dumps(r) + "\n" for r in CAT_PAIRS))
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
         sections["data"]["path"] = str(data)
-    path = write_recipe(tmp_path, cat_model(2, hidden=64), **sections, **{} if preference else texts)
+    path = write_recipe(tmp_path, cat_model(2, hidden=64), **sections)
     recipe = load_recipe(path)
     estimated = estimate(recipe, measure=False)
     est = estimated.evaluation

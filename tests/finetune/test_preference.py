@@ -699,3 +699,73 @@ def test_held_out_pairs_are_evaluated_as_trl_evaluates_them(
         assert ours["eval_rewards/margins"] != 0.0  # the policy moved off its reference
     for key in keys:
         assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (key, ours, theirs)
+
+
+HELD_OUT_UNPAIRED = [
+    {"prompt": p["prompt"], "completion": p[k], "label": k == "chosen"}
+    for p in HELD_OUT
+    for k in ("chosen", "rejected")
+]
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_held_out_kto_rows_are_evaluated_as_trl_evaluates_them(model_dir, tmp_path, write_recipe, method):
+    """After 3 KTO steps the run's evaluation of held-out labelled rows is TRL's ``KTOTrainer.evaluate()`` of the
+    exported model beside the initial one, batches of the training's size (each batch's KL sequences its own rows'
+    completions, rotated: TRL's collator): eval_loss, eval_kl and TRL's eval_rewards/* and eval_logps/*, rel 1e-5."""
+    from datasets import Dataset
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from trl import KTOConfig, KTOTrainer
+
+    data, held_out = tmp_path / "unpaired.jsonl", tmp_path / "held_out.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in UNPAIRED))
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in HELD_OUT_UNPAIRED))
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        data={
+            "path": str(data),
+            "format": "unpaired_preference",
+            "shuffle": False,
+            "eval_path": str(held_out),
+        },
+        method=LORA if method == "lora" else {"type": "full"},
+        objective={"type": "kto", "beta": 0.1},
+        training={
+            "max_steps": 3,
+            "per_device_train_batch_size": 3,  # (not the loader's default KL block of 2)
+            "learning_rate": 1e-2 if method == "lora" else 1e-3,
+            "eval_strategy": "steps",
+            "eval_steps": 3,
+        },
+        offload={"params": "disk", "device_budget": "2MiB", "host_budget": "1MiB"},
+    )
+    result = train(load_recipe(path), progress=False)
+    (ours,) = result.evaluations
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if method == "lora":
+        model = PeftModel.from_pretrained(base, result.output_dir).merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(result.output_dir, dtype=torch.float32)
+    args = KTOConfig(
+        output_dir=str(tmp_path / "trl-eval-kto"),
+        per_device_train_batch_size=3,
+        per_device_eval_batch_size=3,
+        beta=0.1,
+        max_length=32,
+        **TRL_AS_TIERTUNE,
+        train_sampling_strategy="sequential",
+    )
+    theirs = KTOTrainer(
+        model=model,
+        ref_model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        args=args,
+        train_dataset=Dataset.from_list(UNPAIRED),
+        eval_dataset=Dataset.from_list(HELD_OUT_UNPAIRED),
+        processing_class=_tokenizer(model_dir),
+    ).evaluate()
+    assert ours["eval_rewards/margins"] != 0.0  # the policy moved off its reference
+    keys = ["eval_loss", "eval_kl", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/margins"]
+    for key in [*keys, "eval_logps/chosen", "eval_logps/rejected"]:
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (key, ours, theirs)

@@ -36,11 +36,11 @@ from tiertune.settings import (
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 """The built-in recipes, shipped with the package (``load_recipe`` takes one by its name)."""
-EVAL_FORMATS = ("text", "alpaca", "chat", "preference")
+EVAL_FORMATS = ("text", "alpaca", "chat", "preference", "unpaired_preference")
 """The data formats a run evaluates (``training.eval_strategy``): single sequences scored by cross-entropy, and
-preference pairs scored by their objective."""
-EVAL_OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
-"""The objectives a run evaluates: SFT by cross-entropy, the preference objectives of pairs by their own loss."""
+preference pairs (KTO's labelled rows) scored by their objective."""
+EVAL_OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto")
+"""The objectives a run evaluates: SFT by cross-entropy, the preference objectives by their own loss."""
 
 
 @dataclass

@@ -120,15 +120,15 @@ def replay(
 def _evaluation(
     trainer: StreamedTrainer, trace: Trace, batch: list[dict[str, torch.Tensor]], passes: int
 ) -> Evaluated:
-    """``passes`` evaluation passes over ``batch`` as ``finetune.evaluation.evaluate`` makes them (a LoRA DPO's
-    second pass, the base with its adapters off, for its reference), then one more step."""
+    """``passes`` evaluation passes over ``batch`` as ``finetune.evaluation.evaluate`` makes them (a LoRA DPO's or
+    KTO's second pass, the base with its adapters off, for its reference), then one more step."""
     from tiertune.engine.generate import moved_by_pass
 
     def one_pass() -> None:
         trace.op("step")
         with held_back("tiertune", logging.WARNING):
             trainer.sequence_logps(batch)
-            if trainer.config.objective.type == "dpo" and trainer.adapters is not None:
+            if trainer.config.objective.reference and trainer.adapters is not None:
                 with trainer.reference():
                     trainer.sequence_logps(batch)
 

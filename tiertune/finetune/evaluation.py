@@ -90,10 +90,11 @@ def evaluate(
     and back on after it. With ``offload.delay_update`` the weights are those the next step computes on (one
     update behind); the update in flight is waited for first, as a checkpoint does.
 
-    For a preference ``objective`` (DPO, SimPO, ORPO) ``eval_loss`` is its loss, and its metrics are TRL's
-    with ``eval_`` before them (``eval_rewards/margins``, ...), each the mean over the set's pairs; the reference
-    is the base with the adapters off (LoRA: a second pass) or ``reference``, the set's log-probabilities by the
-    initial weights ([rows, 2], ``finetune.reference.reference_logps``)."""
+    For a preference ``objective`` (DPO, SimPO, ORPO, KTO) ``eval_loss`` is its loss, and its metrics are TRL's
+    with ``eval_`` before them (``eval_rewards/margins``, ...), each the mean over the set's pairs (KTO's, as
+    ``KTOTrainer`` logs them, the mean over the batches of each batch's: its rows with their KL sequences, the
+    batch's KL estimate); the reference is the base with the adapters off (LoRA: a second pass) or ``reference``,
+    the set's log-probabilities by the initial weights ([rows, 2], ``finetune.reference.reference_logps``)."""
     began = time.perf_counter()
     trainer.settle()  # a delayed update in flight (offload.delay_update) done; the weights stay one update behind
     model = trainer.model
@@ -140,7 +141,7 @@ def _pairs(
 ) -> tuple[float, int]:
     """A pass of preference batches: the summed loss of their pairs and how many (a pair without a target in
     either sequence counts none); their metrics' sums and counts added into ``sums``."""
-    from tiertune.engine.objective import pair_losses
+    from tiertune.engine.objective import counted, pair_losses
     from tiertune.engine.pairs import whole_target
 
     def token_losses(engine: Any, mb: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,13 +149,13 @@ def _pairs(
         return engine.compute.token_losses(engine.loss, x, mb.ids, mb.extra, target).float().cpu(), target
 
     policy = trainer.sequence_logps(group, token_losses)
-    if reference is None and objective.type == "dpo":  # LoRA: the base, its adapters off
+    if reference is None and objective.reference:  # LoRA: the base, its adapters off
         with trainer.reference():
             theirs = [logps.float().cpu() for logps in trainer.sequence_logps(group)]
     total, pairs = 0.0, 0
     for k, (batch, (losses_of_tokens, target)) in enumerate(zip(group, policy, strict=True)):
         ref = None
-        if objective.type == "dpo":
+        if objective.reference:  # DPO's, KTO's (a row's, then its KL sequence's)
             if reference is None:
                 ref = theirs[k]
             else:
@@ -162,10 +163,10 @@ def _pairs(
                 ref = torch.cat([reference[rows, 0], reference[rows, 1]]).float()
         completion = batch["labels"][:, 1:] != IGNORE_INDEX
         losses, metrics = pair_losses(
-            objective, losses_of_tokens, completion, ref, target.cpu() != IGNORE_INDEX
+            objective, losses_of_tokens, completion, ref, target.cpu() != IGNORE_INDEX, batch.get("label")
         )
         total += float(losses.double().sum())
-        pairs += int(metrics["rewards/chosen"][1])
+        pairs += int(counted(completion.sum(1)).sum())  # (KTO's: a row and its KL sequence)
         for name, (value, count) in metrics.items():
             before = sums.get(name, (0.0, 0.0))
             sums[name] = (before[0] + value, before[1] + count)

@@ -172,7 +172,15 @@ def evaluate_source(
     recipe.data.format = fmt
     tokenizer = tokenizer_of(found.model)
     d = recipe.data
-    data = load_data(data_path, tokenizer, fmt, d.max_seq_len, d.add_eos, d.skip_bad_rows)
+    data = load_data(
+        data_path,
+        tokenizer,
+        fmt,
+        d.max_seq_len,
+        d.add_eos,
+        d.skip_bad_rows,
+        kl_block=recipe.training.per_device_train_batch_size,
+    )
     passes = eval_batches(data, recipe, pad_id_of(tokenizer))
     trainer = load_generator(dataclasses.replace(found, recipe=recipe), safe_point)
     try:

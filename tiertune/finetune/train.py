@@ -272,7 +272,15 @@ def load_run(recipe: Recipe, ranks: int) -> Loaded:
     )
     eval_data = None
     if recipe.evaluates:
-        eval_data = load_data(d.eval_path, tokenizer, d.format, d.max_seq_len, d.add_eos, d.skip_bad_rows)
+        eval_data = load_data(
+            d.eval_path,
+            tokenizer,
+            d.format,
+            d.max_seq_len,
+            d.add_eos,
+            d.skip_bad_rows,
+            kl_block=t.per_device_train_batch_size,  # KTO: each batch's KL sequences its own rows', as in training
+        )
         _check_vocabulary(eval_data, recipe.model.path)
     return Loaded(tokenizer, data, pad_id, per_epoch, steps, eval_data)
 
