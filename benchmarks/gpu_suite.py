@@ -34,8 +34,10 @@ Phases and what each result says:
 - ``full``: ``full/tiertune``: full fine-tuning, weights and AdamW states homed in host memory, streamed to
   the GPU under the cap, the optimizer overlapped with backward; ``full/fsdp2``: ``fully_shard`` with
   ``CPUOffloadPolicy`` (one process, world size 1), activation checkpointing and torch AdamW on the same
-  model and batch; ``full/deepspeed``: skipped (why is in the result). TFLOPS, MFU and HFU by the formula
-  each result states, against a bf16 matrix product measured in the same run and against the datasheet.
+  model and batch; ``full/tiertune-delayed``: tiertune again with the one-step-delayed update
+  (``offload.delay_update``), where the time left holds it; ``full/deepspeed``: skipped (why is in the
+  result). TFLOPS, MFU and HFU by the formula each result states, against a bf16 matrix product measured in the
+  same run and against the datasheet.
 - ``longseq``: ``longseq/tiertune``: QLoRA of 4 layers of the Llama-3-8B shape on one row of 64K, 128K and
   256K tokens a step under the cap: tokens/s and peak GPU memory of each length.
 - ``dpo``: ``dpo/tiertune``: QLoRA DPO of 16 of the 70B shape's layers streamed from disk under the cap, 8
@@ -242,6 +244,19 @@ KEYS: dict[str, tuple[str, ...]] = {
         "backend",
         "pinned_memory_rounding",
     ),
+    "full/tiertune-delayed": (
+        "system",
+        "model",
+        "placement",
+        *_TRAINING,
+        "max_grad_norm",
+        *_FLOPS,
+        "optimizer",
+        "optimizer_hidden_share",
+        "optimizer_busy_s",
+        "optimizer_not_hidden_s",
+        "io_wait_s",
+    ),
     "full/deepspeed": ("reference", "skipped"),
     "longseq/tiertune": (
         "system",
@@ -295,7 +310,7 @@ PHASE_RESULTS = {
     "kernels": ("kernels", "galore"),
     "qlora": ("qlora/tiertune", "qlora/peft"),
     "accumulation": ("accumulation/tiertune",),
-    "full": ("full/tiertune", "full/fsdp2", "full/deepspeed"),
+    "full": ("full/tiertune", "full/fsdp2", "full/tiertune-delayed", "full/deepspeed"),
     "longseq": ("longseq/tiertune",),
     "dpo": ("dpo/tiertune",),
     "several": ("several/tiertune",),
@@ -777,10 +792,12 @@ def child_peft(p: dict) -> dict:
 
 
 def child_train(p: dict) -> dict:
-    """bench_train's ``host`` mode: weights and AdamW states homed on the host, streamed to the device."""
+    """bench_train's ``host`` mode (or ``p["mode"]``: ``host-delayed``): weights and AdamW states homed on the
+    host, streamed to the device."""
     import bench_train
 
-    return bench_train.run_mode(p["model"], p["disk"], "host", bench_train.parse_args(p["argv"]))
+    mode = p.get("mode", "host")
+    return bench_train.run_mode(p["model"], p["disk"], mode, bench_train.parse_args(p["argv"]))
 
 
 def child_peak(p: dict) -> dict:
@@ -2098,16 +2115,19 @@ def phase_full(ctx: Context) -> None:
             f"{s.gpu_cap}B",
         ]
         limit = (ctx.budget.left() - 20) * 0.5  # the rest is FSDP2's
+        ran = time.perf_counter()
         ours = run_child(
             "train", {"argv": argv, "model": str(model), "disk": str(tmp / "disk")}, limit, env=env
         )
+        ours_s = time.perf_counter() - ran
         values = common | {
             "system": "tiertune",
             "plan": plan,
             "placement": {
                 "weights": f"host (bf16), streamed through a {format_size(s.full_device_budget)} device tier",
                 "optimizer_states": "host (fp32 master weights and Adam moments)",
-                "gradients": "host (fp32, one chunk per layer homed for the run; each consumed by its layer's update in backward)",
+                "gradients": "host (fp32, homed for the layers in flight only; each consumed by its layer's "
+                "update in backward)",
                 "activations": "device (each layer's input; layers recomputed in backward)",
             },
             "optimizer": "tiertune CPU AdamW (torch's fused CPU kernel) overlapped with backward, in place "
@@ -2150,9 +2170,47 @@ def phase_full(ctx: Context) -> None:
                 k: theirs[k] for k in ("optimizer", "optimizer_s", "mixed_precision", "backend", "load_s")
             }
         emit(ctx, "full", "full/fsdp2", values, began)
+        _full_delayed(ctx, argv, model, tmp, env, ours_s, common, shape, tokens, peak_tflops, datasheet)
     importable = importlib.util.find_spec("deepspeed") is not None
     reason = DEEPSPEED_SKIPPED if not importable else "installed, but this suite does not drive ZeRO-Offload"
     emit(ctx, "full", "full/deepspeed", {"reference": "deepspeed", "skipped": reason}, time.perf_counter())
+
+
+def _full_delayed(
+    ctx: Context,
+    argv: list[str],
+    model: Path,
+    tmp: Path,
+    env: dict[str, str],
+    ours_s: float,
+    common: dict,
+    shape: Shape,
+    tokens: int,
+    peak_tflops: float | None,
+    datasheet: float | None,
+) -> None:
+    """``full/tiertune-delayed``: the same run with ZeRO-Offload's one-step-delayed update (``delay_update``: a
+    step's update runs on the CPU during the next step's compute, its forward on weights one update behind), where
+    the time left holds another run as long as the first (else skipped, saying so)."""
+    began = time.perf_counter()
+    if ctx.budget.left() - 10 < 1.2 * ours_s:
+        skipped = f"{ctx.budget.left():.0f} s left, the overlapped run took {ours_s:.0f} s: run the full phase alone"
+        emit(ctx, "full", "full/tiertune-delayed", {"system": "tiertune", "skipped": skipped}, began)
+        return
+    params = {"argv": argv, "model": str(model), "disk": str(tmp / "disk-delayed"), "mode": "host-delayed"}
+    delayed = run_child("train", params, ctx.budget.left() - 5, env=env)
+    values = common | {
+        "system": "tiertune",
+        "placement": "as full/tiertune",
+        "optimizer": "tiertune CPU AdamW, one step delayed (offload.delay_update: ZeRO-Offload's DPU): a step's "
+        "update during the next step's compute; the losses differ from the exact update's (README: the "
+        "delayed update's effect on the loss)",
+    }
+    values |= _training_figures(delayed, shape, tokens, peak_tflops, datasheet)
+    if "error" not in delayed:
+        keys = ("optimizer_hidden_share", "optimizer_busy_s", "optimizer_not_hidden_s", "io_wait_s", "load_s")
+        values |= {k: delayed[k] for k in keys}
+    emit(ctx, "full", "full/tiertune-delayed", values, began)
 
 
 def _rounding(env: dict[str, str], dry_run: bool) -> str:

@@ -94,6 +94,8 @@ def test_the_dry_run_measures_what_a_cpu_can(results):
         assert line["tokens_per_second"] > 0 and _finite(line["losses"])
         assert line["tflops"] > 0 and 0 < line["mfu"] < line["hfu"]
     assert 0 <= full["optimizer_hidden_share"] <= 1
+    (delayed,) = results["full/tiertune-delayed"]  # the one-step-delayed update beside them, the same schema
+    assert delayed["tokens_per_second"] > 0 and _finite(delayed["losses"])
     assert fsdp2["backend"] == "gloo"
     # same checkpoint, batches, AdamW and learning-rate schedule, fp32 on the CPU: the same losses
     assert full["losses"] == pytest.approx(fsdp2["losses"], rel=1e-4)
