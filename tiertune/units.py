@@ -17,3 +17,10 @@ def format_size(nbytes: int | float) -> str:
 def round_up(n: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is >= ``n``."""
     return -(-n // multiple) * multiple
+
+
+def format_seconds(seconds: float) -> str:
+    """A short duration: 850 us, 12.3 ms, 1.25 s."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.3g} s"

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiertune.units import format_size
+from tiertune.units import format_seconds, format_size
 
 
 @dataclass
@@ -106,9 +106,9 @@ def format_evaluation(est: EvalEstimate) -> list[str]:
     ]
     if est.pass_seconds is not None:
         first, later = est.pass_seconds
-        each = f"{est.seconds:.3g} s" if est.seconds is not None else "unknown"
+        each = format_seconds(est.seconds) if est.seconds is not None else "unknown"
         lines.append(
-            f"  a pass {first:.3g} s (later ones {later:.3g} s), the step after it {est.step_after_extra or 0.0:.3g} s "
-            f"longer: an evaluation {each}"
+            f"  a pass {format_seconds(first)} (later ones {format_seconds(later)}), the step after it "
+            f"{format_seconds(est.step_after_extra or 0.0)} longer: an evaluation {each}"
         )
     return lines

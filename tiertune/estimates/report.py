@@ -71,7 +71,7 @@ from tiertune.estimates.timeline import Rates, simulate_steps
 from tiertune.loading.hub import config_directory
 from tiertune.loading.model import split_model
 from tiertune.offload.tiers import Tier
-from tiertune.units import format_size
+from tiertune.units import format_seconds, format_size
 
 if TYPE_CHECKING:
     from tiertune.config.plan import RunPlan
@@ -949,13 +949,6 @@ def recipe_layers(model_dir: str) -> int:
 
 TEACHER_ROWS = 10_000
 """Rows a teacher pass is priced for when the recipe's data cannot be read (``_teacher``)."""
-
-
-def format_seconds(seconds: float) -> str:
-    """A short duration: 850 us, 12.3 ms, 1.25 s."""
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} us"
-    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
 IN_FLIGHT = "  (homed on disk, held on the host from backward until the layer's update has read them)"
