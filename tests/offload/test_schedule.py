@@ -213,3 +213,43 @@ def test_a_repeating_pass_keeps_what_the_next_pass_needs_and_gives_the_steps_tra
                 store.mark_step()
         assert store.scheduler is steps and steps.cursor == cursor and steps.replaying
     assert all(1 <= n <= 2 for n in copied[1:]) and sum(copied[1:]) <= 8, copied
+
+
+def test_a_pass_that_is_no_step_keeps_the_steps_trace_and_replays_its_own(disk_dir, caplog):
+    """An evaluation's passes between steps (``ChunkStore.begin_pass`` ... ``forget_pass``) access the chunks in
+    an order of their own (here the step's in reverse). Before, such a pass diverged from the steps' trace, which
+    was dropped with a warning: the step after it ran without prefetching, and so did every pass. Now the steps'
+    trace is the same object after the pass, the step after it replays it with no divergence, and the second pass
+    replays the first pass's trace: its next chunk is prefetched from the disk while it runs."""
+    store, chunks = _store(
+        device_chunks=2, prefetch_depth=1, home="disk", n=4, disk_dir=disk_dir, host_chunks=2
+    )
+
+    def visit(order):  # ``seen``: whether the next chunk in the order was off the disk when each was acquired
+        for i, chunk in enumerate(order):
+            store.acquire(chunk)
+            store.wait()
+            seen.append(bool(order[(i + 1) % len(order)].valid & {Tier.HOST, Tier.DEVICE}))
+            store.release(chunk)
+
+    with caplog.at_level(logging.DEBUG, logger="tiertune.offload"), store:
+        seen: list = []
+        visit(chunks)
+        store.mark_step()
+        steps, trace = store.scheduler, store.scheduler.trace
+        for chunk in chunks:  # at home only, as each pass leaves them
+            store.evict(chunk)
+        for k in range(2):
+            store.begin_pass()
+            assert store.scheduler is not steps and store.scheduler.replaying == (k > 0)
+            seen.clear()
+            visit(chunks[::-1])
+            # the first pass records (nothing fetched ahead); the second replays it: the chunk after each is on
+            # its way from the disk
+            assert seen[:-1] == [k > 0] * (len(chunks) - 1), seen
+            store.forget_pass()
+            assert store.scheduler is steps and steps.trace is trace and steps.cursor == 0
+        visit(chunks)
+        store.mark_step()
+        assert steps.trace is trace and steps.divergences == 0
+    assert not [r for r in caplog.records if "diverged" in r.getMessage() and r.levelno >= logging.WARNING]

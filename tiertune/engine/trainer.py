@@ -274,16 +274,16 @@ class StreamedTrainer(TrainerViews):
         self, micro_batches: Sequence[dict[str, torch.Tensor]], head: Any = None, repeat: bool = False
     ) -> list[Any]:
         """Each micro-batch's rows' log-probabilities of their labels (or ``head``'s figures: a teacher's), by
-        the weights as they are, in one pass of the layers without autograd (``LayerMajor.sequence_logps``); the
-        store forgets the pass (``ChunkStore.forget_pass``), or with ``repeat`` (a frozen trainer making only such
-        passes) ends it as a step: the first pass's accesses become the trace, what the budgets keep stays."""
+        the weights as they are, in one pass of the layers without autograd (``LayerMajor.sequence_logps``): a
+        pass the store schedules apart and then forgets (``ChunkStore.begin_pass``, ``forget_pass``), or with
+        ``repeat`` (a frozen trainer making only such passes) ends as a step: the first pass's accesses become
+        the trace, what the budgets keep stays."""
+        if not repeat:
+            self.store.begin_pass()
         try:
             return self.schedule.sequence_logps(micro_batches, head)
         finally:
-            if repeat:
-                self.store.mark_step()
-            else:
-                self.store.forget_pass()
+            self.store.mark_step() if repeat else self.store.forget_pass()
 
     @contextmanager
     def reference(self) -> Iterator[None]:

@@ -33,6 +33,7 @@ class EvalEstimate:
     later_pass: dict[str, int] = field(default_factory=dict)  # ... each pass after it
     step_after: dict[str, int] = field(default_factory=dict)  # ... the step after an evaluation
     why: str = ""  # why the set's rows are not known
+    replayed: bool = False  # whether its passes were replayed (not where no step could be)
     pass_seconds: tuple[float, float] | None = None  # (the first pass, each later one), timed
     step_after_extra: float | None = None  # seconds the step after an evaluation takes beyond a step
 
@@ -62,6 +63,7 @@ class EvalEstimate:
             "seconds_per_evaluation": self.seconds,
             "total_seconds": self.total_seconds,
             "why_unknown": self.why or None,
+            "replayed": self.replayed,
         }
 
 
@@ -98,8 +100,10 @@ def format_evaluation(est: EvalEstimate) -> list[str]:
         )
     n = est.evaluations
     count = f"{n:,} evaluation{'' if n == 1 else 's'}" if n is not None else "an unknown number of them"
-    lines = [
-        f"{head} ({count} over the run, at most)",
+    lines = [f"{head} ({count} over the run, at most)"]
+    if not est.replayed:
+        return [*lines, "  its passes not replayed: no step could be (above)"]
+    lines += [
         f"  a pass moves {links(est.first_pass)}"
         + (f" (later passes {links(est.later_pass)})" if est.later_pass != est.first_pass else ""),
         f"  the step after an evaluation moves {links(est.step_after)}",

@@ -674,7 +674,7 @@ def _evaluation(recipe: Recipe, evaluated: replaying.Evaluated | None) -> EvalEs
         est.why = f"the data cannot be read here: {str(exc).splitlines()[0][:120]}"
     if evaluated is not None:
         est.first_pass, est.later_pass = evaluated.passes[0], evaluated.passes[-1]
-        est.step_after = evaluated.after
+        est.step_after, est.replayed = evaluated.after, True
     return est
 
 

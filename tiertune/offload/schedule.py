@@ -34,7 +34,9 @@ class Scheduler:
     """Records, replays and looks ahead along the per-step chunk access trace. Not thread-safe: the store
     calls it under its lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, quiet: bool = False) -> None:
+        """``quiet``: a divergence is logged at debug level (a pass's scheduler: ``ChunkStore.begin_pass``)."""
+        self.quiet = quiet
         self.trace: tuple[Access, ...] | None = None
         self.cursor = 0  # index in the trace of the next expected access
         self.clock = 0  # accesses so far, for LRU
@@ -73,6 +75,16 @@ class Scheduler:
         self._recording = []
         self.cursor = 0
 
+    def end_pass(self) -> None:
+        """The end of a pass that repeats only in part (``ChunkStore.begin_pass``'s): as ``mark_step``, but a pass
+        that ended early along the trace (fewer micro-batches: the data's last) keeps the trace it replayed."""
+        if self.trace is not None and self.cursor != len(self.trace):
+            self._recording = []
+            self.cursor = 0
+            self.epoch += 1
+            return
+        self.mark_step()
+
     def forget(self) -> None:
         """The accesses since the last step boundary were not a step's (a pass before training): dropped; the
         trace, if there is one, replays from its head again."""
@@ -85,7 +97,7 @@ class Scheduler:
         self.divergences += 1
         expected = self.trace[self.cursor] if self.cursor < len(self.trace) else "the end of the step"
         got = access if access is not None else "the end of the step"
-        level = logging.WARNING if self.divergences == 1 else logging.DEBUG
+        level = logging.WARNING if self.divergences == 1 and not self.quiet else logging.DEBUG
         log.log(
             level,
             "chunk access order diverged from the recorded trace at position %d (expected %s, got %s); "

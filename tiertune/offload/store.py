@@ -310,6 +310,10 @@ class ChunkStore:
         self._order = {Tier.DEVICE: EvictionOrder(), Tier.HOST: EvictionOrder()}
         self._order_epoch = self.scheduler.epoch
         self._repeating = False  # inside ``repeating``
+        # passes that are not steps (``begin_pass``): their own scheduler, kept from one to the next, and the
+        # steps' while one runs
+        self._passes: Scheduler | None = None
+        self._steps: Scheduler | None = None
         self._moved: dict[str, int] = {}
         self._moved_by: dict[int, dict[str, int]] = {}  # chunk id -> link -> bytes
         self._fatal: BaseException | None = None
@@ -795,13 +799,35 @@ class ChunkStore:
                 self._order_epoch = -1
                 self._repeating = False
 
-    def forget_pass(self) -> None:
-        """What ran since the last step boundary was not a training step (a pass over the data before it): its
-        chunk accesses leave the scheduler's recording, every cached copy goes (each chunk only at home, as
-        before the pass) and the tiers' peaks start again: the steps that follow run as they would have
-        without it. The bytes it moved stay counted."""
+    def begin_pass(self) -> None:
+        """A pass over the data that is not a training step begins (an evaluation's, the reference's before
+        training; ended by ``forget_pass``): a scheduler of its own, kept from one such pass to the next,
+        records the first and replays it for the next ones (passes over the data use the chunks in one order),
+        so that they prefetch and evict by their own order, and the steps' trace stays as it was (a pass that
+        diverged from it dropped it: the step after ran without prefetching)."""
         with self._cond:
             self._land()
+            if self._steps is not None:
+                raise StateError("begin_pass inside a pass: end it with forget_pass first")
+            passes = self._passes or Scheduler(quiet=True)
+            passes.clock = self.scheduler.clock  # one clock for the chunks' last uses
+            self._steps, self.scheduler = self.scheduler, passes
+            self._order_epoch = -1  # every copy's place among the victims is the pass's scheduler's
+            self._prefetch()
+
+    def forget_pass(self) -> None:
+        """What ran since the last step boundary (or ``begin_pass``) was not a training step (a pass over the
+        data): its chunk accesses leave the steps' scheduler (a pass begun by ``begin_pass`` leaves them with
+        the passes' own), every cached copy goes (each chunk only at home, as before the pass) and the tiers'
+        peaks start again: the steps that follow run as they would have without it. The bytes it moved stay
+        counted."""
+        with self._cond:
+            self._land()
+            if self._steps is not None:
+                self.scheduler.end_pass()
+                self._passes, self.scheduler, self._steps = self.scheduler, self._steps, None
+                self.scheduler.clock = self._passes.clock
+                self._order_epoch = -1
             self.scheduler.forget()
         for chunk in self._chunks:
             self.evict(chunk)
