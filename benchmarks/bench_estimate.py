@@ -6,6 +6,8 @@ engine's own step on cuts of the model measured, the replayed step played as a t
 
 - ``demo``: the built-in demo recipe (a random 8-layer Llama, hidden 256, full fine-tuning with weights and
   optimizer states on disk, 64 MiB budgets) as ``tiertune demo`` runs it;
+- ``demo_eval``: the same evaluating 96 held-out rows every 4 steps, ``--repeats`` times in turn: the
+  estimate's seconds of an evaluation's passes against the run's ``eval_runtime`` (``evaluation_s``, medians);
 - ``1b``: a random Llama of ~1.1 B parameters (TinyLlama's shape: hidden 2048, 22 layers, MLP 5632, vocab
   32000) in bf16, LoRA r 16 on every linear layer, 2 x 128 tokens per step, base homed on the host;
 - ``compute_longer`` and ``few_tokens`` (``OVERLAP_CASES``): full fine-tuning with the CPU optimizer during
@@ -62,6 +64,21 @@ def demo_recipe(work: Path, steps: int) -> Path:
     )
     recipe["offload"]["disk_path"] = str(work / "demo-offload")
     path = work / "demo.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def demo_eval_recipe(work: Path, steps: int) -> Path:
+    """The demo recipe evaluating a held-out set (the demo data's first 96 rows: 3 passes of 2 x 16 rows) every
+    4 steps."""
+    path = demo_recipe(work, steps)
+    recipe = yaml.safe_load(path.read_text())
+    held_out = work / "demo-held-out.jsonl"
+    rows = (ROOT / "tiertune/recipes/data/demo.jsonl").read_text().splitlines(keepends=True)
+    held_out.write_text("".join(rows[:96]))
+    recipe["data"]["eval_path"] = str(held_out)
+    recipe["training"].update(eval_strategy="steps", eval_steps=4)
+    path = work / "demo-eval.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
 
@@ -291,8 +308,15 @@ def measure(path: Path, skip: int, repeats: int = 1) -> dict:
         began = time.perf_counter()
         result = train(recipe, progress=False)
         wall = time.perf_counter() - began
-        records = [json.loads(line) for line in result.log_path.read_text().splitlines()]
-        pairs.append((est, records, wall))
+        logged = [json.loads(line) for line in result.log_path.read_text().splitlines()]
+        records = [r for r in logged if "step_seconds" in r]
+        evaluations = [r["eval_runtime"] for r in logged if "eval_runtime" in r]
+        pairs.append((est, records, wall, evaluations))
+    evaluated = None
+    if pairs[0][0].evaluation is not None and pairs[0][3]:  # an evaluation's passes, estimated and run
+        passes = [e.evaluation.seconds - (e.evaluation.step_after_extra or 0.0) for e, *_ in pairs]
+        evaluated = compared(passes, [statistics.median(ev) for *_, ev in pairs])
+    pairs = [(e, recs, w) for e, recs, w, _ in pairs]
     est, records, wall = pairs[-1]
     step = [statistics.median(r["step_seconds"] for r in recs[skip:]) for _, recs, _ in pairs]
     sp = est.speed
@@ -316,6 +340,7 @@ def measure(path: Path, skip: int, repeats: int = 1) -> dict:
             parts[part] = compared(guesses, runs)
     return {
         "timeline": parts,
+        "evaluation_s": evaluated,
         "run_steps_clipped": clipped,
         "optimizer_steps": counts,
         "timeline_work_s": sp.timeline.work if sp.timeline is not None else None,
@@ -351,18 +376,19 @@ def main() -> None:
     p.add_argument("--dir", type=Path, required=True, help="where the models and runs are written")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--skip", type=int, default=2, help="steps not measured (the first records the trace)")
-    p.add_argument("--only", choices=["demo", "1b", *OVERLAP_CASES, "gpu_like"], default=None)
+    p.add_argument("--only", choices=["demo", "demo_eval", "1b", *OVERLAP_CASES, "gpu_like"], default=None)
     p.add_argument(
         "--repeats", type=int, default=3, help="estimate-then-train pairs of the timeline's cases (medians)"
     )
     a = p.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
     out: dict = {"machine": machine()}
-    cases = {"demo": demo_recipe, "1b": one_b_recipe}
+    cases = {"demo": demo_recipe, "demo_eval": demo_eval_recipe, "1b": one_b_recipe}
     cases.update({name: partial(overlap_recipe, name=name) for name in OVERLAP_CASES})
     for name, make in cases.items():
         if a.only in (None, name):
-            out[name] = measure(make(a.dir, a.steps), a.skip, a.repeats if name in OVERLAP_CASES else 1)
+            repeats = a.repeats if name in (*OVERLAP_CASES, "demo_eval") else 1
+            out[name] = measure(make(a.dir, a.steps), a.skip, repeats)
             print(json.dumps({name: out[name]}), file=sys.stderr)
     if a.only in (None, "gpu_like"):
         out["gpu_like"] = gpu_like(a.dir, a.steps, a.skip, a.repeats)
