@@ -661,12 +661,11 @@ def _teacher(recipe: Recipe, device_budget: int, notes: list[str]) -> TeacherEst
 def _evaluation(recipe: Recipe, evaluated: replaying.Evaluated | None) -> EvalEstimate:
     """The run's evaluations (``estimates.evaluation``): their count and passes from the run's data as it reads
     them (the held-out set's rows, the steps, an epoch's micro-batches), their bytes from the replay."""
-    from tiertune.distributed.world import World as Launch
     from tiertune.finetune.train import load_run
 
     t = recipe.training
     try:
-        loaded = load_run(recipe, Launch.from_env().size)
+        loaded = load_run(recipe, World.from_env().size)
         est = eval_estimate(recipe, loaded.steps, loaded.per_epoch, len(loaded.eval_data))
     except (TiertuneError, OSError) as exc:
         steps = t.max_steps if t.max_steps > 0 else None
