@@ -479,6 +479,12 @@ def test_tiertune_evaluate_gives_a_runs_own_figure_and_transformers_for_a_model(
     refused = CliRunner().invoke(app, ["evaluate", str(model_dir), str(held_out), "--format", "preference"])
     assert refused.exit_code == 2 and "Traceback" not in refused.output
     assert "a LoRA run's adapter" in " ".join(refused.output.split())
+    kto = CliRunner().invoke(
+        app, ["evaluate", str(model_dir), str(held_out), "--format", "unpaired_preference"]
+    )
+    assert kto.exit_code == 2 and "KTO scores labelled rows against a reference" in " ".join(
+        kto.output.split()
+    )
     missing = CliRunner().invoke(app, ["evaluate", str(model_dir), str(tmp_path / "none.jsonl")])
     assert missing.exit_code == 2 and "none.jsonl" in missing.output
 

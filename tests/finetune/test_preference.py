@@ -743,6 +743,18 @@ def test_held_out_kto_rows_are_evaluated_as_trl_evaluates_them(model_dir, tmp_pa
     )
     result = train(load_recipe(path), progress=False)
     (ours,) = result.evaluations
+    if (
+        method == "lora"
+    ):  # `tiertune evaluate` of the run: its own figures (the set read with the run's KL block)
+        from typer.testing import CliRunner
+
+        from tiertune.cli.app import app
+
+        said = CliRunner().invoke(app, ["evaluate", str(result.output_dir), str(held_out), "--json"])
+        assert said.exit_code == 0, said.output
+        again = json.loads(said.output.strip().splitlines()[-1])
+        for key in ("eval_loss", "eval_kl", "eval_rewards/margins"):
+            assert again[key] == pytest.approx(ours[key], rel=1e-6, abs=1e-9), key
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if method == "lora":
         model = PeftModel.from_pretrained(base, result.output_dir).merge_and_unload()

@@ -473,7 +473,8 @@ def evaluate(
     data_format: Annotated[
         str | None,
         typer.Option(
-            "--format", help="text, alpaca, chat or preference (default: the run's data.format, or text)."
+            "--format",
+            help="text, alpaca, chat, preference or unpaired_preference (default: the run's data.format, or text).",
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the record as one JSON line.")] = False,
@@ -501,9 +502,10 @@ def evaluate(
     over = (
         f"{record['eval_rows']:,} rows, {tokens:,} tokens"
         if tokens is not None
-        else f"{record['eval_rows']:,} pairs"
+        else f"{record['eval_rows']:,} {'labelled rows' if 'eval_kl' in record else 'pairs'}"
     )
-    extra = "".join(f", {k.removeprefix('eval_')} {v:.4f}" for k, v in record.items() if "/" in k)
+    metrics = [k for k in record if "/" in k or k == "eval_kl"]  # TRL's metrics of a preference objective
+    extra = "".join(f", {k.removeprefix('eval_')} {record[k]:.4f}" for k in metrics)
     perplexity = f" (perplexity {math.exp(loss):.4g})" if tokens is not None and loss < 700 else ""
     typer.echo(f"eval_loss {loss:.4f}{perplexity}{extra} over {over} in {record['eval_runtime']:.1f} s")
 

@@ -145,7 +145,8 @@ def evaluate_source(
     in ``fmt`` (a run's ``data.format``, else ``text``), the model streamed as the run streams it, in its batch
     shapes: the record a run logs (``finetune.evaluation.evaluate``), with ``eval_rows`` (of preference data:
     its pairs) and, but of pairs, ``eval_tokens`` (the tokens scored) added. Preference pairs are scored by the
-    run's objective (DPO's reference is the base, the adapter off: a LoRA run's); other data by cross-entropy.
+    run's objective (DPO's reference is the base, the adapter off: a LoRA run's), KTO's labelled rows
+    (``unpaired_preference``) by KTO's; other data by cross-entropy.
     ConfigError for what cannot be evaluated."""
     from tiertune.config.recipe import EVAL_FORMATS, EVAL_OBJECTIVES
     from tiertune.finetune.data import load_data
@@ -158,14 +159,20 @@ def evaluate_source(
     fmt = fmt or recipe.data.format
     if fmt not in EVAL_FORMATS:
         raise ConfigError(f"--format {fmt}: evaluated are {', '.join(EVAL_FORMATS)} data")
-    if fmt == "preference":
-        if not (recipe.objective.paired and recipe.objective.type in EVAL_OBJECTIVES):
-            recipe.objective = ObjectiveSettings(type="dpo")  # a model's pairs: DPO's view of them
-        if recipe.objective.type == "dpo" and found.adapter is None:
+    if fmt in ("preference", "unpaired_preference"):
+        kind = (
+            "kto" if fmt == "unpaired_preference" else "dpo"
+        )  # the run's objective, if it reads this format
+        if not (fmt in recipe.objective.data_format and recipe.objective.type in EVAL_OBJECTIVES):
+            recipe.objective = ObjectiveSettings(
+                type=kind
+            )  # a model's pairs (labelled rows): DPO's (KTO's) view
+        if recipe.objective.reference and found.adapter is None:
+            what = "pairs" if kind == "dpo" else "labelled rows"
             raise ConfigError(
-                "DPO scores pairs against a reference: of a LoRA run, its base (the adapter off); a model or a "
-                "full fine-tune has none here (its initial weights): evaluate the pairs in the run "
-                "(training.eval_strategy: steps), or a LoRA run's adapter"
+                f"{recipe.objective.type.upper()} scores {what} against a reference: of a LoRA run, its base (the "
+                "adapter off); a model or a full fine-tune has none here (its initial weights): evaluate them in "
+                "the run (training.eval_strategy: steps), or a LoRA run's adapter"
             )
     else:  # single sequences: their cross-entropy
         recipe.objective = ObjectiveSettings()
