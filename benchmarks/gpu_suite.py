@@ -150,6 +150,10 @@ _FLOPS = (
     "mfu_datasheet",
     "hfu",
 )
+# a tiertune run's overlap of the CPU optimizer with the compute (bench_train's, as it logs them)
+_OVERLAP = ("optimizer_hidden_share", "optimizer_busy_s", "optimizer_not_hidden_s", "io_wait_s")
+# a full fine-tune's result, tiertune's and its delayed update's (theirs: the placement and optimizer they run)
+_FULL = ("system", "model", "placement", *_TRAINING, "max_grad_norm", *_FLOPS, "optimizer")
 # every key of every result, besides COMMON_KEYS and "wall_s" (a result that failed or was skipped carries
 # "error" or "skipped" and nulls for what it could not measure)
 KEYS: dict[str, tuple[str, ...]] = {
@@ -216,47 +220,15 @@ KEYS: dict[str, tuple[str, ...]] = {
         "k8_over_k1_tokens_per_second",
         "k8_over_k1_disk_bytes",
     ),
-    "full/tiertune": (
-        "system",
-        "model",
-        "plan",
-        "placement",
-        *_TRAINING,
-        "max_grad_norm",
-        *_FLOPS,
-        "optimizer",
-        "optimizer_hidden_share",
-        "optimizer_busy_s",
-        "optimizer_not_hidden_s",
-        "io_wait_s",
-        "peak_tier_bytes",
-    ),
+    "full/tiertune": (*_FULL, *_OVERLAP, "plan", "peak_tier_bytes"),
     "full/fsdp2": (
-        "system",
-        "model",
-        "placement",
-        *_TRAINING,
-        "max_grad_norm",
-        *_FLOPS,
-        "optimizer",
+        *_FULL,
         "optimizer_s",
         "mixed_precision",
         "backend",
         "pinned_memory_rounding",
     ),
-    "full/tiertune-delayed": (
-        "system",
-        "model",
-        "placement",
-        *_TRAINING,
-        "max_grad_norm",
-        *_FLOPS,
-        "optimizer",
-        "optimizer_hidden_share",
-        "optimizer_busy_s",
-        "optimizer_not_hidden_s",
-        "io_wait_s",
-    ),
+    "full/tiertune-delayed": (*_FULL, *_OVERLAP),
     "full/deepspeed": ("reference", "skipped"),
     "longseq/tiertune": (
         "system",
@@ -2135,12 +2107,7 @@ def phase_full(ctx: Context) -> None:
         }
         values |= _training_figures(ours, shape, tokens, peak_tflops, datasheet)
         if "error" not in ours:
-            values |= {k: ours[k] for k in ("optimizer_hidden_share", "optimizer_busy_s", "io_wait_s")}
-            values |= {
-                "optimizer_not_hidden_s": ours["optimizer_not_hidden_s"],
-                "peak_tier_bytes": ours["peak_bytes"],
-                "load_s": ours["load_s"],
-            }
+            values |= {k: ours[k] for k in (*_OVERLAP, "load_s")} | {"peak_tier_bytes": ours["peak_bytes"]}
         emit(ctx, "full", "full/tiertune", values, began)
         began = time.perf_counter()
         params = {
@@ -2208,8 +2175,7 @@ def _full_delayed(
     }
     values |= _training_figures(delayed, shape, tokens, peak_tflops, datasheet)
     if "error" not in delayed:
-        keys = ("optimizer_hidden_share", "optimizer_busy_s", "optimizer_not_hidden_s", "io_wait_s", "load_s")
-        values |= {k: delayed[k] for k in keys}
+        values |= {k: delayed[k] for k in (*_OVERLAP, "load_s")}
     emit(ctx, "full", "full/tiertune-delayed", values, began)
 
 

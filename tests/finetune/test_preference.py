@@ -620,6 +620,31 @@ def _trl_evaluate(model, ref_model, model_dir, tmp_path, objective):
     return trainer.evaluate()
 
 
+def _evaluated_again(result, held_out, ours, keys):
+    """``tiertune evaluate --json`` of the run on ``held_out``: its figures ``keys`` are the run's logged ones."""
+    from typer.testing import CliRunner
+
+    from tiertune.cli.app import app
+
+    said = CliRunner().invoke(app, ["evaluate", str(result.output_dir), str(held_out), "--json"])
+    assert said.exit_code == 0, said.output
+    again = json.loads(said.output.strip().splitlines()[-1])
+    for key in keys:
+        assert again[key] == pytest.approx(ours[key], rel=1e-6, abs=1e-9), key
+
+
+def _exported(model_dir, result, method):
+    """The run's exported model in fp32: the full model, or peft's adapter merged into the base (TRL given a
+    PeftModel takes its adapter for a new one to train)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if method != "lora":
+        return AutoModelForCausalLM.from_pretrained(result.output_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, result.output_dir).merge_and_unload()
+
+
 HELD_OUT = [
     {"prompt": f"the {a} cat", "chosen": f" sat on the {b} mat .", "rejected": f" sat on {c}"}
     for a, b, c in [("wet", "red", "old"), ("blue", "big", "fat"), ("old", "old", "wet")]
@@ -644,7 +669,6 @@ def test_held_out_pairs_are_evaluated_as_trl_evaluates_them(
     adapter merged into the base, or the full model) beside a frozen copy of the initial one, the reference
     (tiertune's with LoRA: the base, its adapter off): eval_loss and TRL's eval_rewards/* and eval_logps/*, rel
     1e-5."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     held_out = tmp_path / "held_out.jsonl"
@@ -672,20 +696,8 @@ def test_held_out_pairs_are_evaluated_as_trl_evaluates_them(
     result = train(load_recipe(path), progress=False)
     (ours,) = result.evaluations
     if method == "lora" or objective["type"] != "dpo":  # `tiertune evaluate` of the run: its own figures
-        from typer.testing import CliRunner
-
-        from tiertune.cli.app import app
-
-        said = CliRunner().invoke(app, ["evaluate", str(result.output_dir), str(held_out), "--json"])
-        assert said.exit_code == 0, said.output
-        again = json.loads(said.output.strip().splitlines()[-1])
-        for key in ("eval_loss", "eval_rewards/margins", "eval_logps/rejected"):
-            assert again[key] == pytest.approx(ours[key], rel=1e-6, abs=1e-9), key
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if method == "lora":  # (TRL given a PeftModel takes its adapter for a new one to train: merged here)
-        model = PeftModel.from_pretrained(base, result.output_dir).merge_and_unload()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(result.output_dir, dtype=torch.float32)
+        _evaluated_again(result, held_out, ours, ("eval_loss", "eval_rewards/margins", "eval_logps/rejected"))
+    model = _exported(model_dir, result, method)
     ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # the initial weights
     theirs = _trl_evaluate(model, ref_model, model_dir, tmp_path, objective)
     keys = [
@@ -714,7 +726,6 @@ def test_held_out_kto_rows_are_evaluated_as_trl_evaluates_them(model_dir, tmp_pa
     exported model beside the initial one, batches of the training's size (each batch's KL sequences its own rows'
     completions, rotated: TRL's collator): eval_loss, eval_kl and TRL's eval_rewards/* and eval_logps/*, rel 1e-5."""
     from datasets import Dataset
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
     from trl import KTOConfig, KTOTrainer
 
@@ -746,20 +757,8 @@ def test_held_out_kto_rows_are_evaluated_as_trl_evaluates_them(model_dir, tmp_pa
     if (
         method == "lora"
     ):  # `tiertune evaluate` of the run: its own figures (the set read with the run's KL block)
-        from typer.testing import CliRunner
-
-        from tiertune.cli.app import app
-
-        said = CliRunner().invoke(app, ["evaluate", str(result.output_dir), str(held_out), "--json"])
-        assert said.exit_code == 0, said.output
-        again = json.loads(said.output.strip().splitlines()[-1])
-        for key in ("eval_loss", "eval_kl", "eval_rewards/margins"):
-            assert again[key] == pytest.approx(ours[key], rel=1e-6, abs=1e-9), key
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if method == "lora":
-        model = PeftModel.from_pretrained(base, result.output_dir).merge_and_unload()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(result.output_dir, dtype=torch.float32)
+        _evaluated_again(result, held_out, ours, ("eval_loss", "eval_kl", "eval_rewards/margins"))
+    model = _exported(model_dir, result, method)
     args = KTOConfig(
         output_dir=str(tmp_path / "trl-eval-kto"),
         per_device_train_batch_size=3,

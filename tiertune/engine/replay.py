@@ -109,9 +109,11 @@ def replay(
         moved, wire = (
             ({k: n for k, n in d.items() if n} for d in (last.moved, last.wire)) if last else ({}, {})
         )
-        steps = Trace()  # the steps' own schedule, before any evaluation's
+        if not evaluate or groups is not None:
+            return Replayed(_peaks(trainer), moved, wire, trace)
+        steps = Trace()  # the steps' own schedule, before the evaluation's
         steps.compute, steps.units = list(trace.compute), [list(u) for u in trace.units]
-        evaluated = _evaluation(trainer, trace, batch, evaluate) if evaluate and groups is None else None
+        evaluated = _evaluation(trainer, trace, batch, evaluate)
         return Replayed(_peaks(trainer), moved, wire, steps, evaluated)
     finally:
         trainer.close()

@@ -1,8 +1,8 @@
 """What a run's evaluations cost (``finetune.evaluation``), for ``estimate``.
 
 An evaluation scores the held-out set (``data.eval_path``) in passes of the layers without autograd,
-``gradient_accumulation_steps`` batches of ``per_device_train_batch_size`` rows (pairs) a pass, a LoRA DPO's pass
-twice (its reference is the base with the adapters off), every ``eval_steps`` steps or at each epoch's end
+``gradient_accumulation_steps`` batches of ``per_device_train_batch_size`` rows (pairs) a pass, a LoRA DPO's or
+KTO's pass twice (its reference is the base with the adapters off), every ``eval_steps`` steps or at each epoch's end
 (``finetune.evaluation.due``), and once more before the first step with ``eval_on_start``. Each pass reads the
 weights again and leaves the store as it found it, so the step after an evaluation reads again what the
 budgets had cached. The bytes are the store's own, counted on a ledger (``engine.replay``'s ``evaluate``: two

@@ -224,6 +224,7 @@ def best_checkpoint(history: Iterable[dict[str, Any]], run_dir: Path) -> tuple[P
 __all__ = [
     "EarlyStopping",
     "best_checkpoint",
+    "count_evaluations",
     "due",
     "eval_batches",
     "evaluate",

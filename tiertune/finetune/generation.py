@@ -160,13 +160,10 @@ def evaluate_source(
     if fmt not in EVAL_FORMATS:
         raise ConfigError(f"--format {fmt}: evaluated are {', '.join(EVAL_FORMATS)} data")
     if fmt in ("preference", "unpaired_preference"):
-        kind = (
-            "kto" if fmt == "unpaired_preference" else "dpo"
-        )  # the run's objective, if it reads this format
+        # the run's objective where it reads this format; a model's pairs (labelled rows): DPO's (KTO's) view
+        kind = "kto" if fmt == "unpaired_preference" else "dpo"
         if not (fmt in recipe.objective.data_format and recipe.objective.type in EVAL_OBJECTIVES):
-            recipe.objective = ObjectiveSettings(
-                type=kind
-            )  # a model's pairs (labelled rows): DPO's (KTO's) view
+            recipe.objective = ObjectiveSettings(type=kind)
         if recipe.objective.reference and found.adapter is None:
             what = "pairs" if kind == "dpo" else "labelled rows"
             raise ConfigError(
