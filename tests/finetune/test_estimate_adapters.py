@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from tests.finetune.test_several import _dpo, _recipe
+from tests.conftest import CAT_PAIRS, CAT_TEXTS
+from tests.finetune.test_several import _dpo, _log, _recipe
 from tiertune.config.sweep import load_recipes
 
 # a device tier too small for the whole base: its layers stream from the disk each step
@@ -91,3 +92,44 @@ def test_a_run_of_more_adapters_than_fit_is_refused_naming_the_most_that_do(thre
         train_several(load_recipes(three, SMALL), progress=False)
     for path in three:  # refused before any run directory was made
         assert not (path.parent / "run").exists()
+
+
+def test_each_adapters_evaluation_is_priced_as_the_run_makes_it(tmp_path, write_recipe, cat_model):
+    """Of three adapters over an 8-layer NF4 base on disk, a (SFT) and d (DPO: its reference's pass too) evaluate
+    after step 3, c does not: the estimate prices each one's evaluation (passes of the base with it alone, replayed
+    after the steps of all three) and the run's records of them say the same bytes, disk and host to device,
+    within 2% (each evaluation's moved between its record and the one before it: the shared stream's counters)."""
+    from tiertune.estimates.adapters import estimate_adapters, format_adapters
+    from tiertune.finetune.several import train_several
+
+    model = cat_model(8, hidden=64)
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"text": t}) + "\n" for t in CAT_TEXTS[::3]))
+    pairs = tmp_path / "held_out_pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in CAT_PAIRS[:5]))
+    evaluating = {"max_steps": 4, "eval_strategy": "steps", "eval_steps": 3}
+    paths = [
+        _recipe(tmp_path, write_recipe, model, "a", data={"eval_path": str(held_out)}, training=evaluating),
+        _recipe(tmp_path, write_recipe, model, "c", lora={"r": 8}, training={"max_steps": 4}),
+        _dpo(tmp_path, write_recipe, model, "d", training=evaluating, data={"eval_path": str(pairs)}),
+    ]
+    recipes = load_recipes(paths, SMALL)
+    est = estimate_adapters(recipes, measure=False)
+    priced = est.all.adapter_evaluations
+    assert sorted(priced) == [0, 2]
+    assert [(p.rows, p.passes, p.evaluations) for p in priced.values()] == [(4, 2, 1), (5, 3, 1)]
+    assert "adapter 1's evaluation: 4 held-out rows in 2 passes" in format_adapters(est, "t")
+    results = train_several(recipes, progress=False)
+    a, _, d = ([r for r in _log(res.output_dir) if "step" in r] for res in results)
+    (a_eval,) = [r for r in a if "eval_loss" in r]
+    (d_eval,) = [r for r in d if "eval_loss" in r]
+    step3 = next(r for r in a if r.get("step") == 3 and "grad_norm" in r)["bytes_moved"]
+    for p, start, end in ((priced[0], step3, a_eval), (priced[2], a_eval["bytes_moved"], d_eval)):
+        moved = {k: n - start.get(k, 0) for k, n in end["bytes_moved"].items()}
+        predicted = {
+            k: p.first_pass.get(k, 0) + (p.passes - 1) * p.later_pass.get(k, 0)
+            for k in ("disk->host", "host->device")
+        }
+        assert predicted["disk->host"] > 0
+        for link, n in predicted.items():
+            assert abs(n - moved.get(link, 0)) <= 0.02 * moved.get(link, 0), (link, predicted, moved)

@@ -45,7 +45,7 @@ def _recipe(
     )
 
 
-def _dpo(tmp_path, write_recipe, model, name, training=None):
+def _dpo(tmp_path, write_recipe, model, name, training=None, data=None):
     """A DPO recipe (preference pairs; its adapter's dropout, which DPO disables, on)."""
     pairs = tmp_path / f"{name}-pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in CAT_PAIRS))
@@ -55,7 +55,7 @@ def _dpo(tmp_path, write_recipe, model, name, training=None):
         model,
         name,
         lora={"dropout": 0.1, "seed": 7},
-        data={"path": str(pairs), "format": "preference"},
+        data={"path": str(pairs), "format": "preference", **(data or {})},
         objective={"type": "dpo", "beta": 0.2},
         training={"learning_rate": 5e-3, **(training or {})},
     )

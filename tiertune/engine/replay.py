@@ -36,6 +36,8 @@ class Replayed:
     wire: dict[str, int] = field(default_factory=dict)
     trace: Trace = field(default_factory=Trace)
     evaluation: Evaluated | None = None  # held-out passes after the steps (``replay``'s ``evaluate``)
+    # several adapters': each evaluating adapter's passes, by name, in the order they ran
+    evaluations: dict[str, Evaluated] = field(default_factory=dict)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Evaluated:
     passes: list[dict[str, int]]
     after: dict[str, int]
     trace: Trace
+    first: int = 0  # the passes in ``trace`` before these (several adapters': the adapters' evaluated before)
 
 
 CLIPPED = (True, False, False, False)
@@ -69,6 +72,7 @@ def replay(
     world: World | None = None,
     shapes: Sequence[tuple[int, int, int]] = (),
     evaluate: int = 0,
+    evaluating: Sequence[int] = (),
 ) -> Replayed:
     """Replay ``len(clipped)`` steps of ``micro_batches`` micro-batches of ``rows`` x ``tokens`` (a preference
         objective's: ``rows`` pairs) of the model at ``model_dir`` (its safetensors headers, or its config.json
@@ -79,7 +83,10 @@ def replay(
     adapters over the base (``cfg.others``): each one's step of its own micro-batches, ``shapes`` (rows, tokens,
     micro-batches) in ``cfg.adapter_configs``' order, run as one (``step_adapters``). ``evaluate``: that many
     evaluation passes of the step's micro-batches after the steps, then one more step (``Replayed.evaluation``;
-    the peaks include them, the bytes moved and the trace are the steps' own)."""
+    the peaks include them, the bytes moved and the trace are the steps' own); of several adapters, that many
+    passes of each adapter in ``evaluating`` (indices in ``cfg.adapter_configs``) alone over its own
+    micro-batches, one adapter after another as a run's evaluations due at one step, then one more step of all
+    (``Replayed.evaluations``)."""
     ledger = dataclasses.replace(store_cfg, ledger=True, device=device or store_cfg.device)
     compute = Ledger(clipped, cfg.max_grad_norm)
     trace = compute.trace = Trace()
@@ -109,38 +116,57 @@ def replay(
         moved, wire = (
             ({k: n for k, n in d.items() if n} for d in (last.moved, last.wire)) if last else ({}, {})
         )
-        if not evaluate or groups is not None:
+        if not evaluate or (groups is not None and not evaluating):
             return Replayed(_peaks(trainer), moved, wire, trace)
         steps = Trace()  # the steps' own schedule, before the evaluation's
         steps.compute, steps.units = list(trace.compute), [list(u) for u in trace.units]
-        evaluated = _evaluation(trainer, trace, batch, evaluate)
-        return Replayed(_peaks(trainer), moved, wire, steps, evaluated)
+        if groups is None:
+            evaluated = _evaluation(trainer, trace, [(None, batch, cfg)], evaluate)
+            return Replayed(_peaks(trainer), moved, wire, steps, evaluated[None])
+        names = trainer.adapters.names  # type: ignore[union-attr]
+        each = [(names[i], groups[names[i]], cfg.adapter_configs[i]) for i in evaluating]
+        evaluations = _evaluation(trainer, trace, each, evaluate, groups)
+        return Replayed(_peaks(trainer), moved, wire, steps, evaluations=evaluations)
     finally:
         trainer.close()
 
 
 def _evaluation(
-    trainer: StreamedTrainer, trace: Trace, batch: list[dict[str, torch.Tensor]], passes: int
-) -> Evaluated:
-    """``passes`` evaluation passes over ``batch`` as ``finetune.evaluation.evaluate`` makes them (a LoRA DPO's or
-    KTO's second pass, the base with its adapters off, for its reference), then one more step."""
+    trainer: StreamedTrainer,
+    trace: Trace,
+    each: Sequence[tuple[str | None, list[dict[str, torch.Tensor]], EngineConfig]],
+    passes: int,
+    groups: dict[str, list[dict[str, torch.Tensor]]] | None = None,
+) -> dict[str | None, Evaluated]:
+    """``passes`` evaluation passes as ``finetune.evaluation.evaluate`` makes them (a LoRA DPO's or KTO's second
+    pass, the base with its adapters off, for its reference) over each of ``each``'s micro-batches, by the
+    adapter it names alone (None: the model as it is), then one more step (of every adapter's ``groups``).
+    Returns each one's passes, by the name given."""
     from tiertune.engine.generate import moved_by_pass
 
-    def one_pass() -> None:
-        trace.op("step")
-        with held_back("tiertune", logging.WARNING):
-            trainer.sequence_logps(batch)
-            if trainer.config.objective.reference and trainer.adapters is not None:
-                with trainer.reference():
-                    trainer.sequence_logps(batch)
+    found: dict[str | None, list[dict[str, int]]] = {}
+    for name, batch, cfg in each:
 
-    moved = moved_by_pass(trainer, passes, one_pass)
+        def one_pass(name: str | None = name, batch: list = batch, cfg: EngineConfig = cfg) -> None:
+            trace.op("step")
+            with held_back("tiertune", logging.WARNING):
+                if name is not None:
+                    trainer.adapters.activate(name)  # type: ignore[union-attr]
+                trainer.sequence_logps(batch)
+                if cfg.objective.reference and trainer.adapters is not None:
+                    with trainer.reference():
+                        trainer.sequence_logps(batch)
+
+        found[name] = moved_by_pass(trainer, passes, one_pass)
     trace.op("step")
     with held_back("tiertune", logging.WARNING):
-        trainer.step(batch)
+        if groups is None:
+            trainer.step(each[0][1])
+        else:
+            trainer.step_adapters(groups)
     last = trainer.last_report
     after = {k: n for k, n in last.moved.items() if n} if last else {}
-    return Evaluated(moved, after, trace)
+    return {name: Evaluated(moved, after, trace, i * passes) for i, (name, moved) in enumerate(found.items())}
 
 
 @dataclass

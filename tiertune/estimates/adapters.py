@@ -7,20 +7,24 @@ adapters is compute (every adapter's tokens) and what the device holds: each ada
 the wave's hidden states at the layer boundaries (every adapter's micro-batches), a stack's activations. Whether
 they fit is ``config.several``'s verdict, the one ``tiertune train`` checks: where they do not, the most of them
 (the first k of the recipes) that do; where they fit, about how many more like them would, from the growth per
-adapter between one and all of them (linear: each adapter adds its own states and micro-batches)."""
+adapter between one and all of them (linear: each adapter adds its own states and micro-batches). Each adapter
+that evaluates has its evaluations priced as the run makes them, passes of the base with it alone
+(``Estimate.adapter_evaluations``, ``estimates.evaluation``)."""
 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 from tiertune.config.recipe import Recipe
 from tiertune.config.several import Fit, Fitting, fit, fitting
 from tiertune.errors import ConfigError
+from tiertune.estimates.evaluation import format_evaluation
 from tiertune.estimates.report import Estimate, estimate
 from tiertune.estimates.speed import Probes, resolve_gpu
 from tiertune.loading.hub import config_directory
-from tiertune.units import format_size
+from tiertune.units import format_seconds, format_size
 
 READ_LINKS = ("disk->host", "host->device")
 """The links the base's read crosses each step (what ``read_ratio`` compares)."""
@@ -64,13 +68,14 @@ class AdaptersEstimate:
             "fits": self.fits,
             "largest_that_fits": self.largest,
             "more_that_fit": self.more,
-            "read_ratio": round(self.read_ratio, 4),
+            "read_ratio": None if math.isnan(self.read_ratio) else round(self.read_ratio, 4),
             "step_seconds": {"one": self.step_seconds(self.one), "all": self.step_seconds(self.all)},
             "memory_limit_bytes": f.limit,
             "tried": [
                 {"adapters": t.adapters, "holds_bytes": t.held(f.on_gpu), "why": t.why} for t in f.tried
             ],
             "refusal": f.refusal(),
+            "evaluations": {str(i): e.as_json() for i, e in self.all.adapter_evaluations.items()},
             "one": self.one.as_json(),
             "all": self.all.as_json(),
         }
@@ -134,7 +139,19 @@ def format_adapters(est: AdaptersEstimate, title: str) -> str:
     ]
     for label, of in rows:
         lines.append(f"{label:34}{of(one):>16}{of(whole):>16}")
-    lines.append(f"bytes read a step: {est.read_ratio:.2f}x one adapter's (the base streamed once for all)")
+    if math.isnan(est.read_ratio):  # one adapter's step reads nothing: the base stays where it computes
+        lines.append("bytes read a step: none, for one adapter or all (the base resident)")
+    else:
+        lines.append(
+            f"bytes read a step: {est.read_ratio:.2f}x one adapter's (the base streamed once for all)"
+        )
+    for i, evaluated in whole.adapter_evaluations.items():  # each one's passes of the base with it alone
+        head, *rest = format_evaluation(evaluated)
+        lines += [f"adapter {i + 1}'s {head}", *rest]
+    if whole.adapter_evaluations and whole.speed is not None:
+        each = [e.total_seconds for e in whole.adapter_evaluations.values()]
+        if all(n is not None for n in each):
+            lines.append(f"  => their evaluations: {format_seconds(sum(each))} more over the run, at most")
     if est.fits:
         f = est.fitting
         where = "the GPU" if f.on_gpu else "this machine's RAM"

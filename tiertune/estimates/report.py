@@ -67,7 +67,7 @@ from tiertune.estimates.speed import (
     torch_threads,
 )
 from tiertune.estimates.teacher import TeacherEstimate, format_teacher, teacher_estimate, time_teacher
-from tiertune.estimates.timeline import Rates, simulate_steps
+from tiertune.estimates.timeline import Rates, Timeline, simulate_steps
 from tiertune.loading.hub import config_directory
 from tiertune.loading.model import split_model
 from tiertune.offload.tiers import Tier
@@ -204,6 +204,8 @@ class Estimate:
     teacher: TeacherEstimate | None = None  # a distillation's teacher pass (``estimates.teacher``)
     generation: GenerationEstimate | None = None  # GRPO's sampling (``estimates.generation``)
     evaluation: EvalEstimate | None = None  # the held-out set's passes (``estimates.evaluation``)
+    # several adapters' (``others``): each evaluating one's, alone over the base, by its place among the recipes
+    adapter_evaluations: dict[int, EvalEstimate] = field(default_factory=dict)
     beside: int = (
         1  # the stores the budgets are split into (``config.plan.BESIDE_SHARE``: a frozen model beside)
     )
@@ -308,6 +310,8 @@ class Estimate:
             out["generation"] = self.generation.as_json()
         if self.evaluation is not None:
             out["evaluation"] = self.evaluation.as_json()
+        if self.adapter_evaluations:
+            out["adapter_evaluations"] = {str(i): e.as_json() for i, e in self.adapter_evaluations.items()}
         if self.speed is not None:
             sp = self.speed
             out["step_time"] = {
@@ -417,7 +421,9 @@ def estimate(
         kinds[c.kind] = (tier, total + c.capacity)
     budgets = {Tier.DEVICE: store_cfg.device_budget, Tier.HOST: store_cfg.host_budget, Tier.DISK: disk_room}
     device = torch.device("cuda" if target is not None else "cpu")  # what the run would compute on
-    replayed = _replay(run, notes, device, runs[1:], EVAL_PASSES if recipe.evaluates and not others else 0)
+    evaluating = [i for i, r in enumerate(runs) if r.recipe.evaluates] if others else []
+    passes = EVAL_PASSES if recipe.evaluates or evaluating else 0
+    replayed = _replay(run, notes, device, runs[1:], passes, evaluating)
     if cfg.method == "lora":
         outside["LoRA adapters + states"] = trained * 16
     tiers = {}
@@ -453,8 +459,12 @@ def estimate(
         notes.append(
             f"evaluation {when}: the held-out set (data.eval_path) in passes of "
             f"{t.gradient_accumulation_steps} x {t.per_device_train_batch_size} rows, each pass reading the "
-            "weights once more, no autograd; after it the next step reads again what the budgets had cached"
-            + (" (not priced for several adapters)" if others else " (priced below: evaluation)")
+            "weights once more (less what the budgets keep cached), no autograd"
+            + (
+                " (each adapter's alone over the base, priced: adapter_evaluations)"
+                if others
+                else " (priced below: evaluation)"
+            )
             + (
                 f"; early stopping after {t.early_stopping_patience} evaluations without a better eval_loss"
                 if t.early_stopping_patience
@@ -507,8 +517,14 @@ def estimate(
     est.moved_per_step = {link: replayed.moved.get(link, 0) for link in LINKS} if replayed is not None else {}
     if recipe.objective.rollouts and recipe.objective.rollout_engine == "tiertune":
         est.generation = _generation(est, run, model, flops, device, replayed is not None)
+    evaluated: list[replaying.Evaluated] = []  # the replay's, in the order it ran them
     if recipe.evaluates and not others:
         est.evaluation = _evaluation(recipe, replayed.evaluation if replayed is not None else None)
+        evaluated = [replayed.evaluation] if replayed is not None and replayed.evaluation is not None else []
+    for k, i in enumerate(evaluating):
+        of = list(replayed.evaluations.values())[k] if replayed is not None else None
+        est.adapter_evaluations[i] = _evaluation(runs[i].recipe, of)
+        evaluated += [of] if of is not None else []
     # the chunks each rank registers (its shards), under a rank's budgets, as train plans it
     if processes > 1:
         local = per_node or processes
@@ -555,13 +571,13 @@ def estimate(
             layer_seconds,
             scale,
             probes,
-            replayed.evaluation if replayed is not None else None,
+            evaluated,
         )
-        played = est.speed.evaluation
-        if est.evaluation is not None and played is not None and est.speed.timeline is not None:
-            passes, after = played
-            est.evaluation.pass_seconds = (passes[0].step, passes[-1].step)
-            est.evaluation.step_after_extra = max(0.0, after.step - est.speed.timeline.step)
+        each = [est.evaluation] if est.evaluation is not None else list(est.adapter_evaluations.values())
+        if est.speed.timeline is not None:
+            for priced, (passes, after) in zip(each, est.speed.evaluation, strict=False):
+                priced.pass_seconds = (passes[0].step, passes[-1].step)
+                priced.step_after_extra = max(0.0, after.step - est.speed.timeline.step)
         if est.teacher is not None:
             time_teacher(
                 est.teacher, est.bandwidth.get("disk_read"), est.speed.compute_rate if est.speed else None
@@ -687,6 +703,7 @@ def _replay(
     device: torch.device,
     others: Sequence[RunPlan] = (),
     evaluate: int = 0,
+    evaluating: Sequence[int] = (),
 ) -> Replayed | None:
     """The run's steps replayed on a ledger (``engine.replay``: the engine's own step over the store's own
     placement, eviction and prefetch, every micro-batch) under its budgets and memory plan; its peaks and the
@@ -718,6 +735,7 @@ def _replay(
             run.world,
             shapes=shapes if others else (),
             evaluate=evaluate,
+            evaluating=evaluating,
         )
     except (BudgetError, StateError) as exc:  # the store's own refusal, as a run would meet it
         notes.append(
@@ -738,7 +756,7 @@ def _step_time(
     layer_seconds: tuple[float, float] | None = None,
     scale: float = 1.0,
     probes: Probes | None = None,
-    evaluation: replaying.Evaluated | None = None,
+    evaluation: Sequence[replaying.Evaluated] = (),
 ) -> StepTime:
     """Seconds of each part of a step (see ``speed``), from the bytes moved, the bandwidths measured and the
     compute rate: measured at the model's own product shape on this machine's CPU or GPU, or a named GPU's
@@ -747,7 +765,8 @@ def _step_time(
     ``layer_seconds``: a decoder layer's (forward, backward) seconds a micro-batch, given (``estimate``);
     ``scale``: the step's tokens over the recipe's (several adapters' steps: all of theirs); ``cfg``: the
     recipe's own engine, whose step is measured; ``probes``: measurements shared with other estimates;
-    ``evaluation``: the replay's evaluation passes and the step after them, played at the same rates."""
+    ``evaluation``: the replay's evaluations (one, or several adapters' each), their passes and the step after
+    them, played at the same rates."""
     probes = probes or Probes()
     from tiertune.finetune.train import steps_of
 
@@ -852,7 +871,8 @@ def _step_time(
         how = "training.max_steps" if recipe.training.max_steps > 0 else "the epochs over the data"
     except (TiertuneError, OSError):
         steps, how = None, "unknown here: counting the epochs' steps needs the data and the model's tokenizer"
-    timeline = after_clipped = evaluated = None
+    timeline = after_clipped = None
+    evaluated: list[tuple[list[Timeline], Timeline]] = []
     if trace is not None and trace.compute:
         if per_token is None:  # from the FLOPs at the rate found: a layer's share and the head's
             rate = flops.total / compute if compute else 0.0
@@ -895,10 +915,11 @@ def _step_time(
         )
         played = simulate_steps(trace, rates)
         timeline = played[-1]
-        if evaluation is not None:  # the steps again, then each pass and the step after them
-            every = simulate_steps(evaluation.trace, rates)
-            k = len(evaluation.passes)
-            evaluated = (every[len(played) : len(played) + k], every[len(played) + k])
+        if evaluation:  # the steps again, then each pass (adapter by adapter) and the step after them
+            every = simulate_steps(evaluation[0].trace, rates)
+            for ev in evaluation:
+                start = len(played) + ev.first
+                evaluated.append((every[start : start + len(ev.passes)], every[-1]))
         # the replay's second step follows a clipped one (``engine.replay.CLIPPED``): its optimizer after backward
         after_clipped = played[1] if len(played) > 2 and cfg.method != "lora" else None
     return StepTime(

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -485,8 +485,9 @@ class StepTime:
     timeline: Timeline | None = None  # the step played on the engine's schedule (``estimates.timeline``)
     # ... a step after a clipped one (its optimizer after backward, as every step of a run whose steps clip)
     after_clipped: Timeline | None = None
-    # an evaluation's passes after a step and the step after them, played at the same rates (``estimates.evaluation``)
-    evaluation: tuple[list[Timeline], Timeline] | None = None
+    # an evaluation's passes after a step and the step after them, played at the same rates (``estimates.evaluation``):
+    # one each (several adapters': each evaluating adapter's, in the replay's order)
+    evaluation: list[tuple[list[Timeline], Timeline]] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:

@@ -818,8 +818,12 @@ class ChunkStore:
     def forget_pass(self) -> None:
         """What ran since the last step boundary (or ``begin_pass``) was not a training step (a pass over the
         data): its chunk accesses leave the steps' scheduler (a pass begun by ``begin_pass`` leaves them with
-        the passes' own), every cached copy goes (each chunk only at home, as before the pass) and the tiers'
-        peaks start again: the steps that follow run as they would have without it. The bytes it moved stay
+        the passes' own). Before the first step (a reference's pass, an evaluation on start) every cached copy
+        goes (each chunk only at home) and the tiers' peaks start again: the steps run as they would have
+        without it. Between steps (an evaluation) the cached copies stay, for the steps' scheduler to keep or
+        evict by its trace: a pass over the layers ends keeping what the budgets hold of the first layers, as
+        a step does, so the step after reads what it would have read without it (evicting them all made it
+        read again every byte the budgets had cached); the peaks stay the run's. The bytes it moved stay
         counted."""
         with self._cond:
             self._land()
@@ -829,6 +833,8 @@ class ChunkStore:
                 self.scheduler.clock = self._passes.clock
                 self._order_epoch = -1
             self.scheduler.forget()
+            if self.scheduler.trace is not None:
+                return
         for chunk in self._chunks:
             self.evict(chunk)
         self.reset_peaks()
