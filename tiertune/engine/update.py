@@ -72,9 +72,7 @@ class Updater:
         measures the units at backward's threads)."""
         self.store, self.config, self.states, self.units = store, config, states, units
         self.compute = compute
-        self.sharding = (
-            sharding  # ZeRO-3: the norms are of this rank's elements, the clipping norm all-reduced
-        )
+        self.sharding = sharding  # ZeRO-3: the norms are this rank's elements', the clipping norm all-reduced
         self.param_order, self.ctx, self.device, self.galore, self.counts = (
             param_order,
             ctx,
@@ -85,6 +83,7 @@ class Updater:
         self.norms: dict[str, torch.Tensor] = {}
         self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
         self._redoing = False  # the units submitted now redo a speculative step (``finish``)
+        self._in_place = False  # the units submitted now run after backward, in place (``finish``)
         self._filled: set[int] = set()  # this step's twins (chunk ids) that hold their sources' values
         self._fills: list[Unit] = []  # the units whose twins are still to be filled ahead (``start``)
         # a delayed update: the groups (ids) whose weights are one update behind their master weights
@@ -206,23 +205,31 @@ class Updater:
                 self.worker.start_step(order)
                 self._redoing = True
                 try:
-                    for state, j in order:
-                        self.worker.submit(state, coef, j)
-                    self.worker.join()
+                    self._submit_all(order, coef)
                 finally:
                     self._redoing = False
         else:
+            # after backward (the step before clipped): nothing to redo, the sources updated in place (through the
+            # twins it moved a second copy of the states: the demo, every step clipped, 40 MB read a step, not 9.6)
             self.counts["after_backward"] += 1
-            for state, j in order:
-                self.worker.submit(state, coef, j)
-        self.worker.join()
+            self._in_place = True
+            try:
+                self._submit_all(order, coef)
+            finally:
+                self._in_place = False
         for state in self.states:  # the twins hold the new states: exchange them in (no bytes copied)
             for j, twins in enumerate(state.twins):
-                for chunk, twin in zip(state.sources(j), twins, strict=True):
-                    self.store.exchange(chunk, twin)
-                    self.store.discard(twin)
+                if self.ctx.speculating:
+                    for chunk, twin in zip(state.sources(j), twins, strict=True):
+                        self.store.exchange(chunk, twin)
+                        self.store.discard(twin)
                 self.store.discard(state.grads[j])  # consumed: their memory is free until the next step
         return norm
+
+    def _submit_all(self, order: Sequence[Unit], coef: torch.Tensor | None) -> None:
+        for state, j in order:
+            self.worker.submit(state, coef, j)
+        self.worker.join()
 
     @property
     def hparams(self) -> AdamStep:
@@ -293,7 +300,7 @@ class Updater:
         of a split update (``splits``: ``Outside``, ``Inside``), or the twins' fill (``Fill``), instead.
 
         Reads the gradients and the sources (master weights, moments); writes the new values into the
-        twins when there are some (the sources stay as they were, for a redo) or in place; then writes the
+        twins in a speculative step (the sources stay as they were, for a redo), else in place; then writes the
         compute-dtype weights from the new master weights. Accesses are outside the scheduler's trace: the
         worker's timing varies, the compute thread's order must not.
         """
@@ -333,7 +340,7 @@ class Updater:
                 self._redo(state, j, coef, get)
                 return
             grads = get(state.grads[j], dirty=False)
-            if state.twins:
+            if state.twins and not self._in_place:
                 # the sources' bytes handed to (or copied into) the twins, the sources untouched: unless filled
                 # this step already (``start``, or a part before); a redo from gradients fills them again
                 views = []
