@@ -160,7 +160,7 @@ def test_a_replay_records_each_threads_schedule(tmp_path, cat_model, write_recip
     got = replay(recipe.model.path, run.store, run.engine, t.per_device_train_batch_size, 32, 2)
     trace = got.trace
     steps = [i for i, op in enumerate(trace.compute) if op == ("step",)]
-    assert len(steps) == 4  # CLIPPED's four steps
+    assert len(steps) == 5  # CLIPPED's five steps
     last = trace.compute[steps[-1] :]
     tokens = t.per_device_train_batch_size * 32
     layer_ops = [op for op in last if op[0] == "layer"]

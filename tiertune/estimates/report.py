@@ -11,7 +11,8 @@ unquantized release, with a note saying that training from it stops with an erro
   the trainer's order through the store's own placement, eviction and prefetch on a ledger (no bytes), and a
   step's calls in the engine's order, every micro-batch, each way the optimizer's update runs (speculated and
   confirmed, redone after a clipped step, after backward). Equal to a run's measured peak to the byte, and so
-  are the bytes a step moves on each link (``moved_per_step``, the replay's last step) where one thread's
+  are the bytes a step moves on each link (``moved_per_step``, the replay's last step; ``moved_after_clipped``
+  a run's whose steps clip, their update after backward) where one thread's
   order decides them; where the host budget binds while the CPU optimizer works beside backward, its thread's
   timing moves a run's own figures from step to step (see ``tests/finetune/test_estimate.py``);
 - *fits*: the run's memory plan (``engine.memory``): the homes and the slots reserved for the chunks in use at
@@ -193,6 +194,8 @@ class Estimate:
     tiers: dict[str, TierEstimate]
     outside_store: dict[str, int]  # device bytes the store does not manage (adapters, saved activations)
     moved_per_step: dict[str, int] = field(default_factory=dict)
+    # ... a step after a clipped one (a run whose steps clip: its update after backward, in place)
+    moved_after_clipped: dict[str, int] = field(default_factory=dict)
     bandwidth: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # said under the table (e.g. where the disk was probed)
     machine: dict[str, int] = field(default_factory=dict)  # what it has: ram, gpu_memory (bytes)
@@ -294,6 +297,7 @@ class Estimate:
             else None,
             "disk_needed": self.disk_needed,
             "moved_per_step": self.moved_per_step,
+            "moved_after_clipped_step": self.moved_after_clipped,
             "bandwidth": self.bandwidth,
             "fits": self.fits,
             "notes": self.notes,
@@ -515,6 +519,8 @@ def estimate(
     if target is not None:
         est.machine["gpu_memory"] = target.memory
     est.moved_per_step = {link: replayed.moved.get(link, 0) for link in LINKS} if replayed is not None else {}
+    if replayed is not None and replayed.after_clipped:
+        est.moved_after_clipped = {link: replayed.after_clipped.get(link, 0) for link in LINKS}
     if recipe.objective.rollouts and recipe.objective.rollout_engine == "tiertune":
         est.generation = _generation(est, run, model, flops, device, replayed is not None)
     evaluated: list[replaying.Evaluated] = []  # the replay's, in the order it ran them
@@ -920,8 +926,9 @@ def _step_time(
             for ev in evaluation:
                 start = len(played) + ev.first
                 evaluated.append((every[start : start + len(ev.passes)], every[-1]))
-        # the replay's second step follows a clipped one (``engine.replay.CLIPPED``): its optimizer after backward
-        after_clipped = played[1] if len(played) > 2 and cfg.method != "lora" else None
+        # the replay's step after clipped ones (``engine.replay.AFTER_CLIPPED``): its optimizer after backward
+        n = replaying.AFTER_CLIPPED
+        after_clipped = played[n] if len(played) > n + 1 and cfg.method != "lora" else None
     return StepTime(
         flops,
         flops.total / compute if compute else 0.0,
@@ -1021,6 +1028,11 @@ def format_estimate(est: Estimate, title: str) -> str:
             f"wave: {format_size(w.stash)} on the {w.stash_tier}"
         )
     lines.append(f"moved per step: {moved}")
+    if est.moved_after_clipped and est.moved_after_clipped != est.moved_per_step:
+        after = ", ".join(f"{k} {format_size(n)}" for k, n in est.moved_after_clipped.items() if n)
+        lines.append(
+            f"  a step after a clipped one (its update after backward, in place): {after or 'nothing'}"
+        )
     if est.teacher is not None:
         lines += format_teacher(est.teacher)
     if est.generation is not None:
