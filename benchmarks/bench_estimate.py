@@ -360,7 +360,13 @@ def measure(path: Path, skip: int, repeats: int = 1) -> dict:
         "compute_rate_tflops": sp.compute_rate / 1e12,
         "compute_rate_source": sp.compute_rate_source,
         "predicted_tokens_per_s": sp.tokens_per_second,
-        "moved_per_step_predicted": est.moved_per_step,
+        # the run's steps mostly clipped: a step after clipped ones (its update after backward, in place)
+        "moved_per_step_predicted": est.moved_after_clipped
+        if clipped and est.moved_after_clipped
+        else est.moved_per_step,
+        "moved_per_step_predicted_of": "a step after clipped ones"
+        if clipped and est.moved_after_clipped
+        else "a step",
         "moved_per_step_measured": {
             k: (records[-1]["bytes_moved"].get(k, 0) - records[skip - 1]["bytes_moved"].get(k, 0))
             / (len(records) - skip)
