@@ -112,7 +112,7 @@ def replay(
                     trainer.adapters.names, cfg.adapter_configs, shapes, strict=True
                 )
             }
-        each: list[dict[str, int]] = []  # the bytes each step moved
+        per_step: list[dict[str, int]] = []  # the bytes each step moved
         for _ in clipped:
             trace.op("step")
             with held_back("tiertune", logging.WARNING):
@@ -120,16 +120,13 @@ def replay(
                     trainer.step(batch)
                 else:
                     trainer.step_adapters(groups)
-            each.append(
-                {k: n for k, n in trainer.last_report.moved.items() if n} if trainer.last_report else {}
-            )
+            per_step.append(_last_moved(trainer))
         last = trainer.last_report
-        moved, wire = (
-            ({k: n for k, n in d.items() if n} for d in (last.moved, last.wire)) if last else ({}, {})
-        )
+        moved = per_step[-1] if per_step else {}
+        wire = {k: n for k, n in last.wire.items() if n} if last else {}
         # a step after clipped ones: its update after backward, in place (``AFTER_CLIPPED``)
         n = AFTER_CLIPPED
-        after = each[n] if len(clipped) > n + 1 and all(clipped[:n]) else {}
+        after = per_step[n] if len(clipped) > n + 1 and all(clipped[:n]) else {}
         if not evaluate or (groups is not None and not evaluating):
             return Replayed(_peaks(trainer), moved, wire, trace, after_clipped=after)
         steps = Trace()  # the steps' own schedule, before the evaluation's
@@ -178,9 +175,14 @@ def _evaluation(
             trainer.step(each[0][1])
         else:
             trainer.step_adapters(groups)
-    last = trainer.last_report
-    after = {k: n for k, n in last.moved.items() if n} if last else {}
+    after = _last_moved(trainer)
     return {name: Evaluated(moved, after, trace, i * passes) for i, (name, moved) in enumerate(found.items())}
+
+
+def _last_moved(trainer: StreamedTrainer) -> dict[str, int]:
+    """The bytes the trainer's last step moved, by link (those it moved any of)."""
+    last = trainer.last_report
+    return {k: n for k, n in last.moved.items() if n} if last else {}
 
 
 @dataclass

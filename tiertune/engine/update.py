@@ -83,7 +83,6 @@ class Updater:
         self.norms: dict[str, torch.Tensor] = {}
         self.before_update: Callable[[tuple[Chunk, ...]], None] | None = None
         self._redoing = False  # the units submitted now redo a speculative step (``finish``)
-        self._in_place = False  # the units submitted now run after backward, in place (``finish``)
         self._filled: set[int] = set()  # this step's twins (chunk ids) that hold their sources' values
         self._fills: list[Unit] = []  # the units whose twins are still to be filled ahead (``start``)
         # a delayed update: the groups (ids) whose weights are one update behind their master weights
@@ -212,11 +211,7 @@ class Updater:
             # after backward (the step before clipped): nothing to redo, the sources updated in place (through the
             # twins it moved a second copy of the states: the demo, every step clipped, 40 MB read a step, not 9.6)
             self.counts["after_backward"] += 1
-            self._in_place = True
-            try:
-                self._submit_all(order, coef)
-            finally:
-                self._in_place = False
+            self._submit_all(order, coef)
         for state in self.states:  # the twins hold the new states: exchange them in (no bytes copied)
             for j, twins in enumerate(state.twins):
                 if self.ctx.speculating:
@@ -340,7 +335,7 @@ class Updater:
                 self._redo(state, j, coef, get)
                 return
             grads = get(state.grads[j], dirty=False)
-            if state.twins and not self._in_place:
+            if state.twins and self.ctx.speculating:
                 # the sources' bytes handed to (or copied into) the twins, the sources untouched: unless filled
                 # this step already (``start``, or a part before); a redo from gradients fills them again
                 views = []

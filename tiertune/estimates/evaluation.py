@@ -2,12 +2,13 @@
 
 An evaluation scores the held-out set (``data.eval_path``) in passes of the layers without autograd,
 ``gradient_accumulation_steps`` batches of ``per_device_train_batch_size`` rows (pairs) a pass, a LoRA DPO's or
-KTO's pass twice (its reference is the base with the adapters off), every ``eval_steps`` steps or at each epoch's end
-(``finetune.evaluation.due``), and once more before the first step with ``eval_on_start``. Each pass reads the
-weights again, less what the budgets keep cached, and leaves them cached, so the step after an evaluation reads
-about what a step reads (``ChunkStore.forget_pass``). The bytes are the store's own, counted on a ledger
-(``engine.replay``'s ``evaluate``: two passes after the replayed steps, then one more step); the seconds, where rates are measured, are the timeline's
-(``estimates.timeline``) of each pass and of the step after them, at the step's own rates. Every pass is priced
+KTO's pass twice (its reference is the base with the adapters off), every ``eval_steps`` steps or at each
+epoch's end (``finetune.evaluation.due``), and once more before the first step with ``eval_on_start``. Each
+pass reads the weights again, less what the budgets keep cached, and leaves them cached, so the step after an
+evaluation reads about what a step reads (``ChunkStore.forget_pass``). The bytes are the store's own, counted on
+a ledger (``engine.replay``'s ``evaluate``: two passes after the replayed steps, then one more step); the
+seconds, where rates are measured, are the timeline's (``estimates.timeline``) of each pass and of the step
+after them, at the step's own rates. Every pass is priced
 as a full one (the set's last may hold fewer batches), and every evaluation the run may make is counted (early
 stopping may end the run sooner). Of several adapters over one base, each evaluating adapter's are priced apart:
 its passes of the base with it alone, replayed one adapter after another after the steps of all of them.

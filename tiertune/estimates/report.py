@@ -527,8 +527,8 @@ def estimate(
     if recipe.evaluates and not others:
         est.evaluation = _evaluation(recipe, replayed.evaluation if replayed is not None else None)
         evaluated = [replayed.evaluation] if replayed is not None and replayed.evaluation is not None else []
-    for k, i in enumerate(evaluating):
-        of = list(replayed.evaluations.values())[k] if replayed is not None else None
+    replays = list(replayed.evaluations.values()) if replayed is not None else [None] * len(evaluating)
+    for i, of in zip(evaluating, replays, strict=True):
         est.adapter_evaluations[i] = _evaluation(runs[i].recipe, of)
         evaluated += [of] if of is not None else []
     # the chunks each rank registers (its shards), under a rank's budgets, as train plans it

@@ -7,9 +7,10 @@ number (the training loss's definition, over the whole set at once), or a prefer
 set's pairs with TRL's metrics (``evaluate``), by the weights as they are after the step, dropout off, without
 autograd. Batches are of the step's shapes (``per_device_train_batch_size`` rows, up to
 ``max_seq_len`` tokens), ``gradient_accumulation_steps`` of them a pass of the layers: the budgets were planned
-for those. The pass's accesses are not the steps' trace (``StreamedTrainer.sequence_logps``); what the tiers cache stays
-cached, as after a step, so the next step reads what it would have read without the evaluation. Of several processes each runs the whole set
-(the sharded weights are gathered by every rank alike): the figure is the same on each.
+for those. The pass's accesses are not the steps' trace (``StreamedTrainer.sequence_logps``); what the tiers
+cache stays cached, as after a step, so the next step reads about what it would have read without the
+evaluation. Of several processes each runs the whole set (the sharded weights are gathered by every rank alike):
+the figure is the same on each.
 
 Records are the Hugging Face Trainer's: one of its own in ``trainer_log.jsonl`` and ``log_history`` with
 ``eval_loss``, ``eval_runtime``, ``eval_samples_per_second``, ``eval_steps_per_second``, ``epoch`` and ``step``,
