@@ -688,28 +688,8 @@ def test_held_out_pairs_are_evaluated_as_trl_evaluates_them(
 
     held_out = tmp_path / "held_out.jsonl"
     held_out.write_text("".join(json.dumps(r) + "\n" for r in HELD_OUT))
-    path = write_recipe(
-        tmp_path,
-        model_dir,
-        data={
-            "path": str(_rows(tmp_path)),
-            "format": "preference",
-            "shuffle": False,
-            "eval_path": str(held_out),
-        },
-        method=LORA if method == "lora" else {"type": "full"},
-        objective=objective,
-        training={
-            "max_steps": 3,
-            "per_device_train_batch_size": 2,
-            "learning_rate": 1e-2 if method == "lora" else 1e-3,
-            "eval_strategy": "steps",
-            "eval_steps": 3,
-        },
-        offload={"params": "disk", "device_budget": "2MiB", "host_budget": "1MiB"},
-    )
-    result = train(load_recipe(path), progress=False)
-    (ours,) = result.evaluations
+    data = {"path": str(_rows(tmp_path)), "format": "preference"}
+    result, ours = _evaluated_run(tmp_path, write_recipe, model_dir, data, held_out, method, objective, 2)
     if method == "lora" or objective["type"] != "dpo":  # `tiertune evaluate` of the run: its own figures
         _evaluated_again(result, held_out, ours, ("eval_loss", "eval_rewards/margins", "eval_logps/rejected"))
     model = _exported(model_dir, result, method)
@@ -726,6 +706,29 @@ def test_held_out_pairs_are_evaluated_as_trl_evaluates_them(
         assert ours["eval_rewards/margins"] != 0.0  # the policy moved off its reference
     for key in keys:
         assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (key, ours, theirs)
+
+
+def _evaluated_run(tmp_path, write_recipe, model_dir, data, held_out, method, objective, batch):
+    """3 steps of ``objective`` over ``data`` (LoRA or full), batches of ``batch``, evaluating ``held_out`` after the
+    third; returns the run's result and its evaluation's record."""
+    path = write_recipe(
+        tmp_path,
+        model_dir,
+        data={**data, "shuffle": False, "eval_path": str(held_out)},
+        method=LORA if method == "lora" else {"type": "full"},
+        objective=objective,
+        training={
+            "max_steps": 3,
+            "per_device_train_batch_size": batch,
+            "learning_rate": 1e-2 if method == "lora" else 1e-3,
+            "eval_strategy": "steps",
+            "eval_steps": 3,
+        },
+        offload={"params": "disk", "device_budget": "2MiB", "host_budget": "1MiB"},
+    )
+    result = train(load_recipe(path), progress=False)
+    (ours,) = result.evaluations
+    return result, ours
 
 
 HELD_OUT_UNPAIRED = [
@@ -747,28 +750,10 @@ def test_held_out_kto_rows_are_evaluated_as_trl_evaluates_them(model_dir, tmp_pa
     data, held_out = tmp_path / "unpaired.jsonl", tmp_path / "held_out.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in UNPAIRED))
     held_out.write_text("".join(json.dumps(r) + "\n" for r in HELD_OUT_UNPAIRED))
-    path = write_recipe(
-        tmp_path,
-        model_dir,
-        data={
-            "path": str(data),
-            "format": "unpaired_preference",
-            "shuffle": False,
-            "eval_path": str(held_out),
-        },
-        method=LORA if method == "lora" else {"type": "full"},
-        objective={"type": "kto", "beta": 0.1},
-        training={
-            "max_steps": 3,
-            "per_device_train_batch_size": 3,  # (not the loader's default KL block of 2)
-            "learning_rate": 1e-2 if method == "lora" else 1e-3,
-            "eval_strategy": "steps",
-            "eval_steps": 3,
-        },
-        offload={"params": "disk", "device_budget": "2MiB", "host_budget": "1MiB"},
-    )
-    result = train(load_recipe(path), progress=False)
-    (ours,) = result.evaluations
+    rows = {"path": str(data), "format": "unpaired_preference"}
+    kto = {"type": "kto", "beta": 0.1}
+    # batches of 3: not the loader's default KL block of 2
+    result, ours = _evaluated_run(tmp_path, write_recipe, model_dir, rows, held_out, method, kto, 3)
     if (
         method == "lora"
     ):  # `tiertune evaluate` of the run: its own figures (the set read with the run's KL block)
