@@ -441,3 +441,97 @@ def test_a_teacher_quantized_by_bitsandbytes_needs_its_quantize_setting(tmp_path
     with pytest.raises(ConfigError, match="objective.teacher.quantize: nf4"):
         check_quantization(TeacherSettings(path=str(tmp_path)))
     check_quantization(TeacherSettings(path=str(tmp_path), quantize="nf4"))
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def _held_out_loss(teacher_dir, student, held_out, o) -> dict[str, float]:
+    """A distillation's loss over a held-out file as a plain loop computes it: each row alone, the teacher's and
+    the student's logits at its scored tokens, the top-k divergence (``logits_distill`` over the teacher's top
+    ``o["top_k"]`` and the rest's mass) or, with ``top_k: 0``, TRL's ``generalized_jsd_loss`` summed, plus
+    ``alpha`` x the cross-entropy; each a sum over every scored token of the set divided by their number."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.gkd.gkd_trainer import GKDTrainer
+
+    from tiertune.finetune.data import load_data
+
+    tok = AutoTokenizer.from_pretrained(teacher_dir)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    student.eval()
+    kd_sum, ce_sum, tokens = 0.0, 0.0, 0
+    with torch.no_grad():
+        for row in load_data(str(held_out), tok, "text", 32).rows:
+            ids, labels = torch.tensor([row["input_ids"]]), torch.tensor([row["labels"]])
+            scored = labels[0, 1:] != -100
+            target = labels[0, 1:][scored]
+            t = teacher(input_ids=ids).logits[0, :-1][scored].float()
+            z = student(input_ids=ids).logits[0, :-1][scored].float()
+            ce_sum += float(torch.nn.functional.cross_entropy(z, target, reduction="sum"))
+            if o["top_k"]:
+                t = torch.log_softmax(t / o["temperature"], -1)
+                values, top = t.topk(o["top_k"], -1)
+                tail = torch.logsumexp(t.scatter(1, top, float("-inf")), -1)
+                m = len(target)
+                _, _, kd = logits_distill(
+                    z,
+                    target,
+                    TopK(top, values, tail),
+                    torch.zeros(m),
+                    torch.ones(m),
+                    o["beta"],
+                    o["temperature"],
+                )
+                kd_sum += float(kd.sum())
+            else:
+                kd_sum += float(
+                    GKDTrainer.generalized_jsd_loss(
+                        z, t, beta=o["beta"], temperature=o["temperature"], reduction="sum"
+                    )
+                )
+            tokens += len(target)
+    kd, ce = kd_sum / tokens, ce_sum / tokens
+    return {"eval_loss": o["alpha"] * ce + (1 - o["alpha"]) * kd, "eval_kd_loss": kd, "eval_ce_loss": ce}
+
+
+@pytest.mark.parametrize("top_k", [8, 0], ids=["cached-top-k", "teacher-beside"])
+def test_a_distillations_held_out_loss_is_a_plain_loops_on_the_same_weights(
+    tmp_path, write_recipe, models, top_k
+):
+    """``eval_loss`` (with ``eval_kd_loss``, ``eval_ce_loss``) before the first step and after the last equals a plain
+    loop's over the held-out rows by the initial student and by the model the run exports; the teacher's figures
+    of the held-out rows are cached beside the data's in the same pass (top-k), or made by the teacher beside in
+    each evaluation's pass (``top_k: 0``)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.finetune.test_evaluation import _eval_file
+    from tiertune.finetune.train import train
+
+    held_out = _eval_file(tmp_path)
+    path = _recipe(tmp_path, write_recipe, models, top_k=top_k)
+    overrides = [
+        f"data.eval_path={held_out}",
+        "training.eval_strategy=steps",
+        "training.eval_steps=3",
+        "training.eval_on_start=true",
+    ]
+    result = train(load_recipe(path, overrides), progress=False)
+    evaluated = result.evaluations
+    assert [r["step"] for r in evaluated] == [0, 3]
+    o = {**OBJECTIVE, "top_k": top_k}
+    initial = AutoModelForCausalLM.from_pretrained(models[1], dtype=torch.float32)
+    exported = AutoModelForCausalLM.from_pretrained(result.output_dir, dtype=torch.float32)
+    for record, student in zip(evaluated, (initial, exported), strict=True):
+        expected = _held_out_loss(models[0], student, held_out, o)
+        for name, value in expected.items():
+            assert record[name] == pytest.approx(value, rel=1e-5), (record["step"], name)
+    assert evaluated[0]["eval_loss"] != evaluated[1]["eval_loss"]  # the weights moved between them
+    from tests.finetune.test_evaluation import HELD_OUT
+
+    passes = result.teacher_pass
+    if top_k:  # one pass over the data's rows and the held-out set's, each cached apart
+        assert passes["rows"] == len(CAT_TEXTS) + len(HELD_OUT)
+        assert len(list((tmp_path / "nvme" / "teacher-topk").iterdir())) == 2
+    else:  # a wave a step, and one a pass of each evaluation (7 rows: 4 batches of 2, two passes of 2 batches)
+        assert passes["waves"] == 3 + 2 * 2 and passes["rows"] == 3 * 4 + 2 * len(HELD_OUT)
+        assert not (tmp_path / "nvme" / "teacher-topk").exists()

@@ -39,8 +39,9 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 EVAL_FORMATS = ("text", "alpaca", "chat", "preference", "unpaired_preference")
 """The data formats a run evaluates (``training.eval_strategy``): single sequences scored by cross-entropy, and
 preference pairs (KTO's labelled rows) scored by their objective."""
-EVAL_OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto")
-"""The objectives a run evaluates: SFT by cross-entropy, the preference objectives by their own loss."""
+EVAL_OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto", "distill")
+"""The objectives a run evaluates: SFT by cross-entropy, the preference objectives and distillation by their own
+loss."""
 
 
 @dataclass
@@ -311,8 +312,9 @@ class Recipe:
             (
                 not evaluating or (o.type in EVAL_OBJECTIVES and d.format in EVAL_FORMATS),
                 "training.eval_strategy",
-                f"{t.eval_strategy} scores single sequences by their cross-entropy and preference pairs by their "
-                f"objective (objective.type {', '.join(EVAL_OBJECTIVES)}): objective.type {o.type} with "
+                f"{t.eval_strategy} scores single sequences by their cross-entropy (a distillation's: its loss "
+                "against the teacher) and preference pairs by their objective (objective.type "
+                f"{', '.join(EVAL_OBJECTIVES)}): objective.type {o.type} with "
                 f"data.format {d.format} is not evaluated in this release; set training.eval_strategy: no",
             ),
         ]

@@ -14,6 +14,7 @@ import torch
 from tiertune.engine import several
 from tiertune.engine.micro import Micro, harvest
 from tiertune.engine.streaming import Capture, StepEngine, Stop, Suffix
+from tiertune.engine.teacher import teacher_of
 from tiertune.errors import StateError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
@@ -68,6 +69,9 @@ class PairedPasses:
                     labels[:, 1:].to(device),
                     None,
                     None,
+                    teacher=teacher_of(
+                        b, device
+                    ),  # a distillation's held-out figures (``finetune.evaluation``)
                 )  # type: ignore[arg-type]
                 visit = engine.visit = Capture(len(self.layers))
                 self._decoder(mb)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +85,7 @@ def evaluate(
     passes: Sequence[Sequence[dict[str, torch.Tensor]]],
     objective: Any = None,
     reference: torch.Tensor | None = None,
+    teacher: Callable[[Sequence[dict[str, torch.Tensor]]], list[dict[str, torch.Tensor]]] | None = None,
 ) -> dict[str, float]:
     """``trainer``'s loss over ``passes`` (``eval_batches``) with the weights as they are: the Trainer's
     record of an evaluation (without ``epoch`` and ``step``, which the run adds). Dropout is off for the pass
@@ -95,7 +96,12 @@ def evaluate(
     with ``eval_`` before them (``eval_rewards/margins``, ...), each the mean over the set's pairs (KTO's, as
     ``KTOTrainer`` logs them, the mean over the batches of each batch's: its rows with their KL sequences, the
     batch's KL estimate); the reference is the base with the adapters off (LoRA: a second pass) or ``reference``,
-    the set's log-probabilities by the initial weights ([rows, 2], ``finetune.reference.reference_logps``)."""
+    the set's log-probabilities by the initial weights ([rows, 2], ``finetune.reference.reference_logps``).
+
+    For a distillation, ``eval_loss`` is its loss over the set's scored tokens (``alpha`` x the cross-entropy +
+    (1 - ``alpha``) x the divergence from the teacher, as a step's), with ``eval_kd_loss`` and ``eval_ce_loss``
+    (each a mean by token, as a step logs ``kd_loss`` and ``ce_loss``); ``teacher`` gives a pass's batches with
+    their teacher's figures (read from the held-out set's cache, or the teacher beside scoring them then)."""
     began = time.perf_counter()
     trainer.settle()  # a delayed update in flight (offload.delay_update) done; the weights stay one update behind
     model = trainer.model
@@ -106,6 +112,15 @@ def evaluate(
     model.eval()
     try:
         for group in passes:
+            if objective is not None and objective.distills:
+                assert teacher is not None  # the run attaches the held-out set's figures
+                loss, scored = _distilled(trainer, teacher(group), objective, sums)
+                total, tokens, rows = (
+                    total + loss,
+                    tokens + scored,
+                    rows + sum(len(b["input_ids"]) for b in group),
+                )
+                continue
             if paired:
                 loss, pairs = _pairs(trainer, group, objective, reference, sums)
                 total, tokens, rows = total + loss, tokens + pairs, rows + pairs
@@ -131,6 +146,31 @@ def evaluate(
         # per link since the store started, as a step's
         "bytes_moved": dict(trainer.store_stats().bytes_moved),
     }
+
+
+def _distilled(
+    trainer: Any,
+    group: Sequence[dict[str, torch.Tensor]],
+    objective: Any,
+    sums: dict[str, tuple[float, float]],
+) -> tuple[float, int]:
+    """A pass of a distillation's batches (each with its teacher's figures): their summed loss and scored tokens,
+    the summed cross-entropy and divergence added into ``sums`` (``kd_loss``, ``ce_loss``, by token)."""
+    o = objective
+
+    def head(engine: Any, mb: Any, x: torch.Tensor) -> torch.Tensor:
+        args = (mb.ids, mb.extra, mb.target, mb.teacher, o.beta, o.temperature, o.alpha)
+        loss, ce, kd = engine.compute.distill(engine.loss, x, *args)
+        return torch.stack([loss, ce, kd]).double().cpu()
+
+    total, tokens = 0.0, 0
+    for batch, (loss, ce, kd) in zip(group, trainer.sequence_logps(group, head), strict=True):
+        n = scored_tokens(batch)
+        total, tokens = total + float(loss), tokens + n
+        for name, value in (("kd_loss", kd), ("ce_loss", ce)):
+            before = sums.get(name, (0.0, 0.0))
+            sums[name] = (before[0] + float(value), before[1] + n)
+    return total, tokens
 
 
 def _pairs(

@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -283,6 +283,10 @@ class TeacherCache:
             )
         return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
+    def carried(self, batches: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """``batches``, each with its scored tokens' figures (``with_teacher``)."""
+        return list(with_teacher(iter(batches), self))
+
     @property
     def disk_bytes(self) -> int:
         """The bytes of the figures its wave files hold (their tensors)."""
@@ -310,74 +314,109 @@ def wave_rows(recipe: Any, device_budget: int, hidden: int, itemsize: int) -> in
 def teacher_figures(
     recipe: Any, data: Any, pad_id: int, vocab: int, world: Any = None, safe_point: Any = None
 ) -> tuple[TeacherCache, TeacherPass]:
-    """Every row's teacher figures: read from the cache, the rows it lacks scored by the teacher (built,
-    run and closed here, within the run's budgets; of several processes each runs the pass, its weights
-    sharded as the student's, and rank 0 writes) wave by wave, each wave cached as it ends."""
+    """Every row's teacher figures of ``data`` (``teacher_figures_of`` of that one set)."""
+    caches, stats = teacher_figures_of(recipe, [data], pad_id, vocab, world, safe_point)
+    return caches[0], stats
+
+
+def teacher_figures_of(
+    recipe: Any, sets: Sequence[Any], pad_id: int, vocab: int, world: Any = None, safe_point: Any = None
+) -> tuple[list[TeacherCache], TeacherPass]:
+    """Every row's teacher figures of each of ``sets`` (the training data, then a held-out set's), a cache of
+    each: read from the cache, the rows it lacks scored by the teacher (built once, when a set first lacks
+    some, run and closed here, within the run's budgets; of several processes each runs the pass, its weights
+    sharded as the student's, and rank 0 writes) wave by wave, each wave cached as it ends. ``TeacherPass``
+    counts the rows scored now of all the sets."""
+    from tiertune.distributed.world import World, collective_timeout
+
+    check_quantization(recipe.objective.teacher)
+    world = world or World.from_env()
+    stats = TeacherPass()
+    caches: list[TeacherCache] = []
+    teacher: Any = None
+    try:
+        for n, data in enumerate(sets):
+            cache = TeacherCache(
+                cache_dir(recipe, cache_key(recipe, data, vocab)),
+                scored_counts(data),
+                recipe.objective.top_k,
+                collective_timeout().total_seconds(),
+                safe_point,
+            )
+            caches.append(cache)
+            what = "the held-out set's " if n else ""
+            done, rows = cache.read(), len(cache.done)
+            if done == rows:
+                log.info("teacher figures of %s%d rows read from %s", what, rows, cache.directory)
+                continue
+            if done:
+                log.info(
+                    "teacher pass: %d of %s%d rows cached in %s; scoring the rest",
+                    done,
+                    what,
+                    rows,
+                    cache.directory,
+                )
+            if teacher is None:
+                teacher, store = frozen_teacher(recipe, vocab, world, safe_point)
+                config = teacher.model.config.get_text_config(decoder=True)
+                itemsize = torch.finfo(teacher.config.dtype).bits // 8
+                stats.wave_rows = wave_rows(recipe, store.device_budget, config.hidden_size, itemsize)
+                moved = disk_bytes(teacher)
+                began = time.perf_counter()
+            _score(teacher, recipe, data, cache, stats, pad_id, vocab, world.is_main, (began, moved))
+    finally:
+        if teacher is not None:
+            teacher.close()
+    return caches, stats
+
+
+def _score(
+    teacher: Any,
+    recipe: Any,
+    data: Any,
+    cache: TeacherCache,
+    stats: TeacherPass,
+    pad_id: int,
+    vocab: int,
+    write: bool,
+    since: tuple[float, int],
+) -> None:
+    """The rows of ``data`` that ``cache`` lacks scored by ``teacher``, a wave (``stats.wave_rows`` rows) at a
+    time, each wave written to the cache (by the process that ``write``-s; the others read it from there) and
+    counted into ``stats`` (its seconds and disk bytes since ``since``: the pass's start and the teacher's
+    bytes read then)."""
     from tiertune.finetune.data import row_batches
 
     o = recipe.objective
-    check_quantization(o.teacher)
-    key = cache_key(recipe, data, vocab)
-    counts = scored_counts(data)
-    from tiertune.distributed.world import collective_timeout
-
-    cache = TeacherCache(
-        cache_dir(recipe, key), counts, o.top_k, collective_timeout().total_seconds(), safe_point
-    )
-    done = cache.read()
-    stats = TeacherPass()
-    if done == len(counts):
-        log.info("teacher figures read from %s", cache.directory)
-        return cache, stats
-    if done:
+    head = topk_head(o.top_k, o.temperature, vocab)
+    counts = [int(n) for n in (cache.offsets[1:] - cache.offsets[:-1])]
+    per_wave, batch = stats.wave_rows, recipe.training.per_device_train_batch_size
+    for first in range(0, len(counts), per_wave):
+        rows = list(range(first, min(first + per_wave, len(counts))))
+        if bool(cache.done[rows].all()):
+            continue
+        figures = teacher.sequence_logps(row_batches(data, rows, batch, pad_id), head)
+        ids, logps, tail = (
+            torch.cat([getattr(f, n).cpu() for f in figures]) for n in ("ids", "logps", "tail")
+        )
+        wave_counts = [counts[r] for r in rows]
+        if len(ids) != sum(wave_counts):
+            raise DataError(
+                "the teacher pass scored another number of tokens than the data holds (changed under it?)"
+            )
+        if write:
+            cache.write(first, wave_counts, ids, logps, tail)
+        else:  # rank 0 writes it: read from its file
+            cache.expect(first, wave_counts)
+        stats.rows += len(rows)
+        stats.tokens += len(ids)
+        stats.waves += 1
+        stats.seconds, stats.disk_bytes = time.perf_counter() - since[0], disk_bytes(teacher) - since[1]
         log.info(
-            "teacher pass: %d of %d rows cached in %s; scoring the rest", done, len(counts), cache.directory
+            "teacher pass: %s",
+            json.dumps({"rows_done": int(cache.done.sum()), "of": len(counts), **stats.record()}),
         )
-    from tiertune.distributed.world import World
-
-    world = world or World.from_env()
-    write = world.is_main
-    teacher, store = frozen_teacher(recipe, vocab, world, safe_point)
-    try:
-        config = teacher.model.config.get_text_config(decoder=True)
-        per_wave = wave_rows(
-            recipe, store.device_budget, config.hidden_size, torch.finfo(teacher.config.dtype).bits // 8
-        )
-        stats.wave_rows = per_wave
-        batch = recipe.training.per_device_train_batch_size
-        head = topk_head(o.top_k, o.temperature, vocab)
-        began = time.perf_counter()
-        moved = disk_bytes(teacher)
-        for first in range(0, len(counts), per_wave):
-            rows = list(range(first, min(first + per_wave, len(counts))))
-            if bool(cache.done[rows].all()):
-                continue
-            group = row_batches(data, rows, batch, pad_id)
-            figures = teacher.sequence_logps(group, head)
-            ids, logps, tail = (
-                torch.cat([getattr(f, n).cpu() for f in figures]) for n in ("ids", "logps", "tail")
-            )
-            wave_counts = [counts[r] for r in rows]
-            if len(ids) != sum(wave_counts):
-                raise DataError(
-                    "the teacher pass scored another number of tokens than the data holds (changed under it?)"
-                )
-            if write:
-                cache.write(first, wave_counts, ids, logps, tail)
-            else:  # rank 0 writes it: read from its file
-                cache.expect(first, wave_counts)
-            stats.rows += len(rows)
-            stats.tokens += len(ids)
-            stats.waves += 1
-            stats.seconds = time.perf_counter() - began
-            stats.disk_bytes = disk_bytes(teacher) - moved
-            log.info(
-                "teacher pass: %s",
-                json.dumps({"rows_done": int(cache.done.sum()), "of": len(counts), **stats.record()}),
-            )
-    finally:
-        teacher.close()
-    return cache, stats
 
 
 def frozen_teacher(recipe: Any, vocab: int, world: Any, safe_point: Any = None) -> tuple[Any, Any]:
@@ -413,7 +452,12 @@ class TeacherBeside:
         self.stats = TeacherPass()
         self._moved = disk_bytes(self.trainer)
 
-    def figures(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[Any]:
+    def scored(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """``micro_batches`` (a step's, or a held-out pass's), each with its ``Full`` (``teacher``:
+        ``engine.teacher.teacher_of``), scored in one pass."""
+        return [{**b, "teacher": f} for b, f in zip(micro_batches, self.figures(micro_batches), strict=True)]
+
+    def figures(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[Any]:
         """The teacher's ``Full`` of each micro-batch (one pass over its layers for all of them)."""
         began = time.perf_counter()
         # a pass a step, the same accesses each time: scheduled as steps, what its budgets keep stays
@@ -447,8 +491,7 @@ def beside_teacher(
                 break
         if not group:
             return
-        for batch, full in zip(group, teacher.figures(group), strict=True):
-            yield {**batch, "teacher": full}
+        yield from teacher.scored(group)
 
 
 def with_teacher(
@@ -480,6 +523,7 @@ __all__ = [
     "check_tokenizers",
     "frozen_teacher",
     "teacher_figures",
+    "teacher_figures_of",
     "teacher_recipe",
     "with_teacher",
 ]

@@ -22,7 +22,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +78,7 @@ from tiertune.finetune.teacher import (
     beside_teacher,
     check_quantization,
     check_tokenizers,
-    teacher_figures,
+    teacher_figures_of,
     with_teacher,
 )
 from tiertune.kernels.patch import describe
@@ -316,13 +316,19 @@ def _run(
     stop.check()
     engine = dataclasses.replace(run.engine, max_steps=steps)  # the learning rate's schedule runs over them
     beside: TeacherBeside | None = None
+    # a distillation's held-out batches with their teacher's figures (``finetune.evaluation``)
+    eval_teacher: Callable[[Sequence[dict]], list[dict]] | None = None
     if recipe.objective.beside:  # the teacher beside the student, each within its share of the budgets
         beside = TeacherBeside(recipe, _vocabulary(recipe.model.path), world, stop.check)
+        eval_teacher = beside.scored
     elif recipe.objective.distills:  # the teacher's figures first: its pass holds the budgets alone
         vocab = _vocabulary(recipe.model.path)
-        cache, teacher_pass = teacher_figures(recipe, data, loaded.pad_id, vocab, world, stop.check)
+        sets = [data] if loaded.eval_data is None else [data, loaded.eval_data]
+        caches, teacher_pass = teacher_figures_of(recipe, sets, loaded.pad_id, vocab, world, stop.check)
         result.teacher_pass = teacher_pass.record()
-        stream = with_teacher(stream, cache)
+        stream = with_teacher(stream, caches[0])
+        if len(caches) > 1:
+            eval_teacher = caches[1].carried
         stop.check()
     rollouts: Rollouts | None = None
     eval_reference = None
@@ -424,7 +430,8 @@ def _run(
 
             def evaluated_at(epoch: float, step: int) -> dict[str, Any]:  # the held-out set's loss, logged
                 at = {"epoch": epoch, "step": step}
-                return logged(evaluate(trainer, eval_passes, recipe.objective, eval_reference) | at)
+                record = evaluate(trainer, eval_passes, recipe.objective, eval_reference, eval_teacher)
+                return logged(record | at)
 
             if t.eval_on_start and first == 0:  # the Trainer's eval_on_start: the weights before any step
                 early.see(evaluated_at(0.0, 0)["eval_loss"])
