@@ -8,10 +8,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_distill.py"
 
 
-@pytest.mark.timeout(600)
-def test_the_teacher_pass_reads_its_weights_once_a_wave(tmp_path):
-    """A small bf16 teacher with its weights on disk: the bytes the pass reads per scored token are the model's
-    once a wave (within 2%), so they fall as 1 / wave; the cache holds k x (4 + 4) + 4 bytes a token."""
+def _bench(tmp_path, host: str, device: str) -> dict:
     args = [
         "--dir",
         str(tmp_path),
@@ -38,12 +35,25 @@ def test_the_teacher_pass_reads_its_weights_once_a_wave(tmp_path):
         "--waves",
         "1,4",
     ]
+    args += ["--host-budget", host, "--device-budget", device]
     out = subprocess.run([sys.executable, str(BENCH), *args], check=True, capture_output=True, text=True)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    one, four = result["waves"]["1"], result["waves"]["4"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(600)
+def test_the_teacher_pass_reads_its_weights_about_once_a_wave_or_once(tmp_path):
+    """A small bf16 teacher (0.94 MB) with its weights on disk. Budgets that keep a part of it: a wave reads about
+    the model again (less what the budgets kept from the wave before; a second wave, the first on the pass's
+    trace, can read a layer twice), so bytes per scored token fall with the wave's rows. Budgets that hold it:
+    the model is read once for all the waves. The cache holds k x (4 + 4) + 4 bytes a token."""
+    tight = _bench(tmp_path / "tight", "512KiB", "640KiB")
+    one, four = tight["waves"]["1"], tight["waves"]["4"]
     for wave in (one, four):
-        assert wave["over_read_once_a_wave"] == pytest.approx(1.0, abs=0.02), wave
+        assert wave["over_read_once"] > 1.5 and wave["over_read_once_a_wave"] <= 1.1, wave
         assert wave["tokens"] == 8 * 12  # the last three quarters of each row, shifted
         assert wave["cache_bytes"] >= wave["tokens"] * (16 * 8 + 4)
-    assert one["disk_bytes_per_token"] / four["disk_bytes_per_token"] == pytest.approx(4.0, rel=0.05)
-    assert result["bytes_per_token_falls_with_the_wave"]
+    assert one["disk_bytes_per_token"] > 2 * four["disk_bytes_per_token"]
+    assert tight["bytes_per_token_falls_with_the_wave"]
+    held = _bench(tmp_path / "held", "16MiB", "64MiB")
+    for wave in held["waves"].values():  # read once, whatever the waves
+        assert wave["over_read_once"] == pytest.approx(1.0, abs=0.02), wave

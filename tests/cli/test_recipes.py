@@ -81,11 +81,12 @@ def test_the_estimate_written_in_each_gpu_recipe_is_what_estimate_says(name, mon
     )
     if predicted.teacher is not None:  # the teacher pass as estimate prices it
         t = predicted.teacher
-        assert (
-            f"{format_size(t.weight_bytes)} of NF4 weights read once per wave of {t.wave_rows} rows"
-            in comments
-        )
-        assert f"{t.bytes_per_token / 1e3:,.1f} kB a scored token, {format_size(t.read_bytes)}" in comments
+        assert f"{format_size(t.weight_bytes)} of NF4 weights" in comments
+        assert f"no wave reads the disk again, {format_size(t.read_bytes)})" in comments
+        assert f"waves of {t.wave_rows} rows" in comments
+        per_token = t.copied_bytes / t.scored_tokens / 1e3
+        copies = f"each copy {format_size(t.pass_copied[-1])} to the GPU: {per_token:,.1f} kB a scored token"
+        assert f"{copies}, {format_size(t.copied_bytes)} for" in comments
         assert f"({format_size(t.cache_bytes)} for" in comments
     if predicted.generation is not None:  # GRPO's sampling as estimate prices it
         g = predicted.generation

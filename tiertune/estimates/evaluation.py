@@ -11,7 +11,11 @@ seconds, where rates are measured, are the timeline's (``estimates.timeline``) o
 after them, at the step's own rates. Every pass is priced
 as a full one (the set's last may hold fewer batches), and every evaluation the run may make is counted (early
 stopping may end the run sooner). Of several adapters over one base, each evaluating adapter's are priced apart:
-its passes of the base with it alone, replayed one adapter after another after the steps of all of them.
+its passes of the base with it alone, replayed one adapter after another after the steps of all of them. A
+distillation's held-out figures come from the teacher pass before the run (cached top-k: priced with it,
+``estimates.teacher``), or from the teacher beside the student, a pass of its own store before each of the
+student's (``top_k: 0``: its later passes' bytes, and their time as the teacher's: the longer of its reads and
+its forward over the set's scored tokens).
 """
 
 from __future__ import annotations
@@ -38,14 +42,21 @@ class EvalEstimate:
     replayed: bool = False  # whether its passes were replayed (not where no step could be)
     pass_seconds: tuple[float, float] | None = None  # (the first pass, each later one), timed
     step_after_extra: float | None = None  # seconds the step after an evaluation takes beyond a step
+    # a distillation's teacher beside the student (``top_k: 0``): the disk bytes its store reads a pass (its
+    # later passes', replayed: ``estimates.teacher``), and its passes' seconds an evaluation (timed)
+    teacher_pass_bytes: int | None = None
+    teacher_seconds: float | None = None
 
     @property
     def seconds(self) -> float | None:
-        """One evaluation's seconds: its passes and what the step after it takes more than a step."""
+        """One evaluation's seconds: its passes (the teacher's beside them first) and what the step after it
+        takes more than a step."""
         if self.pass_seconds is None or self.passes is None:
             return None
         first, later = self.pass_seconds
-        return first + (self.passes - 1) * later + (self.step_after_extra or 0.0)
+        return (
+            first + (self.passes - 1) * later + (self.step_after_extra or 0.0) + (self.teacher_seconds or 0.0)
+        )
 
     @property
     def total_seconds(self) -> float | None:
@@ -64,6 +75,8 @@ class EvalEstimate:
             "step_after_extra_seconds": self.step_after_extra,
             "seconds_per_evaluation": self.seconds,
             "total_seconds": self.total_seconds,
+            "teacher_pass_bytes": self.teacher_pass_bytes,
+            "teacher_seconds": self.teacher_seconds,
             "why_unknown": self.why or None,
             "replayed": self.replayed,
         }
@@ -110,11 +123,21 @@ def format_evaluation(est: EvalEstimate) -> list[str]:
         + (f" (later passes {links(est.later_pass)})" if est.later_pass != est.first_pass else ""),
         f"  the step after an evaluation moves {links(est.step_after)}",
     ]
+    if est.teacher_pass_bytes is not None:
+        lines.append(
+            f"  the teacher beside scores each pass's batches first: its store reads {format_size(est.teacher_pass_bytes)} "
+            "from the disk a pass (what its half of the budgets keeps stays)"
+        )
     if est.pass_seconds is not None:
         first, later = est.pass_seconds
         each = format_seconds(est.seconds) if est.seconds is not None else "unknown"
+        teacher = (
+            f", the teacher's passes {format_seconds(est.teacher_seconds)}"
+            if est.teacher_seconds is not None
+            else ""
+        )
         lines.append(
-            f"  a pass {format_seconds(first)} (later ones {format_seconds(later)}), the step after it "
+            f"  a pass {format_seconds(first)} (later ones {format_seconds(later)}){teacher}, the step after it "
             f"{format_seconds(est.step_after_extra or 0.0)} longer: an evaluation {each}"
         )
     return lines

@@ -67,7 +67,13 @@ from tiertune.estimates.speed import (
     step_flops,
     torch_threads,
 )
-from tiertune.estimates.teacher import TeacherEstimate, format_teacher, teacher_estimate, time_teacher
+from tiertune.estimates.teacher import (
+    TeacherEstimate,
+    format_teacher,
+    teacher_estimate,
+    time_beside_evaluation,
+    time_teacher,
+)
 from tiertune.estimates.timeline import Rates, Timeline, simulate_steps
 from tiertune.loading.hub import config_directory
 from tiertune.loading.model import split_model
@@ -544,15 +550,28 @@ def estimate(
         est.scale_out.budgets = {"device": sharded.device_budget, "host": sharded.host_budget}
     if recipe.objective.distills:
         est.teacher = _teacher(recipe, store_cfg.device_budget, notes)
-        if recipe.objective.beside and replayed is not None:  # its passes on its own ledger store
+        if replayed is not None:  # its passes (a step's, or a wave's) on its own ledger store
             from tiertune.finetune.teacher import teacher_recipe
 
             frozen = teacher_recipe(recipe)
             frozen.model.path = config_directory(frozen.model.path)
+            wave = (
+                None
+                if recipe.objective.beside
+                else -(-est.teacher.wave_rows // recipe.training.per_device_train_batch_size)
+            )
             # its store's accesses are the pass's whatever its head makes (the head's copy is priced apart)
-            decoded = _beside_passes(est, run, frozen, lambda engine, mb, last: None, device)
-            first, later = (sum(n for k, n in m.items() if k.startswith("disk->")) for m in decoded.moved)
-            est.teacher.pass_bytes = (first, later)
+            decoded = _frozen_passes(
+                est, run, frozen, lambda engine, mb, last: None, device, TEACHER_PASSES, wave
+            )
+            est.teacher.pass_bytes = tuple(
+                sum(n for k, n in m.items() if k.startswith("disk->")) for m in decoded.moved
+            )
+            est.teacher.pass_copied = tuple(m.get("host->device", 0) for m in decoded.moved)
+            if (
+                est.evaluation is not None and recipe.objective.beside
+            ):  # each evaluation pass scored by it first
+                est.evaluation.teacher_pass_bytes = est.teacher.later_pass
     if measure:
 
         def probe() -> tuple[dict[str, float], list[str]]:
@@ -585,9 +604,15 @@ def estimate(
                 priced.pass_seconds = (passes[0].step, passes[-1].step)
                 priced.step_after_extra = max(0.0, after.step - est.speed.timeline.step)
         if est.teacher is not None:
+            rate = est.speed.compute_rate if est.speed else None
             time_teacher(
-                est.teacher, est.bandwidth.get("disk_read"), est.speed.compute_rate if est.speed else None
+                est.teacher, est.bandwidth.get("disk_read"), rate, est.bandwidth.get("host_to_device")
             )
+            ev = est.evaluation
+            if ev is not None and ev.teacher_pass_bytes is not None and ev.passes is not None:
+                ev.teacher_seconds = time_beside_evaluation(
+                    est.teacher, ev.passes, est.bandwidth.get("disk_read"), rate
+                )
         if est.generation is not None:
             time_generation(
                 est.generation,
@@ -617,7 +642,7 @@ def _generation(
         reference = {}
         if replay:
             head = token_logps_head(run.recipe.objective.temperature)
-            decoded = _beside_passes(est, run, reference_recipe(run.recipe), head, device)
+            decoded = _frozen_passes(est, run, reference_recipe(run.recipe), head, device)
             # the second pass: a generation's after the first (what the reference's budgets keep stays)
             reference, reference_peak = decoded.moved[-1], decoded.peaks.get("device", 0)
     on = est.computes_on()
@@ -637,12 +662,19 @@ def _generation(
     )
 
 
-def _beside_passes(
-    est: Estimate, run: RunPlan, frozen: Recipe, head: Any, device: torch.device, passes: int = 2
+def _frozen_passes(
+    est: Estimate,
+    run: RunPlan,
+    frozen: Recipe,
+    head: Any,
+    device: torch.device,
+    passes: int = 2,
+    micro_batches: int | None = None,
 ) -> replaying.Decoded:
-    """``passes`` passes of a frozen model beside the run's (``frozen``: its recipe, planned as the run plans it,
-    within its share of the budgets) over a step's micro-batches, replayed on its own ledger store: the bytes each
-    moved (the first from cold, the next with what its budgets keep) and its tiers' peaks."""
+    """``passes`` passes of a frozen model (``frozen``: its recipe, planned as the run plans it: beside the run's
+    model, within its share of the budgets, or, a distillation's teacher pass before the run, within all of
+    them) over ``micro_batches`` micro-batches of the run's shape (a step's), replayed on its own ledger store:
+    the bytes each moved (the first from cold, the next with what its budgets keep) and its tiers' peaks."""
     from tiertune.config.plan import resolve
     from tiertune.finetune.reference import frozen_engine
 
@@ -653,7 +685,7 @@ def _beside_passes(
     rows, tokens = t.per_device_train_batch_size, run.recipe.data.max_seq_len
     batches = [
         {"input_ids": torch.zeros(rows, tokens, dtype=torch.long)}
-        for _ in range(t.gradient_accumulation_steps)
+        for _ in range(micro_batches or t.gradient_accumulation_steps)
     ]
     engine = frozen_engine(beside.engine)
     return replaying.replay_frozen_passes(
@@ -662,22 +694,23 @@ def _beside_passes(
 
 
 def _teacher(recipe: Recipe, device_budget: int, notes: list[str]) -> TeacherEstimate:
-    """A distillation's teacher pass over the recipe's data (its rows and scored tokens as the run tokenizes
-    them), or, where the data or a tokenizer cannot be read here, over ``TEACHER_ROWS`` rows of
-    ``data.max_seq_len`` tokens, every one scored (said in ``notes``)."""
+    """A distillation's teacher pass over the recipe's data and its held-out set (their rows and scored tokens as
+    the run tokenizes them), or, where the data or a tokenizer cannot be read here, over ``TEACHER_ROWS`` rows
+    of ``data.max_seq_len`` tokens, every one scored, and no held-out set (said in ``notes``)."""
     from tiertune.finetune.train import scored_rows
 
     recipe = copy.deepcopy(recipe)
     recipe.objective.teacher.path = config_directory(recipe.objective.teacher.path)
     try:
-        rows, scored = scored_rows(recipe)
-    except TiertuneError as exc:
-        rows, scored = TEACHER_ROWS, TEACHER_ROWS * (recipe.data.max_seq_len - 1)
+        (rows, scored), held_out = scored_rows(recipe)
+    except (TiertuneError, OSError) as exc:
+        rows, scored, held_out = TEACHER_ROWS, TEACHER_ROWS * (recipe.data.max_seq_len - 1), (0, 0)
         notes.append(
-            f"the teacher pass is priced for {rows:,} rows of data.max_seq_len tokens, every one scored: the "
-            f"data cannot be read here ({str(exc).splitlines()[0][:120]})"
+            f"the teacher pass is priced for {rows:,} rows of data.max_seq_len tokens, every one scored"
+            f"{', and no held-out set' if recipe.evaluates else ''}: the data cannot be read here "
+            f"({str(exc).splitlines()[0][:120]})"
         )
-    return teacher_estimate(recipe, device_budget, rows, scored)
+    return teacher_estimate(recipe, device_budget, rows, scored, held_out)
 
 
 def _evaluation(recipe: Recipe, evaluated: replaying.Evaluated | None) -> EvalEstimate:
@@ -701,6 +734,9 @@ def _evaluation(recipe: Recipe, evaluated: replaying.Evaluated | None) -> EvalEs
 
 EVAL_PASSES = 2
 """The evaluation passes replayed after the steps: the first after a step, and one after another pass."""
+TEACHER_PASSES = 3
+"""A distillation teacher's passes replayed on its own store: the first (cold, no trace yet), the second (the
+first's trace, what the first left cached), the third as each later one."""
 
 
 def _replay(

@@ -3,9 +3,9 @@
 step too with ``eval_on_start``, and early stopping on it.
 
 The figure is ``eval_loss``: the cross-entropy of every scored token of the set, summed and divided by their
-number (the training loss's definition, over the whole set at once), or a preference objective's loss over the
-set's pairs with TRL's metrics (``evaluate``), by the weights as they are after the step, dropout off, without
-autograd. Batches are of the step's shapes (``per_device_train_batch_size`` rows, up to
+number (the training loss's definition, over the whole set at once), a distillation's loss against its teacher
+over the same tokens, or a preference objective's loss over the set's pairs with TRL's metrics (``evaluate``), by
+the weights as they are after the step, dropout off, without autograd. Batches are of the step's shapes (``per_device_train_batch_size`` rows, up to
 ``max_seq_len`` tokens), ``gradient_accumulation_steps`` of them a pass of the layers: the budgets were planned
 for those. The pass's accesses are not the steps' trace (``StreamedTrainer.sequence_logps``); what the tiers
 cache stays cached, as after a step, so the next step reads about what it would have read without the

@@ -1,6 +1,8 @@
 """A distillation's teacher pass: before the first step, the teacher (``objective.teacher``, any model tiertune
-reads, frozen: ``EngineConfig.method`` frozen) runs over the data once, layer-major over waves of rows (its
-weights read once a wave: bytes per teacher token fall as the wave grows), and keeps per scored token its
+reads, frozen: ``EngineConfig.method`` frozen) runs over the data once, and over the held-out set after it
+(``data.eval_path``: its figures cached apart, for the evaluations), layer-major over waves of rows (each wave a
+pass scheduled as a step: the first reads the weights, a later one what the budgets did not keep from the wave
+before, so bytes per teacher token fall as the wave grows), and keeps per scored token its
 ``top_k`` most likely token ids, their log-probabilities and the log of the mass left outside them, all at
 the objective's temperature (``kernels.ops.distill.topk_logprobs``).
 
@@ -58,6 +60,7 @@ class TeacherPass:
     disk_bytes: int = 0
     waves: int = 0
     wave_rows: int = 0
+    copied_bytes: int = 0  # its store's copies from the host to the device
 
     def record(self) -> dict[str, Any]:
         """The pass as the run's log records it (``teacher_pass``)."""
@@ -69,6 +72,7 @@ class TeacherPass:
             "tokens_per_second": round(self.tokens / self.seconds, 3) if self.seconds else 0.0,
             "disk_bytes": self.disk_bytes,
             "disk_bytes_per_token": round(per_token, 1),
+            "host_to_device_bytes": self.copied_bytes,
             "waves": self.waves,
             "wave_rows": self.wave_rows,
         }
@@ -362,9 +366,9 @@ def teacher_figures_of(
                 config = teacher.model.config.get_text_config(decoder=True)
                 itemsize = torch.finfo(teacher.config.dtype).bits // 8
                 stats.wave_rows = wave_rows(recipe, store.device_budget, config.hidden_size, itemsize)
-                moved = disk_bytes(teacher)
+                moved = _moved(teacher)
                 began = time.perf_counter()
-            _score(teacher, recipe, data, cache, stats, pad_id, vocab, world.is_main, (began, moved))
+            _score(teacher, recipe, data, cache, stats, pad_id, vocab, world.is_main, (began, *moved))
     finally:
         if teacher is not None:
             teacher.close()
@@ -380,12 +384,12 @@ def _score(
     pad_id: int,
     vocab: int,
     write: bool,
-    since: tuple[float, int],
+    since: tuple[float, int, int],
 ) -> None:
     """The rows of ``data`` that ``cache`` lacks scored by ``teacher``, a wave (``stats.wave_rows`` rows) at a
     time, each wave written to the cache (by the process that ``write``-s; the others read it from there) and
-    counted into ``stats`` (its seconds and disk bytes since ``since``: the pass's start and the teacher's
-    bytes read then)."""
+    counted into ``stats`` (its seconds and bytes since ``since``: the pass's start and the teacher's store's
+    bytes read from disk and copied to the device then)."""
     from tiertune.finetune.data import row_batches
 
     o = recipe.objective
@@ -396,7 +400,7 @@ def _score(
         rows = list(range(first, min(first + per_wave, len(counts))))
         if bool(cache.done[rows].all()):
             continue
-        figures = teacher.sequence_logps(row_batches(data, rows, batch, pad_id), head)
+        figures = teacher.sequence_logps(row_batches(data, rows, batch, pad_id), head, repeat=True)
         ids, logps, tail = (
             torch.cat([getattr(f, n).cpu() for f in figures]) for n in ("ids", "logps", "tail")
         )
@@ -412,11 +416,21 @@ def _score(
         stats.rows += len(rows)
         stats.tokens += len(ids)
         stats.waves += 1
-        stats.seconds, stats.disk_bytes = time.perf_counter() - since[0], disk_bytes(teacher) - since[1]
+        read, copied = _moved(teacher)
+        stats.seconds, stats.disk_bytes, stats.copied_bytes = (
+            time.perf_counter() - since[0],
+            read - since[1],
+            copied - since[2],
+        )
         log.info(
             "teacher pass: %s",
             json.dumps({"rows_done": int(cache.done.sum()), "of": len(counts), **stats.record()}),
         )
+
+
+def _moved(trainer: Any) -> tuple[int, int]:
+    """The bytes ``trainer``'s store has read from its disk and copied from the host to the device so far."""
+    return disk_bytes(trainer), trainer.store_stats().bytes_moved.get("host->device", 0)
 
 
 def frozen_teacher(recipe: Any, vocab: int, world: Any, safe_point: Any = None) -> tuple[Any, Any]:
@@ -450,7 +464,7 @@ class TeacherBeside:
         self.trainer, _ = frozen_teacher(recipe, vocab, world, safe_point)
         self.head = WholeHead(vocab)
         self.stats = TeacherPass()
-        self._moved = disk_bytes(self.trainer)
+        self._moved = _moved(self.trainer)
 
     def scored(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """``micro_batches`` (a step's, or a held-out pass's), each with its ``Full`` (``teacher``:
@@ -468,7 +482,8 @@ class TeacherBeside:
         s.tokens += sum(len(f.hidden) for f in out)
         s.waves += 1
         s.wave_rows = max(s.wave_rows, sum(len(b["input_ids"]) for b in micro_batches))
-        s.disk_bytes = disk_bytes(self.trainer) - self._moved
+        read, copied = _moved(self.trainer)
+        s.disk_bytes, s.copied_bytes = read - self._moved[0], copied - self._moved[1]
         return out
 
     def close(self) -> None:

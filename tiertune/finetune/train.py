@@ -131,12 +131,15 @@ def steps_of(recipe: Recipe) -> int:
     return load_run(recipe, World.from_env().size).steps
 
 
-def scored_rows(recipe: Recipe) -> tuple[int, int]:
-    """The data's rows and scored tokens (labels after the first that count) as the run tokenizes them."""
+def scored_rows(recipe: Recipe) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The data's rows and scored tokens (labels after the first that count) as the run tokenizes them, and the
+    held-out set's ((0, 0) where the run evaluates none)."""
     from tiertune.finetune.teacher import scored_counts
 
-    counts = scored_counts(load_run(recipe, 1).data)
-    return len(counts), sum(counts)
+    loaded = load_run(recipe, 1)
+    counts = scored_counts(loaded.data)
+    held = scored_counts(loaded.eval_data) if loaded.eval_data is not None else []
+    return (len(counts), sum(counts)), (len(held), sum(held))
 
 
 def first_micro_batch(recipe: Recipe) -> dict[str, torch.Tensor]:
