@@ -41,6 +41,16 @@ def test_the_banner_counts_skipped_rows_and_says_how_the_optimizer_runs(recipe):
     assert out.count("tiertune: full, ") == 1  # the banner once
 
 
+def test_a_run_whose_steps_clip_says_how_to_hide_their_updates(recipe):
+    """Every step clips (max_grad_norm far below the norms): after the first, each step's update runs after
+    backward, and the final line names the setting that overlaps them."""
+    done = _run("train", recipe, "training.max_grad_norm=1e-6", "-q").strip().splitlines()[-1]
+    assert "after it in 3 (clipped: 1 redone)" in done, done
+    assert "offload.delay_update: true" in done
+    calm = _run("train", recipe, "training.max_grad_norm=0", "-q", "training.overwrite_output_dir=true")
+    assert "offload.delay_update" not in calm
+
+
 def test_galore_is_named_in_the_banner(recipe):
     out = _run("train", recipe, "method.type=galore", "method.galore.rank=4", "training.max_grad_norm=0")
     assert "optimizer: GaLore AdamW (rank 4, projections refreshed every 200 steps" in out

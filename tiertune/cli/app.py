@@ -838,6 +838,11 @@ def _report(result: Any) -> None:
     if during or redone:  # the streamed optimizer overlapped backward: say how often that held
         after = counts.get("after_backward", 0)
         how = f"; optimizer during backward in {during} steps, after it in {redone + after} (clipped: {redone} redone)"
+        if after > during:  # most steps followed a clipped one: their updates waited for backward's norm
+            how += (
+                " (a step after a clipped one updates after backward; offload.delay_update: true runs every update "
+                "behind the next step, one step stale)"
+            )
     evaluated = result.evaluations
     if evaluated:  # the held-out set's loss: first, best, last
         best = min(evaluated, key=lambda r: r["eval_loss"])
