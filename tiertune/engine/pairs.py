@@ -69,9 +69,8 @@ class PairedPasses:
                     labels[:, 1:].to(device),
                     None,
                     None,
-                    teacher=teacher_of(
-                        b, device
-                    ),  # a distillation's held-out figures (``finetune.evaluation``)
+                    # a distillation's held-out figures (``finetune.evaluation``)
+                    teacher=teacher_of(b, device),
                 )  # type: ignore[arg-type]
                 visit = engine.visit = Capture(len(self.layers))
                 self._decoder(mb)

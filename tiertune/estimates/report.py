@@ -568,9 +568,8 @@ def estimate(
                 sum(n for k, n in m.items() if k.startswith("disk->")) for m in decoded.moved
             )
             est.teacher.pass_copied = tuple(m.get("host->device", 0) for m in decoded.moved)
-            if (
-                est.evaluation is not None and recipe.objective.beside
-            ):  # each evaluation pass scored by it first
+            if est.evaluation is not None and recipe.objective.beside:
+                # each evaluation pass's batches scored by it first
                 est.evaluation.teacher_pass_bytes = est.teacher.later_pass
     if measure:
 

@@ -5,12 +5,13 @@ step too with ``eval_on_start``, and early stopping on it.
 The figure is ``eval_loss``: the cross-entropy of every scored token of the set, summed and divided by their
 number (the training loss's definition, over the whole set at once), a distillation's loss against its teacher
 over the same tokens, or a preference objective's loss over the set's pairs with TRL's metrics (``evaluate``), by
-the weights as they are after the step, dropout off, without autograd. Batches are of the step's shapes (``per_device_train_batch_size`` rows, up to
-``max_seq_len`` tokens), ``gradient_accumulation_steps`` of them a pass of the layers: the budgets were planned
-for those. The pass's accesses are not the steps' trace (``StreamedTrainer.sequence_logps``); what the tiers
-cache stays cached, as after a step, so the next step reads about what it would have read without the
-evaluation. Of several processes each runs the whole set (the sharded weights are gathered by every rank alike):
-the figure is the same on each.
+the weights as they are after the step, dropout off, without autograd. Batches are of the step's shapes
+(``per_device_train_batch_size`` rows, up to ``max_seq_len`` tokens), ``gradient_accumulation_steps`` of them a
+pass of the layers: the budgets were planned for those. The pass's accesses are not the steps' trace
+(``StreamedTrainer.sequence_logps``); what the tiers cache stays cached, as after a step, so the next step reads
+about what it would have read without the evaluation. Of several processes each runs the whole set (the sharded
+weights are gathered by every rank alike): the figure is the same on each. A distillation's batches carry their
+teacher's figures (``evaluate``'s ``teacher``).
 
 Records are the Hugging Face Trainer's: one of its own in ``trainer_log.jsonl`` and ``log_history`` with
 ``eval_loss``, ``eval_runtime``, ``eval_samples_per_second``, ``eval_steps_per_second``, ``epoch`` and ``step``,
@@ -115,11 +116,8 @@ def evaluate(
             if objective is not None and objective.distills:
                 assert teacher is not None  # the run attaches the held-out set's figures
                 loss, scored = _distilled(trainer, teacher(group), objective, sums)
-                total, tokens, rows = (
-                    total + loss,
-                    tokens + scored,
-                    rows + sum(len(b["input_ids"]) for b in group),
-                )
+                total, tokens = total + loss, tokens + scored
+                rows += sum(len(b["input_ids"]) for b in group)
                 continue
             if paired:
                 loss, pairs = _pairs(trainer, group, objective, reference, sums)
