@@ -210,6 +210,11 @@ def test_several_adapters_refuse_what_they_do_not_run(tiny_model_dir, disk_dir):
 
     path, _ = tiny_model_dir("llama")
     cfg = _config(LORA, {}, 1, 1)
-    distill = dataclasses.replace(cfg, objective=ObjectiveSettings(type="distill"), others=(cfg,))
-    with pytest.raises(ConfigError, match="sft, dpo, simpo, orpo or kto"):
-        StreamedTrainer(str(path), _store(disk_dir, "distill"), distill)
+    # the teacher beside the student (top_k 0) and GRPO train alone; a distillation from cached figures does not
+    for name, objective in (
+        ("beside", ObjectiveSettings(type="distill", top_k=0)),
+        ("grpo", ObjectiveSettings(type="grpo")),
+    ):
+        alone = dataclasses.replace(cfg, objective=objective, others=(cfg,))
+        with pytest.raises(ConfigError, match="sft, dpo, simpo, orpo, kto or distill with a top_k"):
+            StreamedTrainer(str(path), _store(disk_dir, name), alone)

@@ -449,7 +449,7 @@ def test_an_adapter_exports_its_best_checkpoint_alone(tmp_path, write_recipe, ca
     monkeypatch.setattr(
         several,
         "evaluate",
-        lambda trainer, passes, *args: real(trainer, passes, *args) | {"eval_loss": next(losses)},
+        lambda trainer, passes, *args, **kw: real(trainer, passes, *args, **kw) | {"eval_loss": next(losses)},
     )
     model = cat_model(2, hidden=64)
     held_out = tmp_path / "held_out.jsonl"
@@ -489,3 +489,78 @@ def test_an_adapter_exports_its_best_checkpoint_alone(tmp_path, write_recipe, ca
     for result, step in ((a, 2), (b, 4)):
         name = "adapter_model.safetensors"
         assert_same_safetensors(result.output_dir / name, result.output_dir / f"checkpoint-{step}" / name)
+
+
+def test_distillation_adapters_train_as_their_solo_runs_and_share_the_teachers_figures(
+    tmp_path, write_recipe, cat_model
+):
+    """Two distillations (another temperature and learning rate; one evaluating a held-out set) beside an SFT
+    adapter over one NF4 base: each adapter's losses, divergence and cross-entropy, held-out figures and weights
+    are its solo run's; the teacher's figures are made once per teacher setting and data (a third distillation of
+    the first's settings reads its cache)."""
+    from safetensors.torch import load_file
+
+    from tests.finetune.test_evaluation import _eval_file
+    from tiertune.finetune.several import train_several
+    from tiertune.finetune.train import train
+
+    model, teacher = cat_model(2, hidden=64), cat_model(3, hidden=64)
+    held_out = _eval_file(tmp_path)
+
+    def distill(name, temperature, lr, **data):
+        objective = {"type": "distill", "teacher": {"path": str(teacher), "dtype": "float32"}, "top_k": 8}
+        objective |= {"beta": 0.5, "temperature": temperature, "alpha": 0.25}
+        return _recipe(
+            tmp_path,
+            write_recipe,
+            model,
+            name,
+            objective=objective,
+            training={"learning_rate": lr},
+            data=data,
+        )
+
+    evaluating = {"eval_path": str(held_out)}
+    paths = [
+        distill("a", 2.0, 1e-2, **evaluating),
+        distill("b", 1.0, 3e-3),
+        _recipe(tmp_path, write_recipe, model, "c"),
+        distill("d", 2.0, 5e-3),  # the teacher settings and data of "a": its figures from a's cache
+    ]
+    recipes = load_recipes(paths)
+    recipes[0].training.eval_strategy, recipes[0].training.eval_steps = "steps", 3
+    from tiertune.estimates.adapters import estimate_adapters, format_adapters
+
+    priced = estimate_adapters(recipes, measure=False, gpu="cpu")  # a teacher pass per setting and data
+    assert set(priced.teachers) == {0, 1, 3} and priced.teachers[3] == 0
+    assert (priced.teachers[0].rows, priced.teachers[0].held_out_rows) == (len(CAT_TEXTS), 7)
+    assert priced.teachers[1].held_out_rows == 0
+    assert "adapter 4's teacher figures: adapter 1's" in format_adapters(priced, "three")
+    results = train_several(recipes, progress=False)
+    assert [r.steps for r in results] == [3, 3, 3, 3]
+    passes = [r.teacher_pass for r in results]
+    assert (
+        passes[2] is None and passes[0]["rows"] == len(CAT_TEXTS) + 7 and passes[1]["rows"] == len(CAT_TEXTS)
+    )
+    assert passes[3]["rows"] == 0  # read from a's cache
+    for k, result in enumerate(results):
+        override = [f"training.output_dir={tmp_path / 'solo' / result.name}"]
+        if k == 0:
+            override += ["training.eval_strategy=steps", "training.eval_steps=3"]
+        solo = train(load_recipe(paths[k], override), progress=False)
+        assert result.losses == pytest.approx(solo.losses, rel=1e-5), result.name
+        records, solo_records = _log(result.output_dir), _log(solo.output_dir)
+        assert len(records) == len(solo_records)
+        for mine, theirs in zip(records, solo_records, strict=True):
+            for key in ("grad_norm", "kd_loss", "ce_loss", "eval_loss", "eval_kd_loss", "eval_ce_loss"):
+                assert (key in mine) == (key in theirs), key
+                if key in theirs:
+                    assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (result.name, key)
+        if k == 0:
+            assert [r["step"] for r in records if "eval_loss" in r] == [3]
+        mine, theirs = (
+            load_file(result.output_dir / "adapter_model.safetensors"),
+            load_file(solo.output_dir / "adapter_model.safetensors"),
+        )
+        for key in mine:
+            assert_adam_trained_close(mine[key], theirs[key], key)

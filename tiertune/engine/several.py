@@ -106,14 +106,16 @@ class AdapterStep:
 
 def check(config: Any) -> None:
     """ConfigError where several adapters over one base (``config.others``) cannot run yet: an adapter not LoRA,
-    or whose objective is neither SFT nor a preference objective."""
+    or whose objective is neither SFT, a preference objective nor a distillation from cached figures."""
     if not config.others:
         return
     for c in config.adapter_configs:
-        if c.method != "lora" or not (c.objective.type == "sft" or c.objective.paired):
+        o = c.objective
+        if c.method != "lora" or not (o.type == "sft" or o.paired or (o.distills and not o.beside)):
             raise ConfigError(
-                "several adapters over one base train LoRA adapters with objective.type sft, dpo, simpo, orpo or "
-                f"kto (this one: method.type {c.method}, objective.type {c.objective.type}); train it alone"
+                "several adapters over one base train LoRA adapters with objective.type sft, dpo, simpo, orpo, kto "
+                f"or distill with a top_k (this one: method.type {c.method}, objective.type {o.type}); train it "
+                "alone"
             )
 
 

@@ -88,7 +88,7 @@ class Suffixes(PairedPasses):
             loss_sum = None
             if self.objective_of(parts[0]).distills:
                 teacher = parts[0].teacher if one else cat_teachers([mb.teacher for mb in parts])
-                loss_sum = self._distill_loss(leaf, ids, extra, target, teacher)
+                loss_sum = self._distill_loss(leaf, ids, extra, target, teacher, parts[0])
             total += several.backward(
                 engine, leaf, (ids, extra, target), parts, n_tokens, loss_sum, self.adapter_losses
             )
@@ -168,12 +168,20 @@ class Suffixes(PairedPasses):
         return engine.compute.value(loss.detach()) * share * n_tokens, aux_value
 
     def _distill_loss(
-        self, leaf: torch.Tensor, ids: torch.Tensor, extra: dict, target: torch.Tensor, teacher: Any
+        self,
+        leaf: torch.Tensor,
+        ids: torch.Tensor,
+        extra: dict,
+        target: torch.Tensor,
+        teacher: Any,
+        head: Micro,
     ) -> torch.Tensor:
-        """A distillation's summed loss of a stack of micro-batches (``CausalLMLoss.distill``), its
-        cross-entropy and divergence added to the step's metrics (``ce_loss``, ``kd_loss``: by token)."""
+        """A distillation's summed loss of a stack of micro-batches of one adapter (``head``'s: its objective's
+        settings; ``CausalLMLoss.distill``), its cross-entropy and divergence added to the step's metrics (of
+        several adapters, that adapter's: ``ce_loss``, ``kd_loss``, by token)."""
         engine = self.engine
-        o = engine.objective
+        o = self.objective_of(head)
+        into = self.metrics_of(head)
         if teacher is None and not engine.compute.ledger:  # a ledger's step computes nothing
             raise StateError("a distillation step's micro-batch carries no teacher figures")
         loss_sum, ce, kd = engine.compute.distill(
@@ -181,14 +189,15 @@ class Suffixes(PairedPasses):
         )
         count = engine.compute.value((target != IGNORE_INDEX).sum())
         for name, value in (("ce_loss", ce), ("kd_loss", kd)):
-            total_value, total_count = self.metrics.get(name, (0.0, 0.0))
-            self.metrics[name] = (total_value + engine.compute.value(value), total_count + count)
+            total_value, total_count = into.get(name, (0.0, 0.0))
+            into[name] = (total_value + engine.compute.value(value), total_count + count)
         return loss_sum
 
     def _suffix_stacks(self, micro: Sequence[Micro], among: Sequence[int]) -> list[list[int]]:
         """The micro-batches ``among`` (indices into ``micro``) the final norm, head and loss run on together: as
         ``stacks`` (at most ``stack_limit`` tokens, no router loss per micro-batch), those of one sequence
-        length with the same inputs beside the ids (an attention mask in all or in none)."""
+        length with the same inputs beside the ids (an attention mask in all or in none); a distillation's
+        micro-batches only with those of their own adapter (its loss and divisor are one adapter's)."""
         limit = self.engine.config.stack_limit
         if limit <= 0 or self.engine.router_aux is not None:
             return [[j] for j in among]
@@ -197,6 +206,10 @@ class Suffixes(PairedPasses):
             limit,
             lambda head, mb: (
                 several.shares(self.engine.adapters, head, mb)
+                and (
+                    mb.adapter == head.adapter
+                    or not (self.objective_of(head).distills or self.objective_of(mb).distills)
+                )
                 and (mb.shape[1:], sorted(mb.extra)) == (head.shape[1:], sorted(head.extra))
             ),
         )

@@ -9,20 +9,24 @@ they fit is ``config.several``'s verdict, the one ``tiertune train`` checks: whe
 (the first k of the recipes) that do; where they fit, about how many more like them would, from the growth per
 adapter between one and all of them (linear: each adapter adds its own states and micro-batches). Each adapter
 that evaluates has its evaluations priced as the run makes them, passes of the base with it alone
-(``Estimate.adapter_evaluations``, ``estimates.evaluation``)."""
+(``Estimate.adapter_evaluations``, ``estimates.evaluation``). Each distillation's teacher pass is priced as its
+recipe's alone (``estimates.teacher``), once for the adapters of one teacher, its settings and data: the later
+ones read the first's cached figures."""
 
 from __future__ import annotations
 
 import copy
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from tiertune.config.recipe import Recipe
 from tiertune.config.several import Fit, Fitting, fit, fitting
-from tiertune.errors import ConfigError
+from tiertune.errors import ConfigError, TiertuneError
 from tiertune.estimates.evaluation import format_evaluation
 from tiertune.estimates.report import Estimate, estimate
 from tiertune.estimates.speed import Probes, resolve_gpu
+from tiertune.estimates.teacher import TeacherEstimate, format_teacher
 from tiertune.loading.hub import config_directory
 from tiertune.units import format_seconds, format_size
 
@@ -42,6 +46,9 @@ class AdaptersEstimate:
     fitting: Fitting
     alone: Fit  # the first adapter's step alone on the ledger (what ``more`` grows from)
     more: int = 0
+    # each distilling adapter's teacher pass, by its place among the recipes, or the place of the adapter whose
+    # cached figures it reads (the same teacher, settings and data)
+    teachers: dict[int, TeacherEstimate | int] | None = None
 
     @property
     def fits(self) -> bool:
@@ -76,6 +83,10 @@ class AdaptersEstimate:
             ],
             "refusal": f.refusal(),
             "evaluations": {str(i): e.as_json() for i, e in self.all.adapter_evaluations.items()},
+            "teacher_passes": {
+                str(i): {"reads_the_figures_of": t} if isinstance(t, int) else t.as_json()
+                for i, t in (self.teachers or {}).items()
+            },
             "one": self.one.as_json(),
             "all": self.all.as_json(),
         }
@@ -110,7 +121,51 @@ def estimate_adapters(recipes: list[Recipe], measure: bool = True, gpu: str = "a
         all_of = found.tried[0].held(found.on_gpu)
         per = (all_of - alone.held(found.on_gpu)) / (len(runs) - 1)
         more = int((found.limit - all_of) // per) if per > 0 else 0
-    return AdaptersEstimate(len(recipes), one, whole, found, alone, more)
+    teachers: dict[int, TeacherEstimate | int] = {}
+    made: dict[Any, int] = {}  # a set's teacher figures -> the first adapter whose pass makes them
+    for i, r in enumerate(recipes):
+        if not r.objective.distills:
+            continue
+        sets = _figure_sets(r)
+        if all(key in made for key in sets):  # every set's figures cached by an earlier adapter's pass
+            teachers[i] = made[sets[0]]
+            continue
+        for key in sets:
+            made.setdefault(key, i)
+        priced = one if i == 0 else estimate(r, measure=measure, gpu=gpu, probes=probes)
+        assert priced.teacher is not None  # a distillation's estimate prices its teacher pass
+        teachers[i] = priced.teacher
+    return AdaptersEstimate(len(recipes), one, whole, found, alone, more, teachers or None)
+
+
+def _figure_sets(recipe: Recipe) -> list[Any]:
+    """The keys of a distillation's cached teacher figures of its data and held-out set (``finetune.teacher``'s,
+    of the data as the run tokenizes it; where it cannot be read here, what the recipe says they depend on): a
+    pass scores the sets no earlier one did (one that scores any is priced whole)."""
+    from tiertune.finetune.teacher import cache_key
+    from tiertune.finetune.train import load_run, vocabulary_size
+
+    recipe = copy.deepcopy(recipe)
+    recipe.objective.teacher.path = config_directory(recipe.objective.teacher.path)
+    try:
+        loaded = load_run(recipe, 1)
+        vocab = vocabulary_size(recipe.model.path)
+        held = [loaded.eval_data] if loaded.eval_data is not None else []
+        return [cache_key(recipe, data, vocab) for data in [loaded.data, *held]]
+    except (TiertuneError, OSError):
+        t, o, d = recipe.objective.teacher, recipe.objective, recipe.data
+        settings = (
+            t.path,
+            t.dtype,
+            t.quantize,
+            recipe.kernels,
+            o.top_k,
+            o.temperature,
+            d.format,
+            d.max_seq_len,
+        )
+        paths = [d.path] + ([d.eval_path] if recipe.evaluates and d.eval_path else [])
+        return [(*settings, d.add_eos, p) for p in paths]
 
 
 def _flops(n: float) -> str:
@@ -152,6 +207,14 @@ def format_adapters(est: AdaptersEstimate, title: str) -> str:
         each = [e.total_seconds for e in whole.adapter_evaluations.values()]
         if all(n is not None for n in each):
             lines.append(f"  => their evaluations: {format_seconds(sum(each))} more over the run, at most")
+    for i, teacher in (est.teachers or {}).items():
+        if isinstance(teacher, int):
+            lines.append(
+                f"adapter {i + 1}'s teacher figures: adapter {teacher + 1}'s (the same teacher, settings and data)"
+            )
+            continue
+        head, *rest = format_teacher(teacher)
+        lines += [f"adapter {i + 1}'s {head}", *rest]
     if est.fits:
         f = est.fitting
         where = "the GPU" if f.on_gpu else "this machine's RAM"

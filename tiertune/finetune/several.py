@@ -19,7 +19,11 @@ later steps, nor one whose loss or gradient norm is not finite (its run stops th
 saved or exported after its last good step; the others go on, and the run ends with its message). SIGINT or
 SIGTERM stops the run at its next safe point (``Interrupted``). An adapter whose recipe evaluates
 (``training.eval_strategy: steps``) gets its held-out loss in a pass of the base with its adapter alone, and stops
-early on it alone (``finetune.evaluation``). Not yet: distillation."""
+early on it alone (``finetune.evaluation``). A distillation's adapter (``objective.type: distill`` with a cached
+``top_k``) has its teacher's figures of its data and held-out set made before the base is loaded
+(``finetune.teacher``: each pass holds the budgets alone; recipes of the same teacher, settings and data read one
+cache); its micro-batches carry them, and its stacks of the head are its own. Not yet: the teacher beside the
+student (``top_k: 0``) and GRPO."""
 
 from __future__ import annotations
 
@@ -78,6 +82,7 @@ class AdapterResult:
     eval_loss: float | None = None  # its last evaluation's (``training.eval_strategy: steps``)
     stopped_early: int | None = None  # the step after which early stopping ended it
     best_checkpoint: Path | None = None  # exported in place of its last step (``load_best_model_at_end``)
+    teacher_pass: dict[str, Any] | None = None  # a distillation's teacher pass (``TeacherPass.record``)
 
 
 @dataclass
@@ -92,6 +97,7 @@ class _Adapter:
     stream: Any = None
     stopped: bool = False  # its loss or gradient norm was not finite: it takes no part in later steps
     eval_passes: list = field(default_factory=list)  # its held-out set (``finetune.evaluation``)
+    eval_teacher: Any = None  # a distillation's: the held-out batches with their teacher's figures
     early: EarlyStopping | None = None
     kept: tuple[Path, float] | None = None  # its best checkpoint and eval_loss (``load_best_model_at_end``)
 
@@ -112,6 +118,8 @@ def train_several(recipes: list[Recipe], progress: bool = True) -> list[AdapterR
     world = World.from_env()
     for recipe in recipes:
         recipe.model.path = model_directory(recipe.model.path)
+        if recipe.objective.distills:
+            recipe.objective.teacher.path = model_directory(recipe.objective.teacher.path)
         _refuse(recipe)
     runs = [resolve(r, world) for r in recipes]
     _admit(runs, world)
@@ -183,10 +191,15 @@ def _admit(runs: list, world: World) -> None:
 def _refuse(recipe: Recipe) -> None:
     """ConfigError for what several recipes over one base do not run yet."""
     kind = recipe.objective.type
-    if not (kind == "sft" or recipe.objective.paired):
+    if not (kind in ("sft", "distill") or recipe.objective.paired):
         raise ConfigError(
-            f"objective.type is {kind}: several adapters train with sft, dpo, simpo, orpo or kto (recipe of "
-            f"{recipe.training.output_dir}); train that recipe alone"
+            f"objective.type is {kind}: several adapters train with sft, dpo, simpo, orpo, kto or distill (recipe "
+            f"of {recipe.training.output_dir}); train that recipe alone"
+        )
+    if recipe.objective.beside:
+        raise ConfigError(
+            f"objective.top_k is 0 in {recipe.training.output_dir}'s recipe: the teacher beside the student trains "
+            "alone in this release; set objective.top_k (64: its figures cached before the run) or train it alone"
         )
 
 
@@ -219,6 +232,9 @@ def _train(
             ),
         )
     path = adapters[0].recipe.model.path
+    for a in adapters:  # a distillation's teacher figures first: each teacher pass holds the budgets alone
+        if a.recipe.objective.distills:
+            _teacher_figures(a, world, stop)
     trainer = StreamedTrainer(path, store, engine, safe_point=stop.check, world=world)
     try:
         for a in adapters:
@@ -350,13 +366,29 @@ def _record(
         _save(trainer, a, step.grad_norm, world.size)
 
 
+def _teacher_figures(a: _Adapter, world: World, stop: Any) -> None:
+    """Adapter ``a``'s teacher figures of its data and held-out set (``finetune.teacher.teacher_figures_of``, read
+    from their caches where another adapter's pass or an earlier run made them): its stream's batches carry them,
+    and its evaluations' batches."""
+    from tiertune.finetune.teacher import teacher_figures_of, with_teacher
+    from tiertune.finetune.train import vocabulary_size
+
+    r, ld = a.recipe, a.loaded
+    sets = [ld.data] if ld.eval_data is None else [ld.data, ld.eval_data]
+    caches, ran = teacher_figures_of(r, sets, ld.pad_id, vocabulary_size(r.model.path), world, stop.check)
+    a.result.teacher_pass = ran.record()
+    a.stream = with_teacher(a.stream, caches[0])
+    if len(caches) > 1:
+        a.eval_teacher = caches[1].carried
+
+
 def _evaluate(trainer: Any, a: _Adapter, at: dict[str, Any], world: World) -> float:
     """Adapter ``a``'s held-out loss now (``at``: the record's epoch and step), in a pass of the base with it
     alone: logged (by rank 0 of several) and counted for its early stopping (which may end it: not at step 0,
     the Trainer's eval_on_start); returns the loss."""
     res = a.result
     trainer.adapters.activate(res.name)
-    evaluated = evaluate(trainer, a.eval_passes, a.recipe.objective) | at
+    evaluated = evaluate(trainer, a.eval_passes, a.recipe.objective, teacher=a.eval_teacher) | at
     a.history.append(evaluated)
     if world.is_main:
         with open(res.output_dir / LOG_NAME, "a") as f:

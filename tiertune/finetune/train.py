@@ -257,7 +257,7 @@ def load_run(recipe: Recipe, ranks: int) -> Loaded:
     if recipe.objective.distills:  # before any weight is read
         check_tokenizers(recipe.model.path, recipe.objective.teacher.path)
         check_quantization(recipe.objective.teacher)
-        vocab = _vocabulary(recipe.model.path)
+        vocab = vocabulary_size(recipe.model.path)
         if recipe.objective.top_k >= vocab:
             raise ConfigError(
                 f"objective.top_k is {recipe.objective.top_k}, and the vocabulary has {vocab} tokens: keep fewer "
@@ -322,10 +322,10 @@ def _run(
     # a distillation's held-out batches with their teacher's figures (``finetune.evaluation``)
     eval_teacher: Callable[[Sequence[dict]], list[dict]] | None = None
     if recipe.objective.beside:  # the teacher beside the student, each within its share of the budgets
-        beside = TeacherBeside(recipe, _vocabulary(recipe.model.path), world, stop.check)
+        beside = TeacherBeside(recipe, vocabulary_size(recipe.model.path), world, stop.check)
         eval_teacher = beside.scored
     elif recipe.objective.distills:  # the teacher's figures first: its pass holds the budgets alone
-        vocab = _vocabulary(recipe.model.path)
+        vocab = vocabulary_size(recipe.model.path)
         sets = [data] if loaded.eval_data is None else [data, loaded.eval_data]
         caches, teacher_pass = teacher_figures_of(recipe, sets, loaded.pad_id, vocab, world, stop.check)
         result.teacher_pass = teacher_pass.record()
@@ -656,7 +656,7 @@ def tokenizer_of(model_path: str) -> Any:
         ) from None
 
 
-def _vocabulary(model_path: str) -> int:
+def vocabulary_size(model_path: str) -> int:
     """The model's vocabulary (its config's ``vocab_size``)."""
     from tiertune.loading.model import decoder_config
 
