@@ -539,6 +539,15 @@ def test_a_distillations_held_out_loss_is_a_plain_loops_on_the_same_weights(
         assert not (tmp_path / "nvme" / "teacher-topk").exists()
 
 
+def _as_read(planned: int, later: int, ran: int, teacher) -> bool:
+    """Whether a teacher pass's run moved what the estimate says: the ledger counts the last wave's prefetch of
+    the first layers of a wave that does not come (a later wave's reads at most), which the run may not have
+    landed when its figures are taken (on a busy machine); and within a layer's bytes (of 4) beside that, a
+    prefetch landing late leaving one more chunk cached."""
+    slack = teacher.weight_bytes / 4
+    return planned - later - slack <= ran <= planned + slack
+
+
 @pytest.mark.parametrize("top_k", [8, 0], ids=["cached-top-k", "teacher-beside"])
 def test_the_estimate_prices_a_distillations_evaluations_as_the_run_makes_them(
     tmp_path, write_recipe, models, cat_model, top_k
@@ -588,15 +597,16 @@ def test_the_estimate_prices_a_distillations_evaluations_as_the_run_makes_them(
         assert len(caches) == 2 and planned.waves == ran["waves"] == 3 + 2  # 12 rows, then 7, 4 a wave
         # the first wave reads the weights, each later one what the budgets did not keep: as the run read them
         assert 0 < planned.later_pass < planned.pass_bytes[0] and planned.read_bytes == planned.bytes_over(5)
-        # within a layer's bytes (of 4): on a busy machine a prefetch landing late can leave one more chunk cached
-        assert abs(planned.read_bytes - ran["disk_bytes"]) <= planned.weight_bytes / 4, (
+        assert _as_read(planned.read_bytes, planned.later_pass, ran["disk_bytes"], planned), (
             planned.pass_bytes,
             ran,
         )
         at = est.as_json()["teacher_pass"]["bytes_per_token_at_wave"]
         assert at["1"] > at["4"] > at["64"]  # fewer waves, fewer bytes a token
         # and the copies to the device, each wave's as the run made them
-        assert abs(planned.copied_bytes - ran["host_to_device_bytes"]) <= planned.weight_bytes / 4, (
+        assert _as_read(
+            planned.copied_bytes, planned.pass_copied[-1], ran["host_to_device_bytes"], planned
+        ), (
             planned.pass_copied,
             ran,
         )
@@ -612,7 +622,7 @@ def test_the_estimate_prices_a_distillations_evaluations_as_the_run_makes_them(
             and evaluation.teacher_pass_bytes == planned.later_pass
         )
         assert ran["waves"] == 3 + 2 * 2
-        assert abs(planned.bytes_over(ran["waves"]) - ran["disk_bytes"]) <= planned.weight_bytes / 4, (
+        assert _as_read(planned.bytes_over(ran["waves"]), planned.later_pass, ran["disk_bytes"], planned), (
             planned.pass_bytes,
             ran,
         )
