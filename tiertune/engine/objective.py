@@ -66,6 +66,13 @@ def metric_names(settings: ObjectiveSettings) -> tuple[str, ...]:
     return names + EXTRA_METRICS.get(settings.type, ())
 
 
+def add_metric(sums: dict[str, tuple[float, float]], name: str, value: float, count: float) -> None:
+    """Add ``value``, over ``count`` of what it is a mean of, into ``sums``'s ``name`` (a sum and a count, as
+    ``step_metrics`` reads them)."""
+    before = sums.get(name, (0.0, 0.0))
+    sums[name] = (before[0] + value, before[1] + count)
+
+
 def step_metrics(
     settings: ObjectiveSettings, sums: dict[str, tuple[float, float]], total: Callable[[float], Any]
 ) -> dict[str, float]:

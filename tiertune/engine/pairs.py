@@ -13,6 +13,7 @@ import torch
 
 from tiertune.engine import several
 from tiertune.engine.micro import Micro, harvest
+from tiertune.engine.objective import add_metric
 from tiertune.engine.streaming import Capture, StepEngine, Stop, Suffix
 from tiertune.engine.teacher import teacher_of
 from tiertune.errors import StateError
@@ -175,8 +176,7 @@ class PairedPasses:
                 self.adapter_losses[mb.adapter] = self.adapter_losses.get(mb.adapter, 0.0) + value
             into = self.metrics_of(mb)
             for name, (summed_value, count) in metrics.items():
-                total_value, total_count = into.get(name, (0.0, 0.0))
-                into[name] = (total_value + summed_value, total_count + count)
+                add_metric(into, name, summed_value, count)
             if leaf.grad is None:
                 raise StateError("the loss does not depend on the last decoder layer's output")
             mb.grad = leaf.grad

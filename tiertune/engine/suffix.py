@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from tiertune.engine import several
 from tiertune.engine.micro import Micro, harvest, stacked_inputs
+from tiertune.engine.objective import add_metric
 from tiertune.engine.pairs import PairedPasses
 from tiertune.engine.stacking import first_fit
 from tiertune.engine.streaming import Suffix
@@ -163,8 +164,7 @@ class Suffixes(PairedPasses):
         into = self.metrics_of(mb)
         for name, value in metrics.items():
             if value == value:  # a NaN (no completion token clipped or not) counts nothing, as TRL's nanmean
-                total_value, count = into.get(name, (0.0, 0.0))
-                into[name] = (total_value + value, count + 1.0)
+                add_metric(into, name, value, 1.0)
         return engine.compute.value(loss.detach()) * share * n_tokens, aux_value
 
     def _distill_loss(
@@ -189,8 +189,7 @@ class Suffixes(PairedPasses):
         )
         count = engine.compute.value((target != IGNORE_INDEX).sum())
         for name, value in (("ce_loss", ce), ("kd_loss", kd)):
-            total_value, total_count = into.get(name, (0.0, 0.0))
-            into[name] = (total_value + engine.compute.value(value), total_count + count)
+            add_metric(into, name, engine.compute.value(value), count)
         return loss_sum
 
     def _suffix_stacks(self, micro: Sequence[Micro], among: Sequence[int]) -> list[list[int]]:

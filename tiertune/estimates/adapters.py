@@ -143,7 +143,8 @@ def _figure_sets(recipe: Recipe) -> list[Any]:
     of the data as the run tokenizes it; where it cannot be read here, what the recipe says they depend on): a
     pass scores the sets no earlier one did (one that scores any is priced whole)."""
     from tiertune.finetune.teacher import cache_key
-    from tiertune.finetune.train import load_run, vocabulary_size
+    from tiertune.finetune.train import load_run
+    from tiertune.loading.model import vocabulary_size
 
     recipe = copy.deepcopy(recipe)
     recipe.objective.teacher.path = config_directory(recipe.objective.teacher.path)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from tiertune.engine.objective import add_metric
 from tiertune.errors import DataError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
@@ -166,8 +167,7 @@ def _distilled(
         n = scored_tokens(batch)
         total, tokens = total + float(loss), tokens + n
         for name, value in (("kd_loss", kd), ("ce_loss", ce)):
-            before = sums.get(name, (0.0, 0.0))
-            sums[name] = (before[0] + float(value), before[1] + n)
+            add_metric(sums, name, float(value), n)
     return total, tokens
 
 
@@ -207,8 +207,7 @@ def _pairs(
         total += float(losses.double().sum())
         pairs += int(counted(completion.sum(1)).sum())  # (KTO's: a row and its KL sequence)
         for name, (value, count) in metrics.items():
-            before = sums.get(name, (0.0, 0.0))
-            sums[name] = (before[0] + value, before[1] + count)
+            add_metric(sums, name, value, count)
     return total, pairs
 
 

@@ -367,19 +367,13 @@ def _record(
 
 
 def _teacher_figures(a: _Adapter, world: World, stop: Any) -> None:
-    """Adapter ``a``'s teacher figures of its data and held-out set (``finetune.teacher.teacher_figures_of``, read
+    """Adapter ``a``'s teacher figures of its data and held-out set (``finetune.teacher.carried_figures``, read
     from their caches where another adapter's pass or an earlier run made them): its stream's batches carry them,
     and its evaluations' batches."""
-    from tiertune.finetune.teacher import teacher_figures_of, with_teacher
-    from tiertune.finetune.train import vocabulary_size
+    from tiertune.finetune.teacher import carried_figures
 
-    r, ld = a.recipe, a.loaded
-    sets = [ld.data] if ld.eval_data is None else [ld.data, ld.eval_data]
-    caches, ran = teacher_figures_of(r, sets, ld.pad_id, vocabulary_size(r.model.path), world, stop.check)
+    a.stream, a.eval_teacher, ran = carried_figures(a.recipe, a.loaded, a.stream, world, stop.check)
     a.result.teacher_pass = ran.record()
-    a.stream = with_teacher(a.stream, caches[0])
-    if len(caches) > 1:
-        a.eval_teacher = caches[1].carried
 
 
 def _evaluate(trainer: Any, a: _Adapter, at: dict[str, Any], world: World) -> float:

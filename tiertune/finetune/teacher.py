@@ -375,6 +375,22 @@ def teacher_figures_of(
     return caches, stats
 
 
+def carried_figures(
+    recipe: Any, loaded: Any, stream: Iterator[dict[str, torch.Tensor]], world: Any, safe_point: Any = None
+) -> tuple[
+    Iterator[dict[str, torch.Tensor]], Callable[..., list[dict[str, torch.Tensor]]] | None, TeacherPass
+]:
+    """A run's teacher figures (``teacher_figures_of`` of ``loaded``'s data, then its held-out set): ``stream``'s
+    batches carrying theirs (``with_teacher``), what gives an evaluation pass's batches theirs (None: no held-out
+    set), and the pass."""
+    from tiertune.loading.model import vocabulary_size
+
+    sets = [loaded.data] if loaded.eval_data is None else [loaded.data, loaded.eval_data]
+    vocab = vocabulary_size(recipe.model.path)
+    caches, ran = teacher_figures_of(recipe, sets, loaded.pad_id, vocab, world, safe_point)
+    return with_teacher(stream, caches[0]), (caches[1].carried if len(caches) > 1 else None), ran
+
+
 def _score(
     teacher: Any,
     recipe: Any,
@@ -534,6 +550,7 @@ __all__ = [
     "beside_teacher",
     "cache_dir",
     "cache_key",
+    "carried_figures",
     "check_quantization",
     "check_tokenizers",
     "frozen_teacher",

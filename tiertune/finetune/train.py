@@ -76,13 +76,13 @@ from tiertune.finetune.signals import StopOnSignals, stop_on_signals
 from tiertune.finetune.teacher import (
     TeacherBeside,
     beside_teacher,
+    carried_figures,
     check_quantization,
     check_tokenizers,
-    teacher_figures_of,
-    with_teacher,
 )
 from tiertune.kernels.patch import describe
 from tiertune.loading.hub import model_directory
+from tiertune.loading.model import vocabulary_size
 from tiertune.offload.store import StoreConfig
 from tiertune.offload.tiers import BUDGET_SETTING, Tier
 from tiertune.units import format_size
@@ -325,13 +325,8 @@ def _run(
         beside = TeacherBeside(recipe, vocabulary_size(recipe.model.path), world, stop.check)
         eval_teacher = beside.scored
     elif recipe.objective.distills:  # the teacher's figures first: its pass holds the budgets alone
-        vocab = vocabulary_size(recipe.model.path)
-        sets = [data] if loaded.eval_data is None else [data, loaded.eval_data]
-        caches, teacher_pass = teacher_figures_of(recipe, sets, loaded.pad_id, vocab, world, stop.check)
+        stream, eval_teacher, teacher_pass = carried_figures(recipe, loaded, stream, world, stop.check)
         result.teacher_pass = teacher_pass.record()
-        stream = with_teacher(stream, caches[0])
-        if len(caches) > 1:
-            eval_teacher = caches[1].carried
         stop.check()
     rollouts: Rollouts | None = None
     eval_reference = None
@@ -654,13 +649,6 @@ def tokenizer_of(model_path: str) -> Any:
             )
             + "); save the model's tokenizer there (tokenizer.save_pretrained)"
         ) from None
-
-
-def vocabulary_size(model_path: str) -> int:
-    """The model's vocabulary (its config's ``vocab_size``)."""
-    from tiertune.loading.model import decoder_config
-
-    return int(decoder_config(model_path).vocab_size)
 
 
 def _check_vocabulary(data: Any, model_path: str) -> None:

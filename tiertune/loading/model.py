@@ -151,6 +151,11 @@ MULTIMODAL_INPUTS = (
 """Arguments of a model's forward that only a model of images, video or sound takes."""
 
 
+def vocabulary_size(directory: str | os.PathLike[str]) -> int:
+    """The model's vocabulary (its decoder config's ``vocab_size``)."""
+    return int(decoder_config(directory).vocab_size)
+
+
 def not_trainable(config: Any) -> str:
     """Why tiertune cannot fine-tune the model ``config`` describes, and what to do instead ("" when it can):
     it must be a decoder-only causal LM (what ``AutoModelForCausalLM`` builds from it), or a multimodal class
