@@ -143,7 +143,8 @@ class ObjectiveSettings:
     reward-function signature) weighted by ``reward_weights``, and trains on their advantages (``scale_rewards``)
     with the clipped objective (``epsilon``, ``epsilon_high``), ``beta`` times the KL to the reference (0: none),
     each generation used for ``num_iterations`` steps, normalised per ``loss_type`` (``engine.grpo``);
-    ``mask_truncated_completions`` leaves completions without an EOS out of the loss."""
+    ``mask_truncated_completions`` leaves completions without an EOS out of the loss; an evaluation samples
+    ``num_generations_eval`` completions of each held-out prompt (``finetune.grpo_evaluation``)."""
 
     type: str = field(default="sft", metadata=choices(*OBJECTIVES))
     beta: float | None = None
@@ -162,6 +163,8 @@ class ObjectiveSettings:
     alpha: float = 0.0  # distill: the weight of the cross-entropy on the data (1 - alpha: the divergence's)
     # grpo (GRPOConfig's names and defaults)
     num_generations: int = 8  # completions sampled per prompt (a group)
+    # an evaluation's completions per held-out prompt (training.eval_strategy; null: num_generations)
+    num_generations_eval: int | None = None
     max_completion_length: int = 512  # a completion's tokens at most
     top_p: float = 1.0
     epsilon: float = 0.2  # the ratio's clip below (and above, without epsilon_high)
@@ -225,6 +228,12 @@ class ObjectiveSettings:
     def rollouts(self) -> bool:
         """Whether a step trains on completions the model samples itself, scored by rewards (``type: grpo``)."""
         return self.type == "grpo"
+
+    @property
+    def generations_eval(self) -> int:
+        """GRPO: the completions an evaluation samples of each held-out prompt (``num_generations_eval``, else
+        ``num_generations``)."""
+        return self.num_generations_eval or self.num_generations
 
     @property
     def distills(self) -> bool:

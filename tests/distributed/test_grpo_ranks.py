@@ -2,7 +2,7 @@
 completions. Each rank samples its prompts' completions (each from its own generator: the same completions on any
 number of processes), the rewards are gathered for the groups' advantages, and the steps' losses, KL terms and
 rewards are one process's; a full fine-tune's reference, the initial weights beside the policy, is sharded on
-every rank as the policy is."""
+every rank as the policy is. Each rank evaluates the whole held-out set: its figures are one process's."""
 
 import json
 
@@ -25,13 +25,21 @@ def test_two_ranks_train_grpo_as_one_process(
     data.write_text("".join(json.dumps({"prompt": " ".join(t.split()[:2])}) + "\n" for t in CAT_TEXTS[:8]))
     rewards = tmp_path / "rewards.py"
     rewards.write_text(REWARDS)
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"the {a} cat"}) + "\n" for a in ("red", "old", "fat")))
 
     def recipe(name, batch):
         return write_recipe(
             tmp_path,
             cat_model(2),
             name=name,
-            data={"path": str(data), "format": "prompt", "shuffle": False, "max_seq_len": 32},
+            data={
+                "path": str(data),
+                "format": "prompt",
+                "shuffle": False,
+                "max_seq_len": 32,
+                "eval_path": str(held_out),
+            },
             method={"type": method, "lora": {"r": 4, "dropout": 0.0}},
             objective={
                 "type": "grpo",
@@ -40,6 +48,7 @@ def test_two_ranks_train_grpo_as_one_process(
                 "beta": 0.04,
                 "loss_type": loss_type,
                 "reward_funcs": [f"{rewards}:cats"],
+                "num_generations_eval": 3,
             },
             training={
                 "output_dir": str(tmp_path / name),
@@ -47,6 +56,8 @@ def test_two_ranks_train_grpo_as_one_process(
                 "gradient_accumulation_steps": 2,
                 "max_steps": 3,
                 "save_steps": 0,
+                "eval_strategy": "steps",
+                "eval_steps": 2,
                 "learning_rate": 2e-2 if method == "lora" else 3e-3,
             },
             offload={
@@ -64,6 +75,11 @@ def test_two_ranks_train_grpo_as_one_process(
     for field in ("loss", "reward", "reward_std", "completions/mean_length"):
         want, got = losses(tmp_path / "one", field), losses(tmp_path / "two", field)
         assert list(got) == list(want) == [1, 2, 3]
+        for step, value in got.items():
+            assert value == pytest.approx(want[step], rel=1e-5, abs=1e-7), (field, step)
+    for field in ("eval_loss", "eval_reward", "eval_kl", "eval_completions/mean_length"):
+        want, got = losses(tmp_path / "one", field), losses(tmp_path / "two", field)
+        assert list(got) == list(want) == [2, 3]  # every 2 steps and after the last
         for step, value in got.items():
             assert value == pytest.approx(want[step], rel=1e-5, abs=1e-7), (field, step)
     assert any(v != 0 for v in losses(tmp_path / "two", "loss").values())

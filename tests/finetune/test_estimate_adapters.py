@@ -117,12 +117,14 @@ def test_each_adapters_evaluation_is_priced_as_the_run_makes_it(tmp_path, write_
     est = estimate_adapters(recipes, measure=False)
     priced = est.all.adapter_evaluations
     assert sorted(priced) == [0, 2]
-    assert [(p.rows, p.passes, p.evaluations) for p in priced.values()] == [(4, 2, 1), (5, 3, 1)]
+    # after step 3 and after the last, 4
+    assert [(p.rows, p.passes, p.evaluations) for p in priced.values()] == [(4, 2, 2), (5, 3, 2)]
     assert "adapter 1's evaluation: 4 held-out rows in 2 passes" in format_adapters(est, "t")
     results = train_several(recipes, progress=False)
     a, _, d = ([r for r in _log(res.output_dir) if "step" in r] for res in results)
-    (a_eval,) = [r for r in a if "eval_loss" in r]
-    (d_eval,) = [r for r in d if "eval_loss" in r]
+    a_eval, _ = [r for r in a if "eval_loss" in r]  # (the first: after step 3)
+    d_eval, _ = [r for r in d if "eval_loss" in r]
+    assert a_eval["step"] == d_eval["step"] == 3
     step3 = next(r for r in a if r.get("step") == 3 and "grad_norm" in r)["bytes_moved"]
     for p, start, end in ((priced[0], step3, a_eval), (priced[2], a_eval["bytes_moved"], d_eval)):
         moved = {k: n - start.get(k, 0) for k, n in end["bytes_moved"].items()}

@@ -202,10 +202,10 @@ def test_a_run_stops_early_is_finished_and_resumes_under_a_larger_patience(tmp_p
         ),
         ({"load_best_model_at_end": True}, {}, {}, "training.load_best_model_at_end exports the checkpoint"),
         (
-            {"eval_strategy": "steps", "per_device_train_batch_size": 2},
-            {"eval_path": "x.jsonl", "format": "prompt"},
-            {"type": "grpo", "reward_funcs": ["tiertune.rewards:length"]},
-            "is not evaluated in this release",
+            {"eval_strategy": "steps", "metric_for_best_model": "reward"},
+            {"eval_path": "x.jsonl"},
+            {},
+            "training.metric_for_best_model reward is GRPO's",
         ),
     ],
 )
@@ -242,8 +242,9 @@ def test_estimate_says_what_an_evaluation_adds(tmp_path, write_recipe, cat_model
     est = estimate(load_recipe(path), measure=False)
     (note,) = [n for n in est.notes if n.startswith("evaluation")]
     assert "every 50 steps" in note and "priced below" in note and "after 3 evaluations" in note
-    # the training recipe's 3 steps hold no 50th: the set's 7 rows are 2 passes of 4 rows, never made
-    assert (est.evaluation.rows, est.evaluation.passes, est.evaluation.evaluations) == (7, 2, 0)
+    # the training recipe's 3 steps hold no 50th: the set's 7 rows are 2 passes of 4 rows, made once, after the last
+    assert (est.evaluation.rows, est.evaluation.passes, est.evaluation.evaluations) == (7, 2, 1)
+    assert "every 50 steps and after the last" in note
 
 
 # 8 layers over budgets that hold a part of them: every pass and step reads from the disk. The optimizer serial:
@@ -321,10 +322,12 @@ def test_the_bytes_an_evaluation_reads_are_a_runs(tmp_path, write_recipe, cat_mo
     recipe = load_recipe(path)
     estimated = estimate(recipe, measure=False)
     est = estimated.evaluation
-    assert (est.rows, est.passes, est.evaluations) == (7, 2, 1)  # 7 rows (pairs) in passes of 4, after step 3
+    # 7 rows (pairs) in passes of 4, after step 3 and after the last, 4
+    assert (est.rows, est.passes, est.evaluations) == (7, 2, 2)
     result = train(recipe, progress=False)
     log = [json.loads(line) for line in result.log_path.read_text().splitlines()]
-    (evaluated,) = [r for r in log if "eval_loss" in r]
+    evaluated, _ = [r for r in log if "eval_loss" in r]  # after step 3 (and after step 4, the last)
+    assert evaluated["step"] == 3
     before, after = (
         next(r for r in log if r.get("step") == n and "grad_norm" in r)["bytes_moved"] for n in (3, 4)
     )

@@ -3,6 +3,7 @@ the reward's mean rising over training, the log carrying TRL's names and a sampl
 recipe or reward function that cannot work is refused with what to change."""
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -19,14 +20,14 @@ def cats(prompts, completions, **kwargs):
 '''
 
 
-def _recipe(tmp_path, write_recipe, model_dir, objective=None, training=None, method=None):
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": " ".join(t.split()[:2])}) + "\n" for t in CAT_TEXTS[:8]))
+def _recipe(tmp_path, write_recipe, model_dir, objective=None, training=None, method=None, data=None):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(t.split()[:2])}) + "\n" for t in CAT_TEXTS[:8]))
     (tmp_path / "rewards.py").write_text(REWARDS)
     return write_recipe(
         tmp_path,
         model_dir,
-        data={"path": str(data), "format": "prompt", "shuffle": False, "max_seq_len": 32},
+        data={"path": str(prompts), "format": "prompt", "shuffle": False, "max_seq_len": 32, **(data or {})},
         method=method or {"type": "lora", "lora": {"r": 4, "dropout": 0.0}},
         objective={
             "type": "grpo",
@@ -293,3 +294,101 @@ def test_a_full_fine_tunes_reference_streams_beside_it_once_a_generation(
     assert log[0]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert any(r["kl"] > 1e-6 for r in log[1:])
     assert "reference_seconds" in log[0] and "reference_seconds" in log[2]
+
+
+def _held_out(tmp_path, training, objective=None):
+    """``_recipe``'s arguments for a run that evaluates 3 held-out prompts, 2 completions each."""
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"the {a} cat"}) + "\n" for a in ("red", "old", "fat")))
+    return {
+        "objective": {"num_generations_eval": 2, **(objective or {})},
+        "training": {"eval_strategy": "steps", "learning_rate": 1e-2, **training},
+        "data": {"eval_path": str(held_out)} if training.get("eval_strategy", "steps") != "no" else {},
+    }
+
+
+def test_a_grpo_run_evaluates_its_held_out_prompts_as_the_estimate_says(cat_model, tmp_path, write_recipe):
+    """Before the first step, every 2 steps and after the last: the held-out prompts sampled and rewarded (TRL's
+    names with eval_), a sample of the completions beside the steps'; the estimate counts what it samples."""
+    from tiertune.estimates.report import estimate
+
+    settings = _held_out(tmp_path, {"max_steps": 3, "eval_steps": 2, "eval_on_start": True})
+    path = _recipe(tmp_path, write_recipe, cat_model(2, hidden=64), **settings)
+    recipe = load_recipe(path)
+    est = estimate(recipe, measure=False).evaluation
+    # 6 completions: one generation of up to 8; scored in a pass of 2 micro-batches of 4; 3 evaluations
+    assert (est.rows, est.generations, est.passes, est.evaluations) == (6, 1, 1, 3)
+    assert est.generation_bytes == estimate(recipe, measure=False).generation.read_bytes
+    run = CliRunner().invoke(app, ["train", str(path)])
+    assert run.exit_code == 0, run.output
+    out = recipe.training.output_dir
+    log = [json.loads(line) for line in (Path(out) / "trainer_log.jsonl").read_text().splitlines()]
+    evaluated = [r for r in log if "eval_loss" in r]
+    assert [r["step"] for r in evaluated] == [0, 2, 3]
+    rewards = f"eval_reward {evaluated[0]['eval_reward']:.4f} -> {evaluated[-1]['eval_reward']:.4f}"
+    assert rewards in " ".join(run.output.split())  # the final line: what the held-out prompts earned
+    names = {
+        "eval_loss",
+        "eval_reward",
+        "eval_reward_std",
+        "eval_rewards/cats/mean",
+        "eval_frac_reward_zero_std",
+    }
+    names |= {
+        "eval_completions/mean_length",
+        "eval_runtime",
+        "eval_samples_per_second",
+        "bytes_moved",
+        "epoch",
+    }
+    assert names <= set(evaluated[0])
+    assert "eval_num_tokens" not in evaluated[0]  # the steps' count, not an evaluation's
+    samples = [json.loads(line) for line in (Path(out) / "completions.jsonl").read_text().splitlines()]
+    held = [s for s in samples if s.get("eval")]
+    assert {s["step"] for s in held} == {0, 2, 3} and len(held) == 3 * 6
+    assert {s["prompt"] for s in held} == {"the red cat", "the old cat", "the fat cat"}
+    assert {s["step"] for s in samples if not s.get("eval")} == {1, 2, 3}
+
+
+def test_a_grpo_run_stops_early_on_its_held_out_reward_and_exports_the_best(
+    cat_model, tmp_path, write_recipe, monkeypatch
+):
+    """metric_for_best_model: eval_reward (greater is better): scripted rewards 1, 3, 2, 2.5 stop the run after
+    step 4 (patience 2), and checkpoint 2's adapter, kept beside save_total_limit 1, is the one exported: a run
+    of 2 steps' to the bit."""
+    from parity import assert_same_safetensors
+
+    from tiertune.finetune import train as train_module
+
+    rewards = iter([1.0, 3.0, 2.0, 2.5, 9.0])
+    real = train_module.evaluate_rollouts
+
+    def scripted(*args):
+        return real(*args) | {"eval_reward": next(rewards)}
+
+    monkeypatch.setattr(train_module, "evaluate_rollouts", scripted)
+    model_dir = cat_model(2, hidden=64)
+
+    def run(name, **training):
+        where = tmp_path / name
+        where.mkdir()
+        settings = _held_out(where, {"save_steps": 1, "lr_scheduler_type": "constant", **training})
+        return train(load_recipe(_recipe(where, write_recipe, model_dir, **settings)), progress=False)
+
+    best = run(
+        "best",
+        max_steps=6,
+        eval_steps=1,
+        save_total_limit=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_reward",
+        early_stopping_patience=2,
+    )
+    assert best.stopped_early == 4
+    assert best.best_checkpoint == best.output_dir / "checkpoint-2"
+    state = json.loads((best.output_dir / "trainer_state.json").read_text())
+    assert state["best_metric"] == 3.0 and state["stopped_early"]
+    two = run("two", max_steps=2, eval_strategy="no")
+    assert_same_safetensors(
+        best.output_dir / "adapter_model.safetensors", two.output_dir / "adapter_model.safetensors"
+    )

@@ -12,6 +12,7 @@ from parity import TRL_AS_TIERTUNE, seed_lora, trl_lora
 from tests.conftest import CAT_TEXTS
 from tiertune.config.recipe import load_recipe
 from tiertune.finetune import grpo
+from tiertune.finetune.grpo_evaluation import EVAL_GENERATION
 from tiertune.finetune.train import train
 
 PROMPTS = [{"prompt": " ".join(t.split()[:2]), "animal": "cat"} for t in CAT_TEXTS[:4]]
@@ -30,6 +31,9 @@ LORA = {
     "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear", "seed": 3},
 }
 STEPS, ROWS, ACCUM, GENERATIONS, LENGTH = 3, 4, 2, 4, 8
+# held-out prompts, 3 completions each: 9 a set, sampled 8 then 1, scored in micro-batches of 4, 4 and 1
+EVAL_PROMPTS = [{"prompt": f"the {a} cat sat", "animal": "cat"} for a in ("big", "old", "fat")]
+EVAL_GENERATIONS, EVAL_STEPS = 3, 2
 BUDGETS = {"device_budget": "2MiB", "host_budget": "1MiB"}
 BESIDE_BUDGETS = {"device_budget": "4MiB", "host_budget": "2MiB"}
 
@@ -39,17 +43,31 @@ def model_dir(cat_model):
     return cat_model(2, hidden=64)
 
 
-def _ours(tmp_path, write_recipe, model_dir, method, objective, learning_rate, monkeypatch):
-    """tiertune's run; returns its log and each generation's (prompt ids, completion ids, advantages)."""
+def _ours(tmp_path, write_recipe, model_dir, method, objective, learning_rate, monkeypatch, evaluating=False):
+    """tiertune's run; returns its log and each generation's (prompt ids, completion ids, advantages); with
+    ``evaluating``, each evaluation's completions too (a dict: prompt ids -> its completions' ids, in order)."""
     beside = method["type"] != "lora" and objective["beta"] != 0
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    held_out = {}
+    if evaluating:
+        (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in EVAL_PROMPTS))
+        held_out = {
+            "eval_path": str(tmp_path / "held_out.jsonl"),
+            "eval": {"eval_strategy": "steps", "eval_steps": EVAL_STEPS, "eval_on_start": True},
+        }
     rewards = tmp_path / "rewards.py"
     rewards.write_text(REWARDS)
     path = write_recipe(
         tmp_path,
         model_dir,
-        data={"path": str(data), "format": "prompt", "shuffle": False, "max_seq_len": 32},
+        data={
+            "path": str(data),
+            "format": "prompt",
+            "shuffle": False,
+            "max_seq_len": 32,
+            **({"eval_path": held_out["eval_path"]} if evaluating else {}),
+        },
         method=method,
         objective={
             "type": "grpo",
@@ -57,9 +75,11 @@ def _ours(tmp_path, write_recipe, model_dir, method, objective, learning_rate, m
             "max_completion_length": LENGTH,
             "reward_funcs": [f"{rewards}:cats", f"{rewards}:length"],
             "reward_weights": [1.0, 0.5],
+            **({"num_generations_eval": EVAL_GENERATIONS} if evaluating else {}),
             **objective,
         },
         training={
+            **held_out.get("eval", {}),
             "max_steps": STEPS,
             "per_device_train_batch_size": ROWS,
             "gradient_accumulation_steps": ACCUM,
@@ -78,14 +98,29 @@ def _ours(tmp_path, write_recipe, model_dir, method, objective, learning_rate, m
         return batch
 
     monkeypatch.setattr(grpo.Rollouts, "generate", recorded)
+    evaluations = []
+    sample = grpo.Rollouts.sample
+
+    def sampled(self, rows, seeds):  # an evaluation's completions, by the prompts they complete
+        out = sample(self, rows, seeds)
+        seed = self.recipe.training.seed
+        if seeds[0] in {grpo.generation_seed(seed, EVAL_GENERATION, j) for j in range(64)}:
+            if seeds[0] == grpo.generation_seed(seed, EVAL_GENERATION, 0):  # an evaluation's first
+                evaluations.append({})
+            for prompt, completion in zip(out[0], out[1], strict=True):
+                evaluations[-1].setdefault(tuple(prompt), []).append(completion)
+        return out
+
+    monkeypatch.setattr(grpo.Rollouts, "sample", sampled)
     result = train(load_recipe(path), progress=False)
     log = [json.loads(line) for line in result.log_path.read_text().splitlines()]
-    return log, made, rewards
+    return (log, made, rewards, evaluations) if evaluating else (log, made, rewards)
 
 
-def _trl(tmp_path, model_dir, made, rewards, lora, objective, learning_rate, monkeypatch):
+def _trl(tmp_path, model_dir, made, rewards, lora, objective, learning_rate, monkeypatch, evaluations=None):
     """TRL's GRPOTrainer on the same prompts in order, fp32, its completions tiertune's; returns its log and
-    the advantages of each of its generations."""
+    the advantages of each of its generations. With ``evaluations`` (tiertune's completions of the held-out
+    prompts, an evaluation's each), it evaluates them as tiertune does, the whole set one batch."""
     import trl.trainer.grpo_trainer as trl_grpo
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -96,7 +131,14 @@ def _trl(tmp_path, model_dir, made, rewards, lora, objective, learning_rate, mon
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     calls = iter(made)
 
+    held_out = iter(evaluations or [])
+
     def rollout(prompts, trainer):
+        if not trainer.model.training:  # an evaluation: tiertune's completions of each prompt, in turn
+            theirs = {k: list(v) for k, v in next(held_out).items()}
+            prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+            completion_ids = [theirs[tuple(ids)].pop(0) for ids in prompt_ids]
+            return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
         prompt_ids, completion_ids, _ = next(calls)
         assert [tokenizer(p)["input_ids"] for p in prompts] == prompt_ids  # the prompts tiertune sampled
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
@@ -123,12 +165,24 @@ def _trl(tmp_path, model_dir, made, rewards, lora, objective, learning_rate, mon
         **TRL_AS_TIERTUNE,
         shuffle_dataset=False,
         **objective,
+        **(
+            {
+                "eval_strategy": "steps",
+                "eval_steps": EVAL_STEPS,
+                "eval_on_start": True,
+                "num_generations_eval": EVAL_GENERATIONS,
+                "per_device_eval_batch_size": len(EVAL_PROMPTS) * EVAL_GENERATIONS,  # the set, one batch
+            }
+            if evaluations
+            else {}
+        ),
     )
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[grpo.reward_function(f"{rewards}:cats"), grpo.reward_function(f"{rewards}:length")],
         args=args,
         train_dataset=Dataset.from_list(PROMPTS),
+        eval_dataset=Dataset.from_list(EVAL_PROMPTS) if evaluations else None,
         processing_class=tokenizer,
         peft_config=trl_lora() if lora else None,
         rollout_func=rollout,
@@ -136,6 +190,8 @@ def _trl(tmp_path, model_dir, made, rewards, lora, objective, learning_rate, mon
     if lora:  # the adapters initialized as tiertune initializes its own
         seed_lora(trainer.model, LORA["lora"]["seed"])
     trainer.train()
+    if evaluations:
+        return [h for h in trainer.state.log_history if "eval_loss" in h]
     return [h for h in trainer.state.log_history if "loss" in h], seen
 
 
@@ -188,3 +244,59 @@ def test_grpo_steps_equal_trls(
     assert any(m["loss"] != 0 for m in ours)
     if iterations > 1:  # a generation's second step moved its policy off the one that sampled it
         assert any(m["clip_ratio/region_mean"] > 0 for m in ours) or ours[1]["loss"] != ours[0]["loss"]
+
+
+EVAL_CASES = [
+    # (method, loss_type, beta): the reference, with beta, the base without its adapters or the initial weights
+    ("lora", "dapo", 0.0),
+    ("lora", "grpo", 0.04),
+    ("full", "dr_grpo", 0.04),
+]
+
+
+@pytest.mark.parametrize(("method", "loss_type", "beta"), EVAL_CASES)
+def test_grpo_evaluations_equal_trls(model_dir, tmp_path, write_recipe, monkeypatch, method, loss_type, beta):
+    """Before the first step, after the second and the last, the held-out prompts' completions (3 of each) score
+    as TRL's
+    ``evaluate`` scores them on the same weights: the loss at the ratio 1, the rewards, the KL to the
+    reference."""
+    objective = {"loss_type": loss_type, "beta": beta, "num_iterations": 1, "temperature": 0.8}
+    lora = method == "lora"
+    lr = 2e-2 if lora else 3e-3
+    ours, made, rewards, evaluations = _ours(
+        tmp_path,
+        write_recipe,
+        model_dir,
+        LORA if lora else {"type": "full"},
+        objective,
+        lr,
+        monkeypatch,
+        True,
+    )
+    mine = [r for r in ours if "eval_loss" in r]
+    assert [r["step"] for r in mine] == [0, EVAL_STEPS, STEPS]  # on start, every 2 steps, after the last
+    assert len(evaluations) == 3
+    for held in evaluations:  # every held-out prompt, EVAL_GENERATIONS times
+        assert sorted(len(v) for v in held.values()) == [EVAL_GENERATIONS] * len(EVAL_PROMPTS)
+    theirs = _trl(tmp_path, model_dir, made, rewards, lora, objective, lr, monkeypatch, evaluations)
+    assert [r["step"] for r in theirs] == [0, EVAL_STEPS, STEPS]
+    keys = [
+        "eval_loss",
+        "eval_reward",
+        "eval_reward_std",
+        "eval_frac_reward_zero_std",
+        "eval_rewards/cats/mean",
+        "eval_rewards/cats/std",
+        "eval_rewards/length/mean",
+        "eval_completions/mean_length",
+        "eval_completions/clipped_ratio",
+        "eval_clip_ratio/region_mean",
+    ]
+    keys += ["eval_kl"] if beta else []
+    for a, b in zip(mine, theirs, strict=True):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a["step"], a, b)
+    if beta:  # the weights moved from the reference between the evaluations
+        assert mine[0]["eval_kl"] == pytest.approx(0.0, abs=1e-7) and mine[-1]["eval_kl"] > 1e-6
+    # the same seeds each evaluation: what differs is the weights (the first completions alike or not)
+    assert mine[0]["eval_reward"] != mine[-1]["eval_reward"] or mine[0]["eval_loss"] != mine[-1]["eval_loss"]

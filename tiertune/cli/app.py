@@ -844,12 +844,17 @@ def _report(result: Any) -> None:
                 "behind the next step, one step stale)"
             )
     evaluated = result.evaluations
-    if evaluated:  # the held-out set's loss: first, best, last
-        best = min(evaluated, key=lambda r: r["eval_loss"])
+    metric, greater = result.best_metric
+    compared = [r for r in evaluated if r.get(metric) is not None]
+    if compared:  # the held-out figure the run compares (eval_loss; GRPO's eval_reward): first, last, best
+        best = (max if greater else min)(compared, key=lambda r: r[metric])
         how += (
-            f"; eval_loss {evaluated[0]['eval_loss']:.4f} -> {evaluated[-1]['eval_loss']:.4f} (best "
-            f"{best['eval_loss']:.4f} at step {best['step']})"
+            f"; {metric} {compared[0][metric]:.4f} -> {compared[-1][metric]:.4f} (best "
+            f"{best[metric]:.4f} at step {best['step']})"
         )
+    rewarded = [r for r in evaluated if r.get("eval_reward") is not None]
+    if rewarded and metric != "eval_reward":  # GRPO's: what its held-out prompts' completions earned
+        how += f"; eval_reward {rewarded[0]['eval_reward']:.4f} -> {rewarded[-1]['eval_reward']:.4f}"
     if result.stopped_early:
         how += f"; stopped early after step {result.stopped_early} (training.early_stopping_patience)"
     typer.echo(

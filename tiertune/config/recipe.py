@@ -40,8 +40,9 @@ EVAL_FORMATS = ("text", "alpaca", "chat", "preference", "unpaired_preference")
 """The data formats a run evaluates (``training.eval_strategy``): single sequences scored by cross-entropy, and
 preference pairs (KTO's labelled rows) scored by their objective."""
 EVAL_OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto", "distill")
-"""The objectives a run evaluates: SFT by cross-entropy, the preference objectives and distillation by their own
-loss."""
+"""The objectives a run evaluates by scoring the held-out rows: SFT by cross-entropy, the preference objectives and
+distillation by their own loss (and GRPO, whose held-out prompts are sampled and rewarded:
+``finetune.grpo_evaluation``)."""
 
 
 @dataclass
@@ -105,18 +106,24 @@ class TrainingSection:
     allow_recipe_changes: bool = False
     logging_steps: int = 500
     report_to: str = field(default="auto", metadata=choices("auto", "none", "tensorboard", "wandb"))
-    # the loss on data.eval_path every eval_steps (null: logging_steps), or at each epoch's end, as the
-    # Trainer's eval_strategy: steps | epoch; eval_on_start: before the first step too (a baseline)
+    # the loss on data.eval_path every eval_steps (null: logging_steps) and after the last step, or at each
+    # epoch's end, as the Trainer's eval_strategy: steps | epoch; eval_on_start: before the first step too
     eval_strategy: str = field(default="no", metadata=choices("no", "steps", "epoch"))
     eval_steps: int | None = None
     eval_on_start: bool = False
-    # stop after this many evaluations in a row that do not beat the best eval_loss by more than the
-    # threshold (transformers' EarlyStoppingCallback; 0: never)
+    # stop after this many evaluations in a row that do not beat the best metric_for_best_model by more than
+    # the threshold (transformers' EarlyStoppingCallback; 0: never)
     early_stopping_patience: int = 0
     early_stopping_threshold: float = 0.0
-    # export the checkpoint of the best eval_loss at the end, not the last step's (kept by save_total_limit)
+    # export the checkpoint of the best evaluation at the end, not the last step's (kept by save_total_limit)
     load_best_model_at_end: bool = False
-    metric_for_best_model: str = field(default="eval_loss", metadata=choices("eval_loss", "loss"))
+    # what early stopping and the best checkpoint compare (the Trainer's names: "loss" is eval_loss; GRPO's
+    # eval_reward, the mean reward of the held-out prompts' completions); greater_is_better null: the Trainer's
+    # rule (lower is better for a loss, higher for anything else)
+    metric_for_best_model: str = field(
+        default="eval_loss", metadata=choices("eval_loss", "loss", "eval_reward", "reward")
+    )
+    greater_is_better: bool | None = None
 
 
 @dataclass
@@ -310,14 +317,34 @@ class Recipe:
                 f"data.format {d.format}, or eval_strategy: no",
             ),
             (
-                not evaluating or (o.type in EVAL_OBJECTIVES and d.format in EVAL_FORMATS),
+                not evaluating
+                or (o.type in EVAL_OBJECTIVES and d.format in EVAL_FORMATS)
+                or (o.rollouts and d.format == "prompt"),
                 "training.eval_strategy",
                 f"{t.eval_strategy} scores single sequences by their cross-entropy (a distillation's: its loss "
-                "against the teacher) and preference pairs by their objective (objective.type "
-                f"{', '.join(EVAL_OBJECTIVES)}): objective.type {o.type} with "
-                f"data.format {d.format} is not evaluated in this release; set training.eval_strategy: no",
+                "against the teacher), preference pairs by their objective (objective.type "
+                f"{', '.join(EVAL_OBJECTIVES)}) and GRPO's prompts by their completions' rewards: objective.type "
+                f"{o.type} with data.format {d.format} is not evaluated in this release; set "
+                "training.eval_strategy: no",
+            ),
+            (
+                self.best_metric[0] != "eval_reward" or o.rollouts,
+                "training.metric_for_best_model",
+                f"{t.metric_for_best_model} is GRPO's (its held-out prompts' mean reward); objective.type {o.type} "
+                "logs eval_loss: set metric_for_best_model: eval_loss",
             ),
         ]
+
+    @property
+    def best_metric(self) -> tuple[str, bool]:
+        """What early stopping and ``load_best_model_at_end`` compare: the record's key (the Trainer's rule:
+        ``eval_`` before a name without it) and whether greater is better (``greater_is_better``, else the
+        Trainer's default: lower for a loss)."""
+        t = self.training
+        name = t.metric_for_best_model
+        name = name if name.startswith("eval_") else f"eval_{name}"
+        greater = t.greater_is_better if t.greater_is_better is not None else not name.endswith("loss")
+        return name, greater
 
     @property
     def eval_every(self) -> int:
@@ -399,6 +426,11 @@ class Recipe:
                 f"must be > 0 or null (epsilon's), got {o.epsilon_high}",
             ),
             (o.num_iterations >= 1, "objective.num_iterations", f"must be >= 1, got {o.num_iterations}"),
+            (
+                o.num_generations_eval is None or o.num_generations_eval >= 1,
+                "objective.num_generations_eval",
+                f"must be >= 1 or null (num_generations), got {o.num_generations_eval}",
+            ),
             (
                 not self.data.packing,
                 "data.packing",

@@ -15,7 +15,10 @@ its passes of the base with it alone, replayed one adapter after another after t
 distillation's held-out figures come from the teacher pass before the run (cached top-k: priced with it,
 ``estimates.teacher``), or from the teacher beside the student, a pass of its own store before each of the
 student's (``top_k: 0``: its later passes' bytes, and their time as the teacher's: the longer of its reads and
-its forward over the set's scored tokens).
+its forward over the set's scored tokens). GRPO's held-out prompts are sampled first (``finetune.grpo_evaluation``):
+``num_generations_eval`` completions of each, a step's generation at a time (each priced as the step's,
+``estimates.generation``, its reference beside it included), then scored in passes of the completions (a LoRA
+run's with ``beta`` twice: the base without its adapters is the reference).
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ class EvalEstimate:
     # later passes', replayed: ``estimates.teacher``), and its passes' seconds an evaluation (timed)
     teacher_pass_bytes: int | None = None
     teacher_seconds: float | None = None
+    # GRPO's: the generations an evaluation samples (a step's each), the bytes one reads by link and its seconds
+    generations: int = 0
+    generation_bytes: dict[str, int] = field(default_factory=dict)
+    generation_seconds: float | None = None
 
     @property
     def seconds(self) -> float | None:
@@ -54,8 +61,14 @@ class EvalEstimate:
         if self.pass_seconds is None or self.passes is None:
             return None
         first, later = self.pass_seconds
+        if self.generations and self.generation_seconds is None:
+            return None
         return (
-            first + (self.passes - 1) * later + (self.step_after_extra or 0.0) + (self.teacher_seconds or 0.0)
+            first
+            + (self.passes - 1) * later
+            + (self.step_after_extra or 0.0)
+            + (self.teacher_seconds or 0.0)
+            + self.generations * (self.generation_seconds or 0.0)
         )
 
     @property
@@ -77,6 +90,9 @@ class EvalEstimate:
             "total_seconds": self.total_seconds,
             "teacher_pass_bytes": self.teacher_pass_bytes,
             "teacher_seconds": self.teacher_seconds,
+            "generations": self.generations,
+            "generation_bytes": self.generation_bytes,
+            "generation_seconds": self.generation_seconds,
             "why_unknown": self.why or None,
             "replayed": self.replayed,
         }
@@ -88,16 +104,21 @@ def eval_estimate(recipe: Any, steps: int | None, per_epoch: int | None, rows: i
     from the replay (``engine.replay.Evaluated``)."""
     from tiertune.finetune.evaluation import count_evaluations
 
-    t = recipe.training
-    passes = None
+    t, o = recipe.training, recipe.objective
+    passes, generations = None, 0
     if rows is not None:
+        if o.rollouts:  # GRPO: each prompt's completions, sampled a step's generation at a time
+            rows *= o.generations_eval
+            generations = math.ceil(rows / (t.per_device_train_batch_size * t.gradient_accumulation_steps))
         passes = max(
             1, math.ceil(math.ceil(rows / t.per_device_train_batch_size) / t.gradient_accumulation_steps)
         )
+        if o.rollouts and o.beta != 0.0 and recipe.method.type == "lora":  # the base without its adapters
+            passes *= 2
     evaluations = None
     if steps is not None and (per_epoch is not None or t.eval_strategy != "epoch"):
         evaluations = count_evaluations(recipe, steps, per_epoch or 1)
-    return EvalEstimate(rows, passes, evaluations)
+    return EvalEstimate(rows, passes, evaluations, generations=generations)
 
 
 def format_evaluation(est: EvalEstimate) -> list[str]:
@@ -108,6 +129,12 @@ def format_evaluation(est: EvalEstimate) -> list[str]:
 
     if est.passes is None:
         head = f"evaluation: the held-out set's size is unknown here ({est.why}); a pass of the layers"
+    elif est.generations:
+        head = (
+            f"evaluation: {est.rows:,} completions of the held-out prompts sampled in {est.generations} "
+            f"generation{'s' if est.generations > 1 else ''}, scored in {est.passes} pass"
+            f"{'es' if est.passes > 1 else ''} of the layers"
+        )
     else:
         head = (
             f"evaluation: {est.rows:,} held-out rows in {est.passes} pass{'es' if est.passes > 1 else ''} of the "
@@ -123,6 +150,11 @@ def format_evaluation(est: EvalEstimate) -> list[str]:
         + (f" (later passes {links(est.later_pass)})" if est.later_pass != est.first_pass else ""),
         f"  the step after an evaluation moves {links(est.step_after)}",
     ]
+    if est.generations:
+        lines.append(
+            f"  a generation reads {links(est.generation_bytes)}"
+            + (f" in {format_seconds(est.generation_seconds)}" if est.generation_seconds is not None else "")
+        )
     if est.teacher_pass_bytes is not None:
         lines.append(
             f"  the teacher beside scores each pass's batches first: its store reads {format_size(est.teacher_pass_bytes)} "

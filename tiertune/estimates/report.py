@@ -465,9 +465,19 @@ def estimate(
         )
     if recipe.evaluates:
         t = recipe.training
-        when = f"every {recipe.eval_every} steps" if recipe.eval_every else "at each epoch's end"
+        when = (
+            f"every {recipe.eval_every} steps and after the last"
+            if recipe.eval_every
+            else "at each epoch's end"
+        )
+        sampled = (
+            f"the held-out prompts (data.eval_path) sampled, {recipe.objective.generations_eval} completions "
+            "each, a step's generation at a time, then rewarded and scored"
+            if recipe.objective.rollouts
+            else "the held-out set (data.eval_path)"
+        )
         notes.append(
-            f"evaluation {when}: the held-out set (data.eval_path) in passes of "
+            f"evaluation {when}: {sampled} in passes of "
             f"{t.gradient_accumulation_steps} x {t.per_device_train_batch_size} rows, each pass reading the "
             "weights once more (less what the budgets keep cached), no autograd"
             + (
@@ -476,7 +486,8 @@ def estimate(
                 else " (priced below: evaluation)"
             )
             + (
-                f"; early stopping after {t.early_stopping_patience} evaluations without a better eval_loss"
+                f"; early stopping after {t.early_stopping_patience} evaluations without a better "
+                f"{recipe.best_metric[0]}"
                 if t.early_stopping_patience
                 else ""
             )
@@ -619,6 +630,9 @@ def estimate(
                 est.speed.compute_rate if est.speed else None,
                 target is not None,
             )
+    if est.generation is not None and est.evaluation is not None and est.evaluation.generations:
+        est.evaluation.generation_bytes = dict(est.generation.read_bytes)  # GRPO's: each a step's generation
+        est.evaluation.generation_seconds = est.generation.seconds
     return est
 
 

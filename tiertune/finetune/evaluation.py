@@ -1,6 +1,7 @@
 """Evaluation during a run: the loss over a held-out set (``data.eval_path``, in the run's ``data.format``) every
-``training.eval_steps`` steps (``eval_strategy: steps``) or at each epoch's end (``epoch``), before the first
-step too with ``eval_on_start``, and early stopping on it.
+``training.eval_steps`` steps and after the last (``eval_strategy: steps``, as transformers 5's Trainer) or at
+each epoch's end (``epoch``), before the first step too with ``eval_on_start``, and early stopping on it (GRPO's
+held-out prompts are sampled and rewarded: ``finetune.grpo_evaluation``).
 
 The figure is ``eval_loss``: the cross-entropy of every scored token of the set, summed and divided by their
 number (the training loss's definition, over the whole set at once), a distillation's loss against its teacher
@@ -17,7 +18,8 @@ Records are the Hugging Face Trainer's: one of its own in ``trainer_log.jsonl`` 
 ``eval_loss``, ``eval_runtime``, ``eval_samples_per_second``, ``eval_steps_per_second``, ``epoch`` and ``step``,
 and, as a step's record, ``bytes_moved`` (per link, counted from the start: what the passes read).
 
-Early stopping is transformers' ``EarlyStoppingCallback`` on ``eval_loss`` (lower is better): an evaluation
+Early stopping is transformers' ``EarlyStoppingCallback`` on ``training.metric_for_best_model`` (``eval_loss``,
+lower is better; GRPO's ``eval_reward``, higher is): an evaluation
 better than the best before it by more than ``early_stopping_threshold`` resets the count, any other adds one;
 at ``early_stopping_patience`` the run ends after that step as at its last (its checkpoint, the model exported;
 ``trainer_state.json`` says ``stopped_early``). A resumed run counts again from the evaluations of its log.
@@ -40,15 +42,16 @@ from tiertune.errors import DataError
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
 
 
-def due(recipe: Any, step: int, per_epoch: int) -> bool:
-    """Whether the run evaluates after step ``step`` (counted from 1): every ``eval_steps`` (the Trainer's rule:
-    the last step only when it falls on one), or (``eval_strategy: epoch``) where the step took an epoch's last
-    micro-batch (``per_epoch`` of them: the global batches of the data)."""
+def due(recipe: Any, step: int, per_epoch: int, steps: int) -> bool:
+    """Whether a run of ``steps`` steps evaluates after step ``step`` (counted from 1): every ``eval_steps`` and
+    after the last step (transformers 5's Trainer: at the end of training too where the last step falls
+    between two), or (``eval_strategy: epoch``) where the step took an epoch's last micro-batch (``per_epoch``
+    of them: the global batches of the data)."""
     if recipe.training.eval_strategy == "epoch":
         accumulated = recipe.training.gradient_accumulation_steps
         return step * accumulated // per_epoch > (step - 1) * accumulated // per_epoch
     every = recipe.eval_every
-    return every > 0 and step % every == 0
+    return every > 0 and (step % every == 0 or step == steps)
 
 
 def count_evaluations(recipe: Any, steps: int, per_epoch: int) -> int:
@@ -56,7 +59,7 @@ def count_evaluations(recipe: Any, steps: int, per_epoch: int) -> int:
     first step with ``eval_on_start``, and one after each step ``due`` says."""
     if not recipe.evaluates:
         return 0
-    due_steps = sum(due(recipe, step, per_epoch) for step in range(1, steps + 1))
+    due_steps = sum(due(recipe, step, per_epoch, steps) for step in range(1, steps + 1))
     return int(recipe.training.eval_on_start) + due_steps
 
 
@@ -213,49 +216,60 @@ def _pairs(
 
 @dataclass
 class EarlyStopping:
-    """transformers' ``EarlyStoppingCallback`` on ``eval_loss``: ``best`` the lowest loss so far, ``waited`` the
-    evaluations since one improved on the best before it by more than ``threshold``."""
+    """transformers' ``EarlyStoppingCallback`` on ``metric`` (``eval_loss``: lower is better; ``greater``: higher
+    is, as GRPO's ``eval_reward``): ``best`` the best value so far, ``waited`` the evaluations since one
+    improved on the best before it by more than ``threshold``."""
 
     patience: int
     threshold: float = 0.0
     best: float | None = None
     waited: int = 0
+    metric: str = "eval_loss"
+    greater: bool = False
 
     @classmethod
     def of(cls, recipe: Any, history: Iterable[dict[str, Any]] = ()) -> EarlyStopping:
-        """The rule of ``recipe``'s settings, having seen the evaluations of ``history`` (a resumed run's log)."""
+        """The rule of ``recipe``'s settings (``Recipe.best_metric``), having seen the evaluations of ``history``
+        (a resumed run's log)."""
         t = recipe.training
-        out = cls(t.early_stopping_patience, t.early_stopping_threshold)
+        metric, greater = recipe.best_metric
+        out = cls(t.early_stopping_patience, t.early_stopping_threshold, metric=metric, greater=greater)
         for record in history:
-            if "eval_loss" in record:
-                out.see(float(record["eval_loss"]))
+            if record.get(metric) is not None:
+                out.see(float(record[metric]))
         return out
 
-    def see(self, loss: float) -> bool:
-        """Count an evaluation's loss; True when the run should stop (patience used up; never without one)."""
-        if self.best is None or (loss < self.best and abs(loss - self.best) > self.threshold):
+    def better(self, value: float, than: float | None) -> bool:
+        """Whether ``value`` beats ``than`` (None: nothing to beat) in the metric's direction."""
+        return than is None or (value > than if self.greater else value < than)
+
+    def see(self, value: float) -> bool:
+        """Count an evaluation's value; True when the run should stop (patience used up; never without one)."""
+        if self.best is None or (self.better(value, self.best) and abs(value - self.best) > self.threshold):
             self.waited = 0
         else:
             self.waited += 1
-        if self.best is None or loss < self.best or math.isnan(self.best):
-            self.best = loss
+        if self.better(value, self.best) or math.isnan(self.best or 0.0):
+            self.best = value
         return self.patience > 0 and self.waited >= self.patience
 
 
-def best_checkpoint(history: Iterable[dict[str, Any]], run_dir: Path) -> tuple[Path, float] | None:
-    """The checkpoint of the lowest ``eval_loss`` among the evaluations of ``history`` whose step has one in
-    ``run_dir`` (the first of equals, as the Trainer's strict comparison keeps it), and that loss; None
-    without one."""
+def best_checkpoint(
+    history: Iterable[dict[str, Any]], run_dir: Path, metric: str = "eval_loss", greater: bool = False
+) -> tuple[Path, float] | None:
+    """The checkpoint of the best ``metric`` (the lowest, or with ``greater`` the highest) among the evaluations
+    of ``history`` whose step has one in ``run_dir`` (the first of equals, as the Trainer's strict comparison
+    keeps it), and that value; None without one."""
     from tiertune.finetune.checkpoint import PREFIX
 
     best: tuple[Path, float] | None = None
     for record in history:
-        if "eval_loss" not in record:
+        if record.get(metric) is None:
             continue
         path = run_dir / f"{PREFIX}{int(record['step'])}"
-        loss = float(record["eval_loss"])
-        if path.is_dir() and (best is None or loss < best[1]):
-            best = (path, loss)
+        value = float(record[metric])
+        if path.is_dir() and (best is None or (value > best[1] if greater else value < best[1])):
+            best = (path, value)
     return best
 
 

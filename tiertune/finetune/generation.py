@@ -158,7 +158,15 @@ def evaluate_source(
     recipe = copy.deepcopy(found.recipe)
     fmt = fmt or recipe.data.format
     if fmt not in EVAL_FORMATS:
-        raise ConfigError(f"--format {fmt}: evaluated are {', '.join(EVAL_FORMATS)} data")
+        raise ConfigError(
+            f"--format {fmt}: evaluated are {', '.join(EVAL_FORMATS)} data"
+            + (
+                " (prompts are sampled and rewarded by a GRPO run's reward functions: set training.eval_strategy "
+                "and data.eval_path in its recipe)"
+                if fmt == "prompt"
+                else ""
+            )
+        )
     if fmt in ("preference", "unpaired_preference"):
         # the run's objective where it reads this format; a model's pairs (labelled rows): DPO's (KTO's) view
         kind = "kto" if fmt == "unpaired_preference" else "dpo"

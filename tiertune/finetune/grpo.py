@@ -227,16 +227,39 @@ class Rollouts:
         """This process's completions of the prompts at ``indices`` (each ``num_generations`` times), scored."""
         o = self.objective
         rows = [self.data.rows[i] for i in indices for _ in range(o.num_generations)]
-        prompt_ids = [list(r["input_ids"]) for r in rows]
         first = self.world.rank * len(rows)  # this process's first completion of the generation's
+        # each completion its own generator: the same completions on any number of processes
+        seeds = [generation_seed(self.recipe.training.seed, generation, first + r) for r in range(len(rows))]
+        prompt_ids, completion_ids, prompts, completions, truncated = self.sample(rows, seeds)
+        extra_metrics: dict[str, list[float]] = {}
+        logged: dict[str, list[Any]] = {}
+        rewards = self.score(rows, prompts, completions, completion_ids, step, extra_metrics, logged)
+        everything = self._gathered(rewards)
+        adv, metrics = advantages(everything, self.rewards.weights, o.num_generations, o.scale_rewards)
+        per_rank = len(rows)
+        adv = adv[self.world.rank * per_rank : (self.world.rank + 1) * per_rank]
+        metrics = self.named(metrics, extra_metrics)
+        metrics.update(self.completion_metrics(prompt_ids, completion_ids, truncated))
+        batch = Generation(rows, prompt_ids, completion_ids, truncated, adv, rewards, completions, metrics)
+        batch.served = getattr(self.sampler, "served", None)  # a server's log-probabilities, to check
+        self.write_samples(batch, prompts, {"step": step + 1}, logged)
+        return batch
+
+    def sample(
+        self, rows: Sequence[dict[str, Any]], seeds: Sequence[int]
+    ) -> tuple[list[list[int]], list[list[int]], list[Any], list[Any], list[bool]]:
+        """Each row's prompt completed by the sampler (the row's generator seeded by its of ``seeds``): the
+        prompts' ids, the completions' ids, the prompts and completions as the reward functions take them
+        (strings, or conversations), and whether each completion was cut at ``max_completion_length``."""
+        o = self.objective
+        prompt_ids = [list(r["input_ids"]) for r in rows]
         completion_ids = self.sampler(
             prompt_ids,
             o.max_completion_length,
             o.temperature,
             o.top_p,
             o.top_k,
-            # each completion its own generator: the same completions on any number of processes
-            [generation_seed(self.recipe.training.seed, generation, first + r) for r in range(len(rows))],
+            list(seeds),
             sorted(self.eos),
             self.pad_id,
         )
@@ -249,23 +272,7 @@ class Rollouts:
         # TRL's rule: a completion is truncated unless its last token is an EOS token or the pad token
         ended = self.eos | {self.pad_id}
         truncated = [not ids or ids[-1] not in ended for ids in completion_ids]
-        extra_metrics: dict[str, list[float]] = {}
-        logged: dict[str, list[Any]] = {}
-        rewards = self.score(rows, prompts, completions, completion_ids, step, extra_metrics, logged)
-        everything = self._gathered(rewards)
-        adv, metrics = advantages(everything, self.rewards.weights, o.num_generations, o.scale_rewards)
-        per_rank = len(rows)
-        adv = adv[self.world.rank * per_rank : (self.world.rank + 1) * per_rank]
-        for i, name in enumerate(self.rewards.names):
-            metrics[f"rewards/{name}/mean"] = metrics.pop(f"rewards/{i}/mean")
-            metrics[f"rewards/{name}/std"] = metrics.pop(f"rewards/{i}/std")
-        metrics.update(self._completion_metrics(prompt_ids, completion_ids, truncated))
-        for name, values in extra_metrics.items():
-            metrics[name] = sum(values) / len(values)
-        batch = Generation(rows, prompt_ids, completion_ids, truncated, adv, rewards, completions, metrics)
-        batch.served = getattr(self.sampler, "served", None)  # a server's log-probabilities, to check
-        self._write_samples(batch, prompts, step, logged)
-        return batch
+        return prompt_ids, completion_ids, prompts, completions, truncated
 
     def score(
         self,
@@ -304,6 +311,17 @@ class Rollouts:
             out[:, i] = torch.tensor([math.nan if r is None else float(r) for r in given])
         return out
 
+    def named(self, metrics: dict[str, float], logged: dict[str, list[float]]) -> dict[str, float]:
+        """``advantages``' metrics with each reward function's by its name (TRL's ``rewards/<name>/mean``), and
+        the mean of each metric the functions logged (``log_metric``)."""
+        out = dict(metrics)
+        for i, name in enumerate(self.rewards.names):
+            out[f"rewards/{name}/mean"] = out.pop(f"rewards/{i}/mean")
+            out[f"rewards/{name}/std"] = out.pop(f"rewards/{i}/std")
+        for name, values in logged.items():
+            out[name] = sum(values) / len(values)
+        return out
+
     def _gathered(self, values: torch.Tensor) -> torch.Tensor:
         """The generation's ``values`` (a row a completion) of every process, in rank order (this process's
         alone: one process)."""
@@ -315,11 +333,16 @@ class Rollouts:
         dist.all_gather_object(parts, values)
         return torch.cat(parts)
 
-    def _completion_metrics(
-        self, prompt_ids: list[list[int]], completion_ids: list[list[int]], truncated: list[bool]
+    def completion_metrics(
+        self,
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        truncated: list[bool],
+        trained: bool = True,
     ) -> dict[str, float]:
         """TRL's ``completions/...`` metrics and ``num_tokens`` (every process's completions, as TRL gathers
-        them)."""
+        them); not ``trained`` (an evaluation's, the same on every process): of these completions alone, the
+        tokens seen not counted."""
         mine = torch.tensor(
             [
                 [len(c), float(t), len(p) + len(c)]
@@ -327,13 +350,16 @@ class Rollouts:
             ],
             dtype=torch.float64,
         )
-        every = self._gathered(mine)
+        every = self._gathered(mine) if trained else mine
         lengths, clipped = every[:, 0].float(), every[:, 1].bool()
         done = lengths[~clipped]
         done = done if len(done) else torch.zeros(1)
-        self.tokens_seen += int(every[:, 2].sum())
+        counted = {}
+        if trained:
+            self.tokens_seen += int(every[:, 2].sum())
+            counted["num_tokens"] = float(self.tokens_seen)
         return {
-            "num_tokens": float(self.tokens_seen),
+            **counted,
             "completions/mean_length": float(lengths.mean()),
             "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()),
@@ -349,12 +375,12 @@ class Rollouts:
         masked = self.objective.mask_truncated_completions
         out = []
         for start in range(0, len(batch.rows), size):
-            rows = range(start, start + size)
+            rows = range(start, min(start + size, len(batch.rows)))  # (an evaluation's last: fewer)
             seqs = [batch.prompt_ids[r] + batch.completion_ids[r] for r in rows]
             width = max(len(s) for s in seqs)
-            ids = torch.full((size, width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros((size, width), dtype=torch.long)
-            labels = torch.full((size, width), IGNORE_INDEX, dtype=torch.long)
+            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
             for k, r in enumerate(rows):
                 p, c = len(batch.prompt_ids[r]), len(batch.completion_ids[r])
                 ids[k, : p + c] = torch.tensor(seqs[k], dtype=torch.long)
@@ -366,7 +392,7 @@ class Rollouts:
                     "input_ids": ids,
                     "attention_mask": mask,
                     "labels": labels,
-                    "advantages": batch.advantages[start : start + size].clone(),
+                    "advantages": batch.advantages[start : start + len(rows)].clone(),
                     "num_tokens": int(mask.sum()),
                 }
             )
@@ -410,16 +436,17 @@ class Rollouts:
         kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= last_step]
         write_text_atomically(self.samples, "".join(kept))
 
-    def _write_samples(
-        self, batch: Generation, prompts: list[Any], step: int, logged: dict[str, list[Any]]
+    def write_samples(
+        self, batch: Generation, prompts: list[Any], label: dict[str, Any], logged: dict[str, list[Any]]
     ) -> None:
-        """A sample of the generation's completions appended to ``SAMPLES_FILE`` (the main process's)."""
+        """A sample of the generation's completions appended to ``SAMPLES_FILE`` (the main process's), each line
+        with ``label`` (``step``: the step it trains, or an evaluation's after it, with ``eval``)."""
         if self.samples is None or not self.world.is_main:
             return
         with open(self.samples, "a") as f:
             for r in range(min(SAMPLES, len(batch.rows))):
                 line = {
-                    "step": step + 1,
+                    **label,
                     "prompt": prompts[r],
                     "completion": batch.completions[r],
                     "advantage": float(batch.advantages[r]),

@@ -349,7 +349,7 @@ class RunDirectory:
         finished = self.finished_at()
         if auto and finished is not None and self._stopped_early(recipe):
             raise ConfigError(
-                f"the run in {self.path} stopped early at step {finished}: its eval_loss did not improve in "
+                f"the run in {self.path} stopped early at step {finished}: its {recipe.best_metric[0]} did not improve in "
                 f"{recipe.training.early_stopping_patience} evaluations (training.early_stopping_patience); "
                 f"nothing to resume: to train further from {path.name}, raise early_stopping_patience (or set "
                 "it 0), or start over with training.overwrite_output_dir=true"

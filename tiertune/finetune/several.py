@@ -355,7 +355,9 @@ def _record(
         with open(res.output_dir / LOG_NAME, "a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in logged))
     held_out = None
-    if due(a.recipe, res.steps, a.loaded.per_epoch):  # a pass of the base with its adapter alone
+    if due(
+        a.recipe, res.steps, a.loaded.per_epoch, a.loaded.steps
+    ):  # a pass of the base with its adapter alone
         held_out = _evaluate(trainer, a, {"epoch": record["epoch"], "step": res.steps}, world)
         last = last or res.stopped_early is not None
     saving = t.save_steps > 0 and (res.steps % t.save_steps == 0 or last)

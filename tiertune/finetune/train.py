@@ -66,6 +66,7 @@ from tiertune.finetune.data import batches, load_data, pad_id_of
 from tiertune.finetune.evaluation import EarlyStopping, best_checkpoint, due, eval_batches, evaluate
 from tiertune.finetune.grpo import METRICS_KEY as ROLLOUT_METRICS
 from tiertune.finetune.grpo import SAMPLES_FILE, Rollouts
+from tiertune.finetune.grpo_evaluation import evaluate_rollouts
 from tiertune.finetune.hf_model import write_hf
 from tiertune.finetune.ranks import decided_by_main, join, launch_notes, rows_of, sweep_other_ranks
 from tiertune.finetune.reference import ReferenceBeside, reference_logps, with_reference
@@ -109,6 +110,8 @@ class TrainResult:
     stopped_early: int | None = None
     # the checkpoint exported in place of the last step's (``training.load_best_model_at_end``); None: the last
     best_checkpoint: Path | None = None
+    # what its evaluations are compared by (``Recipe.best_metric``: the record's key, whether greater is better)
+    best_metric: tuple[str, bool] = ("eval_loss", False)
 
     @property
     def evaluations(self) -> list[dict[str, Any]]:
@@ -243,12 +246,13 @@ def load_run(recipe: Recipe, ranks: int) -> Loaded:
     torch.manual_seed(t.seed)
     tokenizer = tokenizer_of(recipe.model.path)
     o = recipe.objective
+    # GRPO: a prompt leaves room for its completion
+    longest = d.max_seq_len - o.max_completion_length if o.rollouts else d.max_seq_len
     data = load_data(
         d.path,
         tokenizer,
         d.format,
-        # GRPO: a prompt leaves room for its completion
-        d.max_seq_len - o.max_completion_length if o.rollouts else d.max_seq_len,
+        longest,
         d.add_eos,
         d.skip_bad_rows,
         kl_block=t.per_device_train_batch_size,
@@ -279,7 +283,7 @@ def load_run(recipe: Recipe, ranks: int) -> Loaded:
             d.eval_path,
             tokenizer,
             d.format,
-            d.max_seq_len,
+            longest,
             d.add_eos,
             d.skip_bad_rows,
             kl_block=t.per_device_train_batch_size,  # KTO: each batch's KL sequences its own rows', as in training
@@ -390,11 +394,14 @@ def _run(
         if rollouts is not None:
             rollouts.keep_samples(first)
     counted = dict(trainer.optimizer_counts)  # a resumed run's counters start at its checkpoint's
-    eval_passes = (
-        eval_batches(loaded.eval_data, recipe, loaded.pad_id) if loaded.eval_data is not None else []
+    eval_passes = (  # (GRPO's held-out prompts are sampled: finetune.grpo_evaluation)
+        eval_batches(loaded.eval_data, recipe, loaded.pad_id)
+        if loaded.eval_data is not None and rollouts is None
+        else []
     )
     early = EarlyStopping.of(recipe, history)  # a resumed run counts from its log's evaluations
-    kept = best_checkpoint(history, out) if t.load_best_model_at_end else None  # (path, eval_loss)
+    metric, greater = result.best_metric = recipe.best_metric  # what early stopping and the best compare
+    kept = best_checkpoint(history, out, metric, greater) if t.load_best_model_at_end else None
     notes = list(decision.notes) + launch_notes(world, dict(os.environ))
     if decision.resume is not None:
         notes.append(f"resumed from {decision.resume} at step {first} of {steps}")
@@ -428,11 +435,14 @@ def _run(
 
             def evaluated_at(epoch: float, step: int) -> dict[str, Any]:  # the held-out set's loss, logged
                 at = {"epoch": epoch, "step": step}
-                record = evaluate(trainer, eval_passes, recipe.objective, eval_reference, eval_teacher)
+                if rollouts is not None:  # GRPO: the held-out prompts sampled and rewarded
+                    record = evaluate_rollouts(rollouts, loaded.eval_data, step)
+                else:
+                    record = evaluate(trainer, eval_passes, recipe.objective, eval_reference, eval_teacher)
                 return logged(record | at)
 
             if t.eval_on_start and first == 0:  # the Trainer's eval_on_start: the weights before any step
-                early.see(evaluated_at(0.0, 0)["eval_loss"])
+                early.see(evaluated_at(0.0, 0)[metric])
             for step in range(first, steps):
                 began = time.perf_counter()
                 micro = [next(stream) for _ in range(t.gradient_accumulation_steps)]
@@ -460,19 +470,19 @@ def _run(
                 if (step + 1) % t.logging_steps == 0 or step + 1 == steps:
                     logged(record)
                 stopping, evaluated = False, None
-                if due(recipe, step + 1, per_epoch):  # the held-out set's loss (finetune.evaluation)
+                if due(recipe, step + 1, per_epoch, steps):  # the held-out set's loss (finetune.evaluation)
                     writer.wait()  # a checkpoint still being written holds chunks the pass's end puts back home
                     evaluated = evaluated_at(record["epoch"], step + 1)
-                    stopping = early.see(evaluated["eval_loss"])
+                    stopping = early.see(evaluated[metric])
                 writer.check()  # a checkpoint that failed in the background stops the run now
                 stop.check()
                 # a checkpoint every save_steps steps and at the last one (as the Hugging Face Trainer), so
                 # that a finished run can be trained further
                 last = step + 1 == steps or stopping
                 saving = t.save_steps > 0 and ((step + 1) % t.save_steps == 0 or last)
-                better = evaluated is not None and (kept is None or evaluated["eval_loss"] < kept[1])
+                better = evaluated is not None and early.better(evaluated[metric], kept[1] if kept else None)
                 if saving and better and t.load_best_model_at_end:  # this step's checkpoint is the best
-                    kept = (out / f"{CHECKPOINT_PREFIX}{step + 1}", evaluated["eval_loss"])
+                    kept = (out / f"{CHECKPOINT_PREFIX}{step + 1}", evaluated[metric])
                     writer.keep = kept[0]
                 if saving:
                     trainer_state = {
@@ -492,9 +502,10 @@ def _run(
                 if stopping:
                     result.stopped_early = step + 1
                     log.info(
-                        "stopped early after step %d: eval_loss did not beat its best (%.6g) by more than %g in "
-                        "%d evaluations (training.early_stopping_patience)",
+                        "stopped early after step %d: %s did not beat its best (%.6g) by more than %g in %d "
+                        "evaluations (training.early_stopping_patience)",
                         step + 1,
+                        metric,
                         early.best,
                         early.threshold,
                         early.patience,
@@ -502,9 +513,9 @@ def _run(
                     break
         writer.wait()
         stop.check()
-        best = best_checkpoint(history, out) if t.load_best_model_at_end else None
+        best = best_checkpoint(history, out, metric, greater) if t.load_best_model_at_end else None
         if best is not None and best[0].name != f"{CHECKPOINT_PREFIX}{done}":  # the Trainer's best model
-            log.info("loading the best model from %s (eval_loss %.6g) to export it", best[0], best[1])
+            log.info("loading the best model from %s (%s %.6g) to export it", best[0], metric, best[1])
             load_checkpoint(trainer, best[0])
             result.best_checkpoint = best[0]
         _export(trainer, tokenizer, out, world.is_main)
