@@ -91,7 +91,9 @@ OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto", "distill", "grpo")
 PAIRED = ("dpo", "simpo", "orpo", "kto")
 """The objectives whose micro-batches are pairs of sequences (``ObjectiveSettings.paired``)."""
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+"""GRPO's importance weights: a token's ratio each, or one a completion (GSPO: the mean of its tokens' log-ratios)."""
 BETA = {"distill": 0.5, "grpo": 0.0}
 """``objective.beta``'s default by ``objective.type`` where it is not DPO's 0.1 (TRL's GKD: 0.5; GRPO: 0.0, no KL
 term and no reference)."""
@@ -141,8 +143,10 @@ class ObjectiveSettings:
     ``num_generations`` completions of each prompt (at most ``max_completion_length`` tokens, at
     ``temperature``, ``top_p``, ``top_k``), scores them with ``reward_funcs`` (``module:function`` names, TRL's
     reward-function signature) weighted by ``reward_weights``, and trains on their advantages (``scale_rewards``)
-    with the clipped objective (``epsilon``, ``epsilon_high``), ``beta`` times the KL to the reference (0: none),
-    each generation used for ``num_iterations`` steps, normalised per ``loss_type`` (``engine.grpo``);
+    with the clipped objective (``epsilon``, ``epsilon_high``, ``delta``; ``importance_sampling_level``
+    ``sequence``: GSPO's one ratio a completion), ``beta`` times the KL to the reference (0: none), each
+    generation used for ``num_iterations`` steps, normalised per ``loss_type`` (``engine.grpo``: also CISPO's
+    clipped weights, SAPO's soft gate, LUSPO's length-scaled sequences);
     ``mask_truncated_completions`` leaves completions without an EOS out of the loss; an evaluation samples
     ``num_generations_eval`` completions of each held-out prompt (``finetune.grpo_evaluation``)."""
 
@@ -168,7 +172,11 @@ class ObjectiveSettings:
     max_completion_length: int = 512  # a completion's tokens at most
     top_p: float = 1.0
     epsilon: float = 0.2  # the ratio's clip below (and above, without epsilon_high)
-    epsilon_high: float | None = None
+    epsilon_high: float | None = None  # cispo: the importance weight's bound itself (ScaleRL: 5.0)
+    delta: float | None = None  # INTELLECT-2's two-sided clip: the unclipped ratio bounded above by it
+    importance_sampling_level: str = field(default="token", metadata=choices(*IMPORTANCE_SAMPLING_LEVELS))
+    sapo_temperature_pos: float = 1.0  # sapo's gate's temperature for a positive advantage
+    sapo_temperature_neg: float = 1.05  # ... for any other
     num_iterations: int = 1  # steps each generation batch trains
     scale_rewards: str = field(default="group", metadata=choices(*SCALE_REWARDS))
     mask_truncated_completions: bool = False

@@ -1,7 +1,8 @@
 """GRPO's objective (``engine.grpo``) against TRL 1.16's own ``GRPOTrainer._compute_loss`` on the same tokens'
-log-probabilities: the loss, its gradient by each token's log-probability, ``kl`` and the clip ratios, for
-``loss_type`` grpo, bnpo, dr_grpo and dapo, ``beta`` 0 and 0.04, old log-probabilities given (``num_iterations``
-2) or the policy's own, and an asymmetric clip (``epsilon_high``)."""
+log-probabilities: the loss, its gradient by each token's log-probability, ``kl`` and the loss type's metrics, for
+every ``loss_type`` (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo), ``beta`` 0 and 0.04, old log-probabilities
+given (``num_iterations`` 2) or the policy's own, an asymmetric clip (``epsilon_high``), and GSPO's sequence-level
+weights and INTELLECT-2's two-sided clip (``delta``)."""
 
 from collections import defaultdict
 from types import SimpleNamespace
@@ -9,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tiertune.engine.grpo import CLIP_METRICS, grpo_loss
+from tiertune.engine.grpo import grpo_loss, metric_names
+from tiertune.settings import ObjectiveSettings
 
 COMPLETIONS, LENGTH, MAX_LENGTH, ACCUM = 6, 9, 12, 2
 
@@ -26,19 +28,20 @@ def _inputs(seed):
     return logps, mask, old, ref, adv
 
 
-def _trl(logps, mask, old, ref, adv, loss_type, beta, epsilon, epsilon_high, items, bias_correction=False):
-    """TRL's ``_compute_loss`` on a trainer holding only what it reads, its log-probabilities these."""
+def _trl(logps, mask, old, ref, adv, o, items):
+    """TRL's ``_compute_loss`` on a trainer holding only what it reads, its log-probabilities these, its
+    settings ``o``'s (an ``ObjectiveSettings``)."""
     from trl import GRPOTrainer
 
     t = object.__new__(GRPOTrainer)
     t.__dict__.update(
         top_entropy_quantile=1.0,
         off_policy_mask_threshold=None,
-        importance_sampling_level="token",
-        beta=beta,
-        loss_type=loss_type,
-        epsilon_low=epsilon,
-        epsilon_high=epsilon if epsilon_high is None else epsilon_high,
+        importance_sampling_level=o.importance_sampling_level,
+        beta=o.beta,
+        loss_type=o.loss_type,
+        epsilon_low=o.epsilon,
+        epsilon_high=o.epsilon if o.epsilon_high is None else o.epsilon_high,
         use_vllm=False,
         vllm_importance_sampling_correction=False,
         current_gradient_accumulation_steps=ACCUM,
@@ -46,7 +49,13 @@ def _trl(logps, mask, old, ref, adv, loss_type, beta, epsilon, epsilon_high, ite
         _entropy_bonus_enabled=False,
         aux_loss_enabled=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-        args=SimpleNamespace(use_bias_correction_kl=bias_correction, delta=None, steps_per_generation=ACCUM),
+        args=SimpleNamespace(
+            use_bias_correction_kl=o.use_bias_correction_kl,
+            delta=o.delta,
+            steps_per_generation=ACCUM,
+            sapo_temperature_pos=o.sapo_temperature_pos,
+            sapo_temperature_neg=o.sapo_temperature_neg,
+        ),
         model=SimpleNamespace(training=True),
         accelerator=SimpleNamespace(
             num_processes=1,
@@ -70,46 +79,63 @@ def _trl(logps, mask, old, ref, adv, loss_type, beta, epsilon, epsilon_high, ite
     return loss, {k: v[-1] for k, v in t._metrics["train"].items()}
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-@pytest.mark.parametrize("given_old", [True, False], ids=["old-given", "old-is-policy"])
-@pytest.mark.parametrize("bias_correction", [True, False], ids=["kl-reweighted", "kl-plain"])
-def test_the_loss_its_gradient_and_metrics_are_trls(loss_type, beta, given_old, bias_correction):
+def _compare(o, given_old):
+    """Ours against TRL's on the same inputs: the loss, its gradient, the metrics; returns TRL's metrics."""
     logps, mask, old, ref, adv = _inputs(seed=3)
     old = old if given_old else None
     items = 2 * int(mask.sum())  # the generation batch's completion tokens (the step's two micro-batches')
     mine_in = logps.clone().requires_grad_()
     theirs_in = logps.clone().requires_grad_()
-    epsilon, epsilon_high = 0.2, 0.28
-    loss, metrics = grpo_loss(
-        mine_in,
-        mask,
-        adv,
-        old,
-        ref,
-        loss_type,
-        beta,
-        epsilon,
-        epsilon_high,
-        ACCUM,
-        MAX_LENGTH,
-        items,
-        bias_correction,
-    )
-    their_loss, their_metrics = _trl(
-        theirs_in, mask, old, ref, adv, loss_type, beta, epsilon, epsilon_high, items, bias_correction
-    )
+    loss, metrics = grpo_loss(mine_in, mask, adv, old, ref, o, ACCUM, items)
+    their_loss, their_metrics = _trl(theirs_in, mask, old, ref, adv, o, items)
     torch.testing.assert_close(loss, their_loss, rtol=1e-12, atol=0)
     loss.backward()
     their_loss.backward()
     torch.testing.assert_close(mine_in.grad, theirs_in.grad, rtol=1e-12, atol=1e-15)
     assert mine_in.grad.abs().sum() > 0
-    names = set(CLIP_METRICS) | ({"kl"} if beta else set())
+    names = set(metric_names(o))
     assert names <= set(their_metrics) and names == set(metrics)
     for name in names:  # (TRL takes the clipped shares in fp32: ``.float()``)
         assert metrics[name] == pytest.approx(their_metrics[name], rel=1e-6, abs=1e-12), name
+    return their_metrics
+
+
+def _objective(**settings):
+    return ObjectiveSettings(type="grpo", max_completion_length=MAX_LENGTH, epsilon=0.2, **settings)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("given_old", [True, False], ids=["old-given", "old-is-policy"])
+@pytest.mark.parametrize("bias_correction", [True, False], ids=["kl-reweighted", "kl-plain"])
+def test_the_loss_its_gradient_and_metrics_are_trls(loss_type, beta, given_old, bias_correction):
+    o = _objective(loss_type=loss_type, beta=beta, epsilon_high=0.28, use_bias_correction_kl=bias_correction)
+    theirs = _compare(o, given_old)
     if given_old:  # the ratios clip somewhere, both ways, at these offsets
-        assert their_metrics["clip_ratio/region_mean"] > 0
+        assert theirs["clip_ratio/region_mean"] > 0
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"loss_type": "cispo", "epsilon_high": 5.0},
+        {"loss_type": "cispo", "epsilon_high": 1.1, "beta": 0.04},  # a bound the weights cross
+        {"loss_type": "sapo"},
+        {"loss_type": "sapo", "sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0, "beta": 0.04},
+        {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+        {"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.04},  # GSPO
+        {"loss_type": "dapo", "importance_sampling_level": "sequence"},
+        {"loss_type": "cispo", "importance_sampling_level": "sequence", "epsilon_high": 1.05},
+        {"loss_type": "dapo", "delta": 1.25, "epsilon_high": 0.2},  # INTELLECT-2's two-sided clip
+        {"loss_type": "grpo", "delta": 1.3, "beta": 0.04, "importance_sampling_level": "sequence"},
+    ],
+    ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()),
+)
+@pytest.mark.parametrize("given_old", [True, False], ids=["old-given", "old-is-policy"])
+def test_cispo_sapo_luspo_gspo_and_the_two_sided_clip_are_trls(settings, given_old):
+    theirs = _compare(_objective(**settings), given_old)
+    if given_old and settings.get("epsilon_high") in (1.1, 1.05):  # the bound caps some weights
+        assert theirs["cispo_clip_ratio"] > 0
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: a logit cap, scored on the logits

@@ -69,10 +69,13 @@ def test_a_verifiable_reward_is_learned_on_this_cpu(cat_model, tmp_path, write_r
     [
         ({"reward_funcs": None}, {}, None, "objective.reward_funcs must name one or more"),
         ({"num_generations": 3}, {}, None, "must be a multiple of objective.num_generations"),
-        ({"loss_type": "sigmoid"}, {}, None, "objective.loss_type must be one of grpo, bnpo, dr_grpo, dapo"),
+        ({"loss_type": "sigmoid"}, {}, None, "objective.loss_type must be one of grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo"),
         ({"max_completion_length": 32}, {}, None, "objective.max_completion_length must be >= 1 and below"),
         ({"reward_weights": [1.0, 2.0]}, {}, None, "objective.reward_weights must give one weight per"),
         ({"reward_funcs": ["nosuchmodule_xyz:f"]}, {}, None, "importing nosuchmodule_xyz failed"),
+        ({"loss_type": "cispo"}, {}, None, "objective.epsilon_high bounds cispo's importance weights"),
+        ({"importance_sampling_level": "seq"}, {}, None, "objective.importance_sampling_level"),
+        ({"sapo_temperature_neg": 0.0}, {}, None, "and sapo_temperature_neg must be > 0"),
     ],
 )
 def test_a_grpo_recipe_that_cannot_run_says_what_to_change(

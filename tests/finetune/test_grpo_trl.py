@@ -196,25 +196,32 @@ def _trl(tmp_path, model_dir, made, rewards, lora, objective, learning_rate, mon
 
 
 CASES = [
-    # (method, loss_type, beta, num_iterations, learning rate, temperature: the log-probabilities' as well)
-    ("lora", "dapo", 0.0, 1, 2e-2, 1.0),
-    ("lora", "grpo", 0.04, 2, 2e-2, 0.7),
-    ("lora", "dr_grpo", 0.04, 1, 2e-2, 1.0),
-    ("full", "dapo", 0.0, 2, 3e-3, 1.0),
-    ("full", "grpo", 0.04, 2, 3e-3, 1.5),  # the reference: the initial weights beside the policy
-    ("full", "dr_grpo", 0.04, 1, 3e-3, 1.0),
+    # (method, loss_type, beta, num_iterations, learning rate, temperature: the log-probabilities' as well, and
+    # other settings)
+    ("lora", "dapo", 0.0, 1, 2e-2, 1.0, {}),
+    ("lora", "grpo", 0.04, 2, 2e-2, 0.7, {}),
+    ("lora", "dr_grpo", 0.04, 1, 2e-2, 1.0, {}),
+    ("full", "dapo", 0.0, 2, 3e-3, 1.0, {}),
+    ("full", "grpo", 0.04, 2, 3e-3, 1.5, {}),  # the reference: the initial weights beside the policy
+    ("full", "dr_grpo", 0.04, 1, 3e-3, 1.0, {}),
+    ("lora", "cispo", 0.0, 2, 2e-2, 1.0, {"epsilon_high": 1.02}),  # MiniMax-M1's, a bound the weights cross
+    ("full", "sapo", 0.04, 2, 3e-3, 1.0, {}),
+    ("lora", "grpo", 0.0, 2, 2e-2, 1.0, {"importance_sampling_level": "sequence"}),  # GSPO
+    ("full", "luspo", 0.0, 2, 3e-3, 1.0, {"importance_sampling_level": "sequence"}),
+    ("lora", "dapo", 0.04, 2, 2e-2, 1.0, {"delta": 1.25}),  # INTELLECT-2's two-sided clip
 ]
 
 
-@pytest.mark.parametrize(("method", "loss_type", "beta", "iterations", "lr", "temperature"), CASES)
+@pytest.mark.parametrize(("method", "loss_type", "beta", "iterations", "lr", "temperature", "extra"), CASES)
 def test_grpo_steps_equal_trls(
-    model_dir, tmp_path, write_recipe, monkeypatch, method, loss_type, beta, iterations, lr, temperature
+    model_dir, tmp_path, write_recipe, monkeypatch, method, loss_type, beta, iterations, lr, temperature, extra
 ):
     objective = {
         "loss_type": loss_type,
         "beta": beta,
         "num_iterations": iterations,
         "temperature": temperature,
+        **extra,
     }
     lora = method == "lora"
     ours, made, rewards = _ours(
@@ -225,7 +232,8 @@ def test_grpo_steps_equal_trls(
     for (_, _, mine), ref in zip(made, advantages, strict=True):
         torch.testing.assert_close(mine, ref.float(), rtol=1e-5, atol=1e-6)
     assert len(ours) == len(theirs) == STEPS
-    keys = ["loss", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"]
+    clip = ["clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"]
+    keys = ["loss", *{"cispo": ["cispo_clip_ratio"], "sapo": []}.get(loss_type, clip)]
     keys += ["kl"] if beta else []
     for mine, ref in zip(ours, theirs, strict=True):
         for key in keys:
@@ -243,7 +251,8 @@ def test_grpo_steps_equal_trls(
                 assert mine[key] == pytest.approx(ref[key]), key
     assert any(m["loss"] != 0 for m in ours)
     if iterations > 1:  # a generation's second step moved its policy off the one that sampled it
-        assert any(m["clip_ratio/region_mean"] > 0 for m in ours) or ours[1]["loss"] != ours[0]["loss"]
+        clipped = {"cispo": "cispo_clip_ratio", "sapo": "loss"}.get(loss_type, "clip_ratio/region_mean")
+        assert any(m[clipped] > 0 for m in ours) or ours[1]["loss"] != ours[0]["loss"]
 
 
 EVAL_CASES = [

@@ -427,6 +427,23 @@ class Recipe:
             ),
             (o.num_iterations >= 1, "objective.num_iterations", f"must be >= 1, got {o.num_iterations}"),
             (
+                o.loss_type != "cispo" or o.epsilon_high is not None,
+                "objective.epsilon_high",
+                "bounds cispo's importance weights themselves (not 1 + epsilon_high: ScaleRL recommends 5.0); "
+                "set it (unset, it would be epsilon, and every weight at most that)",
+            ),
+            (
+                o.delta is None or o.delta > 0,
+                "objective.delta",
+                "bounds the unclipped ratio above (INTELLECT-2's two-sided clip; TRL recommends above 1 + "
+                f"epsilon_high): it must be > 0 or null, got {o.delta}",
+            ),
+            (
+                o.sapo_temperature_pos > 0 and o.sapo_temperature_neg > 0,
+                "objective.sapo_temperature_pos",
+                f"and sapo_temperature_neg must be > 0, got {o.sapo_temperature_pos} and {o.sapo_temperature_neg}",
+            ),
+            (
                 o.num_generations_eval is None or o.num_generations_eval >= 1,
                 "objective.num_generations_eval",
                 f"must be >= 1 or null (num_generations), got {o.num_generations_eval}",

@@ -1,16 +1,22 @@
-"""GRPO's objective (TRL 1.16's ``GRPOTrainer._compute_loss``, token-level importance sampling): a micro-batch of
-completions' loss from its tokens' log-probabilities under the policy, the old policy (the one that sampled them;
-the policy itself, detached, when each generation is used once) and the reference, and each completion's
-advantage; with TRL's normalisation per ``loss_type`` and TRL's metrics.
+"""GRPO's objective (TRL 1.16's ``GRPOTrainer._compute_loss``): a micro-batch of completions' loss from its tokens'
+log-probabilities under the policy, the old policy (the one that sampled them; the policy itself, detached, when
+each generation is used once) and the reference, and each completion's advantage; with TRL's normalisation per
+``loss_type`` and TRL's metrics.
 
-Per completion token: ``ratio = exp(logp - old)``, ``-min(ratio * A, clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-* A)``, plus ``beta * (exp(ref - logp) - (ref - logp) - 1)`` (the k3 estimator of KL to the reference) when
-``beta`` is not 0. A micro-batch's loss: ``grpo``: the mean over its completions of each one's mean over its
-tokens, over the step's micro-batches; ``bnpo``: the mean over its tokens, over the micro-batches; ``dr_grpo``:
-the sum over its tokens over (completions x ``max_completion_length``), over the micro-batches; ``dapo``: the sum
-over its tokens over the generation batch's completion tokens (``items``). Like DPO's, the objective is a
-function of the tokens' log-probabilities, so its gradient reaches the head as a weighted cross-entropy
-(``engine.pairs``' way)."""
+The importance weight ``w`` is each token's ``exp(logp - old)`` (``importance_sampling_level: token``) or one a
+completion, ``exp`` of the mean of its tokens' log-ratios (``sequence``: GSPO). Per completion token, by
+``loss_type``: ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: ``-min(w' * A, clamp(w, 1 - epsilon, 1 +
+epsilon_high) * A)``, ``w'`` being ``w`` bounded above by ``delta`` where it is set (INTELLECT-2's two-sided clip;
+else ``w``); ``cispo`` (MiniMax-M1): ``-min(w, epsilon_high) * A * logp``, the weight detached; ``sapo``:
+``-sigmoid(tau * (w - 1)) * 4 / tau * A``, ``tau`` ``sapo_temperature_pos`` for a positive advantage and
+``sapo_temperature_neg`` otherwise. Plus ``beta * (exp(ref - logp) - (ref - logp) - 1)`` (the k3 estimator of KL
+to the reference, times ``w`` with ``use_bias_correction_kl``) when ``beta`` is not 0. A micro-batch's loss:
+``grpo``, ``sapo``: the mean over its completions of each one's mean over its tokens, over the step's
+micro-batches; ``bnpo``: the mean over its tokens, over the micro-batches; ``dr_grpo``: the sum over its tokens
+over (completions x ``max_completion_length``), over the micro-batches; ``luspo``: the mean over its completions
+of each one's sum over its tokens, over the micro-batches; ``dapo``, ``cispo``: the sum over its tokens over the
+generation batch's completion tokens (``items``). Like DPO's, the objective is a function of the tokens'
+log-probabilities, so its gradient reaches the head as a weighted cross-entropy (``engine.pairs``' way)."""
 
 from __future__ import annotations
 
@@ -20,10 +26,16 @@ from typing import Any
 import torch
 
 from tiertune.errors import ConfigError
-from tiertune.settings import GRPO_LOSS_TYPES
+from tiertune.settings import GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS
 
 LOSS_TYPES = GRPO_LOSS_TYPES
-"""GRPO's losses (TRL's ``loss_type``): how a micro-batch's token losses are normalised (module docstring)."""
+"""GRPO's losses (TRL's ``loss_type``): what a token's loss is and how a micro-batch's are normalised (module
+docstring)."""
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+"""The losses of PPO's clipped ratio, whose clipped shares are logged (``CLIP_METRICS``)."""
+PER_ITEM = ("dapo", "cispo")
+"""The losses normalised by the generation batch's completion tokens over every process (``items``): not
+averaged over the processes again."""
 CLIP_METRICS = (
     "clip_ratio/low_mean",
     "clip_ratio/high_mean",
@@ -31,8 +43,20 @@ CLIP_METRICS = (
     "clip_ratio/low_min",
     "clip_ratio/high_max",
 )
-"""The clipped ratios' metrics, TRL's names: the share of completion tokens whose ratio the clip bounds from below
-(advantage < 0), from above (advantage > 0), either; the least and most of one completion's shares."""
+"""The clipped ratios' metrics, TRL's names: the share of completion tokens (of completions, at the sequence level)
+whose ratio the clip bounds from below (advantage < 0), from above (advantage > 0), either; the least and most of
+one completion's shares."""
+CISPO_METRICS = ("cispo_clip_ratio",)
+"""CISPO's metric, TRL's name: the share of completion tokens whose weight its bound caps (advantage > 0)."""
+
+
+def metric_names(objective: Any) -> tuple[str, ...]:
+    """The metrics a GRPO step logs, each a micro-batch's value, their mean (TRL's): ``kl`` with ``beta``, then
+    the loss type's."""
+    kl = ("kl",) if objective.beta != 0 else ()
+    if objective.loss_type in CLIPPED:
+        return kl + CLIP_METRICS
+    return kl + (CISPO_METRICS if objective.loss_type == "cispo" else ())
 
 
 def grpo_loss(
@@ -41,74 +65,112 @@ def grpo_loss(
     advantages: torch.Tensor,
     old_logps: torch.Tensor | None,
     ref_logps: torch.Tensor | None,
-    loss_type: str,
-    beta: float,
-    epsilon: float,
-    epsilon_high: float | None,
+    objective: Any,
     accumulation: int,
-    max_completion_length: int,
     items: float,
-    bias_correction: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """A micro-batch's loss (autograd through ``logps``) and its metrics (``kl`` with ``beta``, ``CLIP_METRICS``,
-    each this micro-batch's value: TRL logs their mean over micro-batches) from its completion tokens'
-    log-probabilities ``logps`` ([completions, tokens]; ``mask`` 1 at a completion's tokens), the old policy's
-    and the reference's (None: the policy's own, detached; no KL term), each completion's advantage; the step's
-    ``accumulation`` micro-batches, ``max_completion_length``, and ``items`` (the generation batch's completion
-    tokens over the processes, scaled to one step: ``dapo``'s normaliser)."""
-    if loss_type not in LOSS_TYPES:
+    """A micro-batch's loss (autograd through ``logps``) and its metrics (``metric_names``, each this
+    micro-batch's value: TRL logs their mean over micro-batches) from its completion tokens' log-probabilities
+    ``logps`` ([completions, tokens]; ``mask`` 1 at a completion's tokens), the old policy's and the reference's
+    (None: the policy's own, detached; no KL term), each completion's advantage; ``objective`` GRPO's settings
+    (``ObjectiveSettings``: ``loss_type``, ``beta``, ``epsilon``, ``epsilon_high``, ``delta``,
+    ``importance_sampling_level``, the SAPO temperatures, ``max_completion_length``, ``use_bias_correction_kl``),
+    the step's ``accumulation`` micro-batches, and ``items`` (the generation batch's completion tokens over the
+    processes, scaled to one step: ``dapo``'s and ``cispo``'s normaliser)."""
+    o = objective
+    if o.loss_type not in LOSS_TYPES:
         raise ConfigError(
-            f"objective.loss_type {loss_type!r} is not a GRPO loss; one of {', '.join(LOSS_TYPES)}"
+            f"objective.loss_type {o.loss_type!r} is not a GRPO loss; one of {', '.join(LOSS_TYPES)}"
+        )
+    if o.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ConfigError(
+            f"objective.importance_sampling_level must be token or sequence, got {o.importance_sampling_level!r}"
         )
     mask = mask.to(logps.dtype)
     adv = advantages.to(logps.dtype).unsqueeze(1)
     old = logps.detach() if old_logps is None else old_logps.to(logps.dtype)
-    ratio = torch.exp(logps - old)
-    low, high = epsilon, epsilon if epsilon_high is None else epsilon_high
-    clipped = torch.clamp(ratio, 1 - low, 1 + high)
-    per_token = -torch.min(ratio * adv, clipped * adv)
+    log_ratio = logps - old
+    if o.importance_sampling_level == "sequence":  # GSPO: one weight a completion, [completions, 1]
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
+    low, high = o.epsilon, o.epsilon if o.epsilon_high is None else o.epsilon_high
     kl = None
-    if beta != 0.0:
+    if o.beta != 0.0:
         if ref_logps is None:
             raise ValueError("GRPO with beta != 0 needs the reference's log-probabilities")
         gap = ref_logps.to(logps.dtype) - logps
         kl = torch.exp(gap) - gap - 1
-        if bias_correction:
+        if o.use_bias_correction_kl:
             kl = kl * ratio
-        per_token = per_token + beta * kl
+    if o.loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=high).detach() * adv * logps
+    elif o.loss_type == "sapo":
+        tau = torch.where(adv > 0, o.sapo_temperature_pos, o.sapo_temperature_neg).to(logps.dtype)
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    else:
+        clipped = torch.clamp(ratio, 1 - low, 1 + high)
+        if o.delta is not None:  # the unclipped side bounded too (TRL's clip ratios are of this one)
+            ratio = torch.clamp(ratio, max=o.delta)
+        per_token = -torch.min(ratio * adv, clipped * adv)
+    if kl is not None:
+        per_token = per_token + o.beta * kl
+    per_token = per_token * mask  # [completions, tokens]: a sequence-level loss broadcast over its tokens
     tokens = mask.sum()
-    if loss_type == "grpo":
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
-    elif loss_type == "bnpo":
-        loss = (per_token * mask).sum() / tokens.clamp(min=1.0) / accumulation
-    elif loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (per_token.size(0) * max_completion_length) / accumulation
-    else:  # dapo
-        loss = (per_token * mask).sum() / max(items, 1.0)
-    metrics: dict[str, float] = {}
+    if o.loss_type in ("grpo", "sapo"):
+        loss = (per_token.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
+    elif o.loss_type == "bnpo":
+        loss = per_token.sum() / tokens.clamp(min=1.0) / accumulation
+    elif o.loss_type == "dr_grpo":
+        loss = per_token.sum() / (per_token.size(0) * o.max_completion_length) / accumulation
+    elif o.loss_type == "luspo":
+        loss = per_token.sum(-1).mean() / accumulation
+    else:  # dapo, cispo
+        loss = per_token.sum() / max(items, 1.0)
     with torch.no_grad():
-
-        def masked_mean(x: torch.Tensor) -> float:
-            return float((x * mask).sum() / tokens.clamp(min=1.0))
-
-        def per_completion(x: torch.Tensor) -> torch.Tensor:  # NaN for a completion without tokens, as TRL's
-            return (x * mask).sum(-1) / mask.sum(-1)
-
-        if kl is not None:
-            metrics["kl"] = masked_mean(kl)
-        low_clip = ((ratio < 1 - low) & (adv < 0)).to(logps.dtype)
-        high_clip = ((ratio > 1 + high) & (adv > 0)).to(logps.dtype)
-        metrics["clip_ratio/low_mean"] = masked_mean(low_clip)
-        metrics["clip_ratio/high_mean"] = masked_mean(high_clip)
-        metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(low_clip, high_clip))
-        lows, highs = per_completion(low_clip), per_completion(high_clip)
-        metrics["clip_ratio/low_min"] = (
-            float(lows[~lows.isnan()].min()) if (~lows.isnan()).any() else float("nan")
-        )
-        metrics["clip_ratio/high_max"] = (
-            float(highs[~highs.isnan()].max()) if (~highs.isnan()).any() else float("nan")
-        )
+        metrics = _metrics(ratio, adv, mask, kl, o, low, high)
     return loss, metrics
+
+
+def _metrics(
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    kl: torch.Tensor | None,
+    o: Any,
+    low: float,
+    high: float,
+) -> dict[str, float]:
+    """A micro-batch's ``metric_names``, as TRL takes them (a sequence-level share over completions)."""
+    tokens = mask.sum()
+
+    def masked_mean(x: torch.Tensor) -> float:
+        if x.shape[1] == 1:  # one value a completion
+            return float(x.sum() / max(1, x.shape[0]))
+        return float((x * mask).sum() / tokens.clamp(min=1.0))
+
+    def per_completion(x: torch.Tensor) -> torch.Tensor:  # NaN for a completion without tokens, as TRL's
+        return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
+    metrics: dict[str, float] = {}
+    if kl is not None:
+        metrics["kl"] = masked_mean(kl)
+    if o.loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = masked_mean(((ratio > high) & (adv > 0)).to(mask.dtype))
+    if o.loss_type not in CLIPPED:
+        return metrics
+    low_clip = ((ratio < 1 - low) & (adv < 0)).to(mask.dtype)
+    high_clip = ((ratio > 1 + high) & (adv > 0)).to(mask.dtype)
+    metrics["clip_ratio/low_mean"] = masked_mean(low_clip)
+    metrics["clip_ratio/high_mean"] = masked_mean(high_clip)
+    metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(low_clip, high_clip))
+    lows, highs = per_completion(low_clip), per_completion(high_clip)
+    metrics["clip_ratio/low_min"] = (
+        float(lows[~lows.isnan()].min()) if (~lows.isnan()).any() else float("nan")
+    )
+    metrics["clip_ratio/high_max"] = (
+        float(highs[~highs.isnan()].max()) if (~highs.isnan()).any() else float("nan")
+    )
+    return metrics
 
 
 def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -175,4 +237,14 @@ def token_logps_head(temperature: float) -> Callable[[Any, Any, torch.Tensor], t
     return head
 
 
-__all__ = ["CLIP_METRICS", "LOSS_TYPES", "advantages", "grpo_loss", "token_logps_head"]
+__all__ = [
+    "CISPO_METRICS",
+    "CLIPPED",
+    "CLIP_METRICS",
+    "LOSS_TYPES",
+    "PER_ITEM",
+    "advantages",
+    "grpo_loss",
+    "metric_names",
+    "token_logps_head",
+]

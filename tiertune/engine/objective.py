@@ -57,9 +57,9 @@ def metric_names(settings: ObjectiveSettings) -> tuple[str, ...]:
     if settings.distills:
         return DISTILL_METRICS
     if settings.rollouts:  # each a micro-batch's value, their mean logged (TRL's)
-        from tiertune.engine.grpo import CLIP_METRICS
+        from tiertune.engine.grpo import metric_names as grpo_metrics
 
-        return (("kl",) if settings.beta != 0 else ()) + CLIP_METRICS
+        return grpo_metrics(settings)
     if not settings.paired:
         return ()
     names = METRICS if settings.type != "kto" else tuple(m for m in METRICS if m != "rewards/accuracies")

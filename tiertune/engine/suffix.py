@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tiertune.engine import several
+from tiertune.engine.grpo import PER_ITEM
 from tiertune.engine.micro import Micro, harvest, stacked_inputs
 from tiertune.engine.objective import add_metric
 from tiertune.engine.pairs import PairedPasses
@@ -140,18 +141,14 @@ class Suffixes(PairedPasses):
             rollout["advantages"].to(leaf.device),
             None if old is None else old.to(leaf.device),
             ref_logps,
-            objective.loss_type,
-            objective.beta,
-            objective.epsilon,
-            objective.epsilon_high,
+            objective,
             micro_batches,
-            objective.max_completion_length,
             float(n_tokens),
-            objective.use_bias_correction_kl,
         )
-        # the losses but dapo's are each process's own, averaged over the processes (as DDP averages TRL's)
+        # the losses but dapo's and cispo's are each process's own, averaged over the processes (as DDP averages
+        # TRL's); those two are over every process's tokens already
         processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        share = 1.0 if objective.loss_type == "dapo" else 1.0 / processes
+        share = 1.0 if objective.loss_type in PER_ITEM else 1.0 / processes
         (slope,) = torch.autograd.grad(loss * share, token_losses)  # d loss / d each token's loss
         weight = slope.reshape(-1)
         with engine.loss.tempered(objective.temperature):

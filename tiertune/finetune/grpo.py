@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import logging
 import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +41,8 @@ from tiertune.files import write_text_atomically
 from tiertune.finetune.data import prompt_of
 from tiertune.finetune.served import SERVED_KEY
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
+
+log = logging.getLogger("tiertune.grpo")
 
 METRICS_KEY = "rollout_metrics"
 """The key of a generation's first micro-batch holding its metrics (``reward``, ``rewards/<function>/mean``, ...)."""
@@ -181,6 +184,14 @@ class Rollouts:
         self.eos = {eos} if isinstance(eos, int) else set(eos or ())
         self.tokens_seen = 0
         self.current: tuple[int, list[dict[str, Any]]] | None = None  # the generation being trained
+        if o.loss_type == "luspo" and o.importance_sampling_level != "sequence":  # TRL's warnings
+            log.warning("objective.loss_type luspo is the paper's with importance_sampling_level: sequence")
+        if o.importance_sampling_level == "sequence" and o.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            log.warning(
+                "objective.importance_sampling_level sequence with loss_type %s sums the tokens' terms: each "
+                "completion weighs as its length; GSPO's setup is loss_type: grpo",
+                o.loss_type,
+            )
 
     def steps(self, first: int = 0, resumed: dict[str, Any] | None = None) -> Iterator[list[dict[str, Any]]]:
         """Each step's micro-batches from step ``first`` (0: the run's start; a resumed run's checkpoint step),

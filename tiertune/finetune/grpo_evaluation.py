@@ -134,14 +134,9 @@ def _loss(rollouts: Rollouts, batch: Generation) -> tuple[float, dict[str, float
         batch.advantages,
         None,
         padded(reference) if reference is not None else None,
-        o.loss_type,
-        o.beta,
-        o.epsilon,
-        o.epsilon_high,
+        o,
         1,
-        o.max_completion_length,
         float(mask.sum()),
-        o.use_bias_correction_kl,
     )
     return float(loss), metrics
 
