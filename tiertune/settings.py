@@ -103,6 +103,9 @@ TOP_K = {"distill": 64, "grpo": 0}
 """``objective.top_k``'s default by ``objective.type``: the teacher's logits kept a token (distill), the
 sampling's top-k (GRPO's rollouts: 0, every token)."""
 SCALE_REWARDS = ("group", "batch", "none")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+"""How GRPO's advantages combine several reward functions (TRL's ``multi_objective_aggregation``): their weighted
+sum normalised in its group, or each normalised in its group and their weighted sum over the batch (GDPO)."""
 ROLLOUT_ENGINES = ("tiertune", "llama_cpp", "vllm", "sglang")
 """Who samples GRPO's completions: the streamed model itself, a llama.cpp server the run starts, or a vLLM or
 SGLang server the user runs (``rollout_url``)."""
@@ -179,6 +182,7 @@ class ObjectiveSettings:
     sapo_temperature_neg: float = 1.05  # ... for any other
     num_iterations: int = 1  # steps each generation batch trains
     scale_rewards: str = field(default="group", metadata=choices(*SCALE_REWARDS))
+    multi_objective_aggregation: str = field(default="sum_then_normalize", metadata=choices(*AGGREGATIONS))
     mask_truncated_completions: bool = False
     use_bias_correction_kl: bool = True  # the KL term times the ratio (TRL 1.16's default)
     reward_funcs: list[str] | None = None  # module:function names (TRL's reward-function signature)

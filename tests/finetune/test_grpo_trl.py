@@ -209,12 +209,30 @@ CASES = [
     ("lora", "grpo", 0.0, 2, 2e-2, 1.0, {"importance_sampling_level": "sequence"}),  # GSPO
     ("full", "luspo", 0.0, 2, 3e-3, 1.0, {"importance_sampling_level": "sequence"}),
     ("lora", "dapo", 0.04, 2, 2e-2, 1.0, {"delta": 1.25}),  # INTELLECT-2's two-sided clip
+    ("lora", "dapo", 0.0, 1, 2e-2, 1.0, {"multi_objective_aggregation": "normalize_then_sum"}),  # GDPO
 ]
 
 
-@pytest.mark.parametrize(("method", "loss_type", "beta", "iterations", "lr", "temperature", "extra"), CASES)
+@pytest.mark.parametrize(
+    ("method", "loss_type", "beta", "iterations", "lr", "temperature", "extra"),
+    CASES,
+    ids=[
+        "-".join([str(c[0]), str(c[1]), f"beta{c[2]}", f"it{c[3]}", f"t{c[5]}", *map(str, c[6].values())])
+        for c in CASES
+    ],
+)
 def test_grpo_steps_equal_trls(
-    model_dir, tmp_path, write_recipe, monkeypatch, method, loss_type, beta, iterations, lr, temperature, extra
+    model_dir,
+    tmp_path,
+    write_recipe,
+    monkeypatch,
+    method,
+    loss_type,
+    beta,
+    iterations,
+    lr,
+    temperature,
+    extra,
 ):
     objective = {
         "loss_type": loss_type,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from tiertune.errors import ConfigError
-from tiertune.settings import GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS
+from tiertune.settings import AGGREGATIONS, GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, SCALE_REWARDS
 
 LOSS_TYPES = GRPO_LOSS_TYPES
 """GRPO's losses (TRL's ``loss_type``): what a token's loss is and how a micro-batch's are normalised (module
@@ -182,40 +182,61 @@ def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 
 
 def advantages(
-    rewards_per_func: torch.Tensor, weights: torch.Tensor, generations: int, scale_rewards: str = "group"
+    rewards_per_func: torch.Tensor,
+    weights: torch.Tensor,
+    generations: int,
+    scale_rewards: str = "group",
+    aggregation: str = "sum_then_normalize",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Each completion's advantage (TRL's ``sum_then_normalize``) from each reward function's reward
-    (``rewards_per_func``: [completions, functions], each prompt's ``generations`` completions in a row, NaN where
-    a function gave none) and the functions' ``weights``: the weighted sum (NaN for a completion no function
-    scored, whose advantage is then 0) minus its group's mean, over the group's standard deviation
-    (``scale_rewards`` group; ``batch``: the whole batch's; ``none``: not scaled) + 1e-4; and TRL's metrics
-    ``reward``, ``reward_std``, ``frac_reward_zero_std`` and each function's ``rewards/<i>/mean`` and ``std``
-    (by its index here: the caller names them)."""
-    if scale_rewards not in ("group", "batch", "none"):
+    """Each completion's advantage from each reward function's reward (``rewards_per_func``: [completions,
+    functions], each prompt's ``generations`` completions in a row, NaN where a function gave none) and the
+    functions' ``weights`` (TRL's ``multi_objective_aggregation``): ``sum_then_normalize``, the weighted sum (NaN
+    for a completion no function scored, whose advantage is then 0) minus its group's mean, over the group's
+    standard deviation (``scale_rewards`` group; ``batch``: the whole batch's; ``none``: not scaled) + 1e-4;
+    ``normalize_then_sum`` (GDPO), each function's reward normalised within its group first, their weighted sum
+    then normalised over the batch. TRL's metrics: ``reward``, ``reward_std`` (of the weighted sums of the raw
+    rewards), ``frac_reward_zero_std`` and each function's ``rewards/<i>/mean`` and ``std`` (by its index here:
+    the caller names them)."""
+    if scale_rewards not in SCALE_REWARDS:
         raise ConfigError(f"objective.scale_rewards must be group, batch or none; got {scale_rewards!r}")
+    if aggregation not in AGGREGATIONS:
+        raise ConfigError(
+            f"objective.multi_objective_aggregation must be {' or '.join(AGGREGATIONS)}; got {aggregation!r}"
+        )
     count = rewards_per_func.shape[0]
     if generations < 1 or count % generations:
         raise ConfigError(f"{count} completions are not whole groups of num_generations {generations}")
     unscorable = torch.isnan(rewards_per_func).all(dim=1)
-    rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
-    rewards[unscorable] = torch.nan
-    grouped = rewards.view(-1, generations)
-    mean = torch.nanmean(grouped, dim=1).repeat_interleave(generations)
-    if scale_rewards == "batch":
+    raw = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+    raw[unscorable] = torch.nan
+    if aggregation == "normalize_then_sum":
+        grouped = rewards_per_func.view(-1, generations, rewards_per_func.shape[1])
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = _nanstd(grouped, dim=1).unsqueeze(1) if generations > 1 else torch.zeros_like(mean_k)
+        each = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.shape[1])
+        rewards = (each * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable] = torch.nan
         std = _nanstd(rewards).expand_as(rewards) if count > 1 else torch.zeros_like(rewards)
-    else:  # (``none`` too: for the zero-std share logged)
-        std = (
-            _nanstd(grouped, dim=1).repeat_interleave(generations)
-            if generations > 1
-            else torch.zeros_like(rewards)
-        )
-    out = rewards - mean
-    if scale_rewards != "none":
-        out = out / (std + 1e-4)
+        out = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+    else:
+        rewards = raw
+        grouped = rewards.view(-1, generations)
+        mean = torch.nanmean(grouped, dim=1).repeat_interleave(generations)
+        if scale_rewards == "batch":
+            std = _nanstd(rewards).expand_as(rewards) if count > 1 else torch.zeros_like(rewards)
+        else:  # (``none`` too: for the zero-std share logged)
+            std = (
+                _nanstd(grouped, dim=1).repeat_interleave(generations)
+                if generations > 1
+                else torch.zeros_like(rewards)
+            )
+        out = rewards - mean
+        if scale_rewards != "none":
+            out = out / (std + 1e-4)
     out = torch.nan_to_num(out, nan=0.0)
     metrics = {
-        "reward": float(torch.nanmean(rewards)),
-        "reward_std": float(_nanstd(rewards)),
+        "reward": float(torch.nanmean(raw)),
+        "reward_std": float(_nanstd(raw)),
         "frac_reward_zero_std": float(torch.isclose(std, torch.zeros_like(std)).float().mean()),
     }
     for i in range(rewards_per_func.shape[1]):

@@ -246,7 +246,13 @@ class Rollouts:
         logged: dict[str, list[Any]] = {}
         rewards = self.score(rows, prompts, completions, completion_ids, step, extra_metrics, logged)
         everything = self._gathered(rewards)
-        adv, metrics = advantages(everything, self.rewards.weights, o.num_generations, o.scale_rewards)
+        adv, metrics = advantages(
+            everything,
+            self.rewards.weights,
+            o.num_generations,
+            o.scale_rewards,
+            o.multi_objective_aggregation,
+        )
         per_rank = len(rows)
         adv = adv[self.world.rank * per_rank : (self.world.rank + 1) * per_rank]
         metrics = self.named(metrics, extra_metrics)

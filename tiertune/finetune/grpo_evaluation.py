@@ -79,7 +79,9 @@ def evaluate_rollouts(rollouts: Rollouts, data: Any, step: int) -> dict[str, flo
             completions += said
             truncated += cut
         scored = torch.cat(rewards)
-        adv, metrics = advantages(scored, rollouts.rewards.weights, generations, o.scale_rewards)
+        adv, metrics = advantages(
+            scored, rollouts.rewards.weights, generations, o.scale_rewards, o.multi_objective_aggregation
+        )
         metrics = rollouts.named(metrics, logged_metrics)
         metrics.update(rollouts.completion_metrics(prompt_ids, completion_ids, truncated, trained=False))
         batch = Generation(rows, prompt_ids, completion_ids, truncated, adv, scored, completions, metrics)
