@@ -69,7 +69,12 @@ def test_a_verifiable_reward_is_learned_on_this_cpu(cat_model, tmp_path, write_r
     [
         ({"reward_funcs": None}, {}, None, "objective.reward_funcs must name one or more"),
         ({"num_generations": 3}, {}, None, "must be a multiple of objective.num_generations"),
-        ({"loss_type": "sigmoid"}, {}, None, "objective.loss_type must be one of grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo"),
+        (
+            {"loss_type": "sigmoid"},
+            {},
+            None,
+            "objective.loss_type must be one of grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo",
+        ),
         ({"max_completion_length": 32}, {}, None, "objective.max_completion_length must be >= 1 and below"),
         ({"reward_weights": [1.0, 2.0]}, {}, None, "objective.reward_weights must give one weight per"),
         ({"reward_funcs": ["nosuchmodule_xyz:f"]}, {}, None, "importing nosuchmodule_xyz failed"),
@@ -351,6 +356,15 @@ def test_a_grpo_run_evaluates_its_held_out_prompts_as_the_estimate_says(cat_mode
     assert {s["step"] for s in held} == {0, 2, 3} and len(held) == 3 * 6
     assert {s["prompt"] for s in held} == {"the red cat", "the old cat", "the fat cat"}
     assert {s["step"] for s in samples if not s.get("eval")} == {1, 2, 3}
+    # `tiertune evaluate` of the run: its last evaluation's figures (the same seeds, weights and step)
+    held_out = str(tmp_path / "held_out.jsonl")
+    again = CliRunner().invoke(app, ["evaluate", out, held_out, "--json"])
+    assert again.exit_code == 0, again.output
+    record = json.loads(again.output.strip().splitlines()[-1])
+    for key in ("eval_loss", "eval_reward", "eval_reward_std", "eval_completions/mean_length"):
+        assert record[key] == pytest.approx(evaluated[-1][key], rel=1e-5, abs=1e-7), key
+    said = CliRunner().invoke(app, ["evaluate", out, held_out])
+    assert said.exit_code == 0 and f"eval_reward {record['eval_reward']:.4f}" in said.output, said.output
 
 
 def test_a_grpo_run_stops_early_on_its_held_out_reward_and_exports_the_best(

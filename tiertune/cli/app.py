@@ -474,7 +474,8 @@ def evaluate(
         str | None,
         typer.Option(
             "--format",
-            help="text, alpaca, chat, preference or unpaired_preference (default: the run's data.format, or text).",
+            help="text, alpaca, chat, preference, unpaired_preference, or prompt (a GRPO run's: sampled and "
+            "rewarded) (default: the run's data.format, or text).",
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the record as one JSON line.")] = False,
@@ -482,7 +483,8 @@ def evaluate(
     verbose: _Verbose = False,
 ) -> None:
     """The loss of a model, or of a trained run or checkpoint (a LoRA run's adapter over its base as trained), on
-    held-out rows: the eval_loss a run logs (training.eval_strategy), the model streamed as the run streams it.
+    held-out rows: the eval_loss a run logs (training.eval_strategy), the model streamed as the run streams it; a
+    GRPO run's prompts sampled and rewarded by its reward functions (eval_reward).
 
     Example: tiertune evaluate runs/demo/out held_out.jsonl
     """
@@ -496,6 +498,16 @@ def evaluate(
             record = evaluate_source(source, data, tuple(overrides or ()), data_format, safe_point=stop.check)
     if as_json:
         typer.echo(json.dumps(record))
+        return
+    if "eval_reward" in record:  # a GRPO run's prompts, sampled and rewarded
+        rewards = [k for k in record if k.startswith("eval_rewards/") and k.endswith("/mean")]
+        extra = "".join(
+            f", {k.removeprefix('eval_rewards/').removesuffix('/mean')} {record[k]:.4f}" for k in rewards
+        )
+        typer.echo(
+            f"eval_reward {record['eval_reward']:.4f} (std {record['eval_reward_std']:.4f}){extra}, eval_loss "
+            f"{record['eval_loss']:.4f} over {record['eval_rows']:,} prompts in {record['eval_runtime']:.1f} s"
+        )
         return
     loss = record["eval_loss"]
     tokens = record.get("eval_tokens")

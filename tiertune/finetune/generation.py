@@ -1,7 +1,8 @@
 """Text from a model or a trained run (``tiertune generate``): the model streamed as a run streams it (its
 recipe's offload settings; a model directory's defaults), prompts tokenized by its tokenizer, decoded in one
 batch (``engine.generate``), each completion printed as text; and its loss on held-out rows (``tiertune
-evaluate``: ``evaluate_source``, by ``finetune.evaluation``).
+evaluate``: ``evaluate_source``, by ``finetune.evaluation``; a GRPO run's held-out prompts sampled and rewarded
+by its reward functions, by ``finetune.grpo_evaluation``).
 
 A source is a Hugging Face model directory (or hub id), a run directory (``training.output_dir``) or one of its
 ``checkpoint-<step>`` directories: a LoRA run's adapter is applied over its base as trained (the base as the
@@ -157,6 +158,10 @@ def evaluate_source(
     found = source_of(source, tuple(overrides))
     recipe = copy.deepcopy(found.recipe)
     fmt = fmt or recipe.data.format
+    if (
+        fmt == "prompt" and recipe.objective.rollouts
+    ):  # a GRPO run's: its held-out prompts sampled and rewarded
+        return _evaluate_prompts(found, recipe, source, data_path, safe_point)
     if fmt not in EVAL_FORMATS:
         raise ConfigError(
             f"--format {fmt}: evaluated are {', '.join(EVAL_FORMATS)} data"
@@ -202,6 +207,40 @@ def evaluate_source(
     record["eval_rows"] = len(data)  # (of pairs, its pairs)
     if not recipe.objective.paired:
         record["eval_tokens"] = sum(scored_tokens(b) for g in passes for b in g)
+    return record
+
+
+def _evaluate_prompts(
+    found: Source, recipe: Any, source: str | Path, data_path: str | Path, safe_point: Any
+) -> dict[str, float]:
+    """A GRPO run's (or checkpoint's) record of ``data_path``'s prompts as the run evaluates them
+    (``finetune.grpo_evaluation``), by its reward functions, sampled by the streamed model, ``trainer_state``
+    its step; with ``eval_rows``, the prompts."""
+    from tiertune.distributed.world import World
+    from tiertune.finetune.data import load_data
+    from tiertune.finetune.grpo import Rollouts
+    from tiertune.finetune.grpo_evaluation import evaluate_rollouts
+    from tiertune.finetune.train import tokenizer_of
+
+    o, d = recipe.objective, recipe.data
+    if o.beta != 0.0 and found.adapter is None:
+        raise ConfigError(
+            "GRPO's KL term (objective.beta) scores against its reference, the initial weights: a full "
+            "fine-tune's are not here; evaluate in the run (training.eval_strategy: steps), or set objective.beta=0"
+        )
+    tokenizer = tokenizer_of(found.model)
+    data = load_data(
+        data_path, tokenizer, "prompt", d.max_seq_len - o.max_completion_length, d.add_eos, d.skip_bad_rows
+    )
+    state = Path(source) / "trainer_state.json"  # the rewards' trainer_state: the source's step
+    step = int(json.loads(state.read_text()).get("global_step", 0)) if state.is_file() else 0
+    trainer = load_generator(found, safe_point)
+    try:
+        rollouts = Rollouts(trainer, recipe, data, tokenizer, pad_id_of(tokenizer), World())
+        record = evaluate_rollouts(rollouts, data, step)
+    finally:
+        trainer.close()
+    record["eval_rows"] = len(data)
     return record
 
 
