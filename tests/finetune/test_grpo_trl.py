@@ -251,7 +251,7 @@ def test_grpo_steps_equal_trls(
         torch.testing.assert_close(mine, ref.float(), rtol=1e-5, atol=1e-6)
     assert len(ours) == len(theirs) == STEPS
     clip = ["clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"]
-    keys = ["loss", *{"cispo": ["cispo_clip_ratio"], "sapo": []}.get(loss_type, clip)]
+    keys = ["loss", "entropy", *{"cispo": ["cispo_clip_ratio"], "sapo": []}.get(loss_type, clip)]
     keys += ["kl"] if beta else []
     for mine, ref in zip(ours, theirs, strict=True):
         for key in keys:
@@ -318,6 +318,7 @@ def test_grpo_evaluations_equal_trls(model_dir, tmp_path, write_recipe, monkeypa
         "eval_completions/mean_length",
         "eval_completions/clipped_ratio",
         "eval_clip_ratio/region_mean",
+        "eval_entropy",
     ]
     keys += ["eval_kl"] if beta else []
     for a, b in zip(mine, theirs, strict=True):

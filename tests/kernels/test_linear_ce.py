@@ -238,3 +238,30 @@ def test_a_bf16_head_is_upcast_a_slice_at_a_time(monkeypatch, with_bias):
     for a, r in zip(mine, theirs, strict=True):  # the gradients are returned in the inputs' bf16
         assert a.dtype == torch.bfloat16
         torch.testing.assert_close(a.float(), r.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_each_tokens_entropy_comes_with_its_cross_entropy(chunk, softcap, with_bias):
+    """GRPO's ``entropy``: each token's ``-sum p log p`` of the (capped) logits beside its cross-entropy, from
+    the same chunks, against the unfused softmax; 0 where the target is ignored."""
+    from tiertune.kernels.ops.linear_ce import token_cross_entropy, token_cross_entropy_and_entropy
+
+    torch.manual_seed(0)
+    x, weight = torch.randn(13, 16, dtype=torch.float64), torch.randn(40, 16, dtype=torch.float64)
+    bias = torch.randn(40, dtype=torch.float64) if with_bias else None
+    target = torch.randint(0, 40, (13,))
+    target[[2, 7]] = -100
+    losses, entropies = token_cross_entropy_and_entropy(
+        x, weight, target, bias, chunk_tokens=chunk, softcap=softcap
+    )
+    logits = x @ weight.t() + (bias if bias is not None else 0)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logp = torch.log_softmax(logits, -1)
+    valid = target != -100
+    expected = -(logp.exp() * logp).sum(-1) * valid
+    torch.testing.assert_close(entropies, expected.float(), rtol=1e-5, atol=1e-6)
+    assert (entropies[~valid] == 0).all() and (entropies[valid] > 0).all()
+    torch.testing.assert_close(losses, token_cross_entropy(x, weight, target, bias, softcap=softcap))

@@ -156,6 +156,13 @@ class Compute:
         """Each target token's cross-entropy, without autograd (``CausalLMLoss.token_losses``)."""
         return loss.token_losses(ids, extra, target)
 
+    def token_losses_and_entropies(
+        self, loss: CausalLMLoss, last: torch.Tensor, ids: torch.Tensor, extra: dict, target: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each target token's cross-entropy and entropy, without autograd
+        (``CausalLMLoss.token_losses_and_entropies``)."""
+        return loss.token_losses_and_entropies(ids, extra, target)
+
     def pair_losses(
         self, settings: ObjectiveSettings, token_losses: torch.Tensor, *args: Any
     ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
@@ -253,6 +260,13 @@ class Ledger(Compute):
     ) -> torch.Tensor:
         self.note("head", last.shape[:-1].numel(), "logps")
         return torch.zeros(target.shape, device=target.device)
+
+    def token_losses_and_entropies(
+        self, loss: CausalLMLoss, last: torch.Tensor, ids: torch.Tensor, extra: dict, target: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.note("head", last.shape[:-1].numel(), "logps")
+        zeros = torch.zeros(target.shape, device=target.device)
+        return zeros, zeros.clone()
 
     def pair_losses(
         self, settings: ObjectiveSettings, token_losses: torch.Tensor, *args: Any

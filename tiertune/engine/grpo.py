@@ -51,9 +51,12 @@ CISPO_METRICS = ("cispo_clip_ratio",)
 
 
 def metric_names(objective: Any) -> tuple[str, ...]:
-    """The metrics a GRPO step logs, each a micro-batch's value, their mean (TRL's): ``kl`` with ``beta``, then
-    the loss type's."""
+    """The metrics a GRPO step logs, each a micro-batch's value, their mean (TRL's): ``kl`` with ``beta``,
+    ``entropy``, then the loss type's."""
     kl = ("kl",) if objective.beta != 0 else ()
+    kl += (
+        "entropy",
+    )  # the policy's over the completion tokens (``engine.suffix``: the head's pass gives it)
     if objective.loss_type in CLIPPED:
         return kl + CLIP_METRICS
     return kl + (CISPO_METRICS if objective.loss_type == "cispo" else ())
@@ -258,6 +261,22 @@ def token_logps_head(temperature: float) -> Callable[[Any, Any, torch.Tensor], t
     return head
 
 
+def token_logps_and_entropies_head(temperature: float) -> Callable[[Any, Any, torch.Tensor], Any]:
+    """``token_logps_head``'s figures and each target token's entropy of the tempered softmax, as a pair (fp32,
+    on the host): GRPO's evaluation of the policy (``finetune.grpo_evaluation``)."""
+
+    def head(engine: Any, mb: Any, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with engine.loss.tempered(temperature):
+            losses, entropies = engine.compute.token_losses_and_entropies(
+                engine.loss, last, mb.ids, mb.extra, mb.target
+            )
+        if engine.compute.ledger:
+            return -losses.float(), entropies.float()
+        return -losses.float().cpu(), entropies.float().cpu()
+
+    return head
+
+
 __all__ = [
     "CISPO_METRICS",
     "CLIPPED",
@@ -267,5 +286,6 @@ __all__ = [
     "advantages",
     "grpo_loss",
     "metric_names",
+    "token_logps_and_entropies_head",
     "token_logps_head",
 ]

@@ -14,7 +14,12 @@ from torch import nn
 from tiertune.errors import DataError
 from tiertune.kernels.architectures import FUSED_LOSS
 from tiertune.kernels.ops.distill import Full, TopK, linear_distill, logits_distill, topk_logprobs
-from tiertune.kernels.ops.linear_ce import IGNORE_INDEX, linear_cross_entropy, token_cross_entropy
+from tiertune.kernels.ops.linear_ce import (
+    IGNORE_INDEX,
+    linear_cross_entropy,
+    token_cross_entropy,
+    token_cross_entropy_and_entropy,
+)
 from tiertune.structure import text_decoder
 
 log = logging.getLogger("tiertune.engine")
@@ -113,6 +118,30 @@ class CausalLMLoss:
                 reduction="none",
             )
         return out.view(target.shape)
+
+    @torch.no_grad()
+    def token_losses_and_entropies(
+        self, ids: torch.Tensor, extra: dict, target: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``token_losses`` and, from the same logits, each target token's entropy of the (tempered) softmax
+        ([rows, length - 1] each, 0 where ``target`` is ``IGNORE_INDEX``): GRPO's ``entropy``."""
+        if self._fused_now:
+            h, bias = self._tempered(ids, extra)
+            losses, entropies = token_cross_entropy_and_entropy(
+                h,
+                self.model.get_output_embeddings().weight,
+                target.reshape(-1),
+                bias,
+                IGNORE_INDEX,
+                softcap=self._softcap,
+            )
+        else:
+            logp = torch.log_softmax(self._logits(ids, extra).float() / self.temperature, dim=-1)
+            flat = target.reshape(-1)
+            valid = flat != IGNORE_INDEX
+            losses = -logp.gather(1, flat.clamp_min(0).unsqueeze(1)).squeeze(1) * valid
+            entropies = -(logp.exp() * logp).sum(-1) * valid
+        return losses.view(target.shape), entropies.view(target.shape)
 
     @torch.no_grad()
     def teacher_topk(

@@ -131,13 +131,15 @@ class Suffixes(PairedPasses):
         if engine.router_aux is not None:
             aux_value = engine.router_aux.finish(j, mb.extra.get("attention_mask"), 1.0 / micro_batches)
         with engine.loss.tempered(objective.temperature):  # the sampling's distribution, as TRL's
-            token_losses = engine.compute.token_losses(
+            token_losses, entropies = engine.compute.token_losses_and_entropies(
                 engine.loss, leaf, mb.ids, mb.extra, mb.target
-            ).requires_grad_()
+            )
+        token_losses.requires_grad_()
         old = rollout.get("old_logps")
+        completion = mb.target != IGNORE_INDEX
         loss, metrics = engine.compute.grpo_loss(
             -token_losses.float(),
-            mb.target != IGNORE_INDEX,
+            completion,
             rollout["advantages"].to(leaf.device),
             None if old is None else old.to(leaf.device),
             ref_logps,
@@ -158,6 +160,8 @@ class Suffixes(PairedPasses):
         if leaf.grad is None:
             raise StateError("the loss does not depend on the last decoder layer's output")
         mb.grad = leaf.grad
+        if not engine.compute.ledger:  # the policy's mean entropy over the completion tokens (TRL's)
+            metrics["entropy"] = float((entropies * completion).sum() / completion.sum().clamp(min=1))
         into = self.metrics_of(mb)
         for name, value in metrics.items():
             if value == value:  # a NaN (no completion token clipped or not) counts nothing, as TRL's nanmean

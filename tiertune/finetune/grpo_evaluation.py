@@ -21,7 +21,8 @@ fine-tune's ``ReferenceBeside``).
 
 The record is TRL's with ``eval_`` before each name: ``eval_loss``, ``eval_reward``, ``eval_reward_std``,
 ``eval_frac_reward_zero_std``, ``eval_rewards/<function>/mean`` and ``/std``, ``eval_completions/...``, the
-metrics the reward functions log, ``eval_kl`` and the clip ratios (0 at the ratio 1), with the Trainer's
+metrics the reward functions log, ``eval_entropy`` (the policy's over the completion tokens), ``eval_kl`` and the
+loss type's metrics (the clip ratios: 0 at the ratio 1), with the Trainer's
 ``eval_runtime``, ``eval_samples_per_second`` (completions) and ``eval_steps_per_second``, and ``bytes_moved``.
 Of several processes each evaluates the whole set (the sharded weights are gathered by every rank alike): the
 record is the same on each. A sample of the completions goes to ``completions.jsonl`` with ``"eval": true``.
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from tiertune.engine.grpo import advantages, grpo_loss, token_logps_head
+from tiertune.engine.grpo import advantages, grpo_loss, token_logps_and_entropies_head, token_logps_head
 from tiertune.errors import DataError
 from tiertune.finetune.grpo import Generation, Rollouts, generation_seed
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
@@ -113,8 +114,13 @@ def _loss(rollouts: Rollouts, batch: Generation) -> tuple[float, dict[str, float
         micro[i : i + t.gradient_accumulation_steps]
         for i in range(0, len(micro), t.gradient_accumulation_steps)
     ]
+    scored = [
+        pair
+        for group in passes
+        for pair in trainer.sequence_logps(group, token_logps_and_entropies_head(o.temperature))
+    ]
+    policy = [logps for logps, _ in scored]
     head = token_logps_head(o.temperature)
-    policy = [logps for group in passes for logps in trainer.sequence_logps(group, head)]
     reference: list[torch.Tensor] | None = None
     if o.beta != 0.0:
         if rollouts.reference is not None:  # a full fine-tune's: the initial weights beside the policy
@@ -130,6 +136,7 @@ def _loss(rollouts: Rollouts, batch: Generation) -> tuple[float, dict[str, float
         return torch.cat([torch.nn.functional.pad(p.float().cpu(), (0, width - p.shape[1])) for p in parts])
 
     mask = padded([(mb["labels"][:, 1:] != IGNORE_INDEX).float() for mb in micro])
+    entropy = float((padded([e for _, e in scored]) * mask).sum() / mask.sum().clamp(min=1.0))
     loss, metrics = grpo_loss(
         padded(policy),
         mask,
@@ -140,7 +147,7 @@ def _loss(rollouts: Rollouts, batch: Generation) -> tuple[float, dict[str, float
         1,
         float(mask.sum()),
     )
-    return float(loss), metrics
+    return float(loss), {**metrics, "entropy": entropy}
 
 
 __all__ = ["EVAL_GENERATION", "evaluate_rollouts"]

@@ -24,6 +24,7 @@ small host. ``working_bytes`` is what the op holds beside its inputs and gradien
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -280,21 +281,63 @@ def token_cross_entropy(
     ``ignore_index``), without autograd and without the whole logits: a chunk's at a time, as
     ``linear_cross_entropy`` computes them (its loss is these summed). A preference objective's sequence
     log-probabilities are these negated, summed per sequence (``engine.objective``)."""
+    out = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    for start, logits in _logit_chunks(x, weight, bias, chunk_tokens, softcap):
+        ts = target[start : start + len(logits)]
+        picked = logits.gather(1, ts.clamp_min(0).unsqueeze(1)).squeeze(1)
+        out[start : start + len(logits)] = (torch.logsumexp(logits, dim=-1) - picked) * (ts != ignore_index)
+    return out
+
+
+@torch.no_grad()
+def token_cross_entropy_and_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_tokens: int | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_cross_entropy``'s figures and, from the same logits, each token's entropy of ``softmax(logits)``
+    (``-sum p log p``, fp32; 0 where the target is ``ignore_index``): GRPO's ``entropy`` metric. A chunk holds
+    half the tokens ``token_cross_entropy``'s does (its probabilities beside its logits)."""
+    if chunk_tokens is None:
+        chunk_tokens = max(1, default_chunk_tokens(weight.shape[0], mixed_matmul(x, weight)) // 2)
+    losses = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    entropies = torch.zeros_like(losses)
+    for start, logits in _logit_chunks(x, weight, bias, chunk_tokens, softcap):
+        end = start + len(logits)
+        ts = target[start:end]
+        valid = ts != ignore_index
+        lse = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(1, ts.clamp_min(0).unsqueeze(1)).squeeze(1)
+        losses[start:end] = (lse - picked) * valid
+        logp = logits.sub_(lse.unsqueeze(1))  # (in place: the chunk's logits are done with)
+        entropies[start:end] = -logp.exp().mul_(logp).sum(-1) * valid
+    return losses, entropies
+
+
+def _logit_chunks(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunk_tokens: int | None,
+    softcap: float | None,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """The fp32 logits of ``x @ weight.T (+ bias)`` (capped by ``softcap``), ``chunk_tokens`` tokens at a time,
+    each with its first token's index."""
     mixed = mixed_matmul(x, weight)
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(weight.shape[0], mixed)
     slices = [(slice(None), weight)] if mixed else head_slices(weight)
     b32 = None if bias is None else bias.float()
-    out = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
     for start in range(0, x.shape[0], chunk_tokens):
         xs = x[start : start + chunk_tokens]
-        ts = target[start : start + chunk_tokens]
         logits = chunk_logits(xs, xs if mixed else xs.float(), weight, b32, slices, mixed)
         if softcap is not None:
             logits = logits.div_(softcap).tanh_().mul_(softcap)
-        picked = logits.gather(1, ts.clamp_min(0).unsqueeze(1)).squeeze(1)
-        out[start : start + chunk_tokens] = (torch.logsumexp(logits, dim=-1) - picked) * (ts != ignore_index)
-    return out
+        yield start, logits
 
 
 def linear_cross_entropy(
