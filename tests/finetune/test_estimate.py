@@ -847,3 +847,38 @@ def test_gpt_oss_120b_as_it_ships_is_read_at_under_0_6_bytes_a_parameter(tmp_pat
     base = predicted.kinds[IN_PLACE][1] + predicted.kinds.get(QUANT_CACHE, ("disk", 0))[1]
     assert base / predicted.parameters <= 0.6, base / predicted.parameters
     assert predicted.tiers["disk"].home == 0  # nothing of the base copied under disk_path
+
+
+def test_estimate_reads_the_data_once(tmp_path, write_recipe, cat_model, monkeypatch):
+    """The steps of an epoch (the time to finish), the first micro-batch (the engine's measured step) and the
+    held-out set's passes each need the data as the run tokenizes it: `estimate` reads each file once for all of
+    them (three times each before); outside an estimate nothing is kept."""
+    from tiertune.estimates.report import estimate
+    from tiertune.finetune import train as train_module
+
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"text": f"the cat sat on mat {i}"}) + "\n" for i in range(5)))
+    path = write_recipe(
+        tmp_path,
+        cat_model(2, hidden=64),
+        data={"eval_path": str(held_out)},
+        training={"max_steps": 0, "num_train_epochs": 2, "eval_strategy": "steps", "eval_steps": 2},
+    )
+    read = []
+    load_data = train_module.load_data
+
+    def counted(path, *args, **kwargs):
+        read.append(Path(path).name)
+        return load_data(path, *args, **kwargs)
+
+    monkeypatch.setattr(train_module, "load_data", counted)
+    recipe = load_recipe(path)
+    est = estimate(recipe, gpu="cpu", threads=1)  # measured: its rates from the engine's own step
+    assert est.speed is not None and est.speed.steps == 6  # 12 rows by 4, twice
+    assert sorted(read) == ["data.jsonl", "held_out.jsonl"]
+    assert (
+        est.evaluation.rows == 5 and est.evaluation.evaluations == 3
+    )  # 6 steps (12 rows by 4, twice): 2, 4, 6
+    train_module.load_run(recipe, 1)
+    train_module.load_run(recipe, 1)
+    assert len(read) == 6  # (outside an estimate: read each time)

@@ -24,7 +24,7 @@ from tiertune.config.recipe import Recipe
 from tiertune.config.several import Fit, Fitting, fit, fitting
 from tiertune.errors import ConfigError, TiertuneError
 from tiertune.estimates.evaluation import format_evaluation
-from tiertune.estimates.report import Estimate, estimate
+from tiertune.estimates.report import Estimate, estimate, reads_data_once
 from tiertune.estimates.speed import Probes, resolve_gpu
 from tiertune.estimates.teacher import TeacherEstimate, format_teacher
 from tiertune.loading.hub import config_directory
@@ -92,6 +92,7 @@ class AdaptersEstimate:
         }
 
 
+@reads_data_once
 def estimate_adapters(recipes: list[Recipe], measure: bool = True, gpu: str = "auto") -> AdaptersEstimate:
     """The run of ``recipes`` (two or more that share a base: ``config.sweep.shared_base``) as several adapters
     over one base: its estimate and the first adapter's alone (``measure``: their step times too), on what

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -79,6 +80,8 @@ from tiertune.loading.hub import config_directory
 from tiertune.loading.model import split_model
 from tiertune.offload.tiers import Tier
 from tiertune.units import format_seconds, format_size
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from tiertune.config.plan import RunPlan
@@ -344,6 +347,20 @@ class Estimate:
         return out
 
 
+def reads_data_once(function: Callable[..., T]) -> Callable[..., T]:
+    """``function`` run within ``finetune.train.data_read_once``: its readers of the data share one read."""
+
+    @functools.wraps(function)
+    def wrapped(*args: Any, **kwargs: Any) -> T:
+        from tiertune.finetune.train import data_read_once
+
+        with data_read_once():
+            return function(*args, **kwargs)
+
+    return wrapped
+
+
+@reads_data_once
 def estimate(
     recipe: Recipe,
     measure: bool = True,

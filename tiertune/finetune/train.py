@@ -239,11 +239,53 @@ class Loaded:
     eval_data: Any = None  # the held-out set (data.eval_path), when the run evaluates
 
 
+_LOADED: dict[Any, Loaded] | None = None
+"""``load_run``'s results while ``data_read_once`` is entered (None: nothing kept)."""
+
+
+@contextlib.contextmanager
+def data_read_once() -> Iterator[None]:
+    """Within the block, ``load_run`` reads and tokenizes a recipe's data once for all its callers (``estimate``
+    asks for the steps, the first micro-batch, the held-out set and a teacher's rows: each read the data again,
+    a minute a few million rows); what it kept is dropped at the block's end. Nested blocks share the
+    outermost's."""
+    global _LOADED
+    outermost = _LOADED is None
+    if outermost:
+        _LOADED = {}
+    try:
+        yield
+    finally:
+        if outermost:
+            _LOADED = None
+
+
+def _files_of(recipe: Recipe) -> tuple[Any, ...]:
+    """What ``load_run``'s result depends on beside the recipe: its data files' sizes and modification times."""
+    out: list[Any] = []
+    for path in (recipe.data.path, recipe.data.eval_path):
+        try:
+            stat = os.stat(path) if path else None
+        except OSError:
+            stat = None
+        out.append((path, stat.st_size, stat.st_mtime_ns) if stat is not None else (path, None, None))
+    return tuple(out)
+
+
 def load_run(recipe: Recipe, ranks: int) -> Loaded:
     """Tokenizer and data (no chunk store yet: a signal may stop this anywhere). Steps count global batches:
-    per-device batch x the launch's ranks."""
+    per-device batch x the launch's ranks. Within ``data_read_once`` the same recipe's data is read once."""
+    torch.manual_seed(recipe.training.seed)
+    if _LOADED is None:
+        return _load_run(recipe, ranks)
+    key = (ranks, recipe.to_yaml(), _files_of(recipe))
+    if key not in _LOADED:
+        _LOADED[key] = _load_run(recipe, ranks)
+    return _LOADED[key]
+
+
+def _load_run(recipe: Recipe, ranks: int) -> Loaded:
     t, d = recipe.training, recipe.data
-    torch.manual_seed(t.seed)
     tokenizer = tokenizer_of(recipe.model.path)
     o = recipe.objective
     # GRPO: a prompt leaves room for its completion
