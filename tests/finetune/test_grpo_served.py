@@ -32,14 +32,14 @@ def bpe_model(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("bpe-model"), CAT_TEXTS, layers=2, hidden=64, tokenizer="bpe")
 
 
-def _recipe(tmp_path, write_recipe, model_dir, objective=None, method=None):
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": " ".join(t.split()[:2])}) + "\n" for t in CAT_TEXTS[:8]))
+def _recipe(tmp_path, write_recipe, model_dir, objective=None, method=None, training=None, data=None):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(t.split()[:2])}) + "\n" for t in CAT_TEXTS[:8]))
     (tmp_path / "rewards.py").write_text(REWARDS)
     return write_recipe(
         tmp_path,
         model_dir,
-        data={"path": str(data), "format": "prompt", "shuffle": False, "max_seq_len": 32},
+        data={"path": str(prompts), "format": "prompt", "shuffle": False, "max_seq_len": 32, **(data or {})},
         method=method or {"type": "lora", "lora": {"r": 4, "dropout": 0.0}},
         objective={
             "type": "grpo",
@@ -57,6 +57,7 @@ def _recipe(tmp_path, write_recipe, model_dir, objective=None, method=None):
             "gradient_accumulation_steps": 2,
             "learning_rate": 5e-2,
             "save_steps": 0,
+            **(training or {}),
         },
     )
 
@@ -102,6 +103,35 @@ def test_the_served_policy_is_the_trained_one_each_step(bpe_model, tmp_path, wri
     assert _gone(servers[0])  # the server ended with the run
     samples = (result.output_dir / "completions.jsonl").read_text().splitlines()
     assert len(samples) == STEPS * 8
+
+
+def test_a_served_run_evaluates_its_held_out_prompts_by_the_server(
+    bpe_model, tmp_path, write_recipe, servers
+):
+    """The held-out prompts sampled by the server (the adapter pushed first), before the first step, after the
+    second and the last; the steps' served log-probabilities still checked against their own."""
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"the {a} cat"}) + "\n" for a in ("red", "old", "fat")))
+    path = _recipe(
+        tmp_path,
+        write_recipe,
+        bpe_model,
+        objective={"num_generations_eval": 2},
+        training={"eval_strategy": "steps", "eval_steps": 2, "eval_on_start": True},
+        data={"eval_path": str(held_out)},
+    )
+    result = train(load_recipe(path), progress=False)
+    log = [json.loads(line) for line in result.log_path.read_text().splitlines()]
+    evaluated = [r for r in log if "eval_loss" in r]
+    assert [r["step"] for r in evaluated] == [0, 2, STEPS] and len(servers) == 1
+    for record in evaluated:
+        assert 0 <= record["eval_reward"] <= 1 and record["eval_completions/mean_length"] > 0, record
+    steps = [r for r in log if "loss" in r]
+    assert len(steps) == STEPS
+    for record in steps:
+        assert record["sampling/sampling_logp_difference/mean"] < 1e-3, record
+    held = [json.loads(line) for line in (result.output_dir / "completions.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in held if r.get("eval")} == {0, 2, STEPS}
 
 
 def test_an_adapter_not_pushed_stops_the_run(bpe_model, tmp_path, write_recipe, servers, monkeypatch):
