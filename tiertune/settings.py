@@ -180,6 +180,9 @@ class ObjectiveSettings:
     importance_sampling_level: str = field(default="token", metadata=choices(*IMPORTANCE_SAMPLING_LEVELS))
     sapo_temperature_pos: float = 1.0  # sapo's gate's temperature for a positive advantage
     sapo_temperature_neg: float = 1.05  # ... for any other
+    # the share of each micro-batch's completion tokens the policy term trains on: those of the highest entropy
+    # ("Beyond the 80/20 rule"; TRL's; 1.0: every token)
+    top_entropy_quantile: float = 1.0
     num_iterations: int = 1  # steps each generation batch trains
     scale_rewards: str = field(default="group", metadata=choices(*SCALE_REWARDS))
     multi_objective_aggregation: str = field(default="sum_then_normalize", metadata=choices(*AGGREGATIONS))

@@ -1,8 +1,8 @@
 """GRPO's objective (``engine.grpo``) against TRL 1.16's own ``GRPOTrainer._compute_loss`` on the same tokens'
 log-probabilities: the loss, its gradient by each token's log-probability, ``kl`` and the loss type's metrics, for
 every ``loss_type`` (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo), ``beta`` 0 and 0.04, old log-probabilities
-given (``num_iterations`` 2) or the policy's own, an asymmetric clip (``epsilon_high``), and GSPO's sequence-level
-weights and INTELLECT-2's two-sided clip (``delta``)."""
+given (``num_iterations`` 2) or the policy's own, an asymmetric clip (``epsilon_high``), GSPO's sequence-level
+weights, INTELLECT-2's two-sided clip (``delta``) and the highest-entropy tokens alone (``top_entropy_quantile``)."""
 
 from collections import defaultdict
 from types import SimpleNamespace
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tiertune.engine.grpo import grpo_loss, metric_names
+from tiertune.engine.grpo import grpo_loss, high_entropy, metric_names
 from tiertune.settings import ObjectiveSettings
 
 COMPLETIONS, LENGTH, MAX_LENGTH, ACCUM = 6, 9, 12, 2
@@ -28,14 +28,14 @@ def _inputs(seed):
     return logps, mask, old, ref, adv
 
 
-def _trl(logps, mask, old, ref, adv, o, items):
+def _trl(logps, mask, old, ref, adv, o, items, entropies=None):
     """TRL's ``_compute_loss`` on a trainer holding only what it reads, its log-probabilities these, its
     settings ``o``'s (an ``ObjectiveSettings``)."""
     from trl import GRPOTrainer
 
     t = object.__new__(GRPOTrainer)
     t.__dict__.update(
-        top_entropy_quantile=1.0,
+        top_entropy_quantile=o.top_entropy_quantile,
         off_policy_mask_threshold=None,
         importance_sampling_level=o.importance_sampling_level,
         beta=o.beta,
@@ -62,9 +62,11 @@ def _trl(logps, mask, old, ref, adv, o, items):
             gather=lambda x: x,
             gather_for_metrics=lambda x: x,
             reduce=lambda x, reduction="sum": x,
+            pad_across_processes=lambda x, dim=0, pad_index=0: x,
         ),
     )
-    t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros_like(logps), None)
+    entropies = torch.zeros_like(logps) if entropies is None else entropies
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, entropies, None)
     inputs = {
         "prompt_ids": torch.zeros(COMPLETIONS, 3, dtype=torch.long),
         "prompt_mask": torch.ones(COMPLETIONS, 3, dtype=torch.long),
@@ -86,8 +88,13 @@ def _compare(o, given_old):
     items = 2 * int(mask.sum())  # the generation batch's completion tokens (the step's two micro-batches')
     mine_in = logps.clone().requires_grad_()
     theirs_in = logps.clone().requires_grad_()
-    loss, metrics = grpo_loss(mine_in, mask, adv, old, ref, o, ACCUM, items)
-    their_loss, their_metrics = _trl(theirs_in, mask, old, ref, adv, o, items)
+    entropies = torch.rand(logps.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 4
+    selected = None
+    if o.top_entropy_quantile < 1.0:
+        selected = high_entropy(entropies, mask, o.top_entropy_quantile)
+        assert 0 < int(selected.sum()) < int(mask.sum())
+    loss, metrics = grpo_loss(mine_in, mask, adv, old, ref, o, ACCUM, items, selected)
+    their_loss, their_metrics = _trl(theirs_in, mask, old, ref, adv, o, items, entropies)
     torch.testing.assert_close(loss, their_loss, rtol=1e-12, atol=0)
     loss.backward()
     their_loss.backward()
@@ -128,6 +135,8 @@ def test_the_loss_its_gradient_and_metrics_are_trls(loss_type, beta, given_old, 
         {"loss_type": "cispo", "importance_sampling_level": "sequence", "epsilon_high": 1.05},
         {"loss_type": "dapo", "delta": 1.25, "epsilon_high": 0.2},  # INTELLECT-2's two-sided clip
         {"loss_type": "grpo", "delta": 1.3, "beta": 0.04, "importance_sampling_level": "sequence"},
+        {"loss_type": "dapo", "top_entropy_quantile": 0.2, "beta": 0.04},  # the 80/20 rule's tokens
+        {"loss_type": "grpo", "top_entropy_quantile": 0.5},
     ],
     ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()),
 )

@@ -210,6 +210,7 @@ CASES = [
     ("full", "luspo", 0.0, 2, 3e-3, 1.0, {"importance_sampling_level": "sequence"}),
     ("lora", "dapo", 0.04, 2, 2e-2, 1.0, {"delta": 1.25}),  # INTELLECT-2's two-sided clip
     ("lora", "dapo", 0.0, 1, 2e-2, 1.0, {"multi_objective_aggregation": "normalize_then_sum"}),  # GDPO
+    ("full", "grpo", 0.04, 2, 3e-3, 1.0, {"top_entropy_quantile": 0.3}),  # the highest-entropy tokens
 ]
 
 

@@ -439,6 +439,11 @@ class Recipe:
                 f"epsilon_high): it must be > 0 or null, got {o.delta}",
             ),
             (
+                0 < o.top_entropy_quantile <= 1,
+                "objective.top_entropy_quantile",
+                f"must be in (0, 1] (the share of completion tokens trained on; 1: all), got {o.top_entropy_quantile}",
+            ),
+            (
                 o.sapo_temperature_pos > 0 and o.sapo_temperature_neg > 0,
                 "objective.sapo_temperature_pos",
                 f"and sapo_temperature_neg must be > 0, got {o.sapo_temperature_pos} and {o.sapo_temperature_neg}",

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tiertune.errors import ConfigError
 from tiertune.settings import AGGREGATIONS, GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, SCALE_REWARDS
@@ -71,6 +72,7 @@ def grpo_loss(
     objective: Any,
     accumulation: int,
     items: float,
+    entropy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """A micro-batch's loss (autograd through ``logps``) and its metrics (``metric_names``, each this
     micro-batch's value: TRL logs their mean over micro-batches) from its completion tokens' log-probabilities
@@ -79,7 +81,9 @@ def grpo_loss(
     (``ObjectiveSettings``: ``loss_type``, ``beta``, ``epsilon``, ``epsilon_high``, ``delta``,
     ``importance_sampling_level``, the SAPO temperatures, ``max_completion_length``, ``use_bias_correction_kl``),
     the step's ``accumulation`` micro-batches, and ``items`` (the generation batch's completion tokens over the
-    processes, scaled to one step: ``dapo``'s and ``cispo``'s normaliser)."""
+    processes, scaled to one step: ``dapo``'s and ``cispo``'s normaliser); ``entropy_mask`` (``high_entropy``:
+    ``top_entropy_quantile``), the tokens whose policy term counts (the KL term counts at every token, the
+    normalisers are unchanged: TRL's)."""
     o = objective
     if o.loss_type not in LOSS_TYPES:
         raise ConfigError(
@@ -115,6 +119,8 @@ def grpo_loss(
         if o.delta is not None:  # the unclipped side bounded too (TRL's clip ratios are of this one)
             ratio = torch.clamp(ratio, max=o.delta)
         per_token = -torch.min(ratio * adv, clipped * adv)
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask.to(logps.dtype)
     if kl is not None:
         per_token = per_token + o.beta * kl
     per_token = per_token * mask  # [completions, tokens]: a sequence-level loss broadcast over its tokens
@@ -132,6 +138,25 @@ def grpo_loss(
     with torch.no_grad():
         metrics = _metrics(ratio, adv, mask, kl, o, low, high)
     return loss, metrics
+
+
+def high_entropy(
+    entropies: torch.Tensor, mask: torch.Tensor, quantile: float, gathered: bool = True
+) -> torch.Tensor:
+    """The completion tokens (``mask``) whose entropy is at least the ``1 - quantile`` quantile of every
+    completion token's of the micro-batch, on every process (TRL's ``get_high_entropy_mask``: each process's
+    micro-batch at the same place in the step; not ``gathered``: this process's alone), as a bool mask; none
+    where no process has a token."""
+    local = entropies[mask.bool()].float()
+    every = local
+    if gathered and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local.cpu())
+        every = torch.cat(parts).to(local.device)
+    if every.numel() == 0:
+        return torch.zeros_like(mask, dtype=torch.bool)
+    threshold = torch.quantile(every, 1.0 - quantile)
+    return (entropies * mask.to(entropies.dtype) >= threshold) & mask.bool()
 
 
 def _metrics(
@@ -285,6 +310,7 @@ __all__ = [
     "PER_ITEM",
     "advantages",
     "grpo_loss",
+    "high_entropy",
     "metric_names",
     "token_logps_and_entropies_head",
     "token_logps_head",

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tiertune.engine import several
-from tiertune.engine.grpo import PER_ITEM
+from tiertune.engine.grpo import PER_ITEM, high_entropy
 from tiertune.engine.micro import Micro, harvest, stacked_inputs
 from tiertune.engine.objective import add_metric
 from tiertune.engine.pairs import PairedPasses
@@ -137,6 +137,9 @@ class Suffixes(PairedPasses):
         token_losses.requires_grad_()
         old = rollout.get("old_logps")
         completion = mb.target != IGNORE_INDEX
+        selected = None
+        if objective.top_entropy_quantile < 1.0 and not engine.compute.ledger:  # the highest-entropy tokens
+            selected = high_entropy(entropies, completion, objective.top_entropy_quantile)
         loss, metrics = engine.compute.grpo_loss(
             -token_losses.float(),
             completion,
@@ -146,6 +149,7 @@ class Suffixes(PairedPasses):
             objective,
             micro_batches,
             float(n_tokens),
+            selected,
         )
         # the losses but dapo's and cispo's are each process's own, averaged over the processes (as DDP averages
         # TRL's); those two are over every process's tokens already

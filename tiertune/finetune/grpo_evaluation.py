@@ -36,7 +36,13 @@ from typing import Any
 
 import torch
 
-from tiertune.engine.grpo import advantages, grpo_loss, token_logps_and_entropies_head, token_logps_head
+from tiertune.engine.grpo import (
+    advantages,
+    grpo_loss,
+    high_entropy,
+    token_logps_and_entropies_head,
+    token_logps_head,
+)
 from tiertune.errors import DataError
 from tiertune.finetune.grpo import Generation, Rollouts, generation_seed
 from tiertune.kernels.ops.linear_ce import IGNORE_INDEX
@@ -136,7 +142,11 @@ def _loss(rollouts: Rollouts, batch: Generation) -> tuple[float, dict[str, float
         return torch.cat([torch.nn.functional.pad(p.float().cpu(), (0, width - p.shape[1])) for p in parts])
 
     mask = padded([(mb["labels"][:, 1:] != IGNORE_INDEX).float() for mb in micro])
-    entropy = float((padded([e for _, e in scored]) * mask).sum() / mask.sum().clamp(min=1.0))
+    entropies = padded([e for _, e in scored])
+    entropy = float((entropies * mask).sum() / mask.sum().clamp(min=1.0))
+    selected = None
+    if o.top_entropy_quantile < 1.0:  # the set's highest-entropy tokens, as TRL's evaluation batch
+        selected = high_entropy(entropies, mask, o.top_entropy_quantile, gathered=False)  # (every rank: all)
     loss, metrics = grpo_loss(
         padded(policy),
         mask,
@@ -146,6 +156,7 @@ def _loss(rollouts: Rollouts, batch: Generation) -> tuple[float, dict[str, float
         o,
         1,
         float(mask.sum()),
+        selected,
     )
     return float(loss), {**metrics, "entropy": entropy}
 
