@@ -409,3 +409,28 @@ def test_a_grpo_run_stops_early_on_its_held_out_reward_and_exports_the_best(
     assert_same_safetensors(
         best.output_dir / "adapter_model.safetensors", two.output_dir / "adapter_model.safetensors"
     )
+
+
+def test_a_reward_model_is_named_by_the_estimate_and_a_wrong_one_refused(cat_model, tmp_path, write_recipe):
+    """A reward model's directory among reward_funcs: the estimate says it is held beside the budgets and its
+    size; a directory that holds no sequence-classification model stops the run saying so, and a name that is
+    neither a function nor a model is refused before anything loads."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from tiertune.estimates.report import estimate
+
+    model_dir = cat_model(2, hidden=64)
+    config = AutoConfig.from_pretrained(model_dir)
+    config.num_labels = 1
+    rm = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(rm)
+    path = _recipe(tmp_path, write_recipe, model_dir, {"reward_funcs": [str(rm)]}, {"max_steps": 1})
+    (note,) = [n for n in estimate(load_recipe(path), measure=False).notes if "reward model" in n]
+    size = sum(f.stat().st_size for f in rm.glob("*.safetensors"))
+    assert str(rm) in note and "outside the budgets" in note and f"{size / 1024:.2f} KiB" in note
+    result = CliRunner().invoke(app, ["train", str(path)])  # no tokenizer beside it
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "is neither module:function nor a reward model" in " ".join(result.output.split()), result.output
+    bad = _recipe(tmp_path, write_recipe, model_dir, {"reward_funcs": ["no_such_thing"]}, {"max_steps": 1})
+    result = CliRunner().invoke(app, ["train", str(bad)])
+    assert result.exit_code == 2 and "or a reward model" in " ".join(result.output.split()), result.output

@@ -128,6 +128,12 @@ def _trl(tmp_path, model_dir, made, rewards, lora, objective, learning_rate, mon
 
     # TRL shuffles a generation's completions before cutting it into micro-batches; tiertune keeps their order
     monkeypatch.setattr(trl_grpo, "shuffle_sequence_dict", lambda batch: batch)
+    objective = dict(
+        objective
+    )  # its reward functions are the trainer's (a model's: its path, as TRL takes it)
+    names = objective.pop("reward_funcs", [f"{rewards}:cats", f"{rewards}:length"])
+    weights = objective.pop("reward_weights", [1.0, 0.5])
+    funcs = [grpo.reward_function(name) if ":" in name else name for name in names]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     calls = iter(made)
 
@@ -161,7 +167,7 @@ def _trl(tmp_path, model_dir, made, rewards, lora, objective, learning_rate, mon
         max_completion_length=LENGTH,
         learning_rate=learning_rate,
         max_steps=STEPS,
-        reward_weights=[1.0, 0.5],
+        reward_weights=weights,
         **TRL_AS_TIERTUNE,
         shuffle_dataset=False,
         **objective,
@@ -179,7 +185,7 @@ def _trl(tmp_path, model_dir, made, rewards, lora, objective, learning_rate, mon
     )
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[grpo.reward_function(f"{rewards}:cats"), grpo.reward_function(f"{rewards}:length")],
+        reward_funcs=funcs,
         args=args,
         train_dataset=Dataset.from_list(PROMPTS),
         eval_dataset=Dataset.from_list(EVAL_PROMPTS) if evaluations else None,
@@ -329,3 +335,49 @@ def test_grpo_evaluations_equal_trls(model_dir, tmp_path, write_recipe, monkeypa
         assert mine[0]["eval_kl"] == pytest.approx(0.0, abs=1e-7) and mine[-1]["eval_kl"] > 1e-6
     # the same seeds each evaluation: what differs is the weights (the first completions alike or not)
     assert mine[0]["eval_reward"] != mine[-1]["eval_reward"] or mine[0]["eval_loss"] != mine[-1]["eval_loss"]
+
+
+@pytest.fixture(scope="module")
+def reward_model(model_dir, tmp_path_factory):
+    """A random sequence-classification model of the cat model's shape, its tokenizer beside it."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.num_labels = 1
+    torch.manual_seed(7)
+    model = AutoModelForSequenceClassification.from_config(config).float()
+    out = tmp_path_factory.mktemp("reward") / "cat-rm"
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, out / name)
+    return out
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_a_reward_model_scores_as_trls(model_dir, reward_model, tmp_path, write_recipe, monkeypatch, method):
+    """A reward model among the reward functions (TRL's reward_funcs entry that names a model): its rewards,
+    named by its directory, and the steps over them are TRL's."""
+    rewards = tmp_path / "rewards.py"
+    objective = {
+        "loss_type": "dapo",
+        "beta": 0.0,
+        "num_iterations": 1,
+        "temperature": 1.0,
+        "reward_funcs": [f"{rewards}:cats", str(reward_model)],
+        "reward_weights": [1.0, 0.7],
+    }
+    lora = method == "lora"
+    lr = 2e-2 if lora else 3e-3
+    ours, made, _ = _ours(
+        tmp_path, write_recipe, model_dir, LORA if lora else {"type": "full"}, objective, lr, monkeypatch
+    )
+    theirs, advantages = _trl(tmp_path, model_dir, made, rewards, lora, objective, lr, monkeypatch)
+    for (_, _, mine), ref in zip(made, advantages, strict=True):
+        torch.testing.assert_close(mine, ref.float(), rtol=1e-5, atol=1e-6)
+    for mine, ref in zip(ours, theirs, strict=True):
+        for key in ("loss", "reward", "reward_std", "rewards/cat-rm/mean", "rewards/cat-rm/std"):
+            assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (key, mine["step"])
+    assert ours[0]["rewards/cat-rm/std"] > 0  # the model scores the completions apart

@@ -523,6 +523,12 @@ def estimate(
                 "the adapter pushed to it each generation): not priced here"
             )
         )
+        for name in o.reward_funcs or []:
+            if ":" not in name:  # a reward model (finetune.grpo.RewardModel)
+                notes.append(
+                    f"grpo: the reward model {name} is held whole on what computes, outside the budgets "
+                    f"({_weights_size(name)} of weights as stored), and scores each generation's completions"
+                )
     if IN_PLACE in kinds:
         notes.append(
             f"{format_size(kinds[IN_PLACE][1])} of frozen weights are read in place from the model's own files "
@@ -741,6 +747,15 @@ def _teacher(recipe: Recipe, device_budget: int, notes: list[str]) -> TeacherEst
             f"({str(exc).splitlines()[0][:120]})"
         )
     return teacher_estimate(recipe, device_budget, rows, scored, held_out)
+
+
+def _weights_size(name: str) -> str:
+    """A local model directory's weight files' size, in words ("unknown size" for a hub id or where none)."""
+    from pathlib import Path
+
+    directory = Path(name).expanduser()
+    files = [*directory.glob("*.safetensors"), *directory.glob("*.bin")] if directory.is_dir() else []
+    return format_size(sum(f.stat().st_size for f in files)) if files else "unknown size"
 
 
 def _evaluation(recipe: Recipe, evaluated: replaying.Evaluated | None) -> EvalEstimate:

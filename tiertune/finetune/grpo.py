@@ -74,16 +74,67 @@ class RewardFunctions:
     weights: torch.Tensor
 
     @classmethod
-    def load(cls, names: Sequence[str], weights: Sequence[float] | None = None) -> RewardFunctions:
-        """Each ``module:function`` (imported with the directory tiertune runs in on the Python path) or
-        ``path/to/file.py:function``; a ConfigError that names what cannot be found."""
-        functions = [reward_function(name) for name in names]
+    def load(
+        cls, names: Sequence[str], weights: Sequence[float] | None = None, device: torch.device | None = None
+    ) -> RewardFunctions:
+        """Each ``module:function`` (imported with the directory tiertune runs in on the Python path),
+        ``path/to/file.py:function``, or a reward model's directory or hub id (``RewardModel``, on ``device``); a
+        ConfigError that names what cannot be found."""
+        functions: list[Callable[..., Sequence[float | None]]] = [
+            reward_function(name) if ":" in name else RewardModel(name, device or torch.device("cpu"))
+            for name in names
+        ]
         w = torch.tensor(
             list(weights) if weights is not None else [1.0] * len(functions), dtype=torch.float32
         )
         return cls(
             functions, [getattr(f, "__name__", name) for f, name in zip(functions, names, strict=True)], w
         )
+
+
+class RewardModel:
+    """A sequence-classification model as a reward function (TRL's ``reward_funcs`` entry that names a model):
+    ``AutoModelForSequenceClassification`` with one label, on ``device`` (the run's compute device: held beside
+    the streamed model, outside its budgets), scoring each prompt and completion by its first logit, the text
+    joined (a conversation through the model's chat template) and tokenized by the model's own tokenizer
+    without special tokens, right-padded (its EOS the pad where it has none), as TRL scores them. Its name (the
+    metrics') is the path's last part, TRL's."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from tiertune.loading.hub import model_directory
+
+        directory = model_directory(name)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(directory)
+            self.model = AutoModelForSequenceClassification.from_pretrained(directory, num_labels=1)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(
+                f"objective.reward_funcs: {name!r} is neither module:function nor a reward model (a "
+                f"sequence-classification model's directory with its tokenizer): {str(exc).splitlines()[0]}"
+            ) from None
+        self.model.to(device).eval()
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
+        self.device = device
+        self.__name__ = name.rstrip("/").split("/")[-1]
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
+        """Each completion's reward: the model's score of its prompt and it."""
+        if isinstance(prompts[0], str):
+            texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        else:
+            texts = [
+                self.tokenizer.apply_chat_template(list(p) + list(c), tokenize=False)
+                for p, c in zip(prompts, completions, strict=True)
+            ]
+        inputs = self.tokenizer(
+            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        ).to(self.device)
+        with torch.inference_mode():
+            return self.model(**inputs).logits[:, 0].float().cpu().tolist()
 
 
 def reward_function(name: str) -> Callable[..., Sequence[float | None]]:
@@ -174,7 +225,9 @@ class Rollouts:
         # who samples: the streamed model, or a served copy (``finetune.served.ServedSampler``, called alike)
         self.sampler = sampler if sampler is not None else trainer.generate
         self.objective, self.world, self.pad_id, self.samples = o, world, pad_id, samples
-        self.rewards = rewards or RewardFunctions.load(o.reward_funcs or [], o.reward_weights)
+        self.rewards = rewards or RewardFunctions.load(
+            o.reward_funcs or [], o.reward_weights, getattr(trainer, "device", None)
+        )
         self.completions = t.per_device_train_batch_size * t.gradient_accumulation_steps
         self.prompts = self.completions // o.num_generations  # this process's prompts a generation
         config = getattr(trainer.model, "generation_config", None)
