@@ -184,6 +184,10 @@ class ObjectiveSettings:
     # ("Beyond the 80/20 rule"; TRL's; 1.0: every token)
     top_entropy_quantile: float = 1.0
     num_iterations: int = 1  # steps each generation batch trains
+    # a generation's micro-batches a process (TRL's; null: gradient_accumulation_steps, a generation a step), or
+    # its completions over the processes: a multiple of a step's feeds that many steps, decoded together
+    steps_per_generation: int | None = None
+    generation_batch_size: int | None = None
     scale_rewards: str = field(default="group", metadata=choices(*SCALE_REWARDS))
     multi_objective_aggregation: str = field(default="sum_then_normalize", metadata=choices(*AGGREGATIONS))
     mask_truncated_completions: bool = False

@@ -209,19 +209,22 @@ def test_a_generation_whose_kv_cache_does_not_fit_the_gpu_holds_it_in_host_memor
     assert not one.generation.kv_on_host and one.generation.kv_pass == {}  # 16 completions: on the GPU
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize(
+    ("method", "spread"),
+    [("lora", {"num_iterations": 2}), ("full", {"num_iterations": 2}), ("lora", {"steps_per_generation": 4})],
+)
 def test_a_resumed_run_repeats_the_uninterrupted_one_inside_a_generation_too(
-    cat_model, tmp_path, write_recipe, interrupted_after, method
+    cat_model, tmp_path, write_recipe, interrupted_after, method, spread
 ):
-    """Two steps a generation (``num_iterations: 2``), checkpoints at steps 2 (a generation's boundary) and 3
-    (inside one): stopped after step 4 and resumed from 3, or after 3 and resumed from 2, the steps left have
-    the losses, rewards, clip ratios and completions of the uninterrupted run (the checkpoint inside a
-    generation keeps its completions and the old policy's log-probabilities; a boundary's samples anew, from
-    the run's seed)."""
+    """Two steps a generation (``num_iterations: 2``, or a generation of two steps' completions:
+    ``steps_per_generation`` 4), checkpoints at steps 2 (a generation's boundary) and 3 (inside one): stopped
+    after step 4 and resumed from 3, or after 3 and resumed from 2, the steps left have the losses, rewards,
+    clip ratios and completions of the uninterrupted run (the checkpoint inside a generation keeps its
+    completions and the old policy's log-probabilities; a boundary's samples anew, from the run's seed)."""
     model = cat_model(2, hidden=64)
     settings = dict(
         # full: the reference (the initial weights) beside the policy, its figures kept with the generation
-        objective={"num_iterations": 2, "beta": 0.04},
+        objective={**spread, "beta": 0.04},
         training={"max_steps": 6, "learning_rate": 2e-2, "save_steps": 1, "lr_scheduler_type": "constant"},
         method={"type": "full"} if method == "full" else None,
     )
@@ -246,7 +249,8 @@ def test_a_resumed_run_repeats_the_uninterrupted_one_inside_a_generation_too(
         theirs = [json.loads(line) for line in whole.log_path.read_text().splitlines()]
         assert len(ours) == len(theirs) == 6
         for mine, ref in zip(ours[resume_from:], theirs[resume_from:], strict=True):
-            assert set(mine) >= set(ref) - {"tokens_per_second", "generation_seconds", "reference_seconds"}
+            timed = {"tokens_per_second", "generation_seconds", "reference_seconds", "old_logps_seconds"}
+            assert set(mine) >= set(ref) - timed
             for key in names:
                 if key in ref:
                     assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (key, mine["step"])
@@ -434,3 +438,26 @@ def test_a_reward_model_is_named_by_the_estimate_and_a_wrong_one_refused(cat_mod
     bad = _recipe(tmp_path, write_recipe, model_dir, {"reward_funcs": ["no_such_thing"]}, {"max_steps": 1})
     result = CliRunner().invoke(app, ["train", str(bad)])
     assert result.exit_code == 2 and "or a reward model" in " ".join(result.output.split()), result.output
+
+
+def test_a_generation_that_feeds_two_steps_is_priced_for_its_sequences_and_passes(
+    cat_model, tmp_path, write_recipe
+):
+    """steps_per_generation twice the accumulation: the estimate's generation decodes two steps' completions
+    together (16, one prefill and decoding for both), its later step's old policy a pass more; a setting that
+    is no whole number of steps is refused."""
+    from tiertune.estimates.report import estimate
+
+    model_dir = cat_model(2, hidden=64)
+    one = estimate(load_recipe(_recipe(tmp_path, write_recipe, model_dir)), measure=False).generation
+    path = _recipe(tmp_path, write_recipe, model_dir, {"steps_per_generation": 4})
+    two = estimate(load_recipe(path), measure=False).generation
+    assert (one.sequences, one.spans, one.old_passes) == (8, 1, 0)
+    assert (two.sequences, two.spans, two.old_passes) == (16, 2, 2)
+    assert two.kv_bytes == 2 * one.kv_bytes and two.prefill_flops == pytest.approx(2 * one.prefill_flops)
+    assert two.bytes_per_token == one.bytes_per_token  # the weights read once a decoded token for all of them
+    bad = _recipe(tmp_path, write_recipe, model_dir, {"steps_per_generation": 3})
+    result = CliRunner().invoke(app, ["train", str(bad)])
+    assert result.exit_code == 2 and "must be a multiple of gradient_accumulation_steps" in " ".join(
+        result.output.split()
+    ), result.output

@@ -92,8 +92,8 @@ def _ours(tmp_path, write_recipe, model_dir, method, objective, learning_rate, m
     made = []
     generate = grpo.Rollouts.generate
 
-    def recorded(self, indices, generation, step):
-        batch = generate(self, indices, generation, step)
+    def recorded(self, indices, generation, step, places=None):
+        batch = generate(self, indices, generation, step, places)
         made.append((batch.prompt_ids, batch.completion_ids, batch.advantages.clone()))
         return batch
 
@@ -217,6 +217,9 @@ CASES = [
     ("lora", "dapo", 0.04, 2, 2e-2, 1.0, {"delta": 1.25}),  # INTELLECT-2's two-sided clip
     ("lora", "dapo", 0.0, 1, 2e-2, 1.0, {"multi_objective_aggregation": "normalize_then_sum"}),  # GDPO
     ("full", "grpo", 0.04, 2, 3e-3, 1.0, {"top_entropy_quantile": 0.3}),  # the highest-entropy tokens
+    # a generation of 16 completions feeding two steps (the second's old policy: a pass at generation time)
+    ("lora", "dapo", 0.0, 1, 2e-2, 1.0, {"steps_per_generation": 4}),
+    ("full", "grpo", 0.04, 2, 3e-3, 1.0, {"steps_per_generation": 4}),
 ]
 
 
@@ -253,7 +256,8 @@ def test_grpo_steps_equal_trls(
         tmp_path, write_recipe, model_dir, LORA if lora else {"type": "full"}, objective, lr, monkeypatch
     )
     theirs, advantages = _trl(tmp_path, model_dir, made, rewards, lora, objective, lr, monkeypatch)
-    assert len(made) == len(advantages) == -(-STEPS // iterations)
+    spans = extra.get("steps_per_generation", ACCUM) // ACCUM  # the steps a generation feeds
+    assert len(made) == len(advantages) == -(-STEPS // (iterations * spans))
     for (_, _, mine), ref in zip(made, advantages, strict=True):
         torch.testing.assert_close(mine, ref.float(), rtol=1e-5, atol=1e-6)
     assert len(ours) == len(theirs) == STEPS

@@ -428,6 +428,27 @@ class Recipe:
             ),
             (o.num_iterations >= 1, "objective.num_iterations", f"must be >= 1, got {o.num_iterations}"),
             (
+                o.steps_per_generation is None or o.generation_batch_size is None,
+                "objective.steps_per_generation",
+                "and generation_batch_size say the same thing: set one of them (TRL's rule)",
+            ),
+            (
+                o.steps_per_generation is None
+                or (
+                    o.steps_per_generation >= 1
+                    and o.steps_per_generation % t.gradient_accumulation_steps == 0
+                ),
+                "objective.steps_per_generation",
+                f"must be a multiple of gradient_accumulation_steps ({t.gradient_accumulation_steps}): a "
+                f"generation feeds whole steps; got {o.steps_per_generation}",
+            ),
+            (
+                o.generation_batch_size is None
+                or (o.generation_batch_size >= 1 and o.generation_batch_size % o.num_generations == 0),
+                "objective.generation_batch_size",
+                f"must be a multiple of num_generations ({o.num_generations}); got {o.generation_batch_size}",
+            ),
+            (
                 o.loss_type != "cispo" or o.epsilon_high is not None,
                 "objective.epsilon_high",
                 "bounds cispo's importance weights themselves (not 1 + epsilon_high: ScaleRL recommends 5.0); "

@@ -148,7 +148,7 @@ class Suffixes(PairedPasses):
             ref_logps,
             objective,
             micro_batches,
-            float(n_tokens),
+            float(rollout.get("items", n_tokens)),  # (a generation feeding several steps: its share, TRL's)
             selected,
         )
         # the losses but dapo's and cispo's are each process's own, averaged over the processes (as DDP averages

@@ -1,9 +1,11 @@
 """What GRPO's sampling costs (``finetune.grpo`` over ``engine.generate``), for ``estimate``.
 
 A generation decodes this process's completions of a step together (``per_device_train_batch_size x
-gradient_accumulation_steps`` sequences), at most ``max_completion_length`` passes over the weights (the first
-the prompts' prefill), every ``num_iterations`` steps. The bytes a pass moves are the store's own, counted on a
-ledger (``engine.replay.replay_decoding``: each decoder layer's weights acquired once a pass for every sequence,
+gradient_accumulation_steps`` sequences; times the steps it feeds with ``steps_per_generation``, whose later
+steps train on the sampling policy's log-probabilities: a pass of the layers a step's micro-batches, priced as
+a decoding's steady pass with its FLOPs), at most ``max_completion_length`` passes over the weights (the first
+the prompts' prefill), every ``num_iterations`` steps (times those it feeds). The bytes a pass moves are the
+store's own, counted on a ledger (``engine.replay.replay_decoding``: each decoder layer's weights acquired once a pass for every sequence,
 the groups outside the layers bound for the whole generation): the first pass's and a steady pass's, the
 bytes per decoded token. The GPU is split between the store's device tier, the LoRA adapters, the KV cache
 (transformers' ``DynamicCache``: keys and values of every layer, a sliding-window layer's up to its window, at
@@ -56,6 +58,11 @@ class GenerationEstimate:
     reference_flops: float = 0.0
     reference_peak: int = 0
     layers: int = 1  # the decoder's layers (a KV cache in host memory is on the GPU a layer at a time)
+    # a generation that feeds several steps (``steps_per_generation``): how many, and the policy's frozen passes
+    # over its completions (the sampling policy's log-probabilities, a pass a step's micro-batches) and their FLOPs
+    spans: int = 1
+    old_passes: int = 0
+    old_flops: float = 0.0
 
     @property
     def passes(self) -> int:
@@ -126,7 +133,7 @@ class GenerationEstimate:
     def read_bytes(self) -> dict[str, int]:
         """Bytes a whole generation moves, by link."""
         links = set(self.first_pass) | set(self.steady_pass) | set(self.reference_pass)
-        later = self.passes - 1
+        later = self.passes - 1 + self.old_passes  # (a frozen pass of the layers reads as a decoding's)
         return {
             k: self.first_pass.get(k, 0) + later * self.steady_pass.get(k, 0) + self.reference_pass.get(k, 0)
             for k in sorted(links)
@@ -134,7 +141,7 @@ class GenerationEstimate:
 
     @property
     def per_step_seconds(self) -> float | None:
-        return None if self.seconds is None else self.seconds / self.num_iterations
+        return None if self.seconds is None else self.seconds / (self.num_iterations * self.spans)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -143,6 +150,8 @@ class GenerationEstimate:
             "completion_tokens": self.completion_tokens,
             "passes": self.passes,
             "num_iterations": self.num_iterations,
+            "steps_a_generation": self.spans,
+            "old_policy_passes": self.old_passes,
             "first_pass_bytes": self.first_pass,
             "steady_pass_bytes": self.steady_pass,
             "bytes_per_decoded_token": self.bytes_per_token,
@@ -182,8 +191,11 @@ def generation_estimate(
     computes holds beside the generation's own bytes, ``has`` its size; ``reference_pass``: the bytes a full
     fine-tune's reference moves scoring the generation (None: no reference beside it), ``reference_peak`` its
     store's peak on what computes."""
+    from tiertune.finetune.grpo import steps_a_generation
+
     o, t, d = recipe.objective, recipe.training, recipe.data
-    sequences = t.per_device_train_batch_size * t.gradient_accumulation_steps
+    spans = steps_a_generation(recipe, 1)  # (one process's: its completions of a generation)
+    sequences = t.per_device_train_batch_size * t.gradient_accumulation_steps * spans
     prompt = d.max_seq_len - o.max_completion_length
     completion = o.max_completion_length
     dtype = DTYPE_BYTES.get(recipe.model.dtype, 2)
@@ -212,6 +224,9 @@ def generation_estimate(
         prefill,
         decode,
         layers=config.num_hidden_layers,
+        spans=spans,
+        old_passes=spans if spans > 1 else 0,
+        old_flops=scored if spans > 1 else 0.0,
     )
     if reference_pass is not None:
         est.reference_pass, est.reference_flops, est.reference_peak = (
@@ -241,9 +256,18 @@ def time_generation(
     steady = {k: n + est.kv_pass.get(k, 0) for k, n in {**est.kv_pass, **est.steady_pass}.items()}
     later = seconds(steady, est.decode_flops / max(1, est.passes - 1))
     reference = seconds(est.reference_pass, est.reference_flops) if est.reference_flops else {}
+    old = seconds(est.steady_pass, est.old_flops / est.old_passes) if est.old_passes else {}
     passes = est.passes - 1
-    est.parts = {k: first[k] + passes * later[k] + reference.get(k, 0.0) for k in first}
-    est.seconds = max(first.values()) + passes * max(later.values()) + max(reference.values(), default=0.0)
+    est.parts = {
+        k: first[k] + passes * later[k] + reference.get(k, 0.0) + est.old_passes * old.get(k, 0.0)
+        for k in first
+    }
+    est.seconds = (
+        max(first.values())
+        + passes * max(later.values())
+        + max(reference.values(), default=0.0)
+        + est.old_passes * max(old.values(), default=0.0)
+    )
 
 
 def format_generation(est: GenerationEstimate) -> list[str]:
@@ -254,7 +278,7 @@ def format_generation(est: GenerationEstimate) -> list[str]:
     lines = [
         f"grpo generation: {est.sequences} completions together, prompts up to {est.prompt_tokens} tokens, up to "
         f"{est.completion_tokens} passes of the weights (one a decoded token, for all of them) every "
-        f"{est.num_iterations} step(s)",
+        f"{est.num_iterations * est.spans} step(s)",
         f"  a decoded token moves {links} ({format_size(est.bytes_per_token)} from the disk and the host: "
         f"{format_size(est.bytes_per_token / max(1, est.sequences))} a sequence); a generation {total}",
         f"  while sampling, {est.on} holds {format_size(est.held)}"
@@ -269,6 +293,11 @@ def format_generation(est: GenerationEstimate) -> list[str]:
             f"  the KV cache ({format_size(est.kv_bytes)}) does not fit beside the store: held in host memory "
             f"(transformers' offloaded cache), a layer's on the GPU for its visit; a decoded token copies "
             f"{format_size(est.kv_pass['host->device'])} of it to the GPU and back"
+        )
+    if est.old_passes:
+        lines.append(
+            f"  a generation feeds {est.spans} steps: the sampling policy's log-probabilities of its completions "
+            f"in {est.old_passes} more passes of the layers, no autograd ({est.old_flops:.3g} FLOPs)"
         )
     if est.reference_flops:
         moved = ", ".join(f"{k} {format_size(n)}" for k, n in est.reference_pass.items()) or "nothing"

@@ -2,8 +2,10 @@
 micro-batches made from its prompts by the model being trained.
 
 Every ``num_iterations`` steps a generation batch is sampled: the step's ``per_device_train_batch_size x
-gradient_accumulation_steps`` completions on each process, ``num_generations`` of each of its prompts (the next
-prompts of the data, in the run's seeded order, each process its own), decoded in one batch by the streamed model
+gradient_accumulation_steps`` completions on each process (times the steps a generation feeds, TRL's
+``steps_per_generation`` or ``generation_batch_size``: ``steps_a_generation``), ``num_generations`` of each of its
+prompts (the next prompts of the data, in the run's seeded order, each step's split over the processes), decoded
+in one batch by the streamed model
 (``StreamedTrainer.generate``: the weights read once per decoded token for all of them, LoRA applied as in
 training), each completion from a generator seeded by the run's seed, the generation's number and its own (a
 resumed run samples what the uninterrupted one did, a launch of any number of processes what one does). The reward
@@ -14,8 +16,10 @@ its completion (right-padded; the targets are the completion's tokens), with its
 KL term has each micro-batch's reference figures scored then (``ref_logps``:
 ``finetune.reference.ReferenceBeside``, the initial weights beside the policy, once a generation). A generation
 trains ``num_iterations`` steps; from its second, each micro-batch carries the ``old_logps`` its first step found
-(the policy that sampled it: no pass of the weights beyond the steps' own). The generation's metrics go in its
-first micro-batch (``METRICS_KEY``), with TRL's names; a sample of its completions is appended to
+(the policy that sampled it: no pass of the weights beyond the steps' own); a generation that feeds several steps
+has them from a pass of the layers over its micro-batches when it is sampled (``old_policy``, TRL's forward at
+generation time), and ``dapo``'s normaliser a step's share of its tokens (``items``). The generation's metrics go
+in its first micro-batch (``METRICS_KEY``), with TRL's names; a sample of its completions is appended to
 ``completions.jsonl`` in the run directory."""
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import json
 import logging
 import math
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +64,7 @@ KEPT = (
     "logps",
     "old_logps",
     "ref_logps",
+    "items",
 )
 """What a checkpoint keeps of a generation's micro-batches (``Rollouts.state``)."""
 NOT_COLUMNS = ("prompt", "completion", "completion_ids", "input_ids", "labels")
@@ -184,6 +190,30 @@ class Generation:
     served: list[list[float]] | None = None  # a server's: each completion's first matching tokens'
 
 
+def steps_a_generation(recipe: Any, ranks: int) -> int:
+    """The optimizer steps each generation feeds (TRL's ``steps_per_generation`` micro-batches, or its
+    ``generation_batch_size`` completions over the ``ranks``' micro-batches, in whole steps; 1: a generation a
+    step, TRL's default); a ConfigError where they are no whole number of steps."""
+    o, t = recipe.objective, recipe.training
+    accumulated = t.gradient_accumulation_steps
+    micro = o.steps_per_generation or accumulated
+    if o.generation_batch_size is not None:
+        per_micro = t.per_device_train_batch_size * ranks
+        if o.generation_batch_size % per_micro:
+            raise ConfigError(
+                f"objective.generation_batch_size {o.generation_batch_size} must be a multiple of "
+                f"per_device_train_batch_size x processes ({per_micro}): each micro-batch's completions whole"
+            )
+        micro = o.generation_batch_size // per_micro
+    if micro % accumulated or micro < accumulated:
+        raise ConfigError(
+            f"a generation of {micro} micro-batches a process (objective.steps_per_generation or "
+            f"generation_batch_size) must feed whole steps of gradient_accumulation_steps {accumulated}: set a "
+            "multiple of it"
+        )
+    return micro // accumulated
+
+
 def prompt_order(count: int, shuffle: bool, seed: int) -> Iterator[int]:
     """The data's prompt indices epoch after epoch, each epoch in its own seeded order (or in order)."""
     epoch = 0
@@ -228,8 +258,11 @@ class Rollouts:
         self.rewards = rewards or RewardFunctions.load(
             o.reward_funcs or [], o.reward_weights, getattr(trainer, "device", None)
         )
-        self.completions = t.per_device_train_batch_size * t.gradient_accumulation_steps
-        self.prompts = self.completions // o.num_generations  # this process's prompts a generation
+        self.completions = t.per_device_train_batch_size * t.gradient_accumulation_steps  # a step's
+        self.spans = steps_a_generation(recipe, world.size)  # the optimizer steps a generation feeds
+        self.prompts = (
+            self.spans * self.completions // o.num_generations
+        )  # this process's prompts a generation
         config = getattr(trainer.model, "generation_config", None)
         eos = getattr(config, "eos_token_id", None)
         if eos is None:
@@ -252,7 +285,9 @@ class Rollouts:
         it as the uninterrupted run did (without it, that generation is sampled again)."""
         o, t = self.objective, self.recipe.training
         order = prompt_order(len(self.data), self.recipe.data.shuffle, t.seed)
-        generation = first // o.num_iterations
+        span = self.spans * o.num_iterations  # the steps a generation trains
+        accumulated = t.gradient_accumulation_steps
+        generation = first // span
         per_generation = self.prompts * self.world.size
         for _ in range(generation * per_generation):  # the prompts the generations before took
             next(order)
@@ -260,40 +295,89 @@ class Rollouts:
         kept = None
         if resumed is not None:
             self.tokens_seen = int(resumed.get("tokens_seen", 0))
-            if resumed.get("generation") == generation and first % o.num_iterations:
-                kept = resumed["micro"]  # (another generation's: a recipe whose num_iterations changed)
+            if resumed.get("generation") == generation and first % span:
+                kept = resumed["micro"]  # (another generation's: a recipe whose iterations or span changed)
         while True:
             chosen = [next(order) for _ in range(per_generation)]
-            mine = chosen[self.world.rank * self.prompts : (self.world.rank + 1) * self.prompts]
+            mine, places = self.share(chosen)
             if kept is not None:
                 micro, kept = kept, None
             else:
-                batch = self.generate(mine, generation, step)
+                batch = self.generate(mine, generation, step, places)
                 micro = self.micro_batches(batch)
+                for mb in micro[accumulated:]:  # a served policy is checked by the step it sampled for
+                    mb.pop(SERVED_KEY, None)
+                if self.spans > 1:  # the later steps train a moved policy: the sampling one's figures
+                    batch.metrics["old_logps_seconds"] = self.old_policy(micro)
+                    # dapo's and cispo's normaliser: the generation's completion tokens over the processes, a
+                    # step's share of them (TRL's), not the step's own
+                    mine = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro)
+                    every = float(self._gathered(torch.tensor([float(mine)])).sum())
+                    for mb in micro:
+                        mb["items"] = every / self.spans
                 if self.reference is not None:  # scored once: the reference and the completions stay
                     spent = self.reference.seconds
-                    self.reference.score(micro)
+                    for at in range(0, len(micro), accumulated):  # a step's micro-batches a pass
+                        self.reference.score(micro[at : at + accumulated])
                     batch.metrics["reference_seconds"] = round(self.reference.seconds - spent, 4)
                 micro[0][METRICS_KEY] = batch.metrics
             self.current = (generation, micro)
-            for iteration in range(step % o.num_iterations, o.num_iterations):
+            for at in range(step % span, span):
+                iteration, part = divmod(at, self.spans)
+                step_micro = micro[part * accumulated : (part + 1) * accumulated]
                 if iteration:  # the policy that sampled them: what its first step found
-                    for mb in micro:
+                    for mb in step_micro:
                         # (a run resumed inside the generation sampled it again: its first step is this one)
                         if "old_logps" not in mb and "logps" in mb:
                             mb["old_logps"] = mb["logps"]
                         mb.pop(METRICS_KEY, None)
-                yield micro
+                yield step_micro
                 step += 1
             generation += 1
 
-    def generate(self, indices: Sequence[int], generation: int, step: int) -> Generation:
-        """This process's completions of the prompts at ``indices`` (each ``num_generations`` times), scored."""
+    def old_policy(self, micro: list[dict[str, Any]]) -> float:
+        """Each micro-batch's completion tokens' log-probabilities under the policy that sampled them
+        (``old_logps``), in passes of a step's micro-batches without autograd (TRL's forward at generation
+        time when a generation feeds several steps); its seconds."""
+        from tiertune.engine.grpo import token_logps_head
+
+        began = time.perf_counter()
+        accumulated = self.recipe.training.gradient_accumulation_steps
+        head = token_logps_head(self.objective.temperature)
+        for at in range(0, len(micro), accumulated):
+            group = micro[at : at + accumulated]
+            for mb, logps in zip(group, self.trainer.sequence_logps(group, head), strict=True):
+                mb["old_logps"] = logps
+        return round(time.perf_counter() - began, 4)
+
+    def share(self, chosen: Sequence[int]) -> tuple[list[int], list[int]]:
+        """This process's prompts of a generation's (``chosen``, in order) and the place of each of its
+        completions among the generation's: each step the generation feeds trains the next of its prompts, split
+        over the processes in rank order (TRL's layout), so that a launch of any number of processes trains
+        each step on the prompts one process does."""
+        per_step = self.prompts // self.spans  # this process's prompts a step
+        width = per_step * self.world.size  # a step's prompts, over the processes
+        mine: list[int] = []
+        places: list[int] = []
+        for part in range(self.spans):
+            start = part * width + self.world.rank * per_step
+            mine += chosen[start : start + per_step]
+            first = start * self.objective.num_generations
+            places += range(first, first + per_step * self.objective.num_generations)
+        return mine, places
+
+    def generate(
+        self, indices: Sequence[int], generation: int, step: int, places: Sequence[int] | None = None
+    ) -> Generation:
+        """This process's completions of the prompts at ``indices`` (each ``num_generations`` times), scored;
+        ``places``: each completion's among the generation's (``share``; None: this process's block, in
+        order)."""
         o = self.objective
         rows = [self.data.rows[i] for i in indices for _ in range(o.num_generations)]
-        first = self.world.rank * len(rows)  # this process's first completion of the generation's
+        if places is None:
+            places = range(self.world.rank * len(rows), (self.world.rank + 1) * len(rows))
         # each completion its own generator: the same completions on any number of processes
-        seeds = [generation_seed(self.recipe.training.seed, generation, first + r) for r in range(len(rows))]
+        seeds = [generation_seed(self.recipe.training.seed, generation, place) for place in places]
         prompt_ids, completion_ids, prompts, completions, truncated = self.sample(rows, seeds)
         extra_metrics: dict[str, list[float]] = {}
         logged: dict[str, list[Any]] = {}
@@ -475,7 +559,7 @@ class Rollouts:
         that step trains the generation in progress again, its number and micro-batches (their tokens,
         advantages and the old policy's log-probabilities)."""
         out: dict[str, Any] = {"tokens_seen": self.tokens_seen}
-        if next_step % self.objective.num_iterations and self.current is not None:
+        if next_step % (self.spans * self.objective.num_iterations) and self.current is not None:
             generation, micro = self.current
             out["generation"] = generation
             out["micro"] = [{k: v for k, v in mb.items() if k in KEPT} for mb in micro]
@@ -538,4 +622,5 @@ __all__ = [
     "generation_seed",
     "prompt_order",
     "reward_function",
+    "steps_a_generation",
 ]

@@ -631,9 +631,11 @@ class ServedSampler:
         deltas, compared, tokens = [], 0, 0
         for mb in micro:
             served = mb.pop(SERVED_KEY, None)
-            if served is None or "logps" not in mb:
+            # the step's own figures, or (a generation that feeds several steps) the sampling policy's
+            logps = mb.get("logps", mb.get("old_logps"))
+            if served is None or logps is None:
                 continue
-            logps, labels = mb["logps"], mb["labels"]
+            labels = mb["labels"]
             for row, (prompt_length, values) in enumerate(served):
                 scored = labels[row, prompt_length:] != IGNORE_INDEX
                 tokens += int(scored.sum())
