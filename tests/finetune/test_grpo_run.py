@@ -435,9 +435,10 @@ def test_a_reward_model_is_named_by_the_estimate_and_a_wrong_one_refused(cat_mod
     result = CliRunner().invoke(app, ["train", str(path)])  # no tokenizer beside it
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "is neither module:function nor a reward model" in " ".join(result.output.split()), result.output
-    bad = _recipe(tmp_path, write_recipe, model_dir, {"reward_funcs": ["no_such_thing"]}, {"max_steps": 1})
-    result = CliRunner().invoke(app, ["train", str(bad)])
-    assert result.exit_code == 2 and "or a reward model" in " ".join(result.output.split()), result.output
+    for name in ("no_such_thing", str(tmp_path)):  # (a directory without a model's config.json)
+        bad = _recipe(tmp_path, write_recipe, model_dir, {"reward_funcs": [name]}, {"max_steps": 1})
+        result = CliRunner().invoke(app, ["train", str(bad)])
+        assert result.exit_code == 2 and "or a reward model" in " ".join(result.output.split()), result.output
 
 
 def test_a_generation_that_feeds_two_steps_is_priced_for_its_sequences_and_passes(

@@ -385,7 +385,11 @@ class Recipe:
         completions = t.per_device_train_batch_size * t.gradient_accumulation_steps
         return [
             (
-                bool(funcs) and all(":" in f or Path(f).expanduser().is_dir() or is_hub_id(f) for f in funcs),
+                bool(funcs)
+                and all(
+                    ":" in f or (Path(f).expanduser() / "config.json").is_file() or is_hub_id(f)
+                    for f in funcs
+                ),
                 "objective.reward_funcs",
                 "must name one or more reward functions as module:function (e.g. rewards:accuracy, imported with "
                 "the directory tiertune runs in on the Python path), path/to/rewards.py:function, or a reward "
