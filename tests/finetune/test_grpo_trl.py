@@ -285,20 +285,23 @@ def test_grpo_steps_equal_trls(
 
 
 EVAL_CASES = [
-    # (method, loss_type, beta): the reference, with beta, the base without its adapters or the initial weights
-    ("lora", "dapo", 0.0),
-    ("lora", "grpo", 0.04),
-    ("full", "dr_grpo", 0.04),
+    # (method, loss_type, beta, other settings): the reference, with beta, the base without its adapters or the
+    # initial weights
+    ("lora", "dapo", 0.0, {}),
+    ("lora", "grpo", 0.04, {}),
+    ("full", "dr_grpo", 0.04, {}),
+    ("lora", "bnpo", 0.0, {"top_entropy_quantile": 0.4}),  # the set's highest-entropy tokens, as TRL's batch
 ]
 
 
-@pytest.mark.parametrize(("method", "loss_type", "beta"), EVAL_CASES)
-def test_grpo_evaluations_equal_trls(model_dir, tmp_path, write_recipe, monkeypatch, method, loss_type, beta):
+@pytest.mark.parametrize(("method", "loss_type", "beta", "extra"), EVAL_CASES)
+def test_grpo_evaluations_equal_trls(
+    model_dir, tmp_path, write_recipe, monkeypatch, method, loss_type, beta, extra
+):
     """Before the first step, after the second and the last, the held-out prompts' completions (3 of each) score
-    as TRL's
-    ``evaluate`` scores them on the same weights: the loss at the ratio 1, the rewards, the KL to the
+    as TRL's ``evaluate`` scores them on the same weights: the loss at the ratio 1, the rewards, the KL to the
     reference."""
-    objective = {"loss_type": loss_type, "beta": beta, "num_iterations": 1, "temperature": 0.8}
+    objective = {"loss_type": loss_type, "beta": beta, "num_iterations": 1, "temperature": 0.8, **extra}
     lora = method == "lora"
     lr = 2e-2 if lora else 3e-3
     ours, made, rewards, evaluations = _ours(
