@@ -4,8 +4,9 @@ where the architecture allows (the [tokens x vocab] logits never exist)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,8 @@ from tiertune.kernels.ops.linear_ce import (
     token_cross_entropy_and_entropy,
 )
 from tiertune.structure import text_decoder
+
+T = TypeVar("T")
 
 log = logging.getLogger("tiertune.engine")
 
@@ -101,15 +104,7 @@ class CausalLMLoss:
         """Each target token's cross-entropy ([rows, length - 1], 0 where ``target`` is ``IGNORE_INDEX``), without
         autograd and, fused, without the whole logits."""
         if self._fused_now:
-            h, bias = self._tempered(ids, extra)
-            out = token_cross_entropy(
-                h,
-                self.model.get_output_embeddings().weight,
-                target.reshape(-1),
-                bias,
-                IGNORE_INDEX,
-                softcap=self._softcap,
-            )
+            out = self._fused_figures(token_cross_entropy, ids, extra, target)
         else:
             out = F.cross_entropy(
                 self._logits(ids, extra) / self.temperature,
@@ -126,15 +121,7 @@ class CausalLMLoss:
         """``token_losses`` and, from the same logits, each target token's entropy of the (tempered) softmax
         ([rows, length - 1] each, 0 where ``target`` is ``IGNORE_INDEX``): GRPO's ``entropy``."""
         if self._fused_now:
-            h, bias = self._tempered(ids, extra)
-            losses, entropies = token_cross_entropy_and_entropy(
-                h,
-                self.model.get_output_embeddings().weight,
-                target.reshape(-1),
-                bias,
-                IGNORE_INDEX,
-                softcap=self._softcap,
-            )
+            losses, entropies = self._fused_figures(token_cross_entropy_and_entropy, ids, extra, target)
         else:
             logp = torch.log_softmax(self._logits(ids, extra).float() / self.temperature, dim=-1)
             flat = target.reshape(-1)
@@ -142,6 +129,15 @@ class CausalLMLoss:
             losses = -logp.gather(1, flat.clamp_min(0).unsqueeze(1)).squeeze(1) * valid
             entropies = -(logp.exp() * logp).sum(-1) * valid
         return losses.view(target.shape), entropies.view(target.shape)
+
+    def _fused_figures(
+        self, figures: Callable[..., T], ids: torch.Tensor, extra: dict, target: torch.Tensor
+    ) -> T:
+        """``figures`` (``token_cross_entropy``, or with the entropies) of the head over the tempered hidden
+        states, a chunk of logits at a time."""
+        h, bias = self._tempered(ids, extra)
+        weight = self.model.get_output_embeddings().weight
+        return figures(h, weight, target.reshape(-1), bias, IGNORE_INDEX, softcap=self._softcap)
 
     @torch.no_grad()
     def teacher_topk(

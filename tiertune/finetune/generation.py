@@ -158,9 +158,7 @@ def evaluate_source(
     found = source_of(source, tuple(overrides))
     recipe = copy.deepcopy(found.recipe)
     fmt = fmt or recipe.data.format
-    if (
-        fmt == "prompt" and recipe.objective.rollouts
-    ):  # a GRPO run's: its held-out prompts sampled and rewarded
+    if fmt == "prompt" and recipe.objective.rollouts:  # a GRPO run's prompts: sampled and rewarded
         return _evaluate_prompts(found, recipe, source, data_path, safe_point)
     if fmt not in EVAL_FORMATS:
         raise ConfigError(

@@ -286,7 +286,6 @@ class Rollouts:
         o, t = self.objective, self.recipe.training
         order = prompt_order(len(self.data), self.recipe.data.shuffle, t.seed)
         span = self.spans * o.num_iterations  # the steps a generation trains
-        accumulated = t.gradient_accumulation_steps
         generation = first // span
         per_generation = self.prompts * self.world.size
         for _ in range(generation * per_generation):  # the prompts the generations before took
@@ -305,26 +304,29 @@ class Rollouts:
             else:
                 batch = self.generate(mine, generation, step, places)
                 micro = self.micro_batches(batch)
-                for mb in micro[accumulated:]:  # a served policy is checked by the step it sampled for
-                    mb.pop(SERVED_KEY, None)
+                # a served policy is checked by the step it sampled for
+                for later in self.step_groups(micro)[1:]:
+                    for mb in later:
+                        mb.pop(SERVED_KEY, None)
                 if self.spans > 1:  # the later steps train a moved policy: the sampling one's figures
                     batch.metrics["old_logps_seconds"] = self.old_policy(micro)
                     # dapo's and cispo's normaliser: the generation's completion tokens over the processes, a
                     # step's share of them (TRL's), not the step's own
-                    mine = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro)
-                    every = float(self._gathered(torch.tensor([float(mine)])).sum())
+                    tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro)
+                    every = float(self._gathered(torch.tensor([float(tokens)])).sum())
                     for mb in micro:
                         mb["items"] = every / self.spans
                 if self.reference is not None:  # scored once: the reference and the completions stay
                     spent = self.reference.seconds
-                    for at in range(0, len(micro), accumulated):  # a step's micro-batches a pass
-                        self.reference.score(micro[at : at + accumulated])
+                    for group in self.step_groups(micro):  # a step's micro-batches a pass
+                        self.reference.score(group)
                     batch.metrics["reference_seconds"] = round(self.reference.seconds - spent, 4)
                 micro[0][METRICS_KEY] = batch.metrics
             self.current = (generation, micro)
+            groups = self.step_groups(micro)
             for at in range(step % span, span):
                 iteration, part = divmod(at, self.spans)
-                step_micro = micro[part * accumulated : (part + 1) * accumulated]
+                step_micro = groups[part]
                 if iteration:  # the policy that sampled them: what its first step found
                     for mb in step_micro:
                         # (a run resumed inside the generation sampled it again: its first step is this one)
@@ -342,13 +344,17 @@ class Rollouts:
         from tiertune.engine.grpo import token_logps_head
 
         began = time.perf_counter()
-        accumulated = self.recipe.training.gradient_accumulation_steps
         head = token_logps_head(self.objective.temperature)
-        for at in range(0, len(micro), accumulated):
-            group = micro[at : at + accumulated]
+        for group in self.step_groups(micro):
             for mb, logps in zip(group, self.trainer.sequence_logps(group, head), strict=True):
                 mb["old_logps"] = logps
         return round(time.perf_counter() - began, 4)
+
+    def step_groups(self, micro: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        """``micro`` in groups of a step's micro-batches (``gradient_accumulation_steps``; the last may hold
+        fewer): what a step trains, and what a pass of the layers without autograd takes."""
+        accumulated = self.recipe.training.gradient_accumulation_steps
+        return [micro[at : at + accumulated] for at in range(0, len(micro), accumulated)]
 
     def share(self, chosen: Sequence[int]) -> tuple[list[int], list[int]]:
         """This process's prompts of a generation's (``chosen``, in order) and the place of each of its

@@ -112,14 +112,10 @@ def evaluate_rollouts(rollouts: Rollouts, data: Any, step: int) -> dict[str, flo
 
 def _loss(rollouts: Rollouts, batch: Generation) -> tuple[float, dict[str, float]]:
     """GRPO's loss of the set's completions as one batch at the ratio 1 (the module docstring), and its metrics
-    (``kl`` with ``beta``, the clip ratios)."""
-    o, t = rollouts.objective, rollouts.recipe.training
-    trainer = rollouts.trainer
+    (``kl`` with ``beta``, the loss type's, ``entropy``)."""
+    o, trainer = rollouts.objective, rollouts.trainer
     micro = rollouts.micro_batches(batch)
-    passes = [
-        micro[i : i + t.gradient_accumulation_steps]
-        for i in range(0, len(micro), t.gradient_accumulation_steps)
-    ]
+    passes = rollouts.step_groups(micro)
     scored = [
         pair
         for group in passes

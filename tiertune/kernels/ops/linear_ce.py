@@ -281,12 +281,7 @@ def token_cross_entropy(
     ``ignore_index``), without autograd and without the whole logits: a chunk's at a time, as
     ``linear_cross_entropy`` computes them (its loss is these summed). A preference objective's sequence
     log-probabilities are these negated, summed per sequence (``engine.objective``)."""
-    out = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
-    for start, logits in _logit_chunks(x, weight, bias, chunk_tokens, softcap):
-        ts = target[start : start + len(logits)]
-        picked = logits.gather(1, ts.clamp_min(0).unsqueeze(1)).squeeze(1)
-        out[start : start + len(logits)] = (torch.logsumexp(logits, dim=-1) - picked) * (ts != ignore_index)
-    return out
+    return _token_figures(x, weight, target, bias, ignore_index, chunk_tokens, softcap, entropy=False)[0]
 
 
 @torch.no_grad()
@@ -304,8 +299,27 @@ def token_cross_entropy_and_entropy(
     half the tokens ``token_cross_entropy``'s does (its probabilities beside its logits)."""
     if chunk_tokens is None:
         chunk_tokens = max(1, default_chunk_tokens(weight.shape[0], mixed_matmul(x, weight)) // 2)
+    losses, entropies = _token_figures(
+        x, weight, target, bias, ignore_index, chunk_tokens, softcap, entropy=True
+    )
+    assert entropies is not None
+    return losses, entropies
+
+
+def _token_figures(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    chunk_tokens: int | None,
+    softcap: float | None,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each token's cross-entropy (0 where the target is ``ignore_index``) and, with ``entropy``, its entropy,
+    a chunk of logits at a time (``_logit_chunks``)."""
     losses = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
-    entropies = torch.zeros_like(losses)
+    entropies = torch.zeros_like(losses) if entropy else None
     for start, logits in _logit_chunks(x, weight, bias, chunk_tokens, softcap):
         end = start + len(logits)
         ts = target[start:end]
@@ -313,8 +327,9 @@ def token_cross_entropy_and_entropy(
         lse = torch.logsumexp(logits, dim=-1)
         picked = logits.gather(1, ts.clamp_min(0).unsqueeze(1)).squeeze(1)
         losses[start:end] = (lse - picked) * valid
-        logp = logits.sub_(lse.unsqueeze(1))  # (in place: the chunk's logits are done with)
-        entropies[start:end] = -logp.exp().mul_(logp).sum(-1) * valid
+        if entropies is not None:
+            logp = logits.sub_(lse.unsqueeze(1))  # (in place: the chunk's logits are done with)
+            entropies[start:end] = -logp.exp().mul_(logp).sum(-1) * valid
     return losses, entropies
 
 
