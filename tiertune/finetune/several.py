@@ -248,7 +248,7 @@ def _train(
                 a.eval_passes = eval_batches(a.loaded.eval_data, a.recipe, a.loaded.pad_id)
             a.early = EarlyStopping.of(a.recipe, a.history)  # a resumed adapter counts from its log
             if a.recipe.training.load_best_model_at_end:
-                a.kept = best_checkpoint(a.history, out)
+                a.kept = best_checkpoint(a.history, out, *a.recipe.best_metric)
             if world.is_main:
                 write_text_atomically(out / RECIPE_FILE, a.recipe.to_yaml())
                 write_text_atomically(out / LAUNCH_FILE, launch_record(world, rows))
@@ -287,7 +287,7 @@ def _train(
                 continue
             res = a.result
             best = (
-                best_checkpoint(a.history, res.output_dir)
+                best_checkpoint(a.history, res.output_dir, *a.recipe.best_metric)
                 if a.recipe.training.load_best_model_at_end
                 else None
             )
@@ -355,13 +355,16 @@ def _record(
         with open(res.output_dir / LOG_NAME, "a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in logged))
     held_out = None
-    if due(
-        a.recipe, res.steps, a.loaded.per_epoch, a.loaded.steps
-    ):  # a pass of the base with its adapter alone
+    # a pass of the base with its adapter alone
+    if due(a.recipe, res.steps, a.loaded.per_epoch, a.loaded.steps):
         held_out = _evaluate(trainer, a, {"epoch": record["epoch"], "step": res.steps}, world)
         last = last or res.stopped_early is not None
     saving = t.save_steps > 0 and (res.steps % t.save_steps == 0 or last)
-    better = held_out is not None and (a.kept is None or held_out < a.kept[1])
+    better = (  # by the adapter's metric_for_best_model and greater_is_better, as a run of one
+        held_out is not None
+        and a.early is not None
+        and a.early.better(held_out, a.kept[1] if a.kept is not None else None)
+    )
     if saving and better and t.load_best_model_at_end:
         a.kept = (res.output_dir / f"{PREFIX}{res.steps}", held_out)  # save_total_limit keeps it
     if world.is_main and saving:
